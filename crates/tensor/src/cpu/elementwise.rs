@@ -1,0 +1,343 @@
+//! Elementwise CPU kernels: unary, binary with broadcasting, where, cast, copy, in-place
+//! updates. Contiguous inputs take a flat loop the compiler vectorises; others walk runs.
+
+use super::strided::Strided;
+use super::{par_chunks, pool};
+use crate::op::{BinaryOp, Float, UnaryOp};
+use crate::shape::Layout;
+use crate::Element;
+use rayon::prelude::*;
+
+/// `out[i] = f(src[i])` over a (possibly strided) layout.
+pub fn map1<T: Element, U: Element>(src: &[T], l: &Layout, f: impl Fn(T) -> U + Sync) -> Vec<U> {
+    let n = l.numel();
+    let mut out = pool::take::<U>(n);
+    if l.is_contiguous() {
+        let s = &src[l.offset..l.offset + n];
+        par_chunks(&mut out, |start, chunk| {
+            let end = start + chunk.len();
+            for (o, &x) in chunk.iter_mut().zip(&s[start..end]) {
+                *o = f(x);
+            }
+        });
+    } else {
+        let it = Strided::new(&l.shape, [&l.strides], [l.offset]);
+        let [st] = it.inner_strides();
+        par_chunks(&mut out, |start, chunk| {
+            it.runs(start, start + chunk.len(), |pos, [o], len| {
+                let dst = &mut chunk[pos - start..pos - start + len];
+                if st == 1 {
+                    for (d, &x) in dst.iter_mut().zip(&src[o..o + len]) {
+                        *d = f(x);
+                    }
+                } else {
+                    for (j, d) in dst.iter_mut().enumerate() {
+                        *d = f(src[o + j * st]);
+                    }
+                }
+            });
+        });
+    }
+    out
+}
+
+/// `out[i] = f(a[i], b[i])` with `a` and `b` broadcast to `shape`.
+pub fn map2<T: Element, U: Element>(a: &[T], la: &Layout, b: &[T], lb: &Layout, shape: &[usize], f: impl Fn(T, T) -> U + Sync) -> Vec<U> {
+    let n: usize = shape.iter().product();
+    let mut out = pool::take::<U>(n);
+    if la.is_contiguous() && lb.is_contiguous() && la.shape == shape && lb.shape == shape {
+        let (a, b) = (&a[la.offset..la.offset + n], &b[lb.offset..lb.offset + n]);
+        par_chunks(&mut out, |s, chunk| {
+            let e = s + chunk.len();
+            for ((o, &x), &y) in chunk.iter_mut().zip(&a[s..e]).zip(&b[s..e]) {
+                *o = f(x, y);
+            }
+        });
+        return out;
+    }
+    let (sa, sb) = (la.broadcast_strides(shape), lb.broadcast_strides(shape));
+    let it = Strided::new(shape, [&sa, &sb], [la.offset, lb.offset]);
+    let [ia, ib] = it.inner_strides();
+    par_chunks(&mut out, |start, chunk| {
+        it.runs(start, start + chunk.len(), |pos, [oa, ob], len| {
+            let dst = &mut chunk[pos - start..pos - start + len];
+            match (ia, ib) {
+                (1, 1) => {
+                    for ((d, &x), &y) in dst.iter_mut().zip(&a[oa..oa + len]).zip(&b[ob..ob + len]) {
+                        *d = f(x, y);
+                    }
+                }
+                (1, 0) => {
+                    let y = b[ob];
+                    for (d, &x) in dst.iter_mut().zip(&a[oa..oa + len]) {
+                        *d = f(x, y);
+                    }
+                }
+                (0, 1) => {
+                    let x = a[oa];
+                    for (d, &y) in dst.iter_mut().zip(&b[ob..ob + len]) {
+                        *d = f(x, y);
+                    }
+                }
+                _ => {
+                    for (j, d) in dst.iter_mut().enumerate() {
+                        *d = f(a[oa + j * ia], b[ob + j * ib]);
+                    }
+                }
+            }
+        });
+    });
+    out
+}
+
+/// `out[i] = f(c[i], a[i], b[i])` with all three broadcast to `shape` (for `where`).
+pub fn map3<C: Element, T: Element>(c: &[C], lc: &Layout, a: &[T], la: &Layout, b: &[T], lb: &Layout, shape: &[usize], f: impl Fn(C, T, T) -> T + Sync) -> Vec<T> {
+    let n: usize = shape.iter().product();
+    let mut out = pool::take::<T>(n);
+    let (sc, sa, sb) = (lc.broadcast_strides(shape), la.broadcast_strides(shape), lb.broadcast_strides(shape));
+    let it = Strided::new(shape, [&sc, &sa, &sb], [lc.offset, la.offset, lb.offset]);
+    let [ic, ia, ib] = it.inner_strides();
+    par_chunks(&mut out, |start, chunk| {
+        it.runs(start, start + chunk.len(), |pos, [oc, oa, ob], len| {
+            for (j, d) in chunk[pos - start..pos - start + len].iter_mut().enumerate() {
+                *d = f(c[oc + j * ic], a[oa + j * ia], b[ob + j * ib]);
+            }
+        });
+    });
+    out
+}
+
+/// `dst = f(dst, src)` in place, `src` broadcast to dst's shape.
+pub fn update<T: Element>(dst: &mut [T], ld: &Layout, src: &[T], ls: &Layout, f: impl Fn(T, T) -> T + Sync) {
+    let n = ld.numel();
+    let ss = ls.broadcast_strides(&ld.shape);
+    if ld.is_contiguous() {
+        let d = &mut dst[ld.offset..ld.offset + n];
+        if ls.is_contiguous() && ls.shape == ld.shape {
+            let s = &src[ls.offset..ls.offset + n];
+            par_chunks(d, |start, chunk| {
+                let end = start + chunk.len();
+                for (o, &y) in chunk.iter_mut().zip(&s[start..end]) {
+                    *o = f(*o, y);
+                }
+            });
+            return;
+        }
+        let it = Strided::new(&ld.shape, [&ss], [ls.offset]);
+        let [is] = it.inner_strides();
+        par_chunks(d, |start, chunk| {
+            it.runs(start, start + chunk.len(), |pos, [os], len| {
+                for (j, o) in chunk[pos - start..pos - start + len].iter_mut().enumerate() {
+                    *o = f(*o, src[os + j * is]);
+                }
+            });
+        });
+    } else {
+        let it = Strided::new(&ld.shape, [&ld.strides, &ss], [ld.offset, ls.offset]);
+        let [id, is] = it.inner_strides();
+        it.runs(0, n, |_, [od, os], len| {
+            for j in 0..len {
+                let p = od + j * id;
+                dst[p] = f(dst[p], src[os + j * is]);
+            }
+        });
+    }
+}
+
+/// `dst = f(dst)` in place.
+pub fn update_scalar<T: Element>(dst: &mut [T], ld: &Layout, f: impl Fn(T) -> T + Sync) {
+    let n = ld.numel();
+    if ld.is_contiguous() {
+        par_chunks(&mut dst[ld.offset..ld.offset + n], |_, chunk| {
+            for o in chunk.iter_mut() {
+                *o = f(*o);
+            }
+        });
+    } else {
+        let it = Strided::new(&ld.shape, [&ld.strides], [ld.offset]);
+        let [id] = it.inner_strides();
+        it.runs(0, n, |_, [od], len| {
+            for j in 0..len {
+                dst[od + j * id] = f(dst[od + j * id]);
+            }
+        });
+    }
+}
+
+/// Expands `$body` once per variant with `$c` a constant, so the op's `match` folds away
+/// inside the monomorphised loop.
+macro_rules! per_unary {
+    ($op:expr, $c:ident => $body:expr) => {{
+        use crate::op::UnaryOp as U;
+        match $op {
+            U::Neg => { const $c: U = U::Neg; $body }
+            U::Abs => { const $c: U = U::Abs; $body }
+            U::Exp => { const $c: U = U::Exp; $body }
+            U::Log => { const $c: U = U::Log; $body }
+            U::Sqrt => { const $c: U = U::Sqrt; $body }
+            U::Rsqrt => { const $c: U = U::Rsqrt; $body }
+            U::Recip => { const $c: U = U::Recip; $body }
+            U::Sin => { const $c: U = U::Sin; $body }
+            U::Cos => { const $c: U = U::Cos; $body }
+            U::Tanh => { const $c: U = U::Tanh; $body }
+            U::Sigmoid => { const $c: U = U::Sigmoid; $body }
+            U::Relu => { const $c: U = U::Relu; $body }
+            U::Gelu => { const $c: U = U::Gelu; $body }
+            U::GeluTanh => { const $c: U = U::GeluTanh; $body }
+            U::Silu => { const $c: U = U::Silu; $body }
+            U::Erf => { const $c: U = U::Erf; $body }
+            U::Square => { const $c: U = U::Square; $body }
+            U::Sign => { const $c: U = U::Sign; $body }
+            U::Step => { const $c: U = U::Step; $body }
+            U::GeluGrad => { const $c: U = U::GeluGrad; $body }
+            U::GeluTanhGrad => { const $c: U = U::GeluTanhGrad; $body }
+            U::SiluGrad => { const $c: U = U::SiluGrad; $body }
+        }
+    }};
+}
+
+macro_rules! per_binary {
+    ($op:expr, $c:ident => $body:expr) => {{
+        use crate::op::BinaryOp as B;
+        match $op {
+            B::Add => { const $c: B = B::Add; $body }
+            B::Sub => { const $c: B = B::Sub; $body }
+            B::Mul => { const $c: B = B::Mul; $body }
+            B::Div => { const $c: B = B::Div; $body }
+            B::Pow => { const $c: B = B::Pow; $body }
+            B::Maximum => { const $c: B = B::Maximum; $body }
+            B::Minimum => { const $c: B = B::Minimum; $body }
+            B::Eq => { const $c: B = B::Eq; $body }
+            B::Ne => { const $c: B = B::Ne; $body }
+            B::Lt => { const $c: B = B::Lt; $body }
+            B::Le => { const $c: B = B::Le; $body }
+            B::Gt => { const $c: B = B::Gt; $body }
+            B::Ge => { const $c: B = B::Ge; $body }
+        }
+    }};
+}
+pub(crate) use per_binary;
+
+/// How a storage type computes: f32/f64 natively, f16/bf16 through f32.
+pub trait Compute: Element {
+    type F: Float;
+    fn up(self) -> Self::F;
+    fn down(v: Self::F) -> Self;
+}
+impl Compute for f32 {
+    type F = f32;
+    #[inline(always)]
+    fn up(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn down(v: f32) -> f32 {
+        v
+    }
+}
+impl Compute for f64 {
+    type F = f64;
+    #[inline(always)]
+    fn up(self) -> f64 {
+        self
+    }
+    #[inline(always)]
+    fn down(v: f64) -> f64 {
+        v
+    }
+}
+impl Compute for half::f16 {
+    type F = f32;
+    #[inline(always)]
+    fn up(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline(always)]
+    fn down(v: f32) -> Self {
+        half::f16::from_f32(v)
+    }
+}
+impl Compute for half::bf16 {
+    type F = f32;
+    #[inline(always)]
+    fn up(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline(always)]
+    fn down(v: f32) -> Self {
+        half::bf16::from_f32(v)
+    }
+}
+
+pub fn unary<T: Compute>(op: UnaryOp, src: &[T], l: &Layout) -> Vec<T> {
+    per_unary!(op, OP => map1(src, l, |x: T| T::down(OP.eval(x.up()))))
+}
+
+pub fn unary_int(op: UnaryOp, src: &[i64], l: &Layout) -> Vec<i64> {
+    map1(src, l, |x: i64| match op {
+        UnaryOp::Neg => x.wrapping_neg(),
+        UnaryOp::Abs => x.wrapping_abs(),
+        UnaryOp::Square => x.wrapping_mul(x),
+        UnaryOp::Sign => x.signum(),
+        _ => x.max(0), // relu; the shape rule admits no other op for I64
+    })
+}
+
+/// Floats: arithmetic keeps T, comparisons give u8 masks.
+pub fn binary<T: Compute>(op: BinaryOp, a: &[T], la: &Layout, b: &[T], lb: &Layout, shape: &[usize]) -> super::Out<T> {
+    if op.is_comparison() {
+        super::Out::Mask(per_binary!(op, OP => map2(a, la, b, lb, shape, |x: T, y: T| (OP.eval(x.up(), y.up()) != T::F::c(0.0)) as u8)))
+    } else {
+        super::Out::Same(per_binary!(op, OP => map2(a, la, b, lb, shape, |x: T, y: T| T::down(OP.eval(x.up(), y.up())))))
+    }
+}
+
+/// Integers (I64, U8) compute in i64.
+pub fn binary_int<T: Element>(op: BinaryOp, a: &[T], la: &Layout, b: &[T], lb: &Layout, shape: &[usize]) -> super::Out<T> {
+    let f = |x: T, y: T| op.eval_int(x.to_f64() as i64, y.to_f64() as i64);
+    if op.is_comparison() {
+        super::Out::Mask(map2(a, la, b, lb, shape, |x, y| f(x, y) as u8))
+    } else {
+        super::Out::Same(map2(a, la, b, lb, shape, |x, y| T::from_f64(f(x, y) as f64)))
+    }
+}
+
+/// `x op s` or `s op x` for a scalar `s`.
+pub fn scalar<T: Compute>(op: BinaryOp, s: f64, lhs: bool, src: &[T], l: &Layout) -> super::Out<T> {
+    let s = T::F::c(s);
+    if op.is_comparison() {
+        let f = move |x: T| if lhs { op.eval(s, x.up()) } else { op.eval(x.up(), s) };
+        return super::Out::Mask(map1(src, l, |x: T| (f(x) != T::F::c(0.0)) as u8));
+    }
+    super::Out::Same(per_binary!(op, OP => {
+        if lhs {
+            map1(src, l, |x: T| T::down(OP.eval(s, x.up())))
+        } else {
+            map1(src, l, |x: T| T::down(OP.eval(x.up(), s)))
+        }
+    }))
+}
+
+pub fn scalar_int<T: Element>(op: BinaryOp, s: f64, lhs: bool, src: &[T], l: &Layout) -> super::Out<T> {
+    let s = s as i64;
+    let f = move |x: T| {
+        let x = x.to_f64() as i64;
+        if lhs {
+            op.eval_int(s, x)
+        } else {
+            op.eval_int(x, s)
+        }
+    };
+    if op.is_comparison() {
+        super::Out::Mask(map1(src, l, |x| f(x) as u8))
+    } else {
+        super::Out::Same(map1(src, l, |x| T::from_f64(f(x) as f64)))
+    }
+}
+
+/// Fill a fresh buffer with one value.
+pub fn full<T: Element>(n: usize, v: T) -> Vec<T> {
+    let mut out = pool::take::<T>(n);
+    out.par_iter_mut().with_min_len(1 << 16).for_each(|o| *o = v);
+    out
+}

@@ -1,0 +1,124 @@
+//! Indexing kernels on row-major data viewed as `[outer, dim, inner]`: index_select,
+//! index_add, gather, scatter_add, cat. Every index is checked; a bad one is an error.
+
+use super::pool;
+use crate::{Element, Error, Result};
+use rayon::prelude::*;
+
+/// `[outer, size_of_dim, inner]` for a dim of a shape.
+fn split3(shape: &[usize], dim: usize) -> (usize, usize, usize) {
+    (shape[..dim].iter().product(), shape[dim], shape[dim + 1..].iter().product())
+}
+
+fn check(op: &'static str, i: i64, dim: usize, size: usize) -> Result<usize> {
+    if i < 0 || i as usize >= size {
+        return Err(Error::Index { op, index: i, dim, size });
+    }
+    Ok(i as usize)
+}
+
+/// `src` row-major with `shape`; `index` 1-D.
+pub fn index_select<T: Element>(src: &[T], shape: &[usize], dim: usize, index: &[i64]) -> Result<Vec<T>> {
+    let (outer, size, inner) = split3(shape, dim);
+    let idx: Vec<usize> = index.iter().map(|&i| check("index_select", i, dim, size)).collect::<Result<_>>()?;
+    let mut out = pool::take::<T>(outer * idx.len() * inner);
+    if inner == 0 || idx.is_empty() {
+        return Ok(out);
+    }
+    out.par_chunks_mut(inner).with_min_len(64).enumerate().for_each(|(r, row)| {
+        let (o, j) = (r / idx.len(), r % idx.len());
+        let s = (o * size + idx[j]) * inner;
+        row.copy_from_slice(&src[s..s + inner]);
+    });
+    Ok(out)
+}
+
+/// `base[.., index[j], ..] += src[.., j, ..]`, in place on `base` (row-major).
+pub fn index_add<T: Element>(base: &mut [T], shape: &[usize], dim: usize, index: &[i64], src: &[T]) -> Result<()> {
+    let (outer, size, inner) = split3(shape, dim);
+    let idx: Vec<usize> = index.iter().map(|&i| check("index_add", i, dim, size)).collect::<Result<_>>()?;
+    for o in 0..outer {
+        for (j, &t) in idx.iter().enumerate() {
+            let d = (o * size + t) * inner;
+            let s = (o * idx.len() + j) * inner;
+            for (x, &y) in base[d..d + inner].iter_mut().zip(&src[s..s + inner]) {
+                *x = T::from_f64(x.to_f64() + y.to_f64());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Visits every element of `idx_shape` as `(position, outer, j, inner)` along `dim`.
+fn each_index(idx_shape: &[usize], dim: usize, mut f: impl FnMut(usize, usize, usize, usize) -> Result<()>) -> Result<()> {
+    let (outer, size, inner) = split3(idx_shape, dim);
+    let mut p = 0;
+    for o in 0..outer {
+        for j in 0..size {
+            for i in 0..inner {
+                f(p, o, j, i)?;
+                p += 1;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Position of `(o, i)` of an index shape inside a tensor of `shape` whose outer and inner
+/// extents may be larger (index shapes may be smaller than the input outside `dim`).
+fn remap(idx_shape: &[usize], shape: &[usize], dim: usize, o: usize, t: usize, i: usize) -> usize {
+    // Decompose o and i over the index shape, recompose over the tensor's shape.
+    let mut off = 0;
+    let mut stride = 1;
+    let mut rem_i = i;
+    for d in (dim + 1..shape.len()).rev() {
+        off += (rem_i % idx_shape[d]) * stride;
+        rem_i /= idx_shape[d];
+        stride *= shape[d];
+    }
+    off += t * stride;
+    stride *= shape[dim];
+    let mut rem_o = o;
+    for d in (0..dim).rev() {
+        off += (rem_o % idx_shape[d]) * stride;
+        rem_o /= idx_shape[d];
+        stride *= shape[d];
+    }
+    off
+}
+
+pub fn gather<T: Element>(src: &[T], shape: &[usize], dim: usize, index: &[i64], idx_shape: &[usize]) -> Result<Vec<T>> {
+    let mut out = pool::take::<T>(index.len());
+    each_index(idx_shape, dim, |p, o, _, i| {
+        let t = check("gather", index[p], dim, shape[dim])?;
+        out[p] = src[remap(idx_shape, shape, dim, o, t, i)];
+        Ok(())
+    })?;
+    Ok(out)
+}
+
+/// In place on `base` (row-major `shape`).
+pub fn scatter_add<T: Element>(base: &mut [T], shape: &[usize], dim: usize, index: &[i64], idx_shape: &[usize], src: &[T]) -> Result<()> {
+    each_index(idx_shape, dim, |p, o, _, i| {
+        let t = check("scatter_add", index[p], dim, shape[dim])?;
+        let d = remap(idx_shape, shape, dim, o, t, i);
+        base[d] = T::from_f64(base[d].to_f64() + src[p].to_f64());
+        Ok(())
+    })
+}
+
+/// Concatenate row-major parts along `dim`.
+pub fn cat<T: Element>(parts: &[(&[T], &[usize])], dim: usize, out_shape: &[usize]) -> Vec<T> {
+    let (outer, total, inner) = split3(out_shape, dim);
+    let mut out = pool::take::<T>(outer * total * inner);
+    let mut at = 0;
+    for (data, shape) in parts {
+        let w = shape[dim] * inner;
+        for o in 0..outer {
+            let d = o * total * inner + at;
+            out[d..d + w].copy_from_slice(&data[o * w..o * w + w]);
+        }
+        at += w;
+    }
+    out
+}

@@ -1,0 +1,305 @@
+//! CPU kernels. `run` executes one primitive op on CPU storages; each op's kernel lives in the
+//! file for its kind (elementwise, reduce, matmul, index).
+
+pub mod elementwise;
+pub mod index;
+pub mod matmul;
+pub mod pool;
+pub mod reduce;
+pub mod strided;
+
+use crate::op::{Distribution, Op, OutMeta};
+use crate::shape::Layout;
+use crate::storage::{CpuSlice, CpuStorage, IntoCpuStorage};
+use crate::{with_cpu, DType, Element, Error, Result};
+use elementwise as ew;
+use half::{bf16, f16};
+use rayon::prelude::*;
+use std::borrow::Cow;
+
+/// Below this many elements a kernel stays on the calling thread.
+pub const PAR_THRESHOLD: usize = 1 << 15;
+
+/// Runs `f(start, chunk)` over chunks of `out`, in parallel when `out` is large.
+pub fn par_chunks<T: Send>(out: &mut [T], f: impl Fn(usize, &mut [T]) + Sync) {
+    let n = out.len();
+    if n < PAR_THRESHOLD {
+        f(0, out);
+        return;
+    }
+    let chunk = n.div_ceil(rayon::current_num_threads() * 4).max(PAR_THRESHOLD / 4);
+    out.par_chunks_mut(chunk).enumerate().for_each(|(i, c)| f(i * chunk, c));
+}
+
+/// A kernel's result: the input dtype, a U8 mask or I64 indices.
+pub enum Out<T> {
+    Same(Vec<T>),
+    Mask(Vec<u8>),
+    Index(Vec<i64>),
+}
+
+impl<T: Element> Out<T>
+where
+    Vec<T>: IntoCpuStorage,
+{
+    fn into_storage(self) -> CpuStorage {
+        match self {
+            Out::Same(v) => v.into_storage(),
+            Out::Mask(v) => CpuStorage::U8(v),
+            Out::Index(v) => CpuStorage::I64(v),
+        }
+    }
+}
+
+fn typed<'a, T: CpuSlice>(s: &'a CpuStorage, op: &'static str) -> Result<&'a [T]> {
+    T::slice(s).ok_or_else(|| Error::dtype(op, format!("expected {:?}, got {:?}", T::DTYPE, s.dtype())))
+}
+
+/// The data of a layout in row-major order: borrowed if already contiguous.
+fn contig<'a, T: Element>(s: &'a [T], l: &Layout) -> Cow<'a, [T]> {
+    if l.is_contiguous() {
+        Cow::Borrowed(&s[l.offset..l.offset + l.numel()])
+    } else {
+        Cow::Owned(ew::map1(s, l, |x| x))
+    }
+}
+
+/// Converts every element to another dtype.
+fn cast<T: Element>(v: &[T], l: &Layout, to: DType) -> CpuStorage {
+    fn go<T: Element, U: Element>(v: &[T], l: &Layout) -> Vec<U> {
+        ew::map1(v, l, |x| U::from_f64(x.to_f64()))
+    }
+    match to {
+        DType::F32 => CpuStorage::F32(go(v, l)),
+        DType::F64 => CpuStorage::F64(go(v, l)),
+        DType::F16 => CpuStorage::F16(go(v, l)),
+        DType::BF16 => CpuStorage::BF16(go(v, l)),
+        DType::I64 => CpuStorage::I64(go(v, l)),
+        DType::U8 => CpuStorage::U8(go(v, l)),
+    }
+}
+
+/// Runs an op that makes a new tensor. `ins` are (storage, layout) per input.
+pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<CpuStorage> {
+    let name = op.name();
+    let numel: usize = meta.shape.iter().product();
+    Ok(match op {
+        Op::Full { value, dtype, .. } => match dtype {
+            DType::F32 => CpuStorage::F32(ew::full(numel, *value as f32)),
+            DType::F64 => CpuStorage::F64(ew::full(numel, *value)),
+            DType::F16 => CpuStorage::F16(ew::full(numel, f16::from_f64(*value))),
+            DType::BF16 => CpuStorage::BF16(ew::full(numel, bf16::from_f64(*value))),
+            DType::I64 => CpuStorage::I64(ew::full(numel, *value as i64)),
+            DType::U8 => CpuStorage::U8(ew::full(numel, *value as u8)),
+        },
+        Op::Arange { n, dtype } => {
+            let v: Vec<f64> = (0..*n).map(|i| i as f64).collect();
+            cast(&v, &Layout::contiguous(&[*n]), *dtype)
+        }
+        Op::Rand { dist, seed, offset, dtype, .. } => {
+            let mut v = pool::take::<f32>(numel);
+            let (seed, offset) = (*seed, *offset);
+            par_chunks(&mut v, |start, chunk| {
+                for (j, o) in chunk.iter_mut().enumerate() {
+                    let i = (start + j) as u64;
+                    *o = match dist {
+                        Distribution::Uniform => crate::rng::uniform_at(seed, offset, i),
+                        Distribution::Normal => crate::rng::normal_at(seed, offset, i),
+                    };
+                }
+            });
+            if *dtype == DType::F32 {
+                CpuStorage::F32(v)
+            } else {
+                cast(&v, &Layout::contiguous(&meta.shape), *dtype)
+            }
+        }
+        Op::Unary(u) => {
+            let (s, l) = ins[0];
+            match s {
+                CpuStorage::F32(v) => CpuStorage::F32(ew::unary(*u, v, l)),
+                CpuStorage::F64(v) => CpuStorage::F64(ew::unary(*u, v, l)),
+                CpuStorage::F16(v) => CpuStorage::F16(ew::unary(*u, v, l)),
+                CpuStorage::BF16(v) => CpuStorage::BF16(ew::unary(*u, v, l)),
+                CpuStorage::I64(v) => CpuStorage::I64(ew::unary_int(*u, v, l)),
+                CpuStorage::U8(_) => return Err(Error::dtype(name, "not defined for U8")),
+            }
+        }
+        Op::Binary(b) => {
+            let ((sa, la), (sb, lb)) = (ins[0], ins[1]);
+            let shape = &meta.shape;
+            match sa {
+                CpuStorage::F32(a) => ew::binary(*b, a, la, typed(sb, name)?, lb, shape).into_storage(),
+                CpuStorage::F64(a) => ew::binary(*b, a, la, typed(sb, name)?, lb, shape).into_storage(),
+                CpuStorage::F16(a) => ew::binary(*b, a, la, typed(sb, name)?, lb, shape).into_storage(),
+                CpuStorage::BF16(a) => ew::binary(*b, a, la, typed(sb, name)?, lb, shape).into_storage(),
+                CpuStorage::I64(a) => ew::binary_int(*b, a, la, typed(sb, name)?, lb, shape).into_storage(),
+                CpuStorage::U8(a) => ew::binary_int(*b, a, la, typed(sb, name)?, lb, shape).into_storage(),
+            }
+        }
+        Op::Scalar { op: b, value, scalar_lhs } => {
+            let (s, l) = ins[0];
+            match s {
+                CpuStorage::F32(v) => ew::scalar(*b, *value, *scalar_lhs, v, l).into_storage(),
+                CpuStorage::F64(v) => ew::scalar(*b, *value, *scalar_lhs, v, l).into_storage(),
+                CpuStorage::F16(v) => ew::scalar(*b, *value, *scalar_lhs, v, l).into_storage(),
+                CpuStorage::BF16(v) => ew::scalar(*b, *value, *scalar_lhs, v, l).into_storage(),
+                CpuStorage::I64(v) => ew::scalar_int(*b, *value, *scalar_lhs, v, l).into_storage(),
+                CpuStorage::U8(v) => ew::scalar_int(*b, *value, *scalar_lhs, v, l).into_storage(),
+            }
+        }
+        Op::Where => {
+            let ((sc, lc), (sa, la), (sb, lb)) = (ins[0], ins[1], ins[2]);
+            let shape = &meta.shape;
+            // The condition as u8 (nonzero is true), whatever its dtype.
+            let cond: Cow<[u8]> = match sc {
+                CpuStorage::U8(c) => Cow::Borrowed(c),
+                other => Cow::Owned(with_cpu!(other, c => c.iter().map(|x| (x.to_f64() != 0.0) as u8).collect())),
+            };
+            fn go<T: CpuSlice>(c: &[u8], lc: &Layout, a: &[T], la: &Layout, sb: &CpuStorage, lb: &Layout, shape: &[usize]) -> Result<Vec<T>> {
+                Ok(ew::map3(c, lc, a, la, typed(sb, "where")?, lb, shape, |c, x, y| if c != 0 { x } else { y }))
+            }
+            match sa {
+                CpuStorage::F32(a) => CpuStorage::F32(go(&cond, lc, a, la, sb, lb, shape)?),
+                CpuStorage::F64(a) => CpuStorage::F64(go(&cond, lc, a, la, sb, lb, shape)?),
+                CpuStorage::F16(a) => CpuStorage::F16(go(&cond, lc, a, la, sb, lb, shape)?),
+                CpuStorage::BF16(a) => CpuStorage::BF16(go(&cond, lc, a, la, sb, lb, shape)?),
+                CpuStorage::I64(a) => CpuStorage::I64(go(&cond, lc, a, la, sb, lb, shape)?),
+                CpuStorage::U8(a) => CpuStorage::U8(go(&cond, lc, a, la, sb, lb, shape)?),
+            }
+        }
+        Op::Cast(to) => {
+            let (s, l) = ins[0];
+            match (s, to) {
+                (CpuStorage::F32(v), DType::F16) => CpuStorage::F16(ew::map1(v, l, f16::from_f32)),
+                (CpuStorage::F32(v), DType::BF16) => CpuStorage::BF16(ew::map1(v, l, bf16::from_f32)),
+                (CpuStorage::F16(v), DType::F32) => CpuStorage::F32(ew::map1(v, l, |x| x.to_f32())),
+                (CpuStorage::BF16(v), DType::F32) => CpuStorage::F32(ew::map1(v, l, |x| x.to_f32())),
+                _ => with_cpu!(s, v => cast(v, l, *to)),
+            }
+        }
+        Op::Contiguous => {
+            let (s, l) = ins[0];
+            with_cpu!(s, v => ew::map1(v, l, |x| x).into_storage())
+        }
+        Op::Reduce { op: r, dims, .. } => {
+            let (s, l) = ins[0];
+            with_cpu!(s, v => reduce::reduce(*r, v, l, dims, numel).into_storage())
+        }
+        Op::Matmul => {
+            let ((sa, la), (sb, lb)) = (ins[0], ins[1]);
+            let r = meta.shape.len();
+            let (m, n) = (meta.shape[r - 2], meta.shape[r - 1]);
+            let k = la.shape[la.rank() - 1];
+            let batch = &meta.shape[..r - 2];
+            match sa {
+                CpuStorage::F32(a) => CpuStorage::F32(matmul::matmul(a, la, typed(sb, name)?, lb, batch, m, k, n)),
+                CpuStorage::F64(a) => CpuStorage::F64(matmul::matmul(a, la, typed(sb, name)?, lb, batch, m, k, n)),
+                CpuStorage::F16(a) => CpuStorage::F16(matmul::matmul(a, la, typed(sb, name)?, lb, batch, m, k, n)),
+                CpuStorage::BF16(a) => CpuStorage::BF16(matmul::matmul_bf16(a, la, typed(sb, name)?, lb, batch, m, k, n)),
+                _ => return Err(Error::dtype(name, format!("not defined for {:?}", sa.dtype()))),
+            }
+        }
+        Op::IndexSelect { dim } => {
+            let ((s, l), (si, li)) = (ins[0], ins[1]);
+            let idx = contig(typed::<i64>(si, name)?, li);
+            with_cpu!(s, v => index::index_select(&contig(v, l), &l.shape, *dim, &idx)?.into_storage())
+        }
+        Op::Gather { dim } => {
+            let ((s, l), (si, li)) = (ins[0], ins[1]);
+            let idx = contig(typed::<i64>(si, name)?, li);
+            with_cpu!(s, v => index::gather(&contig(v, l), &l.shape, *dim, &idx, &li.shape)?.into_storage())
+        }
+        Op::IndexAdd { dim } | Op::ScatterAdd { dim } => {
+            let ((s, l), (si, li), (ss, ls)) = (ins[0], ins[1], ins[2]);
+            let idx = contig(typed::<i64>(si, name)?, li);
+            fn go<T: CpuSlice>(op: &Op, base: &[T], l: &Layout, idx: &[i64], li: &Layout, ss: &CpuStorage, ls: &Layout, dim: usize) -> Result<Vec<T>>
+            where
+                Vec<T>: IntoCpuStorage,
+            {
+                let mut out = ew::map1(base, l, |x| x);
+                let src = contig(typed::<T>(ss, op.name())?, ls);
+                if matches!(op, Op::IndexAdd { .. }) {
+                    index::index_add(&mut out, &l.shape, dim, idx, &src)?;
+                } else {
+                    index::scatter_add(&mut out, &l.shape, dim, idx, &li.shape, &src)?;
+                }
+                Ok(out)
+            }
+            with_cpu!(s, v => go(op, v, l, &idx, li, ss, ls, *dim)?.into_storage())
+        }
+        Op::Cat { dim } => {
+            fn go<T: CpuSlice>(ins: &[(&CpuStorage, &Layout)], dim: usize, shape: &[usize]) -> Result<Vec<T>> {
+                let parts: Vec<Cow<[T]>> = ins.iter().map(|(s, l)| Ok(contig(typed::<T>(s, "cat")?, l))).collect::<Result<_>>()?;
+                let refs: Vec<(&[T], &[usize])> = parts.iter().zip(ins).map(|(p, (_, l))| (&p[..], &l.shape[..])).collect();
+                Ok(index::cat(&refs, dim, shape))
+            }
+            match ins[0].0.dtype() {
+                DType::F32 => CpuStorage::F32(go(ins, *dim, &meta.shape)?),
+                DType::F64 => CpuStorage::F64(go(ins, *dim, &meta.shape)?),
+                DType::F16 => CpuStorage::F16(go(ins, *dim, &meta.shape)?),
+                DType::BF16 => CpuStorage::BF16(go(ins, *dim, &meta.shape)?),
+                DType::I64 => CpuStorage::I64(go(ins, *dim, &meta.shape)?),
+                DType::U8 => CpuStorage::U8(go(ins, *dim, &meta.shape)?),
+            }
+        }
+        Op::Reshape(_) | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_) => {
+            return Err(Error::Msg(format!("{name}: a view runs no kernel")));
+        }
+        Op::Assign | Op::UpdateBinary(_) | Op::UpdateScalar(..) => {
+            return Err(Error::Msg(format!("{name}: in-place ops go through run_inplace")));
+        }
+    })
+}
+
+/// Runs an in-place op on `dst`; `src` is the second input where the op has one.
+pub fn run_inplace(op: &Op, dst: &mut CpuStorage, ld: &Layout, src: Option<(&CpuStorage, &Layout)>) -> Result<()> {
+    let name = op.name();
+    match dst {
+        CpuStorage::F32(d) => float_update(op, name, d, ld, src),
+        CpuStorage::F64(d) => float_update(op, name, d, ld, src),
+        CpuStorage::F16(d) => float_update(op, name, d, ld, src),
+        CpuStorage::BF16(d) => float_update(op, name, d, ld, src),
+        CpuStorage::I64(d) => int_update(op, name, d, ld, src),
+        CpuStorage::U8(d) => int_update(op, name, d, ld, src),
+    }
+}
+
+fn float_update<T: ew::Compute + CpuSlice>(op: &Op, name: &'static str, d: &mut [T], ld: &Layout, src: Option<(&CpuStorage, &Layout)>) -> Result<()> {
+    let source = || src.ok_or_else(|| Error::Msg(format!("{name}: no source tensor")));
+    match op {
+        Op::Assign => {
+            let (s, ls) = source()?;
+            ew::update(d, ld, typed::<T>(s, name)?, ls, |_, y| y);
+        }
+        Op::UpdateBinary(b) => {
+            let (s, ls) = source()?;
+            let s = typed::<T>(s, name)?;
+            ew::per_binary!(*b, OP => ew::update(d, ld, s, ls, |x: T, y: T| T::down(OP.eval(x.up(), y.up()))));
+        }
+        Op::UpdateScalar(b, v) => {
+            let v = <T::F as crate::op::Float>::c(*v);
+            ew::per_binary!(*b, OP => ew::update_scalar(d, ld, |x: T| T::down(OP.eval(x.up(), v))));
+        }
+        _ => return Err(Error::Msg(format!("{name}: not an in-place op"))),
+    }
+    Ok(())
+}
+
+fn int_update<T: CpuSlice>(op: &Op, name: &'static str, d: &mut [T], ld: &Layout, src: Option<(&CpuStorage, &Layout)>) -> Result<()> {
+    let f = |b: crate::op::BinaryOp, x: T, y: f64| T::from_f64(b.eval_int(x.to_f64() as i64, y as i64) as f64);
+    let source = || src.ok_or_else(|| Error::Msg(format!("{name}: no source tensor")));
+    match op {
+        Op::Assign => {
+            let (s, ls) = source()?;
+            ew::update(d, ld, typed::<T>(s, name)?, ls, |_, y| y);
+        }
+        Op::UpdateBinary(b) => {
+            let (s, ls) = source()?;
+            ew::update(d, ld, typed::<T>(s, name)?, ls, |x, y| f(*b, x, y.to_f64()));
+        }
+        Op::UpdateScalar(b, v) => ew::update_scalar(d, ld, |x| f(*b, x, *v)),
+        _ => return Err(Error::Msg(format!("{name}: not an in-place op"))),
+    }
+    Ok(())
+}

@@ -1,0 +1,106 @@
+//! Reductions over any set of dims, without copying strided inputs: each output element walks
+//! its reduced sub-tensor in runs.
+
+use super::strided::Strided;
+use super::{par_chunks, pool};
+use crate::op::ReduceOp;
+use crate::shape::Layout;
+use crate::Element;
+
+/// Splits a layout into the kept dims (outer) and the reduced dims (inner).
+struct Split {
+    kept: Layout,
+    red_shape: Vec<usize>,
+    red_strides: Vec<usize>,
+}
+
+fn split(l: &Layout, dims: &[usize]) -> Split {
+    let mut kept = Layout { shape: vec![], strides: vec![], offset: l.offset };
+    let (mut red_shape, mut red_strides) = (vec![], vec![]);
+    for d in 0..l.rank() {
+        if dims.contains(&d) {
+            red_shape.push(l.shape[d]);
+            red_strides.push(l.strides[d]);
+        } else {
+            kept.shape.push(l.shape[d]);
+            kept.strides.push(l.strides[d]);
+        }
+    }
+    Split { kept, red_shape, red_strides }
+}
+
+/// Calls `f(out_index, acc)` for every output with the values of its reduced sub-tensor folded
+/// by `step` from `init`. Parallel over outputs.
+fn fold<T: Element, A: Copy + Send + Sync>(src: &[T], l: &Layout, dims: &[usize], init: A, step: impl Fn(A, T, usize) -> A + Sync, out: &mut [A]) {
+    let sp = split(l, dims);
+    let kept_it = Strided::new(&sp.kept.shape, [&sp.kept.strides], [sp.kept.offset]);
+    let [ks] = kept_it.inner_strides();
+    let red_n: usize = sp.red_shape.iter().product();
+    let red_it = Strided::new(&sp.red_shape, [&sp.red_strides], [0]);
+    let [rs] = red_it.inner_strides();
+    par_chunks(out, |start, chunk| {
+        kept_it.runs(start, start + chunk.len(), |pos, [base], len| {
+            for j in 0..len {
+                let b = base + j * ks;
+                let mut acc = init;
+                red_it.runs(0, red_n, |rpos, [ro], rlen| {
+                    for r in 0..rlen {
+                        acc = step(acc, src[b + ro + r * rs], rpos + r);
+                    }
+                });
+                chunk[pos - start + j] = acc;
+            }
+        });
+    });
+}
+
+/// Sum, max and min keep the dtype (sums accumulate in f64); argmax/argmin give I64.
+pub fn reduce<T: Element>(op: ReduceOp, src: &[T], l: &Layout, dims: &[usize], out_numel: usize) -> super::Out<T> {
+    match op {
+        ReduceOp::Sum => {
+            let mut acc = pool::take::<f64>(out_numel);
+            fold(src, l, dims, 0.0f64, |a, x, _| a + x.to_f64(), &mut acc);
+            let out = acc.iter().map(|&a| T::from_f64(a)).collect();
+            pool::give(acc);
+            super::Out::Same(out)
+        }
+        ReduceOp::Max | ReduceOp::Min => {
+            let max = op == ReduceOp::Max;
+            let mut acc = vec![(src.first().copied().unwrap_or(T::zero()), false); out_numel];
+            fold(
+                src,
+                l,
+                dims,
+                (T::zero(), false),
+                |(a, seen), x, _| {
+                    // NaN wins, as in torch.max.
+                    let better = !seen || x.partial_cmp(&x).is_none() || (a.partial_cmp(&a).is_some() && if max { x > a } else { x < a });
+                    (if better { x } else { a }, true)
+                },
+                &mut acc,
+            );
+            super::Out::Same(acc.into_iter().map(|(a, _)| a).collect())
+        }
+        ReduceOp::ArgMax | ReduceOp::ArgMin => {
+            let max = op == ReduceOp::ArgMax;
+            let mut acc = vec![(T::zero(), usize::MAX); out_numel];
+            fold(
+                src,
+                l,
+                dims,
+                (T::zero(), usize::MAX),
+                |(a, ai), x, i| {
+                    let a_nan = ai != usize::MAX && a.partial_cmp(&a).is_none();
+                    let better = ai == usize::MAX || (!a_nan && (x.partial_cmp(&x).is_none() || if max { x > a } else { x < a }));
+                    if better {
+                        (x, i)
+                    } else {
+                        (a, ai)
+                    }
+                },
+                &mut acc,
+            );
+            super::Out::Index(acc.into_iter().map(|(_, i)| i as i64).collect())
+        }
+    }
+}

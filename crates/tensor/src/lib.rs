@@ -1,0 +1,27 @@
+//! kiln-tensor: the `Tensor` type, its dtypes, devices and layouts, the closed set of
+//! primitive ops (`op::Op`), their CPU kernels (`cpu`) and CUDA back end (`cuda`), the
+//! counter-based generator (`rng`) and the trace hook (`Tracer`).
+//!
+//! Every op goes through `Tensor::apply` (or `apply_inplace`): the shape rule in `op.rs`,
+//! the kernel, the autograd record (`GradFn`) and the tracer, in that order.
+
+pub mod cpu;
+pub mod cuda;
+mod display;
+mod dtype;
+mod device;
+mod error;
+pub mod op;
+mod ops;
+pub mod rng;
+pub mod shape;
+pub mod storage;
+mod tensor;
+
+pub use device::Device;
+pub use dtype::{DType, Element};
+pub use error::{Error, Result};
+pub use op::{BinaryOp, Distribution, Op, ReduceOp, UnaryOp};
+pub use ops::{no_grad, ShapeSpec};
+pub use shape::{AllDims, Dim, Dims, Layout};
+pub use tensor::{is_grad_enabled, set_grad_enabled, set_tracer, GradFn, Tensor, TensorId, Tracer};

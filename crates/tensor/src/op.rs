@@ -1,0 +1,713 @@
+//! The closed set of primitive ops. Each row here is one op: its name, what it does to shapes
+//! and dtypes (`Op::infer`), and for elementwise ops its scalar expression, once for the CPU
+//! (`UnaryOp::eval`) and once as C source for generated CUDA kernels (`UnaryOp::c_expr`).
+//! Backward rules live in `kiln-autograd`, CPU kernels in `cpu/`. No `_ =>` arms: adding a
+//! variant is a list of compile errors that says where to go.
+
+use crate::shape::broadcast_shapes;
+use crate::{DType, Error, Result};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum UnaryOp {
+    Neg,
+    Abs,
+    Exp,
+    Log,
+    Sqrt,
+    Rsqrt,
+    Recip,
+    Sin,
+    Cos,
+    Tanh,
+    Sigmoid,
+    Relu,
+    /// GELU with the exact erf form.
+    Gelu,
+    /// GELU with the tanh approximation.
+    GeluTanh,
+    Silu,
+    Erf,
+    Square,
+    Sign,
+    /// 1 where x > 0, else 0: the derivative of relu.
+    Step,
+    /// d/dx gelu(x) = Phi(x) + x phi(x).
+    GeluGrad,
+    /// d/dx of the tanh-approximated gelu.
+    GeluTanhGrad,
+    /// d/dx silu(x) = s (1 + x (1 - s)), s = sigmoid(x).
+    SiluGrad,
+}
+
+const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+const INV_SQRT_2: f64 = std::f64::consts::FRAC_1_SQRT_2;
+const INV_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
+
+/// Floating-point math the CPU kernels compute in (f32 for f32/f16/bf16, f64 for f64).
+pub trait Float: Copy + Send + Sync + 'static + PartialOrd + std::ops::Add<Output = Self> + std::ops::Sub<Output = Self> + std::ops::Mul<Output = Self> + std::ops::Div<Output = Self> + std::ops::Neg<Output = Self> {
+    fn c(v: f64) -> Self;
+    fn exp(self) -> Self;
+    fn ln(self) -> Self;
+    fn sqrt(self) -> Self;
+    fn sin(self) -> Self;
+    fn cos(self) -> Self;
+    fn tanh(self) -> Self;
+    fn erf(self) -> Self;
+    fn abs(self) -> Self;
+    fn powf(self, e: Self) -> Self;
+    fn is_nan(self) -> bool;
+}
+
+macro_rules! float_impl {
+    ($t:ty, $erf:path) => {
+        impl Float for $t {
+            #[inline(always)]
+            fn c(v: f64) -> Self {
+                v as $t
+            }
+            #[inline(always)]
+            fn exp(self) -> Self {
+                <$t>::exp(self)
+            }
+            #[inline(always)]
+            fn ln(self) -> Self {
+                <$t>::ln(self)
+            }
+            #[inline(always)]
+            fn sqrt(self) -> Self {
+                <$t>::sqrt(self)
+            }
+            #[inline(always)]
+            fn sin(self) -> Self {
+                <$t>::sin(self)
+            }
+            #[inline(always)]
+            fn cos(self) -> Self {
+                <$t>::cos(self)
+            }
+            #[inline(always)]
+            fn tanh(self) -> Self {
+                <$t>::tanh(self)
+            }
+            #[inline(always)]
+            fn erf(self) -> Self {
+                $erf(self)
+            }
+            #[inline(always)]
+            fn abs(self) -> Self {
+                <$t>::abs(self)
+            }
+            #[inline(always)]
+            fn powf(self, e: Self) -> Self {
+                <$t>::powf(self, e)
+            }
+            #[inline(always)]
+            fn is_nan(self) -> bool {
+                <$t>::is_nan(self)
+            }
+        }
+    };
+}
+float_impl!(f32, libm::erff);
+float_impl!(f64, libm::erf);
+
+impl UnaryOp {
+    pub fn name(self) -> &'static str {
+        match self {
+            UnaryOp::Neg => "neg",
+            UnaryOp::Abs => "abs",
+            UnaryOp::Exp => "exp",
+            UnaryOp::Log => "log",
+            UnaryOp::Sqrt => "sqrt",
+            UnaryOp::Rsqrt => "rsqrt",
+            UnaryOp::Recip => "recip",
+            UnaryOp::Sin => "sin",
+            UnaryOp::Cos => "cos",
+            UnaryOp::Tanh => "tanh",
+            UnaryOp::Sigmoid => "sigmoid",
+            UnaryOp::Relu => "relu",
+            UnaryOp::Gelu => "gelu",
+            UnaryOp::GeluTanh => "gelu_tanh",
+            UnaryOp::Silu => "silu",
+            UnaryOp::Erf => "erf",
+            UnaryOp::Square => "square",
+            UnaryOp::Sign => "sign",
+            UnaryOp::Step => "step",
+            UnaryOp::GeluGrad => "gelu_grad",
+            UnaryOp::GeluTanhGrad => "gelu_tanh_grad",
+            UnaryOp::SiluGrad => "silu_grad",
+        }
+    }
+
+    /// The op on one value (CPU).
+    #[inline(always)]
+    pub fn eval<F: Float>(self, x: F) -> F {
+        let one = F::c(1.0);
+        let zero = F::c(0.0);
+        match self {
+            UnaryOp::Neg => -x,
+            UnaryOp::Abs => x.abs(),
+            UnaryOp::Exp => x.exp(),
+            UnaryOp::Log => x.ln(),
+            UnaryOp::Sqrt => x.sqrt(),
+            UnaryOp::Rsqrt => one / x.sqrt(),
+            UnaryOp::Recip => one / x,
+            UnaryOp::Sin => x.sin(),
+            UnaryOp::Cos => x.cos(),
+            UnaryOp::Tanh => x.tanh(),
+            UnaryOp::Sigmoid => one / (one + (-x).exp()),
+            UnaryOp::Relu => {
+                if x > zero {
+                    x
+                } else if x.is_nan() {
+                    x
+                } else {
+                    zero
+                }
+            }
+            UnaryOp::Gelu => F::c(0.5) * x * (one + (x * F::c(INV_SQRT_2)).erf()),
+            UnaryOp::GeluTanh => {
+                F::c(0.5) * x * (one + (F::c(SQRT_2_OVER_PI) * (x + F::c(0.044715) * x * x * x)).tanh())
+            }
+            UnaryOp::Silu => x / (one + (-x).exp()),
+            UnaryOp::Erf => x.erf(),
+            UnaryOp::Square => x * x,
+            UnaryOp::Sign => {
+                if x > zero {
+                    one
+                } else if x < zero {
+                    -one
+                } else {
+                    x
+                }
+            }
+            UnaryOp::Step => {
+                if x > zero {
+                    one
+                } else {
+                    zero
+                }
+            }
+            UnaryOp::GeluGrad => {
+                let cdf = F::c(0.5) * (one + (x * F::c(INV_SQRT_2)).erf());
+                cdf + x * F::c(INV_SQRT_2PI) * (F::c(-0.5) * x * x).exp()
+            }
+            UnaryOp::GeluTanhGrad => {
+                let inner = F::c(SQRT_2_OVER_PI) * (x + F::c(0.044715) * x * x * x);
+                let t = inner.tanh();
+                let dinner = F::c(SQRT_2_OVER_PI) * (one + F::c(3.0 * 0.044715) * x * x);
+                F::c(0.5) * (one + t) + F::c(0.5) * x * (one - t * t) * dinner
+            }
+            UnaryOp::SiluGrad => {
+                let s = one / (one + (-x).exp());
+                s * (one + x * (one - s))
+            }
+        }
+    }
+
+    /// The op as a C expression of `x` (float), for generated CUDA kernels.
+    pub fn c_expr(self, x: &str) -> String {
+        match self {
+            UnaryOp::Neg => format!("(-{x})"),
+            UnaryOp::Abs => format!("fabsf({x})"),
+            UnaryOp::Exp => format!("expf({x})"),
+            UnaryOp::Log => format!("logf({x})"),
+            UnaryOp::Sqrt => format!("sqrtf({x})"),
+            UnaryOp::Rsqrt => format!("rsqrtf({x})"),
+            UnaryOp::Recip => format!("(1.0f/{x})"),
+            UnaryOp::Sin => format!("sinf({x})"),
+            UnaryOp::Cos => format!("cosf({x})"),
+            UnaryOp::Tanh => format!("tanhf({x})"),
+            UnaryOp::Sigmoid => format!("(1.0f/(1.0f+expf(-{x})))"),
+            UnaryOp::Relu => format!("({x} > 0.0f ? {x} : ({x} != {x} ? {x} : 0.0f))"),
+            UnaryOp::Gelu => format!("(0.5f*{x}*(1.0f+erff({x}*{INV_SQRT_2}f)))"),
+            UnaryOp::GeluTanh => {
+                format!("(0.5f*{x}*(1.0f+tanhf({SQRT_2_OVER_PI}f*({x}+0.044715f*{x}*{x}*{x}))))")
+            }
+            UnaryOp::Silu => format!("({x}/(1.0f+expf(-{x})))"),
+            UnaryOp::Erf => format!("erff({x})"),
+            UnaryOp::Square => format!("({x}*{x})"),
+            UnaryOp::Sign => format!("({x} > 0.0f ? 1.0f : ({x} < 0.0f ? -1.0f : {x}))"),
+            UnaryOp::Step => format!("({x} > 0.0f ? 1.0f : 0.0f)"),
+            UnaryOp::GeluGrad => format!(
+                "(0.5f*(1.0f+erff({x}*{INV_SQRT_2}f)) + {x}*{INV_SQRT_2PI}f*expf(-0.5f*{x}*{x}))"
+            ),
+            UnaryOp::GeluTanhGrad => format!(
+                "kiln_gelu_tanh_grad({x})"
+            ),
+            UnaryOp::SiluGrad => format!("kiln_silu_grad({x})"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BinaryOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Pow,
+    Maximum,
+    Minimum,
+    Eq,
+    Ne,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+}
+
+impl BinaryOp {
+    pub fn name(self) -> &'static str {
+        match self {
+            BinaryOp::Add => "add",
+            BinaryOp::Sub => "sub",
+            BinaryOp::Mul => "mul",
+            BinaryOp::Div => "div",
+            BinaryOp::Pow => "pow",
+            BinaryOp::Maximum => "maximum",
+            BinaryOp::Minimum => "minimum",
+            BinaryOp::Eq => "eq",
+            BinaryOp::Ne => "ne",
+            BinaryOp::Lt => "lt",
+            BinaryOp::Le => "le",
+            BinaryOp::Gt => "gt",
+            BinaryOp::Ge => "ge",
+        }
+    }
+    /// Comparisons give a U8 mask; arithmetic keeps the input dtype.
+    pub fn is_comparison(self) -> bool {
+        matches!(self, BinaryOp::Eq | BinaryOp::Ne | BinaryOp::Lt | BinaryOp::Le | BinaryOp::Gt | BinaryOp::Ge)
+    }
+
+    /// The op on two values (CPU, floats). Comparisons return 1 or 0.
+    #[inline(always)]
+    pub fn eval<F: Float>(self, a: F, b: F) -> F {
+        let bit = |c: bool| if c { F::c(1.0) } else { F::c(0.0) };
+        match self {
+            BinaryOp::Add => a + b,
+            BinaryOp::Sub => a - b,
+            BinaryOp::Mul => a * b,
+            BinaryOp::Div => a / b,
+            BinaryOp::Pow => a.powf(b),
+            // NaN propagates, as in torch.maximum.
+            BinaryOp::Maximum => {
+                if a.is_nan() || a > b {
+                    a
+                } else {
+                    b
+                }
+            }
+            BinaryOp::Minimum => {
+                if a.is_nan() || a < b {
+                    a
+                } else {
+                    b
+                }
+            }
+            BinaryOp::Eq => bit(a == b),
+            BinaryOp::Ne => bit(a != b),
+            BinaryOp::Lt => bit(a < b),
+            BinaryOp::Le => bit(a <= b),
+            BinaryOp::Gt => bit(a > b),
+            BinaryOp::Ge => bit(a >= b),
+        }
+    }
+
+    /// The op on two integers (I64 and U8 tensors).
+    #[inline(always)]
+    pub fn eval_int(self, a: i64, b: i64) -> i64 {
+        match self {
+            BinaryOp::Add => a.wrapping_add(b),
+            BinaryOp::Sub => a.wrapping_sub(b),
+            BinaryOp::Mul => a.wrapping_mul(b),
+            BinaryOp::Div => a.checked_div(b).unwrap_or(0),
+            BinaryOp::Pow => a.wrapping_pow(b.clamp(0, u32::MAX as i64) as u32),
+            BinaryOp::Maximum => a.max(b),
+            BinaryOp::Minimum => a.min(b),
+            BinaryOp::Eq => (a == b) as i64,
+            BinaryOp::Ne => (a != b) as i64,
+            BinaryOp::Lt => (a < b) as i64,
+            BinaryOp::Le => (a <= b) as i64,
+            BinaryOp::Gt => (a > b) as i64,
+            BinaryOp::Ge => (a >= b) as i64,
+        }
+    }
+
+    /// The op as a C expression (float operands), for generated CUDA kernels.
+    pub fn c_expr(self, a: &str, b: &str) -> String {
+        match self {
+            BinaryOp::Add => format!("({a}+{b})"),
+            BinaryOp::Sub => format!("({a}-{b})"),
+            BinaryOp::Mul => format!("({a}*{b})"),
+            BinaryOp::Div => format!("({a}/{b})"),
+            BinaryOp::Pow => format!("powf({a},{b})"),
+            BinaryOp::Maximum => format!("(({a}!={a}||{a}>{b})?{a}:{b})"),
+            BinaryOp::Minimum => format!("(({a}!={a}||{a}<{b})?{a}:{b})"),
+            BinaryOp::Eq => format!("({a}=={b}?1.0f:0.0f)"),
+            BinaryOp::Ne => format!("({a}!={b}?1.0f:0.0f)"),
+            BinaryOp::Lt => format!("({a}<{b}?1.0f:0.0f)"),
+            BinaryOp::Le => format!("({a}<={b}?1.0f:0.0f)"),
+            BinaryOp::Gt => format!("({a}>{b}?1.0f:0.0f)"),
+            BinaryOp::Ge => format!("({a}>={b}?1.0f:0.0f)"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    Sum,
+    Max,
+    Min,
+    /// Index of the largest value (first on ties), as I64. One dim only.
+    ArgMax,
+    ArgMin,
+}
+
+impl ReduceOp {
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Max => "max",
+            ReduceOp::Min => "min",
+            ReduceOp::ArgMax => "argmax",
+            ReduceOp::ArgMin => "argmin",
+        }
+    }
+}
+
+/// Which distribution a random source op draws from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Distribution {
+    /// Uniform on [0, 1).
+    Uniform,
+    /// Standard normal.
+    Normal,
+}
+
+/// A primitive op. Inputs are passed separately; parameters that shape the result live here.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Op {
+    // Sources (no tensor inputs).
+    /// A tensor filled with one value.
+    Full { shape: Vec<usize>, value: f64, dtype: DType },
+    /// 0, 1, ..., n-1 as `dtype`.
+    Arange { n: usize, dtype: DType },
+    /// Counter-based random numbers: element i is draw `offset + i` of stream `seed`.
+    Rand { shape: Vec<usize>, dist: Distribution, seed: u64, offset: u64, dtype: DType },
+    // Elementwise.
+    Unary(UnaryOp),
+    Binary(BinaryOp),
+    /// `x op value`, or `value op x` when `scalar_lhs`.
+    Scalar { op: BinaryOp, value: f64, scalar_lhs: bool },
+    /// `cond ? a : b` with broadcasting; cond is any dtype, nonzero is true.
+    Where,
+    Cast(DType),
+    // Reductions.
+    Reduce { op: ReduceOp, dims: Vec<usize>, keepdim: bool },
+    // Contractions.
+    /// Batched matrix product `[..., m, k] x [..., k, n]` with broadcast batch dims.
+    Matmul,
+    // Views: no kernel, a new layout over the same storage.
+    Reshape(Vec<usize>),
+    Permute(Vec<usize>),
+    Narrow { dim: usize, start: usize, len: usize },
+    Expand(Vec<usize>),
+    /// A row-major copy.
+    Contiguous,
+    // Indexing.
+    /// `out = input.index_select(dim, index)`, index I64 of rank 1.
+    IndexSelect { dim: usize },
+    /// `out = base; out.index_select(dim, index) += src` (inputs: base, index, src).
+    IndexAdd { dim: usize },
+    /// `out[i][j] = input[i][index[i][j]]` along `dim` (inputs: input, index).
+    Gather { dim: usize },
+    /// `out = base; out[.. index[i][j] ..] += src[i][j]` along `dim` (inputs: base, index, src).
+    ScatterAdd { dim: usize },
+    /// Concatenation along `dim` of any number of inputs.
+    Cat { dim: usize },
+    // In-place updates: the only mutation. The first input is the destination.
+    /// `dst = src` (src broadcasts to dst).
+    Assign,
+    /// `dst = dst op src`.
+    UpdateBinary(BinaryOp),
+    /// `dst = dst op value`.
+    UpdateScalar(BinaryOp, f64),
+}
+
+/// What an op produces: shape and dtype.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OutMeta {
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+}
+
+/// Shape and dtype of an op's input, as the shape rules see it.
+pub struct InMeta<'a> {
+    pub shape: &'a [usize],
+    pub dtype: DType,
+}
+
+impl Op {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Full { .. } => "full",
+            Op::Arange { .. } => "arange",
+            Op::Rand { .. } => "rand",
+            Op::Unary(u) => u.name(),
+            Op::Binary(b) => b.name(),
+            Op::Scalar { op, .. } => op.name(),
+            Op::Where => "where",
+            Op::Cast(_) => "to_dtype",
+            Op::Reduce { op, .. } => op.name(),
+            Op::Matmul => "matmul",
+            Op::Reshape(_) => "reshape",
+            Op::Permute(_) => "permute",
+            Op::Narrow { .. } => "narrow",
+            Op::Expand(_) => "expand",
+            Op::Contiguous => "contiguous",
+            Op::IndexSelect { .. } => "index_select",
+            Op::IndexAdd { .. } => "index_add",
+            Op::Gather { .. } => "gather",
+            Op::ScatterAdd { .. } => "scatter_add",
+            Op::Cat { .. } => "cat",
+            Op::Assign => "assign",
+            Op::UpdateBinary(_) => "update",
+            Op::UpdateScalar(..) => "update_scalar",
+        }
+    }
+
+    /// Views share their input's storage and run no kernel.
+    pub fn is_view(&self) -> bool {
+        matches!(self, Op::Reshape(_) | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_))
+    }
+
+    /// In-place ops write into their first input.
+    pub fn is_inplace(&self) -> bool {
+        matches!(self, Op::Assign | Op::UpdateBinary(_) | Op::UpdateScalar(..))
+    }
+
+    /// The shape rule: the output's shape and dtype, or an error naming shapes and dtypes.
+    pub fn infer(&self, inputs: &[InMeta<'_>]) -> Result<OutMeta> {
+        let name = self.name();
+        let arity = match self {
+            Op::Full { .. } | Op::Arange { .. } | Op::Rand { .. } => 0,
+            Op::Unary(_) | Op::Scalar { .. } | Op::Cast(_) | Op::Reduce { .. } | Op::UpdateScalar(..) => 1,
+            Op::Reshape(_) | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_) | Op::Contiguous => 1,
+            Op::Binary(_) | Op::Matmul | Op::IndexSelect { .. } | Op::Gather { .. } => 2,
+            Op::Assign | Op::UpdateBinary(_) => 2,
+            Op::Where | Op::IndexAdd { .. } | Op::ScatterAdd { .. } => 3,
+            Op::Cat { .. } => inputs.len().max(1),
+        };
+        if inputs.len() != arity {
+            return Err(Error::Msg(format!("{name}: expected {arity} inputs, got {}", inputs.len())));
+        }
+        let float_only = |d: DType| -> Result<()> {
+            if d.is_float() {
+                Ok(())
+            } else {
+                Err(Error::dtype(name, format!("needs a floating-point tensor, got {d:?}")))
+            }
+        };
+        let same_dtype = |a: DType, b: DType| -> Result<()> {
+            if a == b {
+                Ok(())
+            } else {
+                Err(Error::dtype_mismatch(name, a, b))
+            }
+        };
+        let index_dtype = |d: DType| -> Result<()> {
+            if d == DType::I64 {
+                Ok(())
+            } else {
+                Err(Error::dtype(name, format!("index must be I64, got {d:?}")))
+            }
+        };
+        let meta = |shape: Vec<usize>, dtype: DType| Ok(OutMeta { shape, dtype });
+        match self {
+            Op::Full { shape, dtype, .. } | Op::Rand { shape, dtype, .. } => {
+                if matches!(self, Op::Rand { .. }) {
+                    float_only(*dtype)?;
+                }
+                meta(shape.clone(), *dtype)
+            }
+            Op::Arange { n, dtype } => meta(vec![*n], *dtype),
+            Op::Unary(u) => {
+                let d = inputs[0].dtype;
+                let int_ok = matches!(u, UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Square | UnaryOp::Sign | UnaryOp::Relu);
+                if !(d.is_float() || int_ok && d == DType::I64) {
+                    return Err(Error::dtype(name, format!("not defined for {d:?} tensors; cast to a float dtype first")));
+                }
+                meta(inputs[0].shape.to_vec(), d)
+            }
+            Op::Binary(b) => {
+                same_dtype(inputs[0].dtype, inputs[1].dtype)?;
+                let shape = broadcast_shapes(name, inputs[0].shape, inputs[1].shape)?;
+                meta(shape, if b.is_comparison() { DType::U8 } else { inputs[0].dtype })
+            }
+            Op::Scalar { op, .. } => {
+                meta(inputs[0].shape.to_vec(), if op.is_comparison() { DType::U8 } else { inputs[0].dtype })
+            }
+            Op::Where => {
+                same_dtype(inputs[1].dtype, inputs[2].dtype)?;
+                let s = broadcast_shapes(name, inputs[0].shape, inputs[1].shape)?;
+                meta(broadcast_shapes(name, &s, inputs[2].shape)?, inputs[1].dtype)
+            }
+            Op::Cast(d) => meta(inputs[0].shape.to_vec(), *d),
+            Op::Reduce { op, dims, keepdim } => {
+                let shape = inputs[0].shape;
+                if dims.iter().any(|&d| d >= shape.len()) {
+                    return Err(Error::shape(name, format!("dims {dims:?} out of range for shape {shape:?}")));
+                }
+                let is_arg = matches!(op, ReduceOp::ArgMax | ReduceOp::ArgMin);
+                if is_arg && dims.len() != 1 {
+                    return Err(Error::shape(name, format!("reduces exactly one dim, got {dims:?}")));
+                }
+                if !matches!(op, ReduceOp::Sum) && dims.iter().any(|&d| shape[d] == 0) {
+                    return Err(Error::shape(name, format!("cannot reduce an empty dim of shape {shape:?}")));
+                }
+                let out: Vec<usize> = if *keepdim {
+                    shape.iter().enumerate().map(|(i, &s)| if dims.contains(&i) { 1 } else { s }).collect()
+                } else {
+                    shape.iter().enumerate().filter(|(i, _)| !dims.contains(i)).map(|(_, &s)| s).collect()
+                };
+                meta(out, if is_arg { DType::I64 } else { inputs[0].dtype })
+            }
+            Op::Matmul => {
+                let (a, b) = (inputs[0].shape, inputs[1].shape);
+                same_dtype(inputs[0].dtype, inputs[1].dtype)?;
+                float_only(inputs[0].dtype)?;
+                if a.len() < 2 || b.len() < 2 {
+                    return Err(Error::shape(name, format!("needs rank >= 2, got {a:?} and {b:?}")));
+                }
+                let (m, k) = (a[a.len() - 2], a[a.len() - 1]);
+                let (k2, n) = (b[b.len() - 2], b[b.len() - 1]);
+                if k != k2 {
+                    return Err(Error::shape(name, format!("inner dims differ: {a:?} x {b:?} ({k} vs {k2})")));
+                }
+                let mut shape = broadcast_shapes(name, &a[..a.len() - 2], &b[..b.len() - 2])?;
+                shape.extend([m, n]);
+                meta(shape, inputs[0].dtype)
+            }
+            Op::Reshape(shape) => {
+                let (n0, n1) = (inputs[0].shape.iter().product::<usize>(), shape.iter().product::<usize>());
+                if n0 != n1 {
+                    return Err(Error::shape(name, format!("cannot reshape {:?} ({n0} elements) into {shape:?} ({n1} elements)", inputs[0].shape)));
+                }
+                meta(shape.clone(), inputs[0].dtype)
+            }
+            Op::Permute(perm) => {
+                let shape = inputs[0].shape;
+                let mut seen = vec![false; shape.len()];
+                if perm.len() != shape.len() || perm.iter().any(|&p| p >= shape.len() || std::mem::replace(&mut seen[p], true)) {
+                    return Err(Error::shape(name, format!("{perm:?} is not a permutation of the dims of {shape:?}")));
+                }
+                meta(perm.iter().map(|&p| shape[p]).collect(), inputs[0].dtype)
+            }
+            Op::Narrow { dim, start, len } => {
+                let shape = inputs[0].shape;
+                if *dim >= shape.len() || start + len > shape[*dim] {
+                    return Err(Error::shape(name, format!("range {start}..{} out of bounds for dim {dim} of shape {shape:?}", start + len)));
+                }
+                let mut out = shape.to_vec();
+                out[*dim] = *len;
+                meta(out, inputs[0].dtype)
+            }
+            Op::Expand(target) => {
+                let shape = inputs[0].shape;
+                let ok = target.len() >= shape.len()
+                    && shape.iter().rev().zip(target.iter().rev()).all(|(&s, &t)| s == t || s == 1);
+                if !ok {
+                    return Err(Error::shape(name, format!("cannot expand {shape:?} to {target:?}")));
+                }
+                meta(target.clone(), inputs[0].dtype)
+            }
+            Op::Contiguous => meta(inputs[0].shape.to_vec(), inputs[0].dtype),
+            Op::IndexSelect { dim } => {
+                index_dtype(inputs[1].dtype)?;
+                if inputs[1].shape.len() != 1 {
+                    return Err(Error::shape(name, format!("index must be 1-D, got {:?}", inputs[1].shape)));
+                }
+                let mut out = inputs[0].shape.to_vec();
+                check_dim(name, *dim, &out)?;
+                out[*dim] = inputs[1].shape[0];
+                meta(out, inputs[0].dtype)
+            }
+            Op::IndexAdd { dim } => {
+                index_dtype(inputs[1].dtype)?;
+                same_dtype(inputs[0].dtype, inputs[2].dtype)?;
+                let (base, idx, src) = (inputs[0].shape, inputs[1].shape, inputs[2].shape);
+                check_dim(name, *dim, base)?;
+                let mut expect = base.to_vec();
+                if idx.len() == 1 {
+                    expect[*dim] = idx[0];
+                }
+                if idx.len() != 1 || src != expect.as_slice() {
+                    return Err(Error::shape(name, format!("base {base:?}, index {idx:?}, src {src:?}: src must be base with dim {dim} of the index's length")));
+                }
+                meta(base.to_vec(), inputs[0].dtype)
+            }
+            Op::Gather { dim } => {
+                index_dtype(inputs[1].dtype)?;
+                let (inp, idx) = (inputs[0].shape, inputs[1].shape);
+                check_dim(name, *dim, inp)?;
+                if idx.len() != inp.len() || (0..inp.len()).any(|d| d != *dim && idx[d] > inp[d]) {
+                    return Err(Error::shape(name, format!("index {idx:?} does not fit input {inp:?} outside dim {dim}")));
+                }
+                meta(idx.to_vec(), inputs[0].dtype)
+            }
+            Op::ScatterAdd { dim } => {
+                index_dtype(inputs[1].dtype)?;
+                same_dtype(inputs[0].dtype, inputs[2].dtype)?;
+                let (base, idx, src) = (inputs[0].shape, inputs[1].shape, inputs[2].shape);
+                check_dim(name, *dim, base)?;
+                if idx != src || idx.len() != base.len() || (0..base.len()).any(|d| d != *dim && idx[d] > base[d]) {
+                    return Err(Error::shape(name, format!("base {base:?}, index {idx:?}, src {src:?}: index and src must match and fit base outside dim {dim}")));
+                }
+                meta(base.to_vec(), inputs[0].dtype)
+            }
+            Op::Cat { dim } => {
+                let first = inputs[0].shape;
+                check_dim(name, *dim, first)?;
+                let mut out = first.to_vec();
+                out[*dim] = 0;
+                for (i, t) in inputs.iter().enumerate() {
+                    same_dtype(inputs[0].dtype, t.dtype)?;
+                    let fits = t.shape.len() == first.len() && (0..first.len()).all(|d| d == *dim || t.shape[d] == first[d]);
+                    if !fits {
+                        return Err(Error::shape(name, format!("input {i} has shape {:?}, which does not match {first:?} outside dim {dim}", t.shape)));
+                    }
+                    out[*dim] += t.shape[*dim];
+                }
+                meta(out, inputs[0].dtype)
+            }
+            Op::Assign | Op::UpdateBinary(_) => {
+                let (dst, src) = (inputs[0].shape, inputs[1].shape);
+                same_dtype(inputs[0].dtype, inputs[1].dtype)?;
+                let b = broadcast_shapes(name, dst, src)?;
+                if b != dst {
+                    return Err(Error::shape(name, format!("source {src:?} does not broadcast to destination {dst:?}")));
+                }
+                if let Op::UpdateBinary(op) = self {
+                    if op.is_comparison() {
+                        return Err(Error::Msg(format!("{name}: comparison {} cannot update in place", op.name())));
+                    }
+                }
+                meta(dst.to_vec(), inputs[0].dtype)
+            }
+            Op::UpdateScalar(op, _) => {
+                if op.is_comparison() {
+                    return Err(Error::Msg(format!("{name}: comparison {} cannot update in place", op.name())));
+                }
+                meta(inputs[0].shape.to_vec(), inputs[0].dtype)
+            }
+        }
+    }
+}
+
+fn check_dim(op: &'static str, dim: usize, shape: &[usize]) -> Result<()> {
+    if dim >= shape.len() {
+        return Err(Error::Dim { op, dim: dim as isize, rank: shape.len(), shape: shape.to_vec() });
+    }
+    Ok(())
+}

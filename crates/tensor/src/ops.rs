@@ -1,0 +1,473 @@
+//! The public tensor API. Each method is a primitive op through `Tensor::apply`, or a short
+//! composite of them (mean, var, softmax, ...) so autograd and the compiler see through it.
+
+use crate::op::{BinaryOp, Distribution, Op, ReduceOp, UnaryOp};
+use crate::shape::{Dim, Dims};
+use crate::{rng, DType, Device, Error, Result, Tensor};
+
+/// A target shape: `[2, 3]`, `&[usize]`, `Vec<usize>`, or signed with one `-1` to infer.
+pub trait ShapeSpec {
+    fn resolve(&self, op: &'static str, numel: usize) -> Result<Vec<usize>>;
+}
+
+fn resolve_signed(op: &'static str, dims: &[i64], numel: usize) -> Result<Vec<usize>> {
+    let holes = dims.iter().filter(|&&d| d == -1).count();
+    let known: i64 = dims.iter().filter(|&&d| d != -1).product();
+    if holes > 1 || dims.iter().any(|&d| d < -1) {
+        return Err(Error::shape(op, format!("invalid shape {dims:?}: at most one -1 and no other negative sizes")));
+    }
+    if holes == 1 {
+        if known == 0 || numel as i64 % known != 0 {
+            return Err(Error::shape(op, format!("cannot infer -1 in {dims:?} for {numel} elements")));
+        }
+        let fill = numel as i64 / known;
+        return Ok(dims.iter().map(|&d| if d == -1 { fill as usize } else { d as usize }).collect());
+    }
+    Ok(dims.iter().map(|&d| d as usize).collect())
+}
+
+macro_rules! shape_spec {
+    ($($t:ty),*) => {$(
+        impl<const N: usize> ShapeSpec for [$t; N] {
+            fn resolve(&self, op: &'static str, numel: usize) -> Result<Vec<usize>> {
+                self[..].resolve(op, numel)
+            }
+        }
+        impl ShapeSpec for [$t] {
+            fn resolve(&self, op: &'static str, numel: usize) -> Result<Vec<usize>> {
+                let v: Vec<i64> = self.iter().map(|&d| d as i64).collect();
+                resolve_signed(op, &v, numel)
+            }
+        }
+        impl ShapeSpec for &[$t] {
+            fn resolve(&self, op: &'static str, numel: usize) -> Result<Vec<usize>> {
+                (**self).resolve(op, numel)
+            }
+        }
+        impl ShapeSpec for Vec<$t> {
+            fn resolve(&self, op: &'static str, numel: usize) -> Result<Vec<usize>> {
+                self[..].resolve(op, numel)
+            }
+        }
+        impl ShapeSpec for &Vec<$t> {
+            fn resolve(&self, op: &'static str, numel: usize) -> Result<Vec<usize>> {
+                self[..].resolve(op, numel)
+            }
+        }
+    )*};
+}
+shape_spec!(usize, i32, i64, isize);
+
+/// Runs `f` with autograd recording off on this thread (ops still reach the tracer).
+pub fn no_grad<R>(f: impl FnOnce() -> R) -> R {
+    let prev = crate::tensor::set_grad_enabled(false);
+    let r = f();
+    crate::tensor::set_grad_enabled(prev);
+    r
+}
+
+impl Tensor {
+    // ---- creation ----
+
+    pub fn full(value: f64, shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        Tensor::apply(Op::Full { shape: shape.to_vec(), value, dtype }, &[], device)
+    }
+    pub fn zeros(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        Tensor::full(0.0, shape, dtype, device)
+    }
+    pub fn ones(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        Tensor::full(1.0, shape, dtype, device)
+    }
+    /// A 0-dim tensor.
+    pub fn scalar(value: f64, dtype: DType, device: Device) -> Result<Tensor> {
+        Tensor::full(value, &[], dtype, device)
+    }
+    pub fn zeros_like(&self) -> Result<Tensor> {
+        Tensor::zeros(self.shape(), self.dtype(), self.device())
+    }
+    pub fn ones_like(&self) -> Result<Tensor> {
+        Tensor::ones(self.shape(), self.dtype(), self.device())
+    }
+    pub fn full_like(&self, value: f64) -> Result<Tensor> {
+        Tensor::full(value, self.shape(), self.dtype(), self.device())
+    }
+    /// `0, 1, ..., n - 1`.
+    pub fn arange(n: usize, dtype: DType, device: Device) -> Result<Tensor> {
+        Tensor::apply(Op::Arange { n, dtype }, &[], device)
+    }
+    /// `start, start + step, ...` below `end` (floats).
+    pub fn arange_step(start: f64, end: f64, step: f64, dtype: DType, device: Device) -> Result<Tensor> {
+        if step == 0.0 || !((end - start) / step).is_finite() {
+            return Err(Error::shape("arange", format!("invalid range {start}..{end} step {step}")));
+        }
+        let n = ((end - start) / step).ceil().max(0.0) as usize;
+        Tensor::arange(n, dtype, device)?.mul_scalar(step)?.add_scalar(start)
+    }
+    /// Uniform on [0, 1) from the default generator (see `rng::manual_seed`).
+    pub fn rand(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        let (seed, offset) = rng::reserve(shape.iter().product());
+        Tensor::rand_at(shape, Distribution::Uniform, seed, offset, dtype, device)
+    }
+    /// Standard normal from the default generator.
+    pub fn randn(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        let (seed, offset) = rng::reserve(shape.iter().product());
+        Tensor::rand_at(shape, Distribution::Normal, seed, offset, dtype, device)
+    }
+    /// Draws `offset, offset + 1, ...` of Philox stream `seed`: the same on every device.
+    pub fn rand_at(shape: &[usize], dist: Distribution, seed: u64, offset: u64, dtype: DType, device: Device) -> Result<Tensor> {
+        Tensor::apply(Op::Rand { shape: shape.to_vec(), dist, seed, offset, dtype }, &[], device)
+    }
+
+    // ---- views ----
+
+    pub fn reshape<S: ShapeSpec + ?Sized>(&self, shape: &S) -> Result<Tensor> {
+        let shape = shape.resolve("reshape", self.numel())?;
+        if shape == self.shape() {
+            return Ok(self.clone());
+        }
+        Tensor::apply(Op::Reshape(shape), &[self], self.device())
+    }
+    pub fn permute<D: Dim>(&self, dims: &[D]) -> Result<Tensor> {
+        let perm: Vec<usize> = dims.iter().map(|d| d.to_index("permute", self.shape())).collect::<Result<_>>()?;
+        Tensor::apply(Op::Permute(perm), &[self], self.device())
+    }
+    pub fn transpose<D: Dim>(&self, d0: D, d1: D) -> Result<Tensor> {
+        let (a, b) = (d0.to_index("transpose", self.shape())?, d1.to_index("transpose", self.shape())?);
+        let mut perm: Vec<usize> = (0..self.rank()).collect();
+        perm.swap(a, b);
+        Tensor::apply(Op::Permute(perm), &[self], self.device())
+    }
+    /// Swaps the last two dims.
+    pub fn t(&self) -> Result<Tensor> {
+        if self.rank() < 2 {
+            return Err(Error::shape("t", format!("needs rank >= 2, got shape {:?}", self.shape())));
+        }
+        self.transpose(-2i64, -1)
+    }
+    pub fn narrow<D: Dim>(&self, dim: D, start: usize, len: usize) -> Result<Tensor> {
+        let dim = dim.to_index("narrow", self.shape())?;
+        Tensor::apply(Op::Narrow { dim, start, len }, &[self], self.device())
+    }
+    pub fn broadcast_to(&self, shape: &[usize]) -> Result<Tensor> {
+        if shape == self.shape() {
+            return Ok(self.clone());
+        }
+        Tensor::apply(Op::Expand(shape.to_vec()), &[self], self.device())
+    }
+    pub fn expand(&self, shape: &[usize]) -> Result<Tensor> {
+        self.broadcast_to(shape)
+    }
+    pub fn unsqueeze<D: Dim>(&self, dim: D) -> Result<Tensor> {
+        let mut bigger = self.shape().to_vec();
+        bigger.push(1);
+        let d = dim.to_index("unsqueeze", &bigger)?;
+        let mut shape = self.shape().to_vec();
+        shape.insert(d, 1);
+        self.reshape(&shape)
+    }
+    pub fn squeeze<D: Dim>(&self, dim: D) -> Result<Tensor> {
+        let d = dim.to_index("squeeze", self.shape())?;
+        if self.shape()[d] != 1 {
+            return Ok(self.clone());
+        }
+        let mut shape = self.shape().to_vec();
+        shape.remove(d);
+        self.reshape(&shape)
+    }
+    /// Merges dims `start..=end` into one.
+    pub fn flatten<D: Dim>(&self, start: D, end: D) -> Result<Tensor> {
+        if self.rank() == 0 {
+            return self.reshape(&[1usize]);
+        }
+        let (s, e) = (start.to_index("flatten", self.shape())?, end.to_index("flatten", self.shape())?);
+        if s > e {
+            return Err(Error::shape("flatten", format!("start dim {s} after end dim {e}")));
+        }
+        let mut shape = self.shape()[..s].to_vec();
+        shape.push(self.shape()[s..=e].iter().product());
+        shape.extend_from_slice(&self.shape()[e + 1..]);
+        self.reshape(&shape)
+    }
+    /// A row-major tensor: `self` if already contiguous, else a copy.
+    pub fn contiguous(&self) -> Result<Tensor> {
+        if self.is_contiguous() {
+            return Ok(self.clone());
+        }
+        self.copy()
+    }
+    pub fn split<D: Dim>(&self, size: usize, dim: D) -> Result<Vec<Tensor>> {
+        let d = dim.to_index("split", self.shape())?;
+        if size == 0 {
+            return Err(Error::shape("split", "split size must be positive"));
+        }
+        (0..self.shape()[d]).step_by(size).map(|s| self.narrow(d, s, size.min(self.shape()[d] - s))).collect()
+    }
+    pub fn chunk<D: Dim>(&self, chunks: usize, dim: D) -> Result<Vec<Tensor>> {
+        let d = dim.to_index("chunk", self.shape())?;
+        if chunks == 0 {
+            return Err(Error::shape("chunk", "number of chunks must be positive"));
+        }
+        self.split(self.shape()[d].div_ceil(chunks).max(1), d)
+    }
+
+    // ---- elementwise ----
+
+    pub fn unary(&self, op: UnaryOp) -> Result<Tensor> {
+        Tensor::apply(Op::Unary(op), &[self], self.device())
+    }
+    pub fn binary(&self, op: BinaryOp, rhs: &Tensor) -> Result<Tensor> {
+        Tensor::apply(Op::Binary(op), &[self, rhs], self.device())
+    }
+    /// `self op value` (or `value op self` when `scalar_lhs`).
+    pub fn scalar_op(&self, op: BinaryOp, value: f64, scalar_lhs: bool) -> Result<Tensor> {
+        Tensor::apply(Op::Scalar { op, value, scalar_lhs }, &[self], self.device())
+    }
+    pub fn add_scalar(&self, v: f64) -> Result<Tensor> {
+        self.scalar_op(BinaryOp::Add, v, false)
+    }
+    pub fn sub_scalar(&self, v: f64) -> Result<Tensor> {
+        self.scalar_op(BinaryOp::Sub, v, false)
+    }
+    pub fn mul_scalar(&self, v: f64) -> Result<Tensor> {
+        self.scalar_op(BinaryOp::Mul, v, false)
+    }
+    pub fn div_scalar(&self, v: f64) -> Result<Tensor> {
+        self.scalar_op(BinaryOp::Div, v, false)
+    }
+    /// `v - self`.
+    pub fn rsub_scalar(&self, v: f64) -> Result<Tensor> {
+        self.scalar_op(BinaryOp::Sub, v, true)
+    }
+    /// `v / self`.
+    pub fn rdiv_scalar(&self, v: f64) -> Result<Tensor> {
+        self.scalar_op(BinaryOp::Div, v, true)
+    }
+    pub fn powf(&self, e: f64) -> Result<Tensor> {
+        self.scalar_op(BinaryOp::Pow, e, false)
+    }
+    pub fn maximum_scalar(&self, v: f64) -> Result<Tensor> {
+        self.scalar_op(BinaryOp::Maximum, v, false)
+    }
+    pub fn minimum_scalar(&self, v: f64) -> Result<Tensor> {
+        self.scalar_op(BinaryOp::Minimum, v, false)
+    }
+    pub fn clamp(&self, lo: f64, hi: f64) -> Result<Tensor> {
+        self.maximum_scalar(lo)?.minimum_scalar(hi)
+    }
+    /// `cond ? on_true : on_false` elementwise; `cond` nonzero is true.
+    pub fn where_cond(cond: &Tensor, on_true: &Tensor, on_false: &Tensor) -> Result<Tensor> {
+        Tensor::apply(Op::Where, &[cond, on_true, on_false], cond.device())
+    }
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
+        if dtype == self.dtype() {
+            return Ok(self.clone());
+        }
+        Tensor::apply(Op::Cast(dtype), &[self], self.device())
+    }
+
+    // ---- reductions ----
+
+    pub fn reduce<D: Dims + ?Sized>(&self, op: ReduceOp, dims: &D, keepdim: bool) -> Result<Tensor> {
+        let dims = dims.to_indices(op.name(), self.shape())?;
+        Tensor::apply(Op::Reduce { op, dims, keepdim }, &[self], self.device())
+    }
+    pub fn sum<D: Dims + ?Sized>(&self, dims: &D, keepdim: bool) -> Result<Tensor> {
+        self.reduce(ReduceOp::Sum, dims, keepdim)
+    }
+    pub fn max<D: Dims + ?Sized>(&self, dims: &D, keepdim: bool) -> Result<Tensor> {
+        self.reduce(ReduceOp::Max, dims, keepdim)
+    }
+    pub fn min<D: Dims + ?Sized>(&self, dims: &D, keepdim: bool) -> Result<Tensor> {
+        self.reduce(ReduceOp::Min, dims, keepdim)
+    }
+    pub fn argmax<D: Dim>(&self, dim: D, keepdim: bool) -> Result<Tensor> {
+        self.reduce(ReduceOp::ArgMax, &dim, keepdim)
+    }
+    pub fn argmin<D: Dim>(&self, dim: D, keepdim: bool) -> Result<Tensor> {
+        self.reduce(ReduceOp::ArgMin, &dim, keepdim)
+    }
+    pub fn sum_all(&self) -> Result<Tensor> {
+        self.sum(&crate::AllDims, false)
+    }
+    pub fn mean<D: Dims + ?Sized>(&self, dims: &D, keepdim: bool) -> Result<Tensor> {
+        let idx = dims.to_indices("mean", self.shape())?;
+        let n: usize = idx.iter().map(|&d| self.shape()[d]).product();
+        self.sum(&idx, keepdim)?.mul_scalar(1.0 / n as f64)
+    }
+    pub fn mean_all(&self) -> Result<Tensor> {
+        self.mean(&crate::AllDims, false)
+    }
+    /// Variance with Bessel's correction (`correction` = 1 as torch.var's default, 0 for
+    /// the population variance).
+    pub fn var<D: Dims + ?Sized>(&self, dims: &D, keepdim: bool, correction: usize) -> Result<Tensor> {
+        let idx = dims.to_indices("var", self.shape())?;
+        let n: usize = idx.iter().map(|&d| self.shape()[d]).product();
+        let centered = self.sub(&self.mean(&idx, true)?)?;
+        let denom = n.saturating_sub(correction).max(1) as f64;
+        centered.square()?.sum(&idx, keepdim)?.mul_scalar(1.0 / denom)
+    }
+    pub fn softmax<D: Dim>(&self, dim: D) -> Result<Tensor> {
+        let d = dim.to_index("softmax", self.shape())?;
+        // The shift by the max only guards exp against overflow; softmax does not depend on it.
+        let m = no_grad(|| self.max(&d, true))?;
+        let e = self.sub(&m)?.exp()?;
+        e.div(&e.sum(&d, true)?)
+    }
+    pub fn log_softmax<D: Dim>(&self, dim: D) -> Result<Tensor> {
+        let d = dim.to_index("log_softmax", self.shape())?;
+        let m = no_grad(|| self.max(&d, true))?;
+        let shifted = self.sub(&m)?;
+        shifted.sub(&shifted.exp()?.sum(&d, true)?.log()?)
+    }
+
+    // ---- matrix products ----
+
+    /// Matrix product with PyTorch's rules: batch dims broadcast, 1-D operands are promoted.
+    pub fn matmul(&self, rhs: &Tensor) -> Result<Tensor> {
+        match (self.rank(), rhs.rank()) {
+            (0, _) | (_, 0) => Err(Error::shape("matmul", format!("needs rank >= 1, got {:?} and {:?}", self.shape(), rhs.shape()))),
+            (1, 1) => self.unsqueeze(0)?.matmul(&rhs.unsqueeze(1)?)?.reshape(&[0usize; 0]),
+            (1, _) => self.unsqueeze(0)?.matmul(rhs)?.squeeze(-2i64),
+            (_, 1) => self.matmul(&rhs.unsqueeze(1)?)?.squeeze(-1i64),
+            _ => Tensor::apply(Op::Matmul, &[self, rhs], self.device()),
+        }
+    }
+
+    // ---- indexing ----
+
+    pub fn index_select<D: Dim>(&self, dim: D, index: &Tensor) -> Result<Tensor> {
+        let dim = dim.to_index("index_select", self.shape())?;
+        Tensor::apply(Op::IndexSelect { dim }, &[self, index], self.device())
+    }
+    /// A copy of `self` with `src` added at `index` along `dim`.
+    pub fn index_add<D: Dim>(&self, dim: D, index: &Tensor, src: &Tensor) -> Result<Tensor> {
+        let dim = dim.to_index("index_add", self.shape())?;
+        Tensor::apply(Op::IndexAdd { dim }, &[self, index, src], self.device())
+    }
+    pub fn gather<D: Dim>(&self, dim: D, index: &Tensor) -> Result<Tensor> {
+        let dim = dim.to_index("gather", self.shape())?;
+        Tensor::apply(Op::Gather { dim }, &[self, index], self.device())
+    }
+    /// A copy of `self` with `src` added at `index` along `dim` (torch.scatter_add).
+    pub fn scatter_add<D: Dim>(&self, dim: D, index: &Tensor, src: &Tensor) -> Result<Tensor> {
+        let dim = dim.to_index("scatter_add", self.shape())?;
+        Tensor::apply(Op::ScatterAdd { dim }, &[self, index, src], self.device())
+    }
+    /// Rows of `self` (`[num, dim]`) picked by integer `ids` of any shape: `[..ids, dim]`.
+    pub fn embedding(&self, ids: &Tensor) -> Result<Tensor> {
+        if self.rank() != 2 {
+            return Err(Error::shape("embedding", format!("weight must be [num_embeddings, dim], got {:?}", self.shape())));
+        }
+        let flat = ids.reshape(&[ids.numel()])?;
+        let mut shape = ids.shape().to_vec();
+        shape.push(self.shape()[1]);
+        self.index_select(0usize, &flat)?.reshape(&shape)
+    }
+    pub fn cat<D: Dim>(tensors: &[&Tensor], dim: D) -> Result<Tensor> {
+        let first = tensors.first().ok_or_else(|| Error::shape("cat", "needs at least one tensor"))?;
+        let dim = dim.to_index("cat", first.shape())?;
+        if tensors.len() == 1 {
+            return Ok((*first).clone());
+        }
+        Tensor::apply(Op::Cat { dim }, tensors, first.device())
+    }
+    pub fn stack<D: Dim>(tensors: &[&Tensor], dim: D) -> Result<Tensor> {
+        let first = tensors.first().ok_or_else(|| Error::shape("stack", "needs at least one tensor"))?;
+        let mut bigger = first.shape().to_vec();
+        bigger.push(1);
+        let d = dim.to_index("stack", &bigger)?;
+        let parts: Vec<Tensor> = tensors.iter().map(|t| t.unsqueeze(d)).collect::<Result<_>>()?;
+        let refs: Vec<&Tensor> = parts.iter().collect();
+        Tensor::apply(Op::Cat { dim: d }, &refs, first.device())
+    }
+
+    // ---- in-place updates (the only mutation) ----
+
+    /// Writes `src` (broadcast) into `self`.
+    pub fn assign(&self, src: &Tensor) -> Result<()> {
+        self.apply_inplace(Op::Assign, Some(src))
+    }
+    pub fn add_(&self, src: &Tensor) -> Result<()> {
+        self.apply_inplace(Op::UpdateBinary(BinaryOp::Add), Some(src))
+    }
+    pub fn sub_(&self, src: &Tensor) -> Result<()> {
+        self.apply_inplace(Op::UpdateBinary(BinaryOp::Sub), Some(src))
+    }
+    pub fn mul_(&self, src: &Tensor) -> Result<()> {
+        self.apply_inplace(Op::UpdateBinary(BinaryOp::Mul), Some(src))
+    }
+    pub fn div_(&self, src: &Tensor) -> Result<()> {
+        self.apply_inplace(Op::UpdateBinary(BinaryOp::Div), Some(src))
+    }
+    pub fn add_scalar_(&self, v: f64) -> Result<()> {
+        self.apply_inplace(Op::UpdateScalar(BinaryOp::Add, v), None)
+    }
+    pub fn mul_scalar_(&self, v: f64) -> Result<()> {
+        self.apply_inplace(Op::UpdateScalar(BinaryOp::Mul, v), None)
+    }
+    pub fn fill_(&self, v: f64) -> Result<()> {
+        self.assign(&Tensor::scalar(v, self.dtype(), self.device())?)
+    }
+    pub fn zero_(&self) -> Result<()> {
+        self.fill_(0.0)
+    }
+}
+
+macro_rules! unary_methods {
+    ($($name:ident => $op:ident),* $(,)?) => {
+        impl Tensor {$(
+            pub fn $name(&self) -> Result<Tensor> {
+                self.unary(UnaryOp::$op)
+            }
+        )*}
+    };
+}
+unary_methods!(
+    neg => Neg, abs => Abs, exp => Exp, log => Log, sqrt => Sqrt, rsqrt => Rsqrt, recip => Recip,
+    sin => Sin, cos => Cos, tanh => Tanh, sigmoid => Sigmoid, relu => Relu, gelu => Gelu,
+    gelu_tanh => GeluTanh, silu => Silu, erf => Erf, square => Square, sign => Sign,
+);
+
+macro_rules! binary_methods {
+    ($($name:ident => $op:ident),* $(,)?) => {
+        impl Tensor {$(
+            pub fn $name(&self, rhs: &Tensor) -> Result<Tensor> {
+                self.binary(BinaryOp::$op, rhs)
+            }
+        )*}
+    };
+}
+binary_methods!(
+    add => Add, sub => Sub, mul => Mul, div => Div, pow => Pow, maximum => Maximum,
+    minimum => Minimum, eq => Eq, ne => Ne, lt => Lt, le => Le, gt => Gt, ge => Ge,
+);
+
+macro_rules! compare_scalar_methods {
+    ($($name:ident => $op:ident),* $(,)?) => {
+        impl Tensor {$(
+            pub fn $name(&self, v: f64) -> Result<Tensor> {
+                self.scalar_op(BinaryOp::$op, v, false)
+            }
+        )*}
+    };
+}
+compare_scalar_methods!(eq_scalar => Eq, ne_scalar => Ne, lt_scalar => Lt, le_scalar => Le, gt_scalar => Gt, ge_scalar => Ge);
+
+/// `&a + &b` and friends return `Result<Tensor>`: `(&a + &b)?`.
+macro_rules! std_ops {
+    ($($tr:ident $f:ident => $m:ident / $ms:ident),* $(,)?) => {$(
+        impl std::ops::$tr<&Tensor> for &Tensor {
+            type Output = Result<Tensor>;
+            fn $f(self, rhs: &Tensor) -> Result<Tensor> {
+                self.$m(rhs)
+            }
+        }
+        impl std::ops::$tr<f64> for &Tensor {
+            type Output = Result<Tensor>;
+            fn $f(self, rhs: f64) -> Result<Tensor> {
+                self.$ms(rhs)
+            }
+        }
+    )*};
+}
+std_ops!(Add add => add / add_scalar, Sub sub => sub / sub_scalar, Mul mul => mul / mul_scalar, Div div => div / div_scalar);

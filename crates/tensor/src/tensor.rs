@@ -1,0 +1,402 @@
+//! The `Tensor` type and the one dispatch point every op goes through: shape rule, kernel,
+//! autograd record, trace hook.
+
+use crate::op::{InMeta, Op, OutMeta};
+use crate::shape::Layout;
+use crate::storage::{CpuSlice, CpuStorage, IntoCpuStorage, Storage, StorageCell};
+use crate::{cpu, DType, Device, Element, Error, Result};
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// A process-unique tensor id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TensorId(pub u64);
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// What autograd needs to differentiate an op's output: the op and its inputs (with the
+/// storage versions they had, to catch in-place writes that would make backward wrong).
+/// The output itself is not saved (that would be a cycle); backward receives it.
+#[derive(Debug)]
+pub struct GradFn {
+    pub op: Op,
+    pub inputs: Vec<Tensor>,
+    pub versions: Vec<u64>,
+}
+
+/// An n-dimensional array on a device. Cloning is cheap (an `Arc`); views share storage.
+#[derive(Clone)]
+pub struct Tensor(Arc<Inner>);
+
+struct Inner {
+    id: TensorId,
+    storage: Arc<StorageCell>,
+    layout: Layout,
+    dtype: DType,
+    device: Device,
+    grad_fn: Option<Arc<GradFn>>,
+    requires_grad: AtomicBool,
+    grad: Mutex<Option<Tensor>>,
+}
+
+/// Observes every op while a compiled step is traced. Installed per thread by `kiln-compile`.
+pub trait Tracer {
+    /// Called after each op with its inputs and its output (the destination for in-place ops).
+    fn record(&self, op: &Op, inputs: &[&Tensor], output: &Tensor);
+    /// Called when values are read on the host (`to_vec`, `item`, printing): an error stops the
+    /// read (fullgraph), `Ok` lets it happen (the tracer then marks a graph break).
+    fn host_read(&self, what: &'static str, t: &Tensor) -> Result<()>;
+}
+
+thread_local! {
+    static GRAD_ENABLED: Cell<bool> = const { Cell::new(true) };
+    static TRACER: RefCell<Option<Rc<dyn Tracer>>> = const { RefCell::new(None) };
+}
+
+/// Whether ops on tensors that require grad record what backward needs (on this thread).
+pub fn is_grad_enabled() -> bool {
+    GRAD_ENABLED.with(|g| g.get())
+}
+
+/// Sets grad mode on this thread and returns the previous mode (see `kiln_autograd::no_grad`).
+pub fn set_grad_enabled(on: bool) -> bool {
+    GRAD_ENABLED.with(|g| g.replace(on))
+}
+
+/// Installs (or with `None` removes) this thread's tracer; returns the previous one.
+pub fn set_tracer(t: Option<Rc<dyn Tracer>>) -> Option<Rc<dyn Tracer>> {
+    TRACER.with(|c| c.replace(t))
+}
+
+/// Calls `f` with the active tracer, taken out meanwhile so ops it runs are not recorded.
+fn with_tracer<R>(f: impl FnOnce(&dyn Tracer) -> R) -> Option<R> {
+    let t = TRACER.with(|c| c.borrow_mut().take())?;
+    let r = f(&*t);
+    TRACER.with(|c| *c.borrow_mut() = Some(t));
+    Some(r)
+}
+
+impl Tensor {
+    fn make(storage: Arc<StorageCell>, layout: Layout, dtype: DType, device: Device, grad_fn: Option<Arc<GradFn>>) -> Tensor {
+        let requires_grad = AtomicBool::new(grad_fn.is_some());
+        Tensor(Arc::new(Inner {
+            id: TensorId(NEXT_ID.fetch_add(1, Ordering::Relaxed)),
+            storage,
+            layout,
+            dtype,
+            device,
+            grad_fn,
+            requires_grad,
+            grad: Mutex::new(None),
+        }))
+    }
+
+    pub(crate) fn from_storage(s: Storage, shape: &[usize]) -> Tensor {
+        let (dtype, device) = match &s {
+            Storage::Cpu(c) => (c.dtype(), Device::Cpu),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => (c.dtype(), c.device()),
+        };
+        Tensor::make(Arc::new(StorageCell::new(s)), Layout::contiguous(shape), dtype, device, None)
+    }
+
+    /// A tensor holding `data` with `shape` on `device`.
+    pub fn from_vec<T: Element>(data: Vec<T>, shape: &[usize], device: Device) -> Result<Tensor>
+    where
+        Vec<T>: IntoCpuStorage,
+    {
+        let n: usize = shape.iter().product();
+        if n != data.len() {
+            return Err(Error::shape("from_vec", format!("{} elements do not fill shape {shape:?} ({n} elements)", data.len())));
+        }
+        let t = Tensor::from_storage(Storage::Cpu(data.into_storage()), shape);
+        t.to_device(device)
+    }
+
+    pub fn from_slice<T: Element>(data: &[T], shape: &[usize], device: Device) -> Result<Tensor>
+    where
+        Vec<T>: IntoCpuStorage,
+    {
+        Tensor::from_vec(data.to_vec(), shape, device)
+    }
+
+    pub fn id(&self) -> TensorId {
+        self.0.id
+    }
+    pub fn shape(&self) -> &[usize] {
+        &self.0.layout.shape
+    }
+    /// The size of one dim (negative counts from the end).
+    pub fn dim<D: crate::Dim>(&self, d: D) -> Result<usize> {
+        Ok(self.shape()[d.to_index("dim", self.shape())?])
+    }
+    pub fn rank(&self) -> usize {
+        self.0.layout.rank()
+    }
+    pub fn numel(&self) -> usize {
+        self.0.layout.numel()
+    }
+    pub fn dtype(&self) -> DType {
+        self.0.dtype
+    }
+    pub fn device(&self) -> Device {
+        self.0.device
+    }
+    pub fn layout(&self) -> &Layout {
+        &self.0.layout
+    }
+    pub fn strides(&self) -> &[usize] {
+        &self.0.layout.strides
+    }
+    pub fn is_contiguous(&self) -> bool {
+        self.0.layout.is_contiguous()
+    }
+    /// The shared storage (views of one tensor return the same cell).
+    pub fn storage(&self) -> &Arc<StorageCell> {
+        &self.0.storage
+    }
+    pub fn same_storage(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.0.storage, &other.0.storage)
+    }
+
+    // ---- autograd slots (the rules and the walk live in kiln-autograd) ----
+
+    /// The op that made this tensor, when it was recorded for autograd.
+    pub fn grad_fn(&self) -> Option<&Arc<GradFn>> {
+        self.0.grad_fn.as_ref()
+    }
+    pub fn requires_grad(&self) -> bool {
+        self.0.requires_grad.load(Ordering::Relaxed)
+    }
+    /// Marks a leaf as a parameter whose gradient backward accumulates.
+    pub fn set_requires_grad(&self, on: bool) -> &Tensor {
+        self.0.requires_grad.store(on, Ordering::Relaxed);
+        self
+    }
+    pub fn is_leaf(&self) -> bool {
+        self.0.grad_fn.is_none()
+    }
+    /// The accumulated gradient of a leaf, if any.
+    pub fn grad(&self) -> Option<Tensor> {
+        self.0.grad.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+    pub fn set_grad(&self, g: Option<Tensor>) {
+        *self.0.grad.lock().unwrap_or_else(|e| e.into_inner()) = g;
+    }
+    /// The same data with no autograd history (shares storage, like torch's `detach`).
+    /// An identity view made with grad mode off, so a tracer still sees where it came from.
+    pub fn detach(&self) -> Tensor {
+        let view = crate::no_grad(|| Tensor::apply(Op::Reshape(self.shape().to_vec()), &[self], self.device()));
+        view.unwrap_or_else(|_| Tensor::make(self.0.storage.clone(), self.0.layout.clone(), self.0.dtype, self.0.device, None))
+    }
+
+    // ---- dispatch ----
+
+    /// Runs one primitive op. Every tensor op ends here: check devices, apply the shape rule,
+    /// run the kernel (or build the view), record for autograd and tell the tracer.
+    pub fn apply(op: Op, inputs: &[&Tensor], device: Device) -> Result<Tensor> {
+        if op.is_inplace() {
+            return Err(Error::Msg(format!("{}: in-place ops go through apply_inplace", op.name())));
+        }
+        let device = common_device(op.name(), inputs, device)?;
+        let metas: Vec<InMeta> = inputs.iter().map(|t| InMeta { shape: t.shape(), dtype: t.dtype() }).collect();
+        let meta = op.infer(&metas)?;
+        let (storage, layout) = match view_layout(&op, inputs) {
+            Some(layout) => (inputs[0].0.storage.clone(), layout),
+            None => {
+                let kernel_op = match &op {
+                    Op::Reshape(_) => Op::Contiguous, // a reshape the strides cannot express copies
+                    other => other.clone(),
+                };
+                let s = run_kernel(&kernel_op, inputs, &meta, device)?;
+                (Arc::new(StorageCell::new(s)), Layout::contiguous(&meta.shape))
+            }
+        };
+        let differentiable = meta.dtype.is_float() && is_grad_enabled() && inputs.iter().any(|t| t.requires_grad());
+        let grad_fn = differentiable.then(|| {
+            Arc::new(GradFn {
+                op: op.clone(),
+                inputs: inputs.iter().map(|t| (*t).clone()).collect(),
+                versions: inputs.iter().map(|t| t.0.storage.version()).collect(),
+            })
+        });
+        let out = Tensor::make(storage, layout, meta.dtype, device, grad_fn);
+        with_tracer(|t| t.record(&op, inputs, &out));
+        Ok(out)
+    }
+
+    /// Runs an in-place op (`Assign`, `UpdateBinary`, `UpdateScalar`) writing into `self`.
+    pub fn apply_inplace(&self, op: Op, src: Option<&Tensor>) -> Result<()> {
+        let name = op.name();
+        if !op.is_inplace() {
+            return Err(Error::Msg(format!("{name}: not an in-place op")));
+        }
+        let mut inputs: Vec<&Tensor> = vec![self];
+        inputs.extend(src);
+        common_device(name, &inputs, self.device())?;
+        let metas: Vec<InMeta> = inputs.iter().map(|t| InMeta { shape: t.shape(), dtype: t.dtype() }).collect();
+        op.infer(&metas)?;
+        if is_grad_enabled() && inputs.iter().any(|t| t.requires_grad()) {
+            return Err(Error::Msg(format!(
+                "{name}: in-place update of a tensor that requires grad (shape {:?}); run optimizer-style updates inside no_grad",
+                self.shape()
+            )));
+        }
+        if self.0.layout.shape.iter().zip(&self.0.layout.strides).any(|(&d, &s)| d > 1 && s == 0) {
+            return Err(Error::Msg(format!("{name}: cannot write into an expanded view (shape {:?}, strides {:?})", self.shape(), self.strides())));
+        }
+        // A source sharing the destination's storage is copied first (no aliasing while writing).
+        let src_copy;
+        let src = match src {
+            Some(s) if s.same_storage(self) => {
+                src_copy = s.copy()?;
+                Some(&src_copy)
+            }
+            other => other,
+        };
+        {
+            let src_guard = src.map(|s| s.0.storage.read());
+            let mut dst_guard = self.0.storage.write();
+            match (&mut *dst_guard, src_guard.as_deref()) {
+                (Storage::Cpu(d), None) => cpu::run_inplace(&op, d, &self.0.layout, None)?,
+                (Storage::Cpu(d), Some(Storage::Cpu(s))) => cpu::run_inplace(&op, d, &self.0.layout, Some((s, src.map(|t| t.layout()).unwrap_or(&self.0.layout))))?,
+                #[cfg(feature = "cuda")]
+                (dst, s) => crate::cuda::run_inplace(&op, dst, &self.0.layout, s.zip(src.map(|t| t.layout())))?,
+            }
+        }
+        with_tracer(|t| t.record(&op, &inputs, self));
+        Ok(())
+    }
+
+    /// A fresh contiguous copy that shares nothing with `self`.
+    pub fn copy(&self) -> Result<Tensor> {
+        Tensor::apply(Op::Contiguous, &[self], self.device())
+    }
+
+    /// The data as a Vec of `T` in row-major order (`T` must be the dtype).
+    pub fn to_vec<T: CpuSlice>(&self) -> Result<Vec<T>> {
+        if T::DTYPE != self.dtype() {
+            return Err(Error::dtype("to_vec", format!("tensor is {:?}, asked for {:?}", self.dtype(), T::DTYPE)));
+        }
+        self.host_read("to_vec")?;
+        let t = self.to_device(Device::Cpu)?;
+        let guard = t.0.storage.read();
+        let s = guard.as_cpu()?;
+        let v = T::slice(s).ok_or_else(|| Error::dtype("to_vec", "storage dtype mismatch"))?;
+        Ok(cpu::elementwise::map1(v, t.layout(), |x| x))
+    }
+
+    /// The data converted to f64, whatever the dtype.
+    pub fn to_vec_f64(&self) -> Result<Vec<f64>> {
+        self.host_read("to_vec")?;
+        let t = self.to_device(Device::Cpu)?;
+        let guard = t.0.storage.read();
+        let s = guard.as_cpu()?;
+        Ok(crate::with_cpu!(s, v => cpu::elementwise::map1(v, t.layout(), |x| x.to_f64())))
+    }
+
+    /// The single value of a one-element tensor, as f64.
+    pub fn item(&self) -> Result<f64> {
+        if self.numel() != 1 {
+            return Err(Error::shape("item", format!("needs exactly one element, got shape {:?}", self.shape())));
+        }
+        Ok(self.to_vec_f64()?[0])
+    }
+
+    pub(crate) fn host_read(&self, what: &'static str) -> Result<()> {
+        with_tracer(|t| t.host_read(what, self)).unwrap_or(Ok(()))
+    }
+
+    /// Copies to another device (a no-op returning `self` when already there).
+    pub fn to_device(&self, device: Device) -> Result<Tensor> {
+        if device == self.device() {
+            return Ok(self.clone());
+        }
+        crate::cuda::to_device(self, device)
+    }
+
+    /// Runs `f` with the CPU storage of a tensor on the CPU (for loaders and savers).
+    pub fn with_cpu_storage<R>(&self, f: impl FnOnce(&CpuStorage, &Layout) -> R) -> Result<R> {
+        let guard = self.0.storage.read();
+        match &*guard {
+            Storage::Cpu(s) => Ok(f(s, &self.0.layout)),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(_) => Err(Error::Msg("with_cpu_storage: tensor is on a CUDA device".into())),
+        }
+    }
+}
+
+fn common_device(op: &'static str, inputs: &[&Tensor], default: Device) -> Result<Device> {
+    let Some(first) = inputs.first() else { return Ok(default) };
+    for t in &inputs[1..] {
+        if t.device() != first.device() {
+            return Err(Error::DeviceMismatch { op, lhs: first.device(), rhs: t.device() });
+        }
+    }
+    Ok(first.device())
+}
+
+/// The layout of a view op's output, or None when the op needs a kernel (including a reshape
+/// that the input's strides cannot express).
+fn view_layout(op: &Op, inputs: &[&Tensor]) -> Option<Layout> {
+    let l = inputs.first()?.layout();
+    match op {
+        Op::Reshape(shape) if *shape == l.shape => Some(l.clone()),
+        Op::Reshape(shape) => l.reshaped(shape),
+        Op::Permute(perm) => Some(Layout {
+            shape: perm.iter().map(|&p| l.shape[p]).collect(),
+            strides: perm.iter().map(|&p| l.strides[p]).collect(),
+            offset: l.offset,
+        }),
+        Op::Narrow { dim, start, len } => {
+            let mut out = l.clone();
+            out.offset += start * l.strides[*dim];
+            out.shape[*dim] = *len;
+            Some(out)
+        }
+        Op::Expand(shape) => Some(Layout { shape: shape.clone(), strides: l.broadcast_strides(shape), offset: l.offset }),
+        _ => None,
+    }
+}
+
+/// Locks each distinct input storage once (two inputs may share one) and runs the kernel.
+fn run_kernel(op: &Op, inputs: &[&Tensor], meta: &OutMeta, device: Device) -> Result<Storage> {
+    let mut cells: Vec<&Arc<StorageCell>> = Vec::new();
+    let slot: Vec<usize> = inputs
+        .iter()
+        .map(|t| match cells.iter().position(|c| Arc::ptr_eq(c, &t.0.storage)) {
+            Some(i) => i,
+            None => {
+                cells.push(&t.0.storage);
+                cells.len() - 1
+            }
+        })
+        .collect();
+    let guards: Vec<_> = cells.iter().map(|c| c.read()).collect();
+    match device {
+        Device::Cpu => {
+            let mut ins = Vec::with_capacity(inputs.len());
+            for (t, &i) in inputs.iter().zip(&slot) {
+                match &*guards[i] {
+                    Storage::Cpu(s) => ins.push((s, t.layout())),
+                    #[cfg(feature = "cuda")]
+                    Storage::Cuda(_) => return Err(Error::DeviceMismatch { op: op.name(), lhs: Device::Cpu, rhs: t.device() }),
+                }
+            }
+            Ok(Storage::Cpu(cpu::run(op, &ins, meta)?))
+        }
+        Device::Cuda(_) => {
+            let storages: Vec<&Storage> = slot.iter().map(|&i| &*guards[i]).collect();
+            let layouts: Vec<&Layout> = inputs.iter().map(|t| t.layout()).collect();
+            crate::cuda::run(op, &storages, &layouts, meta, device)
+        }
+    }
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Tensor[{:?}, {:?}, {}]", self.shape(), self.dtype(), self.device())
+    }
+}
