@@ -1,0 +1,353 @@
+//! Every op on hand-computed values, including broadcasting, non-contiguous inputs, empty and
+//! size-1 dims, and f16/bf16 within their tolerances.
+
+use half::{bf16, f16};
+use kiln_tensor::{DType, Device, Distribution, Result, Tensor, UnaryOp};
+
+const CPU: Device = Device::Cpu;
+
+fn t(data: &[f32], shape: &[usize]) -> Tensor {
+    Tensor::from_slice(data, shape, CPU).unwrap()
+}
+fn v(x: &Tensor) -> Vec<f32> {
+    x.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap()
+}
+fn close(a: &[f32], b: &[f32], tol: f32) {
+    assert_eq!(a.len(), b.len(), "{a:?} vs {b:?}");
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!((x - y).abs() <= tol * (1.0 + y.abs()) || (x.is_nan() && y.is_nan()), "at {i}: {x} vs {y}\n{a:?}\n{b:?}");
+    }
+}
+
+#[test]
+fn creation() -> Result<()> {
+    assert_eq!(v(&Tensor::zeros(&[2, 2], DType::F32, CPU)?), vec![0.0; 4]);
+    assert_eq!(v(&Tensor::full(2.5, &[3], DType::F64, CPU)?), vec![2.5; 3]);
+    assert_eq!(Tensor::arange(4, DType::I64, CPU)?.to_vec::<i64>()?, vec![0, 1, 2, 3]);
+    close(&v(&Tensor::arange_step(1.0, 2.0, 0.25, DType::F32, CPU)?), &[1.0, 1.25, 1.5, 1.75], 0.0);
+    let s = Tensor::scalar(3.0, DType::F32, CPU)?;
+    assert_eq!((s.shape(), s.item()?), (&[][..], 3.0));
+    assert!(Tensor::from_vec(vec![1.0f32; 5], &[2, 3], CPU).is_err());
+    // Philox draws are reproducible from (seed, offset), and offsets index into one stream.
+    let a = Tensor::rand_at(&[8], Distribution::Uniform, 42, 0, DType::F32, CPU)?;
+    let b = Tensor::rand_at(&[4], Distribution::Uniform, 42, 4, DType::F32, CPU)?;
+    assert_eq!(v(&a)[4..], v(&b)[..]);
+    let n = Tensor::rand_at(&[20000], Distribution::Normal, 1, 0, DType::F32, CPU)?;
+    let mean = n.mean_all()?.item()?;
+    let var = n.var(&kiln_tensor::AllDims, false, 1)?.item()?;
+    assert!(mean.abs() < 0.03 && (var - 1.0).abs() < 0.05, "{mean} {var}");
+    kiln_tensor::rng::manual_seed(3);
+    let r1 = v(&Tensor::rand(&[5], DType::F32, CPU)?);
+    let r2 = v(&Tensor::rand(&[5], DType::F32, CPU)?);
+    kiln_tensor::rng::manual_seed(3);
+    assert_eq!(v(&Tensor::rand(&[5], DType::F32, CPU)?), r1);
+    assert_ne!(r1, r2);
+    Ok(())
+}
+
+#[test]
+fn views_share_storage_and_read_correctly() -> Result<()> {
+    let x = t(&[0., 1., 2., 3., 4., 5.], &[2, 3]);
+    let xt = x.t()?;
+    assert!(xt.same_storage(&x) && !xt.is_contiguous());
+    assert_eq!(xt.shape(), &[3, 2]);
+    assert_eq!(v(&xt), vec![0., 3., 1., 4., 2., 5.]);
+    assert_eq!(v(&x.narrow(1, 1, 2)?), vec![1., 2., 4., 5.]);
+    assert_eq!(v(&x.reshape(&[3, -1])?), vec![0., 1., 2., 3., 4., 5.]);
+    assert_eq!(v(&xt.reshape(&[6])?), vec![0., 3., 1., 4., 2., 5.]); // needs a copy
+    assert_eq!(v(&t(&[1., 2.], &[2, 1]).broadcast_to(&[2, 3])?), vec![1., 1., 1., 2., 2., 2.]);
+    assert_eq!(x.unsqueeze(0)?.shape(), &[1, 2, 3]);
+    assert_eq!(x.unsqueeze(-1)?.shape(), &[2, 3, 1]);
+    assert_eq!(x.unsqueeze(1)?.squeeze(1)?.shape(), &[2, 3]);
+    let p = Tensor::arange(24, DType::F32, CPU)?.reshape(&[2, 3, 4])?.permute(&[2, 0, 1])?;
+    assert_eq!(p.shape(), &[4, 2, 3]);
+    assert_eq!(v(&p.narrow(0, 1, 1)?), vec![1., 5., 9., 13., 17., 21.]);
+    assert_eq!(p.contiguous()?.flatten(0, 1)?.shape(), &[8, 3]);
+    let parts = Tensor::arange(5, DType::F32, CPU)?.split(2, 0)?;
+    assert_eq!(parts.iter().map(v).collect::<Vec<_>>(), vec![vec![0., 1.], vec![2., 3.], vec![4.]]);
+    assert_eq!(Tensor::arange(6, DType::F32, CPU)?.chunk(3, 0)?.len(), 3);
+    Ok(())
+}
+
+#[test]
+fn unary_ops_match_f64_formulas() -> Result<()> {
+    let xs = [-2.0f64, -0.5, 0.0, 0.3, 1.7];
+    let pos = [0.1f64, 0.5, 1.0, 2.0, 9.0];
+    let cases: Vec<(UnaryOp, fn(f64) -> f64, &[f64])> = vec![
+        (UnaryOp::Neg, |x| -x, &xs),
+        (UnaryOp::Abs, f64::abs, &xs),
+        (UnaryOp::Exp, f64::exp, &xs),
+        (UnaryOp::Log, f64::ln, &pos),
+        (UnaryOp::Sqrt, f64::sqrt, &pos),
+        (UnaryOp::Rsqrt, |x| 1.0 / x.sqrt(), &pos),
+        (UnaryOp::Recip, |x| 1.0 / x, &pos),
+        (UnaryOp::Sin, f64::sin, &xs),
+        (UnaryOp::Cos, f64::cos, &xs),
+        (UnaryOp::Tanh, f64::tanh, &xs),
+        (UnaryOp::Sigmoid, |x| 1.0 / (1.0 + (-x).exp()), &xs),
+        (UnaryOp::Relu, |x| x.max(0.0), &xs),
+        (UnaryOp::Silu, |x| x / (1.0 + (-x).exp()), &xs),
+        (UnaryOp::Square, |x| x * x, &xs),
+        (UnaryOp::Sign, f64::signum, &[-2.0, 3.0]),
+        (UnaryOp::Step, |x| if x > 0.0 { 1.0 } else { 0.0 }, &xs),
+        (UnaryOp::GeluTanh, |x| 0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3))).tanh()), &xs),
+    ];
+    for (op, f, inputs) in cases {
+        let x = Tensor::from_slice(inputs, &[inputs.len()], CPU)?;
+        let got = x.unary(op)?.to_vec::<f64>()?;
+        let want: Vec<f64> = inputs.iter().map(|&x| f(x)).collect();
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() < 1e-12, "{op:?}: {got:?} vs {want:?}");
+        }
+    }
+    // Hand values: gelu(1) = 0.5 (1 + erf(1/sqrt 2)) = 0.841344746...; erf(0.5) = 0.520499877...
+    let g = Tensor::from_slice(&[1.0f64, 0.5], &[2], CPU)?;
+    assert!((g.gelu()?.to_vec::<f64>()?[0] - 0.841_344_746_068_543).abs() < 1e-12);
+    assert!((g.erf()?.to_vec::<f64>()?[1] - 0.520_499_877_813_046_5).abs() < 1e-12);
+    // Derivative ops against central differences.
+    for (op, d) in [(UnaryOp::Gelu, UnaryOp::GeluGrad), (UnaryOp::GeluTanh, UnaryOp::GeluTanhGrad), (UnaryOp::Silu, UnaryOp::SiluGrad)] {
+        let x = Tensor::from_slice(&xs, &[5], CPU)?;
+        let h = 1e-6;
+        let fd: Vec<f64> = x.add_scalar(h)?.unary(op)?.sub(&x.add_scalar(-h)?.unary(op)?)?.div_scalar(2.0 * h)?.to_vec()?;
+        let an = x.unary(d)?.to_vec::<f64>()?;
+        for (a, b) in an.iter().zip(&fd) {
+            assert!((a - b).abs() < 1e-7, "{d:?}: {an:?} vs {fd:?}");
+        }
+    }
+    close(&v(&t(&[4.0, 9.0], &[2]).powf(0.5)?), &[2.0, 3.0], 1e-6);
+    Ok(())
+}
+
+#[test]
+fn binary_ops_broadcast_like_numpy() -> Result<()> {
+    let a = t(&[1., 2., 3., 4., 5., 6.], &[2, 3]);
+    let row = t(&[10., 20., 30.], &[3]);
+    let col = t(&[100., 200.], &[2, 1]);
+    assert_eq!(v(&a.add(&row)?), vec![11., 22., 33., 14., 25., 36.]);
+    assert_eq!(v(&a.add(&col)?), vec![101., 102., 103., 204., 205., 206.]);
+    assert_eq!(v(&col.sub(&row)?), vec![90., 80., 70., 190., 180., 170.]);
+    assert_eq!(v(&a.mul(&row)?), vec![10., 40., 90., 40., 100., 180.]);
+    assert_eq!(v(&a.div(&col)?), vec![0.01, 0.02, 0.03, 0.02, 0.025, 0.03]);
+    assert_eq!(v(&t(&[2., 3.], &[2]).pow(&t(&[3., 2.], &[2]))?), vec![8., 9.]);
+    assert_eq!(v(&a.maximum(&t(&[3.], &[1]))?), vec![3., 3., 3., 4., 5., 6.]);
+    assert_eq!(v(&a.minimum(&t(&[3.], &[1]))?), vec![1., 2., 3., 3., 3., 3.]);
+    let masks = [a.eq(&row.div_scalar(10.0)?)?, a.gt_scalar(3.0)?, a.le_scalar(2.0)?, a.ne_scalar(2.0)?];
+    assert!(masks.iter().all(|m| m.dtype() == DType::U8));
+    assert_eq!(masks[0].to_vec::<u8>()?, vec![1, 1, 1, 0, 0, 0]);
+    assert_eq!(masks[1].to_vec::<u8>()?, vec![0, 0, 0, 1, 1, 1]);
+    assert_eq!(masks[2].to_vec::<u8>()?, vec![1, 1, 0, 0, 0, 0]);
+    assert_eq!(masks[3].to_vec::<u8>()?, vec![1, 0, 1, 1, 1, 1]);
+    assert_eq!(a.lt(&col.div_scalar(50.0)?)?.to_vec::<u8>()?, vec![1, 0, 0, 0, 0, 0]); // [[1,2,3]] < 2, [[4,5,6]] < 4
+    assert_eq!(a.ge(&a)?.to_vec::<u8>()?, vec![1; 6]);
+    // Scalar forms, both sides.
+    assert_eq!(v(&a.rsub_scalar(1.0)?), vec![0., -1., -2., -3., -4., -5.]);
+    assert_eq!(v(&t(&[2., 4.], &[2]).rdiv_scalar(8.0)?), vec![4., 2.]);
+    assert_eq!(v(&(&a * 2.0)?), vec![2., 4., 6., 8., 10., 12.]);
+    assert_eq!(v(&(&a - &a)?), vec![0.; 6]);
+    // Non-contiguous operands: a transposed lhs plus an expanded rhs.
+    let at = a.t()?; // [3, 2]: [[1,4],[2,5],[3,6]]
+    assert_eq!(v(&at.add(&col.reshape(&[1, 2])?)?), vec![101., 204., 102., 205., 103., 206.]);
+    assert_eq!(v(&at.mul(&at)?), vec![1., 16., 4., 25., 9., 36.]);
+    // Empty and size-1 dims.
+    let e = Tensor::zeros(&[0, 3], DType::F32, CPU)?;
+    assert_eq!(e.add(&row)?.shape(), &[0, 3]);
+    assert_eq!(t(&[5.], &[1, 1]).add(&a)?.shape(), &[2, 3]);
+    // where with a broadcast condition.
+    let cond = Tensor::from_slice(&[1u8, 0, 1], &[3], CPU)?;
+    assert_eq!(v(&Tensor::where_cond(&cond, &a, &Tensor::zeros(&[1], DType::F32, CPU)?)?), vec![1., 0., 3., 4., 0., 6.]);
+    // Integers compute exactly.
+    let i = Tensor::from_slice(&[7i64, -3], &[2], CPU)?;
+    assert_eq!(i.mul(&i)?.to_vec::<i64>()?, vec![49, 9]);
+    assert_eq!(i.add_scalar(1.0)?.to_vec::<i64>()?, vec![8, -2]);
+    Ok(())
+}
+
+#[test]
+fn large_tensors_take_the_parallel_paths() -> Result<()> {
+    let n = 1 << 17;
+    let x = Tensor::arange(n, DType::F32, CPU)?;
+    let y = x.mul_scalar(2.0)?.add(&x)?; // 3x
+    let got = v(&y);
+    assert!(got.iter().enumerate().all(|(i, &g)| g == 3.0 * i as f32));
+    let m = x.reshape(&[256, 512])?;
+    let mt = m.t()?.add_scalar(1.0)?; // strided parallel path
+    assert_eq!(v(&mt)[..3], [1.0, 513.0, 1025.0]);
+    let s = m.sum(&[1], false)?; // each row: sum of 512 consecutive ints
+    let r0: f64 = (0..512).map(|i| i as f64).sum();
+    assert_eq!(v(&s)[0] as f64, r0);
+    Ok(())
+}
+
+#[test]
+fn reductions() -> Result<()> {
+    let a = t(&[1., 5., 3., 4., 2., 6.], &[2, 3]);
+    assert_eq!(v(&a.sum(&[0], false)?), vec![5., 7., 9.]);
+    assert_eq!(v(&a.sum(&[1], true)?), vec![9., 12.]);
+    assert_eq!(a.sum(&[1], true)?.shape(), &[2, 1]);
+    assert_eq!(v(&a.sum_all()?), vec![21.]);
+    assert_eq!(v(&a.sum(&[-1, 0], false)?), vec![21.]);
+    assert_eq!(v(&a.max(&[1], false)?), vec![5., 6.]);
+    assert_eq!(v(&a.min(&[0], false)?), vec![1., 2., 3.]);
+    assert_eq!(a.argmax(1, false)?.to_vec::<i64>()?, vec![1, 2]);
+    assert_eq!(a.argmin(0, false)?.to_vec::<i64>()?, vec![0, 1, 0]);
+    close(&v(&a.mean(&[0], false)?), &[2.5, 3.5, 4.5], 1e-7);
+    // var of [1,5,3] = mean 3, squared deviations 4+4+0 = 8, /2 unbiased = 4, /3 biased.
+    // [4,2,6]: mean 4, deviations 0+4+4 = 8 as well.
+    close(&v(&a.var(&[1], false, 1)?), &[4.0, 4.0], 1e-6);
+    close(&v(&a.var(&[1], false, 0)?), &[8.0 / 3.0, 8.0 / 3.0], 1e-6);
+    // Over a transposed view and over several dims.
+    let at = a.t()?;
+    assert_eq!(v(&at.sum(&[0], false)?), vec![9., 12.]);
+    let b = Tensor::arange(24, DType::F32, CPU)?.reshape(&[2, 3, 4])?;
+    assert_eq!(v(&b.sum(&[0, 2], false)?), vec![60., 92., 124.]);
+    // Empty sums are 0; max over an empty dim is an error.
+    let e = Tensor::zeros(&[2, 0], DType::F32, CPU)?;
+    assert_eq!(v(&e.sum(&[1], false)?), vec![0., 0.]);
+    assert!(e.max(&[1], false).is_err());
+    // NaN propagates through max like torch.max.
+    let n = t(&[1., f32::NAN, 3.], &[3]);
+    assert!(v(&n.max(&[0], false)?)[0].is_nan());
+    Ok(())
+}
+
+#[test]
+fn softmax_and_log_softmax() -> Result<()> {
+    let x = t(&[1., 2., 3., 1000., 1000., 1000.], &[2, 3]);
+    let e = [1f64.exp(), 2f64.exp(), 3f64.exp()];
+    let z: f64 = e.iter().sum();
+    let want: Vec<f32> = e.iter().map(|v| (v / z) as f32).chain([1. / 3.; 3]).collect();
+    close(&v(&x.softmax(-1)?), &want, 1e-6);
+    let lw: Vec<f32> = want.iter().map(|p| p.ln()).collect();
+    close(&v(&x.log_softmax(1)?), &lw, 1e-5);
+    // Along dim 0 of a transposed view.
+    close(&v(&x.t()?.softmax(0)?.t()?.contiguous()?), &want, 1e-6);
+    Ok(())
+}
+
+fn naive_matmul(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+    let mut out = vec![0.0; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            out[i * n + j] = (0..k).map(|p| a[i * k + p] * b[p * n + j]).sum();
+        }
+    }
+    out
+}
+
+#[test]
+fn matmul_small_batched_broadcast_and_transposed() -> Result<()> {
+    let a = t(&[1., 2., 3., 4., 5., 6.], &[2, 3]);
+    let b = t(&[7., 8., 9., 10., 11., 12.], &[3, 2]);
+    assert_eq!(v(&a.matmul(&b)?), vec![58., 64., 139., 154.]);
+    // Transposed operands need no copy and give the same product.
+    assert_eq!(v(&b.t()?.matmul(&a.t()?)?), vec![58., 139., 64., 154.]);
+    // Batched with a broadcast rhs.
+    let ab = Tensor::arange(12, DType::F32, CPU)?.reshape(&[2, 2, 3])?;
+    let out = ab.matmul(&b)?;
+    assert_eq!(out.shape(), &[2, 2, 2]);
+    let av = v(&ab);
+    let bv = v(&b);
+    let want: Vec<f32> = (0..2).flat_map(|i| naive_matmul(&av[i * 6..i * 6 + 6], &bv, 2, 3, 2)).collect();
+    assert_eq!(v(&out), want);
+    // Vectors are promoted like torch.matmul.
+    let x = t(&[1., 1., 1.], &[3]);
+    assert_eq!(v(&a.matmul(&x)?), vec![6., 15.]);
+    assert_eq!(x.matmul(&x)?.shape(), &[0usize; 0]);
+    // A larger product checks the threaded gemm path against the naive loop.
+    let (m, k, n) = (67, 130, 45);
+    let a = Tensor::rand_at(&[m, k], Distribution::Normal, 9, 0, DType::F32, CPU)?;
+    let b = Tensor::rand_at(&[k, n], Distribution::Normal, 9, 100_000, DType::F32, CPU)?;
+    close(&v(&a.matmul(&b)?), &naive_matmul(&v(&a), &v(&b), m, k, n), 1e-4);
+    // Half precision within its tolerance.
+    for dt in [DType::F16, DType::BF16, DType::F64] {
+        let got = v(&a.to_dtype(dt)?.matmul(&b.to_dtype(dt)?)?);
+        let tol = if dt == DType::F64 { 1e-5 } else { 3e-2 };
+        let want = naive_matmul(&v(&a.to_dtype(dt)?), &v(&b.to_dtype(dt)?), m, k, n);
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() <= tol * (1.0 + w.abs()) + if dt == DType::F64 { 0.0 } else { 0.1 }, "{dt:?}: {g} vs {w}");
+        }
+    }
+    // k = 0 gives zeros.
+    let z = Tensor::zeros(&[2, 0], DType::F32, CPU)?.matmul(&Tensor::zeros(&[0, 3], DType::F32, CPU)?)?;
+    assert_eq!(v(&z), vec![0.; 6]);
+    Ok(())
+}
+
+#[test]
+fn indexing_ops() -> Result<()> {
+    let w = t(&[0., 1., 10., 11., 20., 21.], &[3, 2]);
+    let ids = Tensor::from_slice(&[2i64, 0, 2], &[3], CPU)?;
+    assert_eq!(v(&w.index_select(0, &ids)?), vec![20., 21., 0., 1., 20., 21.]);
+    assert_eq!(v(&w.index_select(1, &Tensor::from_slice(&[1i64], &[1], CPU)?)?), vec![1., 11., 21.]);
+    let e = w.embedding(&Tensor::from_slice(&[1i64, 2, 0, 1], &[2, 2], CPU)?)?;
+    assert_eq!(e.shape(), &[2, 2, 2]);
+    assert_eq!(v(&e), vec![10., 11., 20., 21., 0., 1., 10., 11.]);
+    let acc = Tensor::zeros(&[3, 2], DType::F32, CPU)?.index_add(0, &ids, &t(&[1., 1., 2., 2., 3., 3.], &[3, 2]))?;
+    assert_eq!(v(&acc), vec![2., 2., 0., 0., 4., 4.]);
+    // gather picks one entry per row, like cross-entropy's target lookup.
+    let logits = t(&[0.1, 0.2, 0.3, 1.1, 1.2, 1.3], &[2, 3]);
+    let tgt = Tensor::from_slice(&[2i64, 0], &[2, 1], CPU)?;
+    close(&v(&logits.gather(1, &tgt)?), &[0.3, 1.1], 1e-7);
+    close(&v(&logits.t()?.gather(0, &Tensor::from_slice(&[1i64, 2], &[1, 2], CPU)?)?), &[0.2, 1.3], 1e-7);
+    let sc = Tensor::zeros(&[2, 3], DType::F32, CPU)?.scatter_add(1, &tgt, &t(&[5., 7.], &[2, 1]))?;
+    assert_eq!(v(&sc), vec![0., 0., 5., 7., 0., 0.]);
+    // cat and stack.
+    let c = Tensor::cat(&[&w, &t(&[30., 31.], &[1, 2])], 0)?;
+    assert_eq!(v(&c), vec![0., 1., 10., 11., 20., 21., 30., 31.]);
+    let c1 = Tensor::cat(&[&w, &w.narrow(1, 0, 1)?], 1)?;
+    assert_eq!(v(&c1), vec![0., 1., 0., 10., 11., 10., 20., 21., 20.]);
+    let s = Tensor::stack(&[&t(&[1., 2.], &[2]), &t(&[3., 4.], &[2])], 1)?;
+    assert_eq!((s.shape(), v(&s)), (&[2usize, 2][..], vec![1., 3., 2., 4.]));
+    Ok(())
+}
+
+#[test]
+fn casts_and_half_precision() -> Result<()> {
+    let x = t(&[1.5, -2.25, 1000.0, 0.1], &[4]);
+    assert_eq!(x.to_dtype(DType::F16)?.to_vec::<f16>()?, [1.5, -2.25, 1000.0, 0.1].map(f16::from_f32).to_vec());
+    assert_eq!(x.to_dtype(DType::BF16)?.to_vec::<bf16>()?, [1.5, -2.25, 1000.0, 0.1].map(bf16::from_f32).to_vec());
+    assert_eq!(x.to_dtype(DType::I64)?.to_vec::<i64>()?, vec![1, -2, 1000, 0]);
+    for dt in [DType::F16, DType::BF16] {
+        let h = x.to_dtype(dt)?;
+        let y = h.mul(&h)?.add_scalar(1.0)?.exp()?.log()?;
+        assert_eq!(y.dtype(), dt);
+        let want: Vec<f32> = v(&h).iter().map(|a| a * a + 1.0).collect();
+        close(&v(&y.narrow(0, 0, 2)?), &want[..2], if dt == DType::F16 { 2e-3 } else { 1e-2 });
+        close(&v(&h.softmax(0)?.sum_all()?), &[1.0], 1e-2);
+    }
+    Ok(())
+}
+
+#[test]
+fn in_place_updates_write_through_views() -> Result<()> {
+    let x = Tensor::zeros(&[2, 3], DType::F32, CPU)?;
+    let view = x.narrow(1, 1, 2)?;
+    view.assign(&t(&[1., 2.], &[2]))?;
+    assert_eq!(v(&x), vec![0., 1., 2., 0., 1., 2.]);
+    x.add_(&t(&[10.], &[1]))?;
+    x.mul_scalar_(2.0)?;
+    assert_eq!(v(&x), vec![20., 22., 24., 20., 22., 24.]);
+    x.t()?.sub_(&t(&[20., 22., 24.], &[3, 1]))?; // non-contiguous destination
+    assert_eq!(v(&x), vec![0.; 6]);
+    let before = x.storage().version();
+    x.fill_(1.5)?;
+    assert!(x.storage().version() > before);
+    x.add_(&x)?; // the source aliases the destination
+    assert_eq!(v(&x), vec![3.; 6]);
+    x.div_(&x.mul_scalar(3.0)?)?;
+    assert_eq!(v(&x), vec![1. / 3.; 6]);
+    x.zero_()?;
+    assert_eq!(v(&x), vec![0.; 6]);
+    Ok(())
+}
+
+#[test]
+fn display_looks_like_pytorch() -> Result<()> {
+    let x = t(&[1., 2.5, -3., 4.], &[2, 2]);
+    assert_eq!(x.to_string(), "tensor([[ 1.0000,  2.5000],\n        [-3.0000,  4.0000]])");
+    assert_eq!(Tensor::arange(3, DType::I64, CPU)?.to_string(), "tensor([0, 1, 2])");
+    assert_eq!(Tensor::scalar(2.0, DType::F64, CPU)?.to_string(), "tensor(2.0000, dtype=float64)");
+    let big = Tensor::arange(2000, DType::I64, CPU)?.to_string();
+    assert!(big.starts_with("tensor([   0,    1,    2, ..., 1997, 1998, 1999])"), "{big}");
+    Ok(())
+}
