@@ -1,1 +1,159 @@
-//! kiln-autograd
+//! kiln-autograd: reverse-mode differentiation over the graph that `Tensor::apply` records.
+//!
+//! Each op output that depends on a tensor requiring grad carries a `GradFn` (the op and its
+//! inputs); that chain is the tape. `backward` walks it in reverse topological order and
+//! applies one rule per primitive op (`rules.rs`), written with tensor ops only, so a tracer
+//! sees the backward pass like any other code. Gradients accumulate in place into the
+//! leaves' `.grad()`.
+
+mod gradcheck;
+mod rules;
+
+pub use gradcheck::{gradcheck, GradcheckConfig};
+pub use kiln_tensor::no_grad;
+use kiln_tensor::{Error, Result, Tensor, TensorId};
+use std::collections::{HashMap, HashSet};
+
+/// Turns recording off while alive (like `torch.no_grad()` used as a context manager).
+pub struct NoGradGuard {
+    prev: bool,
+}
+
+impl NoGradGuard {
+    #[allow(clippy::new_without_default)]
+    pub fn new() -> NoGradGuard {
+        NoGradGuard { prev: kiln_tensor::set_grad_enabled(false) }
+    }
+}
+
+impl Drop for NoGradGuard {
+    fn drop(&mut self) {
+        kiln_tensor::set_grad_enabled(self.prev);
+    }
+}
+
+/// `loss.backward()` for tensors.
+pub trait Backward {
+    /// Accumulates d(self)/d(leaf) into every leaf that requires grad; `self` must hold one
+    /// element.
+    fn backward(&self) -> Result<()>;
+}
+
+impl Backward for Tensor {
+    fn backward(&self) -> Result<()> {
+        backward(self)
+    }
+}
+
+/// Backward from a one-element tensor (seeded with 1).
+pub fn backward(root: &Tensor) -> Result<()> {
+    if root.numel() != 1 {
+        return Err(Error::shape("backward", format!("needs a one-element loss, got shape {:?}; use backward_with for other shapes", root.shape())));
+    }
+    let seed = no_grad(|| root.ones_like())?;
+    backward_with(root, &seed)
+}
+
+/// Backward from any tensor, seeded with `grad` (same shape).
+pub fn backward_with(root: &Tensor, grad: &Tensor) -> Result<()> {
+    let leaves = run(root, grad, None)?;
+    for (leaf, g) in leaves {
+        accumulate(&leaf, g)?;
+    }
+    Ok(())
+}
+
+/// Gradients of `root` with respect to `inputs` (seeded with ones), without touching any
+/// `.grad()`: like `torch.autograd.grad`. An input `root` does not depend on gets `None`.
+pub fn grad(root: &Tensor, inputs: &[&Tensor]) -> Result<Vec<Option<Tensor>>> {
+    let seed = no_grad(|| root.ones_like())?;
+    let wanted: HashSet<TensorId> = inputs.iter().map(|t| t.id()).collect();
+    let found = run(root, &seed, Some(&wanted))?;
+    Ok(inputs.iter().map(|t| found.iter().find(|(l, _)| l.id() == t.id()).map(|(_, g)| g.clone())).collect())
+}
+
+/// Tensors reachable from `root` through recorded ops, inputs before the ops that use them.
+fn topo_order(root: &Tensor) -> Vec<Tensor> {
+    let mut order = Vec::new();
+    let mut seen = HashSet::new();
+    // Iterative post-order DFS: deep graphs must not overflow the stack.
+    let mut stack: Vec<(Tensor, bool)> = vec![(root.clone(), false)];
+    while let Some((t, expanded)) = stack.pop() {
+        if expanded {
+            order.push(t);
+            continue;
+        }
+        if !seen.insert(t.id()) {
+            continue;
+        }
+        stack.push((t.clone(), true));
+        if let Some(f) = t.grad_fn() {
+            for i in f.inputs.iter().filter(|i| i.requires_grad()) {
+                if !seen.contains(&i.id()) {
+                    stack.push((i.clone(), false));
+                }
+            }
+        }
+    }
+    order
+}
+
+/// Walks the graph; returns the gradient of every leaf that requires grad (or, with `wanted`,
+/// of those tensors whether leaves or not).
+fn run(root: &Tensor, seed: &Tensor, wanted: Option<&HashSet<TensorId>>) -> Result<Vec<(Tensor, Tensor)>> {
+    if !root.requires_grad() {
+        return Err(Error::Msg(format!("backward: the tensor (shape {:?}) does not require grad: no parameter it depends on has requires_grad set", root.shape())));
+    }
+    if seed.shape() != root.shape() {
+        return Err(Error::shape("backward", format!("seed gradient {:?} does not match the output {:?}", seed.shape(), root.shape())));
+    }
+    let _guard = NoGradGuard::new();
+    let order = topo_order(root);
+    let mut grads: HashMap<TensorId, Tensor> = HashMap::new();
+    grads.insert(root.id(), seed.clone());
+    let mut out = Vec::new();
+    for t in order.iter().rev() {
+        let Some(g) = grads.remove(&t.id()) else { continue };
+        let want = wanted.is_some_and(|w| w.contains(&t.id()));
+        if want || (wanted.is_none() && t.is_leaf() && t.requires_grad()) {
+            out.push((t.clone(), g.clone()));
+        }
+        let Some(f) = t.grad_fn() else { continue };
+        for (i, (inp, &ver)) in f.inputs.iter().zip(&f.versions).enumerate() {
+            if inp.storage().version() != ver {
+                return Err(Error::Msg(format!(
+                    "backward: input {i} of {} (shape {:?}) was modified in place after it was used; autograd needs its old value",
+                    f.op.name(),
+                    inp.shape()
+                )));
+            }
+        }
+        let dins = rules::backward(&f.op, &f.inputs, t, &g)?;
+        for (inp, d) in f.inputs.iter().zip(dins) {
+            let Some(d) = d else { continue };
+            if !inp.requires_grad() {
+                continue;
+            }
+            let d = if d.dtype() != inp.dtype() { d.to_dtype(inp.dtype())? } else { d };
+            match grads.remove(&inp.id()) {
+                Some(prev) => grads.insert(inp.id(), prev.add(&d)?),
+                None => grads.insert(inp.id(), d),
+            };
+        }
+    }
+    Ok(out)
+}
+
+/// Adds `g` into `leaf.grad()`, in place when a gradient is already there (so its buffer
+/// stays the same across steps); a fresh gradient gets its own contiguous storage.
+fn accumulate(leaf: &Tensor, g: Tensor) -> Result<()> {
+    let _guard = NoGradGuard::new();
+    match leaf.grad() {
+        Some(prev) => prev.add_(&g),
+        None => {
+            let owned = if g.is_contiguous() && g.layout().offset == 0 && std::sync::Arc::strong_count(g.storage()) == 1 { g } else { g.copy()? };
+            leaf.set_grad(Some(owned));
+            Ok(())
+        }
+    }
+}

@@ -50,14 +50,14 @@ impl From<std::io::Error> for Error {
 }
 
 impl Error {
-    pub(crate) fn shape(op: &'static str, msg: impl Into<String>) -> Self {
+    pub fn shape(op: &'static str, msg: impl Into<String>) -> Self {
         Error::Shape { op, msg: msg.into() }
     }
-    pub(crate) fn dtype(op: &'static str, msg: impl Into<String>) -> Self {
+    pub fn dtype(op: &'static str, msg: impl Into<String>) -> Self {
         Error::DType { op, msg: msg.into() }
     }
     /// An error for an op that needs two equal dtypes.
-    pub(crate) fn dtype_mismatch(op: &'static str, lhs: DType, rhs: DType) -> Self {
+    pub fn dtype_mismatch(op: &'static str, lhs: DType, rhs: DType) -> Self {
         Error::DType { op, msg: format!("dtype mismatch: {lhs:?} vs {rhs:?}; cast one side with .to_dtype()") }
     }
 }

@@ -41,6 +41,23 @@ struct Inner {
     grad: Mutex<Option<Tensor>>,
 }
 
+// Dropping a long chain of recorded ops would recurse once per op (Inner -> GradFn -> inputs
+// -> Inner ...) and overflow the stack; unlink the chain iteratively instead.
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let Some(first) = self.grad_fn.take() else { return };
+        let mut stack = vec![first];
+        while let Some(f) = stack.pop() {
+            let Ok(mut f) = Arc::try_unwrap(f) else { continue };
+            for t in f.inputs.drain(..) {
+                if let Ok(mut inner) = Arc::try_unwrap(t.0) {
+                    stack.extend(inner.grad_fn.take());
+                }
+            }
+        }
+    }
+}
+
 /// Observes every op while a compiled step is traced. Installed per thread by `kiln-compile`.
 pub trait Tracer {
     /// Called after each op with its inputs and its output (the destination for in-place ops).

@@ -1,0 +1,204 @@
+//! One backward rule per primitive op, written with tensor ops. `g` is the gradient of the
+//! op's output `out`; the result has one entry per input (`None`: no gradient flows there).
+
+use kiln_tensor::{BinaryOp, Error, Op, ReduceOp, Result, Tensor, UnaryOp};
+
+/// Sums `g` over the dims that broadcasting expanded, so it has `shape` again.
+pub fn reduce_to(g: &Tensor, shape: &[usize]) -> Result<Tensor> {
+    if g.shape() == shape {
+        return Ok(g.clone());
+    }
+    let extra = g.rank() - shape.len();
+    let mut dims: Vec<usize> = (0..extra).collect();
+    dims.extend((0..shape.len()).filter(|&d| shape[d] == 1 && g.shape()[extra + d] != 1).map(|d| d + extra));
+    g.sum(&dims, true)?.reshape(shape)
+}
+
+/// 1 where `a` wins a max (or min) against `b`, 0.5 on ties: gradients split evenly there.
+fn win_mask(a: &Tensor, b: &Tensor, max: bool) -> Result<Tensor> {
+    let dt = a.dtype();
+    let wins = if max { a.gt(b)? } else { a.lt(b)? };
+    wins.to_dtype(dt)?.add(&a.eq(b)?.to_dtype(dt)?.mul_scalar(0.5)?)
+}
+
+fn unary_rule(u: UnaryOp, x: &Tensor, out: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+    let d = match u {
+        UnaryOp::Neg => g.neg()?,
+        UnaryOp::Abs => g.mul(&x.sign()?)?,
+        UnaryOp::Exp => g.mul(out)?,
+        UnaryOp::Log => g.div(x)?,
+        UnaryOp::Sqrt => g.div(out)?.mul_scalar(0.5)?,                  // 1 / (2 sqrt x)
+        UnaryOp::Rsqrt => g.mul(&out.powf(3.0)?)?.mul_scalar(-0.5)?,     // -x^(-3/2) / 2
+        UnaryOp::Recip => g.mul(&out.square()?)?.neg()?,                 // -1 / x^2
+        UnaryOp::Sin => g.mul(&x.cos()?)?,
+        UnaryOp::Cos => g.mul(&x.sin()?)?.neg()?,
+        UnaryOp::Tanh => g.mul(&out.square()?.rsub_scalar(1.0)?)?,       // 1 - tanh^2
+        UnaryOp::Sigmoid => g.mul(&out.mul(&out.rsub_scalar(1.0)?)?)?,  // s (1 - s)
+        UnaryOp::Relu => g.mul(&x.unary(UnaryOp::Step)?)?,
+        UnaryOp::Gelu => g.mul(&x.unary(UnaryOp::GeluGrad)?)?,
+        UnaryOp::GeluTanh => g.mul(&x.unary(UnaryOp::GeluTanhGrad)?)?,
+        UnaryOp::Silu => g.mul(&x.unary(UnaryOp::SiluGrad)?)?,
+        // 2 / sqrt(pi) exp(-x^2)
+        UnaryOp::Erf => g.mul(&x.square()?.neg()?.exp()?.mul_scalar(std::f64::consts::FRAC_2_SQRT_PI)?)?,
+        UnaryOp::Square => g.mul(x)?.mul_scalar(2.0)?,
+        UnaryOp::Sign | UnaryOp::Step => return Ok(None), // piecewise constant
+        UnaryOp::GeluGrad | UnaryOp::GeluTanhGrad | UnaryOp::SiluGrad => {
+            return Err(Error::Msg(format!("backward: second derivatives through {} are not supported", u.name())));
+        }
+    };
+    Ok(Some(d))
+}
+
+fn binary_rule(b: BinaryOp, x: &Tensor, y: &Tensor, out: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    let (dx, dy) = match b {
+        BinaryOp::Add => (g.clone(), g.clone()),
+        BinaryOp::Sub => (g.clone(), g.neg()?),
+        BinaryOp::Mul => (g.mul(y)?, g.mul(x)?),
+        BinaryOp::Div => (g.div(y)?, g.mul(out)?.div(y)?.neg()?), // d/dy x/y = -x/y^2 = -out/y
+        // d/dx x^y = y x^(y-1); d/dy x^y = x^y ln x
+        BinaryOp::Pow => (g.mul(y)?.mul(&x.pow(&y.add_scalar(-1.0)?)?)?, g.mul(out)?.mul(&x.log()?)?),
+        BinaryOp::Maximum | BinaryOp::Minimum => {
+            let m = win_mask(x, y, b == BinaryOp::Maximum)?;
+            (g.mul(&m)?, g.mul(&m.rsub_scalar(1.0)?)?)
+        }
+        BinaryOp::Eq | BinaryOp::Ne | BinaryOp::Lt | BinaryOp::Le | BinaryOp::Gt | BinaryOp::Ge => return Ok((None, None)),
+    };
+    Ok((Some(reduce_to(&dx, x.shape())?), Some(reduce_to(&dy, y.shape())?)))
+}
+
+fn scalar_rule(b: BinaryOp, v: f64, lhs: bool, x: &Tensor, out: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+    let d = match (b, lhs) {
+        (BinaryOp::Add, _) => g.clone(),
+        (BinaryOp::Sub, false) => g.clone(),
+        (BinaryOp::Sub, true) => g.neg()?,
+        (BinaryOp::Mul, _) => g.mul_scalar(v)?,
+        (BinaryOp::Div, false) => g.mul_scalar(1.0 / v)?,
+        (BinaryOp::Div, true) => g.mul(out)?.div(x)?.neg()?, // d/dx v/x = -v/x^2 = -out/x
+        (BinaryOp::Pow, false) => g.mul(&x.powf(v - 1.0)?)?.mul_scalar(v)?,
+        (BinaryOp::Pow, true) => g.mul(out)?.mul_scalar(v.ln())?,
+        (BinaryOp::Maximum | BinaryOp::Minimum, _) => {
+            let s = Tensor::scalar(v, x.dtype(), x.device())?;
+            g.mul(&win_mask(x, &s, b == BinaryOp::Maximum)?)?
+        }
+        (BinaryOp::Eq | BinaryOp::Ne | BinaryOp::Lt | BinaryOp::Le | BinaryOp::Gt | BinaryOp::Ge, _) => return Ok(None),
+    };
+    Ok(Some(d))
+}
+
+/// `g` of a reduction over `dims` brought back to the input's rank (size 1 on reduced dims).
+fn unreduce(g: &Tensor, in_shape: &[usize], dims: &[usize], keepdim: bool) -> Result<Tensor> {
+    if keepdim {
+        return Ok(g.clone());
+    }
+    let kept: Vec<usize> = in_shape.iter().enumerate().map(|(i, &s)| if dims.contains(&i) { 1 } else { s }).collect();
+    g.reshape(&kept)
+}
+
+fn matmul_rule(a: &Tensor, b: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    // A batched activation times a 2-D weight: fold the batch into rows so dW is one product.
+    if b.rank() == 2 && a.rank() > 2 {
+        let k = a.shape()[a.rank() - 1];
+        let n = b.shape()[1];
+        let a2 = a.reshape(&[-1, k as i64])?;
+        let g2 = g.reshape(&[-1, n as i64])?;
+        let da = g.matmul(&b.t()?)?;
+        return Ok((Some(da), Some(a2.t()?.matmul(&g2)?)));
+    }
+    let da = g.matmul(&b.t()?)?;
+    let db = a.t()?.matmul(g)?;
+    Ok((Some(reduce_to(&da, a.shape())?), Some(reduce_to(&db, b.shape())?)))
+}
+
+/// The gradients of an op's inputs given the gradient `g` of its output `out`.
+pub fn backward(op: &Op, inputs: &[Tensor], out: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
+    let x = inputs.first();
+    let x0 = || x.ok_or_else(|| Error::Msg(format!("backward of {}: missing input", op.name())));
+    Ok(match op {
+        Op::Full { .. } | Op::Arange { .. } | Op::Rand { .. } => vec![],
+        Op::Unary(u) => vec![unary_rule(*u, x0()?, out, g)?],
+        Op::Binary(b) => {
+            let (dx, dy) = binary_rule(*b, &inputs[0], &inputs[1], out, g)?;
+            vec![dx, dy]
+        }
+        Op::Scalar { op: b, value, scalar_lhs } => vec![scalar_rule(*b, *value, *scalar_lhs, x0()?, out, g)?],
+        Op::Where => {
+            let zero = Tensor::zeros(&[], g.dtype(), g.device())?;
+            let c = &inputs[0];
+            let da = Tensor::where_cond(c, g, &zero)?;
+            let db = Tensor::where_cond(c, &zero, g)?;
+            vec![None, Some(reduce_to(&da, inputs[1].shape())?), Some(reduce_to(&db, inputs[2].shape())?)]
+        }
+        Op::Cast(_) => vec![Some(g.to_dtype(x0()?.dtype())?)],
+        Op::Reduce { op: r, dims, keepdim } => {
+            let x = x0()?;
+            let gk = unreduce(g, x.shape(), dims, *keepdim)?;
+            match r {
+                ReduceOp::Sum => vec![Some(gk.broadcast_to(x.shape())?)],
+                ReduceOp::Max | ReduceOp::Min => {
+                    // Split evenly between tied extremes, like torch.amax.
+                    let ok = unreduce(out, x.shape(), dims, *keepdim)?;
+                    let hit = x.eq(&ok)?.to_dtype(x.dtype())?;
+                    let count = hit.sum(dims, true)?;
+                    vec![Some(gk.div(&count)?.mul(&hit)?)]
+                }
+                ReduceOp::ArgMax | ReduceOp::ArgMin => vec![None],
+            }
+        }
+        Op::Matmul => {
+            let (da, db) = matmul_rule(&inputs[0], &inputs[1], g)?;
+            vec![da, db]
+        }
+        Op::Reshape(_) | Op::Contiguous => vec![Some(g.reshape(x0()?.shape())?)],
+        Op::Permute(perm) => {
+            let mut inv = vec![0usize; perm.len()];
+            for (i, &p) in perm.iter().enumerate() {
+                inv[p] = i;
+            }
+            vec![Some(g.permute(&inv)?)]
+        }
+        Op::Narrow { dim, start, len } => {
+            // Pad with zeros back to the input's extent along `dim`.
+            let x = x0()?;
+            let mut parts = Vec::new();
+            let zeros = |n: usize| -> Result<Tensor> {
+                let mut s = x.shape().to_vec();
+                s[*dim] = n;
+                Tensor::zeros(&s, g.dtype(), g.device())
+            };
+            let after = x.shape()[*dim] - start - len;
+            if *start > 0 {
+                parts.push(zeros(*start)?);
+            }
+            parts.push(g.clone());
+            if after > 0 {
+                parts.push(zeros(after)?);
+            }
+            let refs: Vec<&Tensor> = parts.iter().collect();
+            vec![Some(Tensor::cat(&refs, *dim)?)]
+        }
+        Op::Expand(_) => vec![Some(reduce_to(g, x0()?.shape())?)],
+        Op::IndexSelect { dim } => {
+            let x = x0()?;
+            vec![Some(x.zeros_like()?.index_add(*dim, &inputs[1], g)?), None]
+        }
+        Op::IndexAdd { dim } => vec![Some(g.clone()), None, Some(g.index_select(*dim, &inputs[1])?)],
+        Op::Gather { dim } => {
+            let x = x0()?;
+            vec![Some(x.zeros_like()?.scatter_add(*dim, &inputs[1], g)?), None]
+        }
+        Op::ScatterAdd { dim } => vec![Some(g.clone()), None, Some(g.gather(*dim, &inputs[1])?)],
+        Op::Cat { dim } => {
+            let mut at = 0;
+            let mut out = Vec::with_capacity(inputs.len());
+            for t in inputs {
+                let n = t.shape()[*dim];
+                out.push(Some(g.narrow(*dim, at, n)?));
+                at += n;
+            }
+            out
+        }
+        Op::Assign | Op::UpdateBinary(_) | Op::UpdateScalar(..) => {
+            return Err(Error::Msg(format!("backward: in-place {} is not differentiable", op.name())));
+        }
+    })
+}
