@@ -1,1 +1,63 @@
-//! kiln-nn
+//! kiln-nn: the `Module` trait, layers (Linear, Embedding, LayerNorm, RMSNorm, Dropout,
+//! activations, Sequential, MultiheadAttention, Transformer), losses, PyTorch-default
+//! initialisation and safetensors state dicts.
+//!
+//! Parameters are tensor leaves with `requires_grad` set; a module lists them under PyTorch's
+//! state-dict names (`layers.0.weight`) through `Module::visit`.
+
+pub mod activation;
+pub mod attention;
+pub mod init;
+pub mod layers;
+pub mod loss;
+pub mod state_dict;
+pub mod transformer;
+
+pub use activation::{Activation, Gelu, Relu, Silu, Tanh};
+pub use attention::{causal_mask, scaled_dot_product_attention, AttnMasks, MultiheadAttention};
+pub use layers::{dropout, Dropout, Embedding, Layer, LayerNorm, Linear, RmsNorm, Sequential};
+pub use loss::{cross_entropy, cross_entropy_with, mse_loss, nll_loss, CrossEntropyConfig, Reduction};
+pub use state_dict::{load_state_dict, load_state_dict_from_bytes, save_state_dict, state_dict_to_bytes};
+pub use transformer::{Transformer, TransformerConfig, TransformerDecoderLayer, TransformerEncoderLayer, TransformerMasks};
+
+use kiln_tensor::{Result, Tensor};
+
+/// Anything with parameters. `visit` is the one method to write: it names each parameter.
+pub trait Module {
+    /// Calls `f(name, param)` for every parameter, names prefixed with `prefix`.
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor));
+    /// Switches train/eval behaviour (dropout) for this module and its children.
+    fn set_training(&mut self, _training: bool) {}
+
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut out = Vec::new();
+        self.visit("", &mut |n, t| out.push((n, t.clone())));
+        out
+    }
+    fn parameters(&self) -> Vec<Tensor> {
+        self.named_parameters().into_iter().map(|(_, t)| t).collect()
+    }
+    fn num_parameters(&self) -> usize {
+        self.parameters().iter().map(|p| p.numel()).sum()
+    }
+    fn train(&mut self) {
+        self.set_training(true)
+    }
+    fn eval(&mut self) {
+        self.set_training(false)
+    }
+}
+
+/// A module with one input and one output (what `Sequential` chains).
+pub trait Forward {
+    fn forward(&self, x: &Tensor) -> Result<Tensor>;
+}
+
+/// `prefix.name`, or `name` at the top.
+pub fn join(prefix: &str, name: &str) -> String {
+    if prefix.is_empty() {
+        name.to_string()
+    } else {
+        format!("{prefix}.{name}")
+    }
+}

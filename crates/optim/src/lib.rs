@@ -1,1 +1,46 @@
-//! kiln-optim
+//! kiln-optim: PyTorch's optimizers (`SGD`, `Adam`, `AdamW`), learning-rate schedulers,
+//! gradient clipping and optimizer checkpoints, with `torch.optim`'s semantics.
+//!
+//! Built so `kiln-compile` can trace a whole optimizer step and replay it:
+//! - every update is an in-place tensor op run under `no_grad`, so parameters, gradients and
+//!   state buffers keep their storage from step to step;
+//! - the step count and the learning rate are 0-dim tensors that the math reads, so a traced
+//!   step does not bake them in as constants (a scheduler changes them in place);
+//! - gradient clipping stays on the device (no host read of the norm).
+
+mod adam;
+mod clip;
+mod common;
+mod scheduler;
+mod sgd;
+mod state;
+
+pub use adam::{Adam, AdamConfig, AdamW};
+pub use clip::{clip_grad_norm, clip_grad_value};
+pub use scheduler::{CosineAnnealingLR, LrScheduler, OneCycleLR, StepLR, WarmupCosine};
+pub use sgd::{SgdConfig, SGD};
+pub use state::{load_state, save_state};
+
+use kiln_tensor::{Result, Tensor};
+
+/// An optimizer over a fixed list of parameters (`torch.optim.Optimizer`, one param group).
+pub trait Optimizer {
+    /// One update of every parameter that has a gradient (those whose `grad()` is None are
+    /// skipped, as in PyTorch).
+    fn step(&mut self) -> Result<()>;
+    /// Zeroes every existing gradient in place (PyTorch's `set_to_none=False`): the gradient
+    /// buffers then stay the same tensors across steps, which compiled steps and CUDA graphs
+    /// need (they read and write fixed addresses).
+    fn zero_grad(&mut self) -> Result<()>;
+    /// The current learning rate (a host copy of the lr tensor the math reads).
+    fn lr(&self) -> f64;
+    /// Sets the learning rate in place (the lr tensor keeps its storage).
+    fn set_lr(&mut self, lr: f64) -> Result<()>;
+    fn params(&self) -> &[Tensor];
+    /// `step`, `lr` and `state.{i}.{buffer}` for each parameter `i` that has state. The
+    /// tensors are the live ones (shared storage), not copies.
+    fn state_tensors(&self) -> Vec<(String, Tensor)>;
+    /// Loads what `state_tensors` returned. Checks every name, shape and dtype first and loads
+    /// nothing on error; parameters absent from `tensors` lose their state (as in PyTorch).
+    fn load_state_tensors(&mut self, tensors: &[(String, Tensor)]) -> Result<()>;
+}

@@ -40,6 +40,29 @@ impl DType {
     }
 }
 
+static DEFAULT_FLOAT: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// The float dtype new parameters get (like `torch.set_default_dtype`): F32 unless changed.
+pub fn default_dtype() -> DType {
+    match DEFAULT_FLOAT.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => DType::F64,
+        2 => DType::F16,
+        3 => DType::BF16,
+        _ => DType::F32,
+    }
+}
+
+/// Sets the float dtype for new parameters (process-wide). Non-float dtypes are ignored.
+pub fn set_default_dtype(d: DType) {
+    let code = match d {
+        DType::F64 => 1,
+        DType::F16 => 2,
+        DType::BF16 => 3,
+        _ => 0,
+    };
+    DEFAULT_FLOAT.store(code, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// A scalar type a CPU buffer can hold. Arithmetic goes through `Acc`, the type kernels
 /// compute in: f32 for f16/bf16/f32 (like PyTorch's CPU kernels), f64 for f64 and i64.
 pub trait Element: Copy + Send + Sync + 'static + std::fmt::Debug + PartialOrd {

@@ -11,6 +11,7 @@ mod display;
 mod dtype;
 mod device;
 mod error;
+pub mod io;
 pub mod op;
 mod ops;
 pub mod rng;
@@ -19,7 +20,7 @@ pub mod storage;
 mod tensor;
 
 pub use device::Device;
-pub use dtype::{DType, Element};
+pub use dtype::{default_dtype, set_default_dtype, DType, Element};
 pub use error::{Error, Result};
 pub use op::{BinaryOp, Distribution, Op, ReduceOp, UnaryOp};
 pub use ops::{no_grad, ShapeSpec};

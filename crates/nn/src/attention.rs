@@ -1,0 +1,150 @@
+//! Multi-head attention with PyTorch's `nn.MultiheadAttention` semantics and parameter names.
+//! Shapes: B batch, T target length, S source length, E embed dim, H heads, D = E / H.
+
+use crate::init::{param, xavier_uniform};
+use crate::layers::{dropout, Linear};
+use crate::{join, Forward, Module};
+use kiln_tensor::{default_dtype, DType, Device, Error, Result, Tensor};
+
+/// Masks for one attention call. U8 masks mark positions to hide with 1 (PyTorch's bool
+/// True); a float `attn_mask` is added to the scores instead.
+#[derive(Debug, Clone, Default)]
+pub struct AttnMasks<'a> {
+    /// `[T, S]` or `[B * H, T, S]`.
+    pub attn_mask: Option<&'a Tensor>,
+    /// `[B, S]`, 1 where a key is padding.
+    pub key_padding_mask: Option<&'a Tensor>,
+    /// Hide future positions (key index > query index).
+    pub is_causal: bool,
+}
+
+/// `[n, n]` U8 mask with 1 above the diagonal (future positions).
+pub fn causal_mask(n: usize, device: Device) -> Result<Tensor> {
+    let i = Tensor::arange(n, DType::I64, device)?;
+    i.reshape(&[1, n])?.gt(&i.reshape(&[n, 1])?)
+}
+
+#[derive(Debug, Clone)]
+pub struct MultiheadAttention {
+    /// `[3E, E]`: the query, key and value projections stacked.
+    pub in_proj_weight: Tensor,
+    /// `[3E]`.
+    pub in_proj_bias: Tensor,
+    pub out_proj: Linear,
+    pub num_heads: usize,
+    pub dropout: f64,
+    pub batch_first: bool,
+    pub training: bool,
+}
+
+impl MultiheadAttention {
+    pub fn new(embed_dim: usize, num_heads: usize, dropout: f64, batch_first: bool, device: Device) -> Result<MultiheadAttention> {
+        if num_heads == 0 || embed_dim % num_heads != 0 {
+            return Err(Error::shape("multihead_attention", format!("embed_dim {embed_dim} is not divisible by num_heads {num_heads}")));
+        }
+        let out_proj = Linear::new(embed_dim, embed_dim, true, device)?;
+        if let Some(b) = &out_proj.bias {
+            kiln_tensor::no_grad(|| b.zero_())?;
+        }
+        Ok(MultiheadAttention {
+            in_proj_weight: param(xavier_uniform(&[3 * embed_dim, embed_dim], default_dtype(), device)?),
+            in_proj_bias: param(Tensor::zeros(&[3 * embed_dim], default_dtype(), device)?),
+            out_proj,
+            num_heads,
+            dropout,
+            batch_first,
+            training: true,
+        })
+    }
+
+    fn embed_dim(&self) -> usize {
+        self.in_proj_weight.shape()[1]
+    }
+
+    /// Rows `i*E..(i+1)*E` of the stacked projection (i = 0 query, 1 key, 2 value).
+    fn project(&self, x: &Tensor, i: usize) -> Result<Tensor> {
+        let e = self.embed_dim();
+        let w = self.in_proj_weight.narrow(0, i * e, e)?;
+        let b = self.in_proj_bias.narrow(0, i * e, e)?;
+        x.matmul(&w.t()?)?.add(&b)
+    }
+
+    /// `[B, L, E]` to `[B, H, L, D]`.
+    fn split_heads(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, l, e) = (x.shape()[0], x.shape()[1], x.shape()[2]);
+        x.reshape(&[b, l, self.num_heads, e / self.num_heads])?.transpose(1, 2)
+    }
+
+    /// Attention of `query` over `key`/`value`; returns the output only (need_weights=False).
+    pub fn forward(&self, query: &Tensor, key: &Tensor, value: &Tensor, masks: &AttnMasks) -> Result<Tensor> {
+        let e = self.embed_dim();
+        for (name, t) in [("query", query), ("key", key), ("value", value)] {
+            if t.rank() != 3 || t.shape()[2] != e {
+                return Err(Error::shape("multihead_attention", format!("{name} must be 3-D ending in embed_dim {e}, got {:?}", t.shape())));
+            }
+        }
+        let bf = |t: &Tensor| if self.batch_first { Ok(t.clone()) } else { t.transpose(0, 1) };
+        let (q_in, k_in, v_in) = (bf(query)?, bf(key)?, bf(value)?);
+        let (q, k, v) = if query.id() == key.id() && key.id() == value.id() {
+            // Self-attention: one product for all three projections.
+            let qkv = q_in.matmul(&self.in_proj_weight.t()?)?.add(&self.in_proj_bias)?;
+            (qkv.narrow(2, 0, e)?, qkv.narrow(2, e, e)?, qkv.narrow(2, 2 * e, e)?)
+        } else {
+            (self.project(&q_in, 0)?, self.project(&k_in, 1)?, self.project(&v_in, 2)?)
+        };
+        let out = scaled_dot_product_attention(
+            &self.split_heads(&q)?,
+            &self.split_heads(&k)?,
+            &self.split_heads(&v)?,
+            masks,
+            if self.training { self.dropout } else { 0.0 },
+        )?;
+        let (b, t) = (q_in.shape()[0], q_in.shape()[1]);
+        let merged = out.transpose(1, 2)?.reshape(&[b, t, e])?;
+        let y = self.out_proj.forward(&merged)?;
+        if self.batch_first {
+            Ok(y)
+        } else {
+            y.transpose(0, 1)
+        }
+    }
+}
+
+/// `softmax(q k^T / sqrt(D) + masks) v` over `[B, H, T, D]` inputs.
+pub fn scaled_dot_product_attention(q: &Tensor, k: &Tensor, v: &Tensor, masks: &AttnMasks, dropout_p: f64) -> Result<Tensor> {
+    let (b, h, t, d) = (q.shape()[0], q.shape()[1], q.shape()[2], q.shape()[3]);
+    let s = k.shape()[2];
+    let mut scores = q.matmul(&k.transpose(-2i64, -1)?)?.mul_scalar(1.0 / (d as f64).sqrt())?;
+    let neg_inf = Tensor::scalar(f64::NEG_INFINITY, scores.dtype(), scores.device())?;
+    if masks.is_causal {
+        scores = Tensor::where_cond(&causal_mask(t.max(s), q.device())?.narrow(0, 0, t)?.narrow(1, 0, s)?, &neg_inf, &scores)?;
+    }
+    if let Some(m) = masks.attn_mask {
+        let m = match m.rank() {
+            2 => m.clone(),
+            3 => m.reshape(&[b, h, t, s])?,
+            _ => return Err(Error::shape("attention", format!("attn_mask must be [T, S] or [B*H, T, S], got {:?}", m.shape()))),
+        };
+        scores = if m.dtype().is_float() { scores.add(&m)? } else { Tensor::where_cond(&m, &neg_inf, &scores)? };
+    }
+    if let Some(kpm) = masks.key_padding_mask {
+        if kpm.shape() != [b, s] {
+            return Err(Error::shape("attention", format!("key_padding_mask must be [B, S] = [{b}, {s}], got {:?}", kpm.shape())));
+        }
+        let kpm = kpm.reshape(&[b, 1, 1, s])?;
+        scores = if kpm.dtype().is_float() { scores.add(&kpm)? } else { Tensor::where_cond(&kpm, &neg_inf, &scores)? };
+    }
+    let p = dropout(&scores.softmax(-1)?, dropout_p, dropout_p > 0.0)?;
+    p.matmul(v)
+}
+
+impl Module for MultiheadAttention {
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
+        f(join(prefix, "in_proj_weight"), &self.in_proj_weight);
+        f(join(prefix, "in_proj_bias"), &self.in_proj_bias);
+        self.out_proj.visit(&join(prefix, "out_proj"), f);
+    }
+    fn set_training(&mut self, training: bool) {
+        self.training = training;
+    }
+}

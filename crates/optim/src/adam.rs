@@ -1,0 +1,162 @@
+//! Adam (L2 weight decay added to the gradient) and AdamW (decoupled weight decay), with the
+//! AMSGrad option: `torch.optim.Adam` / `AdamW`, single-tensor path.
+
+use crate::common::{cast, ensure, impl_optimizer, with_l2, Core, PerGroup};
+use kiln_tensor::{BinaryOp, DType, Device, Result, Tensor};
+
+/// Adam's and AdamW's hyperparameters. `Default` is Adam's (weight decay 0); `adamw()` is
+/// AdamW's (weight decay 1e-2).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamConfig {
+    pub lr: f64,
+    pub betas: (f64, f64),
+    pub eps: f64,
+    pub weight_decay: f64,
+    pub amsgrad: bool,
+}
+
+impl Default for AdamConfig {
+    fn default() -> Self {
+        AdamConfig { lr: 1e-3, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.0, amsgrad: false }
+    }
+}
+
+impl AdamConfig {
+    /// `torch.optim.AdamW`'s defaults.
+    pub fn adamw() -> Self {
+        AdamConfig { weight_decay: 1e-2, ..AdamConfig::default() }
+    }
+}
+
+/// Adam: `g += wd * p`, then the moment update below.
+pub struct Adam {
+    core: Core,
+    cfg: AdamConfig,
+}
+
+/// AdamW: `p *= 1 - lr * wd`, then the moment update below, with the raw gradient.
+pub struct AdamW {
+    core: Core,
+    cfg: AdamConfig,
+}
+
+impl Adam {
+    pub fn new(params: Vec<Tensor>, cfg: AdamConfig) -> Result<Adam> {
+        Ok(Adam { core: new_core("Adam", params, &cfg)?, cfg })
+    }
+    pub fn config(&self) -> &AdamConfig {
+        &self.cfg
+    }
+    fn update(&mut self) -> Result<()> {
+        update(&mut self.core, &self.cfg, false)
+    }
+}
+
+impl AdamW {
+    pub fn new(params: Vec<Tensor>, cfg: AdamConfig) -> Result<AdamW> {
+        Ok(AdamW { core: new_core("AdamW", params, &cfg)?, cfg })
+    }
+    pub fn config(&self) -> &AdamConfig {
+        &self.cfg
+    }
+    fn update(&mut self) -> Result<()> {
+        update(&mut self.core, &self.cfg, true)
+    }
+}
+
+impl_optimizer!(Adam);
+impl_optimizer!(AdamW);
+
+/// PyTorch's constructor checks, then the shared state with Adam's buffer names.
+fn new_core(what: &'static str, params: Vec<Tensor>, cfg: &AdamConfig) -> Result<Core> {
+    let (b1, b2) = cfg.betas;
+    ensure(cfg.eps >= 0.0, what, || format!("invalid epsilon {}: must be >= 0", cfg.eps))?;
+    ensure((0.0..1.0).contains(&b1), what, || format!("invalid beta parameter at index 0: {b1} (must be in [0, 1))"))?;
+    ensure((0.0..1.0).contains(&b2), what, || format!("invalid beta parameter at index 1: {b2} (must be in [0, 1))"))?;
+    ensure(cfg.weight_decay >= 0.0, what, || format!("invalid weight_decay {}: must be >= 0", cfg.weight_decay))?;
+    let mut keys = vec!["exp_avg", "exp_avg_sq"];
+    if cfg.amsgrad {
+        keys.push("max_exp_avg_sq");
+    }
+    Core::new(what, params, cfg.lr, keys)
+}
+
+/// This step's 0-dim factors, in the dtype and on the device of a group of parameters.
+#[derive(Clone)]
+struct Factors {
+    /// `lr / (1 - beta1^step)`.
+    step_size: Tensor,
+    /// `sqrt(1 - beta2^step)`.
+    bc2_sqrt: Tensor,
+    /// AdamW's `1 - lr * wd` (None for Adam or a zero weight decay).
+    decay: Option<Tensor>,
+}
+
+fn update(core: &mut Core, cfg: &AdamConfig, decoupled: bool) -> Result<()> {
+    let grads = core.begin_step()?;
+    let mut groups = PerGroup::new();
+    for (i, g) in grads {
+        let p = core.params[i].clone();
+        let f = groups.get(&p, |dtype, device| factors(core, cfg, decoupled, dtype, device))?;
+        let (bufs, _) = core.buffers(i)?;
+        update_param(&p, &g, &bufs, &f, cfg, decoupled)?;
+    }
+    Ok(())
+}
+
+/// The bias corrections from the step and lr tensors. They are computed in f64 for f64
+/// parameters and f32 otherwise (so half-precision parameters do not round them early), then
+/// cast to the parameters' dtype.
+fn factors(core: &Core, cfg: &AdamConfig, decoupled: bool, dtype: DType, device: Device) -> Result<Factors> {
+    let math = if dtype == DType::F64 { DType::F64 } else { DType::F32 };
+    let step = cast(&core.step, math, device)?;
+    let lr = cast(&core.lr, math, device)?;
+    let (b1, b2) = cfg.betas;
+    let bc1 = step.scalar_op(BinaryOp::Pow, b1, true)?.rsub_scalar(1.0)?;
+    let bc2 = step.scalar_op(BinaryOp::Pow, b2, true)?.rsub_scalar(1.0)?;
+    let decay = if decoupled && cfg.weight_decay != 0.0 { Some(lr.mul_scalar(cfg.weight_decay)?.rsub_scalar(1.0)?.to_dtype(dtype)?) } else { None };
+    Ok(Factors { step_size: lr.div(&bc1)?.to_dtype(dtype)?, bc2_sqrt: bc2.sqrt()?.to_dtype(dtype)?, decay })
+}
+
+/// One parameter's update. Each tensor op is a pass over memory: 13 passes and at most two
+/// temporaries alive at once (plus 1 pass for AdamW's decay, 2 for Adam's L2 term and 2 for
+/// AMSGrad's running max).
+fn update_param(p: &Tensor, g: &Tensor, bufs: &[Tensor], f: &Factors, cfg: &AdamConfig, decoupled: bool) -> Result<()> {
+    let (b1, b2) = cfg.betas;
+    if let Some(decay) = &f.decay {
+        p.mul_(decay)?;
+    }
+    let l2;
+    let g = if !decoupled && cfg.weight_decay != 0.0 {
+        l2 = with_l2(p, g, cfg.weight_decay)?;
+        &l2
+    } else {
+        g
+    };
+    let (m, v) = (&bufs[0], &bufs[1]);
+    // m = b1 * m + (1 - b1) * g
+    m.mul_scalar_(b1)?;
+    m.add_(&g.mul_scalar(1.0 - b1)?)?;
+    // v = b2 * v + (1 - b2) * g^2, scaling the square (our temporary) in place.
+    let g2 = g.square()?;
+    g2.mul_scalar_(1.0 - b2)?;
+    v.mul_scalar_(b2)?;
+    v.add_(&g2)?;
+    drop(g2);
+    // AMSGrad: the denominator uses the running max of v.
+    let v = match bufs.get(2) {
+        Some(vmax) => {
+            vmax.assign(&vmax.maximum(v)?)?;
+            vmax
+        }
+        None => v,
+    };
+    // denom = sqrt(v) / sqrt(1 - b2^t) + eps
+    let denom = v.sqrt()?;
+    denom.div_(&f.bc2_sqrt)?;
+    denom.add_scalar_(cfg.eps)?;
+    // p -= (lr / (1 - b1^t)) * m / denom
+    let upd = m.div(&denom)?;
+    upd.mul_(&f.step_size)?;
+    p.sub_(&upd)
+}

@@ -1,0 +1,202 @@
+//! Learning-rate schedules in closed form: `lr_at(t)` is the lr for step `t` (0-based), and
+//! `step` moves to the next step and sets the optimizer's lr for it (in place, so a compiled
+//! step reads the new value without retracing). Use like PyTorch: `apply` once after creating
+//! the scheduler (PyTorch's constructor does this), then `opt.step(); sched.step(&mut opt)`.
+
+use crate::common::ensure;
+use crate::Optimizer;
+use kiln_tensor::{Error, Result};
+use std::f64::consts::PI;
+
+/// A schedule of learning rates over steps.
+pub trait LrScheduler {
+    /// Advances to the next step and sets `opt`'s lr for it.
+    fn step(&mut self, opt: &mut dyn Optimizer) -> Result<()> {
+        let next = self.last_step() + 1;
+        opt.set_lr(self.lr_at(next))?;
+        self.set_last_step(next);
+        Ok(())
+    }
+    /// The lr for step `step` (0-based).
+    fn lr_at(&self, step: usize) -> f64;
+    /// The step whose lr is current: 0 after creation, +1 per `step` (PyTorch's `last_epoch`).
+    fn last_step(&self) -> usize;
+    /// Moves the schedule (to resume from a checkpoint); call `apply` after.
+    fn set_last_step(&mut self, s: usize);
+    /// Sets `opt`'s lr for the current step.
+    fn apply(&self, opt: &mut dyn Optimizer) -> Result<()> {
+        opt.set_lr(self.lr_at(self.last_step()))
+    }
+}
+
+/// `base_lr * gamma^(t / step_size)` (`torch.optim.lr_scheduler.StepLR`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepLR {
+    base_lr: f64,
+    step_size: usize,
+    gamma: f64,
+    last_step: usize,
+}
+
+impl StepLR {
+    pub fn new(base_lr: f64, step_size: usize, gamma: f64) -> Result<StepLR> {
+        ensure(step_size > 0, "StepLR", || "step_size must be positive".into())?;
+        Ok(StepLR { base_lr, step_size, gamma, last_step: 0 })
+    }
+}
+
+impl LrScheduler for StepLR {
+    fn lr_at(&self, step: usize) -> f64 {
+        self.base_lr * self.gamma.powf((step / self.step_size) as f64)
+    }
+    fn last_step(&self) -> usize {
+        self.last_step
+    }
+    fn set_last_step(&mut self, s: usize) {
+        self.last_step = s;
+    }
+}
+
+/// `eta_min + (base_lr - eta_min) * (1 + cos(pi * t / t_max)) / 2`
+/// (`torch.optim.lr_scheduler.CosineAnnealingLR`'s closed form; past `t_max` the cosine goes
+/// on, as there).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CosineAnnealingLR {
+    base_lr: f64,
+    t_max: usize,
+    eta_min: f64,
+    last_step: usize,
+}
+
+impl CosineAnnealingLR {
+    pub fn new(base_lr: f64, t_max: usize, eta_min: f64) -> Result<CosineAnnealingLR> {
+        ensure(t_max > 0, "CosineAnnealingLR", || "t_max must be positive".into())?;
+        Ok(CosineAnnealingLR { base_lr, t_max, eta_min, last_step: 0 })
+    }
+}
+
+impl LrScheduler for CosineAnnealingLR {
+    fn lr_at(&self, step: usize) -> f64 {
+        cosine(self.base_lr, self.eta_min, step as f64, self.t_max as f64)
+    }
+    fn last_step(&self) -> usize {
+        self.last_step
+    }
+    fn set_last_step(&mut self, s: usize) {
+        self.last_step = s;
+    }
+}
+
+/// Linear warmup `base_lr * (t + 1) / warmup_steps` for `t < warmup_steps`, then a cosine
+/// from `base_lr` down to `min_lr` at `total_steps`, and `min_lr` after.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WarmupCosine {
+    base_lr: f64,
+    warmup_steps: usize,
+    total_steps: usize,
+    min_lr: f64,
+    last_step: usize,
+}
+
+impl WarmupCosine {
+    pub fn new(base_lr: f64, warmup_steps: usize, total_steps: usize, min_lr: f64) -> Result<WarmupCosine> {
+        ensure(warmup_steps < total_steps, "WarmupCosine", || format!("warmup_steps ({warmup_steps}) must be below total_steps ({total_steps})"))?;
+        Ok(WarmupCosine { base_lr, warmup_steps, total_steps, min_lr, last_step: 0 })
+    }
+}
+
+impl LrScheduler for WarmupCosine {
+    fn lr_at(&self, step: usize) -> f64 {
+        if step < self.warmup_steps {
+            return self.base_lr * (step + 1) as f64 / self.warmup_steps as f64;
+        }
+        let done = step.min(self.total_steps) - self.warmup_steps;
+        cosine(self.base_lr, self.min_lr, done as f64, (self.total_steps - self.warmup_steps) as f64)
+    }
+    fn last_step(&self) -> usize {
+        self.last_step
+    }
+    fn set_last_step(&mut self, s: usize) {
+        self.last_step = s;
+    }
+}
+
+/// The 1cycle policy (`torch.optim.lr_scheduler.OneCycleLR`, two phases, cosine annealing):
+/// from `max_lr / div_factor` up to `max_lr` over the first `pct_start` of the steps, then down
+/// to `max_lr / div_factor / final_div_factor` at step `total_steps - 1`. PyTorch also cycles
+/// momentum by default; this sets the lr only (`cycle_momentum=False`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct OneCycleLR {
+    max_lr: f64,
+    total_steps: usize,
+    pct_start: f64,
+    div_factor: f64,
+    final_div_factor: f64,
+    last_step: usize,
+}
+
+impl OneCycleLR {
+    /// PyTorch's defaults: `pct_start` 0.3, `div_factor` 25, `final_div_factor` 1e4.
+    pub fn new(max_lr: f64, total_steps: usize) -> Result<OneCycleLR> {
+        OneCycleLR::with_options(max_lr, total_steps, 0.3, 25.0, 1e4)
+    }
+
+    pub fn with_options(max_lr: f64, total_steps: usize, pct_start: f64, div_factor: f64, final_div_factor: f64) -> Result<OneCycleLR> {
+        let what = "OneCycleLR";
+        ensure(total_steps > 0, what, || "total_steps must be positive".into())?;
+        ensure((0.0..=1.0).contains(&pct_start), what, || format!("pct_start {pct_start} must be in [0, 1]"))?;
+        ensure(div_factor > 0.0 && final_div_factor > 0.0, what, || "div_factor and final_div_factor must be positive".into())?;
+        let s = OneCycleLR { max_lr, total_steps, pct_start, div_factor, final_div_factor, last_step: 0 };
+        // PyTorch divides by each phase's length and fails on an empty one.
+        let (up, total) = (s.warmup_end(), total_steps as f64 - 1.0);
+        ensure(up != 0.0 && up != total, what, || format!("pct_start * total_steps = {} leaves a phase of zero length", pct_start * total_steps as f64))?;
+        Ok(s)
+    }
+
+    /// The (fractional) step where the lr peaks, as PyTorch computes it.
+    fn warmup_end(&self) -> f64 {
+        self.pct_start * self.total_steps as f64 - 1.0
+    }
+}
+
+impl LrScheduler for OneCycleLR {
+    /// Like PyTorch, stepping past `total_steps` is an error.
+    fn step(&mut self, opt: &mut dyn Optimizer) -> Result<()> {
+        let next = self.last_step + 1;
+        if next > self.total_steps {
+            return Err(Error::Msg(format!("OneCycleLR: tried to step {next} times; the specified number of total steps is {}", self.total_steps)));
+        }
+        opt.set_lr(self.lr_at(next))?;
+        self.last_step = next;
+        Ok(())
+    }
+    /// Steps past `total_steps` get the lr of `total_steps`.
+    fn lr_at(&self, step: usize) -> f64 {
+        let t = step.min(self.total_steps) as f64;
+        let initial = self.max_lr / self.div_factor;
+        let min = initial / self.final_div_factor;
+        let (up, end) = (self.warmup_end(), self.total_steps as f64 - 1.0);
+        if t <= up {
+            anneal_cos(initial, self.max_lr, t / up)
+        } else {
+            anneal_cos(self.max_lr, min, (t - up) / (end - up))
+        }
+    }
+    fn last_step(&self) -> usize {
+        self.last_step
+    }
+    fn set_last_step(&mut self, s: usize) {
+        self.last_step = s;
+    }
+}
+
+/// `lo + (hi - lo) * (1 + cos(pi * t / len)) / 2`: `hi` at 0, `lo` at `len` (PyTorch's
+/// arithmetic, in its order).
+fn cosine(hi: f64, lo: f64, t: f64, len: f64) -> f64 {
+    lo + (hi - lo) * (1.0 + (PI * t / len).cos()) / 2.0
+}
+
+/// PyTorch's `_annealing_cos`: from `start` at 0 to `end` at 1 (its exact arithmetic).
+fn anneal_cos(start: f64, end: f64, pct: f64) -> f64 {
+    end + (start - end) / 2.0 * ((PI * pct).cos() + 1.0)
+}
