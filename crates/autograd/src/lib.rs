@@ -48,7 +48,10 @@ impl Backward for Tensor {
 /// Backward from a one-element tensor (seeded with 1).
 pub fn backward(root: &Tensor) -> Result<()> {
     if root.numel() != 1 {
-        return Err(Error::shape("backward", format!("needs a one-element loss, got shape {:?}; use backward_with for other shapes", root.shape())));
+        return Err(Error::shape(
+            "backward",
+            format!("needs a one-element loss, got shape {:?}; use backward_with for other shapes", root.shape()),
+        ));
     }
     let seed = no_grad(|| root.ones_like())?;
     backward_with(root, &seed)
@@ -102,7 +105,10 @@ fn topo_order(root: &Tensor) -> Vec<Tensor> {
 /// of those tensors whether leaves or not).
 fn run(root: &Tensor, seed: &Tensor, wanted: Option<&HashSet<TensorId>>) -> Result<Vec<(Tensor, Tensor)>> {
     if !root.requires_grad() {
-        return Err(Error::Msg(format!("backward: the tensor (shape {:?}) does not require grad: no parameter it depends on has requires_grad set", root.shape())));
+        return Err(Error::Msg(format!(
+            "backward: the tensor (shape {:?}) does not require grad: no parameter it depends on has requires_grad set",
+            root.shape()
+        )));
     }
     if seed.shape() != root.shape() {
         return Err(Error::shape("backward", format!("seed gradient {:?} does not match the output {:?}", seed.shape(), root.shape())));
@@ -151,7 +157,8 @@ fn accumulate(leaf: &Tensor, g: Tensor) -> Result<()> {
     match leaf.grad() {
         Some(prev) => prev.add_(&g),
         None => {
-            let owned = if g.is_contiguous() && g.layout().offset == 0 && std::sync::Arc::strong_count(g.storage()) == 1 { g } else { g.copy()? };
+            let owned =
+                if g.is_contiguous() && g.layout().offset == 0 && std::sync::Arc::strong_count(g.storage()) == 1 { g } else { g.copy()? };
             leaf.set_grad(Some(owned));
             Ok(())
         }

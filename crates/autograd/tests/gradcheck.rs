@@ -1,7 +1,7 @@
 //! Finite-difference checks (f64) for every differentiable op, with broadcast and
 //! non-contiguous inputs, plus the tape's own behaviour (accumulation, no_grad, errors).
 
-use kiln_autograd::{backward, gradcheck, grad, Backward, GradcheckConfig};
+use kiln_autograd::{backward, grad, gradcheck, Backward, GradcheckConfig};
 use kiln_tensor::{DType, Device, Distribution, Result, Tensor, UnaryOp};
 
 fn randn(shape: &[usize], seed: u64) -> Tensor {
@@ -9,7 +9,12 @@ fn randn(shape: &[usize], seed: u64) -> Tensor {
 }
 /// Values in [lo, hi) for ops that need a domain (log, sqrt, pow).
 fn uniform(shape: &[usize], seed: u64, lo: f64, hi: f64) -> Tensor {
-    Tensor::rand_at(shape, Distribution::Uniform, seed, 0, DType::F64, Device::Cpu).unwrap().mul_scalar(hi - lo).unwrap().add_scalar(lo).unwrap()
+    Tensor::rand_at(shape, Distribution::Uniform, seed, 0, DType::F64, Device::Cpu)
+        .unwrap()
+        .mul_scalar(hi - lo)
+        .unwrap()
+        .add_scalar(lo)
+        .unwrap()
 }
 fn check(name: &str, f: impl Fn(&[Tensor]) -> Result<Tensor>, inputs: &[Tensor]) {
     match gradcheck(f, inputs, GradcheckConfig::default()) {
@@ -23,8 +28,19 @@ fn unary_ops() {
     let x = randn(&[3, 4], 1);
     let pos = uniform(&[3, 4], 2, 0.5, 2.0);
     let ops = [
-        UnaryOp::Neg, UnaryOp::Abs, UnaryOp::Exp, UnaryOp::Sin, UnaryOp::Cos, UnaryOp::Tanh, UnaryOp::Sigmoid,
-        UnaryOp::Relu, UnaryOp::Gelu, UnaryOp::GeluTanh, UnaryOp::Silu, UnaryOp::Erf, UnaryOp::Square,
+        UnaryOp::Neg,
+        UnaryOp::Abs,
+        UnaryOp::Exp,
+        UnaryOp::Sin,
+        UnaryOp::Cos,
+        UnaryOp::Tanh,
+        UnaryOp::Sigmoid,
+        UnaryOp::Relu,
+        UnaryOp::Gelu,
+        UnaryOp::GeluTanh,
+        UnaryOp::Silu,
+        UnaryOp::Erf,
+        UnaryOp::Square,
     ];
     for op in ops {
         check(op.name(), |xs| xs[0].unary(op), &[x.clone()]);

@@ -80,7 +80,10 @@ impl MultiheadAttention {
         let e = self.embed_dim();
         for (name, t) in [("query", query), ("key", key), ("value", value)] {
             if t.rank() != 3 || t.shape()[2] != e {
-                return Err(Error::shape("multihead_attention", format!("{name} must be 3-D ending in embed_dim {e}, got {:?}", t.shape())));
+                return Err(Error::shape(
+                    "multihead_attention",
+                    format!("{name} must be 3-D ending in embed_dim {e}, got {:?}", t.shape()),
+                ));
             }
         }
         let bf = |t: &Tensor| if self.batch_first { Ok(t.clone()) } else { t.transpose(0, 1) };

@@ -26,7 +26,10 @@ impl Forward for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let in_features = self.weight.shape()[1];
         if x.rank() == 0 || x.shape()[x.rank() - 1] != in_features {
-            return Err(Error::shape("linear", format!("input {:?} does not end in in_features {in_features} (weight {:?})", x.shape(), self.weight.shape())));
+            return Err(Error::shape(
+                "linear",
+                format!("input {:?} does not end in in_features {in_features} (weight {:?})", x.shape(), self.weight.shape()),
+            ));
         }
         let y = x.matmul(&self.weight.t()?)?;
         match &self.bias {

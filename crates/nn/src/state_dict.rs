@@ -32,10 +32,16 @@ pub fn load_state_dict_from_bytes(m: &dyn Module, bytes: &[u8], strict: bool) ->
             continue;
         };
         if t.shape() != p.shape() {
-            return Err(Error::shape("load_state_dict", format!("tensor '{name}' has shape {:?} in the file but {:?} in the module", t.shape(), p.shape())));
+            return Err(Error::shape(
+                "load_state_dict",
+                format!("tensor '{name}' has shape {:?} in the file but {:?} in the module", t.shape(), p.shape()),
+            ));
         }
         if !t.dtype().is_float() && p.dtype().is_float() {
-            return Err(Error::dtype("load_state_dict", format!("tensor '{name}' is {:?} in the file but {:?} in the module", t.dtype(), p.dtype())));
+            return Err(Error::dtype(
+                "load_state_dict",
+                format!("tensor '{name}' is {:?} in the file but {:?} in the module", t.dtype(), p.dtype()),
+            ));
         }
         plan.push((p.clone(), t.to_dtype(p.dtype())?));
     }

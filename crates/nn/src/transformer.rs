@@ -49,7 +49,10 @@ struct FeedForward {
 
 impl FeedForward {
     fn new(c: &TransformerConfig, device: Device) -> Result<FeedForward> {
-        Ok(FeedForward { linear1: Linear::new(c.d_model, c.dim_feedforward, true, device)?, linear2: Linear::new(c.dim_feedforward, c.d_model, true, device)? })
+        Ok(FeedForward {
+            linear1: Linear::new(c.d_model, c.dim_feedforward, true, device)?,
+            linear2: Linear::new(c.dim_feedforward, c.d_model, true, device)?,
+        })
     }
     fn forward(&self, x: &Tensor, act: Activation, p: f64, training: bool) -> Result<Tensor> {
         let h = dropout(&act.apply(&self.linear1.forward(x)?)?, p, training)?;

@@ -4,8 +4,8 @@
 
 use kiln_autograd::Backward;
 use kiln_nn::{
-    cross_entropy_with, load_state_dict_from_bytes, Activation, AttnMasks, CrossEntropyConfig, Forward, LayerNorm, Linear, Module, MultiheadAttention,
-    TransformerConfig, TransformerDecoderLayer, TransformerEncoderLayer,
+    cross_entropy_with, load_state_dict_from_bytes, Activation, AttnMasks, CrossEntropyConfig, Forward, LayerNorm, Linear, Module,
+    MultiheadAttention, TransformerConfig, TransformerDecoderLayer, TransformerEncoderLayer,
 };
 use kiln_tensor::{set_default_dtype, DType, Device, Result, Tensor};
 use std::collections::HashMap;
@@ -72,7 +72,16 @@ fn multihead_attention_with_causal_and_padding_masks() -> Result<()> {
 }
 
 fn layer_config(norm_first: bool, activation: Activation) -> TransformerConfig {
-    TransformerConfig { d_model: 8, nhead: 2, dim_feedforward: 16, dropout: 0.0, batch_first: true, norm_first, activation, ..Default::default() }
+    TransformerConfig {
+        d_model: 8,
+        nhead: 2,
+        dim_feedforward: 16,
+        dropout: 0.0,
+        batch_first: true,
+        norm_first,
+        activation,
+        ..Default::default()
+    }
 }
 
 #[test]

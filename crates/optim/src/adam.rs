@@ -114,7 +114,8 @@ fn factors(core: &Core, cfg: &AdamConfig, decoupled: bool, dtype: DType, device:
     let (b1, b2) = cfg.betas;
     let bc1 = step.scalar_op(BinaryOp::Pow, b1, true)?.rsub_scalar(1.0)?;
     let bc2 = step.scalar_op(BinaryOp::Pow, b2, true)?.rsub_scalar(1.0)?;
-    let decay = if decoupled && cfg.weight_decay != 0.0 { Some(lr.mul_scalar(cfg.weight_decay)?.rsub_scalar(1.0)?.to_dtype(dtype)?) } else { None };
+    let decay =
+        if decoupled && cfg.weight_decay != 0.0 { Some(lr.mul_scalar(cfg.weight_decay)?.rsub_scalar(1.0)?.to_dtype(dtype)?) } else { None };
     Ok(Factors { step_size: lr.div(&bc1)?.to_dtype(dtype)?, bc2_sqrt: bc2.sqrt()?.to_dtype(dtype)?, decay })
 }
 

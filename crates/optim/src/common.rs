@@ -251,8 +251,12 @@ fn check_lr(what: &str, lr: f64) -> Result<()> {
 fn check_params(what: &str, params: &[Tensor]) -> Result<()> {
     let mut seen: HashSet<TensorId> = HashSet::new();
     for (i, p) in params.iter().enumerate() {
-        ensure(p.is_leaf(), what, || format!("parameter {i} (shape {:?}) is not a leaf tensor; optimize the leaves it was computed from", p.shape()))?;
-        ensure(p.dtype().is_float(), what, || format!("parameter {i} has dtype {:?}; only floating-point tensors can be optimized", p.dtype()))?;
+        ensure(p.is_leaf(), what, || {
+            format!("parameter {i} (shape {:?}) is not a leaf tensor; optimize the leaves it was computed from", p.shape())
+        })?;
+        ensure(p.dtype().is_float(), what, || {
+            format!("parameter {i} has dtype {:?}; only floating-point tensors can be optimized", p.dtype())
+        })?;
         ensure(seen.insert(p.id()), what, || format!("parameter {i} (shape {:?}) appears more than once", p.shape()))?;
     }
     Ok(())

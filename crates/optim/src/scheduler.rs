@@ -100,7 +100,9 @@ pub struct WarmupCosine {
 
 impl WarmupCosine {
     pub fn new(base_lr: f64, warmup_steps: usize, total_steps: usize, min_lr: f64) -> Result<WarmupCosine> {
-        ensure(warmup_steps < total_steps, "WarmupCosine", || format!("warmup_steps ({warmup_steps}) must be below total_steps ({total_steps})"))?;
+        ensure(warmup_steps < total_steps, "WarmupCosine", || {
+            format!("warmup_steps ({warmup_steps}) must be below total_steps ({total_steps})")
+        })?;
         Ok(WarmupCosine { base_lr, warmup_steps, total_steps, min_lr, last_step: 0 })
     }
 }
@@ -149,7 +151,9 @@ impl OneCycleLR {
         let s = OneCycleLR { max_lr, total_steps, pct_start, div_factor, final_div_factor, last_step: 0 };
         // PyTorch divides by each phase's length and fails on an empty one.
         let (up, total) = (s.warmup_end(), total_steps as f64 - 1.0);
-        ensure(up != 0.0 && up != total, what, || format!("pct_start * total_steps = {} leaves a phase of zero length", pct_start * total_steps as f64))?;
+        ensure(up != 0.0 && up != total, what, || {
+            format!("pct_start * total_steps = {} leaves a phase of zero length", pct_start * total_steps as f64)
+        })?;
         Ok(s)
     }
 
@@ -164,7 +168,10 @@ impl LrScheduler for OneCycleLR {
     fn step(&mut self, opt: &mut dyn Optimizer) -> Result<()> {
         let next = self.last_step + 1;
         if next > self.total_steps {
-            return Err(Error::Msg(format!("OneCycleLR: tried to step {next} times; the specified number of total steps is {}", self.total_steps)));
+            return Err(Error::Msg(format!(
+                "OneCycleLR: tried to step {next} times; the specified number of total steps is {}",
+                self.total_steps
+            )));
         }
         opt.set_lr(self.lr_at(next))?;
         self.last_step = next;

@@ -13,7 +13,11 @@ fn fmt_value(v: f64, dtype: DType) -> String {
         if v.is_nan() {
             "nan".into()
         } else if v.is_infinite() {
-            if v > 0.0 { "inf".into() } else { "-inf".into() }
+            if v > 0.0 {
+                "inf".into()
+            } else {
+                "-inf".into()
+            }
         } else if v != 0.0 && (v.abs() >= 1e8 || v.abs() < 1e-4) {
             format!("{v:.4e}")
         } else {
@@ -24,7 +28,16 @@ fn fmt_value(v: f64, dtype: DType) -> String {
     }
 }
 
-fn write_dim(out: &mut String, vals: &[String], shape: &[usize], strides: &[usize], base: usize, indent: usize, summarize: bool, width: usize) {
+fn write_dim(
+    out: &mut String,
+    vals: &[String],
+    shape: &[usize],
+    strides: &[usize],
+    base: usize,
+    indent: usize,
+    summarize: bool,
+    width: usize,
+) {
     if shape.is_empty() {
         out.push_str(&format!("{:>width$}", vals[base]));
         return;

@@ -7,9 +7,9 @@
 
 pub mod cpu;
 pub mod cuda;
+mod device;
 mod display;
 mod dtype;
-mod device;
 mod error;
 pub mod io;
 pub mod op;

@@ -44,7 +44,18 @@ const INV_SQRT_2: f64 = std::f64::consts::FRAC_1_SQRT_2;
 const INV_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
 
 /// Floating-point math the CPU kernels compute in (f32 for f32/f16/bf16, f64 for f64).
-pub trait Float: Copy + Send + Sync + 'static + PartialOrd + std::ops::Add<Output = Self> + std::ops::Sub<Output = Self> + std::ops::Mul<Output = Self> + std::ops::Div<Output = Self> + std::ops::Neg<Output = Self> {
+pub trait Float:
+    Copy
+    + Send
+    + Sync
+    + 'static
+    + PartialOrd
+    + std::ops::Add<Output = Self>
+    + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::Div<Output = Self>
+    + std::ops::Neg<Output = Self>
+{
     fn c(v: f64) -> Self;
     fn exp(self) -> Self;
     fn ln(self) -> Self;
@@ -166,9 +177,7 @@ impl UnaryOp {
                 }
             }
             UnaryOp::Gelu => F::c(0.5) * x * (one + (x * F::c(INV_SQRT_2)).erf()),
-            UnaryOp::GeluTanh => {
-                F::c(0.5) * x * (one + (F::c(SQRT_2_OVER_PI) * (x + F::c(0.044715) * x * x * x)).tanh())
-            }
+            UnaryOp::GeluTanh => F::c(0.5) * x * (one + (F::c(SQRT_2_OVER_PI) * (x + F::c(0.044715) * x * x * x)).tanh()),
             UnaryOp::Silu => x / (one + (-x).exp()),
             UnaryOp::Erf => x.erf(),
             UnaryOp::Square => x * x,
@@ -229,12 +238,8 @@ impl UnaryOp {
             UnaryOp::Square => format!("({x}*{x})"),
             UnaryOp::Sign => format!("({x} > 0.0f ? 1.0f : ({x} < 0.0f ? -1.0f : {x}))"),
             UnaryOp::Step => format!("({x} > 0.0f ? 1.0f : 0.0f)"),
-            UnaryOp::GeluGrad => format!(
-                "(0.5f*(1.0f+erff({x}*{INV_SQRT_2}f)) + {x}*{INV_SQRT_2PI}f*expf(-0.5f*{x}*{x}))"
-            ),
-            UnaryOp::GeluTanhGrad => format!(
-                "kiln_gelu_tanh_grad({x})"
-            ),
+            UnaryOp::GeluGrad => format!("(0.5f*(1.0f+erff({x}*{INV_SQRT_2}f)) + {x}*{INV_SQRT_2PI}f*expf(-0.5f*{x}*{x}))"),
+            UnaryOp::GeluTanhGrad => format!("kiln_gelu_tanh_grad({x})"),
             UnaryOp::SiluGrad => format!("kiln_silu_grad({x})"),
         }
     }
@@ -390,42 +395,77 @@ pub enum Distribution {
 pub enum Op {
     // Sources (no tensor inputs).
     /// A tensor filled with one value.
-    Full { shape: Vec<usize>, value: f64, dtype: DType },
+    Full {
+        shape: Vec<usize>,
+        value: f64,
+        dtype: DType,
+    },
     /// 0, 1, ..., n-1 as `dtype`.
-    Arange { n: usize, dtype: DType },
+    Arange {
+        n: usize,
+        dtype: DType,
+    },
     /// Counter-based random numbers: element i is draw `offset + i` of stream `seed`.
-    Rand { shape: Vec<usize>, dist: Distribution, seed: u64, offset: u64, dtype: DType },
+    Rand {
+        shape: Vec<usize>,
+        dist: Distribution,
+        seed: u64,
+        offset: u64,
+        dtype: DType,
+    },
     // Elementwise.
     Unary(UnaryOp),
     Binary(BinaryOp),
     /// `x op value`, or `value op x` when `scalar_lhs`.
-    Scalar { op: BinaryOp, value: f64, scalar_lhs: bool },
+    Scalar {
+        op: BinaryOp,
+        value: f64,
+        scalar_lhs: bool,
+    },
     /// `cond ? a : b` with broadcasting; cond is any dtype, nonzero is true.
     Where,
     Cast(DType),
     // Reductions.
-    Reduce { op: ReduceOp, dims: Vec<usize>, keepdim: bool },
+    Reduce {
+        op: ReduceOp,
+        dims: Vec<usize>,
+        keepdim: bool,
+    },
     // Contractions.
     /// Batched matrix product `[..., m, k] x [..., k, n]` with broadcast batch dims.
     Matmul,
     // Views: no kernel, a new layout over the same storage.
     Reshape(Vec<usize>),
     Permute(Vec<usize>),
-    Narrow { dim: usize, start: usize, len: usize },
+    Narrow {
+        dim: usize,
+        start: usize,
+        len: usize,
+    },
     Expand(Vec<usize>),
     /// A row-major copy.
     Contiguous,
     // Indexing.
     /// `out = input.index_select(dim, index)`, index I64 of rank 1.
-    IndexSelect { dim: usize },
+    IndexSelect {
+        dim: usize,
+    },
     /// `out = base; out.index_select(dim, index) += src` (inputs: base, index, src).
-    IndexAdd { dim: usize },
+    IndexAdd {
+        dim: usize,
+    },
     /// `out[i][j] = input[i][index[i][j]]` along `dim` (inputs: input, index).
-    Gather { dim: usize },
+    Gather {
+        dim: usize,
+    },
     /// `out = base; out[.. index[i][j] ..] += src[i][j]` along `dim` (inputs: base, index, src).
-    ScatterAdd { dim: usize },
+    ScatterAdd {
+        dim: usize,
+    },
     /// Concatenation along `dim` of any number of inputs.
-    Cat { dim: usize },
+    Cat {
+        dim: usize,
+    },
     // In-place updates: the only mutation. The first input is the destination.
     /// `dst = src` (src broadcasts to dst).
     Assign,
@@ -545,9 +585,7 @@ impl Op {
                 let shape = broadcast_shapes(name, inputs[0].shape, inputs[1].shape)?;
                 meta(shape, if b.is_comparison() { DType::U8 } else { inputs[0].dtype })
             }
-            Op::Scalar { op, .. } => {
-                meta(inputs[0].shape.to_vec(), if op.is_comparison() { DType::U8 } else { inputs[0].dtype })
-            }
+            Op::Scalar { op, .. } => meta(inputs[0].shape.to_vec(), if op.is_comparison() { DType::U8 } else { inputs[0].dtype }),
             Op::Where => {
                 same_dtype(inputs[1].dtype, inputs[2].dtype)?;
                 let s = broadcast_shapes(name, inputs[0].shape, inputs[1].shape)?;
@@ -592,7 +630,10 @@ impl Op {
             Op::Reshape(shape) => {
                 let (n0, n1) = (inputs[0].shape.iter().product::<usize>(), shape.iter().product::<usize>());
                 if n0 != n1 {
-                    return Err(Error::shape(name, format!("cannot reshape {:?} ({n0} elements) into {shape:?} ({n1} elements)", inputs[0].shape)));
+                    return Err(Error::shape(
+                        name,
+                        format!("cannot reshape {:?} ({n0} elements) into {shape:?} ({n1} elements)", inputs[0].shape),
+                    ));
                 }
                 meta(shape.clone(), inputs[0].dtype)
             }
@@ -607,7 +648,10 @@ impl Op {
             Op::Narrow { dim, start, len } => {
                 let shape = inputs[0].shape;
                 if *dim >= shape.len() || start + len > shape[*dim] {
-                    return Err(Error::shape(name, format!("range {start}..{} out of bounds for dim {dim} of shape {shape:?}", start + len)));
+                    return Err(Error::shape(
+                        name,
+                        format!("range {start}..{} out of bounds for dim {dim} of shape {shape:?}", start + len),
+                    ));
                 }
                 let mut out = shape.to_vec();
                 out[*dim] = *len;
@@ -615,8 +659,7 @@ impl Op {
             }
             Op::Expand(target) => {
                 let shape = inputs[0].shape;
-                let ok = target.len() >= shape.len()
-                    && shape.iter().rev().zip(target.iter().rev()).all(|(&s, &t)| s == t || s == 1);
+                let ok = target.len() >= shape.len() && shape.iter().rev().zip(target.iter().rev()).all(|(&s, &t)| s == t || s == 1);
                 if !ok {
                     return Err(Error::shape(name, format!("cannot expand {shape:?} to {target:?}")));
                 }
@@ -643,7 +686,10 @@ impl Op {
                     expect[*dim] = idx[0];
                 }
                 if idx.len() != 1 || src != expect.as_slice() {
-                    return Err(Error::shape(name, format!("base {base:?}, index {idx:?}, src {src:?}: src must be base with dim {dim} of the index's length")));
+                    return Err(Error::shape(
+                        name,
+                        format!("base {base:?}, index {idx:?}, src {src:?}: src must be base with dim {dim} of the index's length"),
+                    ));
                 }
                 meta(base.to_vec(), inputs[0].dtype)
             }
@@ -662,7 +708,10 @@ impl Op {
                 let (base, idx, src) = (inputs[0].shape, inputs[1].shape, inputs[2].shape);
                 check_dim(name, *dim, base)?;
                 if idx != src || idx.len() != base.len() || (0..base.len()).any(|d| d != *dim && idx[d] > base[d]) {
-                    return Err(Error::shape(name, format!("base {base:?}, index {idx:?}, src {src:?}: index and src must match and fit base outside dim {dim}")));
+                    return Err(Error::shape(
+                        name,
+                        format!("base {base:?}, index {idx:?}, src {src:?}: index and src must match and fit base outside dim {dim}"),
+                    ));
                 }
                 meta(base.to_vec(), inputs[0].dtype)
             }
@@ -675,7 +724,10 @@ impl Op {
                     same_dtype(inputs[0].dtype, t.dtype)?;
                     let fits = t.shape.len() == first.len() && (0..first.len()).all(|d| d == *dim || t.shape[d] == first[d]);
                     if !fits {
-                        return Err(Error::shape(name, format!("input {i} has shape {:?}, which does not match {first:?} outside dim {dim}", t.shape)));
+                        return Err(Error::shape(
+                            name,
+                            format!("input {i} has shape {:?}, which does not match {first:?} outside dim {dim}", t.shape),
+                        ));
                     }
                     out[*dim] += t.shape[*dim];
                 }

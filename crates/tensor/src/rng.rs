@@ -80,10 +80,7 @@ mod tests {
     fn philox_matches_the_random123_known_answer() {
         // Known-answer vectors from the Random123 distribution (kat_vectors, philox4x32_10).
         assert_eq!(philox4x32([0, 0, 0, 0], [0, 0]), [0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8]);
-        assert_eq!(
-            philox4x32([0xffffffff; 4], [0xffffffff; 2]),
-            [0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd]
-        );
+        assert_eq!(philox4x32([0xffffffff; 4], [0xffffffff; 2]), [0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd]);
     }
 
     #[test]

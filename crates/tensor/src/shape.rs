@@ -39,9 +39,7 @@ impl Layout {
     /// Strides to read this layout as if it had `shape` (NumPy broadcasting): broadcast dims get 0.
     pub fn broadcast_strides(&self, shape: &[usize]) -> Vec<usize> {
         let pad = shape.len() - self.rank();
-        (0..shape.len())
-            .map(|i| if i < pad || self.shape[i - pad] == 1 { 0 } else { self.strides[i - pad] })
-            .collect()
+        (0..shape.len()).map(|i| if i < pad || self.shape[i - pad] == 1 { 0 } else { self.strides[i - pad] }).collect()
     }
     /// The layout of a reshape without copying, if the strides allow it (as torch.view).
     pub fn reshaped(&self, shape: &[usize]) -> Option<Layout> {

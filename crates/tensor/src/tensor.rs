@@ -262,7 +262,11 @@ impl Tensor {
             )));
         }
         if self.0.layout.shape.iter().zip(&self.0.layout.strides).any(|(&d, &s)| d > 1 && s == 0) {
-            return Err(Error::Msg(format!("{name}: cannot write into an expanded view (shape {:?}, strides {:?})", self.shape(), self.strides())));
+            return Err(Error::Msg(format!(
+                "{name}: cannot write into an expanded view (shape {:?}, strides {:?})",
+                self.shape(),
+                self.strides()
+            )));
         }
         // A source sharing the destination's storage is copied first (no aliasing while writing).
         let src_copy;
@@ -278,7 +282,9 @@ impl Tensor {
             let mut dst_guard = self.0.storage.write();
             match (&mut *dst_guard, src_guard.as_deref()) {
                 (Storage::Cpu(d), None) => cpu::run_inplace(&op, d, &self.0.layout, None)?,
-                (Storage::Cpu(d), Some(Storage::Cpu(s))) => cpu::run_inplace(&op, d, &self.0.layout, Some((s, src.map(|t| t.layout()).unwrap_or(&self.0.layout))))?,
+                (Storage::Cpu(d), Some(Storage::Cpu(s))) => {
+                    cpu::run_inplace(&op, d, &self.0.layout, Some((s, src.map(|t| t.layout()).unwrap_or(&self.0.layout))))?
+                }
                 #[cfg(feature = "cuda")]
                 (dst, s) => crate::cuda::run_inplace(&op, dst, &self.0.layout, s.zip(src.map(|t| t.layout())))?,
             }

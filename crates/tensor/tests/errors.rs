@@ -23,7 +23,9 @@ fn shape_errors_name_both_shapes_and_the_dim() {
     assert!(err(f(&[2, 3]).reshape(&[-1, -1])).contains("at most one -1"));
     assert!(err(f(&[2, 3]).narrow(1, 2, 2)).contains("range 2..4 out of bounds for dim 1 of shape [2, 3]"));
     assert!(err(f(&[2, 3]).broadcast_to(&[3, 3])).contains("cannot expand [2, 3] to [3, 3]"));
-    assert!(err(Tensor::cat(&[&f(&[2, 3]), &f(&[2, 4])], 0)).contains("input 1 has shape [2, 4], which does not match [2, 3] outside dim 0"));
+    assert!(
+        err(Tensor::cat(&[&f(&[2, 3]), &f(&[2, 4])], 0)).contains("input 1 has shape [2, 4], which does not match [2, 3] outside dim 0")
+    );
     assert!(err(f(&[2, 3]).permute(&[0, 0])).contains("is not a permutation"));
     assert!(err(Tensor::from_vec(vec![1.0f32; 5], &[2, 3], CPU)).contains("5 elements do not fill shape [2, 3]"));
     assert!(err(f(&[3]).item().map(|_| f(&[1]))).contains("needs exactly one element, got shape [3]"));

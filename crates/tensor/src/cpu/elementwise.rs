@@ -91,7 +91,16 @@ pub fn map2<T: Element, U: Element>(a: &[T], la: &Layout, b: &[T], lb: &Layout, 
 }
 
 /// `out[i] = f(c[i], a[i], b[i])` with all three broadcast to `shape` (for `where`).
-pub fn map3<C: Element, T: Element>(c: &[C], lc: &Layout, a: &[T], la: &Layout, b: &[T], lb: &Layout, shape: &[usize], f: impl Fn(C, T, T) -> T + Sync) -> Vec<T> {
+pub fn map3<C: Element, T: Element>(
+    c: &[C],
+    lc: &Layout,
+    a: &[T],
+    la: &Layout,
+    b: &[T],
+    lb: &Layout,
+    shape: &[usize],
+    f: impl Fn(C, T, T) -> T + Sync,
+) -> Vec<T> {
     let n: usize = shape.iter().product();
     let mut out = pool::take::<T>(n);
     let (sc, sa, sb) = (lc.broadcast_strides(shape), la.broadcast_strides(shape), lb.broadcast_strides(shape));
@@ -170,28 +179,94 @@ macro_rules! per_unary {
     ($op:expr, $c:ident => $body:expr) => {{
         use crate::op::UnaryOp as U;
         match $op {
-            U::Neg => { const $c: U = U::Neg; $body }
-            U::Abs => { const $c: U = U::Abs; $body }
-            U::Exp => { const $c: U = U::Exp; $body }
-            U::Log => { const $c: U = U::Log; $body }
-            U::Sqrt => { const $c: U = U::Sqrt; $body }
-            U::Rsqrt => { const $c: U = U::Rsqrt; $body }
-            U::Recip => { const $c: U = U::Recip; $body }
-            U::Sin => { const $c: U = U::Sin; $body }
-            U::Cos => { const $c: U = U::Cos; $body }
-            U::Tanh => { const $c: U = U::Tanh; $body }
-            U::Sigmoid => { const $c: U = U::Sigmoid; $body }
-            U::Relu => { const $c: U = U::Relu; $body }
-            U::Gelu => { const $c: U = U::Gelu; $body }
-            U::GeluTanh => { const $c: U = U::GeluTanh; $body }
-            U::Silu => { const $c: U = U::Silu; $body }
-            U::Erf => { const $c: U = U::Erf; $body }
-            U::Square => { const $c: U = U::Square; $body }
-            U::Sign => { const $c: U = U::Sign; $body }
-            U::Step => { const $c: U = U::Step; $body }
-            U::GeluGrad => { const $c: U = U::GeluGrad; $body }
-            U::GeluTanhGrad => { const $c: U = U::GeluTanhGrad; $body }
-            U::SiluGrad => { const $c: U = U::SiluGrad; $body }
+            U::Neg => {
+                const $c: U = U::Neg;
+                $body
+            }
+            U::Abs => {
+                const $c: U = U::Abs;
+                $body
+            }
+            U::Exp => {
+                const $c: U = U::Exp;
+                $body
+            }
+            U::Log => {
+                const $c: U = U::Log;
+                $body
+            }
+            U::Sqrt => {
+                const $c: U = U::Sqrt;
+                $body
+            }
+            U::Rsqrt => {
+                const $c: U = U::Rsqrt;
+                $body
+            }
+            U::Recip => {
+                const $c: U = U::Recip;
+                $body
+            }
+            U::Sin => {
+                const $c: U = U::Sin;
+                $body
+            }
+            U::Cos => {
+                const $c: U = U::Cos;
+                $body
+            }
+            U::Tanh => {
+                const $c: U = U::Tanh;
+                $body
+            }
+            U::Sigmoid => {
+                const $c: U = U::Sigmoid;
+                $body
+            }
+            U::Relu => {
+                const $c: U = U::Relu;
+                $body
+            }
+            U::Gelu => {
+                const $c: U = U::Gelu;
+                $body
+            }
+            U::GeluTanh => {
+                const $c: U = U::GeluTanh;
+                $body
+            }
+            U::Silu => {
+                const $c: U = U::Silu;
+                $body
+            }
+            U::Erf => {
+                const $c: U = U::Erf;
+                $body
+            }
+            U::Square => {
+                const $c: U = U::Square;
+                $body
+            }
+            U::Sign => {
+                const $c: U = U::Sign;
+                $body
+            }
+            U::Step => {
+                const $c: U = U::Step;
+                $body
+            }
+            U::GeluGrad => {
+                const $c: U = U::GeluGrad;
+                $body
+            }
+            U::GeluTanhGrad => {
+                const $c: U = U::GeluTanhGrad;
+                $body
+            }
+            U::SiluGrad => {
+                const $c: U = U::SiluGrad;
+                $body
+            }
         }
     }};
 }
@@ -200,19 +275,58 @@ macro_rules! per_binary {
     ($op:expr, $c:ident => $body:expr) => {{
         use crate::op::BinaryOp as B;
         match $op {
-            B::Add => { const $c: B = B::Add; $body }
-            B::Sub => { const $c: B = B::Sub; $body }
-            B::Mul => { const $c: B = B::Mul; $body }
-            B::Div => { const $c: B = B::Div; $body }
-            B::Pow => { const $c: B = B::Pow; $body }
-            B::Maximum => { const $c: B = B::Maximum; $body }
-            B::Minimum => { const $c: B = B::Minimum; $body }
-            B::Eq => { const $c: B = B::Eq; $body }
-            B::Ne => { const $c: B = B::Ne; $body }
-            B::Lt => { const $c: B = B::Lt; $body }
-            B::Le => { const $c: B = B::Le; $body }
-            B::Gt => { const $c: B = B::Gt; $body }
-            B::Ge => { const $c: B = B::Ge; $body }
+            B::Add => {
+                const $c: B = B::Add;
+                $body
+            }
+            B::Sub => {
+                const $c: B = B::Sub;
+                $body
+            }
+            B::Mul => {
+                const $c: B = B::Mul;
+                $body
+            }
+            B::Div => {
+                const $c: B = B::Div;
+                $body
+            }
+            B::Pow => {
+                const $c: B = B::Pow;
+                $body
+            }
+            B::Maximum => {
+                const $c: B = B::Maximum;
+                $body
+            }
+            B::Minimum => {
+                const $c: B = B::Minimum;
+                $body
+            }
+            B::Eq => {
+                const $c: B = B::Eq;
+                $body
+            }
+            B::Ne => {
+                const $c: B = B::Ne;
+                $body
+            }
+            B::Lt => {
+                const $c: B = B::Lt;
+                $body
+            }
+            B::Le => {
+                const $c: B = B::Le;
+                $body
+            }
+            B::Gt => {
+                const $c: B = B::Gt;
+                $body
+            }
+            B::Ge => {
+                const $c: B = B::Ge;
+                $body
+            }
         }
     }};
 }

@@ -55,12 +55,25 @@ pub fn matmul<T: GemmElem>(a: &[T], la: &Layout, b: &[T], lb: &Layout, batch: &[
         // all inside their slices (the shape rule and layouts guarantee it); dst is not aliased.
         unsafe {
             gemm::gemm(
-                m, n, k,
-                dst.as_mut_ptr(), 1, n as isize, false,
-                a.as_ptr().add(oa[i]), a_cs, a_rs,
-                b.as_ptr().add(ob[i]), b_cs, b_rs,
-                T::zero(), T::from_f64(1.0),
-                false, false, false, par,
+                m,
+                n,
+                k,
+                dst.as_mut_ptr(),
+                1,
+                n as isize,
+                false,
+                a.as_ptr().add(oa[i]),
+                a_cs,
+                a_rs,
+                b.as_ptr().add(ob[i]),
+                b_cs,
+                b_rs,
+                T::zero(),
+                T::from_f64(1.0),
+                false,
+                false,
+                false,
+                par,
             )
         }
     };
@@ -76,7 +89,16 @@ pub fn matmul<T: GemmElem>(a: &[T], la: &Layout, b: &[T], lb: &Layout, batch: &[
 }
 
 /// bf16 through f32.
-pub fn matmul_bf16(a: &[half::bf16], la: &Layout, b: &[half::bf16], lb: &Layout, batch: &[usize], m: usize, k: usize, n: usize) -> Vec<half::bf16> {
+pub fn matmul_bf16(
+    a: &[half::bf16],
+    la: &Layout,
+    b: &[half::bf16],
+    lb: &Layout,
+    batch: &[usize],
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Vec<half::bf16> {
     let af: Vec<f32> = a.iter().map(|x| x.to_f32()).collect();
     let bf: Vec<f32> = b.iter().map(|x| x.to_f32()).collect();
     let out = matmul(&af, la, &bf, lb, batch, m, k, n);

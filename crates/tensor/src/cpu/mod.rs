@@ -156,7 +156,15 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
                 CpuStorage::U8(c) => Cow::Borrowed(c),
                 other => Cow::Owned(with_cpu!(other, c => c.iter().map(|x| (x.to_f64() != 0.0) as u8).collect())),
             };
-            fn go<T: CpuSlice>(c: &[u8], lc: &Layout, a: &[T], la: &Layout, sb: &CpuStorage, lb: &Layout, shape: &[usize]) -> Result<Vec<T>> {
+            fn go<T: CpuSlice>(
+                c: &[u8],
+                lc: &Layout,
+                a: &[T],
+                la: &Layout,
+                sb: &CpuStorage,
+                lb: &Layout,
+                shape: &[usize],
+            ) -> Result<Vec<T>> {
                 Ok(ew::map3(c, lc, a, la, typed(sb, "where")?, lb, shape, |c, x, y| if c != 0 { x } else { y }))
             }
             match sa {
@@ -213,7 +221,16 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
         Op::IndexAdd { dim } | Op::ScatterAdd { dim } => {
             let ((s, l), (si, li), (ss, ls)) = (ins[0], ins[1], ins[2]);
             let idx = contig(typed::<i64>(si, name)?, li);
-            fn go<T: CpuSlice>(op: &Op, base: &[T], l: &Layout, idx: &[i64], li: &Layout, ss: &CpuStorage, ls: &Layout, dim: usize) -> Result<Vec<T>>
+            fn go<T: CpuSlice>(
+                op: &Op,
+                base: &[T],
+                l: &Layout,
+                idx: &[i64],
+                li: &Layout,
+                ss: &CpuStorage,
+                ls: &Layout,
+                dim: usize,
+            ) -> Result<Vec<T>>
             where
                 Vec<T>: IntoCpuStorage,
             {
@@ -265,7 +282,13 @@ pub fn run_inplace(op: &Op, dst: &mut CpuStorage, ld: &Layout, src: Option<(&Cpu
     }
 }
 
-fn float_update<T: ew::Compute + CpuSlice>(op: &Op, name: &'static str, d: &mut [T], ld: &Layout, src: Option<(&CpuStorage, &Layout)>) -> Result<()> {
+fn float_update<T: ew::Compute + CpuSlice>(
+    op: &Op,
+    name: &'static str,
+    d: &mut [T],
+    ld: &Layout,
+    src: Option<(&CpuStorage, &Layout)>,
+) -> Result<()> {
     let source = || src.ok_or_else(|| Error::Msg(format!("{name}: no source tensor")));
     match op {
         Op::Assign => {

@@ -31,7 +31,14 @@ fn split(l: &Layout, dims: &[usize]) -> Split {
 
 /// Calls `f(out_index, acc)` for every output with the values of its reduced sub-tensor folded
 /// by `step` from `init`. Parallel over outputs.
-fn fold<T: Element, A: Copy + Send + Sync>(src: &[T], l: &Layout, dims: &[usize], init: A, step: impl Fn(A, T, usize) -> A + Sync, out: &mut [A]) {
+fn fold<T: Element, A: Copy + Send + Sync>(
+    src: &[T],
+    l: &Layout,
+    dims: &[usize],
+    init: A,
+    step: impl Fn(A, T, usize) -> A + Sync,
+    out: &mut [A],
+) {
     let sp = split(l, dims);
     let kept_it = Strided::new(&sp.kept.shape, [&sp.kept.strides], [sp.kept.offset]);
     let [ks] = kept_it.inner_strides();

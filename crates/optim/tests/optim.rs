@@ -1,0 +1,591 @@
+//! kiln-optim against hand-computed values and scalar f64 re-implementations of PyTorch's
+//! formulas: SGD, Adam, AdamW, AMSGrad, the schedulers, clipping, and state save/load.
+
+use kiln_optim::*;
+use kiln_tensor::{Device, Error, Op, Tensor, Tracer};
+use std::cell::RefCell;
+use std::path::PathBuf;
+use std::rc::Rc;
+
+fn param(v: &[f64]) -> Tensor {
+    let p = Tensor::from_slice(v, &[v.len()], Device::Cpu).unwrap();
+    p.set_requires_grad(true);
+    p
+}
+
+fn set_grad(p: &Tensor, g: &[f64]) {
+    p.set_grad(Some(Tensor::from_slice(g, &[g.len()], Device::Cpu).unwrap()));
+}
+
+fn values(t: &Tensor) -> Vec<f64> {
+    t.to_vec::<f64>().unwrap()
+}
+
+fn assert_close(got: &[f64], want: &[f64], tol: f64) {
+    assert_eq!(got.len(), want.len(), "{got:?} vs {want:?}");
+    for (g, w) in got.iter().zip(want) {
+        assert!((g - w).abs() <= tol, "got {got:?}, want {want:?} (tol {tol})");
+    }
+}
+
+/// Builds an optimizer over the given parameters (for tests run over several kinds).
+type MakeOpt = fn(Vec<Tensor>) -> Box<dyn Optimizer>;
+
+fn temp_path(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("kiln_optim_{}_{name}.safetensors", std::process::id()))
+}
+
+/// The lr as the optimizer stores it (an F32 tensor).
+fn f32_lr(lr: f64) -> f64 {
+    lr as f32 as f64
+}
+
+// ---------------------------------------------------------------- SGD
+
+#[test]
+fn sgd_nesterov_momentum_weight_decay_three_steps_by_hand() {
+    // lr 0.25, momentum 0.5, weight decay 0.1, Nesterov; the gradient stays [0.5, 1.0].
+    // Each step: g' = g + 0.1 p; buf = g' on step 1, else 0.5 buf + g'; d = g' + 0.5 buf;
+    // p -= 0.25 d.
+    // p[0] = 1:  step 1: g' = 0.6,        buf = 0.6,        d = 0.9,         p = 0.775
+    //            step 2: g' = 0.5775,     buf = 0.8775,     d = 1.01625,     p = 0.5209375
+    //            step 3: g' = 0.55209375, buf = 0.99084375, d = 1.047515625, p = 0.25905859375
+    // p[1] = -2: step 1: g' = 0.8,        buf = 0.8,        d = 1.2,         p = -2.3
+    //            step 2: g' = 0.77,       buf = 1.17,       d = 1.355,       p = -2.63875
+    //            step 3: g' = 0.736125,   buf = 1.321125,   d = 1.3966875,   p = -2.987921875
+    let p = param(&[1.0, -2.0]);
+    set_grad(&p, &[0.5, 1.0]);
+    let cfg = SgdConfig { lr: 0.25, momentum: 0.5, dampening: 0.0, weight_decay: 0.1, nesterov: true };
+    let mut opt = SGD::new(vec![p.clone()], cfg).unwrap();
+    let want = [[0.775, -2.3], [0.5209375, -2.63875], [0.25905859375, -2.987921875]];
+    for w in want {
+        opt.step().unwrap();
+        assert_close(&values(&p), &w, 1e-12);
+    }
+    assert_close(&values(&p.grad().unwrap()), &[0.5, 1.0], 0.0); // the grad is not modified
+    let names: Vec<String> = opt.state_tensors().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(names, ["step", "lr", "state.0.momentum_buffer"]);
+    assert_close(&values(&opt.state_tensors()[2].1), &[0.99084375, 1.321125], 1e-12);
+}
+
+#[test]
+fn sgd_dampened_momentum_matches_scalar_reference() {
+    // PyTorch: buf = g on step 1, then buf = m buf + (1 - dampening) g; p -= lr buf.
+    let (lr, m, damp) = (0.5, 0.9, 0.25);
+    let grads = [[1.0, -2.0], [0.5, 0.25], [-1.0, 3.0]];
+    let p = param(&[0.0, 1.0]);
+    let cfg = SgdConfig { lr, momentum: m, dampening: damp, weight_decay: 0.0, nesterov: false };
+    let mut opt = SGD::new(vec![p.clone()], cfg).unwrap();
+    let (mut want, mut buf) = ([0.0, 1.0], [0.0, 0.0]);
+    for (t, g) in grads.iter().enumerate() {
+        set_grad(&p, g);
+        opt.step().unwrap();
+        for i in 0..2 {
+            buf[i] = if t == 0 { g[i] } else { m * buf[i] + (1.0 - damp) * g[i] };
+            want[i] -= lr * buf[i];
+        }
+        assert_close(&values(&p), &want, 1e-12);
+    }
+}
+
+#[test]
+fn sgd_plain_skips_params_without_grad() {
+    let (a, b) = (param(&[1.0, 2.0]), param(&[3.0, 4.0]));
+    set_grad(&a, &[1.0, -1.0]);
+    let mut opt = SGD::new(vec![a.clone(), b.clone()], SgdConfig { lr: 0.5, ..Default::default() }).unwrap();
+    opt.step().unwrap();
+    assert_close(&values(&a), &[0.5, 2.5], 0.0);
+    assert_close(&values(&b), &[3.0, 4.0], 0.0);
+    let names: Vec<String> = opt.state_tensors().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(names, ["step", "lr"]); // no momentum: no per-parameter state
+}
+
+#[test]
+fn sgd_rejects_invalid_configs() {
+    let p = || vec![param(&[1.0])];
+    let bad = [
+        SgdConfig { nesterov: true, ..Default::default() },
+        SgdConfig { nesterov: true, momentum: 0.9, dampening: 0.1, ..Default::default() },
+        SgdConfig { lr: -1.0, ..Default::default() },
+        SgdConfig { lr: f64::NAN, ..Default::default() },
+        SgdConfig { momentum: -0.1, ..Default::default() },
+        SgdConfig { weight_decay: -0.1, ..Default::default() },
+    ];
+    for cfg in bad {
+        assert!(SGD::new(p(), cfg).is_err(), "{cfg:?} should be rejected");
+    }
+    let q = param(&[1.0]);
+    assert!(SGD::new(vec![q.clone(), q], SgdConfig::default()).is_err(), "duplicate parameter");
+    let non_leaf = param(&[1.0]).mul_scalar(2.0).unwrap();
+    assert!(SGD::new(vec![non_leaf], SgdConfig::default()).is_err(), "non-leaf parameter");
+    let mut opt = SGD::new(p(), SgdConfig::default()).unwrap();
+    assert!(opt.set_lr(-0.5).is_err());
+    assert_eq!(opt.lr(), 1e-3);
+}
+
+#[test]
+fn mis_shaped_grad_is_an_error() {
+    let p = param(&[1.0, 2.0]);
+    set_grad(&p, &[1.0]); // would broadcast silently in an in-place op
+    let mut opt = SGD::new(vec![p.clone()], SgdConfig::default()).unwrap();
+    let e = opt.step().unwrap_err().to_string();
+    assert!(e.contains("[2]") && e.contains("[1]"), "{e}");
+}
+
+// ---------------------------------------------------------------- Adam / AdamW
+
+/// PyTorch's single-tensor Adam on f64 scalars.
+fn adam_reference(p0: &[f64], grads: &[Vec<f64>], cfg: &AdamConfig, decoupled: bool) -> Vec<Vec<f64>> {
+    let (b1, b2) = cfg.betas;
+    let (lr, wd) = (f32_lr(cfg.lr), cfg.weight_decay);
+    let n = p0.len();
+    let (mut p, mut m, mut v, mut vmax) = (p0.to_vec(), vec![0.0; n], vec![0.0; n], vec![0.0f64; n]);
+    let mut out = Vec::new();
+    for (t, g) in grads.iter().enumerate() {
+        let t = (t + 1) as f64;
+        let (bc1, bc2) = (1.0 - b1.powf(t), 1.0 - b2.powf(t));
+        for i in 0..n {
+            let mut gi = g[i];
+            if wd != 0.0 && decoupled {
+                p[i] *= 1.0 - lr * wd;
+            } else if wd != 0.0 {
+                gi += wd * p[i];
+            }
+            m[i] = b1 * m[i] + (1.0 - b1) * gi;
+            v[i] = b2 * v[i] + (1.0 - b2) * gi * gi;
+            vmax[i] = vmax[i].max(v[i]);
+            let second = if cfg.amsgrad { vmax[i] } else { v[i] };
+            let denom = second.sqrt() / bc2.sqrt() + cfg.eps;
+            p[i] -= lr / bc1 * m[i] / denom;
+        }
+        out.push(p.clone());
+    }
+    out
+}
+
+/// Runs an optimizer over `grads` (one per step) and returns the params after each step.
+fn run_steps(opt: &mut dyn Optimizer, p: &Tensor, grads: &[Vec<f64>]) -> Vec<Vec<f64>> {
+    grads
+        .iter()
+        .map(|g| {
+            set_grad(p, g);
+            opt.step().unwrap();
+            values(p)
+        })
+        .collect()
+}
+
+fn adam_grads() -> Vec<Vec<f64>> {
+    vec![vec![0.1, -0.3, 1.0], vec![0.2, -0.1, 0.5], vec![-0.4, 0.05, 0.25]]
+}
+
+#[test]
+fn adam_three_steps_match_reference() {
+    let p0 = [0.5, -1.5, 2.0];
+    for wd in [0.0, 0.1] {
+        let cfg = AdamConfig { lr: 0.01, weight_decay: wd, ..Default::default() };
+        let p = param(&p0);
+        let mut opt = Adam::new(vec![p.clone()], cfg).unwrap();
+        let got = run_steps(&mut opt, &p, &adam_grads());
+        let want = adam_reference(&p0, &adam_grads(), &cfg, false);
+        for (g, w) in got.iter().zip(&want) {
+            assert_close(g, w, 1e-12);
+        }
+    }
+}
+
+#[test]
+fn adam_first_step_moves_each_param_by_lr() {
+    // Step 1: m/bc1 = g and sqrt(v/bc2) = |g|, so p -= lr * sign(g) (up to eps).
+    let p = param(&[1.0, 1.0]);
+    set_grad(&p, &[3.0, -0.5]);
+    let mut opt = Adam::new(vec![p.clone()], AdamConfig { lr: 0.125, ..Default::default() }).unwrap();
+    opt.step().unwrap();
+    assert_close(&values(&p), &[0.875, 1.125], 1e-8);
+}
+
+#[test]
+fn adamw_three_steps_match_reference() {
+    let p0 = [0.5, -1.5, 2.0];
+    let cfg = AdamConfig { lr: 0.01, ..AdamConfig::adamw() };
+    assert_eq!(cfg.weight_decay, 1e-2);
+    let p = param(&p0);
+    let mut opt = AdamW::new(vec![p.clone()], cfg).unwrap();
+    let got = run_steps(&mut opt, &p, &adam_grads());
+    let want = adam_reference(&p0, &adam_grads(), &cfg, true);
+    for (g, w) in got.iter().zip(&want) {
+        assert_close(g, w, 1e-12);
+    }
+    // Decoupled decay differs from L2 decay.
+    let q = param(&p0);
+    let mut adam = Adam::new(vec![q.clone()], cfg).unwrap();
+    let l2 = run_steps(&mut adam, &q, &adam_grads());
+    assert!((l2[2][0] - got[2][0]).abs() > 1e-6);
+}
+
+#[test]
+fn amsgrad_uses_running_max_of_second_moment() {
+    // A large gradient then small ones with a short-memory beta2: v shrinks fast while
+    // max_exp_avg_sq keeps the peak.
+    let p0 = [1.0, -1.0];
+    let betas = (0.9, 0.5);
+    let grads = vec![vec![2.0, -1.0], vec![0.01, 0.02], vec![0.01, -0.03]];
+    for (amsgrad, decoupled) in [(true, false), (true, true), (false, false)] {
+        let cfg = AdamConfig { lr: 0.05, betas, amsgrad, weight_decay: 0.05, ..Default::default() };
+        let p = param(&p0);
+        let mut opt: Box<dyn Optimizer> = if decoupled {
+            Box::new(AdamW::new(vec![p.clone()], cfg).unwrap())
+        } else {
+            Box::new(Adam::new(vec![p.clone()], cfg).unwrap())
+        };
+        let got = run_steps(opt.as_mut(), &p, &grads);
+        let want = adam_reference(&p0, &grads, &cfg, decoupled);
+        for (g, w) in got.iter().zip(&want) {
+            assert_close(g, w, 1e-12);
+        }
+        let names: Vec<String> = opt.state_tensors().into_iter().map(|(n, _)| n).collect();
+        let mut expect = vec!["step", "lr", "state.0.exp_avg", "state.0.exp_avg_sq"];
+        if amsgrad {
+            expect.push("state.0.max_exp_avg_sq");
+        }
+        assert_eq!(names, expect);
+    }
+    let plain = adam_reference(&p0, &grads, &AdamConfig { lr: 0.05, betas, ..Default::default() }, false);
+    let ams = adam_reference(&p0, &grads, &AdamConfig { lr: 0.05, betas, amsgrad: true, ..Default::default() }, false);
+    assert!((plain[2][0] - ams[2][0]).abs() > 1e-4, "the test must exercise the max");
+}
+
+#[test]
+fn adam_rejects_invalid_configs() {
+    let bad = [
+        AdamConfig { betas: (1.0, 0.999), ..Default::default() },
+        AdamConfig { betas: (0.9, -0.1), ..Default::default() },
+        AdamConfig { eps: -1e-8, ..Default::default() },
+        AdamConfig { weight_decay: -1.0, ..Default::default() },
+        AdamConfig { lr: -1e-3, ..Default::default() },
+    ];
+    for cfg in bad {
+        assert!(Adam::new(vec![param(&[1.0])], cfg).is_err(), "{cfg:?}");
+        assert!(AdamW::new(vec![param(&[1.0])], cfg).is_err(), "{cfg:?}");
+    }
+}
+
+#[test]
+fn step_count_and_lr_are_tensors_updated_in_place() {
+    let p = param(&[1.0, 2.0]);
+    let mut opt = Adam::new(vec![p.clone()], AdamConfig::default()).unwrap();
+    let state = opt.state_tensors();
+    let (step, lr) = (state[0].1.clone(), state[1].1.clone());
+    assert!(step.shape().is_empty() && lr.shape().is_empty());
+    opt.step().unwrap(); // no grads: nothing happens, as in PyTorch
+    assert_eq!(step.item().unwrap(), 0.0);
+    set_grad(&p, &[1.0, 1.0]);
+    opt.step().unwrap();
+    let first = opt.state_tensors();
+    opt.step().unwrap();
+    opt.set_lr(0.5).unwrap();
+    assert_eq!(step.item().unwrap(), 2.0);
+    assert_eq!(lr.item().unwrap(), 0.5);
+    assert_eq!(opt.lr(), 0.5);
+    // Same tensors (storage) after more steps and an lr change: nothing was replaced.
+    let later = opt.state_tensors();
+    assert_eq!(later.len(), 4);
+    for ((n0, t0), (n1, t1)) in first.iter().zip(&later) {
+        assert_eq!(n0, n1);
+        assert!(t0.same_storage(t1), "{n0} changed storage");
+    }
+    assert!(later[0].1.same_storage(&step) && later[1].1.same_storage(&lr));
+}
+
+#[test]
+fn zero_grad_zeroes_in_place() {
+    let p = param(&[1.0, 2.0]);
+    set_grad(&p, &[3.0, 4.0]);
+    let g = p.grad().unwrap();
+    let mut opt = SGD::new(vec![p.clone(), param(&[5.0])], SgdConfig::default()).unwrap();
+    opt.zero_grad().unwrap();
+    let after = p.grad().unwrap();
+    assert!(after.same_storage(&g));
+    assert_close(&values(&after), &[0.0, 0.0], 0.0);
+    assert!(opt.params()[1].grad().is_none(), "a missing grad stays missing");
+}
+
+// ---------------------------------------------------------------- tracing
+
+/// Records every op (as text) and counts host reads.
+#[derive(Default)]
+struct Recorder {
+    ops: RefCell<Vec<String>>,
+    host_reads: RefCell<usize>,
+}
+
+impl Tracer for Recorder {
+    fn record(&self, op: &Op, _inputs: &[&Tensor], _output: &Tensor) {
+        self.ops.borrow_mut().push(format!("{op:?}"));
+    }
+    fn host_read(&self, _what: &'static str, _t: &Tensor) -> kiln_tensor::Result<()> {
+        *self.host_reads.borrow_mut() += 1;
+        Err(Error::GraphBreak("host read while tracing".into()))
+    }
+}
+
+fn traced(f: impl FnOnce()) -> (Vec<String>, usize) {
+    let rec = Rc::new(Recorder::default());
+    let prev = kiln_tensor::set_tracer(Some(rec.clone()));
+    f();
+    kiln_tensor::set_tracer(prev);
+    let ops = rec.ops.borrow().clone();
+    let reads = *rec.host_reads.borrow();
+    (ops, reads)
+}
+
+#[test]
+fn traced_steps_read_nothing_on_the_host_and_bake_in_no_step_or_lr() {
+    let make: [MakeOpt; 3] = [
+        |p| Box::new(Adam::new(p, AdamConfig { amsgrad: true, weight_decay: 0.1, ..Default::default() }).unwrap()),
+        |p| Box::new(AdamW::new(p, AdamConfig::adamw()).unwrap()),
+        |p| Box::new(SGD::new(p, SgdConfig { momentum: 0.9, nesterov: true, weight_decay: 0.1, ..Default::default() }).unwrap()),
+    ];
+    for new in make {
+        let p = param(&[1.0, -2.0, 0.5]);
+        set_grad(&p, &[0.3, 0.1, -0.2]);
+        let mut opt = new(vec![p.clone()]);
+        opt.step().unwrap(); // creates the state buffers
+        let (a, reads_a) = traced(|| opt.step().unwrap());
+        opt.set_lr(0.123).unwrap(); // as a scheduler would, outside the traced step
+        let (b, reads_b) = traced(|| {
+            clip_grad_norm(std::slice::from_ref(&p), 1.0).unwrap();
+            opt.step().unwrap();
+        });
+        assert_eq!((reads_a, reads_b), (0, 0));
+        assert!(!a.is_empty());
+        // Steps 2 and 3, with different lrs, record exactly the same ops and constants.
+        assert_eq!(a, b[b.len() - a.len()..]);
+        assert!(a.iter().all(|op| !op.starts_with("Full")), "no constant tensors made in a step: {a:?}");
+    }
+}
+
+// ---------------------------------------------------------------- schedulers
+
+/// The lrs the optimizer gets for steps 0..n under `sched`.
+fn lr_sequence(sched: &mut dyn LrScheduler, n: usize) -> Vec<f64> {
+    let mut opt = SGD::new(vec![param(&[0.0])], SgdConfig { lr: 1.0, ..Default::default() }).unwrap();
+    sched.apply(&mut opt).unwrap();
+    let mut out = vec![opt.lr()];
+    for t in 1..n {
+        sched.step(&mut opt).unwrap();
+        assert_eq!(sched.last_step(), t);
+        out.push(opt.lr());
+    }
+    for (t, lr) in out.iter().enumerate() {
+        assert_eq!(*lr, sched.lr_at(t));
+    }
+    out
+}
+
+#[test]
+fn step_lr_sequence() {
+    let got = lr_sequence(&mut StepLR::new(0.1, 2, 0.5).unwrap(), 7);
+    let want: Vec<f64> = (0..7).map(|t| 0.1 * 0.5f64.powi(t / 2)).collect();
+    assert_close(&got, &want, 1e-15);
+    assert_close(&got, &[0.1, 0.1, 0.05, 0.05, 0.025, 0.025, 0.0125], 1e-15);
+    assert!(StepLR::new(0.1, 0, 0.5).is_err());
+}
+
+#[test]
+fn cosine_annealing_sequence() {
+    let got = lr_sequence(&mut CosineAnnealingLR::new(0.1, 4, 0.01).unwrap(), 5);
+    let want: Vec<f64> = (0..5).map(|t| 0.01 + 0.09 * (1.0 + (std::f64::consts::PI * t as f64 / 4.0).cos()) / 2.0).collect();
+    assert_close(&got, &want, 1e-15);
+    assert_close(&got, &[0.1, 0.0868198051533946, 0.055, 0.0231801948466054, 0.01], 1e-15);
+    assert!(CosineAnnealingLR::new(0.1, 0, 0.0).is_err());
+}
+
+#[test]
+fn warmup_cosine_sequence() {
+    let mut s = WarmupCosine::new(1e-2, 2, 5, 0.0).unwrap();
+    let got = lr_sequence(&mut s, 5);
+    assert_close(&got, &[5e-3, 1e-2, 1e-2, 7.5e-3, 2.5e-3], 1e-15);
+    assert_close(&[s.lr_at(5), s.lr_at(9)], &[0.0, 0.0], 1e-15); // clamped at total_steps
+    let s = WarmupCosine::new(1.0, 0, 4, 0.2).unwrap();
+    assert_close(&[s.lr_at(0), s.lr_at(2), s.lr_at(4)], &[1.0, 0.6, 0.2], 1e-15);
+    assert!(WarmupCosine::new(1.0, 5, 5, 0.0).is_err());
+}
+
+#[test]
+fn one_cycle_sequence() {
+    // max_lr 1, 10 steps: starts at 1/25, peaks at step 0.3*10 - 1 = 2, ends at 1/25/1e4 at 9.
+    let mut s = OneCycleLR::new(1.0, 10).unwrap();
+    let got = lr_sequence(&mut s, 11);
+    let (initial, min) = (0.04, 0.04 / 1e4);
+    let anneal = |a: f64, b: f64, pct: f64| b + (a - b) / 2.0 * ((std::f64::consts::PI * pct).cos() + 1.0);
+    let want: Vec<f64> =
+        (0..=10).map(|t| if t <= 2 { anneal(initial, 1.0, t as f64 / 2.0) } else { anneal(1.0, min, (t as f64 - 2.0) / 7.0) }).collect();
+    assert_close(&got, &want, 1e-15);
+    assert_close(&got[..3], &[0.04, 0.52, 1.0], 1e-15);
+    assert_close(&[got[9]], &[4e-6], 1e-18);
+    // PyTorch allows total_steps calls of step() and errors after.
+    let mut opt = SGD::new(vec![param(&[0.0])], SgdConfig::default()).unwrap();
+    assert!(s.step(&mut opt).is_err());
+    assert_eq!(s.last_step(), 10);
+    assert!(OneCycleLR::with_options(1.0, 10, 0.1, 25.0, 1e4).is_err(), "empty warmup phase");
+}
+
+#[test]
+fn scheduler_resumes_from_set_last_step() {
+    let mut a = WarmupCosine::new(1e-2, 2, 5, 0.0).unwrap();
+    let mut opt = SGD::new(vec![param(&[0.0])], SgdConfig::default()).unwrap();
+    a.set_last_step(2);
+    a.apply(&mut opt).unwrap();
+    assert_eq!(opt.lr(), 1e-2);
+    a.step(&mut opt).unwrap();
+    assert!((opt.lr() - 7.5e-3).abs() < 1e-15);
+}
+
+// ---------------------------------------------------------------- clipping
+
+#[test]
+fn clip_grad_norm_scales_to_max_norm() {
+    let p = param(&[0.0, 0.0]);
+    set_grad(&p, &[3.0, 4.0]);
+    let g = p.grad().unwrap();
+    let norm = clip_grad_norm(std::slice::from_ref(&p), 1.0).unwrap();
+    assert!(norm.shape().is_empty());
+    assert_close(&[norm.item().unwrap()], &[5.0], 1e-12);
+    assert_close(&values(&p.grad().unwrap()), &[0.6, 0.8], 1e-6);
+    assert!(p.grad().unwrap().same_storage(&g), "clipped in place");
+}
+
+#[test]
+fn clip_grad_norm_over_several_params() {
+    // Norm of [3] and [4] together is 5; a param without grad is skipped; max 10 > 5 keeps
+    // the grads as they are (coefficient clamped to 1).
+    let (a, b, c) = (param(&[0.0]), param(&[0.0]), param(&[0.0]));
+    set_grad(&a, &[3.0]);
+    set_grad(&b, &[4.0]);
+    let norm = clip_grad_norm(&[a.clone(), b.clone(), c.clone()], 10.0).unwrap();
+    assert_close(&[norm.item().unwrap()], &[5.0], 1e-12);
+    assert_close(&values(&a.grad().unwrap()), &[3.0], 0.0);
+    assert_close(&values(&b.grad().unwrap()), &[4.0], 0.0);
+    let norm = clip_grad_norm(&[a.clone(), b.clone(), c], 2.5).unwrap();
+    assert_close(&[norm.item().unwrap()], &[5.0], 1e-12);
+    assert_close(&[values(&a.grad().unwrap())[0], values(&b.grad().unwrap())[0]], &[1.5, 2.0], 1e-6);
+    assert_eq!(clip_grad_norm(&[param(&[1.0])], 1.0).unwrap().item().unwrap(), 0.0);
+}
+
+#[test]
+fn clip_grad_value_clamps_in_place() {
+    let p = param(&[0.0, 0.0, 0.0]);
+    set_grad(&p, &[-3.0, 0.5, 2.0]);
+    let g = p.grad().unwrap();
+    clip_grad_value(std::slice::from_ref(&p), 1.0).unwrap();
+    assert_close(&values(&g), &[-1.0, 0.5, 1.0], 0.0);
+}
+
+// ---------------------------------------------------------------- state
+
+fn snapshot(opt: &dyn Optimizer) -> Vec<(String, Vec<f64>)> {
+    opt.state_tensors().into_iter().map(|(n, t)| (n, t.to_vec_f64().unwrap())).collect()
+}
+
+#[test]
+fn save_load_round_trip_continues_identically() {
+    let make: [MakeOpt; 2] = [
+        |p| Box::new(AdamW::new(p, AdamConfig { amsgrad: true, ..AdamConfig::adamw() }).unwrap()),
+        |p| Box::new(SGD::new(p, SgdConfig { lr: 0.1, momentum: 0.9, ..Default::default() }).unwrap()),
+    ];
+    for (k, new) in make.into_iter().enumerate() {
+        let (a, frozen) = (param(&[0.5, -1.5, 2.0]), param(&[7.0]));
+        let mut opt = new(vec![a.clone(), frozen.clone()]);
+        run_steps(opt.as_mut(), &a, &adam_grads()[..2]);
+        opt.set_lr(0.005).unwrap();
+        let path = temp_path(&format!("round_trip_{k}"));
+        save_state(opt.as_ref(), &path).unwrap();
+
+        // A fresh optimizer over parameters with the same values, loaded from the file.
+        let b = param(&values(&a));
+        let mut loaded = new(vec![b.clone(), param(&[7.0])]);
+        load_state(loaded.as_mut(), &path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(snapshot(loaded.as_ref()), snapshot(opt.as_ref()));
+        assert_eq!(loaded.lr(), f32_lr(0.005));
+
+        let more = [vec![0.3, 0.3, -0.1], vec![-0.2, 0.0, 0.4]];
+        assert_eq!(run_steps(loaded.as_mut(), &b, &more), run_steps(opt.as_mut(), &a, &more));
+    }
+}
+
+#[test]
+fn load_with_wrong_shape_errors_and_changes_nothing() {
+    let p = param(&[1.0, 2.0]);
+    let mut opt = Adam::new(vec![p.clone()], AdamConfig::default()).unwrap();
+    run_steps(&mut opt, &p, &[vec![0.1, 0.2], vec![0.3, -0.4]]);
+    let before = snapshot(&opt);
+    let lr_before = opt.lr();
+
+    // Valid step and lr first, so a partial load would show.
+    let mut bad: Vec<(String, Tensor)> = vec![
+        ("step".into(), Tensor::scalar(99.0, kiln_tensor::DType::F32, Device::Cpu).unwrap()),
+        ("lr".into(), Tensor::scalar(0.5, kiln_tensor::DType::F32, Device::Cpu).unwrap()),
+        ("state.0.exp_avg".into(), Tensor::zeros(&[2], kiln_tensor::DType::F64, Device::Cpu).unwrap()),
+        ("state.0.exp_avg_sq".into(), Tensor::zeros(&[3], kiln_tensor::DType::F64, Device::Cpu).unwrap()),
+    ];
+    let e = opt.load_state_tensors(&bad).unwrap_err().to_string();
+    assert!(e.contains("state.0.exp_avg_sq") && e.contains("[3]") && e.contains("[2]"), "{e}");
+    assert_eq!(snapshot(&opt), before);
+    assert_eq!(opt.lr(), lr_before);
+
+    // Also through a file.
+    let path = temp_path("wrong_shape");
+    let q = param(&[1.0, 2.0, 3.0]);
+    let mut other = Adam::new(vec![q.clone()], AdamConfig::default()).unwrap();
+    run_steps(&mut other, &q, &[vec![1.0, 1.0, 1.0]]);
+    save_state(&other, &path).unwrap();
+    let e = load_state(&mut opt, &path).unwrap_err().to_string();
+    std::fs::remove_file(&path).unwrap();
+    assert!(e.contains("[3]") && e.contains("[2]"), "{e}");
+    assert_eq!(snapshot(&opt), before);
+
+    // Wrong dtype, unknown name, missing lr, incomplete per-parameter state.
+    bad[3].1 = Tensor::zeros(&[2], kiln_tensor::DType::F32, Device::Cpu).unwrap();
+    assert!(opt.load_state_tensors(&bad).unwrap_err().to_string().contains("F32"));
+    bad[3].0 = "state.0.momentum_buffer".into();
+    assert!(opt.load_state_tensors(&bad).unwrap_err().to_string().contains("unexpected tensor 'state.0.momentum_buffer'"));
+    assert!(opt.load_state_tensors(&bad[..1]).unwrap_err().to_string().contains("missing tensor 'lr'"));
+    assert!(opt.load_state_tensors(&bad[..3]).unwrap_err().to_string().contains("state.0.exp_avg_sq"));
+    assert_eq!(snapshot(&opt), before);
+}
+
+#[test]
+fn load_drops_state_of_params_absent_from_the_checkpoint() {
+    let p = param(&[1.0, 2.0]);
+    let mut opt = SGD::new(vec![p.clone()], SgdConfig { momentum: 0.9, ..Default::default() }).unwrap();
+    run_steps(&mut opt, &p, &[vec![1.0, 1.0]]);
+    assert_eq!(opt.state_tensors().len(), 3);
+    // A checkpoint taken before any step: only step and lr.
+    let zero = vec![
+        ("step".to_string(), Tensor::scalar(0.0, kiln_tensor::DType::F32, Device::Cpu).unwrap()),
+        ("lr".to_string(), Tensor::scalar(0.25, kiln_tensor::DType::F32, Device::Cpu).unwrap()),
+    ];
+    opt.load_state_tensors(&zero).unwrap();
+    assert_eq!(opt.state_tensors().len(), 2);
+    assert_eq!(opt.lr(), 0.25);
+    // The momentum buffer starts again from the gradient, as on a first step.
+    run_steps(&mut opt, &p, &[vec![1.0, -1.0]]);
+    assert_close(&values(&opt.state_tensors()[2].1), &[1.0, -1.0], 0.0);
+}
+
+#[test]
+fn malformed_or_missing_files_are_clear_errors() {
+    let mut opt = Adam::new(vec![param(&[1.0])], AdamConfig::default()).unwrap();
+    let path = temp_path("garbage");
+    std::fs::write(&path, b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all").unwrap();
+    let e = load_state(&mut opt, &path).unwrap_err();
+    std::fs::remove_file(&path).unwrap();
+    assert!(matches!(e, Error::Format { .. }), "{e}");
+    std::fs::write(&path, b"abc").unwrap();
+    assert!(matches!(load_state(&mut opt, &path).unwrap_err(), Error::Format { .. }));
+    std::fs::remove_file(&path).unwrap();
+    let e = load_state(&mut opt, &temp_path("does_not_exist")).unwrap_err();
+    assert!(matches!(e, Error::Io(_)), "{e}");
+}

@@ -1,0 +1,32 @@
+//! Small helpers the examples share: flag parsing and progress bars.
+#![allow(dead_code)]
+
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// `--name value` from the command line, parsed, or the default.
+pub fn flag<T: std::str::FromStr>(name: &str, default: T) -> T {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+/// Whether `--name` was given.
+pub fn has(name: &str) -> bool {
+    std::env::args().any(|a| a == name)
+}
+
+/// `--name value` as a string, if given.
+pub fn opt(name: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned()
+}
+
+pub fn bar(len: u64, what: &str) -> ProgressBar {
+    let pb = ProgressBar::new(len);
+    pb.set_style(
+        ProgressStyle::with_template("{prefix:>8} [{bar:30}] {pos}/{len} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    pb.set_prefix(what.to_string());
+    pb
+}

@@ -1,0 +1,140 @@
+//! A GPT-style language model: token + position embeddings, pre-norm blocks with causal
+//! self-attention (one fused qkv projection) and a GELU MLP, a final LayerNorm and a head
+//! (untied, or tied to the token embedding). Shapes: B batch, T time, C d_model, H heads,
+//! V vocab. Parameter names match scripts/make_golden.py's PyTorch model.
+
+use kiln_nn::{cross_entropy, dropout, join, scaled_dot_product_attention, AttnMasks, Embedding, Forward, LayerNorm, Linear, Module};
+use kiln_tensor::{DType, Device, Error, Result, Tensor};
+
+#[derive(Debug, Clone, Copy)]
+pub struct GptConfig {
+    pub vocab: usize,
+    pub context: usize,
+    pub d_model: usize,
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub dropout: f64,
+    /// Share the token embedding with the output head.
+    pub tied_head: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct Block {
+    pub ln1: LayerNorm,
+    pub qkv: Linear,
+    pub proj: Linear,
+    pub ln2: LayerNorm,
+    pub fc: Linear,
+    pub fc_proj: Linear,
+}
+
+#[derive(Debug, Clone)]
+pub struct Gpt {
+    pub config: GptConfig,
+    pub tok_emb: Embedding,
+    pub pos_emb: Embedding,
+    pub blocks: Vec<Block>,
+    pub ln_f: LayerNorm,
+    pub head: Option<Linear>,
+    pub training: bool,
+}
+
+impl Block {
+    fn new(c: &GptConfig, device: Device) -> Result<Block> {
+        let d = c.d_model;
+        Ok(Block {
+            ln1: LayerNorm::new(d, 1e-5, device)?,
+            qkv: Linear::new(d, 3 * d, true, device)?,
+            proj: Linear::new(d, d, true, device)?,
+            ln2: LayerNorm::new(d, 1e-5, device)?,
+            fc: Linear::new(d, 4 * d, true, device)?,
+            fc_proj: Linear::new(4 * d, d, true, device)?,
+        })
+    }
+
+    /// x: [B, T, C] -> [B, T, C]
+    fn forward(&self, x: &Tensor, c: &GptConfig, training: bool) -> Result<Tensor> {
+        let (b, t, d) = (x.shape()[0], x.shape()[1], c.d_model);
+        let p = if training { c.dropout } else { 0.0 };
+        let qkv = self.qkv.forward(&self.ln1.forward(x)?)?; // [B, T, 3C]
+        let heads = |i: usize| qkv.narrow(2, i * d, d)?.reshape(&[b, t, c.n_head, d / c.n_head])?.transpose(1, 2);
+        let masks = AttnMasks { is_causal: true, ..Default::default() };
+        let att = scaled_dot_product_attention(&heads(0)?, &heads(1)?, &heads(2)?, &masks, p)?; // [B, H, T, D]
+        let att = att.transpose(1, 2)?.reshape(&[b, t, d])?;
+        let x = x.add(&dropout(&self.proj.forward(&att)?, p, training)?)?;
+        let h = self.fc_proj.forward(&self.fc.forward(&self.ln2.forward(&x)?)?.gelu()?)?;
+        x.add(&dropout(&h, p, training)?)
+    }
+
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
+        self.ln1.visit(&join(prefix, "ln1"), f);
+        self.qkv.visit(&join(prefix, "attn.qkv"), f);
+        self.proj.visit(&join(prefix, "attn.proj"), f);
+        self.ln2.visit(&join(prefix, "ln2"), f);
+        self.fc.visit(&join(prefix, "mlp.fc"), f);
+        self.fc_proj.visit(&join(prefix, "mlp.proj"), f);
+    }
+}
+
+impl Gpt {
+    pub fn new(c: GptConfig, device: Device) -> Result<Gpt> {
+        if c.n_head == 0 || c.d_model % c.n_head != 0 {
+            return Err(Error::shape("gpt", format!("d_model {} is not divisible by n_head {}", c.d_model, c.n_head)));
+        }
+        Ok(Gpt {
+            config: c,
+            tok_emb: Embedding::new(c.vocab, c.d_model, device)?,
+            pos_emb: Embedding::new(c.context, c.d_model, device)?,
+            blocks: (0..c.n_layer).map(|_| Block::new(&c, device)).collect::<Result<_>>()?,
+            ln_f: LayerNorm::new(c.d_model, 1e-5, device)?,
+            head: if c.tied_head { None } else { Some(Linear::new(c.d_model, c.vocab, false, device)?) },
+            training: true,
+        })
+    }
+
+    /// tokens: [B, T] (I64, T <= context) -> logits [B, T, V]
+    pub fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
+        let t = tokens.shape().get(1).copied().unwrap_or(0);
+        if tokens.rank() != 2 || t > self.config.context {
+            return Err(Error::shape(
+                "gpt",
+                format!("tokens must be [B, T] with T <= context {}, got {:?}", self.config.context, tokens.shape()),
+            ));
+        }
+        let pos = Tensor::arange(t, DType::I64, tokens.device())?;
+        let mut x = self.tok_emb.forward(tokens)?.add(&self.pos_emb.forward(&pos)?)?;
+        x = dropout(&x, self.config.dropout, self.training)?;
+        for blk in &self.blocks {
+            x = blk.forward(&x, &self.config, self.training)?;
+        }
+        let x = self.ln_f.forward(&x)?;
+        match &self.head {
+            Some(h) => h.forward(&x),
+            None => x.matmul(&self.tok_emb.weight.t()?),
+        }
+    }
+
+    /// Mean cross-entropy of next-token predictions. tokens, targets: [B, T].
+    pub fn loss(&self, tokens: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let logits = self.forward(tokens)?;
+        let v = self.config.vocab;
+        cross_entropy(&logits.reshape(&[-1, v as i64])?, &targets.reshape(&[-1])?)
+    }
+}
+
+impl Module for Gpt {
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
+        self.tok_emb.visit(&join(prefix, "tok_emb"), f);
+        self.pos_emb.visit(&join(prefix, "pos_emb"), f);
+        for (i, b) in self.blocks.iter().enumerate() {
+            b.visit(&join(prefix, &format!("blocks.{i}")), f);
+        }
+        self.ln_f.visit(&join(prefix, "ln_f"), f);
+        if let Some(h) = &self.head {
+            h.visit(&join(prefix, "head"), f);
+        }
+    }
+    fn set_training(&mut self, training: bool) {
+        self.training = training;
+    }
+}
