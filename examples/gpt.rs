@@ -89,6 +89,7 @@ fn main() -> Result<()> {
     let lr = common::flag("--lr", 3e-3f64);
     let mut opt = AdamW::new(model.parameters(), AdamConfig { lr, betas: (0.9, 0.95), weight_decay: 0.1, ..AdamConfig::adamw() })?;
     let mut sched = WarmupCosine::new(lr, (steps / 10).max(1), steps, lr / 10.0)?;
+    sched.apply(&mut opt)?;
     let h = unigram_entropy(&ids, vocab.len());
     println!("corpus: {} characters, vocab {}; unigram entropy {h:.3} nats", ids.len(), vocab.len());
     println!(
@@ -105,12 +106,12 @@ fn main() -> Result<()> {
     let mut loss_v = f64::NAN;
     for step in 0..steps {
         let (x, y) = batch(&ids, b, t, &mut rng)?;
-        sched.step(&mut opt)?;
         let loss = model.loss(&x, &y)?;
         loss.backward()?;
         clip_grad_norm(opt.params(), 1.0)?;
         opt.step()?;
         opt.zero_grad()?;
+        sched.step(&mut opt)?;
         if step % 10 == 0 || step + 1 == steps {
             loss_v = loss.item()?;
             if !loss_v.is_finite() {

@@ -2,7 +2,7 @@
 //!
 //!   cargo run --release --example mlp                    # embedded procedurally drawn digits
 //!   cargo run --release --example mlp -- --mnist DIR     # MNIST in its IDX format
-//!   options: --epochs 3 --batch 32 --lr 1e-3 --train 20000 --seed 0
+//!   options: --epochs 4 --batch 32 --lr 1e-3 --train 60000 --seed 0
 
 mod common;
 
@@ -35,11 +35,11 @@ fn accuracy(model: &dyn Forward, d: &Dataset, device: Device) -> Result<f64> {
 
 fn main() -> Result<()> {
     let (epochs, bs, lr, seed) =
-        (common::flag("--epochs", 3usize), common::flag("--batch", 32usize), common::flag("--lr", 1e-3f64), common::flag("--seed", 0u64));
+        (common::flag("--epochs", 4usize), common::flag("--batch", 32usize), common::flag("--lr", 1e-3f64), common::flag("--seed", 0u64));
     let device = Device::Cpu;
     let (train, test) = match common::opt("--mnist") {
         Some(dir) => load_mnist(std::path::Path::new(&dir)).map_err(Error::Msg)?,
-        None => (synthetic_digits(common::flag("--train", 20_000usize), seed + 1), synthetic_digits(5_000, seed + 2)),
+        None => (synthetic_digits(common::flag("--train", 60_000usize), seed + 1), synthetic_digits(5_000, seed + 2)),
     };
     println!("data: {} train / {} test images of {}x{}", train.len(), test.len(), train.rows, train.cols);
     kiln::tensor::rng::manual_seed(seed);

@@ -9,11 +9,11 @@ pub(crate) struct Core {
     /// Optimizer name for error messages.
     pub what: &'static str,
     pub params: Vec<Tensor>,
-    /// The learning rate the math reads (0-dim F32 on the first parameter's device).
+    /// The learning rate the math reads (0-dim F64 on the first parameter's device).
     pub lr: Tensor,
     /// Host copy of `lr` for `Optimizer::lr` (reading the tensor would be a host read).
     pub lr_value: f64,
-    /// Steps taken (0-dim F32), read as a tensor so a traced step does not bake it in.
+    /// Steps taken (0-dim F64), read as a tensor so a traced step does not bake it in.
     pub step: Tensor,
     /// Names of each parameter's buffers, e.g. `["exp_avg", "exp_avg_sq"]`.
     pub keys: Vec<&'static str>,
@@ -27,8 +27,8 @@ impl Core {
         check_lr(what, lr)?;
         check_params(what, &params)?;
         let device = params.first().map_or(Device::Cpu, Tensor::device);
-        let lr_t = Tensor::scalar(lr, DType::F32, device)?;
-        let step = Tensor::scalar(0.0, DType::F32, device)?;
+        let lr_t = Tensor::scalar(lr, DType::F64, device)?;
+        let step = Tensor::scalar(0.0, DType::F64, device)?;
         let state = vec![None; params.len()];
         Ok(Core { what, params, lr: lr_t, lr_value: lr, step, keys, state })
     }
@@ -154,11 +154,11 @@ impl Core {
         })
     }
 
-    /// `step` or `lr`: present, 0-dim F32, moved to our device.
+    /// `step` or `lr`: present, 0-dim F64, moved to our device.
     fn check_scalar(&self, name: &str, t: Option<Tensor>) -> Result<Tensor> {
         let t = t.ok_or_else(|| self.load_err(format!("missing tensor '{name}'")))?;
-        if !t.shape().is_empty() || t.dtype() != DType::F32 {
-            return Err(self.load_err(format!("'{name}' has shape {:?} ({:?}), expected shape [] (F32)", t.shape(), t.dtype())));
+        if !t.shape().is_empty() || t.dtype() != DType::F64 {
+            return Err(self.load_err(format!("'{name}' has shape {:?} ({:?}), expected shape [] (F64)", t.shape(), t.dtype())));
         }
         t.to_device(self.step.device())
     }

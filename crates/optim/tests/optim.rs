@@ -35,9 +35,10 @@ fn temp_path(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("kiln_optim_{}_{name}.safetensors", std::process::id()))
 }
 
-/// The lr as the optimizer stores it (an F32 tensor).
-fn f32_lr(lr: f64) -> f64 {
-    lr as f32 as f64
+/// The lr as the optimizer stores it (an F64 tensor: exact).
+fn stored_lr(lr: f64) -> f64 {
+    // Kept as a function so the reference reads like the optimizer does.
+    lr
 }
 
 // ---------------------------------------------------------------- SGD
@@ -137,7 +138,7 @@ fn mis_shaped_grad_is_an_error() {
 /// PyTorch's single-tensor Adam on f64 scalars.
 fn adam_reference(p0: &[f64], grads: &[Vec<f64>], cfg: &AdamConfig, decoupled: bool) -> Vec<Vec<f64>> {
     let (b1, b2) = cfg.betas;
-    let (lr, wd) = (f32_lr(cfg.lr), cfg.weight_decay);
+    let (lr, wd) = (stored_lr(cfg.lr), cfg.weight_decay);
     let n = p0.len();
     let (mut p, mut m, mut v, mut vmax) = (p0.to_vec(), vec![0.0; n], vec![0.0; n], vec![0.0f64; n]);
     let mut out = Vec::new();
@@ -508,7 +509,7 @@ fn save_load_round_trip_continues_identically() {
         load_state(loaded.as_mut(), &path).unwrap();
         std::fs::remove_file(&path).unwrap();
         assert_eq!(snapshot(loaded.as_ref()), snapshot(opt.as_ref()));
-        assert_eq!(loaded.lr(), f32_lr(0.005));
+        assert_eq!(loaded.lr(), stored_lr(0.005));
 
         let more = [vec![0.3, 0.3, -0.1], vec![-0.2, 0.0, 0.4]];
         assert_eq!(run_steps(loaded.as_mut(), &b, &more), run_steps(opt.as_mut(), &a, &more));
@@ -525,8 +526,8 @@ fn load_with_wrong_shape_errors_and_changes_nothing() {
 
     // Valid step and lr first, so a partial load would show.
     let mut bad: Vec<(String, Tensor)> = vec![
-        ("step".into(), Tensor::scalar(99.0, kiln_tensor::DType::F32, Device::Cpu).unwrap()),
-        ("lr".into(), Tensor::scalar(0.5, kiln_tensor::DType::F32, Device::Cpu).unwrap()),
+        ("step".into(), Tensor::scalar(99.0, kiln_tensor::DType::F64, Device::Cpu).unwrap()),
+        ("lr".into(), Tensor::scalar(0.5, kiln_tensor::DType::F64, Device::Cpu).unwrap()),
         ("state.0.exp_avg".into(), Tensor::zeros(&[2], kiln_tensor::DType::F64, Device::Cpu).unwrap()),
         ("state.0.exp_avg_sq".into(), Tensor::zeros(&[3], kiln_tensor::DType::F64, Device::Cpu).unwrap()),
     ];
@@ -564,8 +565,8 @@ fn load_drops_state_of_params_absent_from_the_checkpoint() {
     assert_eq!(opt.state_tensors().len(), 3);
     // A checkpoint taken before any step: only step and lr.
     let zero = vec![
-        ("step".to_string(), Tensor::scalar(0.0, kiln_tensor::DType::F32, Device::Cpu).unwrap()),
-        ("lr".to_string(), Tensor::scalar(0.25, kiln_tensor::DType::F32, Device::Cpu).unwrap()),
+        ("step".to_string(), Tensor::scalar(0.0, kiln_tensor::DType::F64, Device::Cpu).unwrap()),
+        ("lr".to_string(), Tensor::scalar(0.25, kiln_tensor::DType::F64, Device::Cpu).unwrap()),
     ];
     opt.load_state_tensors(&zero).unwrap();
     assert_eq!(opt.state_tensors().len(), 2);
