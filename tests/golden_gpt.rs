@@ -39,7 +39,8 @@ fn gpt_five_adamw_steps_match_pytorch() -> Result<()> {
     }
 
     // Five steps: lr from the schedule, loss, backward, clip, AdamW.
-    let mut opt = AdamW::new(model.parameters(), AdamConfig { lr: 1e-2, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, amsgrad: false })?;
+    let mut opt =
+        AdamW::new(model.parameters(), AdamConfig { lr: 1e-2, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, amsgrad: false })?;
     let mut sched = WarmupCosine::new(1e-2, 2, 5, 0.0)?;
     sched.apply(&mut opt)?; // lr for step 0, as PyTorch's scheduler constructor does
     opt.zero_grad()?;
