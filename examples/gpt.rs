@@ -140,7 +140,7 @@ fn main() -> Result<()> {
             right += (check_arithmetic_line(&guess) == Some(true)) as usize;
         }
         println!("exact-match accuracy on 50 held-out sums: {right}/50");
-        println!("sample: {}{}", "12+34=", complete(&model, &vocab, "12+34=", 6)?);
+        println!("sample: 12+34={}", complete(&model, &vocab, "12+34=", 6)?);
     } else {
         let prompt: String = text.chars().take(16).collect();
         println!("sample: {prompt}{}", complete(&model, &vocab, &prompt, 200)?);

@@ -1,6 +1,8 @@
 //! Finite-difference checks (f64) for every differentiable op, with broadcast and
 //! non-contiguous inputs, plus the tape's own behaviour (accumulation, no_grad, errors).
 
+#![allow(clippy::cloned_ref_to_slice_refs)] // `&[x.clone()]` reads better in a table of checks
+
 use kiln_autograd::{backward, grad, gradcheck, Backward, GradcheckConfig};
 use kiln_tensor::{DType, Device, Distribution, Result, Tensor, UnaryOp};
 

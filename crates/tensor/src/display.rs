@@ -28,43 +28,43 @@ fn fmt_value(v: f64, dtype: DType) -> String {
     }
 }
 
-fn write_dim(
-    out: &mut String,
-    vals: &[String],
-    shape: &[usize],
-    strides: &[usize],
-    base: usize,
-    indent: usize,
+/// What every level of the recursive printer shares.
+struct Printer<'a> {
+    vals: &'a [String],
     summarize: bool,
     width: usize,
-) {
-    if shape.is_empty() {
-        out.push_str(&format!("{:>width$}", vals[base]));
-        return;
-    }
-    out.push('[');
-    let n = shape[0];
-    let show: Vec<Option<usize>> = if summarize && n > 2 * EDGE {
-        (0..EDGE).map(Some).chain(std::iter::once(None)).chain((n - EDGE..n).map(Some)).collect()
-    } else {
-        (0..n).map(Some).collect()
-    };
-    for (k, i) in show.iter().enumerate() {
-        if k > 0 {
-            if shape.len() == 1 {
-                out.push_str(", ");
-            } else {
-                out.push(',');
-                out.push_str(&"\n".repeat(shape.len() - 1));
-                out.push_str(&" ".repeat(indent + 1));
+}
+
+impl Printer<'_> {
+    fn write_dim(&self, out: &mut String, shape: &[usize], strides: &[usize], base: usize, indent: usize) {
+        if shape.is_empty() {
+            out.push_str(&format!("{:>w$}", self.vals[base], w = self.width));
+            return;
+        }
+        out.push('[');
+        let n = shape[0];
+        let show: Vec<Option<usize>> = if self.summarize && n > 2 * EDGE {
+            (0..EDGE).map(Some).chain(std::iter::once(None)).chain((n - EDGE..n).map(Some)).collect()
+        } else {
+            (0..n).map(Some).collect()
+        };
+        for (k, i) in show.iter().enumerate() {
+            if k > 0 {
+                if shape.len() == 1 {
+                    out.push_str(", ");
+                } else {
+                    out.push(',');
+                    out.push_str(&"\n".repeat(shape.len() - 1));
+                    out.push_str(&" ".repeat(indent + 1));
+                }
+            }
+            match i {
+                Some(i) => self.write_dim(out, &shape[1..], &strides[1..], base + i * strides[0], indent + 1),
+                None => out.push_str("..."),
             }
         }
-        match i {
-            Some(i) => write_dim(out, vals, &shape[1..], &strides[1..], base + i * strides[0], indent + 1, summarize, width),
-            None => out.push_str("..."),
-        }
+        out.push(']');
     }
-    out.push(']');
 }
 
 impl fmt::Display for Tensor {
@@ -78,7 +78,7 @@ impl fmt::Display for Tensor {
         let width = strs.iter().map(|s| s.len()).max().unwrap_or(0);
         let mut out = String::from("tensor(");
         let strides = crate::shape::contiguous_strides(self.shape());
-        write_dim(&mut out, &strs, self.shape(), &strides, 0, 7, summarize, width);
+        Printer { vals: &strs, summarize, width }.write_dim(&mut out, self.shape(), &strides, 0, 7);
         if self.dtype() != DType::F32 && self.dtype() != DType::I64 {
             out.push_str(&format!(", dtype={}", self.dtype().as_str()));
         }

@@ -81,7 +81,11 @@ pub fn save_tensors(tensors: &[(String, Tensor)], metadata: Option<HashMap<Strin
 }
 
 /// Reads every tensor of a safetensors buffer (on the CPU), sorted by name, and the metadata.
-pub fn load_tensors(bytes: &[u8]) -> Result<(Vec<(String, Tensor)>, HashMap<String, String>)> {
+/// Named tensors, in file order.
+pub type NamedTensors = Vec<(String, Tensor)>;
+
+/// Reads every tensor (sorted by name) and the metadata.
+pub fn load_tensors(bytes: &[u8]) -> Result<(NamedTensors, HashMap<String, String>)> {
     let bad = |msg: String| Error::Format { what: "safetensors".into(), msg };
     let st = SafeTensors::deserialize(bytes).map_err(|e| bad(format!("not a valid safetensors file: {e}")))?;
     let (_, meta) = SafeTensors::read_metadata(bytes).map_err(|e| bad(e.to_string()))?;

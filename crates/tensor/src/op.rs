@@ -168,9 +168,7 @@ impl UnaryOp {
             UnaryOp::Tanh => x.tanh(),
             UnaryOp::Sigmoid => one / (one + (-x).exp()),
             UnaryOp::Relu => {
-                if x > zero {
-                    x
-                } else if x.is_nan() {
+                if x > zero || x.is_nan() {
                     x
                 } else {
                     zero

@@ -73,7 +73,8 @@ fn views_share_storage_and_read_correctly() -> Result<()> {
 fn unary_ops_match_f64_formulas() -> Result<()> {
     let xs = [-2.0f64, -0.5, 0.0, 0.3, 1.7];
     let pos = [0.1f64, 0.5, 1.0, 2.0, 9.0];
-    let cases: Vec<(UnaryOp, fn(f64) -> f64, &[f64])> = vec![
+    type Case<'a> = (UnaryOp, fn(f64) -> f64, &'a [f64]);
+    let cases: Vec<Case> = vec![
         (UnaryOp::Neg, |x| -x, &xs),
         (UnaryOp::Abs, f64::abs, &xs),
         (UnaryOp::Exp, f64::exp, &xs),

@@ -92,12 +92,9 @@ pub fn map2<T: Element, U: Element>(a: &[T], la: &Layout, b: &[T], lb: &Layout, 
 
 /// `out[i] = f(c[i], a[i], b[i])` with all three broadcast to `shape` (for `where`).
 pub fn map3<C: Element, T: Element>(
-    c: &[C],
-    lc: &Layout,
-    a: &[T],
-    la: &Layout,
-    b: &[T],
-    lb: &Layout,
+    (c, lc): (&[C], &Layout),
+    (a, la): (&[T], &Layout),
+    (b, lb): (&[T], &Layout),
     shape: &[usize],
     f: impl Fn(C, T, T) -> T + Sync,
 ) -> Vec<T> {

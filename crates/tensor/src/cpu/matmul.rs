@@ -15,8 +15,18 @@ impl GemmElem for f32 {}
 impl GemmElem for f64 {}
 impl GemmElem for half::f16 {}
 
-/// `out[b] = a[b] @ bm[b]` for every batch index of the broadcast batch shape `batch`.
-pub fn matmul<T: GemmElem>(a: &[T], la: &Layout, b: &[T], lb: &Layout, batch: &[usize], m: usize, k: usize, n: usize) -> Vec<T> {
+/// The sizes of a batched product `[..batch, m, k] x [..batch, k, n]`.
+#[derive(Debug, Clone, Copy)]
+pub struct MatmulShape<'a> {
+    pub batch: &'a [usize],
+    pub m: usize,
+    pub k: usize,
+    pub n: usize,
+}
+
+/// `out[b] = a[b] @ bm[b]` for every batch index of the broadcast batch shape.
+pub fn matmul<T: GemmElem>((a, la): (&[T], &Layout), (b, lb): (&[T], &Layout), s: MatmulShape) -> Vec<T> {
+    let MatmulShape { batch, m, k, n } = s;
     let nb: usize = batch.iter().product();
     let mut out = pool::take::<T>(nb * m * n);
     if m * n == 0 {
@@ -89,18 +99,9 @@ pub fn matmul<T: GemmElem>(a: &[T], la: &Layout, b: &[T], lb: &Layout, batch: &[
 }
 
 /// bf16 through f32.
-pub fn matmul_bf16(
-    a: &[half::bf16],
-    la: &Layout,
-    b: &[half::bf16],
-    lb: &Layout,
-    batch: &[usize],
-    m: usize,
-    k: usize,
-    n: usize,
-) -> Vec<half::bf16> {
+pub fn matmul_bf16((a, la): (&[half::bf16], &Layout), (b, lb): (&[half::bf16], &Layout), s: MatmulShape) -> Vec<half::bf16> {
     let af: Vec<f32> = a.iter().map(|x| x.to_f32()).collect();
     let bf: Vec<f32> = b.iter().map(|x| x.to_f32()).collect();
-    let out = matmul(&af, la, &bf, lb, batch, m, k, n);
+    let out = matmul((&af, la), (&bf, lb), s);
     out.iter().map(|&x| half::bf16::from_f32(x)).collect()
 }

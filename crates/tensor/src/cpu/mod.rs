@@ -165,7 +165,7 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
                 lb: &Layout,
                 shape: &[usize],
             ) -> Result<Vec<T>> {
-                Ok(ew::map3(c, lc, a, la, typed(sb, "where")?, lb, shape, |c, x, y| if c != 0 { x } else { y }))
+                Ok(ew::map3((c, lc), (a, la), (typed(sb, "where")?, lb), shape, |c, x, y| if c != 0 { x } else { y }))
             }
             match sa {
                 CpuStorage::F32(a) => CpuStorage::F32(go(&cond, lc, a, la, sb, lb, shape)?),
@@ -199,12 +199,12 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             let r = meta.shape.len();
             let (m, n) = (meta.shape[r - 2], meta.shape[r - 1]);
             let k = la.shape[la.rank() - 1];
-            let batch = &meta.shape[..r - 2];
+            let s = matmul::MatmulShape { batch: &meta.shape[..r - 2], m, k, n };
             match sa {
-                CpuStorage::F32(a) => CpuStorage::F32(matmul::matmul(a, la, typed(sb, name)?, lb, batch, m, k, n)),
-                CpuStorage::F64(a) => CpuStorage::F64(matmul::matmul(a, la, typed(sb, name)?, lb, batch, m, k, n)),
-                CpuStorage::F16(a) => CpuStorage::F16(matmul::matmul(a, la, typed(sb, name)?, lb, batch, m, k, n)),
-                CpuStorage::BF16(a) => CpuStorage::BF16(matmul::matmul_bf16(a, la, typed(sb, name)?, lb, batch, m, k, n)),
+                CpuStorage::F32(a) => CpuStorage::F32(matmul::matmul((a, la), (typed(sb, name)?, lb), s)),
+                CpuStorage::F64(a) => CpuStorage::F64(matmul::matmul((a, la), (typed(sb, name)?, lb), s)),
+                CpuStorage::F16(a) => CpuStorage::F16(matmul::matmul((a, la), (typed(sb, name)?, lb), s)),
+                CpuStorage::BF16(a) => CpuStorage::BF16(matmul::matmul_bf16((a, la), (typed(sb, name)?, lb), s)),
                 _ => return Err(Error::dtype(name, format!("not defined for {:?}", sa.dtype()))),
             }
         }
@@ -223,12 +223,9 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             let idx = contig(typed::<i64>(si, name)?, li);
             fn go<T: CpuSlice>(
                 op: &Op,
-                base: &[T],
-                l: &Layout,
-                idx: &[i64],
-                li: &Layout,
-                ss: &CpuStorage,
-                ls: &Layout,
+                (base, l): (&[T], &Layout),
+                (idx, li): (&[i64], &Layout),
+                (ss, ls): (&CpuStorage, &Layout),
                 dim: usize,
             ) -> Result<Vec<T>>
             where
@@ -243,7 +240,7 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
                 }
                 Ok(out)
             }
-            with_cpu!(s, v => go(op, v, l, &idx, li, ss, ls, *dim)?.into_storage())
+            with_cpu!(s, v => go(op, (v, l), (&idx, li), (ss, ls), *dim)?.into_storage())
         }
         Op::Cat { dim } => {
             fn go<T: CpuSlice>(ins: &[(&CpuStorage, &Layout)], dim: usize, shape: &[usize]) -> Result<Vec<T>> {
