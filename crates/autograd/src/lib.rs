@@ -134,7 +134,8 @@ fn run(root: &Tensor, seed: &Tensor, wanted: Option<&HashSet<TensorId>>) -> Resu
                 )));
             }
         }
-        let dins = rules::backward(&f.op, &f.inputs, t, &g)?;
+        let needs: Vec<bool> = f.inputs.iter().map(|i| i.requires_grad()).collect();
+        let dins = rules::backward(&f.op, &f.inputs, &needs, t, &g)?;
         for (inp, d) in f.inputs.iter().zip(dins) {
             let Some(d) = d else { continue };
             if !inp.requires_grad() {

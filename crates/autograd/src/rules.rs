@@ -94,23 +94,29 @@ fn unreduce(g: &Tensor, in_shape: &[usize], dims: &[usize], keepdim: bool) -> Re
     g.reshape(&kept)
 }
 
-fn matmul_rule(a: &Tensor, b: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-    // A batched activation times a 2-D weight: fold the batch into rows so dW is one product.
-    if b.rank() == 2 && a.rank() > 2 {
-        let k = a.shape()[a.rank() - 1];
-        let n = b.shape()[1];
-        let a2 = a.reshape(&[-1, k as i64])?;
-        let g2 = g.reshape(&[-1, n as i64])?;
-        let da = g.matmul(&b.t()?)?;
-        return Ok((Some(da), Some(a2.t()?.matmul(&g2)?)));
+/// d(a @ b): `g @ b^T` and `a^T @ g`, each only when wanted.
+fn matmul_rule(a: &Tensor, b: &Tensor, (need_a, need_b): (bool, bool), g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    let da = if need_a { Some(reduce_to(&g.matmul(&b.t()?)?, a.shape())?) } else { None };
+    if !need_b {
+        return Ok((da, None));
     }
-    let da = g.matmul(&b.t()?)?;
-    let db = a.t()?.matmul(g)?;
-    Ok((Some(reduce_to(&da, a.shape())?), Some(reduce_to(&db, b.shape())?)))
+    // A batched activation times a 2-D weight: fold the batch into rows, one product.
+    let (a, g) = if b.rank() == 2 && a.rank() > 2 {
+        let (k, n) = (a.shape()[a.rank() - 1], b.shape()[1]);
+        (a.reshape(&[-1, k as i64])?, g.reshape(&[-1, n as i64])?)
+    } else {
+        (a.clone(), g.clone())
+    };
+    // `x @ W^T` (nn.Linear): b is a transposed view of a contiguous weight. Computing
+    // (g^T a)^T makes the permute's backward hand the weight a contiguous gradient.
+    let b_is_transposed = b.rank() == 2 && !b.is_contiguous() && b.t()?.is_contiguous();
+    let db = if b_is_transposed { g.t()?.matmul(&a)?.t()? } else { a.t()?.matmul(&g)? };
+    Ok((da, Some(reduce_to(&db, b.shape())?)))
 }
 
 /// The gradients of an op's inputs given the gradient `g` of its output `out`.
-pub fn backward(op: &Op, inputs: &[Tensor], out: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
+/// `needs[i]` says whether input i wants a gradient (products skip the others).
+pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
     let x = inputs.first();
     let x0 = || x.ok_or_else(|| Error::Msg(format!("backward of {}: missing input", op.name())));
     Ok(match op {
@@ -145,7 +151,7 @@ pub fn backward(op: &Op, inputs: &[Tensor], out: &Tensor, g: &Tensor) -> Result<
             }
         }
         Op::Matmul => {
-            let (da, db) = matmul_rule(&inputs[0], &inputs[1], g)?;
+            let (da, db) = matmul_rule(&inputs[0], &inputs[1], (needs[0], needs[1]), g)?;
             vec![da, db]
         }
         Op::Reshape(_) | Op::Contiguous => vec![Some(g.reshape(x0()?.shape())?)],

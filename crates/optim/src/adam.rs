@@ -2,6 +2,7 @@
 //! AMSGrad option: `torch.optim.Adam` / `AdamW`, single-tensor path.
 
 use crate::common::{cast, ensure, impl_optimizer, with_l2, Core, PerGroup};
+use kiln_tensor::fused::AdamStep;
 use kiln_tensor::{BinaryOp, DType, Device, Result, Tensor};
 
 /// Adam's and AdamW's hyperparameters. `Default` is Adam's (weight decay 0); `adamw()` is
@@ -94,14 +95,41 @@ struct Factors {
 
 fn update(core: &mut Core, cfg: &AdamConfig, decoupled: bool) -> Result<()> {
     let grads = core.begin_step()?;
+    let fused = fused_scalars(core, cfg, decoupled)?;
     let mut groups = PerGroup::new();
     for (i, g) in grads {
         let p = core.params[i].clone();
-        let f = groups.get(&p, |dtype, device| factors(core, cfg, decoupled, dtype, device))?;
         let (bufs, _) = core.buffers(i)?;
+        // Eager CPU updates take the one-pass kernel; traced or other steps the primitives.
+        if let Some(s) = fused {
+            if kiln_tensor::fused::adam_step_(&p, &g, &bufs[0], &bufs[1], bufs.get(2), s)? {
+                continue;
+            }
+        }
+        let f = groups.get(&p, |dtype, device| factors(core, cfg, decoupled, dtype, device))?;
         update_param(&p, &g, &bufs, &f, cfg, decoupled)?;
     }
     Ok(())
+}
+
+/// The fused kernel's scalars from the host copies of lr and step; None while tracing or
+/// off the CPU (reading the step there would be a host read).
+fn fused_scalars(core: &Core, cfg: &AdamConfig, decoupled: bool) -> Result<Option<AdamStep>> {
+    if kiln_tensor::is_tracing() || core.step.device() != Device::Cpu {
+        return Ok(None);
+    }
+    let t = core.step.item()?;
+    let (b1, b2) = cfg.betas;
+    let lr = core.lr_value;
+    Ok(Some(AdamStep {
+        beta1: b1,
+        beta2: b2,
+        eps: cfg.eps,
+        l2: if decoupled { 0.0 } else { cfg.weight_decay },
+        decay: if decoupled { 1.0 - lr * cfg.weight_decay } else { 1.0 },
+        step_size: lr / (1.0 - b1.powf(t)),
+        bc2_sqrt: (1.0 - b2.powf(t)).sqrt(),
+    }))
 }
 
 /// The bias corrections from the step and lr tensors. They are computed in f64 for f64

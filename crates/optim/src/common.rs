@@ -70,7 +70,11 @@ impl Core {
         Ok((bufs, true))
     }
 
-    pub fn zero_grad(&self) -> Result<()> {
+    pub fn zero_grad(&self, set_to_none: bool) -> Result<()> {
+        if set_to_none {
+            self.params.iter().for_each(|p| p.set_grad(None));
+            return Ok(());
+        }
         no_grad(|| self.params.iter().filter_map(Tensor::grad).try_for_each(|g| g.zero_()))
     }
 
@@ -270,8 +274,8 @@ macro_rules! impl_optimizer {
             fn step(&mut self) -> kiln_tensor::Result<()> {
                 kiln_tensor::no_grad(|| self.update())
             }
-            fn zero_grad(&mut self) -> kiln_tensor::Result<()> {
-                self.core.zero_grad()
+            fn zero_grad_with(&mut self, set_to_none: bool) -> kiln_tensor::Result<()> {
+                self.core.zero_grad(set_to_none)
             }
             fn lr(&self) -> f64 {
                 self.core.lr_value

@@ -28,10 +28,14 @@ pub trait Optimizer {
     /// One update of every parameter that has a gradient (those whose `grad()` is None are
     /// skipped, as in PyTorch).
     fn step(&mut self) -> Result<()>;
-    /// Zeroes every existing gradient in place (PyTorch's `set_to_none=False`): the gradient
-    /// buffers then stay the same tensors across steps, which compiled steps and CUDA graphs
-    /// need (they read and write fixed addresses).
-    fn zero_grad(&mut self) -> Result<()>;
+    /// Drops every gradient (PyTorch's default `set_to_none=True`): the next backward then
+    /// hands its result over without a zeroing pass and an accumulating pass.
+    fn zero_grad(&mut self) -> Result<()> {
+        self.zero_grad_with(true)
+    }
+    /// `set_to_none = false` zeroes existing gradients in place instead, so their buffers stay
+    /// the same tensors across steps.
+    fn zero_grad_with(&mut self, set_to_none: bool) -> Result<()>;
     /// The current learning rate (a host copy of the lr tensor the math reads).
     fn lr(&self) -> f64;
     /// Sets the learning rate in place (the lr tensor keeps its storage).

@@ -299,12 +299,15 @@ fn step_count_and_lr_are_tensors_updated_in_place() {
 }
 
 #[test]
-fn zero_grad_zeroes_in_place() {
+fn zero_grad_sets_to_none_by_default_or_zeroes_in_place() {
     let p = param(&[1.0, 2.0]);
     set_grad(&p, &[3.0, 4.0]);
-    let g = p.grad().unwrap();
     let mut opt = SGD::new(vec![p.clone(), param(&[5.0])], SgdConfig::default()).unwrap();
     opt.zero_grad().unwrap();
+    assert!(p.grad().is_none());
+    set_grad(&p, &[3.0, 4.0]);
+    let g = p.grad().unwrap();
+    opt.zero_grad_with(false).unwrap();
     let after = p.grad().unwrap();
     assert!(after.same_storage(&g));
     assert_close(&values(&after), &[0.0, 0.0], 0.0);
@@ -589,4 +592,57 @@ fn malformed_or_missing_files_are_clear_errors() {
     std::fs::remove_file(&path).unwrap();
     let e = load_state(&mut opt, &temp_path("does_not_exist")).unwrap_err();
     assert!(matches!(e, Error::Io(_)), "{e}");
+}
+
+// ---------------------------------------------------------------- fused vs primitive path
+
+/// A tracer that records nothing: its presence makes Adam take the primitive-op path.
+struct Quiet;
+impl kiln_tensor::Tracer for Quiet {
+    fn record(&self, _: &kiln_tensor::Op, _: &[&Tensor], _: &Tensor) {}
+    fn host_read(&self, _: &'static str, _: &Tensor) -> kiln_tensor::Result<()> {
+        Ok(())
+    }
+}
+
+/// The one-pass eager kernel and the primitive ops a compiled step sees agree, for Adam,
+/// AdamW and AMSGrad, in f32 over a parameter large enough to take the parallel path.
+#[test]
+fn fused_adam_matches_the_primitive_path() {
+    for (decoupled, amsgrad) in [(false, false), (true, false), (true, true)] {
+        let run = |traced: bool| -> Vec<f32> {
+            let n = 300_000;
+            let p = Tensor::rand_at(&[n], kiln_tensor::Distribution::Normal, 5, 0, kiln_tensor::DType::F32, Device::Cpu).unwrap();
+            p.set_requires_grad(true);
+            let cfg = AdamConfig { lr: 1e-2, weight_decay: 0.1, amsgrad, ..AdamConfig::default() };
+            let mut opt: Box<dyn Optimizer> = if decoupled {
+                Box::new(AdamW::new(vec![p.clone()], cfg).unwrap())
+            } else {
+                Box::new(Adam::new(vec![p.clone()], cfg).unwrap())
+            };
+            for step in 0..3u64 {
+                let g = Tensor::rand_at(&[n], kiln_tensor::Distribution::Normal, 6, step * n as u64, kiln_tensor::DType::F32, Device::Cpu)
+                    .unwrap();
+                p.set_grad(Some(g));
+                if traced {
+                    kiln_tensor::set_tracer(Some(std::rc::Rc::new(Quiet)));
+                }
+                opt.step().unwrap();
+                kiln_tensor::set_tracer(None);
+            }
+            p.to_vec::<f32>().unwrap()
+        };
+        let (fused, primitive) = (run(false), run(true));
+        // f32 rounding differs between one fused expression and separate passes.
+        let worst = fused.iter().zip(&primitive).map(|(a, b)| (a - b).abs() / (1.0 + b.abs())).fold(0.0f32, f32::max);
+        assert!(worst < 1e-6, "decoupled {decoupled} amsgrad {amsgrad}: max difference {worst}");
+        assert_ne!(fused, run_initial(), "the parameters moved");
+    }
+}
+
+fn run_initial() -> Vec<f32> {
+    Tensor::rand_at(&[300_000], kiln_tensor::Distribution::Normal, 5, 0, kiln_tensor::DType::F32, Device::Cpu)
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap()
 }

@@ -87,6 +87,12 @@ pub fn set_tracer(t: Option<Rc<dyn Tracer>>) -> Option<Rc<dyn Tracer>> {
     TRACER.with(|c| c.replace(t))
 }
 
+/// Whether a tracer is installed on this thread (hand-fused eager kernels then step aside,
+/// so the trace holds primitives only).
+pub fn is_tracing() -> bool {
+    TRACER.with(|c| c.borrow().is_some())
+}
+
 /// Calls `f` with the active tracer, taken out meanwhile so ops it runs are not recorded.
 fn with_tracer<R>(f: impl FnOnce(&dyn Tracer) -> R) -> Option<R> {
     let t = TRACER.with(|c| c.borrow_mut().take())?;

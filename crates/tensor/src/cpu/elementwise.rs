@@ -30,6 +30,9 @@ pub fn map1<T: Element, U: Element>(src: &[T], l: &Layout, f: impl Fn(T) -> U + 
                     for (d, &x) in dst.iter_mut().zip(&src[o..o + len]) {
                         *d = f(x);
                     }
+                } else if st == 0 {
+                    let y = f(src[o]);
+                    dst.fill(y);
                 } else {
                     for (j, d) in dst.iter_mut().enumerate() {
                         *d = f(src[o + j * st]);
@@ -133,8 +136,14 @@ pub fn update<T: Element>(dst: &mut [T], ld: &Layout, src: &[T], ls: &Layout, f:
         let [is] = it.inner_strides();
         par_chunks(d, |start, chunk| {
             it.runs(start, start + chunk.len(), |pos, [os], len| {
-                for (j, o) in chunk[pos - start..pos - start + len].iter_mut().enumerate() {
-                    *o = f(*o, src[os + j * is]);
+                let dst = &mut chunk[pos - start..pos - start + len];
+                match is {
+                    0 => {
+                        let y = src[os];
+                        dst.iter_mut().for_each(|o| *o = f(*o, y));
+                    }
+                    1 => dst.iter_mut().zip(&src[os..os + len]).for_each(|(o, &y)| *o = f(*o, y)),
+                    _ => dst.iter_mut().enumerate().for_each(|(j, o)| *o = f(*o, src[os + j * is])),
                 }
             });
         });

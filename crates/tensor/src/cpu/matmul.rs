@@ -8,7 +8,9 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 /// Below this many multiply-adds a single product runs on one thread.
-const PAR_FLOPS: usize = 1 << 18;
+/// NOTE: below ~32M multiply-adds (well under a millisecond on one core) the wake-up and
+/// spin of rayon workers on a 2-core machine costs more than the second core gains.
+const PAR_FLOPS: usize = 1 << 25;
 
 pub trait GemmElem: Element {}
 impl GemmElem for f32 {}

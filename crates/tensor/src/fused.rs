@@ -1,0 +1,175 @@
+//! Hand-fused eager kernels where a chain of primitives would make many passes over memory.
+//! Each has a plain reference: the primitive-op path its caller also keeps (and uses while a
+//! tracer is active, so compiled steps see primitives). Tests compare the two.
+
+use crate::storage::{CpuSlice, Storage};
+use crate::{Device, Result, Tensor};
+use rayon::prelude::*;
+
+/// One Adam/AdamW update's scalars, already folded on the host.
+#[derive(Debug, Clone, Copy)]
+pub struct AdamStep {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// Adam's L2 term: `g += l2 * p` (0 for AdamW).
+    pub l2: f64,
+    /// AdamW's decoupled decay factor `1 - lr * weight_decay` (1 for Adam).
+    pub decay: f64,
+    /// `lr / (1 - beta1^t)`.
+    pub step_size: f64,
+    /// `sqrt(1 - beta2^t)`.
+    pub bc2_sqrt: f64,
+}
+
+/// Whether fused kernels may run: on the CPU, outside a trace, on distinct contiguous
+/// buffers of one float dtype and shape.
+fn fusable(ts: &[&Tensor]) -> bool {
+    let first = ts[0];
+    !crate::tensor::is_tracing()
+        && ts.iter().all(|t| t.device() == Device::Cpu && t.is_contiguous() && t.shape() == first.shape() && t.dtype() == first.dtype())
+        && ts.iter().enumerate().all(|(i, a)| ts[i + 1..].iter().all(|b| !a.same_storage(b)))
+        && matches!(first.dtype(), crate::DType::F32 | crate::DType::F64)
+}
+
+/// `p, m, v (, vmax)` updated in one pass from `g`. Returns `Ok(false)` (nothing written) when
+/// the tensors do not qualify; the caller then runs its primitive-op path.
+pub fn adam_step_(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, vmax: Option<&Tensor>, s: AdamStep) -> Result<bool> {
+    let mut all = vec![p, g, m, v];
+    all.extend(vmax);
+    if !fusable(&all) {
+        return Ok(false);
+    }
+    match p.dtype() {
+        crate::DType::F32 => adam_typed::<f32>(p, g, m, v, vmax, s)?,
+        _ => adam_typed::<f64>(p, g, m, v, vmax, s)?,
+    }
+    Ok(true)
+}
+
+trait AdamFloat: CpuSlice + num_like::Float {}
+impl AdamFloat for f32 {}
+impl AdamFloat for f64 {}
+
+mod num_like {
+    /// The arithmetic the fused update needs, in the parameter's own precision.
+    pub trait Float:
+        Copy
+        + Send
+        + Sync
+        + std::ops::Add<Output = Self>
+        + std::ops::Mul<Output = Self>
+        + std::ops::Sub<Output = Self>
+        + std::ops::Div<Output = Self>
+        + PartialOrd
+    {
+        fn of(v: f64) -> Self;
+        fn sqrt(self) -> Self;
+    }
+    impl Float for f32 {
+        fn of(v: f64) -> Self {
+            v as f32
+        }
+        fn sqrt(self) -> Self {
+            f32::sqrt(self)
+        }
+    }
+    impl Float for f64 {
+        fn of(v: f64) -> Self {
+            v
+        }
+        fn sqrt(self) -> Self {
+            f64::sqrt(self)
+        }
+    }
+}
+
+fn slice_mut<'a, T: CpuSlice>(s: &'a mut Storage, t: &Tensor) -> Result<&'a mut [T]> {
+    let n = t.numel();
+    let off = t.layout().offset;
+    match s {
+        Storage::Cpu(c) => {
+            T::slice_mut(c).map(|v| &mut v[off..off + n]).ok_or_else(|| crate::Error::Msg("adam_step_: dtype mismatch".into()))
+        }
+        #[cfg(feature = "cuda")]
+        Storage::Cuda(_) => Err(crate::Error::Msg("adam_step_: CUDA tensor".into())),
+    }
+}
+
+fn adam_typed<T: AdamFloat>(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, vmax: Option<&Tensor>, s: AdamStep) -> Result<()> {
+    let (mut ps, mut ms, mut vs) = (p.storage().write(), m.storage().write(), v.storage().write());
+    let mut xs = vmax.map(|t| t.storage().write());
+    let gs = g.storage().read();
+    let gv: &[T] = {
+        let c = gs.as_cpu()?;
+        let all = T::slice(c).ok_or_else(|| crate::Error::Msg("adam_step_: dtype mismatch".into()))?;
+        &all[g.layout().offset..g.layout().offset + g.numel()]
+    };
+    let (pv, mv, vv) = (slice_mut::<T>(&mut ps, p)?, slice_mut::<T>(&mut ms, m)?, slice_mut::<T>(&mut vs, v)?);
+    let xv = match (&mut xs, vmax) {
+        (Some(x), Some(t)) => Some(slice_mut::<T>(x, t)?),
+        _ => None,
+    };
+    let k = Consts {
+        b1: T::of(s.beta1),
+        b2: T::of(s.beta2),
+        c1: T::of(1.0 - s.beta1),
+        c2: T::of(1.0 - s.beta2),
+        eps: T::of(s.eps),
+        l2: T::of(s.l2),
+        decay: T::of(s.decay),
+        step: T::of(s.step_size),
+        bc2: T::of(s.bc2_sqrt),
+    };
+    // NOTE: chunks of 16K elements keep each worker's slices in its own cache.
+    const CHUNK: usize = 1 << 14;
+    if pv.len() < crate::cpu::PAR_THRESHOLD {
+        adam_chunk(pv, mv, vv, xv, gv, &k);
+    } else if let Some(x) = xv {
+        let parts = pv.par_chunks_mut(CHUNK).zip(mv.par_chunks_mut(CHUNK)).zip(vv.par_chunks_mut(CHUNK)).zip(x.par_chunks_mut(CHUNK));
+        parts.zip(gv.par_chunks(CHUNK)).for_each(|((((p, m), v), x), g)| adam_chunk(p, m, v, Some(x), g, &k));
+    } else {
+        let parts = pv.par_chunks_mut(CHUNK).zip(mv.par_chunks_mut(CHUNK)).zip(vv.par_chunks_mut(CHUNK));
+        parts.zip(gv.par_chunks(CHUNK)).for_each(|(((p, m), v), g)| adam_chunk(p, m, v, None, g, &k));
+    }
+    Ok(())
+}
+
+struct Consts<T> {
+    b1: T,
+    b2: T,
+    c1: T,
+    c2: T,
+    eps: T,
+    l2: T,
+    decay: T,
+    step: T,
+    bc2: T,
+}
+
+/// The update over one chunk, written as zipped slices so the compiler vectorises it.
+fn adam_chunk<T: AdamFloat>(p: &mut [T], m: &mut [T], v: &mut [T], x: Option<&mut [T]>, g: &[T], k: &Consts<T>) {
+    let moments = |p: &mut T, m: &mut T, v: &mut T, g: T| {
+        let grad = g + k.l2 * *p;
+        *p = *p * k.decay;
+        *m = k.b1 * *m + k.c1 * grad;
+        *v = k.b2 * *v + k.c2 * grad * grad;
+    };
+    match x {
+        None => {
+            for (((p, m), v), &g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
+                moments(p, m, v, g);
+                *p = *p - k.step * *m / (v.sqrt() / k.bc2 + k.eps);
+            }
+        }
+        Some(x) => {
+            for ((((p, m), v), x), &g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(x.iter_mut()).zip(g) {
+                moments(p, m, v, g);
+                if *v > *x {
+                    *x = *v;
+                }
+                *p = *p - k.step * *m / (x.sqrt() / k.bc2 + k.eps);
+            }
+        }
+    }
+}
