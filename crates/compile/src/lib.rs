@@ -1,1 +1,311 @@
-//! kiln-compile
+//! kiln-compile: traces a whole training step (forward, the tape's backward, the optimizer
+//! update) into one graph, optimises it and replays it.
+//!
+//! ```ignore
+//! let mut step = kiln_compile::compile(Mode::Default, |xs: &[Tensor]| {
+//!     let loss = cross_entropy(&model.forward(&xs[0])?, &xs[1])?;
+//!     loss.backward()?;
+//!     opt.step()?;
+//!     opt.zero_grad()?;
+//!     Ok(vec![loss])
+//! });
+//! let loss = &step.call(&[&x, &y])?[0];
+//! ```
+//!
+//! The first call with a new input signature runs the closure eagerly under a tracer
+//! (`trace.rs`), lowers the recording to the graph IR (`lower.rs`, `graph.rs`), runs the
+//! passes (`passes.rs`) and keeps the program (`exec.rs`); later calls replay it. What the
+//! step reads outside its inputs (parameters, gradients, optimizer state, lr, step count) is
+//! state: read from and written back into the same buffers, so code outside sees the update.
+//! The learning rate and step count are tensors, so schedulers stepping outside the compiled
+//! step change them in place and replays see it; random draws take the generator's offset at
+//! each call. On the CPU, `ReduceOverhead` and `MaxAutotune` behave like `Default`.
+
+mod exec;
+pub mod graph;
+mod log;
+mod lower;
+pub mod passes;
+mod trace;
+
+pub use graph::Graph;
+
+use kiln_tensor::{rng, set_tracer, DType, Device, Error, Result, Tensor};
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Mode {
+    /// Fused kernels launched in order.
+    #[default]
+    Default,
+    /// The whole step as one CUDA graph (CPU: as Default).
+    ReduceOverhead,
+    /// Autotuned kernel variants on top of graphs (CPU: as Default).
+    MaxAutotune,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct CompileOptions {
+    pub mode: Mode,
+    /// Host reads inside the step are errors instead of an eager fallback.
+    pub fullgraph: bool,
+    /// How many distinct signatures may be compiled before `call` errors.
+    pub recompile_limit: usize,
+}
+
+impl Default for CompileOptions {
+    fn default() -> Self {
+        CompileOptions { mode: Mode::Default, fullgraph: false, recompile_limit: 8 }
+    }
+}
+
+/// What a compiled step is keyed by: each input's shape, dtype and device, and the mode.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Signature {
+    inputs: Vec<(Vec<usize>, DType, Device)>,
+    mode: Mode,
+}
+
+enum Entry {
+    Graph(Box<Program>),
+    /// A graph break: this signature runs eagerly.
+    Eager(String),
+}
+
+struct Program {
+    exec: exec::CpuProgram,
+    leaf_grads: Vec<lower::LeafGrad>,
+    compile_time: Duration,
+    nodes_traced: usize,
+}
+
+/// A compiled step: call it like the closure.
+pub struct Compiled<F> {
+    f: F,
+    opts: CompileOptions,
+    cache: Vec<(Signature, Entry)>,
+    calls: usize,
+    replays: usize,
+    warned: bool,
+}
+
+/// `compile_with` with default options and the given mode.
+pub fn compile<F>(mode: Mode, f: F) -> Compiled<F>
+where
+    F: FnMut(&[Tensor]) -> Result<Vec<Tensor>>,
+{
+    compile_with(CompileOptions { mode, ..Default::default() }, f)
+}
+
+pub fn compile_with<F>(opts: CompileOptions, f: F) -> Compiled<F>
+where
+    F: FnMut(&[Tensor]) -> Result<Vec<Tensor>>,
+{
+    Compiled { f, opts, cache: Vec::new(), calls: 0, replays: 0, warned: false }
+}
+
+/// A summary of what a compiled step does.
+#[derive(Debug, Clone, Default)]
+pub struct Explain {
+    pub graphs: usize,
+    pub graph_breaks: Vec<String>,
+    pub recompiles: usize,
+    pub nodes_traced: usize,
+    pub nodes: usize,
+    pub kernels: usize,
+    pub state_buffers: usize,
+    pub planned_peak_bytes: usize,
+    pub bytes_moved: usize,
+    pub compile_time: Duration,
+}
+
+impl std::fmt::Display for Explain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "compiled graphs: {} (recompiles: {})", self.graphs, self.recompiles)?;
+        writeln!(f, "graph breaks: {}", self.graph_breaks.len())?;
+        for b in &self.graph_breaks {
+            writeln!(f, "  - {b}")?;
+        }
+        writeln!(f, "ops traced: {}, nodes after passes: {}, kernels per step: {}", self.nodes_traced, self.nodes, self.kernels)?;
+        writeln!(f, "state buffers: {}", self.state_buffers)?;
+        writeln!(f, "planned peak of intermediates: {:.2} MiB", self.planned_peak_bytes as f64 / (1 << 20) as f64)?;
+        writeln!(f, "bytes moved per step: {:.2} MiB", self.bytes_moved as f64 / (1 << 20) as f64)?;
+        write!(f, "compile time: {:.1} ms", self.compile_time.as_secs_f64() * 1e3)
+    }
+}
+
+impl<F> Compiled<F>
+where
+    F: FnMut(&[Tensor]) -> Result<Vec<Tensor>>,
+{
+    /// Runs one step. The returned tensors belong to the caller: later calls never change them.
+    pub fn call(&mut self, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        self.calls += 1;
+        let sig = Signature { inputs: inputs.iter().map(|t| (t.shape().to_vec(), t.dtype(), t.device())).collect(), mode: self.opts.mode };
+        if let Some(dev) = inputs.iter().map(|t| t.device()).find(|d| d.is_cuda()) {
+            return Err(Error::Device {
+                device: dev,
+                msg: "compile: the CUDA back end is not built yet; compile steps on Device::Cpu".into(),
+            });
+        }
+        let found = self.cache.iter().position(|(s, e)| *s == sig && guards_hold(e));
+        match found {
+            Some(k) => self.run_entry(k, inputs),
+            None => self.trace(sig, inputs),
+        }
+    }
+
+    fn run_entry(&mut self, k: usize, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        match &self.cache[k].1 {
+            Entry::Eager(_) => {
+                let owned: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
+                (self.f)(&owned)
+            }
+            Entry::Graph(p) => {
+                self.replays += 1;
+                let cells = inputs.iter().map(|t| contiguous_cell(t)).collect::<Result<Vec<_>>>()?;
+                let gen = rng::state();
+                let out = p.exec.run(&cells, gen)?;
+                rng::set_state(rng::GeneratorState { seed: gen.seed, offset: gen.offset + p.exec.graph.rng_advance });
+                for lg in &p.leaf_grads {
+                    if let Some((slot, layout)) = &lg.end {
+                        let cell = &p.exec.cells[*slot];
+                        if !lg.leaf.grad().is_some_and(|g| std::sync::Arc::ptr_eq(g.storage(), cell) && g.layout() == layout) {
+                            lg.leaf.set_grad(Some(Tensor::from_cell(cell.clone(), layout.clone())));
+                        }
+                    }
+                }
+                Ok(out)
+            }
+        }
+    }
+
+    fn trace(&mut self, sig: Signature, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        let graphs = self.cache.len();
+        if graphs >= self.opts.recompile_limit {
+            return Err(Error::Msg(format!(
+                "compile: recompile limit ({}) reached; new signature {:?} (cached: {:?}). Pad inputs to fixed shapes or raise CompileOptions::recompile_limit",
+                self.opts.recompile_limit,
+                sig.inputs,
+                self.cache.iter().map(|(s, _)| &s.inputs).collect::<Vec<_>>()
+            )));
+        }
+        if graphs > 0 {
+            log::log("recompiles", &format!("recompiling for {:?} ({} graphs cached)", sig.inputs, graphs));
+        }
+        let start = Instant::now();
+        // Inputs become fresh buffers so the trace can tell them from state.
+        let owned: Vec<Tensor> = inputs.iter().map(|t| t.copy()).collect::<Result<_>>()?;
+        let recorder = Rc::new(trace::Recorder { rec: Default::default(), fullgraph: self.opts.fullgraph });
+        let (gen0, first_new) = (rng::state(), kiln_tensor::storage::next_storage_id());
+        let prev = set_tracer(Some(recorder.clone()));
+        let result = (self.f)(&owned);
+        set_tracer(prev);
+        let outputs = result?;
+        let gen1 = rng::state();
+        let rec = recorder.rec.borrow();
+        if !rec.host_reads.is_empty() {
+            let reason = rec.host_reads[0].clone();
+            if !self.warned {
+                eprintln!("kiln compile: graph break, running this step eagerly: {reason}");
+                self.warned = true;
+            }
+            self.cache.push((sig, Entry::Eager(reason)));
+            return Ok(outputs);
+        }
+        let lowered = lower::lower(&rec, &owned, &outputs, (gen0, gen1), first_new)?;
+        if !lowered.baked.is_empty() && !self.warned {
+            eprintln!("kiln compile: {} tensor(s) made from host data inside the step are baked in as constants ({}); pass them as inputs if they change", lowered.baked.len(), lowered.baked.join(", "));
+            self.warned = true;
+        }
+        let nodes_traced = rec.events.len();
+        log::log("graph", &format!("traced graph ({} ops):\n{}", nodes_traced, lowered.graph));
+        debug_verify(&lowered.graph)?;
+        let graph = passes::optimise(lowered.graph, |name, g| {
+            log::log("passes", &format!("after {name}: {} nodes", g.nodes.len()));
+            debug_verify(g).unwrap_or_else(|e| eprintln!("kiln compile: verifier after {name}: {e}"));
+        });
+        log::log("graph", &format!("optimised graph:\n{graph}"));
+        let exec = exec::CpuProgram::new(graph, lowered.cells);
+        let compile_time = start.elapsed();
+        log::log("time", &format!("compiled in {:.1} ms", compile_time.as_secs_f64() * 1e3));
+        self.cache.push((sig, Entry::Graph(Box::new(Program { exec, leaf_grads: lowered.leaf_grads, compile_time, nodes_traced }))));
+        Ok(outputs)
+    }
+
+    /// How many graphs were compiled, graph breaks, kernels, memory and bytes moved.
+    pub fn explain(&self) -> Explain {
+        let mut e = Explain { recompiles: self.cache.len().saturating_sub(1), ..Default::default() };
+        for (_, entry) in &self.cache {
+            match entry {
+                Entry::Eager(reason) => e.graph_breaks.push(reason.clone()),
+                Entry::Graph(p) => {
+                    let g = &p.exec.graph;
+                    e.graphs += 1;
+                    e.nodes_traced = p.nodes_traced;
+                    e.nodes = g.nodes.len();
+                    e.kernels = g
+                        .nodes
+                        .iter()
+                        .filter(|n| matches!(n.kind, graph::Kind::Op(..) | graph::Kind::Rand { .. } | graph::Kind::WriteView { .. }))
+                        .count();
+                    e.state_buffers = g.state.len();
+                    e.planned_peak_bytes = p.exec.planned_peak_bytes();
+                    e.bytes_moved = bytes_moved(g);
+                    e.compile_time += p.compile_time;
+                }
+            }
+        }
+        e
+    }
+
+    /// Calls so far, and how many of them replayed a compiled graph.
+    pub fn counts(&self) -> (usize, usize) {
+        (self.calls, self.replays)
+    }
+}
+
+/// A cached graph stays valid while every parameter's gradient is present exactly when it
+/// was at trace time, in the same buffer.
+fn guards_hold(e: &Entry) -> bool {
+    match e {
+        Entry::Eager(_) => true,
+        Entry::Graph(p) => p.leaf_grads.iter().all(|lg| match (lg.leaf.grad(), lg.had_grad) {
+            (None, false) => true,
+            (Some(g), true) => lg.start_storage.is_none_or(|s| g.storage().id() == s),
+            _ => false,
+        }),
+    }
+}
+
+/// The input's buffer when it is contiguous and whole, else a contiguous copy's.
+fn contiguous_cell(t: &Tensor) -> Result<std::sync::Arc<kiln_tensor::storage::StorageCell>> {
+    if t.is_contiguous() && t.layout().offset == 0 && t.storage().len() == t.numel() {
+        return Ok(t.storage().clone());
+    }
+    Ok(t.copy()?.storage().clone())
+}
+
+/// Bytes each kernel reads and writes, summed.
+fn bytes_moved(g: &Graph) -> usize {
+    g.nodes
+        .iter()
+        .enumerate()
+        .filter(|(_, n)| !matches!(n.kind, graph::Kind::Input(_) | graph::Kind::State(_)))
+        .map(|(i, n)| {
+            let reads: usize = match &n.kind {
+                graph::Kind::Op(_, args) => args.iter().map(|a| a.layout.numel() * g.nodes[a.node].dtype.size_in_bytes()).sum(),
+                _ => 0,
+            };
+            reads + g.node_bytes(i)
+        })
+        .sum()
+}
+
+fn debug_verify(g: &Graph) -> Result<()> {
+    if cfg!(debug_assertions) {
+        g.verify().map_err(|e| Error::Msg(format!("compile: graph verifier: {e}")))?;
+    }
+    Ok(())
+}

@@ -49,4 +49,10 @@ impl CudaStorage {
     pub fn dtype(&self) -> crate::DType {
         self.dtype
     }
+    pub fn len(&self) -> usize {
+        0
+    }
+    pub fn is_empty(&self) -> bool {
+        true
+    }
 }

@@ -4,8 +4,6 @@
 //! numbers come out on any device, in any order, and inside a compiled graph where the offset is
 //! device state.
 
-use std::sync::Mutex;
-
 const M0: u32 = 0xD251_1F53;
 const M1: u32 = 0xCD9E_8D57;
 const W0: u32 = 0x9E37_79B9;
@@ -49,27 +47,30 @@ pub struct GeneratorState {
     pub offset: u64,
 }
 
-static DEFAULT: Mutex<GeneratorState> = Mutex::new(GeneratorState { seed: 0x5EED, offset: 0 });
+// NOTE: one default generator per thread, so a data-loading thread (or another test) never
+// shifts the training thread's stream; `manual_seed` seeds the calling thread's generator.
+thread_local! {
+    static DEFAULT: std::cell::Cell<GeneratorState> = const { std::cell::Cell::new(GeneratorState { seed: 0x5EED, offset: 0 }) };
+}
 
-/// Reseed the default generator (like `torch.manual_seed`).
+/// Reseeds this thread's default generator (like `torch.manual_seed`).
 pub fn manual_seed(seed: u64) {
     set_state(GeneratorState { seed, offset: 0 });
 }
 
 pub fn state() -> GeneratorState {
-    *DEFAULT.lock().unwrap_or_else(|e| e.into_inner())
+    DEFAULT.with(|g| g.get())
 }
 
 pub fn set_state(s: GeneratorState) {
-    *DEFAULT.lock().unwrap_or_else(|e| e.into_inner()) = s;
+    DEFAULT.with(|g| g.set(s));
 }
 
-/// Reserve `n` values from the default generator; returns `(seed, offset)` of the draw.
+/// Reserves `n` values from this thread's default generator; returns `(seed, offset)`.
 pub fn reserve(n: usize) -> (u64, u64) {
-    let mut g = DEFAULT.lock().unwrap_or_else(|e| e.into_inner());
-    let at = (g.seed, g.offset);
-    g.offset += (n as u64).div_ceil(4) * 4;
-    at
+    let g = state();
+    set_state(GeneratorState { seed: g.seed, offset: g.offset + (n as u64).div_ceil(4) * 4 });
+    (g.seed, g.offset)
 }
 
 #[cfg(test)]

@@ -136,6 +136,13 @@ impl Storage {
             Storage::Cuda(s) => Err(crate::Error::Msg(format!("expected a CPU tensor, got one on {:?}", s.device()))),
         }
     }
+    pub fn as_cpu_mut(&mut self) -> crate::Result<&mut CpuStorage> {
+        match self {
+            Storage::Cpu(s) => Ok(s),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => Err(crate::Error::Msg(format!("expected a CPU tensor, got one on {:?}", s.device()))),
+        }
+    }
     pub fn device(&self) -> Device {
         match self {
             Storage::Cpu(_) => Device::Cpu,
@@ -146,6 +153,11 @@ impl Storage {
 }
 
 static NEXT_STORAGE_ID: AtomicU64 = AtomicU64::new(1);
+
+/// The id the next storage will get: storages with smaller ids existed before this call.
+pub fn next_storage_id() -> u64 {
+    NEXT_STORAGE_ID.load(Ordering::Relaxed)
+}
 
 /// A storage shared by a tensor and its views, with a version counter for in-place writes.
 #[derive(Debug)]
@@ -159,9 +171,20 @@ impl StorageCell {
     pub fn new(s: Storage) -> StorageCell {
         StorageCell { id: NEXT_STORAGE_ID.fetch_add(1, Ordering::Relaxed), data: RwLock::new(s), version: AtomicU64::new(0) }
     }
-    /// A process-unique id (the compiler keys state buffers by it).
+    /// A process-unique id (the compiler keys state buffers by it); ids only grow.
     pub fn id(&self) -> u64 {
         self.id
+    }
+    /// Elements in the buffer (not in any one view of it).
+    pub fn len(&self) -> usize {
+        match &*self.read() {
+            Storage::Cpu(s) => s.len(),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => s.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
     pub fn read(&self) -> RwLockReadGuard<'_, Storage> {
         self.data.read().unwrap_or_else(|e| e.into_inner())

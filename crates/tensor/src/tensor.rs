@@ -116,6 +116,20 @@ impl Tensor {
         }))
     }
 
+    /// A tensor over an existing storage cell with any layout (no autograd history). The
+    /// compiler uses it to hand out views of its persistent buffers.
+    pub fn from_cell(cell: Arc<StorageCell>, layout: Layout) -> Tensor {
+        let (dtype, device) = {
+            let s = cell.read();
+            match &*s {
+                Storage::Cpu(c) => (c.dtype(), Device::Cpu),
+                #[cfg(feature = "cuda")]
+                Storage::Cuda(c) => (c.dtype(), c.device()),
+            }
+        };
+        Tensor::make(cell, layout, dtype, device, None)
+    }
+
     pub(crate) fn from_storage(s: Storage, shape: &[usize]) -> Tensor {
         let (dtype, device) = match &s {
             Storage::Cpu(c) => (c.dtype(), Device::Cpu),

@@ -1,0 +1,84 @@
+//! The tracer: while a step runs eagerly for the first time, it records every op with the
+//! storages and layouts of its inputs and output, which storages it created, which leaves
+//! (parameters) it saw, and any host read.
+
+use kiln_tensor::storage::StorageCell;
+use kiln_tensor::{DType, Layout, Op, Result, Tensor, Tracer};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::{Arc, Weak};
+
+/// A tensor as an op saw it: which storage, read through which layout.
+#[derive(Debug, Clone)]
+pub struct TRef {
+    pub storage: u64,
+    pub layout: Layout,
+    pub dtype: DType,
+}
+
+#[derive(Debug, Clone)]
+pub struct Event {
+    pub op: Op,
+    pub inputs: Vec<TRef>,
+    pub output: TRef,
+}
+
+/// What the trace knows about a storage.
+pub struct StorageInfo {
+    pub cell: Weak<StorageCell>,
+    pub len: usize,
+    pub dtype: DType,
+    /// The event that created it, when it was made inside the step.
+    pub created_by: Option<usize>,
+}
+
+#[derive(Default)]
+pub struct Recording {
+    pub events: Vec<Event>,
+    pub storages: HashMap<u64, StorageInfo>,
+    /// Leaves that require grad (parameters), with whether they had a gradient when first seen.
+    pub leaves: Vec<(Tensor, bool)>,
+    pub host_reads: Vec<String>,
+}
+
+pub struct Recorder {
+    pub rec: RefCell<Recording>,
+    pub fullgraph: bool,
+}
+
+impl Recorder {
+    fn tref(&self, t: &Tensor, created_by: Option<usize>) -> TRef {
+        let mut rec = self.rec.borrow_mut();
+        let id = t.storage().id();
+        rec.storages.entry(id).or_insert_with(|| StorageInfo {
+            cell: Arc::downgrade(t.storage()),
+            len: t.storage().len(),
+            dtype: t.dtype(),
+            created_by,
+        });
+        if t.is_leaf() && t.requires_grad() && !rec.leaves.iter().any(|(l, _)| l.id() == t.id()) {
+            rec.leaves.push((t.clone(), t.grad().is_some()));
+        }
+        TRef { storage: id, layout: t.layout().clone(), dtype: t.dtype() }
+    }
+}
+
+impl Tracer for Recorder {
+    fn record(&self, op: &Op, inputs: &[&Tensor], output: &Tensor) {
+        let index = self.rec.borrow().events.len();
+        let ins: Vec<TRef> = inputs.iter().map(|t| self.tref(t, None)).collect();
+        let out = self.tref(output, Some(index));
+        self.rec.borrow_mut().events.push(Event { op: op.clone(), inputs: ins, output: out });
+    }
+
+    fn host_read(&self, what: &'static str, t: &Tensor) -> Result<()> {
+        let msg = format!("{what} of a {:?} tensor inside the compiled step (after {} ops)", t.shape(), self.rec.borrow().events.len());
+        self.rec.borrow_mut().host_reads.push(msg.clone());
+        if self.fullgraph {
+            return Err(kiln_tensor::Error::GraphBreak(format!(
+                "{msg}; fullgraph forbids host reads: return the tensor from the step instead"
+            )));
+        }
+        Ok(())
+    }
+}

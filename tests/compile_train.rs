@@ -1,0 +1,188 @@
+//! Compiled steps against eager ones: the same losses and parameters over hundreds of steps
+//! (with dropout, AdamW, a warmup-cosine schedule stepping outside the compiled step, and
+//! gradient clipping), recompiles on shape changes, graph breaks, caller-owned outputs.
+
+use kiln::compile::{compile, compile_with, CompileOptions, Mode};
+use kiln::models::{mlp, Gpt, GptConfig};
+use kiln::nn::{cross_entropy, Sequential};
+use kiln::optim::{clip_grad_norm, AdamConfig, AdamW, LrScheduler, Optimizer, WarmupCosine};
+use kiln::prelude::*;
+use kiln_tensor::Distribution;
+use std::cell::RefCell;
+
+fn data(step: u64, b: usize, inp: usize, classes: usize) -> (Tensor, Tensor) {
+    let x = Tensor::rand_at(&[b, inp], Distribution::Normal, 100, step * 4096, DType::F32, Device::Cpu).unwrap();
+    let y = Tensor::rand_at(&[b], Distribution::Uniform, 200, step * 64, DType::F32, Device::Cpu).unwrap();
+    (x, y.mul_scalar(classes as f64).unwrap().to_dtype(DType::I64).unwrap())
+}
+
+/// One MLP step as a closure over the model and a shared optimizer.
+fn mlp_step<'a>(model: &'a Sequential, opt: &'a RefCell<AdamW>) -> impl FnMut(&[Tensor]) -> Result<Vec<Tensor>> + 'a {
+    move |xs: &[Tensor]| {
+        let loss = cross_entropy(&model.forward(&xs[0])?, &xs[1])?;
+        loss.backward()?;
+        let mut opt = opt.borrow_mut();
+        clip_grad_norm(opt.params(), 1.0)?;
+        opt.step()?;
+        opt.zero_grad()?;
+        Ok(vec![loss])
+    }
+}
+
+fn train_mlp(compiled: bool, steps: u64) -> (Vec<f64>, Vec<Vec<f32>>) {
+    kiln::tensor::rng::manual_seed(0);
+    let model = mlp(&[20, 32, 5], Device::Cpu).unwrap();
+    let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr: 1e-2, ..AdamConfig::adamw() }).unwrap());
+    let mut sched = WarmupCosine::new(1e-2, 20, steps as usize, 1e-3).unwrap();
+    sched.apply(&mut *opt.borrow_mut()).unwrap();
+    let mut f = mlp_step(&model, &opt);
+    let mut step = compile(Mode::Default, mlp_step(&model, &opt));
+    let mut losses = Vec::new();
+    for i in 0..steps {
+        // Eight fixed batches, cycled, so there is something to learn.
+        let (x, y) = data(i % 8, 16, 20, 5);
+        let out = if compiled { step.call(&[&x, &y]).unwrap() } else { f(&[x, y]).unwrap() };
+        losses.push(out[0].item().unwrap());
+        sched.step(&mut *opt.borrow_mut()).unwrap();
+    }
+    if compiled {
+        assert_eq!(step.counts(), (steps as usize, steps as usize - 1), "one trace, then replays");
+    }
+    (losses, model.parameters().iter().map(|p| p.to_vec::<f32>().unwrap()).collect())
+}
+
+fn assert_close(what: &str, a: &[f32], b: &[f32], tol: f32) {
+    let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs() / (1.0 + y.abs())).fold(0.0f32, f32::max);
+    assert!(worst < tol, "{what}: max relative difference {worst}");
+}
+
+#[test]
+fn compiled_mlp_matches_eager_for_200_steps() {
+    let (le, pe) = train_mlp(false, 200);
+    let (lc, pc) = train_mlp(true, 200);
+    let (le32, lc32): (Vec<f32>, Vec<f32>) = (le.iter().map(|&x| x as f32).collect(), lc.iter().map(|&x| x as f32).collect());
+    assert_close("losses", &lc32, &le32, 1e-4);
+    for (i, (a, b)) in pc.iter().zip(&pe).enumerate() {
+        assert_close(&format!("param {i}"), a, b, 1e-4);
+    }
+    // The schedule really moved the lr: a baked-in lr would train differently.
+    assert!(le[199] < le[0], "loss fell: {} -> {}", le[0], le[199]);
+}
+
+fn train_gpt(compiled: bool, steps: u64) -> (Vec<f64>, Vec<Vec<f32>>) {
+    kiln::tensor::rng::manual_seed(7);
+    let cfg = GptConfig { vocab: 11, context: 8, d_model: 16, n_layer: 2, n_head: 2, dropout: 0.1, tied_head: false };
+    let model = Gpt::new(cfg, Device::Cpu).unwrap();
+    let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr: 3e-3, betas: (0.9, 0.95), ..AdamConfig::adamw() }).unwrap());
+    let mut sched = WarmupCosine::new(3e-3, 10, steps as usize, 3e-4).unwrap();
+    sched.apply(&mut *opt.borrow_mut()).unwrap();
+    let step_fn = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+        let loss = model.loss(&xs[0], &xs[1])?;
+        loss.backward()?;
+        let mut o = opt.borrow_mut();
+        clip_grad_norm(o.params(), 0.5)?;
+        o.step()?;
+        o.zero_grad()?;
+        Ok(vec![loss])
+    };
+    let eager = step_fn;
+    let mut step = compile(Mode::Default, step_fn);
+    let mut losses = Vec::new();
+    for i in 0..steps {
+        let tok = |s: u64| {
+            Tensor::rand_at(&[4, 8], Distribution::Uniform, s, i * 32, DType::F32, Device::Cpu)
+                .unwrap()
+                .mul_scalar(11.0)
+                .unwrap()
+                .to_dtype(DType::I64)
+                .unwrap()
+        };
+        let (x, y) = (tok(1), tok(2));
+        let out = if compiled { step.call(&[&x, &y]).unwrap() } else { eager(&[x, y]).unwrap() };
+        losses.push(out[0].item().unwrap());
+        sched.step(&mut *opt.borrow_mut()).unwrap();
+    }
+    (losses, model.parameters().iter().map(|p| p.to_vec::<f32>().unwrap()).collect())
+}
+
+#[test]
+fn compiled_gpt_with_dropout_matches_eager_for_200_steps() {
+    let (le, pe) = train_gpt(false, 200);
+    let (lc, pc) = train_gpt(true, 200);
+    let (le32, lc32): (Vec<f32>, Vec<f32>) = (le.iter().map(|&x| x as f32).collect(), lc.iter().map(|&x| x as f32).collect());
+    assert_close("losses", &lc32, &le32, 2e-3);
+    for (i, (a, b)) in pc.iter().zip(&pe).enumerate() {
+        assert_close(&format!("param {i}"), a, b, 2e-3);
+    }
+}
+
+#[test]
+fn a_smaller_last_batch_recompiles_and_the_limit_errors() -> Result<()> {
+    kiln::tensor::rng::manual_seed(1);
+    let model = mlp(&[20, 8, 5], Device::Cpu)?;
+    let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig::adamw())?);
+    let opts = CompileOptions { recompile_limit: 2, ..Default::default() };
+    let mut step = compile_with(opts, mlp_step(&model, &opt));
+    for (i, b) in [16usize, 16, 5, 5, 16].into_iter().enumerate() {
+        let (x, y) = data(i as u64, b, 20, 5);
+        let before: Vec<Vec<f32>> = model.parameters().iter().map(|p| p.to_vec::<f32>().unwrap()).collect();
+        let loss = step.call(&[&x, &y])?[0].item()?;
+        // The loss the compiled step returned is the eager loss for the parameters it started from.
+        let check = mlp(&[20, 8, 5], Device::Cpu)?;
+        for (p, v) in check.parameters().iter().zip(&before) {
+            kiln::autograd::no_grad(|| p.assign(&Tensor::from_slice(v, p.shape(), Device::Cpu)?))?;
+        }
+        let want = cross_entropy(&check.forward(&x)?, &y)?.item()?;
+        assert!((loss - want).abs() < 1e-5, "batch {b}: {loss} vs {want}");
+    }
+    assert_eq!(step.explain().graphs, 2);
+    let (x, y) = data(9, 3, 20, 5);
+    let e = step.call(&[&x, &y]).unwrap_err().to_string();
+    assert!(e.contains("recompile limit (2) reached") && e.contains("[3, 20]"), "{e}");
+    Ok(())
+}
+
+#[test]
+fn returned_tensors_belong_to_the_caller() -> Result<()> {
+    kiln::tensor::rng::manual_seed(2);
+    let model = mlp(&[20, 8, 5], Device::Cpu)?;
+    let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr: 0.1, ..AdamConfig::adamw() })?);
+    let mut step = compile(Mode::Default, mlp_step(&model, &opt));
+    let (x, y) = data(0, 16, 20, 5);
+    step.call(&[&x, &y])?; // trace
+    let first = step.call(&[&x, &y])?.remove(0);
+    let kept = first.item()?;
+    let second = step.call(&[&x, &y])?.remove(0);
+    assert_eq!(first.item()?, kept, "the next call did not overwrite the first loss");
+    assert_ne!(second.item()?, kept, "training moved the loss");
+    Ok(())
+}
+
+#[test]
+fn host_reads_fall_back_to_eager_or_error_under_fullgraph() -> Result<()> {
+    kiln::tensor::rng::manual_seed(3);
+    let model = mlp(&[20, 8, 5], Device::Cpu)?;
+    let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig::adamw())?);
+    let reading_step = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+        let loss = cross_entropy(&model.forward(&xs[0])?, &xs[1])?;
+        if loss.item()? > 1e9 {
+            return Err(Error::Msg("diverged".into()));
+        }
+        loss.backward()?;
+        opt.borrow_mut().step()?;
+        opt.borrow_mut().zero_grad()?;
+        Ok(vec![loss])
+    };
+    let mut step = compile(Mode::Default, reading_step);
+    let (x, y) = data(0, 16, 20, 5);
+    for _ in 0..3 {
+        assert!(step.call(&[&x, &y])?[0].item()?.is_finite());
+    }
+    let ex = step.explain();
+    assert_eq!((ex.graphs, ex.graph_breaks.len()), (0, 1));
+    assert!(ex.graph_breaks[0].contains("to_vec of a [] tensor"), "{:?}", ex.graph_breaks);
+    let mut strict = compile_with(CompileOptions { fullgraph: true, ..Default::default() }, reading_step);
+    let e = strict.call(&[&x, &y]).unwrap_err().to_string();
+    assert!(e.contains("graph break") && e.contains("fullgraph forbids host reads"), "{e}");
+    Ok(())
+}
