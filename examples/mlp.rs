@@ -1,16 +1,20 @@
-//! Train a 784-256-10 MLP classifier with AdamW.
+//! Train a 784-256-10 MLP classifier with AdamW, eagerly and compiled from the same seed, and
+//! compare them.
 //!
-//!   cargo run --release --example mlp                    # embedded procedurally drawn digits
+//!   cargo run --release --example mlp                    # embedded digits: eager vs compiled
 //!   cargo run --release --example mlp -- --mnist DIR     # MNIST in its IDX format
-//!   options: --epochs 4 --batch 32 --lr 1e-3 --train 60000 --seed 0
+//!   options: --mode eager|compiled|both (both) --epochs 2 --batch 32 --lr 1e-3
+//!            --train 60000 --seed 0
 
 mod common;
 
+use kiln::compile::{compile, Mode};
 use kiln::data::{load_mnist, synthetic_digits, Dataset};
-use kiln::nn::cross_entropy;
+use kiln::nn::{cross_entropy, Sequential};
 use kiln::optim::{AdamConfig, AdamW};
 use kiln::prelude::*;
-use std::time::Instant;
+use std::cell::RefCell;
+use std::time::{Duration, Instant};
 
 /// Images `[n, rows*cols]` and labels `[n]` of the samples `idx`.
 fn batch(d: &Dataset, idx: &[usize], device: Device) -> Result<(Tensor, Tensor)> {
@@ -33,52 +37,96 @@ fn accuracy(model: &dyn Forward, d: &Dataset, device: Device) -> Result<f64> {
     Ok(correct as f64 / d.len() as f64)
 }
 
-fn main() -> Result<()> {
-    let (epochs, bs, lr, seed) =
-        (common::flag("--epochs", 4usize), common::flag("--batch", 32usize), common::flag("--lr", 1e-3f64), common::flag("--seed", 0u64));
-    let device = Device::Cpu;
-    let (train, test) = match common::opt("--mnist") {
-        Some(dir) => load_mnist(std::path::Path::new(&dir)).map_err(Error::Msg)?,
-        None => (synthetic_digits(common::flag("--train", 60_000usize), seed + 1), synthetic_digits(5_000, seed + 2)),
-    };
-    println!("data: {} train / {} test images of {}x{}", train.len(), test.len(), train.rows, train.cols);
-    kiln::tensor::rng::manual_seed(seed);
-    let model = kiln::models::mlp(&[train.rows * train.cols, 256, 10], device)?;
-    let mut opt = AdamW::new(model.parameters(), AdamConfig { lr, ..AdamConfig::adamw() })?;
-    println!("model: MLP 784-256-10, {} parameters; AdamW lr {lr}, batch {bs}", model.num_parameters());
+/// A shuffled order per epoch from a simple LCG over the seed.
+fn shuffled(n: usize, seed: u64) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+    for i in (1..n).rev() {
+        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        order.swap(i, (s >> 33) as usize % (i + 1));
+    }
+    order
+}
 
+struct Report {
+    step_ms: f64,
+    first_step: Duration,
+    final_loss: f64,
+    accuracy: f64,
+}
+
+fn train(compiled: bool, train: &Dataset, test: &Dataset, epochs: usize, bs: usize, lr: f64, seed: u64) -> Result<Report> {
+    let device = Device::Cpu;
+    kiln::tensor::rng::manual_seed(seed);
+    let model: Sequential = kiln::models::mlp(&[train.rows * train.cols, 256, 10], device)?;
+    let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr, ..AdamConfig::adamw() })?);
+    // One training step: forward, backward, optimizer, zero_grad. Compiled, it is one graph.
+    let step_fn = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+        let loss = cross_entropy(&model.forward(&xs[0])?, &xs[1])?;
+        loss.backward()?;
+        opt.borrow_mut().step()?;
+        opt.borrow_mut().zero_grad()?;
+        Ok(vec![loss])
+    };
+    let eager = step_fn;
+    let mut step = compile(Mode::Default, step_fn);
     let steps_per_epoch = train.len() / bs;
-    let start = Instant::now();
-    let mut last_loss = f64::NAN;
+    let what = if compiled { "compiled" } else { "eager" };
+    let (mut last_loss, mut first_step, mut steady) = (f64::NAN, Duration::ZERO, Duration::ZERO);
     for epoch in 0..epochs {
-        let pb = common::bar(steps_per_epoch as u64, &format!("epoch {}", epoch + 1));
-        // A fresh shuffle per epoch from a simple LCG over the seed.
-        let mut order: Vec<usize> = (0..train.len()).collect();
-        let mut s = seed.wrapping_add(epoch as u64).wrapping_mul(6364136223846793005).wrapping_add(1);
-        for i in (1..order.len()).rev() {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            order.swap(i, (s >> 33) as usize % (i + 1));
-        }
-        for step in 0..steps_per_epoch {
-            let (x, y) = batch(&train, &order[step * bs..(step + 1) * bs], device)?;
-            let loss = cross_entropy(&model.forward(&x)?, &y)?;
-            loss.backward()?;
-            opt.step()?;
-            opt.zero_grad()?;
-            if step % 50 == 0 || step + 1 == steps_per_epoch {
-                last_loss = loss.item()?;
+        let pb = common::bar(steps_per_epoch as u64, &format!("{what} {}", epoch + 1));
+        let order = shuffled(train.len(), seed.wrapping_add(epoch as u64));
+        for i in 0..steps_per_epoch {
+            let (x, y) = batch(train, &order[i * bs..(i + 1) * bs], device)?;
+            let t = Instant::now();
+            let out = if compiled { step.call(&[&x, &y])? } else { eager(&[x, y])? };
+            let dt = t.elapsed();
+            if epoch == 0 && i == 0 {
+                first_step = dt;
+            } else {
+                steady += dt;
+            }
+            if i % 50 == 0 || i + 1 == steps_per_epoch {
+                last_loss = out[0].item()?;
                 if !last_loss.is_finite() {
-                    return Err(Error::Msg(format!("loss became {last_loss} at epoch {} step {step}; stopping", epoch + 1)));
+                    return Err(Error::Msg(format!("loss became {last_loss} at epoch {} step {i}; stopping", epoch + 1)));
                 }
                 pb.set_message(format!("loss {last_loss:.4}"));
             }
             pb.inc(1);
         }
         pb.finish_and_clear();
-        println!("epoch {}: loss {last_loss:.4}, test accuracy {:.2}%", epoch + 1, 100.0 * accuracy(&model, &test, device)?);
+        println!("{what:>8} epoch {}: loss {last_loss:.4}, test accuracy {:.2}%", epoch + 1, 100.0 * accuracy(&model, test, device)?);
     }
-    let secs = start.elapsed().as_secs_f64();
-    let steps = epochs * steps_per_epoch;
-    println!("trained {steps} steps in {secs:.1} s ({:.3} ms/step); final loss {last_loss:.4}", 1e3 * secs / steps as f64);
+    if compiled {
+        println!("{}", step.explain());
+    }
+    let steps = (epochs * steps_per_epoch).saturating_sub(1).max(1);
+    Ok(Report { step_ms: 1e3 * steady.as_secs_f64() / steps as f64, first_step, final_loss: last_loss, accuracy: accuracy(&model, test, device)? })
+}
+
+fn main() -> Result<()> {
+    let (epochs, bs, lr, seed) = (common::flag("--epochs", 2usize), common::flag("--batch", 32usize), common::flag("--lr", 1e-3f64), common::flag("--seed", 0u64));
+    let mode = common::opt("--mode").unwrap_or_else(|| "both".into());
+    let (train_set, test_set) = match common::opt("--mnist") {
+        Some(dir) => load_mnist(std::path::Path::new(&dir)).map_err(Error::Msg)?,
+        None => (synthetic_digits(common::flag("--train", 60_000usize), seed + 1), synthetic_digits(5_000, seed + 2)),
+    };
+    println!("data: {} train / {} test images of {}x{}", train_set.len(), test_set.len(), train_set.rows, train_set.cols);
+    println!("model: MLP 784-256-10 (203,530 parameters), AdamW lr {lr}, batch {bs}, {epochs} epochs");
+    let mut reports = Vec::new();
+    for compiled in [false, true] {
+        if mode == "both" || (mode == "compiled") == compiled {
+            reports.push((compiled, train(compiled, &train_set, &test_set, epochs, bs, lr, seed)?));
+        }
+    }
+    println!("\n{:>9} | {:>12} | {:>16} | {:>10} | {:>9}", "", "ms / step", "first step (ms)", "final loss", "accuracy");
+    for (compiled, r) in &reports {
+        let name = if *compiled { "compiled" } else { "eager" };
+        println!("{name:>9} | {:>12.3} | {:>16.1} | {:>10.4} | {:>8.2}%", r.step_ms, r.first_step.as_secs_f64() * 1e3, r.final_loss, 100.0 * r.accuracy);
+    }
+    if let [(_, e), (_, c)] = &reports[..] {
+        println!("speedup of the compiled step: {:.2}x (the first compiled step traces and compiles)", e.step_ms / c.step_ms);
+    }
     Ok(())
 }

@@ -2,6 +2,8 @@
 //! argument through its layout (views cost nothing), freeing each buffer after its last use,
 //! and writing state back into the same buffers at the end.
 
+use crate::fusion::{self, Plan, Step};
+use crate::fused_exec;
 use crate::graph::{Graph, Kind, NodeId};
 use kiln_tensor::op::OutMeta;
 use kiln_tensor::rng::GeneratorState;
@@ -12,7 +14,8 @@ use std::sync::{Arc, RwLockReadGuard};
 pub struct CpuProgram {
     pub graph: Graph,
     pub cells: Vec<Arc<StorageCell>>,
-    /// For each node, the last node that reads it (buffers are freed after it).
+    pub plan: Plan,
+    /// For each node, the last step that reads it (buffers are freed after it).
     last_use: Vec<usize>,
 }
 
@@ -42,18 +45,31 @@ fn new_cell(s: CpuStorage) -> Arc<StorageCell> {
 }
 
 impl CpuProgram {
-    pub fn new(graph: Graph, cells: Vec<Arc<StorageCell>>) -> CpuProgram {
-        let mut last_use: Vec<usize> = (0..graph.nodes.len()).collect();
-        for (i, n) in graph.nodes.iter().enumerate() {
-            for a in n.args() {
-                last_use[a] = i;
+    pub fn new(graph: Graph, cells: Vec<Arc<StorageCell>>, fuse: bool) -> CpuProgram {
+        let plan = if fuse { fusion::plan(&graph) } else { Plan { steps: (0..graph.nodes.len()).map(Step::Node).collect(), groups: vec![] } };
+        let mut last_use: Vec<usize> = vec![0; graph.nodes.len()];
+        for (k, step) in plan.steps.iter().enumerate() {
+            for a in step_reads(&graph, &plan, step) {
+                last_use[a] = k;
             }
         }
-        // Outputs and state writes are read after every node.
+        // Outputs and state writes are read after every step.
         for a in graph.outputs.iter().map(|a| a.node).chain(graph.writes.iter().map(|w| w.1)) {
             last_use[a] = usize::MAX;
         }
-        CpuProgram { graph, cells, last_use }
+        CpuProgram { graph, cells, plan, last_use }
+    }
+
+    /// Kernels one step launches: plain nodes that compute, plus one per fused group.
+    pub fn kernels(&self) -> usize {
+        self.plan
+            .steps
+            .iter()
+            .filter(|s| match s {
+                Step::Group(_) => true,
+                Step::Node(i) => !matches!(self.graph.nodes[*i].kind, Kind::Input(_) | Kind::State(_)),
+            })
+            .count()
     }
 
     fn run_node(
@@ -94,10 +110,18 @@ impl CpuProgram {
     pub fn run(&self, inputs: &[Arc<StorageCell>], gen: GeneratorState) -> Result<Vec<Tensor>> {
         let n = self.graph.nodes.len();
         let mut vals: Vec<Option<Arc<StorageCell>>> = vec![None; n];
-        for i in 0..n {
-            vals[i] = Some(self.run_node(i, &vals, inputs, gen)?);
-            for a in self.graph.nodes[i].args() {
-                if self.last_use[a] == i {
+        for (k, step) in self.plan.steps.iter().enumerate() {
+            match step {
+                Step::Node(i) => vals[*i] = Some(self.run_node(*i, &vals, inputs, gen)?),
+                Step::Group(gi) => {
+                    let cell_of = |x: NodeId| vals[x].clone().ok_or_else(|| Error::Msg(format!("compile: node {x} used before it was computed")));
+                    for (m, c) in fused_exec::run_group(&self.graph, &self.plan.groups[*gi], &self.cells, &cell_of)? {
+                        vals[m] = Some(c);
+                    }
+                }
+            }
+            for a in step_reads(&self.graph, &self.plan, step) {
+                if self.last_use[a] == k {
                     vals[a] = None;
                 }
             }
@@ -121,20 +145,59 @@ impl CpuProgram {
         Ok(outputs)
     }
 
-    /// Peak bytes of intermediate buffers alive at once (state and inputs excluded).
+    /// Bytes the kernels of one step read and write (a fused group reads its externals and
+    /// stores its materialised members once).
+    pub fn bytes_moved(&self) -> usize {
+        let g = &self.graph;
+        let arg_bytes = |a: &crate::graph::Arg| a.layout.numel() * g.nodes[a.node].dtype.size_in_bytes();
+        self.plan
+            .steps
+            .iter()
+            .map(|s| match s {
+                Step::Node(i) => match &g.nodes[*i].kind {
+                    Kind::Op(_, args) => args.iter().map(arg_bytes).sum::<usize>() + g.node_bytes(*i),
+                    Kind::Rand { .. } | Kind::WriteView { .. } => 2 * g.node_bytes(*i),
+                    Kind::Input(_) | Kind::State(_) => 0,
+                },
+                Step::Group(k) => {
+                    let gr = &self.plan.groups[*k];
+                    let n: usize = gr.shape.iter().product();
+                    gr.externals.iter().map(|a| n.min(a.layout.numel()) * g.nodes[a.node].dtype.size_in_bytes()).sum::<usize>()
+                        + gr.materialize.iter().map(|&m| g.node_bytes(m)).sum::<usize>()
+                }
+            })
+            .sum()
+    }
+
+    /// Peak bytes of intermediate buffers alive at once (state, inputs and values a fused
+    /// group keeps in its scratch excluded).
     pub fn planned_peak_bytes(&self) -> usize {
+        let computed = |i: NodeId| matches!(self.graph.nodes[i].kind, Kind::Op(..) | Kind::Rand { .. } | Kind::WriteView { .. });
         let (mut live, mut peak) = (0usize, 0usize);
-        for (i, node) in self.graph.nodes.iter().enumerate() {
-            if matches!(node.kind, Kind::Op(..) | Kind::Rand { .. } | Kind::WriteView { .. }) {
-                live += self.graph.node_bytes(i);
-                peak = peak.max(live);
-            }
-            for a in node.args() {
-                if self.last_use[a] == i && matches!(self.graph.nodes[a].kind, Kind::Op(..) | Kind::Rand { .. } | Kind::WriteView { .. }) {
-                    live -= self.graph.node_bytes(a);
+        for (k, step) in self.plan.steps.iter().enumerate() {
+            let made: Vec<NodeId> = match step {
+                Step::Node(i) => vec![*i],
+                Step::Group(g) => {
+                    let gr = &self.plan.groups[*g];
+                    gr.materialize.iter().copied().filter(|m| !gr.inplace.iter().any(|x| x.0 == *m)).collect()
+                }
+            };
+            live += made.iter().filter(|&&i| computed(i)).map(|&i| self.graph.node_bytes(i)).sum::<usize>();
+            peak = peak.max(live);
+            for a in step_reads(&self.graph, &self.plan, step) {
+                if self.last_use[a] == k && computed(a) {
+                    live = live.saturating_sub(self.graph.node_bytes(a));
                 }
             }
         }
         peak
+    }
+}
+
+/// The nodes a step reads.
+fn step_reads(g: &Graph, plan: &Plan, step: &Step) -> Vec<NodeId> {
+    match step {
+        Step::Node(i) => g.nodes[*i].args(),
+        Step::Group(k) => plan.groups[*k].externals.iter().map(|a| a.node).collect(),
     }
 }

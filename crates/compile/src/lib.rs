@@ -22,6 +22,8 @@
 //! each call. On the CPU, `ReduceOverhead` and `MaxAutotune` behave like `Default`.
 
 mod exec;
+mod fused_exec;
+pub mod fusion;
 pub mod graph;
 mod log;
 mod lower;
@@ -52,11 +54,13 @@ pub struct CompileOptions {
     pub fullgraph: bool,
     /// How many distinct signatures may be compiled before `call` errors.
     pub recompile_limit: usize,
+    /// Fuse pointwise chains (off: one kernel per node, for debugging).
+    pub fuse: bool,
 }
 
 impl Default for CompileOptions {
     fn default() -> Self {
-        CompileOptions { mode: Mode::Default, fullgraph: false, recompile_limit: 8 }
+        CompileOptions { mode: Mode::Default, fullgraph: false, recompile_limit: 8, fuse: true }
     }
 }
 
@@ -227,7 +231,8 @@ where
             debug_verify(g).unwrap_or_else(|e| eprintln!("kiln compile: verifier after {name}: {e}"));
         });
         log::log("graph", &format!("optimised graph:\n{graph}"));
-        let exec = exec::CpuProgram::new(graph, lowered.cells);
+        let exec = exec::CpuProgram::new(graph, lowered.cells, self.opts.fuse);
+        log::log("fusion", &fusion_report(&exec));
         let compile_time = start.elapsed();
         log::log("time", &format!("compiled in {:.1} ms", compile_time.as_secs_f64() * 1e3));
         self.cache.push((sig, Entry::Graph(Box::new(Program { exec, leaf_grads: lowered.leaf_grads, compile_time, nodes_traced }))));
@@ -245,14 +250,10 @@ where
                     e.graphs += 1;
                     e.nodes_traced = p.nodes_traced;
                     e.nodes = g.nodes.len();
-                    e.kernels = g
-                        .nodes
-                        .iter()
-                        .filter(|n| matches!(n.kind, graph::Kind::Op(..) | graph::Kind::Rand { .. } | graph::Kind::WriteView { .. }))
-                        .count();
+                    e.kernels = p.exec.kernels();
                     e.state_buffers = g.state.len();
                     e.planned_peak_bytes = p.exec.planned_peak_bytes();
-                    e.bytes_moved = bytes_moved(g);
+                    e.bytes_moved = p.exec.bytes_moved();
                     e.compile_time += p.compile_time;
                 }
             }
@@ -287,20 +288,17 @@ fn contiguous_cell(t: &Tensor) -> Result<std::sync::Arc<kiln_tensor::storage::St
     Ok(t.copy()?.storage().clone())
 }
 
-/// Bytes each kernel reads and writes, summed.
-fn bytes_moved(g: &Graph) -> usize {
-    g.nodes
-        .iter()
-        .enumerate()
-        .filter(|(_, n)| !matches!(n.kind, graph::Kind::Input(_) | graph::Kind::State(_)))
-        .map(|(i, n)| {
-            let reads: usize = match &n.kind {
-                graph::Kind::Op(_, args) => args.iter().map(|a| a.layout.numel() * g.nodes[a.node].dtype.size_in_bytes()).sum(),
-                _ => 0,
-            };
-            reads + g.node_bytes(i)
-        })
-        .sum()
+/// The fusion groups, one line each: members, shape, what they store and write in place.
+fn fusion_report(p: &exec::CpuProgram) -> String {
+    let mut s = format!("{} groups, {} kernels per step", p.plan.groups.iter().filter(|g| g.members.len() > 1).count(), p.kernels());
+    for (k, gr) in p.plan.groups.iter().enumerate().filter(|(_, g)| g.members.len() > 1) {
+        let ops: Vec<String> = gr.members.iter().map(|&m| match &p.graph.nodes[m].kind {
+            graph::Kind::Op(op, _) => graph::op_label(op),
+            _ => "?".into(),
+        }).collect();
+        s += &format!("\n  group {k} {:?}: [{}] reads {} stores {:?} in place {:?}", gr.shape, ops.join(", "), gr.externals.len(), gr.materialize, gr.inplace);
+    }
+    s
 }
 
 fn debug_verify(g: &Graph) -> Result<()> {

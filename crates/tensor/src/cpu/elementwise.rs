@@ -461,3 +461,56 @@ pub fn full<T: Element>(n: usize, v: T) -> Vec<T> {
     out.par_iter_mut().with_min_len(1 << 16).for_each(|o| *o = v);
     out
 }
+
+// ---- slice kernels for fused groups (kiln-compile's CPU back end) ----
+
+/// `out[i] = op(x[i])`.
+pub fn unary_into<F: Float>(op: UnaryOp, x: &[F], out: &mut [F]) {
+    per_unary!(op, OP => out.iter_mut().zip(x).for_each(|(o, &v)| *o = OP.eval(v)))
+}
+
+/// `out[i] = a[i] op b[i]` (comparisons give 1 or 0).
+pub fn binary_into<F: Float>(op: BinaryOp, a: &[F], b: &[F], out: &mut [F]) {
+    per_binary!(op, OP => out.iter_mut().zip(a).zip(b).for_each(|((o, &x), &y)| *o = OP.eval(x, y)))
+}
+
+/// `out[i] = x[i] op v`, or `v op x[i]` when `lhs`.
+pub fn scalar_into<F: Float>(op: BinaryOp, v: F, lhs: bool, x: &[F], out: &mut [F]) {
+    if lhs {
+        per_binary!(op, OP => out.iter_mut().zip(x).for_each(|(o, &a)| *o = OP.eval(v, a)))
+    } else {
+        per_binary!(op, OP => out.iter_mut().zip(x).for_each(|(o, &a)| *o = OP.eval(a, v)))
+    }
+}
+
+/// `out[i] = c[i] != 0 ? a[i] : b[i]`.
+pub fn where_into<F: Float>(c: &[F], a: &[F], b: &[F], out: &mut [F]) {
+    let zero = F::c(0.0);
+    out.iter_mut().zip(c).zip(a).zip(b).for_each(|(((o, &c), &x), &y)| *o = if c != zero { x } else { y });
+}
+
+/// Converts between element types through f64 (exact for every pair Kiln fuses).
+pub trait Convert<U> {
+    fn convert(self) -> U;
+}
+impl<T: Element, U: Element> Convert<U> for T {
+    #[inline(always)]
+    fn convert(self) -> U {
+        U::from_f64(self.to_f64())
+    }
+}
+
+/// Positions `start..start + out.len()` of `shape` read through `layout` (broadcast), as `F`.
+pub fn load_into<T: Element, F: Element>(src: &[T], layout: &Layout, shape: &[usize], start: usize, out: &mut [F]) {
+    let strides = layout.broadcast_strides(shape);
+    let it = Strided::new(shape, [&strides], [layout.offset]);
+    let [st] = it.inner_strides();
+    it.runs(start, start + out.len(), |pos, [o], len| {
+        let dst = &mut out[pos - start..pos - start + len];
+        match st {
+            0 => dst.fill(src[o].convert()),
+            1 => dst.iter_mut().zip(&src[o..o + len]).for_each(|(d, &x)| *d = x.convert()),
+            _ => dst.iter_mut().enumerate().for_each(|(j, d)| *d = src[o + j * st].convert()),
+        }
+    });
+}

@@ -1,0 +1,191 @@
+//! Runs one fusion group on the CPU: chunk by chunk, loading each external input once,
+//! evaluating every member over the chunk in scratch buffers, storing what leaves the group.
+
+use crate::fusion::Group;
+use crate::graph::{Graph, Kind, NodeId};
+use kiln_tensor::cpu::elementwise::{binary_into, load_into, scalar_into, unary_into, where_into, Convert};
+use kiln_tensor::op::Float;
+use kiln_tensor::storage::{CpuStorage, StorageCell};
+use kiln_tensor::{with_cpu, Element, Error, Layout, Op, Result};
+use rayon::prelude::*;
+use std::sync::Arc;
+
+/// Elements per chunk: the scratch of a group stays in L2.
+const CHUNK: usize = 2048;
+
+/// Where a member's argument comes from.
+#[derive(Clone, Copy)]
+enum Src {
+    Member(usize),
+    Ext(usize),
+}
+
+/// An external input: a buffer read through a layout, or the chunk's own slice of an output
+/// that the group overwrites in place (read before it is written).
+enum Ext<'a> {
+    Shared(&'a CpuStorage, &'a Layout),
+    Own(usize),
+}
+
+enum Out<'a> {
+    F32(&'a mut [f32]),
+    F64(&'a mut [f64]),
+    U8(&'a mut [u8]),
+}
+
+fn out_slices(s: &mut CpuStorage) -> Result<Vec<Out<'_>>> {
+    Ok(match s {
+        CpuStorage::F32(v) => v.chunks_mut(CHUNK).map(Out::F32).collect(),
+        CpuStorage::F64(v) => v.chunks_mut(CHUNK).map(Out::F64).collect(),
+        CpuStorage::U8(v) => v.chunks_mut(CHUNK).map(Out::U8).collect(),
+        other => return Err(Error::Msg(format!("fused group: cannot store {:?}", other.dtype()))),
+    })
+}
+
+fn store<F: Element>(vals: &[F], out: &mut Out) {
+    match out {
+        Out::F32(o) => o.iter_mut().zip(vals).for_each(|(d, &v)| *d = v.convert()),
+        Out::F64(o) => o.iter_mut().zip(vals).for_each(|(d, &v)| *d = v.convert()),
+        Out::U8(o) => o.iter_mut().zip(vals).for_each(|(d, &v)| *d = (v.to_f64() != 0.0) as u8),
+    }
+}
+
+fn load_own<F: Element>(out: &Out, vals: &mut [F]) {
+    match out {
+        Out::F32(o) => vals.iter_mut().zip(o.iter()).for_each(|(d, &v)| *d = v.convert()),
+        Out::F64(o) => vals.iter_mut().zip(o.iter()).for_each(|(d, &v)| *d = v.convert()),
+        Out::U8(o) => vals.iter_mut().zip(o.iter()).for_each(|(d, &v)| *d = v.convert()),
+    }
+}
+
+/// Runs `gr`; `cell_of(node)` gives the cell of an external value. Returns the cells of the
+/// materialised members (state buffers for in-place ones).
+pub fn run_group(g: &Graph, gr: &Group, cells: &[Arc<StorageCell>], cell_of: &dyn Fn(NodeId) -> Result<Arc<StorageCell>>) -> Result<Vec<(NodeId, Arc<StorageCell>)>> {
+    let numel: usize = gr.shape.iter().product();
+    let outs: Vec<(NodeId, Arc<StorageCell>)> = gr
+        .materialize
+        .iter()
+        .map(|&m| match gr.inplace.iter().find(|x| x.0 == m) {
+            Some(&(_, slot)) => (m, cells[slot].clone()),
+            None => (m, Arc::new(StorageCell::new(kiln_tensor::storage::Storage::Cpu(CpuStorage::uninit(g.nodes[m].dtype, numel))))),
+        })
+        .collect();
+    let ext_cells: Vec<Arc<StorageCell>> = gr.externals.iter().map(|a| cell_of(a.node)).collect::<Result<_>>()?;
+    // Write locks on outputs; read locks on the other distinct external cells.
+    let mut out_guards: Vec<_> = outs.iter().map(|(_, c)| c.write()).collect();
+    let mut read_cells: Vec<&Arc<StorageCell>> = Vec::new();
+    for c in &ext_cells {
+        if !outs.iter().any(|(_, o)| Arc::ptr_eq(o, c)) && !read_cells.iter().any(|r| Arc::ptr_eq(r, c)) {
+            read_cells.push(c);
+        }
+    }
+    let read_guards: Vec<_> = read_cells.iter().map(|c| c.read()).collect();
+    let mut exts: Vec<Ext> = Vec::with_capacity(ext_cells.len());
+    for (c, a) in ext_cells.iter().zip(&gr.externals) {
+        match outs.iter().position(|(_, o)| Arc::ptr_eq(o, c)) {
+            Some(k) => exts.push(Ext::Own(k)),
+            None => {
+                let r = read_cells.iter().position(|r| Arc::ptr_eq(r, c)).unwrap_or(0);
+                exts.push(Ext::Shared(read_guards[r].as_cpu()?, &a.layout));
+            }
+        }
+    }
+    // Per chunk, one slice of every output.
+    let mut per_output: Vec<Vec<Out>> = Vec::with_capacity(outs.len());
+    for gd in out_guards.iter_mut() {
+        per_output.push(out_slices(gd.as_cpu_mut()?)?);
+    }
+    let n_chunks = numel.div_ceil(CHUNK);
+    let mut chunks: Vec<Vec<Out>> = (0..n_chunks).map(|_| Vec::with_capacity(outs.len())).collect();
+    for slices in per_output {
+        for (c, s) in slices.into_iter().enumerate() {
+            chunks[c].push(s);
+        }
+    }
+    let srcs: Vec<Vec<Src>> = gr
+        .members
+        .iter()
+        .map(|&m| match &g.nodes[m].kind {
+            Kind::Op(_, args) => args
+                .iter()
+                .map(|a| match gr.members.iter().position(|&x| x == a.node) {
+                    Some(j) => Src::Member(j),
+                    None => Src::Ext(gr.externals.iter().position(|e| e == a).unwrap_or(0)),
+                })
+                .collect(),
+            _ => vec![],
+        })
+        .collect();
+    let stores: Vec<usize> = gr.materialize.iter().map(|m| gr.members.iter().position(|x| x == m).unwrap_or(0)).collect();
+    let ctx = Ctx { g, gr, exts: &exts, srcs: &srcs, stores: &stores };
+    if gr.f64 {
+        ctx.run::<f64>(chunks, numel)
+    } else {
+        ctx.run::<f32>(chunks, numel)
+    }
+    drop(out_guards);
+    Ok(outs)
+}
+
+struct Ctx<'a> {
+    g: &'a Graph,
+    gr: &'a Group,
+    exts: &'a [Ext<'a>],
+    srcs: &'a [Vec<Src>],
+    stores: &'a [usize],
+}
+
+impl Ctx<'_> {
+    fn run<F: Float + Element>(&self, chunks: Vec<Vec<Out>>, numel: usize) {
+        let scratch = || (vec![vec![F::c(0.0); CHUNK]; self.exts.len()], vec![vec![F::c(0.0); CHUNK]; self.gr.members.len()]);
+        if numel >= kiln_tensor::cpu::PAR_THRESHOLD {
+            chunks.into_par_iter().enumerate().for_each_init(scratch, |(e, m), (c, mut outs)| self.chunk(c, &mut outs, e, m));
+        } else {
+            let (mut e, mut m) = scratch();
+            for (c, mut outs) in chunks.into_iter().enumerate() {
+                self.chunk(c, &mut outs, &mut e, &mut m);
+            }
+        }
+    }
+
+    fn chunk<F: Float + Element>(&self, c: usize, outs: &mut [Out], ext: &mut [Vec<F>], mem: &mut [Vec<F>]) {
+        let start = c * CHUNK;
+        let len = match outs.first() {
+            Some(Out::F32(o)) => o.len(),
+            Some(Out::F64(o)) => o.len(),
+            Some(Out::U8(o)) => o.len(),
+            None => return,
+        };
+        for (k, e) in self.exts.iter().enumerate() {
+            let dst = &mut ext[k][..len];
+            match e {
+                Ext::Shared(s, l) => with_cpu!(s, v => load_into(v, l, &self.gr.shape, start, dst)),
+                Ext::Own(o) => load_own(&outs[*o], dst),
+            }
+        }
+        for (j, &m) in self.gr.members.iter().enumerate() {
+            let mut out = std::mem::take(&mut mem[j]);
+            {
+                let arg = |i: usize| -> &[F] {
+                    match self.srcs[j][i] {
+                        Src::Member(x) => &mem[x][..len],
+                        Src::Ext(x) => &ext[x][..len],
+                    }
+                };
+                let o = &mut out[..len];
+                match &self.g.nodes[m].kind {
+                    Kind::Op(Op::Unary(u), _) => unary_into(*u, arg(0), o),
+                    Kind::Op(Op::Binary(b), _) => binary_into(*b, arg(0), arg(1), o),
+                    Kind::Op(Op::Scalar { op, value, scalar_lhs }, _) => scalar_into(*op, F::c(*value), *scalar_lhs, arg(0), o),
+                    Kind::Op(Op::Where, _) => where_into(arg(0), arg(1), arg(2), o),
+                    Kind::Op(Op::Cast(_), _) => o.copy_from_slice(arg(0)),
+                    _ => {}
+                }
+            }
+            mem[j] = out;
+        }
+        for (k, &j) in self.stores.iter().enumerate() {
+            store(&mem[j][..len], &mut outs[k]);
+        }
+    }
+}

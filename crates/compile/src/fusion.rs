@@ -1,0 +1,196 @@
+//! Pointwise fusion for the CPU back end. Chains of elementwise ops over one shape become a
+//! group evaluated chunk by chunk: each chunk's inputs are loaded once (any layout, so views
+//! and broadcasts cost nothing), every op runs over the chunk in cache, and only values used
+//! outside the group are stored. A group's result that is written back to state goes
+//! straight into the state buffer when nothing else still needs the old contents, which is
+//! how the optimizer update becomes one pass over each parameter.
+//!
+//! A group runs at its last member's position. A group closes as soon as a node outside it
+//! reads one of its values, so every outside reader runs after the group has run.
+
+use crate::graph::{Arg, Graph, Kind, NodeId};
+use kiln_tensor::{DType, Op};
+
+#[derive(Debug, Clone)]
+pub struct Group {
+    pub members: Vec<NodeId>,
+    pub shape: Vec<usize>,
+    /// Computes in f64 (F64 graphs) rather than f32.
+    pub f64: bool,
+    /// Distinct reads of values computed outside the group.
+    pub externals: Vec<Arg>,
+    /// Members whose values are needed after the group.
+    pub materialize: Vec<NodeId>,
+    /// Members written straight into a state slot.
+    pub inplace: Vec<(NodeId, usize)>,
+}
+
+#[derive(Debug, Clone)]
+pub enum Step {
+    Node(NodeId),
+    Group(usize),
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Plan {
+    pub steps: Vec<Step>,
+    pub groups: Vec<Group>,
+}
+
+/// The float type a pointwise node computes in, if it can join a group.
+fn compute_class(g: &Graph, i: NodeId) -> Option<DType> {
+    let n = &g.nodes[i];
+    let Kind::Op(op, args) = &n.kind else { return None };
+    let pointwise = match op {
+        Op::Unary(_) | Op::Binary(_) | Op::Scalar { .. } | Op::Where => true,
+        Op::Cast(to) => matches!(to, DType::F32 | DType::F64),
+        _ => false,
+    };
+    let float_of = |d: DType| matches!(d, DType::F32 | DType::F64).then_some(d);
+    let floats: Vec<DType> = args.iter().filter_map(|a| float_of(g.nodes[a.node].dtype)).collect();
+    let others_ok = args.iter().all(|a| matches!(g.nodes[a.node].dtype, DType::F32 | DType::F64 | DType::U8));
+    let class = match n.dtype {
+        DType::F32 | DType::F64 => Some(n.dtype),
+        DType::U8 if matches!(op, Op::Binary(b) | Op::Scalar { op: b, .. } if b.is_comparison()) => floats.first().copied(),
+        _ => None,
+    }?;
+    // Casts change class; everything else keeps one float type throughout.
+    let same = matches!(op, Op::Cast(_)) || floats.iter().all(|&f| f == class);
+    (pointwise && others_ok && same).then_some(class)
+}
+
+fn identity(a: &Arg, shape: &[usize]) -> bool {
+    a.layout.offset == 0 && a.layout.shape == shape && a.layout.is_contiguous()
+}
+
+pub fn plan(g: &Graph) -> Plan {
+    let n = g.nodes.len();
+    let mut group_of: Vec<Option<usize>> = vec![None; n];
+    let mut groups: Vec<Group> = Vec::new();
+    let mut open: Vec<bool> = Vec::new();
+    for i in 0..n {
+        let args: Vec<&Arg> = match &g.nodes[i].kind {
+            Kind::Op(_, a) => a.iter().collect(),
+            Kind::WriteView { value, .. } => vec![value],
+            _ => vec![],
+        };
+        let all_args = g.nodes[i].args();
+        if let Some(class) = compute_class(g, i) {
+            let shape = &g.nodes[i].shape;
+            // Join the latest open group that feeds this node through whole, in-order reads.
+            let joinable = |k: usize| {
+                open[k]
+                    && groups[k].shape == *shape
+                    && groups[k].f64 == (class == DType::F64)
+                    && args.iter().filter(|a| group_of[a.node] == Some(k)).all(|a| identity(a, shape))
+            };
+            // Every open group feeding it can merge into one: none has an outside reader yet,
+            // so running them all at this node's position keeps every dependency in order.
+            let mut targets: Vec<usize> = args.iter().filter_map(|a| group_of[a.node]).filter(|&k| joinable(k)).collect();
+            targets.sort_unstable();
+            targets.dedup();
+            let k = match targets.split_first() {
+                Some((&first, rest)) => {
+                    for &other in rest {
+                        let moved = std::mem::take(&mut groups[other].members);
+                        for &m in &moved {
+                            group_of[m] = Some(first);
+                        }
+                        groups[first].members.extend(moved);
+                        open[other] = false;
+                    }
+                    groups[first].members.sort_unstable();
+                    first
+                }
+                None => {
+                    groups.push(Group { members: vec![], shape: shape.clone(), f64: class == DType::F64, externals: vec![], materialize: vec![], inplace: vec![] });
+                    open.push(true);
+                    groups.len() - 1
+                }
+            };
+            groups[k].members.push(i);
+            group_of[i] = Some(k);
+        }
+        for a in all_args {
+            if let Some(h) = group_of[a] {
+                if group_of[i] != Some(h) {
+                    open[h] = false;
+                }
+            }
+        }
+    }
+    finish(g, groups, group_of)
+}
+
+/// Externals, materialised members, in-place state writes and the step order.
+fn finish(g: &Graph, mut groups: Vec<Group>, mut group_of: Vec<Option<usize>>) -> Plan {
+    // Singletons gain nothing from the group path: they run as plain kernels.
+    for gr in &groups {
+        if gr.members.len() == 1 {
+            group_of[gr.members[0]] = None;
+        }
+    }
+    let n = g.nodes.len();
+    let mut users: Vec<Vec<NodeId>> = vec![vec![]; n];
+    for i in 0..n {
+        for a in g.nodes[i].args() {
+            users[a].push(i);
+        }
+    }
+    let exits: Vec<NodeId> = g.outputs.iter().map(|a| a.node).chain(g.writes.iter().map(|w| w.1)).collect();
+    let pos = |i: NodeId, group_of: &[Option<usize>], groups: &[Group]| group_of[i].map_or(i, |k| *groups[k].members.last().unwrap_or(&i));
+    for k in 0..groups.len() {
+        if groups[k].members.len() < 2 {
+            continue;
+        }
+        let members = groups[k].members.clone();
+        let inside = |x: NodeId| group_of[x] == Some(k);
+        let mut ext: Vec<Arg> = Vec::new();
+        for &m in &members {
+            if let Kind::Op(_, args) = &g.nodes[m].kind {
+                for a in args.iter().filter(|a| !inside(a.node)) {
+                    if !ext.contains(a) {
+                        ext.push(a.clone());
+                    }
+                }
+            }
+        }
+        groups[k].externals = ext;
+        groups[k].materialize = members.iter().copied().filter(|&m| exits.contains(&m) || users[m].iter().any(|&u| !inside(u))).collect();
+        let at = pos(members[members.len() - 1], &group_of, &groups);
+        for &(slot, node) in &g.writes {
+            if !inside(node) {
+                continue;
+            }
+            let state_node = (0..n).find(|&s| g.nodes[s].kind == Kind::State(slot));
+            let safe = match state_node {
+                None => true,
+                Some(s) => {
+                    !exits.contains(&s)
+                        && users[s].iter().all(|&u| {
+                            if inside(u) {
+                                match &g.nodes[u].kind {
+                                    Kind::Op(_, args) => args.iter().filter(|a| a.node == s).all(|a| identity(a, &groups[k].shape)),
+                                    _ => false,
+                                }
+                            } else {
+                                pos(u, &group_of, &groups) < at
+                            }
+                        })
+                }
+            };
+            if safe && g.nodes[node].numel() == g.state[slot].len {
+                groups[k].inplace.push((node, slot));
+            }
+        }
+    }
+    let mut steps = Vec::new();
+    for i in 0..n {
+        match group_of[i] {
+            None => steps.push(Step::Node(i)),
+            Some(k) if groups[k].members.last() == Some(&i) => steps.push(Step::Group(k)),
+            Some(_) => {}
+        }
+    }
+    Plan { steps, groups }
+}
