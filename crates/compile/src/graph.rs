@@ -153,7 +153,11 @@ impl fmt::Display for Graph {
                 Kind::State(s) => format!("state {s}{}", if self.state[*s].created_in_step { " (made in step)" } else { "" }),
                 Kind::Op(op, args) => {
                     let a: Vec<String> = args.iter().map(|a| fmt_arg(a, self)).collect();
-                    format!("{} {}", op_label(op), a.join(", "))
+                    if a.is_empty() {
+                        op_label(op)
+                    } else {
+                        format!("{} {}", op_label(op), a.join(", "))
+                    }
                 }
                 Kind::Rand { dist, offset } => format!("rand {dist:?} @+{offset}"),
                 Kind::WriteView { base, layout, value } => {

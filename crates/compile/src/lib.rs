@@ -261,6 +261,14 @@ where
         e
     }
 
+    /// The last compiled graph after passes, with its fusion groups (for snapshots and logs).
+    pub fn dump(&self) -> Option<String> {
+        self.cache.iter().rev().find_map(|(_, e)| match e {
+            Entry::Graph(p) => Some(format!("{}\n{}", p.exec.graph, fusion_report(&p.exec))),
+            Entry::Eager(_) => None,
+        })
+    }
+
     /// Calls so far, and how many of them replayed a compiled graph.
     pub fn counts(&self) -> (usize, usize) {
         (self.calls, self.replays)

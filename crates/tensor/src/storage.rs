@@ -159,17 +159,49 @@ pub fn next_storage_id() -> u64 {
     NEXT_STORAGE_ID.load(Ordering::Relaxed)
 }
 
+static LIVE_BYTES: AtomicU64 = AtomicU64::new(0);
+static PEAK_BYTES: AtomicU64 = AtomicU64::new(0);
+
+/// Bytes held by all live storages (every device), and the peak since `reset_peak_bytes`.
+pub fn live_bytes() -> u64 {
+    LIVE_BYTES.load(Ordering::Relaxed)
+}
+pub fn peak_bytes() -> u64 {
+    PEAK_BYTES.load(Ordering::Relaxed)
+}
+pub fn reset_peak_bytes() {
+    PEAK_BYTES.store(live_bytes(), Ordering::Relaxed);
+}
+
+fn storage_bytes(s: &Storage) -> u64 {
+    match s {
+        Storage::Cpu(c) => (c.len() * c.dtype().size_in_bytes()) as u64,
+        #[cfg(feature = "cuda")]
+        Storage::Cuda(c) => (c.len() * c.dtype().size_in_bytes()) as u64,
+    }
+}
+
 /// A storage shared by a tensor and its views, with a version counter for in-place writes.
 #[derive(Debug)]
 pub struct StorageCell {
     id: u64,
     data: RwLock<Storage>,
     version: AtomicU64,
+    bytes: u64,
+}
+
+impl Drop for StorageCell {
+    fn drop(&mut self) {
+        LIVE_BYTES.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
 }
 
 impl StorageCell {
     pub fn new(s: Storage) -> StorageCell {
-        StorageCell { id: NEXT_STORAGE_ID.fetch_add(1, Ordering::Relaxed), data: RwLock::new(s), version: AtomicU64::new(0) }
+        let bytes = storage_bytes(&s);
+        let live = LIVE_BYTES.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        PEAK_BYTES.fetch_max(live, Ordering::Relaxed);
+        StorageCell { id: NEXT_STORAGE_ID.fetch_add(1, Ordering::Relaxed), data: RwLock::new(s), version: AtomicU64::new(0), bytes }
     }
     /// A process-unique id (the compiler keys state buffers by it); ids only grow.
     pub fn id(&self) -> u64 {
