@@ -102,11 +102,17 @@ fn train(compiled: bool, train: &Dataset, test: &Dataset, epochs: usize, bs: usi
         println!("{}", step.explain());
     }
     let steps = (epochs * steps_per_epoch).saturating_sub(1).max(1);
-    Ok(Report { step_ms: 1e3 * steady.as_secs_f64() / steps as f64, first_step, final_loss: last_loss, accuracy: accuracy(&model, test, device)? })
+    Ok(Report {
+        step_ms: 1e3 * steady.as_secs_f64() / steps as f64,
+        first_step,
+        final_loss: last_loss,
+        accuracy: accuracy(&model, test, device)?,
+    })
 }
 
 fn main() -> Result<()> {
-    let (epochs, bs, lr, seed) = (common::flag("--epochs", 2usize), common::flag("--batch", 32usize), common::flag("--lr", 1e-3f64), common::flag("--seed", 0u64));
+    let (epochs, bs, lr, seed) =
+        (common::flag("--epochs", 2usize), common::flag("--batch", 32usize), common::flag("--lr", 1e-3f64), common::flag("--seed", 0u64));
     let mode = common::opt("--mode").unwrap_or_else(|| "both".into());
     let (train_set, test_set) = match common::opt("--mnist") {
         Some(dir) => load_mnist(std::path::Path::new(&dir)).map_err(Error::Msg)?,
@@ -123,7 +129,13 @@ fn main() -> Result<()> {
     println!("\n{:>9} | {:>12} | {:>16} | {:>10} | {:>9}", "", "ms / step", "first step (ms)", "final loss", "accuracy");
     for (compiled, r) in &reports {
         let name = if *compiled { "compiled" } else { "eager" };
-        println!("{name:>9} | {:>12.3} | {:>16.1} | {:>10.4} | {:>8.2}%", r.step_ms, r.first_step.as_secs_f64() * 1e3, r.final_loss, 100.0 * r.accuracy);
+        println!(
+            "{name:>9} | {:>12.3} | {:>16.1} | {:>10.4} | {:>8.2}%",
+            r.step_ms,
+            r.first_step.as_secs_f64() * 1e3,
+            r.final_loss,
+            100.0 * r.accuracy
+        );
     }
     if let [(_, e), (_, c)] = &reports[..] {
         println!("speedup of the compiled step: {:.2}x (the first compiled step traces and compiles)", e.step_ms / c.step_ms);

@@ -2,8 +2,8 @@
 //! argument through its layout (views cost nothing), freeing each buffer after its last use,
 //! and writing state back into the same buffers at the end.
 
-use crate::fusion::{self, Plan, Step};
 use crate::fused_exec;
+use crate::fusion::{self, Plan, Step};
 use crate::graph::{Graph, Kind, NodeId};
 use kiln_tensor::op::OutMeta;
 use kiln_tensor::rng::GeneratorState;
@@ -46,7 +46,8 @@ fn new_cell(s: CpuStorage) -> Arc<StorageCell> {
 
 impl CpuProgram {
     pub fn new(graph: Graph, cells: Vec<Arc<StorageCell>>, fuse: bool) -> CpuProgram {
-        let plan = if fuse { fusion::plan(&graph) } else { Plan { steps: (0..graph.nodes.len()).map(Step::Node).collect(), groups: vec![] } };
+        let plan =
+            if fuse { fusion::plan(&graph) } else { Plan { steps: (0..graph.nodes.len()).map(Step::Node).collect(), groups: vec![] } };
         let mut last_use: Vec<usize> = vec![0; graph.nodes.len()];
         for (k, step) in plan.steps.iter().enumerate() {
             for a in step_reads(&graph, &plan, step) {
@@ -114,7 +115,8 @@ impl CpuProgram {
             match step {
                 Step::Node(i) => vals[*i] = Some(self.run_node(*i, &vals, inputs, gen)?),
                 Step::Group(gi) => {
-                    let cell_of = |x: NodeId| vals[x].clone().ok_or_else(|| Error::Msg(format!("compile: node {x} used before it was computed")));
+                    let cell_of =
+                        |x: NodeId| vals[x].clone().ok_or_else(|| Error::Msg(format!("compile: node {x} used before it was computed")));
                     for (m, c) in fused_exec::run_group(&self.graph, &self.plan.groups[*gi], &self.cells, &cell_of)? {
                         vals[m] = Some(c);
                     }

@@ -60,7 +60,12 @@ fn load_own<F: Element>(out: &Out, vals: &mut [F]) {
 
 /// Runs `gr`; `cell_of(node)` gives the cell of an external value. Returns the cells of the
 /// materialised members (state buffers for in-place ones).
-pub fn run_group(g: &Graph, gr: &Group, cells: &[Arc<StorageCell>], cell_of: &dyn Fn(NodeId) -> Result<Arc<StorageCell>>) -> Result<Vec<(NodeId, Arc<StorageCell>)>> {
+pub fn run_group(
+    g: &Graph,
+    gr: &Group,
+    cells: &[Arc<StorageCell>],
+    cell_of: &dyn Fn(NodeId) -> Result<Arc<StorageCell>>,
+) -> Result<Vec<(NodeId, Arc<StorageCell>)>> {
     let numel: usize = gr.shape.iter().product();
     let outs: Vec<(NodeId, Arc<StorageCell>)> = gr
         .materialize
@@ -127,6 +132,17 @@ pub fn run_group(g: &Graph, gr: &Group, cells: &[Arc<StorageCell>], cell_of: &dy
     Ok(outs)
 }
 
+/// Whether this CPU runs AVX2 (checked once).
+fn wide_vectors() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *WIDE.get_or_init(|| std::arch::is_x86_feature_detected!("avx2"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 struct Ctx<'a> {
     g: &'a Graph,
     gr: &'a Group,
@@ -137,17 +153,44 @@ struct Ctx<'a> {
 
 impl Ctx<'_> {
     fn run<F: Float + Element>(&self, chunks: Vec<Vec<Out>>, numel: usize) {
-        let scratch = || (vec![vec![F::c(0.0); CHUNK]; self.exts.len()], vec![vec![F::c(0.0); CHUNK]; self.gr.members.len()]);
+        // Scratch sized to the chunk (small groups need little), made once per worker.
+        let width = CHUNK.min(numel);
+        let buffers = |n: usize| (0..n).map(|_| vec![F::c(0.0); width]).collect::<Vec<_>>();
+        let scratch = || (buffers(self.exts.len()), buffers(self.gr.members.len()));
+        let wide = wide_vectors();
+        let one = |c: usize, outs: &mut [Out], e: &mut [Vec<F>], m: &mut [Vec<F>]| {
+            #[cfg(target_arch = "x86_64")]
+            if wide {
+                // SAFETY: `wide_vectors` checked at run time that this CPU has AVX2.
+                return unsafe { self.chunk_avx2(c, outs, e, m) };
+            }
+            let _ = wide;
+            self.chunk(c, outs, e, m)
+        };
         if numel >= kiln_tensor::cpu::PAR_THRESHOLD {
-            chunks.into_par_iter().enumerate().for_each_init(scratch, |(e, m), (c, mut outs)| self.chunk(c, &mut outs, e, m));
+            let per_worker = chunks.len().div_ceil(rayon::current_num_threads()).max(1);
+            chunks
+                .into_par_iter()
+                .enumerate()
+                .with_min_len(per_worker)
+                .for_each_init(scratch, |(e, m), (c, mut outs)| one(c, &mut outs, e, m));
         } else {
             let (mut e, mut m) = scratch();
             for (c, mut outs) in chunks.into_iter().enumerate() {
-                self.chunk(c, &mut outs, &mut e, &mut m);
+                one(c, &mut outs, &mut e, &mut m);
             }
         }
     }
 
+    /// The same chunk compiled for 256-bit vectors (no FMA: results stay bit-identical to the
+    /// baseline path and to eager kernels).
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn chunk_avx2<F: Float + Element>(&self, c: usize, outs: &mut [Out], ext: &mut [Vec<F>], mem: &mut [Vec<F>]) {
+        self.chunk(c, outs, ext, mem)
+    }
+
+    #[inline(always)]
     fn chunk<F: Float + Element>(&self, c: usize, outs: &mut [Out], ext: &mut [Vec<F>], mem: &mut [Vec<F>]) {
         let start = c * CHUNK;
         let len = match outs.first() {

@@ -103,7 +103,14 @@ pub fn plan(g: &Graph) -> Plan {
                     first
                 }
                 None => {
-                    groups.push(Group { members: vec![], shape: shape.clone(), f64: class == DType::F64, externals: vec![], materialize: vec![], inplace: vec![] });
+                    groups.push(Group {
+                        members: vec![],
+                        shape: shape.clone(),
+                        f64: class == DType::F64,
+                        externals: vec![],
+                        materialize: vec![],
+                        inplace: vec![],
+                    });
                     open.push(true);
                     groups.len() - 1
                 }

@@ -300,11 +300,22 @@ fn contiguous_cell(t: &Tensor) -> Result<std::sync::Arc<kiln_tensor::storage::St
 fn fusion_report(p: &exec::CpuProgram) -> String {
     let mut s = format!("{} groups, {} kernels per step", p.plan.groups.iter().filter(|g| g.members.len() > 1).count(), p.kernels());
     for (k, gr) in p.plan.groups.iter().enumerate().filter(|(_, g)| g.members.len() > 1) {
-        let ops: Vec<String> = gr.members.iter().map(|&m| match &p.graph.nodes[m].kind {
-            graph::Kind::Op(op, _) => graph::op_label(op),
-            _ => "?".into(),
-        }).collect();
-        s += &format!("\n  group {k} {:?}: [{}] reads {} stores {:?} in place {:?}", gr.shape, ops.join(", "), gr.externals.len(), gr.materialize, gr.inplace);
+        let ops: Vec<String> = gr
+            .members
+            .iter()
+            .map(|&m| match &p.graph.nodes[m].kind {
+                graph::Kind::Op(op, _) => graph::op_label(op),
+                _ => "?".into(),
+            })
+            .collect();
+        s += &format!(
+            "\n  group {k} {:?}: [{}] reads {} stores {:?} in place {:?}",
+            gr.shape,
+            ops.join(", "),
+            gr.externals.len(),
+            gr.materialize,
+            gr.inplace
+        );
     }
     s
 }

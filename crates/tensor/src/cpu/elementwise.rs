@@ -465,16 +465,19 @@ pub fn full<T: Element>(n: usize, v: T) -> Vec<T> {
 // ---- slice kernels for fused groups (kiln-compile's CPU back end) ----
 
 /// `out[i] = op(x[i])`.
+#[inline(always)]
 pub fn unary_into<F: Float>(op: UnaryOp, x: &[F], out: &mut [F]) {
     per_unary!(op, OP => out.iter_mut().zip(x).for_each(|(o, &v)| *o = OP.eval(v)))
 }
 
 /// `out[i] = a[i] op b[i]` (comparisons give 1 or 0).
+#[inline(always)]
 pub fn binary_into<F: Float>(op: BinaryOp, a: &[F], b: &[F], out: &mut [F]) {
     per_binary!(op, OP => out.iter_mut().zip(a).zip(b).for_each(|((o, &x), &y)| *o = OP.eval(x, y)))
 }
 
 /// `out[i] = x[i] op v`, or `v op x[i]` when `lhs`.
+#[inline(always)]
 pub fn scalar_into<F: Float>(op: BinaryOp, v: F, lhs: bool, x: &[F], out: &mut [F]) {
     if lhs {
         per_binary!(op, OP => out.iter_mut().zip(x).for_each(|(o, &a)| *o = OP.eval(v, a)))
@@ -484,6 +487,7 @@ pub fn scalar_into<F: Float>(op: BinaryOp, v: F, lhs: bool, x: &[F], out: &mut [
 }
 
 /// `out[i] = c[i] != 0 ? a[i] : b[i]`.
+#[inline(always)]
 pub fn where_into<F: Float>(c: &[F], a: &[F], b: &[F], out: &mut [F]) {
     let zero = F::c(0.0);
     out.iter_mut().zip(c).zip(a).zip(b).for_each(|(((o, &c), &x), &y)| *o = if c != zero { x } else { y });
@@ -501,6 +505,7 @@ impl<T: Element, U: Element> Convert<U> for T {
 }
 
 /// Positions `start..start + out.len()` of `shape` read through `layout` (broadcast), as `F`.
+#[inline(always)]
 pub fn load_into<T: Element, F: Element>(src: &[T], layout: &Layout, shape: &[usize], start: usize, out: &mut [F]) {
     let strides = layout.broadcast_strides(shape);
     let it = Strided::new(shape, [&strides], [layout.offset]);
