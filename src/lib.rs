@@ -11,6 +11,7 @@
 //! # Ok::<(), kiln::Error>(())
 //! ```
 
+pub mod checkpoint;
 pub mod data;
 pub mod models;
 

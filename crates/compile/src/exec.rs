@@ -122,6 +122,9 @@ impl CpuProgram {
                     }
                 }
             }
+            if kiln_tensor::is_anomaly_detection() {
+                self.check_finite(step, &vals)?;
+            }
             for a in step_reads(&self.graph, &self.plan, step) {
                 if self.last_use[a] == k {
                     vals[a] = None;
@@ -145,6 +148,31 @@ impl CpuProgram {
             cpu::run_inplace(&Op::Assign, out.as_cpu_mut()?, &layout, Some((guard.as_cpu()?, &layout)))?;
         }
         Ok(outputs)
+    }
+
+    /// Anomaly mode: the first kernel that makes NaN or infinity is an error naming its ops.
+    fn check_finite(&self, step: &Step, vals: &[Option<Arc<StorageCell>>]) -> Result<()> {
+        let made: Vec<NodeId> = match step {
+            Step::Node(i) => vec![*i],
+            Step::Group(k) => self.plan.groups[*k].materialize.clone(),
+        };
+        for i in made {
+            let node = &self.graph.nodes[i];
+            if !node.dtype.is_float() || matches!(node.kind, Kind::Input(_) | Kind::State(_)) {
+                continue;
+            }
+            let Some(cell) = &vals[i] else { continue };
+            let (bad, _) = Tensor::from_cell(cell.clone(), Layout::contiguous(&node.shape)).count_nan_inf()?;
+            if bad > 0 {
+                let what = match (&node.kind, step) {
+                    (_, Step::Group(k)) => format!("fused group {k} ({} ops)", self.plan.groups[*k].members.len()),
+                    (Kind::Op(op, _), _) => crate::graph::op_label(op),
+                    _ => "a kernel".into(),
+                };
+                return Err(Error::Msg(format!("anomaly: {what} produced {bad} NaN value(s) in node %{i} {:?}", node.shape)));
+            }
+        }
+        Ok(())
     }
 
     /// Bytes the kernels of one step read and write (a fused group reads its externals and

@@ -26,4 +26,6 @@ pub use error::{Error, Result};
 pub use op::{BinaryOp, Distribution, Op, ReduceOp, UnaryOp};
 pub use ops::{no_grad, ShapeSpec};
 pub use shape::{AllDims, Dim, Dims, Layout};
-pub use tensor::{is_grad_enabled, is_tracing, set_grad_enabled, set_tracer, GradFn, Tensor, TensorId, Tracer};
+pub use tensor::{
+    is_anomaly_detection, is_grad_enabled, is_tracing, set_detect_anomaly, set_grad_enabled, set_tracer, GradFn, Tensor, TensorId, Tracer,
+};

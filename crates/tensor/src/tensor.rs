@@ -87,6 +87,22 @@ pub fn set_tracer(t: Option<Rc<dyn Tracer>>) -> Option<Rc<dyn Tracer>> {
     TRACER.with(|c| c.replace(t))
 }
 
+thread_local! {
+    static DETECT_ANOMALY: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Anomaly mode on this thread (like `torch.autograd.set_detect_anomaly`): every op's float
+/// output is checked, and the first op that makes NaN from inputs without NaN (or infinity
+/// from finite inputs, masks excepted) returns an error naming it and its input shapes.
+/// Costs a pass over every output; for debugging.
+pub fn set_detect_anomaly(on: bool) {
+    DETECT_ANOMALY.with(|c| c.set(on));
+}
+
+pub fn is_anomaly_detection() -> bool {
+    DETECT_ANOMALY.with(|c| c.get())
+}
+
 /// Whether a tracer is installed on this thread (hand-fused eager kernels then step aside,
 /// so the trace holds primitives only).
 pub fn is_tracing() -> bool {
@@ -260,6 +276,9 @@ impl Tensor {
             })
         });
         let out = Tensor::make(storage, layout, meta.dtype, device, grad_fn);
+        if is_anomaly_detection() && !op.is_view() {
+            check_finite(&op, inputs, &out)?;
+        }
         with_tracer(|t| t.record(&op, inputs, &out));
         Ok(out)
     }
@@ -309,8 +328,26 @@ impl Tensor {
                 (dst, s) => crate::cuda::run_inplace(&op, dst, &self.0.layout, s.zip(src.map(|t| t.layout())))?,
             }
         }
+        if is_anomaly_detection() {
+            check_finite(&op, &inputs, self)?;
+        }
         with_tracer(|t| t.record(&op, &inputs, self));
         Ok(())
+    }
+
+    /// How many elements are NaN, and how many infinite (no host-read hook: a debugging aid).
+    pub fn count_nan_inf(&self) -> Result<(usize, usize)> {
+        if !self.dtype().is_float() {
+            return Ok((0, 0));
+        }
+        let t = self.to_device(Device::Cpu)?;
+        t.with_cpu_storage(|s, l| {
+            let kinds: Vec<u8> = crate::with_cpu!(s, v => cpu::elementwise::map1(v, l, |x| {
+                let f = x.to_f64();
+                if f.is_nan() { 1u8 } else if f.is_infinite() { 2 } else { 0 }
+            }));
+            (kinds.iter().filter(|&&k| k == 1).count(), kinds.iter().filter(|&&k| k == 2).count())
+        })
     }
 
     /// A fresh contiguous copy that shares nothing with `self`.
@@ -369,6 +406,39 @@ impl Tensor {
             Storage::Cuda(_) => Err(Error::Msg("with_cpu_storage: tensor is on a CUDA device".into())),
         }
     }
+}
+
+/// Anomaly mode's check: an op whose inputs are finite must not make NaN or infinity.
+fn check_finite(op: &Op, inputs: &[&Tensor], out: &Tensor) -> Result<()> {
+    let (nan, inf) = out.count_nan_inf()?;
+    // Masks legitimately hold -inf (attention), so infinity counts only when made from finite
+    // values by arithmetic.
+    let inf_ok = matches!(op, Op::Full { .. } | Op::Where | Op::Cat { .. } | Op::Contiguous | Op::Assign | Op::Reduce { .. });
+    if nan == 0 && (inf == 0 || inf_ok) {
+        return Ok(());
+    }
+    let shapes: Vec<String> = inputs.iter().map(|t| format!("{:?} {:?}", t.shape(), t.dtype())).collect();
+    let mut inputs_inf = false;
+    for (i, t) in inputs.iter().enumerate() {
+        let (n, f) = t.count_nan_inf()?;
+        if n > 0 && nan > 0 {
+            return Err(Error::Msg(format!(
+                "anomaly: input {i} of {} (inputs {}) already held NaN; it was made outside Kiln's ops",
+                op.name(),
+                shapes.join(", ")
+            )));
+        }
+        inputs_inf |= f > 0;
+    }
+    if nan == 0 && inputs_inf {
+        return Ok(());
+    }
+    Err(Error::Msg(format!(
+        "anomaly: {} produced {nan} NaN and {inf} infinite value(s) in its output {:?} from inputs {}",
+        op.name(),
+        out.shape(),
+        shapes.join(", ")
+    )))
 }
 
 fn common_device(op: &'static str, inputs: &[&Tensor], default: Device) -> Result<Device> {
