@@ -1,20 +1,22 @@
-//! Eager CPU training steps (forward, backward, AdamW, zero_grad):
+//! Eager and compiled CPU training steps (forward, backward, AdamW, zero_grad):
 //! MLP 784-256-10 at batch 32 and 1024, and the small GPT (vocab 65, context 64, 4 layers,
 //! 4 heads, d_model 128, batch 16). `cargo bench --bench train_step`
 //! benches/pytorch/cpu_train_step.py measures PyTorch on the same workloads.
 
 use criterion::{criterion_group, criterion_main, Criterion};
+use kiln::compile::{compile, Mode};
 use kiln::models::{mlp, Gpt, GptConfig};
 use kiln::nn::cross_entropy;
 use kiln::optim::{AdamConfig, AdamW};
 use kiln::prelude::*;
 use kiln_tensor::Distribution;
+use std::cell::RefCell;
 
 fn mlp_step(c: &mut Criterion) {
     for batch in [32usize, 1024] {
         kiln::tensor::rng::manual_seed(0);
         let model = mlp(&[784, 256, 10], Device::Cpu).unwrap();
-        let mut opt = AdamW::new(model.parameters(), AdamConfig::adamw()).unwrap();
+        let opt = AdamW::new(model.parameters(), AdamConfig::adamw()).unwrap();
         let x = Tensor::rand_at(&[batch, 784], Distribution::Uniform, 1, 0, DType::F32, Device::Cpu).unwrap();
         let y = Tensor::rand_at(&[batch], Distribution::Uniform, 2, 0, DType::F32, Device::Cpu)
             .unwrap()
@@ -22,14 +24,18 @@ fn mlp_step(c: &mut Criterion) {
             .unwrap()
             .to_dtype(DType::I64)
             .unwrap();
-        c.bench_function(&format!("mlp_b{batch}_eager"), |b| {
-            b.iter(|| {
-                let loss = cross_entropy(&model.forward(&x).unwrap(), &y).unwrap();
-                loss.backward().unwrap();
-                opt.step().unwrap();
-                opt.zero_grad().unwrap();
-            })
-        });
+        let opt = RefCell::new(opt);
+        let step_fn = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+            let loss = cross_entropy(&model.forward(&xs[0])?, &xs[1])?;
+            loss.backward()?;
+            opt.borrow_mut().step()?;
+            opt.borrow_mut().zero_grad()?;
+            Ok(vec![loss])
+        };
+        let eager = step_fn;
+        c.bench_function(&format!("mlp_b{batch}_eager"), |b| b.iter(|| eager(&[x.clone(), y.clone()]).unwrap()));
+        let mut step = compile(Mode::Default, step_fn);
+        c.bench_function(&format!("mlp_b{batch}_compiled"), |b| b.iter(|| step.call(&[&x, &y]).unwrap()));
     }
 }
 
@@ -37,7 +43,7 @@ fn gpt_step(c: &mut Criterion) {
     kiln::tensor::rng::manual_seed(0);
     let cfg = GptConfig { vocab: 65, context: 64, d_model: 128, n_layer: 4, n_head: 4, dropout: 0.0, tied_head: false };
     let model = Gpt::new(cfg, Device::Cpu).unwrap();
-    let mut opt = AdamW::new(model.parameters(), AdamConfig::adamw()).unwrap();
+    let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig::adamw()).unwrap());
     let tok = |seed| {
         Tensor::rand_at(&[16, 64], Distribution::Uniform, seed, 0, DType::F32, Device::Cpu)
             .unwrap()
@@ -49,14 +55,17 @@ fn gpt_step(c: &mut Criterion) {
     let (x, y) = (tok(3), tok(4));
     let mut g = c.benchmark_group("gpt");
     g.sample_size(20);
-    g.bench_function("gpt_small_b16_eager", |b| {
-        b.iter(|| {
-            let loss = model.loss(&x, &y).unwrap();
-            loss.backward().unwrap();
-            opt.step().unwrap();
-            opt.zero_grad().unwrap();
-        })
-    });
+    let step_fn = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+        let loss = model.loss(&xs[0], &xs[1])?;
+        loss.backward()?;
+        opt.borrow_mut().step()?;
+        opt.borrow_mut().zero_grad()?;
+        Ok(vec![loss])
+    };
+    let eager = step_fn;
+    g.bench_function("gpt_small_b16_eager", |b| b.iter(|| eager(&[x.clone(), y.clone()]).unwrap()));
+    let mut step = compile(Mode::Default, step_fn);
+    g.bench_function("gpt_small_b16_compiled", |b| b.iter(|| step.call(&[&x, &y]).unwrap()));
     g.finish();
 }
 

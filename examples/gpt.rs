@@ -3,17 +3,21 @@
 //!   cargo run --release --example gpt                     # embedded arithmetic corpus
 //!   cargo run --release --example gpt -- --text FILE      # any text file
 //!   options: --steps 300 --batch 16 --context 64 --layers 4 --heads 4 --d-model 128
-//!            --lr 3e-3 --dropout 0.0 --seed 0
+//!            --lr 3e-3 --dropout 0.0 --seed 0 --compile
+//!            --checkpoint-every N --checkpoint-dir DIR (checkpoints/gpt) --resume
 //!
 //! On the default corpus (lines like `123+456=579`) it reports exact-match accuracy of
 //! greedy completions of held-out `a+b=` prompts.
 
 mod common;
 
+use kiln::checkpoint::Checkpoints;
+use kiln::compile::{compile, Mode};
 use kiln::data::{arithmetic_corpus, check_arithmetic_line};
 use kiln::models::{Gpt, GptConfig};
-use kiln::optim::{clip_grad_norm, AdamConfig, AdamW, LrScheduler, WarmupCosine};
+use kiln::optim::{clip_grad_norm, AdamConfig, AdamW, LrScheduler, Optimizer, WarmupCosine};
 use kiln::prelude::*;
+use std::cell::RefCell;
 use std::time::Instant;
 
 /// Character vocabulary of a text, sorted.
@@ -87,9 +91,23 @@ fn main() -> Result<()> {
     kiln::tensor::rng::manual_seed(seed);
     let mut model = Gpt::new(config, Device::Cpu)?;
     let lr = common::flag("--lr", 3e-3f64);
-    let mut opt = AdamW::new(model.parameters(), AdamConfig { lr, betas: (0.9, 0.95), weight_decay: 0.1, ..AdamConfig::adamw() })?;
+    let opt =
+        RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr, betas: (0.9, 0.95), weight_decay: 0.1, ..AdamConfig::adamw() })?);
     let mut sched = WarmupCosine::new(lr, (steps / 10).max(1), steps, lr / 10.0)?;
-    sched.apply(&mut opt)?;
+    sched.apply(&mut *opt.borrow_mut())?;
+    let ckpts = Checkpoints { dir: common::opt("--checkpoint-dir").unwrap_or_else(|| "checkpoints/gpt".into()).into(), keep: 3 };
+    let every = common::flag("--checkpoint-every", 0u64);
+    let mut start_step = 0u64;
+    if common::has("--resume") {
+        match ckpts.latest()? {
+            Some(path) => {
+                let r = kiln::checkpoint::load(&path, &model, &mut *opt.borrow_mut(), Some(&mut sched))?;
+                println!("resumed from {} at step {}", path.display(), r.step);
+                start_step = r.step;
+            }
+            None => println!("no checkpoint in {}; starting fresh", ckpts.dir.display()),
+        }
+    }
     let h = unigram_entropy(&ids, vocab.len());
     println!("corpus: {} characters, vocab {}; unigram entropy {h:.3} nats", ids.len(), vocab.len());
     println!(
@@ -100,18 +118,32 @@ fn main() -> Result<()> {
         model.num_parameters()
     );
 
-    let mut rng = seed ^ 0x9E37_79B9_7F4A_7C15;
-    let pb = common::bar(steps as u64, "train");
+    // One training step; with --compile it becomes one compiled graph.
+    let step_fn = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+        let loss = model.loss(&xs[0], &xs[1])?;
+        loss.backward()?;
+        let mut o = opt.borrow_mut();
+        clip_grad_norm(o.params(), 1.0)?;
+        o.step()?;
+        o.zero_grad()?;
+        Ok(vec![loss])
+    };
+    let compiled = common::has("--compile");
+    let eager = step_fn;
+    let mut cstep = compile(Mode::Default, step_fn);
+    // Batches depend only on the step number, so a resumed run sees the same data.
+    let pb = common::bar(steps as u64, if compiled { "compiled" } else { "eager" });
+    pb.set_position(start_step);
     let start = Instant::now();
     let mut loss_v = f64::NAN;
-    for step in 0..steps {
+    for step in start_step as usize..steps {
+        let mut rng = (seed ^ 0x9E37_79B9_7F4A_7C15).wrapping_add(step as u64);
         let (x, y) = batch(&ids, b, t, &mut rng)?;
-        let loss = model.loss(&x, &y)?;
-        loss.backward()?;
-        clip_grad_norm(opt.params(), 1.0)?;
-        opt.step()?;
-        opt.zero_grad()?;
-        sched.step(&mut opt)?;
+        let loss = if compiled { cstep.call(&[&x, &y])?.remove(0) } else { eager(&[x, y])?.remove(0) };
+        sched.step(&mut *opt.borrow_mut())?;
+        if every > 0 && (step as u64 + 1) % every == 0 {
+            ckpts.save(&model, &*opt.borrow(), Some(&sched), step as u64 + 1)?;
+        }
         if step % 10 == 0 || step + 1 == steps {
             loss_v = loss.item()?;
             if !loss_v.is_finite() {
@@ -123,11 +155,11 @@ fn main() -> Result<()> {
     }
     pb.finish_and_clear();
     let secs = start.elapsed().as_secs_f64();
-    println!(
-        "trained {steps} steps in {secs:.1} s: {:.0} tokens/s, {:.1} ms/step",
-        (steps * b * t) as f64 / secs,
-        1e3 * secs / steps as f64
-    );
+    let done = steps.saturating_sub(start_step as usize).max(1);
+    println!("trained {done} steps in {secs:.1} s: {:.0} tokens/s, {:.1} ms/step", (done * b * t) as f64 / secs, 1e3 * secs / done as f64);
+    if compiled {
+        println!("{}", cstep.explain());
+    }
     println!("final loss {loss_v:.3} nats (unigram entropy {h:.3})");
 
     model.eval();
