@@ -192,8 +192,8 @@ fn finish(g: &Graph, mut groups: Vec<Group>, mut group_of: Vec<Option<usize>>) -
         }
     }
     let mut steps = Vec::new();
-    for i in 0..n {
-        match group_of[i] {
+    for (i, g) in group_of.iter().enumerate() {
+        match *g {
             None => steps.push(Step::Node(i)),
             Some(k) if groups[k].members.last() == Some(&i) => steps.push(Step::Group(k)),
             Some(_) => {}

@@ -179,164 +179,36 @@ pub fn update_scalar<T: Element>(dst: &mut [T], ld: &Layout, f: impl Fn(T) -> T 
     }
 }
 
-/// Expands `$body` once per variant with `$c` a constant, so the op's `match` folds away
-/// inside the monomorphised loop.
-macro_rules! per_unary {
-    ($op:expr, $c:ident => $body:expr) => {{
-        use crate::op::UnaryOp as U;
+/// Expands `$body` once per listed variant with `$c` bound to it as a constant, so the op's
+/// `match` folds away inside the monomorphised loop. The lists below are exhaustive matches:
+/// a new op variant is a compile error here.
+macro_rules! per_variant {
+    ($ty:path, $op:expr, $c:ident => $body:expr; $($v:ident),* $(,)?) => {{
+        use $ty as Ty;
         match $op {
-            U::Neg => {
-                const $c: U = U::Neg;
+            $(Ty::$v => {
+                const $c: Ty = Ty::$v;
                 $body
-            }
-            U::Abs => {
-                const $c: U = U::Abs;
-                $body
-            }
-            U::Exp => {
-                const $c: U = U::Exp;
-                $body
-            }
-            U::Log => {
-                const $c: U = U::Log;
-                $body
-            }
-            U::Sqrt => {
-                const $c: U = U::Sqrt;
-                $body
-            }
-            U::Rsqrt => {
-                const $c: U = U::Rsqrt;
-                $body
-            }
-            U::Recip => {
-                const $c: U = U::Recip;
-                $body
-            }
-            U::Sin => {
-                const $c: U = U::Sin;
-                $body
-            }
-            U::Cos => {
-                const $c: U = U::Cos;
-                $body
-            }
-            U::Tanh => {
-                const $c: U = U::Tanh;
-                $body
-            }
-            U::Sigmoid => {
-                const $c: U = U::Sigmoid;
-                $body
-            }
-            U::Relu => {
-                const $c: U = U::Relu;
-                $body
-            }
-            U::Gelu => {
-                const $c: U = U::Gelu;
-                $body
-            }
-            U::GeluTanh => {
-                const $c: U = U::GeluTanh;
-                $body
-            }
-            U::Silu => {
-                const $c: U = U::Silu;
-                $body
-            }
-            U::Erf => {
-                const $c: U = U::Erf;
-                $body
-            }
-            U::Square => {
-                const $c: U = U::Square;
-                $body
-            }
-            U::Sign => {
-                const $c: U = U::Sign;
-                $body
-            }
-            U::Step => {
-                const $c: U = U::Step;
-                $body
-            }
-            U::GeluGrad => {
-                const $c: U = U::GeluGrad;
-                $body
-            }
-            U::GeluTanhGrad => {
-                const $c: U = U::GeluTanhGrad;
-                $body
-            }
-            U::SiluGrad => {
-                const $c: U = U::SiluGrad;
-                $body
-            }
+            })*
         }
     }};
 }
 
-macro_rules! per_binary {
-    ($op:expr, $c:ident => $body:expr) => {{
-        use crate::op::BinaryOp as B;
-        match $op {
-            B::Add => {
-                const $c: B = B::Add;
-                $body
-            }
-            B::Sub => {
-                const $c: B = B::Sub;
-                $body
-            }
-            B::Mul => {
-                const $c: B = B::Mul;
-                $body
-            }
-            B::Div => {
-                const $c: B = B::Div;
-                $body
-            }
-            B::Pow => {
-                const $c: B = B::Pow;
-                $body
-            }
-            B::Maximum => {
-                const $c: B = B::Maximum;
-                $body
-            }
-            B::Minimum => {
-                const $c: B = B::Minimum;
-                $body
-            }
-            B::Eq => {
-                const $c: B = B::Eq;
-                $body
-            }
-            B::Ne => {
-                const $c: B = B::Ne;
-                $body
-            }
-            B::Lt => {
-                const $c: B = B::Lt;
-                $body
-            }
-            B::Le => {
-                const $c: B = B::Le;
-                $body
-            }
-            B::Gt => {
-                const $c: B = B::Gt;
-                $body
-            }
-            B::Ge => {
-                const $c: B = B::Ge;
-                $body
-            }
-        }
-    }};
+macro_rules! per_unary {
+    ($op:expr, $c:ident => $body:expr) => {
+        $crate::cpu::elementwise::per_variant!(crate::op::UnaryOp, $op, $c => $body;
+            Neg, Abs, Exp, Log, Sqrt, Rsqrt, Recip, Sin, Cos, Tanh, Sigmoid, Relu, Gelu, GeluTanh,
+            Silu, Erf, Square, Sign, Step, GeluGrad, GeluTanhGrad, SiluGrad)
+    };
 }
-pub(crate) use per_binary;
+
+macro_rules! per_binary {
+    ($op:expr, $c:ident => $body:expr) => {
+        $crate::cpu::elementwise::per_variant!(crate::op::BinaryOp, $op, $c => $body;
+            Add, Sub, Mul, Div, Pow, Maximum, Minimum, Eq, Ne, Lt, Le, Gt, Ge)
+    };
+}
+pub(crate) use {per_binary, per_variant};
 
 /// How a storage type computes: f32/f64 natively, f16/bf16 through f32.
 pub trait Compute: Element {
