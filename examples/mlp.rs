@@ -5,9 +5,11 @@
 //!   cargo run --release --example mlp -- --mnist DIR     # MNIST in its IDX format
 //!   options: --mode eager|compiled|both (both) --epochs 2 --batch 32 --lr 1e-3
 //!            --train 60000 --seed 0
+//!            --checkpoint-every N --checkpoint-dir DIR (checkpoints/mlp) --resume
 
 mod common;
 
+use kiln::checkpoint::Checkpoints;
 use kiln::compile::{compile, Mode};
 use kiln::data::{load_mnist, synthetic_digits, Dataset};
 use kiln::nn::{cross_entropy, Sequential};
@@ -72,16 +74,35 @@ fn train(compiled: bool, train: &Dataset, test: &Dataset, epochs: usize, bs: usi
     let mut step = compile(Mode::Default, step_fn);
     let steps_per_epoch = train.len() / bs;
     let what = if compiled { "compiled" } else { "eager" };
+    // Checkpoints per mode; a resumed run skips the steps it already took (the data order
+    // depends only on the epoch, so it sees the same batches).
+    let ckpts = Checkpoints {
+        dir: std::path::PathBuf::from(common::opt("--checkpoint-dir").unwrap_or_else(|| "checkpoints/mlp".into())).join(what),
+        keep: 3,
+    };
+    let every = common::flag("--checkpoint-every", 0usize);
+    let mut done = 0usize;
+    if common::has("--resume") {
+        if let Some(path) = ckpts.latest()? {
+            done = kiln::checkpoint::load(&path, &model, &mut *opt.borrow_mut(), None)?.step as usize;
+            println!("{what}: resumed from {} at step {done}", path.display());
+        }
+    }
     let (mut last_loss, mut first_step, mut steady) = (f64::NAN, Duration::ZERO, Duration::ZERO);
     for epoch in 0..epochs {
         let pb = common::bar(steps_per_epoch as u64, &format!("{what} {}", epoch + 1));
         let order = shuffled(train.len(), seed.wrapping_add(epoch as u64));
         for i in 0..steps_per_epoch {
+            let global = epoch * steps_per_epoch + i;
+            if global < done {
+                pb.inc(1);
+                continue;
+            }
             let (x, y) = batch(train, &order[i * bs..(i + 1) * bs], device)?;
             let t = Instant::now();
             let out = if compiled { step.call(&[&x, &y])? } else { eager(&[x, y])? };
             let dt = t.elapsed();
-            if epoch == 0 && i == 0 {
+            if global == done {
                 first_step = dt;
             } else {
                 steady += dt;
@@ -93,15 +114,22 @@ fn train(compiled: bool, train: &Dataset, test: &Dataset, epochs: usize, bs: usi
                 }
                 pb.set_message(format!("loss {last_loss:.4}"));
             }
+            if every > 0 && (global + 1) % every == 0 {
+                ckpts.save(&model, &*opt.borrow(), None, global as u64 + 1)?;
+            }
             pb.inc(1);
         }
         pb.finish_and_clear();
+        if (epoch + 1) * steps_per_epoch <= done {
+            println!("{what:>8} epoch {}: trained before the checkpoint", epoch + 1);
+            continue;
+        }
         println!("{what:>8} epoch {}: loss {last_loss:.4}, test accuracy {:.2}%", epoch + 1, 100.0 * accuracy(&model, test, device)?);
     }
     if compiled {
         println!("{}", step.explain());
     }
-    let steps = (epochs * steps_per_epoch).saturating_sub(1).max(1);
+    let steps = (epochs * steps_per_epoch).saturating_sub(done + 1).max(1);
     Ok(Report {
         step_ms: 1e3 * steady.as_secs_f64() / steps as f64,
         first_step,
