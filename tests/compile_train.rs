@@ -186,3 +186,30 @@ fn host_reads_fall_back_to_eager_or_error_under_fullgraph() -> Result<()> {
     assert!(e.contains("graph break") && e.contains("fullgraph forbids host reads"), "{e}");
     Ok(())
 }
+
+#[test]
+fn check_mode_compares_compiled_with_eager() -> Result<()> {
+    kiln::tensor::rng::manual_seed(4);
+    let model = mlp(&[20, 8, 5], Device::Cpu)?;
+    let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig::adamw())?);
+    let mut step = compile_with(CompileOptions { check_steps: 5, ..Default::default() }, mlp_step(&model, &opt));
+    for i in 0..8 {
+        let (x, y) = data(i, 16, 20, 5);
+        step.call(&[&x, &y])?;
+    }
+    let (steps, worst) = step.check_report();
+    assert_eq!(steps, 5, "the trace is eager; the next five replays are checked");
+    assert!(worst < 1e-5, "compiled and eager differ by {worst}");
+    // A closure whose replays differ from eager is caught: it reads a counter the graph baked in.
+    let calls = std::cell::Cell::new(0.0);
+    let mut drifting = compile_with(CompileOptions { check_steps: 2, ..Default::default() }, |xs: &[Tensor]| {
+        calls.set(calls.get() + 1.0);
+        Ok(vec![xs[0].mul_scalar(calls.get())?])
+    });
+    let x = Tensor::ones(&[3], DType::F32, Device::Cpu)?;
+    for _ in 0..3 {
+        drifting.call(&[&x])?;
+    }
+    assert!(drifting.check_report().1 >= 1.0, "{:?}", drifting.check_report());
+    Ok(())
+}

@@ -56,11 +56,15 @@ pub struct CompileOptions {
     pub recompile_limit: usize,
     /// Fuse pointwise chains (off: one kernel per node, for debugging).
     pub fuse: bool,
+    /// Check mode: the first `check_steps` replays also run the closure eagerly from the same
+    /// state and record the largest difference in outputs and state (`check_report`); the
+    /// eager results are kept.
+    pub check_steps: usize,
 }
 
 impl Default for CompileOptions {
     fn default() -> Self {
-        CompileOptions { mode: Mode::Default, fullgraph: false, recompile_limit: 8, fuse: true }
+        CompileOptions { mode: Mode::Default, fullgraph: false, recompile_limit: 8, fuse: true, check_steps: 0 }
     }
 }
 
@@ -92,6 +96,9 @@ pub struct Compiled<F> {
     calls: usize,
     replays: usize,
     warned: bool,
+    /// Check mode: steps compared and the largest difference seen.
+    checked: usize,
+    worst: f64,
 }
 
 /// `compile_with` with default options and the given mode.
@@ -106,7 +113,7 @@ pub fn compile_with<F>(opts: CompileOptions, f: F) -> Compiled<F>
 where
     F: FnMut(&[Tensor]) -> Result<Vec<Tensor>>,
 {
-    Compiled { f, opts, cache: Vec::new(), calls: 0, replays: 0, warned: false }
+    Compiled { f, opts, cache: Vec::new(), calls: 0, replays: 0, warned: false, checked: 0, worst: 0.0 }
 }
 
 /// A summary of what a compiled step does.
@@ -155,6 +162,7 @@ where
         }
         let found = self.cache.iter().position(|(s, e)| *s == sig && guards_hold(e));
         match found {
+            Some(k) if self.checked < self.opts.check_steps && matches!(self.cache[k].1, Entry::Graph(_)) => self.run_checked(k, inputs),
             Some(k) => self.run_entry(k, inputs),
             None => self.trace(sig, inputs),
         }
@@ -183,6 +191,38 @@ where
                 Ok(out)
             }
         }
+    }
+
+    /// Check mode: compiled, then eager from the same state; compares, keeps eager's.
+    fn run_checked(&mut self, k: usize, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        let cells: Vec<Tensor> = match &self.cache[k].1 {
+            Entry::Graph(p) => p.exec.cells.iter().map(|c| Tensor::from_cell(c.clone(), kiln_tensor::Layout::contiguous(&[c.len()]))).collect(),
+            Entry::Eager(_) => return self.run_entry(k, inputs),
+        };
+        let before: Vec<Tensor> = cells.iter().map(|t| t.copy()).collect::<Result<_>>()?;
+        let gen = rng::state();
+        let compiled = self.run_entry(k, inputs)?;
+        let after: Vec<Tensor> = cells.iter().map(|t| t.copy()).collect::<Result<_>>()?;
+        kiln_tensor::no_grad(|| cells.iter().zip(&before).try_for_each(|(c, b)| c.assign(b)))?;
+        rng::set_state(gen);
+        let owned: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
+        let eager = (self.f)(&owned)?;
+        let mut worst = 0.0f64;
+        for (a, b) in compiled.iter().chain(&after).zip(eager.iter().chain(&cells)) {
+            let (x, y) = (a.to_vec_f64()?, b.to_vec_f64()?);
+            worst = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(worst, f64::max);
+        }
+        self.checked += 1;
+        self.worst = self.worst.max(worst);
+        if self.checked == self.opts.check_steps {
+            eprintln!("kiln compile check: {} steps compared with eager; largest difference {:e}", self.checked, self.worst);
+        }
+        Ok(eager)
+    }
+
+    /// Check mode's result so far: steps compared and the largest absolute difference.
+    pub fn check_report(&self) -> (usize, f64) {
+        (self.checked, self.worst)
     }
 
     fn trace(&mut self, sig: Signature, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
