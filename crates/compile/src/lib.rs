@@ -196,7 +196,9 @@ where
     /// Check mode: compiled, then eager from the same state; compares, keeps eager's.
     fn run_checked(&mut self, k: usize, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         let cells: Vec<Tensor> = match &self.cache[k].1 {
-            Entry::Graph(p) => p.exec.cells.iter().map(|c| Tensor::from_cell(c.clone(), kiln_tensor::Layout::contiguous(&[c.len()]))).collect(),
+            Entry::Graph(p) => {
+                p.exec.cells.iter().map(|c| Tensor::from_cell(c.clone(), kiln_tensor::Layout::contiguous(&[c.len()]))).collect()
+            }
             Entry::Eager(_) => return self.run_entry(k, inputs),
         };
         let before: Vec<Tensor> = cells.iter().map(|t| t.copy()).collect::<Result<_>>()?;
