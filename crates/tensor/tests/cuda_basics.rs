@@ -1,0 +1,45 @@
+//! CUDA basics on a real GPU (built only with `--features cuda`; run on the GPU machine through
+//! ../shared/gpu/pack). Without a GPU these tests fail with a message saying so: they never
+//! pass vacuously.
+
+use half::{bf16, f16};
+use kiln_tensor::{DType, Device, Distribution, Tensor};
+
+fn gpu() -> Device {
+    let d = Device::cuda_if_available(0);
+    assert!(d.is_cuda(), "NO GPU: this CUDA test needs an NVIDIA GPU and driver (run it on the GPU machine)");
+    d
+}
+
+#[test]
+fn round_trips_every_dtype_and_views() {
+    let dev = gpu();
+    let x = Tensor::rand_at(&[3, 5], Distribution::Normal, 1, 0, DType::F32, Device::Cpu).unwrap();
+    for dt in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        let h = x.to_dtype(dt).unwrap();
+        let g = h.to_device(dev).unwrap();
+        assert_eq!((g.device(), g.dtype(), g.shape()), (dev, dt, &[3usize, 5][..]));
+        assert_eq!(g.to_device(Device::Cpu).unwrap().to_vec_f64().unwrap(), h.to_vec_f64().unwrap(), "{dt:?}");
+    }
+    let i = Tensor::arange(7, DType::I64, Device::Cpu).unwrap();
+    assert_eq!(i.to_device(dev).unwrap().to_vec::<i64>().unwrap(), (0..7).collect::<Vec<i64>>());
+    let m = Tensor::from_slice(&[1u8, 0, 1], &[3], Device::Cpu).unwrap();
+    assert_eq!(m.to_device(dev).unwrap().to_vec::<u8>().unwrap(), vec![1, 0, 1]);
+    // A transposed view of a device tensor reads back in its own order.
+    let g = x.to_device(dev).unwrap();
+    assert_eq!(g.t().unwrap().to_vec::<f32>().unwrap(), x.t().unwrap().contiguous().unwrap().to_vec::<f32>().unwrap());
+    let _ = (f16::ZERO, bf16::ZERO);
+}
+
+#[test]
+fn bad_requests_are_errors_not_crashes() {
+    let dev = gpu();
+    let a = Tensor::ones(&[2], DType::F32, Device::Cpu).unwrap();
+    let b = a.to_device(dev).unwrap();
+    let e = a.add(&b).unwrap_err().to_string();
+    assert!(e.contains("different devices"), "{e}");
+    let e = b.add(&b).unwrap_err().to_string();
+    assert!(e.contains("not implemented yet"), "{e}");
+    let e = a.to_device(Device::Cuda(99)).unwrap_err().to_string();
+    assert!(e.contains("Cuda(99)"), "{e}");
+}
