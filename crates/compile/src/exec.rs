@@ -17,6 +17,10 @@ pub struct CpuProgram {
     pub plan: Plan,
     /// For each node, the last step that reads it (buffers are freed after it).
     last_use: Vec<usize>,
+    /// The nodes each step reads, worked out once.
+    reads: Vec<Vec<NodeId>>,
+    /// State writes, those copying another state buffer first (before that buffer changes).
+    writes: Vec<(usize, NodeId)>,
 }
 
 /// Locks each distinct cell once and hands out `(storage, layout)` pairs.
@@ -48,17 +52,20 @@ impl CpuProgram {
     pub fn new(graph: Graph, cells: Vec<Arc<StorageCell>>, fuse: bool) -> CpuProgram {
         let plan =
             if fuse { fusion::plan(&graph) } else { Plan { steps: (0..graph.nodes.len()).map(Step::Node).collect(), groups: vec![] } };
+        let reads: Vec<Vec<NodeId>> = plan.steps.iter().map(|s| step_reads(&graph, &plan, s)).collect();
         let mut last_use: Vec<usize> = vec![0; graph.nodes.len()];
-        for (k, step) in plan.steps.iter().enumerate() {
-            for a in step_reads(&graph, &plan, step) {
+        for (k, r) in reads.iter().enumerate() {
+            for &a in r {
                 last_use[a] = k;
             }
         }
+        let mut writes = graph.writes.clone();
+        writes.sort_by_key(|&(_, n)| !matches!(graph.nodes[n].kind, Kind::State(_) | Kind::Input(_)));
         // Outputs and state writes are read after every step.
         for a in graph.outputs.iter().map(|a| a.node).chain(graph.writes.iter().map(|w| w.1)) {
             last_use[a] = usize::MAX;
         }
-        CpuProgram { graph, cells, plan, last_use }
+        CpuProgram { graph, cells, plan, last_use, reads, writes }
     }
 
     /// Kernels one step launches: plain nodes that compute, plus one per fused group.
@@ -125,7 +132,7 @@ impl CpuProgram {
             if kiln_tensor::is_anomaly_detection() {
                 self.check_finite(step, &vals)?;
             }
-            for a in step_reads(&self.graph, &self.plan, step) {
+            for &a in &self.reads[k] {
                 if self.last_use[a] == k {
                     vals[a] = None;
                 }
@@ -134,10 +141,7 @@ impl CpuProgram {
         let get = |n: NodeId| vals[n].clone().ok_or_else(|| Error::Msg(format!("compile: node {n} has no value")));
         let outputs =
             self.graph.outputs.iter().map(|a| Tensor::from_cell(get(a.node)?, a.layout.clone()).copy()).collect::<Result<Vec<_>>>()?;
-        // Writes whose value is another state buffer go first, before that buffer changes.
-        let mut writes = self.graph.writes.clone();
-        writes.sort_by_key(|&(_, n)| !matches!(self.graph.nodes[n].kind, Kind::State(_) | Kind::Input(_)));
-        for (slot, node) in writes {
+        for &(slot, node) in &self.writes {
             let (dst, src) = (&self.cells[slot], get(node)?);
             if Arc::ptr_eq(dst, &src) {
                 continue;
@@ -214,7 +218,7 @@ impl CpuProgram {
             };
             live += made.iter().filter(|&&i| computed(i)).map(|&i| self.graph.node_bytes(i)).sum::<usize>();
             peak = peak.max(live);
-            for a in step_reads(&self.graph, &self.plan, step) {
+            for &a in &self.reads[k] {
                 if self.last_use[a] == k && computed(a) {
                     live = live.saturating_sub(self.graph.node_bytes(a));
                 }

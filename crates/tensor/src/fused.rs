@@ -47,42 +47,11 @@ pub fn adam_step_(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, vmax: Option<&
     Ok(true)
 }
 
-trait AdamFloat: CpuSlice + num_like::Float {}
+/// The element types the fused update runs on, computing in their own precision with the
+/// op table's float arithmetic.
+trait AdamFloat: CpuSlice + crate::op::Float {}
 impl AdamFloat for f32 {}
 impl AdamFloat for f64 {}
-
-mod num_like {
-    /// The arithmetic the fused update needs, in the parameter's own precision.
-    pub trait Float:
-        Copy
-        + Send
-        + Sync
-        + std::ops::Add<Output = Self>
-        + std::ops::Mul<Output = Self>
-        + std::ops::Sub<Output = Self>
-        + std::ops::Div<Output = Self>
-        + PartialOrd
-    {
-        fn of(v: f64) -> Self;
-        fn sqrt(self) -> Self;
-    }
-    impl Float for f32 {
-        fn of(v: f64) -> Self {
-            v as f32
-        }
-        fn sqrt(self) -> Self {
-            f32::sqrt(self)
-        }
-    }
-    impl Float for f64 {
-        fn of(v: f64) -> Self {
-            v
-        }
-        fn sqrt(self) -> Self {
-            f64::sqrt(self)
-        }
-    }
-}
 
 fn slice_mut<'a, T: CpuSlice>(s: &'a mut Storage, t: &Tensor) -> Result<&'a mut [T]> {
     let n = t.numel();
@@ -111,15 +80,15 @@ fn adam_typed<T: AdamFloat>(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, vmax
         _ => None,
     };
     let k = Consts {
-        b1: T::of(s.beta1),
-        b2: T::of(s.beta2),
-        c1: T::of(1.0 - s.beta1),
-        c2: T::of(1.0 - s.beta2),
-        eps: T::of(s.eps),
-        l2: T::of(s.l2),
-        decay: T::of(s.decay),
-        step: T::of(s.step_size),
-        bc2: T::of(s.bc2_sqrt),
+        b1: T::c(s.beta1),
+        b2: T::c(s.beta2),
+        c1: T::c(1.0 - s.beta1),
+        c2: T::c(1.0 - s.beta2),
+        eps: T::c(s.eps),
+        l2: T::c(s.l2),
+        decay: T::c(s.decay),
+        step: T::c(s.step_size),
+        bc2: T::c(s.bc2_sqrt),
     };
     // NOTE: chunks of 16K elements keep each worker's slices in its own cache.
     const CHUNK: usize = 1 << 14;
