@@ -212,33 +212,34 @@ impl UnaryOp {
         }
     }
 
-    /// The op as a C expression of `x` (float), for generated CUDA kernels.
+    /// The op as a C++ expression of `x` for generated CUDA kernels. It is generic over the
+    /// kernel's compute type `C` (float, double or long long): math goes through the prelude's
+    /// overloaded `k*` helpers and constants through `K(v)`, so one text serves every dtype.
     pub fn c_expr(self, x: &str) -> String {
+        let (h, s2, s2pi, a) = ("K(0.5)", format!("K({INV_SQRT_2})"), format!("K({SQRT_2_OVER_PI})"), "K(0.044715)");
         match self {
             UnaryOp::Neg => format!("(-{x})"),
-            UnaryOp::Abs => format!("fabsf({x})"),
-            UnaryOp::Exp => format!("expf({x})"),
-            UnaryOp::Log => format!("logf({x})"),
-            UnaryOp::Sqrt => format!("sqrtf({x})"),
-            UnaryOp::Rsqrt => format!("rsqrtf({x})"),
-            UnaryOp::Recip => format!("(1.0f/{x})"),
-            UnaryOp::Sin => format!("sinf({x})"),
-            UnaryOp::Cos => format!("cosf({x})"),
-            UnaryOp::Tanh => format!("tanhf({x})"),
-            UnaryOp::Sigmoid => format!("(1.0f/(1.0f+expf(-{x})))"),
-            UnaryOp::Relu => format!("({x} > 0.0f ? {x} : ({x} != {x} ? {x} : 0.0f))"),
-            UnaryOp::Gelu => format!("(0.5f*{x}*(1.0f+erff({x}*{INV_SQRT_2}f)))"),
-            UnaryOp::GeluTanh => {
-                format!("(0.5f*{x}*(1.0f+tanhf({SQRT_2_OVER_PI}f*({x}+0.044715f*{x}*{x}*{x}))))")
-            }
-            UnaryOp::Silu => format!("({x}/(1.0f+expf(-{x})))"),
-            UnaryOp::Erf => format!("erff({x})"),
+            UnaryOp::Abs => format!("kabs({x})"),
+            UnaryOp::Exp => format!("kexp({x})"),
+            UnaryOp::Log => format!("klog({x})"),
+            UnaryOp::Sqrt => format!("ksqrt({x})"),
+            UnaryOp::Rsqrt => format!("krsqrt({x})"),
+            UnaryOp::Recip => format!("(K(1)/{x})"),
+            UnaryOp::Sin => format!("ksin({x})"),
+            UnaryOp::Cos => format!("kcos({x})"),
+            UnaryOp::Tanh => format!("ktanh({x})"),
+            UnaryOp::Sigmoid => format!("(K(1)/(K(1)+kexp(-{x})))"),
+            UnaryOp::Relu => format!("({x} > K(0) ? {x} : ({x} != {x} ? {x} : K(0)))"),
+            UnaryOp::Gelu => format!("({h}*{x}*(K(1)+kerf({x}*{s2})))"),
+            UnaryOp::GeluTanh => format!("({h}*{x}*(K(1)+ktanh({s2pi}*({x}+{a}*{x}*{x}*{x}))))"),
+            UnaryOp::Silu => format!("({x}/(K(1)+kexp(-{x})))"),
+            UnaryOp::Erf => format!("kerf({x})"),
             UnaryOp::Square => format!("({x}*{x})"),
-            UnaryOp::Sign => format!("({x} > 0.0f ? 1.0f : ({x} < 0.0f ? -1.0f : {x}))"),
-            UnaryOp::Step => format!("({x} > 0.0f ? 1.0f : 0.0f)"),
-            UnaryOp::GeluGrad => format!("(0.5f*(1.0f+erff({x}*{INV_SQRT_2}f)) + {x}*{INV_SQRT_2PI}f*expf(-0.5f*{x}*{x}))"),
-            UnaryOp::GeluTanhGrad => format!("kiln_gelu_tanh_grad({x})"),
-            UnaryOp::SiluGrad => format!("kiln_silu_grad({x})"),
+            UnaryOp::Sign => format!("({x} > K(0) ? K(1) : ({x} < K(0) ? K(-1) : {x}))"),
+            UnaryOp::Step => format!("({x} > K(0) ? K(1) : K(0))"),
+            UnaryOp::GeluGrad => format!("({h}*(K(1)+kerf({x}*{s2})) + {x}*K({INV_SQRT_2PI})*kexp(K(-0.5)*{x}*{x}))"),
+            UnaryOp::GeluTanhGrad => format!("kgelu_tanh_grad({x})"),
+            UnaryOp::SiluGrad => format!("ksilu_grad({x})"),
         }
     }
 }
@@ -337,22 +338,23 @@ impl BinaryOp {
         }
     }
 
-    /// The op as a C expression (float operands), for generated CUDA kernels.
+    /// The op as a C++ expression in the kernel's compute type `C` (see `UnaryOp::c_expr`).
+    /// Comparisons give 1 or 0; integer division by zero gives 0, as on the CPU.
     pub fn c_expr(self, a: &str, b: &str) -> String {
         match self {
             BinaryOp::Add => format!("({a}+{b})"),
             BinaryOp::Sub => format!("({a}-{b})"),
             BinaryOp::Mul => format!("({a}*{b})"),
-            BinaryOp::Div => format!("({a}/{b})"),
-            BinaryOp::Pow => format!("powf({a},{b})"),
+            BinaryOp::Div => format!("kdiv({a},{b})"),
+            BinaryOp::Pow => format!("kpow({a},{b})"),
             BinaryOp::Maximum => format!("(({a}!={a}||{a}>{b})?{a}:{b})"),
             BinaryOp::Minimum => format!("(({a}!={a}||{a}<{b})?{a}:{b})"),
-            BinaryOp::Eq => format!("({a}=={b}?1.0f:0.0f)"),
-            BinaryOp::Ne => format!("({a}!={b}?1.0f:0.0f)"),
-            BinaryOp::Lt => format!("({a}<{b}?1.0f:0.0f)"),
-            BinaryOp::Le => format!("({a}<={b}?1.0f:0.0f)"),
-            BinaryOp::Gt => format!("({a}>{b}?1.0f:0.0f)"),
-            BinaryOp::Ge => format!("({a}>={b}?1.0f:0.0f)"),
+            BinaryOp::Eq => format!("({a}=={b}?K(1):K(0))"),
+            BinaryOp::Ne => format!("({a}!={b}?K(1):K(0))"),
+            BinaryOp::Lt => format!("({a}<{b}?K(1):K(0))"),
+            BinaryOp::Le => format!("({a}<={b}?K(1):K(0))"),
+            BinaryOp::Gt => format!("({a}>{b}?K(1):K(0))"),
+            BinaryOp::Ge => format!("({a}>={b}?K(1):K(0))"),
         }
     }
 }

@@ -1,0 +1,25 @@
+"""Joins the JSON lines of examples/bench_gpu.rs (Kiln) and gpu_bench.py (PyTorch) into one
+Markdown table: median step time per implementation, and each one's ratio to PyTorch eager.
+
+    python3 benches/pytorch/compare.py kiln.jsonl torch.jsonl
+"""
+import json, sys
+
+rows = []
+for path in sys.argv[1:]:
+    for line in open(path):
+        line = line.strip()
+        if line.startswith("{"):
+            rows.append(json.loads(line))
+order = ["mlp_b32", "mlp_b4096", "transformer_fwd", "gpt_fp32", "gpt_bf16"]
+print("| workload | implementation | precision | median step | vs torch eager | compile | peak memory |")
+print("|---|---|---|---|---|---|---|")
+for w in order:
+    mine = [r for r in rows if r["workload"] == w]
+    base = next((r["median_ms"] for r in mine if r["impl"] == "torch eager"), None)
+    for r in mine:
+        ratio = f"{base / r['median_ms']:.2f}x faster" if base and r["median_ms"] <= base else (f"{r['median_ms'] / base:.2f}x slower" if base else "-")
+        comp = f"{r['compile_s']:.1f} s" if r.get("compile_s") else "-"
+        ms = r["median_ms"]
+        t = f"{ms * 1000:.0f} us" if ms < 1 else f"{ms:.2f} ms"
+        print(f"| {w} | {r['impl']} | {r['precision']} | {t} | {ratio} | {comp} | {r.get('peak_mib', 0):.0f} MiB |")

@@ -1,0 +1,145 @@
+"""PyTorch half of the side-by-side GPU benchmark: the same workloads as
+examples/bench_gpu.rs, same shapes, batch and precision, one JSON line per (workload, mode).
+
+    python3 benches/pytorch/gpu_bench.py [--modes eager,default,reduce-overhead] [--only NAME] [--steps N]
+
+Modes: eager (with fused AdamW where the workload has an optimizer), and torch.compile modes.
+Timing matches Kiln's: warm-up, then each step timed with the device synchronised before and
+after; the median is reported. FP32 runs with TF32 off (PyTorch's default for matmuls).
+"""
+import argparse, json, math, statistics, sys, time
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+dev = "cuda"
+
+
+def median_ms(step, warmup, steps):
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def mlp_step(batch, compile_mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 10)).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    x = torch.randn(batch, 784, device=dev)
+    y = torch.randint(0, 10, (batch,), device=dev)
+
+    def step():
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return compiled(step, compile_mode)
+
+
+class Block(nn.Module):
+    def __init__(s, d, h):
+        super().__init__()
+        s.h = h
+        s.ln1, s.qkv, s.proj = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+        s.ln2, s.fc, s.fc_proj = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(s, x):
+        b, t, d = x.shape
+        q, k, v = s.qkv(s.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, s.h, d // s.h).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + s.proj(a)
+        return x + s.fc_proj(F.gelu(s.fc(s.ln2(x))))
+
+
+class Gpt(nn.Module):
+    def __init__(s, vocab=65, ctx=256, d=384, layers=6, heads=6):
+        super().__init__()
+        s.tok, s.pos = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
+        s.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        s.ln_f, s.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(s, idx):
+        x = s.tok(idx) + s.pos(torch.arange(idx.shape[1], device=idx.device))
+        for blk in s.blocks:
+            x = blk(x)
+        return s.head(s.ln_f(x))
+
+
+def gpt_step(bf16, compile_mode):
+    torch.manual_seed(0)
+    model = Gpt().to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    x = torch.randint(0, 65, (64, 256), device=dev)
+    y = torch.randint(0, 65, (64, 256), device=dev)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            loss = F.cross_entropy(model(x).view(-1, 65), y.view(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return compiled(step, compile_mode)
+
+
+def transformer_forward(compile_mode):
+    torch.manual_seed(0)
+    model = nn.Transformer(d_model=512, nhead=8).to(dev).eval()
+    x = torch.randn(10, 32, 512, device=dev)
+
+    def step():
+        with torch.no_grad():
+            model(x, x)
+
+    return compiled(step, compile_mode)
+
+
+def compiled(step, mode):
+    if mode == "eager":
+        return step, 0.0
+    fn = torch.compile(step, mode=None if mode == "default" else mode)
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return fn, time.perf_counter() - t
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--modes", default="eager")
+    ap.add_argument("--only", default=None)
+    ap.add_argument("--steps", type=int, default=50)
+    a = ap.parse_args()
+    work = [
+        ("mlp_b32", "fp32", lambda m: mlp_step(32, m), 4),
+        ("mlp_b4096", "fp32", lambda m: mlp_step(4096, m), 2),
+        ("transformer_fwd", "fp32", transformer_forward, 1),
+        ("gpt_fp32", "fp32", lambda m: gpt_step(False, m), 0.4),
+        ("gpt_bf16", "bf16 autocast", lambda m: gpt_step(True, m), 0.4),
+    ]
+    for name, prec, make, mult in work:
+        if a.only and a.only not in name:
+            continue
+        for mode in a.modes.split(","):
+            torch.cuda.reset_peak_memory_stats()
+            step, compile_s = make(mode)
+            ms = median_ms(step, 5, max(10, int(a.steps * mult)))
+            peak = torch.cuda.max_memory_allocated() / 2**20
+            impl = "torch eager" if mode == "eager" else f"torch.compile {mode}"
+            print(json.dumps({"workload": name, "impl": impl, "precision": prec, "median_ms": round(ms, 4),
+                              "compile_s": round(compile_s, 2), "peak_mib": round(peak, 1)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

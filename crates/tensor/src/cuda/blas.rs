@@ -1,0 +1,174 @@
+//! Matmul through cuBLAS: batched, strided operands read in place (a transposed view is a
+//! transpose flag, not a copy), F32 in full FP32 unless TF32 is switched on (as in PyTorch),
+//! F16/BF16 on tensor cores with F32 accumulation.
+
+use super::gpu::Gpu;
+use super::kernels::{dense_copy, CudaStorage};
+use crate::op::OutMeta;
+use crate::shape::Layout;
+use crate::{DType, Error, Result};
+use cudarc::cublas::{result as br, sys as bs};
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+/// A cuBLAS handle bound to the GPU's stream.
+pub struct Blas(bs::cublasHandle_t);
+// SAFETY: the handle is only used under the GPU's `blas` mutex.
+unsafe impl Send for Blas {}
+
+static ALLOW_TF32: AtomicBool = AtomicBool::new(false);
+
+/// Lets F32 matmuls use TF32 tensor cores (10-bit mantissa inputs, F32 accumulation), like
+/// `torch.backends.cuda.matmul.allow_tf32 = True`. Off by default: full FP32.
+pub fn set_allow_tf32(on: bool) {
+    ALLOW_TF32.store(on, Ordering::Relaxed);
+}
+
+pub fn allow_tf32() -> bool {
+    ALLOW_TF32.load(Ordering::Relaxed)
+}
+
+fn blas_err(e: br::CublasError) -> Error {
+    Error::Cuda(format!("cuBLAS: {e:?}"))
+}
+
+/// How cuBLAS (column-major) sees one row-major operand `[rows, cols]` with strides.
+struct Operand {
+    ptr: u64,
+    /// Transpose flag for the column-major view of the row-major matrix.
+    trans: bool,
+    ld: i64,
+    batch_stride: i64,
+    _owned: Option<CudaStorage>,
+}
+
+/// The single stride of the (broadcast) batch dims, if one stride describes them.
+fn batch_stride(shape: &[usize], strides: &[usize]) -> Option<i64> {
+    let dims: Vec<usize> = (0..shape.len()).filter(|&d| shape[d] != 1).collect();
+    let Some(&inner) = dims.last() else { return Some(0) };
+    for w in dims.windows(2) {
+        if strides[w[0]] != strides[w[1]] * shape[w[1]] {
+            return None;
+        }
+    }
+    Some(strides[inner] as i64)
+}
+
+/// Reads `s` through `l` (already broadcast to the output's batch dims) as cuBLAS operands;
+/// a layout cuBLAS cannot express is copied to a dense buffer first.
+fn operand(g: &Arc<Gpu>, s: &CudaStorage, l: &Layout) -> Result<Operand> {
+    let r = l.rank();
+    let (rows, cols) = (l.shape[r - 2], l.shape[r - 1]);
+    let (rs, cs) = (l.strides[r - 2], l.strides[r - 1]);
+    let esz = s.dtype.size_in_bytes() as u64;
+    let ptr = s.buf.ptr + l.offset as u64 * esz;
+    if let Some(bst) = batch_stride(&l.shape[..r - 2], &l.strides[..r - 2]) {
+        // Row-major in memory: cuBLAS sees the transpose with no flag.
+        if (cols == 1 || cs == 1) && (rows == 1 || rs >= cols.max(1)) {
+            let ld = if rows == 1 { cols.max(1) } else { rs };
+            return Ok(Operand { ptr, trans: false, ld: ld as i64, batch_stride: bst, _owned: None });
+        }
+        if (rows == 1 || rs == 1) && (cols == 1 || cs >= rows.max(1)) {
+            let ld = if cols == 1 { rows.max(1) } else { cs };
+            return Ok(Operand { ptr, trans: true, ld: ld as i64, batch_stride: bst, _owned: None });
+        }
+    }
+    let owned = dense_copy(g, s, l)?;
+    let ptr = owned.buf.ptr;
+    let bst = if r > 2 && l.shape[..r - 2].iter().product::<usize>() > 1 { (rows * cols) as i64 } else { 0 };
+    Ok(Operand { ptr, trans: false, ld: cols.max(1) as i64, batch_stride: bst, _owned: Some(owned) })
+}
+
+fn data_type(d: DType) -> Result<(bs::cudaDataType, bs::cublasComputeType_t)> {
+    use bs::cublasComputeType_t as C;
+    use bs::cudaDataType as T;
+    Ok(match d {
+        DType::F32 if allow_tf32() => (T::CUDA_R_32F, C::CUBLAS_COMPUTE_32F_FAST_TF32),
+        DType::F32 => (T::CUDA_R_32F, C::CUBLAS_COMPUTE_32F),
+        DType::F64 => (T::CUDA_R_64F, C::CUBLAS_COMPUTE_64F),
+        DType::F16 => (T::CUDA_R_16F, C::CUBLAS_COMPUTE_32F),
+        DType::BF16 => (T::CUDA_R_16BF, C::CUBLAS_COMPUTE_32F),
+        other => return Err(Error::dtype("matmul", format!("not defined for {other:?}"))),
+    })
+}
+
+/// `out[..., m, n] = a[..., m, k] @ b[..., k, n]` with broadcast batch dims.
+pub fn matmul(g: &Arc<Gpu>, (sa, la): (&CudaStorage, &Layout), (sb, lb): (&CudaStorage, &Layout), meta: &OutMeta) -> Result<CudaStorage> {
+    let r = meta.shape.len();
+    let (m, n, k) = (meta.shape[r - 2], meta.shape[r - 1], la.shape[la.rank() - 1]);
+    let batch: usize = meta.shape[..r - 2].iter().product();
+    let out = CudaStorage::alloc(g, meta.dtype, meta.shape.iter().product())?;
+    if out.len == 0 {
+        return Ok(out);
+    }
+    if k == 0 {
+        g.bind()?;
+        // SAFETY: `out` owns `bytes` bytes on this GPU.
+        unsafe { cudarc::driver::result::memset_d8_async(out.buf.ptr, 0, out.len * meta.dtype.size_in_bytes(), g.stream.cu_stream()) }
+            .map_err(|e| Error::Cuda(format!("memset: {e}")))?;
+        return Ok(out);
+    }
+    // Broadcast both operands to the output's batch dims (stride 0 where they repeat).
+    let expand = |l: &Layout, rows: usize, cols: usize| {
+        let mut shape = meta.shape[..r - 2].to_vec();
+        shape.extend([rows, cols]);
+        Layout { strides: l.broadcast_strides(&shape), shape, offset: l.offset }
+    };
+    let a = operand(g, sa, &expand(la, m, k))?;
+    let b = operand(g, sb, &expand(lb, k, n))?;
+    let (dt, compute) = data_type(meta.dtype)?;
+    let op = |t: bool| if t { bs::cublasOperation_t::CUBLAS_OP_T } else { bs::cublasOperation_t::CUBLAS_OP_N };
+    let (one32, zero32, one64, zero64) = (1.0f32, 0.0f32, 1.0f64, 0.0f64);
+    let (alpha, beta): (*const c_void, *const c_void) = if meta.dtype == DType::F64 {
+        (&one64 as *const f64 as _, &zero64 as *const f64 as _)
+    } else {
+        (&one32 as *const f32 as _, &zero32 as *const f32 as _)
+    };
+    let mut guard = g.blas.lock().unwrap_or_else(|e| e.into_inner());
+    if guard.is_none() {
+        // SAFETY: only probes for the library.
+        if !unsafe { bs::is_culib_present() } {
+            return Err(Error::Cuda("cuBLAS (libcublas.so) not found; it runs Kiln's CUDA matmuls".into()));
+        }
+        g.bind()?;
+        let h = br::create_handle().map_err(blas_err)?;
+        // SAFETY: a fresh handle and this GPU's live stream.
+        unsafe { br::set_stream(h, g.stream.cu_stream() as _) }.map_err(blas_err)?;
+        *guard = Some(Blas(h));
+    }
+    let h = guard.as_ref().map(|b| b.0).ok_or_else(|| Error::Cuda("no cuBLAS handle".into()))?;
+    g.bind()?;
+    // Row-major C = A B is column-major C^T = B^T A^T: pass B first.
+    // SAFETY: every pointer is a live device buffer of this GPU sized for the shapes given
+    // (checked by the shape rule); alpha/beta are host scalars of the compute type.
+    unsafe {
+        br::gemm_strided_batched_ex(
+            h,
+            op(b.trans),
+            op(a.trans),
+            n as i32,
+            m as i32,
+            k as i32,
+            alpha,
+            b.ptr as *const c_void,
+            dt,
+            b.ld as i32,
+            b.batch_stride,
+            a.ptr as *const c_void,
+            dt,
+            a.ld as i32,
+            a.batch_stride,
+            beta,
+            out.buf.ptr as *mut c_void,
+            dt,
+            n as i32,
+            (m * n) as i64,
+            batch as i32,
+            compute,
+            bs::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(blas_err)?;
+    Ok(out)
+}

@@ -1,0 +1,458 @@
+//! CUDA C++ source for Kiln's eager kernels, generated from the op table's scalar expressions
+//! (`UnaryOp::c_expr`, `BinaryOp::c_expr`): one definition per op serves the CPU, eager CUDA
+//! and, later, fused compiled kernels. Pure text, so it is built and tested without a GPU
+//! (CI compiles every kernel family with NVRTC when the library is present).
+//!
+//! Every kernel starts with `PRELUDE`: storage types for f16/bf16 (converted with PTX, no
+//! headers needed), loads to a compute type (float, double or long long), the `k*` math
+//! overloads and warp reductions.
+
+use crate::op::{Distribution, Op, ReduceOp};
+use crate::DType;
+
+/// Kernel arguments for elementwise kernels, shared by every family. Mirrors `struct Args`.
+pub const MAX_RANK: usize = 8;
+/// Operand slots in `Args`: up to three inputs and the output.
+pub const SLOTS: usize = 4;
+
+pub const PRELUDE: &str = r#"
+struct h16 { unsigned short x; };
+struct b16 { unsigned short x; };
+struct Args {
+  long long n;
+  long long off[4];
+  long long shape[8];
+  long long st[4][8];
+  double s;
+  unsigned long long seed, roff;
+  int rank;
+  int pad;
+};
+__device__ __forceinline__ float h2f(unsigned short h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
+__device__ __forceinline__ unsigned short f2h(float f) { unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+__device__ __forceinline__ float b2f(unsigned short b) { return __uint_as_float(((unsigned int)b) << 16); }
+__device__ __forceinline__ unsigned short f2b(float f) {
+  unsigned int u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (unsigned short)(u >> 16);
+}
+__device__ __forceinline__ float ld(float v) { return v; }
+__device__ __forceinline__ double ld(double v) { return v; }
+__device__ __forceinline__ float ld(h16 v) { return h2f(v.x); }
+__device__ __forceinline__ float ld(b16 v) { return b2f(v.x); }
+__device__ __forceinline__ long long ld(long long v) { return v; }
+__device__ __forceinline__ long long ld(unsigned char v) { return v; }
+// Stores follow Rust's `as`: float to int saturates and NaN gives 0.
+__device__ __forceinline__ long long f2i(double v) {
+  if (v != v) return 0;
+  if (v >= 9.2233720368547758e18) return 9223372036854775807LL;
+  if (v <= -9.2233720368547758e18) return (-9223372036854775807LL - 1);
+  return (long long)v;
+}
+__device__ __forceinline__ unsigned char f2u8(double v) { return v != v ? 0 : v <= 0.0 ? 0 : v >= 255.0 ? 255 : (unsigned char)v; }
+__device__ __forceinline__ void st(float* p, double v) { *p = (float)v; }
+__device__ __forceinline__ void st(float* p, float v) { *p = v; }
+__device__ __forceinline__ void st(float* p, long long v) { *p = (float)v; }
+__device__ __forceinline__ void st(double* p, double v) { *p = v; }
+__device__ __forceinline__ void st(double* p, long long v) { *p = (double)v; }
+__device__ __forceinline__ void st(h16* p, float v) { p->x = f2h(v); }
+__device__ __forceinline__ void st(h16* p, double v) { p->x = f2h((float)v); }
+__device__ __forceinline__ void st(h16* p, long long v) { p->x = f2h((float)v); }
+__device__ __forceinline__ void st(b16* p, float v) { p->x = f2b(v); }
+__device__ __forceinline__ void st(b16* p, double v) { p->x = f2b((float)v); }
+__device__ __forceinline__ void st(b16* p, long long v) { p->x = f2b((float)v); }
+__device__ __forceinline__ void st(long long* p, double v) { *p = f2i(v); }
+__device__ __forceinline__ void st(long long* p, long long v) { *p = v; }
+__device__ __forceinline__ void st(unsigned char* p, double v) { *p = f2u8(v); }
+__device__ __forceinline__ void st(unsigned char* p, long long v) { *p = (unsigned char)(v < 0 ? 0 : v > 255 ? 255 : v); }
+__device__ __forceinline__ float kexp(float x) { return expf(x); }
+__device__ __forceinline__ double kexp(double x) { return exp(x); }
+__device__ __forceinline__ float klog(float x) { return logf(x); }
+__device__ __forceinline__ double klog(double x) { return log(x); }
+__device__ __forceinline__ float ksqrt(float x) { return sqrtf(x); }
+__device__ __forceinline__ double ksqrt(double x) { return sqrt(x); }
+__device__ __forceinline__ float krsqrt(float x) { return 1.0f / sqrtf(x); }
+__device__ __forceinline__ double krsqrt(double x) { return 1.0 / sqrt(x); }
+__device__ __forceinline__ float ksin(float x) { return sinf(x); }
+__device__ __forceinline__ double ksin(double x) { return sin(x); }
+__device__ __forceinline__ float kcos(float x) { return cosf(x); }
+__device__ __forceinline__ double kcos(double x) { return cos(x); }
+__device__ __forceinline__ float ktanh(float x) { return tanhf(x); }
+__device__ __forceinline__ double ktanh(double x) { return tanh(x); }
+__device__ __forceinline__ float kerf(float x) { return erff(x); }
+__device__ __forceinline__ double kerf(double x) { return erf(x); }
+__device__ __forceinline__ float kabs(float x) { return fabsf(x); }
+__device__ __forceinline__ double kabs(double x) { return fabs(x); }
+__device__ __forceinline__ long long kabs(long long x) { return x < 0 ? -x : x; }
+__device__ __forceinline__ float kpow(float a, float b) { return powf(a, b); }
+__device__ __forceinline__ double kpow(double a, double b) { return pow(a, b); }
+__device__ __forceinline__ long long kpow(long long a, long long b) {
+  unsigned long long r = 1, x = (unsigned long long)a;
+  for (long long e = b < 0 ? 0 : b; e > 0; e >>= 1) { if (e & 1) r *= x; x *= x; }
+  return (long long)r;
+}
+__device__ __forceinline__ float kdiv(float a, float b) { return a / b; }
+__device__ __forceinline__ double kdiv(double a, double b) { return a / b; }
+__device__ __forceinline__ long long kdiv(long long a, long long b) {
+  return (b == 0 || (a == (-9223372036854775807LL - 1) && b == -1)) ? 0 : a / b;
+}
+template <class T> __device__ __forceinline__ T ksilu_grad(T x) { T s = T(1) / (T(1) + kexp(-x)); return s * (T(1) + x * (T(1) - s)); }
+template <class T> __device__ __forceinline__ T kgelu_tanh_grad(T x) {
+  T c = T(0.7978845608028654), a = T(0.044715);
+  T t = ktanh(c * (x + a * x * x * x));
+  return T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * c * (T(1) + T(3) * a * x * x);
+}
+"#;
+
+/// The C++ storage type of a dtype.
+pub fn storage_type(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "float",
+        DType::F64 => "double",
+        DType::F16 => "h16",
+        DType::BF16 => "b16",
+        DType::I64 => "long long",
+        DType::U8 => "unsigned char",
+    }
+}
+
+/// The type a dtype computes in: f16/bf16 in float, integers in long long.
+pub fn compute_type(d: DType) -> &'static str {
+    match d {
+        DType::F32 | DType::F16 | DType::BF16 => "float",
+        DType::F64 => "double",
+        DType::I64 | DType::U8 => "long long",
+    }
+}
+
+/// A 64-bit FNV-1a hash: stable across Rust versions, so disk-cache keys stay valid.
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+/// An elementwise op's kernel recipe: name prefix, expression of `v0..v2` and the compute
+/// type of its `K(..)` constants. Scalars, seeds and offsets are read from `Args` at run time,
+/// so one compiled kernel serves every value. `dtypes` are the inputs' dtypes.
+pub fn elementwise_expr(op: &Op, dtypes: &[DType]) -> Option<(&'static str, String, &'static str)> {
+    let c0 = || dtypes.first().map(|&d| compute_type(d)).unwrap_or("float");
+    Some(match op {
+        Op::Full { .. } => ("full", "a.s".into(), "double"),
+        Op::Arange { .. } => ("arange", "(double)i".into(), "double"),
+        Op::Rand { dist: Distribution::Uniform, .. } => ("rand", "k_uniform(a.seed, a.roff, i)".into(), "float"),
+        Op::Rand { dist: Distribution::Normal, .. } => ("randn", "k_normal(a.seed, a.roff, i)".into(), "float"),
+        Op::Unary(u) => (u.name(), u.c_expr("v0"), c0()),
+        Op::Binary(b) => (b.name(), b.c_expr("v0", "v1"), c0()),
+        Op::Scalar { op: b, scalar_lhs: true, .. } => (b.name(), b.c_expr("K(a.s)", "v0"), c0()),
+        Op::Scalar { op: b, scalar_lhs: false, .. } => (b.name(), b.c_expr("v0", "K(a.s)"), c0()),
+        Op::Where => ("where", "(v0 != 0 ? v1 : v2)".into(), compute_type(*dtypes.get(1)?)),
+        Op::Cast(_) | Op::Contiguous => ("copy", "v0".into(), c0()),
+        Op::Assign => ("assign", "v1".into(), c0()),
+        Op::UpdateBinary(b) => (b.name(), b.c_expr("v0", "v1"), c0()),
+        Op::UpdateScalar(b, _) => (b.name(), b.c_expr("v0", "K(a.s)"), c0()),
+        _ => return None,
+    })
+}
+
+/// One elementwise kernel: `out[i] = expr(v0, v1, v2)` over the output's elements, where `vk`
+/// is input k loaded in its natural compute type (see `compute_type`); `K(v)` constants are
+/// in `compute`. The expression may also use `i` (the linear index) and `a` (the `Args`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Elementwise {
+    /// A C++ expression of `v0..v2`, `i` (the element's linear index), `a` (the `Args`).
+    pub expr: String,
+    pub compute: &'static str,
+    pub inputs: Vec<DType>,
+    pub out: DType,
+    /// Per input: reads `p[off + i]` instead of walking strides.
+    pub contiguous: Vec<bool>,
+    /// The output walks strides too (in-place updates of a strided destination); the output
+    /// is then also input 0's storage (`v0` is read from it).
+    pub inplace: bool,
+    /// Four elements per thread with aligned vector loads (every operand contiguous, offsets
+    /// multiples of four).
+    pub vec4: bool,
+}
+
+impl Elementwise {
+    /// The kernel's name: readable prefix plus a hash of the whole spec.
+    pub fn name(&self, prefix: &str) -> String {
+        format!("k_{prefix}_{:012x}", fnv1a(format!("{self:?}").as_bytes()) & 0xffff_ffff_ffff)
+    }
+
+    /// The full source (prelude included) and the kernel's name.
+    pub fn source(&self, prefix: &str) -> (String, String) {
+        let name = self.name(prefix);
+        let ot = storage_type(self.out);
+        let mut params = vec![format!("{ot}* __restrict__ o")];
+        for (k, d) in self.inputs.iter().enumerate() {
+            if self.inplace && k == 0 {
+                continue; // v0 is read from `o`
+            }
+            params.push(format!("const {}* __restrict__ p{k}", storage_type(*d)));
+        }
+        params.push("Args a".into());
+        let mut s = format!("{PRELUDE}{PHILOX}\ntypedef {} C;\n#define K(v) ((C)(v))\n", self.compute);
+        s += &format!("extern \"C\" __global__ void {name}({}) {{\n", params.join(", "));
+        s += "  long long tid = blockIdx.x * (long long)blockDim.x + threadIdx.x;\n";
+        s += "  long long step = (long long)gridDim.x * blockDim.x;\n";
+        if self.vec4 {
+            s += &self.vec4_body(ot);
+        } else {
+            s += &self.scalar_body(ot);
+        }
+        s += "}\n";
+        (s, name)
+    }
+
+    fn pointer(&self, k: usize) -> String {
+        if self.inplace && k == 0 {
+            "o".into()
+        } else {
+            format!("p{k}")
+        }
+    }
+
+    /// Grid-stride loop; strided operands share one decomposition of `i` per element.
+    fn scalar_body(&self, ot: &str) -> String {
+        let strided: Vec<usize> = (0..self.inputs.len()).filter(|&k| !self.contiguous[k]).collect();
+        let out_strided = self.inplace && !self.contiguous[0];
+        let mut b = "  for (long long i = tid; i < a.n; i += step) {\n".to_string();
+        let mut slots: Vec<usize> = strided.clone();
+        if out_strided && !slots.contains(&0) {
+            slots.push(0);
+        }
+        if !slots.is_empty() {
+            for &k in &slots {
+                b += &format!("    long long q{k} = a.off[{k}];\n");
+            }
+            b += "    long long r = i;\n    for (int d = a.rank - 1; d >= 0; --d) {\n";
+            b += "      long long c = r % a.shape[d]; r /= a.shape[d];\n";
+            for &k in &slots {
+                b += &format!("      q{k} += c * a.st[{k}][d];\n");
+            }
+            b += "    }\n";
+        }
+        for k in 0..self.inputs.len() {
+            let idx = if self.contiguous[k] { format!("a.off[{k}] + i") } else { format!("q{k}") };
+            b += &format!("    auto v{k} = ld({}[{idx}]);\n", self.pointer(k));
+        }
+        let oi = if self.inplace { if self.contiguous[0] { "a.off[0] + i".to_string() } else { "q0".into() } } else { "i".into() };
+        b += &format!("    st(({ot}*)&o[{oi}], {});\n  }}\n", self.expr);
+        b
+    }
+
+    /// Four elements per thread through aligned vector types, then a scalar tail.
+    fn vec4_body(&self, ot: &str) -> String {
+        let mut b = String::new();
+        for (k, d) in self.inputs.iter().enumerate() {
+            let t = storage_type(*d);
+            b += &format!("  struct alignas({}) V{k} {{ {t} v[4]; }};\n", 4 * d.size_in_bytes());
+        }
+        b += &format!("  struct alignas({}) VO {{ {ot} v[4]; }};\n", 4 * self.out.size_in_bytes());
+        b += "  long long nv = a.n / 4;\n  for (long long q = tid; q < nv; q += step) {\n";
+        for k in 0..self.inputs.len() {
+            b += &format!("    V{k} x{k} = *reinterpret_cast<const V{k}*>({} + a.off[{k}] + q * 4);\n", self.pointer(k));
+        }
+        b += "    VO y;\n#pragma unroll\n    for (int j = 0; j < 4; ++j) {\n      long long i = q * 4 + j;\n";
+        for k in 0..self.inputs.len() {
+            b += &format!("      auto v{k} = ld(x{k}.v[j]);\n");
+        }
+        b += &format!("      st(&y.v[j], {});\n    }}\n", self.expr);
+        let oo = if self.inplace { "a.off[0] + " } else { "" };
+        b += &format!("    *reinterpret_cast<VO*>(o + {oo}q * 4) = y;\n  }}\n");
+        b += "  for (long long i = nv * 4 + tid; i < a.n; i += step) {\n";
+        for k in 0..self.inputs.len() {
+            b += &format!("    auto v{k} = ld({}[a.off[{k}] + i]);\n", self.pointer(k));
+        }
+        b += &format!("    st(&o[{oo}i], {});\n  }}\n", self.expr);
+        b
+    }
+}
+
+/// Philox 4x32-10 and the uniform/normal draws of `rng.rs`, bit for bit.
+pub const PHILOX: &str = r#"
+__device__ __forceinline__ unsigned int philox_word(unsigned long long seed, unsigned long long n) {
+  unsigned long long blk = n / 4;
+  unsigned int c0 = (unsigned int)blk, c1 = (unsigned int)(blk >> 32), c2 = 0, c3 = 0;
+  unsigned int k0 = (unsigned int)seed, k1 = (unsigned int)(seed >> 32);
+  for (int r = 0; r < 10; ++r) {
+    unsigned long long p0 = 0xD2511F53ull * c0, p1 = 0xCD9E8D57ull * c2;
+    unsigned int n0 = ((unsigned int)(p1 >> 32)) ^ c1 ^ k0, n1 = (unsigned int)p1;
+    unsigned int n2 = ((unsigned int)(p0 >> 32)) ^ c3 ^ k1, n3 = (unsigned int)p0;
+    c0 = n0; c1 = n1; c2 = n2; c3 = n3;
+    k0 += 0x9E3779B9u; k1 += 0xBB67AE85u;
+  }
+  unsigned int w = n % 4;
+  return w == 0 ? c0 : w == 1 ? c1 : w == 2 ? c2 : c3;
+}
+__device__ __forceinline__ float k_uniform(unsigned long long seed, unsigned long long off, long long i) {
+  return (float)(philox_word(seed, off + i) >> 8) * (1.0f / 16777216.0f);
+}
+__device__ __forceinline__ float k_normal(unsigned long long seed, unsigned long long off, long long i) {
+  long long j = i & ~1LL;
+  float u1 = 1.0f - k_uniform(seed, off, j), u2 = k_uniform(seed, off, j + 1);
+  double r = sqrt(-2.0 * log((double)u1)), th = 6.283185307179586 * (double)u2;
+  return (float)((i & 1) == 0 ? r * cos(th) : r * sin(th));
+}
+"#;
+
+/// A row reduction: `out[row] = fold(in[row, j] for j < red)`, one warp per row (`block ==
+/// false`) or one block per row for long rows. `inner_contiguous`: the reduced elements of a
+/// row sit at `base + j` (else both the kept and reduced coordinates walk strides).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Reduce {
+    pub op: ReduceOp,
+    pub input: DType,
+    pub out: DType,
+    pub inner_contiguous: bool,
+    pub block: bool,
+}
+
+/// Arguments of a row reduction; mirrors `struct RArgs`.
+pub const REDUCE_ARGS: &str = r#"
+struct RArgs {
+  long long rows, red, off;
+  long long kshape[8], kst[8], rshape[8], rst[8];
+  int krank, rrank;
+};
+"#;
+
+impl Reduce {
+    pub fn source(&self) -> (String, String) {
+        let name = format!("k_{}_{:012x}", self.op.name(), fnv1a(format!("{self:?}").as_bytes()) & 0xffff_ffff_ffff);
+        let (it, ot) = (storage_type(self.input), storage_type(self.out));
+        // Accumulate sums wide (float for half types, double for f64, long long for ints).
+        let acc = compute_type(self.input);
+        let is_arg = matches!(self.op, ReduceOp::ArgMax | ReduceOp::ArgMin);
+        let (init, better) = match self.op {
+            ReduceOp::Sum => ("K(0)", ""),
+            ReduceOp::Max | ReduceOp::ArgMax => ("K(0)", ">"),
+            ReduceOp::Min | ReduceOp::ArgMin => ("K(0)", "<"),
+        };
+        let mut s = format!("{PRELUDE}{REDUCE_ARGS}\ntypedef {acc} C;\n#define K(v) ((C)(v))\n");
+        // (value, index) pairs: index -1 is "nothing yet"; NaN wins; ties keep the first index.
+        s += &format!(
+            "__device__ __forceinline__ void comb(C& av, long long& ai, C bv, long long bi) {{\n{}}}\n",
+            if matches!(self.op, ReduceOp::Sum) {
+                "  av += bv; ai = 0;\n".to_string()
+            } else {
+                format!(
+                    "  bool take;\n  if (bi < 0) take = false; else if (ai < 0) take = true;\n  \
+                     else {{ bool an = av != av, bn = bv != bv;\n    \
+                     if (an || bn) take = bn && (!an || bi < ai);\n    \
+                     else take = (bv {better} av) || (bv == av && bi < ai); }}\n  \
+                     if (take) {{ av = bv; ai = bi; }}\n"
+                )
+            }
+        );
+        s += &format!("extern \"C\" __global__ void {name}({ot}* __restrict__ o, const {it}* __restrict__ p, RArgs a) {{\n");
+        let tpr = if self.block { "blockDim.x" } else { "32" };
+        if self.block {
+            s += "  long long row = blockIdx.x; int lane = threadIdx.x;\n";
+        } else {
+            s += "  long long row = blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32; int lane = threadIdx.x % 32;\n";
+            s += "  if (row >= a.rows) return;\n";
+        }
+        s += "  long long base = a.off, r = row;\n";
+        s += "  for (int d = a.krank - 1; d >= 0; --d) { base += (r % a.kshape[d]) * a.kst[d]; r /= a.kshape[d]; }\n";
+        s += &format!("  C av = {init}; long long ai = -1;\n");
+        s += &format!("  for (long long j = lane; j < a.red; j += {tpr}) {{\n");
+        if self.inner_contiguous {
+            s += "    long long q = base + j;\n";
+        } else {
+            s += "    long long q = base, t = j;\n";
+            s += "    for (int d = a.rrank - 1; d >= 0; --d) { q += (t % a.rshape[d]) * a.rst[d]; t /= a.rshape[d]; }\n";
+        }
+        s += "    comb(av, ai, (C)ld(p[q]), j);\n  }\n";
+        s += "  for (int w = 16; w > 0; w /= 2) {\n";
+        s += "    C bv = __shfl_down_sync(0xffffffffu, av, w); long long bi = __shfl_down_sync(0xffffffffu, ai, w);\n";
+        s += "    comb(av, ai, bv, bi);\n  }\n";
+        if self.block {
+            s += "  __shared__ C sv[32]; __shared__ long long si[32];\n";
+            s += "  if (lane % 32 == 0) { sv[lane / 32] = av; si[lane / 32] = ai; }\n  __syncthreads();\n";
+            s += "  if (lane >= 32) return;\n";
+            s += &format!("  av = lane < blockDim.x / 32 ? sv[lane] : {init}; ai = lane < blockDim.x / 32 ? si[lane] : -1;\n");
+            s += "  for (int w = 16; w > 0; w /= 2) {\n";
+            s += "    C bv = __shfl_down_sync(0xffffffffu, av, w); long long bi = __shfl_down_sync(0xffffffffu, ai, w);\n";
+            s += "    comb(av, ai, bv, bi);\n  }\n";
+        }
+        let val = if is_arg { "ai" } else { "av" };
+        s += &format!("  if (lane == 0) st(&o[row], {val});\n}}\n");
+        (s, name)
+    }
+}
+
+/// Index kernels (index_select, gather, index_add, scatter_add) over contiguous operands seen
+/// as `[outer, dim, inner]`. A bad index writes nothing (or zero) and records itself in the
+/// device's error word, reported at the next host read.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Index {
+    pub kind: IndexKind,
+    pub dtype: DType,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum IndexKind {
+    Select,
+    Gather,
+    Add,
+    ScatterAdd,
+}
+
+/// Arguments of index kernels; mirrors `struct IArgs`.
+pub const INDEX_ARGS: &str = r#"
+struct IArgs {
+  long long n, outer, size, inner, nidx, code;
+  long long ishape[8], bshape[8];
+  int rank, dim;
+};
+// err[0]: op code (0 = no error), err[1]: the bad index, err[2]: the dim's size.
+__device__ __forceinline__ bool check_index(long long* err, long long code, long long v, long long size) {
+  if (v >= 0 && v < size) return true;
+  if (atomicCAS((unsigned long long*)err, 0ull, (unsigned long long)code) == 0ull) { err[1] = v; err[2] = size; }
+  return false;
+}
+"#;
+
+impl Index {
+    pub fn source(&self) -> (String, String) {
+        let kind = format!("{:?}", self.kind).to_lowercase();
+        let name = format!("k_{kind}_{:012x}", fnv1a(format!("{self:?}").as_bytes()) & 0xffff_ffff_ffff);
+        let t = storage_type(self.dtype);
+        let mut s = format!("{PRELUDE}{INDEX_ARGS}\ntypedef {t} T;\n");
+        s += &format!(
+            "extern \"C\" __global__ void {name}({t}* __restrict__ o, const {t}* __restrict__ src, const long long* __restrict__ idx, long long* err, IArgs a) {{\n"
+        );
+        s += "  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < a.n; i += (long long)gridDim.x * blockDim.x) {\n";
+        s += &match self.kind {
+            // i walks the output [outer, nidx, inner].
+            IndexKind::Select => "    long long in_ = i % a.inner, j = (i / a.inner) % a.nidx, ou = i / (a.inner * a.nidx);\n    \
+                 long long v = idx[j];\n    \
+                 o[i] = check_index(err, a.code, v, a.size) ? src[(ou * a.size + v) * a.inner + in_] : "
+                .to_string()
+                + "T();\n",
+            // i walks src [outer, nidx, inner]; o is [outer, size, inner].
+            IndexKind::Add => "    long long in_ = i % a.inner, j = (i / a.inner) % a.nidx, ou = i / (a.inner * a.nidx);\n    \
+                 long long v = idx[j];\n    \
+                 if (check_index(err, a.code, v, a.size)) atomicAdd(&o[(ou * a.size + v) * a.inner + in_], src[i]);\n"
+                .to_string(),
+            // i walks the index's shape; the input/base is contiguous with shape ishape.
+            IndexKind::Gather | IndexKind::ScatterAdd => {
+                let mut b = "    long long r = i, off = 0, mul = 1, v = idx[i];\n".to_string();
+                b += "    bool ok = check_index(err, a.code, v, a.size);\n";
+                b += "    for (int d = a.rank - 1; d >= 0; --d) {\n";
+                b += "      long long c = r % a.ishape[d]; r /= a.ishape[d];\n";
+                b += "      off += (d == a.dim ? v : c) * mul; mul *= a.bshape[d];\n    }\n";
+                if self.kind == IndexKind::Gather {
+                    b += "    o[i] = ok ? src[off] : T();\n";
+                } else {
+                    b += "    if (ok) atomicAdd(&o[off], src[i]);\n";
+                }
+                b
+            }
+        };
+        s += "  }\n}\n";
+        (s, name)
+    }
+}

@@ -1,0 +1,267 @@
+//! One GPU as Kiln uses it: its context and single stream, the caching allocator, the kernel
+//! cache (NVRTC to CUBIN, in memory and on disk), raw launches, and the device error word
+//! that index kernels set instead of crashing.
+
+use crate::{Device, Error, Result};
+use cudarc::driver::{result as dr, sys as ds, CudaContext, CudaStream};
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// A compiled kernel (its module stays loaded for the life of the process).
+#[derive(Clone, Copy)]
+pub struct Kernel(ds::CUfunction);
+// SAFETY: a CUfunction is a handle into a module that is never unloaded; the driver allows
+// launching it from any thread that has the context current.
+unsafe impl Send for Kernel {}
+// SAFETY: as above; the handle is never mutated.
+unsafe impl Sync for Kernel {}
+
+pub struct Gpu {
+    pub ordinal: usize,
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub sms: u32,
+    pub arch: (i32, i32),
+    kernels: Mutex<HashMap<String, Kernel>>,
+    /// Free device buffers by rounded size: an eager step reuses them, no driver call.
+    free: Mutex<HashMap<usize, Vec<u64>>>,
+    /// Bytes held from the driver (in use or cached).
+    held: AtomicU64,
+    /// Three i64 on the device: op code, bad index, dim size (0 when no error).
+    pub err: u64,
+    pub(crate) blas: Mutex<Option<super::blas::Blas>>,
+}
+
+static DRIVER_ALLOCS: AtomicU64 = AtomicU64::new(0);
+
+/// How many times Kiln has asked the driver for memory (all GPUs): after a warm-up step an
+/// eager training step should add none.
+pub fn driver_allocations() -> u64 {
+    DRIVER_ALLOCS.load(Ordering::Relaxed)
+}
+
+fn cuda_err(what: impl std::fmt::Display) -> impl Fn(dr::DriverError) -> Error {
+    let what = what.to_string();
+    move |e| Error::Cuda(format!("{what}: {e}"))
+}
+
+/// Whether the NVIDIA driver library can be loaded at all (cudarc would panic on first use).
+fn driver_present() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    *PRESENT.get_or_init(|| {
+        ["libcuda.so.1", "libcuda.so"].iter().any(|name| {
+            // SAFETY: loading the NVIDIA driver library runs its initialisers; it is the same
+            // library cudarc loads, and we only test that it loads.
+            unsafe { libloading::Library::new(*name) }.is_ok()
+        })
+    })
+}
+
+/// The GPU `ordinal`, opened on first use.
+pub fn gpu(ordinal: usize) -> Result<Arc<Gpu>> {
+    static GPUS: OnceLock<Mutex<HashMap<usize, Arc<Gpu>>>> = OnceLock::new();
+    let device = Device::Cuda(ordinal);
+    if !driver_present() {
+        return Err(Error::Device { device, msg: "no NVIDIA driver on this machine (libcuda.so.1 not found)".into() });
+    }
+    let mut map = GPUS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(g) = map.get(&ordinal) {
+        g.ctx.bind_to_thread().map_err(cuda_err("binding the context"))?;
+        return Ok(g.clone());
+    }
+    let ctx = CudaContext::new(ordinal).map_err(|e| Error::Device { device, msg: format!("cannot open the GPU: {e}") })?;
+    // SAFETY: Kiln issues all work on one stream per device, so cudarc's cross-stream event
+    // tracking is not needed (and it would break CUDA graph capture).
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.default_stream();
+    let sms = ctx.attribute(ds::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(cuda_err("device query"))? as u32;
+    let arch = ctx.compute_capability().map_err(cuda_err("device query"))?;
+    // SAFETY: a fresh 32-byte allocation in the current context, zeroed before use.
+    let err = unsafe {
+        let p = dr::malloc_sync(32).map_err(cuda_err("allocating the error word"))?;
+        dr::memset_d8_sync(p, 0, 32).map_err(cuda_err("clearing the error word"))?;
+        p
+    };
+    let g = Arc::new(Gpu {
+        ordinal,
+        ctx,
+        stream,
+        sms,
+        arch,
+        kernels: Mutex::default(),
+        free: Mutex::default(),
+        held: AtomicU64::new(0),
+        err,
+        blas: Mutex::new(None),
+    });
+    map.insert(ordinal, g.clone());
+    Ok(g)
+}
+
+/// A device allocation; dropping it returns it to its GPU's cache.
+pub struct DeviceBuffer {
+    pub ptr: u64,
+    pub bytes: usize,
+    pub gpu: Arc<Gpu>,
+}
+
+impl std::fmt::Debug for DeviceBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceBuffer({:#x}, {} bytes, cuda:{})", self.ptr, self.bytes, self.gpu.ordinal)
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        // Work on the one stream is ordered, so a later kernel may reuse this memory at once.
+        let mut free = self.gpu.free.lock().unwrap_or_else(|e| e.into_inner());
+        free.entry(self.bytes).or_default().push(self.ptr);
+    }
+}
+
+/// Sizes are rounded (512 B granules below 4 KiB, else an eighth of the next power of two) so
+/// that buffers of nearby sizes share a cache bucket.
+fn size_class(bytes: usize) -> usize {
+    let g = (bytes.max(1).next_power_of_two() / 8).max(512);
+    bytes.max(1).div_ceil(g) * g
+}
+
+impl Gpu {
+    pub fn device(&self) -> Device {
+        Device::Cuda(self.ordinal)
+    }
+
+    pub fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(cuda_err("binding the context"))
+    }
+
+    /// `bytes` of device memory, from the cache or the driver. Out of memory is an error
+    /// naming the request (after the cache has been given back and the request retried).
+    pub fn alloc(self: &Arc<Self>, bytes: usize) -> Result<DeviceBuffer> {
+        let class = size_class(bytes);
+        if let Some(ptr) = self.free.lock().unwrap_or_else(|e| e.into_inner()).get_mut(&class).and_then(|v| v.pop()) {
+            return Ok(DeviceBuffer { ptr, bytes: class, gpu: self.clone() });
+        }
+        self.bind()?;
+        // SAFETY: plain driver allocation in the bound context; the pointer is owned by the
+        // returned DeviceBuffer (and then by the cache).
+        let ptr = match unsafe { dr::malloc_sync(class) } {
+            Ok(p) => p,
+            Err(_) => {
+                self.empty_cache()?;
+                // SAFETY: as above.
+                unsafe { dr::malloc_sync(class) }.map_err(|e| Error::Device {
+                    device: self.device(),
+                    msg: format!(
+                        "out of memory: cannot allocate {bytes} bytes ({:.1} MiB; {:.1} MiB already held by Kiln): {e}",
+                        bytes as f64 / 1048576.0,
+                        self.held.load(Ordering::Relaxed) as f64 / 1048576.0
+                    ),
+                })?
+            }
+        };
+        DRIVER_ALLOCS.fetch_add(1, Ordering::Relaxed);
+        self.held.fetch_add(class as u64, Ordering::Relaxed);
+        Ok(DeviceBuffer { ptr, bytes: class, gpu: self.clone() })
+    }
+
+    /// Gives every cached (unused) buffer back to the driver.
+    pub fn empty_cache(&self) -> Result<()> {
+        self.sync()?;
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        for (class, ptrs) in free.drain() {
+            for p in ptrs {
+                // SAFETY: the pointer came from malloc_sync and no live buffer refers to it.
+                unsafe { dr::free_sync(p) }.map_err(cuda_err("freeing device memory"))?;
+                self.held.fetch_sub(class as u64, Ordering::Relaxed);
+            }
+        }
+        Ok(())
+    }
+
+    pub fn sync(&self) -> Result<()> {
+        self.stream.synchronize().map_err(cuda_err("stream synchronize"))
+    }
+
+    /// Host to device (the host slice may be dropped on return: pageable copies are staged).
+    pub fn upload<T>(self: &Arc<Self>, data: &[T]) -> Result<DeviceBuffer> {
+        let buf = self.alloc(std::mem::size_of_val(data))?;
+        if !data.is_empty() {
+            // SAFETY: `buf` holds at least `size_of_val(data)` bytes; pageable sources are
+            // copied to staging memory before the call returns.
+            unsafe { dr::memcpy_htod_async(buf.ptr, data, self.stream.cu_stream()) }.map_err(cuda_err("host to device copy"))?;
+        }
+        Ok(buf)
+    }
+
+    /// Device to host of `len` elements at `ptr` (synchronises), then reports any error an
+    /// index kernel recorded since the last read.
+    pub fn download<T: Default + Clone>(&self, ptr: u64, len: usize) -> Result<Vec<T>> {
+        let mut out = vec![T::default(); len];
+        self.bind()?;
+        if len > 0 {
+            // SAFETY: `ptr` holds `len` elements of T (the caller's storage); `out` is that big.
+            unsafe { dr::memcpy_dtoh_async(&mut out, ptr, self.stream.cu_stream()) }.map_err(cuda_err("device to host copy"))?;
+        }
+        self.sync()?;
+        self.check_errors()?;
+        Ok(out)
+    }
+
+    /// Reads (and clears) the error word; an index kernel that saw a bad index set it.
+    pub fn check_errors(&self) -> Result<()> {
+        let mut w = [0i64; 3];
+        // SAFETY: `err` is the 32-byte error word of this context.
+        unsafe { dr::memcpy_dtoh_sync(&mut w, self.err) }.map_err(cuda_err("reading the error word"))?;
+        if w[0] == 0 {
+            return Ok(());
+        }
+        // SAFETY: as above.
+        unsafe { dr::memset_d8_sync(self.err, 0, 32) }.map_err(cuda_err("clearing the error word"))?;
+        let op = super::kernels::index_op_name(w[0]);
+        Err(Error::Msg(format!(
+            "{op} on {}: index {} is out of range for a dim of size {} (found by the kernel; reported at this host read)",
+            self.device(),
+            w[1],
+            w[2]
+        )))
+    }
+
+    /// The kernel `name`, compiled from `source()` on first use (CUBIN cached on disk).
+    pub fn kernel(&self, name: &str, source: impl FnOnce() -> String) -> Result<Kernel> {
+        let mut map = self.kernels.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(k) = map.get(name) {
+            return Ok(*k);
+        }
+        let src = source();
+        let cubin = super::nvrtc::cubin(&src, name, self.arch)?;
+        self.bind()?;
+        // SAFETY: `cubin` is a complete CUBIN image produced by NVRTC for this device's arch.
+        let module = unsafe { dr::module::load_data(cubin.as_ptr() as *const c_void) }.map_err(cuda_err(format!("loading {name}")))?;
+        let cname = CString::new(name).map_err(|_| Error::Msg("kernel name has a NUL".into()))?;
+        // SAFETY: the module was just loaded and is never unloaded.
+        let f = unsafe { dr::module::get_function(module, cname) }.map_err(cuda_err(format!("finding {name}")))?;
+        let k = Kernel(f);
+        map.insert(name.to_string(), k);
+        Ok(k)
+    }
+
+    /// A grid-stride launch over `work` items with 256 threads a block.
+    pub fn grid_for(&self, work: usize) -> u32 {
+        (work.div_ceil(256)).clamp(1, self.sms as usize * 16) as u32
+    }
+
+    /// Launches `k` on this GPU's stream. `params` point at the kernel's arguments in order.
+    ///
+    /// # Safety
+    /// `params` must match the kernel's signature, and every device pointer among them must
+    /// stay valid (owned by a live buffer) until the stream has run the kernel.
+    pub unsafe fn launch(&self, k: Kernel, grid: u32, block: u32, shmem: u32, params: &mut [*mut c_void]) -> Result<()> {
+        self.bind()?;
+        // SAFETY: forwarded from this function's contract.
+        unsafe { dr::launch_kernel(k.0, (grid, 1, 1), (block, 1, 1), shmem, self.stream.cu_stream(), params) }
+            .map_err(cuda_err("kernel launch"))
+    }
+}

@@ -1,0 +1,430 @@
+//! Every primitive op on CUDA: which generated kernel runs it and with what arguments. The
+//! kernels' text comes from `codegen`, the scalar math from the op table.
+
+use super::codegen::{compute_type, elementwise_expr, Elementwise, Index, IndexKind, Reduce, MAX_RANK, SLOTS};
+use super::gpu::{DeviceBuffer, Gpu};
+use crate::op::{Op, OutMeta, ReduceOp};
+use crate::shape::Layout;
+use crate::storage::Storage;
+use crate::{DType, Device, Error, Result};
+use std::ffi::c_void;
+use std::sync::Arc;
+
+/// A device buffer holding `len` elements of `dtype`.
+#[derive(Debug)]
+pub struct CudaStorage {
+    pub buf: DeviceBuffer,
+    pub dtype: DType,
+    pub len: usize,
+}
+
+impl CudaStorage {
+    pub fn alloc(g: &Arc<Gpu>, dtype: DType, len: usize) -> Result<CudaStorage> {
+        Ok(CudaStorage { buf: g.alloc(len * dtype.size_in_bytes())?, dtype, len })
+    }
+    pub fn device(&self) -> Device {
+        Device::Cuda(self.buf.gpu.ordinal)
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.buf.gpu
+    }
+}
+
+/// Mirrors `struct Args` in the kernel prelude.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct Args {
+    n: i64,
+    off: [i64; SLOTS],
+    shape: [i64; MAX_RANK],
+    st: [[i64; MAX_RANK]; SLOTS],
+    s: f64,
+    seed: u64,
+    roff: u64,
+    rank: i32,
+    pad: i32,
+}
+
+/// Drops size-1 dims and merges dims that every operand walks as one.
+fn coalesce(shape: &[usize], strides: &[Vec<usize>]) -> (Vec<usize>, Vec<Vec<usize>>) {
+    let mut s: Vec<usize> = Vec::new();
+    let mut st: Vec<Vec<usize>> = vec![Vec::new(); strides.len()];
+    for d in (0..shape.len()).filter(|&d| shape[d] != 1) {
+        let merge = !s.is_empty() && strides.iter().zip(&st).all(|(x, y)| y[y.len() - 1] == x[d] * shape[d]);
+        if merge {
+            *s.last_mut().unwrap_or(&mut 0) *= shape[d];
+            for (x, y) in strides.iter().zip(st.iter_mut()) {
+                let last = y.len() - 1;
+                y[last] = x[d];
+            }
+        } else {
+            s.push(shape[d]);
+            for (x, y) in strides.iter().zip(st.iter_mut()) {
+                y.push(x[d]);
+            }
+        }
+    }
+    (s, st)
+}
+
+fn too_many_dims(shape: &[usize]) -> Error {
+    Error::shape("cuda kernel", format!("shape {shape:?} has more than {MAX_RANK} dims that cannot be merged"))
+}
+
+fn storages<'a>(ins: &[&'a Storage]) -> Result<Vec<&'a CudaStorage>> {
+    ins.iter()
+        .map(|s| match s {
+            Storage::Cuda(c) => Ok(c),
+            Storage::Cpu(_) => Err(Error::Msg("a CPU buffer reached a CUDA kernel".into())),
+        })
+        .collect()
+}
+
+/// Launches one elementwise kernel. `ins` are read through their layouts (broadcast to
+/// `shape`); the output is a fresh contiguous buffer, or with `inplace` the first input.
+#[allow(clippy::too_many_arguments)]
+fn launch_ew(
+    g: &Arc<Gpu>,
+    prefix: &str,
+    expr: String,
+    compute: &'static str,
+    ins: &[(&CudaStorage, &Layout)],
+    shape: &[usize],
+    out: &CudaStorage,
+    inplace: bool,
+    extra: (f64, u64, u64),
+) -> Result<()> {
+    let n: usize = shape.iter().product();
+    if n == 0 {
+        return Ok(());
+    }
+    let strides: Vec<Vec<usize>> = ins.iter().map(|(_, l)| l.broadcast_strides(shape)).collect();
+    let contiguous: Vec<bool> = strides.iter().map(|st| Layout { shape: shape.to_vec(), strides: st.clone(), offset: 0 }.is_contiguous()).collect();
+    let (cs, cst) = coalesce(shape, &strides);
+    if cs.len() > MAX_RANK {
+        return Err(too_many_dims(shape));
+    }
+    let offsets: Vec<usize> = ins.iter().map(|(_, l)| l.offset).collect();
+    let vec4 = contiguous.iter().all(|&c| c) && offsets.iter().all(|o| o % 4 == 0) && n >= 4;
+    let spec = Elementwise {
+        expr,
+        compute,
+        inputs: ins.iter().map(|(s, _)| s.dtype).collect(),
+        out: out.dtype,
+        contiguous,
+        inplace,
+        vec4,
+    };
+    let name = spec.name(prefix);
+    let k = g.kernel(&name, || spec.source(prefix).0)?;
+    let mut a = Args { n: n as i64, rank: cs.len() as i32, s: extra.0, seed: extra.1, roff: extra.2, ..Args::default() };
+    for (d, &x) in cs.iter().enumerate() {
+        a.shape[d] = x as i64;
+    }
+    for (slot, st) in cst.iter().enumerate() {
+        a.off[slot] = offsets[slot] as i64;
+        for (d, &x) in st.iter().enumerate() {
+            a.st[slot][d] = x as i64;
+        }
+    }
+    let mut ptrs: Vec<u64> = vec![out.buf.ptr];
+    ptrs.extend(ins.iter().enumerate().filter(|(i, _)| !(inplace && *i == 0)).map(|(_, (s, _))| s.buf.ptr));
+    let mut params: Vec<*mut c_void> = ptrs.iter_mut().map(|p| p as *mut u64 as *mut c_void).collect();
+    params.push(&mut a as *mut Args as *mut c_void);
+    let work = if vec4 { n / 4 } else { n };
+    // SAFETY: the parameters match the generated signature (output, inputs, Args); every
+    // buffer is alive for the call and sized by the shape rule; the stream orders later use.
+    unsafe { g.launch(k, g.grid_for(work), 256, 0, &mut params) }
+}
+
+/// Makes a fresh buffer and fills it with `expr` over `ins`.
+fn ew(g: &Arc<Gpu>, prefix: &str, expr: String, compute: &'static str, ins: &[(&CudaStorage, &Layout)], meta: &OutMeta) -> Result<CudaStorage> {
+    ew_extra(g, prefix, expr, compute, ins, meta, (0.0, 0, 0))
+}
+
+fn ew_extra(
+    g: &Arc<Gpu>,
+    prefix: &str,
+    expr: String,
+    compute: &'static str,
+    ins: &[(&CudaStorage, &Layout)],
+    meta: &OutMeta,
+    extra: (f64, u64, u64),
+) -> Result<CudaStorage> {
+    let out = CudaStorage::alloc(g, meta.dtype, meta.shape.iter().product())?;
+    launch_ew(g, prefix, expr, compute, ins, &meta.shape, &out, false, extra)?;
+    Ok(out)
+}
+
+/// A dense row-major copy of `s` read through `l`.
+pub fn dense_copy(g: &Arc<Gpu>, s: &CudaStorage, l: &Layout) -> Result<CudaStorage> {
+    let meta = OutMeta { shape: l.shape.clone(), dtype: s.dtype };
+    ew(g, "copy", "v0".into(), compute_type(s.dtype), &[(s, l)], &meta)
+}
+
+/// `s` through `l` as a dense buffer: the same memory when already dense from offset 0.
+enum Dense<'a> {
+    Borrowed(&'a CudaStorage),
+    Owned(CudaStorage),
+}
+impl Dense<'_> {
+    fn get(&self) -> &CudaStorage {
+        match self {
+            Dense::Borrowed(s) => s,
+            Dense::Owned(s) => s,
+        }
+    }
+}
+fn dense<'a>(g: &Arc<Gpu>, s: &'a CudaStorage, l: &Layout) -> Result<Dense<'a>> {
+    if l.is_contiguous() && l.offset == 0 {
+        Ok(Dense::Borrowed(s))
+    } else {
+        Ok(Dense::Owned(dense_copy(g, s, l)?))
+    }
+}
+
+fn cast(g: &Arc<Gpu>, s: &CudaStorage, l: &Layout, to: DType) -> Result<CudaStorage> {
+    let meta = OutMeta { shape: l.shape.clone(), dtype: to };
+    ew(g, "cast", "v0".into(), compute_type(s.dtype), &[(s, l)], &meta)
+}
+
+/// Runs an op that makes a new tensor on `device`.
+pub fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, device: Device) -> Result<Storage> {
+    let Device::Cuda(ordinal) = device else { return Err(Error::Msg("cuda::run on a CPU device".into())) };
+    let g = super::gpu::gpu(ordinal)?;
+    let cs = storages(ins)?;
+    let x: Vec<(&CudaStorage, &Layout)> = cs.iter().copied().zip(layouts.iter().copied()).collect();
+    let dtypes: Vec<DType> = x.iter().map(|(s, _)| s.dtype).collect();
+    let extra = match op {
+        Op::Full { value, .. } | Op::Scalar { value, .. } => (*value, 0, 0),
+        Op::Rand { seed, offset, .. } => (0.0, *seed, *offset),
+        _ => (0.0, 0, 0),
+    };
+    let out = match op {
+        // Also a reshape the strides cannot express: the copy is read back in the new shape.
+        Op::Contiguous => dense_copy(&g, x[0].0, x[0].1)?,
+        Op::Full { .. } | Op::Arange { .. } | Op::Rand { .. } | Op::Unary(_) | Op::Binary(_) | Op::Scalar { .. } | Op::Where | Op::Cast(_) => {
+            let (prefix, expr, compute) = elementwise_expr(op, &dtypes).ok_or_else(|| Error::Msg(format!("{}: no kernel", op.name())))?;
+            ew_extra(&g, prefix, expr, compute, &x, meta, extra)?
+        }
+        Op::Reduce { op: r, dims, .. } => reduce(&g, *r, x[0], dims, meta)?,
+        Op::Matmul => super::blas::matmul(&g, x[0], x[1], meta)?,
+        Op::IndexSelect { dim } => index_select(&g, x[0], x[1], *dim, meta)?,
+        Op::Gather { dim } => gather(&g, x[0], x[1], *dim, meta)?,
+        Op::IndexAdd { dim } | Op::ScatterAdd { dim } => index_add(&g, op, x[0], x[1], x[2], *dim)?,
+        Op::Cat { dim } => cat(&g, &x, *dim, meta)?,
+        Op::Reshape(_) | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_) => return Err(Error::Msg(format!("{}: a view runs no kernel", op.name()))),
+        Op::Assign | Op::UpdateBinary(_) | Op::UpdateScalar(..) => {
+            return Err(Error::Msg(format!("{}: in-place ops go through run_inplace", op.name())))
+        }
+    };
+    Ok(Storage::Cuda(out))
+}
+
+/// Runs an in-place op on `dst` (read and written through `ld`).
+pub fn run_inplace(op: &Op, dst: &mut Storage, ld: &Layout, src: Option<(&Storage, &Layout)>) -> Result<()> {
+    let Storage::Cuda(d) = dst else { return Err(Error::Msg("cuda::run_inplace on a CPU buffer".into())) };
+    let g = d.gpu().clone();
+    let source = || -> Result<(&CudaStorage, &Layout)> {
+        match src {
+            Some((Storage::Cuda(s), l)) => Ok((s, l)),
+            _ => Err(Error::Msg(format!("{}: needs a CUDA source tensor", op.name()))),
+        }
+    };
+    let (second, extra) = match op {
+        Op::Assign | Op::UpdateBinary(_) => (Some(source()?), 0.0),
+        Op::UpdateScalar(_, v) => (None, *v),
+        _ => return Err(Error::Msg(format!("{}: not an in-place op", op.name()))),
+    };
+    let (prefix, expr, c) = elementwise_expr(op, &[d.dtype]).ok_or_else(|| Error::Msg(format!("{}: no kernel", op.name())))?;
+    let mut ins: Vec<(&CudaStorage, &Layout)> = vec![(&*d, ld)];
+    ins.extend(second);
+    launch_ew(&g, prefix, expr, c, &ins, &ld.shape, d, true, (extra, 0, 0))
+}
+
+/// Mirrors `struct RArgs`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct RArgs {
+    rows: i64,
+    red: i64,
+    off: i64,
+    kshape: [i64; MAX_RANK],
+    kst: [i64; MAX_RANK],
+    rshape: [i64; MAX_RANK],
+    rst: [i64; MAX_RANK],
+    krank: i32,
+    rrank: i32,
+}
+
+fn reduce(g: &Arc<Gpu>, op: ReduceOp, (s, l): (&CudaStorage, &Layout), dims: &[usize], meta: &OutMeta) -> Result<CudaStorage> {
+    let out = CudaStorage::alloc(g, meta.dtype, meta.shape.iter().product())?;
+    let split = |keep: bool| -> (Vec<usize>, Vec<usize>) {
+        let ds: Vec<usize> = (0..l.rank()).filter(|d| dims.contains(d) != keep).collect();
+        (ds.iter().map(|&d| l.shape[d]).collect(), ds.iter().map(|&d| l.strides[d]).collect())
+    };
+    let ((ks, kst), (rs, rst)) = (split(true), split(false));
+    let (ks, kst) = coalesce(&ks, &[kst]);
+    let (rs, rst) = coalesce(&rs, &[rst]);
+    if ks.len() > MAX_RANK || rs.len() > MAX_RANK {
+        return Err(too_many_dims(&l.shape));
+    }
+    let rows: usize = ks.iter().product();
+    let red: usize = rs.iter().product();
+    if rows == 0 {
+        return Ok(out);
+    }
+    let block = red > 1024;
+    let spec = Reduce { op, input: s.dtype, out: meta.dtype, inner_contiguous: rs.is_empty() || (rs.len() == 1 && rst[0][0] == 1), block };
+    let (src, name) = spec.source();
+    let k = g.kernel(&name, || src)?;
+    let mut a = RArgs { rows: rows as i64, red: red as i64, off: l.offset as i64, krank: ks.len() as i32, rrank: rs.len() as i32, ..RArgs::default() };
+    for (d, (&x, &y)) in ks.iter().zip(&kst[0]).enumerate() {
+        (a.kshape[d], a.kst[d]) = (x as i64, y as i64);
+    }
+    for (d, (&x, &y)) in rs.iter().zip(&rst[0]).enumerate() {
+        (a.rshape[d], a.rst[d]) = (x as i64, y as i64);
+    }
+    let (mut o, mut p) = (out.buf.ptr, s.buf.ptr);
+    let mut params: [*mut c_void; 3] = [&mut o as *mut u64 as _, &mut p as *mut u64 as _, &mut a as *mut RArgs as _];
+    let (grid, threads) = if block { (rows as u32, 1024) } else { (rows.div_ceil(8) as u32, 256) };
+    // SAFETY: (out, input, RArgs) matches the generated signature; both buffers are alive and
+    // sized by the shape rule.
+    unsafe { g.launch(k, grid, threads, 0, &mut params)? };
+    Ok(out)
+}
+
+/// Mirrors `struct IArgs`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct IArgs {
+    n: i64,
+    outer: i64,
+    size: i64,
+    inner: i64,
+    nidx: i64,
+    code: i64,
+    ishape: [i64; MAX_RANK],
+    bshape: [i64; MAX_RANK],
+    rank: i32,
+    dim: i32,
+}
+
+const INDEX_OPS: [&str; 4] = ["index_select", "index_add", "gather", "scatter_add"];
+
+/// The op an error code in the device error word stands for.
+pub fn index_op_name(code: i64) -> &'static str {
+    INDEX_OPS.get((code - 1).max(0) as usize).copied().unwrap_or("an index kernel")
+}
+
+fn index_code(kind: IndexKind) -> i64 {
+    match kind {
+        IndexKind::Select => 1,
+        IndexKind::Add => 2,
+        IndexKind::Gather => 3,
+        IndexKind::ScatterAdd => 4,
+    }
+}
+
+/// Launches an index kernel: `o` written from `src` at `idx` (all dense).
+fn launch_index(g: &Arc<Gpu>, kind: IndexKind, o: &CudaStorage, src: &CudaStorage, idx: &CudaStorage, mut a: IArgs) -> Result<()> {
+    if a.n == 0 {
+        return Ok(());
+    }
+    if a.rank as usize > MAX_RANK {
+        return Err(too_many_dims(&[]));
+    }
+    a.code = index_code(kind);
+    let spec = Index { kind, dtype: o.dtype };
+    let (text, name) = spec.source();
+    let k = g.kernel(&name, || text)?;
+    let (mut po, mut ps, mut pi, mut pe) = (o.buf.ptr, src.buf.ptr, idx.buf.ptr, g.err);
+    let mut params: [*mut c_void; 5] =
+        [&mut po as *mut u64 as _, &mut ps as *mut u64 as _, &mut pi as *mut u64 as _, &mut pe as *mut u64 as _, &mut a as *mut IArgs as _];
+    // SAFETY: (out, src, idx, err, IArgs) matches the generated signature; the buffers are
+    // dense and sized by the shape rule; `err` is the GPU's error word.
+    unsafe { g.launch(k, g.grid_for(a.n as usize), 256, 0, &mut params) }
+}
+
+fn split3(shape: &[usize], dim: usize) -> (i64, i64, i64) {
+    (shape[..dim].iter().product::<usize>() as i64, shape[dim] as i64, shape[dim + 1..].iter().product::<usize>() as i64)
+}
+
+fn index_select(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), (si, li): (&CudaStorage, &Layout), dim: usize, meta: &OutMeta) -> Result<CudaStorage> {
+    let (src, idx) = (dense(g, s, l)?, dense(g, si, li)?);
+    let out = CudaStorage::alloc(g, meta.dtype, meta.shape.iter().product())?;
+    let (outer, size, inner) = split3(&l.shape, dim);
+    let a = IArgs { n: out.len as i64, outer, size, inner, nidx: li.shape[0] as i64, ..IArgs::default() };
+    launch_index(g, IndexKind::Select, &out, src.get(), idx.get(), a)?;
+    Ok(out)
+}
+
+fn shapes_args(idx_shape: &[usize], base_shape: &[usize], dim: usize, n: usize) -> IArgs {
+    let mut a = IArgs { n: n as i64, size: base_shape[dim] as i64, rank: idx_shape.len() as i32, dim: dim as i32, ..IArgs::default() };
+    for d in 0..idx_shape.len().min(MAX_RANK) {
+        (a.ishape[d], a.bshape[d]) = (idx_shape[d] as i64, base_shape[d] as i64);
+    }
+    a
+}
+
+fn gather(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), (si, li): (&CudaStorage, &Layout), dim: usize, meta: &OutMeta) -> Result<CudaStorage> {
+    let (src, idx) = (dense(g, s, l)?, dense(g, si, li)?);
+    let out = CudaStorage::alloc(g, meta.dtype, meta.shape.iter().product())?;
+    launch_index(g, IndexKind::Gather, &out, src.get(), idx.get(), shapes_args(&li.shape, &l.shape, dim, out.len))?;
+    Ok(out)
+}
+
+/// index_add and scatter_add: a copy of `base`, then atomic adds of `src` (in F32 or F64:
+/// other dtypes are cast there and back).
+fn index_add(
+    g: &Arc<Gpu>,
+    op: &Op,
+    (sb, lb): (&CudaStorage, &Layout),
+    (si, li): (&CudaStorage, &Layout),
+    (ss, ls): (&CudaStorage, &Layout),
+    dim: usize,
+) -> Result<CudaStorage> {
+    let wide = match sb.dtype {
+        DType::F32 | DType::F16 | DType::BF16 => DType::F32,
+        _ => DType::F64,
+    };
+    let out = cast(g, sb, lb, wide)?;
+    let src = cast(g, ss, ls, wide)?;
+    let idx = dense(g, si, li)?;
+    let (kind, a) = if matches!(op, Op::IndexAdd { .. }) {
+        let (outer, size, inner) = split3(&lb.shape, dim);
+        (IndexKind::Add, IArgs { n: src.len as i64, outer, size, inner, nidx: li.shape[0] as i64, ..IArgs::default() })
+    } else {
+        (IndexKind::ScatterAdd, shapes_args(&li.shape, &lb.shape, dim, src.len))
+    };
+    launch_index(g, kind, &out, &src, idx.get(), a)?;
+    if wide == sb.dtype {
+        return Ok(out);
+    }
+    cast(g, &out, &Layout::contiguous(&lb.shape), sb.dtype)
+}
+
+/// Each input copied into its slice of the output.
+fn cat(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], dim: usize, meta: &OutMeta) -> Result<CudaStorage> {
+    let out = CudaStorage::alloc(g, meta.dtype, meta.shape.iter().product())?;
+    let full = Layout::contiguous(&meta.shape);
+    let mut start = 0;
+    for (s, l) in x {
+        let len = l.shape[dim];
+        let mut dst = full.clone();
+        dst.offset = start * full.strides[dim];
+        dst.shape[dim] = len;
+        start += len;
+        launch_ew(g, "cat", "v1".into(), compute_type(meta.dtype), &[(&out, &dst), (s, l)], &dst.shape, &out, true, (0.0, 0, 0))?;
+    }
+    Ok(out)
+}

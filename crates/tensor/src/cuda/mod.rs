@@ -1,0 +1,147 @@
+//! The CUDA back end (feature `cuda`): device buffers from a caching allocator, every
+//! primitive op as a kernel generated from the op table (`codegen`, compiled by NVRTC to a
+//! CUBIN cached on disk), matmul through cuBLAS, one stream per GPU. Without the feature, or
+//! without a driver or GPU, every CUDA request is an `Error::Device`, never a panic (cudarc
+//! panics when a library it loads lazily is missing, so each library is probed first).
+//!
+//! Nothing synchronises except a host read (`to_vec`, `item`, moving to the CPU). An index
+//! kernel that meets a bad index records it on the device; the next host read returns the
+//! error.
+
+pub mod codegen;
+#[cfg(feature = "cuda")]
+mod blas;
+#[cfg(feature = "cuda")]
+mod gpu;
+#[cfg(feature = "cuda")]
+mod kernels;
+#[cfg(feature = "cuda")]
+pub mod nvrtc;
+
+use crate::op::{Op, OutMeta};
+use crate::shape::Layout;
+use crate::storage::Storage;
+use crate::{Device, Result, Tensor};
+#[cfg(not(feature = "cuda"))]
+use crate::Error;
+
+#[cfg(feature = "cuda")]
+pub use blas::{allow_tf32, set_allow_tf32};
+#[cfg(feature = "cuda")]
+pub use gpu::driver_allocations;
+#[cfg(feature = "cuda")]
+pub use kernels::CudaStorage;
+
+/// Whether `Device::Cuda(ordinal)` can be used.
+pub fn is_available(ordinal: usize) -> bool {
+    #[cfg(feature = "cuda")]
+    return gpu::gpu(ordinal).is_ok();
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = ordinal;
+        false
+    }
+}
+
+/// Waits until all work queued on the GPU has run (for timing; ops never need it).
+pub fn synchronize(device: Device) -> Result<()> {
+    match device {
+        Device::Cpu => Ok(()),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(n) => gpu::gpu(n)?.sync(),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(unavailable(device)),
+    }
+}
+
+/// Gives cached, unused device memory back to the driver (like `torch.cuda.empty_cache`).
+pub fn empty_cache(device: Device) -> Result<()> {
+    match device {
+        Device::Cpu => Ok(()),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(n) => gpu::gpu(n)?.empty_cache(),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(unavailable(device)),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn unavailable(device: Device) -> Error {
+    Error::Device { device, msg: "Kiln was built without the `cuda` feature; rebuild with `--features cuda`".into() }
+}
+
+pub(crate) fn to_device(t: &Tensor, device: Device) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    return copies::to_device(t, device);
+    #[cfg(not(feature = "cuda"))]
+    Err(unavailable(if device.is_cuda() { device } else { t.device() }))
+}
+
+pub(crate) fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, device: Device) -> Result<Storage> {
+    #[cfg(feature = "cuda")]
+    return kernels::run(op, ins, layouts, meta, device);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (op, ins, layouts, meta);
+        Err(unavailable(device))
+    }
+}
+
+#[cfg(feature = "cuda")]
+pub(crate) fn run_inplace(op: &Op, dst: &mut Storage, l: &Layout, src: Option<(&Storage, &Layout)>) -> Result<()> {
+    kernels::run_inplace(op, dst, l, src)
+}
+
+#[cfg(feature = "cuda")]
+mod copies {
+    use super::gpu::gpu;
+    use super::kernels::{dense_copy, CudaStorage};
+    use crate::storage::{CpuStorage, IntoCpuStorage, Storage};
+    use crate::{DType, Device, Error, Result, Tensor};
+
+    fn upload(t: &Tensor, ordinal: usize) -> Result<Tensor> {
+        let g = gpu(ordinal)?;
+        let c = t.contiguous()?;
+        let buf = c.with_cpu_storage(|st, l| {
+            let (a, b) = (l.offset, l.offset + l.numel());
+            crate::with_cpu!(st, v => g.upload(&v[a..b]))
+        })??;
+        let s = CudaStorage { buf, dtype: t.dtype(), len: t.numel() };
+        Ok(Tensor::from_storage(Storage::Cuda(s), t.shape()))
+    }
+
+    /// The tensor's elements in row-major order on the host (a strided view is made dense on
+    /// the device first, so only its own elements cross the bus).
+    fn download(t: &Tensor) -> Result<Tensor> {
+        let guard = t.storage().read();
+        let Storage::Cuda(c) = &*guard else { return Err(Error::Msg("download: not a CUDA tensor".into())) };
+        let l = t.layout();
+        let owned;
+        let (src, off) = if l.is_contiguous() {
+            (c, l.offset)
+        } else {
+            owned = dense_copy(c.gpu(), c, l)?;
+            (&owned, 0)
+        };
+        let (g, n) = (src.gpu(), t.numel());
+        let ptr = src.buf.ptr + (off * src.dtype.size_in_bytes()) as u64;
+        let host: CpuStorage = match src.dtype {
+            DType::F32 => g.download::<f32>(ptr, n)?.into_storage(),
+            DType::F64 => g.download::<f64>(ptr, n)?.into_storage(),
+            DType::F16 => g.download::<half::f16>(ptr, n)?.into_storage(),
+            DType::BF16 => g.download::<half::bf16>(ptr, n)?.into_storage(),
+            DType::I64 => g.download::<i64>(ptr, n)?.into_storage(),
+            DType::U8 => g.download::<u8>(ptr, n)?.into_storage(),
+        };
+        Ok(Tensor::from_storage(Storage::Cpu(host), t.shape()))
+    }
+
+    pub fn to_device(t: &Tensor, device: Device) -> Result<Tensor> {
+        match (t.device(), device) {
+            (Device::Cpu, Device::Cuda(n)) => upload(t, n),
+            (Device::Cuda(_), Device::Cpu) => download(t),
+            (Device::Cuda(_), Device::Cuda(n)) => upload(&download(t)?, n),
+            (Device::Cpu, Device::Cpu) => Ok(t.clone()),
+        }
+    }
+}

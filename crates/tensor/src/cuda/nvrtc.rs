@@ -1,0 +1,89 @@
+//! NVRTC: CUDA C++ source to a CUBIN for one architecture, cached on disk by source hash,
+//! architecture and NVRTC version (a CUBIN loads in ~0.1 ms; PTX would cost a driver JIT).
+
+use super::codegen::fnv1a;
+use crate::{Error, Result};
+use cudarc::nvrtc::{result as nr, sys as ns};
+use std::ffi::CString;
+use std::path::PathBuf;
+
+/// Whether libnvrtc can be loaded (cudarc panics on first use otherwise).
+pub fn available() -> bool {
+    // SAFETY: only tries to open the library.
+    unsafe { ns::is_culib_present() }
+}
+
+fn version() -> (i32, i32) {
+    let (mut a, mut b) = (0, 0);
+    // SAFETY: writes two ints.
+    unsafe { ns::nvrtcVersion(&mut a, &mut b) };
+    (a, b)
+}
+
+/// Where CUBINs are kept: `$KILN_CACHE_DIR`, else `$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln`.
+pub fn cache_dir() -> Option<PathBuf> {
+    let base = std::env::var_os("KILN_CACHE_DIR").map(PathBuf::from).or_else(|| {
+        std::env::var_os("XDG_CACHE_HOME")
+            .map(|x| PathBuf::from(x).join("kiln"))
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache").join("kiln")))
+    })?;
+    Some(base.join("cubin"))
+}
+
+/// The CUBIN for `src`, from the disk cache or freshly compiled (and then cached).
+pub fn cubin(src: &str, name: &str, arch: (i32, i32)) -> Result<Vec<u8>> {
+    if !available() {
+        return Err(Error::Cuda("NVRTC (libnvrtc.so) not found; it compiles Kiln's CUDA kernels".into()));
+    }
+    let (va, vb) = version();
+    let key = fnv1a(format!("{src}\n// sm_{}{} nvrtc {va}.{vb}", arch.0, arch.1).as_bytes());
+    let path = cache_dir().map(|d| d.join(format!("{name}-{key:016x}-sm{}{}.cubin", arch.0, arch.1)));
+    if let Some(bytes) = path.as_ref().and_then(|p| std::fs::read(p).ok()) {
+        return Ok(bytes);
+    }
+    let bin = compile(src, name, &format!("sm_{}{}", arch.0, arch.1), true)?;
+    if let Some(p) = path {
+        // Best effort: a cache that cannot be written only costs a recompile next time.
+        let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+        if p.parent().map(std::fs::create_dir_all).transpose().is_ok() && std::fs::write(&tmp, &bin).is_ok() {
+            let _ = std::fs::rename(&tmp, &p);
+        }
+    }
+    Ok(bin)
+}
+
+/// Compiles `src` for `arch` (e.g. "sm_90"): a CUBIN when `binary`, else PTX text bytes.
+/// Errors carry NVRTC's log.
+pub fn compile(src: &str, name: &str, arch: &str, binary: bool) -> Result<Vec<u8>> {
+    let csrc = CString::new(src).map_err(|_| Error::Msg("kernel source has a NUL".into()))?;
+    let cname = CString::new(format!("{name}.cu")).map_err(|_| Error::Msg("kernel name has a NUL".into()))?;
+    let prog = nr::create_program(&csrc, Some(&cname)).map_err(|e| Error::Cuda(format!("nvrtc create_program: {e:?}")))?;
+    let opts = [format!("--gpu-architecture={arch}"), "--std=c++17".to_string()];
+    // SAFETY: `prog` is live until destroy_program below.
+    let compiled = unsafe { nr::compile_program(prog, &opts) };
+    let out = match compiled {
+        Err(e) => {
+            // SAFETY: as above.
+            let log = unsafe { nr::get_program_log(prog) }.map(|l| l.iter().map(|&c| c as u8 as char).collect::<String>()).unwrap_or_default();
+            Err(Error::Cuda(format!("nvrtc could not compile {name} for {arch}: {e:?}\n{log}")))
+        }
+        Ok(()) if binary => {
+            let mut size = 0usize;
+            // SAFETY: as above; `buf` is sized from NVRTC's own answer.
+            unsafe {
+                ns::nvrtcGetCUBINSize(prog, &mut size).result().map_err(|e| Error::Cuda(format!("nvrtc: {e:?}")))?;
+                let mut buf = vec![0u8; size];
+                ns::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut _).result().map_err(|e| Error::Cuda(format!("nvrtc: {e:?}")))?;
+                Ok(buf)
+            }
+        }
+        Ok(()) => {
+            // SAFETY: as above.
+            let ptx = unsafe { nr::get_ptx(prog) }.map_err(|e| Error::Cuda(format!("nvrtc get_ptx: {e:?}")))?;
+            Ok(ptx.iter().map(|&c| c as u8).collect())
+        }
+    };
+    // SAFETY: `prog` was created above and is not used after this.
+    let _ = unsafe { nr::destroy_program(prog) };
+    out
+}

@@ -1,0 +1,359 @@
+//! Every primitive op on CUDA against the CPU, forward and backward, on random inputs in every
+//! dtype, plus the CUDA error paths (built only with `--features cuda`; runs on the GPU
+//! machine through ../shared/gpu/pack). Without a GPU each test fails saying so.
+
+use kiln::nn::{cross_entropy, Forward, LayerNorm};
+use kiln::prelude::*;
+use kiln::tensor::{cuda, BinaryOp, Distribution, ReduceOp, UnaryOp};
+
+/// Tests here run one at a time: the allocation count is global.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn gpu() -> Device {
+    let d = Device::cuda_if_available(0);
+    assert!(d.is_cuda(), "NO GPU: this CUDA test needs an NVIDIA GPU and driver (run it on the GPU machine)");
+    d
+}
+
+const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
+
+fn tol(d: DType) -> f64 {
+    match d {
+        DType::F64 => 1e-10,
+        DType::F32 => 2e-5,
+        DType::F16 => 2e-3,
+        DType::BF16 => 1.6e-2,
+        DType::I64 | DType::U8 => 0.0,
+    }
+}
+
+/// Same shape and dtype, and every value within `tol` relative (NaN matches NaN, inf matches
+/// the same inf).
+fn close(what: &str, cpu: &Tensor, gpu: &Tensor, tol: f64) {
+    assert_eq!(gpu.device().is_cuda(), true, "{what}: result left the GPU");
+    assert_eq!((cpu.shape(), cpu.dtype()), (gpu.shape(), gpu.dtype()), "{what}");
+    let (a, b) = (cpu.to_vec_f64().unwrap(), gpu.to_vec_f64().unwrap());
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        let ok = (x.is_nan() && y.is_nan()) || x == y || (x - y).abs() <= tol * (1.0 + x.abs());
+        assert!(ok, "{what}: element {i}: cpu {x} vs cuda {y} (tol {tol})");
+    }
+}
+
+fn randn(shape: &[usize], seed: u64, dt: DType) -> Tensor {
+    Tensor::rand_at(shape, Distribution::Normal, seed, 0, DType::F32, Device::Cpu).unwrap().to_dtype(dt).unwrap()
+}
+
+/// Runs `f` on CPU inputs and on their CUDA copies and compares.
+fn both(what: &str, ins: &[Tensor], tol: f64, f: impl Fn(&[Tensor]) -> Result<Tensor>) {
+    let dev = gpu();
+    let on_gpu: Vec<Tensor> = ins.iter().map(|t| t.to_device(dev).unwrap()).collect();
+    let c = f(ins).unwrap_or_else(|e| panic!("{what} on cpu: {e}"));
+    let g = f(&on_gpu).unwrap_or_else(|e| panic!("{what} on cuda: {e}"));
+    close(what, &c, &g, tol);
+}
+
+#[test]
+fn unary_ops_match_the_cpu_in_every_float_dtype() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let ops = [
+        UnaryOp::Neg,
+        UnaryOp::Abs,
+        UnaryOp::Exp,
+        UnaryOp::Log,
+        UnaryOp::Sqrt,
+        UnaryOp::Rsqrt,
+        UnaryOp::Recip,
+        UnaryOp::Sin,
+        UnaryOp::Cos,
+        UnaryOp::Tanh,
+        UnaryOp::Sigmoid,
+        UnaryOp::Relu,
+        UnaryOp::Gelu,
+        UnaryOp::GeluTanh,
+        UnaryOp::Silu,
+        UnaryOp::Erf,
+        UnaryOp::Square,
+        UnaryOp::Sign,
+        UnaryOp::Step,
+        UnaryOp::GeluGrad,
+        UnaryOp::GeluTanhGrad,
+        UnaryOp::SiluGrad,
+    ];
+    for dt in FLOATS {
+        // 1031 elements: the vector path plus a scalar tail; the transpose walks strides.
+        let x = randn(&[1031], 1, dt);
+        let xt = randn(&[13, 7], 2, dt).t().unwrap();
+        for u in ops {
+            let positive = matches!(u, UnaryOp::Log | UnaryOp::Sqrt | UnaryOp::Rsqrt);
+            let f = |t: &Tensor| if positive { t.abs()?.add_scalar(0.1)?.unary(u) } else { t.unary(u) };
+            both(&format!("{u:?} {dt:?}"), &[x.clone()], tol(dt), |t| f(&t[0]));
+            both(&format!("{u:?} {dt:?} strided"), &[xt.clone()], tol(dt), |t| f(&t[0]));
+        }
+    }
+    let i = Tensor::from_slice(&[-3i64, 0, 5, -1], &[4], Device::Cpu).unwrap();
+    for u in [UnaryOp::Neg, UnaryOp::Abs, UnaryOp::Square, UnaryOp::Sign, UnaryOp::Relu] {
+        both(&format!("{u:?} i64"), &[i.clone()], 0.0, |t| t[0].unary(u));
+    }
+}
+
+#[test]
+fn binary_scalar_where_and_cast_match_the_cpu() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let ops = [
+        BinaryOp::Add,
+        BinaryOp::Sub,
+        BinaryOp::Mul,
+        BinaryOp::Div,
+        BinaryOp::Pow,
+        BinaryOp::Maximum,
+        BinaryOp::Minimum,
+        BinaryOp::Eq,
+        BinaryOp::Ne,
+        BinaryOp::Lt,
+        BinaryOp::Le,
+        BinaryOp::Gt,
+        BinaryOp::Ge,
+    ];
+    for dt in FLOATS {
+        let a = randn(&[6, 9], 3, dt);
+        let row = randn(&[9], 4, dt);
+        let col = randn(&[6, 1], 5, dt).abs().unwrap().add_scalar(0.5).unwrap();
+        let at = randn(&[9, 6], 6, dt).t().unwrap();
+        for b in ops {
+            let base = |t: &Tensor| if b == BinaryOp::Pow { t.abs()?.add_scalar(0.1) } else { Ok(t.clone()) };
+            let t = tol(dt) * if b == BinaryOp::Pow { 4.0 } else { 1.0 };
+            both(&format!("{b:?} {dt:?} row"), &[a.clone(), row.clone()], t, |x| base(&x[0])?.binary(b, &x[1]));
+            both(&format!("{b:?} {dt:?} col"), &[a.clone(), col.clone()], t, |x| base(&x[0])?.binary(b, &x[1]));
+            both(&format!("{b:?} {dt:?} strided"), &[at.clone(), a.clone()], t, |x| base(&x[0])?.binary(b, &x[1]));
+            both(&format!("{b:?} {dt:?} scalar"), &[a.clone()], t, |x| base(&x[0])?.scalar_op(b, 1.5, false));
+            both(&format!("{b:?} {dt:?} scalar lhs"), &[a.clone()], t, |x| base(&x[0])?.scalar_op(b, 1.5, true));
+        }
+        let cond = randn(&[6, 1], 7, DType::F32).gt_scalar(0.0).unwrap();
+        both(&format!("where {dt:?}"), &[cond, a.clone(), row.clone()], 0.0, |x| Tensor::where_cond(&x[0], &x[1], &x[2]));
+        for to in [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I64, DType::U8] {
+            both(&format!("cast {dt:?} -> {to:?}"), &[a.mul_scalar(50.0).unwrap()], tol(to), |x| x[0].to_dtype(to));
+        }
+    }
+    let i = Tensor::from_slice(&[7i64, -3, 0, 9, 4, -8], &[2, 3], Device::Cpu).unwrap();
+    let j = Tensor::from_slice(&[2i64, 0, -3], &[3], Device::Cpu).unwrap();
+    for b in ops {
+        both(&format!("{b:?} i64"), &[i.clone(), j.clone()], 0.0, |x| x[0].binary(b, &x[1]));
+    }
+}
+
+#[test]
+fn sources_and_dropout_masks_are_the_same_on_both_devices() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    for dt in FLOATS {
+        for dist in [Distribution::Uniform, Distribution::Normal] {
+            let c = Tensor::rand_at(&[3, 1001], dist, 42, 12, dt, Device::Cpu).unwrap();
+            let g = Tensor::rand_at(&[3, 1001], dist, 42, 12, dt, dev).unwrap();
+            let t = if dist == Distribution::Uniform { 0.0 } else { tol(dt).max(1e-6) };
+            close(&format!("rand {dist:?} {dt:?}"), &c, &g, t);
+        }
+        close(&format!("full {dt:?}"), &Tensor::full(2.5, &[5], dt, Device::Cpu).unwrap(), &Tensor::full(2.5, &[5], dt, dev).unwrap(), 0.0);
+        close(&format!("arange {dt:?}"), &Tensor::arange(33, dt, Device::Cpu).unwrap(), &Tensor::arange(33, dt, dev).unwrap(), 0.0);
+    }
+    // Dropout through nn: identical masks for the same seed and offset, bit for bit.
+    let x = Tensor::ones(&[64, 33], DType::F32, Device::Cpu).unwrap();
+    kiln::tensor::rng::manual_seed(9);
+    let c = kiln::nn::dropout(&x, 0.3, true).unwrap();
+    kiln::tensor::rng::manual_seed(9);
+    let g = kiln::nn::dropout(&x.to_device(dev).unwrap(), 0.3, true).unwrap();
+    close("dropout", &c, &g, 0.0);
+}
+
+#[test]
+fn reductions_match_the_cpu() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let ops = [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min, ReduceOp::ArgMax, ReduceOp::ArgMin];
+    for dt in FLOATS {
+        let x = randn(&[4, 5, 6], 8, dt);
+        // Rows longer than 1024 take the block-per-row kernel.
+        let long = randn(&[3, 5000], 9, dt);
+        for op in ops {
+            let arg = matches!(op, ReduceOp::ArgMax | ReduceOp::ArgMin);
+            let t = if op == ReduceOp::Sum { tol(dt) * 4.0 } else { 0.0 };
+            let dims: Vec<Vec<usize>> = if arg { vec![vec![0], vec![1], vec![2]] } else { vec![vec![0], vec![2], vec![0, 2], vec![0, 1, 2]] };
+            for d in dims {
+                for keep in [false, true] {
+                    both(&format!("{op:?} {d:?} {keep} {dt:?}"), &[x.clone()], t, |v| v[0].reduce(op, &d[..], keep));
+                    both(&format!("{op:?} {d:?} {dt:?} permuted"), &[x.clone()], t, |v| v[0].permute(&[2, 0, 1])?.reduce(op, &d[..], keep));
+                }
+            }
+            both(&format!("{op:?} long {dt:?}"), &[long.clone()], t * 10.0, |v| v[0].reduce(op, &[1usize][..], false));
+            if !arg {
+                both(&format!("{op:?} long dim0 {dt:?}"), &[long.clone()], t * 10.0, |v| v[0].reduce(op, &[0usize][..], false));
+            }
+        }
+        both(&format!("softmax {dt:?}"), &[x.clone()], tol(dt) * 4.0, |v| v[0].softmax(-1));
+        both(&format!("log_softmax {dt:?}"), &[x.clone()], tol(dt) * 4.0, |v| v[0].log_softmax(1));
+    }
+    // NaN wins max and argmax, as on the CPU.
+    let n = Tensor::from_slice(&[1.0f32, f32::NAN, 3.0, 2.0], &[2, 2], Device::Cpu).unwrap();
+    both("max nan", &[n.clone()], 0.0, |v| v[0].max(&[1usize][..], false));
+    both("argmax nan", &[n], 0.0, |v| v[0].argmax(1, false));
+}
+
+#[test]
+fn matmul_matches_the_cpu_with_transposes_and_batches() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for dt in FLOATS {
+        let t = match dt {
+            DType::F16 => 4e-3,
+            DType::BF16 => 3e-2,
+            d => tol(d) * 10.0,
+        };
+        let a = randn(&[7, 5], 10, dt);
+        let b = randn(&[5, 3], 11, dt);
+        both(&format!("mm {dt:?}"), &[a.clone(), b.clone()], t, |x| x[0].matmul(&x[1]));
+        both(&format!("mm a^T {dt:?}"), &[randn(&[5, 7], 12, dt), b.clone()], t, |x| x[0].t()?.matmul(&x[1]));
+        both(&format!("mm b^T {dt:?}"), &[a.clone(), randn(&[3, 5], 13, dt)], t, |x| x[0].matmul(&x[1].t()?));
+        both(&format!("bmm {dt:?}"), &[randn(&[4, 7, 5], 14, dt), randn(&[4, 5, 3], 15, dt)], t, |x| x[0].matmul(&x[1]));
+        both(&format!("bmm broadcast {dt:?}"), &[randn(&[4, 7, 5], 16, dt), b.clone()], t, |x| x[0].matmul(&x[1]));
+        both(&format!("bmm 4d broadcast {dt:?}"), &[randn(&[2, 1, 7, 5], 17, dt), randn(&[3, 5, 3], 18, dt)], t, |x| x[0].matmul(&x[1]));
+        both(&format!("bmm permuted {dt:?}"), &[randn(&[7, 4, 5], 19, dt), randn(&[4, 3, 5], 20, dt)], t, |x| {
+            x[0].permute(&[1, 0, 2])?.matmul(&x[1].transpose(1, 2)?)
+        });
+        both(&format!("mm k=0 {dt:?}"), &[randn(&[3, 0], 21, dt), randn(&[0, 2], 22, dt)], 0.0, |x| x[0].matmul(&x[1]));
+    }
+}
+
+#[test]
+fn indexing_cat_and_in_place_updates_match_the_cpu() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for dt in FLOATS {
+        let x = randn(&[5, 4, 3], 23, dt);
+        let idx = Tensor::from_slice(&[4i64, 0, 2, 2], &[4], Device::Cpu).unwrap();
+        both(&format!("index_select 0 {dt:?}"), &[x.clone(), idx.clone()], 0.0, |v| v[0].index_select(0, &v[1]));
+        both(&format!("index_select 1 {dt:?}"), &[x.clone(), idx.narrow(0, 1, 2).unwrap()], 0.0, |v| v[0].transpose(0, 1)?.index_select(1, &v[1]));
+        let src = randn(&[5, 4, 4], 24, dt);
+        both(&format!("index_add {dt:?}"), &[x.clone(), idx.clone(), src], tol(dt) * 2.0, |v| v[0].index_add(2, &v[1].narrow(0, 0, 3)?, &v[2].narrow(2, 0, 3)?));
+        let gi = Tensor::from_slice(&[0i64, 3, 1, 1, 2, 0], &[2, 3], Device::Cpu).unwrap();
+        let m = randn(&[2, 4], 25, dt);
+        both(&format!("gather {dt:?}"), &[m.clone(), gi.clone()], 0.0, |v| v[0].gather(1, &v[1]));
+        both(&format!("scatter_add {dt:?}"), &[m.clone(), gi.clone(), randn(&[2, 3], 26, dt)], tol(dt) * 2.0, |v| v[0].scatter_add(1, &v[1], &v[2]));
+        both(&format!("cat {dt:?}"), &[m.clone(), randn(&[4, 2], 27, dt)], 0.0, |v| Tensor::cat(&[&v[0], &v[1].t()?, &v[0]], 0));
+        both(&format!("cat dim1 {dt:?}"), &[m.clone(), randn(&[2, 3], 28, dt)], 0.0, |v| Tensor::cat(&[&v[0], &v[1]], 1));
+        both(&format!("embedding {dt:?}"), &[randn(&[10, 6], 29, dt), Tensor::from_slice(&[3i64, 9, 0, 3], &[2, 2], Device::Cpu).unwrap()], 0.0, |v| {
+            v[0].embedding(&v[1])
+        });
+        // In place through a strided view: only the view's elements change.
+        both(&format!("in place {dt:?}"), &[randn(&[6, 5], 30, dt), randn(&[5], 31, dt)], tol(dt), |v| {
+            let dst = v[0].copy()?;
+            let view = dst.narrow(0, 1, 3)?.t()?;
+            view.add_(&v[1].narrow(0, 0, 3)?.unsqueeze(1)?)?;
+            dst.narrow(1, 4, 1)?.mul_scalar_(3.0)?;
+            dst.narrow(0, 5, 1)?.assign(&v[1])?;
+            Ok(dst)
+        });
+    }
+}
+
+/// Gradients of `f` with respect to its float inputs, on one device.
+fn grads(ins: &[Tensor], f: &dyn Fn(&[Tensor]) -> Result<Tensor>) -> Vec<Tensor> {
+    for t in ins.iter().filter(|t| t.dtype().is_float()) {
+        t.set_requires_grad(true);
+    }
+    let y = f(ins).unwrap();
+    let w = Tensor::rand_at(y.shape(), Distribution::Normal, 77, 0, DType::F32, Device::Cpu).unwrap().to_dtype(y.dtype()).unwrap();
+    y.mul(&w.to_device(y.device()).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+    ins.iter().filter(|t| t.dtype().is_float()).map(|t| t.grad().expect("a gradient")).collect()
+}
+
+#[test]
+fn backward_of_every_differentiable_op_matches_the_cpu() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    type F = Box<dyn Fn(&[Tensor]) -> Result<Tensor>>;
+    let cases: Vec<(&str, Vec<Tensor>, F)> = vec![
+        ("unary chain", vec![randn(&[4, 6], 40, DType::F32)], Box::new(|x| {
+            let a = x[0].exp()?.add(&x[0].sin()?)?.add(&x[0].tanh()?)?.add(&x[0].sigmoid()?)?;
+            let b = x[0].gelu()?.add(&x[0].silu()?)?.add(&x[0].relu()?)?.add(&x[0].abs()?.add_scalar(0.5)?.log()?)?;
+            a.add(&b)?.add(&x[0].square()?.add_scalar(1.0)?.sqrt()?)
+        })),
+        ("binary broadcast", vec![randn(&[4, 6], 41, DType::F32), randn(&[6], 42, DType::F32)], Box::new(|x| {
+            let d = x[1].abs()?.add_scalar(0.5)?;
+            x[0].mul(&x[1])?.sub(&x[0].div(&d)?)?.add(&x[0].maximum(&x[1])?)?.add(&x[0].minimum(&x[1])?)
+        })),
+        ("pow and where", vec![randn(&[5, 3], 43, DType::F32)], Box::new(|x| {
+            let p = x[0].abs()?.add_scalar(0.2)?.powf(1.7)?;
+            Tensor::where_cond(&x[0].gt_scalar(0.0)?, &p, &x[0].mul_scalar(-2.0)?)
+        })),
+        ("reductions", vec![randn(&[4, 5, 6], 44, DType::F32)], Box::new(|x| {
+            x[0].sum(&[1usize][..], true)?.add(&x[0].max(&[2usize][..], true)?)?.add(&x[0].min(&[0usize][..], true)?)?.add(&x[0].mean(&[0usize, 2][..], true)?)
+        })),
+        ("matmul and views", vec![randn(&[3, 4, 5], 45, DType::F32), randn(&[6, 5], 46, DType::F32)], Box::new(|x| {
+            x[0].matmul(&x[1].t()?)?.permute(&[2, 0, 1])?.narrow(0, 1, 4)?.reshape(&[4, 12][..])?.expand(&[2, 4, 12])?.contiguous()
+        })),
+        ("softmax, log_softmax", vec![randn(&[4, 7], 47, DType::F32)], Box::new(|x| x[0].softmax(1)?.add(&x[0].log_softmax(0)?))),
+        ("indexing and cat", vec![randn(&[6, 4], 48, DType::F32), Tensor::from_slice(&[5i64, 0, 5, 2], &[4], Device::Cpu).unwrap()], Box::new(|x| {
+            let sel = x[0].index_select(0, &x[1])?;
+            let gi = x[1].narrow(0, 0, 2)?.reshape(&[2, 1][..])?.expand(&[2, 4])?.contiguous()?;
+            Tensor::cat(&[&sel, &x[0].gather(0, &gi)?, &x[0].embedding(&x[1])?], 0)
+        })),
+        ("cross entropy", vec![randn(&[8, 5], 49, DType::F32), Tensor::from_slice(&[0i64, 4, 2, 2, 1, 3, 0, 4], &[8], Device::Cpu).unwrap()], Box::new(|x| {
+            cross_entropy(&x[0], &x[1])
+        })),
+        ("dtype casts", vec![randn(&[3, 4], 50, DType::F32)], Box::new(|x| x[0].to_dtype(DType::F64)?.exp()?.to_dtype(DType::F32))),
+    ];
+    for (name, ins, f) in cases {
+        let cpu = grads(&ins, &*f);
+        let g_ins: Vec<Tensor> = ins.iter().map(|t| t.detach().to_device(dev).unwrap()).collect();
+        let cuda = grads(&g_ins, &*f);
+        for (i, (c, g)) in cpu.iter().zip(&cuda).enumerate() {
+            close(&format!("grad {i} of {name}"), c, g, 1e-4);
+        }
+    }
+    // LayerNorm as a layer, parameters on the GPU.
+    kiln::tensor::rng::manual_seed(3);
+    let ln_c = LayerNorm::new(6, 1e-5, Device::Cpu).unwrap();
+    kiln::tensor::rng::manual_seed(3);
+    let ln_g = LayerNorm::new(6, 1e-5, dev).unwrap();
+    let x = randn(&[4, 6], 51, DType::F32);
+    close("layer norm", &ln_c.forward(&x).unwrap(), &ln_g.forward(&x.to_device(dev).unwrap()).unwrap(), 1e-5);
+}
+
+#[test]
+fn cuda_errors_are_clear() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    // Mixed devices.
+    let a = Tensor::ones(&[2], DType::F32, Device::Cpu).unwrap();
+    let b = a.to_device(dev).unwrap();
+    let e = a.add(&b).unwrap_err().to_string();
+    assert!(e.contains("different devices"), "{e}");
+    // A bad embedding index: the kernel records it, the next host read reports it.
+    let table = Tensor::ones(&[10, 4], DType::F32, dev).unwrap();
+    let ids = Tensor::from_slice(&[1i64, 12, 3], &[3], dev).unwrap();
+    let out = table.embedding(&ids).unwrap();
+    let e = out.to_vec::<f32>().unwrap_err().to_string();
+    assert!(e.contains("index_select") && e.contains("12") && e.contains("size 10"), "{e}");
+    // The error is reported once; the device keeps working.
+    assert_eq!(table.sum_all().unwrap().item().unwrap(), 40.0);
+    // Out of memory: a clear error naming the request, and the GPU still works after it.
+    let e = Tensor::zeros(&[1 << 40], DType::F32, dev).unwrap_err().to_string();
+    assert!(e.contains("out of memory") && e.contains("4398046511104 bytes"), "{e}");
+    assert_eq!(b.add(&b).unwrap().to_vec::<f32>().unwrap(), vec![2.0, 2.0]);
+    // A GPU that does not exist.
+    let e = a.to_device(Device::Cuda(99)).unwrap_err().to_string();
+    assert!(e.contains("Cuda(99)"), "{e}");
+}
+
+#[test]
+fn steady_state_ops_make_no_driver_allocation() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    let x = randn(&[64, 128], 60, DType::F32).to_device(dev).unwrap();
+    let w = randn(&[128, 32], 61, DType::F32).to_device(dev).unwrap();
+    let run = || x.matmul(&w).unwrap().relu().unwrap().sum_all().unwrap();
+    run();
+    cuda::synchronize(dev).unwrap();
+    let before = cuda::driver_allocations();
+    for _ in 0..10 {
+        run();
+    }
+    cuda::synchronize(dev).unwrap();
+    assert_eq!(cuda::driver_allocations(), before, "the caching allocator served every buffer");
+}

@@ -1,0 +1,128 @@
+//! Training on CUDA against the CPU: 200 steps of the MLP and of the GPT with dropout, AdamW,
+//! a warmup-cosine schedule and gradient clipping, from the same seed; a checkpoint written
+//! from the GPU resumes on the CPU; a steady-state step makes no driver allocation. Built only
+//! with `--features cuda`; without a GPU each test fails saying so.
+
+use kiln::models::{mlp, Gpt, GptConfig};
+use kiln::nn::cross_entropy;
+use kiln::optim::{clip_grad_norm, AdamConfig, AdamW, LrScheduler, Optimizer, WarmupCosine};
+use kiln::prelude::*;
+use kiln::tensor::{cuda, Distribution};
+
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn gpu() -> Device {
+    let d = Device::cuda_if_available(0);
+    assert!(d.is_cuda(), "NO GPU: this CUDA test needs an NVIDIA GPU and driver (run it on the GPU machine)");
+    d
+}
+
+fn batch(step: u64, dev: Device) -> (Tensor, Tensor) {
+    let x = Tensor::rand_at(&[16, 20], Distribution::Normal, 100, (step % 8) * 4096, DType::F32, Device::Cpu).unwrap();
+    let y = Tensor::rand_at(&[16], Distribution::Uniform, 200, (step % 8) * 64, DType::F32, Device::Cpu).unwrap();
+    let y = y.mul_scalar(5.0).unwrap().to_dtype(DType::I64).unwrap();
+    (x.to_device(dev).unwrap(), y.to_device(dev).unwrap())
+}
+
+/// Losses, final parameters, and the driver allocations made after step 2.
+fn train_mlp(dev: Device, steps: u64) -> (Vec<f32>, Vec<Vec<f32>>, u64) {
+    kiln::tensor::rng::manual_seed(0);
+    let model = mlp(&[20, 32, 5], dev).unwrap();
+    let mut opt = AdamW::new(model.parameters(), AdamConfig { lr: 1e-2, ..AdamConfig::adamw() }).unwrap();
+    let mut sched = WarmupCosine::new(1e-2, 20, steps as usize, 1e-3).unwrap();
+    sched.apply(&mut opt).unwrap();
+    let (mut losses, mut allocs) = (Vec::new(), 0);
+    for i in 0..steps {
+        let (x, y) = batch(i, dev);
+        if i == 2 {
+            allocs = cuda::driver_allocations();
+        }
+        let loss = cross_entropy(&model.forward(&x).unwrap(), &y).unwrap();
+        loss.backward().unwrap();
+        clip_grad_norm(opt.params(), 1.0).unwrap();
+        opt.step().unwrap();
+        opt.zero_grad().unwrap();
+        sched.step(&mut opt).unwrap();
+        losses.push(loss.item().unwrap() as f32);
+    }
+    let params = model.parameters().iter().map(|p| p.to_vec::<f32>().unwrap()).collect();
+    (losses, params, cuda::driver_allocations() - allocs)
+}
+
+fn assert_close(what: &str, a: &[f32], b: &[f32], tol: f32) {
+    let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs() / (1.0 + y.abs())).fold(0.0f32, f32::max);
+    assert!(worst < tol, "{what}: max relative difference {worst} (tolerance {tol})");
+}
+
+#[test]
+fn mlp_trains_the_same_on_cuda_as_on_the_cpu_for_200_steps() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    let (lc, pc, _) = train_mlp(Device::Cpu, 200);
+    let (lg, pg, allocs) = train_mlp(dev, 200);
+    assert_close("losses", &lg, &lc, 1e-3);
+    for (i, (g, c)) in pg.iter().zip(&pc).enumerate() {
+        assert_close(&format!("param {i}"), g, c, 2e-3);
+    }
+    assert!(lc[199] < lc[0] * 0.8, "it learned: {} -> {}", lc[0], lc[199]);
+    assert_eq!(allocs, 0, "steps 3..200 on the GPU asked the driver for memory");
+}
+
+fn train_gpt(dev: Device, steps: u64) -> (Vec<f32>, Vec<Vec<f32>>) {
+    kiln::tensor::rng::manual_seed(7);
+    let cfg = GptConfig { vocab: 11, context: 8, d_model: 16, n_layer: 2, n_head: 2, dropout: 0.1, tied_head: false };
+    let model = Gpt::new(cfg, dev).unwrap();
+    let mut opt = AdamW::new(model.parameters(), AdamConfig { lr: 3e-3, betas: (0.9, 0.95), ..AdamConfig::adamw() }).unwrap();
+    let mut sched = WarmupCosine::new(3e-3, 10, steps as usize, 3e-4).unwrap();
+    sched.apply(&mut opt).unwrap();
+    let mut losses = Vec::new();
+    for i in 0..steps {
+        let tok = |s: u64| {
+            let t = Tensor::rand_at(&[4, 8], Distribution::Uniform, s, i * 32, DType::F32, Device::Cpu).unwrap();
+            t.mul_scalar(11.0).unwrap().to_dtype(DType::I64).unwrap().to_device(dev).unwrap()
+        };
+        let loss = model.loss(&tok(1), &tok(2)).unwrap();
+        loss.backward().unwrap();
+        clip_grad_norm(opt.params(), 0.5).unwrap();
+        opt.step().unwrap();
+        opt.zero_grad().unwrap();
+        sched.step(&mut opt).unwrap();
+        losses.push(loss.item().unwrap() as f32);
+    }
+    (losses, model.parameters().iter().map(|p| p.to_vec::<f32>().unwrap()).collect())
+}
+
+#[test]
+fn gpt_with_dropout_trains_the_same_on_cuda_as_on_the_cpu_for_200_steps() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    let (lc, pc) = train_gpt(Device::Cpu, 200);
+    let (lg, pg) = train_gpt(dev, 200);
+    assert_close("losses", &lg, &lc, 2e-3);
+    for (i, (g, c)) in pg.iter().zip(&pc).enumerate() {
+        assert_close(&format!("param {i}"), g, c, 5e-3);
+    }
+}
+
+#[test]
+fn a_checkpoint_written_on_the_gpu_resumes_on_the_cpu() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    kiln::tensor::rng::manual_seed(1);
+    let model = mlp(&[20, 32, 5], dev).unwrap();
+    let mut opt = AdamW::new(model.parameters(), AdamConfig::adamw()).unwrap();
+    for i in 0..3 {
+        let (x, y) = batch(i, dev);
+        cross_entropy(&model.forward(&x).unwrap(), &y).unwrap().backward().unwrap();
+        opt.step().unwrap();
+        opt.zero_grad().unwrap();
+    }
+    let bytes = kiln::checkpoint::to_bytes(&model, &opt, None, 3).unwrap();
+    let cpu_model = mlp(&[20, 32, 5], Device::Cpu).unwrap();
+    let mut cpu_opt = AdamW::new(cpu_model.parameters(), AdamConfig::adamw()).unwrap();
+    let resume = kiln::checkpoint::from_bytes(&bytes, std::path::Path::new("gpu.ckpt"), &cpu_model, &mut cpu_opt, None).unwrap();
+    assert_eq!(resume.step, 3);
+    for (g, c) in model.parameters().iter().zip(cpu_model.parameters()) {
+        assert_eq!(g.to_vec::<f32>().unwrap(), c.to_vec::<f32>().unwrap());
+    }
+}
