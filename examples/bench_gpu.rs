@@ -35,6 +35,10 @@ fn median_ms(dev: Device, warmup: usize, steps: usize, mut step: impl FnMut() ->
 }
 
 fn report(workload: &str, precision: &str, ms: f64, dev: Device) {
+    if kiln::tensor::profile::enabled() {
+        eprintln!("--- {workload}: per-op device time (KILN_PROFILE)\n{}", kiln::tensor::profile::report());
+        kiln::tensor::profile::reset();
+    }
     let peak = kiln::tensor::storage::peak_bytes() as f64 / 1048576.0;
     println!(
         "{{\"workload\": \"{workload}\", \"impl\": \"kiln eager\", \"precision\": \"{precision}\", \"median_ms\": {ms:.4}, \"device\": \"{dev}\", \"peak_mib\": {peak:.1}}}"

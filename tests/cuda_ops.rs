@@ -187,6 +187,14 @@ fn reductions_match_the_cpu() {
                 both(&format!("{op:?} long dim0 {dt:?}"), &[long.clone()], t * 10.0, |v| v[0].reduce(op, &[0usize][..], false));
             }
         }
+        // Few rows and long reductions: split into chunks, folded by a second pass.
+        let tall = randn(&[4000, 64], 10, dt);
+        for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
+            let t = if op == ReduceOp::Sum { tol(dt) * 40.0 } else { 0.0 };
+            both(&format!("{op:?} tall dim0 {dt:?}"), &[tall.clone()], t, |v| v[0].reduce(op, &[0usize][..], false));
+            both(&format!("{op:?} tall all {dt:?}"), &[tall.clone()], t, |v| v[0].reduce(op, &[0usize, 1][..], false));
+            both(&format!("{op:?} tall^T dim1 {dt:?}"), &[tall.clone()], t, |v| v[0].t()?.reduce(op, &[1usize][..], true));
+        }
         both(&format!("softmax {dt:?}"), &[x.clone()], tol(dt) * 4.0, |v| v[0].softmax(-1));
         both(&format!("log_softmax {dt:?}"), &[x.clone()], tol(dt) * 4.0, |v| v[0].log_softmax(1));
     }
@@ -229,7 +237,8 @@ fn indexing_cat_and_in_place_updates_match_the_cpu() {
         both(&format!("index_select 0 {dt:?}"), &[x.clone(), idx.clone()], 0.0, |v| v[0].index_select(0, &v[1]));
         both(&format!("index_select 1 {dt:?}"), &[x.clone(), idx.narrow(0, 1, 2).unwrap()], 0.0, |v| v[0].transpose(0, 1)?.index_select(1, &v[1]));
         let src = randn(&[5, 4, 4], 24, dt);
-        both(&format!("index_add {dt:?}"), &[x.clone(), idx.clone(), src], tol(dt) * 2.0, |v| v[0].index_add(2, &v[1].narrow(0, 0, 3)?, &v[2].narrow(2, 0, 3)?));
+        let idx2 = Tensor::from_slice(&[2i64, 0, 2], &[3], Device::Cpu).unwrap();
+        both(&format!("index_add {dt:?}"), &[x.clone(), idx2, src], tol(dt) * 2.0, |v| v[0].index_add(2, &v[1], &v[2].narrow(2, 0, 3)?));
         let gi = Tensor::from_slice(&[0i64, 3, 1, 1, 2, 0], &[2, 3], Device::Cpu).unwrap();
         let m = randn(&[2, 4], 25, dt);
         both(&format!("gather {dt:?}"), &[m.clone(), gi.clone()], 0.0, |v| v[0].gather(1, &v[1]));

@@ -5,7 +5,7 @@
 
 use kiln::models::{mlp, Gpt, GptConfig};
 use kiln::nn::cross_entropy;
-use kiln::optim::{clip_grad_norm, AdamConfig, AdamW, LrScheduler, Optimizer, WarmupCosine};
+use kiln::optim::{clip_grad_norm, Adam, AdamConfig, AdamW, LrScheduler, Optimizer, WarmupCosine};
 use kiln::prelude::*;
 use kiln::tensor::{cuda, Distribution};
 
@@ -124,5 +124,30 @@ fn a_checkpoint_written_on_the_gpu_resumes_on_the_cpu() {
     assert_eq!(resume.step, 3);
     for (g, c) in model.parameters().iter().zip(cpu_model.parameters()) {
         assert_eq!(g.to_vec::<f32>().unwrap(), c.to_vec::<f32>().unwrap());
+    }
+}
+
+#[test]
+fn adam_with_l2_and_amsgrad_updates_the_same_on_both_devices() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    let run = |dev: Device, decoupled: bool| -> Vec<Vec<f32>> {
+        kiln::tensor::rng::manual_seed(5);
+        let model = mlp(&[20, 16, 5], dev).unwrap();
+        let cfg = AdamConfig { lr: 5e-3, weight_decay: 0.1, amsgrad: true, ..AdamConfig::default() };
+        let mut opt: Box<dyn Optimizer> =
+            if decoupled { Box::new(AdamW::new(model.parameters(), cfg).unwrap()) } else { Box::new(Adam::new(model.parameters(), cfg).unwrap()) };
+        for i in 0..20 {
+            let (x, y) = batch(i, dev);
+            cross_entropy(&model.forward(&x).unwrap(), &y).unwrap().backward().unwrap();
+            opt.step().unwrap();
+            opt.zero_grad().unwrap();
+        }
+        model.parameters().iter().map(|p| p.to_vec::<f32>().unwrap()).collect()
+    };
+    for decoupled in [false, true] {
+        for (i, (g, c)) in run(dev, decoupled).iter().zip(run(Device::Cpu, decoupled)).enumerate() {
+            assert_close(&format!("param {i} (decoupled {decoupled})"), g, &c, 1e-4);
+        }
     }
 }

@@ -2,7 +2,7 @@
 //! AMSGrad option: `torch.optim.Adam` / `AdamW`, single-tensor path.
 
 use crate::common::{cast, ensure, impl_optimizer, with_l2, Core, PerGroup};
-use kiln_tensor::fused::AdamStep;
+use kiln_tensor::fused::{AdamHyper, AdamStep};
 use kiln_tensor::{BinaryOp, DType, Device, Result, Tensor};
 
 /// Adam's and AdamW's hyperparameters. `Default` is Adam's (weight decay 0); `adamw()` is
@@ -105,6 +105,11 @@ fn update(core: &mut Core, cfg: &AdamConfig, decoupled: bool) -> Result<()> {
             if kiln_tensor::fused::adam_step_(&p, &g, &bufs[0], &bufs[1], bufs.get(2), s)? {
                 continue;
             }
+        }
+        // On a GPU the fused kernel reads lr and step there (no host read).
+        let hyper = AdamHyper { beta1: cfg.betas.0, beta2: cfg.betas.1, eps: cfg.eps, weight_decay: cfg.weight_decay, decoupled };
+        if kiln_tensor::fused::adam_step_device_(&p, &g, &bufs[0], &bufs[1], bufs.get(2), &core.lr, &core.step, hyper)? {
+            continue;
         }
         let f = groups.get(&p, |dtype, device| factors(core, cfg, decoupled, dtype, device))?;
         update_param(&p, &g, &bufs, &f, cfg, decoupled)?;

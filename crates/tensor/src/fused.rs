@@ -22,14 +22,49 @@ pub struct AdamStep {
     pub bc2_sqrt: f64,
 }
 
-/// Whether fused kernels may run: on the CPU, outside a trace, on distinct contiguous
-/// buffers of one float dtype and shape.
-fn fusable(ts: &[&Tensor]) -> bool {
+/// Whether fused kernels may run: outside a trace, on distinct contiguous buffers of one
+/// float dtype, shape and device (`cuda`: a GPU; else the CPU, F32/F64 only).
+fn fusable(ts: &[&Tensor], cuda: bool) -> bool {
     let first = ts[0];
+    let device_ok = if cuda { first.device().is_cuda() } else { first.device() == Device::Cpu };
+    let dtype_ok = if cuda { first.dtype().is_float() } else { matches!(first.dtype(), crate::DType::F32 | crate::DType::F64) };
     !crate::tensor::is_tracing()
-        && ts.iter().all(|t| t.device() == Device::Cpu && t.is_contiguous() && t.shape() == first.shape() && t.dtype() == first.dtype())
+        && device_ok
+        && dtype_ok
+        && ts.iter().all(|t| t.device() == first.device() && t.is_contiguous() && t.shape() == first.shape() && t.dtype() == first.dtype())
         && ts.iter().enumerate().all(|(i, a)| ts[i + 1..].iter().all(|b| !a.same_storage(b)))
-        && matches!(first.dtype(), crate::DType::F32 | crate::DType::F64)
+}
+
+/// Adam's hyper-parameters for the device-side update (lr and the step count stay tensors).
+#[derive(Debug, Clone, Copy)]
+pub struct AdamHyper {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    /// AdamW's decoupled decay (else Adam's L2 term).
+    pub decoupled: bool,
+}
+
+/// The one-pass update on a GPU, reading `lr` and `step` (0-dim F64 on the same GPU) there, so
+/// the host never waits. `Ok(false)` (nothing written) when the tensors do not qualify.
+pub fn adam_step_device_(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, vmax: Option<&Tensor>, lr: &Tensor, step: &Tensor, h: AdamHyper) -> Result<bool> {
+    let mut all = vec![p, g, m, v];
+    all.extend(vmax);
+    let scalars_ok = [lr, step].iter().all(|t| t.dtype() == crate::DType::F64 && t.numel() == 1 && t.device() == p.device());
+    if !fusable(&all, true) || !scalars_ok {
+        return Ok(false);
+    }
+    #[cfg(feature = "cuda")]
+    {
+        crate::cuda::adam_step(p, g, m, v, vmax, lr, step, h)?;
+        Ok(true)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = h;
+        Ok(false)
+    }
 }
 
 /// `p, m, v (, vmax)` updated in one pass from `g`. Returns `Ok(false)` (nothing written) when
@@ -37,7 +72,7 @@ fn fusable(ts: &[&Tensor]) -> bool {
 pub fn adam_step_(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, vmax: Option<&Tensor>, s: AdamStep) -> Result<bool> {
     let mut all = vec![p, g, m, v];
     all.extend(vmax);
-    if !fusable(&all) {
+    if !fusable(&all, false) {
         return Ok(false);
     }
     match p.dtype() {

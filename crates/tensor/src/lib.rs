@@ -15,6 +15,7 @@ pub mod fused;
 pub mod io;
 pub mod op;
 mod ops;
+pub mod profile;
 pub mod rng;
 pub mod shape;
 pub mod storage;

@@ -263,7 +263,7 @@ impl Tensor {
                     Op::Reshape(_) => Op::Contiguous, // a reshape the strides cannot express copies
                     other => other.clone(),
                 };
-                let s = run_kernel(&kernel_op, inputs, &meta, device)?;
+                let s = profiled(&kernel_op, &meta, device, || run_kernel(&kernel_op, inputs, &meta, device))?;
                 (Arc::new(StorageCell::new(s)), Layout::contiguous(&meta.shape))
             }
         };
@@ -316,7 +316,8 @@ impl Tensor {
             }
             other => other,
         };
-        {
+        let meta = OutMeta { shape: self.shape().to_vec(), dtype: self.dtype() };
+        profiled(&op, &meta, self.device(), || -> Result<()> {
             let src_guard = src.map(|s| s.0.storage.read());
             let mut dst_guard = self.0.storage.write();
             match (&mut *dst_guard, src_guard.as_deref()) {
@@ -327,7 +328,8 @@ impl Tensor {
                 #[cfg(feature = "cuda")]
                 (dst, s) => crate::cuda::run_inplace(&op, dst, &self.0.layout, s.zip(src.map(|t| t.layout())))?,
             }
-        }
+            Ok(())
+        })?;
         if is_anomaly_detection() {
             check_finite(&op, &inputs, self)?;
         }
@@ -472,6 +474,20 @@ fn view_layout(op: &Op, inputs: &[&Tensor]) -> Option<Layout> {
         Op::Expand(shape) => Some(Layout { shape: shape.clone(), strides: l.broadcast_strides(shape), offset: l.offset }),
         _ => None,
     }
+}
+
+/// Runs `f`, timing it per op kind when `KILN_PROFILE` is set (GPU work synchronised).
+fn profiled<R>(op: &Op, meta: &OutMeta, device: Device, f: impl FnOnce() -> Result<R>) -> Result<R> {
+    if !crate::profile::enabled() {
+        return f();
+    }
+    crate::cuda::synchronize(device)?;
+    let t = std::time::Instant::now();
+    let r = f()?;
+    crate::cuda::synchronize(device)?;
+    let shape = if matches!(op, Op::Matmul | Op::Reduce { .. }) { format!(" -> {:?}", meta.shape) } else { String::new() };
+    crate::profile::record(format!("{} {:?}{shape}", op.name(), meta.dtype), t.elapsed().as_secs_f64());
+    Ok(r)
 }
 
 /// Locks each distinct input storage once (two inputs may share one) and runs the kernel.

@@ -4,7 +4,7 @@
 //! before anything reaches a GPU. Without NVRTC the test fails saying so; it never passes
 //! vacuously.
 
-use kiln_tensor::cuda::codegen::{elementwise_expr, Elementwise, Index, IndexKind, Reduce};
+use kiln_tensor::cuda::codegen::{elementwise_expr, Elementwise, Index, IndexKind, Reduce, ReduceMode};
 use kiln_tensor::cuda::nvrtc;
 use kiln_tensor::{BinaryOp, DType, Distribution, Op, ReduceOp, UnaryOp};
 
@@ -149,14 +149,20 @@ fn every_reduction_and_index_kernel_compiles() {
         for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min, ReduceOp::ArgMax, ReduceOp::ArgMin] {
             let out = if matches!(op, ReduceOp::ArgMax | ReduceOp::ArgMin) { DType::I64 } else { d };
             for inner_contiguous in [true, false] {
-                for block in [true, false] {
-                    let (s, n) = Reduce { op, input: d, out, inner_contiguous, block }.source();
+                for mode in [ReduceMode::Warp, ReduceMode::Block, ReduceMode::Column] {
+                    let (s, n) = Reduce { op, input: d, out, inner_contiguous, mode }.source();
                     check(&s, &n, &mut fails);
                 }
             }
         }
         for kind in [IndexKind::Select, IndexKind::Gather] {
             let (s, n) = Index { kind, dtype: d }.source();
+            check(&s, &n, &mut fails);
+        }
+    }
+    for d in FLOATS {
+        for ams in [false, true] {
+            let (s, n) = kiln_tensor::cuda::codegen::adam_source(d, ams);
             check(&s, &n, &mut fails);
         }
     }

@@ -113,7 +113,9 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             if *dtype == DType::F32 {
                 CpuStorage::F32(v)
             } else {
-                cast(&v, &Layout::contiguous(&meta.shape), *dtype)
+                // The same f32 -> dtype rounding as `to_dtype` (and the CUDA kernel).
+                let f = CpuStorage::F32(v);
+                run(&Op::Cast(*dtype), &[(&f, &Layout::contiguous(&meta.shape))], meta)?
             }
         }
         Op::Unary(u) => {

@@ -297,39 +297,49 @@ __device__ __forceinline__ float k_normal(unsigned long long seed, unsigned long
 }
 "#;
 
-/// A row reduction: `out[row] = fold(in[row, j] for j < red)`, one warp per row (`block ==
-/// false`) or one block per row for long rows. `inner_contiguous`: the reduced elements of a
-/// row sit at `base + j` (else both the kept and reduced coordinates walk strides).
+/// How a reduction kernel maps threads to work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReduceMode {
+    /// One warp per output row (short rows).
+    Warp,
+    /// One block per (row, chunk of the row): long rows, split over blocks when rows are few.
+    Block,
+    /// One thread per output column, for reductions over outer dims (the kept dim is the
+    /// contiguous one): reads are coalesced across threads. Split into chunks over blocks.
+    Column,
+}
+
+/// A reduction: `out[row] = fold(in[row, j] for j < red)` (or, split into chunks, one partial
+/// per (row, chunk) that a second pass folds). `inner_contiguous`: the reduced elements of a
+/// row sit at `base + j` (else the reduced coordinates walk strides).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Reduce {
     pub op: ReduceOp,
     pub input: DType,
     pub out: DType,
     pub inner_contiguous: bool,
-    pub block: bool,
+    pub mode: ReduceMode,
 }
 
-/// Arguments of a row reduction; mirrors `struct RArgs`.
+/// Arguments of a reduction; mirrors `struct RArgs`.
 pub const REDUCE_ARGS: &str = r#"
 struct RArgs {
-  long long rows, red, off;
+  long long rows, red, off, chunks, chunk_len;
   long long kshape[8], kst[8], rshape[8], rst[8];
   int krank, rrank;
 };
 "#;
 
+const WARP_FOLD: &str = "  for (int w = 16; w > 0; w /= 2) {\n    C bv = __shfl_down_sync(0xffffffffu, av, w); \
+                         long long bi = __shfl_down_sync(0xffffffffu, ai, w);\n    comb(av, ai, bv, bi);\n  }\n";
+
 impl Reduce {
     pub fn source(&self) -> (String, String) {
         let name = format!("k_{}_{:012x}", self.op.name(), fnv1a(format!("{self:?}").as_bytes()) & 0xffff_ffff_ffff);
         let (it, ot) = (storage_type(self.input), storage_type(self.out));
-        // Accumulate sums wide (float for half types, double for f64, long long for ints).
+        // Accumulate wide (float for half types, double for f64, long long for ints).
         let acc = compute_type(self.input);
-        let is_arg = matches!(self.op, ReduceOp::ArgMax | ReduceOp::ArgMin);
-        let (init, better) = match self.op {
-            ReduceOp::Sum => ("K(0)", ""),
-            ReduceOp::Max | ReduceOp::ArgMax => ("K(0)", ">"),
-            ReduceOp::Min | ReduceOp::ArgMin => ("K(0)", "<"),
-        };
+        let better = if matches!(self.op, ReduceOp::Max | ReduceOp::ArgMax) { ">" } else { "<" };
         let mut s = format!("{PRELUDE}{REDUCE_ARGS}\ntypedef {acc} C;\n#define K(v) ((C)(v))\n");
         // (value, index) pairs: index -1 is "nothing yet"; NaN wins; ties keep the first index.
         s += &format!(
@@ -347,17 +357,22 @@ impl Reduce {
             }
         );
         s += &format!("extern \"C\" __global__ void {name}({ot}* __restrict__ o, const {it}* __restrict__ p, RArgs a) {{\n");
-        let tpr = if self.block { "blockDim.x" } else { "32" };
-        if self.block {
-            s += "  long long row = blockIdx.x; int lane = threadIdx.x;\n";
-        } else {
-            s += "  long long row = blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32; int lane = threadIdx.x % 32;\n";
-            s += "  if (row >= a.rows) return;\n";
-        }
+        s += match self.mode {
+            ReduceMode::Warp => {
+                "  long long row = blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32, chunk = 0;\n  \
+                 int lane = threadIdx.x % 32, tpr = 32;\n  if (row >= a.rows) return;\n"
+            }
+            ReduceMode::Block => "  long long row = blockIdx.x / a.chunks, chunk = blockIdx.x % a.chunks;\n  int lane = threadIdx.x, tpr = blockDim.x;\n",
+            ReduceMode::Column => {
+                "  long long row = blockIdx.x * (long long)blockDim.x + threadIdx.x, chunk = blockIdx.y;\n  \
+                 int lane = 0, tpr = 1;\n  if (row >= a.rows) return;\n"
+            }
+        };
         s += "  long long base = a.off, r = row;\n";
         s += "  for (int d = a.krank - 1; d >= 0; --d) { base += (r % a.kshape[d]) * a.kst[d]; r /= a.kshape[d]; }\n";
-        s += &format!("  C av = {init}; long long ai = -1;\n");
-        s += &format!("  for (long long j = lane; j < a.red; j += {tpr}) {{\n");
+        s += "  C av = K(0); long long ai = -1;\n";
+        s += "  long long j1 = min(a.red, (chunk + 1) * a.chunk_len);\n";
+        s += "  for (long long j = chunk * a.chunk_len + lane; j < j1; j += tpr) {\n";
         if self.inner_contiguous {
             s += "    long long q = base + j;\n";
         } else {
@@ -365,20 +380,20 @@ impl Reduce {
             s += "    for (int d = a.rrank - 1; d >= 0; --d) { q += (t % a.rshape[d]) * a.rst[d]; t /= a.rshape[d]; }\n";
         }
         s += "    comb(av, ai, (C)ld(p[q]), j);\n  }\n";
-        s += "  for (int w = 16; w > 0; w /= 2) {\n";
-        s += "    C bv = __shfl_down_sync(0xffffffffu, av, w); long long bi = __shfl_down_sync(0xffffffffu, ai, w);\n";
-        s += "    comb(av, ai, bv, bi);\n  }\n";
-        if self.block {
-            s += "  __shared__ C sv[32]; __shared__ long long si[32];\n";
-            s += "  if (lane % 32 == 0) { sv[lane / 32] = av; si[lane / 32] = ai; }\n  __syncthreads();\n";
-            s += "  if (lane >= 32) return;\n";
-            s += &format!("  av = lane < blockDim.x / 32 ? sv[lane] : {init}; ai = lane < blockDim.x / 32 ? si[lane] : -1;\n");
-            s += "  for (int w = 16; w > 0; w /= 2) {\n";
-            s += "    C bv = __shfl_down_sync(0xffffffffu, av, w); long long bi = __shfl_down_sync(0xffffffffu, ai, w);\n";
-            s += "    comb(av, ai, bv, bi);\n  }\n";
+        let val = if matches!(self.op, ReduceOp::ArgMax | ReduceOp::ArgMin) { "ai" } else { "av" };
+        match self.mode {
+            ReduceMode::Column => s += &format!("  st(&o[chunk * a.rows + row], {val});\n}}\n"),
+            ReduceMode::Warp => s += &format!("{WARP_FOLD}  if (lane == 0) st(&o[row], {val});\n}}\n"),
+            ReduceMode::Block => {
+                s += WARP_FOLD;
+                s += "  __shared__ C sv[32]; __shared__ long long si[32];\n";
+                s += "  if (lane % 32 == 0) { sv[lane / 32] = av; si[lane / 32] = ai; }\n  __syncthreads();\n";
+                s += "  if (lane >= 32) return;\n";
+                s += "  av = lane < blockDim.x / 32 ? sv[lane] : K(0); ai = lane < blockDim.x / 32 ? si[lane] : -1;\n";
+                s += WARP_FOLD;
+                s += &format!("  if (lane == 0) st(&o[blockIdx.x], {val});\n}}\n");
+            }
         }
-        let val = if is_arg { "ai" } else { "av" };
-        s += &format!("  if (lane == 0) st(&o[row], {val});\n}}\n");
         (s, name)
     }
 }
@@ -455,4 +470,34 @@ impl Index {
         s += "  }\n}\n";
         (s, name)
     }
+}
+
+/// The fused Adam/AdamW update of one parameter: p, m, v (and AMSGrad's running max) in one
+/// pass from g. lr and the step count are read from device memory, so the host never reads
+/// them (no synchronisation) and a captured graph stays valid as they change.
+pub fn adam_source(dtype: DType, amsgrad: bool) -> (String, String) {
+    let name = format!("k_adam_{}{}", format!("{dtype:?}").to_lowercase(), if amsgrad { "_amsgrad" } else { "" });
+    let (t, c) = (storage_type(dtype), compute_type(dtype));
+    let mut s = format!("{PRELUDE}\ntypedef {c} C;\n");
+    s += "struct AdamArgs { long long n; double b1, b2, eps, wd; int decoupled, pad; };\n";
+    s += &format!(
+        "extern \"C\" __global__ void {name}({t}* __restrict__ p, const {t}* __restrict__ g, {t}* __restrict__ m, \
+         {t}* __restrict__ v, {t}* __restrict__ x, const double* lr, const double* step, AdamArgs a) {{\n"
+    );
+    s += "  double l = *lr, t = *step;\n";
+    s += "  C step_size = (C)(l / (1.0 - pow(a.b1, t))), bc2 = (C)sqrt(1.0 - pow(a.b2, t));\n";
+    s += "  C decay = a.decoupled ? (C)(1.0 - l * a.wd) : (C)1, l2 = a.decoupled ? (C)0 : (C)a.wd;\n";
+    s += "  C b1 = (C)a.b1, b2 = (C)a.b2, eps = (C)a.eps;\n";
+    s += "  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < a.n; i += (long long)gridDim.x * blockDim.x) {\n";
+    s += "    C pi = ld(p[i]), gi = ld(g[i]) + l2 * pi;\n";
+    s += "    pi = pi * decay;\n";
+    s += "    C mi = b1 * ld(m[i]) + ((C)1 - b1) * gi, vi = b2 * ld(v[i]) + ((C)1 - b2) * gi * gi;\n";
+    s += "    st(&m[i], mi); st(&v[i], vi);\n";
+    if amsgrad {
+        s += "    C xi = ld(x[i]); if (vi > xi) xi = vi; st(&x[i], xi); vi = xi;\n";
+    } else {
+        s += "    (void)x;\n";
+    }
+    s += "    st(&p[i], pi - step_size * mi / (ksqrt(vi) / bc2 + eps));\n  }\n}\n";
+    (s, name)
 }

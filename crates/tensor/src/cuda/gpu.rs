@@ -24,7 +24,7 @@ pub struct Gpu {
     pub stream: Arc<CudaStream>,
     pub sms: u32,
     pub arch: (i32, i32),
-    kernels: Mutex<HashMap<String, Kernel>>,
+    kernels: Mutex<HashMap<u64, Kernel>>,
     /// Free device buffers by rounded size: an eager step reuses them, no driver call.
     free: Mutex<HashMap<usize, Vec<u64>>>,
     /// Bytes held from the driver (in use or cached).
@@ -66,9 +66,17 @@ pub fn gpu(ordinal: usize) -> Result<Arc<Gpu>> {
     if !driver_present() {
         return Err(Error::Device { device, msg: "no NVIDIA driver on this machine (libcuda.so.1 not found)".into() });
     }
+    thread_local! {
+        static LAST: std::cell::RefCell<Option<Arc<Gpu>>> = const { std::cell::RefCell::new(None) };
+    }
+    if let Some(g) = LAST.with(|l| l.borrow().as_ref().filter(|g| g.ordinal == ordinal).cloned()) {
+        g.bind()?;
+        return Ok(g);
+    }
     let mut map = GPUS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
     if let Some(g) = map.get(&ordinal) {
-        g.ctx.bind_to_thread().map_err(cuda_err("binding the context"))?;
+        g.bind()?;
+        LAST.with(|l| *l.borrow_mut() = Some(g.clone()));
         return Ok(g.clone());
     }
     let ctx = CudaContext::new(ordinal).map_err(|e| Error::Device { device, msg: format!("cannot open the GPU: {e}") })?;
@@ -97,6 +105,8 @@ pub fn gpu(ordinal: usize) -> Result<Arc<Gpu>> {
         blas: Mutex::new(None),
     });
     map.insert(ordinal, g.clone());
+    g.bind()?;
+    LAST.with(|l| *l.borrow_mut() = Some(g.clone()));
     Ok(g)
 }
 
@@ -133,8 +143,18 @@ impl Gpu {
         Device::Cuda(self.ordinal)
     }
 
+    /// Makes this GPU's context current on the calling thread (a thread-local check first:
+    /// every op calls this, and the driver call is only needed when the thread switches).
     pub fn bind(&self) -> Result<()> {
-        self.ctx.bind_to_thread().map_err(cuda_err("binding the context"))
+        thread_local! {
+            static BOUND: std::cell::Cell<usize> = const { std::cell::Cell::new(usize::MAX) };
+        }
+        if BOUND.with(|b| b.get()) == self.ordinal {
+            return Ok(());
+        }
+        self.ctx.bind_to_thread().map_err(cuda_err("binding the context"))?;
+        BOUND.with(|b| b.set(self.ordinal));
+        Ok(())
     }
 
     /// `bytes` of device memory, from the cache or the driver. Out of memory is an error
@@ -229,22 +249,26 @@ impl Gpu {
         )))
     }
 
-    /// The kernel `name`, compiled from `source()` on first use (CUBIN cached on disk).
-    pub fn kernel(&self, name: &str, source: impl FnOnce() -> String) -> Result<Kernel> {
+    /// The kernel for `key` (a hash of its spec), compiled on first use from `source()`, which
+    /// gives the source and the kernel's name (the CUBIN is cached on disk too).
+    pub fn kernel(&self, key: u64, source: impl FnOnce() -> (String, String)) -> Result<Kernel> {
         let mut map = self.kernels.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(k) = map.get(name) {
+        if let Some(k) = map.get(&key) {
             return Ok(*k);
         }
-        let src = source();
-        let cubin = super::nvrtc::cubin(&src, name, self.arch)?;
+        let (src, name) = source();
+        if super::log_kernels() {
+            eprintln!("[kiln kernels] {name}:\n{src}");
+        }
+        let cubin = super::nvrtc::cubin(&src, &name, self.arch)?;
         self.bind()?;
         // SAFETY: `cubin` is a complete CUBIN image produced by NVRTC for this device's arch.
         let module = unsafe { dr::module::load_data(cubin.as_ptr() as *const c_void) }.map_err(cuda_err(format!("loading {name}")))?;
-        let cname = CString::new(name).map_err(|_| Error::Msg("kernel name has a NUL".into()))?;
+        let cname = CString::new(name.as_str()).map_err(|_| Error::Msg("kernel name has a NUL".into()))?;
         // SAFETY: the module was just loaded and is never unloaded.
         let f = unsafe { dr::module::get_function(module, cname) }.map_err(cuda_err(format!("finding {name}")))?;
         let k = Kernel(f);
-        map.insert(name.to_string(), k);
+        map.insert(key, k);
         Ok(k)
     }
 
@@ -258,10 +282,10 @@ impl Gpu {
     /// # Safety
     /// `params` must match the kernel's signature, and every device pointer among them must
     /// stay valid (owned by a live buffer) until the stream has run the kernel.
-    pub unsafe fn launch(&self, k: Kernel, grid: u32, block: u32, shmem: u32, params: &mut [*mut c_void]) -> Result<()> {
+    pub unsafe fn launch(&self, k: Kernel, grid: (u32, u32), block: u32, shmem: u32, params: &mut [*mut c_void]) -> Result<()> {
         self.bind()?;
         // SAFETY: forwarded from this function's contract.
-        unsafe { dr::launch_kernel(k.0, (grid, 1, 1), (block, 1, 1), shmem, self.stream.cu_stream(), params) }
+        unsafe { dr::launch_kernel(k.0, (grid.0, grid.1, 1), (block, 1, 1), shmem, self.stream.cu_stream(), params) }
             .map_err(cuda_err("kernel launch"))
     }
 }

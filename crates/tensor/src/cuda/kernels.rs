@@ -1,7 +1,7 @@
 //! Every primitive op on CUDA: which generated kernel runs it and with what arguments. The
 //! kernels' text comes from `codegen`, the scalar math from the op table.
 
-use super::codegen::{compute_type, elementwise_expr, Elementwise, Index, IndexKind, Reduce, MAX_RANK, SLOTS};
+use super::codegen::{compute_type, elementwise_expr, Elementwise, Index, IndexKind, Reduce, ReduceMode, MAX_RANK, SLOTS};
 use super::gpu::{DeviceBuffer, Gpu};
 use crate::op::{Op, OutMeta, ReduceOp};
 use crate::shape::Layout;
@@ -124,8 +124,7 @@ fn launch_ew(
         inplace,
         vec4,
     };
-    let name = spec.name(prefix);
-    let k = g.kernel(&name, || spec.source(prefix).0)?;
+    let k = g.kernel(super::spec_key(prefix, &spec), || spec.source(prefix))?;
     let mut a = Args { n: n as i64, rank: cs.len() as i32, s: extra.0, seed: extra.1, roff: extra.2, ..Args::default() };
     for (d, &x) in cs.iter().enumerate() {
         a.shape[d] = x as i64;
@@ -143,7 +142,7 @@ fn launch_ew(
     let work = if vec4 { n / 4 } else { n };
     // SAFETY: the parameters match the generated signature (output, inputs, Args); every
     // buffer is alive for the call and sized by the shape rule; the stream orders later use.
-    unsafe { g.launch(k, g.grid_for(work), 256, 0, &mut params) }
+    unsafe { g.launch(k, (g.grid_for(work), 1), 256, 0, &mut params) }
 }
 
 /// Makes a fresh buffer and fills it with `expr` over `ins`.
@@ -233,7 +232,7 @@ pub fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, devic
 /// Runs an in-place op on `dst` (read and written through `ld`).
 pub fn run_inplace(op: &Op, dst: &mut Storage, ld: &Layout, src: Option<(&Storage, &Layout)>) -> Result<()> {
     let Storage::Cuda(d) = dst else { return Err(Error::Msg("cuda::run_inplace on a CPU buffer".into())) };
-    let g = d.gpu().clone();
+    let g = super::gpu::gpu(d.gpu().ordinal)?;
     let source = || -> Result<(&CudaStorage, &Layout)> {
         match src {
             Some((Storage::Cuda(s), l)) => Ok((s, l)),
@@ -258,6 +257,8 @@ struct RArgs {
     rows: i64,
     red: i64,
     off: i64,
+    chunks: i64,
+    chunk_len: i64,
     kshape: [i64; MAX_RANK],
     kst: [i64; MAX_RANK],
     rshape: [i64; MAX_RANK],
@@ -268,6 +269,23 @@ struct RArgs {
 
 fn reduce(g: &Arc<Gpu>, op: ReduceOp, (s, l): (&CudaStorage, &Layout), dims: &[usize], meta: &OutMeta) -> Result<CudaStorage> {
     let out = CudaStorage::alloc(g, meta.dtype, meta.shape.iter().product())?;
+    reduce_into(g, op, s, l, dims, &out)?;
+    Ok(out)
+}
+
+/// The dtype partial results are kept in between the two passes of a split reduction.
+fn accumulator(d: DType) -> DType {
+    match d {
+        DType::F32 | DType::F16 | DType::BF16 => DType::F32,
+        DType::F64 => DType::F64,
+        DType::I64 | DType::U8 => DType::I64,
+    }
+}
+
+/// Reduces `dims` of `s` (read through `l`) into `out`. Picks the thread mapping (warp per
+/// row, block per row, or thread per column for outer-dim reductions) and, when there are too
+/// few rows to fill the GPU, splits each row into chunks whose partials a second pass folds.
+fn reduce_into(g: &Arc<Gpu>, op: ReduceOp, s: &CudaStorage, l: &Layout, dims: &[usize], out: &CudaStorage) -> Result<()> {
     let split = |keep: bool| -> (Vec<usize>, Vec<usize>) {
         let ds: Vec<usize> = (0..l.rank()).filter(|d| dims.contains(d) != keep).collect();
         (ds.iter().map(|&d| l.shape[d]).collect(), ds.iter().map(|&d| l.strides[d]).collect())
@@ -278,29 +296,57 @@ fn reduce(g: &Arc<Gpu>, op: ReduceOp, (s, l): (&CudaStorage, &Layout), dims: &[u
     if ks.len() > MAX_RANK || rs.len() > MAX_RANK {
         return Err(too_many_dims(&l.shape));
     }
-    let rows: usize = ks.iter().product();
-    let red: usize = rs.iter().product();
+    let (rows, red): (usize, usize) = (ks.iter().product(), rs.iter().product());
     if rows == 0 {
-        return Ok(out);
+        return Ok(());
     }
-    let block = red > 1024;
-    let spec = Reduce { op, input: s.dtype, out: meta.dtype, inner_contiguous: rs.is_empty() || (rs.len() == 1 && rst[0][0] == 1), block };
-    let (src, name) = spec.source();
-    let k = g.kernel(&name, || src)?;
-    let mut a = RArgs { rows: rows as i64, red: red as i64, off: l.offset as i64, krank: ks.len() as i32, rrank: rs.len() as i32, ..RArgs::default() };
+    let is_arg = matches!(op, ReduceOp::ArgMax | ReduceOp::ArgMin);
+    let inner_contiguous = rs.is_empty() || (rs.len() == 1 && rst[0][0] == 1);
+    let threads_wanted = g.sms as usize * 2048;
+    let (mode, chunks) = if !is_arg && !inner_contiguous && kst[0].last() == Some(&1) && rows >= 32 {
+        (ReduceMode::Column, (threads_wanted / rows).clamp(1, red.div_ceil(16).max(1)))
+    } else if red > 1024 {
+        let split = if is_arg || rows >= g.sms as usize * 2 { 1 } else { (g.sms as usize * 4 / rows).clamp(1, red.div_ceil(4096)) };
+        (ReduceMode::Block, split)
+    } else {
+        (ReduceMode::Warp, 1)
+    };
+    let partial = if chunks > 1 { Some(CudaStorage::alloc(g, accumulator(s.dtype), rows * chunks)?) } else { None };
+    let dst = partial.as_ref().unwrap_or(out);
+    let spec = Reduce { op, input: s.dtype, out: dst.dtype, inner_contiguous, mode };
+    let k = g.kernel(super::spec_key("reduce", &spec), || spec.source())?;
+    let chunk_len = red.div_ceil(chunks).max(1);
+    let mut a = RArgs {
+        rows: rows as i64,
+        red: red as i64,
+        off: l.offset as i64,
+        chunks: chunks as i64,
+        chunk_len: chunk_len as i64,
+        krank: ks.len() as i32,
+        rrank: rs.len() as i32,
+        ..RArgs::default()
+    };
     for (d, (&x, &y)) in ks.iter().zip(&kst[0]).enumerate() {
         (a.kshape[d], a.kst[d]) = (x as i64, y as i64);
     }
     for (d, (&x, &y)) in rs.iter().zip(&rst[0]).enumerate() {
         (a.rshape[d], a.rst[d]) = (x as i64, y as i64);
     }
-    let (mut o, mut p) = (out.buf.ptr, s.buf.ptr);
+    let (mut o, mut p) = (dst.buf.ptr, s.buf.ptr);
     let mut params: [*mut c_void; 3] = [&mut o as *mut u64 as _, &mut p as *mut u64 as _, &mut a as *mut RArgs as _];
-    let (grid, threads) = if block { (rows as u32, 1024) } else { (rows.div_ceil(8) as u32, 256) };
+    let (grid, threads) = match mode {
+        ReduceMode::Warp => ((rows.div_ceil(8) as u32, 1), 256),
+        ReduceMode::Block => (((rows * chunks) as u32, 1), 1024),
+        ReduceMode::Column => ((rows.div_ceil(256) as u32, chunks as u32), 256),
+    };
     // SAFETY: (out, input, RArgs) matches the generated signature; both buffers are alive and
-    // sized by the shape rule.
+    // sized by the shape rule (the partial buffer holds rows * chunks).
     unsafe { g.launch(k, grid, threads, 0, &mut params)? };
-    Ok(out)
+    let Some(part) = partial else { return Ok(()) };
+    match mode {
+        ReduceMode::Column => reduce_into(g, op, &part, &Layout::contiguous(&[chunks, rows]), &[0], out),
+        _ => reduce_into(g, op, &part, &Layout::contiguous(&[rows, chunks]), &[1], out),
+    }
 }
 
 /// Mirrors `struct IArgs`.
@@ -345,14 +391,13 @@ fn launch_index(g: &Arc<Gpu>, kind: IndexKind, o: &CudaStorage, src: &CudaStorag
     }
     a.code = index_code(kind);
     let spec = Index { kind, dtype: o.dtype };
-    let (text, name) = spec.source();
-    let k = g.kernel(&name, || text)?;
+    let k = g.kernel(super::spec_key("index", &spec), || spec.source())?;
     let (mut po, mut ps, mut pi, mut pe) = (o.buf.ptr, src.buf.ptr, idx.buf.ptr, g.err);
     let mut params: [*mut c_void; 5] =
         [&mut po as *mut u64 as _, &mut ps as *mut u64 as _, &mut pi as *mut u64 as _, &mut pe as *mut u64 as _, &mut a as *mut IArgs as _];
     // SAFETY: (out, src, idx, err, IArgs) matches the generated signature; the buffers are
     // dense and sized by the shape rule; `err` is the GPU's error word.
-    unsafe { g.launch(k, g.grid_for(a.n as usize), 256, 0, &mut params) }
+    unsafe { g.launch(k, (g.grid_for(a.n as usize), 1), 256, 0, &mut params) }
 }
 
 fn split3(shape: &[usize], dim: usize) -> (i64, i64, i64) {
@@ -427,4 +472,65 @@ fn cat(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], dim: usize, meta: &OutMeta) 
         launch_ew(g, "cat", "v1".into(), compute_type(meta.dtype), &[(&out, &dst), (s, l)], &dst.shape, &out, true, (0.0, 0, 0))?;
     }
     Ok(out)
+}
+
+/// Mirrors `struct AdamArgs`.
+#[repr(C)]
+struct AdamArgs {
+    n: i64,
+    b1: f64,
+    b2: f64,
+    eps: f64,
+    wd: f64,
+    decoupled: i32,
+    pad: i32,
+}
+
+/// The device address of a tensor's first element (its storage must be on a GPU).
+fn address(s: &Storage, t: &crate::Tensor) -> Result<u64> {
+    match s {
+        Storage::Cuda(c) => Ok(c.buf.ptr + (t.layout().offset * c.dtype.size_in_bytes()) as u64),
+        Storage::Cpu(_) => Err(Error::Msg("expected a CUDA tensor".into())),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn adam_step(
+    p: &crate::Tensor,
+    g: &crate::Tensor,
+    m: &crate::Tensor,
+    v: &crate::Tensor,
+    vmax: Option<&crate::Tensor>,
+    lr: &crate::Tensor,
+    step: &crate::Tensor,
+    h: crate::fused::AdamHyper,
+) -> Result<()> {
+    let (ps, ms, vs) = (p.storage().write(), m.storage().write(), v.storage().write());
+    let xs = vmax.map(|t| t.storage().write());
+    let (gs, ls, ss) = (g.storage().read(), lr.storage().read(), step.storage().read());
+    let Storage::Cuda(pc) = &*ps else { return Err(Error::Msg("adam_step: expected CUDA tensors".into())) };
+    let gpu = super::gpu::gpu(pc.gpu().ordinal)?;
+    let k = gpu.kernel(super::spec_key("adam", &(p.dtype(), vmax.is_some())), || super::codegen::adam_source(p.dtype(), vmax.is_some()))?;
+    let mut ptrs = [
+        address(&ps, p)?,
+        address(&gs, g)?,
+        address(&ms, m)?,
+        address(&vs, v)?,
+        match (&xs, vmax) {
+            (Some(x), Some(t)) => address(x, t)?,
+            _ => 0,
+        },
+        address(&ls, lr)?,
+        address(&ss, step)?,
+    ];
+    let n = p.numel();
+    let mut a = AdamArgs { n: n as i64, b1: h.beta1, b2: h.beta2, eps: h.eps, wd: h.weight_decay, decoupled: h.decoupled as i32, pad: 0 };
+    let mut params: Vec<*mut c_void> = ptrs.iter_mut().map(|x| x as *mut u64 as *mut c_void).collect();
+    params.push(&mut a as *mut AdamArgs as *mut c_void);
+    if n == 0 {
+        return Ok(());
+    }
+    // SAFETY: seven pointers and AdamArgs, as the generated signature; every buffer is held
+    // (locked) for the call and holds `n` elements from its offset (checked by the caller).
+    unsafe { gpu.launch(k, (gpu.grid_for(n), 1), 256, 0, &mut params) }
 }

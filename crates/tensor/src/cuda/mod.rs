@@ -32,6 +32,21 @@ pub use gpu::driver_allocations;
 #[cfg(feature = "cuda")]
 pub use kernels::CudaStorage;
 
+/// Whether `KILN_LOG` asks for `kernels`: each generated CUDA source is printed when compiled.
+pub fn log_kernels() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KILN_LOG").is_ok_and(|v| v.split(',').any(|w| w.trim() == "kernels" || w.trim() == "all")))
+}
+
+/// A hash of a kernel spec: the in-memory kernel cache's key.
+pub fn spec_key<T: std::hash::Hash>(kind: &str, spec: &T) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    kind.hash(&mut h);
+    spec.hash(&mut h);
+    h.finish()
+}
+
 /// Whether `Device::Cuda(ordinal)` can be used.
 pub fn is_available(ordinal: usize) -> bool {
     #[cfg(feature = "cuda")]
@@ -90,6 +105,22 @@ pub(crate) fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta
 #[cfg(feature = "cuda")]
 pub(crate) fn run_inplace(op: &Op, dst: &mut Storage, l: &Layout, src: Option<(&Storage, &Layout)>) -> Result<()> {
     kernels::run_inplace(op, dst, l, src)
+}
+
+/// The fused Adam update on a GPU (see `fused::adam_step_device_`, which checks the tensors).
+#[cfg(feature = "cuda")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn adam_step(
+    p: &Tensor,
+    g: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    vmax: Option<&Tensor>,
+    lr: &Tensor,
+    step: &Tensor,
+    h: crate::fused::AdamHyper,
+) -> Result<()> {
+    kernels::adam_step(p, g, m, v, vmax, lr, step, h)
 }
 
 #[cfg(feature = "cuda")]
