@@ -19,9 +19,11 @@ use kiln::tensor::{cuda, set_default_dtype, Distribution};
 use std::time::Instant;
 
 fn median_ms(dev: Device, warmup: usize, steps: usize, mut step: impl FnMut() -> Result<()>) -> Result<f64> {
+    kiln::tensor::storage::reset_peak_bytes();
     for _ in 0..warmup {
         step()?;
     }
+    kiln::tensor::profile::reset();
     let mut times = Vec::with_capacity(steps);
     for _ in 0..steps {
         cuda::synchronize(dev)?;
@@ -34,9 +36,17 @@ fn median_ms(dev: Device, warmup: usize, steps: usize, mut step: impl FnMut() ->
     Ok(times[times.len() / 2])
 }
 
+/// `a + b` on 16M contiguous floats: reads 2 x 64 MiB and writes 64 MiB.
+fn elementwise(dev: Device, steps: usize) -> Result<f64> {
+    let n = 1 << 24;
+    let a = Tensor::rand_at(&[n], Distribution::Normal, 6, 0, DType::F32, dev)?;
+    let b = Tensor::rand_at(&[n], Distribution::Normal, 7, 0, DType::F32, dev)?;
+    median_ms(dev, 3, steps, || a.add(&b).map(|_| ()))
+}
+
 fn report(workload: &str, precision: &str, ms: f64, dev: Device) {
     if kiln::tensor::profile::enabled() {
-        eprintln!("--- {workload}: per-op device time (KILN_PROFILE)\n{}", kiln::tensor::profile::report());
+        eprintln!("--- {workload}: per-op device time over the timed steps (KILN_PROFILE)\n{}", kiln::tensor::profile::report());
         kiln::tensor::profile::reset();
     }
     let peak = kiln::tensor::storage::peak_bytes() as f64 / 1048576.0;
@@ -77,7 +87,9 @@ fn gpt_step(dev: Device, dtype: DType, steps: usize) -> Result<f64> {
     let model = Gpt::new(cfg, dev)?;
     set_default_dtype(DType::F32);
     let mut opt = AdamW::new(model.parameters(), AdamConfig { lr: 3e-4, ..AdamConfig::adamw() })?;
-    let tok = |s| -> Result<Tensor> { Tensor::rand_at(&[64, 256], Distribution::Uniform, s, 0, DType::F32, dev)?.mul_scalar(65.0)?.to_dtype(DType::I64) };
+    let tok = |s| -> Result<Tensor> {
+        Tensor::rand_at(&[64, 256], Distribution::Uniform, s, 0, DType::F32, dev)?.mul_scalar(65.0)?.to_dtype(DType::I64)
+    };
     let (x, y) = (tok(4)?, tok(5)?);
     median_ms(dev, 3, steps, || {
         let loss = model.loss(&x, &y)?;
@@ -96,6 +108,11 @@ fn main() -> Result<()> {
     let steps: usize = flag("--steps", 50);
     let want = |name: &str| only.as_deref().is_none_or(|o| name.contains(o));
     eprintln!("kiln bench on {dev} ({steps} timed steps each; TF32 {})", if cfg!(feature = "cuda") { "off" } else { "n/a" });
+    if want("add_16M") {
+        let ms = elementwise(dev, steps)?;
+        report("add_16M", "fp32", ms, dev);
+        eprintln!("add_16M: {:.0} GB/s", 3.0 * 4.0 * (1u64 << 24) as f64 / (ms * 1e-3) / 1e9);
+    }
     if want("mlp_b32") {
         report("mlp_b32", "fp32", mlp_step(dev, 32, steps * 4)?, dev);
     }

@@ -37,7 +37,7 @@ fn unigram_entropy(ids: &[usize], vocab: usize) -> f64 {
 }
 
 /// A random batch of `[B, T]` windows and their next-character targets.
-fn batch(ids: &[usize], b: usize, t: usize, rng: &mut u64) -> Result<(Tensor, Tensor)> {
+fn batch(ids: &[usize], b: usize, t: usize, rng: &mut u64, device: Device) -> Result<(Tensor, Tensor)> {
     let (mut x, mut y) = (Vec::with_capacity(b * t), Vec::with_capacity(b * t));
     for _ in 0..b {
         *rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
@@ -45,7 +45,7 @@ fn batch(ids: &[usize], b: usize, t: usize, rng: &mut u64) -> Result<(Tensor, Te
         x.extend(ids[s..s + t].iter().map(|&i| i as i64));
         y.extend(ids[s + 1..s + t + 1].iter().map(|&i| i as i64));
     }
-    Ok((Tensor::from_vec(x, &[b, t], Device::Cpu)?, Tensor::from_vec(y, &[b, t], Device::Cpu)?))
+    Ok((Tensor::from_vec(x, &[b, t], device)?, Tensor::from_vec(y, &[b, t], device)?))
 }
 
 /// Greedy continuation of `prompt` until a newline (or `max` characters).
@@ -54,7 +54,7 @@ fn complete(model: &Gpt, vocab: &[char], prompt: &str, max: usize) -> Result<Str
     let mut out = String::new();
     for _ in 0..max {
         let ctx = &ids[ids.len().saturating_sub(model.config.context)..];
-        let x = Tensor::from_slice(ctx, &[1, ctx.len()], Device::Cpu)?;
+        let x = Tensor::from_slice(ctx, &[1, ctx.len()], model.device())?;
         let logits = no_grad(|| model.forward(&x))?;
         let next = logits.narrow(1, ctx.len() - 1, 1)?.argmax(-1, false)?.item()? as usize;
         if vocab[next] == '\n' {
@@ -89,7 +89,8 @@ fn main() -> Result<()> {
         tied_head: false,
     };
     kiln::tensor::rng::manual_seed(seed);
-    let mut model = Gpt::new(config, Device::Cpu)?;
+    let device = common::device();
+    let mut model = Gpt::new(config, device)?;
     let lr = common::flag("--lr", 3e-3f64);
     let opt =
         RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr, betas: (0.9, 0.95), weight_decay: 0.1, ..AdamConfig::adamw() })?);
@@ -128,7 +129,12 @@ fn main() -> Result<()> {
         o.zero_grad()?;
         Ok(vec![loss])
     };
-    let compiled = common::has("--compile");
+    let mut compiled = common::has("--compile");
+    if compiled && device.is_cuda() {
+        println!("note: compiled steps run on the CPU back end only for now; training eagerly on {device} (use --device cpu --compile)");
+        compiled = false;
+    }
+    println!("training on {device}");
     let eager = step_fn;
     let mut cstep = compile(Mode::Default, step_fn);
     // Batches depend only on the step number, so a resumed run sees the same data.
@@ -138,7 +144,7 @@ fn main() -> Result<()> {
     let mut loss_v = f64::NAN;
     for step in start_step as usize..steps {
         let mut rng = (seed ^ 0x9E37_79B9_7F4A_7C15).wrapping_add(step as u64);
-        let (x, y) = batch(&ids, b, t, &mut rng)?;
+        let (x, y) = batch(&ids, b, t, &mut rng, device)?;
         let loss = if compiled { cstep.call(&[&x, &y])?.remove(0) } else { eager(&[x, y])?.remove(0) };
         sched.step(&mut *opt.borrow_mut())?;
         if every > 0 && (step as u64 + 1) % every == 0 {

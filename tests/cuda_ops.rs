@@ -2,6 +2,9 @@
 //! dtype, plus the CUDA error paths (built only with `--features cuda`; runs on the GPU
 //! machine through ../shared/gpu/pack). Without a GPU each test fails saying so.
 
+// Cases list their inputs as owned arrays (`&[x.clone()]`) so every call reads the same way.
+#![allow(clippy::cloned_ref_to_slice_refs)]
+
 use kiln::nn::{cross_entropy, Forward, LayerNorm};
 use kiln::prelude::*;
 use kiln::tensor::{cuda, BinaryOp, Distribution, ReduceOp, UnaryOp};
@@ -30,7 +33,7 @@ fn tol(d: DType) -> f64 {
 /// Same shape and dtype, and every value within `tol` relative (NaN matches NaN, inf matches
 /// the same inf).
 fn close(what: &str, cpu: &Tensor, gpu: &Tensor, tol: f64) {
-    assert_eq!(gpu.device().is_cuda(), true, "{what}: result left the GPU");
+    assert!(gpu.device().is_cuda(), "{what}: result left the GPU");
     assert_eq!((cpu.shape(), cpu.dtype()), (gpu.shape(), gpu.dtype()), "{what}");
     let (a, b) = (cpu.to_vec_f64().unwrap(), gpu.to_vec_f64().unwrap());
     for (i, (x, y)) in a.iter().zip(&b).enumerate() {
@@ -175,7 +178,8 @@ fn reductions_match_the_cpu() {
         for op in ops {
             let arg = matches!(op, ReduceOp::ArgMax | ReduceOp::ArgMin);
             let t = if op == ReduceOp::Sum { tol(dt) * 4.0 } else { 0.0 };
-            let dims: Vec<Vec<usize>> = if arg { vec![vec![0], vec![1], vec![2]] } else { vec![vec![0], vec![2], vec![0, 2], vec![0, 1, 2]] };
+            let dims: Vec<Vec<usize>> =
+                if arg { vec![vec![0], vec![1], vec![2]] } else { vec![vec![0], vec![2], vec![0, 2], vec![0, 1, 2]] };
             for d in dims {
                 for keep in [false, true] {
                     both(&format!("{op:?} {d:?} {keep} {dt:?}"), &[x.clone()], t, |v| v[0].reduce(op, &d[..], keep));
@@ -235,24 +239,31 @@ fn indexing_cat_and_in_place_updates_match_the_cpu() {
         let x = randn(&[5, 4, 3], 23, dt);
         let idx = Tensor::from_slice(&[4i64, 0, 2, 2], &[4], Device::Cpu).unwrap();
         both(&format!("index_select 0 {dt:?}"), &[x.clone(), idx.clone()], 0.0, |v| v[0].index_select(0, &v[1]));
-        both(&format!("index_select 1 {dt:?}"), &[x.clone(), idx.narrow(0, 1, 2).unwrap()], 0.0, |v| v[0].transpose(0, 1)?.index_select(1, &v[1]));
+        both(&format!("index_select 1 {dt:?}"), &[x.clone(), idx.narrow(0, 1, 2).unwrap()], 0.0, |v| {
+            v[0].transpose(0, 1)?.index_select(1, &v[1])
+        });
         let src = randn(&[5, 4, 4], 24, dt);
         let idx2 = Tensor::from_slice(&[2i64, 0, 2], &[3], Device::Cpu).unwrap();
         both(&format!("index_add {dt:?}"), &[x.clone(), idx2, src], tol(dt) * 2.0, |v| v[0].index_add(2, &v[1], &v[2].narrow(2, 0, 3)?));
         let gi = Tensor::from_slice(&[0i64, 3, 1, 1, 2, 0], &[2, 3], Device::Cpu).unwrap();
         let m = randn(&[2, 4], 25, dt);
         both(&format!("gather {dt:?}"), &[m.clone(), gi.clone()], 0.0, |v| v[0].gather(1, &v[1]));
-        both(&format!("scatter_add {dt:?}"), &[m.clone(), gi.clone(), randn(&[2, 3], 26, dt)], tol(dt) * 2.0, |v| v[0].scatter_add(1, &v[1], &v[2]));
+        both(&format!("scatter_add {dt:?}"), &[m.clone(), gi.clone(), randn(&[2, 3], 26, dt)], tol(dt) * 2.0, |v| {
+            v[0].scatter_add(1, &v[1], &v[2])
+        });
         both(&format!("cat {dt:?}"), &[m.clone(), randn(&[4, 2], 27, dt)], 0.0, |v| Tensor::cat(&[&v[0], &v[1].t()?, &v[0]], 0));
         both(&format!("cat dim1 {dt:?}"), &[m.clone(), randn(&[2, 3], 28, dt)], 0.0, |v| Tensor::cat(&[&v[0], &v[1]], 1));
-        both(&format!("embedding {dt:?}"), &[randn(&[10, 6], 29, dt), Tensor::from_slice(&[3i64, 9, 0, 3], &[2, 2], Device::Cpu).unwrap()], 0.0, |v| {
-            v[0].embedding(&v[1])
-        });
+        both(
+            &format!("embedding {dt:?}"),
+            &[randn(&[10, 6], 29, dt), Tensor::from_slice(&[3i64, 9, 0, 3], &[2, 2], Device::Cpu).unwrap()],
+            0.0,
+            |v| v[0].embedding(&v[1]),
+        );
         // In place through a strided view: only the view's elements change.
         both(&format!("in place {dt:?}"), &[randn(&[6, 5], 30, dt), randn(&[5], 31, dt)], tol(dt), |v| {
             let dst = v[0].copy()?;
             let view = dst.narrow(0, 1, 3)?.t()?;
-            view.add_(&v[1].narrow(0, 0, 3)?.unsqueeze(1)?)?;
+            view.add_(&v[1].narrow(0, 0, 3)?.unsqueeze(0)?)?;
             dst.narrow(1, 4, 1)?.mul_scalar_(3.0)?;
             dst.narrow(0, 5, 1)?.assign(&v[1])?;
             Ok(dst)
@@ -277,34 +288,63 @@ fn backward_of_every_differentiable_op_matches_the_cpu() {
     let dev = gpu();
     type F = Box<dyn Fn(&[Tensor]) -> Result<Tensor>>;
     let cases: Vec<(&str, Vec<Tensor>, F)> = vec![
-        ("unary chain", vec![randn(&[4, 6], 40, DType::F32)], Box::new(|x| {
-            let a = x[0].exp()?.add(&x[0].sin()?)?.add(&x[0].tanh()?)?.add(&x[0].sigmoid()?)?;
-            let b = x[0].gelu()?.add(&x[0].silu()?)?.add(&x[0].relu()?)?.add(&x[0].abs()?.add_scalar(0.5)?.log()?)?;
-            a.add(&b)?.add(&x[0].square()?.add_scalar(1.0)?.sqrt()?)
-        })),
-        ("binary broadcast", vec![randn(&[4, 6], 41, DType::F32), randn(&[6], 42, DType::F32)], Box::new(|x| {
-            let d = x[1].abs()?.add_scalar(0.5)?;
-            x[0].mul(&x[1])?.sub(&x[0].div(&d)?)?.add(&x[0].maximum(&x[1])?)?.add(&x[0].minimum(&x[1])?)
-        })),
-        ("pow and where", vec![randn(&[5, 3], 43, DType::F32)], Box::new(|x| {
-            let p = x[0].abs()?.add_scalar(0.2)?.powf(1.7)?;
-            Tensor::where_cond(&x[0].gt_scalar(0.0)?, &p, &x[0].mul_scalar(-2.0)?)
-        })),
-        ("reductions", vec![randn(&[4, 5, 6], 44, DType::F32)], Box::new(|x| {
-            x[0].sum(&[1usize][..], true)?.add(&x[0].max(&[2usize][..], true)?)?.add(&x[0].min(&[0usize][..], true)?)?.add(&x[0].mean(&[0usize, 2][..], true)?)
-        })),
-        ("matmul and views", vec![randn(&[3, 4, 5], 45, DType::F32), randn(&[6, 5], 46, DType::F32)], Box::new(|x| {
-            x[0].matmul(&x[1].t()?)?.permute(&[2, 0, 1])?.narrow(0, 1, 4)?.reshape(&[4, 12][..])?.expand(&[2, 4, 12])?.contiguous()
-        })),
+        (
+            "unary chain",
+            vec![randn(&[4, 6], 40, DType::F32)],
+            Box::new(|x| {
+                let a = x[0].exp()?.add(&x[0].sin()?)?.add(&x[0].tanh()?)?.add(&x[0].sigmoid()?)?;
+                let b = x[0].gelu()?.add(&x[0].silu()?)?.add(&x[0].relu()?)?.add(&x[0].abs()?.add_scalar(0.5)?.log()?)?;
+                a.add(&b)?.add(&x[0].square()?.add_scalar(1.0)?.sqrt()?)
+            }),
+        ),
+        (
+            "binary broadcast",
+            vec![randn(&[4, 6], 41, DType::F32), randn(&[6], 42, DType::F32)],
+            Box::new(|x| {
+                let d = x[1].abs()?.add_scalar(0.5)?;
+                x[0].mul(&x[1])?.sub(&x[0].div(&d)?)?.add(&x[0].maximum(&x[1])?)?.add(&x[0].minimum(&x[1])?)
+            }),
+        ),
+        (
+            "pow and where",
+            vec![randn(&[5, 3], 43, DType::F32)],
+            Box::new(|x| {
+                let p = x[0].abs()?.add_scalar(0.2)?.powf(1.7)?;
+                Tensor::where_cond(&x[0].gt_scalar(0.0)?, &p, &x[0].mul_scalar(-2.0)?)
+            }),
+        ),
+        (
+            "reductions",
+            vec![randn(&[4, 5, 6], 44, DType::F32)],
+            Box::new(|x| {
+                x[0].sum(&[1usize][..], true)?
+                    .add(&x[0].max(&[2usize][..], true)?)?
+                    .add(&x[0].min(&[0usize][..], true)?)?
+                    .add(&x[0].mean(&[0usize, 2][..], true)?)
+            }),
+        ),
+        (
+            "matmul and views",
+            vec![randn(&[3, 4, 5], 45, DType::F32), randn(&[6, 5], 46, DType::F32)],
+            Box::new(|x| {
+                x[0].matmul(&x[1].t()?)?.permute(&[2, 0, 1])?.narrow(0, 1, 4)?.reshape(&[4, 12][..])?.expand(&[2, 4, 12])?.contiguous()
+            }),
+        ),
         ("softmax, log_softmax", vec![randn(&[4, 7], 47, DType::F32)], Box::new(|x| x[0].softmax(1)?.add(&x[0].log_softmax(0)?))),
-        ("indexing and cat", vec![randn(&[6, 4], 48, DType::F32), Tensor::from_slice(&[5i64, 0, 5, 2], &[4], Device::Cpu).unwrap()], Box::new(|x| {
-            let sel = x[0].index_select(0, &x[1])?;
-            let gi = x[1].narrow(0, 0, 2)?.reshape(&[2, 1][..])?.expand(&[2, 4])?.contiguous()?;
-            Tensor::cat(&[&sel, &x[0].gather(0, &gi)?, &x[0].embedding(&x[1])?], 0)
-        })),
-        ("cross entropy", vec![randn(&[8, 5], 49, DType::F32), Tensor::from_slice(&[0i64, 4, 2, 2, 1, 3, 0, 4], &[8], Device::Cpu).unwrap()], Box::new(|x| {
-            cross_entropy(&x[0], &x[1])
-        })),
+        (
+            "indexing and cat",
+            vec![randn(&[6, 4], 48, DType::F32), Tensor::from_slice(&[5i64, 0, 5, 2], &[4], Device::Cpu).unwrap()],
+            Box::new(|x| {
+                let sel = x[0].index_select(0, &x[1])?;
+                let gi = x[1].narrow(0, 0, 2)?.reshape(&[2, 1][..])?.expand(&[2, 4])?.contiguous()?;
+                Tensor::cat(&[&sel, &x[0].gather(0, &gi)?, &x[0].embedding(&x[1])?], 0)
+            }),
+        ),
+        (
+            "cross entropy",
+            vec![randn(&[8, 5], 49, DType::F32), Tensor::from_slice(&[0i64, 4, 2, 2, 1, 3, 0, 4], &[8], Device::Cpu).unwrap()],
+            Box::new(|x| cross_entropy(&x[0], &x[1])),
+        ),
         ("dtype casts", vec![randn(&[3, 4], 50, DType::F32)], Box::new(|x| x[0].to_dtype(DType::F64)?.exp()?.to_dtype(DType::F32))),
     ];
     for (name, ins, f) in cases {

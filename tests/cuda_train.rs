@@ -135,8 +135,11 @@ fn adam_with_l2_and_amsgrad_updates_the_same_on_both_devices() {
         kiln::tensor::rng::manual_seed(5);
         let model = mlp(&[20, 16, 5], dev).unwrap();
         let cfg = AdamConfig { lr: 5e-3, weight_decay: 0.1, amsgrad: true, ..AdamConfig::default() };
-        let mut opt: Box<dyn Optimizer> =
-            if decoupled { Box::new(AdamW::new(model.parameters(), cfg).unwrap()) } else { Box::new(Adam::new(model.parameters(), cfg).unwrap()) };
+        let mut opt: Box<dyn Optimizer> = if decoupled {
+            Box::new(AdamW::new(model.parameters(), cfg).unwrap())
+        } else {
+            Box::new(Adam::new(model.parameters(), cfg).unwrap())
+        };
         for i in 0..20 {
             let (x, y) = batch(i, dev);
             cross_entropy(&model.forward(&x).unwrap(), &y).unwrap().backward().unwrap();

@@ -11,7 +11,7 @@ for path in sys.argv[1:]:
         line = line.strip()
         if line.startswith("{"):
             rows.append(json.loads(line))
-order = ["mlp_b32", "mlp_b4096", "transformer_fwd", "gpt_fp32", "gpt_bf16"]
+order = ["add_16M", "mlp_b32", "mlp_b4096", "transformer_fwd", "gpt_fp32", "gpt_bf16"]
 print("| workload | implementation | precision | median step | vs torch eager | compile | peak memory |")
 print("|---|---|---|---|---|---|---|")
 for w in order:
@@ -22,4 +22,6 @@ for w in order:
         comp = f"{r['compile_s']:.1f} s" if r.get("compile_s") else "-"
         ms = r["median_ms"]
         t = f"{ms * 1000:.0f} us" if ms < 1 else f"{ms:.2f} ms"
+        if w == "add_16M":
+            t += f" ({3 * 4 * 2**24 / (ms * 1e-3) / 1e9:.0f} GB/s)"
         print(f"| {w} | {r['impl']} | {r['precision']} | {t} | {ratio} | {comp} | {r.get('peak_mib', 0):.0f} MiB |")

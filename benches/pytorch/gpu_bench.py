@@ -105,6 +105,16 @@ def transformer_forward(compile_mode):
     return compiled(step, compile_mode)
 
 
+def add_16m(compile_mode):
+    a = torch.randn(1 << 24, device=dev)
+    b = torch.randn(1 << 24, device=dev)
+
+    def step():
+        a + b
+
+    return compiled(step, compile_mode)
+
+
 def compiled(step, mode):
     if mode == "eager":
         return step, 0.0
@@ -122,6 +132,7 @@ def main():
     ap.add_argument("--steps", type=int, default=50)
     a = ap.parse_args()
     work = [
+        ("add_16M", "fp32", add_16m, 1),
         ("mlp_b32", "fp32", lambda m: mlp_step(32, m), 4),
         ("mlp_b4096", "fp32", lambda m: mlp_step(4096, m), 2),
         ("transformer_fwd", "fp32", transformer_forward, 1),

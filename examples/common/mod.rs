@@ -20,6 +20,15 @@ pub fn opt(name: &str) -> Option<String> {
     args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned()
 }
 
+/// `--device cpu|cuda|cuda:N`; by default the first GPU when one is usable, else the CPU.
+pub fn device() -> kiln::Device {
+    match opt("--device").as_deref() {
+        Some("cpu") => kiln::Device::Cpu,
+        Some(d) if d.starts_with("cuda") => kiln::Device::Cuda(d.strip_prefix("cuda:").and_then(|n| n.parse().ok()).unwrap_or(0)),
+        _ => kiln::Device::cuda_if_available(0),
+    }
+}
+
 pub fn bar(len: u64, what: &str) -> ProgressBar {
     let pb = ProgressBar::new(len);
     pb.set_style(

@@ -92,6 +92,11 @@ impl Gpt {
         })
     }
 
+    /// Where the parameters live.
+    pub fn device(&self) -> Device {
+        self.tok_emb.weight.device()
+    }
+
     /// tokens: [B, T] (I64, T <= context) -> logits [B, T, V]
     pub fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
         let t = tokens.shape().get(1).copied().unwrap_or(0);

@@ -108,7 +108,7 @@ fn update(core: &mut Core, cfg: &AdamConfig, decoupled: bool) -> Result<()> {
         }
         // On a GPU the fused kernel reads lr and step there (no host read).
         let hyper = AdamHyper { beta1: cfg.betas.0, beta2: cfg.betas.1, eps: cfg.eps, weight_decay: cfg.weight_decay, decoupled };
-        if kiln_tensor::fused::adam_step_device_(&p, &g, &bufs[0], &bufs[1], bufs.get(2), &core.lr, &core.step, hyper)? {
+        if kiln_tensor::fused::adam_step_device_(&p, &g, &bufs[0], &bufs[1], bufs.get(2), (&core.lr, &core.step), hyper)? {
             continue;
         }
         let f = groups.get(&p, |dtype, device| factors(core, cfg, decoupled, dtype, device))?;

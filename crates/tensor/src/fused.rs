@@ -46,9 +46,17 @@ pub struct AdamHyper {
     pub decoupled: bool,
 }
 
-/// The one-pass update on a GPU, reading `lr` and `step` (0-dim F64 on the same GPU) there, so
+/// The one-pass update on a GPU, reading `(lr, step)` (0-dim F64 on the same GPU) there, so
 /// the host never waits. `Ok(false)` (nothing written) when the tensors do not qualify.
-pub fn adam_step_device_(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, vmax: Option<&Tensor>, lr: &Tensor, step: &Tensor, h: AdamHyper) -> Result<bool> {
+pub fn adam_step_device_(
+    p: &Tensor,
+    g: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    vmax: Option<&Tensor>,
+    (lr, step): (&Tensor, &Tensor),
+    h: AdamHyper,
+) -> Result<bool> {
     let mut all = vec![p, g, m, v];
     all.extend(vmax);
     let scalars_ok = [lr, step].iter().all(|t| t.dtype() == crate::DType::F64 && t.numel() == 1 && t.device() == p.device());

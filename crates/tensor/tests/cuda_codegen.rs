@@ -68,15 +68,7 @@ fn check(src: &str, name: &str, failures: &mut Vec<String>) {
 
 fn ew(op: &Op, ins: &[DType], out: DType, contiguous: bool, inplace: bool) -> (String, String) {
     let (prefix, expr, compute) = elementwise_expr(op, ins).expect("an elementwise op");
-    let spec = Elementwise {
-        expr,
-        compute,
-        inputs: ins.to_vec(),
-        out,
-        contiguous: vec![contiguous; ins.len()],
-        inplace,
-        vec4: contiguous,
-    };
+    let spec = Elementwise { expr, compute, inputs: ins.to_vec(), out, contiguous: vec![contiguous; ins.len()], inplace, vec4: contiguous };
     spec.source(prefix)
 }
 

@@ -115,8 +115,18 @@ pub fn matmul(g: &Arc<Gpu>, (sa, la): (&CudaStorage, &Layout), (sb, lb): (&CudaS
         shape.extend([rows, cols]);
         Layout { strides: l.broadcast_strides(&shape), shape, offset: l.offset }
     };
-    let a = operand(g, sa, &expand(la, m, k))?;
-    let b = operand(g, sb, &expand(lb, k, n))?;
+    let (mut la, lb) = (expand(la, m, k), expand(lb, k, n));
+    let (mut m, mut batch) = (m, batch);
+    // A shared B (a Linear's weight) against a batch of A's rows is one GEMM with the batch
+    // folded into M, as PyTorch does: far faster than a strided batch of small GEMMs.
+    if batch > 1 && lb.strides[..r - 2].iter().all(|&s| s == 0) {
+        if let Some(folded) = la.reshaped(&[batch * m, k]) {
+            (la, m, batch) = (folded, batch * m, 1);
+        }
+    }
+    let a = operand(g, sa, &la)?;
+    let b = operand(g, sb, &lb)?;
+    let b = if batch == 1 { Operand { batch_stride: 0, ..b } } else { b };
     let (dt, compute) = data_type(meta.dtype)?;
     let op = |t: bool| if t { bs::cublasOperation_t::CUBLAS_OP_T } else { bs::cublasOperation_t::CUBLAS_OP_N };
     let (one32, zero32, one64, zero64) = (1.0f32, 0.0f32, 1.0f64, 0.0f64);

@@ -237,7 +237,15 @@ impl Elementwise {
             let idx = if self.contiguous[k] { format!("a.off[{k}] + i") } else { format!("q{k}") };
             b += &format!("    auto v{k} = ld({}[{idx}]);\n", self.pointer(k));
         }
-        let oi = if self.inplace { if self.contiguous[0] { "a.off[0] + i".to_string() } else { "q0".into() } } else { "i".into() };
+        let oi = if self.inplace {
+            if self.contiguous[0] {
+                "a.off[0] + i".to_string()
+            } else {
+                "q0".into()
+            }
+        } else {
+            "i".into()
+        };
         b += &format!("    st(({ot}*)&o[{oi}], {});\n  }}\n", self.expr);
         b
     }
@@ -362,7 +370,9 @@ impl Reduce {
                 "  long long row = blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32, chunk = 0;\n  \
                  int lane = threadIdx.x % 32, tpr = 32;\n  if (row >= a.rows) return;\n"
             }
-            ReduceMode::Block => "  long long row = blockIdx.x / a.chunks, chunk = blockIdx.x % a.chunks;\n  int lane = threadIdx.x, tpr = blockDim.x;\n",
+            ReduceMode::Block => {
+                "  long long row = blockIdx.x / a.chunks, chunk = blockIdx.x % a.chunks;\n  int lane = threadIdx.x, tpr = blockDim.x;\n"
+            }
             ReduceMode::Column => {
                 "  long long row = blockIdx.x * (long long)blockDim.x + threadIdx.x, chunk = blockIdx.y;\n  \
                  int lane = 0, tpr = 1;\n  if (row >= a.rows) return;\n"
@@ -442,11 +452,13 @@ impl Index {
         s += "  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < a.n; i += (long long)gridDim.x * blockDim.x) {\n";
         s += &match self.kind {
             // i walks the output [outer, nidx, inner].
-            IndexKind::Select => "    long long in_ = i % a.inner, j = (i / a.inner) % a.nidx, ou = i / (a.inner * a.nidx);\n    \
+            IndexKind::Select => {
+                "    long long in_ = i % a.inner, j = (i / a.inner) % a.nidx, ou = i / (a.inner * a.nidx);\n    \
                  long long v = idx[j];\n    \
                  o[i] = check_index(err, a.code, v, a.size) ? src[(ou * a.size + v) * a.inner + in_] : "
-                .to_string()
-                + "T();\n",
+                    .to_string()
+                    + "T();\n"
+            }
             // i walks src [outer, nidx, inner]; o is [outer, size, inner].
             IndexKind::Add => "    long long in_ = i % a.inner, j = (i / a.inner) % a.nidx, ou = i / (a.inner * a.nidx);\n    \
                  long long v = idx[j];\n    \

@@ -108,22 +108,15 @@ fn launch_ew(
         return Ok(());
     }
     let strides: Vec<Vec<usize>> = ins.iter().map(|(_, l)| l.broadcast_strides(shape)).collect();
-    let contiguous: Vec<bool> = strides.iter().map(|st| Layout { shape: shape.to_vec(), strides: st.clone(), offset: 0 }.is_contiguous()).collect();
+    let contiguous: Vec<bool> =
+        strides.iter().map(|st| Layout { shape: shape.to_vec(), strides: st.clone(), offset: 0 }.is_contiguous()).collect();
     let (cs, cst) = coalesce(shape, &strides);
     if cs.len() > MAX_RANK {
         return Err(too_many_dims(shape));
     }
     let offsets: Vec<usize> = ins.iter().map(|(_, l)| l.offset).collect();
     let vec4 = contiguous.iter().all(|&c| c) && offsets.iter().all(|o| o % 4 == 0) && n >= 4;
-    let spec = Elementwise {
-        expr,
-        compute,
-        inputs: ins.iter().map(|(s, _)| s.dtype).collect(),
-        out: out.dtype,
-        contiguous,
-        inplace,
-        vec4,
-    };
+    let spec = Elementwise { expr, compute, inputs: ins.iter().map(|(s, _)| s.dtype).collect(), out: out.dtype, contiguous, inplace, vec4 };
     let k = g.kernel(super::spec_key(prefix, &spec), || spec.source(prefix))?;
     let mut a = Args { n: n as i64, rank: cs.len() as i32, s: extra.0, seed: extra.1, roff: extra.2, ..Args::default() };
     for (d, &x) in cs.iter().enumerate() {
@@ -146,7 +139,14 @@ fn launch_ew(
 }
 
 /// Makes a fresh buffer and fills it with `expr` over `ins`.
-fn ew(g: &Arc<Gpu>, prefix: &str, expr: String, compute: &'static str, ins: &[(&CudaStorage, &Layout)], meta: &OutMeta) -> Result<CudaStorage> {
+fn ew(
+    g: &Arc<Gpu>,
+    prefix: &str,
+    expr: String,
+    compute: &'static str,
+    ins: &[(&CudaStorage, &Layout)],
+    meta: &OutMeta,
+) -> Result<CudaStorage> {
     ew_extra(g, prefix, expr, compute, ins, meta, (0.0, 0, 0))
 }
 
@@ -211,7 +211,14 @@ pub fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, devic
     let out = match op {
         // Also a reshape the strides cannot express: the copy is read back in the new shape.
         Op::Contiguous => dense_copy(&g, x[0].0, x[0].1)?,
-        Op::Full { .. } | Op::Arange { .. } | Op::Rand { .. } | Op::Unary(_) | Op::Binary(_) | Op::Scalar { .. } | Op::Where | Op::Cast(_) => {
+        Op::Full { .. }
+        | Op::Arange { .. }
+        | Op::Rand { .. }
+        | Op::Unary(_)
+        | Op::Binary(_)
+        | Op::Scalar { .. }
+        | Op::Where
+        | Op::Cast(_) => {
             let (prefix, expr, compute) = elementwise_expr(op, &dtypes).ok_or_else(|| Error::Msg(format!("{}: no kernel", op.name())))?;
             ew_extra(&g, prefix, expr, compute, &x, meta, extra)?
         }
@@ -221,7 +228,9 @@ pub fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, devic
         Op::Gather { dim } => gather(&g, x[0], x[1], *dim, meta)?,
         Op::IndexAdd { dim } | Op::ScatterAdd { dim } => index_add(&g, op, x[0], x[1], x[2], *dim)?,
         Op::Cat { dim } => cat(&g, &x, *dim, meta)?,
-        Op::Reshape(_) | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_) => return Err(Error::Msg(format!("{}: a view runs no kernel", op.name()))),
+        Op::Reshape(_) | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_) => {
+            return Err(Error::Msg(format!("{}: a view runs no kernel", op.name())))
+        }
         Op::Assign | Op::UpdateBinary(_) | Op::UpdateScalar(..) => {
             return Err(Error::Msg(format!("{}: in-place ops go through run_inplace", op.name())))
         }
@@ -404,7 +413,13 @@ fn split3(shape: &[usize], dim: usize) -> (i64, i64, i64) {
     (shape[..dim].iter().product::<usize>() as i64, shape[dim] as i64, shape[dim + 1..].iter().product::<usize>() as i64)
 }
 
-fn index_select(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), (si, li): (&CudaStorage, &Layout), dim: usize, meta: &OutMeta) -> Result<CudaStorage> {
+fn index_select(
+    g: &Arc<Gpu>,
+    (s, l): (&CudaStorage, &Layout),
+    (si, li): (&CudaStorage, &Layout),
+    dim: usize,
+    meta: &OutMeta,
+) -> Result<CudaStorage> {
     let (src, idx) = (dense(g, s, l)?, dense(g, si, li)?);
     let out = CudaStorage::alloc(g, meta.dtype, meta.shape.iter().product())?;
     let (outer, size, inner) = split3(&l.shape, dim);
@@ -421,7 +436,13 @@ fn shapes_args(idx_shape: &[usize], base_shape: &[usize], dim: usize, n: usize) 
     a
 }
 
-fn gather(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), (si, li): (&CudaStorage, &Layout), dim: usize, meta: &OutMeta) -> Result<CudaStorage> {
+fn gather(
+    g: &Arc<Gpu>,
+    (s, l): (&CudaStorage, &Layout),
+    (si, li): (&CudaStorage, &Layout),
+    dim: usize,
+    meta: &OutMeta,
+) -> Result<CudaStorage> {
     let (src, idx) = (dense(g, s, l)?, dense(g, si, li)?);
     let out = CudaStorage::alloc(g, meta.dtype, meta.shape.iter().product())?;
     launch_index(g, IndexKind::Gather, &out, src.get(), idx.get(), shapes_args(&li.shape, &l.shape, dim, out.len))?;

@@ -8,9 +8,9 @@
 //! kernel that meets a bad index records it on the device; the next host read returns the
 //! error.
 
-pub mod codegen;
 #[cfg(feature = "cuda")]
 mod blas;
+pub mod codegen;
 #[cfg(feature = "cuda")]
 mod gpu;
 #[cfg(feature = "cuda")]
@@ -21,9 +21,9 @@ pub mod nvrtc;
 use crate::op::{Op, OutMeta};
 use crate::shape::Layout;
 use crate::storage::Storage;
-use crate::{Device, Result, Tensor};
 #[cfg(not(feature = "cuda"))]
 use crate::Error;
+use crate::{Device, Result, Tensor};
 
 #[cfg(feature = "cuda")]
 pub use blas::{allow_tf32, set_allow_tf32};

@@ -64,7 +64,8 @@ pub fn compile(src: &str, name: &str, arch: &str, binary: bool) -> Result<Vec<u8
     let out = match compiled {
         Err(e) => {
             // SAFETY: as above.
-            let log = unsafe { nr::get_program_log(prog) }.map(|l| l.iter().map(|&c| c as u8 as char).collect::<String>()).unwrap_or_default();
+            let log =
+                unsafe { nr::get_program_log(prog) }.map(|l| l.iter().map(|&c| c as u8 as char).collect::<String>()).unwrap_or_default();
             Err(Error::Cuda(format!("nvrtc could not compile {name} for {arch}: {e:?}\n{log}")))
         }
         Ok(()) if binary => {
