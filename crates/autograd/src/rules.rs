@@ -150,6 +150,9 @@ pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Te
                 ReduceOp::ArgMax | ReduceOp::ArgMin => vec![None],
             }
         }
+        // y = softmax(x): dx = y (g - sum(g y)); y = log_softmax(x): dx = g - exp(y) sum(g).
+        Op::Softmax { log: false } => vec![Some(out.mul(&g.sub(&g.mul(out)?.sum(&[out.rank() - 1], true)?)?)?)],
+        Op::Softmax { log: true } => vec![Some(g.sub(&out.exp()?.mul(&g.sum(&[out.rank() - 1], true)?)?)?)],
         Op::Matmul => {
             let (da, db) = matmul_rule(&inputs[0], &inputs[1], (needs[0], needs[1]), g)?;
             vec![da, db]

@@ -431,6 +431,11 @@ pub enum Op {
         dims: Vec<usize>,
         keepdim: bool,
     },
+    /// Softmax (or log-softmax) over the last dim, in one pass over each row: the max shift,
+    /// the sum of exponentials and the normalisation, accumulated wide.
+    Softmax {
+        log: bool,
+    },
     // Contractions.
     /// Batched matrix product `[..., m, k] x [..., k, n]` with broadcast batch dims.
     Matmul,
@@ -500,6 +505,8 @@ impl Op {
             Op::Where => "where",
             Op::Cast(_) => "to_dtype",
             Op::Reduce { op, .. } => op.name(),
+            Op::Softmax { log: false } => "softmax",
+            Op::Softmax { log: true } => "log_softmax",
             Op::Matmul => "matmul",
             Op::Reshape(_) => "reshape",
             Op::Permute(_) => "permute",
@@ -532,7 +539,7 @@ impl Op {
         let name = self.name();
         let arity = match self {
             Op::Full { .. } | Op::Arange { .. } | Op::Rand { .. } => 0,
-            Op::Unary(_) | Op::Scalar { .. } | Op::Cast(_) | Op::Reduce { .. } | Op::UpdateScalar(..) => 1,
+            Op::Unary(_) | Op::Scalar { .. } | Op::Cast(_) | Op::Reduce { .. } | Op::UpdateScalar(..) | Op::Softmax { .. } => 1,
             Op::Reshape(_) | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_) | Op::Contiguous => 1,
             Op::Binary(_) | Op::Matmul | Op::IndexSelect { .. } | Op::Gather { .. } => 2,
             Op::Assign | Op::UpdateBinary(_) => 2,
@@ -610,6 +617,13 @@ impl Op {
                     shape.iter().enumerate().filter(|(i, _)| !dims.contains(i)).map(|(_, &s)| s).collect()
                 };
                 meta(out, if is_arg { DType::I64 } else { inputs[0].dtype })
+            }
+            Op::Softmax { .. } => {
+                float_only(inputs[0].dtype)?;
+                if inputs[0].shape.is_empty() {
+                    return Err(Error::shape(name, "needs rank >= 1, got a scalar".to_string()));
+                }
+                meta(inputs[0].shape.to_vec(), inputs[0].dtype)
             }
             Op::Matmul => {
                 let (a, b) = (inputs[0].shape, inputs[1].shape);

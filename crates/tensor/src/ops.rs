@@ -306,18 +306,21 @@ impl Tensor {
         let denom = n.saturating_sub(correction).max(1) as f64;
         centered.square()?.sum(&idx, keepdim)?.mul_scalar(1.0 / denom)
     }
+    /// Softmax along `dim`: one fused primitive over the last dim (other dims are moved
+    /// there and back as views).
     pub fn softmax<D: Dim>(&self, dim: D) -> Result<Tensor> {
-        let d = dim.to_index("softmax", self.shape())?;
-        // The shift by the max only guards exp against overflow; softmax does not depend on it.
-        let m = no_grad(|| self.max(&d, true))?;
-        let e = self.sub(&m)?.exp()?;
-        e.div(&e.sum(&d, true)?)
+        self.softmax_op(dim.to_index("softmax", self.shape())?, false)
     }
     pub fn log_softmax<D: Dim>(&self, dim: D) -> Result<Tensor> {
-        let d = dim.to_index("log_softmax", self.shape())?;
-        let m = no_grad(|| self.max(&d, true))?;
-        let shifted = self.sub(&m)?;
-        shifted.sub(&shifted.exp()?.sum(&d, true)?.log()?)
+        self.softmax_op(dim.to_index("log_softmax", self.shape())?, true)
+    }
+    fn softmax_op(&self, d: usize, log: bool) -> Result<Tensor> {
+        let last = self.rank() - 1;
+        if d == last {
+            return Tensor::apply(Op::Softmax { log }, &[self], self.device());
+        }
+        let moved = self.transpose(d, last)?;
+        Tensor::apply(Op::Softmax { log }, &[&moved], self.device())?.transpose(d, last)
     }
 
     // ---- matrix products ----

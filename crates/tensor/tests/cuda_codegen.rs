@@ -153,6 +153,10 @@ fn every_reduction_and_index_kernel_compiles() {
         }
     }
     for d in FLOATS {
+        for (log, block) in [(false, false), (true, false), (false, true), (true, true)] {
+            let (s, n) = kiln_tensor::cuda::codegen::softmax_source(d, log, block);
+            check(&s, &n, &mut fails);
+        }
         for ams in [false, true] {
             let (s, n) = kiln_tensor::cuda::codegen::adam_source(d, ams);
             check(&s, &n, &mut fails);

@@ -198,6 +198,10 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             let (s, l) = ins[0];
             with_cpu!(s, v => reduce::reduce(*r, v, l, dims, numel).into_storage())
         }
+        Op::Softmax { log } => {
+            let (s, l) = ins[0];
+            with_cpu!(s, v => reduce::softmax(&contig(v, l), l.shape[l.rank() - 1], *log).into_storage())
+        }
         Op::Matmul => {
             let ((sa, la), (sb, lb)) = (ins[0], ins[1]);
             let r = meta.shape.len();

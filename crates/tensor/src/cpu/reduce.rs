@@ -111,3 +111,31 @@ pub fn reduce<T: Element>(op: ReduceOp, src: &[T], l: &Layout, dims: &[usize], o
         }
     }
 }
+
+/// Softmax (or log-softmax) of each row of `n` elements of a row-major buffer, in f64.
+pub fn softmax<T: Element>(src: &[T], n: usize, log: bool) -> Vec<T> {
+    let mut out = pool::take::<T>(src.len());
+    if n == 0 {
+        return out;
+    }
+    par_chunks(&mut out, |start, chunk| {
+        // Chunks may start mid-row only below the parallel threshold's row multiple; walk rows.
+        let mut at = 0;
+        while at < chunk.len() {
+            let row = (start + at) / n;
+            let (lo, hi) = (row * n, (row + 1) * n);
+            let x = &src[lo..hi];
+            let from = start + at - lo;
+            let to = (hi - start).min(chunk.len());
+            let m = x.iter().map(|v| v.to_f64()).fold(f64::NEG_INFINITY, |a, b| if b.is_nan() || b > a { b } else { a });
+            let sum: f64 = x.iter().map(|v| (v.to_f64() - m).exp()).sum();
+            let lse = m + sum.ln();
+            for (k, o) in chunk[at..to].iter_mut().enumerate() {
+                let v = x[from + k].to_f64();
+                *o = T::from_f64(if log { v - lse } else { (v - m).exp() / sum });
+            }
+            at = to;
+        }
+    });
+    out
+}

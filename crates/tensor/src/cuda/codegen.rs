@@ -513,3 +513,52 @@ pub fn adam_source(dtype: DType, amsgrad: bool) -> (String, String) {
     s += "    st(&p[i], pi - step_size * mi / (ksqrt(vi) / bc2 + eps));\n  }\n}\n";
     (s, name)
 }
+
+/// Softmax (or log-softmax) over the last dim: one warp per row (`block == false`) or one
+/// block per long row. Three sweeps of the row (max, sum of exponentials, write); the row is
+/// read through strides (`RArgs`: kept dims, and the last dim's stride in `rst[0]`), the
+/// output is contiguous.
+pub fn softmax_source(dtype: DType, log: bool, block: bool) -> (String, String) {
+    let name =
+        format!("k_{}softmax_{}{}", if log { "log_" } else { "" }, format!("{dtype:?}").to_lowercase(), if block { "_block" } else { "" });
+    let (t, c) = (storage_type(dtype), compute_type(dtype));
+    let mut s = format!("{PRELUDE}{REDUCE_ARGS}\ntypedef {c} C;\n");
+    // All-reduce across the row's threads: a warp with shuffles, a block through shared memory.
+    let all = |op: &str| -> String {
+        let f = |a: &str, b: &str| {
+            if op == "max" {
+                format!("(({b}) > ({a}) || ({b}) != ({b}) ? ({b}) : ({a}))")
+            } else {
+                format!("(({a}) + ({b}))")
+            }
+        };
+        let mut r =
+            format!("  for (int w = 16; w > 0; w /= 2) {{ C o_ = __shfl_xor_sync(0xffffffffu, acc, w); acc = {}; }}\n", f("acc", "o_"));
+        if block {
+            r += "  __syncthreads();\n  if (threadIdx.x % 32 == 0) sh[threadIdx.x / 32] = acc;\n  __syncthreads();\n";
+            r += "  acc = sh[0];\n  for (int w = 1; w < (int)(blockDim.x / 32); ++w) { C o_ = sh[w]; acc = ";
+            r += &f("acc", "o_");
+            r += "; }\n";
+        }
+        r
+    };
+    s += &format!("extern \"C\" __global__ void {name}({t}* __restrict__ o, const {t}* __restrict__ p, RArgs a) {{\n");
+    if block {
+        s += "  __shared__ C sh[32];\n  long long row = blockIdx.x; int lane = threadIdx.x, tpr = blockDim.x;\n";
+    } else {
+        s += "  long long row = blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32; int lane = threadIdx.x % 32, tpr = 32;\n";
+        s += "  if (row >= a.rows) return;\n";
+    }
+    s += "  long long base = a.off, r = row, st_ = a.rst[0];\n";
+    s += "  for (int d = a.krank - 1; d >= 0; --d) { base += (r % a.kshape[d]) * a.kst[d]; r /= a.kshape[d]; }\n";
+    s += "  C acc = -(C)__longlong_as_double(0x7ff0000000000000LL);\n";
+    s += "  for (long long j = lane; j < a.red; j += tpr) { C v = (C)ld(p[base + j * st_]); acc = (v > acc || v != v) ? v : acc; }\n";
+    s += &all("max");
+    s += "  C m = acc; acc = (C)0;\n";
+    s += "  for (long long j = lane; j < a.red; j += tpr) acc += kexp((C)ld(p[base + j * st_]) - m);\n";
+    s += &all("sum");
+    s += "  C sum = acc, lse = m + klog(sum);\n";
+    s += "  for (long long j = lane; j < a.red; j += tpr) {\n    C v = (C)ld(p[base + j * st_]);\n";
+    s += if log { "    st(&o[row * a.red + j], v - lse);\n  }\n}\n" } else { "    st(&o[row * a.red + j], kexp(v - m) / sum);\n  }\n}\n" };
+    (s, name)
+}

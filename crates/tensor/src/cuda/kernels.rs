@@ -223,6 +223,7 @@ pub fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, devic
             ew_extra(&g, prefix, expr, compute, &x, meta, extra)?
         }
         Op::Reduce { op: r, dims, .. } => reduce(&g, *r, x[0], dims, meta)?,
+        Op::Softmax { log } => softmax(&g, x[0], *log)?,
         Op::Matmul => super::blas::matmul(&g, x[0], x[1], meta)?,
         Op::IndexSelect { dim } => index_select(&g, x[0], x[1], *dim, meta)?,
         Op::Gather { dim } => gather(&g, x[0], x[1], *dim, meta)?,
@@ -356,6 +357,43 @@ fn reduce_into(g: &Arc<Gpu>, op: ReduceOp, s: &CudaStorage, l: &Layout, dims: &[
         ReduceMode::Column => reduce_into(g, op, &part, &Layout::contiguous(&[chunks, rows]), &[0], out),
         _ => reduce_into(g, op, &part, &Layout::contiguous(&[rows, chunks]), &[1], out),
     }
+}
+
+/// Softmax over the last dim of `s` read through `l`, into a contiguous buffer.
+fn softmax(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), log: bool) -> Result<CudaStorage> {
+    let out = CudaStorage::alloc(g, s.dtype, l.numel())?;
+    let r = l.rank();
+    let (ks, kst) = coalesce(&l.shape[..r - 1], &[l.strides[..r - 1].to_vec()]);
+    if ks.len() > MAX_RANK {
+        return Err(too_many_dims(&l.shape));
+    }
+    let (rows, n): (usize, usize) = (ks.iter().product(), l.shape[r - 1]);
+    if rows == 0 || n == 0 {
+        return Ok(out);
+    }
+    let block = n > 1024;
+    let k = g.kernel(super::spec_key("softmax", &(s.dtype, log, block)), || super::codegen::softmax_source(s.dtype, log, block))?;
+    let mut a = RArgs {
+        rows: rows as i64,
+        red: n as i64,
+        off: l.offset as i64,
+        chunks: 1,
+        chunk_len: n as i64,
+        krank: ks.len() as i32,
+        rrank: 1,
+        ..RArgs::default()
+    };
+    for (d, (&x, &y)) in ks.iter().zip(&kst[0]).enumerate() {
+        (a.kshape[d], a.kst[d]) = (x as i64, y as i64);
+    }
+    (a.rshape[0], a.rst[0]) = (n as i64, l.strides[r - 1] as i64);
+    let (mut o, mut p) = (out.buf.ptr, s.buf.ptr);
+    let mut params: [*mut c_void; 3] = [&mut o as *mut u64 as _, &mut p as *mut u64 as _, &mut a as *mut RArgs as _];
+    let (grid, threads) = if block { (rows as u32, 1024) } else { (rows.div_ceil(8) as u32, 256) };
+    // SAFETY: (out, input, RArgs) matches the generated signature; the output holds every
+    // element and the input is read within its layout.
+    unsafe { g.launch(k, (grid, 1), threads, 0, &mut params)? };
+    Ok(out)
 }
 
 /// Mirrors `struct IArgs`.
