@@ -58,30 +58,7 @@ fn both(what: &str, ins: &[Tensor], tol: f64, f: impl Fn(&[Tensor]) -> Result<Te
 #[test]
 fn unary_ops_match_the_cpu_in_every_float_dtype() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let ops = [
-        UnaryOp::Neg,
-        UnaryOp::Abs,
-        UnaryOp::Exp,
-        UnaryOp::Log,
-        UnaryOp::Sqrt,
-        UnaryOp::Rsqrt,
-        UnaryOp::Recip,
-        UnaryOp::Sin,
-        UnaryOp::Cos,
-        UnaryOp::Tanh,
-        UnaryOp::Sigmoid,
-        UnaryOp::Relu,
-        UnaryOp::Gelu,
-        UnaryOp::GeluTanh,
-        UnaryOp::Silu,
-        UnaryOp::Erf,
-        UnaryOp::Square,
-        UnaryOp::Sign,
-        UnaryOp::Step,
-        UnaryOp::GeluGrad,
-        UnaryOp::GeluTanhGrad,
-        UnaryOp::SiluGrad,
-    ];
+    let ops = UnaryOp::ALL;
     for dt in FLOATS {
         // 1031 elements: the vector path plus a scalar tail; the transpose walks strides.
         let x = randn(&[1031], 1, dt);
@@ -102,21 +79,7 @@ fn unary_ops_match_the_cpu_in_every_float_dtype() {
 #[test]
 fn binary_scalar_where_and_cast_match_the_cpu() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let ops = [
-        BinaryOp::Add,
-        BinaryOp::Sub,
-        BinaryOp::Mul,
-        BinaryOp::Div,
-        BinaryOp::Pow,
-        BinaryOp::Maximum,
-        BinaryOp::Minimum,
-        BinaryOp::Eq,
-        BinaryOp::Ne,
-        BinaryOp::Lt,
-        BinaryOp::Le,
-        BinaryOp::Gt,
-        BinaryOp::Ge,
-    ];
+    let ops = BinaryOp::ALL;
     for dt in FLOATS {
         let a = randn(&[6, 9], 3, dt);
         let row = randn(&[9], 4, dt);

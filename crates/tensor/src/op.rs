@@ -123,6 +123,32 @@ float_impl!(f32, libm::erff);
 float_impl!(f64, libm::erf);
 
 impl UnaryOp {
+    /// Every unary op (for tests and kernel tables).
+    pub const ALL: [UnaryOp; 22] = [
+        UnaryOp::Neg,
+        UnaryOp::Abs,
+        UnaryOp::Exp,
+        UnaryOp::Log,
+        UnaryOp::Sqrt,
+        UnaryOp::Rsqrt,
+        UnaryOp::Recip,
+        UnaryOp::Sin,
+        UnaryOp::Cos,
+        UnaryOp::Tanh,
+        UnaryOp::Sigmoid,
+        UnaryOp::Relu,
+        UnaryOp::Gelu,
+        UnaryOp::GeluTanh,
+        UnaryOp::Silu,
+        UnaryOp::Erf,
+        UnaryOp::Square,
+        UnaryOp::Sign,
+        UnaryOp::Step,
+        UnaryOp::GeluGrad,
+        UnaryOp::GeluTanhGrad,
+        UnaryOp::SiluGrad,
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
             UnaryOp::Neg => "neg",
@@ -262,6 +288,23 @@ pub enum BinaryOp {
 }
 
 impl BinaryOp {
+    /// Every binary op (for tests and kernel tables).
+    pub const ALL: [BinaryOp; 13] = [
+        BinaryOp::Add,
+        BinaryOp::Sub,
+        BinaryOp::Mul,
+        BinaryOp::Div,
+        BinaryOp::Pow,
+        BinaryOp::Maximum,
+        BinaryOp::Minimum,
+        BinaryOp::Eq,
+        BinaryOp::Ne,
+        BinaryOp::Lt,
+        BinaryOp::Le,
+        BinaryOp::Gt,
+        BinaryOp::Ge,
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
             BinaryOp::Add => "add",

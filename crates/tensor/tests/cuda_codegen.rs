@@ -11,45 +11,8 @@ use kiln_tensor::{BinaryOp, DType, Distribution, Op, ReduceOp, UnaryOp};
 const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
 const ALL: [DType; 6] = [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I64, DType::U8];
 
-const UNARY: [UnaryOp; 22] = [
-    UnaryOp::Neg,
-    UnaryOp::Abs,
-    UnaryOp::Exp,
-    UnaryOp::Log,
-    UnaryOp::Sqrt,
-    UnaryOp::Rsqrt,
-    UnaryOp::Recip,
-    UnaryOp::Sin,
-    UnaryOp::Cos,
-    UnaryOp::Tanh,
-    UnaryOp::Sigmoid,
-    UnaryOp::Relu,
-    UnaryOp::Gelu,
-    UnaryOp::GeluTanh,
-    UnaryOp::Silu,
-    UnaryOp::Erf,
-    UnaryOp::Square,
-    UnaryOp::Sign,
-    UnaryOp::Step,
-    UnaryOp::GeluGrad,
-    UnaryOp::GeluTanhGrad,
-    UnaryOp::SiluGrad,
-];
-const BINARY: [BinaryOp; 13] = [
-    BinaryOp::Add,
-    BinaryOp::Sub,
-    BinaryOp::Mul,
-    BinaryOp::Div,
-    BinaryOp::Pow,
-    BinaryOp::Maximum,
-    BinaryOp::Minimum,
-    BinaryOp::Eq,
-    BinaryOp::Ne,
-    BinaryOp::Lt,
-    BinaryOp::Le,
-    BinaryOp::Gt,
-    BinaryOp::Ge,
-];
+const UNARY: [UnaryOp; 22] = UnaryOp::ALL;
+const BINARY: [BinaryOp; 13] = BinaryOp::ALL;
 
 fn need_nvrtc() {
     assert!(

@@ -225,8 +225,8 @@ pub fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, devic
         Op::Reduce { op: r, dims, .. } => reduce(&g, *r, x[0], dims, meta)?,
         Op::Softmax { log } => softmax(&g, x[0], *log)?,
         Op::Matmul => super::blas::matmul(&g, x[0], x[1], meta)?,
-        Op::IndexSelect { dim } => index_select(&g, x[0], x[1], *dim, meta)?,
-        Op::Gather { dim } => gather(&g, x[0], x[1], *dim, meta)?,
+        Op::IndexSelect { dim } => index_read(&g, IndexKind::Select, x[0], x[1], *dim, meta)?,
+        Op::Gather { dim } => index_read(&g, IndexKind::Gather, x[0], x[1], *dim, meta)?,
         Op::IndexAdd { dim } | Op::ScatterAdd { dim } => index_add(&g, op, x[0], x[1], x[2], *dim)?,
         Op::Cat { dim } => cat(&g, &x, *dim, meta)?,
         Op::Reshape(_) | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_) => {
@@ -451,21 +451,6 @@ fn split3(shape: &[usize], dim: usize) -> (i64, i64, i64) {
     (shape[..dim].iter().product::<usize>() as i64, shape[dim] as i64, shape[dim + 1..].iter().product::<usize>() as i64)
 }
 
-fn index_select(
-    g: &Arc<Gpu>,
-    (s, l): (&CudaStorage, &Layout),
-    (si, li): (&CudaStorage, &Layout),
-    dim: usize,
-    meta: &OutMeta,
-) -> Result<CudaStorage> {
-    let (src, idx) = (dense(g, s, l)?, dense(g, si, li)?);
-    let out = CudaStorage::alloc(g, meta.dtype, meta.shape.iter().product())?;
-    let (outer, size, inner) = split3(&l.shape, dim);
-    let a = IArgs { n: out.len as i64, outer, size, inner, nidx: li.shape[0] as i64, ..IArgs::default() };
-    launch_index(g, IndexKind::Select, &out, src.get(), idx.get(), a)?;
-    Ok(out)
-}
-
 fn shapes_args(idx_shape: &[usize], base_shape: &[usize], dim: usize, n: usize) -> IArgs {
     let mut a = IArgs { n: n as i64, size: base_shape[dim] as i64, rank: idx_shape.len() as i32, dim: dim as i32, ..IArgs::default() };
     for d in 0..idx_shape.len().min(MAX_RANK) {
@@ -474,8 +459,10 @@ fn shapes_args(idx_shape: &[usize], base_shape: &[usize], dim: usize, n: usize) 
     a
 }
 
-fn gather(
+/// index_select and gather: a fresh buffer read from dense copies of input and index.
+fn index_read(
     g: &Arc<Gpu>,
+    kind: IndexKind,
     (s, l): (&CudaStorage, &Layout),
     (si, li): (&CudaStorage, &Layout),
     dim: usize,
@@ -483,7 +470,13 @@ fn gather(
 ) -> Result<CudaStorage> {
     let (src, idx) = (dense(g, s, l)?, dense(g, si, li)?);
     let out = CudaStorage::alloc(g, meta.dtype, meta.shape.iter().product())?;
-    launch_index(g, IndexKind::Gather, &out, src.get(), idx.get(), shapes_args(&li.shape, &l.shape, dim, out.len))?;
+    let a = if kind == IndexKind::Select {
+        let (outer, size, inner) = split3(&l.shape, dim);
+        IArgs { n: out.len as i64, outer, size, inner, nidx: li.shape[0] as i64, ..IArgs::default() }
+    } else {
+        shapes_args(&li.shape, &l.shape, dim, out.len)
+    };
+    launch_index(g, kind, &out, src.get(), idx.get(), a)?;
     Ok(out)
 }
 
