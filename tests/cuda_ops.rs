@@ -164,6 +164,14 @@ fn reductions_match_the_cpu() {
         }
         both(&format!("softmax {dt:?}"), &[x.clone()], tol(dt) * 4.0, |v| v[0].softmax(-1));
         both(&format!("log_softmax {dt:?}"), &[x.clone()], tol(dt) * 4.0, |v| v[0].log_softmax(1));
+        both(&format!("softmax long rows {dt:?}"), &[long.clone()], tol(dt) * 4.0, |v| v[0].softmax(1));
+        both(&format!("causal softmax {dt:?}"), &[x.clone()], tol(dt) * 4.0, |v| v[0].permute(&[1, 0, 2])?.softmax_scaled(0.3, true));
+        both(&format!("causal softmax long rows {dt:?}"), &[long.clone()], tol(dt) * 4.0, |v| v[0].softmax_scaled(2.0, true));
+        both(&format!("normalize {dt:?}"), &[x.clone()], tol(dt) * 8.0, |v| v[0].normalize(1e-5));
+        both(&format!("normalize long rows {dt:?}"), &[long.clone()], tol(dt) * 8.0, |v| v[0].normalize(1e-5));
+        both(&format!("normalize backward {dt:?}"), &[x.clone(), randn(&[4, 5, 6], 11, dt)], tol(dt) * 16.0, |v| {
+            v[0].permute(&[1, 0, 2])?.normalize_backward(&v[1].permute(&[1, 0, 2])?, 1e-5)
+        });
     }
     // NaN wins max and argmax, as on the CPU.
     let n = Tensor::from_slice(&[1.0f32, f32::NAN, 3.0, 2.0], &[2, 2], Device::Cpu).unwrap();
@@ -294,6 +302,7 @@ fn backward_of_every_differentiable_op_matches_the_cpu() {
             }),
         ),
         ("softmax, log_softmax", vec![randn(&[4, 7], 47, DType::F32)], Box::new(|x| x[0].softmax(1)?.add(&x[0].log_softmax(0)?))),
+        ("causal softmax", vec![randn(&[2, 5, 7], 53, DType::F32)], Box::new(|x| x[0].softmax_scaled(0.4, true))),
         (
             "indexing and cat",
             vec![randn(&[6, 4], 48, DType::F32), Tensor::from_slice(&[5i64, 0, 5, 2], &[4], Device::Cpu).unwrap()],
@@ -309,6 +318,7 @@ fn backward_of_every_differentiable_op_matches_the_cpu() {
             Box::new(|x| cross_entropy(&x[0], &x[1])),
         ),
         ("dtype casts", vec![randn(&[3, 4], 50, DType::F32)], Box::new(|x| x[0].to_dtype(DType::F64)?.exp()?.to_dtype(DType::F32))),
+        ("normalize", vec![randn(&[6, 40], 52, DType::F32)], Box::new(|x| x[0].normalize(1e-5)?.mul(&x[0].t()?.normalize(1e-5)?.t()?))),
     ];
     for (name, ins, f) in cases {
         let cpu = grads(&ins, &*f);

@@ -151,8 +151,16 @@ pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Te
             }
         }
         // y = softmax(x): dx = y (g - sum(g y)); y = log_softmax(x): dx = g - exp(y) sum(g).
-        Op::Softmax { log: false } => vec![Some(out.mul(&g.sub(&g.mul(out)?.sum(&[out.rank() - 1], true)?)?)?)],
-        Op::Softmax { log: true } => vec![Some(g.sub(&out.exp()?.mul(&g.sum(&[out.rank() - 1], true)?)?)?)],
+        // (Masked entries have y = 0, so their gradient is 0 too.)
+        Op::Softmax { log, scale, .. } => {
+            let last = [out.rank() - 1];
+            let d = if *log { g.sub(&out.exp()?.mul(&g.sum(&last, true)?)?)? } else { out.mul(&g.sub(&g.mul(out)?.sum(&last, true)?)?)? };
+            vec![Some(if *scale == 1.0 { d } else { d.mul_scalar(*scale)? })]
+        }
+        Op::Normalize { eps } => vec![Some(x0()?.normalize_backward(g, *eps)?)],
+        Op::NormalizeBackward { .. } => {
+            return Err(Error::Msg("backward: second derivatives through normalize are not supported".into()));
+        }
         Op::Matmul => {
             let (da, db) = matmul_rule(&inputs[0], &inputs[1], (needs[0], needs[1]), g)?;
             vec![da, db]

@@ -95,6 +95,9 @@ fn where_cast_and_reductions() {
     check("min", |v| v[0].min(&[0], true), &[x.clone()]);
     check("softmax", |v| v[0].softmax(-1), &[x.clone()]);
     check("log_softmax", |v| v[0].t()?.log_softmax(1), &[x.clone()]);
+    check("normalize", |v| v[0].normalize(1e-5), &[x.clone()]);
+    check("scaled causal softmax", |v| v[0].softmax_scaled(0.7, true), &[x.clone()]);
+    check("normalize of a view", |v| v[0].t()?.normalize(1e-3), &[x.clone()]);
 }
 
 #[test]

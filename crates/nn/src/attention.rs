@@ -117,7 +117,13 @@ impl MultiheadAttention {
 pub fn scaled_dot_product_attention(q: &Tensor, k: &Tensor, v: &Tensor, masks: &AttnMasks, dropout_p: f64) -> Result<Tensor> {
     let (b, h, t, d) = (q.shape()[0], q.shape()[1], q.shape()[2], q.shape()[3]);
     let s = k.shape()[2];
-    let mut scores = q.matmul(&k.transpose(-2i64, -1)?)?.mul_scalar(1.0 / (d as f64).sqrt())?;
+    let scale = 1.0 / (d as f64).sqrt();
+    let raw = q.matmul(&k.transpose(-2i64, -1)?)?;
+    if masks.is_causal && masks.attn_mask.is_none() && masks.key_padding_mask.is_none() {
+        // The common causal case: scale, mask and softmax in one kernel (and one backward).
+        return dropout(&raw.softmax_scaled(scale, true)?, dropout_p, dropout_p > 0.0)?.matmul(v);
+    }
+    let mut scores = raw.mul_scalar(scale)?;
     let neg_inf = Tensor::scalar(f64::NEG_INFINITY, scores.dtype(), scores.device())?;
     if masks.is_causal {
         scores = Tensor::where_cond(&causal_mask(t.max(s), q.device())?.narrow(0, 0, t)?.narrow(1, 0, s)?, &neg_inf, &scores)?;

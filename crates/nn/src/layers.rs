@@ -97,10 +97,8 @@ impl Forward for LayerNorm {
         if x.rank() == 0 || x.shape()[x.rank() - 1] != dim {
             return Err(Error::shape("layer_norm", format!("input {:?} does not end in normalized dim {dim}", x.shape())));
         }
-        let mean = x.mean(&[-1], true)?;
-        let centered = x.sub(&mean)?;
-        let var = centered.square()?.mean(&[-1], true)?;
-        centered.mul(&var.add_scalar(self.eps)?.rsqrt()?)?.mul(&self.weight)?.add(&self.bias)
+        // One fused pass (and one fused backward) for the normalisation, then the affine part.
+        x.normalize(self.eps)?.mul(&self.weight)?.add(&self.bias)
     }
 }
 

@@ -474,10 +474,24 @@ pub enum Op {
         dims: Vec<usize>,
         keepdim: bool,
     },
-    /// Softmax (or log-softmax) over the last dim, in one pass over each row: the max shift,
-    /// the sum of exponentials and the normalisation, accumulated wide.
+    /// Softmax (or log-softmax) of `scale * x` over the last dim, in one pass over each row:
+    /// the max shift, the sum of exponentials and the normalisation, accumulated wide. With
+    /// `causal` (softmax only, rank >= 2), entry `j` of row `i` of each `[.., T, S]` matrix is
+    /// left out (probability 0) when `j > i`, as attention's causal mask does.
     Softmax {
         log: bool,
+        scale: f64,
+        causal: bool,
+    },
+    /// `(x - mean) / sqrt(var + eps)` over the last dim (biased variance): layer norm without
+    /// its affine part, one pass per row.
+    Normalize {
+        eps: f64,
+    },
+    /// The gradient of `Normalize` with respect to its input (inputs: x, the output's
+    /// gradient): `rstd (g - mean(g) - xhat mean(g xhat))`, one pass per row.
+    NormalizeBackward {
+        eps: f64,
     },
     // Contractions.
     /// Batched matrix product `[..., m, k] x [..., k, n]` with broadcast batch dims.
@@ -548,8 +562,10 @@ impl Op {
             Op::Where => "where",
             Op::Cast(_) => "to_dtype",
             Op::Reduce { op, .. } => op.name(),
-            Op::Softmax { log: false } => "softmax",
-            Op::Softmax { log: true } => "log_softmax",
+            Op::Softmax { log: false, .. } => "softmax",
+            Op::Softmax { log: true, .. } => "log_softmax",
+            Op::Normalize { .. } => "normalize",
+            Op::NormalizeBackward { .. } => "normalize_backward",
             Op::Matmul => "matmul",
             Op::Reshape(_) => "reshape",
             Op::Permute(_) => "permute",
@@ -583,6 +599,8 @@ impl Op {
         let arity = match self {
             Op::Full { .. } | Op::Arange { .. } | Op::Rand { .. } => 0,
             Op::Unary(_) | Op::Scalar { .. } | Op::Cast(_) | Op::Reduce { .. } | Op::UpdateScalar(..) | Op::Softmax { .. } => 1,
+            Op::Normalize { .. } => 1,
+            Op::NormalizeBackward { .. } => 2,
             Op::Reshape(_) | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_) | Op::Contiguous => 1,
             Op::Binary(_) | Op::Matmul | Op::IndexSelect { .. } | Op::Gather { .. } => 2,
             Op::Assign | Op::UpdateBinary(_) => 2,
@@ -661,8 +679,18 @@ impl Op {
                 };
                 meta(out, if is_arg { DType::I64 } else { inputs[0].dtype })
             }
-            Op::Softmax { .. } => {
+            Op::NormalizeBackward { .. } if inputs[0].shape != inputs[1].shape => {
+                Err(Error::shape(name, format!("input {:?} and gradient {:?} must have one shape", inputs[0].shape, inputs[1].shape)))
+            }
+            Op::Softmax { log: true, causal: true, .. } => Err(Error::Msg(format!("{name}: the causal mask is for softmax only"))),
+            Op::Softmax { causal: true, .. } if inputs[0].shape.len() < 2 => {
+                Err(Error::shape(name, format!("a causal softmax needs rank >= 2, got {:?}", inputs[0].shape)))
+            }
+            Op::Softmax { .. } | Op::Normalize { .. } | Op::NormalizeBackward { .. } => {
                 float_only(inputs[0].dtype)?;
+                if inputs.len() == 2 {
+                    same_dtype(inputs[0].dtype, inputs[1].dtype)?;
+                }
                 if inputs[0].shape.is_empty() {
                     return Err(Error::shape(name, "needs rank >= 1, got a scalar".to_string()));
                 }

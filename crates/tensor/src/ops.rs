@@ -314,13 +314,28 @@ impl Tensor {
     pub fn log_softmax<D: Dim>(&self, dim: D) -> Result<Tensor> {
         self.softmax_op(dim.to_index("log_softmax", self.shape())?, true)
     }
+    /// `(x - mean) / sqrt(var + eps)` over the last dim (layer norm before its affine part),
+    /// one fused primitive with a fused backward.
+    pub fn normalize(&self, eps: f64) -> Result<Tensor> {
+        Tensor::apply(Op::Normalize { eps }, &[self], self.device())
+    }
+    /// The input gradient of `normalize` for the output gradient `g`.
+    pub fn normalize_backward(&self, g: &Tensor, eps: f64) -> Result<Tensor> {
+        Tensor::apply(Op::NormalizeBackward { eps }, &[self, g], self.device())
+    }
+    /// `softmax(scale * x)` over the last dim, optionally with attention's causal mask (entry
+    /// `j` of row `i` of each trailing `[T, S]` matrix dropped when `j > i`), in one kernel.
+    pub fn softmax_scaled(&self, scale: f64, causal: bool) -> Result<Tensor> {
+        Tensor::apply(Op::Softmax { log: false, scale, causal }, &[self], self.device())
+    }
     fn softmax_op(&self, d: usize, log: bool) -> Result<Tensor> {
         let last = self.rank() - 1;
+        let op = Op::Softmax { log, scale: 1.0, causal: false };
         if d == last {
-            return Tensor::apply(Op::Softmax { log }, &[self], self.device());
+            return Tensor::apply(op, &[self], self.device());
         }
         let moved = self.transpose(d, last)?;
-        Tensor::apply(Op::Softmax { log }, &[&moved], self.device())?.transpose(d, last)
+        Tensor::apply(op, &[&moved], self.device())?.transpose(d, last)
     }
 
     // ---- matrix products ----

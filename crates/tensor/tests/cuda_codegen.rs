@@ -117,7 +117,11 @@ fn every_reduction_and_index_kernel_compiles() {
     }
     for d in FLOATS {
         for (log, block) in [(false, false), (true, false), (false, true), (true, true)] {
-            let (s, n) = kiln_tensor::cuda::codegen::softmax_source(d, log, block);
+            for causal in [false, true] {
+                let (s, n) = kiln_tensor::cuda::codegen::softmax_source(d, log, block, causal);
+                check(&s, &n, &mut fails);
+            }
+            let (s, n) = kiln_tensor::cuda::codegen::normalize_source(d, log, block);
             check(&s, &n, &mut fails);
         }
         for ams in [false, true] {

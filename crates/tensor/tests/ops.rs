@@ -222,6 +222,31 @@ fn softmax_and_log_softmax() -> Result<()> {
     close(&v(&x.log_softmax(1)?), &lw, 1e-5);
     // Along dim 0 of a transposed view.
     close(&v(&x.t()?.softmax(0)?.t()?.contiguous()?), &want, 1e-6);
+    // Scaled and causal: row i keeps entries j <= i of softmax(0.5 x).
+    let c = t(&[1., 2., 3., 1., 2., 3.], &[2, 3]);
+    let (a, b) = (0.5f64.exp(), 1f64.exp());
+    close(&v(&c.softmax_scaled(0.5, true)?), &[1.0, 0.0, 0.0, (a / (a + b)) as f32, (b / (a + b)) as f32, 0.0], 1e-6);
+    assert!(c.reshape(&[6])?.softmax_scaled(1.0, true).is_err(), "causal needs a matrix");
+    Ok(())
+}
+
+#[test]
+fn normalize_and_its_backward() -> Result<()> {
+    // Row [1, 2, 3, 4]: mean 2.5, biased variance 1.25.
+    let x = t(&[1., 2., 3., 4., 5., 5., 5., 5.], &[2, 4]);
+    let r = 1.0 / (1.25f64 + 1e-5).sqrt();
+    let want: Vec<f32> = [-1.5, -0.5, 0.5, 1.5].iter().map(|d| (d * r) as f32).chain([0.0; 4]).collect();
+    close(&v(&x.normalize(1e-5)?), &want, 1e-6);
+    // A constant gradient has no component the normalisation keeps: dx = 0.
+    let g = t(&[1.0; 8], &[2, 4]);
+    close(&v(&x.normalize_backward(&g, 1e-5)?), &[0.0; 8], 1e-6);
+    // g = xhat: dx = rstd (xhat - 0 - xhat * mean(xhat^2)) = rstd xhat (1 - 1 + eps rstd^2).
+    let gx = x.normalize(1e-5)?.narrow(0, 0, 1)?;
+    let dx = v(&x.narrow(0, 0, 1)?.normalize_backward(&gx, 1e-5)?);
+    let shrink = 1.0 - 1.25 * r * r;
+    let expect: Vec<f32> = [-1.5, -0.5, 0.5, 1.5].iter().map(|d| (r * d * r * shrink) as f32).collect();
+    close(&dx, &expect, 1e-6);
+    assert!(x.normalize_backward(&g.narrow(1, 0, 2)?, 1e-5).unwrap_err().to_string().contains("one shape"));
     Ok(())
 }
 

@@ -198,9 +198,23 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             let (s, l) = ins[0];
             with_cpu!(s, v => reduce::reduce(*r, v, l, dims, numel).into_storage())
         }
-        Op::Softmax { log } => {
+        Op::Softmax { log, scale, causal } => {
             let (s, l) = ins[0];
-            with_cpu!(s, v => reduce::softmax(&contig(v, l), l.shape[l.rank() - 1], *log).into_storage())
+            let r = l.rank();
+            let spec = reduce::SoftmaxSpec { n: l.shape[r - 1], log: *log, scale: *scale, causal_rows: causal.then(|| l.shape[r - 2]) };
+            with_cpu!(s, v => reduce::softmax(&contig(v, l), spec).into_storage())
+        }
+        Op::Normalize { eps } => {
+            let (s, l) = ins[0];
+            with_cpu!(s, v => reduce::normalize(&contig(v, l), None, l.shape[l.rank() - 1], *eps).into_storage())
+        }
+        Op::NormalizeBackward { eps } => {
+            let ((s, l), (sg, lg)) = (ins[0], ins[1]);
+            fn go<T: CpuSlice>(x: &[T], l: &Layout, sg: &CpuStorage, lg: &Layout, eps: f64) -> Result<Vec<T>> {
+                let g = contig(typed::<T>(sg, "normalize_backward")?, lg);
+                Ok(reduce::normalize(&contig(x, l), Some(&g), l.shape[l.rank() - 1], eps))
+            }
+            with_cpu!(s, v => go(v, l, sg, lg, *eps)?.into_storage())
         }
         Op::Matmul => {
             let ((sa, la), (sb, lb)) = (ins[0], ins[1]);

@@ -112,29 +112,72 @@ pub fn reduce<T: Element>(op: ReduceOp, src: &[T], l: &Layout, dims: &[usize], o
     }
 }
 
-/// Softmax (or log-softmax) of each row of `n` elements of a row-major buffer, in f64.
-pub fn softmax<T: Element>(src: &[T], n: usize, log: bool) -> Vec<T> {
-    let mut out = pool::take::<T>(src.len());
+/// Calls `f(row, out_row)` for each row of `n` elements of `out`, in parallel when large.
+fn for_rows<T: Send>(out: &mut [T], n: usize, f: impl Fn(usize, &mut [T]) + Sync + Send) {
+    use rayon::prelude::*;
     if n == 0 {
-        return out;
+        return;
     }
-    par_chunks(&mut out, |start, chunk| {
-        // Chunks may start mid-row only below the parallel threshold's row multiple; walk rows.
-        let mut at = 0;
-        while at < chunk.len() {
-            let row = (start + at) / n;
-            let (lo, hi) = (row * n, (row + 1) * n);
-            let x = &src[lo..hi];
-            let from = start + at - lo;
-            let to = (hi - start).min(chunk.len());
-            let m = x.iter().map(|v| v.to_f64()).fold(f64::NEG_INFINITY, |a, b| if b.is_nan() || b > a { b } else { a });
-            let sum: f64 = x.iter().map(|v| (v.to_f64() - m).exp()).sum();
-            let lse = m + sum.ln();
-            for (k, o) in chunk[at..to].iter_mut().enumerate() {
-                let v = x[from + k].to_f64();
-                *o = T::from_f64(if log { v - lse } else { (v - m).exp() / sum });
+    if out.len() < super::PAR_THRESHOLD {
+        out.chunks_mut(n).enumerate().for_each(|(r, o)| f(r, o));
+    } else {
+        out.par_chunks_mut(n).with_min_len((super::PAR_THRESHOLD / 4 / n).max(1)).enumerate().for_each(|(r, o)| f(r, o));
+    }
+}
+
+/// What `softmax` computes per row (see `Op::Softmax`).
+#[derive(Debug, Clone, Copy)]
+pub struct SoftmaxSpec {
+    /// Row length.
+    pub n: usize,
+    pub log: bool,
+    pub scale: f64,
+    /// With the causal mask: rows per `[T, S]` matrix (T); row `i` keeps entries `j <= i % T`.
+    pub causal_rows: Option<usize>,
+}
+
+/// Softmax (or log-softmax) of `scale * x` for each row of a row-major buffer, in f64.
+pub fn softmax<T: Element>(src: &[T], k: SoftmaxSpec) -> Vec<T> {
+    let n = k.n;
+    let mut out = pool::take::<T>(src.len());
+    for_rows(&mut out, n, |r, o| {
+        let keep = k.causal_rows.map_or(n, |t| (r % t + 1).min(n));
+        let x = &src[r * n..r * n + keep];
+        let m = x.iter().map(|v| k.scale * v.to_f64()).fold(f64::NEG_INFINITY, |a, b| if b.is_nan() || b > a { b } else { a });
+        let sum: f64 = x.iter().map(|v| (k.scale * v.to_f64() - m).exp()).sum();
+        let lse = m + sum.ln();
+        for (j, o) in o.iter_mut().enumerate() {
+            let v = k.scale * src[r * n + j].to_f64();
+            *o = T::from_f64(if j >= keep {
+                0.0
+            } else if k.log {
+                v - lse
+            } else {
+                (v - m).exp() / sum
+            });
+        }
+    });
+    out
+}
+
+/// Each row of `n` normalised to zero mean and unit (biased) variance, in f64; with `g`, the
+/// gradient of that map instead: `rstd (g - mean(g) - xhat mean(g xhat))`.
+pub fn normalize<T: Element>(src: &[T], g: Option<&[T]>, n: usize, eps: f64) -> Vec<T> {
+    let mut out = pool::take::<T>(src.len());
+    for_rows(&mut out, n, |r, o| {
+        let x = &src[r * n..(r + 1) * n];
+        let mean = x.iter().map(|v| v.to_f64()).sum::<f64>() / n as f64;
+        let var = x.iter().map(|v| (v.to_f64() - mean).powi(2)).sum::<f64>() / n as f64;
+        let rstd = 1.0 / (var + eps).sqrt();
+        let xhat = |i: usize| (x[i].to_f64() - mean) * rstd;
+        match g {
+            None => o.iter_mut().enumerate().for_each(|(i, o)| *o = T::from_f64(xhat(i))),
+            Some(g) => {
+                let g = &g[r * n..(r + 1) * n];
+                let mg = g.iter().map(|v| v.to_f64()).sum::<f64>() / n as f64;
+                let mgx = g.iter().enumerate().map(|(i, v)| v.to_f64() * xhat(i)).sum::<f64>() / n as f64;
+                o.iter_mut().enumerate().for_each(|(i, o)| *o = T::from_f64(rstd * (g[i].to_f64() - mg - xhat(i) * mgx)));
             }
-            at = to;
         }
     });
     out

@@ -335,6 +335,8 @@ struct RArgs {
   long long rows, red, off, chunks, chunk_len;
   long long kshape[8], kst[8], rshape[8], rst[8];
   int krank, rrank;
+  double scale;
+  long long qlen;
 };
 "#;
 
@@ -514,51 +516,94 @@ pub fn adam_source(dtype: DType, amsgrad: bool) -> (String, String) {
     (s, name)
 }
 
-/// Softmax (or log-softmax) over the last dim: one warp per row (`block == false`) or one
-/// block per long row. Three sweeps of the row (max, sum of exponentials, write); the row is
-/// read through strides (`RArgs`: kept dims, and the last dim's stride in `rst[0]`), the
-/// output is contiguous.
-pub fn softmax_source(dtype: DType, log: bool, block: bool) -> (String, String) {
-    let name =
-        format!("k_{}softmax_{}{}", if log { "log_" } else { "" }, format!("{dtype:?}").to_lowercase(), if block { "_block" } else { "" });
+/// CUDA text that all-reduces `acc` (of type C) over a row's threads: a warp with shuffles,
+/// or a block through shared memory `sh` (32 slots). `max` folds NaN-first maxima, else sums.
+fn row_allreduce(block: bool, max: bool) -> String {
+    let f = |a: &str, b: &str| if max { format!("(({b}) > ({a}) || ({b}) != ({b}) ? ({b}) : ({a}))") } else { format!("(({a}) + ({b}))") };
+    let mut r = format!("  for (int w = 16; w > 0; w /= 2) {{ C o_ = __shfl_xor_sync(0xffffffffu, acc, w); acc = {}; }}\n", f("acc", "o_"));
+    if block {
+        r += "  __syncthreads();\n  if (threadIdx.x % 32 == 0) sh[threadIdx.x / 32] = acc;\n  __syncthreads();\n";
+        r += &format!("  acc = sh[0];\n  for (int w = 1; w < (int)(blockDim.x / 32); ++w) {{ C o_ = sh[w]; acc = {}; }}\n", f("acc", "o_"));
+    }
+    r
+}
+
+/// The thread mapping shared by the row kernels: a warp per row, or a block per row.
+fn row_prologue(block: bool) -> &'static str {
+    if block {
+        "  __shared__ C sh[32];\n  long long row = blockIdx.x; int lane = threadIdx.x, tpr = blockDim.x;\n"
+    } else {
+        "  long long row = blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32; int lane = threadIdx.x % 32, tpr = 32;\n  if (row >= a.rows) return;\n"
+    }
+}
+
+/// Softmax (or log-softmax) of `scale * x` over the last dim: one warp per row (`block ==
+/// false`) or one block per long row. Three sweeps of the row (max, sum of exponentials,
+/// write); the row is read through strides (`RArgs`: kept dims, and the last dim's stride in
+/// `rst[0]`), the output is contiguous. `causal`: row `i` of each `[qlen, S]` matrix keeps only
+/// entries `j <= i` (the rest are written as 0).
+pub fn softmax_source(dtype: DType, log: bool, block: bool, causal: bool) -> (String, String) {
+    let name = format!(
+        "k_{}softmax_{}{}{}",
+        if log { "log_" } else { "" },
+        format!("{dtype:?}").to_lowercase(),
+        if block { "_block" } else { "" },
+        if causal { "_causal" } else { "" }
+    );
     let (t, c) = (storage_type(dtype), compute_type(dtype));
     let mut s = format!("{PRELUDE}{REDUCE_ARGS}\ntypedef {c} C;\n");
-    // All-reduce across the row's threads: a warp with shuffles, a block through shared memory.
-    let all = |op: &str| -> String {
-        let f = |a: &str, b: &str| {
-            if op == "max" {
-                format!("(({b}) > ({a}) || ({b}) != ({b}) ? ({b}) : ({a}))")
-            } else {
-                format!("(({a}) + ({b}))")
-            }
-        };
-        let mut r =
-            format!("  for (int w = 16; w > 0; w /= 2) {{ C o_ = __shfl_xor_sync(0xffffffffu, acc, w); acc = {}; }}\n", f("acc", "o_"));
-        if block {
-            r += "  __syncthreads();\n  if (threadIdx.x % 32 == 0) sh[threadIdx.x / 32] = acc;\n  __syncthreads();\n";
-            r += "  acc = sh[0];\n  for (int w = 1; w < (int)(blockDim.x / 32); ++w) { C o_ = sh[w]; acc = ";
-            r += &f("acc", "o_");
-            r += "; }\n";
-        }
-        r
-    };
     s += &format!("extern \"C\" __global__ void {name}({t}* __restrict__ o, const {t}* __restrict__ p, RArgs a) {{\n");
-    if block {
-        s += "  __shared__ C sh[32];\n  long long row = blockIdx.x; int lane = threadIdx.x, tpr = blockDim.x;\n";
-    } else {
-        s += "  long long row = blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32; int lane = threadIdx.x % 32, tpr = 32;\n";
-        s += "  if (row >= a.rows) return;\n";
-    }
+    s += row_prologue(block);
     s += "  long long base = a.off, r = row, st_ = a.rst[0];\n";
     s += "  for (int d = a.krank - 1; d >= 0; --d) { base += (r % a.kshape[d]) * a.kst[d]; r /= a.kshape[d]; }\n";
-    s += "  C acc = -(C)__longlong_as_double(0x7ff0000000000000LL);\n";
-    s += "  for (long long j = lane; j < a.red; j += tpr) { C v = (C)ld(p[base + j * st_]); acc = (v > acc || v != v) ? v : acc; }\n";
-    s += &all("max");
+    s += if causal { "  const long long keep = min(a.red, row % a.qlen + 1);\n" } else { "  const long long keep = a.red;\n" };
+    s += "  const C sc = (C)a.scale;\n  C acc = -(C)__longlong_as_double(0x7ff0000000000000LL);\n";
+    s += "  for (long long j = lane; j < keep; j += tpr) { C v = sc * (C)ld(p[base + j * st_]); acc = (v > acc || v != v) ? v : acc; }\n";
+    s += &row_allreduce(block, true);
     s += "  C m = acc; acc = (C)0;\n";
-    s += "  for (long long j = lane; j < a.red; j += tpr) acc += kexp((C)ld(p[base + j * st_]) - m);\n";
-    s += &all("sum");
+    s += "  for (long long j = lane; j < keep; j += tpr) acc += kexp(sc * (C)ld(p[base + j * st_]) - m);\n";
+    s += &row_allreduce(block, false);
     s += "  C sum = acc, lse = m + klog(sum);\n";
-    s += "  for (long long j = lane; j < a.red; j += tpr) {\n    C v = (C)ld(p[base + j * st_]);\n";
+    s += "  for (long long j = lane; j < a.red; j += tpr) {\n";
+    s += "    if (j >= keep) { st(&o[row * a.red + j], (C)0); continue; }\n    C v = sc * (C)ld(p[base + j * st_]);\n";
     s += if log { "    st(&o[row * a.red + j], v - lse);\n  }\n}\n" } else { "    st(&o[row * a.red + j], kexp(v - m) / sum);\n  }\n}\n" };
+    (s, name)
+}
+
+/// Layer norm's normalisation over the last dim of a dense buffer, or (`backward`) its input
+/// gradient from `x` and the output gradient `g`: the row's mean and variance (two sweeps),
+/// then for the backward the sums of `g` and `g xhat`, then the write.
+pub fn normalize_source(dtype: DType, backward: bool, block: bool) -> (String, String) {
+    let name = format!(
+        "k_normalize{}_{}{}",
+        if backward { "_backward" } else { "" },
+        format!("{dtype:?}").to_lowercase(),
+        if block { "_block" } else { "" }
+    );
+    let (t, c) = (storage_type(dtype), compute_type(dtype));
+    let mut s = format!("{PRELUDE}\ntypedef {c} C;\nstruct NArgs {{ long long rows, red; double eps; }};\n");
+    s += &format!(
+        "extern \"C\" __global__ void {name}({t}* __restrict__ o, const {t}* __restrict__ x, const {t}* __restrict__ g, NArgs a) {{\n"
+    );
+    s += row_prologue(block);
+    s += "  const long long base = row * a.red; const C n = (C)a.red;\n  C acc = (C)0;\n";
+    s += "  for (long long j = lane; j < a.red; j += tpr) acc += (C)ld(x[base + j]);\n";
+    s += &row_allreduce(block, false);
+    s += "  const C mean = acc / n; acc = (C)0;\n";
+    s += "  for (long long j = lane; j < a.red; j += tpr) { C d = (C)ld(x[base + j]) - mean; acc += d * d; }\n";
+    s += &row_allreduce(block, false);
+    s += "  const C rstd = (C)1 / ksqrt(acc / n + (C)a.eps);\n";
+    if backward {
+        s += "  acc = (C)0;\n  for (long long j = lane; j < a.red; j += tpr) acc += (C)ld(g[base + j]);\n";
+        s += &row_allreduce(block, false);
+        s += "  const C mg = acc / n; acc = (C)0;\n";
+        s += "  for (long long j = lane; j < a.red; j += tpr) acc += (C)ld(g[base + j]) * (((C)ld(x[base + j]) - mean) * rstd);\n";
+        s += &row_allreduce(block, false);
+        s += "  const C mgx = acc / n;\n";
+        s += "  for (long long j = lane; j < a.red; j += tpr) {\n";
+        s += "    C xh = ((C)ld(x[base + j]) - mean) * rstd;\n    st(&o[base + j], rstd * ((C)ld(g[base + j]) - mg - xh * mgx));\n  }\n}\n";
+    } else {
+        s += "  (void)g;\n  for (long long j = lane; j < a.red; j += tpr) st(&o[base + j], ((C)ld(x[base + j]) - mean) * rstd);\n}\n";
+    }
     (s, name)
 }

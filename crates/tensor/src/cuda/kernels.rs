@@ -223,7 +223,9 @@ pub fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, devic
             ew_extra(&g, prefix, expr, compute, &x, meta, extra)?
         }
         Op::Reduce { op: r, dims, .. } => reduce(&g, *r, x[0], dims, meta)?,
-        Op::Softmax { log } => softmax(&g, x[0], *log)?,
+        Op::Softmax { log, scale, causal } => softmax(&g, x[0], (*log, *scale, *causal))?,
+        Op::Normalize { eps } => normalize(&g, x[0], None, *eps)?,
+        Op::NormalizeBackward { eps } => normalize(&g, x[0], Some(x[1]), *eps)?,
         Op::Matmul => super::blas::matmul(&g, x[0], x[1], meta)?,
         Op::IndexSelect { dim } => index_read(&g, IndexKind::Select, x[0], x[1], *dim, meta)?,
         Op::Gather { dim } => index_read(&g, IndexKind::Gather, x[0], x[1], *dim, meta)?,
@@ -275,6 +277,8 @@ struct RArgs {
     rst: [i64; MAX_RANK],
     krank: i32,
     rrank: i32,
+    scale: f64,
+    qlen: i64,
 }
 
 fn reduce(g: &Arc<Gpu>, op: ReduceOp, (s, l): (&CudaStorage, &Layout), dims: &[usize], meta: &OutMeta) -> Result<CudaStorage> {
@@ -360,7 +364,7 @@ fn reduce_into(g: &Arc<Gpu>, op: ReduceOp, s: &CudaStorage, l: &Layout, dims: &[
 }
 
 /// Softmax over the last dim of `s` read through `l`, into a contiguous buffer.
-fn softmax(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), log: bool) -> Result<CudaStorage> {
+fn softmax(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), (log, scale, causal): (bool, f64, bool)) -> Result<CudaStorage> {
     let out = CudaStorage::alloc(g, s.dtype, l.numel())?;
     let r = l.rank();
     let (ks, kst) = coalesce(&l.shape[..r - 1], &[l.strides[..r - 1].to_vec()]);
@@ -372,7 +376,10 @@ fn softmax(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), log: bool) -> Result<C
         return Ok(out);
     }
     let block = n > 1024;
-    let k = g.kernel(super::spec_key("softmax", &(s.dtype, log, block)), || super::codegen::softmax_source(s.dtype, log, block))?;
+    let k = g.kernel(super::spec_key("softmax", &(s.dtype, log, block, causal)), || {
+        super::codegen::softmax_source(s.dtype, log, block, causal)
+    })?;
+    let qlen = if r >= 2 { l.shape[r - 2].max(1) as i64 } else { 1 };
     let mut a = RArgs {
         rows: rows as i64,
         red: n as i64,
@@ -381,6 +388,8 @@ fn softmax(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), log: bool) -> Result<C
         chunk_len: n as i64,
         krank: ks.len() as i32,
         rrank: 1,
+        scale,
+        qlen,
         ..RArgs::default()
     };
     for (d, (&x, &y)) in ks.iter().zip(&kst[0]).enumerate() {
@@ -392,6 +401,40 @@ fn softmax(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), log: bool) -> Result<C
     let (grid, threads) = if block { (rows as u32, 1024) } else { (rows.div_ceil(8) as u32, 256) };
     // SAFETY: (out, input, RArgs) matches the generated signature; the output holds every
     // element and the input is read within its layout.
+    unsafe { g.launch(k, (grid, 1), threads, 0, &mut params)? };
+    Ok(out)
+}
+
+/// Mirrors `struct NArgs`.
+#[repr(C)]
+struct NArgs {
+    rows: i64,
+    red: i64,
+    eps: f64,
+}
+
+/// Layer norm's normalisation (or, with `grad`, its input gradient) over the last dim.
+fn normalize(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), grad: Option<(&CudaStorage, &Layout)>, eps: f64) -> Result<CudaStorage> {
+    let out = CudaStorage::alloc(g, s.dtype, l.numel())?;
+    let n = l.shape[l.rank() - 1];
+    let rows = l.numel().checked_div(n).unwrap_or(0);
+    if rows == 0 {
+        return Ok(out);
+    }
+    let x = dense(g, s, l)?;
+    let gd = grad.map(|(sg, lg)| dense(g, sg, lg)).transpose()?;
+    let block = n > 1024;
+    let backward = grad.is_some();
+    let k =
+        g.kernel(super::spec_key("normalize", &(s.dtype, backward, block)), || super::codegen::normalize_source(s.dtype, backward, block))?;
+    let mut a = NArgs { rows: rows as i64, red: n as i64, eps };
+    let (mut o, mut px) = (out.buf.ptr, x.get().buf.ptr);
+    let mut pg = gd.as_ref().map_or(0, |d| d.get().buf.ptr);
+    let mut params: [*mut c_void; 4] =
+        [&mut o as *mut u64 as _, &mut px as *mut u64 as _, &mut pg as *mut u64 as _, &mut a as *mut NArgs as _];
+    let (grid, threads) = if block { (rows as u32, 1024) } else { (rows.div_ceil(8) as u32, 256) };
+    // SAFETY: (out, x, g, NArgs) matches the generated signature; x and g are dense with
+    // `rows * n` elements (g is unused, and may be null, in the forward).
     unsafe { g.launch(k, (grid, 1), threads, 0, &mut params)? };
     Ok(out)
 }
