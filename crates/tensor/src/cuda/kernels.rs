@@ -283,7 +283,7 @@ struct RArgs {
 
 fn reduce(g: &Arc<Gpu>, op: ReduceOp, (s, l): (&CudaStorage, &Layout), dims: &[usize], meta: &OutMeta) -> Result<CudaStorage> {
     let out = CudaStorage::alloc(g, meta.dtype, meta.shape.iter().product())?;
-    reduce_into(g, op, s, l, dims, &out)?;
+    reduce_into(g, op, s, l, dims, &out, true)?;
     Ok(out)
 }
 
@@ -298,13 +298,14 @@ fn accumulator(d: DType) -> DType {
 
 /// Reduces `dims` of `s` (read through `l`) into `out`. Picks the thread mapping (warp per
 /// row, block per row, or thread per column for outer-dim reductions) and, when there are too
-/// few rows to fill the GPU, splits each row into chunks whose partials a second pass folds.
-fn reduce_into(g: &Arc<Gpu>, op: ReduceOp, s: &CudaStorage, l: &Layout, dims: &[usize], out: &CudaStorage) -> Result<()> {
-    let split = |keep: bool| -> (Vec<usize>, Vec<usize>) {
+/// few rows to fill the GPU, splits each row into chunks whose partials a second pass folds
+/// (`split` is false for that pass: it runs as one kernel).
+fn reduce_into(g: &Arc<Gpu>, op: ReduceOp, s: &CudaStorage, l: &Layout, dims: &[usize], out: &CudaStorage, split: bool) -> Result<()> {
+    let dims_of = |keep: bool| -> (Vec<usize>, Vec<usize>) {
         let ds: Vec<usize> = (0..l.rank()).filter(|d| dims.contains(d) != keep).collect();
         (ds.iter().map(|&d| l.shape[d]).collect(), ds.iter().map(|&d| l.strides[d]).collect())
     };
-    let ((ks, kst), (rs, rst)) = (split(true), split(false));
+    let ((ks, kst), (rs, rst)) = (dims_of(true), dims_of(false));
     let (ks, kst) = coalesce(&ks, &[kst]);
     let (rs, rst) = coalesce(&rs, &[rst]);
     if ks.len() > MAX_RANK || rs.len() > MAX_RANK {
@@ -317,11 +318,13 @@ fn reduce_into(g: &Arc<Gpu>, op: ReduceOp, s: &CudaStorage, l: &Layout, dims: &[
     let is_arg = matches!(op, ReduceOp::ArgMax | ReduceOp::ArgMin);
     let inner_contiguous = rs.is_empty() || (rs.len() == 1 && rst[0][0] == 1);
     let threads_wanted = g.sms as usize * 2048;
-    let (mode, chunks) = if !is_arg && !inner_contiguous && kst[0].last() == Some(&1) && rows >= 32 {
-        (ReduceMode::Column, (threads_wanted / rows).clamp(1, red.div_ceil(16).max(1)))
+    let (mode, chunks) = if split && !is_arg && !inner_contiguous && kst[0].last() == Some(&1) && rows >= 32 {
+        // Each thread folds at least 64 elements of its column before the partials pass.
+        (ReduceMode::Column, (threads_wanted / rows).clamp(1, red.div_ceil(64).max(1)))
     } else if red > 1024 {
-        let split = if is_arg || rows >= g.sms as usize * 2 { 1 } else { (g.sms as usize * 4 / rows).clamp(1, red.div_ceil(4096)) };
-        (ReduceMode::Block, split)
+        let pieces =
+            if !split || is_arg || rows >= g.sms as usize * 2 { 1 } else { (g.sms as usize * 4 / rows).clamp(1, red.div_ceil(4096)) };
+        (ReduceMode::Block, pieces)
     } else {
         (ReduceMode::Warp, 1)
     };
@@ -358,8 +361,8 @@ fn reduce_into(g: &Arc<Gpu>, op: ReduceOp, s: &CudaStorage, l: &Layout, dims: &[
     unsafe { g.launch(k, grid, threads, 0, &mut params)? };
     let Some(part) = partial else { return Ok(()) };
     match mode {
-        ReduceMode::Column => reduce_into(g, op, &part, &Layout::contiguous(&[chunks, rows]), &[0], out),
-        _ => reduce_into(g, op, &part, &Layout::contiguous(&[rows, chunks]), &[1], out),
+        ReduceMode::Column => reduce_into(g, op, &part, &Layout::contiguous(&[chunks, rows]), &[0], out, false),
+        _ => reduce_into(g, op, &part, &Layout::contiguous(&[rows, chunks]), &[1], out, false),
     }
 }
 
