@@ -65,7 +65,7 @@ pub fn adam_step_device_(
     }
     #[cfg(feature = "cuda")]
     {
-        crate::cuda::adam_step(p, g, m, v, vmax, lr, step, h)?;
+        crate::cuda::kernels::adam_step(p, g, m, v, vmax, lr, step, h)?;
         Ok(true)
     }
     #[cfg(not(feature = "cuda"))]

@@ -23,14 +23,7 @@ impl Layout {
     }
     /// Row-major with no gaps (size-1 dims may have any stride).
     pub fn is_contiguous(&self) -> bool {
-        let mut expected = 1;
-        for (&d, &s) in self.shape.iter().zip(&self.strides).rev() {
-            if d != 1 && s != expected {
-                return false;
-            }
-            expected *= d;
-        }
-        true
+        is_row_major(&self.shape, &self.strides)
     }
     /// The storage offset of the element at a multi-index.
     pub fn offset_of(&self, index: &[usize]) -> usize {
@@ -91,6 +84,18 @@ impl Layout {
         }
         Some(Layout { shape: shape.to_vec(), strides, offset: self.offset })
     }
+}
+
+/// Whether `strides` walk `shape` row-major with no gaps (size-1 dims may have any stride).
+pub fn is_row_major(shape: &[usize], strides: &[usize]) -> bool {
+    let mut expected = 1;
+    for (&d, &s) in shape.iter().zip(strides).rev() {
+        if d != 1 && s != expected {
+            return false;
+        }
+        expected *= d;
+    }
+    true
 }
 
 pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {

@@ -61,8 +61,7 @@ fn operand(g: &Arc<Gpu>, s: &CudaStorage, l: &Layout) -> Result<Operand> {
     let r = l.rank();
     let (rows, cols) = (l.shape[r - 2], l.shape[r - 1]);
     let (rs, cs) = (l.strides[r - 2], l.strides[r - 1]);
-    let esz = s.dtype.size_in_bytes() as u64;
-    let ptr = s.buf.ptr + l.offset as u64 * esz;
+    let ptr = s.ptr_at(l.offset);
     if let Some(bst) = batch_stride(&l.shape[..r - 2], &l.strides[..r - 2]) {
         // Row-major in memory: cuBLAS sees the transpose with no flag.
         if (cols == 1 || cs == 1) && (rows == 1 || rs >= cols.max(1)) {

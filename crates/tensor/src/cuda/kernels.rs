@@ -37,6 +37,10 @@ impl CudaStorage {
     pub fn gpu(&self) -> &Arc<Gpu> {
         &self.buf.gpu
     }
+    /// The device address of element `offset`.
+    pub fn ptr_at(&self, offset: usize) -> u64 {
+        self.buf.ptr + (offset * self.dtype.size_in_bytes()) as u64
+    }
 }
 
 /// Mirrors `struct Args` in the kernel prelude.
@@ -138,19 +142,11 @@ fn launch_ew(
     unsafe { g.launch(k, (g.grid_for(work), 1), 256, 0, &mut params) }
 }
 
+/// Kernel arguments beyond the inputs: the scalar, and a draw's seed and offset.
+const NO_EXTRA: (f64, u64, u64) = (0.0, 0, 0);
+
 /// Makes a fresh buffer and fills it with `expr` over `ins`.
 fn ew(
-    g: &Arc<Gpu>,
-    prefix: &str,
-    expr: String,
-    compute: &'static str,
-    ins: &[(&CudaStorage, &Layout)],
-    meta: &OutMeta,
-) -> Result<CudaStorage> {
-    ew_extra(g, prefix, expr, compute, ins, meta, (0.0, 0, 0))
-}
-
-fn ew_extra(
     g: &Arc<Gpu>,
     prefix: &str,
     expr: String,
@@ -167,7 +163,7 @@ fn ew_extra(
 /// A dense row-major copy of `s` read through `l`.
 pub fn dense_copy(g: &Arc<Gpu>, s: &CudaStorage, l: &Layout) -> Result<CudaStorage> {
     let meta = OutMeta { shape: l.shape.clone(), dtype: s.dtype };
-    ew(g, "copy", "v0".into(), compute_type(s.dtype), &[(s, l)], &meta)
+    ew(g, "copy", "v0".into(), compute_type(s.dtype), &[(s, l)], &meta, NO_EXTRA)
 }
 
 /// `s` through `l` as a dense buffer: the same memory when already dense from offset 0.
@@ -193,7 +189,7 @@ fn dense<'a>(g: &Arc<Gpu>, s: &'a CudaStorage, l: &Layout) -> Result<Dense<'a>> 
 
 fn cast(g: &Arc<Gpu>, s: &CudaStorage, l: &Layout, to: DType) -> Result<CudaStorage> {
     let meta = OutMeta { shape: l.shape.clone(), dtype: to };
-    ew(g, "cast", "v0".into(), compute_type(s.dtype), &[(s, l)], &meta)
+    ew(g, "cast", "v0".into(), compute_type(s.dtype), &[(s, l)], &meta, NO_EXTRA)
 }
 
 /// Runs an op that makes a new tensor on `device`.
@@ -206,7 +202,7 @@ pub fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, devic
     let extra = match op {
         Op::Full { value, .. } | Op::Scalar { value, .. } => (*value, 0, 0),
         Op::Rand { seed, offset, .. } => (0.0, *seed, *offset),
-        _ => (0.0, 0, 0),
+        _ => NO_EXTRA,
     };
     let out = match op {
         // Also a reshape the strides cannot express: the copy is read back in the new shape.
@@ -220,7 +216,7 @@ pub fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, devic
         | Op::Where
         | Op::Cast(_) => {
             let (prefix, expr, compute) = elementwise_expr(op, &dtypes).ok_or_else(|| Error::Msg(format!("{}: no kernel", op.name())))?;
-            ew_extra(&g, prefix, expr, compute, &x, meta, extra)?
+            ew(&g, prefix, expr, compute, &x, meta, extra)?
         }
         Op::Reduce { op: r, dims, .. } => reduce(&g, *r, x[0], dims, meta)?,
         Op::Softmax { log, scale, causal } => softmax(&g, x[0], (*log, *scale, *causal))?,
@@ -458,20 +454,21 @@ struct IArgs {
     dim: i32,
 }
 
-const INDEX_OPS: [&str; 4] = ["index_select", "index_add", "gather", "scatter_add"];
+/// The index kernels in error-code order (code = position + 1; 0 means no error).
+const INDEX_OPS: [(IndexKind, &str); 4] = [
+    (IndexKind::Select, "index_select"),
+    (IndexKind::Add, "index_add"),
+    (IndexKind::Gather, "gather"),
+    (IndexKind::ScatterAdd, "scatter_add"),
+];
 
 /// The op an error code in the device error word stands for.
 pub fn index_op_name(code: i64) -> &'static str {
-    INDEX_OPS.get((code - 1).max(0) as usize).copied().unwrap_or("an index kernel")
+    INDEX_OPS.get((code - 1).max(0) as usize).map_or("an index kernel", |(_, name)| name)
 }
 
 fn index_code(kind: IndexKind) -> i64 {
-    match kind {
-        IndexKind::Select => 1,
-        IndexKind::Add => 2,
-        IndexKind::Gather => 3,
-        IndexKind::ScatterAdd => 4,
-    }
+    INDEX_OPS.iter().position(|(k, _)| *k == kind).map_or(0, |p| p as i64 + 1)
 }
 
 /// Launches an index kernel: `o` written from `src` at `idx` (all dense).
@@ -567,7 +564,7 @@ fn cat(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], dim: usize, meta: &OutMeta) 
         dst.offset = start * full.strides[dim];
         dst.shape[dim] = len;
         start += len;
-        launch_ew(g, "cat", "v1".into(), compute_type(meta.dtype), &[(&out, &dst), (s, l)], &dst.shape, &out, true, (0.0, 0, 0))?;
+        launch_ew(g, "cat", "v1".into(), compute_type(meta.dtype), &[(&out, &dst), (s, l)], &dst.shape, &out, true, NO_EXTRA)?;
     }
     Ok(out)
 }
@@ -587,7 +584,7 @@ struct AdamArgs {
 /// The device address of a tensor's first element (its storage must be on a GPU).
 fn address(s: &Storage, t: &crate::Tensor) -> Result<u64> {
     match s {
-        Storage::Cuda(c) => Ok(c.buf.ptr + (t.layout().offset * c.dtype.size_in_bytes()) as u64),
+        Storage::Cuda(c) => Ok(c.ptr_at(t.layout().offset)),
         Storage::Cpu(_) => Err(Error::Msg("expected a CUDA tensor".into())),
     }
 }

@@ -14,7 +14,7 @@ pub mod codegen;
 #[cfg(feature = "cuda")]
 mod gpu;
 #[cfg(feature = "cuda")]
-mod kernels;
+pub(crate) mod kernels;
 #[cfg(feature = "cuda")]
 pub mod nvrtc;
 
@@ -107,22 +107,6 @@ pub(crate) fn run_inplace(op: &Op, dst: &mut Storage, l: &Layout, src: Option<(&
     kernels::run_inplace(op, dst, l, src)
 }
 
-/// The fused Adam update on a GPU (see `fused::adam_step_device_`, which checks the tensors).
-#[cfg(feature = "cuda")]
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn adam_step(
-    p: &Tensor,
-    g: &Tensor,
-    m: &Tensor,
-    v: &Tensor,
-    vmax: Option<&Tensor>,
-    lr: &Tensor,
-    step: &Tensor,
-    h: crate::fused::AdamHyper,
-) -> Result<()> {
-    kernels::adam_step(p, g, m, v, vmax, lr, step, h)
-}
-
 #[cfg(feature = "cuda")]
 mod copies {
     use super::gpu::gpu;
@@ -155,7 +139,7 @@ mod copies {
             (&owned, 0)
         };
         let (g, n) = (src.gpu(), t.numel());
-        let ptr = src.buf.ptr + (off * src.dtype.size_in_bytes()) as u64;
+        let ptr = src.ptr_at(off);
         let host: CpuStorage = match src.dtype {
             DType::F32 => g.download::<f32>(ptr, n)?.into_storage(),
             DType::F64 => g.download::<f64>(ptr, n)?.into_storage(),
