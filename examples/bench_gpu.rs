@@ -4,6 +4,10 @@
 //! workload; benches/pytorch/compare.py joins them with PyTorch's and prints the table.
 //!
 //!   cargo run --release --features cuda --example bench_gpu -- [--device cuda|cpu] [--only NAME] [--steps N]
+//!       [--modes eager,default,reduce-overhead,max-autotune]
+//!
+//! Each compiled mode compiles the same step (`kiln::compile`); its first call is reported
+//! as `compile_s` (trace, passes, NVRTC; `KILN_EXPLAIN=1` prints each step's `explain()`).
 //!
 //! Timing: warm-up steps, then each step is timed on the host with the device synchronised
 //! before and after (so it is the step's full latency), and the median is reported.
@@ -11,6 +15,7 @@
 mod common;
 
 use common::{flag, opt};
+use kiln::compile::{compile, Mode};
 use kiln::models::{mlp, Gpt, GptConfig};
 use kiln::nn::{cross_entropy, Transformer, TransformerConfig, TransformerMasks};
 use kiln::optim::{AdamConfig, AdamW};
@@ -44,43 +49,84 @@ fn elementwise(dev: Device, steps: usize) -> Result<f64> {
     median_ms(dev, 3, steps, || a.add(&b).map(|_| ()))
 }
 
-fn report(workload: &str, precision: &str, ms: f64, dev: Device) {
+/// What one run printed: median step, first-call time (trace + compile) for compiled modes.
+struct Timing {
+    ms: f64,
+    compile_s: Option<f64>,
+}
+
+/// Times `f` eagerly (`mode` None) or compiled in `mode`; the first compiled call (trace,
+/// passes, kernel compilation) is timed on its own as the compile time.
+fn timed(dev: Device, mode: Option<Mode>, (warmup, steps): (usize, usize), xs: &[Tensor], mut f: impl FnMut(&[Tensor]) -> Result<Vec<Tensor>>) -> Result<Timing> {
+    let Some(mode) = mode else {
+        return Ok(Timing { ms: median_ms(dev, warmup, steps, || f(xs).map(drop))?, compile_s: None });
+    };
+    let mut step = compile(mode, f);
+    let refs: Vec<&Tensor> = xs.iter().collect();
+    cuda::synchronize(dev)?;
+    let t = Instant::now();
+    step.call(&refs)?;
+    cuda::synchronize(dev)?;
+    let compile_s = t.elapsed().as_secs_f64();
+    let ms = median_ms(dev, warmup, steps, || step.call(&refs).map(drop))?;
+    if std::env::var("KILN_EXPLAIN").is_ok() {
+        eprintln!("{}", step.explain());
+    }
+    Ok(Timing { ms, compile_s: Some(compile_s) })
+}
+
+fn report(workload: &str, precision: &str, mode: Option<Mode>, t: Timing, dev: Device) {
     if kiln::tensor::profile::enabled() {
         eprintln!("--- {workload}: per-op device time over the timed steps (KILN_PROFILE)\n{}", kiln::tensor::profile::report());
         kiln::tensor::profile::reset();
     }
     let peak = kiln::tensor::storage::peak_bytes() as f64 / 1048576.0;
+    let imp = match mode {
+        None => "kiln eager".to_string(),
+        Some(m) => format!("kiln {}", mode_name(m)),
+    };
+    let compile = t.compile_s.map(|c| format!(", \"compile_s\": {c:.3}")).unwrap_or_default();
     println!(
-        "{{\"workload\": \"{workload}\", \"impl\": \"kiln eager\", \"precision\": \"{precision}\", \"median_ms\": {ms:.4}, \"device\": \"{dev}\", \"peak_mib\": {peak:.1}}}"
+        "{{\"workload\": \"{workload}\", \"impl\": \"{imp}\", \"precision\": \"{precision}\", \"median_ms\": {:.4}, \"device\": \"{dev}\", \"peak_mib\": {peak:.1}{compile}}}",
+        t.ms
     );
 }
 
-fn mlp_step(dev: Device, batch: usize, steps: usize) -> Result<f64> {
+fn mode_name(m: Mode) -> &'static str {
+    match m {
+        Mode::Default => "default",
+        Mode::ReduceOverhead => "reduce-overhead",
+        Mode::MaxAutotune => "max-autotune",
+    }
+}
+
+fn mlp_step(dev: Device, batch: usize, mode: Option<Mode>, steps: usize) -> Result<Timing> {
     kiln::tensor::rng::manual_seed(0);
     let model = mlp(&[784, 256, 10], dev)?;
     let mut opt = AdamW::new(model.parameters(), AdamConfig { lr: 1e-3, ..AdamConfig::adamw() })?;
     let x = Tensor::rand_at(&[batch, 784], Distribution::Normal, 1, 0, DType::F32, dev)?;
     let y = Tensor::rand_at(&[batch], Distribution::Uniform, 2, 0, DType::F32, dev)?.mul_scalar(10.0)?.to_dtype(DType::I64)?;
-    median_ms(dev, 10, steps, || {
-        let loss = cross_entropy(&model.forward(&x)?, &y)?;
+    timed(dev, mode, (10, steps), &[x, y], |xs| {
+        let loss = cross_entropy(&model.forward(&xs[0])?, &xs[1])?;
         loss.backward()?;
         opt.step()?;
-        opt.zero_grad()
+        opt.zero_grad()?;
+        Ok(vec![loss])
     })
 }
 
-fn transformer_forward(dev: Device, steps: usize) -> Result<f64> {
+fn transformer_forward(dev: Device, mode: Option<Mode>, steps: usize) -> Result<Timing> {
     kiln::tensor::rng::manual_seed(0);
     let mut model = Transformer::new(TransformerConfig { d_model: 512, nhead: 8, ..TransformerConfig::default() }, dev)?;
     model.set_training(false);
     let x = Tensor::rand_at(&[10, 32, 512], Distribution::Normal, 3, 0, DType::F32, dev)?;
-    median_ms(dev, 3, steps, || {
+    timed(dev, mode, (3, steps), &[x], |xs| {
         let _no_grad = NoGradGuard::new();
-        model.forward(&x, &x, &TransformerMasks::default()).map(|_| ())
+        Ok(vec![model.forward(&xs[0], &xs[0], &TransformerMasks::default())?])
     })
 }
 
-fn gpt_step(dev: Device, dtype: DType, steps: usize) -> Result<f64> {
+fn gpt_step(dev: Device, dtype: DType, mode: Option<Mode>, steps: usize) -> Result<Timing> {
     kiln::tensor::rng::manual_seed(0);
     set_default_dtype(dtype);
     let cfg = GptConfig { vocab: 65, context: 256, d_model: 384, n_layer: 6, n_head: 6, dropout: 0.0, tied_head: false };
@@ -90,12 +136,12 @@ fn gpt_step(dev: Device, dtype: DType, steps: usize) -> Result<f64> {
     let tok = |s| -> Result<Tensor> {
         Tensor::rand_at(&[64, 256], Distribution::Uniform, s, 0, DType::F32, dev)?.mul_scalar(65.0)?.to_dtype(DType::I64)
     };
-    let (x, y) = (tok(4)?, tok(5)?);
-    median_ms(dev, 3, steps, || {
-        let loss = model.loss(&x, &y)?;
+    timed(dev, mode, (3, steps), &[tok(4)?, tok(5)?], |xs| {
+        let loss = model.loss(&xs[0], &xs[1])?;
         loss.backward()?;
         opt.step()?;
-        opt.zero_grad()
+        opt.zero_grad()?;
+        Ok(vec![loss])
     })
 }
 
@@ -105,28 +151,40 @@ fn main() -> Result<()> {
         Some(_) | None => Device::cuda_if_available(0),
     };
     let only = opt("--only");
+    let modes: Vec<Option<Mode>> = opt("--modes")
+        .unwrap_or_else(|| "eager,default,reduce-overhead".into())
+        .split(',')
+        .map(|m| match m.trim() {
+            "default" => Some(Mode::Default),
+            "reduce-overhead" => Some(Mode::ReduceOverhead),
+            "max-autotune" => Some(Mode::MaxAutotune),
+            _ => None,
+        })
+        .collect();
     let steps: usize = flag("--steps", 50);
     let want = |name: &str| only.as_deref().is_none_or(|o| name.contains(o));
     eprintln!("kiln bench on {dev} ({steps} timed steps each; TF32 {})", if cfg!(feature = "cuda") { "off" } else { "n/a" });
     if want("add_16M") {
         let ms = elementwise(dev, steps)?;
-        report("add_16M", "fp32", ms, dev);
+        report("add_16M", "fp32", None, Timing { ms, compile_s: None }, dev);
         eprintln!("add_16M: {:.0} GB/s", 3.0 * 4.0 * (1u64 << 24) as f64 / (ms * 1e-3) / 1e9);
     }
-    if want("mlp_b32") {
-        report("mlp_b32", "fp32", mlp_step(dev, 32, steps * 4)?, dev);
-    }
-    if want("mlp_b4096") {
-        report("mlp_b4096", "fp32", mlp_step(dev, 4096, steps * 2)?, dev);
-    }
-    if want("transformer_fwd") {
-        report("transformer_fwd", "fp32", transformer_forward(dev, steps)?, dev);
-    }
-    if want("gpt_fp32") {
-        report("gpt_fp32", "fp32", gpt_step(dev, DType::F32, steps.min(20))?, dev);
-    }
-    if want("gpt_bf16") {
-        report("gpt_bf16", "bf16 (params and compute)", gpt_step(dev, DType::BF16, steps.min(20))?, dev);
+    for &mode in &modes {
+        if want("mlp_b32") {
+            report("mlp_b32", "fp32", mode, mlp_step(dev, 32, mode, steps * 4)?, dev);
+        }
+        if want("mlp_b4096") {
+            report("mlp_b4096", "fp32", mode, mlp_step(dev, 4096, mode, steps * 2)?, dev);
+        }
+        if want("transformer_fwd") {
+            report("transformer_fwd", "fp32", mode, transformer_forward(dev, mode, steps)?, dev);
+        }
+        if want("gpt_fp32") {
+            report("gpt_fp32", "fp32", mode, gpt_step(dev, DType::F32, mode, steps.min(20))?, dev);
+        }
+        if want("gpt_bf16") {
+            report("gpt_bf16", "bf16 (params and compute)", mode, gpt_step(dev, DType::BF16, mode, steps.min(20))?, dev);
+        }
     }
     Ok(())
 }

@@ -3,7 +3,7 @@
 //!   cargo run --release --example gpt                     # embedded arithmetic corpus
 //!   cargo run --release --example gpt -- --text FILE      # any text file
 //!   options: --steps 300 --batch 16 --context 64 --layers 4 --heads 4 --d-model 128
-//!            --lr 3e-3 --dropout 0.0 --seed 0 --compile
+//!            --lr 3e-3 --dropout 0.0 --seed 0 --compile [--compile-mode reduce-overhead]
 //!            --checkpoint-every N --checkpoint-dir DIR (checkpoints/gpt) --resume
 //!
 //! On the default corpus (lines like `123+456=579`) it reports exact-match accuracy of
@@ -12,7 +12,7 @@
 mod common;
 
 use kiln::checkpoint::Checkpoints;
-use kiln::compile::{compile, Mode};
+use kiln::compile::compile;
 use kiln::data::{arithmetic_corpus, check_arithmetic_line};
 use kiln::models::{Gpt, GptConfig};
 use kiln::optim::{clip_grad_norm, AdamConfig, AdamW, LrScheduler, Optimizer, WarmupCosine};
@@ -129,14 +129,11 @@ fn main() -> Result<()> {
         o.zero_grad()?;
         Ok(vec![loss])
     };
-    let mut compiled = common::has("--compile");
-    if compiled && device.is_cuda() {
-        println!("note: compiled steps run on the CPU back end only for now; training eagerly on {device} (use --device cpu --compile)");
-        compiled = false;
-    }
-    println!("training on {device}");
+    let compiled = common::has("--compile");
+    let cmode = common::compile_mode(device);
+    println!("training on {device}{}", if compiled { format!(", compiled ({cmode:?})") } else { String::new() });
     let eager = step_fn;
-    let mut cstep = compile(Mode::Default, step_fn);
+    let mut cstep = compile(cmode, step_fn);
     // Batches depend only on the step number, so a resumed run sees the same data.
     let pb = common::bar(steps as u64, if compiled { "compiled" } else { "eager" });
     pb.set_position(start_step);

@@ -4,13 +4,14 @@
 //!   cargo run --release --example mlp                    # embedded digits: eager vs compiled
 //!   cargo run --release --example mlp -- --mnist DIR     # MNIST in its IDX format
 //!   options: --mode eager|compiled|both (both) --epochs 2 --batch 32 --lr 1e-3
+//!            --device cpu|cuda --compile-mode default|reduce-overhead|max-autotune
 //!            --train 60000 --seed 0
 //!            --checkpoint-every N --checkpoint-dir DIR (checkpoints/mlp) --resume
 
 mod common;
 
 use kiln::checkpoint::Checkpoints;
-use kiln::compile::{compile, Mode};
+use kiln::compile::compile;
 use kiln::data::{load_mnist, synthetic_digits, Dataset};
 use kiln::nn::{cross_entropy, Sequential};
 use kiln::optim::{AdamConfig, AdamW};
@@ -71,7 +72,7 @@ fn train(compiled: bool, device: Device, train: &Dataset, test: &Dataset, epochs
         Ok(vec![loss])
     };
     let eager = step_fn;
-    let mut step = compile(Mode::Default, step_fn);
+    let mut step = compile(common::compile_mode(device), step_fn);
     let steps_per_epoch = train.len() / bs;
     let what = if compiled { "compiled" } else { "eager" };
     // Checkpoints per mode; a resumed run skips the steps it already took (the data order
@@ -141,13 +142,8 @@ fn train(compiled: bool, device: Device, train: &Dataset, test: &Dataset, epochs
 fn main() -> Result<()> {
     let (epochs, bs, lr, seed) =
         (common::flag("--epochs", 2usize), common::flag("--batch", 32usize), common::flag("--lr", 1e-3f64), common::flag("--seed", 0u64));
-    let mut mode = common::opt("--mode").unwrap_or_else(|| "both".into());
+    let mode = common::opt("--mode").unwrap_or_else(|| "both".into());
     let device = common::device();
-    if device.is_cuda() && mode != "eager" {
-        // Compiled CUDA steps are issue 6; say so rather than fail halfway.
-        println!("note: compiled steps run on the CPU back end only for now; training eagerly on {device} (use --device cpu to compare)");
-        mode = "eager".into();
-    }
     let (train_set, test_set) = match common::opt("--mnist") {
         Some(dir) => load_mnist(std::path::Path::new(&dir)).map_err(Error::Msg)?,
         None => (synthetic_digits(common::flag("--train", 60_000usize), seed + 1), synthetic_digits(5_000, seed + 2)),

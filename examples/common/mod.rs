@@ -39,3 +39,16 @@ pub fn bar(len: u64, what: &str) -> ProgressBar {
     pb.set_prefix(what.to_string());
     pb
 }
+
+/// `--compile-mode default|reduce-overhead|max-autotune`; by default one CUDA graph per step
+/// on a GPU (`ReduceOverhead`) and `Default` on the CPU (where the modes are the same).
+pub fn compile_mode(device: kiln::Device) -> kiln::compile::Mode {
+    use kiln::compile::Mode;
+    match opt("--compile-mode").as_deref() {
+        Some("default") => Mode::Default,
+        Some("reduce-overhead") => Mode::ReduceOverhead,
+        Some("max-autotune") => Mode::MaxAutotune,
+        _ if device.is_cuda() => Mode::ReduceOverhead,
+        _ => Mode::Default,
+    }
+}

@@ -1,6 +1,8 @@
-//! The CPU back end: runs a graph's nodes in order with Kiln's CPU kernels, reading every
-//! argument through its layout (views cost nothing), freeing each buffer after its last use,
-//! and writing state back into the same buffers at the end.
+//! Runs a compiled graph: the planned steps in order, every argument read through its layout
+//! (views cost nothing), each buffer freed after its last use, state written back into the
+//! same buffers at the end. On the CPU, nodes run Kiln's CPU kernels and fused groups
+//! `fused_exec`; on a GPU, nodes run the eager CUDA kernels and each fused group is one
+//! generated kernel (`cuda_exec`, which also captures the step as a CUDA graph).
 
 use crate::fused_exec;
 use crate::fusion::{self, Plan, Step};
@@ -8,19 +10,23 @@ use crate::graph::{Graph, Kind, NodeId};
 use kiln_tensor::op::OutMeta;
 use kiln_tensor::rng::GeneratorState;
 use kiln_tensor::storage::{CpuStorage, Storage, StorageCell};
-use kiln_tensor::{cpu, Error, Layout, Op, Result, Tensor};
+use kiln_tensor::{cpu, Device, Error, Layout, Op, Result, Tensor};
 use std::sync::{Arc, RwLockReadGuard};
 
-pub struct CpuProgram {
+pub struct Program {
     pub graph: Graph,
     pub cells: Vec<Arc<StorageCell>>,
     pub plan: Plan,
+    pub device: Device,
+    /// The GPU side: fused kernels, device generator state, the captured graph.
+    #[cfg(feature = "cuda")]
+    gpu: Option<crate::cuda_exec::GpuParts>,
     /// For each node, the last step that reads it (buffers are freed after it).
     last_use: Vec<usize>,
     /// The nodes each step reads, worked out once.
     reads: Vec<Vec<NodeId>>,
     /// State writes, those copying another state buffer first (before that buffer changes).
-    writes: Vec<(usize, NodeId)>,
+    pub(crate) writes: Vec<(usize, NodeId)>,
 }
 
 /// Locks each distinct cell once and hands out `(storage, layout)` pairs.
@@ -48,8 +54,9 @@ fn new_cell(s: CpuStorage) -> Arc<StorageCell> {
     Arc::new(StorageCell::new(Storage::Cpu(s)))
 }
 
-impl CpuProgram {
-    pub fn new(graph: Graph, cells: Vec<Arc<StorageCell>>, fuse: bool) -> CpuProgram {
+impl Program {
+    /// `capture`: replay the step as one CUDA graph (`Mode::ReduceOverhead`; ignored on the CPU).
+    pub fn new(graph: Graph, cells: Vec<Arc<StorageCell>>, fuse: bool, device: Device, capture: bool) -> Result<Program> {
         let plan =
             if fuse { fusion::plan(&graph) } else { Plan { steps: (0..graph.nodes.len()).map(Step::Node).collect(), groups: vec![] } };
         let reads: Vec<Vec<NodeId>> = plan.steps.iter().map(|s| step_reads(&graph, &plan, s)).collect();
@@ -65,7 +72,27 @@ impl CpuProgram {
         for a in graph.outputs.iter().map(|a| a.node).chain(graph.writes.iter().map(|w| w.1)) {
             last_use[a] = usize::MAX;
         }
-        CpuProgram { graph, cells, plan, last_use, reads, writes }
+        #[cfg(feature = "cuda")]
+        let gpu = match device {
+            Device::Cuda(_) => Some(crate::cuda_exec::GpuParts::new(&graph, &plan, device, capture)?),
+            Device::Cpu => None,
+        };
+        #[cfg(not(feature = "cuda"))]
+        if device.is_cuda() {
+            let _ = capture;
+            return Err(Error::Device { device, msg: "compile: Kiln was built without the `cuda` feature".into() });
+        }
+        Ok(Program {
+            graph,
+            cells,
+            plan,
+            device,
+            #[cfg(feature = "cuda")]
+            gpu,
+            last_use,
+            reads,
+            writes,
+        })
     }
 
     /// Kernels one step launches: plain nodes that compute, plus one per fused group.
@@ -93,29 +120,48 @@ impl CpuProgram {
         Ok(match &node.kind {
             Kind::Input(k) => inputs[*k].clone(),
             Kind::State(s) => self.cells[*s].clone(),
+            Kind::Op(op, args) if self.device.is_cuda() => {
+                // The eager kernels, through the one dispatch point (no tracer, no grad here).
+                let ts: Vec<Tensor> = args.iter().map(|a| Ok(Tensor::from_cell(val(a.node)?.clone(), a.layout.clone()))).collect::<Result<_>>()?;
+                let refs: Vec<&Tensor> = ts.iter().collect();
+                Tensor::apply(op.clone(), &refs, self.device)?.storage().clone()
+            }
             Kind::Op(op, args) => {
                 let cells: Vec<(&Arc<StorageCell>, &Layout)> = args.iter().map(|a| Ok((val(a.node)?, &a.layout))).collect::<Result<_>>()?;
                 new_cell(with_args(&cells, |ins| cpu::run(op, ins, &meta))?)
             }
+            #[cfg(feature = "cuda")]
+            Kind::Rand { dist, offset } if self.device.is_cuda() => self.gpu()?.rand(*dist, *offset, &meta)?,
             Kind::Rand { dist, offset } => {
                 let op =
                     Op::Rand { shape: node.shape.clone(), dist: *dist, seed: gen.seed, offset: gen.offset + offset, dtype: node.dtype };
                 new_cell(cpu::run(&op, &[], &meta)?)
             }
             Kind::WriteView { base, layout, value } => {
-                let b = val(*base)?;
-                let flat = Layout::contiguous(&self.graph.nodes[*base].shape);
-                let mut copy = with_args(&[(b, &flat)], |ins| {
-                    cpu::run(&Op::Contiguous, ins, &OutMeta { shape: flat.shape.clone(), dtype: node.dtype })
-                })?;
-                with_args(&[(val(value.node)?, &value.layout)], |ins| cpu::run_inplace(&Op::Assign, &mut copy, layout, Some(ins[0])))?;
-                new_cell(copy)
+                let copy = Tensor::from_cell(val(*base)?.clone(), Layout::contiguous(&self.graph.nodes[*base].shape)).copy()?;
+                let v = Tensor::from_cell(val(value.node)?.clone(), value.layout.clone());
+                Tensor::from_cell(copy.storage().clone(), layout.clone()).apply_inplace(Op::Assign, Some(&v))?;
+                copy.storage().clone()
             }
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn gpu(&self) -> Result<&crate::cuda_exec::GpuParts> {
+        self.gpu.as_ref().ok_or_else(|| Error::Msg("compile: a CPU program ran a GPU step".into()))
+    }
+
     /// One step: returns caller-owned copies of the outputs.
     pub fn run(&self, inputs: &[Arc<StorageCell>], gen: GeneratorState) -> Result<Vec<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = &self.gpu {
+            return gpu.run(self, inputs, gen);
+        }
+        self.execute(inputs, gen)
+    }
+
+    /// Runs every step, returns copies of the outputs and writes the state back.
+    pub(crate) fn execute(&self, inputs: &[Arc<StorageCell>], gen: GeneratorState) -> Result<Vec<Tensor>> {
         let n = self.graph.nodes.len();
         let mut vals: Vec<Option<Arc<StorageCell>>> = vec![None; n];
         for (k, step) in self.plan.steps.iter().enumerate() {
@@ -124,7 +170,12 @@ impl CpuProgram {
                 Step::Group(gi) => {
                     let cell_of =
                         |x: NodeId| vals[x].clone().ok_or_else(|| Error::Msg(format!("compile: node {x} used before it was computed")));
-                    for (m, c) in fused_exec::run_group(&self.graph, &self.plan.groups[*gi], &self.cells, &cell_of)? {
+                    let made = match self.device {
+                        #[cfg(feature = "cuda")]
+                        Device::Cuda(_) => self.gpu()?.run_group(self, *gi, &cell_of)?,
+                        _ => fused_exec::run_group(&self.graph, &self.plan.groups[*gi], &self.cells, &cell_of)?,
+                    };
+                    for (m, c) in made {
                         vals[m] = Some(c);
                     }
                 }
@@ -147,9 +198,8 @@ impl CpuProgram {
                 continue;
             }
             let layout = Layout::contiguous(&[self.graph.state[slot].len]);
-            let guard = src.read();
-            let mut out = dst.write();
-            cpu::run_inplace(&Op::Assign, out.as_cpu_mut()?, &layout, Some((guard.as_cpu()?, &layout)))?;
+            let src = Tensor::from_cell(src, layout.clone());
+            Tensor::from_cell(dst.clone(), layout).apply_inplace(Op::Assign, Some(&src))?;
         }
         Ok(outputs)
     }

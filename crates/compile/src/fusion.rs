@@ -59,7 +59,7 @@ fn compute_class(g: &Graph, i: NodeId) -> Option<DType> {
     (pointwise && others_ok && same).then_some(class)
 }
 
-fn identity(a: &Arg, shape: &[usize]) -> bool {
+pub(crate) fn identity(a: &Arg, shape: &[usize]) -> bool {
     a.layout.offset == 0 && a.layout.shape == shape && a.layout.is_contiguous()
 }
 

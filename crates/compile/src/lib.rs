@@ -21,6 +21,8 @@
 //! step change them in place and replays see it; random draws take the generator's offset at
 //! each call. On the CPU, `ReduceOverhead` and `MaxAutotune` behave like `Default`.
 
+#[cfg(feature = "cuda")]
+mod cuda_exec;
 mod exec;
 mod fused_exec;
 pub mod fusion;
@@ -82,7 +84,7 @@ enum Entry {
 }
 
 struct Program {
-    exec: exec::CpuProgram,
+    exec: exec::Program,
     leaf_grads: Vec<lower::LeafGrad>,
     compile_time: Duration,
     nodes_traced: usize,
@@ -154,12 +156,6 @@ where
     pub fn call(&mut self, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         self.calls += 1;
         let sig = Signature { inputs: inputs.iter().map(|t| (t.shape().to_vec(), t.dtype(), t.device())).collect(), mode: self.opts.mode };
-        if let Some(dev) = inputs.iter().map(|t| t.device()).find(|d| d.is_cuda()) {
-            return Err(Error::Device {
-                device: dev,
-                msg: "compile: the CUDA back end is not built yet; compile steps on Device::Cpu".into(),
-            });
-        }
         let found = self.cache.iter().position(|(s, e)| *s == sig && guards_hold(e));
         match found {
             Some(k) if self.checked < self.opts.check_steps && matches!(self.cache[k].1, Entry::Graph(_)) => self.run_checked(k, inputs),
@@ -273,7 +269,9 @@ where
             debug_verify(g).unwrap_or_else(|e| eprintln!("kiln compile: verifier after {name}: {e}"));
         });
         log::log("graph", &format!("optimised graph:\n{graph}"));
-        let exec = exec::CpuProgram::new(graph, lowered.cells, self.opts.fuse);
+        let device = step_device(inputs, &lowered.cells);
+        let capture = matches!(self.opts.mode, Mode::ReduceOverhead | Mode::MaxAutotune);
+        let exec = exec::Program::new(graph, lowered.cells, self.opts.fuse, device, capture)?;
         log::log("fusion", &fusion_report(&exec));
         let compile_time = start.elapsed();
         log::log("time", &format!("compiled in {:.1} ms", compile_time.as_secs_f64() * 1e3));
@@ -330,6 +328,12 @@ fn guards_hold(e: &Entry) -> bool {
     }
 }
 
+/// Where a step runs: the first GPU among its inputs, else among its state, else the CPU.
+fn step_device(inputs: &[&Tensor], cells: &[std::sync::Arc<kiln_tensor::storage::StorageCell>]) -> Device {
+    let from_cells = || cells.iter().map(|c| c.read().device()).find(|d| d.is_cuda());
+    inputs.iter().map(|t| t.device()).find(|d| d.is_cuda()).or_else(from_cells).unwrap_or(Device::Cpu)
+}
+
 /// The input's buffer when it is contiguous and whole, else a contiguous copy's.
 fn contiguous_cell(t: &Tensor) -> Result<std::sync::Arc<kiln_tensor::storage::StorageCell>> {
     if t.is_contiguous() && t.layout().offset == 0 && t.storage().len() == t.numel() {
@@ -339,7 +343,7 @@ fn contiguous_cell(t: &Tensor) -> Result<std::sync::Arc<kiln_tensor::storage::St
 }
 
 /// The fusion groups, one line each: members, shape, what they store and write in place.
-fn fusion_report(p: &exec::CpuProgram) -> String {
+fn fusion_report(p: &exec::Program) -> String {
     let mut s = format!("{} groups, {} kernels per step", p.plan.groups.iter().filter(|g| g.members.len() > 1).count(), p.kernels());
     for (k, gr) in p.plan.groups.iter().enumerate().filter(|(_, g)| g.members.len() > 1) {
         let ops: Vec<String> = gr

@@ -143,6 +143,13 @@ impl Storage {
             Storage::Cuda(s) => Err(crate::Error::Msg(format!("expected a CPU tensor, got one on {:?}", s.device()))),
         }
     }
+    pub fn dtype(&self) -> DType {
+        match self {
+            Storage::Cpu(s) => s.dtype(),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => s.dtype(),
+        }
+    }
     pub fn device(&self) -> Device {
         match self {
             Storage::Cpu(_) => Device::Cpu,

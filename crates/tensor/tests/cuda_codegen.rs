@@ -137,3 +137,51 @@ fn every_reduction_and_index_kernel_compiles() {
     }
     assert!(fails.is_empty(), "{} kernels failed:\n{}", fails.len(), fails.join("\n\n"));
 }
+
+/// A compiled graph's fused kernels: one module whose kernels chain every unary, binary and
+/// scalar op, a comparison feeding a `where`, casts between f32 and f64, and inputs read
+/// contiguously, at an offset, through strides and broadcast.
+#[test]
+fn a_module_of_fused_group_kernels_compiles() {
+    use kiln_tensor::cuda::codegen::{fused_module, FusedInput, FusedKernel, FusedMember, FusedSrc};
+    need_nvrtc();
+    let shape = vec![4usize, 6];
+    let inputs = |d: DType| {
+        vec![
+            FusedInput { dtype: d, offset: 0, strided: None },
+            FusedInput { dtype: d, offset: 3, strided: None },
+            FusedInput { dtype: d, offset: 1, strided: Some((shape.clone(), vec![1, 4])) },
+            FusedInput { dtype: d, offset: 0, strided: Some((shape.clone(), vec![0, 1])) },
+        ]
+    };
+    let mut kernels = Vec::new();
+    for d in [DType::F32, DType::F64] {
+        let mut members: Vec<FusedMember> = Vec::new();
+        let last = |m: &Vec<FusedMember>| if m.is_empty() { FusedSrc::Input(0) } else { FusedSrc::Member(m.len() - 1) };
+        for u in UNARY {
+            let a = last(&members);
+            members.push(FusedMember { op: Op::Unary(u), args: vec![a], dtype: d });
+        }
+        for (k, b) in BINARY.into_iter().enumerate() {
+            let (a, out) = (last(&members), if b.is_comparison() { DType::U8 } else { d });
+            if b.is_comparison() {
+                members.push(FusedMember { op: Op::Binary(b), args: vec![a, FusedSrc::Input(1 + k % 3)], dtype: out });
+                let c = FusedSrc::Member(members.len() - 1);
+                members.push(FusedMember { op: Op::Where, args: vec![c, FusedSrc::Input(2), FusedSrc::Input(3)], dtype: d });
+            } else {
+                members.push(FusedMember { op: Op::Binary(b), args: vec![a, FusedSrc::Input(1 + k % 3)], dtype: out });
+                let a = last(&members);
+                members.push(FusedMember { op: Op::Scalar { op: b, value: f64::INFINITY, scalar_lhs: k % 2 == 0 }, args: vec![a], dtype: d });
+            }
+        }
+        let other = if d == DType::F32 { DType::F64 } else { DType::F32 };
+        let a = last(&members);
+        members.push(FusedMember { op: Op::Cast(other), args: vec![a], dtype: other });
+        let outputs = vec![members.len() - 1, members.len() - 2, 0];
+        kernels.push(FusedKernel { name: format!("kiln_group_{d:?}"), n: 24, inputs: inputs(d), members, outputs });
+    }
+    let src = fused_module(&kernels).expect("every member is elementwise");
+    let mut fails = Vec::new();
+    check(&src, "kiln_fused", &mut fails);
+    assert!(fails.is_empty(), "{}", fails.join("\n"));
+}

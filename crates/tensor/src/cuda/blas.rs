@@ -12,8 +12,12 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-/// A cuBLAS handle bound to the GPU's stream.
-pub struct Blas(bs::cublasHandle_t);
+/// A cuBLAS handle bound to the GPU's stream, with its own workspace (so that cuBLAS never
+/// allocates while a CUDA graph is being captured).
+pub struct Blas(bs::cublasHandle_t, #[allow(dead_code)] super::gpu::DeviceBuffer);
+
+/// cuBLAS's workspace: what PyTorch gives it on Hopper.
+const WORKSPACE: usize = 32 << 20;
 // SAFETY: the handle is only used under the GPU's `blas` mutex.
 unsafe impl Send for Blas {}
 
@@ -144,7 +148,10 @@ pub fn matmul(g: &Arc<Gpu>, (sa, la): (&CudaStorage, &Layout), (sb, lb): (&CudaS
         let h = br::create_handle().map_err(blas_err)?;
         // SAFETY: a fresh handle and this GPU's live stream.
         unsafe { br::set_stream(h, g.stream.cu_stream() as _) }.map_err(blas_err)?;
-        *guard = Some(Blas(h));
+        let ws = g.alloc(WORKSPACE)?;
+        // SAFETY: `ws` is a live buffer of WORKSPACE bytes owned by the handle's `Blas`.
+        unsafe { bs::cublasSetWorkspace_v2(h, ws.ptr as *mut c_void, WORKSPACE) }.result().map_err(blas_err)?;
+        *guard = Some(Blas(h, ws));
     }
     let h = guard.as_ref().map(|b| b.0).ok_or_else(|| Error::Cuda("no cuBLAS handle".into()))?;
     g.bind()?;

@@ -607,3 +607,120 @@ pub fn normalize_source(dtype: DType, backward: bool, block: bool) -> (String, S
     }
     (s, name)
 }
+
+/// Where a fused member's argument comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FusedSrc {
+    Input(usize),
+    Member(usize),
+}
+
+/// An input of a fused kernel: read at `offset + i` when `strides` is `None`, else at
+/// `offset + sum(coord_d * strides_d)` over `shape` (broadcasts have stride 0).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct FusedInput {
+    pub dtype: DType,
+    pub offset: usize,
+    pub strided: Option<(Vec<usize>, Vec<usize>)>,
+}
+
+/// One op of a fused kernel: an elementwise `Op` over earlier members or inputs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FusedMember {
+    pub op: Op,
+    pub args: Vec<FusedSrc>,
+    pub dtype: DType,
+}
+
+/// A compiled graph's fusion group as one kernel: per element, each input is loaded once,
+/// the members run in order in registers, and `outputs` (member, dtype) are stored densely.
+/// Shapes and strides are literals: a compiled graph is specialised to its shapes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FusedKernel {
+    pub name: String,
+    pub n: usize,
+    pub inputs: Vec<FusedInput>,
+    pub members: Vec<FusedMember>,
+    pub outputs: Vec<usize>,
+}
+
+/// An exact C++ double literal (the bits, so that infinities, NaN and -0.0 survive).
+fn double_literal(v: f64) -> String {
+    format!("__longlong_as_double({:#x}LL)", v.to_bits() as i64)
+}
+
+/// The linear index of element `i` in a strided input.
+fn strided_index(offset: usize, shape: &[usize], strides: &[usize]) -> String {
+    let mut terms = vec![offset.to_string()];
+    let mut inner = 1usize;
+    for d in (0..shape.len()).rev() {
+        if shape[d] > 1 && strides[d] != 0 {
+            let coord = if inner == 1 { "i".to_string() } else { format!("(i / {inner}LL)") };
+            let coord = if d == 0 { coord } else { format!("({coord} % {}LL)", shape[d]) };
+            terms.push(format!("{coord} * {}LL", strides[d]));
+        }
+        inner *= shape[d];
+    }
+    terms.join(" + ")
+}
+
+impl FusedKernel {
+    /// The kernel's source (without the prelude: `fused_module` adds it once per module).
+    pub fn source(&self) -> Result<String, String> {
+        let mut params: Vec<String> = Vec::new();
+        for (k, &m) in self.outputs.iter().enumerate() {
+            params.push(format!("{}* o{k}", storage_type(self.members[m].dtype)));
+        }
+        for (k, x) in self.inputs.iter().enumerate() {
+            params.push(format!("const {}* p{k}", storage_type(x.dtype)));
+        }
+        let mut s = format!("extern \"C\" __global__ void {}({}) {{\n", self.name, params.join(", "));
+        s += &format!(
+            "  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < {}LL; i += (long long)gridDim.x * blockDim.x) {{\n",
+            self.n
+        );
+        for (k, x) in self.inputs.iter().enumerate() {
+            let idx = match &x.strided {
+                None => format!("{} + i", x.offset),
+                Some((shape, strides)) => strided_index(x.offset, shape, strides),
+            };
+            s += &format!("    auto x{k} = ld(p{k}[{idx}]);\n");
+        }
+        let dtype_of = |src: &FusedSrc| match *src {
+            FusedSrc::Input(k) => self.inputs[k].dtype,
+            FusedSrc::Member(m) => self.members[m].dtype,
+        };
+        for (j, m) in self.members.iter().enumerate() {
+            let dtypes: Vec<DType> = m.args.iter().map(dtype_of).collect();
+            let (_, expr, compute) = elementwise_expr(&m.op, &dtypes).ok_or_else(|| format!("{}: not elementwise", m.op.name()))?;
+            let scalar = match &m.op {
+                Op::Scalar { value, .. } => *value,
+                _ => 0.0,
+            };
+            s += &format!("    {} m{j};\n    {{\n      typedef {compute} C;\n", compute_type(m.dtype));
+            s += &format!("      struct {{ double s; }} a = {{ {} }}; (void)a;\n", double_literal(scalar));
+            for (q, src) in m.args.iter().enumerate() {
+                let v = match src {
+                    FusedSrc::Input(k) => format!("x{k}"),
+                    FusedSrc::Member(k) => format!("m{k}"),
+                };
+                s += &format!("      auto v{q} = {v};\n");
+            }
+            s += &format!("      m{j} = {expr};\n    }}\n");
+        }
+        for (k, &m) in self.outputs.iter().enumerate() {
+            s += &format!("    st(&o{k}[i], m{m});\n");
+        }
+        s += "  }\n}\n";
+        Ok(s)
+    }
+}
+
+/// One CUDA module holding every fused kernel of a compiled graph (one NVRTC call).
+pub fn fused_module(kernels: &[FusedKernel]) -> Result<String, String> {
+    let mut s = format!("{PRELUDE}\n#define K(v) ((C)(v))\n");
+    for k in kernels {
+        s += &k.source()?;
+    }
+    Ok(s)
+}

@@ -26,12 +26,36 @@ pub struct Gpu {
     pub arch: (i32, i32),
     kernels: Mutex<HashMap<u64, Kernel>>,
     /// Free device buffers by rounded size: an eager step reuses them, no driver call.
-    free: Mutex<HashMap<usize, Vec<u64>>>,
+    free: Mutex<FreeList>,
+    /// While a CUDA graph is captured, allocations come from (and return to) this pool.
+    capture_pool: Mutex<Option<Arc<Pool>>>,
     /// Bytes held from the driver (in use or cached).
     held: AtomicU64,
     /// Three i64 on the device: op code, bad index, dim size (0 when no error).
     pub err: u64,
     pub(crate) blas: Mutex<Option<super::blas::Blas>>,
+}
+
+/// Free buffers by size class.
+type FreeList = HashMap<usize, Vec<u64>>;
+
+/// A private memory pool, as PyTorch gives each CUDA graph: buffers allocated while a graph is
+/// captured belong to the pool and go back to it when freed, so the addresses baked into the
+/// graph are never handed to other code. Dropping the pool returns its free buffers to the
+/// GPU's cache (buffers still alive keep the pool alive).
+pub struct Pool {
+    free: Mutex<FreeList>,
+    gpu: Arc<Gpu>,
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        let mut pool = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let mut free = self.gpu.free.lock().unwrap_or_else(|e| e.into_inner());
+        for (class, ptrs) in pool.drain() {
+            free.entry(class).or_default().extend(ptrs);
+        }
+    }
 }
 
 static DRIVER_ALLOCS: AtomicU64 = AtomicU64::new(0);
@@ -83,7 +107,8 @@ pub fn gpu(ordinal: usize) -> Result<Arc<Gpu>> {
     // SAFETY: Kiln issues all work on one stream per device, so cudarc's cross-stream event
     // tracking is not needed (and it would break CUDA graph capture).
     unsafe { ctx.disable_event_tracking() };
-    let stream = ctx.default_stream();
+    // A created stream, not the legacy default one: only a created stream can be captured.
+    let stream = ctx.new_stream().map_err(cuda_err("creating the stream"))?;
     let sms = ctx.attribute(ds::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(cuda_err("device query"))? as u32;
     let arch = ctx.compute_capability().map_err(cuda_err("device query"))?;
     // SAFETY: a fresh 32-byte allocation in the current context, zeroed before use.
@@ -100,6 +125,7 @@ pub fn gpu(ordinal: usize) -> Result<Arc<Gpu>> {
         arch,
         kernels: Mutex::default(),
         free: Mutex::default(),
+        capture_pool: Mutex::new(None),
         held: AtomicU64::new(0),
         err,
         blas: Mutex::new(None),
@@ -115,6 +141,8 @@ pub struct DeviceBuffer {
     pub ptr: u64,
     pub bytes: usize,
     pub gpu: Arc<Gpu>,
+    /// The private pool it came from (a captured graph's), if any.
+    pool: Option<Arc<Pool>>,
 }
 
 impl std::fmt::Debug for DeviceBuffer {
@@ -126,8 +154,8 @@ impl std::fmt::Debug for DeviceBuffer {
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         // Work on the one stream is ordered, so a later kernel may reuse this memory at once.
-        let mut free = self.gpu.free.lock().unwrap_or_else(|e| e.into_inner());
-        free.entry(self.bytes).or_default().push(self.ptr);
+        let list = self.pool.as_ref().map_or(&self.gpu.free, |p| &p.free);
+        list.lock().unwrap_or_else(|e| e.into_inner()).entry(self.bytes).or_default().push(self.ptr);
     }
 }
 
@@ -161,8 +189,13 @@ impl Gpu {
     /// naming the request (after the cache has been given back and the request retried).
     pub fn alloc(self: &Arc<Self>, bytes: usize) -> Result<DeviceBuffer> {
         let class = size_class(bytes);
+        let pool = self.capture_pool.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let pooled = pool.as_ref().and_then(|p| p.free.lock().unwrap_or_else(|e| e.into_inner()).get_mut(&class).and_then(|v| v.pop()));
+        if let Some(ptr) = pooled {
+            return Ok(DeviceBuffer { ptr, bytes: class, gpu: self.clone(), pool });
+        }
         if let Some(ptr) = self.free.lock().unwrap_or_else(|e| e.into_inner()).get_mut(&class).and_then(|v| v.pop()) {
-            return Ok(DeviceBuffer { ptr, bytes: class, gpu: self.clone() });
+            return Ok(DeviceBuffer { ptr, bytes: class, gpu: self.clone(), pool });
         }
         self.bind()?;
         // SAFETY: plain driver allocation in the bound context; the pointer is owned by the
@@ -184,7 +217,48 @@ impl Gpu {
         };
         DRIVER_ALLOCS.fetch_add(1, Ordering::Relaxed);
         self.held.fetch_add(class as u64, Ordering::Relaxed);
-        Ok(DeviceBuffer { ptr, bytes: class, gpu: self.clone() })
+        Ok(DeviceBuffer { ptr, bytes: class, gpu: self.clone(), pool })
+    }
+
+    /// A new private pool for a graph capture (see `Pool`).
+    pub fn new_pool(self: &Arc<Self>) -> Arc<Pool> {
+        Arc::new(Pool { free: Mutex::default(), gpu: self.clone() })
+    }
+
+    /// Runs `f` with this GPU's stream captured into a CUDA graph, allocating from `pool`.
+    /// Nothing runs during the capture; the returned graph replays the work. The capture is
+    /// relaxed, so kernels may still be loaded and memory allocated while it runs.
+    pub fn capture<R>(&self, pool: &Arc<Pool>, f: impl FnOnce() -> Result<R>) -> Result<(cudarc::driver::CudaGraph, R)> {
+        self.bind()?;
+        self.stream.begin_capture(ds::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(cuda_err("begin graph capture"))?;
+        *self.capture_pool.lock().unwrap_or_else(|e| e.into_inner()) = Some(pool.clone());
+        let r = f();
+        *self.capture_pool.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        let graph = self.stream.end_capture(ds::CUgraphInstantiate_flags(0)).map_err(cuda_err("end graph capture"));
+        let (r, graph) = (r?, graph?);
+        let graph = graph.ok_or_else(|| Error::Cuda("graph capture recorded nothing".into()))?;
+        graph.upload().map_err(cuda_err("uploading the graph"))?;
+        Ok((graph, r))
+    }
+
+    /// Copies `bytes` bytes between device buffers on the stream.
+    ///
+    /// # Safety
+    /// Both ranges must lie in live buffers of this GPU until the stream has run the copy.
+    pub unsafe fn copy_d2d(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        self.bind()?;
+        // SAFETY: forwarded from this function's contract.
+        unsafe { dr::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }.map_err(cuda_err("device to device copy"))
+    }
+
+    /// Writes `data` to device memory at `dst` on the stream (staged: `data` may be dropped).
+    ///
+    /// # Safety
+    /// `dst` must hold `size_of_val(data)` bytes of a live buffer of this GPU.
+    pub unsafe fn write_at<T>(&self, dst: u64, data: &[T]) -> Result<()> {
+        self.bind()?;
+        // SAFETY: forwarded from this function's contract.
+        unsafe { dr::memcpy_htod_async(dst, data, self.stream.cu_stream()) }.map_err(cuda_err("host to device copy"))
     }
 
     /// Gives every cached (unused) buffer back to the driver.
@@ -257,19 +331,30 @@ impl Gpu {
             return Ok(*k);
         }
         let (src, name) = source();
+        let k = self.load(&src, &name, &[name.as_str()])?[0];
+        map.insert(key, k);
+        Ok(k)
+    }
+
+    /// Compiles `src` (through the CUBIN disk cache, under `name`), loads it and returns the
+    /// kernels `names` in order. The module stays loaded for the life of the process.
+    pub fn load(&self, src: &str, name: &str, names: &[&str]) -> Result<Vec<Kernel>> {
         if super::log_kernels() {
             eprintln!("[kiln kernels] {name}:\n{src}");
         }
-        let cubin = super::nvrtc::cubin(&src, &name, self.arch)?;
+        let cubin = super::nvrtc::cubin(src, name, self.arch)?;
         self.bind()?;
         // SAFETY: `cubin` is a complete CUBIN image produced by NVRTC for this device's arch.
         let module = unsafe { dr::module::load_data(cubin.as_ptr() as *const c_void) }.map_err(cuda_err(format!("loading {name}")))?;
-        let cname = CString::new(name.as_str()).map_err(|_| Error::Msg("kernel name has a NUL".into()))?;
-        // SAFETY: the module was just loaded and is never unloaded.
-        let f = unsafe { dr::module::get_function(module, cname) }.map_err(cuda_err(format!("finding {name}")))?;
-        let k = Kernel(f);
-        map.insert(key, k);
-        Ok(k)
+        names
+            .iter()
+            .map(|n| {
+                let cname = CString::new(*n).map_err(|_| Error::Msg("kernel name has a NUL".into()))?;
+                // SAFETY: the module was just loaded and is never unloaded.
+                let f = unsafe { dr::module::get_function(module, cname) }.map_err(cuda_err(format!("finding {n}")))?;
+                Ok(Kernel(f))
+            })
+            .collect()
     }
 
     /// A grid-stride launch over `work` items with 256 threads a block.

@@ -146,7 +146,7 @@ fn launch_ew(
 const NO_EXTRA: (f64, u64, u64) = (0.0, 0, 0);
 
 /// Makes a fresh buffer and fills it with `expr` over `ins`.
-fn ew(
+pub(crate) fn ew_with(
     g: &Arc<Gpu>,
     prefix: &str,
     expr: String,
@@ -163,7 +163,7 @@ fn ew(
 /// A dense row-major copy of `s` read through `l`.
 pub fn dense_copy(g: &Arc<Gpu>, s: &CudaStorage, l: &Layout) -> Result<CudaStorage> {
     let meta = OutMeta { shape: l.shape.clone(), dtype: s.dtype };
-    ew(g, "copy", "v0".into(), compute_type(s.dtype), &[(s, l)], &meta, NO_EXTRA)
+    ew_with(g, "copy", "v0".into(), compute_type(s.dtype), &[(s, l)], &meta, NO_EXTRA)
 }
 
 /// `s` through `l` as a dense buffer: the same memory when already dense from offset 0.
@@ -189,7 +189,7 @@ fn dense<'a>(g: &Arc<Gpu>, s: &'a CudaStorage, l: &Layout) -> Result<Dense<'a>> 
 
 fn cast(g: &Arc<Gpu>, s: &CudaStorage, l: &Layout, to: DType) -> Result<CudaStorage> {
     let meta = OutMeta { shape: l.shape.clone(), dtype: to };
-    ew(g, "cast", "v0".into(), compute_type(s.dtype), &[(s, l)], &meta, NO_EXTRA)
+    ew_with(g, "cast", "v0".into(), compute_type(s.dtype), &[(s, l)], &meta, NO_EXTRA)
 }
 
 /// Runs an op that makes a new tensor on `device`.
@@ -216,7 +216,7 @@ pub fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, devic
         | Op::Where
         | Op::Cast(_) => {
             let (prefix, expr, compute) = elementwise_expr(op, &dtypes).ok_or_else(|| Error::Msg(format!("{}: no kernel", op.name())))?;
-            ew(&g, prefix, expr, compute, &x, meta, extra)?
+            ew_with(&g, prefix, expr, compute, &x, meta, extra)?
         }
         Op::Reduce { op: r, dims, .. } => reduce(&g, *r, x[0], dims, meta)?,
         Op::Softmax { log, scale, causal } => softmax(&g, x[0], (*log, *scale, *causal))?,

@@ -12,6 +12,8 @@
 mod blas;
 pub mod codegen;
 #[cfg(feature = "cuda")]
+pub mod compiled;
+#[cfg(feature = "cuda")]
 mod gpu;
 #[cfg(feature = "cuda")]
 pub(crate) mod kernels;

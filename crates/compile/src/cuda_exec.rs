@@ -1,0 +1,176 @@
+//! The GPU side of a compiled program: every fusion group becomes one generated CUDA kernel
+//! (all of a graph's kernels in one NVRTC module), random draws read the generator's seed and
+//! offset from a device buffer, and with `capture` (`Mode::ReduceOverhead`) the whole step
+//! is captured once into a CUDA graph and replayed.
+//!
+//! The captured graph owns a private memory pool (every intermediate of the step lives there,
+//! at the addresses baked into the graph), static input buffers that each call copies the
+//! caller's inputs into, and its output buffers, which each call copies into fresh tensors
+//! for the caller: a later replay never changes what the caller holds.
+
+use crate::exec::Program;
+use crate::fusion::{identity, Group, Plan};
+use crate::graph::{Graph, Kind, NodeId};
+use kiln_tensor::cuda::codegen::{FusedInput, FusedKernel, FusedMember, FusedSrc};
+use kiln_tensor::cuda::compiled::{self as cc, CudaGraph, FusedModule, Pool};
+use kiln_tensor::op::OutMeta;
+use kiln_tensor::rng::GeneratorState;
+use kiln_tensor::storage::StorageCell;
+use kiln_tensor::{DType, Device, Distribution, Error, Op, Result, Tensor};
+use std::cell::RefCell;
+use std::sync::Arc;
+
+/// A captured step. Field order is drop order: the graph goes before the buffers it uses.
+struct Captured {
+    graph: CudaGraph,
+    inputs: Vec<Arc<StorageCell>>,
+    outputs: Vec<Tensor>,
+    _pool: Arc<Pool>,
+}
+
+pub struct GpuParts {
+    module: FusedModule,
+    /// Group index to kernel index in `module` (groups of one member run as plain nodes).
+    kernel_of: Vec<Option<usize>>,
+    /// `[seed, offset]` of the generator at the start of the step, when the step draws.
+    rng: Option<Arc<StorageCell>>,
+    capture: bool,
+    captured: RefCell<Option<Captured>>,
+}
+
+/// The kernel's name: the group's index and its first ops, so a profile reads back to the IR.
+fn kernel_name(g: &Graph, gr: &Group, k: usize) -> String {
+    let ops: Vec<&str> = gr
+        .members
+        .iter()
+        .filter_map(|&m| match &g.nodes[m].kind {
+            Kind::Op(op, _) => Some(op_short(op)),
+            _ => None,
+        })
+        .take(5)
+        .collect();
+    format!("kiln_group{k}_{}", ops.join("_"))
+}
+
+fn op_short(op: &Op) -> &'static str {
+    match op {
+        Op::Unary(u) => u.name(),
+        Op::Binary(b) | Op::Scalar { op: b, .. } => b.name(),
+        Op::Where => "where",
+        Op::Cast(_) => "cast",
+        _ => "op",
+    }
+}
+
+/// The kernel spec of one fusion group.
+fn fused_spec(g: &Graph, gr: &Group, k: usize) -> Result<FusedKernel> {
+    let n: usize = gr.shape.iter().product();
+    let inputs: Vec<FusedInput> = gr
+        .externals
+        .iter()
+        .map(|a| {
+            let dtype = g.nodes[a.node].dtype;
+            let l = &a.layout;
+            if identity(a, &gr.shape) || (l.is_contiguous() && l.numel() == n && l.shape == gr.shape) {
+                FusedInput { dtype, offset: l.offset, strided: None }
+            } else {
+                FusedInput { dtype, offset: l.offset, strided: Some((gr.shape.clone(), l.broadcast_strides(&gr.shape))) }
+            }
+        })
+        .collect();
+    let pos = |x: NodeId| gr.members.iter().position(|&m| m == x);
+    let mut members = Vec::with_capacity(gr.members.len());
+    for &m in &gr.members {
+        let Kind::Op(op, args) = &g.nodes[m].kind else {
+            return Err(Error::Msg(format!("compile: fused group {k} holds a non-op node %{m}")));
+        };
+        let srcs = args
+            .iter()
+            .map(|a| match pos(a.node) {
+                Some(j) => Ok(FusedSrc::Member(j)),
+                None => gr
+                    .externals
+                    .iter()
+                    .position(|e| e == a)
+                    .map(FusedSrc::Input)
+                    .ok_or_else(|| Error::Msg(format!("compile: group {k} reads %{} from nowhere", a.node))),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        members.push(FusedMember { op: op.clone(), args: srcs, dtype: g.nodes[m].dtype });
+    }
+    let outputs = gr.materialize.iter().map(|&m| pos(m).unwrap_or(usize::MAX)).collect();
+    Ok(FusedKernel { name: kernel_name(g, gr, k), n, inputs, members, outputs })
+}
+
+impl GpuParts {
+    pub fn new(g: &Graph, plan: &Plan, device: Device, capture: bool) -> Result<GpuParts> {
+        let mut specs = Vec::new();
+        let mut kernel_of = vec![None; plan.groups.len()];
+        for (k, gr) in plan.groups.iter().enumerate().filter(|(_, gr)| gr.members.len() > 1) {
+            kernel_of[k] = Some(specs.len());
+            specs.push(fused_spec(g, gr, k)?);
+        }
+        let module = FusedModule::load(device, specs)?;
+        let draws = g.nodes.iter().any(|n| matches!(n.kind, Kind::Rand { .. }));
+        let rng = if draws { Some(cc::alloc_cell(device, DType::I64, 2)?) } else { None };
+        Ok(GpuParts { module, kernel_of, rng, capture, captured: RefCell::new(None) })
+    }
+
+    /// Runs fusion group `gi`: returns the cells of its materialised members.
+    pub fn run_group(&self, p: &Program, gi: usize, cell_of: &dyn Fn(NodeId) -> Result<Arc<StorageCell>>) -> Result<Vec<(NodeId, Arc<StorageCell>)>> {
+        let gr = &p.plan.groups[gi];
+        let k = self.kernel_of[gi].ok_or_else(|| Error::Msg(format!("compile: group {gi} has no kernel")))?;
+        let n: usize = gr.shape.iter().product();
+        let outs: Vec<(NodeId, Arc<StorageCell>)> = gr
+            .materialize
+            .iter()
+            .map(|&m| match gr.inplace.iter().find(|x| x.0 == m) {
+                Some(&(_, slot)) => Ok((m, p.cells[slot].clone())),
+                None => Ok((m, cc::alloc_cell(p.device, p.graph.nodes[m].dtype, n)?)),
+            })
+            .collect::<Result<_>>()?;
+        let ins: Vec<Arc<StorageCell>> = gr.externals.iter().map(|a| cell_of(a.node)).collect::<Result<_>>()?;
+        let out_refs: Vec<&StorageCell> = outs.iter().map(|(_, c)| &**c).collect();
+        let in_refs: Vec<&StorageCell> = ins.iter().map(|c| &**c).collect();
+        self.module.launch(k, &out_refs, &in_refs)?;
+        Ok(outs)
+    }
+
+    /// A `Kind::Rand` node: drawn at the step's generator offset (read on the device) + `offset`.
+    pub fn rand(&self, dist: Distribution, offset: u64, meta: &OutMeta) -> Result<Arc<StorageCell>> {
+        let state = self.rng.as_ref().ok_or_else(|| Error::Msg("compile: a draw without generator state".into()))?;
+        cc::rand_from_state(state, dist, offset, meta)
+    }
+
+    /// One step. With `capture`, the first call runs the step and then captures it; later
+    /// calls copy the inputs in, replay the graph and copy the outputs out.
+    pub fn run(&self, p: &Program, inputs: &[Arc<StorageCell>], gen: GeneratorState) -> Result<Vec<Tensor>> {
+        if let Some(state) = &self.rng {
+            cc::write_i64(state, &[gen.seed as i64, gen.offset as i64])?;
+        }
+        if !self.capture {
+            return p.execute(inputs, gen);
+        }
+        let mut slot = self.captured.borrow_mut();
+        if let Some(c) = slot.as_ref() {
+            for (dst, src) in c.inputs.iter().zip(inputs) {
+                cc::copy_cell(dst, src)?;
+            }
+            cc::launch_graph(&c.graph)?;
+            return c.outputs.iter().map(|t| t.copy()).collect();
+        }
+        // The first run loads every kernel (and cuBLAS) outside the capture.
+        let out = p.execute(inputs, gen)?;
+        let pool = cc::new_pool(p.device)?;
+        let statics: Vec<Arc<StorageCell>> = inputs
+            .iter()
+            .map(|c| {
+                let dtype = c.read().dtype();
+                cc::alloc_cell(p.device, dtype, c.len())
+            })
+            .collect::<Result<_>>()?;
+        let (graph, outputs) = cc::capture(p.device, &pool, || p.execute(&statics, gen))?;
+        *slot = Some(Captured { graph, inputs: statics, outputs, _pool: pool });
+        Ok(out)
+    }
+}

@@ -1,0 +1,166 @@
+//! What the compiler's CUDA back end needs from a GPU: buffers as storage cells, one module
+//! of fused kernels per compiled graph, random draws whose seed and offset live on the
+//! device, raw copies, and graph capture with a private memory pool.
+
+use super::codegen::{fused_module, FusedKernel};
+use super::gpu::{gpu, Gpu, Kernel};
+use super::kernels::CudaStorage;
+use crate::op::{Distribution, OutMeta};
+use crate::shape::Layout;
+use crate::storage::{Storage, StorageCell};
+use crate::{DType, Device, Error, Result};
+use std::ffi::c_void;
+use std::sync::Arc;
+
+pub use super::gpu::Pool;
+pub use cudarc::driver::CudaGraph;
+
+fn ordinal(device: Device) -> Result<usize> {
+    match device {
+        Device::Cuda(n) => Ok(n),
+        Device::Cpu => Err(Error::Msg("compiled CUDA step: a buffer is on the CPU".into())),
+    }
+}
+
+/// `(pointer, dtype, len)` of a CUDA cell. `write` marks the cell as written (its version
+/// moves, so autograd notices tensors saved before the write).
+fn raw(cell: &StorageCell, write: bool) -> Result<(u64, DType, usize)> {
+    let guard = if write {
+        drop(cell.write());
+        cell.read()
+    } else {
+        cell.read()
+    };
+    match &*guard {
+        Storage::Cuda(c) => Ok((c.buf.ptr, c.dtype, c.len)),
+        Storage::Cpu(c) => Err(Error::Msg(format!("compiled CUDA step: a {:?} buffer of {} elements is on the CPU", c.dtype(), c.len()))),
+    }
+}
+
+/// An uninitialised buffer of `len` elements on `device`.
+pub fn alloc_cell(device: Device, dtype: DType, len: usize) -> Result<Arc<StorageCell>> {
+    let g = gpu(ordinal(device)?)?;
+    Ok(Arc::new(StorageCell::new(Storage::Cuda(CudaStorage::alloc(&g, dtype, len)?))))
+}
+
+/// Copies all of `src` into `dst` (same dtype and length) on the stream.
+pub fn copy_cell(dst: &StorageCell, src: &StorageCell) -> Result<()> {
+    let (d, dt, dn) = raw(dst, true)?;
+    let (s, st, sn) = raw(src, false)?;
+    if dt != st || dn != sn {
+        return Err(Error::Msg(format!("compiled CUDA step: cannot copy {sn} x {st:?} into {dn} x {dt:?}")));
+    }
+    let g = gpu_of(dst)?;
+    // SAFETY: both buffers are alive (held by the caller's cells) and hold `dn` elements.
+    unsafe { g.copy_d2d(d, s, dn * dt.size_in_bytes()) }
+}
+
+fn gpu_of(cell: &StorageCell) -> Result<Arc<Gpu>> {
+    match &*cell.read() {
+        Storage::Cuda(c) => Ok(c.gpu().clone()),
+        Storage::Cpu(_) => Err(Error::Msg("compiled CUDA step: a buffer is on the CPU".into())),
+    }
+}
+
+/// Writes `values` into an I64 cell of the same length (staged: no wait).
+pub fn write_i64(cell: &StorageCell, values: &[i64]) -> Result<()> {
+    let (p, dt, n) = raw(cell, true)?;
+    if dt != DType::I64 || n != values.len() {
+        return Err(Error::Msg(format!("write_i64: the cell holds {n} x {dt:?}, not {} x I64", values.len())));
+    }
+    // SAFETY: the cell holds exactly `values.len()` i64 and is kept alive by the caller.
+    unsafe { gpu_of(cell)?.write_at(p, values) }
+}
+
+/// Random numbers of `meta`'s shape whose seed and base offset are read on the device from
+/// `state` (two i64: seed, offset) and shifted by `offset`: a captured graph that draws them
+/// gives fresh numbers on each replay once `state` is rewritten. Element `i` equals
+/// `Op::Rand { seed, offset: state_offset + offset }`'s.
+pub fn rand_from_state(state: &Arc<StorageCell>, dist: Distribution, offset: u64, meta: &OutMeta) -> Result<Arc<StorageCell>> {
+    let guard = state.read();
+    let Storage::Cuda(s) = &*guard else { return Err(Error::Msg("rand_from_state: the state is on the CPU".into())) };
+    if s.dtype != DType::I64 || s.len != 2 {
+        return Err(Error::Msg(format!("rand_from_state: the state must be 2 x I64, not {} x {:?}", s.len, s.dtype)));
+    }
+    let f = match dist {
+        Distribution::Uniform => "k_uniform",
+        Distribution::Normal => "k_normal",
+    };
+    let expr = format!("{f}((unsigned long long)p0[0], (unsigned long long)p0[1] + a.roff, i)");
+    let one = Layout::contiguous(&[1]);
+    let out = super::kernels::ew_with(s.gpu(), "rand_dev", expr, "float", &[(s, &one)], meta, (0.0, 0, offset))?;
+    Ok(Arc::new(StorageCell::new(Storage::Cuda(out))))
+}
+
+/// A compiled graph's fused kernels, loaded as one module.
+pub struct FusedModule {
+    gpu: Arc<Gpu>,
+    specs: Vec<FusedKernel>,
+    kernels: Vec<Kernel>,
+}
+
+impl FusedModule {
+    /// Compiles (or finds in the disk cache) every kernel in one NVRTC call.
+    pub fn load(device: Device, specs: Vec<FusedKernel>) -> Result<FusedModule> {
+        let g = gpu(ordinal(device)?)?;
+        if specs.is_empty() {
+            return Ok(FusedModule { gpu: g, specs, kernels: vec![] });
+        }
+        let src = fused_module(&specs).map_err(|e| Error::Msg(format!("compiled CUDA step: {e}")))?;
+        let names: Vec<&str> = specs.iter().map(|k| k.name.as_str()).collect();
+        let kernels = g.load(&src, "kiln_fused", &names)?;
+        Ok(FusedModule { gpu: g, specs, kernels })
+    }
+
+    /// Launches kernel `k` with its outputs and inputs (the cells its spec was made for).
+    pub fn launch(&self, k: usize, outs: &[&StorageCell], ins: &[&StorageCell]) -> Result<()> {
+        let spec = &self.specs[k];
+        if outs.len() != spec.outputs.len() || ins.len() != spec.inputs.len() {
+            return Err(Error::Msg(format!("{}: given {} outputs and {} inputs", spec.name, outs.len(), ins.len())));
+        }
+        let mut ptrs: Vec<u64> = Vec::with_capacity(outs.len() + ins.len());
+        for (c, &m) in outs.iter().zip(&spec.outputs) {
+            let (p, dt, n) = raw(c, true)?;
+            let want = spec.members[m].dtype;
+            if dt != want || n < spec.n {
+                return Err(Error::Msg(format!("{}: output needs {} x {want:?}, got {n} x {dt:?}", spec.name, spec.n)));
+            }
+            ptrs.push(p);
+        }
+        for (c, x) in ins.iter().zip(&spec.inputs) {
+            let (p, dt, n) = raw(c, false)?;
+            let last = match &x.strided {
+                None => x.offset + spec.n,
+                Some((shape, st)) => x.offset + shape.iter().zip(st).map(|(d, s)| d.saturating_sub(1) * s).sum::<usize>() + 1,
+            };
+            if dt != x.dtype || (spec.n > 0 && n < last) {
+                return Err(Error::Msg(format!("{}: input needs {last} x {:?}, got {n} x {dt:?}", spec.name, x.dtype)));
+            }
+            ptrs.push(p);
+        }
+        if spec.n == 0 {
+            return Ok(());
+        }
+        let mut params: Vec<*mut c_void> = ptrs.iter_mut().map(|p| p as *mut u64 as *mut c_void).collect();
+        // SAFETY: the parameters are the spec's outputs then inputs, in the order of the
+        // generated signature; each buffer was checked above to be big enough for every
+        // index the kernel forms, and the caller's cells keep them alive.
+        unsafe { self.gpu.launch(self.kernels[k], (self.gpu.grid_for(spec.n), 1), 256, 0, &mut params) }
+    }
+}
+
+/// A new private memory pool on `device` for a graph capture.
+pub fn new_pool(device: Device) -> Result<Arc<Pool>> {
+    Ok(gpu(ordinal(device)?)?.new_pool())
+}
+
+/// Captures the work `f` queues on `device` into a CUDA graph (nothing runs); allocations in
+/// `f` come from `pool`, which must outlive the graph.
+pub fn capture<R>(device: Device, pool: &Arc<Pool>, f: impl FnOnce() -> Result<R>) -> Result<(CudaGraph, R)> {
+    gpu(ordinal(device)?)?.capture(pool, f)
+}
+
+/// Replays a captured graph on its GPU's stream.
+pub fn launch_graph(graph: &CudaGraph) -> Result<()> {
+    graph.launch().map_err(|e| Error::Cuda(format!("graph launch: {e}")))
+}

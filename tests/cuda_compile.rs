@@ -1,0 +1,193 @@
+//! Compiled training steps on CUDA against eager CUDA and the CPU: 200 steps of the MLP and
+//! of the GPT (dropout, AdamW, warmup-cosine outside the step, gradient clipping) in every
+//! mode, the caller's returned losses never overwritten by later replays, a smaller last
+//! batch recompiling, and a replayed CUDA graph making no driver allocation. Built only with
+//! `--features cuda`; without a GPU each test fails saying so.
+
+use kiln::compile::{compile, Mode};
+use kiln::models::{mlp, Gpt, GptConfig};
+use kiln::nn::{cross_entropy, Sequential};
+use kiln::optim::{clip_grad_norm, AdamConfig, AdamW, LrScheduler, Optimizer, WarmupCosine};
+use kiln::prelude::*;
+use kiln::tensor::{cuda, Distribution};
+use std::cell::RefCell;
+
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn gpu() -> Device {
+    let d = Device::cuda_if_available(0);
+    assert!(d.is_cuda(), "NO GPU: this CUDA test needs an NVIDIA GPU and driver (run it on the GPU machine)");
+    d
+}
+
+fn batch(step: u64, b: usize, dev: Device) -> (Tensor, Tensor) {
+    let x = Tensor::rand_at(&[b, 20], Distribution::Normal, 100, (step % 8) * 4096, DType::F32, Device::Cpu).unwrap();
+    let y = Tensor::rand_at(&[b], Distribution::Uniform, 200, (step % 8) * 64, DType::F32, Device::Cpu).unwrap();
+    let y = y.mul_scalar(5.0).unwrap().to_dtype(DType::I64).unwrap();
+    (x.to_device(dev).unwrap(), y.to_device(dev).unwrap())
+}
+
+fn mlp_step<'a>(model: &'a Sequential, opt: &'a RefCell<AdamW>) -> impl FnMut(&[Tensor]) -> Result<Vec<Tensor>> + 'a {
+    move |xs: &[Tensor]| {
+        let loss = cross_entropy(&model.forward(&xs[0])?, &xs[1])?;
+        loss.backward()?;
+        let mut opt = opt.borrow_mut();
+        clip_grad_norm(opt.params(), 1.0)?;
+        opt.step()?;
+        opt.zero_grad()?;
+        Ok(vec![loss])
+    }
+}
+
+struct Run {
+    losses: Vec<f32>,
+    params: Vec<Vec<f32>>,
+    /// Driver allocations from step 10 on.
+    allocs: u64,
+}
+
+/// 200 MLP steps; `mode` None is eager. Losses are read only at the end, so a replay that
+/// overwrote a returned tensor would show.
+fn train_mlp(dev: Device, mode: Option<Mode>, steps: u64) -> Run {
+    kiln::tensor::rng::manual_seed(0);
+    let model = mlp(&[20, 32, 5], dev).unwrap();
+    let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr: 1e-2, ..AdamConfig::adamw() }).unwrap());
+    let mut sched = WarmupCosine::new(1e-2, 20, steps as usize, 1e-3).unwrap();
+    sched.apply(&mut *opt.borrow_mut()).unwrap();
+    let mut eager = mlp_step(&model, &opt);
+    let mut step = compile(mode.unwrap_or(Mode::Default), mlp_step(&model, &opt));
+    let (mut losses, mut allocs) = (Vec::new(), 0);
+    for i in 0..steps {
+        if i == 10 {
+            allocs = cuda::driver_allocations();
+        }
+        let (x, y) = batch(i, 16, dev);
+        let out = match mode {
+            Some(_) => step.call(&[&x, &y]).unwrap(),
+            None => eager(&[x, y]).unwrap(),
+        };
+        losses.push(out[0].clone());
+        sched.step(&mut *opt.borrow_mut()).unwrap();
+    }
+    if mode.is_some() {
+        assert_eq!(step.counts(), (steps as usize, steps as usize - 1), "one trace, then replays");
+    }
+    let allocs = cuda::driver_allocations() - allocs;
+    let losses = losses.iter().map(|l| l.item().unwrap() as f32).collect();
+    Run { losses, params: model.parameters().iter().map(|p| p.to_vec::<f32>().unwrap()).collect(), allocs }
+}
+
+fn assert_close(what: &str, a: &[f32], b: &[f32], tol: f32) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs() / (1.0 + y.abs())).fold(0.0f32, f32::max);
+    assert!(worst < tol, "{what}: max relative difference {worst} (tolerance {tol})");
+}
+
+fn assert_runs_agree(what: &str, a: &Run, b: &Run, (lt, pt): (f32, f32)) {
+    assert_close(&format!("{what}: losses"), &a.losses, &b.losses, lt);
+    for (i, (x, y)) in a.params.iter().zip(&b.params).enumerate() {
+        assert_close(&format!("{what}: param {i}"), x, y, pt);
+    }
+}
+
+const MODES: [Mode; 3] = [Mode::Default, Mode::ReduceOverhead, Mode::MaxAutotune];
+
+#[test]
+fn compiled_mlp_on_cuda_matches_eager_cuda_and_the_cpu_in_every_mode() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    let eager = train_mlp(dev, None, 200);
+    let cpu = train_mlp(Device::Cpu, None, 200);
+    assert!(eager.losses[199] < eager.losses[0] * 0.8, "it learned: {} -> {}", eager.losses[0], eager.losses[199]);
+    for mode in MODES {
+        let run = train_mlp(dev, Some(mode), 200);
+        assert_runs_agree(&format!("{mode:?} vs eager CUDA"), &run, &eager, (1e-4, 2e-4));
+        assert_runs_agree(&format!("{mode:?} vs CPU"), &run, &cpu, (1e-3, 2e-3));
+        assert_eq!(run.allocs, 0, "{mode:?}: steps 11..200 asked the driver for memory");
+    }
+}
+
+fn train_gpt(dev: Device, mode: Option<Mode>, steps: u64) -> Run {
+    kiln::tensor::rng::manual_seed(7);
+    let cfg = GptConfig { vocab: 11, context: 8, d_model: 16, n_layer: 2, n_head: 2, dropout: 0.1, tied_head: false };
+    let model = Gpt::new(cfg, dev).unwrap();
+    let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr: 3e-3, betas: (0.9, 0.95), ..AdamConfig::adamw() }).unwrap());
+    let mut sched = WarmupCosine::new(3e-3, 10, steps as usize, 3e-4).unwrap();
+    sched.apply(&mut *opt.borrow_mut()).unwrap();
+    let step_fn = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+        let loss = model.loss(&xs[0], &xs[1])?;
+        loss.backward()?;
+        let mut opt = opt.borrow_mut();
+        clip_grad_norm(opt.params(), 0.5)?;
+        opt.step()?;
+        opt.zero_grad()?;
+        Ok(vec![loss])
+    };
+    let mut step = compile(mode.unwrap_or(Mode::Default), step_fn);
+    let mut losses = Vec::new();
+    for i in 0..steps {
+        let tok = |s: u64| {
+            let t = Tensor::rand_at(&[4, 8], Distribution::Uniform, s, i * 32, DType::F32, Device::Cpu).unwrap();
+            t.mul_scalar(11.0).unwrap().to_dtype(DType::I64).unwrap().to_device(dev).unwrap()
+        };
+        let (x, y) = (tok(1), tok(2));
+        let out = match mode {
+            Some(_) => step.call(&[&x, &y]).unwrap(),
+            None => step_fn_eager(&model, &opt, &x, &y),
+        };
+        losses.push(out[0].clone());
+        sched.step(&mut *opt.borrow_mut()).unwrap();
+    }
+    let losses = losses.iter().map(|l| l.item().unwrap() as f32).collect();
+    Run { losses, params: model.parameters().iter().map(|p| p.to_vec::<f32>().unwrap()).collect(), allocs: 0 }
+}
+
+fn step_fn_eager(model: &Gpt, opt: &RefCell<AdamW>, x: &Tensor, y: &Tensor) -> Vec<Tensor> {
+    let loss = model.loss(x, y).unwrap();
+    loss.backward().unwrap();
+    let mut opt = opt.borrow_mut();
+    clip_grad_norm(opt.params(), 0.5).unwrap();
+    opt.step().unwrap();
+    opt.zero_grad().unwrap();
+    vec![loss]
+}
+
+#[test]
+fn compiled_gpt_with_dropout_on_cuda_matches_eager_cuda_and_the_cpu_in_every_mode() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    let eager = train_gpt(dev, None, 200);
+    let cpu = train_gpt(Device::Cpu, None, 200);
+    for mode in MODES {
+        let run = train_gpt(dev, Some(mode), 200);
+        assert_runs_agree(&format!("{mode:?} vs eager CUDA"), &run, &eager, (5e-4, 1e-3));
+        assert_runs_agree(&format!("{mode:?} vs CPU"), &run, &cpu, (2e-3, 5e-3));
+    }
+}
+
+#[test]
+fn a_smaller_last_batch_recompiles_on_cuda_and_stays_correct() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    let run = |mode: Option<Mode>| -> Vec<f32> {
+        kiln::tensor::rng::manual_seed(3);
+        let model = mlp(&[20, 32, 5], dev).unwrap();
+        let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig::adamw()).unwrap());
+        let mut eager = mlp_step(&model, &opt);
+        let mut step = compile(mode.unwrap_or(Mode::Default), mlp_step(&model, &opt));
+        let mut losses = Vec::new();
+        for i in 0..12 {
+            let (x, y) = batch(i, if i % 4 == 3 { 7 } else { 16 }, dev);
+            let out = if mode.is_some() { step.call(&[&x, &y]).unwrap() } else { eager(&[x, y]).unwrap() };
+            losses.push(out[0].item().unwrap() as f32);
+        }
+        if mode.is_some() {
+            assert_eq!(step.explain().graphs, 2, "both batch sizes stay cached");
+        }
+        losses
+    };
+    let eager = run(None);
+    for mode in [Mode::Default, Mode::ReduceOverhead] {
+        assert_close(&format!("{mode:?}"), &run(Some(mode)), &eager, 1e-4);
+    }
+}
