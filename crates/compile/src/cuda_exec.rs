@@ -9,9 +9,9 @@
 //! for the caller: a later replay never changes what the caller holds.
 
 use crate::exec::Program;
-use crate::fusion::{identity, Group, Plan};
+use crate::fusion::{identity, Group, Plan, Step};
 use crate::graph::{Graph, Kind, NodeId};
-use kiln_tensor::cuda::codegen::{FusedInput, FusedKernel, FusedMember, FusedSrc};
+use kiln_tensor::cuda::codegen::{FusedGroup, FusedInput, FusedKernel, FusedMember, FusedSrc};
 use kiln_tensor::cuda::compiled::{self as cc, CudaGraph, FusedModule, Pool};
 use kiln_tensor::op::OutMeta;
 use kiln_tensor::rng::GeneratorState;
@@ -30,7 +30,8 @@ struct Captured {
 
 pub struct GpuParts {
     module: FusedModule,
-    /// Group index to kernel index in `module` (groups of one member run as plain nodes).
+    /// Kernel index in `module` by the first group it runs (groups of one member run as
+    /// plain nodes).
     kernel_of: Vec<Option<usize>>,
     /// `[seed, offset]` of the generator at the start of the step, when the step draws.
     rng: Option<Arc<StorageCell>>,
@@ -38,9 +39,10 @@ pub struct GpuParts {
     captured: RefCell<Option<Captured>>,
 }
 
-/// The kernel's name: the group's index and its first ops, so a profile reads back to the IR.
-fn kernel_name(g: &Graph, gr: &Group, k: usize) -> String {
-    let ops: Vec<&str> = gr
+/// The kernel's name: its groups' indices and the first ops, so a profile reads back to the
+/// IR (`KILN_LOG=fusion` lists the groups).
+fn kernel_name(g: &Graph, plan: &Plan, gs: &[usize]) -> String {
+    let ops: Vec<&str> = plan.groups[gs[0]]
         .members
         .iter()
         .filter_map(|&m| match &g.nodes[m].kind {
@@ -49,7 +51,9 @@ fn kernel_name(g: &Graph, gr: &Group, k: usize) -> String {
         })
         .take(5)
         .collect();
-    format!("kiln_group{k}_{}", ops.join("_"))
+    let ids: Vec<String> = gs.iter().take(4).map(|k| k.to_string()).collect();
+    let more = if gs.len() > 4 { format!("_and{}more", gs.len() - 4) } else { String::new() };
+    format!("kiln_group{}{more}_{}", ids.join("_"), ops.join("_"))
 }
 
 fn op_short(op: &Op) -> &'static str {
@@ -63,7 +67,7 @@ fn op_short(op: &Op) -> &'static str {
 }
 
 /// The kernel spec of one fusion group.
-fn fused_spec(g: &Graph, gr: &Group, k: usize) -> Result<FusedKernel> {
+fn fused_group(g: &Graph, gr: &Group, k: usize) -> Result<FusedGroup> {
     let n: usize = gr.shape.iter().product();
     let inputs: Vec<FusedInput> = gr
         .externals
@@ -99,16 +103,18 @@ fn fused_spec(g: &Graph, gr: &Group, k: usize) -> Result<FusedKernel> {
         members.push(FusedMember { op: op.clone(), args: srcs, dtype: g.nodes[m].dtype });
     }
     let outputs = gr.materialize.iter().map(|&m| pos(m).unwrap_or(usize::MAX)).collect();
-    Ok(FusedKernel { name: kernel_name(g, gr, k), n, inputs, members, outputs })
+    Ok(FusedGroup { n, inputs, members, outputs })
 }
 
 impl GpuParts {
     pub fn new(g: &Graph, plan: &Plan, device: Device, capture: bool) -> Result<GpuParts> {
         let mut specs = Vec::new();
         let mut kernel_of = vec![None; plan.groups.len()];
-        for (k, gr) in plan.groups.iter().enumerate().filter(|(_, gr)| gr.members.len() > 1) {
-            kernel_of[k] = Some(specs.len());
-            specs.push(fused_spec(g, gr, k)?);
+        for step in &plan.steps {
+            let Step::Groups(gs) = step else { continue };
+            kernel_of[gs[0]] = Some(specs.len());
+            let groups = gs.iter().map(|&k| fused_group(g, &plan.groups[k], k)).collect::<Result<_>>()?;
+            specs.push(FusedKernel { name: kernel_name(g, plan, gs), groups });
         }
         let module = FusedModule::load(device, specs)?;
         let draws = g.nodes.iter().any(|n| matches!(n.kind, Kind::Rand { .. }));
@@ -116,24 +122,29 @@ impl GpuParts {
         Ok(GpuParts { module, kernel_of, rng, capture, captured: RefCell::new(None) })
     }
 
-    /// Runs fusion group `gi`: returns the cells of its materialised members.
-    pub fn run_group(&self, p: &Program, gi: usize, cell_of: &dyn Fn(NodeId) -> Result<Arc<StorageCell>>) -> Result<Vec<(NodeId, Arc<StorageCell>)>> {
-        let gr = &p.plan.groups[gi];
-        let k = self.kernel_of[gi].ok_or_else(|| Error::Msg(format!("compile: group {gi} has no kernel")))?;
-        let n: usize = gr.shape.iter().product();
-        let outs: Vec<(NodeId, Arc<StorageCell>)> = gr
-            .materialize
-            .iter()
-            .map(|&m| match gr.inplace.iter().find(|x| x.0 == m) {
-                Some(&(_, slot)) => Ok((m, p.cells[slot].clone())),
-                None => Ok((m, cc::alloc_cell(p.device, p.graph.nodes[m].dtype, n)?)),
-            })
-            .collect::<Result<_>>()?;
-        let ins: Vec<Arc<StorageCell>> = gr.externals.iter().map(|a| cell_of(a.node)).collect::<Result<_>>()?;
-        let out_refs: Vec<&StorageCell> = outs.iter().map(|(_, c)| &**c).collect();
-        let in_refs: Vec<&StorageCell> = ins.iter().map(|c| &**c).collect();
+    /// Runs the fusion groups `gs` (one kernel): returns the cells of their materialised members.
+    pub fn run_groups(&self, p: &Program, gs: &[usize], cell_of: &dyn Fn(NodeId) -> Result<Arc<StorageCell>>) -> Result<Vec<(NodeId, Arc<StorageCell>)>> {
+        let k = self.kernel_of[gs[0]].ok_or_else(|| Error::Msg(format!("compile: group {} has no kernel", gs[0])))?;
+        let (mut made, mut outs, mut ins) = (Vec::new(), Vec::new(), Vec::new());
+        for &gi in gs {
+            let gr = &p.plan.groups[gi];
+            let n: usize = gr.shape.iter().product();
+            let o: Vec<(NodeId, Arc<StorageCell>)> = gr
+                .materialize
+                .iter()
+                .map(|&m| match gr.inplace.iter().find(|x| x.0 == m) {
+                    Some(&(_, slot)) => Ok((m, p.cells[slot].clone())),
+                    None => Ok((m, cc::alloc_cell(p.device, p.graph.nodes[m].dtype, n)?)),
+                })
+                .collect::<Result<_>>()?;
+            outs.push(o.iter().map(|(_, c)| c.clone()).collect::<Vec<_>>());
+            ins.push(gr.externals.iter().map(|a| cell_of(a.node)).collect::<Result<Vec<_>>>()?);
+            made.extend(o);
+        }
+        let out_refs: Vec<Vec<&StorageCell>> = outs.iter().map(|v| v.iter().map(|c| &**c).collect()).collect();
+        let in_refs: Vec<Vec<&StorageCell>> = ins.iter().map(|v| v.iter().map(|c| &**c).collect()).collect();
         self.module.launch(k, &out_refs, &in_refs)?;
-        Ok(outs)
+        Ok(made)
     }
 
     /// A `Kind::Rand` node: drawn at the step's generator offset (read on the device) + `offset`.

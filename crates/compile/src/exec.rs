@@ -27,6 +27,14 @@ pub struct Program {
     reads: Vec<Vec<NodeId>>,
     /// State writes, those copying another state buffer first (before that buffer changes).
     pub(crate) writes: Vec<(usize, NodeId)>,
+    /// Nodes that read nothing and always make the same values (`full`, `arange`): made
+    /// once when the program is built, never per step.
+    consts: Vec<Option<Arc<StorageCell>>>,
+}
+
+/// Whether node `i` is a constant: a source op other than a random draw.
+fn is_const(g: &Graph, i: NodeId) -> bool {
+    matches!(&g.nodes[i].kind, Kind::Op(Op::Full { .. } | Op::Arange { .. }, args) if args.is_empty())
 }
 
 /// Locks each distinct cell once and hands out `(storage, layout)` pairs.
@@ -57,8 +65,12 @@ fn new_cell(s: CpuStorage) -> Arc<StorageCell> {
 impl Program {
     /// `capture`: replay the step as one CUDA graph (`Mode::ReduceOverhead`; ignored on the CPU).
     pub fn new(graph: Graph, cells: Vec<Arc<StorageCell>>, fuse: bool, device: Device, capture: bool) -> Result<Program> {
-        let plan =
-            if fuse { fusion::plan(&graph) } else { Plan { steps: (0..graph.nodes.len()).map(Step::Node).collect(), groups: vec![] } };
+        let mut plan =
+            if fuse { fusion::plan(&graph, device.is_cuda()) } else { Plan { steps: (0..graph.nodes.len()).map(Step::Node).collect(), groups: vec![] } };
+        if device.is_cuda() {
+            // One launch for independent groups (each parameter's optimizer update, ...).
+            plan = fusion::batch_groups(&graph, plan);
+        }
         let reads: Vec<Vec<NodeId>> = plan.steps.iter().map(|s| step_reads(&graph, &plan, s)).collect();
         let mut last_use: Vec<usize> = vec![0; graph.nodes.len()];
         for (k, r) in reads.iter().enumerate() {
@@ -82,7 +94,7 @@ impl Program {
             let _ = capture;
             return Err(Error::Device { device, msg: "compile: Kiln was built without the `cuda` feature".into() });
         }
-        Ok(Program {
+        let mut p = Program {
             graph,
             cells,
             plan,
@@ -92,7 +104,13 @@ impl Program {
             last_use,
             reads,
             writes,
-        })
+            consts: vec![],
+        };
+        let gen = GeneratorState { seed: 0, offset: 0 };
+        p.consts = (0..p.graph.nodes.len())
+            .map(|i| if is_const(&p.graph, i) { p.run_node(i, &[], &[], gen).map(Some) } else { Ok(None) })
+            .collect::<Result<_>>()?;
+        Ok(p)
     }
 
     /// Kernels one step launches: plain nodes that compute, plus one per fused group.
@@ -101,8 +119,8 @@ impl Program {
             .steps
             .iter()
             .filter(|s| match s {
-                Step::Group(_) => true,
-                Step::Node(i) => !matches!(self.graph.nodes[*i].kind, Kind::Input(_) | Kind::State(_)),
+                Step::Groups(_) => true,
+                Step::Node(i) => !matches!(self.graph.nodes[*i].kind, Kind::Input(_) | Kind::State(_)) && self.consts[*i].is_none(),
             })
             .count()
     }
@@ -166,14 +184,25 @@ impl Program {
         let mut vals: Vec<Option<Arc<StorageCell>>> = vec![None; n];
         for (k, step) in self.plan.steps.iter().enumerate() {
             match step {
-                Step::Node(i) => vals[*i] = Some(self.run_node(*i, &vals, inputs, gen)?),
-                Step::Group(gi) => {
+                Step::Node(i) => {
+                    vals[*i] = Some(match &self.consts[*i] {
+                        Some(c) => c.clone(),
+                        None => self.run_node(*i, &vals, inputs, gen)?,
+                    })
+                }
+                Step::Groups(gs) => {
                     let cell_of =
                         |x: NodeId| vals[x].clone().ok_or_else(|| Error::Msg(format!("compile: node {x} used before it was computed")));
                     let made = match self.device {
                         #[cfg(feature = "cuda")]
-                        Device::Cuda(_) => self.gpu()?.run_group(self, *gi, &cell_of)?,
-                        _ => fused_exec::run_group(&self.graph, &self.plan.groups[*gi], &self.cells, &cell_of)?,
+                        Device::Cuda(_) => self.gpu()?.run_groups(self, gs, &cell_of)?,
+                        _ => {
+                            let mut made = Vec::new();
+                            for &gi in gs {
+                                made.extend(fused_exec::run_group(&self.graph, &self.plan.groups[gi], &self.cells, &cell_of)?);
+                            }
+                            made
+                        }
                     };
                     for (m, c) in made {
                         vals[m] = Some(c);
@@ -208,7 +237,7 @@ impl Program {
     fn check_finite(&self, step: &Step, vals: &[Option<Arc<StorageCell>>]) -> Result<()> {
         let made: Vec<NodeId> = match step {
             Step::Node(i) => vec![*i],
-            Step::Group(k) => self.plan.groups[*k].materialize.clone(),
+            Step::Groups(gs) => gs.iter().flat_map(|&k| self.plan.groups[k].materialize.clone()).collect(),
         };
         for i in made {
             let node = &self.graph.nodes[i];
@@ -219,7 +248,10 @@ impl Program {
             let (bad, _) = Tensor::from_cell(cell.clone(), Layout::contiguous(&node.shape)).count_nan_inf()?;
             if bad > 0 {
                 let what = match (&node.kind, step) {
-                    (_, Step::Group(k)) => format!("fused group {k} ({} ops)", self.plan.groups[*k].members.len()),
+                    (_, Step::Groups(gs)) => {
+                        let k = gs.iter().find(|&&k| self.plan.groups[k].members.contains(&i)).unwrap_or(&gs[0]);
+                        format!("fused group {k} ({} ops)", self.plan.groups[*k].members.len())
+                    }
                     (Kind::Op(op, _), _) => crate::graph::op_label(op),
                     _ => "a kernel".into(),
                 };
@@ -238,17 +270,21 @@ impl Program {
             .steps
             .iter()
             .map(|s| match s {
+                Step::Node(i) if self.consts[*i].is_some() => 0,
                 Step::Node(i) => match &g.nodes[*i].kind {
                     Kind::Op(_, args) => args.iter().map(arg_bytes).sum::<usize>() + g.node_bytes(*i),
                     Kind::Rand { .. } | Kind::WriteView { .. } => 2 * g.node_bytes(*i),
                     Kind::Input(_) | Kind::State(_) => 0,
                 },
-                Step::Group(k) => {
-                    let gr = &self.plan.groups[*k];
-                    let n: usize = gr.shape.iter().product();
-                    gr.externals.iter().map(|a| n.min(a.layout.numel()) * g.nodes[a.node].dtype.size_in_bytes()).sum::<usize>()
-                        + gr.materialize.iter().map(|&m| g.node_bytes(m)).sum::<usize>()
-                }
+                Step::Groups(gs) => gs
+                    .iter()
+                    .map(|&k| {
+                        let gr = &self.plan.groups[k];
+                        let n: usize = gr.shape.iter().product();
+                        gr.externals.iter().map(|a| n.min(a.layout.numel()) * g.nodes[a.node].dtype.size_in_bytes()).sum::<usize>()
+                            + gr.materialize.iter().map(|&m| g.node_bytes(m)).sum::<usize>()
+                    })
+                    .sum(),
             })
             .sum()
     }
@@ -261,10 +297,13 @@ impl Program {
         for (k, step) in self.plan.steps.iter().enumerate() {
             let made: Vec<NodeId> = match step {
                 Step::Node(i) => vec![*i],
-                Step::Group(g) => {
-                    let gr = &self.plan.groups[*g];
-                    gr.materialize.iter().copied().filter(|m| !gr.inplace.iter().any(|x| x.0 == *m)).collect()
-                }
+                Step::Groups(gs) => gs
+                    .iter()
+                    .flat_map(|&g| {
+                        let gr = &self.plan.groups[g];
+                        gr.materialize.iter().copied().filter(|m| !gr.inplace.iter().any(|x| x.0 == *m)).collect::<Vec<_>>()
+                    })
+                    .collect(),
             };
             live += made.iter().filter(|&&i| computed(i)).map(|&i| self.graph.node_bytes(i)).sum::<usize>();
             peak = peak.max(live);
@@ -282,6 +321,6 @@ impl Program {
 fn step_reads(g: &Graph, plan: &Plan, step: &Step) -> Vec<NodeId> {
     match step {
         Step::Node(i) => g.nodes[*i].args(),
-        Step::Group(k) => plan.groups[*k].externals.iter().map(|a| a.node).collect(),
+        Step::Groups(gs) => gs.iter().flat_map(|&k| plan.groups[k].externals.iter().map(|a| a.node)).collect(),
     }
 }

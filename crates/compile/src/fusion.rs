@@ -28,7 +28,9 @@ pub struct Group {
 #[derive(Debug, Clone)]
 pub enum Step {
     Node(NodeId),
-    Group(usize),
+    /// Fused groups run together: one group, or (on a GPU, `batch_groups`) several
+    /// independent ones launched as one kernel.
+    Groups(Vec<usize>),
 }
 
 #[derive(Debug, Clone, Default)]
@@ -37,10 +39,21 @@ pub struct Plan {
     pub groups: Vec<Group>,
 }
 
-/// The float type a pointwise node computes in, if it can join a group.
-fn compute_class(g: &Graph, i: NodeId) -> Option<DType> {
+/// The float type a pointwise node computes in, if it can join a group. On a GPU every
+/// member computes in its own type (as the eager kernel would, without rounding f16/bf16
+/// intermediates), so any pointwise op joins except casts to integers (whose saturating
+/// conversion is the eager kernel's).
+fn compute_class(g: &Graph, i: NodeId, gpu: bool) -> Option<DType> {
     let n = &g.nodes[i];
     let Kind::Op(op, args) = &n.kind else { return None };
+    if gpu {
+        let joins = match op {
+            Op::Unary(_) | Op::Binary(_) | Op::Scalar { .. } | Op::Where => true,
+            Op::Cast(to) => to.is_float(),
+            _ => false,
+        };
+        return joins.then_some(DType::F32);
+    }
     let pointwise = match op {
         Op::Unary(_) | Op::Binary(_) | Op::Scalar { .. } | Op::Where => true,
         Op::Cast(to) => matches!(to, DType::F32 | DType::F64),
@@ -63,7 +76,8 @@ pub(crate) fn identity(a: &Arg, shape: &[usize]) -> bool {
     a.layout.offset == 0 && a.layout.shape == shape && a.layout.is_contiguous()
 }
 
-pub fn plan(g: &Graph) -> Plan {
+/// Groups for the CPU back end, or with `gpu` for generated CUDA kernels.
+pub fn plan(g: &Graph, gpu: bool) -> Plan {
     let n = g.nodes.len();
     let mut group_of: Vec<Option<usize>> = vec![None; n];
     let mut groups: Vec<Group> = Vec::new();
@@ -75,7 +89,7 @@ pub fn plan(g: &Graph) -> Plan {
             _ => vec![],
         };
         let all_args = g.nodes[i].args();
-        if let Some(class) = compute_class(g, i) {
+        if let Some(class) = compute_class(g, i, gpu) {
             let shape = &g.nodes[i].shape;
             // Join the latest open group that feeds this node through whole, in-order reads.
             let joinable = |k: usize| {
@@ -195,9 +209,51 @@ fn finish(g: &Graph, mut groups: Vec<Group>, mut group_of: Vec<Option<usize>>) -
     for (i, g) in group_of.iter().enumerate() {
         match *g {
             None => steps.push(Step::Node(i)),
-            Some(k) if groups[k].members.last() == Some(&i) => steps.push(Step::Group(k)),
+            Some(k) if groups[k].members.last() == Some(&i) => steps.push(Step::Groups(vec![k])),
             Some(_) => {}
         }
     }
     Plan { steps, groups }
+}
+
+/// Horizontal fusion: a run of fused groups separated only by steps that compute nothing
+/// (inputs, state) becomes one step when no group in it reads what an earlier one makes, and
+/// none writes in place a state buffer that an earlier one reads (in one kernel they run at
+/// the same time). The optimizer's per-parameter updates become one launch this way.
+pub fn batch_groups(g: &Graph, plan: Plan) -> Plan {
+    let state_node = |slot: usize| g.nodes.iter().position(|n| n.kind == Kind::State(slot));
+    let mut steps: Vec<Step> = Vec::new();
+    let mut run: Vec<usize> = Vec::new();
+    let (mut made, mut read): (Vec<NodeId>, Vec<NodeId>) = (vec![], vec![]);
+    let flush = |run: &mut Vec<usize>, steps: &mut Vec<Step>, made: &mut Vec<NodeId>, read: &mut Vec<NodeId>| {
+        if !run.is_empty() {
+            steps.push(Step::Groups(std::mem::take(run)));
+        }
+        made.clear();
+        read.clear();
+    };
+    for step in plan.steps {
+        match step {
+            Step::Groups(gs) => {
+                for k in gs {
+                    let gr = &plan.groups[k];
+                    let depends = gr.externals.iter().any(|a| made.contains(&a.node));
+                    let clobbers = gr.inplace.iter().any(|&(_, slot)| state_node(slot).is_some_and(|s| read.contains(&s)));
+                    if depends || clobbers {
+                        flush(&mut run, &mut steps, &mut made, &mut read);
+                    }
+                    run.push(k);
+                    made.extend(&gr.materialize);
+                    read.extend(gr.externals.iter().map(|a| a.node));
+                }
+            }
+            Step::Node(i) if matches!(g.nodes[i].kind, Kind::Input(_) | Kind::State(_)) => steps.push(Step::Node(i)),
+            other => {
+                flush(&mut run, &mut steps, &mut made, &mut read);
+                steps.push(other);
+            }
+        }
+    }
+    flush(&mut run, &mut steps, &mut made, &mut read);
+    Plan { steps, groups: plan.groups }
 }

@@ -140,10 +140,10 @@ fn every_reduction_and_index_kernel_compiles() {
 
 /// A compiled graph's fused kernels: one module whose kernels chain every unary, binary and
 /// scalar op, a comparison feeding a `where`, casts between f32 and f64, and inputs read
-/// contiguously, at an offset, through strides and broadcast.
+/// contiguously, at an offset, through strides and broadcast; one kernel runs two groups.
 #[test]
 fn a_module_of_fused_group_kernels_compiles() {
-    use kiln_tensor::cuda::codegen::{fused_module, FusedInput, FusedKernel, FusedMember, FusedSrc};
+    use kiln_tensor::cuda::codegen::{fused_module, FusedGroup, FusedInput, FusedKernel, FusedMember, FusedSrc};
     need_nvrtc();
     let shape = vec![4usize, 6];
     let inputs = |d: DType| {
@@ -154,7 +154,7 @@ fn a_module_of_fused_group_kernels_compiles() {
             FusedInput { dtype: d, offset: 0, strided: Some((shape.clone(), vec![0, 1])) },
         ]
     };
-    let mut kernels = Vec::new();
+    let mut groups = Vec::new();
     for d in [DType::F32, DType::F64] {
         let mut members: Vec<FusedMember> = Vec::new();
         let last = |m: &Vec<FusedMember>| if m.is_empty() { FusedSrc::Input(0) } else { FusedSrc::Member(m.len() - 1) };
@@ -178,8 +178,12 @@ fn a_module_of_fused_group_kernels_compiles() {
         let a = last(&members);
         members.push(FusedMember { op: Op::Cast(other), args: vec![a], dtype: other });
         let outputs = vec![members.len() - 1, members.len() - 2, 0];
-        kernels.push(FusedKernel { name: format!("kiln_group_{d:?}"), n: 24, inputs: inputs(d), members, outputs });
+        groups.push(FusedGroup { n: 24, inputs: inputs(d), members, outputs });
     }
+    // One kernel per group, and one running both side by side.
+    let mut kernels: Vec<FusedKernel> =
+        groups.iter().enumerate().map(|(k, g)| FusedKernel { name: format!("kiln_group{k}"), groups: vec![g.clone()] }).collect();
+    kernels.push(FusedKernel { name: "kiln_groups_0_1".into(), groups });
     let src = fused_module(&kernels).expect("every member is elementwise");
     let mut fails = Vec::new();
     check(&src, "kiln_fused", &mut fails);

@@ -632,16 +632,35 @@ pub struct FusedMember {
     pub dtype: DType,
 }
 
-/// A compiled graph's fusion group as one kernel: per element, each input is loaded once,
-/// the members run in order in registers, and `outputs` (member, dtype) are stored densely.
-/// Shapes and strides are literals: a compiled graph is specialised to its shapes.
+/// A compiled graph's fusion group: per element, each input is loaded once, the members run
+/// in order in registers, and `outputs` (member indices) are stored densely. Shapes and
+/// strides are literals: a compiled graph is specialised to its shapes.
 #[derive(Debug, Clone, PartialEq)]
-pub struct FusedKernel {
-    pub name: String,
+pub struct FusedGroup {
     pub n: usize,
     pub inputs: Vec<FusedInput>,
     pub members: Vec<FusedMember>,
     pub outputs: Vec<usize>,
+}
+
+/// One kernel running one or more independent groups, each over its own range of blocks
+/// (horizontal fusion: e.g. every parameter's optimizer update in one launch). Parameters
+/// are each group's outputs then inputs, group after group.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FusedKernel {
+    pub name: String,
+    pub groups: Vec<FusedGroup>,
+}
+
+/// Threads per block of fused kernels, and the most blocks one group gets (grid-stride beyond).
+pub const FUSED_BLOCK: usize = 256;
+const FUSED_MAX_BLOCKS: usize = 2048;
+
+impl FusedGroup {
+    /// Blocks this group gets in its kernel's grid.
+    pub fn blocks(&self) -> usize {
+        self.n.div_ceil(FUSED_BLOCK).clamp(1, FUSED_MAX_BLOCKS)
+    }
 }
 
 /// An exact C++ double literal (the bits, so that infinities, NaN and -0.0 survive).
@@ -665,55 +684,79 @@ fn strided_index(offset: usize, shape: &[usize], strides: &[usize]) -> String {
 }
 
 impl FusedKernel {
+    /// Blocks of the whole launch.
+    pub fn blocks(&self) -> usize {
+        self.groups.iter().map(FusedGroup::blocks).sum()
+    }
+
     /// The kernel's source (without the prelude: `fused_module` adds it once per module).
     pub fn source(&self) -> Result<String, String> {
         let mut params: Vec<String> = Vec::new();
-        for (k, &m) in self.outputs.iter().enumerate() {
-            params.push(format!("{}* o{k}", storage_type(self.members[m].dtype)));
-        }
-        for (k, x) in self.inputs.iter().enumerate() {
-            params.push(format!("const {}* p{k}", storage_type(x.dtype)));
+        for (j, gr) in self.groups.iter().enumerate() {
+            for (k, &m) in gr.outputs.iter().enumerate() {
+                let d = gr.members.get(m).ok_or_else(|| format!("{}: output {k} names no member", self.name))?.dtype;
+                params.push(format!("{}* o{j}_{k}", storage_type(d)));
+            }
+            for (k, x) in gr.inputs.iter().enumerate() {
+                params.push(format!("const {}* p{j}_{k}", storage_type(x.dtype)));
+            }
         }
         let mut s = format!("extern \"C\" __global__ void {}({}) {{\n", self.name, params.join(", "));
-        s += &format!(
-            "  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < {}LL; i += (long long)gridDim.x * blockDim.x) {{\n",
-            self.n
-        );
-        for (k, x) in self.inputs.iter().enumerate() {
-            let idx = match &x.strided {
-                None => format!("{} + i", x.offset),
-                Some((shape, strides)) => strided_index(x.offset, shape, strides),
-            };
-            s += &format!("    auto x{k} = ld(p{k}[{idx}]);\n");
+        s += "  long long blk = blockIdx.x;\n";
+        let mut first = 0usize;
+        for (j, gr) in self.groups.iter().enumerate() {
+            let nb = gr.blocks();
+            s += &format!("  if (blk >= {first} && blk < {}) {{\n", first + nb);
+            s += &format!(
+                "  for (long long i = (blk - {first}) * {FUSED_BLOCK}LL + threadIdx.x; i < {}LL; i += {}LL) {{\n",
+                gr.n,
+                nb * FUSED_BLOCK
+            );
+            s += &group_body(gr, j)?;
+            s += "  }\n  }\n";
+            first += nb;
         }
-        let dtype_of = |src: &FusedSrc| match *src {
-            FusedSrc::Input(k) => self.inputs[k].dtype,
-            FusedSrc::Member(m) => self.members[m].dtype,
-        };
-        for (j, m) in self.members.iter().enumerate() {
-            let dtypes: Vec<DType> = m.args.iter().map(dtype_of).collect();
-            let (_, expr, compute) = elementwise_expr(&m.op, &dtypes).ok_or_else(|| format!("{}: not elementwise", m.op.name()))?;
-            let scalar = match &m.op {
-                Op::Scalar { value, .. } => *value,
-                _ => 0.0,
-            };
-            s += &format!("    {} m{j};\n    {{\n      typedef {compute} C;\n", compute_type(m.dtype));
-            s += &format!("      struct {{ double s; }} a = {{ {} }}; (void)a;\n", double_literal(scalar));
-            for (q, src) in m.args.iter().enumerate() {
-                let v = match src {
-                    FusedSrc::Input(k) => format!("x{k}"),
-                    FusedSrc::Member(k) => format!("m{k}"),
-                };
-                s += &format!("      auto v{q} = {v};\n");
-            }
-            s += &format!("      m{j} = {expr};\n    }}\n");
-        }
-        for (k, &m) in self.outputs.iter().enumerate() {
-            s += &format!("    st(&o{k}[i], m{m});\n");
-        }
-        s += "  }\n}\n";
+        s += "}\n";
         Ok(s)
     }
+}
+
+/// The loop body of group `j`: loads, members, stores.
+fn group_body(gr: &FusedGroup, j: usize) -> Result<String, String> {
+    let mut s = String::new();
+    for (k, x) in gr.inputs.iter().enumerate() {
+        let idx = match &x.strided {
+            None => format!("{} + i", x.offset),
+            Some((shape, strides)) => strided_index(x.offset, shape, strides),
+        };
+        s += &format!("    auto x{k} = ld(p{j}_{k}[{idx}]);\n");
+    }
+    let dtype_of = |src: &FusedSrc| match *src {
+        FusedSrc::Input(k) => gr.inputs.get(k).map(|x| x.dtype),
+        FusedSrc::Member(m) => gr.members.get(m).map(|x| x.dtype),
+    };
+    for (q, m) in gr.members.iter().enumerate() {
+        let dtypes: Vec<DType> = m.args.iter().map(|a| dtype_of(a).ok_or_else(|| format!("member {q} reads a missing value"))).collect::<Result<_, _>>()?;
+        let (_, expr, compute) = elementwise_expr(&m.op, &dtypes).ok_or_else(|| format!("{}: not elementwise", m.op.name()))?;
+        let scalar = match &m.op {
+            Op::Scalar { value, .. } => *value,
+            _ => 0.0,
+        };
+        s += &format!("    {} m{q};\n    {{\n      typedef {compute} C;\n", compute_type(m.dtype));
+        s += &format!("      struct {{ double s; }} a = {{ {} }}; (void)a;\n", double_literal(scalar));
+        for (v, src) in m.args.iter().enumerate() {
+            let name = match src {
+                FusedSrc::Input(k) => format!("x{k}"),
+                FusedSrc::Member(k) => format!("m{k}"),
+            };
+            s += &format!("      auto v{v} = {name};\n");
+        }
+        s += &format!("      m{q} = {expr};\n    }}\n");
+    }
+    for (k, &m) in gr.outputs.iter().enumerate() {
+        s += &format!("    st(&o{j}_{k}[i], m{m});\n");
+    }
+    Ok(s)
 }
 
 /// One CUDA module holding every fused kernel of a compiled graph (one NVRTC call).

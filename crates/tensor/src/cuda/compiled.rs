@@ -2,7 +2,7 @@
 //! of fused kernels per compiled graph, random draws whose seed and offset live on the
 //! device, raw copies, and graph capture with a private memory pool.
 
-use super::codegen::{fused_module, FusedKernel};
+use super::codegen::{fused_module, FusedGroup, FusedKernel, FUSED_BLOCK};
 use super::gpu::{gpu, Gpu, Kernel};
 use super::kernels::CudaStorage;
 use crate::op::{Distribution, OutMeta};
@@ -112,41 +112,50 @@ impl FusedModule {
         Ok(FusedModule { gpu: g, specs, kernels })
     }
 
-    /// Launches kernel `k` with its outputs and inputs (the cells its spec was made for).
-    pub fn launch(&self, k: usize, outs: &[&StorageCell], ins: &[&StorageCell]) -> Result<()> {
+    /// Launches kernel `k` with the cells its spec was made for: per group, `outs[j]` and
+    /// `ins[j]` in order.
+    pub fn launch(&self, k: usize, outs: &[Vec<&StorageCell>], ins: &[Vec<&StorageCell>]) -> Result<()> {
         let spec = &self.specs[k];
-        if outs.len() != spec.outputs.len() || ins.len() != spec.inputs.len() {
-            return Err(Error::Msg(format!("{}: given {} outputs and {} inputs", spec.name, outs.len(), ins.len())));
+        if outs.len() != spec.groups.len() || ins.len() != spec.groups.len() {
+            return Err(Error::Msg(format!("{}: given buffers for {} groups, it runs {}", spec.name, outs.len(), spec.groups.len())));
         }
-        let mut ptrs: Vec<u64> = Vec::with_capacity(outs.len() + ins.len());
-        for (c, &m) in outs.iter().zip(&spec.outputs) {
-            let (p, dt, n) = raw(c, true)?;
-            let want = spec.members[m].dtype;
-            if dt != want || n < spec.n {
-                return Err(Error::Msg(format!("{}: output needs {} x {want:?}, got {n} x {dt:?}", spec.name, spec.n)));
-            }
-            ptrs.push(p);
-        }
-        for (c, x) in ins.iter().zip(&spec.inputs) {
-            let (p, dt, n) = raw(c, false)?;
-            let last = match &x.strided {
-                None => x.offset + spec.n,
-                Some((shape, st)) => x.offset + shape.iter().zip(st).map(|(d, s)| d.saturating_sub(1) * s).sum::<usize>() + 1,
-            };
-            if dt != x.dtype || (spec.n > 0 && n < last) {
-                return Err(Error::Msg(format!("{}: input needs {last} x {:?}, got {n} x {dt:?}", spec.name, x.dtype)));
-            }
-            ptrs.push(p);
-        }
-        if spec.n == 0 {
-            return Ok(());
+        let mut ptrs: Vec<u64> = Vec::new();
+        for ((gr, outs), ins) in spec.groups.iter().zip(outs).zip(ins) {
+            group_pointers(&spec.name, gr, outs, ins, &mut ptrs)?;
         }
         let mut params: Vec<*mut c_void> = ptrs.iter_mut().map(|p| p as *mut u64 as *mut c_void).collect();
-        // SAFETY: the parameters are the spec's outputs then inputs, in the order of the
-        // generated signature; each buffer was checked above to be big enough for every
-        // index the kernel forms, and the caller's cells keep them alive.
-        unsafe { self.gpu.launch(self.kernels[k], (self.gpu.grid_for(spec.n), 1), 256, 0, &mut params) }
+        // SAFETY: the parameters are each group's outputs then inputs, in the order of the
+        // generated signature; each buffer was checked to be big enough for every index the
+        // kernel forms, and the caller's cells keep them alive.
+        unsafe { self.gpu.launch(self.kernels[k], (spec.blocks() as u32, 1), FUSED_BLOCK as u32, 0, &mut params) }
     }
+}
+
+/// Checks one group's buffers against its spec and appends their pointers.
+fn group_pointers(name: &str, gr: &FusedGroup, outs: &[&StorageCell], ins: &[&StorageCell], ptrs: &mut Vec<u64>) -> Result<()> {
+    if outs.len() != gr.outputs.len() || ins.len() != gr.inputs.len() {
+        return Err(Error::Msg(format!("{name}: given {} outputs and {} inputs", outs.len(), ins.len())));
+    }
+    for (c, &m) in outs.iter().zip(&gr.outputs) {
+        let (p, dt, n) = raw(c, true)?;
+        let want = gr.members[m].dtype;
+        if dt != want || n < gr.n {
+            return Err(Error::Msg(format!("{name}: output needs {} x {want:?}, got {n} x {dt:?}", gr.n)));
+        }
+        ptrs.push(p);
+    }
+    for (c, x) in ins.iter().zip(&gr.inputs) {
+        let (p, dt, n) = raw(c, false)?;
+        let last = match &x.strided {
+            None => x.offset + gr.n,
+            Some((shape, st)) => x.offset + shape.iter().zip(st).map(|(d, s)| d.saturating_sub(1) * s).sum::<usize>() + 1,
+        };
+        if dt != x.dtype || (gr.n > 0 && n < last) {
+            return Err(Error::Msg(format!("{name}: input needs {last} x {:?}, got {n} x {dt:?}", x.dtype)));
+        }
+        ptrs.push(p);
+    }
+    Ok(())
 }
 
 /// A new private memory pool on `device` for a graph capture.
