@@ -13,6 +13,7 @@ use crate::fusion::{identity, Group, Plan, Step};
 use crate::graph::{Graph, Kind, NodeId};
 use kiln_tensor::cuda::codegen::{FusedGroup, FusedInput, FusedKernel, FusedMember, FusedSrc};
 use kiln_tensor::cuda::compiled::{self as cc, CudaGraph, FusedModule, Pool};
+use kiln_tensor::cuda;
 use kiln_tensor::op::OutMeta;
 use kiln_tensor::rng::GeneratorState;
 use kiln_tensor::storage::StorageCell;
@@ -110,11 +111,17 @@ impl GpuParts {
     pub fn new(g: &Graph, plan: &Plan, device: Device, capture: bool) -> Result<GpuParts> {
         let mut specs = Vec::new();
         let mut kernel_of = vec![None; plan.groups.len()];
+        // Identical groups (the same layer repeated) share one kernel.
+        let mut seen: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
         for step in &plan.steps {
             let Step::Groups(gs) = step else { continue };
-            kernel_of[gs[0]] = Some(specs.len());
-            let groups = gs.iter().map(|&k| fused_group(g, &plan.groups[k], k)).collect::<Result<_>>()?;
-            specs.push(FusedKernel { name: kernel_name(g, plan, gs), groups });
+            let groups: Vec<FusedGroup> = gs.iter().map(|&k| fused_group(g, &plan.groups[k], k)).collect::<Result<_>>()?;
+            let key = format!("{groups:?}");
+            let k = *seen.entry(key).or_insert_with(|| {
+                specs.push(FusedKernel { name: kernel_name(g, plan, gs), groups });
+                specs.len() - 1
+            });
+            kernel_of[gs[0]] = Some(k);
         }
         let module = FusedModule::load(device, specs)?;
         let draws = g.nodes.iter().any(|n| matches!(n.kind, Kind::Rand { .. }));
@@ -143,7 +150,15 @@ impl GpuParts {
         }
         let out_refs: Vec<Vec<&StorageCell>> = outs.iter().map(|v| v.iter().map(|c| &**c).collect()).collect();
         let in_refs: Vec<Vec<&StorageCell>> = ins.iter().map(|v| v.iter().map(|c| &**c).collect()).collect();
-        self.module.launch(k, &out_refs, &in_refs)?;
+        if kiln_tensor::profile::enabled() {
+            cuda::synchronize(p.device)?;
+            let t = std::time::Instant::now();
+            self.module.launch(k, &out_refs, &in_refs)?;
+            cuda::synchronize(p.device)?;
+            kiln_tensor::profile::record(format!("fused {}", self.module.name(k)), t.elapsed().as_secs_f64());
+        } else {
+            self.module.launch(k, &out_refs, &in_refs)?;
+        }
         Ok(made)
     }
 

@@ -48,7 +48,7 @@ fn compute_class(g: &Graph, i: NodeId, gpu: bool) -> Option<DType> {
     let Kind::Op(op, args) = &n.kind else { return None };
     if gpu {
         let joins = match op {
-            Op::Unary(_) | Op::Binary(_) | Op::Scalar { .. } | Op::Where => true,
+            Op::Unary(_) | Op::Binary(_) | Op::Scalar { .. } | Op::Where | Op::Contiguous => true,
             Op::Cast(to) => to.is_float(),
             _ => false,
         };
@@ -140,15 +140,22 @@ pub fn plan(g: &Graph, gpu: bool) -> Plan {
             }
         }
     }
-    finish(g, groups, group_of)
+    finish(g, groups, group_of, gpu)
 }
 
 /// Externals, materialised members, in-place state writes and the step order.
-fn finish(g: &Graph, mut groups: Vec<Group>, mut group_of: Vec<Option<usize>>) -> Plan {
-    // Singletons gain nothing from the group path: they run as plain kernels.
-    for gr in &groups {
-        if gr.members.len() == 1 {
+fn finish(g: &Graph, mut groups: Vec<Group>, mut group_of: Vec<Option<usize>>, gpu: bool) -> Plan {
+    // Singletons gain nothing from the group path: they run as plain kernels. On a GPU one
+    // that reads a strided or broadcast view stays a group: its generated kernel knows the
+    // shapes, so its index arithmetic is by constants.
+    let strided = |m: NodeId| match &g.nodes[m].kind {
+        Kind::Op(_, args) => args.iter().any(|a| !identity(a, &g.nodes[m].shape)),
+        _ => false,
+    };
+    for gr in &mut groups {
+        if gr.members.len() == 1 && !(gpu && strided(gr.members[0])) {
             group_of[gr.members[0]] = None;
+            gr.members.clear();
         }
     }
     let n = g.nodes.len();
@@ -161,7 +168,7 @@ fn finish(g: &Graph, mut groups: Vec<Group>, mut group_of: Vec<Option<usize>>) -
     let exits: Vec<NodeId> = g.outputs.iter().map(|a| a.node).chain(g.writes.iter().map(|w| w.1)).collect();
     let pos = |i: NodeId, group_of: &[Option<usize>], groups: &[Group]| group_of[i].map_or(i, |k| *groups[k].members.last().unwrap_or(&i));
     for k in 0..groups.len() {
-        if groups[k].members.len() < 2 {
+        if groups[k].members.is_empty() {
             continue;
         }
         let members = groups[k].members.clone();

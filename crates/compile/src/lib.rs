@@ -344,8 +344,8 @@ fn contiguous_cell(t: &Tensor) -> Result<std::sync::Arc<kiln_tensor::storage::St
 
 /// The fusion groups, one line each: members, shape, what they store and write in place.
 fn fusion_report(p: &exec::Program) -> String {
-    let mut s = format!("{} groups, {} kernels per step", p.plan.groups.iter().filter(|g| g.members.len() > 1).count(), p.kernels());
-    for (k, gr) in p.plan.groups.iter().enumerate().filter(|(_, g)| g.members.len() > 1) {
+    let mut s = format!("{} groups, {} kernels per step", p.plan.groups.iter().filter(|g| !g.members.is_empty()).count(), p.kernels());
+    for (k, gr) in p.plan.groups.iter().enumerate().filter(|(_, g)| !g.members.is_empty()) {
         let ops: Vec<String> = gr
             .members
             .iter()

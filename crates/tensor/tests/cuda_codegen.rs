@@ -31,7 +31,7 @@ fn check(src: &str, name: &str, failures: &mut Vec<String>) {
 
 fn ew(op: &Op, ins: &[DType], out: DType, contiguous: bool, inplace: bool) -> (String, String) {
     let (prefix, expr, compute) = elementwise_expr(op, ins).expect("an elementwise op");
-    let spec = Elementwise { expr, compute, inputs: ins.to_vec(), out, contiguous: vec![contiguous; ins.len()], inplace, vec4: contiguous };
+    let spec = Elementwise { expr, compute, inputs: ins.to_vec(), out, contiguous: vec![contiguous; ins.len()], inplace, vec4: contiguous, narrow: !inplace };
     spec.source(prefix)
 }
 
@@ -103,9 +103,9 @@ fn every_reduction_and_index_kernel_compiles() {
     for &d in &ALL {
         for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min, ReduceOp::ArgMax, ReduceOp::ArgMin] {
             let out = if matches!(op, ReduceOp::ArgMax | ReduceOp::ArgMin) { DType::I64 } else { d };
-            for inner_contiguous in [true, false] {
+            for one_dim in [true, false] {
                 for mode in [ReduceMode::Warp, ReduceMode::Block, ReduceMode::Column] {
-                    let (s, n) = Reduce { op, input: d, out, inner_contiguous, mode }.source();
+                    let (s, n) = Reduce { op, input: d, out, one_dim, mode }.source();
                     check(&s, &n, &mut fails);
                 }
             }

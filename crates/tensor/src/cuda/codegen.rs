@@ -172,6 +172,9 @@ pub struct Elementwise {
     /// Four elements per thread with aligned vector loads (every operand contiguous, offsets
     /// multiples of four).
     pub vec4: bool,
+    /// Fewer than 2^32 elements: strided coordinates use 32-bit division (64-bit division
+    /// costs several times more, and it is the price of every strided element).
+    pub narrow: bool,
 }
 
 impl Elementwise {
@@ -226,10 +229,15 @@ impl Elementwise {
             for &k in &slots {
                 b += &format!("    long long q{k} = a.off[{k}];\n");
             }
-            b += "    long long r = i;\n    for (int d = a.rank - 1; d >= 0; --d) {\n";
-            b += "      long long c = r % a.shape[d]; r /= a.shape[d];\n";
+            if self.narrow {
+                b += "    unsigned r = (unsigned)i;\n    for (int d = a.rank - 1; d >= 0; --d) {\n";
+                b += "      unsigned sd = (unsigned)a.shape[d], c = r % sd; r /= sd;\n";
+            } else {
+                b += "    long long r = i;\n    for (int d = a.rank - 1; d >= 0; --d) {\n";
+                b += "      long long c = r % a.shape[d]; r /= a.shape[d];\n";
+            }
             for &k in &slots {
-                b += &format!("      q{k} += c * a.st[{k}][d];\n");
+                b += &format!("      q{k} += (long long)c * a.st[{k}][d];\n");
             }
             b += "    }\n";
         }
@@ -318,14 +326,15 @@ pub enum ReduceMode {
 }
 
 /// A reduction: `out[row] = fold(in[row, j] for j < red)` (or, split into chunks, one partial
-/// per (row, chunk) that a second pass folds). `inner_contiguous`: the reduced elements of a
-/// row sit at `base + j` (else the reduced coordinates walk strides).
+/// per (row, chunk) that a second pass folds). `one_dim`: the reduced elements of a row sit at
+/// `base + j * stride` (else the reduced coordinates walk strides).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Reduce {
     pub op: ReduceOp,
     pub input: DType,
     pub out: DType,
-    pub inner_contiguous: bool,
+    /// The reduced dims coalesce to one (of stride `rst[0]`): no index decomposition.
+    pub one_dim: bool,
     pub mode: ReduceMode,
 }
 
@@ -384,9 +393,10 @@ impl Reduce {
         s += "  for (int d = a.krank - 1; d >= 0; --d) { base += (r % a.kshape[d]) * a.kst[d]; r /= a.kshape[d]; }\n";
         s += "  C av = K(0); long long ai = -1;\n";
         s += "  long long j1 = min(a.red, (chunk + 1) * a.chunk_len);\n";
-        s += "  for (long long j = chunk * a.chunk_len + lane; j < j1; j += tpr) {\n";
-        if self.inner_contiguous {
-            s += "    long long q = base + j;\n";
+        // Four loads in flight per thread: a column walk is otherwise bound by load latency.
+        s += "#pragma unroll 4\n  for (long long j = chunk * a.chunk_len + lane; j < j1; j += tpr) {\n";
+        if self.one_dim {
+            s += "    long long q = base + j * a.rst[0];\n";
         } else {
             s += "    long long q = base, t = j;\n";
             s += "    for (int d = a.rrank - 1; d >= 0; --d) { q += (t % a.rshape[d]) * a.rst[d]; t /= a.rshape[d]; }\n";

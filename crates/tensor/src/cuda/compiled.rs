@@ -100,16 +100,39 @@ pub struct FusedModule {
 }
 
 impl FusedModule {
-    /// Compiles (or finds in the disk cache) every kernel in one NVRTC call.
+    /// Compiles (or finds in the disk cache) every kernel: NVRTC runs on up to eight threads,
+    /// each compiling one module of a share of the kernels.
     pub fn load(device: Device, specs: Vec<FusedKernel>) -> Result<FusedModule> {
         let g = gpu(ordinal(device)?)?;
-        if specs.is_empty() {
-            return Ok(FusedModule { gpu: g, specs, kernels: vec![] });
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 8);
+        let chunk = specs.len().div_ceil(threads).max(8);
+        let cubins: Vec<Result<Vec<u8>>> = std::thread::scope(|scope| {
+            let jobs: Vec<_> = specs
+                .chunks(chunk)
+                .map(|part| {
+                    let arch = g.arch;
+                    scope.spawn(move || {
+                        let src = fused_module(part).map_err(|e| Error::Msg(format!("compiled CUDA step: {e}")))?;
+                        if super::log_kernels() {
+                            eprintln!("[kiln kernels] fused groups:\n{src}");
+                        }
+                        super::nvrtc::cubin(&src, "kiln_fused", arch)
+                    })
+                })
+                .collect();
+            jobs.into_iter().map(|j| j.join().unwrap_or_else(|_| Err(Error::Msg("NVRTC thread panicked".into())))).collect()
+        });
+        let mut kernels = Vec::with_capacity(specs.len());
+        for (part, cubin) in specs.chunks(chunk).zip(cubins) {
+            let names: Vec<&str> = part.iter().map(|k| k.name.as_str()).collect();
+            kernels.extend(g.load_cubin(&cubin?, "kiln_fused", &names)?);
         }
-        let src = fused_module(&specs).map_err(|e| Error::Msg(format!("compiled CUDA step: {e}")))?;
-        let names: Vec<&str> = specs.iter().map(|k| k.name.as_str()).collect();
-        let kernels = g.load(&src, "kiln_fused", &names)?;
         Ok(FusedModule { gpu: g, specs, kernels })
+    }
+
+    /// The name of kernel `k` (for profiles).
+    pub fn name(&self, k: usize) -> &str {
+        &self.specs[k].name
     }
 
     /// Launches kernel `k` with the cells its spec was made for: per group, `outs[j]` and

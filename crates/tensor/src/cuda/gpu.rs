@@ -343,6 +343,11 @@ impl Gpu {
             eprintln!("[kiln kernels] {name}:\n{src}");
         }
         let cubin = super::nvrtc::cubin(src, name, self.arch)?;
+        self.load_cubin(&cubin, name, names)
+    }
+
+    /// Loads a CUBIN made by NVRTC for this GPU and returns the kernels `names` in order.
+    pub fn load_cubin(&self, cubin: &[u8], name: &str, names: &[&str]) -> Result<Vec<Kernel>> {
         self.bind()?;
         // SAFETY: `cubin` is a complete CUBIN image produced by NVRTC for this device's arch.
         let module = unsafe { dr::module::load_data(cubin.as_ptr() as *const c_void) }.map_err(cuda_err(format!("loading {name}")))?;

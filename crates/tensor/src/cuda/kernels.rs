@@ -120,7 +120,9 @@ fn launch_ew(
     }
     let offsets: Vec<usize> = ins.iter().map(|(_, l)| l.offset).collect();
     let vec4 = contiguous.iter().all(|&c| c) && offsets.iter().all(|o| o % 4 == 0) && n >= 4;
-    let spec = Elementwise { expr, compute, inputs: ins.iter().map(|(s, _)| s.dtype).collect(), out: out.dtype, contiguous, inplace, vec4 };
+    let narrow = n <= u32::MAX as usize;
+    let spec =
+        Elementwise { expr, compute, inputs: ins.iter().map(|(s, _)| s.dtype).collect(), out: out.dtype, contiguous, inplace, vec4, narrow };
     let k = g.kernel(super::spec_key(prefix, &spec), || spec.source(prefix))?;
     let mut a = Args { n: n as i64, rank: cs.len() as i32, s: extra.0, seed: extra.1, roff: extra.2, ..Args::default() };
     for (d, &x) in cs.iter().enumerate() {
@@ -315,8 +317,9 @@ fn reduce_into(g: &Arc<Gpu>, op: ReduceOp, s: &CudaStorage, l: &Layout, dims: &[
     let inner_contiguous = rs.is_empty() || (rs.len() == 1 && rst[0][0] == 1);
     let threads_wanted = g.sms as usize * 2048;
     let (mode, chunks) = if split && !is_arg && !inner_contiguous && kst[0].last() == Some(&1) && rows >= 32 {
-        // Each thread folds at least 64 elements of its column before the partials pass.
-        (ReduceMode::Column, (threads_wanted / rows).clamp(1, red.div_ceil(64).max(1)))
+        // Each thread folds at least 32 elements of its column (four loads in flight at a
+        // time) before the partials pass.
+        (ReduceMode::Column, (threads_wanted / rows).clamp(1, red.div_ceil(32).max(1)))
     } else if red > 1024 {
         let pieces =
             if !split || is_arg || rows >= g.sms as usize * 2 { 1 } else { (g.sms as usize * 4 / rows).clamp(1, red.div_ceil(4096)) };
@@ -326,7 +329,7 @@ fn reduce_into(g: &Arc<Gpu>, op: ReduceOp, s: &CudaStorage, l: &Layout, dims: &[
     };
     let partial = if chunks > 1 { Some(CudaStorage::alloc(g, accumulator(s.dtype), rows * chunks)?) } else { None };
     let dst = partial.as_ref().unwrap_or(out);
-    let spec = Reduce { op, input: s.dtype, out: dst.dtype, inner_contiguous, mode };
+    let spec = Reduce { op, input: s.dtype, out: dst.dtype, one_dim: rs.len() <= 1, mode };
     let k = g.kernel(super::spec_key("reduce", &spec), || spec.source())?;
     let chunk_len = red.div_ceil(chunks).max(1);
     let mut a = RArgs {
@@ -342,6 +345,7 @@ fn reduce_into(g: &Arc<Gpu>, op: ReduceOp, s: &CudaStorage, l: &Layout, dims: &[
     for (d, (&x, &y)) in ks.iter().zip(&kst[0]).enumerate() {
         (a.kshape[d], a.kst[d]) = (x as i64, y as i64);
     }
+    a.rst[0] = 1;
     for (d, (&x, &y)) in rs.iter().zip(&rst[0]).enumerate() {
         (a.rshape[d], a.rst[d]) = (x as i64, y as i64);
     }
