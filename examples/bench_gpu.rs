@@ -7,7 +7,8 @@
 //!       [--modes eager,default,reduce-overhead,max-autotune]
 //!
 //! Each compiled mode compiles the same step (`kiln::compile`); its first call is reported
-//! as `compile_s` (trace, passes, NVRTC; `KILN_EXPLAIN=1` prints each step's `explain()`).
+//! as `compile_s` (trace, passes, NVRTC; `KILN_EXPLAIN=1` prints each step's `explain()`, with
+//! the kernel times of one profiled step).
 //!
 //! Timing: warm-up steps, then each step is timed on the host with the device synchronised
 //! before and after (so it is the step's full latency), and the median is reported.
@@ -70,6 +71,7 @@ fn timed(dev: Device, mode: Option<Mode>, (warmup, steps): (usize, usize), xs: &
     let compile_s = t.elapsed().as_secs_f64();
     let ms = median_ms(dev, warmup, steps, || step.call(&refs).map(drop))?;
     if std::env::var("KILN_EXPLAIN").is_ok() {
+        step.call_profiled(&refs)?;
         eprintln!("{}", step.explain());
     }
     Ok(Timing { ms, compile_s: Some(compile_s) })

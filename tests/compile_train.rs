@@ -213,3 +213,22 @@ fn check_mode_compares_compiled_with_eager() -> Result<()> {
     assert!(drifting.check_report().1 >= 1.0, "{:?}", drifting.check_report());
     Ok(())
 }
+
+#[test]
+fn a_profiled_step_lists_its_kernels_in_explain_and_still_trains() -> Result<()> {
+    kiln::tensor::rng::manual_seed(6);
+    let model = mlp(&[20, 8, 5], Device::Cpu)?;
+    let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig::adamw())?);
+    let mut step = compile(Mode::Default, mlp_step(&model, &opt));
+    let (x, y) = data(0, 16, 20, 5);
+    let first = step.call(&[&x, &y])?[0].item()?;
+    assert!(step.explain().kernel_times.is_none(), "nothing profiled yet");
+    let before = model.parameters()[0].to_vec::<f32>()?;
+    let second = step.call_profiled(&[&x, &y])?[0].item()?;
+    assert!(second < first, "the profiled step is a real step: {first} -> {second}");
+    assert_ne!(before, model.parameters()[0].to_vec::<f32>()?, "and it updated the parameters");
+    let table = step.explain().kernel_times.expect("a kernel table");
+    assert!(table.contains("matmul") && table.contains("fused groups"), "{table}");
+    assert!(step.explain().to_string().contains("kernels of the last profiled step"));
+    Ok(())
+}

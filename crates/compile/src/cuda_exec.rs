@@ -9,7 +9,7 @@
 //! for the caller: a later replay never changes what the caller holds.
 
 use crate::exec::Program;
-use crate::fusion::{identity, Group, Plan, Step};
+use crate::fusion::{Group, Plan, Step};
 use crate::graph::{Graph, Kind, NodeId};
 use kiln_tensor::cuda::codegen::{FusedGroup, FusedInput, FusedKernel, FusedMember, FusedSrc};
 use kiln_tensor::cuda::compiled::{self as cc, CudaGraph, FusedModule, Pool};
@@ -76,11 +76,16 @@ fn fused_group(g: &Graph, gr: &Group, k: usize) -> Result<FusedGroup> {
         .map(|a| {
             let dtype = g.nodes[a.node].dtype;
             let l = &a.layout;
-            if identity(a, &gr.shape) || (l.is_contiguous() && l.numel() == n && l.shape == gr.shape) {
-                FusedInput { dtype, offset: l.offset, strided: None }
+            let strided = if l.is_contiguous() && l.numel() == n {
+                None
+            } else if l.numel() == n && l.shape != gr.shape {
+                // A copy into a new shape (a reshape the strides could not express): element
+                // i is the i-th of the source in its own row-major order.
+                Some((l.shape.clone(), l.strides.clone()))
             } else {
-                FusedInput { dtype, offset: l.offset, strided: Some((gr.shape.clone(), l.broadcast_strides(&gr.shape))) }
-            }
+                Some((gr.shape.clone(), l.broadcast_strides(&gr.shape)))
+            };
+            FusedInput { dtype, offset: l.offset, strided }
         })
         .collect();
     let pos = |x: NodeId| gr.members.iter().position(|&m| m == x);
@@ -174,7 +179,8 @@ impl GpuParts {
         if let Some(state) = &self.rng {
             cc::write_i64(state, &[gen.seed as i64, gen.offset as i64])?;
         }
-        if !self.capture {
+        // Timing each kernel needs them launched one by one, not replayed as a graph.
+        if !self.capture || kiln_tensor::profile::enabled() {
             return p.execute(inputs, gen);
         }
         let mut slot = self.captured.borrow_mut();

@@ -183,6 +183,8 @@ impl Program {
         let n = self.graph.nodes.len();
         let mut vals: Vec<Option<Arc<StorageCell>>> = vec![None; n];
         for (k, step) in self.plan.steps.iter().enumerate() {
+            // On a GPU the kernels time themselves (`profile`); on the CPU, time each step here.
+            let timer = (self.device == Device::Cpu && kiln_tensor::profile::enabled()).then(std::time::Instant::now);
             match step {
                 Step::Node(i) => {
                     vals[*i] = Some(match &self.consts[*i] {
@@ -209,6 +211,9 @@ impl Program {
                     }
                 }
             }
+            if let Some(t) = timer {
+                kiln_tensor::profile::record(self.step_label(step), t.elapsed().as_secs_f64());
+            }
             if kiln_tensor::is_anomaly_detection() {
                 self.check_finite(step, &vals)?;
             }
@@ -231,6 +236,19 @@ impl Program {
             Tensor::from_cell(dst.clone(), layout).apply_inplace(Op::Assign, Some(&src))?;
         }
         Ok(outputs)
+    }
+
+    /// A step's name in profiles: the op, or the fused groups it runs.
+    fn step_label(&self, step: &Step) -> String {
+        match step {
+            Step::Node(i) => match &self.graph.nodes[*i].kind {
+                Kind::Op(op, _) => format!("{} {:?}", crate::graph::op_label(op), self.graph.nodes[*i].shape),
+                Kind::Rand { .. } => "rand".into(),
+                Kind::WriteView { .. } => "write_view".into(),
+                Kind::Input(_) | Kind::State(_) => "input/state".into(),
+            },
+            Step::Groups(gs) => format!("fused groups {gs:?}"),
+        }
     }
 
     /// Anomaly mode: the first kernel that makes NaN or infinity is an error naming its ops.

@@ -72,7 +72,7 @@ fn compute_class(g: &Graph, i: NodeId, gpu: bool) -> Option<DType> {
     (pointwise && others_ok && same).then_some(class)
 }
 
-pub(crate) fn identity(a: &Arg, shape: &[usize]) -> bool {
+fn identity(a: &Arg, shape: &[usize]) -> bool {
     a.layout.offset == 0 && a.layout.shape == shape && a.layout.is_contiguous()
 }
 

@@ -101,6 +101,8 @@ pub struct Compiled<F> {
     /// Check mode: steps compared and the largest difference seen.
     checked: usize,
     worst: f64,
+    /// The kernel table of the last `call_profiled`.
+    kernel_times: Option<String>,
 }
 
 /// `compile_with` with default options and the given mode.
@@ -115,7 +117,7 @@ pub fn compile_with<F>(opts: CompileOptions, f: F) -> Compiled<F>
 where
     F: FnMut(&[Tensor]) -> Result<Vec<Tensor>>,
 {
-    Compiled { f, opts, cache: Vec::new(), calls: 0, replays: 0, warned: false, checked: 0, worst: 0.0 }
+    Compiled { f, opts, cache: Vec::new(), calls: 0, replays: 0, warned: false, checked: 0, worst: 0.0, kernel_times: None }
 }
 
 /// A summary of what a compiled step does.
@@ -131,6 +133,9 @@ pub struct Explain {
     pub planned_peak_bytes: usize,
     pub bytes_moved: usize,
     pub compile_time: Duration,
+    /// Per kernel (plain op kinds and fused kernels by name) of the last `call_profiled`:
+    /// device time of each, synchronised one by one (see `kiln_tensor::profile`).
+    pub kernel_times: Option<String>,
 }
 
 impl std::fmt::Display for Explain {
@@ -144,7 +149,11 @@ impl std::fmt::Display for Explain {
         writeln!(f, "state buffers: {}", self.state_buffers)?;
         writeln!(f, "planned peak of intermediates: {:.2} MiB", self.planned_peak_bytes as f64 / (1 << 20) as f64)?;
         writeln!(f, "bytes moved per step: {:.2} MiB", self.bytes_moved as f64 / (1 << 20) as f64)?;
-        write!(f, "compile time: {:.1} ms", self.compile_time.as_secs_f64() * 1e3)
+        write!(f, "compile time: {:.1} ms", self.compile_time.as_secs_f64() * 1e3)?;
+        if let Some(t) = &self.kernel_times {
+            write!(f, "\nkernels of the last profiled step:\n{t}")?;
+        }
+        Ok(())
     }
 }
 
@@ -218,6 +227,19 @@ where
         Ok(eager)
     }
 
+    /// Runs one step (it trains, like `call`) with every kernel launched on its own and
+    /// timed on the device; `explain()` then lists the kernels with their times. On a GPU a
+    /// captured graph is not replayed for this step.
+    pub fn call_profiled(&mut self, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        kiln_tensor::profile::reset();
+        kiln_tensor::profile::set_enabled(true);
+        let out = self.call(inputs);
+        kiln_tensor::profile::set_enabled(false);
+        self.kernel_times = Some(kiln_tensor::profile::report());
+        kiln_tensor::profile::reset();
+        out
+    }
+
     /// Check mode's result so far: steps compared and the largest absolute difference.
     pub fn check_report(&self) -> (usize, f64) {
         (self.checked, self.worst)
@@ -281,7 +303,8 @@ where
 
     /// How many graphs were compiled, graph breaks, kernels, memory and bytes moved.
     pub fn explain(&self) -> Explain {
-        let mut e = Explain { recompiles: self.cache.len().saturating_sub(1), ..Default::default() };
+        let mut e =
+            Explain { recompiles: self.cache.len().saturating_sub(1), kernel_times: self.kernel_times.clone(), ..Default::default() };
         for (_, entry) in &self.cache {
             match entry {
                 Entry::Eager(reason) => e.graph_breaks.push(reason.clone()),

@@ -6,14 +6,20 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::OnceLock;
 
-/// Whether `KILN_PROFILE` is set (read once).
+/// Whether `KILN_PROFILE` is set (read once), or this thread has switched timing on.
 pub fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var_os("KILN_PROFILE").is_some_and(|v| v != "0"))
+    FORCED.with(|f| f.get()) || *ON.get_or_init(|| std::env::var_os("KILN_PROFILE").is_some_and(|v| v != "0"))
+}
+
+/// Switches per-op timing on or off for this thread (e.g. `Compiled::call_profiled`).
+pub fn set_enabled(on: bool) {
+    FORCED.with(|f| f.set(on));
 }
 
 thread_local! {
     static TABLE: RefCell<HashMap<String, (u64, f64)>> = RefCell::new(HashMap::new());
+    static FORCED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 pub fn record(key: String, secs: f64) {

@@ -122,12 +122,20 @@ pub fn matmul(g: &Arc<Gpu>, (sa, la): (&CudaStorage, &Layout), (sb, lb): (&CudaS
     let (mut m, mut batch) = (m, batch);
     // A shared B (a Linear's weight) against a batch of A's rows is one GEMM with the batch
     // folded into M, as PyTorch does: far faster than a strided batch of small GEMMs.
+    // When A's rows cannot be folded as they lie (a permuted view, e.g. a sequence-first
+    // batch), one dense copy of A and one GEMM still beat `batch` GEMMs of a few rows.
+    let mut dense_a: Option<CudaStorage> = None;
     if batch > 1 && lb.strides[..r - 2].iter().all(|&s| s == 0) {
-        if let Some(folded) = la.reshaped(&[batch * m, k]) {
-            (la, m, batch) = (folded, batch * m, 1);
-        }
+        let folded = match la.reshaped(&[batch * m, k]) {
+            Some(f) => f,
+            None => {
+                dense_a = Some(dense_copy(g, sa, &la)?);
+                Layout::contiguous(&[batch * m, k])
+            }
+        };
+        (la, m, batch) = (folded, batch * m, 1);
     }
-    let a = operand(g, sa, &la)?;
+    let a = operand(g, dense_a.as_ref().unwrap_or(sa), &la)?;
     let b = operand(g, sb, &lb)?;
     let b = if batch == 1 { Operand { batch_stride: 0, ..b } } else { b };
     let (dt, compute) = data_type(meta.dtype)?;
