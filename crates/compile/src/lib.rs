@@ -286,14 +286,27 @@ where
         let nodes_traced = rec.events.len();
         log::log("graph", &format!("traced graph ({} ops):\n{}", nodes_traced, lowered.graph));
         debug_verify(&lowered.graph)?;
+        let traced = start.elapsed();
+        let mut mark = Instant::now();
         let graph = passes::optimise(lowered.graph, |name, g| {
-            log::log("passes", &format!("after {name}: {} nodes", g.nodes.len()));
+            log::log("passes", &format!("after {name}: {} nodes ({:.1} ms)", g.nodes.len(), mark.elapsed().as_secs_f64() * 1e3));
+            mark = Instant::now();
             debug_verify(g).unwrap_or_else(|e| eprintln!("kiln compile: verifier after {name}: {e}"));
         });
         log::log("graph", &format!("optimised graph:\n{graph}"));
         let device = step_device(inputs, &lowered.cells);
         let capture = matches!(self.opts.mode, Mode::ReduceOverhead | Mode::MaxAutotune);
+        let planned = Instant::now();
         let exec = exec::Program::new(graph, lowered.cells, self.opts.fuse, device, capture)?;
+        log::log(
+            "time",
+            &format!(
+                "trace and lowering {:.1} ms, passes {:.1} ms, plan and kernels {:.1} ms",
+                traced.as_secs_f64() * 1e3,
+                (planned - start - traced).as_secs_f64() * 1e3,
+                planned.elapsed().as_secs_f64() * 1e3
+            ),
+        );
         log::log("fusion", &fusion_report(&exec));
         let compile_time = start.elapsed();
         log::log("time", &format!("compiled in {:.1} ms", compile_time.as_secs_f64() * 1e3));
