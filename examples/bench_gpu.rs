@@ -58,7 +58,13 @@ struct Timing {
 
 /// Times `f` eagerly (`mode` None) or compiled in `mode`; the first compiled call (trace,
 /// passes, kernel compilation) is timed on its own as the compile time.
-fn timed(dev: Device, mode: Option<Mode>, (warmup, steps): (usize, usize), xs: &[Tensor], mut f: impl FnMut(&[Tensor]) -> Result<Vec<Tensor>>) -> Result<Timing> {
+fn timed(
+    dev: Device,
+    mode: Option<Mode>,
+    (warmup, steps): (usize, usize),
+    xs: &[Tensor],
+    mut f: impl FnMut(&[Tensor]) -> Result<Vec<Tensor>>,
+) -> Result<Timing> {
     let Some(mode) = mode else {
         return Ok(Timing { ms: median_ms(dev, warmup, steps, || f(xs).map(drop))?, compile_s: None });
     };

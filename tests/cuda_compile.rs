@@ -82,7 +82,12 @@ fn assert_close(what: &str, a: &[f32], b: &[f32], tol: f32) {
     let rel: Vec<f32> = a.iter().zip(b).map(|(x, y)| (x - y).abs() / (1.0 + y.abs())).collect();
     let (at, worst) = rel.iter().copied().enumerate().fold((0, 0.0f32), |m, (i, r)| if r > m.1 { (i, r) } else { m });
     let first = rel.iter().position(|&r| r >= tol);
-    assert!(worst < tol, "{what}: max relative difference {worst} at {at} (first over tolerance at {first:?}; {} vs {}) (tolerance {tol})", a[at], b[at]);
+    assert!(
+        worst < tol,
+        "{what}: max relative difference {worst} at {at} (first over tolerance at {first:?}; {} vs {}) (tolerance {tol})",
+        a[at],
+        b[at]
+    );
 }
 
 fn assert_runs_agree(what: &str, a: &Run, b: &Run, (lt, pt): (f32, f32)) {

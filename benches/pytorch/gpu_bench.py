@@ -100,7 +100,7 @@ def transformer_forward(compile_mode):
 
     def step():
         with torch.no_grad():
-            model(x, x)
+            return model(x, x)  # returned, so torch.compile cannot drop the work as dead code
 
     return compiled(step, compile_mode)
 
@@ -110,7 +110,7 @@ def add_16m(compile_mode):
     b = torch.randn(1 << 24, device=dev)
 
     def step():
-        a + b
+        return a + b
 
     return compiled(step, compile_mode)
 

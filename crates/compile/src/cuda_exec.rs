@@ -11,9 +11,9 @@
 use crate::exec::Program;
 use crate::fusion::{Group, Plan, Step};
 use crate::graph::{Graph, Kind, NodeId};
+use kiln_tensor::cuda;
 use kiln_tensor::cuda::codegen::{FusedGroup, FusedInput, FusedKernel, FusedMember, FusedSrc};
 use kiln_tensor::cuda::compiled::{self as cc, CudaGraph, FusedModule, Pool};
-use kiln_tensor::cuda;
 use kiln_tensor::op::OutMeta;
 use kiln_tensor::rng::GeneratorState;
 use kiln_tensor::storage::StorageCell;
@@ -135,7 +135,12 @@ impl GpuParts {
     }
 
     /// Runs the fusion groups `gs` (one kernel): returns the cells of their materialised members.
-    pub fn run_groups(&self, p: &Program, gs: &[usize], cell_of: &dyn Fn(NodeId) -> Result<Arc<StorageCell>>) -> Result<Vec<(NodeId, Arc<StorageCell>)>> {
+    pub fn run_groups(
+        &self,
+        p: &Program,
+        gs: &[usize],
+        cell_of: &dyn Fn(NodeId) -> Result<Arc<StorageCell>>,
+    ) -> Result<Vec<(NodeId, Arc<StorageCell>)>> {
         let k = self.kernel_of[gs[0]].ok_or_else(|| Error::Msg(format!("compile: group {} has no kernel", gs[0])))?;
         let (mut made, mut outs, mut ins) = (Vec::new(), Vec::new(), Vec::new());
         for &gi in gs {

@@ -65,8 +65,11 @@ fn new_cell(s: CpuStorage) -> Arc<StorageCell> {
 impl Program {
     /// `capture`: replay the step as one CUDA graph (`Mode::ReduceOverhead`; ignored on the CPU).
     pub fn new(graph: Graph, cells: Vec<Arc<StorageCell>>, fuse: bool, device: Device, capture: bool) -> Result<Program> {
-        let mut plan =
-            if fuse { fusion::plan(&graph, device.is_cuda()) } else { Plan { steps: (0..graph.nodes.len()).map(Step::Node).collect(), groups: vec![] } };
+        let mut plan = if fuse {
+            fusion::plan(&graph, device.is_cuda())
+        } else {
+            Plan { steps: (0..graph.nodes.len()).map(Step::Node).collect(), groups: vec![] }
+        };
         if device.is_cuda() {
             // One launch for independent groups (each parameter's optimizer update, ...).
             plan = fusion::batch_groups(&graph, plan);
@@ -140,7 +143,8 @@ impl Program {
             Kind::State(s) => self.cells[*s].clone(),
             Kind::Op(op, args) if self.device.is_cuda() => {
                 // The eager kernels, through the one dispatch point (no tracer, no grad here).
-                let ts: Vec<Tensor> = args.iter().map(|a| Ok(Tensor::from_cell(val(a.node)?.clone(), a.layout.clone()))).collect::<Result<_>>()?;
+                let ts: Vec<Tensor> =
+                    args.iter().map(|a| Ok(Tensor::from_cell(val(a.node)?.clone(), a.layout.clone()))).collect::<Result<_>>()?;
                 let refs: Vec<&Tensor> = ts.iter().collect();
                 Tensor::apply(op.clone(), &refs, self.device)?.storage().clone()
             }

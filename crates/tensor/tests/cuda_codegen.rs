@@ -31,7 +31,16 @@ fn check(src: &str, name: &str, failures: &mut Vec<String>) {
 
 fn ew(op: &Op, ins: &[DType], out: DType, contiguous: bool, inplace: bool) -> (String, String) {
     let (prefix, expr, compute) = elementwise_expr(op, ins).expect("an elementwise op");
-    let spec = Elementwise { expr, compute, inputs: ins.to_vec(), out, contiguous: vec![contiguous; ins.len()], inplace, vec4: contiguous, narrow: !inplace };
+    let spec = Elementwise {
+        expr,
+        compute,
+        inputs: ins.to_vec(),
+        out,
+        contiguous: vec![contiguous; ins.len()],
+        inplace,
+        vec4: contiguous,
+        narrow: !inplace,
+    };
     spec.source(prefix)
 }
 
@@ -171,7 +180,11 @@ fn a_module_of_fused_group_kernels_compiles() {
             } else {
                 members.push(FusedMember { op: Op::Binary(b), args: vec![a, FusedSrc::Input(1 + k % 3)], dtype: out });
                 let a = last(&members);
-                members.push(FusedMember { op: Op::Scalar { op: b, value: f64::INFINITY, scalar_lhs: k % 2 == 0 }, args: vec![a], dtype: d });
+                members.push(FusedMember {
+                    op: Op::Scalar { op: b, value: f64::INFINITY, scalar_lhs: k % 2 == 0 },
+                    args: vec![a],
+                    dtype: d,
+                });
             }
         }
         let other = if d == DType::F32 { DType::F64 } else { DType::F32 };

@@ -746,7 +746,8 @@ fn group_body(gr: &FusedGroup, j: usize) -> Result<String, String> {
         FusedSrc::Member(m) => gr.members.get(m).map(|x| x.dtype),
     };
     for (q, m) in gr.members.iter().enumerate() {
-        let dtypes: Vec<DType> = m.args.iter().map(|a| dtype_of(a).ok_or_else(|| format!("member {q} reads a missing value"))).collect::<Result<_, _>>()?;
+        let dtypes: Vec<DType> =
+            m.args.iter().map(|a| dtype_of(a).ok_or_else(|| format!("member {q} reads a missing value"))).collect::<Result<_, _>>()?;
         let (_, expr, compute) = elementwise_expr(&m.op, &dtypes).ok_or_else(|| format!("{}: not elementwise", m.op.name()))?;
         let scalar = match &m.op {
             Op::Scalar { value, .. } => *value,

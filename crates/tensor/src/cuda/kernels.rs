@@ -121,8 +121,16 @@ fn launch_ew(
     let offsets: Vec<usize> = ins.iter().map(|(_, l)| l.offset).collect();
     let vec4 = contiguous.iter().all(|&c| c) && offsets.iter().all(|o| o % 4 == 0) && n >= 4;
     let narrow = n <= u32::MAX as usize;
-    let spec =
-        Elementwise { expr, compute, inputs: ins.iter().map(|(s, _)| s.dtype).collect(), out: out.dtype, contiguous, inplace, vec4, narrow };
+    let spec = Elementwise {
+        expr,
+        compute,
+        inputs: ins.iter().map(|(s, _)| s.dtype).collect(),
+        out: out.dtype,
+        contiguous,
+        inplace,
+        vec4,
+        narrow,
+    };
     let k = g.kernel(super::spec_key(prefix, &spec), || spec.source(prefix))?;
     let mut a = Args { n: n as i64, rank: cs.len() as i32, s: extra.0, seed: extra.1, roff: extra.2, ..Args::default() };
     for (d, &x) in cs.iter().enumerate() {
