@@ -232,3 +232,32 @@ fn a_profiled_step_lists_its_kernels_in_explain_and_still_trains() -> Result<()>
     assert!(step.explain().to_string().contains("kernels of the last profiled step"));
     Ok(())
 }
+
+#[test]
+fn split_gradients_become_one_buffer_written_slice_by_slice() -> Result<()> {
+    let w = Tensor::rand_at(&[5, 6], Distribution::Normal, 9, 0, DType::F32, Device::Cpu)?;
+    w.set_requires_grad(true);
+    let step_fn = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+        let h = xs[0].matmul(&w)?;
+        let (a, b, c) = (h.narrow(1, 0, 2)?, h.narrow(1, 2, 2)?, h.narrow(1, 4, 2)?);
+        let loss = a.mul(&b)?.add(&c.exp()?)?.sum_all()?;
+        loss.backward()?;
+        let g = w.grad().ok_or_else(|| Error::Msg("no gradient".into()))?.copy()?;
+        w.set_grad(None);
+        Ok(vec![loss, g])
+    };
+    let x = Tensor::rand_at(&[3, 5], Distribution::Normal, 10, 0, DType::F32, Device::Cpu)?;
+    let eager = step_fn(std::slice::from_ref(&x))?;
+    let mut step = compile(Mode::Default, step_fn);
+    step.call(&[&x])?;
+    let compiled = step.call(&[&x])?;
+    for (e, c) in eager.iter().zip(&compiled) {
+        assert_close("loss and gradient", &c.to_vec::<f32>()?, &e.to_vec::<f32>()?, 1e-6);
+    }
+    // The three slices' gradients are written into one buffer, with no adds of padded parts.
+    let ir = step.dump().expect("a graph");
+    let graph = ir.split("groups").next().unwrap_or_default();
+    assert_eq!(graph.matches("= write %").count(), 3, "{graph}");
+    assert!(!graph.lines().any(|l| l.contains("[3, 6] = add")), "{graph}");
+    Ok(())
+}

@@ -186,7 +186,7 @@ impl GpuParts {
         }
         // Timing each kernel needs them launched one by one, not replayed as a graph.
         if !self.capture || kiln_tensor::profile::enabled() {
-            return p.execute(inputs, gen);
+            return p.execute(inputs, gen, true);
         }
         let mut slot = self.captured.borrow_mut();
         if let Some(c) = slot.as_ref() {
@@ -197,7 +197,7 @@ impl GpuParts {
             return c.outputs.iter().map(|t| t.copy()).collect();
         }
         // The first run loads every kernel (and cuBLAS) outside the capture.
-        let out = p.execute(inputs, gen)?;
+        let out = p.execute(inputs, gen, true)?;
         let pool = cc::new_pool(p.device)?;
         let statics: Vec<Arc<StorageCell>> = inputs
             .iter()
@@ -206,7 +206,8 @@ impl GpuParts {
                 cc::alloc_cell(p.device, dtype, c.len())
             })
             .collect::<Result<_>>()?;
-        let (graph, outputs) = cc::capture(p.device, &pool, || p.execute(&statics, gen))?;
+        // The graph's outputs stay its own buffers; each call copies them for the caller.
+        let (graph, outputs) = cc::capture(p.device, &pool, || p.execute(&statics, gen, false))?;
         *slot = Some(Captured { graph, inputs: statics, outputs, _pool: pool });
         Ok(out)
     }

@@ -168,6 +168,19 @@ impl Program {
         })
     }
 
+    /// A write into a view of a base that another write made and nothing reads after this
+    /// step: done in the base's own buffer, no copy.
+    fn write_in_place(&self, i: NodeId, k: usize, vals: &[Option<Arc<StorageCell>>]) -> Result<Option<Arc<StorageCell>>> {
+        let Kind::WriteView { base, layout, value } = &self.graph.nodes[i].kind else { return Ok(None) };
+        if !matches!(self.graph.nodes[*base].kind, Kind::WriteView { .. }) || self.last_use[*base] != k || value.node == *base {
+            return Ok(None);
+        }
+        let (Some(b), Some(v)) = (&vals[*base], &vals[value.node]) else { return Ok(None) };
+        let v = Tensor::from_cell(v.clone(), value.layout.clone());
+        Tensor::from_cell(b.clone(), layout.clone()).apply_inplace(Op::Assign, Some(&v))?;
+        Ok(Some(b.clone()))
+    }
+
     #[cfg(feature = "cuda")]
     fn gpu(&self) -> Result<&crate::cuda_exec::GpuParts> {
         self.gpu.as_ref().ok_or_else(|| Error::Msg("compile: a CPU program ran a GPU step".into()))
@@ -179,11 +192,12 @@ impl Program {
         if let Some(gpu) = &self.gpu {
             return gpu.run(self, inputs, gen);
         }
-        self.execute(inputs, gen)
+        self.execute(inputs, gen, true)
     }
 
-    /// Runs every step, returns copies of the outputs and writes the state back.
-    pub(crate) fn execute(&self, inputs: &[Arc<StorageCell>], gen: GeneratorState) -> Result<Vec<Tensor>> {
+    /// Runs every step, returns the outputs (copies the caller owns with `copy_outputs`, else
+    /// views of the program's buffers) and writes the state back.
+    pub(crate) fn execute(&self, inputs: &[Arc<StorageCell>], gen: GeneratorState, copy_outputs: bool) -> Result<Vec<Tensor>> {
         let n = self.graph.nodes.len();
         let mut vals: Vec<Option<Arc<StorageCell>>> = vec![None; n];
         for (k, step) in self.plan.steps.iter().enumerate() {
@@ -193,7 +207,10 @@ impl Program {
                 Step::Node(i) => {
                     vals[*i] = Some(match &self.consts[*i] {
                         Some(c) => c.clone(),
-                        None => self.run_node(*i, &vals, inputs, gen)?,
+                        None => match self.write_in_place(*i, k, &vals)? {
+                            Some(c) => c,
+                            None => self.run_node(*i, &vals, inputs, gen)?,
+                        },
                     })
                 }
                 Step::Groups(gs) => {
@@ -228,8 +245,15 @@ impl Program {
             }
         }
         let get = |n: NodeId| vals[n].clone().ok_or_else(|| Error::Msg(format!("compile: node {n} has no value")));
-        let outputs =
-            self.graph.outputs.iter().map(|a| Tensor::from_cell(get(a.node)?, a.layout.clone()).copy()).collect::<Result<Vec<_>>>()?;
+        let output = |a: &crate::graph::Arg| -> Result<Tensor> {
+            let t = Tensor::from_cell(get(a.node)?, a.layout.clone());
+            if copy_outputs {
+                t.copy()
+            } else {
+                Ok(t)
+            }
+        };
+        let outputs = self.graph.outputs.iter().map(output).collect::<Result<Vec<_>>>()?;
         for &(slot, node) in &self.writes {
             let (dst, src) = (&self.cells[slot], get(node)?);
             if Arc::ptr_eq(dst, &src) {

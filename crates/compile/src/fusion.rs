@@ -145,15 +145,11 @@ pub fn plan(g: &Graph, gpu: bool) -> Plan {
 
 /// Externals, materialised members, in-place state writes and the step order.
 fn finish(g: &Graph, mut groups: Vec<Group>, mut group_of: Vec<Option<usize>>, gpu: bool) -> Plan {
-    // Singletons gain nothing from the group path: they run as plain kernels. On a GPU one
-    // that reads a strided or broadcast view stays a group: its generated kernel knows the
-    // shapes, so its index arithmetic is by constants.
-    let strided = |m: NodeId| match &g.nodes[m].kind {
-        Kind::Op(_, args) => args.iter().any(|a| !identity(a, &g.nodes[m].shape)),
-        _ => false,
-    };
+    // Singletons gain nothing from the group path on the CPU: they run as plain kernels. On a
+    // GPU they stay groups: the generated kernel knows the shapes (index arithmetic by
+    // constants) and independent ones share a launch (`batch_groups`).
     for gr in &mut groups {
-        if gr.members.len() == 1 && !(gpu && strided(gr.members[0])) {
+        if gr.members.len() == 1 && !gpu {
             group_of[gr.members[0]] = None;
             gr.members.clear();
         }
@@ -198,7 +194,15 @@ fn finish(g: &Graph, mut groups: Vec<Group>, mut group_of: Vec<Option<usize>>, g
                         && users[s].iter().all(|&u| {
                             if inside(u) {
                                 match &g.nodes[u].kind {
-                                    Kind::Op(_, args) => args.iter().filter(|a| a.node == s).all(|a| identity(a, &groups[k].shape)),
+                                    Kind::Op(_, args) => args.iter().filter(|a| a.node == s).all(|a| {
+                                        // A GPU kernel reads element i before it writes element i
+                                        // in the same thread: any dense whole view will do.
+                                        identity(a, &groups[k].shape)
+                                            || (gpu
+                                                && a.layout.offset == 0
+                                                && a.layout.is_contiguous()
+                                                && a.layout.numel() == g.nodes[node].numel())
+                                    }),
                                     _ => false,
                                 }
                             } else {
@@ -254,7 +258,12 @@ pub fn batch_groups(g: &Graph, plan: Plan) -> Plan {
                     read.extend(gr.externals.iter().map(|a| a.node));
                 }
             }
-            Step::Node(i) if matches!(g.nodes[i].kind, Kind::Input(_) | Kind::State(_)) => steps.push(Step::Node(i)),
+            // Steps that launch nothing: inputs, state, constants (made once per program).
+            Step::Node(i)
+                if matches!(&g.nodes[i].kind, Kind::Input(_) | Kind::State(_) | Kind::Op(Op::Full { .. } | Op::Arange { .. }, _)) =>
+            {
+                steps.push(Step::Node(i))
+            }
             other => {
                 flush(&mut run, &mut steps, &mut made, &mut read);
                 steps.push(other);

@@ -130,6 +130,70 @@ pub fn fold_constants(g: &Graph) -> Graph {
     dce(&out)
 }
 
+/// The regions a chain of writes into a zero constant covers (`None` if `x` is not one).
+fn zero_writes(g: &Graph, x: NodeId) -> Option<Vec<&kiln_tensor::Layout>> {
+    match &g.nodes[x].kind {
+        Kind::Op(Op::Full { value, .. }, _) if *value == 0.0 => Some(vec![]),
+        Kind::WriteView { base, layout, .. } => {
+            let mut r = zero_writes(g, *base)?;
+            r.push(layout);
+            Some(r)
+        }
+        _ => None,
+    }
+}
+
+/// Whether two regions of a row-major buffer of `shape` are slices along one dim that do
+/// not overlap (what splitting a tensor and writing each part's gradient back gives).
+fn disjoint_slices(a: &kiln_tensor::Layout, b: &kiln_tensor::Layout, shape: &[usize]) -> bool {
+    let full = kiln_tensor::Layout::contiguous(shape);
+    if a.strides != full.strides || b.strides != full.strides || a.rank() != shape.len() || b.rank() != shape.len() {
+        return false;
+    }
+    let dims = |l: &kiln_tensor::Layout| (0..shape.len()).filter(|&d| l.shape[d] != shape[d]).collect::<Vec<_>>();
+    let (da, db) = (dims(a), dims(b));
+    let d = match (da.as_slice(), db.as_slice()) {
+        ([x], [y]) if x == y => *x,
+        _ => return false,
+    };
+    let st = full.strides[d].max(1);
+    if a.offset % st != 0 || b.offset % st != 0 || a.offset / st >= shape[d] || b.offset / st >= shape[d] {
+        return false;
+    }
+    let (sa, sb) = (a.offset / st, b.offset / st);
+    sa + a.shape[d] <= sb || sb + b.shape[d] <= sa
+}
+
+/// `writes into zeros + write of one slice into zeros`, the slices disjoint, is one more
+/// write into the first: splitting a tensor (q, k, v) then sums its parts' gradients as
+/// zero-padded buffers; this makes it one buffer written slice by slice (no adds, and the
+/// executor writes a chain in place).
+pub fn merge_zero_writes(g: &Graph) -> Graph {
+    let mut out = g.clone();
+    for i in 0..out.nodes.len() {
+        let Kind::Op(Op::Binary(BinaryOp::Add), args) = &out.nodes[i].kind else { continue };
+        let shape = out.nodes[i].shape.clone();
+        let whole = |a: &Arg| a.layout.offset == 0 && a.layout.shape == shape && a.layout.is_contiguous();
+        if args.len() != 2 || !args.iter().all(whole) || args.iter().any(|a| out.nodes[a.node].dtype != out.nodes[i].dtype) {
+            continue;
+        }
+        let (x, y) = (args[0].node, args[1].node);
+        let rewrite = |many: NodeId, one: NodeId| -> Option<Kind> {
+            let (rm, ro) = (zero_writes(&out, many)?, zero_writes(&out, one)?);
+            let Kind::WriteView { layout, value, .. } = &out.nodes[one].kind else { return None };
+            (ro.len() == 1 && rm.iter().all(|l| disjoint_slices(l, layout, &shape))).then(|| Kind::WriteView {
+                base: many,
+                layout: layout.clone(),
+                value: value.clone(),
+            })
+        };
+        if let Some(k) = rewrite(x, y).or_else(|| rewrite(y, x)) {
+            out.nodes[i].kind = k;
+        }
+    }
+    dce(&out)
+}
+
 /// The pipeline, in order; `log` sees the graph after each pass.
 pub fn optimise(g: Graph, mut log: impl FnMut(&str, &Graph)) -> Graph {
     let mut g = dce(&g);
@@ -138,6 +202,8 @@ pub fn optimise(g: Graph, mut log: impl FnMut(&str, &Graph)) -> Graph {
     log("fold_constants", &g);
     g = simplify(&g);
     log("simplify", &g);
+    g = merge_zero_writes(&g);
+    log("merge_zero_writes", &g);
     g = cse(&g);
     log("cse", &g);
     g

@@ -149,7 +149,8 @@ fn every_reduction_and_index_kernel_compiles() {
 
 /// A compiled graph's fused kernels: one module whose kernels chain every unary, binary and
 /// scalar op, a comparison feeding a `where`, casts between f32 and f64, and inputs read
-/// contiguously, at an offset, through strides and broadcast; one kernel runs two groups.
+/// contiguously, at an offset, through strides and broadcast; a group over dense inputs takes the
+/// 4-wide vector path; one kernel runs three groups.
 #[test]
 fn a_module_of_fused_group_kernels_compiles() {
     use kiln_tensor::cuda::codegen::{fused_module, FusedGroup, FusedInput, FusedKernel, FusedMember, FusedSrc};
@@ -193,10 +194,15 @@ fn a_module_of_fused_group_kernels_compiles() {
         let outputs = vec![members.len() - 1, members.len() - 2, 0];
         groups.push(FusedGroup { n: 24, inputs: inputs(d), members, outputs });
     }
-    // One kernel per group, and one running both side by side.
+    // The same members over dense inputs take the 4-wide vector path.
+    let dense: Vec<FusedInput> = (0..4).map(|k| FusedInput { dtype: DType::F32, offset: 4 * k, strided: None }).collect();
+    let vec = FusedGroup { inputs: dense, ..groups[0].clone() };
+    assert!(vec.vec4() && !groups[0].vec4());
+    groups.push(vec);
+    // One kernel per group, and one running them side by side.
     let mut kernels: Vec<FusedKernel> =
         groups.iter().enumerate().map(|(k, g)| FusedKernel { name: format!("kiln_group{k}"), groups: vec![g.clone()] }).collect();
-    kernels.push(FusedKernel { name: "kiln_groups_0_1".into(), groups });
+    kernels.push(FusedKernel { name: "kiln_groups_0_1_2".into(), groups });
     let src = fused_module(&kernels).expect("every member is elementwise");
     let mut fails = Vec::new();
     check(&src, "kiln_fused", &mut fails);
