@@ -2,31 +2,21 @@
 //! (with dropout, AdamW, a warmup-cosine schedule stepping outside the compiled step, and
 //! gradient clipping), recompiles on shape changes, graph breaks, caller-owned outputs.
 
+use common::{assert_close, mlp_step};
 use kiln::compile::{compile, compile_with, CompileOptions, Mode};
-use kiln::models::{mlp, Gpt, GptConfig};
-use kiln::nn::{cross_entropy, Sequential};
-use kiln::optim::{clip_grad_norm, AdamConfig, AdamW, LrScheduler, Optimizer, WarmupCosine};
+use kiln::models::mlp;
+use kiln::nn::cross_entropy;
+use kiln::optim::{AdamConfig, AdamW, LrScheduler, Optimizer, WarmupCosine};
 use kiln::prelude::*;
 use kiln_tensor::Distribution;
 use std::cell::RefCell;
+
+mod common;
 
 fn data(step: u64, b: usize, inp: usize, classes: usize) -> (Tensor, Tensor) {
     let x = Tensor::rand_at(&[b, inp], Distribution::Normal, 100, step * 4096, DType::F32, Device::Cpu).unwrap();
     let y = Tensor::rand_at(&[b], Distribution::Uniform, 200, step * 64, DType::F32, Device::Cpu).unwrap();
     (x, y.mul_scalar(classes as f64).unwrap().to_dtype(DType::I64).unwrap())
-}
-
-/// One MLP step as a closure over the model and a shared optimizer.
-fn mlp_step<'a>(model: &'a Sequential, opt: &'a RefCell<AdamW>) -> impl FnMut(&[Tensor]) -> Result<Vec<Tensor>> + 'a {
-    move |xs: &[Tensor]| {
-        let loss = cross_entropy(&model.forward(&xs[0])?, &xs[1])?;
-        loss.backward()?;
-        let mut opt = opt.borrow_mut();
-        clip_grad_norm(opt.params(), 1.0)?;
-        opt.step()?;
-        opt.zero_grad()?;
-        Ok(vec![loss])
-    }
 }
 
 fn train_mlp(compiled: bool, steps: u64) -> (Vec<f64>, Vec<Vec<f32>>) {
@@ -51,11 +41,6 @@ fn train_mlp(compiled: bool, steps: u64) -> (Vec<f64>, Vec<Vec<f32>>) {
     (losses, model.parameters().iter().map(|p| p.to_vec::<f32>().unwrap()).collect())
 }
 
-fn assert_close(what: &str, a: &[f32], b: &[f32], tol: f32) {
-    let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs() / (1.0 + y.abs())).fold(0.0f32, f32::max);
-    assert!(worst < tol, "{what}: max relative difference {worst}");
-}
-
 #[test]
 fn compiled_mlp_matches_eager_for_200_steps() {
     let (le, pe) = train_mlp(false, 200);
@@ -69,51 +54,11 @@ fn compiled_mlp_matches_eager_for_200_steps() {
     assert!(le[199] < le[0], "loss fell: {} -> {}", le[0], le[199]);
 }
 
-fn train_gpt(compiled: bool, steps: u64) -> (Vec<f64>, Vec<Vec<f32>>) {
-    kiln::tensor::rng::manual_seed(7);
-    let cfg = GptConfig { vocab: 11, context: 8, d_model: 16, n_layer: 2, n_head: 2, dropout: 0.1, tied_head: false };
-    let model = Gpt::new(cfg, Device::Cpu).unwrap();
-    let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr: 3e-3, betas: (0.9, 0.95), ..AdamConfig::adamw() }).unwrap());
-    let mut sched = WarmupCosine::new(3e-3, 10, steps as usize, 3e-4).unwrap();
-    sched.apply(&mut *opt.borrow_mut()).unwrap();
-    let step_fn = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
-        let loss = model.loss(&xs[0], &xs[1])?;
-        loss.backward()?;
-        let mut o = opt.borrow_mut();
-        clip_grad_norm(o.params(), 0.5)?;
-        o.step()?;
-        o.zero_grad()?;
-        Ok(vec![loss])
-    };
-    let eager = step_fn;
-    let mut step = compile(Mode::Default, step_fn);
-    let mut losses = Vec::new();
-    for i in 0..steps {
-        let tok = |s: u64| {
-            Tensor::rand_at(&[4, 8], Distribution::Uniform, s, i * 32, DType::F32, Device::Cpu)
-                .unwrap()
-                .mul_scalar(11.0)
-                .unwrap()
-                .to_dtype(DType::I64)
-                .unwrap()
-        };
-        let (x, y) = (tok(1), tok(2));
-        let out = if compiled { step.call(&[&x, &y]).unwrap() } else { eager(&[x, y]).unwrap() };
-        losses.push(out[0].item().unwrap());
-        sched.step(&mut *opt.borrow_mut()).unwrap();
-    }
-    (losses, model.parameters().iter().map(|p| p.to_vec::<f32>().unwrap()).collect())
-}
-
 #[test]
 fn compiled_gpt_with_dropout_matches_eager_for_200_steps() {
-    let (le, pe) = train_gpt(false, 200);
-    let (lc, pc) = train_gpt(true, 200);
-    let (le32, lc32): (Vec<f32>, Vec<f32>) = (le.iter().map(|&x| x as f32).collect(), lc.iter().map(|&x| x as f32).collect());
-    assert_close("losses", &lc32, &le32, 2e-3);
-    for (i, (a, b)) in pc.iter().zip(&pe).enumerate() {
-        assert_close(&format!("param {i}"), a, b, 2e-3);
-    }
+    let eager = common::train_gpt(Device::Cpu, None, 200);
+    let compiled = common::train_gpt(Device::Cpu, Some(Mode::Default), 200);
+    common::assert_runs_agree("compiled vs eager", &compiled, &eager, (2e-3, 2e-3));
 }
 
 #[test]

@@ -4,13 +4,15 @@
 //! batch recompiling, and a replayed CUDA graph making no driver allocation. Built only with
 //! `--features cuda`; without a GPU each test fails saying so.
 
+use common::{assert_close, assert_runs_agree, mlp_step, train_gpt, Run};
 use kiln::compile::{compile, Mode};
-use kiln::models::{mlp, Gpt, GptConfig};
-use kiln::nn::{cross_entropy, Sequential};
-use kiln::optim::{clip_grad_norm, AdamConfig, AdamW, LrScheduler, Optimizer, WarmupCosine};
+use kiln::models::mlp;
+use kiln::optim::{AdamConfig, AdamW, LrScheduler, WarmupCosine};
 use kiln::prelude::*;
 use kiln::tensor::{cuda, Distribution};
 use std::cell::RefCell;
+
+mod common;
 
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
@@ -27,28 +29,9 @@ fn batch(step: u64, b: usize, dev: Device) -> (Tensor, Tensor) {
     (x.to_device(dev).unwrap(), y.to_device(dev).unwrap())
 }
 
-fn mlp_step<'a>(model: &'a Sequential, opt: &'a RefCell<AdamW>) -> impl FnMut(&[Tensor]) -> Result<Vec<Tensor>> + 'a {
-    move |xs: &[Tensor]| {
-        let loss = cross_entropy(&model.forward(&xs[0])?, &xs[1])?;
-        loss.backward()?;
-        let mut opt = opt.borrow_mut();
-        clip_grad_norm(opt.params(), 1.0)?;
-        opt.step()?;
-        opt.zero_grad()?;
-        Ok(vec![loss])
-    }
-}
-
-struct Run {
-    losses: Vec<f32>,
-    params: Vec<Vec<f32>>,
-    /// Driver allocations from step 10 on.
-    allocs: u64,
-}
-
 /// 200 MLP steps; `mode` None is eager. Losses are read only at the end, so a replay that
 /// overwrote a returned tensor would show.
-fn train_mlp(dev: Device, mode: Option<Mode>, steps: u64) -> Run {
+fn train_mlp(dev: Device, mode: Option<Mode>, steps: u64) -> (Run, u64) {
     kiln::tensor::rng::manual_seed(0);
     let model = mlp(&[20, 32, 5], dev).unwrap();
     let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr: 1e-2, ..AdamConfig::adamw() }).unwrap());
@@ -74,27 +57,7 @@ fn train_mlp(dev: Device, mode: Option<Mode>, steps: u64) -> Run {
     }
     let allocs = cuda::driver_allocations() - allocs;
     let losses = losses.iter().map(|l| l.item().unwrap() as f32).collect();
-    Run { losses, params: model.parameters().iter().map(|p| p.to_vec::<f32>().unwrap()).collect(), allocs }
-}
-
-fn assert_close(what: &str, a: &[f32], b: &[f32], tol: f32) {
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    let rel: Vec<f32> = a.iter().zip(b).map(|(x, y)| (x - y).abs() / (1.0 + y.abs())).collect();
-    let (at, worst) = rel.iter().copied().enumerate().fold((0, 0.0f32), |m, (i, r)| if r > m.1 { (i, r) } else { m });
-    let first = rel.iter().position(|&r| r >= tol);
-    assert!(
-        worst < tol,
-        "{what}: max relative difference {worst} at {at} (first over tolerance at {first:?}; {} vs {}) (tolerance {tol})",
-        a[at],
-        b[at]
-    );
-}
-
-fn assert_runs_agree(what: &str, a: &Run, b: &Run, (lt, pt): (f32, f32)) {
-    assert_close(&format!("{what}: losses"), &a.losses, &b.losses, lt);
-    for (i, (x, y)) in a.params.iter().zip(&b.params).enumerate() {
-        assert_close(&format!("{what}: param {i}"), x, y, pt);
-    }
+    (Run { losses, params: model.parameters().iter().map(|p| p.to_vec::<f32>().unwrap()).collect() }, allocs)
 }
 
 const MODES: [Mode; 3] = [Mode::Default, Mode::ReduceOverhead, Mode::MaxAutotune];
@@ -103,60 +66,15 @@ const MODES: [Mode; 3] = [Mode::Default, Mode::ReduceOverhead, Mode::MaxAutotune
 fn compiled_mlp_on_cuda_matches_eager_cuda_and_the_cpu_in_every_mode() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dev = gpu();
-    let eager = train_mlp(dev, None, 200);
-    let cpu = train_mlp(Device::Cpu, None, 200);
+    let (eager, _) = train_mlp(dev, None, 200);
+    let (cpu, _) = train_mlp(Device::Cpu, None, 200);
     assert!(eager.losses[199] < eager.losses[0] * 0.8, "it learned: {} -> {}", eager.losses[0], eager.losses[199]);
     for mode in MODES {
-        let run = train_mlp(dev, Some(mode), 200);
+        let (run, allocs) = train_mlp(dev, Some(mode), 200);
         assert_runs_agree(&format!("{mode:?} vs eager CUDA"), &run, &eager, (1e-4, 2e-4));
         assert_runs_agree(&format!("{mode:?} vs CPU"), &run, &cpu, (1e-3, 2e-3));
-        assert_eq!(run.allocs, 0, "{mode:?}: steps 11..200 asked the driver for memory");
+        assert_eq!(allocs, 0, "{mode:?}: steps 11..200 asked the driver for memory");
     }
-}
-
-fn train_gpt(dev: Device, mode: Option<Mode>, steps: u64) -> Run {
-    kiln::tensor::rng::manual_seed(7);
-    let cfg = GptConfig { vocab: 11, context: 8, d_model: 16, n_layer: 2, n_head: 2, dropout: 0.1, tied_head: false };
-    let model = Gpt::new(cfg, dev).unwrap();
-    let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr: 3e-3, betas: (0.9, 0.95), ..AdamConfig::adamw() }).unwrap());
-    let mut sched = WarmupCosine::new(3e-3, 10, steps as usize, 3e-4).unwrap();
-    sched.apply(&mut *opt.borrow_mut()).unwrap();
-    let step_fn = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
-        let loss = model.loss(&xs[0], &xs[1])?;
-        loss.backward()?;
-        let mut opt = opt.borrow_mut();
-        clip_grad_norm(opt.params(), 0.5)?;
-        opt.step()?;
-        opt.zero_grad()?;
-        Ok(vec![loss])
-    };
-    let mut step = compile(mode.unwrap_or(Mode::Default), step_fn);
-    let mut losses = Vec::new();
-    for i in 0..steps {
-        let tok = |s: u64| {
-            let t = Tensor::rand_at(&[4, 8], Distribution::Uniform, s, i * 32, DType::F32, Device::Cpu).unwrap();
-            t.mul_scalar(11.0).unwrap().to_dtype(DType::I64).unwrap().to_device(dev).unwrap()
-        };
-        let (x, y) = (tok(1), tok(2));
-        let out = match mode {
-            Some(_) => step.call(&[&x, &y]).unwrap(),
-            None => step_fn_eager(&model, &opt, &x, &y),
-        };
-        losses.push(out[0].clone());
-        sched.step(&mut *opt.borrow_mut()).unwrap();
-    }
-    let losses = losses.iter().map(|l| l.item().unwrap() as f32).collect();
-    Run { losses, params: model.parameters().iter().map(|p| p.to_vec::<f32>().unwrap()).collect(), allocs: 0 }
-}
-
-fn step_fn_eager(model: &Gpt, opt: &RefCell<AdamW>, x: &Tensor, y: &Tensor) -> Vec<Tensor> {
-    let loss = model.loss(x, y).unwrap();
-    loss.backward().unwrap();
-    let mut opt = opt.borrow_mut();
-    clip_grad_norm(opt.params(), 0.5).unwrap();
-    opt.step().unwrap();
-    opt.zero_grad().unwrap();
-    vec![loss]
 }
 
 #[test]

@@ -1,0 +1,82 @@
+//! Training loops the compile tests share (CPU and CUDA): an MLP step closure and 200 GPT
+//! steps with dropout, AdamW, warmup-cosine outside the step and gradient clipping.
+#![allow(dead_code)]
+
+use kiln::compile::{compile, Mode};
+use kiln::models::{Gpt, GptConfig};
+use kiln::nn::{cross_entropy, Sequential};
+use kiln::optim::{clip_grad_norm, AdamConfig, AdamW, LrScheduler, Optimizer, WarmupCosine};
+use kiln::prelude::*;
+use kiln::tensor::Distribution;
+use std::cell::RefCell;
+
+/// One MLP step (forward, backward, clipping, AdamW, zero_grad) over a shared optimizer.
+pub fn mlp_step<'a>(model: &'a Sequential, opt: &'a RefCell<AdamW>) -> impl FnMut(&[Tensor]) -> Result<Vec<Tensor>> + 'a {
+    move |xs: &[Tensor]| {
+        let loss = cross_entropy(&model.forward(&xs[0])?, &xs[1])?;
+        loss.backward()?;
+        let mut opt = opt.borrow_mut();
+        clip_grad_norm(opt.params(), 1.0)?;
+        opt.step()?;
+        opt.zero_grad()?;
+        Ok(vec![loss])
+    }
+}
+
+/// Losses (read only after the last step, so a replay that overwrote a returned tensor
+/// shows) and final parameters.
+pub struct Run {
+    pub losses: Vec<f32>,
+    pub params: Vec<Vec<f32>>,
+}
+
+pub fn assert_close(what: &str, a: &[f32], b: &[f32], tol: f32) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    let rel: Vec<f32> = a.iter().zip(b).map(|(x, y)| (x - y).abs() / (1.0 + y.abs())).collect();
+    let (at, worst) = rel.iter().copied().enumerate().fold((0, 0.0f32), |m, (i, r)| if r > m.1 { (i, r) } else { m });
+    assert!(worst < tol, "{what}: max relative difference {worst} at {at} ({} vs {}; tolerance {tol})", a[at], b[at]);
+}
+
+pub fn assert_runs_agree(what: &str, a: &Run, b: &Run, (lt, pt): (f32, f32)) {
+    assert_close(&format!("{what}: losses"), &a.losses, &b.losses, lt);
+    for (i, (x, y)) in a.params.iter().zip(&b.params).enumerate() {
+        assert_close(&format!("{what}: param {i}"), x, y, pt);
+    }
+}
+
+/// `steps` steps of a small GPT with dropout 0.1 on `dev`: eager (`mode` None) or compiled.
+pub fn train_gpt(dev: Device, mode: Option<Mode>, steps: u64) -> Run {
+    kiln::tensor::rng::manual_seed(7);
+    let cfg = GptConfig { vocab: 11, context: 8, d_model: 16, n_layer: 2, n_head: 2, dropout: 0.1, tied_head: false };
+    let model = Gpt::new(cfg, dev).unwrap();
+    let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr: 3e-3, betas: (0.9, 0.95), ..AdamConfig::adamw() }).unwrap());
+    let mut sched = WarmupCosine::new(3e-3, 10, steps as usize, 3e-4).unwrap();
+    sched.apply(&mut *opt.borrow_mut()).unwrap();
+    let step_fn = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+        let loss = model.loss(&xs[0], &xs[1])?;
+        loss.backward()?;
+        let mut o = opt.borrow_mut();
+        clip_grad_norm(o.params(), 0.5)?;
+        o.step()?;
+        o.zero_grad()?;
+        Ok(vec![loss])
+    };
+    let eager = step_fn;
+    let mut step = compile(mode.unwrap_or(Mode::Default), step_fn);
+    let mut losses = Vec::new();
+    for i in 0..steps {
+        let tok = |s: u64| {
+            let t = Tensor::rand_at(&[4, 8], Distribution::Uniform, s, i * 32, DType::F32, Device::Cpu).unwrap();
+            t.mul_scalar(11.0).unwrap().to_dtype(DType::I64).unwrap().to_device(dev).unwrap()
+        };
+        let (x, y) = (tok(1), tok(2));
+        let out = if mode.is_some() { step.call(&[&x, &y]).unwrap() } else { eager(&[x, y]).unwrap() };
+        losses.push(out[0].clone());
+        sched.step(&mut *opt.borrow_mut()).unwrap();
+    }
+    if mode.is_some() {
+        assert_eq!(step.counts(), (steps as usize, steps as usize - 1), "one trace, then replays");
+    }
+    let losses = losses.iter().map(|l| l.item().unwrap() as f32).collect();
+    Run { losses, params: model.parameters().iter().map(|p| p.to_vec::<f32>().unwrap()).collect() }
+}
