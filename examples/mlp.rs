@@ -100,8 +100,12 @@ fn train(compiled: bool, device: Device, train: &Dataset, test: &Dataset, epochs
                 continue;
             }
             let (x, y) = batch(train, &order[i * bs..(i + 1) * bs], device)?;
+            // On a GPU each step is timed to its end on the device (work is queued
+            // asynchronously), as the benchmarks do.
+            kiln::tensor::cuda::synchronize(device)?;
             let t = Instant::now();
             let out = if compiled { step.call(&[&x, &y])? } else { eager(&[x, y])? };
+            kiln::tensor::cuda::synchronize(device)?;
             let dt = t.elapsed();
             if global == done {
                 first_step = dt;
