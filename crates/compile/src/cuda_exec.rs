@@ -36,7 +36,8 @@ pub struct GpuParts {
     kernel_of: Vec<Option<usize>>,
     /// `[seed, offset]` of the generator at the start of the step, when the step draws.
     rng: Option<Arc<StorageCell>>,
-    capture: bool,
+    /// Replay as a CUDA graph (switched off if a capture ever fails).
+    capture: std::cell::Cell<bool>,
     captured: RefCell<Option<Captured>>,
 }
 
@@ -131,7 +132,7 @@ impl GpuParts {
         let module = FusedModule::load(device, specs)?;
         let draws = g.nodes.iter().any(|n| matches!(n.kind, Kind::Rand { .. }));
         let rng = if draws { Some(cc::alloc_cell(device, DType::I64, 2)?) } else { None };
-        Ok(GpuParts { module, kernel_of, rng, capture, captured: RefCell::new(None) })
+        Ok(GpuParts { module, kernel_of, rng, capture: std::cell::Cell::new(capture), captured: RefCell::new(None) })
     }
 
     /// Runs the fusion groups `gs` (one kernel): returns the cells of their materialised members.
@@ -184,8 +185,9 @@ impl GpuParts {
         if let Some(state) = &self.rng {
             cc::write_i64(state, &[gen.seed as i64, gen.offset as i64])?;
         }
-        // Timing each kernel needs them launched one by one, not replayed as a graph.
-        if !self.capture || kiln_tensor::profile::enabled() {
+        // Timing each kernel needs them launched one by one, and anomaly mode reads every
+        // result on the host: neither can run inside a graph.
+        if !self.capture.get() || kiln_tensor::profile::enabled() || kiln_tensor::is_anomaly_detection() {
             return p.execute(inputs, gen, true);
         }
         let mut slot = self.captured.borrow_mut();
@@ -207,8 +209,14 @@ impl GpuParts {
             })
             .collect::<Result<_>>()?;
         // The graph's outputs stay its own buffers; each call copies them for the caller.
-        let (graph, outputs) = cc::capture(p.device, &pool, || p.execute(&statics, gen, false))?;
-        *slot = Some(Captured { graph, inputs: statics, outputs, _pool: pool });
+        match cc::capture(p.device, &pool, || p.execute(&statics, gen, false)) {
+            Ok((graph, outputs)) => *slot = Some(Captured { graph, inputs: statics, outputs, _pool: pool }),
+            Err(e) => {
+                // The step itself ran and is correct; later calls run it kernel by kernel.
+                eprintln!("kiln compile: capturing the step as a CUDA graph failed ({e}); running it without a graph");
+                self.capture.set(false);
+            }
+        }
         Ok(out)
     }
 }
