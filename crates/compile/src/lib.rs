@@ -19,7 +19,8 @@
 //! state: read from and written back into the same buffers, so code outside sees the update.
 //! The learning rate and step count are tensors, so schedulers stepping outside the compiled
 //! step change them in place and replays see it; random draws take the generator's offset at
-//! each call. On the CPU, `ReduceOverhead` and `MaxAutotune` behave like `Default`.
+//! each call. On the CPU, `ReduceOverhead` and `MaxAutotune` behave like `Default`; on a GPU
+//! both replay the step as one CUDA graph (`cuda_exec.rs`).
 
 #[cfg(feature = "cuda")]
 mod cuda_exec;
@@ -45,7 +46,8 @@ pub enum Mode {
     Default,
     /// The whole step as one CUDA graph (CPU: as Default).
     ReduceOverhead,
-    /// Autotuned kernel variants on top of graphs (CPU: as Default).
+    /// Meant to time kernel variants once per shape on top of graphs; nothing is tuned yet,
+    /// so on a GPU it is `ReduceOverhead` (CPU: as Default).
     MaxAutotune,
 }
 
