@@ -17,7 +17,7 @@ use kiln_tensor::cuda::compiled::{self as cc, CudaGraph, FusedModule, Pool};
 use kiln_tensor::op::OutMeta;
 use kiln_tensor::rng::GeneratorState;
 use kiln_tensor::storage::StorageCell;
-use kiln_tensor::{DType, Device, Distribution, Error, Op, Result, Tensor};
+use kiln_tensor::{DType, Device, Distribution, Error, Result, Tensor};
 use std::cell::RefCell;
 use std::sync::Arc;
 
@@ -48,7 +48,7 @@ fn kernel_name(g: &Graph, plan: &Plan, gs: &[usize]) -> String {
         .members
         .iter()
         .filter_map(|&m| match &g.nodes[m].kind {
-            Kind::Op(op, _) => Some(op_short(op)),
+            Kind::Op(op, _) => Some(op.name()),
             _ => None,
         })
         .take(5)
@@ -56,16 +56,6 @@ fn kernel_name(g: &Graph, plan: &Plan, gs: &[usize]) -> String {
     let ids: Vec<String> = gs.iter().take(4).map(|k| k.to_string()).collect();
     let more = if gs.len() > 4 { format!("_and{}more", gs.len() - 4) } else { String::new() };
     format!("kiln_group{}{more}_{}", ids.join("_"), ops.join("_"))
-}
-
-fn op_short(op: &Op) -> &'static str {
-    match op {
-        Op::Unary(u) => u.name(),
-        Op::Binary(b) | Op::Scalar { op: b, .. } => b.name(),
-        Op::Where => "where",
-        Op::Cast(_) => "cast",
-        _ => "op",
-    }
 }
 
 /// The kernel spec of one fusion group.
@@ -159,16 +149,14 @@ impl GpuParts {
             ins.push(gr.externals.iter().map(|a| cell_of(a.node)).collect::<Result<Vec<_>>>()?);
             made.extend(o);
         }
-        let out_refs: Vec<Vec<&StorageCell>> = outs.iter().map(|v| v.iter().map(|c| &**c).collect()).collect();
-        let in_refs: Vec<Vec<&StorageCell>> = ins.iter().map(|v| v.iter().map(|c| &**c).collect()).collect();
         if kiln_tensor::profile::enabled() {
             cuda::synchronize(p.device)?;
             let t = std::time::Instant::now();
-            self.module.launch(k, &out_refs, &in_refs)?;
+            self.module.launch(k, &outs, &ins)?;
             cuda::synchronize(p.device)?;
             kiln_tensor::profile::record(format!("fused {}", self.module.name(k)), t.elapsed().as_secs_f64());
         } else {
-            self.module.launch(k, &out_refs, &in_refs)?;
+            self.module.launch(k, &outs, &ins)?;
         }
         Ok(made)
     }

@@ -27,14 +27,8 @@ pub struct Program {
     reads: Vec<Vec<NodeId>>,
     /// State writes, those copying another state buffer first (before that buffer changes).
     pub(crate) writes: Vec<(usize, NodeId)>,
-    /// Nodes that read nothing and always make the same values (`full`, `arange`): made
-    /// once when the program is built, never per step.
+    /// The values of constant nodes (`Node::is_const`), made when the program is built.
     consts: Vec<Option<Arc<StorageCell>>>,
-}
-
-/// Whether node `i` is a constant: a source op other than a random draw.
-fn is_const(g: &Graph, i: NodeId) -> bool {
-    matches!(&g.nodes[i].kind, Kind::Op(Op::Full { .. } | Op::Arange { .. }, args) if args.is_empty())
 }
 
 /// Locks each distinct cell once and hands out `(storage, layout)` pairs.
@@ -111,7 +105,7 @@ impl Program {
         };
         let gen = GeneratorState { seed: 0, offset: 0 };
         p.consts = (0..p.graph.nodes.len())
-            .map(|i| if is_const(&p.graph, i) { p.run_node(i, &[], &[], gen).map(Some) } else { Ok(None) })
+            .map(|i| if p.graph.nodes[i].is_const() { p.run_node(i, &[], &[], gen).map(Some) } else { Ok(None) })
             .collect::<Result<_>>()?;
         Ok(p)
     }

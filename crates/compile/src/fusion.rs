@@ -155,6 +155,7 @@ fn finish(g: &Graph, mut groups: Vec<Group>, mut group_of: Vec<Option<usize>>, g
         }
     }
     let n = g.nodes.len();
+    let state_nodes = g.state_nodes();
     let mut users: Vec<Vec<NodeId>> = vec![vec![]; n];
     for i in 0..n {
         for a in g.nodes[i].args() {
@@ -186,8 +187,7 @@ fn finish(g: &Graph, mut groups: Vec<Group>, mut group_of: Vec<Option<usize>>, g
             if !inside(node) {
                 continue;
             }
-            let state_node = (0..n).find(|&s| g.nodes[s].kind == Kind::State(slot));
-            let safe = match state_node {
+            let safe = match state_nodes[slot] {
                 None => true,
                 Some(s) => {
                     !exits.contains(&s)
@@ -237,7 +237,7 @@ const MAX_BATCH: usize = 8;
 /// none writes in place a state buffer that an earlier one reads (in one kernel they run at
 /// the same time). The optimizer's per-parameter updates become one launch this way.
 pub fn batch_groups(g: &Graph, plan: Plan) -> Plan {
-    let state_node = |slot: usize| g.nodes.iter().position(|n| n.kind == Kind::State(slot));
+    let state_nodes = g.state_nodes();
     let mut steps: Vec<Step> = Vec::new();
     let mut run: Vec<usize> = Vec::new();
     let (mut made, mut read): (Vec<NodeId>, Vec<NodeId>) = (vec![], vec![]);
@@ -254,7 +254,7 @@ pub fn batch_groups(g: &Graph, plan: Plan) -> Plan {
                 for k in gs {
                     let gr = &plan.groups[k];
                     let depends = gr.externals.iter().any(|a| made.contains(&a.node));
-                    let clobbers = gr.inplace.iter().any(|&(_, slot)| state_node(slot).is_some_and(|s| read.contains(&s)));
+                    let clobbers = gr.inplace.iter().any(|&(_, slot)| state_nodes[slot].is_some_and(|s| read.contains(&s)));
                     if depends || clobbers || run.len() == MAX_BATCH {
                         flush(&mut run, &mut steps, &mut made, &mut read);
                     }

@@ -39,6 +39,11 @@ impl Node {
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
+    /// A source op that reads nothing and always makes the same values (`full`, `arange`):
+    /// made once per program, never per step.
+    pub fn is_const(&self) -> bool {
+        matches!(&self.kind, Kind::Op(Op::Full { .. } | Op::Arange { .. }, args) if args.is_empty())
+    }
     pub fn args(&self) -> Vec<NodeId> {
         match &self.kind {
             Kind::Input(_) | Kind::State(_) | Kind::Rand { .. } => vec![],
@@ -70,6 +75,17 @@ pub struct Graph {
 }
 
 impl Graph {
+    /// The node reading each state slot, if any.
+    pub fn state_nodes(&self) -> Vec<Option<NodeId>> {
+        let mut by_slot = vec![None; self.state.len()];
+        for (i, n) in self.nodes.iter().enumerate() {
+            if let Kind::State(s) = n.kind {
+                by_slot[s] = Some(i);
+            }
+        }
+        by_slot
+    }
+
     pub fn push(&mut self, kind: Kind, shape: Vec<usize>, dtype: DType) -> NodeId {
         self.nodes.push(Node { kind, shape, dtype });
         self.nodes.len() - 1

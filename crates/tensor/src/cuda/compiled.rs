@@ -25,13 +25,15 @@ fn ordinal(device: Device) -> Result<usize> {
 /// `(pointer, dtype, len)` of a CUDA cell. `write` marks the cell as written (its version
 /// moves, so autograd notices tensors saved before the write).
 fn raw(cell: &StorageCell, write: bool) -> Result<(u64, DType, usize)> {
-    let guard = if write {
-        drop(cell.write());
-        cell.read()
+    if write {
+        raw_of(&cell.write())
     } else {
-        cell.read()
-    };
-    match &*guard {
+        raw_of(&cell.read())
+    }
+}
+
+fn raw_of(s: &Storage) -> Result<(u64, DType, usize)> {
+    match s {
         Storage::Cuda(c) => Ok((c.buf.ptr, c.dtype, c.len)),
         Storage::Cpu(c) => Err(Error::Msg(format!("compiled CUDA step: a {:?} buffer of {} elements is on the CPU", c.dtype(), c.len()))),
     }
@@ -137,7 +139,7 @@ impl FusedModule {
 
     /// Launches kernel `k` with the cells its spec was made for: per group, `outs[j]` and
     /// `ins[j]` in order.
-    pub fn launch(&self, k: usize, outs: &[Vec<&StorageCell>], ins: &[Vec<&StorageCell>]) -> Result<()> {
+    pub fn launch(&self, k: usize, outs: &[Vec<Arc<StorageCell>>], ins: &[Vec<Arc<StorageCell>>]) -> Result<()> {
         let spec = &self.specs[k];
         if outs.len() != spec.groups.len() || ins.len() != spec.groups.len() {
             return Err(Error::Msg(format!("{}: given buffers for {} groups, it runs {}", spec.name, outs.len(), spec.groups.len())));
@@ -155,7 +157,7 @@ impl FusedModule {
 }
 
 /// Checks one group's buffers against its spec and appends their pointers.
-fn group_pointers(name: &str, gr: &FusedGroup, outs: &[&StorageCell], ins: &[&StorageCell], ptrs: &mut Vec<u64>) -> Result<()> {
+fn group_pointers(name: &str, gr: &FusedGroup, outs: &[Arc<StorageCell>], ins: &[Arc<StorageCell>], ptrs: &mut Vec<u64>) -> Result<()> {
     if outs.len() != gr.outputs.len() || ins.len() != gr.inputs.len() {
         return Err(Error::Msg(format!("{name}: given {} outputs and {} inputs", outs.len(), ins.len())));
     }
