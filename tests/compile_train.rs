@@ -8,7 +8,7 @@ use kiln::models::mlp;
 use kiln::nn::cross_entropy;
 use kiln::optim::{AdamConfig, AdamW, LrScheduler, Optimizer, WarmupCosine};
 use kiln::prelude::*;
-use kiln_tensor::Distribution;
+use kiln_tensor::{Distribution, UnaryOp};
 use std::cell::RefCell;
 
 mod common;
@@ -204,5 +204,48 @@ fn split_gradients_become_one_buffer_written_slice_by_slice() -> Result<()> {
     let graph = ir.split("groups").next().unwrap_or_default();
     assert_eq!(graph.matches("= write %").count(), 3, "{graph}");
     assert!(!graph.lines().any(|l| l.contains("[3, 6] = add")), "{graph}");
+    Ok(())
+}
+
+/// Every unary op and a strided, broadcast and scalar read through one native CPU group
+/// (`CompileOptions::native_cpu`, built with the system C compiler), against eager and the
+/// interpreter bit for bit: the generated C computes each op as the CPU kernels do.
+#[test]
+fn native_cpu_groups_match_eager_and_the_interpreter_bit_for_bit() -> Result<()> {
+    if std::env::var("KILN_CPU_CODEGEN").is_ok_and(|v| v == "0") {
+        eprintln!("SKIPPED: KILN_CPU_CODEGEN=0 turns native CPU kernels off");
+        return Ok(());
+    }
+    let r = |s: &[usize], seed| Tensor::rand_at(s, Distribution::Normal, seed, 0, DType::F32, Device::Cpu);
+    let (a, b, bias) = (r(&[7, 5], 1)?, r(&[5, 7], 2)?, r(&[7], 3)?);
+    let f = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+        // a read transposed, the bias broadcast over rows, a 0-dim scale broadcast everywhere.
+        let scale = xs[2].sum_all()?;
+        let z = xs[0].t()?.mul(&xs[1])?.add(&xs[2])?.mul(&scale)?;
+        let mut outs = vec![z.clone()];
+        for op in UnaryOp::ALL {
+            // Keep log and sqrt in their domain so NaNs do not hide differences.
+            let arg = if matches!(op, UnaryOp::Log | UnaryOp::Sqrt | UnaryOp::Rsqrt) { z.abs()?.add_scalar(0.5)? } else { z.clone() };
+            outs.push(arg.unary(op)?.add_scalar(1.0)?);
+        }
+        outs.push(Tensor::where_cond(&z.gt(&xs[1])?, &z.pow(&xs[1].abs()?)?, &z.maximum(&xs[1])?)?);
+        Ok(outs)
+    };
+    let eager = f(&[a.clone(), b.clone(), bias.clone()])?;
+    for native in [true, false] {
+        let mut step = compile_with(CompileOptions { native_cpu: native, ..Default::default() }, f);
+        step.call(&[&a, &b, &bias])?; // the trace runs eagerly; the replays run the groups
+        for _ in 0..2 {
+            let got = step.call(&[&a, &b, &bias])?;
+            for (k, (x, y)) in got.iter().zip(&eager).enumerate() {
+                let (x, y) = (x.to_vec::<f32>()?, y.to_vec::<f32>()?);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&x), bits(&y), "output {k} (native: {native}): {x:?} vs eager {y:?}");
+            }
+        }
+        let (groups, built) = step.explain().native_groups.expect("a CPU step reports its groups");
+        assert!(groups >= 1, "the step has fusion groups");
+        assert_eq!(built, if native { groups } else { 0 }, "native: {native}; a missing C compiler fails here (set KILN_CC)");
+    }
     Ok(())
 }

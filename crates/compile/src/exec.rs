@@ -4,9 +4,9 @@
 //! `fused_exec`; on a GPU, nodes run the eager CUDA kernels and each fused group is one
 //! generated kernel (`cuda_exec`, which also captures the step as a CUDA graph).
 
-use crate::fused_exec;
 use crate::fusion::{self, Plan, Step};
 use crate::graph::{Graph, Kind, NodeId};
+use crate::{cpu_codegen, fused_exec};
 use kiln_tensor::op::OutMeta;
 use kiln_tensor::rng::GeneratorState;
 use kiln_tensor::storage::{CpuStorage, Storage, StorageCell};
@@ -29,6 +29,8 @@ pub struct Program {
     pub(crate) writes: Vec<(usize, NodeId)>,
     /// The values of constant nodes (`Node::is_const`), made when the program is built.
     consts: Vec<Option<Arc<StorageCell>>>,
+    /// On the CPU, the groups' generated native functions (None: all interpreted).
+    pub(crate) native: Option<cpu_codegen::NativeGroups>,
 }
 
 /// Locks each distinct cell once and hands out `(storage, layout)` pairs.
@@ -57,9 +59,11 @@ fn new_cell(s: CpuStorage) -> Arc<StorageCell> {
 }
 
 impl Program {
-    /// `capture`: replay the step as one CUDA graph (`Mode::ReduceOverhead`; ignored on the CPU).
-    pub fn new(graph: Graph, cells: Vec<Arc<StorageCell>>, fuse: bool, device: Device, capture: bool) -> Result<Program> {
-        let mut plan = if fuse {
+    /// Plans `graph` for `device`; in `Mode::ReduceOverhead` a GPU step is captured as one CUDA
+    /// graph, and on the CPU fusion groups are built to native code unless `native_cpu` is off.
+    pub fn new(graph: Graph, cells: Vec<Arc<StorageCell>>, opts: &crate::CompileOptions, device: Device) -> Result<Program> {
+        let capture = matches!(opts.mode, crate::Mode::ReduceOverhead | crate::Mode::MaxAutotune);
+        let mut plan = if opts.fuse {
             fusion::plan(&graph, device.is_cuda())
         } else {
             Plan { steps: (0..graph.nodes.len()).map(Step::Node).collect(), groups: vec![] }
@@ -91,7 +95,9 @@ impl Program {
             let _ = capture;
             return Err(Error::Device { device, msg: "compile: Kiln was built without the `cuda` feature".into() });
         }
+        let native = if device == Device::Cpu && opts.native_cpu { cpu_codegen::build(&graph, &plan) } else { None };
         let mut p = Program {
+            native,
             graph,
             cells,
             plan,
@@ -108,6 +114,12 @@ impl Program {
             .map(|i| if p.graph.nodes[i].is_const() { p.run_node(i, &[], &[], gen).map(Some) } else { Ok(None) })
             .collect::<Result<_>>()?;
         Ok(p)
+    }
+
+    /// On the CPU: the fusion groups, and how many run as native code.
+    pub fn native_groups(&self) -> Option<(usize, usize)> {
+        let native = self.native.as_ref().map_or(0, |n| n.groups.iter().filter(|g| g.is_some()).count());
+        (self.device == Device::Cpu).then_some((self.plan.groups.len(), native))
     }
 
     /// Kernels one step launches: plain nodes that compute, plus one per fused group.
@@ -216,7 +228,8 @@ impl Program {
                         _ => {
                             let mut made = Vec::new();
                             for &gi in gs {
-                                made.extend(fused_exec::run_group(&self.graph, &self.plan.groups[gi], &self.cells, &cell_of)?);
+                                let native = self.native.as_ref().and_then(|n| n.groups[gi].as_ref());
+                                made.extend(fused_exec::run_group(&self.graph, &self.plan.groups[gi], &self.cells, &cell_of, native)?);
                             }
                             made
                         }

@@ -1,17 +1,18 @@
 //! Runs one fusion group on the CPU: chunk by chunk, loading each external input once,
 //! evaluating every member over the chunk in scratch buffers, storing what leaves the group.
 
+use crate::cpu_codegen::NativeGroup;
 use crate::fusion::Group;
 use crate::graph::{Graph, Kind, NodeId};
 use kiln_tensor::cpu::elementwise::{binary_into, load_into, scalar_into, unary_into, where_into, Convert};
 use kiln_tensor::op::Float;
 use kiln_tensor::storage::{CpuStorage, StorageCell};
-use kiln_tensor::{with_cpu, Element, Error, Layout, Op, Result};
+use kiln_tensor::{with_cpu, DType, Element, Error, Layout, Op, Result};
 use rayon::prelude::*;
 use std::sync::Arc;
 
 /// Elements per chunk: the scratch of a group stays in L2.
-const CHUNK: usize = 2048;
+const CHUNK: usize = 1024;
 
 /// Where a member's argument comes from.
 #[derive(Clone, Copy)]
@@ -58,13 +59,15 @@ fn load_own<F: Element>(out: &Out, vals: &mut [F]) {
     }
 }
 
-/// Runs `gr`; `cell_of(node)` gives the cell of an external value. Returns the cells of the
-/// materialised members (state buffers for in-place ones).
+/// Runs `gr`, through its native function when it has one (`cpu_codegen`); `cell_of(node)`
+/// gives the cell of an external value. Returns the cells of the materialised members (state
+/// buffers for in-place ones).
 pub fn run_group(
     g: &Graph,
     gr: &Group,
     cells: &[Arc<StorageCell>],
     cell_of: &dyn Fn(NodeId) -> Result<Arc<StorageCell>>,
+    native: Option<&NativeGroup>,
 ) -> Result<Vec<(NodeId, Arc<StorageCell>)>> {
     let numel: usize = gr.shape.iter().product();
     let outs: Vec<(NodeId, Arc<StorageCell>)> = gr
@@ -93,6 +96,15 @@ pub fn run_group(
                 let r = read_cells.iter().position(|r| Arc::ptr_eq(r, c)).unwrap_or(0);
                 exts.push(Ext::Shared(read_guards[r].as_cpu()?, &a.layout));
             }
+        }
+    }
+    if let Some(nat) = native {
+        let own: Vec<Option<usize>> = exts.iter().map(|e| if let Ext::Own(k) = e { Some(*k) } else { None }).collect();
+        // The function was generated for these in-place reads; any other aliasing interprets.
+        if own == nat.own {
+            run_native(g, gr, nat, &exts, &mut out_guards, numel)?;
+            drop(out_guards);
+            return Ok(outs);
         }
     }
     // Per chunk, one slice of every output.
@@ -130,6 +142,65 @@ pub fn run_group(
     }
     drop(out_guards);
     Ok(outs)
+}
+
+/// A CPU buffer's address, length and dtype (the types fused groups read and store).
+fn raw(s: &CpuStorage) -> Result<(usize, usize, DType)> {
+    Ok(match s {
+        CpuStorage::F32(v) => (v.as_ptr() as usize, v.len(), DType::F32),
+        CpuStorage::F64(v) => (v.as_ptr() as usize, v.len(), DType::F64),
+        CpuStorage::U8(v) => (v.as_ptr() as usize, v.len(), DType::U8),
+        other => return Err(Error::Msg(format!("fused group: no native access to {:?}", other.dtype()))),
+    })
+}
+
+/// Calls the group's native function over its elements (split across rayon workers when
+/// large), after checking every buffer's dtype and that every read and write is in bounds.
+fn run_native(
+    g: &Graph,
+    gr: &Group,
+    nat: &NativeGroup,
+    exts: &[Ext],
+    outs: &mut [std::sync::RwLockWriteGuard<kiln_tensor::storage::Storage>],
+    numel: usize,
+) -> Result<()> {
+    let mut optr: Vec<usize> = Vec::with_capacity(outs.len());
+    for (k, gd) in outs.iter_mut().enumerate() {
+        let want = g.nodes[gr.materialize[k]].dtype;
+        let (p, len, d) = raw(gd.as_cpu_mut()?)?;
+        if d != want || len < numel {
+            return Err(Error::Msg(format!("fused group: output {k} is {d:?}[{len}], the kernel writes {want:?}[{numel}]")));
+        }
+        optr.push(p);
+    }
+    let mut iptr: Vec<usize> = Vec::with_capacity(exts.len());
+    for (k, (e, a)) in exts.iter().zip(&gr.externals).enumerate() {
+        let Ext::Shared(s, l) = e else {
+            iptr.push(0);
+            continue;
+        };
+        let (p, len, d) = raw(s)?;
+        let strides = l.broadcast_strides(&gr.shape);
+        let last = l.offset + gr.shape.iter().zip(&strides).map(|(&n, &st)| n.saturating_sub(1) * st).sum::<usize>();
+        let want = g.nodes[a.node].dtype;
+        if d != want || (numel > 0 && last >= len) {
+            return Err(Error::Msg(format!("fused group: input {k} is {d:?}[{len}], the kernel reads {want:?} up to element {last}")));
+        }
+        iptr.push(p);
+    }
+    let call = |start: usize, end: usize| {
+        // SAFETY: the function was generated for this group's dtypes and layouts (checked
+        // above against the buffers, which the caller's guards keep locked and alive); it
+        // touches elements start..end of each output and their inputs only.
+        unsafe { (nat.f)(start as i64, end as i64, optr.as_ptr() as *const *mut u8, iptr.as_ptr() as *const *const u8) }
+    };
+    if numel >= kiln_tensor::cpu::PAR_THRESHOLD {
+        let piece = numel.div_ceil(rayon::current_num_threads() * 4).next_multiple_of(64);
+        (0..numel.div_ceil(piece)).into_par_iter().for_each(|c| call(c * piece, ((c + 1) * piece).min(numel)));
+    } else {
+        call(0, numel);
+    }
+    Ok(())
 }
 
 /// Whether this CPU runs AVX2 (checked once).

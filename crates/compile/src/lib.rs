@@ -22,6 +22,7 @@
 //! each call. On the CPU, `ReduceOverhead` and `MaxAutotune` behave like `Default`; on a GPU
 //! both replay the step as one CUDA graph (`cuda_exec.rs`).
 
+mod cpu_codegen;
 #[cfg(feature = "cuda")]
 mod cuda_exec;
 mod exec;
@@ -64,11 +65,14 @@ pub struct CompileOptions {
     /// state and record the largest difference in outputs and state (`check_report`); the
     /// eager results are kept.
     pub check_steps: usize,
+    /// On the CPU, build each fusion group into native code with the system C compiler
+    /// (`cpu_codegen`); off, or without a compiler, groups run in the chunked interpreter.
+    pub native_cpu: bool,
 }
 
 impl Default for CompileOptions {
     fn default() -> Self {
-        CompileOptions { mode: Mode::Default, fullgraph: false, recompile_limit: 8, fuse: true, check_steps: 0 }
+        CompileOptions { mode: Mode::Default, fullgraph: false, recompile_limit: 8, fuse: true, check_steps: 0, native_cpu: true }
     }
 }
 
@@ -138,6 +142,8 @@ pub struct Explain {
     /// Per kernel (plain op kinds and fused kernels by name) of the last `call_profiled`:
     /// device time of each, synchronised one by one (see `kiln_tensor::profile`).
     pub kernel_times: Option<String>,
+    /// On the CPU: fusion groups, and how many of them run as native code (`cpu_codegen`).
+    pub native_groups: Option<(usize, usize)>,
 }
 
 impl std::fmt::Display for Explain {
@@ -148,6 +154,9 @@ impl std::fmt::Display for Explain {
             writeln!(f, "  - {b}")?;
         }
         writeln!(f, "ops traced: {}, nodes after passes: {}, kernels per step: {}", self.nodes_traced, self.nodes, self.kernels)?;
+        if let Some((groups, native)) = self.native_groups {
+            writeln!(f, "CPU fusion groups: {groups}, built to native code: {native}")?;
+        }
         writeln!(f, "state buffers: {}", self.state_buffers)?;
         writeln!(f, "planned peak of intermediates: {:.2} MiB", self.planned_peak_bytes as f64 / (1 << 20) as f64)?;
         writeln!(f, "bytes moved per step: {:.2} MiB", self.bytes_moved as f64 / (1 << 20) as f64)?;
@@ -297,9 +306,8 @@ where
         });
         log::log("graph", &format!("optimised graph:\n{graph}"));
         let device = step_device(inputs, &lowered.cells);
-        let capture = matches!(self.opts.mode, Mode::ReduceOverhead | Mode::MaxAutotune);
         let planned = Instant::now();
-        let exec = exec::Program::new(graph, lowered.cells, self.opts.fuse, device, capture)?;
+        let exec = exec::Program::new(graph, lowered.cells, &self.opts, device)?;
         log::log(
             "time",
             &format!(
@@ -329,6 +337,7 @@ where
                     e.nodes_traced = p.nodes_traced;
                     e.nodes = g.nodes.len();
                     e.kernels = p.exec.kernels();
+                    e.native_groups = p.exec.native_groups();
                     e.state_buffers = g.state.len();
                     e.planned_peak_bytes = p.exec.planned_peak_bytes();
                     e.bytes_moved = p.exec.bytes_moved();

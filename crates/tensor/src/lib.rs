@@ -22,6 +22,18 @@ pub mod storage;
 mod tensor;
 
 pub use device::Device;
+
+/// Kiln's disk cache for compiled kernels, folder `kind`: `$KILN_CACHE_DIR`, else
+/// `$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln`.
+pub fn cache_dir(kind: &str) -> Option<std::path::PathBuf> {
+    use std::path::PathBuf;
+    let base = std::env::var_os("KILN_CACHE_DIR").map(PathBuf::from).or_else(|| {
+        std::env::var_os("XDG_CACHE_HOME")
+            .map(|x| PathBuf::from(x).join("kiln"))
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache").join("kiln")))
+    })?;
+    Some(base.join(kind))
+}
 pub use dtype::{default_dtype, set_default_dtype, DType, Element};
 pub use error::{Error, Result};
 pub use op::{BinaryOp, Distribution, Op, ReduceOp, UnaryOp};

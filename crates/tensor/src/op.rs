@@ -119,8 +119,28 @@ macro_rules! float_impl {
         }
     };
 }
-float_impl!(f32, libm::erff);
-float_impl!(f64, libm::erf);
+float_impl!(f32, c_erff);
+float_impl!(f64, c_erf);
+
+// The C library's erf (Rust's std has none): generated CPU kernels (kiln-compile's
+// `cpu_codegen`) call the same functions, so eager and compiled results agree bit for bit.
+#[cfg_attr(unix, link(name = "m"))]
+unsafe extern "C" {
+    fn erff(x: f32) -> f32;
+    fn erf(x: f64) -> f64;
+}
+
+#[inline]
+fn c_erff(x: f32) -> f32 {
+    // SAFETY: a pure C99 math function, defined for every input.
+    unsafe { erff(x) }
+}
+
+#[inline]
+fn c_erf(x: f64) -> f64 {
+    // SAFETY: a pure C99 math function, defined for every input.
+    unsafe { erf(x) }
+}
 
 impl UnaryOp {
     /// Every unary op (for tests and kernel tables).

@@ -685,13 +685,13 @@ fn double_literal(v: f64) -> String {
     format!("__longlong_as_double({:#x}LL)", v.to_bits() as i64)
 }
 
-/// The linear index of element `i` in a strided input.
-fn strided_index(offset: usize, shape: &[usize], strides: &[usize]) -> String {
+/// The linear index of element `var` (a linear index over `shape`) in a strided input.
+pub fn strided_index(var: &str, offset: usize, shape: &[usize], strides: &[usize]) -> String {
     let mut terms = vec![offset.to_string()];
     let mut inner = 1usize;
     for d in (0..shape.len()).rev() {
         if shape[d] > 1 && strides[d] != 0 {
-            let coord = if inner == 1 { "i".to_string() } else { format!("(i / {inner}LL)") };
+            let coord = if inner == 1 { var.to_string() } else { format!("({var} / {inner}LL)") };
             let coord = if d == 0 { coord } else { format!("({coord} % {}LL)", shape[d]) };
             terms.push(format!("{coord} * {}LL", strides[d]));
         }
@@ -735,7 +735,7 @@ impl FusedKernel {
                     .enumerate()
                     .map(|(k, x)| match &x.strided {
                         None => format!("p{j}_{k}[{} + i]", x.offset),
-                        Some((shape, strides)) => format!("p{j}_{k}[{}]", strided_index(x.offset, shape, strides)),
+                        Some((shape, strides)) => format!("p{j}_{k}[{}]", strided_index("i", x.offset, shape, strides)),
                     })
                     .collect();
                 let stores: Vec<String> = (0..gr.outputs.len()).map(|k| format!("o{j}_{k}[i]")).collect();

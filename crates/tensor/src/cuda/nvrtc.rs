@@ -20,14 +20,9 @@ fn version() -> (i32, i32) {
     (a, b)
 }
 
-/// Where CUBINs are kept: `$KILN_CACHE_DIR`, else `$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln`.
+/// Where CUBINs are kept: the `cubin` folder of `kiln_tensor::cache_dir`.
 pub fn cache_dir() -> Option<PathBuf> {
-    let base = std::env::var_os("KILN_CACHE_DIR").map(PathBuf::from).or_else(|| {
-        std::env::var_os("XDG_CACHE_HOME")
-            .map(|x| PathBuf::from(x).join("kiln"))
-            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache").join("kiln")))
-    })?;
-    Some(base.join("cubin"))
+    crate::cache_dir("cubin")
 }
 
 /// The CUBIN for `src`, from the disk cache or freshly compiled (and then cached).

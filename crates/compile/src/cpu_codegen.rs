@@ -1,0 +1,307 @@
+//! Native CPU kernels for fusion groups, the way TorchInductor's C++ back end works: each
+//! group becomes one C function (a flat loop over its elements, the members' per-op
+//! expressions from the op table inlined, shapes and strides as literals), the system C
+//! compiler builds them into a shared library, cached on disk by source hash, and
+//! `libloading` opens it. The compiler auto-vectorises the dense loops, so a group such as an
+//! AdamW update is one pass over memory with every intermediate in registers.
+//!
+//! Without a C compiler (or with `KILN_CPU_CODEGEN=0`) every group runs in the chunked
+//! interpreter (`fused_exec`), and a warning says why once. `KILN_CC`, else `CC`, else `cc`
+//! names the compiler. Flags keep IEEE results: no FMA contraction, no fast-math.
+
+use crate::fusion::{Group, Plan};
+use crate::graph::{Graph, Kind};
+use kiln_tensor::cuda::codegen::{elementwise_expr, fnv1a, strided_index};
+use kiln_tensor::{DType, Op};
+use std::path::{Path, PathBuf};
+use std::sync::Once;
+
+/// `f(start, end, outputs, inputs)`: elements `start..end` of one group. An input that is
+/// read in place from an output buffer is passed as null and read through that output.
+pub type GroupFn = unsafe extern "C" fn(i64, i64, *const *mut u8, *const *const u8);
+
+/// A group's native function and the in-place reads it was generated for: `own[k]` is the
+/// output that external `k` is read from (`None`: its own buffer).
+pub struct NativeGroup {
+    pub f: GroupFn,
+    pub own: Vec<Option<usize>>,
+}
+
+/// The loaded library of a program's groups, indexed like `Plan::groups`.
+pub struct NativeGroups {
+    pub groups: Vec<Option<NativeGroup>>,
+    _lib: libloading::Library,
+}
+
+const FLAGS: [&str; 6] = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"];
+
+/// Helpers the op table's expressions call (`kexp`, `kdiv`, ...), for float and double.
+const PRELUDE: &str = r#"#include <math.h>
+#define F2(name, ef, ed) static inline float name##_f(float x) { return ef; } static inline double name##_d(double x) { return ed; }
+F2(kexp, expf(x), exp(x)) F2(klog, logf(x), log(x)) F2(ksqrt, sqrtf(x), sqrt(x)) F2(krsqrt, 1.0f / sqrtf(x), 1.0 / sqrt(x))
+F2(ksin, sinf(x), sin(x)) F2(kcos, cosf(x), cos(x)) F2(ktanh, tanhf(x), tanh(x)) F2(kerf, erff(x), erf(x))
+F2(kabs, fabsf(x), fabs(x))
+// The same association as the CPU's `UnaryOp::eval`, so results agree bit for bit.
+static inline float ksilu_grad_f(float x) { float s = 1.0f / (1.0f + expf(-x)); return s * (1.0f + x * (1.0f - s)); }
+static inline double ksilu_grad_d(double x) { double s = 1.0 / (1.0 + exp(-x)); return s * (1.0 + x * (1.0 - s)); }
+static inline float kgelu_tanh_grad_f(float x) {
+  float c = (float)0.7978845608028654, t = tanhf(c * (x + (float)0.044715 * x * x * x));
+  float dinner = c * (1.0f + (float)(3.0 * 0.044715) * x * x);
+  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * dinner;
+}
+static inline double kgelu_tanh_grad_d(double x) {
+  double c = 0.7978845608028654, t = tanh(c * (x + 0.044715 * x * x * x));
+  double dinner = c * (1.0 + (3.0 * 0.044715) * x * x);
+  return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dinner;
+}
+static inline float kpow_f(float a, float b) { return powf(a, b); }
+static inline double kpow_d(double a, double b) { return pow(a, b); }
+static inline float kdiv_f(float a, float b) { return a / b; }
+static inline double kdiv_d(double a, double b) { return a / b; }
+#define G1(name, x) _Generic((x), float: name##_f, default: name##_d)(x)
+#define kexp(x) G1(kexp, x)
+#define klog(x) G1(klog, x)
+#define ksqrt(x) G1(ksqrt, x)
+#define krsqrt(x) G1(krsqrt, x)
+#define ksin(x) G1(ksin, x)
+#define kcos(x) G1(kcos, x)
+#define ktanh(x) G1(ktanh, x)
+#define kerf(x) G1(kerf, x)
+#define kabs(x) G1(kabs, x)
+#define ksilu_grad(x) G1(ksilu_grad, x)
+#define kgelu_tanh_grad(x) G1(kgelu_tanh_grad, x)
+#define kpow(a, b) _Generic((a), float: kpow_f, default: kpow_d)(a, b)
+#define kdiv(a, b) _Generic((a), float: kdiv_f, default: kdiv_d)(a, b)
+#define K(v) ((C)(v))
+"#;
+
+fn c_type(d: DType) -> Option<&'static str> {
+    match d {
+        DType::F32 => Some("float"),
+        DType::F64 => Some("double"),
+        DType::U8 => Some("unsigned char"),
+        _ => None,
+    }
+}
+
+/// An exact C double literal.
+fn literal(v: f64) -> String {
+    if v.is_nan() {
+        "__builtin_nan(\"\")".into()
+    } else if v.is_infinite() {
+        if v > 0.0 { "__builtin_inf()" } else { "(-__builtin_inf())" }.into()
+    } else {
+        format!("{v:e}")
+    }
+}
+
+/// The external reads that come from the group's own outputs: a state slot updated in place.
+pub fn own_inputs(g: &Graph, gr: &Group) -> Vec<Option<usize>> {
+    gr.externals
+        .iter()
+        .map(|a| match g.nodes[a.node].kind {
+            Kind::State(s) => gr.inplace.iter().find(|x| x.1 == s).and_then(|x| gr.materialize.iter().position(|&m| m == x.0)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The body of group `gr` as a C function named `name`; None if an op or dtype has no C form.
+fn group_source(g: &Graph, gr: &Group, name: &str) -> Option<String> {
+    let class = if gr.f64 { "double" } else { "float" };
+    let own = own_inputs(g, gr);
+    let mut s = format!("void {name}(long long start, long long end, void* const* o, const void* const* p) {{\n  typedef {class} C;\n");
+    for (k, &m) in gr.materialize.iter().enumerate() {
+        let t = c_type(g.nodes[m].dtype)?;
+        s += &format!("  {t}* __restrict o{k} = ({t}*)o[{k}];\n");
+    }
+    for (k, a) in gr.externals.iter().enumerate() {
+        if own[k].is_none() {
+            let t = c_type(g.nodes[a.node].dtype)?;
+            s += &format!("  const {t}* __restrict p{k} = (const {t}*)p[{k}];\n");
+        }
+    }
+    // Loads: a dense input reads `p[off + i]`; a broadcast scalar is loaded once, before the
+    // loops (a load that does not move with `i` inside the loop stops GCC vectorising it);
+    // any other view walks rows of the last dim: its row base is computed once per row, then
+    // the inner loop reads at a fixed stride (0 for a broadcast row, 1 for a dense one).
+    let rank = gr.shape.len();
+    let inner = gr.shape.last().copied().unwrap_or(1).max(1);
+    let (mut row, mut body) = (String::new(), String::new());
+    for (k, a) in gr.externals.iter().enumerate() {
+        let strides = a.layout.broadcast_strides(&gr.shape);
+        let load = match own[k] {
+            // In place: the fusion plan only updates a state through its whole dense view.
+            Some(o) if a.layout.offset == 0 && a.layout.is_contiguous() && a.layout.shape == gr.shape => format!("o{o}[i]"),
+            Some(_) => return None,
+            None if strides.iter().all(|&st| st == 0) => {
+                s += &format!("  const C x{k} = (C)p{k}[{}];\n", a.layout.offset);
+                continue;
+            }
+            None if a.layout.is_contiguous() && a.layout.shape == gr.shape => format!("p{k}[{} + i]", a.layout.offset),
+            None if rank == 0 => return None,
+            None => {
+                let base = strided_index("r", a.layout.offset, &gr.shape[..rank - 1], &strides[..rank - 1]);
+                row += &format!("    const long long b{k} = {base};\n");
+                match strides[rank - 1] {
+                    0 => {
+                        row += &format!("    const C x{k} = (C)p{k}[b{k}];\n");
+                        continue;
+                    }
+                    1 => format!("p{k}[b{k} + c]"),
+                    st => format!("p{k}[b{k} + c * {st}LL]"),
+                }
+            }
+        };
+        body += &format!("    C x{k} = (C){load};\n");
+    }
+    if row.is_empty() {
+        s += "  {\n  for (long long i = start; i < end; ++i) {\n";
+    } else {
+        s += &format!("  for (long long i = start; i < end;) {{\n    const long long r = i / {inner}LL;\n");
+        s += &format!("    const long long stop = end < (r + 1) * {inner}LL ? end : (r + 1) * {inner}LL;\n{row}");
+        s += &format!("    for (long long c = i - r * {inner}LL; i < stop; ++i, ++c) {{\n");
+    }
+    s += &body;
+    for (q, &m) in gr.members.iter().enumerate() {
+        let Kind::Op(op, args) = &g.nodes[m].kind else { return None };
+        let dtypes: Vec<DType> = args.iter().map(|a| g.nodes[a.node].dtype).collect();
+        let (_, expr, _) = elementwise_expr(op, &dtypes)?;
+        let scalar = match op {
+            Op::Scalar { value, .. } => *value,
+            _ => 0.0,
+        };
+        s += &format!("    C m{q};\n    {{\n      struct {{ double s; }} a = {{ {} }}; (void)a;\n", literal(scalar));
+        for (v, arg) in args.iter().enumerate() {
+            let src = match gr.members.iter().position(|&x| x == arg.node) {
+                Some(j) => format!("m{j}"),
+                None => format!("x{}", gr.externals.iter().position(|e| e == arg)?),
+            };
+            s += &format!("      C v{v} = {src};\n");
+        }
+        s += &format!("      m{q} = {expr};\n    }}\n");
+    }
+    for (k, &m) in gr.materialize.iter().enumerate() {
+        let j = gr.members.iter().position(|&x| x == m)?;
+        s += &match g.nodes[m].dtype {
+            DType::U8 => format!("    o{k}[i] = (unsigned char)(m{j} != 0);\n"),
+            d => format!("    o{k}[i] = ({})m{j};\n", c_type(d)?),
+        };
+    }
+    s += "    }\n  }\n}\n";
+    Some(s)
+}
+
+fn warn_once(msg: &str) {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| eprintln!("kiln compile: {msg}; CPU fusion groups run in the interpreter"));
+}
+
+fn compiler() -> String {
+    std::env::var("KILN_CC").or_else(|_| std::env::var("CC")).unwrap_or_else(|_| "cc".into())
+}
+
+/// Whether native CPU kernels are wanted (`KILN_CPU_CODEGEN=0` turns them off).
+pub fn enabled() -> bool {
+    std::env::var("KILN_CPU_CODEGEN").map(|v| v != "0").unwrap_or(true)
+}
+
+fn cache_dir() -> PathBuf {
+    kiln_tensor::cache_dir("cpu").unwrap_or_else(|| std::env::temp_dir().join("kiln-cpu"))
+}
+
+/// The CPU features the code was built for (`-march=native`), part of the cache key.
+fn cpu_features() -> String {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let f = [
+            ("avx2", std::arch::is_x86_feature_detected!("avx2")),
+            ("fma", std::arch::is_x86_feature_detected!("fma")),
+            ("avx512f", std::arch::is_x86_feature_detected!("avx512f")),
+        ];
+        f.iter().filter(|x| x.1).map(|x| x.0).collect::<Vec<_>>().join(",")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    std::env::consts::ARCH.to_string()
+}
+
+/// Builds `src` into a shared library in the cache (unless it is there) and returns its path.
+fn build_library(src: &str) -> Result<PathBuf, String> {
+    let cc = compiler();
+    let key = fnv1a(format!("{src}\n// {cc} {} {}", FLAGS.join(" "), cpu_features()).as_bytes());
+    let dir = cache_dir();
+    let lib = dir.join(format!("kiln_{key:016x}.so"));
+    if lib.exists() {
+        return Ok(lib);
+    }
+    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    // Unique temporaries, renamed into place: concurrent builds never see a partial file.
+    let tmp = |ext: &str| dir.join(format!("kiln_{key:016x}.{}.{ext}", std::process::id()));
+    let (c_path, so_tmp) = (tmp("c"), tmp("so"));
+    std::fs::write(&c_path, src).map_err(|e| format!("cannot write {}: {e}", c_path.display()))?;
+    let out = std::process::Command::new(&cc)
+        .args(FLAGS)
+        .arg("-o")
+        .arg(&so_tmp)
+        .arg(&c_path)
+        .arg("-lm")
+        .output()
+        .map_err(|e| format!("cannot run the C compiler `{cc}`: {e}"))?;
+    let _ = std::fs::remove_file(&c_path);
+    if !out.status.success() {
+        return Err(format!("`{cc}` failed: {}", String::from_utf8_lossy(&out.stderr).lines().take(20).collect::<Vec<_>>().join("\n")));
+    }
+    std::fs::rename(&so_tmp, &lib).map_err(|e| format!("cannot move {} into the cache: {e}", so_tmp.display()))?;
+    Ok(lib)
+}
+
+fn load(path: &Path, names: &[Option<String>], g: &Graph, plan: &Plan) -> Result<NativeGroups, String> {
+    // SAFETY: the library is Kiln's own generated code, built just now or earlier from the
+    // same source (the file name is the source's hash); it has no initialisers.
+    let lib = unsafe { libloading::Library::new(path) }.map_err(|e| format!("cannot load {}: {e}", path.display()))?;
+    let mut groups = Vec::with_capacity(names.len());
+    for (gr, name) in plan.groups.iter().zip(names) {
+        groups.push(match name {
+            None => None,
+            Some(n) => {
+                // SAFETY: every function in the source has the `GroupFn` signature.
+                let f: GroupFn = unsafe { *lib.get::<GroupFn>(n.as_bytes()).map_err(|e| format!("{n}: {e}"))? };
+                Some(NativeGroup { f, own: own_inputs(g, gr) })
+            }
+        });
+    }
+    Ok(NativeGroups { groups, _lib: lib })
+}
+
+/// Native functions for the plan's groups, or None (interpreter) when there are none, they
+/// are turned off, or the compiler is missing or fails (warned once).
+pub fn build(g: &Graph, plan: &Plan) -> Option<NativeGroups> {
+    if plan.groups.is_empty() || !enabled() {
+        return None;
+    }
+    let mut src = PRELUDE.to_string();
+    let mut seen: Vec<u64> = Vec::new();
+    let names: Vec<Option<String>> = plan
+        .groups
+        .iter()
+        .map(|gr| {
+            // Identical groups (repeated layers) share one function, named by its body's hash.
+            let body = group_source(g, gr, "NAME")?;
+            let h = fnv1a(body.as_bytes());
+            let name = format!("kiln_cpu_{h:016x}");
+            if !seen.contains(&h) {
+                seen.push(h);
+                src += &body.replacen("NAME", &name, 1);
+            }
+            Some(name)
+        })
+        .collect();
+    crate::log::log("kernels", &format!("generated C for {} CPU groups:\n{src}", seen.len()));
+    match build_library(&src).and_then(|p| load(&p, &names, g, plan)) {
+        Ok(n) => Some(n),
+        Err(e) => {
+            warn_once(&e);
+            None
+        }
+    }
+}
