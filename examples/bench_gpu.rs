@@ -1,7 +1,7 @@
 //! The side-by-side benchmark's Kiln half: median step times of the comparison workloads
 //! (MLP 784-256-10 with CE + AdamW at batch 32 and 4096, nn.Transformer(512, 8) forward on
-//! (10, 32, 512), the GPT char-LM AdamW step in FP32 and BF16). Prints one JSON line per
-//! workload; benches/pytorch/compare.py joins them with PyTorch's and prints the table.
+//! (10, 32, 512), the GPT char-LM AdamW step in FP32, BF16 autocast and pure BF16). Prints
+//! one JSON line per workload; benches/pytorch/compare.py joins them with PyTorch's table.
 //!
 //!   cargo run --release --features cuda --example bench_gpu -- [--device cuda|cpu] [--only NAME] [--steps N]
 //!       [--modes eager,default,reduce-overhead,max-autotune]
@@ -191,7 +191,12 @@ fn main() -> Result<()> {
             report("gpt_fp32", "fp32", mode, gpt_step(dev, DType::F32, mode, steps.min(20))?, dev);
         }
         if want("gpt_bf16") {
-            report("gpt_bf16", "bf16 (params and compute)", mode, gpt_step(dev, DType::BF16, mode, steps.min(20))?, dev);
+            // Like torch.autocast: F32 parameters, BF16 products.
+            let _ac = kiln::tensor::Autocast::new(DType::BF16)?;
+            report("gpt_bf16", "bf16 autocast", mode, gpt_step(dev, DType::F32, mode, steps.min(20))?, dev);
+        }
+        if want("gpt_pure_bf16") {
+            report("gpt_pure_bf16", "bf16 (params and compute)", mode, gpt_step(dev, DType::BF16, mode, steps.min(20))?, dev);
         }
     }
     Ok(())

@@ -249,3 +249,73 @@ fn native_cpu_groups_match_eager_and_the_interpreter_bit_for_bit() -> Result<()>
     }
     Ok(())
 }
+
+/// Autocast (BF16): a product of F32 tensors is the product of their BF16 roundings, returned
+/// in F32 (rounded through BF16), and the weight's gradient is F32.
+#[test]
+fn autocast_multiplies_in_bf16_and_keeps_f32_parameters() -> Result<()> {
+    let x = Tensor::from_slice(&[1.0f32, 1.001, -2.0, 0.5, 3.0, 1.0 / 3.0], &[2, 3], Device::Cpu)?;
+    let w = Tensor::from_slice(&[0.1f32, 0.2, 0.3, -1.0, 1.0 / 7.0, 2.5], &[3, 2], Device::Cpu)?;
+    w.set_requires_grad(true);
+    let y = {
+        let _ac = kiln::tensor::Autocast::new(DType::BF16)?;
+        x.matmul(&w)?
+    };
+    assert_eq!(y.dtype(), DType::F32);
+    let bf = |v: f32| half::bf16::from_f32(v).to_f32();
+    let (xv, wv) = (x.to_vec::<f32>()?, w.to_vec::<f32>()?);
+    let mut want = vec![0f32; 4];
+    for i in 0..2 {
+        for j in 0..2 {
+            let acc: f32 = (0..3).map(|k| bf(xv[i * 3 + k]) * bf(wv[k * 2 + j])).sum();
+            want[i * 2 + j] = bf(acc);
+        }
+    }
+    assert_close("autocast product", &y.to_vec::<f32>()?, &want, 1e-6);
+    y.sum_all()?.backward()?;
+    let g = w.grad().expect("w has a gradient");
+    assert_eq!(g.dtype(), DType::F32, "the parameter's gradient stays F32");
+    // d(sum)/dw[k][j] = sum_i x[i][k], with x rounded to BF16 and the result rounded too.
+    let gw: Vec<f32> = (0..6).map(|kj| bf(bf(xv[kj / 2]) + bf(xv[3 + kj / 2]))).collect();
+    assert_close("autocast weight gradient", &g.to_vec::<f32>()?, &gw, 1e-6);
+    assert!(kiln::tensor::Autocast::new(DType::F64).is_err(), "autocast takes BF16 or F16 only");
+    Ok(())
+}
+
+/// A step traced under autocast matches the eager autocast step, and leaving autocast
+/// recompiles (the setting is part of the guard) instead of replaying BF16 products.
+#[test]
+fn compiled_autocast_matches_eager_and_is_keyed_by_the_setting() -> Result<()> {
+    let run = |compiled: bool| -> Result<(Vec<f32>, Vec<Vec<f32>>, usize, String)> {
+        kiln::tensor::rng::manual_seed(0);
+        let model = mlp(&[20, 32, 5], Device::Cpu)?;
+        let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr: 1e-2, ..AdamConfig::adamw() })?);
+        let mut f = mlp_step(&model, &opt);
+        let mut step = compile(Mode::Default, mlp_step(&model, &opt));
+        let (mut losses, mut ir) = (Vec::new(), String::new());
+        for i in 0..30 {
+            let (x, y) = data(i % 8, 16, 20, 5);
+            let _ac = (i < 20).then(|| kiln::tensor::Autocast::new(DType::BF16)).transpose()?;
+            let out = if compiled { step.call(&[&x, &y])? } else { f(&[x, y])? };
+            losses.push(out[0].item()? as f32);
+            if i == 19 {
+                ir = step.dump().unwrap_or_default();
+            }
+        }
+        let params = model.parameters().iter().map(|p| p.to_vec::<f32>()).collect::<Result<_>>()?;
+        Ok((losses, params, step.explain().graphs, ir))
+    };
+    let (le, pe, _, _) = run(false)?;
+    let (lc, pc, graphs, ir) = run(true)?;
+    // The same BF16 products. Eager AdamW takes its bias corrections from the host in f64,
+    // the compiled step computes them in f32; a BF16 rounding flipped by that differs by one
+    // BF16 ulp, which Adam's normalised update carries into the parameters.
+    assert_close("autocast losses", &lc, &le, 2e-3);
+    for (i, (a, b)) in pc.iter().zip(&pe).enumerate() {
+        assert_close(&format!("param {i}"), a, b, 1e-2);
+    }
+    let products: Vec<&str> = ir.lines().filter(|l| l.contains("= matmul")).collect();
+    assert!(!products.is_empty() && products.iter().all(|l| l.contains("BF16[")), "autocast graph multiplies in BF16:\n{ir}");
+    assert_eq!(graphs, 2, "one graph under autocast, one without");
+    Ok(())
+}

@@ -90,6 +90,25 @@ fn compiled_gpt_with_dropout_on_cuda_matches_eager_cuda_and_the_cpu_in_every_mod
     }
 }
 
+/// Autocast BF16 (F32 parameters, BF16 products on the tensor cores): compiled in every mode
+/// against eager CUDA under the same autocast, and its losses against the F32 CPU run within
+/// BF16's precision. Parameters get a looser bound than losses: the attention key bias has an
+/// exactly zero gradient in exact arithmetic (softmax ignores a shift shared by all keys), so
+/// its Adam steps follow rounding noise, which BF16 roundings change from run to run.
+#[test]
+fn compiled_gpt_under_bf16_autocast_matches_eager_cuda_in_every_mode() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    let cpu = train_gpt(Device::Cpu, None, 100);
+    let _ac = kiln::tensor::Autocast::new(DType::BF16).unwrap();
+    let eager = train_gpt(dev, None, 100);
+    assert_close("eager BF16 autocast vs F32 CPU: losses", &eager.losses, &cpu.losses, 3e-2);
+    for mode in MODES {
+        let run = train_gpt(dev, Some(mode), 100);
+        assert_runs_agree(&format!("{mode:?} autocast vs eager autocast"), &run, &eager, (2e-3, 5e-2));
+    }
+}
+
 #[test]
 fn a_smaller_last_batch_recompiles_on_cuda_and_stays_correct() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());

@@ -11,7 +11,7 @@ for path in sys.argv[1:]:
         line = line.strip()
         if line.startswith("{"):
             rows.append(json.loads(line))
-order = ["add_16M", "mlp_b32", "mlp_b4096", "transformer_fwd", "gpt_fp32", "gpt_bf16"]
+order = ["add_16M", "mlp_b32", "mlp_b4096", "transformer_fwd", "gpt_fp32", "gpt_bf16", "gpt_pure_bf16"]
 print("| workload | implementation | precision | median step | vs torch eager | compile | peak memory |")
 print("|---|---|---|---|---|---|---|")
 for w in order:

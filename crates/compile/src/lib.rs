@@ -76,11 +76,13 @@ impl Default for CompileOptions {
     }
 }
 
-/// What a compiled step is keyed by: each input's shape, dtype and device, and the mode.
+/// What a compiled step is keyed by: each input's shape, dtype and device, the mode and autocast.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct Signature {
     inputs: Vec<(Vec<usize>, DType, Device)>,
     mode: Mode,
+    /// `kiln_tensor::Autocast` at the call: a trace records its casts.
+    autocast: Option<DType>,
 }
 
 enum Entry {
@@ -175,7 +177,11 @@ where
     /// Runs one step. The returned tensors belong to the caller: later calls never change them.
     pub fn call(&mut self, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         self.calls += 1;
-        let sig = Signature { inputs: inputs.iter().map(|t| (t.shape().to_vec(), t.dtype(), t.device())).collect(), mode: self.opts.mode };
+        let sig = Signature {
+            inputs: inputs.iter().map(|t| (t.shape().to_vec(), t.dtype(), t.device())).collect(),
+            mode: self.opts.mode,
+            autocast: kiln_tensor::autocast_dtype(),
+        };
         let found = self.cache.iter().position(|(s, e)| *s == sig && guards_hold(e));
         match found {
             Some(k) if self.checked < self.opts.check_steps && matches!(self.cache[k].1, Entry::Graph(_)) => self.run_checked(k, inputs),

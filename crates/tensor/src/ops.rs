@@ -347,7 +347,12 @@ impl Tensor {
             (1, 1) => self.unsqueeze(0)?.matmul(&rhs.unsqueeze(1)?)?.reshape(&[0usize; 0]),
             (1, _) => self.unsqueeze(0)?.matmul(rhs)?.squeeze(-2i64),
             (_, 1) => self.matmul(&rhs.unsqueeze(1)?)?.squeeze(-1i64),
-            _ => Tensor::apply(Op::Matmul, &[self, rhs], self.device()),
+            _ => match crate::autocast_dtype() {
+                Some(low) if self.dtype() == DType::F32 && rhs.dtype() == DType::F32 => {
+                    Tensor::apply(Op::Matmul, &[&self.to_dtype(low)?, &rhs.to_dtype(low)?], self.device())?.to_dtype(DType::F32)
+                }
+                _ => Tensor::apply(Op::Matmul, &[self, rhs], self.device()),
+            },
         }
     }
 

@@ -82,6 +82,39 @@ pub fn set_grad_enabled(on: bool) -> bool {
     GRAD_ENABLED.with(|g| g.replace(on))
 }
 
+thread_local! {
+    static AUTOCAST: Cell<Option<DType>> = const { Cell::new(None) };
+}
+
+/// The dtype matrix products compute in on this thread (`Autocast`), if any.
+pub fn autocast_dtype() -> Option<DType> {
+    AUTOCAST.with(|a| a.get())
+}
+
+/// Mixed precision in the manner of `torch.autocast`, while the guard lives (on this thread):
+/// a matrix product of F32 tensors casts them to `dtype` (BF16 or F16), multiplies on the
+/// tensor cores with F32 accumulation and casts the result back to F32. Everything else keeps
+/// F32, parameters and their gradients included (the casts' backward returns F32 gradients).
+/// A compiled step traced under autocast records the casts, and is keyed by the setting.
+pub struct Autocast {
+    prev: Option<DType>,
+}
+
+impl Autocast {
+    pub fn new(dtype: DType) -> Result<Autocast> {
+        if !matches!(dtype, DType::BF16 | DType::F16) {
+            return Err(Error::Msg(format!("autocast: computes in BF16 or F16, not {dtype:?}")));
+        }
+        Ok(Autocast { prev: AUTOCAST.with(|a| a.replace(Some(dtype))) })
+    }
+}
+
+impl Drop for Autocast {
+    fn drop(&mut self) {
+        AUTOCAST.with(|a| a.set(self.prev));
+    }
+}
+
 /// Installs (or with `None` removes) this thread's tracer; returns the previous one.
 pub fn set_tracer(t: Option<Rc<dyn Tracer>>) -> Option<Rc<dyn Tracer>> {
     TRACER.with(|c| c.replace(t))
