@@ -286,7 +286,7 @@ fn autocast_multiplies_in_bf16_and_keeps_f32_parameters() -> Result<()> {
 /// recompiles (the setting is part of the guard) instead of replaying BF16 products.
 #[test]
 fn compiled_autocast_matches_eager_and_is_keyed_by_the_setting() -> Result<()> {
-    let run = |compiled: bool| -> Result<(Vec<f32>, Vec<Vec<f32>>, usize, String)> {
+    let run = |compiled: bool| -> Result<(common::Run, usize, String)> {
         kiln::tensor::rng::manual_seed(0);
         let model = mlp(&[20, 32, 5], Device::Cpu)?;
         let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr: 1e-2, ..AdamConfig::adamw() })?);
@@ -303,15 +303,16 @@ fn compiled_autocast_matches_eager_and_is_keyed_by_the_setting() -> Result<()> {
             }
         }
         let params = model.parameters().iter().map(|p| p.to_vec::<f32>()).collect::<Result<_>>()?;
-        Ok((losses, params, step.explain().graphs, ir))
+        Ok((common::Run { losses, params }, step.explain().graphs, ir))
     };
-    let (le, pe, _, _) = run(false)?;
-    let (lc, pc, graphs, ir) = run(true)?;
+    let (eager, _, _) = run(false)?;
+    let (compiled, graphs, ir) = run(true)?;
+    let (le, pe, lc, pc) = (&eager.losses, &eager.params, &compiled.losses, &compiled.params);
     // The same BF16 products. Eager AdamW takes its bias corrections from the host in f64,
     // the compiled step computes them in f32; a BF16 rounding flipped by that differs by one
     // BF16 ulp, which Adam's normalised update carries into the parameters.
-    assert_close("autocast losses", &lc, &le, 2e-3);
-    for (i, (a, b)) in pc.iter().zip(&pe).enumerate() {
+    assert_close("autocast losses", lc, le, 2e-3);
+    for (i, (a, b)) in pc.iter().zip(pe).enumerate() {
         assert_close(&format!("param {i}"), a, b, 1e-2);
     }
     let products: Vec<&str> = ir.lines().filter(|l| l.contains("= matmul")).collect();
