@@ -109,6 +109,30 @@ fn compiled_gpt_under_bf16_autocast_matches_eager_cuda_in_every_mode() {
     }
 }
 
+/// With fused attention on and no dropout the GPU's attention is the fused op (the CPU keeps
+/// the unfused ops): eager and compiled CUDA training match the CPU for 200 steps.
+#[test]
+fn gpt_with_fused_attention_on_cuda_matches_the_cpu_eager_and_compiled() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    let cpu = common::train_gpt_with(Device::Cpu, None, 200, 0.0);
+    kiln::nn::set_fused_attention(true);
+    // The switch takes the fused op (one autograd node for the whole attention).
+    let q = Tensor::rand_at(&[1, 2, 4, 8], Distribution::Normal, 5, 0, DType::F32, dev).unwrap();
+    q.set_requires_grad(true);
+    let masks = kiln::nn::AttnMasks { attn_mask: None, key_padding_mask: None, is_causal: true };
+    let out = kiln::nn::scaled_dot_product_attention(&q, &q, &q, &masks, 0.0).unwrap();
+    assert_eq!(out.grad_fn().map(|f| f.op.name()), Some("attention"));
+    let runs: Vec<(Option<Mode>, Run)> = [None, Some(Mode::Default), Some(Mode::ReduceOverhead)]
+        .into_iter()
+        .map(|m| (m, common::train_gpt_with(dev, m, 200, 0.0)))
+        .collect();
+    kiln::nn::set_fused_attention(false);
+    for (mode, run) in runs {
+        assert_runs_agree(&format!("{mode:?} fused attention vs CPU"), &run, &cpu, (2e-3, 5e-3));
+    }
+}
+
 #[test]
 fn a_smaller_last_batch_recompiles_on_cuda_and_stays_correct() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());

@@ -46,8 +46,13 @@ pub fn assert_runs_agree(what: &str, a: &Run, b: &Run, (lt, pt): (f32, f32)) {
 
 /// `steps` steps of a small GPT with dropout 0.1 on `dev`: eager (`mode` None) or compiled.
 pub fn train_gpt(dev: Device, mode: Option<Mode>, steps: u64) -> Run {
+    train_gpt_with(dev, mode, steps, 0.1)
+}
+
+/// `train_gpt` with another dropout (0: a GPU takes the fused attention kernel).
+pub fn train_gpt_with(dev: Device, mode: Option<Mode>, steps: u64, dropout: f64) -> Run {
     kiln::tensor::rng::manual_seed(7);
-    let cfg = GptConfig { vocab: 11, context: 8, d_model: 16, n_layer: 2, n_head: 2, dropout: 0.1, tied_head: false };
+    let cfg = GptConfig { vocab: 11, context: 8, d_model: 16, n_layer: 2, n_head: 2, dropout, tied_head: false };
     let model = Gpt::new(cfg, dev).unwrap();
     let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr: 3e-3, betas: (0.9, 0.95), ..AdamConfig::adamw() }).unwrap());
     let mut sched = WarmupCosine::new(3e-3, 10, steps as usize, 3e-4).unwrap();

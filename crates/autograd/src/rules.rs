@@ -161,6 +161,13 @@ pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Te
         Op::NormalizeBackward { .. } => {
             return Err(Error::Msg("backward: second derivatives through normalize are not supported".into()));
         }
+        Op::Attention { scale, causal } => {
+            let packed = inputs[0].attention_backward(&inputs[1], &inputs[2], out, g, *scale, *causal)?;
+            (0..3).map(|w| packed.narrow(0, w, 1)?.squeeze(0).map(Some)).collect::<Result<_>>()?
+        }
+        Op::AttentionBackward { .. } => {
+            return Err(Error::Msg("backward: second derivatives through attention are not supported".into()));
+        }
         Op::Matmul => {
             let (da, db) = matmul_rule(&inputs[0], &inputs[1], (needs[0], needs[1]), g)?;
             vec![da, db]

@@ -192,3 +192,25 @@ fn deep_chains_do_not_overflow_the_stack() -> Result<()> {
     assert_eq!(w.grad().unwrap().to_vec::<f64>()?, vec![1.0]);
     Ok(())
 }
+
+/// Fused attention: its gradients by finite differences, and its value against the unfused
+/// ops (scores, scaled causal softmax, product), on transposed views like a split of heads.
+#[test]
+fn fused_attention_matches_finite_differences_and_the_unfused_ops() -> Result<()> {
+    let qkv = || [randn(&[2, 5, 3], 30), randn(&[2, 5, 3], 31), randn(&[2, 5, 3], 32)];
+    for causal in [false, true] {
+        check("attention", |v| v[0].attention(&v[1], &v[2], 0.6, causal), &qkv());
+        // [T, B, D] views transposed to [B, T, D], as heads are split.
+        check(
+            "attention of views",
+            |v| v[0].transpose(0, 1)?.attention(&v[1].transpose(0, 1)?, &v[2].transpose(0, 1)?, 0.6, causal),
+            &qkv(),
+        );
+        let [q, k, v] = qkv();
+        let fused = q.attention(&k, &v, 0.6, causal)?.to_vec::<f64>()?;
+        let unfused = q.matmul(&k.transpose(1, 2)?)?.softmax_scaled(0.6, causal)?.matmul(&v)?.to_vec::<f64>()?;
+        let worst = fused.iter().zip(&unfused).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        assert!(worst < 1e-12, "fused vs unfused attention (causal {causal}): {worst}");
+    }
+    Ok(())
+}

@@ -113,13 +113,40 @@ impl MultiheadAttention {
     }
 }
 
-/// `softmax(q k^T / sqrt(D) + masks) v` over `[B, H, T, D]` inputs.
+static FUSED_ATTENTION: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(2);
+
+/// Whether `scaled_dot_product_attention` takes the fused attention op (`Tensor::attention`)
+/// on a GPU. Off by default: on the H200 its kernels are still slower than the unfused ops
+/// (cuBLAS products and the fused causal softmax) at the GPT shapes (BENCHMARKS.md).
+/// `KILN_FUSED_ATTENTION=1` turns it on for a run.
+pub fn set_fused_attention(on: bool) {
+    FUSED_ATTENTION.store(on as u8, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether the fused attention op is used: on a GPU, head dims up to 128, not F64.
+fn fused_attention_on(q: &Tensor) -> bool {
+    use std::sync::atomic::Ordering;
+    let mut on = FUSED_ATTENTION.load(Ordering::Relaxed);
+    if on == 2 {
+        on = std::env::var("KILN_FUSED_ATTENTION").is_ok_and(|v| v == "1") as u8;
+        FUSED_ATTENTION.store(on, Ordering::Relaxed);
+    }
+    on == 1 && q.device().is_cuda() && q.shape().last().is_some_and(|&d| d <= 128) && q.dtype() != DType::F64
+}
+
+/// `softmax(q k^T / sqrt(D) + masks) v` over `[B, H, T, D]` inputs; with no masks but the
+/// causal one and no dropout, one fused op on a GPU when `set_fused_attention` is on.
 pub fn scaled_dot_product_attention(q: &Tensor, k: &Tensor, v: &Tensor, masks: &AttnMasks, dropout_p: f64) -> Result<Tensor> {
     let (b, h, t, d) = (q.shape()[0], q.shape()[1], q.shape()[2], q.shape()[3]);
     let s = k.shape()[2];
     let scale = 1.0 / (d as f64).sqrt();
+    let plain = masks.attn_mask.is_none() && masks.key_padding_mask.is_none();
+    if plain && dropout_p == 0.0 && fused_attention_on(q) && k.shape() == q.shape() && v.shape() == q.shape() {
+        // One kernel each way; the [T, S] scores are never stored.
+        return q.attention(k, v, scale, masks.is_causal);
+    }
     let raw = q.matmul(&k.transpose(-2i64, -1)?)?;
-    if masks.is_causal && masks.attn_mask.is_none() && masks.key_padding_mask.is_none() {
+    if masks.is_causal && plain {
         // The common causal case: scale, mask and softmax in one kernel (and one backward).
         return dropout(&raw.softmax_scaled(scale, true)?, dropout_p, dropout_p > 0.0)?.matmul(v);
     }

@@ -14,7 +14,7 @@ pub mod state_dict;
 pub mod transformer;
 
 pub use activation::{Activation, Gelu, Relu, Silu, Tanh};
-pub use attention::{causal_mask, scaled_dot_product_attention, AttnMasks, MultiheadAttention};
+pub use attention::{causal_mask, scaled_dot_product_attention, set_fused_attention, AttnMasks, MultiheadAttention};
 pub use layers::{dropout, Dropout, Embedding, Layer, LayerNorm, Linear, RmsNorm, Sequential};
 pub use loss::{cross_entropy, cross_entropy_with, mse_loss, nll_loss, CrossEntropyConfig, Reduction};
 pub use state_dict::{load_state_dict, load_state_dict_from_bytes, save_state_dict, state_dict_to_bytes};

@@ -513,6 +513,19 @@ pub enum Op {
     NormalizeBackward {
         eps: f64,
     },
+    /// Scaled dot-product attention without storing the scores (flash-style): inputs q, k, v
+    /// of one shape `[.., T, D]`; `out = softmax(scale * q k^T) v`, where with `causal` key `j`
+    /// is left out of query `i`'s softmax when `j > i`.
+    Attention {
+        scale: f64,
+        causal: bool,
+    },
+    /// The gradients of `Attention` (inputs q, k, v, its output, the output's gradient),
+    /// packed as `[3, .., T, D]`: dq, dk, dv.
+    AttentionBackward {
+        scale: f64,
+        causal: bool,
+    },
     // Contractions.
     /// Batched matrix product `[..., m, k] x [..., k, n]` with broadcast batch dims.
     Matmul,
@@ -586,6 +599,8 @@ impl Op {
             Op::Softmax { log: true, .. } => "log_softmax",
             Op::Normalize { .. } => "normalize",
             Op::NormalizeBackward { .. } => "normalize_backward",
+            Op::Attention { .. } => "attention",
+            Op::AttentionBackward { .. } => "attention_backward",
             Op::Matmul => "matmul",
             Op::Reshape(_) => "reshape",
             Op::Permute(_) => "permute",
@@ -621,6 +636,8 @@ impl Op {
             Op::Unary(_) | Op::Scalar { .. } | Op::Cast(_) | Op::Reduce { .. } | Op::UpdateScalar(..) | Op::Softmax { .. } => 1,
             Op::Normalize { .. } => 1,
             Op::NormalizeBackward { .. } => 2,
+            Op::Attention { .. } => 3,
+            Op::AttentionBackward { .. } => 5,
             Op::Reshape(_) | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_) | Op::Contiguous => 1,
             Op::Binary(_) | Op::Matmul | Op::IndexSelect { .. } | Op::Gather { .. } => 2,
             Op::Assign | Op::UpdateBinary(_) => 2,
@@ -715,6 +732,24 @@ impl Op {
                     return Err(Error::shape(name, "needs rank >= 1, got a scalar".to_string()));
                 }
                 meta(inputs[0].shape.to_vec(), inputs[0].dtype)
+            }
+            Op::Attention { .. } | Op::AttentionBackward { .. } => {
+                let q = inputs[0].shape;
+                float_only(inputs[0].dtype)?;
+                if q.len() < 2 {
+                    return Err(Error::shape(name, format!("needs q, k, v of rank >= 2, got {q:?}")));
+                }
+                for x in &inputs[1..] {
+                    same_dtype(inputs[0].dtype, x.dtype)?;
+                    if x.shape != q {
+                        return Err(Error::shape(
+                            name,
+                            format!("needs q, k, v (and output, gradient) of one shape, got {q:?} and {:?}", x.shape),
+                        ));
+                    }
+                }
+                let shape = if inputs.len() == 5 { [&[3], q].concat() } else { q.to_vec() };
+                meta(shape, inputs[0].dtype)
             }
             Op::Matmul => {
                 let (a, b) = (inputs[0].shape, inputs[1].shape);

@@ -323,6 +323,25 @@ impl Tensor {
     pub fn normalize_backward(&self, g: &Tensor, eps: f64) -> Result<Tensor> {
         Tensor::apply(Op::NormalizeBackward { eps }, &[self, g], self.device())
     }
+    /// Scaled dot-product attention as one op (flash-style: the `[T, T]` scores are never
+    /// stored): `softmax(scale * self k^T) v` over `[.., T, D]` inputs of one shape, with
+    /// `causal` leaving key `j` out of query `i` when `j > i`. Under `Autocast`, F32 inputs
+    /// are computed in the low dtype and the result is F32, as for `matmul`.
+    pub fn attention(&self, k: &Tensor, v: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
+        let op = Op::Attention { scale, causal };
+        match crate::autocast_dtype() {
+            Some(low) if [self, k, v].iter().all(|t| t.dtype() == DType::F32) => {
+                let (q, k, v) = (self.to_dtype(low)?, k.to_dtype(low)?, v.to_dtype(low)?);
+                Tensor::apply(op, &[&q, &k, &v], self.device())?.to_dtype(DType::F32)
+            }
+            _ => Tensor::apply(op, &[self, k, v], self.device()),
+        }
+    }
+    /// The gradients of `attention` (q = self, then k, v, its output `o` and the output's
+    /// gradient `g`), packed as `[3, .., T, D]`: dq, dk, dv.
+    pub fn attention_backward(&self, k: &Tensor, v: &Tensor, o: &Tensor, g: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
+        Tensor::apply(Op::AttentionBackward { scale, causal }, &[self, k, v, o, g], self.device())
+    }
     /// `softmax(scale * x)` over the last dim, optionally with attention's causal mask (entry
     /// `j` of row `i` of each trailing `[T, S]` matrix dropped when `j > i`), in one kernel.
     pub fn softmax_scaled(&self, scale: f64, causal: bool) -> Result<Tensor> {

@@ -138,6 +138,15 @@ fn every_reduction_and_index_kernel_compiles() {
             check(&s, &n, &mut fails);
         }
     }
+    use kiln_tensor::cuda::codegen::{attention_source, AttnKernel};
+    for d in [DType::F32, DType::F16, DType::BF16] {
+        for kind in [AttnKernel::Fwd, AttnKernel::Dq, AttnKernel::Dk, AttnKernel::Dv] {
+            for (hd, causal) in [(64, true), (32, false), (128, true)] {
+                let (s, n) = attention_source(kind, d, hd, causal);
+                check(&s, &n, &mut fails);
+            }
+        }
+    }
     for d in [DType::F32, DType::F64] {
         for kind in [IndexKind::Add, IndexKind::ScatterAdd] {
             let (s, n) = Index { kind, dtype: d }.source();

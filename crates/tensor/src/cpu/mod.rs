@@ -1,6 +1,7 @@
 //! CPU kernels. `run` executes one primitive op on CPU storages; each op's kernel lives in the
 //! file for its kind (elementwise, reduce, matmul, index).
 
+pub mod attention;
 pub mod elementwise;
 pub mod index;
 pub mod matmul;
@@ -215,6 +216,31 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
                 Ok(reduce::normalize(&contig(x, l), Some(&g), l.shape[l.rank() - 1], eps))
             }
             with_cpu!(s, v => go(v, l, sg, lg, *eps)?.into_storage())
+        }
+        Op::Attention { scale, causal } | Op::AttentionBackward { scale, causal } => {
+            let (s0, l0) = ins[0];
+            let r = l0.rank();
+            let spec = attention::AttnSpec {
+                n: l0.shape[..r - 2].iter().product(),
+                t: l0.shape[r - 2],
+                d: l0.shape[r - 1],
+                scale: *scale,
+                causal: *causal,
+            };
+            // `_like` fixes the element type from the first input.
+            fn go<T: CpuSlice>(
+                _like: &[T],
+                ins: &[(&CpuStorage, &Layout)],
+                spec: attention::AttnSpec,
+                name: &'static str,
+            ) -> Result<Vec<T>> {
+                let x: Vec<Cow<[T]>> = ins.iter().map(|(s, l)| Ok(contig(typed::<T>(s, name)?, l))).collect::<Result<_>>()?;
+                Ok(match x.len() {
+                    3 => attention::forward(&x[0], &x[1], &x[2], spec),
+                    _ => attention::backward(&x[0], &x[1], &x[2], &x[4], spec),
+                })
+            }
+            with_cpu!(s0, v => go(v, ins, spec, name)?.into_storage())
         }
         Op::Matmul => {
             let ((sa, la), (sb, lb)) = (ins[0], ins[1]);

@@ -826,3 +826,157 @@ pub fn fused_module(kernels: &[FusedKernel]) -> Result<String, String> {
     }
     Ok(s)
 }
+
+/// The kernels of fused attention over dense `[n, T, D]` buffers (`Op::Attention` and its
+/// backward). A group of `attn_lanes(D)` neighbouring threads owns one row (a query for `Fwd`
+/// and `Dq`, a key for `Dk` and `Dv`), each lane a slice of 16 or more of its D columns in
+/// registers (so a row never spills), and dot products are summed across the group with
+/// shuffles. Blocks of 64 rows stream the other side through shared memory in tiles of
+/// `ATTN_TILE` rows. The `[T, T]` scores are never stored: the forward keeps a running max and
+/// sum (online softmax); `Dq` recomputes each row's log-sum-exp `L` and `Dsum = g . o` and
+/// stores them (`stats`) for `Dk` and `Dv`, which recompute `p = exp(scale q.k - L)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AttnKernel {
+    Fwd,
+    Dq,
+    Dk,
+    Dv,
+}
+
+/// Rows per block of the attention kernels, and rows per shared-memory tile.
+pub const ATTN_ROWS: usize = 64;
+pub const ATTN_TILE: usize = 32;
+/// The largest head dim the attention kernels take.
+pub const ATTN_MAX_D: usize = 128;
+
+/// Threads sharing one row of head dim `d`: slices of at least 16 columns.
+pub fn attn_lanes(d: usize) -> usize {
+    [8, 4, 2].into_iter().find(|&g| d % g == 0 && d / g >= 16).unwrap_or(1)
+}
+
+pub fn attention_source(kind: AttnKernel, dtype: DType, d: usize, causal: bool) -> (String, String) {
+    let t = storage_type(dtype);
+    let name = format!(
+        "k_attn_{}_{}_d{d}{}",
+        format!("{kind:?}").to_lowercase(),
+        format!("{dtype:?}").to_lowercase(),
+        if causal { "_causal" } else { "" }
+    );
+    let (rows, tile, g) = (ATTN_ROWS, ATTN_TILE, attn_lanes(d));
+    let mut s = format!(
+        "{PRELUDE}\n#define D {d}\n#define G {g}\n#define DP {}\n#define KT {tile}\n#define ROWS {rows}\n#define CAUSAL {}\n",
+        d / g,
+        causal as i32
+    );
+    s += "#define NEG_INF __int_as_float(0xff800000)\n";
+    s += "#define KEND (CAUSAL ? (T < (long long)(blockIdx.x + 1) * ROWS ? T : (long long)(blockIdx.x + 1) * ROWS) : T)\n";
+    // A lane's partial dot product over its slice, then the group's sum (every lane gets it).
+    s += "__device__ __forceinline__ float dotp(const float* a, const float* b) {\n  float acc = 0.f;\n#pragma unroll\n  for (int c = 0; c < DP; ++c) acc += a[c] * b[c];\n  return acc;\n}\n";
+    s += "__device__ __forceinline__ float gsum(float x, unsigned mask) {\n#pragma unroll\n  for (int o = G / 2; o > 0; o >>= 1) x += __shfl_xor_sync(mask, x, o);\n  return x;\n}\n";
+    // The thread's row, its batch matrix's base, its column slice, its group's lane mask.
+    let head = "  const long long base = (long long)blockIdx.y * T * D, i = (long long)blockIdx.x * ROWS + threadIdx.x / G;\n  const int col = (threadIdx.x % G) * DP;\n  const bool live = i < T;\n  const unsigned mask = G == 32 ? 0xffffffffu : ((1u << G) - 1u) << ((threadIdx.x & 31) & ~(G - 1));\n";
+    // Loads rows r0.. of up to two [T, D] buffers into shared tiles (zeros past T).
+    let load = |a: &str, b: Option<&str>| {
+        let mut l = "    __syncthreads();\n    for (int e = threadIdx.x; e < KT * D; e += ROWS * G) {\n      const int r = e / D, c = e % D; const long long j = r0 + r;\n".to_string();
+        l += &format!("      {a}s[r][c] = j < T ? (float)ld({a}[base + j * D + c]) : 0.f;\n");
+        if let Some(b) = b {
+            l += &format!("      {b}s[r][c] = j < T ? (float)ld({b}[base + j * D + c]) : 0.f;\n");
+        }
+        l += "    }\n";
+        l
+    };
+    let sync = "    __syncthreads();\n";
+    let row = |name: &str, src: &str, scale: &str| {
+        format!("  float {name}[DP];\n#pragma unroll\n  for (int c = 0; c < DP; ++c) {name}[c] = live ? (float){scale}ld({src}[base + i * D + col + c]) : 0.f;\n")
+    };
+    let zeros = "  float acc[DP];\n#pragma unroll\n  for (int c = 0; c < DP; ++c) acc[c] = 0.f;\n";
+    let dot = |a: &str, b: &str| format!("gsum(dotp({a}, {b}), mask)");
+    // Queries stream over keys 0..KEND (causal: up to the block's last row); a row keeps keys j <= i.
+    let key_loop = "  for (long long r0 = 0; r0 < KEND; r0 += KT) {\n";
+    let key_count = "    long long jn = T - r0 < KT ? T - r0 : KT;\n    if (CAUSAL) jn = i - r0 + 1 < jn ? i - r0 + 1 : jn;\n    if (!live || jn < 0) jn = 0;\n";
+    let store = |dst: &str, val: &str| {
+        format!("  if (live) {{\n#pragma unroll\n    for (int c = 0; c < DP; ++c) st(&{dst}[base + i * D + col + c], {val});\n  }}\n")
+    };
+    match kind {
+        AttnKernel::Fwd => {
+            s += &format!("extern \"C\" __global__ void {name}({t}* __restrict__ o, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, long long T, float scale) {{\n");
+            s += "  __shared__ float ks[KT][D], vs[KT][D];\n";
+            s += head;
+            s += &row("qr", "q", "scale * (float)");
+            s += zeros;
+            s += "  float m = NEG_INF, l = 0.f;\n";
+            s += key_loop;
+            s += &load("k", Some("v"));
+            s += sync;
+            s += key_count;
+            s += "    for (int u0 = 0; u0 < jn; u0 += 8) {\n      float sc[8]; float mt = m;\n";
+            s += &format!("#pragma unroll\n      for (int u = 0; u < 8; ++u) {{ const float x = {}; sc[u] = u0 + u < jn ? x : NEG_INF; mt = fmaxf(mt, sc[u]); }}\n", dot("qr", "ks[u0 + u] + col"));
+            s += "      const float corr = expf(m - mt); l *= corr;\n#pragma unroll\n      for (int c = 0; c < DP; ++c) acc[c] *= corr;\n";
+            s += "#pragma unroll\n      for (int u = 0; u < 8; ++u) {\n        const float p = expf(sc[u] - mt); l += p;\n";
+            s += "#pragma unroll\n        for (int c = 0; c < DP; ++c) acc[c] += p * vs[u0 + u][col + c];\n      }\n      m = mt;\n    }\n  }\n";
+            s += "  const float inv = 1.f / l;\n";
+            s += &store("o", "acc[c] * inv");
+            s += "}\n";
+        }
+        AttnKernel::Dq => {
+            s += &format!("extern \"C\" __global__ void {name}({t}* __restrict__ dq, float* __restrict__ stats, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, const {t}* __restrict__ o, const {t}* __restrict__ g, long long T, float scale) {{\n");
+            s += "  __shared__ float ks[KT][D], vs[KT][D];\n";
+            s += head;
+            s += &row("qr", "q", "scale * (float)");
+            s += &row("gr", "g", "(float)");
+            s += &row("orow", "o", "(float)");
+            s += &format!("  const float dsum = {};\n", dot("gr", "orow"));
+            // Pass 1: the row's log-sum-exp.
+            s += "  float m = NEG_INF, l = 0.f;\n";
+            s += key_loop;
+            s += &load("k", None);
+            s += sync;
+            s += key_count;
+            s += &format!("    for (int u = 0; u < jn; ++u) {{ const float x = {}; const float mt = fmaxf(m, x); l = l * expf(m - mt) + expf(x - mt); m = mt; }}\n  }}\n", dot("qr", "ks[u] + col"));
+            s += "  const float L = m + logf(l);\n";
+            s += zeros;
+            // Pass 2: dq = scale * sum_j p (g.v_j - Dsum) k_j.
+            s += key_loop;
+            s += &load("k", Some("v"));
+            s += sync;
+            s += key_count;
+            s += &format!(
+                "    for (int u = 0; u < jn; ++u) {{\n      const float p = expf({} - L);\n      const float ds = p * ({} - dsum);\n",
+                dot("qr", "ks[u] + col"),
+                dot("gr", "vs[u] + col")
+            );
+            s += "#pragma unroll\n      for (int c = 0; c < DP; ++c) acc[c] += ds * ks[u][col + c];\n    }\n  }\n";
+            s += &store("dq", "acc[c] * scale");
+            s += "  if (live && threadIdx.x % G == 0) { const long long at = ((long long)blockIdx.y * T + i) * 2; stats[at] = L; stats[at + 1] = dsum; }\n}\n";
+        }
+        AttnKernel::Dk | AttnKernel::Dv => {
+            let dk = kind == AttnKernel::Dk;
+            let out = if dk { "dk" } else { "dv" };
+            s += &format!("extern \"C\" __global__ void {name}({t}* __restrict__ {out}, const float* __restrict__ stats, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, const {t}* __restrict__ g, long long T, float scale) {{\n");
+            s += "  __shared__ float qs[KT][D], gs[KT][D], Ls[KT], Ds[KT];\n";
+            // Here `i` is this row's key; queries r0 + r >= i see it (causal).
+            s += head;
+            s += &row("kr", "k", "scale * (float)");
+            if dk {
+                s += &row("vr", "v", "(float)");
+            }
+            s += zeros;
+            s += "  for (long long r0 = CAUSAL ? (long long)blockIdx.x * ROWS : 0; r0 < T; r0 += KT) {\n";
+            s += &load("q", Some("g"));
+            s += "    for (int r = threadIdx.x; r < KT; r += ROWS * G) {\n      const long long j = r0 + r, at = ((long long)blockIdx.y * T + j) * 2;\n      Ls[r] = j < T ? stats[at] : 0.f; Ds[r] = j < T ? stats[at + 1] : 0.f;\n    }\n";
+            s += sync;
+            s += "    const long long qn = T - r0 < KT ? T - r0 : KT;\n    if (!live) continue;\n";
+            s += "    for (int r = 0; r < qn; ++r) {\n      if (CAUSAL && r0 + r < i) continue;\n";
+            s += &format!("      const float p = expf({} - Ls[r]);\n", dot("qs[r] + col", "kr"));
+            if dk {
+                s += &format!("      const float ds = p * ({} - Ds[r]);\n#pragma unroll\n      for (int c = 0; c < DP; ++c) acc[c] += ds * qs[r][col + c];\n", dot("gs[r] + col", "vr"));
+            } else {
+                s += "#pragma unroll\n      for (int c = 0; c < DP; ++c) acc[c] += p * gs[r][col + c];\n";
+            }
+            s += "    }\n  }\n";
+            s += &store(out, if dk { "acc[c] * scale" } else { "acc[c]" });
+            s += "}\n";
+        }
+    }
+    (s, name)
+}

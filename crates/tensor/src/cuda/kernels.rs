@@ -232,6 +232,8 @@ pub fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, devic
         Op::Softmax { log, scale, causal } => softmax(&g, x[0], (*log, *scale, *causal))?,
         Op::Normalize { eps } => normalize(&g, x[0], None, *eps)?,
         Op::NormalizeBackward { eps } => normalize(&g, x[0], Some(x[1]), *eps)?,
+        Op::Attention { scale, causal } => attention(&g, &x, *scale, *causal, false)?,
+        Op::AttentionBackward { scale, causal } => attention(&g, &x, *scale, *causal, true)?,
         Op::Matmul => super::blas::matmul(&g, x[0], x[1], meta)?,
         Op::IndexSelect { dim } => index_read(&g, IndexKind::Select, x[0], x[1], *dim, meta)?,
         Op::Gather { dim } => index_read(&g, IndexKind::Gather, x[0], x[1], *dim, meta)?,
@@ -375,6 +377,65 @@ fn reduce_into(g: &Arc<Gpu>, op: ReduceOp, s: &CudaStorage, l: &Layout, dims: &[
 }
 
 /// Softmax over the last dim of `s` read through `l`, into a contiguous buffer.
+/// Fused attention over dense copies of the inputs (`codegen::attention_source`): the
+/// forward, or the backward's dq, dk and dv packed into one `[3, .., T, D]` buffer.
+fn attention(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], scale: f64, causal: bool, backward: bool) -> Result<CudaStorage> {
+    use super::codegen::{attention_source, attn_lanes, AttnKernel, ATTN_MAX_D, ATTN_ROWS};
+    let (s0, l0) = x[0];
+    let r = l0.rank();
+    let (n, t, d) = (l0.shape[..r - 2].iter().product::<usize>(), l0.shape[r - 2], l0.shape[r - 1]);
+    let dtype = s0.dtype;
+    if d > ATTN_MAX_D || n > 65535 || !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+        return Err(Error::Msg(format!(
+            "attention on CUDA: {:?} in {dtype:?} is not supported (head dim at most {ATTN_MAX_D}, at most 65535 batch matrices, f32/f16/bf16); use the unfused ops",
+            l0.shape
+        )));
+    }
+    let len = n * t * d;
+    let out = CudaStorage::alloc(g, dtype, if backward { 3 * len } else { len })?;
+    if len == 0 {
+        return Ok(out);
+    }
+    let dense: Vec<Dense> = x.iter().map(|(s, l)| dense(g, s, l)).collect::<Result<_>>()?;
+    let mut p: Vec<u64> = dense.iter().map(|d| d.get().buf.ptr).collect();
+    let (mut tt, mut sc) = (t as i64, scale as f32);
+    let grid = (t.div_ceil(ATTN_ROWS) as u32, n as u32);
+    let threads = (ATTN_ROWS * attn_lanes(d)) as u32;
+    let kernel = |kind| g.kernel(super::spec_key("attention", &(kind, dtype, d, causal)), || attention_source(kind, dtype, d, causal));
+    let bytes = (len * dtype.size_in_bytes()) as u64;
+    let (mut o0, mut o1, mut o2) = (out.buf.ptr, out.buf.ptr + bytes, out.buf.ptr + 2 * bytes);
+    let (ti, si) = (&mut tt as *mut i64 as *mut c_void, &mut sc as *mut f32 as *mut c_void);
+    if !backward {
+        let k = kernel(AttnKernel::Fwd)?;
+        let [q, kk, v] = &mut p[..] else { return Err(Error::Msg("attention: expected q, k, v".into())) };
+        let mut params: [*mut c_void; 6] = [&mut o0 as *mut u64 as _, q as *mut u64 as _, kk as *mut u64 as _, v as *mut u64 as _, ti, si];
+        // SAFETY: (out, q, k, v, T, scale) matches the generated signature; every buffer is
+        // dense [n, T, D] (the output too), and the grid covers n x T rows.
+        unsafe { g.launch(k, grid, threads, 0, &mut params)? };
+        return Ok(out);
+    }
+    let stats = CudaStorage::alloc(g, DType::F32, n * t * 2)?;
+    let mut sp = stats.buf.ptr;
+    let [q, kk, v, o, gr] = &mut p[..] else { return Err(Error::Msg("attention_backward: expected q, k, v, out, grad".into())) };
+    let (q, kk, v, o, gr) =
+        (q as *mut u64 as *mut c_void, kk as *mut u64 as _, v as *mut u64 as _, o as *mut u64 as _, gr as *mut u64 as _);
+    let sp = &mut sp as *mut u64 as *mut c_void;
+    let mut dq: [*mut c_void; 9] = [&mut o0 as *mut u64 as _, sp, q, kk, v, o, gr, ti, si];
+    let mut dk: [*mut c_void; 8] = [&mut o1 as *mut u64 as _, sp, q, kk, v, gr, ti, si];
+    let mut dv: [*mut c_void; 8] = [&mut o2 as *mut u64 as _, sp, q, kk, v, gr, ti, si];
+    let (kq, kk_, kv) = (kernel(AttnKernel::Dq)?, kernel(AttnKernel::Dk)?, kernel(AttnKernel::Dv)?);
+    // SAFETY: each parameter list matches its generated signature; the inputs are dense
+    // [n, T, D], the output holds dq, dk, dv one after the other, `stats` holds 2 floats per
+    // row (written by the dq kernel, read by the later two on the same stream).
+    unsafe {
+        g.launch(kq, grid, threads, 0, &mut dq)?;
+        g.launch(kk_, grid, threads, 0, &mut dk)?;
+        g.launch(kv, grid, threads, 0, &mut dv)?;
+    }
+    drop(stats);
+    Ok(out)
+}
+
 fn softmax(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), (log, scale, causal): (bool, f64, bool)) -> Result<CudaStorage> {
     let out = CudaStorage::alloc(g, s.dtype, l.numel())?;
     let r = l.rank();

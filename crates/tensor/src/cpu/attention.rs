@@ -1,0 +1,92 @@
+//! Scaled dot-product attention on the CPU, one query row at a time with f64 sums (the
+//! reference the CUDA kernels are tested against). Inputs are dense `[n, t, d]`.
+
+use crate::Element;
+use rayon::prelude::*;
+
+/// The sizes of a dense `[n, t, d]` attention problem and its options.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnSpec {
+    pub n: usize,
+    pub t: usize,
+    pub d: usize,
+    pub scale: f64,
+    pub causal: bool,
+}
+
+impl AttnSpec {
+    /// Keys that query `i` attends to.
+    fn keys(&self, i: usize) -> usize {
+        if self.causal {
+            i + 1
+        } else {
+            self.t
+        }
+    }
+
+    /// Query `i`'s softmax probabilities over its keys in the batch matrix at `base`.
+    fn probs<T: Element>(&self, q: &[T], k: &[T], base: usize, i: usize) -> Vec<f64> {
+        let d = self.d;
+        let qi = &q[base + i * d..base + (i + 1) * d];
+        let mut p: Vec<f64> = (0..self.keys(i))
+            .map(|j| self.scale * qi.iter().zip(&k[base + j * d..base + (j + 1) * d]).map(|(a, b)| a.to_f64() * b.to_f64()).sum::<f64>())
+            .collect();
+        let m = p.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        p.iter_mut().for_each(|x| *x = (*x - m).exp());
+        let l: f64 = p.iter().sum();
+        p.iter_mut().for_each(|x| *x /= l);
+        p
+    }
+}
+
+/// `softmax(scale q k^T) v` for every batch matrix.
+pub fn forward<T: Element>(q: &[T], k: &[T], v: &[T], s: AttnSpec) -> Vec<T> {
+    let (t, d) = (s.t, s.d);
+    let mut out = vec![T::zero(); s.n * t * d];
+    out.par_chunks_mut(d.max(1)).enumerate().for_each(|(row, o)| {
+        let (base, i) = ((row / t) * t * d, row % t);
+        let p = s.probs(q, k, base, i);
+        for (c, oc) in o.iter_mut().enumerate() {
+            *oc = T::from_f64(p.iter().enumerate().map(|(j, pj)| pj * v[base + j * d + c].to_f64()).sum());
+        }
+    });
+    out
+}
+
+/// dq, dk, dv packed as `[3, n, t, d]`, from the output's gradient `g`.
+pub fn backward<T: Element>(q: &[T], k: &[T], v: &[T], g: &[T], s: AttnSpec) -> Vec<T> {
+    let (t, d) = (s.t, s.d);
+    let per = t * d;
+    let grads: Vec<[Vec<f64>; 3]> = (0..s.n)
+        .into_par_iter()
+        .map(|b| {
+            let base = b * per;
+            let (mut dq, mut dk, mut dv) = (vec![0f64; per], vec![0f64; per], vec![0f64; per]);
+            for i in 0..t {
+                let p = s.probs(q, k, base, i);
+                let gi = &g[base + i * d..base + (i + 1) * d];
+                let dp: Vec<f64> = (0..p.len())
+                    .map(|j| gi.iter().zip(&v[base + j * d..base + (j + 1) * d]).map(|(a, b)| a.to_f64() * b.to_f64()).sum())
+                    .collect();
+                let dsum: f64 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
+                for j in 0..p.len() {
+                    let ds = s.scale * p[j] * (dp[j] - dsum);
+                    for c in 0..d {
+                        dq[i * d + c] += ds * k[base + j * d + c].to_f64();
+                        dk[j * d + c] += ds * q[base + i * d + c].to_f64();
+                        dv[j * d + c] += p[j] * gi[c].to_f64();
+                    }
+                }
+            }
+            [dq, dk, dv]
+        })
+        .collect();
+    let mut out = vec![T::zero(); 3 * s.n * per];
+    for (b, gr) in grads.iter().enumerate() {
+        for (w, x) in gr.iter().enumerate() {
+            let at = w * s.n * per + b * per;
+            out[at..at + per].iter_mut().zip(x).for_each(|(o, &y)| *o = T::from_f64(y));
+        }
+    }
+    out
+}
