@@ -235,8 +235,11 @@ fn build_library(src: &str) -> Result<PathBuf, String> {
         return Ok(lib);
     }
     std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-    // Unique temporaries, renamed into place: concurrent builds never see a partial file.
-    let tmp = |ext: &str| dir.join(format!("kiln_{key:016x}.{}.{ext}", std::process::id()));
+    // Temporaries unique to this process and build, renamed into place: concurrent builds
+    // (other processes, or other threads compiling the same graph) never see a partial file.
+    static BUILDS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let build = BUILDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = |ext: &str| dir.join(format!("kiln_{key:016x}.{}.{build}.{ext}", std::process::id()));
     let (c_path, so_tmp) = (tmp("c"), tmp("so"));
     std::fs::write(&c_path, src).map_err(|e| format!("cannot write {}: {e}", c_path.display()))?;
     let out = std::process::Command::new(&cc)
