@@ -206,56 +206,71 @@ pub fn enabled() -> bool {
     std::env::var("KILN_CPU_CODEGEN").map(|v| v != "0").unwrap_or(true)
 }
 
-fn cache_dir() -> PathBuf {
-    kiln_tensor::cache_dir("cpu").unwrap_or_else(|| std::env::temp_dir().join("kiln-cpu"))
+/// The CPU the code is built for (`-march=native`), part of the cache key: the feature flags
+/// and model from /proc/cpuinfo where there is one (a cache shared by two kinds of CPU must
+/// not hand one the other's instructions), else the features Rust detects.
+fn cpu_identity() -> String {
+    static ID: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    ID.get_or_init(|| {
+        let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let pick = |key: &str| info.lines().find(|l| l.starts_with(key)).unwrap_or("").to_string();
+        let mut id = format!("{} {} {}", std::env::consts::ARCH, pick("model name"), pick("flags"));
+        id += &pick("Features"); // aarch64
+        #[cfg(target_arch = "x86_64")]
+        for (name, on) in
+            [("avx2", std::arch::is_x86_feature_detected!("avx2")), ("avx512f", std::arch::is_x86_feature_detected!("avx512f"))]
+        {
+            id += &format!(" {name}={on}");
+        }
+        id
+    })
+    .clone()
 }
 
-/// The CPU features the code was built for (`-march=native`), part of the cache key.
-fn cpu_features() -> String {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let f = [
-            ("avx2", std::arch::is_x86_feature_detected!("avx2")),
-            ("fma", std::arch::is_x86_feature_detected!("fma")),
-            ("avx512f", std::arch::is_x86_feature_detected!("avx512f")),
-        ];
-        f.iter().filter(|x| x.1).map(|x| x.0).collect::<Vec<_>>().join(",")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    std::env::consts::ARCH.to_string()
-}
-
-/// Builds `src` into a shared library in the cache (unless it is there) and returns its path.
-fn build_library(src: &str) -> Result<PathBuf, String> {
-    let cc = compiler();
-    let key = fnv1a(format!("{src}\n// {cc} {} {}", FLAGS.join(" "), cpu_features()).as_bytes());
-    let dir = cache_dir();
-    let lib = dir.join(format!("kiln_{key:016x}.so"));
-    if lib.exists() {
-        return Ok(lib);
-    }
-    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-    // Temporaries unique to this process and build, renamed into place: concurrent builds
-    // (other processes, or other threads compiling the same graph) never see a partial file.
-    static BUILDS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let build = BUILDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let tmp = |ext: &str| dir.join(format!("kiln_{key:016x}.{}.{build}.{ext}", std::process::id()));
-    let (c_path, so_tmp) = (tmp("c"), tmp("so"));
-    std::fs::write(&c_path, src).map_err(|e| format!("cannot write {}: {e}", c_path.display()))?;
-    let out = std::process::Command::new(&cc)
-        .args(FLAGS)
-        .arg("-o")
-        .arg(&so_tmp)
-        .arg(&c_path)
-        .arg("-lm")
-        .output()
-        .map_err(|e| format!("cannot run the C compiler `{cc}`: {e}"))?;
-    let _ = std::fs::remove_file(&c_path);
+/// Compiles `src` into `so` (unique temporary names, removed whatever happens).
+fn compile_to(cc: &str, src: &str, c_path: &Path, so: &Path) -> Result<(), String> {
+    std::fs::write(c_path, src).map_err(|e| format!("cannot write {}: {e}", c_path.display()))?;
+    let out = std::process::Command::new(cc).args(FLAGS).arg("-o").arg(so).arg(c_path).arg("-lm").output();
+    let _ = std::fs::remove_file(c_path);
+    let out = out.map_err(|e| format!("cannot run the C compiler `{cc}`: {e}"))?;
     if !out.status.success() {
+        let _ = std::fs::remove_file(so);
         return Err(format!("`{cc}` failed: {}", String::from_utf8_lossy(&out.stderr).lines().take(20).collect::<Vec<_>>().join("\n")));
     }
-    std::fs::rename(&so_tmp, &lib).map_err(|e| format!("cannot move {} into the cache: {e}", so_tmp.display()))?;
-    Ok(lib)
+    Ok(())
+}
+
+/// A library built from `src`, and whether it is a private temporary to delete once loaded.
+/// With a cache folder (`kiln_tensor::cache_dir`) it is built there once, under its source
+/// hash; without one (no HOME), in a fresh private folder, never a shared predictable path.
+fn build_library(src: &str) -> Result<(PathBuf, bool), String> {
+    let cc = compiler();
+    let key = fnv1a(format!("{src}\n// {cc} {} {}", FLAGS.join(" "), cpu_identity()).as_bytes());
+    // Temporaries unique to this process and build: concurrent builds (other processes, or
+    // other threads compiling the same graph) never see or move a partial file.
+    static BUILDS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let build = BUILDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let unique = format!("kiln_{key:016x}.{}.{build}", std::process::id());
+    let Some(dir) = kiln_tensor::cache_dir("cpu") else {
+        let private = std::env::temp_dir().join(&unique);
+        // `create_dir` fails if the path exists: nobody else's folder is used.
+        std::fs::create_dir(&private).map_err(|e| format!("cannot create {}: {e}", private.display()))?;
+        let so = private.join("kiln.so");
+        compile_to(&cc, src, &private.join("kiln.c"), &so)?;
+        return Ok((so, true));
+    };
+    let lib = dir.join(format!("kiln_{key:016x}.so"));
+    if lib.exists() {
+        return Ok((lib, false));
+    }
+    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let so_tmp = dir.join(format!("{unique}.so"));
+    compile_to(&cc, src, &dir.join(format!("{unique}.c")), &so_tmp)?;
+    std::fs::rename(&so_tmp, &lib).map_err(|e| {
+        let _ = std::fs::remove_file(&so_tmp);
+        format!("cannot move {} into the cache: {e}", so_tmp.display())
+    })?;
+    Ok((lib, false))
 }
 
 fn load(path: &Path, names: &[Option<String>], g: &Graph, plan: &Plan) -> Result<NativeGroups, String> {
@@ -300,7 +315,15 @@ pub fn build(g: &Graph, plan: &Plan) -> Option<NativeGroups> {
         })
         .collect();
     crate::log::log("kernels", &format!("generated C for {} CPU groups:\n{src}", seen.len()));
-    match build_library(&src).and_then(|p| load(&p, &names, g, plan)) {
+    let loaded = build_library(&src).and_then(|(path, temporary)| {
+        let n = load(&path, &names, g, plan);
+        if temporary {
+            // Loaded (or failed): the private folder is not needed any more.
+            let _ = path.parent().map(std::fs::remove_dir_all);
+        }
+        n
+    });
+    match loaded {
         Ok(n) => Some(n),
         Err(e) => {
             warn_once(&e);

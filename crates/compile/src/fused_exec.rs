@@ -154,6 +154,16 @@ fn raw(s: &CpuStorage) -> Result<(usize, usize, DType)> {
     })
 }
 
+/// `raw` for a buffer the group writes (a pointer that may be written through).
+fn raw_mut(s: &mut CpuStorage) -> Result<(usize, usize, DType)> {
+    Ok(match s {
+        CpuStorage::F32(v) => (v.as_mut_ptr() as usize, v.len(), DType::F32),
+        CpuStorage::F64(v) => (v.as_mut_ptr() as usize, v.len(), DType::F64),
+        CpuStorage::U8(v) => (v.as_mut_ptr() as usize, v.len(), DType::U8),
+        other => return Err(Error::Msg(format!("fused group: no native access to {:?}", other.dtype()))),
+    })
+}
+
 /// Calls the group's native function over its elements (split across rayon workers when
 /// large), after checking every buffer's dtype and that every read and write is in bounds.
 fn run_native(
@@ -167,7 +177,7 @@ fn run_native(
     let mut optr: Vec<usize> = Vec::with_capacity(outs.len());
     for (k, gd) in outs.iter_mut().enumerate() {
         let want = g.nodes[gr.materialize[k]].dtype;
-        let (p, len, d) = raw(gd.as_cpu_mut()?)?;
+        let (p, len, d) = raw_mut(gd.as_cpu_mut()?)?;
         if d != want || len < numel {
             return Err(Error::Msg(format!("fused group: output {k} is {d:?}[{len}], the kernel writes {want:?}[{numel}]")));
         }
@@ -187,6 +197,9 @@ fn run_native(
             return Err(Error::Msg(format!("fused group: input {k} is {d:?}[{len}], the kernel reads {want:?} up to element {last}")));
         }
         iptr.push(p);
+    }
+    if numel == 0 {
+        return Ok(());
     }
     let call = |start: usize, end: usize| {
         // SAFETY: the function was generated for this group's dtypes and layouts (checked

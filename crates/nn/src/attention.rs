@@ -123,7 +123,8 @@ pub fn set_fused_attention(on: bool) {
     FUSED_ATTENTION.store(on as u8, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// Whether the fused attention op is used: on a GPU, head dims up to 128, not F64.
+/// Whether the fused attention op is used: on a GPU, head dims up to 128, at most 65535
+/// batch matrices (the kernels' grid), not F64.
 fn fused_attention_on(q: &Tensor) -> bool {
     use std::sync::atomic::Ordering;
     let mut on = FUSED_ATTENTION.load(Ordering::Relaxed);
@@ -131,7 +132,9 @@ fn fused_attention_on(q: &Tensor) -> bool {
         on = std::env::var("KILN_FUSED_ATTENTION").is_ok_and(|v| v == "1") as u8;
         FUSED_ATTENTION.store(on, Ordering::Relaxed);
     }
-    on == 1 && q.device().is_cuda() && q.shape().last().is_some_and(|&d| d <= 128) && q.dtype() != DType::F64
+    let r = q.rank();
+    let matrices: usize = q.shape()[..r.saturating_sub(2)].iter().product();
+    on == 1 && q.device().is_cuda() && r >= 2 && q.shape()[r - 1] <= 128 && matrices <= 65535 && q.dtype() != DType::F64
 }
 
 /// `softmax(q k^T / sqrt(D) + masks) v` over `[B, H, T, D]` inputs; with no masks but the

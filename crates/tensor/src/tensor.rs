@@ -98,6 +98,8 @@ pub fn autocast_dtype() -> Option<DType> {
 /// A compiled step traced under autocast records the casts, and is keyed by the setting.
 pub struct Autocast {
     prev: Option<DType>,
+    /// The setting is per thread: the guard stays on the thread that made it.
+    _not_send: std::marker::PhantomData<*const ()>,
 }
 
 impl Autocast {
@@ -105,7 +107,7 @@ impl Autocast {
         if !matches!(dtype, DType::BF16 | DType::F16) {
             return Err(Error::Msg(format!("autocast: computes in BF16 or F16, not {dtype:?}")));
         }
-        Ok(Autocast { prev: AUTOCAST.with(|a| a.replace(Some(dtype))) })
+        Ok(Autocast { prev: AUTOCAST.with(|a| a.replace(Some(dtype))), _not_send: std::marker::PhantomData })
     }
 }
 

@@ -912,7 +912,7 @@ pub fn attention_source(kind: AttnKernel, dtype: DType, d: usize, causal: bool) 
             s += "    for (int u0 = 0; u0 < jn; u0 += 8) {\n      float sc[8]; float mt = m;\n";
             s += &format!("#pragma unroll\n      for (int u = 0; u < 8; ++u) {{ const float x = {}; sc[u] = u0 + u < jn ? x : NEG_INF; mt = fmaxf(mt, sc[u]); }}\n", dot("qr", "ks[u0 + u] + col"));
             s += "      const float corr = expf(m - mt); l *= corr;\n#pragma unroll\n      for (int c = 0; c < DP; ++c) acc[c] *= corr;\n";
-            s += "#pragma unroll\n      for (int u = 0; u < 8; ++u) {\n        const float p = expf(sc[u] - mt); l += p;\n";
+            s += "#pragma unroll\n      for (int u = 0; u < 8; ++u) {\n        if (u0 + u >= jn) break;  // masked keys: even a NaN in v stays out\n        const float p = expf(sc[u] - mt); l += p;\n";
             s += "#pragma unroll\n        for (int c = 0; c < DP; ++c) acc[c] += p * vs[u0 + u][col + c];\n      }\n      m = mt;\n    }\n  }\n";
             s += "  const float inv = 1.f / l;\n";
             s += &store("o", "acc[c] * inv");
