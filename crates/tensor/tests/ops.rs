@@ -377,3 +377,22 @@ fn display_looks_like_pytorch() -> Result<()> {
     assert!(big.starts_with("tensor([   0,    1,    2, ..., 1997, 1998, 1999])"), "{big}");
     Ok(())
 }
+
+/// Sums over leading dims (bias gradients) take the row-by-row path: hand-computed column
+/// sums, several leading dims, and a large sum split across threads, bit for bit equal to
+/// the same sum walked through a transposed view (the general path).
+#[test]
+fn column_sums_match_hand_values_and_the_general_path() -> Result<()> {
+    let x = t(&(0..48).map(|i| i as f32).collect::<Vec<_>>(), &[3, 16]);
+    let want: Vec<f32> = (0..16).map(|j| (j + (16 + j) + (32 + j)) as f32).collect();
+    assert_eq!(v(&x.sum(&[0], false)?), want);
+    let y = x.reshape(&[3, 2, 8])?;
+    assert_eq!(v(&y.sum(&[0, 1], true)?), (0..8).map(|j| (0..6).map(|r| (r * 8 + j) as f32).sum::<f32>()).collect::<Vec<_>>());
+    let big = Tensor::rand_at(&[600, 500], Distribution::Normal, 3, 0, DType::F32, Device::Cpu)?;
+    let general = big.t()?.contiguous()?.sum(&[1], false)?; // rows of the transpose: the strided walk
+    assert_eq!(
+        v(&big.sum(&[0], false)?).iter().map(|f| f.to_bits()).collect::<Vec<_>>(),
+        v(&general).iter().map(|f| f.to_bits()).collect::<Vec<_>>()
+    );
+    Ok(())
+}

@@ -61,12 +61,42 @@ fn fold<T: Element, A: Copy + Send + Sync>(
     });
 }
 
+/// A sum over the leading dims of a dense tensor (a bias gradient: `[rows, cols]` summed over
+/// rows) as row-by-row adds into the output, so memory is read in order and the adds
+/// vectorise; each output still sums its column top to bottom, as `fold` does. Returns
+/// false (nothing written) for any other reduction.
+fn column_sum<T: Element>(src: &[T], l: &Layout, dims: &[usize], acc: &mut [f64]) -> bool {
+    let k = dims.len();
+    if k == 0 || k == l.rank() || !l.is_contiguous() || dims.iter().enumerate().any(|(i, &d)| d != i) {
+        return false;
+    }
+    let cols: usize = l.shape[k..].iter().product();
+    let rows: usize = l.shape[..k].iter().product();
+    if cols != acc.len() || cols < 8 {
+        return false;
+    }
+    let data = &src[l.offset..l.offset + rows * cols];
+    acc.iter_mut().for_each(|a| *a = 0.0);
+    // Columns split across workers; every worker walks all rows of its columns.
+    let per = if rows * cols >= super::PAR_THRESHOLD { cols.div_ceil(rayon::current_num_threads()).max(64) } else { cols };
+    use rayon::prelude::*;
+    acc.par_chunks_mut(per).enumerate().for_each(|(c, out)| {
+        let (c0, n) = (c * per, out.len());
+        for row in data.chunks_exact(cols) {
+            out.iter_mut().zip(&row[c0..c0 + n]).for_each(|(a, x)| *a += x.to_f64());
+        }
+    });
+    true
+}
+
 /// Sum, max and min keep the dtype (sums accumulate in f64); argmax/argmin give I64.
 pub fn reduce<T: Element>(op: ReduceOp, src: &[T], l: &Layout, dims: &[usize], out_numel: usize) -> super::Out<T> {
     match op {
         ReduceOp::Sum => {
             let mut acc = pool::take::<f64>(out_numel);
-            fold(src, l, dims, 0.0f64, |a, x, _| a + x.to_f64(), &mut acc);
+            if !column_sum(src, l, dims, &mut acc) {
+                fold(src, l, dims, 0.0f64, |a, x, _| a + x.to_f64(), &mut acc);
+            }
             let out = acc.iter().map(|&a| T::from_f64(a)).collect();
             pool::give(acc);
             super::Out::Same(out)
