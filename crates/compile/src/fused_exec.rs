@@ -7,12 +7,12 @@ use crate::graph::{Graph, Kind, NodeId};
 use kiln_tensor::cpu::elementwise::{binary_into, load_into, scalar_into, unary_into, where_into, Convert};
 use kiln_tensor::op::Float;
 use kiln_tensor::storage::{CpuStorage, StorageCell};
-use kiln_tensor::{with_cpu, DType, Element, Error, Layout, Op, Result};
+use kiln_tensor::{with_cpu, Element, Error, Layout, Op, Result};
 use rayon::prelude::*;
 use std::sync::Arc;
 
 /// Elements per chunk: the scratch of a group stays in L2.
-const CHUNK: usize = 1024;
+const CHUNK: usize = 2048;
 
 /// Where a member's argument comes from.
 #[derive(Clone, Copy)]
@@ -99,9 +99,12 @@ pub fn run_group(
         }
     }
     if let Some(nat) = native {
-        let own: Vec<Option<usize>> = exts.iter().map(|e| if let Ext::Own(k) = e { Some(*k) } else { None }).collect();
         // The function was generated for these in-place reads; any other aliasing interprets.
-        if own == nat.own {
+        let same = |e: &Ext, o: &Option<usize>| match e {
+            Ext::Own(k) => *o == Some(*k),
+            Ext::Shared(..) => o.is_none(),
+        };
+        if exts.len() == nat.own.len() && exts.iter().zip(&nat.own).all(|(e, o)| same(e, o)) {
             run_native(g, gr, nat, &exts, &mut out_guards, numel)?;
             drop(out_guards);
             return Ok(outs);
@@ -144,26 +147,6 @@ pub fn run_group(
     Ok(outs)
 }
 
-/// A CPU buffer's address, length and dtype (the types fused groups read and store).
-fn raw(s: &CpuStorage) -> Result<(usize, usize, DType)> {
-    Ok(match s {
-        CpuStorage::F32(v) => (v.as_ptr() as usize, v.len(), DType::F32),
-        CpuStorage::F64(v) => (v.as_ptr() as usize, v.len(), DType::F64),
-        CpuStorage::U8(v) => (v.as_ptr() as usize, v.len(), DType::U8),
-        other => return Err(Error::Msg(format!("fused group: no native access to {:?}", other.dtype()))),
-    })
-}
-
-/// `raw` for a buffer the group writes (a pointer that may be written through).
-fn raw_mut(s: &mut CpuStorage) -> Result<(usize, usize, DType)> {
-    Ok(match s {
-        CpuStorage::F32(v) => (v.as_mut_ptr() as usize, v.len(), DType::F32),
-        CpuStorage::F64(v) => (v.as_mut_ptr() as usize, v.len(), DType::F64),
-        CpuStorage::U8(v) => (v.as_mut_ptr() as usize, v.len(), DType::U8),
-        other => return Err(Error::Msg(format!("fused group: no native access to {:?}", other.dtype()))),
-    })
-}
-
 /// Calls the group's native function over its elements (split across rayon workers when
 /// large), after checking every buffer's dtype and that every read and write is in bounds.
 fn run_native(
@@ -177,7 +160,9 @@ fn run_native(
     let mut optr: Vec<usize> = Vec::with_capacity(outs.len());
     for (k, gd) in outs.iter_mut().enumerate() {
         let want = g.nodes[gr.materialize[k]].dtype;
-        let (p, len, d) = raw_mut(gd.as_cpu_mut()?)?;
+        let s = gd.as_cpu_mut()?;
+        let d = s.dtype();
+        let (p, len) = with_cpu!(s, v => (v.as_mut_ptr() as usize, v.len()));
         if d != want || len < numel {
             return Err(Error::Msg(format!("fused group: output {k} is {d:?}[{len}], the kernel writes {want:?}[{numel}]")));
         }
@@ -189,9 +174,8 @@ fn run_native(
             iptr.push(0);
             continue;
         };
-        let (p, len, d) = raw(s)?;
-        let strides = l.broadcast_strides(&gr.shape);
-        let last = l.offset + gr.shape.iter().zip(&strides).map(|(&n, &st)| n.saturating_sub(1) * st).sum::<usize>();
+        let (d, (p, len)) = (s.dtype(), with_cpu!(s, v => (v.as_ptr() as usize, v.len())));
+        let last = kiln_tensor::shape::last_index(l.offset, &gr.shape, &l.broadcast_strides(&gr.shape));
         let want = g.nodes[a.node].dtype;
         if d != want || (numel > 0 && last >= len) {
             return Err(Error::Msg(format!("fused group: input {k} is {d:?}[{len}], the kernel reads {want:?} up to element {last}")));

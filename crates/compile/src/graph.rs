@@ -99,7 +99,7 @@ impl Graph {
             }
             let len = self.nodes[a.node].numel();
             let l = &a.layout;
-            let last = l.offset + l.shape.iter().zip(&l.strides).map(|(d, s)| d.saturating_sub(1) * s).sum::<usize>();
+            let last = l.last_index();
             if l.shape.iter().product::<usize>() > 0 && last >= len {
                 return Err(format!("node {at} reads node {} (len {len}) past its end through {l:?}", a.node));
             }

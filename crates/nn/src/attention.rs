@@ -113,28 +113,25 @@ impl MultiheadAttention {
     }
 }
 
-static FUSED_ATTENTION: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(2);
+/// The switch below, first read from `KILN_FUSED_ATTENTION`.
+static FUSED_ATTENTION: std::sync::LazyLock<std::sync::atomic::AtomicBool> =
+    std::sync::LazyLock::new(|| std::sync::atomic::AtomicBool::new(std::env::var("KILN_FUSED_ATTENTION").is_ok_and(|v| v == "1")));
 
 /// Whether `scaled_dot_product_attention` takes the fused attention op (`Tensor::attention`)
 /// on a GPU. Off by default: on the H200 its kernels are still slower than the unfused ops
 /// (cuBLAS products and the fused causal softmax) at the GPT shapes (BENCHMARKS.md).
 /// `KILN_FUSED_ATTENTION=1` turns it on for a run.
 pub fn set_fused_attention(on: bool) {
-    FUSED_ATTENTION.store(on as u8, std::sync::atomic::Ordering::Relaxed);
+    FUSED_ATTENTION.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// Whether the fused attention op is used: on a GPU, head dims up to 128, at most 65535
 /// batch matrices (the kernels' grid), not F64.
 fn fused_attention_on(q: &Tensor) -> bool {
-    use std::sync::atomic::Ordering;
-    let mut on = FUSED_ATTENTION.load(Ordering::Relaxed);
-    if on == 2 {
-        on = std::env::var("KILN_FUSED_ATTENTION").is_ok_and(|v| v == "1") as u8;
-        FUSED_ATTENTION.store(on, Ordering::Relaxed);
-    }
+    let on = FUSED_ATTENTION.load(std::sync::atomic::Ordering::Relaxed);
     let r = q.rank();
     let matrices: usize = q.shape()[..r.saturating_sub(2)].iter().product();
-    on == 1 && q.device().is_cuda() && r >= 2 && q.shape()[r - 1] <= 128 && matrices <= 65535 && q.dtype() != DType::F64
+    on && q.device().is_cuda() && r >= 2 && q.shape()[r - 1] <= 128 && matrices <= 65535 && q.dtype() != DType::F64
 }
 
 /// `softmax(q k^T / sqrt(D) + masks) v` over `[B, H, T, D]` inputs; with no masks but the

@@ -29,6 +29,10 @@ impl Layout {
     pub fn offset_of(&self, index: &[usize]) -> usize {
         self.offset + index.iter().zip(&self.strides).map(|(i, s)| i * s).sum::<usize>()
     }
+    /// The largest storage index this layout reads (its offset when it has no elements).
+    pub fn last_index(&self) -> usize {
+        last_index(self.offset, &self.shape, &self.strides)
+    }
     /// Strides to read this layout as if it had `shape` (NumPy broadcasting): broadcast dims get 0.
     pub fn broadcast_strides(&self, shape: &[usize]) -> Vec<usize> {
         let pad = shape.len() - self.rank();
@@ -87,6 +91,12 @@ impl Layout {
 }
 
 /// Whether `strides` walk `shape` row-major with no gaps (size-1 dims may have any stride).
+/// The largest storage index read by `shape` at `strides` from `offset`: what a buffer must
+/// exceed for the read to stay in bounds (when the shape has elements).
+pub fn last_index(offset: usize, shape: &[usize], strides: &[usize]) -> usize {
+    offset + shape.iter().zip(strides).map(|(d, s)| d.saturating_sub(1) * s).sum::<usize>()
+}
+
 pub fn is_row_major(shape: &[usize], strides: &[usize]) -> bool {
     let mut expected = 1;
     for (&d, &s) in shape.iter().zip(strides).rev() {

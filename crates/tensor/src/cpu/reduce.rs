@@ -6,6 +6,7 @@ use super::{par_chunks, pool};
 use crate::op::ReduceOp;
 use crate::shape::Layout;
 use crate::Element;
+use rayon::prelude::*;
 
 /// Splits a layout into the kept dims (outer) and the reduced dims (inner).
 struct Split {
@@ -79,7 +80,6 @@ fn column_sum<T: Element>(src: &[T], l: &Layout, dims: &[usize], acc: &mut [f64]
     acc.iter_mut().for_each(|a| *a = 0.0);
     // Columns split across workers; every worker walks all rows of its columns.
     let per = if rows * cols >= super::PAR_THRESHOLD { cols.div_ceil(rayon::current_num_threads()).max(64) } else { cols };
-    use rayon::prelude::*;
     acc.par_chunks_mut(per).enumerate().for_each(|(c, out)| {
         let (c0, n) = (c * per, out.len());
         for row in data.chunks_exact(cols) {

@@ -173,7 +173,7 @@ fn group_pointers(name: &str, gr: &FusedGroup, outs: &[Arc<StorageCell>], ins: &
         let (p, dt, n) = raw(c, false)?;
         let last = match &x.strided {
             None => x.offset + gr.n,
-            Some((shape, st)) => x.offset + shape.iter().zip(st).map(|(d, s)| d.saturating_sub(1) * s).sum::<usize>() + 1,
+            Some((shape, st)) => crate::shape::last_index(x.offset, shape, st) + 1,
         };
         if dt != x.dtype || (gr.n > 0 && n < last) {
             return Err(Error::Msg(format!("{name}: input needs {last} x {:?}, got {n} x {dt:?}", x.dtype)));
