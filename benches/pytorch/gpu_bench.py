@@ -1,7 +1,7 @@
 """PyTorch half of the side-by-side GPU benchmark: the same workloads as
 examples/bench_gpu.rs, same shapes, batch and precision, one JSON line per (workload, mode).
 
-    python3 benches/pytorch/gpu_bench.py [--modes eager,default,reduce-overhead] [--only NAME] [--steps N]
+    python3 benches/pytorch/gpu_bench.py [--modes eager,default,reduce-overhead] [--only NAME] [--steps N] [--profile]
 
 Modes: eager (with fused AdamW where the workload has an optimizer), and torch.compile modes.
 Timing matches Kiln's: warm-up, then each step timed with the device synchronised before and
@@ -115,6 +115,17 @@ def add_16m(compile_mode):
     return compiled(step, compile_mode)
 
 
+def kernel_table(step, title):
+    """Device time per kernel over 5 steps, largest first, with input shapes (for diagnosis)."""
+    from torch.profiler import profile, ProfilerActivity
+    with profile(activities=[ProfilerActivity.CUDA], record_shapes=True) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    print(f"--- {title}: CUDA kernels over 5 steps", file=sys.stderr)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90), file=sys.stderr)
+
+
 def compiled(step, mode):
     if mode == "eager":
         return step, 0.0
@@ -130,6 +141,7 @@ def main():
     ap.add_argument("--modes", default="eager")
     ap.add_argument("--only", default=None)
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--profile", action="store_true", help="print the CUDA kernel table of 5 steps (stderr)")
     a = ap.parse_args()
     work = [
         ("add_16M", "fp32", add_16m, 1),
@@ -146,6 +158,8 @@ def main():
             torch.cuda.reset_peak_memory_stats()
             step, compile_s = make(mode)
             ms = median_ms(step, 5, max(10, int(a.steps * mult)))
+            if a.profile:
+                kernel_table(step, f"{name} {mode}")
             peak = torch.cuda.max_memory_allocated() / 2**20
             impl = "torch eager" if mode == "eager" else f"torch.compile {mode}"
             print(json.dumps({"workload": name, "impl": impl, "precision": prec, "median_ms": round(ms, 4),

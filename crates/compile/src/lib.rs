@@ -12,9 +12,10 @@
 //! let loss = &step.call(&[&x, &y])?[0];
 //! ```
 //!
-//! The first call with a new input signature runs the closure eagerly under a tracer
-//! (`trace.rs`), lowers the recording to the graph IR (`lower.rs`, `graph.rs`), runs the
-//! passes (`passes.rs`) and keeps the program (`exec.rs`); later calls replay it. What the
+//! The first call with a new input signature runs the closure under a tracer (`trace.rs`)
+//! with its kernels queued, not run (`kiln_tensor::lazy`), lowers the recording to the graph IR (`lower.rs`, `graph.rs`), runs the
+//! passes (`passes.rs`) and keeps the program (`exec.rs`), which then computes the first call
+//! too; later calls replay it. What the
 //! step reads outside its inputs (parameters, gradients, optimizer state, lr, step count) is
 //! state: read from and written back into the same buffers, so code outside sees the update.
 //! The learning rate and step count are tensors, so schedulers stepping outside the compiled
@@ -36,7 +37,7 @@ mod trace;
 
 pub use graph::Graph;
 
-use kiln_tensor::{rng, set_tracer, DType, Device, Error, Result, Tensor};
+use kiln_tensor::{lazy, rng, set_tracer, DType, Device, Error, Result, Tensor};
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
@@ -198,19 +199,7 @@ where
             }
             Entry::Graph(p) => {
                 self.replays += 1;
-                let cells = inputs.iter().map(|t| contiguous_cell(t)).collect::<Result<Vec<_>>>()?;
-                let gen = rng::state();
-                let out = p.exec.run(&cells, gen)?;
-                rng::set_state(rng::GeneratorState { seed: gen.seed, offset: gen.offset + p.exec.graph.rng_advance });
-                for lg in &p.leaf_grads {
-                    if let Some((slot, layout)) = &lg.end {
-                        let cell = &p.exec.cells[*slot];
-                        if !lg.leaf.grad().is_some_and(|g| std::sync::Arc::ptr_eq(g.storage(), cell) && g.layout() == layout) {
-                            lg.leaf.set_grad(Some(Tensor::from_cell(cell.clone(), layout.clone())));
-                        }
-                    }
-                }
-                Ok(out)
+                run_program(p, inputs)
             }
         }
     }
@@ -281,8 +270,14 @@ where
         let recorder = Rc::new(trace::Recorder { rec: Default::default(), fullgraph: self.opts.fullgraph });
         let (gen0, first_new) = (rng::state(), kiln_tensor::storage::next_storage_id());
         let prev = set_tracer(Some(recorder.clone()));
+        lazy::begin();
         let result = (self.f)(&owned);
         set_tracer(prev);
+        // The trace queued its kernels without running them. A graph break (or an error) runs
+        // them all, so the step has its eager effects; otherwise only the fills of buffers the
+        // step creates and keeps run, and the compiled program computes the first step below.
+        let eager = result.is_err() || !recorder.rec.borrow().host_reads.is_empty();
+        lazy::end(if eager { lazy::Keep::All } else { lazy::Keep::Sources })?;
         let outputs = result?;
         let gen1 = rng::state();
         let rec = recorder.rec.borrow();
@@ -326,8 +321,12 @@ where
         log::log("fusion", &fusion_report(&exec));
         let compile_time = start.elapsed();
         log::log("time", &format!("compiled in {:.1} ms", compile_time.as_secs_f64() * 1e3));
-        self.cache.push((sig, Entry::Graph(Box::new(Program { exec, leaf_grads: lowered.leaf_grads, compile_time, nodes_traced }))));
-        Ok(outputs)
+        let program = Program { exec, leaf_grads: lowered.leaf_grads, compile_time, nodes_traced };
+        drop((outputs, owned));
+        rng::set_state(gen0);
+        let out = run_program(&program, inputs)?;
+        self.cache.push((sig, Entry::Graph(Box::new(program))));
+        Ok(out)
     }
 
     /// How many graphs were compiled, graph breaks, kernels, memory and bytes moved.
@@ -366,6 +365,24 @@ where
     pub fn counts(&self) -> (usize, usize) {
         (self.calls, self.replays)
     }
+}
+
+/// Runs a compiled program on `inputs` from the generator's current state, then points each
+/// parameter's `grad` at the buffer holding its gradient.
+fn run_program(p: &Program, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    let cells = inputs.iter().map(|t| contiguous_cell(t)).collect::<Result<Vec<_>>>()?;
+    let gen = rng::state();
+    let out = p.exec.run(&cells, gen)?;
+    rng::set_state(rng::GeneratorState { seed: gen.seed, offset: gen.offset + p.exec.graph.rng_advance });
+    for lg in &p.leaf_grads {
+        if let Some((slot, layout)) = &lg.end {
+            let cell = &p.exec.cells[*slot];
+            if !lg.leaf.grad().is_some_and(|g| std::sync::Arc::ptr_eq(g.storage(), cell) && g.layout() == layout) {
+                lg.leaf.set_grad(Some(Tensor::from_cell(cell.clone(), layout.clone())));
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// A cached graph stays valid while every parameter's gradient is present exactly when it

@@ -13,6 +13,7 @@ mod dtype;
 mod error;
 pub mod fused;
 pub mod io;
+pub mod lazy;
 pub mod op;
 mod ops;
 pub mod profile;

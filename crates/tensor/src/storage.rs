@@ -232,6 +232,15 @@ impl StorageCell {
         self.version.fetch_add(1, Ordering::Relaxed);
         self.data.write().unwrap_or_else(|e| e.into_inner())
     }
+    /// Write access that does not count as an in-place write: lazy tracing filling a buffer
+    /// whose write was already counted (or that is an op's fresh output).
+    pub(crate) fn write_uncounted(&self) -> RwLockWriteGuard<'_, Storage> {
+        self.data.write().unwrap_or_else(|e| e.into_inner())
+    }
+    /// Counts an in-place write that lazy tracing queued.
+    pub(crate) fn count_write(&self) {
+        self.version.fetch_add(1, Ordering::Relaxed);
+    }
     /// How many in-place writes this storage has seen.
     pub fn version(&self) -> u64 {
         self.version.load(Ordering::Relaxed)

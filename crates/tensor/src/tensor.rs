@@ -298,8 +298,13 @@ impl Tensor {
                     Op::Reshape(_) => Op::Contiguous, // a reshape the strides cannot express copies
                     other => other.clone(),
                 };
-                let s = profiled(&kernel_op, &meta, device, || run_kernel(&kernel_op, inputs, &meta, device))?;
-                (Arc::new(StorageCell::new(s)), Layout::contiguous(&meta.shape))
+                let cell = match crate::lazy::defer(&kernel_op, inputs, &meta, device)? {
+                    Some(cell) => cell,
+                    None => {
+                        Arc::new(StorageCell::new(profiled(&kernel_op, &meta, device, || run_kernel(&kernel_op, inputs, &meta, device))?))
+                    }
+                };
+                (cell, Layout::contiguous(&meta.shape))
             }
         };
         let differentiable = meta.dtype.is_float() && is_grad_enabled() && inputs.iter().any(|t| t.requires_grad());
@@ -351,25 +356,30 @@ impl Tensor {
             }
             other => other,
         };
-        let meta = OutMeta { shape: self.shape().to_vec(), dtype: self.dtype() };
-        profiled(&op, &meta, self.device(), || -> Result<()> {
-            let src_guard = src.map(|s| s.0.storage.read());
-            let mut dst_guard = self.0.storage.write();
-            match (&mut *dst_guard, src_guard.as_deref()) {
-                (Storage::Cpu(d), None) => cpu::run_inplace(&op, d, &self.0.layout, None)?,
-                (Storage::Cpu(d), Some(Storage::Cpu(s))) => {
-                    cpu::run_inplace(&op, d, &self.0.layout, Some((s, src.map(|t| t.layout()).unwrap_or(&self.0.layout))))?
-                }
-                #[cfg(feature = "cuda")]
-                (dst, s) => crate::cuda::run_inplace(&op, dst, &self.0.layout, s.zip(src.map(|t| t.layout())))?,
-            }
-            Ok(())
-        })?;
+        if !crate::lazy::defer_inplace(&op, self, src) {
+            let meta = OutMeta { shape: self.shape().to_vec(), dtype: self.dtype() };
+            profiled(&op, &meta, self.device(), || self.run_inplace_kernel(&op, src, true))?;
+        }
         if is_anomaly_detection() {
             check_finite(&op, &inputs, self)?;
         }
         with_tracer(|t| t.record(&op, &inputs, self));
         Ok(())
+    }
+
+    /// The kernel of an in-place op writing into `self` (checked by `apply_inplace`).
+    /// `counted`: whether this is the write's in-place count (lazy tracing counts when queueing).
+    pub(crate) fn run_inplace_kernel(&self, op: &Op, src: Option<&Tensor>, counted: bool) -> Result<()> {
+        let src_guard = src.map(|s| s.0.storage.read());
+        let mut dst_guard = if counted { self.0.storage.write() } else { self.0.storage.write_uncounted() };
+        match (&mut *dst_guard, src_guard.as_deref()) {
+            (Storage::Cpu(d), None) => cpu::run_inplace(op, d, &self.0.layout, None),
+            (Storage::Cpu(d), Some(Storage::Cpu(s))) => {
+                cpu::run_inplace(op, d, &self.0.layout, Some((s, src.map(|t| t.layout()).unwrap_or(&self.0.layout))))
+            }
+            #[cfg(feature = "cuda")]
+            (dst, s) => crate::cuda::run_inplace(op, dst, &self.0.layout, s.zip(src.map(|t| t.layout()))),
+        }
     }
 
     /// How many elements are NaN, and how many infinite (no host-read hook: a debugging aid).
@@ -422,8 +432,10 @@ impl Tensor {
         Ok(self.to_vec_f64()?[0])
     }
 
+    /// Tells the tracer (if any) that values are read on the host, then runs queued kernels.
     pub(crate) fn host_read(&self, what: &'static str) -> Result<()> {
-        with_tracer(|t| t.host_read(what, self)).unwrap_or(Ok(()))
+        with_tracer(|t| t.host_read(what, self)).unwrap_or(Ok(()))?;
+        crate::lazy::flush()
     }
 
     /// Copies to another device (a no-op returning `self` when already there).
@@ -431,11 +443,13 @@ impl Tensor {
         if device == self.device() {
             return Ok(self.clone());
         }
+        crate::lazy::flush()?;
         crate::cuda::to_device(self, device)
     }
 
     /// Runs `f` with the CPU storage of a tensor on the CPU (for loaders and savers).
     pub fn with_cpu_storage<R>(&self, f: impl FnOnce(&CpuStorage, &Layout) -> R) -> Result<R> {
+        crate::lazy::flush()?;
         let guard = self.0.storage.read();
         match &*guard {
             Storage::Cpu(s) => Ok(f(s, &self.0.layout)),
@@ -526,7 +540,7 @@ fn profiled<R>(op: &Op, meta: &OutMeta, device: Device, f: impl FnOnce() -> Resu
 }
 
 /// Locks each distinct input storage once (two inputs may share one) and runs the kernel.
-fn run_kernel(op: &Op, inputs: &[&Tensor], meta: &OutMeta, device: Device) -> Result<Storage> {
+pub(crate) fn run_kernel(op: &Op, inputs: &[&Tensor], meta: &OutMeta, device: Device) -> Result<Storage> {
     let mut cells: Vec<&Arc<StorageCell>> = Vec::new();
     let slot: Vec<usize> = inputs
         .iter()

@@ -94,6 +94,20 @@ pub(crate) fn to_device(t: &Tensor, device: Device) -> Result<Tensor> {
     Err(unavailable(if device.is_cuda() { device } else { t.device() }))
 }
 
+/// A buffer of `len` elements on `device`, contents unspecified (lazy tracing's outputs).
+pub(crate) fn alloc(device: Device, dtype: crate::DType, len: usize) -> Result<Storage> {
+    #[cfg(feature = "cuda")]
+    {
+        let Device::Cuda(n) = device else { return Err(crate::Error::Msg(format!("cuda::alloc: {device} is not a GPU"))) };
+        Ok(Storage::Cuda(kernels::CudaStorage::alloc(&gpu::gpu(n)?, dtype, len)?))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (dtype, len);
+        Err(unavailable(device))
+    }
+}
+
 pub(crate) fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, device: Device) -> Result<Storage> {
     #[cfg(feature = "cuda")]
     return kernels::run(op, ins, layouts, meta, device);
