@@ -411,3 +411,29 @@ fn fused_attention_matches_the_cpu_forward_and_backward() {
     }
     let _ = dev;
 }
+
+#[test]
+fn autotuned_matmuls_match_the_cpu_and_are_kept_on_disk() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = std::env::temp_dir().join(format!("kiln-lt-test-{}", std::process::id()));
+    std::env::set_var("KILN_CACHE_DIR", &dir);
+    let (before, _) = cuda::lt::tuning_stats();
+    cuda::lt::set_autotune(true);
+    // Shapes no other test uses (plans are cached per shape): plain, transposed, batched.
+    for dt in [DType::F32, DType::BF16] {
+        let (a, b) = (randn(&[131, 77], 90, dt), randn(&[77, 45], 91, dt));
+        both(&format!("tuned matmul {dt:?}"), &[a, b], tol(dt), |x| x[0].matmul(&x[1]));
+        let (a, b) = (randn(&[77, 131], 92, dt), randn(&[45, 77], 93, dt));
+        both(&format!("tuned transposed matmul {dt:?}"), &[a, b], tol(dt), |x| x[0].t()?.matmul(&x[1].t()?));
+        let (a, b) = (randn(&[3, 29, 77], 94, dt), randn(&[3, 77, 45], 95, dt));
+        both(&format!("tuned batched matmul {dt:?}"), &[a, b], tol(dt), |x| x[0].matmul(&x[1]));
+    }
+    cuda::lt::set_autotune(false);
+    let (after, took) = cuda::lt::tuning_stats();
+    std::env::remove_var("KILN_CACHE_DIR");
+    let files = std::fs::read_dir(dir.join("cublaslt")).map(|d| d.count()).unwrap_or(0);
+    let _ = std::fs::remove_dir_all(&dir);
+    println!("tuned {} shapes in {took:?}, {files} kept on disk", after - before);
+    assert!(after - before >= 6, "each new shape is timed ({} were)", after - before);
+    assert!(files >= 6, "tuned choices are written to the cache folder ({files} files)");
+}

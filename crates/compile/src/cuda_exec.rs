@@ -39,6 +39,9 @@ pub struct GpuParts {
     /// Replay as a CUDA graph (switched off if a capture ever fails).
     capture: std::cell::Cell<bool>,
     captured: RefCell<Option<Captured>>,
+    /// `Mode::MaxAutotune` before its first run: that run times each new matmul shape's
+    /// cuBLASLt candidates (`kiln_tensor::cuda::lt`) and keeps the fastest.
+    tune: std::cell::Cell<bool>,
 }
 
 /// The kernel's name: its groups' indices and the first ops, so a profile reads back to the
@@ -104,7 +107,7 @@ fn fused_group(g: &Graph, gr: &Group, k: usize) -> Result<FusedGroup> {
 }
 
 impl GpuParts {
-    pub fn new(g: &Graph, plan: &Plan, device: Device, capture: bool) -> Result<GpuParts> {
+    pub fn new(g: &Graph, plan: &Plan, device: Device, capture: bool, tune: bool) -> Result<GpuParts> {
         let mut specs = Vec::new();
         let mut kernel_of = vec![None; plan.groups.len()];
         // Identical groups (the same layer repeated) share one kernel.
@@ -122,7 +125,14 @@ impl GpuParts {
         let module = FusedModule::load(device, specs)?;
         let draws = g.nodes.iter().any(|n| matches!(n.kind, Kind::Rand { .. }));
         let rng = if draws { Some(cc::alloc_cell(device, DType::I64, 2)?) } else { None };
-        Ok(GpuParts { module, kernel_of, rng, capture: std::cell::Cell::new(capture), captured: RefCell::new(None) })
+        Ok(GpuParts {
+            module,
+            kernel_of,
+            rng,
+            capture: std::cell::Cell::new(capture),
+            captured: RefCell::new(None),
+            tune: std::cell::Cell::new(tune),
+        })
     }
 
     /// Runs the fusion groups `gs` (one kernel): returns the cells of their materialised members.
@@ -172,6 +182,19 @@ impl GpuParts {
     pub fn run(&self, p: &Program, inputs: &[Arc<StorageCell>], gen: GeneratorState) -> Result<Vec<Tensor>> {
         if let Some(state) = &self.rng {
             cc::write_i64(state, &[gen.seed as i64, gen.offset as i64])?;
+        }
+        if self.tune.replace(false) {
+            let before = kiln_tensor::cuda::lt::tuning_stats();
+            kiln_tensor::cuda::lt::set_autotune(true);
+            let out = p.execute(inputs, gen, true);
+            kiln_tensor::cuda::lt::set_autotune(false);
+            let after = kiln_tensor::cuda::lt::tuning_stats();
+            eprintln!(
+                "kiln compile: max-autotune timed cuBLASLt candidates for {} matmul shapes in {:.1} ms (others came from the disk cache)",
+                after.0 - before.0,
+                (after.1 - before.1).as_secs_f64() * 1e3
+            );
+            return out;
         }
         // Timing each kernel needs them launched one by one, and anomaly mode reads every
         // result on the host: neither can run inside a graph.

@@ -87,7 +87,9 @@ impl Program {
         }
         #[cfg(feature = "cuda")]
         let gpu = match device {
-            Device::Cuda(_) => Some(crate::cuda_exec::GpuParts::new(&graph, &plan, device, capture)?),
+            Device::Cuda(_) => {
+                Some(crate::cuda_exec::GpuParts::new(&graph, &plan, device, capture, opts.mode == crate::Mode::MaxAutotune)?)
+            }
             Device::Cpu => None,
         };
         #[cfg(not(feature = "cuda"))]

@@ -48,8 +48,8 @@ pub enum Mode {
     Default,
     /// The whole step as one CUDA graph (CPU: as Default).
     ReduceOverhead,
-    /// Meant to time kernel variants once per shape on top of graphs; nothing is tuned yet,
-    /// so on a GPU it is `ReduceOverhead` (CPU: as Default).
+    /// `ReduceOverhead`, with each matmul shape's cuBLASLt candidates timed on the first run
+    /// and the fastest kept (on disk too). CPU: as Default.
     MaxAutotune,
 }
 

@@ -4,6 +4,7 @@
 
 use super::gpu::Gpu;
 use super::kernels::{dense_copy, CudaStorage};
+use super::lt::{alignment, Gemm, Plan};
 use crate::op::OutMeta;
 use crate::shape::Layout;
 use crate::{DType, Error, Result};
@@ -12,9 +13,16 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-/// A cuBLAS handle bound to the GPU's stream, with its own workspace (so that cuBLAS never
-/// allocates while a CUDA graph is being captured).
-pub struct Blas(bs::cublasHandle_t, #[allow(dead_code)] super::gpu::DeviceBuffer);
+/// cuBLAS and cuBLASLt handles bound to the GPU's stream, with one workspace (so that neither
+/// allocates while a CUDA graph is being captured; calls on one stream never overlap), and
+/// the cuBLASLt plans made so far.
+pub struct Blas {
+    h: bs::cublasHandle_t,
+    /// None when libcublasLt is missing or `KILN_CUBLASLT=0`: plain cuBLAS runs every GEMM.
+    lt: Option<cudarc::cublaslt::sys::cublasLtHandle_t>,
+    ws: super::gpu::DeviceBuffer,
+    plans: std::collections::HashMap<Gemm, Plan>,
+}
 
 /// cuBLAS's workspace: what PyTorch gives it on Hopper.
 const WORKSPACE: usize = 32 << 20;
@@ -159,10 +167,51 @@ pub fn matmul(g: &Arc<Gpu>, (sa, la): (&CudaStorage, &Layout), (sb, lb): (&CudaS
         let ws = g.alloc(WORKSPACE)?;
         // SAFETY: `ws` is a live buffer of WORKSPACE bytes owned by the handle's `Blas`.
         unsafe { bs::cublasSetWorkspace_v2(h, ws.ptr as *mut c_void, WORKSPACE) }.result().map_err(blas_err)?;
-        *guard = Some(Blas(h, ws));
+        let lt_wanted = std::env::var("KILN_CUBLASLT").map_or(true, |v| v != "0");
+        // SAFETY: only probes for the library.
+        let lt = (lt_wanted && unsafe { cudarc::cublaslt::sys::is_culib_present() })
+            .then(cudarc::cublaslt::result::create_handle)
+            .transpose()
+            .map_err(|e| Error::Cuda(format!("cuBLASLt: {e:?}")))?;
+        *guard = Some(Blas { h, lt, ws, plans: Default::default() });
     }
-    let h = guard.as_ref().map(|b| b.0).ok_or_else(|| Error::Cuda("no cuBLAS handle".into()))?;
+    let blas = guard.as_mut().ok_or_else(|| Error::Cuda("no cuBLAS handle".into()))?;
     g.bind()?;
+    // cuBLASLt, with a cached plan, when it can express the batch (it cannot repeat an
+    // operand with batch stride 0).
+    if let Some(lt) = blas.lt.filter(|_| batch == 1 || (a.batch_stride != 0 && b.batch_stride != 0)) {
+        let gemm = Gemm {
+            dtype: meta.dtype,
+            tf32: allow_tf32(),
+            trans: (b.trans, a.trans),
+            mnk: (n as u64, m as u64, k as u64),
+            ld: (b.ld, a.ld, n as i64),
+            batch: batch as i32,
+            strides: (b.batch_stride, a.batch_stride, (m * n) as i64),
+            align: (alignment(b.ptr), alignment(a.ptr), alignment(out.buf.ptr)),
+        };
+        let ptrs = [b.ptr, a.ptr, out.buf.ptr];
+        let ws = (blas.ws.ptr, WORKSPACE);
+        let stale = blas.plans.get(&gemm).is_none_or(|p| super::lt::autotune() && !p.tuned);
+        if stale {
+            match Plan::new(lt, g, &gemm, ptrs, ws) {
+                Ok(plan) => {
+                    blas.plans.insert(gemm.clone(), plan);
+                }
+                Err(e) => {
+                    // cuBLAS proper still handles it (a rare layout cuBLASLt refuses).
+                    if super::log_kernels() {
+                        eprintln!("kiln: cuBLASLt has no plan ({e}); using cuBLAS");
+                    }
+                }
+            }
+        }
+        if let Some(plan) = blas.plans.get(&gemm) {
+            plan.run(lt, g, ptrs, ws)?;
+            return Ok(out);
+        }
+    }
+    let h = blas.h;
     // Row-major C = A B is column-major C^T = B^T A^T: pass B first.
     // SAFETY: every pointer is a live device buffer of this GPU sized for the shapes given
     // (checked by the shape rule); alpha/beta are host scalars of the compute type.

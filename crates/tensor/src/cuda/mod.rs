@@ -18,6 +18,8 @@ mod gpu;
 #[cfg(feature = "cuda")]
 pub(crate) mod kernels;
 #[cfg(feature = "cuda")]
+pub mod lt;
+#[cfg(feature = "cuda")]
 pub mod nvrtc;
 
 use crate::op::{Op, OutMeta};

@@ -1,0 +1,303 @@
+//! cuBLASLt plans for `blas::matmul`: each GEMM problem (dtype, transposes, sizes, strides,
+//! pointer alignment) gets its descriptors and algorithm once, then every call reuses them
+//! (cudarc's safe cuBLASLt API rebuilds them per call, about 15 µs of host time).
+//!
+//! The algorithm is cuBLASLt's first heuristic choice, or, while autotuning is on
+//! (`Mode::MaxAutotune`'s first run), the fastest of its top candidates timed on the real
+//! operands; tuned choices are kept on disk (`cache_dir("cublaslt")`) per GPU and library.
+
+use super::gpu::Gpu;
+use crate::{DType, Error, Result};
+use cudarc::cublaslt::{result as lr, sys as ls};
+use std::cell::Cell;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// A column-major GEMM `D[m, n] = op(A)[m, k] op(B)[k, n]`, batched with strides.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Gemm {
+    pub dtype: DType,
+    pub tf32: bool,
+    pub trans: (bool, bool),
+    pub mnk: (u64, u64, u64),
+    /// Leading dimensions of A, B and D.
+    pub ld: (i64, i64, i64),
+    pub batch: i32,
+    /// Batch strides of A, B and D (elements).
+    pub strides: (i64, i64, i64),
+    /// Alignment in bytes (at most 256) of the A, B and D pointers: algorithms assume it.
+    pub align: (u32, u32, u32),
+}
+
+/// Descriptors and the chosen algorithm of one `Gemm`.
+pub struct Plan {
+    desc: ls::cublasLtMatmulDesc_t,
+    layouts: [ls::cublasLtMatrixLayout_t; 3],
+    algo: ls::cublasLtMatmulAlgo_t,
+    /// F64 GEMMs take F64 alpha and beta.
+    f64: bool,
+    /// Whether the algorithm was timed (here or in an earlier process), not just the heuristic's.
+    pub tuned: bool,
+}
+
+// SAFETY: the descriptors are plain host objects, used only under the GPU's `blas` mutex.
+unsafe impl Send for Plan {}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: created in `Plan::new` and not used after this.
+        unsafe {
+            let _ = lr::destroy_matmul_desc(self.desc);
+            for l in self.layouts {
+                let _ = lr::destroy_matrix_layout(l);
+            }
+        }
+    }
+}
+
+thread_local! {
+    static AUTOTUNE: Cell<bool> = const { Cell::new(false) };
+}
+static TUNED: AtomicU64 = AtomicU64::new(0);
+static TUNE_NANOS: AtomicU64 = AtomicU64::new(0);
+
+/// While on (this thread), new GEMM shapes time cuBLASLt's top candidates and keep the fastest.
+pub fn set_autotune(on: bool) {
+    AUTOTUNE.with(|a| a.set(on));
+}
+
+pub fn autotune() -> bool {
+    AUTOTUNE.with(|a| a.get())
+}
+
+/// Shapes tuned so far in this process, and the time spent timing them.
+pub fn tuning_stats() -> (u64, std::time::Duration) {
+    (TUNED.load(Ordering::Relaxed), std::time::Duration::from_nanos(TUNE_NANOS.load(Ordering::Relaxed)))
+}
+
+fn lt_err(what: &'static str) -> impl Fn(cudarc::cublaslt::result::CublasError) -> Error {
+    move |e| Error::Cuda(format!("cuBLASLt {what}: {e:?}"))
+}
+
+/// Largest power of two (at most 256) dividing the address.
+pub fn alignment(ptr: u64) -> u32 {
+    1u32 << ptr.trailing_zeros().min(8)
+}
+
+fn cuda_type(d: DType) -> Result<(ls::cudaDataType, ls::cublasComputeType_t, ls::cudaDataType)> {
+    use ls::cublasComputeType_t as C;
+    use ls::cudaDataType as T;
+    Ok(match d {
+        DType::F32 => (T::CUDA_R_32F, C::CUBLAS_COMPUTE_32F, T::CUDA_R_32F),
+        DType::F64 => (T::CUDA_R_64F, C::CUBLAS_COMPUTE_64F, T::CUDA_R_64F),
+        DType::F16 => (T::CUDA_R_16F, C::CUBLAS_COMPUTE_32F, T::CUDA_R_32F),
+        DType::BF16 => (T::CUDA_R_16BF, C::CUBLAS_COMPUTE_32F, T::CUDA_R_32F),
+        other => return Err(Error::dtype("matmul", format!("not defined for {other:?}"))),
+    })
+}
+
+fn layout(t: ls::cudaDataType, rows: u64, cols: u64, ld: i64, batch: i32, stride: i64) -> Result<ls::cublasLtMatrixLayout_t> {
+    let l = lr::create_matrix_layout(t, rows, cols, ld).map_err(lt_err("layout"))?;
+    if batch > 1 {
+        use ls::cublasLtMatrixLayoutAttribute_t as A;
+        // SAFETY: `l` is live; each buffer is the attribute's documented type.
+        unsafe {
+            lr::set_matrix_layout_attribute(l, A::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch as *const i32 as _, 4)
+                .map_err(lt_err("batch"))?;
+            lr::set_matrix_layout_attribute(l, A::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride as *const i64 as _, 8)
+                .map_err(lt_err("stride"))?;
+        }
+    }
+    Ok(l)
+}
+
+impl Plan {
+    /// Descriptors for `g` and its algorithm: heuristic, from the disk cache, or timed on
+    /// `ptrs` (A, B, D) when autotuning.
+    pub fn new(lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, g: &Gemm, ptrs: [u64; 3], ws: (u64, usize)) -> Result<Plan> {
+        let (t, mut compute, scale) = cuda_type(g.dtype)?;
+        if g.tf32 && g.dtype == DType::F32 {
+            compute = ls::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32;
+        }
+        let desc = lr::create_matmul_desc(compute, scale).map_err(lt_err("descriptor"))?;
+        let mut plan = Plan {
+            desc,
+            layouts: [std::ptr::null_mut(); 3],
+            algo: ls::cublasLtMatmulAlgo_t { data: [0; 8] },
+            f64: g.dtype == DType::F64,
+            tuned: false,
+        };
+        // cublasOperation_t: CUBLAS_OP_N = 0, CUBLAS_OP_T = 1.
+        let op = |tr: bool| tr as i32;
+        use ls::cublasLtMatmulDescAttributes_t as D;
+        // SAFETY: `desc` is live; the buffers are cublasOperation_t values (i32).
+        unsafe {
+            let (ta, tb) = (op(g.trans.0), op(g.trans.1));
+            lr::set_matmul_desc_attribute(desc, D::CUBLASLT_MATMUL_DESC_TRANSA, &ta as *const _ as _, 4).map_err(lt_err("transa"))?;
+            lr::set_matmul_desc_attribute(desc, D::CUBLASLT_MATMUL_DESC_TRANSB, &tb as *const _ as _, 4).map_err(lt_err("transb"))?;
+        }
+        let (m, n, k) = g.mnk;
+        let (ar, ac) = if g.trans.0 { (k, m) } else { (m, k) };
+        let (br, bc) = if g.trans.1 { (n, k) } else { (k, n) };
+        plan.layouts = [
+            layout(t, ar, ac, g.ld.0, g.batch, g.strides.0)?,
+            layout(t, br, bc, g.ld.1, g.batch, g.strides.1)?,
+            layout(t, m, n, g.ld.2, g.batch, g.strides.2)?,
+        ];
+        let key = disk_key(gpu, g);
+        if let Some(algo) = key.as_ref().and_then(|p| read_algo(p)) {
+            (plan.algo, plan.tuned) = (algo, true);
+            return Ok(plan);
+        }
+        let tune = autotune();
+        let candidates = plan.heuristics(lt, g, ws.1, if tune { 8 } else { 1 })?;
+        plan.algo = candidates[0];
+        if tune {
+            let start = Instant::now();
+            let mut best = (f64::INFINITY, candidates[0]);
+            for &algo in candidates.iter().filter(|_| candidates.len() > 1) {
+                plan.algo = algo;
+                if let Ok(secs) = plan.time(lt, gpu, ptrs, ws) {
+                    if secs < best.0 {
+                        best = (secs, algo);
+                    }
+                }
+            }
+            (plan.algo, plan.tuned) = (best.1, true);
+            TUNED.fetch_add(1, Ordering::Relaxed);
+            TUNE_NANOS.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            if let Some(p) = key {
+                write_algo(&p, &plan.algo);
+            }
+        }
+        Ok(plan)
+    }
+
+    fn heuristics(&self, lt: ls::cublasLtHandle_t, g: &Gemm, ws: usize, want: usize) -> Result<Vec<ls::cublasLtMatmulAlgo_t>> {
+        use ls::cublasLtMatmulPreferenceAttributes_t as P;
+        let pref = lr::create_matmul_pref().map_err(lt_err("preference"))?;
+        let mut found = vec![std::mem::MaybeUninit::<ls::cublasLtMatmulHeuristicResult_t>::zeroed(); want];
+        let mut count = 0i32;
+        // SAFETY: `pref` and the descriptors are live; `found` has room for `want` results.
+        let status = unsafe {
+            let attrs = [
+                (P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, ws as u64),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, g.align.0 as u64),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, g.align.1 as u64),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, g.align.2 as u64),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, g.align.2 as u64),
+            ];
+            let mut r = Ok(());
+            for (a, v) in attrs {
+                // Workspace is a u64 attribute, alignments u32.
+                let size = if a == P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES { 8 } else { 4 };
+                let v32 = v as u32;
+                let ptr: *const c_void = if size == 8 { &v as *const u64 as _ } else { &v32 as *const u32 as _ };
+                r = r.and(lr::set_matmul_pref_attribute(pref, a, ptr, size));
+            }
+            let l = self.layouts;
+            r.and(
+                ls::cublasLtMatmulAlgoGetHeuristic(
+                    lt,
+                    self.desc,
+                    l[0],
+                    l[1],
+                    l[2],
+                    l[2],
+                    pref,
+                    want as i32,
+                    found[0].as_mut_ptr(),
+                    &mut count,
+                )
+                .result(),
+            )
+        };
+        // SAFETY: `pref` was created above.
+        let _ = unsafe { lr::destroy_matmul_pref(pref) };
+        status.map_err(lt_err("heuristic"))?;
+        // SAFETY: cuBLASLt filled the first `count` results.
+        let ok: Vec<_> = found[..count.max(0) as usize]
+            .iter()
+            .map(|r| unsafe { r.assume_init() })
+            .filter(|r| r.state == ls::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+            .map(|r| r.algo)
+            .collect();
+        if ok.is_empty() {
+            return Err(Error::Cuda(format!("cuBLASLt has no algorithm for {g:?}")));
+        }
+        Ok(ok)
+    }
+
+    /// Mean seconds of a few runs of the current algorithm (after one warm-up).
+    fn time(&self, lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, ptrs: [u64; 3], ws: (u64, usize)) -> Result<f64> {
+        self.run(lt, gpu, ptrs, ws)?;
+        gpu.sync()?;
+        let start = Instant::now();
+        const RUNS: u32 = 5;
+        for _ in 0..RUNS {
+            self.run(lt, gpu, ptrs, ws)?;
+        }
+        gpu.sync()?;
+        Ok(start.elapsed().as_secs_f64() / RUNS as f64)
+    }
+
+    /// `D = A B` on the GPU's stream: `ptrs` are A, B and D.
+    pub fn run(&self, lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, ptrs: [u64; 3], ws: (u64, usize)) -> Result<()> {
+        let (one32, zero32, one64, zero64) = (1.0f32, 0.0f32, 1.0f64, 0.0f64);
+        let (alpha, beta): (*const c_void, *const c_void) = if self.f64 {
+            (&one64 as *const f64 as _, &zero64 as *const f64 as _)
+        } else {
+            (&one32 as *const f32 as _, &zero32 as *const f32 as _)
+        };
+        let l = self.layouts;
+        // SAFETY: the pointers are live device buffers of this GPU sized for the layouts
+        // (checked by the caller's shape rule); `ws` is the handle's workspace; alpha/beta
+        // are host scalars of the scale type.
+        unsafe {
+            lr::matmul(
+                lt,
+                self.desc,
+                alpha,
+                beta,
+                ptrs[0] as *const c_void,
+                l[0],
+                ptrs[1] as *const c_void,
+                l[1],
+                ptrs[2] as *const c_void,
+                l[2],
+                ptrs[2] as *mut c_void,
+                l[2],
+                &self.algo,
+                ws.0 as *mut c_void,
+                ws.1,
+                gpu.stream.cu_stream() as _,
+            )
+        }
+        .map_err(lt_err("matmul"))
+    }
+}
+
+/// The tuned algorithm's file: problem, GPU name and cuBLASLt version in the key.
+fn disk_key(gpu: &Arc<Gpu>, g: &Gemm) -> Option<std::path::PathBuf> {
+    // SAFETY: a plain version query.
+    let version = unsafe { ls::cublasLtGetVersion() };
+    let key = super::codegen::fnv1a(format!("{g:?} sm_{}{} {} SMs {version}", gpu.arch.0, gpu.arch.1, gpu.sms).as_bytes());
+    crate::cache_dir("cublaslt").map(|d| d.join(format!("{key:016x}.algo")))
+}
+
+fn read_algo(p: &std::path::Path) -> Option<ls::cublasLtMatmulAlgo_t> {
+    let bytes = std::fs::read(p).ok()?;
+    let words: Vec<u64> = bytes.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default())).collect();
+    Some(ls::cublasLtMatmulAlgo_t { data: words.try_into().ok()? })
+}
+
+fn write_algo(p: &std::path::Path, algo: &ls::cublasLtMatmulAlgo_t) {
+    let bytes: Vec<u8> = algo.data.iter().flat_map(|w| w.to_le_bytes()).collect();
+    // Best effort: a cache that cannot be written only costs a re-tune.
+    let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+    if p.parent().map(std::fs::create_dir_all).transpose().is_ok() && std::fs::write(&tmp, bytes).is_ok() {
+        let _ = std::fs::rename(&tmp, p);
+    }
+}
