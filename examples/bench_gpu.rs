@@ -54,6 +54,8 @@ fn elementwise(dev: Device, steps: usize) -> Result<f64> {
 struct Timing {
     ms: f64,
     compile_s: Option<f64>,
+    /// Peak bytes of live tensors during the first call (trace, compile, first run).
+    compile_peak: Option<usize>,
 }
 
 /// Times `f` eagerly (`mode` None) or compiled in `mode`; the first compiled call (trace,
@@ -66,21 +68,23 @@ fn timed(
     mut f: impl FnMut(&[Tensor]) -> Result<Vec<Tensor>>,
 ) -> Result<Timing> {
     let Some(mode) = mode else {
-        return Ok(Timing { ms: median_ms(dev, warmup, steps, || f(xs).map(drop))?, compile_s: None });
+        return Ok(Timing { ms: median_ms(dev, warmup, steps, || f(xs).map(drop))?, compile_s: None, compile_peak: None });
     };
     let mut step = compile(mode, f);
     let refs: Vec<&Tensor> = xs.iter().collect();
     cuda::synchronize(dev)?;
+    kiln::tensor::storage::reset_peak_bytes();
     let t = Instant::now();
     step.call(&refs)?;
     cuda::synchronize(dev)?;
     let compile_s = t.elapsed().as_secs_f64();
+    let compile_peak = kiln::tensor::storage::peak_bytes();
     let ms = median_ms(dev, warmup, steps, || step.call(&refs).map(drop))?;
     if std::env::var("KILN_EXPLAIN").is_ok() {
         step.call_profiled(&refs)?;
         eprintln!("{}", step.explain());
     }
-    Ok(Timing { ms, compile_s: Some(compile_s) })
+    Ok(Timing { ms, compile_s: Some(compile_s), compile_peak: Some(compile_peak) })
 }
 
 fn report(workload: &str, precision: &str, mode: Option<Mode>, t: Timing, dev: Device) {
@@ -93,7 +97,10 @@ fn report(workload: &str, precision: &str, mode: Option<Mode>, t: Timing, dev: D
         None => "kiln eager".to_string(),
         Some(m) => format!("kiln {}", mode_name(m)),
     };
-    let compile = t.compile_s.map(|c| format!(", \"compile_s\": {c:.3}")).unwrap_or_default();
+    let mut compile = t.compile_s.map(|c| format!(", \"compile_s\": {c:.3}")).unwrap_or_default();
+    if let Some(p) = t.compile_peak {
+        compile += &format!(", \"compile_peak_mib\": {:.1}", p as f64 / 1048576.0);
+    }
     println!(
         "{{\"workload\": \"{workload}\", \"impl\": \"{imp}\", \"precision\": \"{precision}\", \"median_ms\": {:.4}, \"device\": \"{dev}\", \"peak_mib\": {peak:.1}{compile}}}",
         t.ms
@@ -174,7 +181,7 @@ fn main() -> Result<()> {
     eprintln!("kiln bench on {dev} ({steps} timed steps each; TF32 {})", if cfg!(feature = "cuda") { "off" } else { "n/a" });
     if want("add_16M") {
         let ms = elementwise(dev, steps)?;
-        report("add_16M", "fp32", None, Timing { ms, compile_s: None }, dev);
+        report("add_16M", "fp32", None, Timing { ms, compile_s: None, compile_peak: None }, dev);
         eprintln!("add_16M: {:.0} GB/s", 3.0 * 4.0 * (1u64 << 24) as f64 / (ms * 1e-3) / 1e9);
     }
     for &mode in &modes {

@@ -12,8 +12,8 @@ for path in sys.argv[1:]:
         if line.startswith("{"):
             rows.append(json.loads(line))
 order = ["add_16M", "mlp_b32", "mlp_b4096", "transformer_fwd", "gpt_fp32", "gpt_bf16", "gpt_pure_bf16"]
-print("| workload | implementation | precision | median step | vs torch eager | compile | peak memory |")
-print("|---|---|---|---|---|---|---|")
+print("| workload | implementation | precision | median step | vs torch eager | compile | peak memory (steps) | peak memory (first call) |")
+print("|---|---|---|---|---|---|---|---|")
 for w in order:
     mine = [r for r in rows if r["workload"] == w]
     base = next((r["median_ms"] for r in mine if r["impl"] == "torch eager"), None)
@@ -24,4 +24,5 @@ for w in order:
         t = f"{ms * 1000:.0f} us" if ms < 1 else f"{ms:.2f} ms"
         if w == "add_16M":
             t += f" ({3 * 4 * 2**24 / (ms * 1e-3) / 1e9:.0f} GB/s)"
-        print(f"| {w} | {r['impl']} | {r['precision']} | {t} | {ratio} | {comp} | {r.get('peak_mib', 0):.0f} MiB |")
+        first = f"{r['compile_peak_mib']:.0f} MiB" if "compile_peak_mib" in r else "-"
+        print(f"| {w} | {r['impl']} | {r['precision']} | {t} | {ratio} | {comp} | {r.get('peak_mib', 0):.0f} MiB | {first} |")
