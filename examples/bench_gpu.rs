@@ -55,7 +55,7 @@ struct Timing {
     ms: f64,
     compile_s: Option<f64>,
     /// Peak bytes of live tensors during the first call (trace, compile, first run).
-    compile_peak: Option<usize>,
+    compile_peak: Option<u64>,
 }
 
 /// Times `f` eagerly (`mode` None) or compiled in `mode`; the first compiled call (trace,
