@@ -8,9 +8,9 @@ cd "$(dirname "$0")/../.."
 modes=${1:-eager}
 out=${OUT:-$(mktemp -d)}
 if [[ -f .gpu/run ]]; then
-  bash .gpu/run example bench_gpu > "$out/kiln.jsonl"
+  bash .gpu/run example bench_gpu --modes eager,default,reduce-overhead,max-autotune > "$out/kiln.jsonl"
 else
-  cargo run --release --features cuda --example bench_gpu > "$out/kiln.jsonl"
+  cargo run --release --features cuda --example bench_gpu -- --modes eager,default,reduce-overhead,max-autotune > "$out/kiln.jsonl"
 fi
 python3 benches/pytorch/gpu_bench.py --modes "$modes" > "$out/torch.jsonl"
 python3 benches/pytorch/compare.py "$out/kiln.jsonl" "$out/torch.jsonl" | tee "$out/compare.md"

@@ -116,7 +116,7 @@ fn layout(t: ls::cudaDataType, rows: u64, cols: u64, ld: i64, batch: i32, stride
 impl Plan {
     /// Descriptors for `g` and its algorithm: heuristic, from the disk cache, or timed on
     /// `ptrs` (A, B, D) when autotuning.
-    pub fn new(lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, g: &Gemm, ptrs: [u64; 3], ws: (u64, usize)) -> Result<Plan> {
+    pub(crate) fn new(lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, g: &Gemm, ptrs: [u64; 3], ws: (u64, usize)) -> Result<Plan> {
         let (t, mut compute, scale) = cuda_type(g.dtype)?;
         if g.tf32 && g.dtype == DType::F32 {
             compute = ls::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32;
@@ -244,7 +244,7 @@ impl Plan {
     }
 
     /// `D = A B` on the GPU's stream: `ptrs` are A, B and D.
-    pub fn run(&self, lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, ptrs: [u64; 3], ws: (u64, usize)) -> Result<()> {
+    pub(crate) fn run(&self, lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, ptrs: [u64; 3], ws: (u64, usize)) -> Result<()> {
         let (one32, zero32, one64, zero64) = (1.0f32, 0.0f32, 1.0f64, 0.0f64);
         let (alpha, beta): (*const c_void, *const c_void) = if self.f64 {
             (&one64 as *const f64 as _, &zero64 as *const f64 as _)
