@@ -159,3 +159,35 @@ fn a_smaller_last_batch_recompiles_on_cuda_and_stays_correct() {
         assert_close(&format!("{mode:?}"), &run(Some(mode)), &eager, 1e-4);
     }
 }
+
+/// The trace computes nothing on the GPU: its outputs are placeholders without memory, so the
+/// first call's peak is the compiled program's, and a tensor the closure keeps outside the
+/// step (not returned) is an error naming it when read, never stale or garbage values.
+#[test]
+fn the_trace_allocates_no_gpu_memory_and_kept_intermediates_error_when_read() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    kiln::tensor::rng::manual_seed(0);
+    let model = mlp(&[20, 512, 5], dev).unwrap();
+    let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig::adamw()).unwrap());
+    let (x, y) = batch(0, 4096, dev);
+    let kept: RefCell<Option<Tensor>> = RefCell::new(None);
+    let mut inner = mlp_step(&model, &opt);
+    let mut step = compile(Mode::Default, |xs: &[Tensor]| {
+        let out = inner(xs)?;
+        *kept.borrow_mut() = Some(out[0].mul_scalar(2.0)?);
+        Ok(out)
+    });
+    cuda::synchronize(dev).unwrap();
+    let before = kiln::tensor::storage::live_bytes();
+    kiln::tensor::storage::reset_peak_bytes();
+    let loss = step.call(&[&x, &y]).unwrap()[0].item().unwrap();
+    let first_call_peak = kiln::tensor::storage::peak_bytes() - before;
+    assert!(loss.is_finite() && loss > 0.0, "the program computed the first step: loss {loss}");
+    let e = kept.borrow().as_ref().unwrap().to_vec::<f32>().unwrap_err().to_string();
+    assert!(e.contains("made while a compiled step was traced"), "{e}");
+    // Eager intermediates of this step: hidden activations [4096, 512] and their gradients.
+    let eager_floor = 4096 * 512 * 4;
+    println!("first call peak {:.1} MiB", first_call_peak as f64 / 1048576.0);
+    assert!(first_call_peak < 8 * eager_floor as u64, "first call held {first_call_peak} bytes");
+}

@@ -15,7 +15,9 @@
 //! The first call with a new input signature runs the closure under a tracer (`trace.rs`)
 //! with its kernels queued, not run (`kiln_tensor::lazy`), lowers the recording to the graph IR (`lower.rs`, `graph.rs`), runs the
 //! passes (`passes.rs`) and keeps the program (`exec.rs`), which then computes the first call
-//! too; later calls replay it. What the
+//! too; later calls replay it. So a tensor the closure keeps outside the step other than
+//! through its outputs, the parameters' gradients or optimizer state holds unspecified values
+//! (as on replays, where the closure does not run at all): return it instead. What the
 //! step reads outside its inputs (parameters, gradients, optimizer state, lr, step count) is
 //! state: read from and written back into the same buffers, so code outside sees the update.
 //! The learning rate and step count are tensors, so schedulers stepping outside the compiled
@@ -306,6 +308,8 @@ where
             debug_verify(g).unwrap_or_else(|e| eprintln!("kiln compile: verifier after {name}: {e}"));
         });
         log::log("graph", &format!("optimised graph:\n{graph}"));
+        // State buffers the trace made but did not compute get memory for the program.
+        lowered.cells.iter().try_for_each(|c| lazy::materialize(c))?;
         let device = step_device(inputs, &lowered.cells);
         let planned = Instant::now();
         let exec = exec::Program::new(graph, lowered.cells, &self.opts, device)?;

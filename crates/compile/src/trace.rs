@@ -1,4 +1,5 @@
-//! The tracer: while a step runs eagerly for the first time, it records every op with the
+//! The tracer: while a step runs for the first time (its kernels queued, see
+//! `kiln_tensor::lazy`), it records every op with the
 //! storages and layouts of its inputs and output, which storages it created, which leaves
 //! (parameters) it saw, and any host read.
 

@@ -1,6 +1,8 @@
 //! Lazy tracing: while `kiln-compile` traces a step, kernels are queued instead of run, so the
 //! first call of a compiled step needs no eager kernels (on a GPU each one would first be
-//! compiled by NVRTC, one after another). Outputs get buffers of the right size and dtype;
+//! compiled by NVRTC, one after another). Outputs get buffers of the right size and dtype
+//! (on a GPU, placeholders holding no memory until their kernel runs; reading one that never
+//! ran is an error naming it);
 //! shapes, autograd and the tracer work as in eager mode. A host read (`to_vec`, `item`,
 //! moving to another device) runs the queue first, so every value read is the eager one;
 //! the trace then continues lazily.
@@ -60,6 +62,15 @@ pub fn flush() -> Result<()> {
     queue.into_iter().try_for_each(run)
 }
 
+/// Gives a buffer left unwritten by the trace real memory (a compiled program's state cells).
+pub fn materialize(cell: &StorageCell) -> Result<()> {
+    let real = crate::cuda::materialized(&cell.read())?; // the read guard ends here
+    if let Some(s) = real {
+        cell.replace(s);
+    }
+    Ok(())
+}
+
 /// Queues `op` when lazy: returns the output's (not yet written) buffer.
 pub(crate) fn defer(op: &Op, inputs: &[&Tensor], meta: &OutMeta, device: Device) -> Result<Option<Arc<StorageCell>>> {
     if !active() {
@@ -68,7 +79,8 @@ pub(crate) fn defer(op: &Op, inputs: &[&Tensor], meta: &OutMeta, device: Device)
     let len = meta.shape.iter().product();
     let storage = match device {
         Device::Cpu => Storage::Cpu(crate::storage::CpuStorage::uninit(meta.dtype, len)),
-        Device::Cuda(_) => crate::cuda::alloc(device, meta.dtype, len)?,
+        // No GPU memory until the kernel runs: a trace keeps every queued output alive.
+        Device::Cuda(_) => crate::cuda::placeholder(device, meta.dtype, len)?,
     };
     let out = Arc::new(StorageCell::new(storage));
     let job = Pending::Out {
@@ -101,7 +113,7 @@ fn run(job: Pending) -> Result<()> {
         Pending::Out { op, inputs, meta, device, out } => {
             let refs: Vec<&Tensor> = inputs.iter().collect();
             let s = crate::tensor::run_kernel(&op, &refs, &meta, device)?;
-            *out.write_uncounted() = s;
+            out.replace(s);
             Ok(())
         }
         Pending::InPlace { op, dst, src } => dst.run_inplace_kernel(&op, src.as_ref(), false),

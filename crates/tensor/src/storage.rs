@@ -184,6 +184,8 @@ fn storage_bytes(s: &Storage) -> u64 {
     match s {
         Storage::Cpu(c) => (c.len() * c.dtype().size_in_bytes()) as u64,
         #[cfg(feature = "cuda")]
+        Storage::Cuda(c) if c.buf.is_placeholder() => 0,
+        #[cfg(feature = "cuda")]
         Storage::Cuda(c) => (c.len() * c.dtype().size_in_bytes()) as u64,
     }
 }
@@ -194,21 +196,30 @@ pub struct StorageCell {
     id: u64,
     data: RwLock<Storage>,
     version: AtomicU64,
-    bytes: u64,
+    bytes: AtomicU64,
 }
 
 impl Drop for StorageCell {
     fn drop(&mut self) {
-        LIVE_BYTES.fetch_sub(self.bytes, Ordering::Relaxed);
+        LIVE_BYTES.fetch_sub(*self.bytes.get_mut(), Ordering::Relaxed);
     }
+}
+
+fn add_live(bytes: u64) {
+    let live = LIVE_BYTES.fetch_add(bytes, Ordering::Relaxed) + bytes;
+    PEAK_BYTES.fetch_max(live, Ordering::Relaxed);
 }
 
 impl StorageCell {
     pub fn new(s: Storage) -> StorageCell {
         let bytes = storage_bytes(&s);
-        let live = LIVE_BYTES.fetch_add(bytes, Ordering::Relaxed) + bytes;
-        PEAK_BYTES.fetch_max(live, Ordering::Relaxed);
-        StorageCell { id: NEXT_STORAGE_ID.fetch_add(1, Ordering::Relaxed), data: RwLock::new(s), version: AtomicU64::new(0), bytes }
+        add_live(bytes);
+        StorageCell {
+            id: NEXT_STORAGE_ID.fetch_add(1, Ordering::Relaxed),
+            data: RwLock::new(s),
+            version: AtomicU64::new(0),
+            bytes: AtomicU64::new(bytes),
+        }
     }
     /// A process-unique id (the compiler keys state buffers by it); ids only grow.
     pub fn id(&self) -> u64 {
@@ -236,6 +247,15 @@ impl StorageCell {
     /// whose write was already counted (or that is an op's fresh output).
     pub(crate) fn write_uncounted(&self) -> RwLockWriteGuard<'_, Storage> {
         self.data.write().unwrap_or_else(|e| e.into_inner())
+    }
+    /// Swaps in a storage of the same dtype and length (lazy tracing giving a placeholder its
+    /// computed buffer), keeping the live-bytes count right. Not an in-place write.
+    pub(crate) fn replace(&self, s: Storage) {
+        let bytes = storage_bytes(&s);
+        let old = self.bytes.swap(bytes, Ordering::Relaxed);
+        add_live(bytes);
+        LIVE_BYTES.fetch_sub(old, Ordering::Relaxed);
+        *self.write_uncounted() = s;
     }
     /// Counts an in-place write that lazy tracing queued.
     pub(crate) fn count_write(&self) {

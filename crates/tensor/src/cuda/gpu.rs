@@ -151,8 +151,22 @@ impl std::fmt::Debug for DeviceBuffer {
     }
 }
 
+impl DeviceBuffer {
+    /// No memory: stands for a buffer lazy tracing has not computed (`kiln_tensor::lazy`).
+    pub fn placeholder(gpu: Arc<Gpu>) -> DeviceBuffer {
+        DeviceBuffer { ptr: 0, bytes: 0, gpu, pool: None }
+    }
+    /// Real buffers are at least one 512-byte size class.
+    pub fn is_placeholder(&self) -> bool {
+        self.bytes == 0
+    }
+}
+
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
+        if self.is_placeholder() {
+            return;
+        }
         // Work on the one stream is ordered, so a later kernel may reuse this memory at once.
         let list = self.pool.as_ref().map_or(&self.gpu.free, |p| &p.free);
         list.lock().unwrap_or_else(|e| e.into_inner()).entry(self.bytes).or_default().push(self.ptr);

@@ -96,12 +96,13 @@ pub(crate) fn to_device(t: &Tensor, device: Device) -> Result<Tensor> {
     Err(unavailable(if device.is_cuda() { device } else { t.device() }))
 }
 
-/// A buffer of `len` elements on `device`, contents unspecified (lazy tracing's outputs).
-pub(crate) fn alloc(device: Device, dtype: crate::DType, len: usize) -> Result<Storage> {
+/// A storage of `len` elements on `device` holding no memory yet: lazy tracing's outputs,
+/// given memory when their kernel runs (or by `materialize`).
+pub(crate) fn placeholder(device: Device, dtype: crate::DType, len: usize) -> Result<Storage> {
     #[cfg(feature = "cuda")]
     {
-        let Device::Cuda(n) = device else { return Err(crate::Error::Msg(format!("cuda::alloc: {device} is not a GPU"))) };
-        Ok(Storage::Cuda(kernels::CudaStorage::alloc(&gpu::gpu(n)?, dtype, len)?))
+        let Device::Cuda(n) = device else { return Err(crate::Error::Msg(format!("cuda::placeholder: {device} is not a GPU"))) };
+        Ok(Storage::Cuda(kernels::CudaStorage { buf: gpu::DeviceBuffer::placeholder(gpu::gpu(n)?), dtype, len }))
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -110,7 +111,36 @@ pub(crate) fn alloc(device: Device, dtype: crate::DType, len: usize) -> Result<S
     }
 }
 
+/// For a placeholder, a real (unwritten) buffer to replace it; None for other storages.
+pub(crate) fn materialized(s: &Storage) -> Result<Option<Storage>> {
+    #[cfg(feature = "cuda")]
+    if let Storage::Cuda(c) = s {
+        if c.buf.is_placeholder() && c.len > 0 {
+            return Ok(Some(Storage::Cuda(kernels::CudaStorage::alloc(c.gpu(), c.dtype, c.len)?)));
+        }
+    }
+    let _ = s;
+    Ok(None)
+}
+
+/// An error for a placeholder read as data: a tensor made while a compiled step was traced,
+/// kept outside the step and never computed.
+pub(crate) fn check_computed(s: &Storage) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let Storage::Cuda(c) = s {
+        if c.buf.is_placeholder() && c.len > 0 {
+            return Err(crate::Error::Msg(format!(
+                "a {:?} tensor of {} elements made while a compiled step was traced holds no value (the trace does not compute); return it from the step instead of keeping it",
+                c.dtype, c.len
+            )));
+        }
+    }
+    let _ = s;
+    Ok(())
+}
+
 pub(crate) fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, device: Device) -> Result<Storage> {
+    ins.iter().try_for_each(|s| check_computed(s))?;
     #[cfg(feature = "cuda")]
     return kernels::run(op, ins, layouts, meta, device);
     #[cfg(not(feature = "cuda"))]
@@ -122,6 +152,8 @@ pub(crate) fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta
 
 #[cfg(feature = "cuda")]
 pub(crate) fn run_inplace(op: &Op, dst: &mut Storage, l: &Layout, src: Option<(&Storage, &Layout)>) -> Result<()> {
+    check_computed(dst)?;
+    src.map_or(Ok(()), |(s, _)| check_computed(s))?;
     kernels::run_inplace(op, dst, l, src)
 }
 
@@ -148,6 +180,7 @@ mod copies {
     fn download(t: &Tensor) -> Result<Tensor> {
         let guard = t.storage().read();
         let Storage::Cuda(c) = &*guard else { return Err(Error::Msg("download: not a CUDA tensor".into())) };
+        super::check_computed(&guard)?;
         let l = t.layout();
         let owned;
         let (src, off) = if l.is_contiguous() {
