@@ -12,6 +12,14 @@ use rayon::prelude::*;
 /// spin of rayon workers on a 2-core machine costs more than the second core gains.
 const PAR_FLOPS: usize = 1 << 25;
 
+/// A product with a short inner dim and a wide output (a weight gradient at a small batch,
+/// e.g. 32 x 784 -> 784 x 256) costs mostly writing the output, which two threads share
+/// well even below `PAR_FLOPS`: measured on the MLP b32 step, eager went from about 0.75
+/// to 0.66 ms and compiled from 0.55 to 0.53 ms.
+fn short_and_wide(s: MatmulShape) -> bool {
+    s.k <= 64 && s.m * s.n >= 1 << 16 && s.m * s.n * s.k >= 1 << 22
+}
+
 pub trait GemmElem: Element {}
 impl GemmElem for f32 {}
 impl GemmElem for f64 {}
@@ -92,7 +100,7 @@ pub fn matmul<T: GemmElem>((a, la): (&[T], &Layout), (b, lb): (&[T], &Layout), s
     if nb >= threads && flops < PAR_FLOPS * 4 {
         out.par_chunks_mut(m * n).enumerate().for_each(|(i, dst)| one(dst, i, Parallelism::None));
     } else {
-        let par = if flops >= PAR_FLOPS { Parallelism::Rayon(threads) } else { Parallelism::None };
+        let par = if flops >= PAR_FLOPS || short_and_wide(s) { Parallelism::Rayon(threads) } else { Parallelism::None };
         for (i, dst) in out.chunks_mut(m * n).enumerate() {
             one(dst, i, par);
         }
