@@ -2,7 +2,7 @@
 //! (`torch.optim.SGD`, single-tensor path).
 
 use crate::common::{cast, ensure, impl_optimizer, with_l2, Core, PerGroup};
-use kiln_tensor::{Result, Tensor};
+use kiln_tensor::{Error, Result, Tensor};
 
 /// `torch.optim.SGD`'s hyperparameters (its defaults in `Default`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -72,8 +72,18 @@ impl SGD {
         }
         let (bufs, fresh) = self.core.buffers(i)?;
         let buf = &bufs[0];
-        if fresh {
-            buf.assign(&g)?; // PyTorch starts the buffer at the first gradient, undamped
+        // PyTorch starts the buffer at the first gradient, undamped. Without dampening the
+        // update below does exactly that from the zero buffer (0 * m + g == g), so a compiled
+        // step traced on the first step replays the same rule on later steps. With dampening
+        // the first step is a different rule, which a graph cannot replay.
+        if fresh && c.dampening != 0.0 {
+            if kiln_tensor::is_tracing() {
+                return Err(Error::Msg(format!(
+                    "SGD: with dampening {} the momentum buffer starts at the first gradient undamped, a first-step rule a compiled step cannot replay; take one eager step before compiling",
+                    c.dampening
+                )));
+            }
+            buf.assign(&g)?;
         } else {
             buf.mul_scalar_(c.momentum)?;
             if c.dampening == 0.0 {
