@@ -151,7 +151,7 @@ fn check_mode_compares_compiled_with_eager() -> Result<()> {
         step.call(&[&x, &y])?;
     }
     let (steps, worst) = step.check_report();
-    assert_eq!(steps, 5, "the trace is eager; the next five replays are checked");
+    assert_eq!(steps, 5, "the first call compiles; the next five replays are checked");
     assert!(worst < 1e-5, "compiled and eager differ by {worst}");
     // A closure whose replays differ from eager is caught: it reads a counter the graph baked in.
     let calls = std::cell::Cell::new(0.0);
@@ -374,5 +374,42 @@ fn compiled_sgd_with_momentum_matches_eager() -> Result<()> {
     let (x, y) = data(0, 16, 20, 5);
     let e = damped.call(&[&x, &y]).unwrap_err().to_string();
     assert!(e.contains("dampening") && e.contains("take one eager step"), "{e}");
+    Ok(())
+}
+
+/// A step that reads values without a host-read hook (`count_nan_inf`, a debugging aid) runs
+/// the trace's queued kernels early: that first call then keeps its eager effects and is not
+/// computed a second time by the compiled program (which would apply the update twice).
+#[test]
+fn a_flush_inside_the_trace_applies_the_first_step_once() -> Result<()> {
+    let run = |compiled: bool| -> Result<Vec<Vec<f32>>> {
+        kiln::tensor::rng::manual_seed(6);
+        let model = mlp(&[20, 8, 5], Device::Cpu)?;
+        let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig::adamw())?);
+        let mut inner = mlp_step(&model, &opt);
+        let mut checked = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+            let out = inner(xs)?;
+            assert_eq!(out[0].count_nan_inf()?, (0, 0));
+            Ok(out)
+        };
+        if compiled {
+            let mut step = compile(Mode::Default, checked);
+            for i in 0..3 {
+                let (x, y) = data(i, 16, 20, 5);
+                step.call(&[&x, &y])?;
+            }
+            assert_eq!(step.explain().graphs, 1, "the graph is still compiled and replayed");
+        } else {
+            for i in 0..3 {
+                let (x, y) = data(i, 16, 20, 5);
+                checked(&[x, y])?;
+            }
+        }
+        model.parameters().iter().map(|p| p.to_vec::<f32>()).collect()
+    };
+    let (eager, compiled) = (run(false)?, run(true)?);
+    for (e, c) in eager.iter().zip(&compiled) {
+        assert_close("parameters after 3 steps", c, e, 1e-5);
+    }
     Ok(())
 }

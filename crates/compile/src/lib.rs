@@ -271,19 +271,28 @@ where
         let owned: Vec<Tensor> = inputs.iter().map(|t| t.copy()).collect::<Result<_>>()?;
         let recorder = Rc::new(trace::Recorder { rec: Default::default(), fullgraph: self.opts.fullgraph });
         let (gen0, first_new) = (rng::state(), kiln_tensor::storage::next_storage_id());
+        let lazy = lazy::begin()?;
         let prev = set_tracer(Some(recorder.clone()));
-        lazy::begin();
         let result = (self.f)(&owned);
         set_tracer(prev);
-        // The trace queued its kernels without running them. A graph break (or an error) runs
-        // them all, so the step has its eager effects; otherwise only the fills of buffers the
-        // step creates and keeps run, and the compiled program computes the first step below.
-        let eager = result.is_err() || !recorder.rec.borrow().host_reads.is_empty();
-        lazy::end(if eager { lazy::Keep::All } else { lazy::Keep::Sources })?;
+        // The trace queued its kernels without running them. If some ran already (a host read
+        // or a device copy flushed them), on a graph break, or on an error, all of them run:
+        // the step has its eager effects and this call returns its eager results. Otherwise
+        // only the fills run (buffers the step creates and keeps start from them), the rest
+        // is dropped before lowering (which tells state from temporaries by what is still
+        // alive), and the compiled program computes this first step.
+        let queue = lazy.stop();
+        let host_reads = !recorder.rec.borrow().host_reads.is_empty();
+        let lazy_first = !(result.is_err() || host_reads || queue.flushed);
+        if lazy_first {
+            queue.run_fills()?;
+        } else {
+            queue.run_all()?;
+        }
         let outputs = result?;
         let gen1 = rng::state();
         let rec = recorder.rec.borrow();
-        if !rec.host_reads.is_empty() {
+        if host_reads {
             let reason = rec.host_reads[0].clone();
             if !self.warned {
                 eprintln!("kiln compile: graph break, running this step eagerly: {reason}");
@@ -292,7 +301,40 @@ where
             self.cache.push((sig, Entry::Eager(reason)));
             return Ok(outputs);
         }
-        let lowered = lower::lower(&rec, &owned, &outputs, (gen0, gen1), first_new)?;
+        let program = match self.build(&rec, (&owned, &outputs, inputs), (gen0, gen1), first_new, start) {
+            Ok(p) => p,
+            Err(e) => {
+                if lazy_first {
+                    // The step did not happen: drop the gradients the trace attached (never
+                    // computed), so the model is as before the call.
+                    rec.leaves.iter().filter(|(_, had)| !had).for_each(|(leaf, _)| leaf.set_grad(None));
+                    rng::set_state(gen0);
+                }
+                return Err(e);
+            }
+        };
+        let out = if lazy_first {
+            drop((outputs, owned));
+            rng::set_state(gen0);
+            run_program(&program, inputs)?
+        } else {
+            outputs
+        };
+        self.cache.push((sig, Entry::Graph(Box::new(program))));
+        Ok(out)
+    }
+
+    /// Lowers a recording, runs the passes and plans the program. State buffers the trace
+    /// made without memory (lazy placeholders) get some; an older one is an error.
+    fn build(
+        &mut self,
+        rec: &trace::Recording,
+        (owned, outputs, inputs): (&[Tensor], &[Tensor], &[&Tensor]),
+        gens: (rng::GeneratorState, rng::GeneratorState),
+        first_new: u64,
+        start: Instant,
+    ) -> Result<Program> {
+        let lowered = lower::lower(rec, owned, outputs, gens, first_new)?;
         if !lowered.baked.is_empty() && !self.warned {
             eprintln!("kiln compile: {} tensor(s) made from host data inside the step are baked in as constants ({}); pass them as inputs if they change", lowered.baked.len(), lowered.baked.join(", "));
             self.warned = true;
@@ -308,8 +350,13 @@ where
             debug_verify(g).unwrap_or_else(|e| eprintln!("kiln compile: verifier after {name}: {e}"));
         });
         log::log("graph", &format!("optimised graph:\n{graph}"));
-        // State buffers the trace made but did not compute get memory for the program.
-        lowered.cells.iter().try_for_each(|c| lazy::materialize(c))?;
+        for c in &lowered.cells {
+            if c.id() >= first_new {
+                lazy::materialize(c)?;
+            } else {
+                lazy::check_cell(c)?;
+            }
+        }
         let device = step_device(inputs, &lowered.cells);
         let planned = Instant::now();
         let exec = exec::Program::new(graph, lowered.cells, &self.opts, device)?;
@@ -325,12 +372,7 @@ where
         log::log("fusion", &fusion_report(&exec));
         let compile_time = start.elapsed();
         log::log("time", &format!("compiled in {:.1} ms", compile_time.as_secs_f64() * 1e3));
-        let program = Program { exec, leaf_grads: lowered.leaf_grads, compile_time, nodes_traced };
-        drop((outputs, owned));
-        rng::set_state(gen0);
-        let out = run_program(&program, inputs)?;
-        self.cache.push((sig, Entry::Graph(Box::new(program))));
-        Ok(out)
+        Ok(Program { exec, leaf_grads: lowered.leaf_grads, compile_time, nodes_traced })
     }
 
     /// How many graphs were compiled, graph breaks, kernels, memory and bytes moved.
@@ -410,6 +452,7 @@ fn step_device(inputs: &[&Tensor], cells: &[std::sync::Arc<kiln_tensor::storage:
 
 /// The input's buffer when it is contiguous and whole, else a contiguous copy's.
 fn contiguous_cell(t: &Tensor) -> Result<std::sync::Arc<kiln_tensor::storage::StorageCell>> {
+    lazy::check_computed(t)?;
     if t.is_contiguous() && t.layout().offset == 0 && t.storage().len() == t.numel() {
         return Ok(t.storage().clone());
     }

@@ -65,6 +65,7 @@ pub fn adam_step_device_(
     }
     #[cfg(feature = "cuda")]
     {
+        all.iter().chain([&lr, &step]).try_for_each(|t| crate::lazy::check_computed(t))?;
         crate::cuda::kernels::adam_step(p, g, m, v, vmax, lr, step, h)?;
         Ok(true)
     }

@@ -7,14 +7,14 @@
 //! moving to another device) runs the queue first, so every value read is the eager one;
 //! the trace then continues lazily.
 //!
-//! `end(Keep::Sources)` drops the queue but runs its fills (`Full`, `Arange`): buffers such
-//! as optimizer moments that the step creates and keeps must start from those values when the
-//! compiled program first runs. `end(Keep::All)` runs everything (the step then behaves as if
-//! it had run eagerly).
+//! `Lazy::stop` ends queueing and hands back the queue: `run_fills` runs its fills (`Full`,
+//! `Arange`; buffers such as optimizer moments that the step creates and keeps must start
+//! from those values when the compiled program first runs), `run_all` everything (the step
+//! then behaves as if it had run eagerly); what is not run is dropped.
 
 use crate::op::{Op, OutMeta};
 use crate::storage::{Storage, StorageCell};
-use crate::{Device, Result, Tensor};
+use crate::{Device, Error, Result, Tensor};
 use std::cell::RefCell;
 use std::sync::Arc;
 
@@ -24,24 +24,42 @@ enum Pending {
     InPlace { op: Op, dst: Tensor, src: Option<Tensor> },
 }
 
+/// The queue, and whether a flush ran part of it (the step then has eager effects).
+#[derive(Default)]
+struct Queue {
+    jobs: Vec<Pending>,
+    flushed: bool,
+}
+
 thread_local! {
-    static QUEUE: RefCell<Option<Vec<Pending>>> = const { RefCell::new(None) };
+    static QUEUE: RefCell<Option<Queue>> = const { RefCell::new(None) };
 }
 
-/// What `end` runs of the queue.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Keep {
-    /// Everything: the step's effects happen as in eager mode.
-    All,
-    /// Only fills (`Full`, `Arange`), for buffers the step creates and keeps.
-    Sources,
+/// Queueing on this thread while it lives (dropped without `stop`, e.g. by a panic, it
+/// drops the queue).
+pub struct Lazy {
+    /// The queue is per thread: the guard stays on the thread that made it.
+    _not_send: std::marker::PhantomData<*const ()>,
 }
 
-/// Starts queueing kernels on this thread (not under anomaly detection, which reads values).
-pub fn begin() {
-    if !crate::is_anomaly_detection() {
-        QUEUE.with(|q| *q.borrow_mut() = Some(Vec::new()));
+/// What a trace queued, after `Lazy::stop`.
+pub struct Stopped {
+    jobs: Vec<Pending>,
+    /// A flush (a host read, a device copy) ran the jobs queued before it.
+    pub flushed: bool,
+}
+
+/// Starts queueing kernels on this thread. Not under anomaly detection, which reads every
+/// value (then kernels run as usual); an error when a queue is already active (a compiled
+/// step called inside another one's trace).
+pub fn begin() -> Result<Lazy> {
+    if active() {
+        return Err(Error::Msg("compile: a compiled step was called while another step was being traced; call it outside".into()));
     }
+    if !crate::is_anomaly_detection() {
+        QUEUE.with(|q| *q.borrow_mut() = Some(Queue::default()));
+    }
+    Ok(Lazy { _not_send: std::marker::PhantomData })
 }
 
 /// Whether kernels are being queued on this thread.
@@ -49,17 +67,53 @@ pub fn active() -> bool {
     QUEUE.with(|q| q.borrow().is_some())
 }
 
-/// Stops queueing and runs what `keep` asks for, in order.
-pub fn end(keep: Keep) -> Result<()> {
-    let queue = QUEUE.with(|q| q.borrow_mut().take()).unwrap_or_default();
-    let keep_job = |p: &Pending| keep == Keep::All || matches!(p, Pending::Out { op: Op::Full { .. } | Op::Arange { .. }, .. });
-    queue.into_iter().filter(keep_job).try_for_each(run)
+impl Lazy {
+    /// Stops queueing; the queued kernels are returned, not run.
+    pub fn stop(self) -> Stopped {
+        let q = QUEUE.with(|q| q.borrow_mut().take()).unwrap_or_default();
+        Stopped { jobs: q.jobs, flushed: q.flushed }
+    }
+}
+
+impl Drop for Lazy {
+    fn drop(&mut self) {
+        QUEUE.with(|q| q.borrow_mut().take());
+    }
+}
+
+impl Stopped {
+    /// Runs every queued kernel in order: the step's effects happen as in eager mode.
+    pub fn run_all(self) -> Result<()> {
+        self.jobs.into_iter().try_for_each(|j| run(&j))
+    }
+
+    /// Runs only the fills (`Full`, `Arange`), for buffers the step creates and keeps, such
+    /// as optimizer moments made on the first step, and drops the rest.
+    pub fn run_fills(self) -> Result<()> {
+        let fill = |p: &&Pending| matches!(p, Pending::Out { op: Op::Full { .. } | Op::Arange { .. }, .. });
+        self.jobs.iter().filter(fill).try_for_each(run)
+    }
 }
 
 /// Runs every queued kernel now (before a host read); queueing goes on afterwards.
 pub fn flush() -> Result<()> {
-    let queue = QUEUE.with(|q| q.borrow_mut().as_mut().map(std::mem::take)).unwrap_or_default();
-    queue.into_iter().try_for_each(run)
+    let jobs = QUEUE.with(|q| {
+        q.borrow_mut().as_mut().map(|q| {
+            q.flushed |= !q.jobs.is_empty();
+            std::mem::take(&mut q.jobs)
+        })
+    });
+    jobs.unwrap_or_default().iter().try_for_each(run)
+}
+
+/// An error when `t` is a trace's output that was never computed (on a GPU).
+pub fn check_computed(t: &Tensor) -> Result<()> {
+    check_cell(t.storage())
+}
+
+/// `check_computed` for a buffer.
+pub fn check_cell(cell: &StorageCell) -> Result<()> {
+    crate::cuda::check_computed(&cell.read())
 }
 
 /// Gives a buffer left unwritten by the trace real memory (a compiled program's state cells).
@@ -105,17 +159,17 @@ pub(crate) fn defer_inplace(op: &Op, dst: &Tensor, src: Option<&Tensor>) -> bool
 }
 
 fn push(job: Pending) {
-    QUEUE.with(|q| q.borrow_mut().as_mut().map(|v| v.push(job)));
+    QUEUE.with(|q| q.borrow_mut().as_mut().map(|q| q.jobs.push(job)));
 }
 
-fn run(job: Pending) -> Result<()> {
+fn run(job: &Pending) -> Result<()> {
     match job {
         Pending::Out { op, inputs, meta, device, out } => {
             let refs: Vec<&Tensor> = inputs.iter().collect();
-            let s = crate::tensor::run_kernel(&op, &refs, &meta, device)?;
+            let s = crate::tensor::run_kernel(op, &refs, meta, *device)?;
             out.replace(s);
             Ok(())
         }
-        Pending::InPlace { op, dst, src } => dst.run_inplace_kernel(&op, src.as_ref(), false),
+        Pending::InPlace { op, dst, src } => dst.run_inplace_kernel(op, src.as_ref(), false),
     }
 }

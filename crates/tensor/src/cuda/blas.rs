@@ -21,7 +21,8 @@ pub struct Blas {
     /// None when libcublasLt is missing or `KILN_CUBLASLT=0`: plain cuBLAS runs every GEMM.
     lt: Option<cudarc::cublaslt::sys::cublasLtHandle_t>,
     ws: super::gpu::DeviceBuffer,
-    plans: std::collections::HashMap<Gemm, Plan>,
+    /// A plan per problem; None where cuBLASLt had none (plain cuBLAS runs it).
+    plans: std::collections::HashMap<Gemm, Option<Plan>>,
 }
 
 /// cuBLAS's workspace: what PyTorch gives it on Hopper.
@@ -169,10 +170,10 @@ pub fn matmul(g: &Arc<Gpu>, (sa, la): (&CudaStorage, &Layout), (sb, lb): (&CudaS
         unsafe { bs::cublasSetWorkspace_v2(h, ws.ptr as *mut c_void, WORKSPACE) }.result().map_err(blas_err)?;
         let lt_wanted = std::env::var("KILN_CUBLASLT").map_or(true, |v| v != "0");
         // SAFETY: only probes for the library.
+        // Without cuBLASLt (or its handle), plain cuBLAS runs every GEMM.
         let lt = (lt_wanted && unsafe { cudarc::cublaslt::sys::is_culib_present() })
             .then(cudarc::cublaslt::result::create_handle)
-            .transpose()
-            .map_err(|e| Error::Cuda(format!("cuBLASLt: {e:?}")))?;
+            .and_then(|r| r.ok());
         *guard = Some(Blas { h, lt, ws, plans: Default::default() });
     }
     let blas = guard.as_mut().ok_or_else(|| Error::Cuda("no cuBLAS handle".into()))?;
@@ -192,23 +193,24 @@ pub fn matmul(g: &Arc<Gpu>, (sa, la): (&CudaStorage, &Layout), (sb, lb): (&CudaS
         };
         let ptrs = [b.ptr, a.ptr, out.buf.ptr];
         let ws = (blas.ws.ptr, WORKSPACE);
-        let stale = blas.plans.get(&gemm).is_none_or(|p| super::lt::autotune() && !p.tuned);
+        let stale = match blas.plans.get(&gemm) {
+            None => true,
+            Some(p) => super::lt::autotune() && p.as_ref().is_some_and(|p| !p.tuned),
+        };
         if stale {
-            match Plan::new(lt, g, &gemm, ptrs, ws) {
-                Ok(plan) => {
-                    blas.plans.insert(gemm.clone(), plan);
-                }
-                Err(e) => {
-                    // cuBLAS proper still handles it (a rare layout cuBLASLt refuses).
-                    if super::log_kernels() {
-                        eprintln!("kiln: cuBLASLt has no plan ({e}); using cuBLAS");
-                    }
-                }
+            let plan = Plan::new(lt, g, &gemm, ptrs, ws);
+            if let (Err(e), true) = (&plan, super::log_kernels()) {
+                eprintln!("kiln: cuBLASLt has no plan ({e}); using cuBLAS");
             }
+            // Remembered either way: a problem cuBLASLt refuses goes to cuBLAS at once.
+            blas.plans.insert(gemm.clone(), plan.ok());
         }
-        if let Some(plan) = blas.plans.get(&gemm) {
-            plan.run(lt, g, ptrs, ws)?;
-            return Ok(out);
+        if let Some(Some(plan)) = blas.plans.get(&gemm) {
+            if plan.run(lt, g, ptrs, ws).is_ok() {
+                return Ok(out);
+            }
+            // An algorithm that fails to launch is dropped; cuBLAS computes this one.
+            blas.plans.insert(gemm, None);
         }
     }
     let h = blas.h;

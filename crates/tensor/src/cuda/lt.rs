@@ -146,10 +146,13 @@ impl Plan {
             layout(t, br, bc, g.ld.1, g.batch, g.strides.1)?,
             layout(t, m, n, g.ld.2, g.batch, g.strides.2)?,
         ];
-        let key = disk_key(gpu, g);
+        let key = disk_key(gpu, g, ws.1);
         if let Some(algo) = key.as_ref().and_then(|p| read_algo(p)) {
-            (plan.algo, plan.tuned) = (algo, true);
-            return Ok(plan);
+            // A stale or damaged file falls through to the heuristic.
+            if plan.accepts(lt, &algo, ws.1) {
+                (plan.algo, plan.tuned) = (algo, true);
+                return Ok(plan);
+            }
         }
         let tune = autotune();
         let candidates = plan.heuristics(lt, g, ws.1, if tune { 8 } else { 1 })?;
@@ -173,6 +176,17 @@ impl Plan {
             }
         }
         Ok(plan)
+    }
+
+    /// Whether cuBLASLt confirms `algo` for this problem within the workspace.
+    fn accepts(&self, lt: ls::cublasLtHandle_t, algo: &ls::cublasLtMatmulAlgo_t, ws: usize) -> bool {
+        let mut r = std::mem::MaybeUninit::<ls::cublasLtMatmulHeuristicResult_t>::zeroed();
+        let l = self.layouts;
+        // SAFETY: live descriptors; `r` is written by cuBLASLt on success.
+        let status = unsafe { ls::cublasLtMatmulAlgoCheck(lt, self.desc, l[0], l[1], l[2], l[2], algo, r.as_mut_ptr()) };
+        // SAFETY: zero-initialised, and filled in on success.
+        let r = unsafe { r.assume_init() };
+        status == ls::cublasStatus_t::CUBLAS_STATUS_SUCCESS && r.state == ls::cublasStatus_t::CUBLAS_STATUS_SUCCESS && r.workspaceSize <= ws
     }
 
     fn heuristics(&self, lt: ls::cublasLtHandle_t, g: &Gemm, ws: usize, want: usize) -> Result<Vec<ls::cublasLtMatmulAlgo_t>> {
@@ -280,10 +294,10 @@ impl Plan {
 }
 
 /// The tuned algorithm's file: problem, GPU name and cuBLASLt version in the key.
-fn disk_key(gpu: &Arc<Gpu>, g: &Gemm) -> Option<std::path::PathBuf> {
+fn disk_key(gpu: &Arc<Gpu>, g: &Gemm, ws: usize) -> Option<std::path::PathBuf> {
     // SAFETY: a plain version query.
     let version = unsafe { ls::cublasLtGetVersion() };
-    let key = super::codegen::fnv1a(format!("{g:?} sm_{}{} {} SMs {version}", gpu.arch.0, gpu.arch.1, gpu.sms).as_bytes());
+    let key = super::codegen::fnv1a(format!("{g:?} sm_{}{} {} SMs {version} ws {ws}", gpu.arch.0, gpu.arch.1, gpu.sms).as_bytes());
     crate::cache_dir("cublaslt").map(|d| d.join(format!("{key:016x}.algo")))
 }
 
