@@ -4,6 +4,7 @@
 //! one JSON line per workload; benches/pytorch/compare.py joins them with PyTorch's table.
 //!
 //!   cargo run --release --features cuda --example bench_gpu -- [--device cuda|cpu] [--only NAME] [--steps N]
+//!       (`--only op_overhead` prints the host time per eager op)
 //!       [--modes eager,default,reduce-overhead,max-autotune]
 //!
 //! Each compiled mode compiles the same step (`kiln::compile`); its first call is reported
@@ -48,6 +49,33 @@ fn elementwise(dev: Device, steps: usize) -> Result<f64> {
     let a = Tensor::rand_at(&[n], Distribution::Normal, 6, 0, DType::F32, dev)?;
     let b = Tensor::rand_at(&[n], Distribution::Normal, 7, 0, DType::F32, dev)?;
     median_ms(dev, 3, steps, || a.add(&b).map(|_| ()))
+}
+
+/// Host time per eager op (printed to stderr, not part of the table): 2000 ops on
+/// 1-element tensors queued without synchronising, so the device never holds the host back.
+/// Contiguous adds, a broadcast add and a matmul, each with and without autograd recording.
+fn host_overhead(dev: Device) -> Result<()> {
+    let a = Tensor::rand_at(&[1, 8], Distribution::Normal, 8, 0, DType::F32, dev)?;
+    let b = Tensor::rand_at(&[8], Distribution::Normal, 9, 0, DType::F32, dev)?;
+    let w = Tensor::rand_at(&[8, 8], Distribution::Normal, 10, 0, DType::F32, dev)?;
+    let ops: [(&str, &dyn Fn() -> Result<Tensor>); 3] =
+        [("add", &|| a.add(&a)), ("broadcast add", &|| a.add(&b)), ("matmul", &|| a.matmul(&w))];
+    for (name, op) in ops {
+        for grad in [false, true] {
+            a.set_requires_grad(grad);
+            op()?;
+            cuda::synchronize(dev)?;
+            let t = Instant::now();
+            for _ in 0..2000 {
+                op()?;
+            }
+            let us = t.elapsed().as_secs_f64() * 1e6 / 2000.0;
+            cuda::synchronize(dev)?;
+            eprintln!("host time per eager op: {name} (requires grad {grad}): {us:.2} us");
+        }
+    }
+    a.set_requires_grad(false);
+    Ok(())
 }
 
 /// What one run printed: median step, first-call time (trace + compile) for compiled modes.
@@ -183,6 +211,9 @@ fn main() -> Result<()> {
         let ms = elementwise(dev, steps)?;
         report("add_16M", "fp32", None, Timing { ms, compile_s: None, compile_peak: None }, dev);
         eprintln!("add_16M: {:.0} GB/s", 3.0 * 4.0 * (1u64 << 24) as f64 / (ms * 1e-3) / 1e9);
+    }
+    if want("op_overhead") {
+        host_overhead(dev)?;
     }
     for &mode in &modes {
         if want("mlp_b32") {
