@@ -1,6 +1,6 @@
-//! Matmul through cuBLAS: batched, strided operands read in place (a transposed view is a
-//! transpose flag, not a copy), F32 in full FP32 unless TF32 is switched on (as in PyTorch),
-//! F16/BF16 on tensor cores with F32 accumulation.
+//! Matmul through cuBLASLt plans (`lt.rs`), else plain cuBLAS: batched, strided operands read
+//! in place (a transposed view is a transpose flag, not a copy), F32 in full FP32 unless TF32
+//! is switched on (as in PyTorch), F16/BF16 on tensor cores with F32 accumulation.
 
 use super::gpu::Gpu;
 use super::kernels::{dense_copy, CudaStorage};

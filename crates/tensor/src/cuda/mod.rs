@@ -1,6 +1,6 @@
 //! The CUDA back end (feature `cuda`): device buffers from a caching allocator, every
 //! primitive op as a kernel generated from the op table (`codegen`, compiled by NVRTC to a
-//! CUBIN cached on disk), matmul through cuBLAS, one stream per GPU. Without the feature, or
+//! CUBIN cached on disk), matmul through cuBLASLt/cuBLAS, one stream per GPU. Without the feature, or
 //! without a driver or GPU, every CUDA request is an `Error::Device`, never a panic (cudarc
 //! panics when a library it loads lazily is missing, so each library is probed first).
 //!
