@@ -35,6 +35,15 @@ pub fn cache_dir(kind: &str) -> Option<std::path::PathBuf> {
     })?;
     Some(base.join(kind))
 }
+
+/// Writes a cache file whole or not at all (a temporary renamed into place), best effort: a
+/// cache that cannot be written only costs the work again next time.
+pub fn cache_put(path: &std::path::Path, bytes: &[u8]) {
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    if path.parent().map(std::fs::create_dir_all).transpose().is_ok() && std::fs::write(&tmp, bytes).is_ok() {
+        let _ = std::fs::rename(&tmp, path);
+    }
+}
 pub use dtype::{default_dtype, set_default_dtype, DType, Element};
 pub use error::{Error, Result};
 pub use op::{BinaryOp, Distribution, Op, ReduceOp, UnaryOp};

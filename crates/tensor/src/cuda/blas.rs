@@ -9,6 +9,7 @@ use crate::op::OutMeta;
 use crate::shape::Layout;
 use crate::{DType, Error, Result};
 use cudarc::cublas::{result as br, sys as bs};
+use std::collections::hash_map::Entry;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -92,6 +93,28 @@ fn operand(g: &Arc<Gpu>, s: &CudaStorage, l: &Layout) -> Result<Operand> {
     Ok(Operand { ptr, trans: false, ld: cols.max(1) as i64, batch_stride: bst, _owned: Some(owned) })
 }
 
+/// Host pointers to alpha = 1 and beta = 0 in the GEMM's scale type (F64 for F64 GEMMs,
+/// else F32): `D = A B`, nothing accumulated.
+pub(super) fn one_and_zero(f64: bool) -> (*const c_void, *const c_void) {
+    static ONE_ZERO_F32: [f32; 2] = [1.0, 0.0];
+    static ONE_ZERO_F64: [f64; 2] = [1.0, 0.0];
+    if f64 {
+        (&ONE_ZERO_F64[0] as *const f64 as _, &ONE_ZERO_F64[1] as *const f64 as _)
+    } else {
+        (&ONE_ZERO_F32[0] as *const f32 as _, &ONE_ZERO_F32[1] as *const f32 as _)
+    }
+}
+
+/// The plan, or None (plain cuBLAS) with the reason under `KILN_LOG=kernels`.
+fn plan_or_log(plan: Result<Plan>) -> Option<Plan> {
+    plan.map_err(|e| {
+        if super::log_kernels() {
+            eprintln!("kiln: cuBLASLt has no plan ({e}); using cuBLAS");
+        }
+    })
+    .ok()
+}
+
 fn data_type(d: DType) -> Result<(bs::cudaDataType, bs::cublasComputeType_t)> {
     use bs::cublasComputeType_t as C;
     use bs::cudaDataType as T;
@@ -149,12 +172,7 @@ pub fn matmul(g: &Arc<Gpu>, (sa, la): (&CudaStorage, &Layout), (sb, lb): (&CudaS
     let b = if batch == 1 { Operand { batch_stride: 0, ..b } } else { b };
     let (dt, compute) = data_type(meta.dtype)?;
     let op = |t: bool| if t { bs::cublasOperation_t::CUBLAS_OP_T } else { bs::cublasOperation_t::CUBLAS_OP_N };
-    let (one32, zero32, one64, zero64) = (1.0f32, 0.0f32, 1.0f64, 0.0f64);
-    let (alpha, beta): (*const c_void, *const c_void) = if meta.dtype == DType::F64 {
-        (&one64 as *const f64 as _, &zero64 as *const f64 as _)
-    } else {
-        (&one32 as *const f32 as _, &zero32 as *const f32 as _)
-    };
+    let (alpha, beta) = one_and_zero(meta.dtype == DType::F64);
     let mut guard = g.blas.lock().unwrap_or_else(|e| e.into_inner());
     if guard.is_none() {
         // SAFETY: only probes for the library.
@@ -168,9 +186,9 @@ pub fn matmul(g: &Arc<Gpu>, (sa, la): (&CudaStorage, &Layout), (sb, lb): (&CudaS
         let ws = g.alloc(WORKSPACE)?;
         // SAFETY: `ws` is a live buffer of WORKSPACE bytes owned by the handle's `Blas`.
         unsafe { bs::cublasSetWorkspace_v2(h, ws.ptr as *mut c_void, WORKSPACE) }.result().map_err(blas_err)?;
+        // Without cuBLASLt (or its handle), plain cuBLAS runs every GEMM.
         let lt_wanted = std::env::var("KILN_CUBLASLT").map_or(true, |v| v != "0");
         // SAFETY: only probes for the library.
-        // Without cuBLASLt (or its handle), plain cuBLAS runs every GEMM.
         let lt = (lt_wanted && unsafe { cudarc::cublaslt::sys::is_culib_present() })
             .then(cudarc::cublaslt::result::create_handle)
             .and_then(|r| r.ok());
@@ -193,24 +211,27 @@ pub fn matmul(g: &Arc<Gpu>, (sa, la): (&CudaStorage, &Layout), (sb, lb): (&CudaS
         };
         let ptrs = [b.ptr, a.ptr, out.buf.ptr];
         let ws = (blas.ws.ptr, WORKSPACE);
-        let stale = match blas.plans.get(&gemm) {
-            None => true,
-            Some(p) => super::lt::autotune() && p.as_ref().is_some_and(|p| !p.tuned),
-        };
-        if stale {
-            let plan = Plan::new(lt, g, &gemm, ptrs, ws);
-            if let (Err(e), true) = (&plan, super::log_kernels()) {
-                eprintln!("kiln: cuBLASLt has no plan ({e}); using cuBLAS");
+        // One lookup per call; a problem cuBLASLt refuses is remembered as None (cuBLAS).
+        let slot = match blas.plans.entry(gemm) {
+            Entry::Occupied(mut o) => {
+                // Autotuning re-plans a shape whose algorithm was only the heuristic's.
+                if super::lt::autotune() && o.get().as_ref().is_some_and(|p| !p.tuned) {
+                    let plan = Plan::new(lt, g, o.key(), ptrs, ws);
+                    o.insert(plan_or_log(plan));
+                }
+                o.into_mut()
             }
-            // Remembered either way: a problem cuBLASLt refuses goes to cuBLAS at once.
-            blas.plans.insert(gemm.clone(), plan.ok());
-        }
-        if let Some(Some(plan)) = blas.plans.get(&gemm) {
+            Entry::Vacant(v) => {
+                let plan = Plan::new(lt, g, v.key(), ptrs, ws);
+                v.insert(plan_or_log(plan))
+            }
+        };
+        if let Some(plan) = slot {
             if plan.run(lt, g, ptrs, ws).is_ok() {
                 return Ok(out);
             }
             // An algorithm that fails to launch is dropped; cuBLAS computes this one.
-            blas.plans.insert(gemm, None);
+            *slot = None;
         }
     }
     let h = blas.h;

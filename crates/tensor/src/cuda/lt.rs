@@ -196,20 +196,17 @@ impl Plan {
         let mut count = 0i32;
         // SAFETY: `pref` and the descriptors are live; `found` has room for `want` results.
         let status = unsafe {
-            let attrs = [
-                (P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, ws as u64),
-                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, g.align.0 as u64),
-                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, g.align.1 as u64),
-                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, g.align.2 as u64),
-                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, g.align.2 as u64),
+            // The workspace limit is a u64 attribute, the alignments u32.
+            let ws = ws as u64;
+            let mut r = lr::set_matmul_pref_attribute(pref, P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws as *const u64 as _, 8);
+            let aligns = [
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, g.align.0),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, g.align.1),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, g.align.2),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, g.align.2),
             ];
-            let mut r = Ok(());
-            for (a, v) in attrs {
-                // Workspace is a u64 attribute, alignments u32.
-                let size = if a == P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES { 8 } else { 4 };
-                let v32 = v as u32;
-                let ptr: *const c_void = if size == 8 { &v as *const u64 as _ } else { &v32 as *const u32 as _ };
-                r = r.and(lr::set_matmul_pref_attribute(pref, a, ptr, size));
+            for (a, v) in aligns {
+                r = r.and(lr::set_matmul_pref_attribute(pref, a, &v as *const u32 as _, 4));
             }
             let l = self.layouts;
             r.and(
@@ -259,12 +256,7 @@ impl Plan {
 
     /// `D = A B` on the GPU's stream: `ptrs` are A, B and D.
     pub(crate) fn run(&self, lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, ptrs: [u64; 3], ws: (u64, usize)) -> Result<()> {
-        let (one32, zero32, one64, zero64) = (1.0f32, 0.0f32, 1.0f64, 0.0f64);
-        let (alpha, beta): (*const c_void, *const c_void) = if self.f64 {
-            (&one64 as *const f64 as _, &zero64 as *const f64 as _)
-        } else {
-            (&one32 as *const f32 as _, &zero32 as *const f32 as _)
-        };
+        let (alpha, beta) = super::blas::one_and_zero(self.f64);
         let l = self.layouts;
         // SAFETY: the pointers are live device buffers of this GPU sized for the layouts
         // (checked by the caller's shape rule); `ws` is the handle's workspace; alpha/beta
@@ -309,9 +301,5 @@ fn read_algo(p: &std::path::Path) -> Option<ls::cublasLtMatmulAlgo_t> {
 
 fn write_algo(p: &std::path::Path, algo: &ls::cublasLtMatmulAlgo_t) {
     let bytes: Vec<u8> = algo.data.iter().flat_map(|w| w.to_le_bytes()).collect();
-    // Best effort: a cache that cannot be written only costs a re-tune.
-    let tmp = p.with_extension(format!("tmp{}", std::process::id()));
-    if p.parent().map(std::fs::create_dir_all).transpose().is_ok() && std::fs::write(&tmp, bytes).is_ok() {
-        let _ = std::fs::rename(&tmp, p);
-    }
+    crate::cache_put(p, &bytes);
 }

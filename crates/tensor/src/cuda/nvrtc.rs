@@ -38,11 +38,7 @@ pub fn cubin(src: &str, name: &str, arch: (i32, i32)) -> Result<Vec<u8>> {
     }
     let bin = compile(src, name, &format!("sm_{}{}", arch.0, arch.1), true)?;
     if let Some(p) = path {
-        // Best effort: a cache that cannot be written only costs a recompile next time.
-        let tmp = p.with_extension(format!("tmp{}", std::process::id()));
-        if p.parent().map(std::fs::create_dir_all).transpose().is_ok() && std::fs::write(&tmp, &bin).is_ok() {
-            let _ = std::fs::rename(&tmp, &p);
-        }
+        crate::cache_put(&p, &bin);
     }
     Ok(bin)
 }
