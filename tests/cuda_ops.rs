@@ -5,7 +5,7 @@
 // Cases list their inputs as owned arrays (`&[x.clone()]`) so every call reads the same way.
 #![allow(clippy::cloned_ref_to_slice_refs)]
 
-use kiln::nn::{cross_entropy, Forward, LayerNorm};
+use kiln::nn::{cross_entropy, cross_entropy_with, CrossEntropyConfig, Forward, LayerNorm, Reduction};
 use kiln::prelude::*;
 use kiln::tensor::{cuda, BinaryOp, Distribution, ReduceOp, UnaryOp};
 
@@ -317,6 +317,19 @@ fn backward_of_every_differentiable_op_matches_the_cpu() {
             vec![randn(&[8, 5], 49, DType::F32), Tensor::from_slice(&[0i64, 4, 2, 2, 1, 3, 0, 4], &[8], Device::Cpu).unwrap()],
             Box::new(|x| cross_entropy(&x[0], &x[1])),
         ),
+        (
+            "cross entropy, ignored rows and label smoothing",
+            vec![randn(&[6, 5], 54, DType::F32), Tensor::from_slice(&[0i64, -100, 2, 4, -100, 3], &[6], Device::Cpu).unwrap()],
+            Box::new(|x| cross_entropy_with(&x[0], &x[1], CrossEntropyConfig { label_smoothing: 0.1, ..Default::default() })),
+        ),
+        (
+            "cross entropy, rows longer than a block",
+            vec![randn(&[3, 1500], 55, DType::F32), Tensor::from_slice(&[1499i64, 0, 700], &[3], Device::Cpu).unwrap()],
+            Box::new(|x| {
+                let cfg = CrossEntropyConfig { label_smoothing: 0.05, reduction: Reduction::Sum, ..Default::default() };
+                cross_entropy_with(&x[0], &x[1], cfg)
+            }),
+        ),
         ("dtype casts", vec![randn(&[3, 4], 50, DType::F32)], Box::new(|x| x[0].to_dtype(DType::F64)?.exp()?.to_dtype(DType::F32))),
         ("normalize", vec![randn(&[6, 40], 52, DType::F32)], Box::new(|x| x[0].normalize(1e-5)?.mul(&x[0].t()?.normalize(1e-5)?.t()?))),
     ];
@@ -354,6 +367,10 @@ fn cuda_errors_are_clear() {
     assert!(e.contains("index_select") && e.contains("12") && e.contains("size 10"), "{e}");
     // The error is reported once; the device keeps working.
     assert_eq!(table.sum_all().unwrap().item().unwrap(), 40.0);
+    // A cross-entropy target beyond the classes: the same path.
+    let targets = Tensor::from_slice(&[1i64, 4], &[2], dev).unwrap();
+    let e = cross_entropy(&table.narrow(0, 0, 2).unwrap(), &targets).unwrap().item().unwrap_err().to_string();
+    assert!(e.contains("cross_entropy") && e.contains("index 4") && e.contains("size 4"), "{e}");
     // Out of memory: a clear error naming the request, and the GPU still works after it.
     let e = Tensor::zeros(&[1 << 40], DType::F32, dev).unwrap_err().to_string();
     assert!(e.contains("out of memory") && e.contains("4398046511104 bytes"), "{e}");

@@ -49,21 +49,34 @@ fn unary_rule(u: UnaryOp, x: &Tensor, out: &Tensor, g: &Tensor) -> Result<Option
     Ok(Some(d))
 }
 
-fn binary_rule(b: BinaryOp, x: &Tensor, y: &Tensor, out: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-    let (dx, dy) = match b {
-        BinaryOp::Add => (g.clone(), g.clone()),
-        BinaryOp::Sub => (g.clone(), g.neg()?),
-        BinaryOp::Mul => (g.mul(y)?, g.mul(x)?),
-        BinaryOp::Div => (g.div(y)?, g.mul(out)?.div(y)?.neg()?), // d/dy x/y = -x/y^2 = -out/y
-        // d/dx x^y = y x^(y-1); d/dy x^y = x^y ln x
-        BinaryOp::Pow => (g.mul(y)?.mul(&x.pow(&y.add_scalar(-1.0)?)?)?, g.mul(out)?.mul(&x.log()?)?),
-        BinaryOp::Maximum | BinaryOp::Minimum => {
-            let m = win_mask(x, y, b == BinaryOp::Maximum)?;
-            (g.mul(&m)?, g.mul(&m.rsub_scalar(1.0)?)?)
-        }
-        BinaryOp::Eq | BinaryOp::Ne | BinaryOp::Lt | BinaryOp::Le | BinaryOp::Gt | BinaryOp::Ge => return Ok((None, None)),
+/// `needs` says which of x and y want a gradient: the other is never computed (a dropout
+/// mask or a loss's row count costs no kernel in the backward).
+fn binary_rule(b: BinaryOp, (x, y): (&Tensor, &Tensor), needs: (bool, bool), out: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    use BinaryOp::*;
+    let dx = || -> Result<Option<Tensor>> {
+        Ok(Some(match b {
+            Add | Sub => g.clone(),
+            Mul => g.mul(y)?,
+            Div => g.div(y)?,
+            Pow => g.mul(y)?.mul(&x.pow(&y.add_scalar(-1.0)?)?)?, // d/dx x^y = y x^(y-1)
+            Maximum | Minimum => g.mul(&win_mask(x, y, b == Maximum)?)?,
+            Eq | Ne | Lt | Le | Gt | Ge => return Ok(None),
+        }))
     };
-    Ok((Some(reduce_to(&dx, x.shape())?), Some(reduce_to(&dy, y.shape())?)))
+    let dy = || -> Result<Option<Tensor>> {
+        Ok(Some(match b {
+            Add => g.clone(),
+            Sub => g.neg()?,
+            Mul => g.mul(x)?,
+            Div => g.mul(out)?.div(y)?.neg()?, // d/dy x/y = -x/y^2 = -out/y
+            Pow => g.mul(out)?.mul(&x.log()?)?, // d/dy x^y = x^y ln x
+            Maximum | Minimum => g.mul(&win_mask(x, y, b == Maximum)?.rsub_scalar(1.0)?)?,
+            Eq | Ne | Lt | Le | Gt | Ge => return Ok(None),
+        }))
+    };
+    let dx = if needs.0 { dx()?.map(|d| reduce_to(&d, x.shape())).transpose()? } else { None };
+    let dy = if needs.1 { dy()?.map(|d| reduce_to(&d, y.shape())).transpose()? } else { None };
+    Ok((dx, dy))
 }
 
 fn scalar_rule(b: BinaryOp, v: f64, lhs: bool, x: &Tensor, out: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
@@ -123,7 +136,7 @@ pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Te
         Op::Full { .. } | Op::Arange { .. } | Op::Rand { .. } => vec![],
         Op::Unary(u) => vec![unary_rule(*u, x0()?, out, g)?],
         Op::Binary(b) => {
-            let (dx, dy) = binary_rule(*b, &inputs[0], &inputs[1], out, g)?;
+            let (dx, dy) = binary_rule(*b, (&inputs[0], &inputs[1]), (needs[0], needs[1]), out, g)?;
             vec![dx, dy]
         }
         Op::Scalar { op: b, value, scalar_lhs } => vec![scalar_rule(*b, *value, *scalar_lhs, x0()?, out, g)?],
@@ -167,6 +180,12 @@ pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Te
         }
         Op::AttentionBackward { .. } => {
             return Err(Error::Msg("backward: second derivatives through attention are not supported".into()));
+        }
+        Op::CrossEntropy { ignore_index, smoothing } => {
+            vec![Some(inputs[0].cross_entropy_rows_backward(&inputs[1], g, *ignore_index, *smoothing)?), None]
+        }
+        Op::CrossEntropyBackward { .. } => {
+            return Err(Error::Msg("backward: second derivatives through cross_entropy are not supported".into()));
         }
         Op::Matmul => {
             let (da, db) = matmul_rule(&inputs[0], &inputs[1], (needs[0], needs[1]), g)?;

@@ -101,6 +101,31 @@ fn where_cast_and_reductions() {
 }
 
 #[test]
+fn fused_cross_entropy_matches_finite_differences_and_the_composite() -> Result<()> {
+    let x = randn(&[4, 3], 12);
+    let targets = Tensor::from_vec(vec![2i64, -100, 0, 1], &[4], Device::Cpu)?;
+    for smoothing in [0.0, 0.2] {
+        // Rows weighted unequally, so each row's gradient is checked, through a transposed view.
+        let w = Tensor::from_vec(vec![0.5f64, 2.0, -1.0, 3.0], &[4], Device::Cpu)?;
+        let f = |v: &[Tensor]| v[0].t()?.t()?.cross_entropy_rows(&targets, Some(-100), smoothing)?.mul(&w);
+        check("cross_entropy", f, &[x.clone()]);
+        // Against log-softmax by hand: lse - (1 - s) x[t] - s/C sum(x); the ignored row is 0.
+        let got = x.cross_entropy_rows(&targets, Some(-100), smoothing)?.to_vec::<f64>()?;
+        let (xs, ts) = (x.to_vec::<f64>()?, [2usize, 0, 0, 1]);
+        for r in 0..4 {
+            let row = &xs[r * 3..r * 3 + 3];
+            let lse = row.iter().map(|v| v.exp()).sum::<f64>().ln();
+            let want = if r == 1 { 0.0 } else { lse - (1.0 - smoothing) * row[ts[r]] - smoothing / 3.0 * row.iter().sum::<f64>() };
+            assert!((got[r] - want).abs() < 1e-12, "row {r}: {} vs {want}", got[r]);
+        }
+    }
+    let bad = Tensor::from_vec(vec![2i64, 3, 0, 1], &[4], Device::Cpu)?;
+    let err = x.cross_entropy_rows(&bad, Some(-100), 0.0).unwrap_err().to_string();
+    assert!(err.contains("cross_entropy") && err.contains('3'), "{err}");
+    Ok(())
+}
+
+#[test]
 fn matmul_batched_broadcast_and_transposed() {
     check("matmul", |v| v[0].matmul(&v[1]), &[randn(&[3, 4], 12), randn(&[4, 2], 13)]);
     check("batched x 2-D", |v| v[0].matmul(&v[1]), &[randn(&[2, 3, 4], 14), randn(&[4, 2], 15)]);

@@ -526,6 +526,19 @@ pub enum Op {
         scale: f64,
         causal: bool,
     },
+    /// Cross-entropy per row (inputs: logits `[N, C]`, class indices `[N]` of I64):
+    /// `lse - (1 - smoothing) x[t] - smoothing / C sum_j x[j]`, and 0 for rows whose target is
+    /// `ignore_index`. One pass per row: the loss never materialises log-probabilities.
+    CrossEntropy {
+        ignore_index: Option<i64>,
+        smoothing: f64,
+    },
+    /// The logits' gradient of `CrossEntropy` (inputs: logits, targets, the per-row gradient
+    /// `[N]`): `g[i] (softmax(x)[i, j] - (1 - smoothing) [j == t] - smoothing / C)`.
+    CrossEntropyBackward {
+        ignore_index: Option<i64>,
+        smoothing: f64,
+    },
     // Contractions.
     /// Batched matrix product `[..., m, k] x [..., k, n]` with broadcast batch dims.
     Matmul,
@@ -601,6 +614,8 @@ impl Op {
             Op::NormalizeBackward { .. } => "normalize_backward",
             Op::Attention { .. } => "attention",
             Op::AttentionBackward { .. } => "attention_backward",
+            Op::CrossEntropy { .. } => "cross_entropy",
+            Op::CrossEntropyBackward { .. } => "cross_entropy_backward",
             Op::Matmul => "matmul",
             Op::Reshape(_) => "reshape",
             Op::Permute(_) => "permute",
@@ -638,6 +653,8 @@ impl Op {
             Op::NormalizeBackward { .. } => 2,
             Op::Attention { .. } => 3,
             Op::AttentionBackward { .. } => 5,
+            Op::CrossEntropy { .. } => 2,
+            Op::CrossEntropyBackward { .. } => 3,
             Op::Reshape(_) | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_) | Op::Contiguous => 1,
             Op::Binary(_) | Op::Matmul | Op::IndexSelect { .. } | Op::Gather { .. } => 2,
             Op::Assign | Op::UpdateBinary(_) => 2,
@@ -750,6 +767,22 @@ impl Op {
                 }
                 let shape = if inputs.len() == 5 { [&[3], q].concat() } else { q.to_vec() };
                 meta(shape, inputs[0].dtype)
+            }
+            Op::CrossEntropy { .. } | Op::CrossEntropyBackward { .. } => {
+                let (x, t) = (inputs[0].shape, inputs[1].shape);
+                float_only(inputs[0].dtype)?;
+                index_dtype(inputs[1].dtype)?;
+                if x.len() != 2 || t.len() != 1 || t[0] != x[0] {
+                    return Err(Error::shape(name, format!("expects logits [N, C] and targets [N], got {x:?} and {t:?}")));
+                }
+                if let Some(g) = inputs.get(2) {
+                    same_dtype(inputs[0].dtype, g.dtype)?;
+                    if g.shape != t {
+                        return Err(Error::shape(name, format!("the gradient must be [N] = {t:?}, got {:?}", g.shape)));
+                    }
+                    return meta(x.to_vec(), inputs[0].dtype);
+                }
+                meta(vec![x[0]], inputs[0].dtype)
             }
             Op::Matmul => {
                 let (a, b) = (inputs[0].shape, inputs[1].shape);

@@ -342,6 +342,17 @@ impl Tensor {
     pub fn attention_backward(&self, k: &Tensor, v: &Tensor, o: &Tensor, g: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
         Tensor::apply(Op::AttentionBackward { scale, causal }, &[self, k, v, o, g], self.device())
     }
+    /// Cross-entropy of each row of `self` (logits `[N, C]`) against class indices `targets`
+    /// (`[N]`, I64) in one kernel: `[N]` losses, 0 where the target is `ignore_index`;
+    /// `smoothing` mixes the one-hot target with the uniform distribution. A target outside
+    /// `0..C` is an error (on a GPU, at the next host read).
+    pub fn cross_entropy_rows(&self, targets: &Tensor, ignore_index: Option<i64>, smoothing: f64) -> Result<Tensor> {
+        Tensor::apply(Op::CrossEntropy { ignore_index, smoothing }, &[self, targets], self.device())
+    }
+    /// The logits' gradient of `cross_entropy_rows` for the per-row gradient `g` (`[N]`).
+    pub fn cross_entropy_rows_backward(&self, targets: &Tensor, g: &Tensor, ignore_index: Option<i64>, smoothing: f64) -> Result<Tensor> {
+        Tensor::apply(Op::CrossEntropyBackward { ignore_index, smoothing }, &[self, targets, g], self.device())
+    }
     /// `softmax(scale * x)` over the last dim, optionally with attention's causal mask (entry
     /// `j` of row `i` of each trailing `[T, S]` matrix dropped when `j > i`), in one kernel.
     pub fn softmax_scaled(&self, scale: f64, causal: bool) -> Result<Tensor> {

@@ -212,3 +212,54 @@ pub fn normalize<T: Element>(src: &[T], g: Option<&[T]>, n: usize, eps: f64) -> 
     });
     out
 }
+
+/// What `cross_entropy` computes (see `Op::CrossEntropy`).
+#[derive(Debug, Clone, Copy)]
+pub struct XentSpec {
+    /// Classes (row length).
+    pub n: usize,
+    pub ignore: Option<i64>,
+    pub smoothing: f64,
+}
+
+/// Cross-entropy of each row of `x` (row-major `[targets.len(), n]`) in f64: the per-row loss,
+/// or with `g` (one value per row) the logits' gradient. A target outside `0..n` that is not
+/// the ignore index is an error naming it.
+pub fn cross_entropy<T: Element>(x: &[T], targets: &[i64], g: Option<&[T]>, k: XentSpec) -> crate::Result<Vec<T>> {
+    let n = k.n;
+    let target = |r: usize| -> crate::Result<Option<usize>> {
+        match targets[r] {
+            t if Some(t) == k.ignore => Ok(None),
+            t if t < 0 || t as usize >= n => Err(crate::Error::Index { op: "cross_entropy", index: t, dim: 1, size: n }),
+            t => Ok(Some(t as usize)),
+        }
+    };
+    let picked: Vec<Option<usize>> = (0..targets.len()).map(target).collect::<crate::Result<_>>()?;
+    // Per row: the log-sum-exp and (for smoothing) the sum of the logits.
+    let stats = |r: usize| -> (f64, f64) {
+        let row = &x[r * n..(r + 1) * n];
+        let m = row.iter().map(|v| v.to_f64()).fold(f64::NEG_INFINITY, |a, b| if b.is_nan() || b > a { b } else { a });
+        let sum: f64 = row.iter().map(|v| (v.to_f64() - m).exp()).sum();
+        (m + sum.ln(), row.iter().map(|v| v.to_f64()).sum())
+    };
+    let on = 1.0 - k.smoothing;
+    let off = k.smoothing / n as f64;
+    let Some(g) = g else {
+        let mut out = pool::take::<T>(targets.len());
+        for_rows(&mut out, 1, |r, o| {
+            let (lse, total) = stats(r);
+            o[0] = T::from_f64(picked[r].map_or(0.0, |t| lse - on * x[r * n + t].to_f64() - off * total));
+        });
+        return Ok(out);
+    };
+    let mut out = pool::take::<T>(x.len());
+    for_rows(&mut out, n, |r, o| {
+        let Some(t) = picked[r] else { return o.iter_mut().for_each(|o| *o = T::from_f64(0.0)) };
+        let (lse, gr) = (stats(r).0, g[r].to_f64());
+        for (j, o) in o.iter_mut().enumerate() {
+            let hot = if j == t { on } else { 0.0 };
+            *o = T::from_f64(gr * ((x[r * n + j].to_f64() - lse).exp() - hot - off));
+        }
+    });
+    Ok(out)
+}

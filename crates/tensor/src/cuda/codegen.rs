@@ -580,6 +580,51 @@ pub fn softmax_source(dtype: DType, log: bool, block: bool, causal: bool) -> (St
     (s, name)
 }
 
+/// Cross-entropy over the rows of dense logits `[rows, red]` against I64 targets: the
+/// per-row loss (`o[row]`), or (`backward`) the logits' gradient from the per-row gradient
+/// `g` (read at `row * gst`: a broadcast mean's gradient has stride 0). Two sweeps for the
+/// log-sum-exp, a third for the sum of the logits under label smoothing, then the write. A
+/// target outside `0..red` that is not `ignore` is recorded in the error word (code `code`)
+/// and its row counts as ignored.
+pub fn cross_entropy_source(dtype: DType, backward: bool, block: bool) -> (String, String) {
+    let name = format!(
+        "k_cross_entropy{}_{}{}",
+        if backward { "_backward" } else { "" },
+        format!("{dtype:?}").to_lowercase(),
+        if block { "_block" } else { "" }
+    );
+    let (t, c) = (storage_type(dtype), compute_type(dtype));
+    let mut s = format!("{PRELUDE}{INDEX_ARGS}\ntypedef {c} C;\n");
+    s += "struct XArgs { long long rows, red, ignore, code, gst; double smoothing; int has_ignore, pad; };\n";
+    s += &format!(
+        "extern \"C\" __global__ void {name}({t}* __restrict__ o, const {t}* __restrict__ x, const long long* __restrict__ tg, \
+         const {t}* __restrict__ g, long long* err, XArgs a) {{\n"
+    );
+    s += row_prologue(block);
+    s += "  const long long base = row * a.red, t = tg[row];\n";
+    s += "  bool skip = a.has_ignore && t == a.ignore;\n";
+    s += "  if (!skip && (t < 0 || t >= a.red)) { if (lane == 0) check_index(err, a.code, t, a.red); skip = true; }\n";
+    s += "  C acc = -(C)__longlong_as_double(0x7ff0000000000000LL);\n";
+    s += "  for (long long j = lane; j < a.red; j += tpr) { C v = (C)ld(x[base + j]); acc = (v > acc || v != v) ? v : acc; }\n";
+    s += &row_allreduce(block, true);
+    s += "  const C m = acc; acc = (C)0;\n";
+    s += "  for (long long j = lane; j < a.red; j += tpr) acc += kexp((C)ld(x[base + j]) - m);\n";
+    s += &row_allreduce(block, false);
+    s += "  const C lse = m + klog(acc), on = (C)(1.0 - a.smoothing), off = (C)(a.smoothing / (double)a.red);\n";
+    if backward {
+        s += "  const C gr = skip ? (C)0 : (C)ld(g[row * a.gst]);\n";
+        s += "  for (long long j = lane; j < a.red; j += tpr) {\n";
+        s += "    C d = kexp((C)ld(x[base + j]) - lse) - (j == t ? on : (C)0) - off;\n";
+        s += "    st(&o[base + j], skip ? (C)0 : gr * d);\n  }\n}\n";
+    } else {
+        s += "  (void)g;\n  acc = (C)0;\n";
+        s += "  if (a.smoothing != 0.0) for (long long j = lane; j < a.red; j += tpr) acc += (C)ld(x[base + j]);\n";
+        s += &row_allreduce(block, false);
+        s += "  if (lane == 0) st(&o[row], skip ? (C)0 : lse - on * (C)ld(x[base + t]) - off * acc);\n}\n";
+    }
+    (s, name)
+}
+
 /// Layer norm's normalisation over the last dim of a dense buffer, or (`backward`) its input
 /// gradient from `x` and the output gradient `g`: the row's mean and variance (two sweeps),
 /// then for the backward the sums of `g` and `g xhat`, then the write.

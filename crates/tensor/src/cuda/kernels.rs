@@ -234,6 +234,8 @@ pub fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, devic
         Op::NormalizeBackward { eps } => normalize(&g, x[0], Some(x[1]), *eps)?,
         Op::Attention { scale, causal } => attention(&g, &x, *scale, *causal, false)?,
         Op::AttentionBackward { scale, causal } => attention(&g, &x, *scale, *causal, true)?,
+        Op::CrossEntropy { ignore_index, smoothing } => cross_entropy(&g, &x, *ignore_index, *smoothing)?,
+        Op::CrossEntropyBackward { ignore_index, smoothing } => cross_entropy(&g, &x, *ignore_index, *smoothing)?,
         Op::Matmul => super::blas::matmul(&g, x[0], x[1], meta)?,
         Op::IndexSelect { dim } => index_read(&g, IndexKind::Select, x[0], x[1], *dim, meta)?,
         Op::Gather { dim } => index_read(&g, IndexKind::Gather, x[0], x[1], *dim, meta)?,
@@ -511,6 +513,65 @@ fn normalize(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), grad: Option<(&CudaS
     Ok(out)
 }
 
+/// Mirrors `struct XArgs`.
+#[repr(C)]
+struct XArgs {
+    rows: i64,
+    red: i64,
+    ignore: i64,
+    code: i64,
+    gst: i64,
+    smoothing: f64,
+    has_ignore: i32,
+    pad: i32,
+}
+
+/// Cross-entropy per row of dense logits (`x`: logits, targets, and for the backward the
+/// per-row gradient, read through its stride): `[rows]` losses or the `[rows, C]` gradient.
+fn cross_entropy(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], ignore: Option<i64>, smoothing: f64) -> Result<CudaStorage> {
+    let ((s, l), (st, lt)) = (x[0], x[1]);
+    let (rows, n) = (l.shape[0], l.shape[1]);
+    let backward = x.len() == 3;
+    let out = CudaStorage::alloc(g, s.dtype, if backward { rows * n } else { rows })?;
+    if rows == 0 {
+        return Ok(out);
+    }
+    if n == 0 {
+        return Err(Error::shape("cross_entropy", format!("needs at least one class, got logits {:?}", l.shape)));
+    }
+    let (logits, targets) = (dense(g, s, l)?, dense(g, st, lt)?);
+    let block = n > 1024;
+    let k = g.kernel(super::spec_key("cross_entropy", &(s.dtype, backward, block)), || {
+        super::codegen::cross_entropy_source(s.dtype, backward, block)
+    })?;
+    let (mut pg, gst) = x.get(2).map_or((0, 0), |(sg, lg)| (sg.buf.ptr + (lg.offset * sg.dtype.size_in_bytes()) as u64, lg.strides[0] as i64));
+    let mut a = XArgs {
+        rows: rows as i64,
+        red: n as i64,
+        ignore: ignore.unwrap_or(0),
+        code: XENT_CODE,
+        gst,
+        smoothing,
+        has_ignore: ignore.is_some() as i32,
+        pad: 0,
+    };
+    let (mut o, mut px, mut pt, mut pe) = (out.buf.ptr, logits.get().buf.ptr, targets.get().buf.ptr, g.err);
+    let mut params: [*mut c_void; 6] = [
+        &mut o as *mut u64 as _,
+        &mut px as *mut u64 as _,
+        &mut pt as *mut u64 as _,
+        &mut pg as *mut u64 as _,
+        &mut pe as *mut u64 as _,
+        &mut a as *mut XArgs as _,
+    ];
+    let (grid, threads) = if block { (rows as u32, 1024) } else { (rows.div_ceil(8) as u32, 256) };
+    // SAFETY: (out, logits, targets, grad, err, XArgs) matches the generated signature; logits
+    // are dense [rows, n], targets dense [rows]; the gradient (backward only; null and unread in
+    // the forward) holds `rows` values at stride `gst` from its offset; `err` is the error word.
+    unsafe { g.launch(k, (grid, 1), threads, 0, &mut params)? };
+    Ok(out)
+}
+
 /// Mirrors `struct IArgs`.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
@@ -535,8 +596,14 @@ const INDEX_OPS: [(IndexKind, &str); 4] = [
     (IndexKind::ScatterAdd, "scatter_add"),
 ];
 
+/// The error code of a cross-entropy target out of range (after the index kernels' codes).
+const XENT_CODE: i64 = INDEX_OPS.len() as i64 + 1;
+
 /// The op an error code in the device error word stands for.
 pub fn index_op_name(code: i64) -> &'static str {
+    if code == XENT_CODE {
+        return "cross_entropy (a target class)";
+    }
     INDEX_OPS.get((code - 1).max(0) as usize).map_or("an index kernel", |(_, name)| name)
 }
 
