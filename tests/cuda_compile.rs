@@ -109,6 +109,30 @@ fn compiled_gpt_under_bf16_autocast_matches_eager_cuda_in_every_mode() {
     }
 }
 
+/// Under BF16 autocast with no dropout and a head dim of 16, attention takes the tensor-core
+/// flash kernels by default (one autograd node): eager matches the F32 CPU within BF16's
+/// precision, and every compiled mode matches eager.
+#[test]
+fn gpt_under_bf16_autocast_takes_tensor_core_attention_and_matches_the_cpu() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    let cfg = kiln::models::GptConfig { vocab: 11, context: 8, d_model: 32, n_layer: 2, n_head: 2, dropout: 0.0, tied_head: false };
+    let cpu = common::train_gpt_cfg(Device::Cpu, None, 100, cfg);
+    let _ac = kiln::tensor::Autocast::new(DType::BF16).unwrap();
+    let q = Tensor::rand_at(&[1, 2, 8, 16], Distribution::Normal, 5, 0, DType::F32, dev).unwrap();
+    q.set_requires_grad(true);
+    let masks = kiln::nn::AttnMasks { attn_mask: None, key_padding_mask: None, is_causal: true };
+    let out = kiln::nn::scaled_dot_product_attention(&q, &q, &q, &masks, 0.0).unwrap();
+    let cast_back = out.grad_fn().expect("a cast back to F32");
+    assert_eq!(cast_back.inputs[0].grad_fn().map(|f| f.op.name()), Some("attention"));
+    let eager = common::train_gpt_cfg(dev, None, 100, cfg);
+    assert_close("eager BF16 autocast with flash attention vs F32 CPU: losses", &eager.losses, &cpu.losses, 3e-2);
+    for mode in MODES {
+        let run = common::train_gpt_cfg(dev, Some(mode), 100, cfg);
+        assert_runs_agree(&format!("{mode:?} flash attention vs eager"), &run, &eager, (2e-3, 5e-2));
+    }
+}
+
 /// With fused attention on and no dropout the GPU's attention is the fused op (the CPU keeps
 /// the unfused ops): eager and compiled CUDA training match the CPU for 200 steps.
 #[test]
@@ -116,7 +140,7 @@ fn gpt_with_fused_attention_on_cuda_matches_the_cpu_eager_and_compiled() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dev = gpu();
     let cpu = common::train_gpt_with(Device::Cpu, None, 200, 0.0);
-    kiln::nn::set_fused_attention(true);
+    kiln::nn::set_fused_attention(Some(true));
     // The switch takes the fused op (one autograd node for the whole attention).
     let q = Tensor::rand_at(&[1, 2, 4, 8], Distribution::Normal, 5, 0, DType::F32, dev).unwrap();
     q.set_requires_grad(true);
@@ -127,7 +151,7 @@ fn gpt_with_fused_attention_on_cuda_matches_the_cpu_eager_and_compiled() {
         .into_iter()
         .map(|m| (m, common::train_gpt_with(dev, m, 200, 0.0)))
         .collect();
-    kiln::nn::set_fused_attention(false);
+    kiln::nn::set_fused_attention(None);
     for (mode, run) in runs {
         assert_runs_agree(&format!("{mode:?} fused attention vs CPU"), &run, &cpu, (2e-3, 5e-3));
     }

@@ -51,8 +51,12 @@ pub fn train_gpt(dev: Device, mode: Option<Mode>, steps: u64) -> Run {
 
 /// `train_gpt` with another dropout (0: a GPU takes the fused attention kernel).
 pub fn train_gpt_with(dev: Device, mode: Option<Mode>, steps: u64, dropout: f64) -> Run {
+    train_gpt_cfg(dev, mode, steps, GptConfig { vocab: 11, context: 8, d_model: 16, n_layer: 2, n_head: 2, dropout, tied_head: false })
+}
+
+/// `train_gpt` of a given model shape (vocab 11 and context 8 are what the data has).
+pub fn train_gpt_cfg(dev: Device, mode: Option<Mode>, steps: u64, cfg: GptConfig) -> Run {
     kiln::tensor::rng::manual_seed(7);
-    let cfg = GptConfig { vocab: 11, context: 8, d_model: 16, n_layer: 2, n_head: 2, dropout, tied_head: false };
     let model = Gpt::new(cfg, dev).unwrap();
     let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr: 3e-3, betas: (0.9, 0.95), ..AdamConfig::adamw() }).unwrap());
     let mut sched = WarmupCosine::new(3e-3, 10, steps as usize, 3e-4).unwrap();

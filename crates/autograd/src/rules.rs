@@ -51,7 +51,13 @@ fn unary_rule(u: UnaryOp, x: &Tensor, out: &Tensor, g: &Tensor) -> Result<Option
 
 /// `needs` says which of x and y want a gradient: the other is never computed (a dropout
 /// mask or a loss's row count costs no kernel in the backward).
-fn binary_rule(b: BinaryOp, (x, y): (&Tensor, &Tensor), needs: (bool, bool), out: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+fn binary_rule(
+    b: BinaryOp,
+    (x, y): (&Tensor, &Tensor),
+    needs: (bool, bool),
+    out: &Tensor,
+    g: &Tensor,
+) -> Result<(Option<Tensor>, Option<Tensor>)> {
     use BinaryOp::*;
     let dx = || -> Result<Option<Tensor>> {
         Ok(Some(match b {
@@ -68,7 +74,7 @@ fn binary_rule(b: BinaryOp, (x, y): (&Tensor, &Tensor), needs: (bool, bool), out
             Add => g.clone(),
             Sub => g.neg()?,
             Mul => g.mul(x)?,
-            Div => g.mul(out)?.div(y)?.neg()?, // d/dy x/y = -x/y^2 = -out/y
+            Div => g.mul(out)?.div(y)?.neg()?,  // d/dy x/y = -x/y^2 = -out/y
             Pow => g.mul(out)?.mul(&x.log()?)?, // d/dy x^y = x^y ln x
             Maximum | Minimum => g.mul(&win_mask(x, y, b == Maximum)?.rsub_scalar(1.0)?)?,
             Eq | Ne | Lt | Le | Gt | Ge => return Ok(None),

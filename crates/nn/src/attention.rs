@@ -113,29 +113,54 @@ impl MultiheadAttention {
     }
 }
 
-/// The switch below, first read from `KILN_FUSED_ATTENTION`.
-static FUSED_ATTENTION: std::sync::LazyLock<std::sync::atomic::AtomicBool> =
-    std::sync::LazyLock::new(|| std::sync::atomic::AtomicBool::new(std::env::var("KILN_FUSED_ATTENTION").is_ok_and(|v| v == "1")));
+/// The switch below, first read from `KILN_FUSED_ATTENTION` (`1` on, `0` off, unset auto).
+static FUSED_ATTENTION: std::sync::LazyLock<std::sync::atomic::AtomicU8> = std::sync::LazyLock::new(|| {
+    std::sync::atomic::AtomicU8::new(match std::env::var("KILN_FUSED_ATTENTION").as_deref() {
+        Ok("1") => ON,
+        Ok("0") => OFF,
+        _ => AUTO,
+    })
+});
+const AUTO: u8 = 0;
+const ON: u8 = 1;
+const OFF: u8 = 2;
 
 /// Whether `scaled_dot_product_attention` takes the fused attention op (`Tensor::attention`)
-/// on a GPU. Off by default: on the H200 its kernels are still slower than the unfused ops
-/// (cuBLAS products and the fused causal softmax) at the GPT shapes (BENCHMARKS.md).
-/// `KILN_FUSED_ATTENTION=1` turns it on for a run.
-pub fn set_fused_attention(on: bool) {
-    FUSED_ATTENTION.store(on, std::sync::atomic::Ordering::Relaxed);
+/// on a GPU: `Some(true)` for every float dtype but F64, `Some(false)` never, `None` (the
+/// default) where it runs on tensor cores: f16/bf16 (or F32 under `Autocast`) with a head dim
+/// that is a multiple of 16 up to 128. Its F32 kernels run on the FMA units and are slower
+/// than the unfused ops at the GPT shapes (BENCHMARKS.md).
+pub fn set_fused_attention(on: Option<bool>) {
+    let v = match on {
+        Some(true) => ON,
+        Some(false) => OFF,
+        None => AUTO,
+    };
+    FUSED_ATTENTION.store(v, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// Whether the fused attention op is used: on a GPU, head dims up to 128, at most 65535
-/// batch matrices (the kernels' grid), not F64.
+/// Whether the fused attention op is used for `q` (see `set_fused_attention`); the kernels'
+/// grid takes at most 65535 batch matrices.
 fn fused_attention_on(q: &Tensor) -> bool {
-    let on = FUSED_ATTENTION.load(std::sync::atomic::Ordering::Relaxed);
     let r = q.rank();
-    let matrices: usize = q.shape()[..r.saturating_sub(2)].iter().product();
-    on && q.device().is_cuda() && r >= 2 && q.shape()[r - 1] <= 128 && matrices <= 65535 && q.dtype() != DType::F64
+    if !q.device().is_cuda() || r < 2 || q.dtype() == DType::F64 {
+        return false;
+    }
+    let (matrices, d): (usize, usize) = (q.shape()[..r - 2].iter().product(), q.shape()[r - 1]);
+    let low = match (q.dtype(), kiln_tensor::autocast_dtype()) {
+        (DType::F32, Some(low)) => low,
+        (dt, _) => dt,
+    };
+    let fits = d <= 128 && matrices <= 65535;
+    match FUSED_ATTENTION.load(std::sync::atomic::Ordering::Relaxed) {
+        ON => fits,
+        OFF => false,
+        _ => fits && kiln_tensor::cuda::codegen::flash_supported(low, d),
+    }
 }
 
 /// `softmax(q k^T / sqrt(D) + masks) v` over `[B, H, T, D]` inputs; with no masks but the
-/// causal one and no dropout, one fused op on a GPU when `set_fused_attention` is on.
+/// causal one and no dropout, one fused op on a GPU (see `set_fused_attention`).
 pub fn scaled_dot_product_attention(q: &Tensor, k: &Tensor, v: &Tensor, masks: &AttnMasks, dropout_p: f64) -> Result<Tensor> {
     let (b, h, t, d) = (q.shape()[0], q.shape()[1], q.shape()[2], q.shape()[3]);
     let s = k.shape()[2];

@@ -221,7 +221,13 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             let ((s, l), (st, lt)) = (ins[0], ins[1]);
             let spec = reduce::XentSpec { n: l.shape[1], ignore: *ignore_index, smoothing: *smoothing };
             let targets = contig(typed::<i64>(st, name)?, lt);
-            fn go<T: CpuSlice>(x: &[T], l: &Layout, t: &[i64], g: Option<&(&CpuStorage, &Layout)>, spec: reduce::XentSpec) -> Result<Vec<T>> {
+            fn go<T: CpuSlice>(
+                x: &[T],
+                l: &Layout,
+                t: &[i64],
+                g: Option<&(&CpuStorage, &Layout)>,
+                spec: reduce::XentSpec,
+            ) -> Result<Vec<T>> {
                 let g = g.map(|(sg, lg)| Ok::<_, Error>(contig(typed::<T>(sg, "cross_entropy_backward")?, lg))).transpose()?;
                 reduce::cross_entropy(&contig(x, l), t, g.as_deref(), spec)
             }

@@ -400,6 +400,10 @@ fn attention(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], scale: f64, causal: bo
     }
     let dense: Vec<Dense> = x.iter().map(|(s, l)| dense(g, s, l)).collect::<Result<_>>()?;
     let mut p: Vec<u64> = dense.iter().map(|d| d.get().buf.ptr).collect();
+    if super::codegen::flash_supported(dtype, d) {
+        flash(g, &out, &p, (n, t, d), dtype, scale, causal)?;
+        return Ok(out);
+    }
     let (mut tt, mut sc) = (t as i64, scale as f32);
     let grid = (t.div_ceil(ATTN_ROWS) as u32, n as u32);
     let threads = (ATTN_ROWS * attn_lanes(d)) as u32;
@@ -436,6 +440,49 @@ fn attention(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], scale: f64, causal: bo
     }
     drop(stats);
     Ok(out)
+}
+
+/// The tensor-core attention kernels (`codegen::flash_source`) on dense `[n, T, D]` buffers
+/// `p` (q, k, v; for the backward also o and g), writing `out` (o, or dq, dk, dv).
+fn flash(
+    g: &Arc<Gpu>,
+    out: &CudaStorage,
+    p: &[u64],
+    (n, t, d): (usize, usize, usize),
+    dtype: DType,
+    scale: f64,
+    causal: bool,
+) -> Result<()> {
+    use super::codegen::{flash_source, FlashKernel};
+    let kernel = |kind| g.kernel(super::spec_key("flash", &(kind, dtype, d, causal)), || flash_source(kind, dtype, d, causal));
+    let grid = (t.div_ceil(64) as u32, n as u32);
+    let (mut tt, mut sc) = (t as i64, scale as f32);
+    let (ti, si) = (&mut tt as *mut i64 as *mut c_void, &mut sc as *mut f32 as *mut c_void);
+    let mut p = p.to_vec();
+    let bytes = (n * t * d * dtype.size_in_bytes()) as u64;
+    let (mut o0, mut o1, mut o2) = (out.buf.ptr, out.buf.ptr + bytes, out.buf.ptr + 2 * bytes);
+    let arg = |x: &mut u64| x as *mut u64 as *mut c_void;
+    if p.len() == 3 {
+        let k = kernel(FlashKernel::Fwd)?;
+        let [q, kk, v] = &mut p[..] else { return Err(Error::Msg("attention: expected q, k, v".into())) };
+        let mut params: [*mut c_void; 6] = [arg(&mut o0), arg(q), arg(kk), arg(v), ti, si];
+        // SAFETY: (out, q, k, v, T, scale) matches the generated signature; every buffer is
+        // dense [n, T, D] with D even (aligned pairs), and the grid covers n x T rows.
+        return unsafe { g.launch(k, grid, 128, 0, &mut params) };
+    }
+    let stats = CudaStorage::alloc(g, DType::F32, n * t * 2)?;
+    let mut sp = stats.buf.ptr;
+    let [q, kk, v, o, gr] = &mut p[..] else { return Err(Error::Msg("attention_backward: expected q, k, v, out, grad".into())) };
+    let (kq, kkv) = (kernel(FlashKernel::Dq)?, kernel(FlashKernel::Dkv)?);
+    let mut dq: [*mut c_void; 9] = [arg(&mut o0), arg(&mut sp), arg(q), arg(kk), arg(v), arg(o), arg(gr), ti, si];
+    // SAFETY: as above; `stats` holds 2 floats per row, written by the dq kernel and read by
+    // the dk/dv kernel after it on the same stream; the output holds dq, dk, dv in turn.
+    unsafe { g.launch(kq, grid, 128, 0, &mut dq)? };
+    let mut dkv: [*mut c_void; 9] = [arg(&mut o1), arg(&mut o2), arg(&mut sp), arg(q), arg(kk), arg(v), arg(gr), ti, si];
+    // SAFETY: as above.
+    unsafe { g.launch(kkv, grid, 128, 0, &mut dkv)? };
+    drop(stats);
+    Ok(())
 }
 
 fn softmax(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), (log, scale, causal): (bool, f64, bool)) -> Result<CudaStorage> {
@@ -544,7 +591,8 @@ fn cross_entropy(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], ignore: Option<i64
     let k = g.kernel(super::spec_key("cross_entropy", &(s.dtype, backward, block)), || {
         super::codegen::cross_entropy_source(s.dtype, backward, block)
     })?;
-    let (mut pg, gst) = x.get(2).map_or((0, 0), |(sg, lg)| (sg.buf.ptr + (lg.offset * sg.dtype.size_in_bytes()) as u64, lg.strides[0] as i64));
+    let (mut pg, gst) =
+        x.get(2).map_or((0, 0), |(sg, lg)| (sg.buf.ptr + (lg.offset * sg.dtype.size_in_bytes()) as u64, lg.strides[0] as i64));
     let mut a = XArgs {
         rows: rows as i64,
         red: n as i64,
