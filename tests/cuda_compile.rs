@@ -127,9 +127,16 @@ fn gpt_under_bf16_autocast_takes_tensor_core_attention_and_matches_the_cpu() {
     assert_eq!(cast_back.inputs[0].grad_fn().map(|f| f.op.name()), Some("attention"));
     let eager = common::train_gpt_cfg(dev, None, 100, cfg);
     assert_close("eager BF16 autocast with flash attention vs F32 CPU: losses", &eager.losses, &cpu.losses, 3e-2);
+    // The key bias's gradient is zero in exact arithmetic (see above): its Adam steps follow
+    // rounding noise, so the qkv biases (the only parameters of 3 * d_model values) are
+    // compared on their query and value thirds.
+    let drop_key_bias = |r: &Run| Run {
+        losses: r.losses.clone(),
+        params: r.params.iter().map(|p| if p.len() == 96 { [&p[..32], &p[64..]].concat() } else { p.clone() }).collect(),
+    };
     for mode in MODES {
         let run = common::train_gpt_cfg(dev, Some(mode), 100, cfg);
-        assert_runs_agree(&format!("{mode:?} flash attention vs eager"), &run, &eager, (2e-3, 5e-2));
+        assert_runs_agree(&format!("{mode:?} flash attention vs eager"), &drop_key_bias(&run), &drop_key_bias(&eager), (2e-3, 5e-2));
     }
 }
 

@@ -1028,12 +1028,13 @@ pub fn attention_source(kind: AttnKernel, dtype: DType, d: usize, causal: bool) 
 
 /// The tensor-core kernels of fused attention for f16/bf16 over dense `[n, T, D]` buffers
 /// (D a multiple of 16, at most `ATTN_MAX_D`), FlashAttention-2 style on `mma.sync
-/// m16n8k16` (f32 accumulation). Each warp owns 16 rows (4 warps, 64 rows a block) and keeps
-/// its row tile's operands in registers; the other side streams by in 16-row steps, read
-/// straight from global memory (L1/L2 hold a matrix's K and V). A score tile's accumulator
-/// layout is the next product's A-operand layout, so probabilities never leave registers.
-/// `Fwd`: online softmax. `Dq`: each query row's log-sum-exp `L` and `Dsum = g . o` (kept in
-/// `stats` for `Dkv`), then dq. `Dkv`: per key tile, dk and dv over the queries that see it.
+/// m16n8k16` (f32 accumulation). A block of 4 warps owns 64 rows, each warp 16, whose
+/// operands stay in registers; the other side streams through shared memory in tiles of 64
+/// rows (padded against bank conflicts) read with `ldmatrix` (`.trans` where it is the
+/// product's right operand along rows). A score tile's accumulator layout is the next
+/// product's A-operand layout, so probabilities never leave registers. `Fwd`: online
+/// softmax. `Dq`: each query row's log-sum-exp `L` and `Dsum = g . o` (kept in `stats` for
+/// `Dkv`), then dq. `Dkv`: per key tile, dk and dv over the queries that see it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum FlashKernel {
     Fwd,
@@ -1046,46 +1047,59 @@ pub fn flash_supported(dtype: DType, d: usize) -> bool {
     matches!(dtype, DType::F16 | DType::BF16) && d % 16 == 0 && d > 0 && d <= ATTN_MAX_D
 }
 
-/// Device helpers of the flash kernels: the MMA, packing, and fragment loads. A fragment
-/// register holds two neighbouring 16-bit values, the lower column in the low half.
+/// Device helpers of the flash kernels: the MMA, packing, shared tiles and fragment loads.
+/// A fragment register holds two neighbouring 16-bit values, the lower column in the low half.
 fn flash_helpers(dtype: DType) -> String {
     let ty = if dtype == DType::F16 { "f16" } else { "bf16" };
     let mut s = String::new();
+    s += "#define SD (D + 8)\n";
     s += "__device__ __forceinline__ void mma(float* c, const unsigned* a, const unsigned* b) {\n";
     s += &format!("  asm volatile(\"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, {{%8,%9}}, {{%0,%1,%2,%3}};\"\n");
     s += "    : \"+f\"(c[0]), \"+f\"(c[1]), \"+f\"(c[2]), \"+f\"(c[3]) : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"r\"(b[0]), \"r\"(b[1]));\n}\n";
     s += "__device__ __forceinline__ unsigned pack(float lo, float hi) {\n  unsigned r;\n";
     s += &format!("  asm(\"cvt.rn.{ty}x2.f32 %0, %1, %2;\" : \"=r\"(r) : \"f\"(hi), \"f\"(lo));\n  return r;\n}}\n");
+    s += "__device__ __forceinline__ unsigned smem(const void* p) {\n  unsigned a;\n";
+    s += "  asm(\"{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\" : \"=r\"(a) : \"l\"(p));\n  return a;\n}\n";
+    s += "__device__ __forceinline__ void ldsm4(unsigned* r, const T* p) {\n";
+    s += "  asm volatile(\"ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\" : \"=r\"(r[0]), \"=r\"(r[1]), \"=r\"(r[2]), \"=r\"(r[3]) : \"r\"(smem(p)));\n}\n";
+    s += "__device__ __forceinline__ void ldsm4t(unsigned* r, const T* p) {\n";
+    s += "  asm volatile(\"ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\" : \"=r\"(r[0]), \"=r\"(r[1]), \"=r\"(r[2]), \"=r\"(r[3]) : \"r\"(smem(p)));\n}\n";
+    // Rows row0..row0+64 of a row-major [T, D] matrix into a shared tile (zeros past T).
+    s += "__device__ __forceinline__ void load_tile(T (*tile)[SD], const T* p, long long row0, long long Tn) {\n";
+    s += "  for (int e = threadIdx.x; e < 64 * (D / 8); e += blockDim.x) {\n    const int r = e / (D / 8), c = (e % (D / 8)) * 8;\n";
+    s += "    uint4 v = make_uint4(0u, 0u, 0u, 0u);\n    if (row0 + r < Tn) v = *(const uint4*)(p + (row0 + r) * D + c);\n";
+    s += "    *(uint4*)&tile[r][c] = v;\n  }\n}\n";
     // Two neighbouring columns c, c+1 of row `row` (0 past the last row).
     s += "__device__ __forceinline__ unsigned ld2(const T* p, long long row, int c, long long Tn) {\n";
     s += "  return row < Tn ? *(const unsigned*)(p + row * D + c) : 0u;\n}\n";
-    // Column c of rows `row` and `row + 1` (a transposed operand).
-    s += "__device__ __forceinline__ unsigned ld2t(const T* p, long long row, int c, long long Tn) {\n";
-    s += "  unsigned lo = row < Tn ? p[row * D + c].x : 0u, hi = row + 1 < Tn ? p[(row + 1) * D + c].x : 0u;\n";
-    s += "  return lo | (hi << 16);\n}\n";
     // The A fragments (16 rows from r0, all of D) of a row-major [T, D] matrix.
     s += "__device__ __forceinline__ void load_a(unsigned (*a)[4], const T* p, long long r0, int gq, int tq, long long Tn) {\n";
     s += "#pragma unroll\n  for (int ks = 0; ks < D / 16; ++ks) {\n    const int c = ks * 16 + tq * 2;\n";
     s += "    a[ks][0] = ld2(p, r0 + gq, c, Tn); a[ks][1] = ld2(p, r0 + gq + 8, c, Tn);\n";
     s += "    a[ks][2] = ld2(p, r0 + gq, c + 8, Tn); a[ks][3] = ld2(p, r0 + gq + 8, c + 8, Tn);\n  }\n}\n";
-    // s[nt] += A (16 x D, registers) * B^T where B's rows r0 + nt*8 .. are a row-major [T, D] matrix.
-    s += "__device__ __forceinline__ void scores(float (*s)[4], const unsigned (*a)[4], const T* p, long long r0, int gq, int tq, long long Tn) {\n";
-    s += "#pragma unroll\n  for (int nt = 0; nt < 2; ++nt) {\n    s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;\n";
-    s += "#pragma unroll\n    for (int ks = 0; ks < D / 16; ++ks) {\n      const int c = ks * 16 + tq * 2;\n";
-    s += "      const unsigned b[2] = {ld2(p, r0 + nt * 8 + gq, c, Tn), ld2(p, r0 + nt * 8 + gq, c + 8, Tn)};\n      mma(s[nt], a[ks], b);\n    }\n  }\n}\n";
-    // acc (16 x D) += P (16 x 16, as score accumulators) * rows r0..r0+16 of a row-major [T, D] matrix.
-    s += "__device__ __forceinline__ void accumulate(float (*acc)[4], const float (*pr)[4], const T* p, long long r0, int gq, int tq, long long Tn) {\n";
+    // s[0..2] = A (16 x D, registers) times the transpose of tile rows sub..sub+16: B comes
+    // straight from the tile's rows (ldmatrix: keys 0-7 and 8-15, low and high 8 columns).
+    s += "__device__ __forceinline__ void scores(float (*s)[4], const unsigned (*a)[4], T (*tile)[SD], int sub, int lane) {\n";
+    s += "#pragma unroll\n  for (int nt = 0; nt < 2; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;\n";
+    s += "  const int mi = lane >> 3, row = sub + (mi >> 1) * 8 + (lane & 7), col = (mi & 1) * 8;\n";
+    s += "#pragma unroll\n  for (int ks = 0; ks < D / 16; ++ks) {\n    unsigned b[4];\n    ldsm4(b, &tile[row][ks * 16 + col]);\n";
+    s += "    mma(s[0], a[ks], b);\n    mma(s[1], a[ks], b + 2);\n  }\n}\n";
+    // acc (16 x D) += P (16 x 16, as score accumulators) times tile rows sub..sub+16 (B along
+    // the tile's rows: ldmatrix.trans, two 8-column tiles per load).
+    s += "__device__ __forceinline__ void accumulate(float (*acc)[4], const float (*pr)[4], T (*tile)[SD], int sub, int lane) {\n";
     s += "  const unsigned a[4] = {pack(pr[0][0], pr[0][1]), pack(pr[0][2], pr[0][3]), pack(pr[1][0], pr[1][1]), pack(pr[1][2], pr[1][3])};\n";
-    s += "#pragma unroll\n  for (int j = 0; j < D / 8; ++j) {\n";
-    s += "    const unsigned b[2] = {ld2t(p, r0 + tq * 2, j * 8 + gq, Tn), ld2t(p, r0 + tq * 2 + 8, j * 8 + gq, Tn)};\n    mma(acc[j], a, b);\n  }\n}\n";
-    // Sum over the 4 threads that share a row.
+    s += "  const int mi = lane >> 3, row = sub + (mi & 1) * 8 + (lane & 7), col = (mi >> 1) * 8;\n";
+    s += "#pragma unroll\n  for (int j = 0; j < D / 8; j += 2) {\n    unsigned b[4];\n    ldsm4t(b, &tile[row][j * 8 + col]);\n";
+    s += "    mma(acc[j], a, b);\n    mma(acc[j + 1], a, b + 2);\n  }\n}\n";
+    // Sum and max over the 4 threads that share a row.
     s += "__device__ __forceinline__ float quad_sum(float x) { x += __shfl_xor_sync(0xffffffffu, x, 1); return x + __shfl_xor_sync(0xffffffffu, x, 2); }\n";
     s += "__device__ __forceinline__ float quad_max(float x) { x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1)); return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2)); }\n";
-    // Stores rows r0+gq and r0+gq+8 of a 16 x D accumulator tile, times `mul`.
+    // Stores rows r0+gq and r0+gq+8 of a 16 x D accumulator tile, times mul0 / mul1.
     s += "__device__ __forceinline__ void store(T* o, const float (*acc)[4], long long r0, int gq, int tq, long long Tn, float mul0, float mul1) {\n";
     s += "#pragma unroll\n  for (int j = 0; j < D / 8; ++j) {\n    const int c = j * 8 + tq * 2;\n";
     s += "    if (r0 + gq < Tn) *(unsigned*)(o + (r0 + gq) * D + c) = pack(acc[j][0] * mul0, acc[j][1] * mul0);\n";
     s += "    if (r0 + gq + 8 < Tn) *(unsigned*)(o + (r0 + gq + 8) * D + c) = pack(acc[j][2] * mul1, acc[j][3] * mul1);\n  }\n}\n";
+    s += "#define ZERO(acc) _Pragma(\"unroll\") for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f\n";
     s
 }
 
@@ -1100,46 +1114,57 @@ pub fn flash_source(kind: FlashKernel, dtype: DType, d: usize, causal: bool) -> 
     let mut s = format!("{PRELUDE}\ntypedef {t} T;\n#define D {d}\n#define CAUSAL {}\n", causal as i32);
     s += "#define NEG_INF __int_as_float(0xff800000)\n";
     s += &flash_helpers(dtype);
-    // Element e of score tile nt: row r0 + gq (+8 for e >= 2), column c0 + nt*8 + tq*2 + (e & 1).
-    // Masked entries (past T, or above the diagonal when causal) become -inf.
+    // Element e of score tile nt: row rows0 + gq (+8 for e >= 2), column cols0 + nt*8 + tq*2 +
+    // (e & 1). Masked entries (columns past T, or a key after its query when causal) are -inf.
     s += "__device__ __forceinline__ void mask(float (*s)[4], long long rows0, long long cols0, int gq, int tq, long long Tn, float scale, bool keys_are_cols) {\n";
     s += "#pragma unroll\n  for (int nt = 0; nt < 2; ++nt)\n#pragma unroll\n    for (int e = 0; e < 4; ++e) {\n";
     s += "      const long long r = rows0 + gq + (e >= 2 ? 8 : 0), c = cols0 + nt * 8 + tq * 2 + (e & 1);\n";
     s += "      const long long key = keys_are_cols ? c : r, query = keys_are_cols ? r : c;\n";
     s += "      s[nt][e] = (c >= Tn || (CAUSAL && key > query)) ? NEG_INF : s[nt][e] * scale;\n    }\n}\n";
-    let head = "  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane >> 2, tq = lane & 3;\n  const long long base = (long long)blockIdx.y * Tn * D, r0 = (long long)blockIdx.x * 64 + warp * 16;\n  if (r0 >= Tn) return;\n";
-    let kend = "  const long long kend = CAUSAL ? (r0 + 16 < Tn ? r0 + 16 : Tn) : Tn;\n";
+    // Every warp stays to the end: the shared tiles need all of them at each barrier.
+    let head = "  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane >> 2, tq = lane & 3;\n  const long long base = (long long)blockIdx.y * Tn * D, rb = (long long)blockIdx.x * 64, r0 = rb + warp * 16;\n";
+    // Query rows stream over key tiles: the block up to its last row's keys, each warp up to its own.
+    let bounds = "  const long long kend = CAUSAL ? (rb + 64 < Tn ? rb + 64 : Tn) : Tn, mine = CAUSAL ? (r0 + 16 < Tn ? r0 + 16 : Tn) : Tn;\n";
+    let key_tiles = "  for (long long kt = 0; kt < kend; kt += 64) {\n    __syncthreads();\n";
+    let subs = "    __syncthreads();\n#pragma unroll 1\n    for (int sub = 0; sub < 64; sub += 16) {\n      const long long kb = kt + sub;\n      if (kb >= mine) break;\n";
     match kind {
         FlashKernel::Fwd => {
-            s += &format!("extern \"C\" __global__ void {name}({t}* __restrict__ o, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, long long Tn, float scale) {{\n");
+            s += &format!("extern \"C\" __global__ void __launch_bounds__(128) {name}({t}* __restrict__ o, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, long long Tn, float scale) {{\n");
+            s += "  __shared__ __align__(16) T ks[64][SD], vs[64][SD];\n";
             s += head;
             s += "  q += base; k += base; v += base; o += base;\n";
-            s += "  unsigned qa[D / 16][4];\n  load_a(qa, q, r0, gq, tq, Tn);\n";
-            s += "  float acc[D / 8][4];\n#pragma unroll\n  for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;\n";
+            s += "  unsigned qa[D / 16][4];\n  load_a(qa, q, r0, gq, tq, Tn);\n  float acc[D / 8][4];\n  ZERO(acc);\n";
             s += "  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};\n";
-            s += kend;
-            s += "  for (long long kb = 0; kb < kend; kb += 16) {\n    float sc[2][4];\n    scores(sc, qa, k, kb, gq, tq, Tn);\n    mask(sc, r0, kb, gq, tq, Tn, scale, true);\n";
-            s += "#pragma unroll\n    for (int h = 0; h < 2; ++h) {\n";
-            s += "      const float mx = quad_max(fmaxf(fmaxf(sc[0][2 * h], sc[0][2 * h + 1]), fmaxf(sc[1][2 * h], sc[1][2 * h + 1])));\n";
-            s += "      const float mn = fmaxf(m[h], mx), ms = mn == NEG_INF ? 0.f : mn, corr = expf(m[h] - ms);\n";
-            s += "      m[h] = mn; l[h] *= corr;\n#pragma unroll\n      for (int j = 0; j < D / 8; ++j) { acc[j][2 * h] *= corr; acc[j][2 * h + 1] *= corr; }\n";
-            s += "#pragma unroll\n      for (int nt = 0; nt < 2; ++nt) {\n        sc[nt][2 * h] = expf(sc[nt][2 * h] - ms); sc[nt][2 * h + 1] = expf(sc[nt][2 * h + 1] - ms);\n        l[h] += sc[nt][2 * h] + sc[nt][2 * h + 1];\n      }\n    }\n";
-            s += "    accumulate(acc, sc, v, kb, gq, tq, Tn);\n  }\n";
+            s += bounds;
+            s += key_tiles;
+            s += "    load_tile(ks, k, kt, Tn);\n    load_tile(vs, v, kt, Tn);\n";
+            s += subs;
+            s += "      float sc[2][4];\n      scores(sc, qa, ks, sub, lane);\n      mask(sc, r0, kb, gq, tq, Tn, scale, true);\n";
+            s += "#pragma unroll\n      for (int h = 0; h < 2; ++h) {\n";
+            s += "        const float mx = quad_max(fmaxf(fmaxf(sc[0][2 * h], sc[0][2 * h + 1]), fmaxf(sc[1][2 * h], sc[1][2 * h + 1])));\n";
+            s += "        const float mn = fmaxf(m[h], mx), ms = mn == NEG_INF ? 0.f : mn, corr = expf(m[h] - ms);\n";
+            s += "        m[h] = mn; l[h] *= corr;\n#pragma unroll\n        for (int j = 0; j < D / 8; ++j) { acc[j][2 * h] *= corr; acc[j][2 * h + 1] *= corr; }\n";
+            s += "#pragma unroll\n        for (int nt = 0; nt < 2; ++nt) {\n          sc[nt][2 * h] = expf(sc[nt][2 * h] - ms); sc[nt][2 * h + 1] = expf(sc[nt][2 * h + 1] - ms);\n          l[h] += sc[nt][2 * h] + sc[nt][2 * h + 1];\n        }\n      }\n";
+            s += "      accumulate(acc, sc, vs, sub, lane);\n    }\n  }\n";
             s += "  const float l0 = quad_sum(l[0]), l1 = quad_sum(l[1]);\n";
             s += "  store(o, acc, r0, gq, tq, Tn, 1.f / l0, 1.f / l1);\n}\n";
         }
         FlashKernel::Dq => {
-            s += &format!("extern \"C\" __global__ void {name}({t}* __restrict__ dq, float* __restrict__ stats, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, const {t}* __restrict__ o, const {t}* __restrict__ g, long long Tn, float scale) {{\n");
+            s += &format!("extern \"C\" __global__ void __launch_bounds__(128) {name}({t}* __restrict__ dq, float* __restrict__ stats, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, const {t}* __restrict__ o, const {t}* __restrict__ g, long long Tn, float scale) {{\n");
+            s += "  __shared__ __align__(16) T ks[64][SD], vs[64][SD];\n";
             s += head;
             s += "  q += base; k += base; v += base; o += base; g += base; dq += base;\n";
             s += "  unsigned qa[D / 16][4], ga[D / 16][4];\n  load_a(qa, q, r0, gq, tq, Tn);\n  load_a(ga, g, r0, gq, tq, Tn);\n";
-            s += kend;
-            // Pass 1: each row's log-sum-exp (a running max and sum per thread, joined at the end).
+            // Pass 1: each row's log-sum-exp (a running max and sum per thread, joined after).
             s += "  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};\n";
-            s += "  for (long long kb = 0; kb < kend; kb += 16) {\n    float sc[2][4];\n    scores(sc, qa, k, kb, gq, tq, Tn);\n    mask(sc, r0, kb, gq, tq, Tn, scale, true);\n";
-            s += "#pragma unroll\n    for (int h = 0; h < 2; ++h)\n#pragma unroll\n      for (int e = 0; e < 4; ++e) {\n";
-            s += "        const float x = sc[e / 2][2 * h + (e & 1)];\n        if (x == NEG_INF) continue;\n";
-            s += "        const float mn = fmaxf(m[h], x);\n        l[h] = l[h] * expf(m[h] - mn) + expf(x - mn); m[h] = mn;\n      }\n  }\n";
+            s += bounds;
+            s += key_tiles;
+            s += "    load_tile(ks, k, kt, Tn);\n";
+            s += subs;
+            s += "      float sc[2][4];\n      scores(sc, qa, ks, sub, lane);\n      mask(sc, r0, kb, gq, tq, Tn, scale, true);\n";
+            s += "#pragma unroll\n      for (int h = 0; h < 2; ++h)\n#pragma unroll\n        for (int e = 0; e < 4; ++e) {\n";
+            s += "          const float x = sc[e / 2][2 * h + (e & 1)];\n          if (x == NEG_INF) continue;\n";
+            s += "          const float mn = fmaxf(m[h], x);\n          l[h] = l[h] * expf(m[h] - mn) + expf(x - mn); m[h] = mn;\n        }\n    }\n  }\n";
             s += "  float L[2], Ds[2];\n#pragma unroll\n  for (int h = 0; h < 2; ++h) {\n";
             s += "    const float mx = quad_max(m[h]), ms = mx == NEG_INF ? 0.f : mx;\n    L[h] = ms + logf(quad_sum(l[h] * expf(m[h] - ms)));\n";
             s += "    const long long r = r0 + gq + 8 * h;\n    float acc = 0.f;\n";
@@ -1147,26 +1172,33 @@ pub fn flash_source(kind: FlashKernel, dtype: DType, d: usize, causal: bool) -> 
             s += "    Ds[h] = quad_sum(acc);\n";
             s += "    if (r < Tn && tq == 0) { const long long at = ((long long)blockIdx.y * Tn + r) * 2; stats[at] = L[h]; stats[at + 1] = Ds[h]; }\n  }\n";
             // Pass 2: dq = scale * sum_j p (g.v_j - Dsum) k_j.
-            s += "  float acc[D / 8][4];\n#pragma unroll\n  for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;\n";
-            s += "  for (long long kb = 0; kb < kend; kb += 16) {\n    float sc[2][4], dp[2][4];\n";
-            s += "    scores(sc, qa, k, kb, gq, tq, Tn);\n    mask(sc, r0, kb, gq, tq, Tn, scale, true);\n    scores(dp, ga, v, kb, gq, tq, Tn);\n";
-            s += "#pragma unroll\n    for (int nt = 0; nt < 2; ++nt)\n#pragma unroll\n      for (int e = 0; e < 4; ++e) { const int h = e / 2; sc[nt][e] = expf(sc[nt][e] - L[h]) * (dp[nt][e] - Ds[h]); }\n";
-            s += "    accumulate(acc, sc, k, kb, gq, tq, Tn);\n  }\n";
+            s += "  float acc[D / 8][4];\n  ZERO(acc);\n";
+            s += key_tiles;
+            s += "    load_tile(ks, k, kt, Tn);\n    load_tile(vs, v, kt, Tn);\n";
+            s += subs;
+            s += "      float sc[2][4], dp[2][4];\n      scores(sc, qa, ks, sub, lane);\n      mask(sc, r0, kb, gq, tq, Tn, scale, true);\n      scores(dp, ga, vs, sub, lane);\n";
+            s += "#pragma unroll\n      for (int nt = 0; nt < 2; ++nt)\n#pragma unroll\n        for (int e = 0; e < 4; ++e) { const int h = e / 2; sc[nt][e] = expf(sc[nt][e] - L[h]) * (dp[nt][e] - Ds[h]); }\n";
+            s += "      accumulate(acc, sc, ks, sub, lane);\n    }\n  }\n";
             s += "  store(dq, acc, r0, gq, tq, Tn, scale, scale);\n}\n";
         }
         FlashKernel::Dkv => {
-            s += &format!("extern \"C\" __global__ void {name}({t}* __restrict__ dk, {t}* __restrict__ dv, const float* __restrict__ stats, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, const {t}* __restrict__ g, long long Tn, float scale) {{\n");
+            s += &format!("extern \"C\" __global__ void __launch_bounds__(128) {name}({t}* __restrict__ dk, {t}* __restrict__ dv, const float* __restrict__ stats, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, const {t}* __restrict__ g, long long Tn, float scale) {{\n");
+            s += "  __shared__ __align__(16) T qs[64][SD], gs[64][SD];\n  __shared__ float Ls[64], Dl[64];\n";
             // Here r0 is the warp's first key; its rows are keys, its score columns queries.
             s += head;
             s += "  q += base; k += base; v += base; g += base; dk += base; dv += base;\n  stats += (long long)blockIdx.y * Tn * 2;\n";
             s += "  unsigned ka[D / 16][4], va[D / 16][4];\n  load_a(ka, k, r0, gq, tq, Tn);\n  load_a(va, v, r0, gq, tq, Tn);\n";
-            s += "  float gk[D / 8][4], gv[D / 8][4];\n#pragma unroll\n  for (int j = 0; j < D / 8; ++j) { gk[j][0] = gk[j][1] = gk[j][2] = gk[j][3] = 0.f; gv[j][0] = gv[j][1] = gv[j][2] = gv[j][3] = 0.f; }\n";
-            s += "  for (long long qb = CAUSAL ? r0 : 0; qb < Tn; qb += 16) {\n    float pt[2][4], dpt[2][4];\n";
-            s += "    scores(pt, ka, q, qb, gq, tq, Tn);\n    mask(pt, r0, qb, gq, tq, Tn, scale, false);\n    scores(dpt, va, g, qb, gq, tq, Tn);\n";
-            s += "#pragma unroll\n    for (int nt = 0; nt < 2; ++nt)\n#pragma unroll\n      for (int e = 0; e < 4; ++e) {\n";
-            s += "        const long long qi = qb + nt * 8 + tq * 2 + (e & 1);\n        const float Lq = qi < Tn ? stats[qi * 2] : 0.f, Dq = qi < Tn ? stats[qi * 2 + 1] : 0.f;\n";
-            s += "        pt[nt][e] = expf(pt[nt][e] - Lq);\n        dpt[nt][e] = pt[nt][e] * (dpt[nt][e] - Dq);\n      }\n";
-            s += "    accumulate(gv, pt, g, qb, gq, tq, Tn);\n    accumulate(gk, dpt, q, qb, gq, tq, Tn);\n  }\n";
+            s += "  float gk[D / 8][4], gv[D / 8][4];\n  ZERO(gk);\n  ZERO(gv);\n";
+            s += "  for (long long qt = CAUSAL ? rb : 0; qt < Tn; qt += 64) {\n    __syncthreads();\n";
+            s += "    load_tile(qs, q, qt, Tn);\n    load_tile(gs, g, qt, Tn);\n";
+            s += "    for (int r = threadIdx.x; r < 64; r += blockDim.x) { const bool in = qt + r < Tn; Ls[r] = in ? stats[(qt + r) * 2] : 0.f; Dl[r] = in ? stats[(qt + r) * 2 + 1] : 0.f; }\n";
+            s += "    __syncthreads();\n#pragma unroll 1\n    for (int sub = 0; sub < 64; sub += 16) {\n      const long long qb = qt + sub;\n";
+            s += "      if (qb >= Tn) break;\n      if (CAUSAL && qb + 15 < r0) continue;  // every query here comes before this warp's keys\n";
+            s += "      float pt[2][4], dpt[2][4];\n      scores(pt, ka, qs, sub, lane);\n      mask(pt, r0, qb, gq, tq, Tn, scale, false);\n      scores(dpt, va, gs, sub, lane);\n";
+            s += "#pragma unroll\n      for (int nt = 0; nt < 2; ++nt)\n#pragma unroll\n        for (int e = 0; e < 4; ++e) {\n";
+            s += "          const int qi = sub + nt * 8 + tq * 2 + (e & 1);\n";
+            s += "          pt[nt][e] = expf(pt[nt][e] - Ls[qi]);\n          dpt[nt][e] = pt[nt][e] * (dpt[nt][e] - Dl[qi]);\n        }\n";
+            s += "      accumulate(gv, pt, gs, sub, lane);\n      accumulate(gk, dpt, qs, sub, lane);\n    }\n  }\n";
             s += "  store(dk, gk, r0, gq, tq, Tn, scale, scale);\n  store(dv, gv, r0, gq, tq, Tn, 1.f, 1.f);\n}\n";
         }
     }
