@@ -1124,7 +1124,8 @@ pub fn flash_source(kind: FlashKernel, dtype: DType, d: usize, causal: bool) -> 
     // Every warp stays to the end: the shared tiles need all of them at each barrier.
     let head = "  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane >> 2, tq = lane & 3;\n  const long long base = (long long)blockIdx.y * Tn * D, rb = (long long)blockIdx.x * 64, r0 = rb + warp * 16;\n";
     // Query rows stream over key tiles: the block up to its last row's keys, each warp up to its own.
-    let bounds = "  const long long kend = CAUSAL ? (rb + 64 < Tn ? rb + 64 : Tn) : Tn, mine = CAUSAL ? (r0 + 16 < Tn ? r0 + 16 : Tn) : Tn;\n";
+    let bounds =
+        "  const long long kend = CAUSAL ? (rb + 64 < Tn ? rb + 64 : Tn) : Tn, mine = CAUSAL ? (r0 + 16 < Tn ? r0 + 16 : Tn) : Tn;\n";
     let key_tiles = "  for (long long kt = 0; kt < kend; kt += 64) {\n    __syncthreads();\n";
     let subs = "    __syncthreads();\n#pragma unroll 1\n    for (int sub = 0; sub < 64; sub += 16) {\n      const long long kb = kt + sub;\n      if (kb >= mine) break;\n";
     match kind {
@@ -1141,7 +1142,8 @@ pub fn flash_source(kind: FlashKernel, dtype: DType, d: usize, causal: bool) -> 
             s += subs;
             s += "      float sc[2][4];\n      scores(sc, qa, ks, sub, lane);\n      mask(sc, r0, kb, gq, tq, Tn, scale, true);\n";
             s += "#pragma unroll\n      for (int h = 0; h < 2; ++h) {\n";
-            s += "        const float mx = quad_max(fmaxf(fmaxf(sc[0][2 * h], sc[0][2 * h + 1]), fmaxf(sc[1][2 * h], sc[1][2 * h + 1])));\n";
+            s +=
+                "        const float mx = quad_max(fmaxf(fmaxf(sc[0][2 * h], sc[0][2 * h + 1]), fmaxf(sc[1][2 * h], sc[1][2 * h + 1])));\n";
             s += "        const float mn = fmaxf(m[h], mx), ms = mn == NEG_INF ? 0.f : mn, corr = expf(m[h] - ms);\n";
             s += "        m[h] = mn; l[h] *= corr;\n#pragma unroll\n        for (int j = 0; j < D / 8; ++j) { acc[j][2 * h] *= corr; acc[j][2 * h + 1] *= corr; }\n";
             s += "#pragma unroll\n        for (int nt = 0; nt < 2; ++nt) {\n          sc[nt][2 * h] = expf(sc[nt][2 * h] - ms); sc[nt][2 * h + 1] = expf(sc[nt][2 * h + 1] - ms);\n          l[h] += sc[nt][2 * h] + sc[nt][2 * h + 1];\n        }\n      }\n";
