@@ -1128,6 +1128,9 @@ pub fn flash_source(kind: FlashKernel, dtype: DType, d: usize, causal: bool) -> 
         "  const long long kend = CAUSAL ? (rb + 64 < Tn ? rb + 64 : Tn) : Tn, mine = CAUSAL ? (r0 + 16 < Tn ? r0 + 16 : Tn) : Tn;\n";
     let key_tiles = "  for (long long kt = 0; kt < kend; kt += 64) {\n    __syncthreads();\n";
     let subs = "    __syncthreads();\n#pragma unroll 1\n    for (int sub = 0; sub < 64; sub += 16) {\n      const long long kb = kt + sub;\n      if (kb >= mine) break;\n";
+    // A running max and sum per row, the key bounds, and the opening of the key loop.
+    let online = format!("  float m[2] = {{NEG_INF, NEG_INF}}, l[2] = {{0.f, 0.f}};\n{bounds}{key_tiles}");
+    let masked = "      float sc[2][4];\n      scores(sc, qa, ks, sub, lane);\n      mask(sc, r0, kb, gq, tq, Tn, scale, true);\n";
     match kind {
         FlashKernel::Fwd => {
             s += &format!("extern \"C\" __global__ void __launch_bounds__(128) {name}({t}* __restrict__ o, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, long long Tn, float scale) {{\n");
@@ -1135,12 +1138,10 @@ pub fn flash_source(kind: FlashKernel, dtype: DType, d: usize, causal: bool) -> 
             s += head;
             s += "  q += base; k += base; v += base; o += base;\n";
             s += "  unsigned qa[D / 16][4];\n  load_a(qa, q, r0, gq, tq, Tn);\n  float acc[D / 8][4];\n  ZERO(acc);\n";
-            s += "  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};\n";
-            s += bounds;
-            s += key_tiles;
+            s += &online;
             s += "    load_tile(ks, k, kt, Tn);\n    load_tile(vs, v, kt, Tn);\n";
             s += subs;
-            s += "      float sc[2][4];\n      scores(sc, qa, ks, sub, lane);\n      mask(sc, r0, kb, gq, tq, Tn, scale, true);\n";
+            s += masked;
             s += "#pragma unroll\n      for (int h = 0; h < 2; ++h) {\n";
             s +=
                 "        const float mx = quad_max(fmaxf(fmaxf(sc[0][2 * h], sc[0][2 * h + 1]), fmaxf(sc[1][2 * h], sc[1][2 * h + 1])));\n";
@@ -1158,12 +1159,10 @@ pub fn flash_source(kind: FlashKernel, dtype: DType, d: usize, causal: bool) -> 
             s += "  q += base; k += base; v += base; o += base; g += base; dq += base;\n";
             s += "  unsigned qa[D / 16][4], ga[D / 16][4];\n  load_a(qa, q, r0, gq, tq, Tn);\n  load_a(ga, g, r0, gq, tq, Tn);\n";
             // Pass 1: each row's log-sum-exp (a running max and sum per thread, joined after).
-            s += "  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};\n";
-            s += bounds;
-            s += key_tiles;
+            s += &online;
             s += "    load_tile(ks, k, kt, Tn);\n";
             s += subs;
-            s += "      float sc[2][4];\n      scores(sc, qa, ks, sub, lane);\n      mask(sc, r0, kb, gq, tq, Tn, scale, true);\n";
+            s += masked;
             s += "#pragma unroll\n      for (int h = 0; h < 2; ++h)\n#pragma unroll\n        for (int e = 0; e < 4; ++e) {\n";
             s += "          const float x = sc[e / 2][2 * h + (e & 1)];\n          if (x == NEG_INF) continue;\n";
             s += "          const float mn = fmaxf(m[h], x);\n          l[h] = l[h] * expf(m[h] - mn) + expf(x - mn); m[h] = mn;\n        }\n    }\n  }\n";
@@ -1178,7 +1177,8 @@ pub fn flash_source(kind: FlashKernel, dtype: DType, d: usize, causal: bool) -> 
             s += key_tiles;
             s += "    load_tile(ks, k, kt, Tn);\n    load_tile(vs, v, kt, Tn);\n";
             s += subs;
-            s += "      float sc[2][4], dp[2][4];\n      scores(sc, qa, ks, sub, lane);\n      mask(sc, r0, kb, gq, tq, Tn, scale, true);\n      scores(dp, ga, vs, sub, lane);\n";
+            s += masked;
+            s += "      float dp[2][4];\n      scores(dp, ga, vs, sub, lane);\n";
             s += "#pragma unroll\n      for (int nt = 0; nt < 2; ++nt)\n#pragma unroll\n        for (int e = 0; e < 4; ++e) { const int h = e / 2; sc[nt][e] = expf(sc[nt][e] - L[h]) * (dp[nt][e] - Ds[h]); }\n";
             s += "      accumulate(acc, sc, ks, sub, lane);\n    }\n  }\n";
             s += "  store(dq, acc, r0, gq, tq, Tn, scale, scale);\n}\n";
