@@ -2,7 +2,7 @@
 //! AMSGrad option: `torch.optim.Adam` / `AdamW`, single-tensor path.
 
 use crate::common::{cast, ensure, impl_optimizer, with_l2, Core, PerGroup};
-use kiln_tensor::fused::{AdamHyper, AdamStep};
+use kiln_tensor::fused::{AdamHyper, AdamStep, AdamTensors};
 use kiln_tensor::{BinaryOp, DType, Device, Result, Tensor};
 
 /// Adam's and AdamW's hyperparameters. `Default` is Adam's (weight decay 0); `adamw()` is
@@ -96,7 +96,7 @@ struct Factors {
 fn update(core: &mut Core, cfg: &AdamConfig, decoupled: bool) -> Result<()> {
     let grads = core.begin_step()?;
     let fused = fused_scalars(core, cfg, decoupled)?;
-    let mut groups = PerGroup::new();
+    let mut rest = Vec::new();
     for (i, g) in grads {
         let p = core.params[i].clone();
         let (bufs, _) = core.buffers(i)?;
@@ -106,13 +106,19 @@ fn update(core: &mut Core, cfg: &AdamConfig, decoupled: bool) -> Result<()> {
                 continue;
             }
         }
-        // On a GPU the fused kernel reads lr and step there (no host read).
-        let hyper = AdamHyper { beta1: cfg.betas.0, beta2: cfg.betas.1, eps: cfg.eps, weight_decay: cfg.weight_decay, decoupled };
-        if kiln_tensor::fused::adam_step_device_(&p, &g, &bufs[0], &bufs[1], bufs.get(2), (&core.lr, &core.step), hyper)? {
-            continue;
+        rest.push((p, g, bufs));
+    }
+    // On a GPU the fused kernel updates many parameters per launch and reads lr and step
+    // there (no host read).
+    let hyper = AdamHyper { beta1: cfg.betas.0, beta2: cfg.betas.1, eps: cfg.eps, weight_decay: cfg.weight_decay, decoupled };
+    let items: Vec<AdamTensors<'_>> = rest.iter().map(|(p, g, b)| AdamTensors { p, g, m: &b[0], v: &b[1], vmax: b.get(2) }).collect();
+    let done = kiln_tensor::fused::adam_step_device_(&items, (&core.lr, &core.step), hyper)?;
+    let mut groups = PerGroup::new();
+    for ((p, g, bufs), done) in rest.iter().zip(done) {
+        if !done {
+            let f = groups.get(p, |dtype, device| factors(core, cfg, decoupled, dtype, device))?;
+            update_param(p, g, bufs, &f, cfg, decoupled)?;
         }
-        let f = groups.get(&p, |dtype, device| factors(core, cfg, decoupled, dtype, device))?;
-        update_param(&p, &g, &bufs, &f, cfg, decoupled)?;
     }
     Ok(())
 }

@@ -46,33 +46,43 @@ pub struct AdamHyper {
     pub decoupled: bool,
 }
 
-/// The one-pass update on a GPU, reading `(lr, step)` (0-dim F64 on the same GPU) there, so
-/// the host never waits. `Ok(false)` (nothing written) when the tensors do not qualify.
-pub fn adam_step_device_(
-    p: &Tensor,
-    g: &Tensor,
-    m: &Tensor,
-    v: &Tensor,
-    vmax: Option<&Tensor>,
-    (lr, step): (&Tensor, &Tensor),
-    h: AdamHyper,
-) -> Result<bool> {
-    let mut all = vec![p, g, m, v];
-    all.extend(vmax);
-    let scalars_ok = [lr, step].iter().all(|t| t.dtype() == crate::DType::F64 && t.numel() == 1 && t.device() == p.device());
-    if !fusable(&all, true) || !scalars_ok {
-        return Ok(false);
+/// One parameter's tensors for the fused Adam update.
+pub struct AdamTensors<'a> {
+    pub p: &'a Tensor,
+    pub g: &'a Tensor,
+    pub m: &'a Tensor,
+    pub v: &'a Tensor,
+    /// AMSGrad's running maximum of `v`.
+    pub vmax: Option<&'a Tensor>,
+}
+
+impl AdamTensors<'_> {
+    pub fn tensors(&self) -> impl Iterator<Item = &Tensor> {
+        [self.p, self.g, self.m, self.v].into_iter().chain(self.vmax)
     }
+}
+
+/// The one-pass update on a GPU for every parameter in `items` that qualifies, in
+/// multi-tensor launches (up to 16 parameters each), reading `(lr, step)` (0-dim F64 on the
+/// same GPU) there, so the host never waits. Says which parameters it updated; the caller
+/// runs its primitive-op path for the others.
+pub fn adam_step_device_(items: &[AdamTensors<'_>], (lr, step): (&Tensor, &Tensor), h: AdamHyper) -> Result<Vec<bool>> {
+    let scalars_ok = |p: &Tensor| [lr, step].iter().all(|t| t.dtype() == crate::DType::F64 && t.numel() == 1 && t.device() == p.device());
+    let ok: Vec<bool> = items.iter().map(|it| fusable(&it.tensors().collect::<Vec<_>>(), true) && scalars_ok(it.p)).collect();
     #[cfg(feature = "cuda")]
     {
-        all.iter().chain([&lr, &step]).try_for_each(|t| crate::lazy::check_computed(t))?;
-        crate::cuda::kernels::adam_step(p, g, m, v, vmax, lr, step, h)?;
-        Ok(true)
+        let chosen: Vec<&AdamTensors<'_>> = items.iter().zip(&ok).filter(|(_, &o)| o).map(|(it, _)| it).collect();
+        if chosen.is_empty() {
+            return Ok(ok);
+        }
+        chosen.iter().flat_map(|it| it.tensors()).chain([lr, step]).try_for_each(crate::lazy::check_computed)?;
+        crate::cuda::kernels::adam_step(&chosen, lr, step, h)?;
+        Ok(ok)
     }
     #[cfg(not(feature = "cuda"))]
     {
         let _ = h;
-        Ok(false)
+        Ok(vec![false; ok.len()])
     }
 }
 

@@ -496,23 +496,26 @@ impl Index {
     }
 }
 
-/// The fused Adam/AdamW update of one parameter: p, m, v (and AMSGrad's running max) in one
-/// pass from g. lr and the step count are read from device memory, so the host never reads
+/// Parameters one fused Adam launch updates (`blockIdx.y` picks one).
+pub const ADAM_MAX_TENSORS: usize = 16;
+
+/// The fused Adam/AdamW update of up to `ADAM_MAX_TENSORS` parameters in one launch: p, m,
+/// v (and AMSGrad's running max) in one pass from g, block row `blockIdx.y` over parameter
+/// `blockIdx.y`. lr and the step count are read from device memory, so the host never reads
 /// them (no synchronisation) and a captured graph stays valid as they change.
 pub fn adam_source(dtype: DType, amsgrad: bool) -> (String, String) {
     let name = format!("k_adam_{}{}", format!("{dtype:?}").to_lowercase(), if amsgrad { "_amsgrad" } else { "" });
     let (t, c) = (storage_type(dtype), compute_type(dtype));
-    let mut s = format!("{PRELUDE}\ntypedef {c} C;\n");
-    s += "struct AdamArgs { long long n; double b1, b2, eps, wd; int decoupled, pad; };\n";
-    s += &format!(
-        "extern \"C\" __global__ void {name}({t}* __restrict__ p, const {t}* __restrict__ g, {t}* __restrict__ m, \
-         {t}* __restrict__ v, {t}* __restrict__ x, const double* lr, const double* step, AdamArgs a) {{\n"
-    );
+    let mut s = format!("{PRELUDE}\ntypedef {c} C;\ntypedef {t} T;\n#define MAXT {ADAM_MAX_TENSORS}\n");
+    s += "struct AdamArgs { long long n[MAXT]; unsigned long long p[MAXT], g[MAXT], m[MAXT], v[MAXT], x[MAXT]; double b1, b2, eps, wd; int decoupled, count; };\n";
+    s += &format!("extern \"C\" __global__ void {name}(const double* lr, const double* step, AdamArgs a) {{\n");
+    s += "  const int j = blockIdx.y;\n  T* __restrict__ p = (T*)a.p[j]; const T* __restrict__ g = (const T*)a.g[j];\n";
+    s += "  T* __restrict__ m = (T*)a.m[j]; T* __restrict__ v = (T*)a.v[j]; T* __restrict__ x = (T*)a.x[j];\n";
     s += "  double l = *lr, t = *step;\n";
     s += "  C step_size = (C)(l / (1.0 - pow(a.b1, t))), bc2 = (C)sqrt(1.0 - pow(a.b2, t));\n";
     s += "  C decay = a.decoupled ? (C)(1.0 - l * a.wd) : (C)1, l2 = a.decoupled ? (C)0 : (C)a.wd;\n";
     s += "  C b1 = (C)a.b1, b2 = (C)a.b2, eps = (C)a.eps;\n";
-    s += "  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < a.n; i += (long long)gridDim.x * blockDim.x) {\n";
+    s += "  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < a.n[j]; i += (long long)gridDim.x * blockDim.x) {\n";
     s += "    C pi = ld(p[i]), gi = ld(g[i]) + l2 * pi;\n";
     s += "    pi = pi * decay;\n";
     s += "    C mi = b1 * ld(m[i]) + ((C)1 - b1) * gi, vi = b2 * ld(v[i]) + ((C)1 - b2) * gi * gi;\n";

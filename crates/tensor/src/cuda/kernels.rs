@@ -1,7 +1,9 @@
 //! Every primitive op on CUDA: which generated kernel runs it and with what arguments. The
 //! kernels' text comes from `codegen`, the scalar math from the op table.
 
-use super::codegen::{compute_type, elementwise_expr, Elementwise, Index, IndexKind, Reduce, ReduceMode, MAX_RANK, SLOTS};
+use super::codegen::{
+    compute_type, elementwise_expr, Elementwise, Index, IndexKind, Reduce, ReduceMode, ADAM_MAX_TENSORS, MAX_RANK, SLOTS,
+};
 use super::gpu::{DeviceBuffer, Gpu};
 use crate::op::{Op, OutMeta, ReduceOp};
 use crate::shape::Layout;
@@ -759,14 +761,20 @@ fn cat(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], dim: usize, meta: &OutMeta) 
 
 /// Mirrors `struct AdamArgs`.
 #[repr(C)]
+#[derive(Default)]
 struct AdamArgs {
-    n: i64,
+    n: [i64; ADAM_MAX_TENSORS],
+    p: [u64; ADAM_MAX_TENSORS],
+    g: [u64; ADAM_MAX_TENSORS],
+    m: [u64; ADAM_MAX_TENSORS],
+    v: [u64; ADAM_MAX_TENSORS],
+    x: [u64; ADAM_MAX_TENSORS],
     b1: f64,
     b2: f64,
     eps: f64,
     wd: f64,
     decoupled: i32,
-    pad: i32,
+    count: i32,
 }
 
 /// The device address of a tensor's first element (its storage must be on a GPU).
@@ -777,43 +785,69 @@ fn address(s: &Storage, t: &crate::Tensor) -> Result<u64> {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
+/// The fused Adam update of every parameter in `items` (checked by the caller: contiguous,
+/// one dtype, shape and GPU per parameter), in launches of up to `ADAM_MAX_TENSORS`
+/// parameters of one dtype and AMSGrad setting whose storages are all distinct (each launch
+/// holds every buffer's lock).
 pub fn adam_step(
-    p: &crate::Tensor,
-    g: &crate::Tensor,
-    m: &crate::Tensor,
-    v: &crate::Tensor,
-    vmax: Option<&crate::Tensor>,
+    items: &[&crate::fused::AdamTensors<'_>],
     lr: &crate::Tensor,
     step: &crate::Tensor,
     h: crate::fused::AdamHyper,
 ) -> Result<()> {
-    let (ps, ms, vs) = (p.storage().write(), m.storage().write(), v.storage().write());
-    let xs = vmax.map(|t| t.storage().write());
-    let (gs, ls, ss) = (g.storage().read(), lr.storage().read(), step.storage().read());
-    let Storage::Cuda(pc) = &*ps else { return Err(Error::Msg("adam_step: expected CUDA tensors".into())) };
+    let mut batch: Vec<&crate::fused::AdamTensors<'_>> = Vec::new();
+    for &it in items {
+        let fits = batch.first().is_none_or(|b| b.p.dtype() == it.p.dtype() && b.vmax.is_some() == it.vmax.is_some())
+            && batch.len() < ADAM_MAX_TENSORS
+            && batch.iter().all(|b| b.tensors().all(|x| it.tensors().all(|y| !x.same_storage(y))));
+        if !fits {
+            adam_launch(&batch, lr, step, h)?;
+            batch.clear();
+        }
+        batch.push(it);
+    }
+    adam_launch(&batch, lr, step, h)
+}
+
+/// One launch over `batch` (distinct storages, one dtype and AMSGrad setting).
+fn adam_launch(
+    batch: &[&crate::fused::AdamTensors<'_>],
+    lr: &crate::Tensor,
+    step: &crate::Tensor,
+    h: crate::fused::AdamHyper,
+) -> Result<()> {
+    let Some(first) = batch.first() else { return Ok(()) };
+    let mut a = AdamArgs { b1: h.beta1, b2: h.beta2, eps: h.eps, wd: h.weight_decay, decoupled: h.decoupled as i32, ..AdamArgs::default() };
+    // Every buffer stays locked until the launch is queued.
+    let mut writes = Vec::new();
+    let mut reads = Vec::new();
+    for (j, it) in batch.iter().enumerate() {
+        let (ps, ms, vs) = (it.p.storage().write(), it.m.storage().write(), it.v.storage().write());
+        let gs = it.g.storage().read();
+        (a.n[j], a.p[j], a.g[j]) = (it.p.numel() as i64, address(&ps, it.p)?, address(&gs, it.g)?);
+        (a.m[j], a.v[j]) = (address(&ms, it.m)?, address(&vs, it.v)?);
+        if let Some(x) = it.vmax {
+            let xs = x.storage().write();
+            a.x[j] = address(&xs, x)?;
+            writes.push(xs);
+        }
+        writes.extend([ps, ms, vs]);
+        reads.push(gs);
+    }
+    a.count = batch.len() as i32;
+    let (ls, ss) = (lr.storage().read(), step.storage().read());
+    let (mut pl, mut pst) = (address(&ls, lr)?, address(&ss, step)?);
+    let Storage::Cuda(pc) = &*writes[0] else { return Err(Error::Msg("adam_step: expected CUDA tensors".into())) };
     let gpu = super::gpu::gpu(pc.gpu().ordinal)?;
-    let k = gpu.kernel(super::spec_key("adam", &(p.dtype(), vmax.is_some())), || super::codegen::adam_source(p.dtype(), vmax.is_some()))?;
-    let mut ptrs = [
-        address(&ps, p)?,
-        address(&gs, g)?,
-        address(&ms, m)?,
-        address(&vs, v)?,
-        match (&xs, vmax) {
-            (Some(x), Some(t)) => address(x, t)?,
-            _ => 0,
-        },
-        address(&ls, lr)?,
-        address(&ss, step)?,
-    ];
-    let n = p.numel();
-    let mut a = AdamArgs { n: n as i64, b1: h.beta1, b2: h.beta2, eps: h.eps, wd: h.weight_decay, decoupled: h.decoupled as i32, pad: 0 };
-    let mut params: Vec<*mut c_void> = ptrs.iter_mut().map(|x| x as *mut u64 as *mut c_void).collect();
-    params.push(&mut a as *mut AdamArgs as *mut c_void);
-    if n == 0 {
+    let (dtype, ams) = (first.p.dtype(), first.vmax.is_some());
+    let k = gpu.kernel(super::spec_key("adam", &(dtype, ams)), || super::codegen::adam_source(dtype, ams))?;
+    let most = a.n[..batch.len()].iter().copied().max().unwrap_or(0) as usize;
+    if most == 0 {
         return Ok(());
     }
-    // SAFETY: seven pointers and AdamArgs, as the generated signature; every buffer is held
-    // (locked) for the call and holds `n` elements from its offset (checked by the caller).
-    unsafe { gpu.launch(k, (gpu.grid_for(n), 1), 256, 0, &mut params) }
+    let mut params: [*mut c_void; 3] = [&mut pl as *mut u64 as _, &mut pst as *mut u64 as _, &mut a as *mut AdamArgs as _];
+    // SAFETY: (lr, step, AdamArgs) as the generated signature; `count` parameters, each with
+    // `n` elements from its address in p, g, m, v (and x) on this GPU, locked until queued;
+    // grid rows past a parameter's length do nothing.
+    unsafe { gpu.launch(k, (gpu.grid_for(most), batch.len() as u32), 256, 0, &mut params) }
 }
