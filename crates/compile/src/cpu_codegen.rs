@@ -141,7 +141,7 @@ fn group_source(g: &Graph, gr: &Group, name: &str) -> Option<String> {
             None if a.layout.is_contiguous() && a.layout.shape == gr.shape => format!("p{k}[{} + i]", a.layout.offset),
             None if rank == 0 => return None,
             None => {
-                let base = strided_index("r", a.layout.offset, &gr.shape[..rank - 1], &strides[..rank - 1]);
+                let base = strided_index("r", a.layout.offset, &gr.shape[..rank - 1], &strides[..rank - 1], false);
                 row += &format!("    const long long b{k} = {base};\n");
                 match strides[rank - 1] {
                     0 => {

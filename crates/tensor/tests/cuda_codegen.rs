@@ -218,10 +218,23 @@ fn a_module_of_fused_group_kernels_compiles() {
     let vec = FusedGroup { inputs: dense, ..groups[0].clone() };
     assert!(vec.vec4() && !groups[0].vec4());
     groups.push(vec);
+    // Rows of a wider buffer and a per-row broadcast also take it; a column broadcast does not.
+    let rows_and_splat = vec![
+        FusedInput { dtype: DType::F32, offset: 0, strided: None },
+        FusedInput { dtype: DType::F32, offset: 8, strided: Some((vec![3, 8], vec![12, 1])) },
+        FusedInput { dtype: DType::F32, offset: 0, strided: Some((vec![3, 8], vec![1, 0])) },
+        FusedInput { dtype: DType::F32, offset: 0, strided: Some((vec![3, 8], vec![0, 1])) },
+    ];
+    let mixed = FusedGroup { inputs: rows_and_splat.clone(), ..groups[0].clone() };
+    assert!(mixed.vec4());
+    let mut columns = rows_and_splat;
+    columns[1].strided = Some((vec![3, 8], vec![1, 3]));
+    assert!(!FusedGroup { inputs: columns, ..groups[0].clone() }.vec4());
+    groups.push(mixed);
     // One kernel per group, and one running them side by side.
     let mut kernels: Vec<FusedKernel> =
         groups.iter().enumerate().map(|(k, g)| FusedKernel { name: format!("kiln_group{k}"), groups: vec![g.clone()] }).collect();
-    kernels.push(FusedKernel { name: "kiln_groups_0_1_2".into(), groups });
+    kernels.push(FusedKernel { name: "kiln_groups_0_1_2_3".into(), groups });
     let src = fused_module(&kernels).expect("every member is elementwise");
     let mut fails = Vec::new();
     check(&src, "kiln_fused", &mut fails);

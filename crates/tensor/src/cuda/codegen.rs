@@ -715,10 +715,15 @@ pub const FUSED_BLOCK: usize = 256;
 const FUSED_MAX_BLOCKS: usize = 2048;
 
 impl FusedGroup {
-    /// Four elements per thread through aligned vector loads and stores: every input dense
-    /// at an offset that keeps 4-element alignment, and a length divisible by four.
+    /// Four elements per thread through aligned vector loads and stores: a length divisible by
+    /// four, and every input read four at a time (`vec_read`).
     pub fn vec4(&self) -> bool {
-        self.n >= 4 && self.n % 4 == 0 && self.inputs.iter().all(|x| x.strided.is_none() && x.offset % 4 == 0)
+        self.n >= 4 && self.n % 4 == 0 && self.inputs.iter().all(|x| vec_read(x).is_some())
+    }
+
+    /// Whether element indices fit 32 bits (cheaper index arithmetic).
+    fn narrow(&self) -> bool {
+        self.n <= u32::MAX as usize
     }
 
     /// Blocks this group gets in its kernel's grid.
@@ -733,15 +738,42 @@ fn double_literal(v: f64) -> String {
     format!("__longlong_as_double({:#x}LL)", v.to_bits() as i64)
 }
 
-/// The linear index of element `var` (a linear index over `shape`) in a strided input.
-pub fn strided_index(var: &str, offset: usize, shape: &[usize], strides: &[usize]) -> String {
+/// How the vector path reads an input four elements at a time: four aligned neighbours
+/// (`Dense` from its offset, or `Rows`: a strided input whose last dim is contiguous, a
+/// multiple of four long and aligned), or one value for all four (`Splat`: broadcast along
+/// a last dim that is a multiple of four long, such as a bias over rows).
+enum VecRead {
+    Dense,
+    Rows,
+    Splat,
+}
+
+fn vec_read(x: &FusedInput) -> Option<VecRead> {
+    let Some((shape, strides)) = &x.strided else { return (x.offset % 4 == 0).then_some(VecRead::Dense) };
+    let last = shape.len().checked_sub(1)?;
+    if shape[last] % 4 != 0 {
+        return None;
+    }
+    let aligned = x.offset % 4 == 0 && strides[..last].iter().zip(shape).all(|(s, n)| *n == 1 || s % 4 == 0);
+    match strides[last] {
+        0 => Some(VecRead::Splat),
+        1 if aligned => Some(VecRead::Rows),
+        _ => None,
+    }
+}
+
+/// The linear index of element `var` (a linear index over `shape`) in a strided input. With
+/// `narrow` (every linear index below 2^32) coordinates use 32-bit division, which is much
+/// cheaper on a GPU than 64-bit.
+pub fn strided_index(var: &str, offset: usize, shape: &[usize], strides: &[usize], narrow: bool) -> String {
     let mut terms = vec![offset.to_string()];
     let mut inner = 1usize;
+    let (v, suffix) = if narrow { (format!("((unsigned)({var}))"), "u") } else { (var.to_string(), "LL") };
     for d in (0..shape.len()).rev() {
         if shape[d] > 1 && strides[d] != 0 {
-            let coord = if inner == 1 { var.to_string() } else { format!("({var} / {inner}LL)") };
-            let coord = if d == 0 { coord } else { format!("({coord} % {}LL)", shape[d]) };
-            terms.push(format!("{coord} * {}LL", strides[d]));
+            let coord = if inner == 1 { v.clone() } else { format!("({v} / {inner}{suffix})") };
+            let coord = if d == 0 { coord } else { format!("({coord} % {}{suffix})", shape[d]) };
+            terms.push(format!("(long long){coord} * {}LL", strides[d]));
         }
         inner *= shape[d];
     }
@@ -783,7 +815,7 @@ impl FusedKernel {
                     .enumerate()
                     .map(|(k, x)| match &x.strided {
                         None => format!("p{j}_{k}[{} + i]", x.offset),
-                        Some((shape, strides)) => format!("p{j}_{k}[{}]", strided_index("i", x.offset, shape, strides)),
+                        Some((shape, strides)) => format!("p{j}_{k}[{}]", strided_index("i", x.offset, shape, strides, gr.narrow())),
                     })
                     .collect();
                 let stores: Vec<String> = (0..gr.outputs.len()).map(|k| format!("o{j}_{k}[i]")).collect();
@@ -812,14 +844,24 @@ fn vec4_loop(gr: &FusedGroup, j: usize, start: &str, stride: usize) -> Result<St
         s += &vec_type(format!("VO{k}"), d);
     }
     s += &format!("  for (long long q = {start}; q < {}LL; q += {stride}LL) {{\n", gr.n / 4);
+    let mut loads: Vec<String> = Vec::new();
     for (k, x) in gr.inputs.iter().enumerate() {
-        s += &format!("    VI{k} a{k} = *reinterpret_cast<const VI{k}*>(p{j}_{k} + {} + q * 4);\n", x.offset);
+        let at = |(shape, strides): &(Vec<usize>, Vec<usize>)| strided_index("q * 4", x.offset, shape, strides, gr.narrow());
+        match (vec_read(x), &x.strided) {
+            (Some(VecRead::Splat), Some(st)) => {
+                s += &format!("    const auto a{k} = p{j}_{k}[{}];\n", at(st));
+                loads.push(format!("a{k}"));
+                continue;
+            }
+            (Some(VecRead::Rows), Some(st)) => s += &format!("    VI{k} a{k} = *reinterpret_cast<const VI{k}*>(p{j}_{k} + {});\n", at(st)),
+            _ => s += &format!("    VI{k} a{k} = *reinterpret_cast<const VI{k}*>(p{j}_{k} + {} + q * 4);\n", x.offset),
+        }
+        loads.push(format!("a{k}.v[e]"));
     }
     for k in 0..gr.outputs.len() {
         s += &format!("    VO{k} b{k};\n");
     }
     s += "#pragma unroll\n    for (int e = 0; e < 4; ++e) {\n";
-    let loads: Vec<String> = (0..gr.inputs.len()).map(|k| format!("a{k}.v[e]")).collect();
     let stores: Vec<String> = (0..gr.outputs.len()).map(|k| format!("b{k}.v[e]")).collect();
     s += &group_body(gr, &loads, &stores)?;
     s += "    }\n";
