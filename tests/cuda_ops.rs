@@ -304,6 +304,11 @@ fn backward_of_every_differentiable_op_matches_the_cpu() {
         ("softmax, log_softmax", vec![randn(&[4, 7], 47, DType::F32)], Box::new(|x| x[0].softmax(1)?.add(&x[0].log_softmax(0)?))),
         ("causal softmax", vec![randn(&[2, 5, 7], 53, DType::F32)], Box::new(|x| x[0].softmax_scaled(0.4, true))),
         (
+            "softmax and log_softmax, rows longer than a block",
+            vec![randn(&[2, 1500], 56, DType::F32)],
+            Box::new(|x| x[0].softmax(1)?.mul_scalar(3.0)?.add(&x[0].log_softmax(1)?)),
+        ),
+        (
             "indexing and cat",
             vec![randn(&[6, 4], 48, DType::F32), Tensor::from_slice(&[5i64, 0, 5, 2], &[4], Device::Cpu).unwrap()],
             Box::new(|x| {

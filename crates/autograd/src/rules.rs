@@ -169,12 +169,11 @@ pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Te
                 ReduceOp::ArgMax | ReduceOp::ArgMin => vec![None],
             }
         }
-        // y = softmax(x): dx = y (g - sum(g y)); y = log_softmax(x): dx = g - exp(y) sum(g).
-        // (Masked entries have y = 0, so their gradient is 0 too.)
-        Op::Softmax { log, scale, .. } => {
-            let last = [out.rank() - 1];
-            let d = if *log { g.sub(&out.exp()?.mul(&g.sum(&last, true)?)?)? } else { out.mul(&g.sub(&g.mul(out)?.sum(&last, true)?)?)? };
-            vec![Some(if *scale == 1.0 { d } else { d.mul_scalar(*scale)? })]
+        // y = softmax(x): dx = y (g - sum(g y)); y = log_softmax(x): dx = g - exp(y) sum(g);
+        // one fused kernel per row either way.
+        Op::Softmax { log, scale, .. } => vec![Some(out.softmax_backward(g, *log, *scale)?)],
+        Op::SoftmaxBackward { .. } => {
+            return Err(Error::Msg("backward: second derivatives through softmax are not supported".into()));
         }
         Op::Normalize { eps } => vec![Some(x0()?.normalize_backward(g, *eps)?)],
         Op::NormalizeBackward { .. } => {

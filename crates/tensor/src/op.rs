@@ -503,6 +503,13 @@ pub enum Op {
         scale: f64,
         causal: bool,
     },
+    /// The input gradient of `Softmax` from its output `y` and the output's gradient `g`, one
+    /// pass per row: `scale y (g - sum(g y))`, or for log-softmax `scale (g - exp(y) sum(g))`.
+    /// (A causal softmax's masked entries have `y = 0`, so their gradient is 0 too.)
+    SoftmaxBackward {
+        log: bool,
+        scale: f64,
+    },
     /// `(x - mean) / sqrt(var + eps)` over the last dim (biased variance): layer norm without
     /// its affine part, one pass per row.
     Normalize {
@@ -612,6 +619,7 @@ impl Op {
             Op::Softmax { log: true, .. } => "log_softmax",
             Op::Normalize { .. } => "normalize",
             Op::NormalizeBackward { .. } => "normalize_backward",
+            Op::SoftmaxBackward { .. } => "softmax_backward",
             Op::Attention { .. } => "attention",
             Op::AttentionBackward { .. } => "attention_backward",
             Op::CrossEntropy { .. } => "cross_entropy",
@@ -650,7 +658,7 @@ impl Op {
             Op::Full { .. } | Op::Arange { .. } | Op::Rand { .. } => 0,
             Op::Unary(_) | Op::Scalar { .. } | Op::Cast(_) | Op::Reduce { .. } | Op::UpdateScalar(..) | Op::Softmax { .. } => 1,
             Op::Normalize { .. } => 1,
-            Op::NormalizeBackward { .. } => 2,
+            Op::NormalizeBackward { .. } | Op::SoftmaxBackward { .. } => 2,
             Op::Attention { .. } => 3,
             Op::AttentionBackward { .. } => 5,
             Op::CrossEntropy { .. } => 2,
@@ -733,14 +741,14 @@ impl Op {
                 };
                 meta(out, if is_arg { DType::I64 } else { inputs[0].dtype })
             }
-            Op::NormalizeBackward { .. } if inputs[0].shape != inputs[1].shape => {
+            Op::NormalizeBackward { .. } | Op::SoftmaxBackward { .. } if inputs[0].shape != inputs[1].shape => {
                 Err(Error::shape(name, format!("input {:?} and gradient {:?} must have one shape", inputs[0].shape, inputs[1].shape)))
             }
             Op::Softmax { log: true, causal: true, .. } => Err(Error::Msg(format!("{name}: the causal mask is for softmax only"))),
             Op::Softmax { causal: true, .. } if inputs[0].shape.len() < 2 => {
                 Err(Error::shape(name, format!("a causal softmax needs rank >= 2, got {:?}", inputs[0].shape)))
             }
-            Op::Softmax { .. } | Op::Normalize { .. } | Op::NormalizeBackward { .. } => {
+            Op::Softmax { .. } | Op::SoftmaxBackward { .. } | Op::Normalize { .. } | Op::NormalizeBackward { .. } => {
                 float_only(inputs[0].dtype)?;
                 if inputs.len() == 2 {
                     same_dtype(inputs[0].dtype, inputs[1].dtype)?;

@@ -319,6 +319,11 @@ impl Tensor {
     pub fn normalize(&self, eps: f64) -> Result<Tensor> {
         Tensor::apply(Op::Normalize { eps }, &[self], self.device())
     }
+    /// The input gradient of a softmax (`log`: log-softmax) of `scale * x` over the last dim,
+    /// from its output `self` and the output's gradient `g`, in one pass per row.
+    pub fn softmax_backward(&self, g: &Tensor, log: bool, scale: f64) -> Result<Tensor> {
+        Tensor::apply(Op::SoftmaxBackward { log, scale }, &[self, g], self.device())
+    }
     /// The input gradient of `normalize` for the output gradient `g`.
     pub fn normalize_backward(&self, g: &Tensor, eps: f64) -> Result<Tensor> {
         Tensor::apply(Op::NormalizeBackward { eps }, &[self, g], self.device())

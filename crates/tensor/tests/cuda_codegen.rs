@@ -132,6 +132,8 @@ fn every_reduction_and_index_kernel_compiles() {
             }
             let (s, n) = kiln_tensor::cuda::codegen::normalize_source(d, log, block);
             check(&s, &n, &mut fails);
+            let (s, n) = kiln_tensor::cuda::codegen::softmax_backward_source(d, log, block);
+            check(&s, &n, &mut fails);
             let (s, n) = kiln_tensor::cuda::codegen::cross_entropy_source(d, log, block);
             check(&s, &n, &mut fails);
         }

@@ -209,6 +209,14 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             let (s, l) = ins[0];
             with_cpu!(s, v => reduce::normalize(&contig(v, l), None, l.shape[l.rank() - 1], *eps).into_storage())
         }
+        Op::SoftmaxBackward { log, scale } => {
+            let ((s, l), (sg, lg)) = (ins[0], ins[1]);
+            fn go<T: CpuSlice>(y: &[T], l: &Layout, sg: &CpuStorage, lg: &Layout, (log, scale): (bool, f64)) -> Result<Vec<T>> {
+                let g = contig(typed::<T>(sg, "softmax_backward")?, lg);
+                Ok(reduce::softmax_backward(&contig(y, l), &g, l.shape[l.rank() - 1], log, scale))
+            }
+            with_cpu!(s, v => go(v, l, sg, lg, (*log, *scale))?.into_storage())
+        }
         Op::NormalizeBackward { eps } => {
             let ((s, l), (sg, lg)) = (ins[0], ins[1]);
             fn go<T: CpuSlice>(x: &[T], l: &Layout, sg: &CpuStorage, lg: &Layout, eps: f64) -> Result<Vec<T>> {

@@ -190,6 +190,23 @@ pub fn softmax<T: Element>(src: &[T], k: SoftmaxSpec) -> Vec<T> {
     out
 }
 
+/// The gradient of a softmax (`log`: log-softmax) of `scale * x` for each row of `n`, from
+/// its output `y` and the output's gradient `g`, in f64.
+pub fn softmax_backward<T: Element>(y: &[T], g: &[T], n: usize, log: bool, scale: f64) -> Vec<T> {
+    let mut out = pool::take::<T>(y.len());
+    for_rows(&mut out, n, |r, o| {
+        let (y, g) = (&y[r * n..(r + 1) * n], &g[r * n..(r + 1) * n]);
+        if log {
+            let sum: f64 = g.iter().map(|v| v.to_f64()).sum();
+            o.iter_mut().enumerate().for_each(|(i, o)| *o = T::from_f64(scale * (g[i].to_f64() - y[i].to_f64().exp() * sum)));
+        } else {
+            let dot: f64 = g.iter().zip(y).map(|(a, b)| a.to_f64() * b.to_f64()).sum();
+            o.iter_mut().enumerate().for_each(|(i, o)| *o = T::from_f64(scale * y[i].to_f64() * (g[i].to_f64() - dot)));
+        }
+    });
+    out
+}
+
 /// Each row of `n` normalised to zero mean and unit (biased) variance, in f64; with `g`, the
 /// gradient of that map instead: `rstd (g - mean(g) - xhat mean(g xhat))`.
 pub fn normalize<T: Element>(src: &[T], g: Option<&[T]>, n: usize, eps: f64) -> Vec<T> {

@@ -628,6 +628,35 @@ pub fn cross_entropy_source(dtype: DType, backward: bool, block: bool) -> (Strin
     (s, name)
 }
 
+/// The gradient of a softmax (`log`: log-softmax) of `scale * x` over the last dim of dense
+/// `[rows, red]` buffers, from its output `y` and the output's gradient `g`: one sweep for
+/// `sum(g y)` (or `sum(g)`), one for the write.
+pub fn softmax_backward_source(dtype: DType, log: bool, block: bool) -> (String, String) {
+    let name = format!(
+        "k_{}softmax_backward_{}{}",
+        if log { "log_" } else { "" },
+        format!("{dtype:?}").to_lowercase(),
+        if block { "_block" } else { "" }
+    );
+    let (t, c) = (storage_type(dtype), compute_type(dtype));
+    let mut s = format!("{PRELUDE}\ntypedef {c} C;\nstruct SArgs {{ long long rows, red; double scale; }};\n");
+    s += &format!(
+        "extern \"C\" __global__ void {name}({t}* __restrict__ o, const {t}* __restrict__ y, const {t}* __restrict__ g, SArgs a) {{\n"
+    );
+    s += row_prologue(block);
+    s += "  const long long base = row * a.red; const C sc = (C)a.scale;\n  C acc = (C)0;\n";
+    if log {
+        s += "  for (long long j = lane; j < a.red; j += tpr) acc += (C)ld(g[base + j]);\n";
+        s += &row_allreduce(block, false);
+        s += "  for (long long j = lane; j < a.red; j += tpr) st(&o[base + j], sc * ((C)ld(g[base + j]) - kexp((C)ld(y[base + j])) * acc));\n}\n";
+    } else {
+        s += "  for (long long j = lane; j < a.red; j += tpr) acc += (C)ld(g[base + j]) * (C)ld(y[base + j]);\n";
+        s += &row_allreduce(block, false);
+        s += "  for (long long j = lane; j < a.red; j += tpr) { C yv = (C)ld(y[base + j]); st(&o[base + j], sc * yv * ((C)ld(g[base + j]) - acc)); }\n}\n";
+    }
+    (s, name)
+}
+
 /// Layer norm's normalisation over the last dim of a dense buffer, or (`backward`) its input
 /// gradient from `x` and the output gradient `g`: the row's mean and variance (two sweeps),
 /// then for the backward the sums of `g` and `g xhat`, then the write.

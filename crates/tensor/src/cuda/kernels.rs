@@ -234,6 +234,7 @@ pub fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, devic
         Op::Softmax { log, scale, causal } => softmax(&g, x[0], (*log, *scale, *causal))?,
         Op::Normalize { eps } => normalize(&g, x[0], None, *eps)?,
         Op::NormalizeBackward { eps } => normalize(&g, x[0], Some(x[1]), *eps)?,
+        Op::SoftmaxBackward { log, scale } => softmax_backward(&g, x[0], x[1], *log, *scale)?,
         Op::Attention { scale, causal } => attention(&g, &x, *scale, *causal, false)?,
         Op::AttentionBackward { scale, causal } => attention(&g, &x, *scale, *causal, true)?,
         Op::CrossEntropy { ignore_index, smoothing } => cross_entropy(&g, &x, *ignore_index, *smoothing)?,
@@ -618,6 +619,45 @@ fn cross_entropy(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], ignore: Option<i64
     // SAFETY: (out, logits, targets, grad, err, XArgs) matches the generated signature; logits
     // are dense [rows, n], targets dense [rows]; the gradient (backward only; null and unread in
     // the forward) holds `rows` values at stride `gst` from its offset; `err` is the error word.
+    unsafe { g.launch(k, (grid, 1), threads, 0, &mut params)? };
+    Ok(out)
+}
+
+/// Mirrors `struct SArgs`.
+#[repr(C)]
+struct SArgs {
+    rows: i64,
+    red: i64,
+    scale: f64,
+}
+
+/// A softmax's (or log-softmax's) input gradient over the last dim, from dense copies of its
+/// output and the output's gradient.
+fn softmax_backward(
+    g: &Arc<Gpu>,
+    (s, l): (&CudaStorage, &Layout),
+    (sg, lg): (&CudaStorage, &Layout),
+    log: bool,
+    scale: f64,
+) -> Result<CudaStorage> {
+    let out = CudaStorage::alloc(g, s.dtype, l.numel())?;
+    let n = l.shape[l.rank() - 1];
+    let rows = l.numel().checked_div(n).unwrap_or(0);
+    if rows == 0 {
+        return Ok(out);
+    }
+    let (y, gd) = (dense(g, s, l)?, dense(g, sg, lg)?);
+    let block = n > 1024;
+    let k = g.kernel(super::spec_key("softmax_backward", &(s.dtype, log, block)), || {
+        super::codegen::softmax_backward_source(s.dtype, log, block)
+    })?;
+    let mut a = SArgs { rows: rows as i64, red: n as i64, scale };
+    let (mut o, mut py, mut pg) = (out.buf.ptr, y.get().buf.ptr, gd.get().buf.ptr);
+    let mut params: [*mut c_void; 4] =
+        [&mut o as *mut u64 as _, &mut py as *mut u64 as _, &mut pg as *mut u64 as _, &mut a as *mut SArgs as _];
+    let (grid, threads) = if block { (rows as u32, 1024) } else { (rows.div_ceil(8) as u32, 256) };
+    // SAFETY: (out, y, g, SArgs) matches the generated signature; y and g are dense with
+    // `rows * n` elements, and so is the output.
     unsafe { g.launch(k, (grid, 1), threads, 0, &mut params)? };
     Ok(out)
 }
