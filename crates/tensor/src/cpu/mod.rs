@@ -54,6 +54,19 @@ where
     }
 }
 
+/// `f` over row-major copies of `x` and of a gradient of the same element type (the fused
+/// backward kernels).
+fn with_grad<T: CpuSlice>(
+    x: &[T],
+    l: &Layout,
+    (sg, lg): (&CpuStorage, &Layout),
+    name: &'static str,
+    f: impl FnOnce(&[T], &[T]) -> Vec<T>,
+) -> Result<Vec<T>> {
+    let g = contig(typed::<T>(sg, name)?, lg);
+    Ok(f(&contig(x, l), &g))
+}
+
 fn typed<'a, T: CpuSlice>(s: &'a CpuStorage, op: &'static str) -> Result<&'a [T]> {
     T::slice(s).ok_or_else(|| Error::dtype(op, format!("expected {:?}, got {:?}", T::DTYPE, s.dtype())))
 }
@@ -210,20 +223,14 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             with_cpu!(s, v => reduce::normalize(&contig(v, l), None, l.shape[l.rank() - 1], *eps).into_storage())
         }
         Op::SoftmaxBackward { log, scale } => {
-            let ((s, l), (sg, lg)) = (ins[0], ins[1]);
-            fn go<T: CpuSlice>(y: &[T], l: &Layout, sg: &CpuStorage, lg: &Layout, (log, scale): (bool, f64)) -> Result<Vec<T>> {
-                let g = contig(typed::<T>(sg, "softmax_backward")?, lg);
-                Ok(reduce::softmax_backward(&contig(y, l), &g, l.shape[l.rank() - 1], log, scale))
-            }
-            with_cpu!(s, v => go(v, l, sg, lg, (*log, *scale))?.into_storage())
+            let ((s, l), g) = (ins[0], ins[1]);
+            let n = l.shape[l.rank() - 1];
+            with_cpu!(s, v => with_grad(v, l, g, name, |y, g| reduce::softmax_backward(y, g, n, *log, *scale))?.into_storage())
         }
         Op::NormalizeBackward { eps } => {
-            let ((s, l), (sg, lg)) = (ins[0], ins[1]);
-            fn go<T: CpuSlice>(x: &[T], l: &Layout, sg: &CpuStorage, lg: &Layout, eps: f64) -> Result<Vec<T>> {
-                let g = contig(typed::<T>(sg, "normalize_backward")?, lg);
-                Ok(reduce::normalize(&contig(x, l), Some(&g), l.shape[l.rank() - 1], eps))
-            }
-            with_cpu!(s, v => go(v, l, sg, lg, *eps)?.into_storage())
+            let ((s, l), g) = (ins[0], ins[1]);
+            let n = l.shape[l.rank() - 1];
+            with_cpu!(s, v => with_grad(v, l, g, name, |x, g| reduce::normalize(x, Some(g), n, *eps))?.into_storage())
         }
         Op::CrossEntropy { ignore_index, smoothing } | Op::CrossEntropyBackward { ignore_index, smoothing } => {
             let ((s, l), (st, lt)) = (ins[0], ins[1]);

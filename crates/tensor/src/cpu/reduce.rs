@@ -166,15 +166,19 @@ pub struct SoftmaxSpec {
     pub causal_rows: Option<usize>,
 }
 
+/// The maximum of `scale * x` over a row (NaN wins) and the sum of `exp(scale * x - max)`.
+fn max_and_sum_exp<T: Element>(row: &[T], scale: f64) -> (f64, f64) {
+    let m = row.iter().map(|v| scale * v.to_f64()).fold(f64::NEG_INFINITY, |a, b| if b.is_nan() || b > a { b } else { a });
+    (m, row.iter().map(|v| (scale * v.to_f64() - m).exp()).sum())
+}
+
 /// Softmax (or log-softmax) of `scale * x` for each row of a row-major buffer, in f64.
 pub fn softmax<T: Element>(src: &[T], k: SoftmaxSpec) -> Vec<T> {
     let n = k.n;
     let mut out = pool::take::<T>(src.len());
     for_rows(&mut out, n, |r, o| {
         let keep = k.causal_rows.map_or(n, |t| (r % t + 1).min(n));
-        let x = &src[r * n..r * n + keep];
-        let m = x.iter().map(|v| k.scale * v.to_f64()).fold(f64::NEG_INFINITY, |a, b| if b.is_nan() || b > a { b } else { a });
-        let sum: f64 = x.iter().map(|v| (k.scale * v.to_f64() - m).exp()).sum();
+        let (m, sum) = max_and_sum_exp(&src[r * n..r * n + keep], k.scale);
         let lse = m + sum.ln();
         for (j, o) in o.iter_mut().enumerate() {
             let v = k.scale * src[r * n + j].to_f64();
@@ -255,8 +259,7 @@ pub fn cross_entropy<T: Element>(x: &[T], targets: &[i64], g: Option<&[T]>, k: X
     // Per row: the log-sum-exp and (for smoothing) the sum of the logits.
     let stats = |r: usize| -> (f64, f64) {
         let row = &x[r * n..(r + 1) * n];
-        let m = row.iter().map(|v| v.to_f64()).fold(f64::NEG_INFINITY, |a, b| if b.is_nan() || b > a { b } else { a });
-        let sum: f64 = row.iter().map(|v| (v.to_f64() - m).exp()).sum();
+        let (m, sum) = max_and_sum_exp(row, 1.0);
         (m + sum.ln(), row.iter().map(|v| v.to_f64()).sum())
     };
     let on = 1.0 - k.smoothing;

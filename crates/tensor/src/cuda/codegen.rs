@@ -507,7 +507,7 @@ pub fn adam_source(dtype: DType, amsgrad: bool) -> (String, String) {
     let name = format!("k_adam_{}{}", format!("{dtype:?}").to_lowercase(), if amsgrad { "_amsgrad" } else { "" });
     let (t, c) = (storage_type(dtype), compute_type(dtype));
     let mut s = format!("{PRELUDE}\ntypedef {c} C;\ntypedef {t} T;\n#define MAXT {ADAM_MAX_TENSORS}\n");
-    s += "struct AdamArgs { long long n[MAXT]; unsigned long long p[MAXT], g[MAXT], m[MAXT], v[MAXT], x[MAXT]; double b1, b2, eps, wd; int decoupled, count; };\n";
+    s += "struct AdamArgs { long long n[MAXT]; unsigned long long p[MAXT], g[MAXT], m[MAXT], v[MAXT], x[MAXT]; double b1, b2, eps, wd; int decoupled, pad; };\n";
     s += &format!("extern \"C\" __global__ void {name}(const double* lr, const double* step, AdamArgs a) {{\n");
     s += "  const int j = blockIdx.y;\n  T* __restrict__ p = (T*)a.p[j]; const T* __restrict__ g = (const T*)a.g[j];\n";
     s += "  T* __restrict__ m = (T*)a.m[j]; T* __restrict__ v = (T*)a.v[j]; T* __restrict__ x = (T*)a.x[j];\n";
@@ -541,6 +541,11 @@ fn row_allreduce(block: bool, max: bool) -> String {
     r
 }
 
+/// A row kernel's name: `k_<stem>_<dtype>`, with `_block` for its block-per-row form.
+fn row_kernel_name(stem: &str, dtype: DType, block: bool) -> String {
+    format!("k_{stem}_{}{}", format!("{dtype:?}").to_lowercase(), if block { "_block" } else { "" })
+}
+
 /// The thread mapping shared by the row kernels: a warp per row, or a block per row.
 fn row_prologue(block: bool) -> &'static str {
     if block {
@@ -556,13 +561,8 @@ fn row_prologue(block: bool) -> &'static str {
 /// `rst[0]`), the output is contiguous. `causal`: row `i` of each `[qlen, S]` matrix keeps only
 /// entries `j <= i` (the rest are written as 0).
 pub fn softmax_source(dtype: DType, log: bool, block: bool, causal: bool) -> (String, String) {
-    let name = format!(
-        "k_{}softmax_{}{}{}",
-        if log { "log_" } else { "" },
-        format!("{dtype:?}").to_lowercase(),
-        if block { "_block" } else { "" },
-        if causal { "_causal" } else { "" }
-    );
+    let stem = if log { "log_softmax" } else { "softmax" };
+    let name = format!("{}{}", row_kernel_name(stem, dtype, block), if causal { "_causal" } else { "" });
     let (t, c) = (storage_type(dtype), compute_type(dtype));
     let mut s = format!("{PRELUDE}{REDUCE_ARGS}\ntypedef {c} C;\n");
     s += &format!("extern \"C\" __global__ void {name}({t}* __restrict__ o, const {t}* __restrict__ p, RArgs a) {{\n");
@@ -590,12 +590,7 @@ pub fn softmax_source(dtype: DType, log: bool, block: bool, causal: bool) -> (St
 /// target outside `0..red` that is not `ignore` is recorded in the error word (code `code`)
 /// and its row counts as ignored.
 pub fn cross_entropy_source(dtype: DType, backward: bool, block: bool) -> (String, String) {
-    let name = format!(
-        "k_cross_entropy{}_{}{}",
-        if backward { "_backward" } else { "" },
-        format!("{dtype:?}").to_lowercase(),
-        if block { "_block" } else { "" }
-    );
+    let name = row_kernel_name(if backward { "cross_entropy_backward" } else { "cross_entropy" }, dtype, block);
     let (t, c) = (storage_type(dtype), compute_type(dtype));
     let mut s = format!("{PRELUDE}{INDEX_ARGS}\ntypedef {c} C;\n");
     s += "struct XArgs { long long rows, red, ignore, code, gst; double smoothing; int has_ignore, pad; };\n";
@@ -632,12 +627,7 @@ pub fn cross_entropy_source(dtype: DType, backward: bool, block: bool) -> (Strin
 /// `[rows, red]` buffers, from its output `y` and the output's gradient `g`: one sweep for
 /// `sum(g y)` (or `sum(g)`), one for the write.
 pub fn softmax_backward_source(dtype: DType, log: bool, block: bool) -> (String, String) {
-    let name = format!(
-        "k_{}softmax_backward_{}{}",
-        if log { "log_" } else { "" },
-        format!("{dtype:?}").to_lowercase(),
-        if block { "_block" } else { "" }
-    );
+    let name = row_kernel_name(if log { "log_softmax_backward" } else { "softmax_backward" }, dtype, block);
     let (t, c) = (storage_type(dtype), compute_type(dtype));
     let mut s = format!("{PRELUDE}\ntypedef {c} C;\nstruct SArgs {{ long long rows, red; double scale; }};\n");
     s += &format!(
@@ -661,12 +651,7 @@ pub fn softmax_backward_source(dtype: DType, log: bool, block: bool) -> (String,
 /// gradient from `x` and the output gradient `g`: the row's mean and variance (two sweeps),
 /// then for the backward the sums of `g` and `g xhat`, then the write.
 pub fn normalize_source(dtype: DType, backward: bool, block: bool) -> (String, String) {
-    let name = format!(
-        "k_normalize{}_{}{}",
-        if backward { "_backward" } else { "" },
-        format!("{dtype:?}").to_lowercase(),
-        if block { "_block" } else { "" }
-    );
+    let name = row_kernel_name(if backward { "normalize_backward" } else { "normalize" }, dtype, block);
     let (t, c) = (storage_type(dtype), compute_type(dtype));
     let mut s = format!("{PRELUDE}\ntypedef {c} C;\nstruct NArgs {{ long long rows, red; double eps; }};\n");
     s += &format!(

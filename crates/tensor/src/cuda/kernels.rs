@@ -499,7 +499,7 @@ fn softmax(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), (log, scale, causal): 
     if rows == 0 || n == 0 {
         return Ok(out);
     }
-    let block = n > 1024;
+    let (block, grid, threads) = row_launch(rows, n);
     let k = g.kernel(super::spec_key("softmax", &(s.dtype, log, block, causal)), || {
         super::codegen::softmax_source(s.dtype, log, block, causal)
     })?;
@@ -522,23 +522,40 @@ fn softmax(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), (log, scale, causal): 
     (a.rshape[0], a.rst[0]) = (n as i64, l.strides[r - 1] as i64);
     let (mut o, mut p) = (out.buf.ptr, s.buf.ptr);
     let mut params: [*mut c_void; 3] = [&mut o as *mut u64 as _, &mut p as *mut u64 as _, &mut a as *mut RArgs as _];
-    let (grid, threads) = if block { (rows as u32, 1024) } else { (rows.div_ceil(8) as u32, 256) };
     // SAFETY: (out, input, RArgs) matches the generated signature; the output holds every
     // element and the input is read within its layout.
-    unsafe { g.launch(k, (grid, 1), threads, 0, &mut params)? };
+    unsafe { g.launch(k, grid, threads, 0, &mut params)? };
     Ok(out)
 }
 
-/// Mirrors `struct NArgs`.
-#[repr(C)]
-struct NArgs {
-    rows: i64,
-    red: i64,
-    eps: f64,
+/// The launch shape of the row kernels (`codegen::row_prologue`): a warp per row, eight rows
+/// a block, or a 1024-thread block per row longer than 1024. Returns (block mode, grid, threads).
+fn row_launch(rows: usize, n: usize) -> (bool, (u32, u32), u32) {
+    if n > 1024 {
+        (true, (rows as u32, 1), 1024)
+    } else {
+        (false, (rows.div_ceil(8) as u32, 1), 256)
+    }
 }
 
-/// Layer norm's normalisation (or, with `grad`, its input gradient) over the last dim.
-fn normalize(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), grad: Option<(&CudaStorage, &Layout)>, eps: f64) -> Result<CudaStorage> {
+/// Mirrors `struct NArgs` and `struct SArgs`: rows, row length, and the op's one scalar.
+#[repr(C)]
+struct RowArgs {
+    rows: i64,
+    red: i64,
+    value: f64,
+}
+
+/// A row kernel over the last dim of `x` and (if given) a gradient of its shape, both read as
+/// dense copies, with `(out, x, g, RowArgs)` parameters; `kernel` picks the kernel for block
+/// mode or not.
+fn row_pair(
+    g: &Arc<Gpu>,
+    (s, l): (&CudaStorage, &Layout),
+    grad: Option<(&CudaStorage, &Layout)>,
+    value: f64,
+    kernel: impl FnOnce(bool) -> Result<super::gpu::Kernel>,
+) -> Result<CudaStorage> {
     let out = CudaStorage::alloc(g, s.dtype, l.numel())?;
     let n = l.shape[l.rank() - 1];
     let rows = l.numel().checked_div(n).unwrap_or(0);
@@ -547,20 +564,35 @@ fn normalize(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), grad: Option<(&CudaS
     }
     let x = dense(g, s, l)?;
     let gd = grad.map(|(sg, lg)| dense(g, sg, lg)).transpose()?;
-    let block = n > 1024;
-    let backward = grad.is_some();
-    let k =
-        g.kernel(super::spec_key("normalize", &(s.dtype, backward, block)), || super::codegen::normalize_source(s.dtype, backward, block))?;
-    let mut a = NArgs { rows: rows as i64, red: n as i64, eps };
+    let (block, grid, threads) = row_launch(rows, n);
+    let k = kernel(block)?;
+    let mut a = RowArgs { rows: rows as i64, red: n as i64, value };
     let (mut o, mut px) = (out.buf.ptr, x.get().buf.ptr);
     let mut pg = gd.as_ref().map_or(0, |d| d.get().buf.ptr);
     let mut params: [*mut c_void; 4] =
-        [&mut o as *mut u64 as _, &mut px as *mut u64 as _, &mut pg as *mut u64 as _, &mut a as *mut NArgs as _];
-    let (grid, threads) = if block { (rows as u32, 1024) } else { (rows.div_ceil(8) as u32, 256) };
-    // SAFETY: (out, x, g, NArgs) matches the generated signature; x and g are dense with
-    // `rows * n` elements (g is unused, and may be null, in the forward).
-    unsafe { g.launch(k, (grid, 1), threads, 0, &mut params)? };
+        [&mut o as *mut u64 as _, &mut px as *mut u64 as _, &mut pg as *mut u64 as _, &mut a as *mut RowArgs as _];
+    // SAFETY: (out, x, g, RowArgs) matches the generated signatures; x and g are dense with
+    // `rows * n` elements, and so is the output (g is unused, and may be null, in layer
+    // norm's forward).
+    unsafe { g.launch(k, grid, threads, 0, &mut params)? };
     Ok(out)
+}
+
+/// Layer norm's normalisation (or, with `grad`, its input gradient) over the last dim.
+fn normalize(g: &Arc<Gpu>, x: (&CudaStorage, &Layout), grad: Option<(&CudaStorage, &Layout)>, eps: f64) -> Result<CudaStorage> {
+    let (dtype, backward) = (x.0.dtype, grad.is_some());
+    row_pair(g, x, grad, eps, |block| {
+        g.kernel(super::spec_key("normalize", &(dtype, backward, block)), || super::codegen::normalize_source(dtype, backward, block))
+    })
+}
+
+/// A softmax's (or log-softmax's) input gradient over the last dim, from its output `y` and
+/// the output's gradient.
+fn softmax_backward(g: &Arc<Gpu>, y: (&CudaStorage, &Layout), grad: (&CudaStorage, &Layout), log: bool, scale: f64) -> Result<CudaStorage> {
+    let dtype = y.0.dtype;
+    row_pair(g, y, Some(grad), scale, |block| {
+        g.kernel(super::spec_key("softmax_backward", &(dtype, log, block)), || super::codegen::softmax_backward_source(dtype, log, block))
+    })
 }
 
 /// Mirrors `struct XArgs`.
@@ -590,7 +622,7 @@ fn cross_entropy(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], ignore: Option<i64
         return Err(Error::shape("cross_entropy", format!("needs at least one class, got logits {:?}", l.shape)));
     }
     let (logits, targets) = (dense(g, s, l)?, dense(g, st, lt)?);
-    let block = n > 1024;
+    let (block, grid, threads) = row_launch(rows, n);
     let k = g.kernel(super::spec_key("cross_entropy", &(s.dtype, backward, block)), || {
         super::codegen::cross_entropy_source(s.dtype, backward, block)
     })?;
@@ -615,50 +647,10 @@ fn cross_entropy(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], ignore: Option<i64
         &mut pe as *mut u64 as _,
         &mut a as *mut XArgs as _,
     ];
-    let (grid, threads) = if block { (rows as u32, 1024) } else { (rows.div_ceil(8) as u32, 256) };
     // SAFETY: (out, logits, targets, grad, err, XArgs) matches the generated signature; logits
     // are dense [rows, n], targets dense [rows]; the gradient (backward only; null and unread in
     // the forward) holds `rows` values at stride `gst` from its offset; `err` is the error word.
-    unsafe { g.launch(k, (grid, 1), threads, 0, &mut params)? };
-    Ok(out)
-}
-
-/// Mirrors `struct SArgs`.
-#[repr(C)]
-struct SArgs {
-    rows: i64,
-    red: i64,
-    scale: f64,
-}
-
-/// A softmax's (or log-softmax's) input gradient over the last dim, from dense copies of its
-/// output and the output's gradient.
-fn softmax_backward(
-    g: &Arc<Gpu>,
-    (s, l): (&CudaStorage, &Layout),
-    (sg, lg): (&CudaStorage, &Layout),
-    log: bool,
-    scale: f64,
-) -> Result<CudaStorage> {
-    let out = CudaStorage::alloc(g, s.dtype, l.numel())?;
-    let n = l.shape[l.rank() - 1];
-    let rows = l.numel().checked_div(n).unwrap_or(0);
-    if rows == 0 {
-        return Ok(out);
-    }
-    let (y, gd) = (dense(g, s, l)?, dense(g, sg, lg)?);
-    let block = n > 1024;
-    let k = g.kernel(super::spec_key("softmax_backward", &(s.dtype, log, block)), || {
-        super::codegen::softmax_backward_source(s.dtype, log, block)
-    })?;
-    let mut a = SArgs { rows: rows as i64, red: n as i64, scale };
-    let (mut o, mut py, mut pg) = (out.buf.ptr, y.get().buf.ptr, gd.get().buf.ptr);
-    let mut params: [*mut c_void; 4] =
-        [&mut o as *mut u64 as _, &mut py as *mut u64 as _, &mut pg as *mut u64 as _, &mut a as *mut SArgs as _];
-    let (grid, threads) = if block { (rows as u32, 1024) } else { (rows.div_ceil(8) as u32, 256) };
-    // SAFETY: (out, y, g, SArgs) matches the generated signature; y and g are dense with
-    // `rows * n` elements, and so is the output.
-    unsafe { g.launch(k, (grid, 1), threads, 0, &mut params)? };
+    unsafe { g.launch(k, grid, threads, 0, &mut params)? };
     Ok(out)
 }
 
@@ -814,7 +806,7 @@ struct AdamArgs {
     eps: f64,
     wd: f64,
     decoupled: i32,
-    count: i32,
+    pad: i32,
 }
 
 /// The device address of a tensor's first element (its storage must be on a GPU).
@@ -874,20 +866,19 @@ fn adam_launch(
         writes.extend([ps, ms, vs]);
         reads.push(gs);
     }
-    a.count = batch.len() as i32;
     let (ls, ss) = (lr.storage().read(), step.storage().read());
     let (mut pl, mut pst) = (address(&ls, lr)?, address(&ss, step)?);
     let Storage::Cuda(pc) = &*writes[0] else { return Err(Error::Msg("adam_step: expected CUDA tensors".into())) };
     let gpu = super::gpu::gpu(pc.gpu().ordinal)?;
-    let (dtype, ams) = (first.p.dtype(), first.vmax.is_some());
-    let k = gpu.kernel(super::spec_key("adam", &(dtype, ams)), || super::codegen::adam_source(dtype, ams))?;
     let most = a.n[..batch.len()].iter().copied().max().unwrap_or(0) as usize;
     if most == 0 {
         return Ok(());
     }
+    let (dtype, ams) = (first.p.dtype(), first.vmax.is_some());
+    let k = gpu.kernel(super::spec_key("adam", &(dtype, ams)), || super::codegen::adam_source(dtype, ams))?;
     let mut params: [*mut c_void; 3] = [&mut pl as *mut u64 as _, &mut pst as *mut u64 as _, &mut a as *mut AdamArgs as _];
-    // SAFETY: (lr, step, AdamArgs) as the generated signature; `count` parameters, each with
-    // `n` elements from its address in p, g, m, v (and x) on this GPU, locked until queued;
-    // grid rows past a parameter's length do nothing.
+    // SAFETY: (lr, step, AdamArgs) as the generated signature; block row j updates parameter j,
+    // its `n` elements from its address in p, g, m, v (and x) on this GPU, locked until queued;
+    // threads past a parameter's length do nothing.
     unsafe { gpu.launch(k, (gpu.grid_for(most), batch.len() as u32), 256, 0, &mut params) }
 }
