@@ -411,7 +411,14 @@ fn fused_attention_matches_the_cpu_forward_and_backward() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dev = gpu();
     for dt in [DType::F32, DType::BF16, DType::F16] {
-        for (b, h, t, d, causal) in [(2, 3, 70, 64, true), (2, 3, 70, 64, false), (1, 2, 33, 32, true), (1, 1, 130, 128, true)] {
+        for (b, h, t, d, causal) in [
+            (2, 3, 70, 64, true),
+            (2, 3, 70, 64, false),
+            (1, 2, 33, 32, true),
+            (1, 1, 130, 128, true),
+            (1, 2, 200, 24, true),
+            (1, 1, 100, 96, false),
+        ] {
             let what = format!("attention {dt:?} [{b}, {h}, {t}, {d}] causal {causal}");
             // [B, T, H, D] buffers viewed as [B, H, T, D], as a model splits heads.
             let ins: Vec<Tensor> = (0..4).map(|s| randn(&[b, t, h, d], 60 + s, dt)).collect();

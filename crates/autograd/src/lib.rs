@@ -11,7 +11,7 @@ mod rules;
 
 pub use gradcheck::{gradcheck, GradcheckConfig};
 pub use kiln_tensor::no_grad;
-use kiln_tensor::{Error, Result, Tensor, TensorId};
+use kiln_tensor::{Error, Op, Result, Tensor, TensorId};
 use std::collections::{HashMap, HashSet};
 
 /// Turns recording off while alive (like `torch.no_grad()` used as a context manager).
@@ -116,10 +116,14 @@ fn run(root: &Tensor, seed: &Tensor, wanted: Option<&HashSet<TensorId>>) -> Resu
     let _guard = NoGradGuard::new();
     let order = topo_order(root);
     let mut grads: HashMap<TensorId, Tensor> = HashMap::new();
+    let mut slices: HashMap<TensorId, Vec<Slice>> = HashMap::new();
     grads.insert(root.id(), seed.clone());
     let mut out = Vec::new();
     for t in order.iter().rev() {
-        let Some(g) = grads.remove(&t.id()) else { continue };
+        let g = match (grads.remove(&t.id()), slices.remove(&t.id())) {
+            (None, None) => continue,
+            (dense, parts) => join_slices(t, dense, parts.unwrap_or_default())?,
+        };
         let want = wanted.is_some_and(|w| w.contains(&t.id()));
         if want || (wanted.is_none() && t.is_leaf() && t.requires_grad()) {
             out.push((t.clone(), g.clone()));
@@ -133,6 +137,14 @@ fn run(root: &Tensor, seed: &Tensor, wanted: Option<&HashSet<TensorId>>) -> Resu
                     inp.shape()
                 )));
             }
+        }
+        if let (Op::Narrow { dim, start, .. }, [inp]) = (&f.op, &f.inputs[..]) {
+            // Kept apart until the sliced tensor's turn (`join_slices`).
+            if inp.requires_grad() {
+                let g = if g.dtype() != inp.dtype() { g.to_dtype(inp.dtype())? } else { g };
+                slices.entry(inp.id()).or_default().push(Slice { dim: *dim, start: *start, grad: g });
+            }
+            continue;
         }
         let needs: Vec<bool> = f.inputs.iter().map(|i| i.requires_grad()).collect();
         let dins = rules::backward(&f.op, &f.inputs, &needs, t, &g)?;
@@ -149,6 +161,44 @@ fn run(root: &Tensor, seed: &Tensor, wanted: Option<&HashSet<TensorId>>) -> Resu
         }
     }
     Ok(out)
+}
+
+/// The gradient of one `narrow` of a tensor: its dim, its first index there, the gradient.
+struct Slice {
+    dim: usize,
+    start: usize,
+    grad: Tensor,
+}
+
+/// The gradient of `t` from a dense part and the gradients of its slices. Slices that tile
+/// `t` along one dim (q, k, v cut from one projection) are joined by one `cat`, as PyTorch's
+/// `split` backward does; any others are added into zeros. Zeros and a sum per slice would
+/// move several times the bytes.
+fn join_slices(t: &Tensor, dense: Option<Tensor>, mut parts: Vec<Slice>) -> Result<Tensor> {
+    let Some(first) = parts.first() else {
+        return dense.ok_or_else(|| Error::Msg("backward: a gradient with no parts".into()));
+    };
+    let dim = first.dim;
+    parts.sort_by_key(|p| (p.dim, p.start));
+    let mut end = 0;
+    let tiles = parts.iter().all(|p| {
+        let ok = p.dim == dim && p.start == end;
+        end = p.start + p.grad.shape()[dim];
+        ok
+    }) && end == t.shape()[dim];
+    let sliced = if tiles {
+        Tensor::cat(&parts.iter().map(|p| &p.grad).collect::<Vec<_>>(), dim)?
+    } else {
+        let out = Tensor::zeros(t.shape(), t.dtype(), t.device())?;
+        for p in &parts {
+            out.narrow(p.dim, p.start, p.grad.shape()[p.dim])?.add_(&p.grad)?;
+        }
+        out
+    };
+    match dense {
+        Some(d) => d.add(&sliced),
+        None => Ok(sliced),
+    }
 }
 
 /// Adds `g` into `leaf.grad()`, in place when a gradient is already there (so its buffer

@@ -154,6 +154,30 @@ fn views_and_indexing() {
 }
 
 #[test]
+fn gradients_of_several_slices_of_one_tensor() -> Result<()> {
+    // Slices tiling a dim (q, k, v of one projection) are joined by one cat; overlapping or
+    // partial slices, and a dense use beside them, are summed.
+    let x = randn(&[2, 6, 3], 37);
+    let split = |v: &[Tensor]| -> Result<Tensor> {
+        let (a, b, c) = (v[0].narrow(1, 0, 2)?, v[0].narrow(1, 2, 3)?, v[0].narrow(1, 5, 1)?);
+        a.mul(&b.narrow(1, 0, 2)?)?.sum(&[1], true)?.add(&c.tanh()?)
+    };
+    check("slices tiling a dim", split, &[x.clone()]);
+    let mixed = |v: &[Tensor]| -> Result<Tensor> {
+        let (a, b) = (v[0].narrow(1, 1, 3)?, v[0].narrow(1, 2, 3)?);
+        a.mul(&b)?.add(&v[0].narrow(2, 0, 1)?.sum(&[1], true)?)?.mul(&v[0].sum(&[1], true)?)
+    };
+    check("overlapping and partial slices with a dense use", mixed, &[x.clone()]);
+    // By hand: y = 2 x[0..2] + 3 x[2..4] + x[1..3] over a length-4 x: dy/dx = [2, 3, 4, 3].
+    let x = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], &[4], Device::Cpu)?;
+    x.set_requires_grad(true);
+    let y = x.narrow(0, 0, 2)?.mul_scalar(2.0)?.add(&x.narrow(0, 2, 2)?.mul_scalar(3.0)?)?.add(&x.narrow(0, 1, 2)?)?;
+    backward(&y.sum_all()?)?;
+    assert_eq!(x.grad().expect("a gradient").to_vec::<f32>()?, vec![2.0, 3.0, 4.0, 3.0]);
+    Ok(())
+}
+
+#[test]
 fn a_composite_with_shared_subexpressions() {
     // y = softmax(x W) . x W + layer-norm-like centering: x is used on several paths.
     check(

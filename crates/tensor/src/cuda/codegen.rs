@@ -932,33 +932,45 @@ pub fn fused_module(kernels: &[FusedKernel]) -> Result<String, String> {
 }
 
 /// The kernels of fused attention over dense `[n, T, D]` buffers (`Op::Attention` and its
-/// backward). A group of `attn_lanes(D)` neighbouring threads owns one row (a query for `Fwd`
-/// and `Dq`, a key for `Dk` and `Dv`), each lane a slice of 16 or more of its D columns in
-/// registers (so a row never spills), and dot products are summed across the group with
-/// shuffles. Blocks of 64 rows stream the other side through shared memory in tiles of
-/// `ATTN_TILE` rows. The `[T, T]` scores are never stored: the forward keeps a running max and
-/// sum (online softmax); `Dq` recomputes each row's log-sum-exp `L` and `Dsum = g . o` and
-/// stores them (`stats`) for `Dk` and `Dv`, which recompute `p = exp(scale q.k - L)`.
+/// backward), one enum for both families: `Fwd` (online softmax), `Dq` (each query row's
+/// log-sum-exp `L` and `Dsum = g . o`, kept in `stats` for `Dkv`, then dq) and `Dkv` (per key
+/// tile, dk and dv over the queries that see it, recomputing `p = exp(scale q.k - L)`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum AttnKernel {
     Fwd,
     Dq,
-    Dk,
-    Dv,
+    Dkv,
 }
 
-/// Rows per block of the attention kernels, and rows per shared-memory tile.
-pub const ATTN_ROWS: usize = 64;
-pub const ATTN_TILE: usize = 32;
 /// The largest head dim the attention kernels take.
 pub const ATTN_MAX_D: usize = 128;
 
-/// Threads sharing one row of head dim `d`: slices of at least 16 columns.
-pub fn attn_lanes(d: usize) -> usize {
-    [8, 4, 2].into_iter().find(|&g| d % g == 0 && d / g >= 16).unwrap_or(1)
+/// Rows of a score tile each thread of a tiled attention kernel owns (4 columns each), and
+/// the block size that covers a 64 x 64 tile. (8 rows on 128 threads measured slower at the
+/// GPT shapes: fewer warps to hide the tile loads.)
+pub const TILED_ROWS: usize = 4;
+pub const TILED_THREADS: usize = 64 * 64 / (TILED_ROWS * 4);
+
+/// Floats of dynamic shared memory a tiled attention kernel takes (see `tiled_source`).
+pub fn tiled_smem_floats(kind: AttnKernel, d: usize) -> usize {
+    let (sp, sw) = (68, d.div_ceil(64) * 64 + 4);
+    let (tq, tn, tp) = (d * sp, 64 * sw, 64 * sp);
+    match kind {
+        AttnKernel::Fwd => 2 * tq + tn + tp,
+        AttnKernel::Dq => 4 * tq + tn + tp,
+        AttnKernel::Dkv => 4 * tq + 2 * tn + tp + 128,
+    }
 }
 
-pub fn attention_source(kind: AttnKernel, dtype: DType, d: usize, causal: bool) -> (String, String) {
+/// The FMA-unit (SIMT) kernels of fused attention for any float dtype and head dim up to
+/// `ATTN_MAX_D`, computed in f32: F32 everywhere, and f16/bf16 where the tensor-core kernels
+/// do not apply. A block owns 64 rows; every product is a 64 x 64 (or 64 x D) tile product
+/// from shared memory, each thread an `RM` x 4 register tile per 64 columns (rows `ty*RM..`,
+/// columns `tx*4..`, so a row's reductions are 16-lane shuffles; `TILED_ROWS`). Both
+/// operands sit in shared memory along the reduced dim (`[k][m]`, `[k][n]`), read four at
+/// a time; an operand that arrives along its other dim is stored transposed. The `[T, T]`
+/// scores never leave the block.
+pub fn tiled_source(kind: AttnKernel, dtype: DType, d: usize, causal: bool) -> (String, String) {
     let t = storage_type(dtype);
     let name = format!(
         "k_attn_{}_{}_d{d}{}",
@@ -966,124 +978,277 @@ pub fn attention_source(kind: AttnKernel, dtype: DType, d: usize, causal: bool) 
         format!("{dtype:?}").to_lowercase(),
         if causal { "_causal" } else { "" }
     );
-    let (rows, tile, g) = (ATTN_ROWS, ATTN_TILE, attn_lanes(d));
-    let mut s = format!(
-        "{PRELUDE}\n#define D {d}\n#define G {g}\n#define DP {}\n#define KT {tile}\n#define ROWS {rows}\n#define CAUSAL {}\n",
-        d / g,
-        causal as i32
-    );
-    s += "#define NEG_INF __int_as_float(0xff800000)\n";
-    s += "#define KEND (CAUSAL ? (T < (long long)(blockIdx.x + 1) * ROWS ? T : (long long)(blockIdx.x + 1) * ROWS) : T)\n";
-    // A lane's partial dot product over its slice, then the group's sum (every lane gets it).
-    s += "__device__ __forceinline__ float dotp(const float* a, const float* b) {\n  float acc = 0.f;\n#pragma unroll\n  for (int c = 0; c < DP; ++c) acc += a[c] * b[c];\n  return acc;\n}\n";
-    s += "__device__ __forceinline__ float gsum(float x, unsigned mask) {\n#pragma unroll\n  for (int o = G / 2; o > 0; o >>= 1) x += __shfl_xor_sync(mask, x, o);\n  return x;\n}\n";
-    // The thread's row, its batch matrix's base, its column slice, its group's lane mask.
-    let head = "  const long long base = (long long)blockIdx.y * T * D, i = (long long)blockIdx.x * ROWS + threadIdx.x / G;\n  const int col = (threadIdx.x % G) * DP;\n  const bool live = i < T;\n  const unsigned mask = G == 32 ? 0xffffffffu : ((1u << G) - 1u) << ((threadIdx.x & 31) & ~(G - 1));\n";
-    // Loads rows r0.. of up to two [T, D] buffers into shared tiles (zeros past T).
-    let load = |a: &str, b: Option<&str>| {
-        let mut l = "    __syncthreads();\n    for (int e = threadIdx.x; e < KT * D; e += ROWS * G) {\n      const int r = e / D, c = e % D; const long long j = r0 + r;\n".to_string();
-        l += &format!("      {a}s[r][c] = j < T ? (float)ld({a}[base + j * D + c]) : 0.f;\n");
-        if let Some(b) = b {
-            l += &format!("      {b}s[r][c] = j < T ? (float)ld({b}[base + j * D + c]) : 0.f;\n");
-        }
-        l += "    }\n";
-        l
+    let mut s = format!("{PRELUDE}\ntypedef {t} T;\n#define D {d}\n#define CAUSAL {}\n", causal as i32);
+    s += &format!("#define RM {TILED_ROWS}\n#define NT {TILED_THREADS}\n");
+    s += TILED_HELPERS;
+    let sig = match kind {
+        AttnKernel::Fwd => "T* __restrict__ o, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v",
+        AttnKernel::Dq => "T* __restrict__ dq, float* __restrict__ stats, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ o, const T* __restrict__ g",
+        AttnKernel::Dkv => "T* __restrict__ dk, T* __restrict__ dv, const float* __restrict__ stats, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ g",
     };
-    let sync = "    __syncthreads();\n";
-    let row = |name: &str, src: &str, scale: &str| {
-        format!("  float {name}[DP];\n#pragma unroll\n  for (int c = 0; c < DP; ++c) {name}[c] = live ? (float){scale}ld({src}[base + i * D + col + c]) : 0.f;\n")
+    s += &format!("extern \"C\" __global__ void __launch_bounds__(NT) {name}({sig}, long long Tn, float scale) {{\n");
+    s += "  extern __shared__ __align__(16) float sm[];\n";
+    s += "  const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;\n";
+    s += "  const long long base = (long long)blockIdx.y * Tn * D, rb = (long long)blockIdx.x * 64;\n";
+    s += match kind {
+        AttnKernel::Fwd => TILED_FWD,
+        AttnKernel::Dq => TILED_DQ,
+        AttnKernel::Dkv => TILED_DKV,
     };
-    let zeros = "  float acc[DP];\n#pragma unroll\n  for (int c = 0; c < DP; ++c) acc[c] = 0.f;\n";
-    let dot = |a: &str, b: &str| format!("gsum(dotp({a}, {b}), mask)");
-    // Queries stream over keys 0..KEND (causal: up to the block's last row); a row keeps keys j <= i.
-    let key_loop = "  for (long long r0 = 0; r0 < KEND; r0 += KT) {\n";
-    let key_count = "    long long jn = T - r0 < KT ? T - r0 : KT;\n    if (CAUSAL) jn = i - r0 + 1 < jn ? i - r0 + 1 : jn;\n    if (!live || jn < 0) jn = 0;\n";
-    let store = |dst: &str, val: &str| {
-        format!("  if (live) {{\n#pragma unroll\n    for (int c = 0; c < DP; ++c) st(&{dst}[base + i * D + col + c], {val});\n  }}\n")
-    };
-    match kind {
-        AttnKernel::Fwd => {
-            s += &format!("extern \"C\" __global__ void {name}({t}* __restrict__ o, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, long long T, float scale) {{\n");
-            s += "  __shared__ float ks[KT][D], vs[KT][D];\n";
-            s += head;
-            s += &row("qr", "q", "scale * (float)");
-            s += zeros;
-            s += "  float m = NEG_INF, l = 0.f;\n";
-            s += key_loop;
-            s += &load("k", Some("v"));
-            s += sync;
-            s += key_count;
-            s += "    for (int u0 = 0; u0 < jn; u0 += 8) {\n      float sc[8]; float mt = m;\n";
-            s += &format!("#pragma unroll\n      for (int u = 0; u < 8; ++u) {{ const float x = {}; sc[u] = u0 + u < jn ? x : NEG_INF; mt = fmaxf(mt, sc[u]); }}\n", dot("qr", "ks[u0 + u] + col"));
-            s += "      const float corr = expf(m - mt); l *= corr;\n#pragma unroll\n      for (int c = 0; c < DP; ++c) acc[c] *= corr;\n";
-            s += "#pragma unroll\n      for (int u = 0; u < 8; ++u) {\n        if (u0 + u >= jn) break;  // masked keys: even a NaN in v stays out\n        const float p = expf(sc[u] - mt); l += p;\n";
-            s += "#pragma unroll\n        for (int c = 0; c < DP; ++c) acc[c] += p * vs[u0 + u][col + c];\n      }\n      m = mt;\n    }\n  }\n";
-            s += "  const float inv = 1.f / l;\n";
-            s += &store("o", "acc[c] * inv");
-            s += "}\n";
-        }
-        AttnKernel::Dq => {
-            s += &format!("extern \"C\" __global__ void {name}({t}* __restrict__ dq, float* __restrict__ stats, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, const {t}* __restrict__ o, const {t}* __restrict__ g, long long T, float scale) {{\n");
-            s += "  __shared__ float ks[KT][D], vs[KT][D];\n";
-            s += head;
-            s += &row("qr", "q", "scale * (float)");
-            s += &row("gr", "g", "(float)");
-            s += &row("orow", "o", "(float)");
-            s += &format!("  const float dsum = {};\n", dot("gr", "orow"));
-            // Pass 1: the row's log-sum-exp.
-            s += "  float m = NEG_INF, l = 0.f;\n";
-            s += key_loop;
-            s += &load("k", None);
-            s += sync;
-            s += key_count;
-            s += &format!("    for (int u = 0; u < jn; ++u) {{ const float x = {}; const float mt = fmaxf(m, x); l = l * expf(m - mt) + expf(x - mt); m = mt; }}\n  }}\n", dot("qr", "ks[u] + col"));
-            s += "  const float L = m + logf(l);\n";
-            s += zeros;
-            // Pass 2: dq = scale * sum_j p (g.v_j - Dsum) k_j.
-            s += key_loop;
-            s += &load("k", Some("v"));
-            s += sync;
-            s += key_count;
-            s += &format!(
-                "    for (int u = 0; u < jn; ++u) {{\n      const float p = expf({} - L);\n      const float ds = p * ({} - dsum);\n",
-                dot("qr", "ks[u] + col"),
-                dot("gr", "vs[u] + col")
-            );
-            s += "#pragma unroll\n      for (int c = 0; c < DP; ++c) acc[c] += ds * ks[u][col + c];\n    }\n  }\n";
-            s += &store("dq", "acc[c] * scale");
-            s += "  if (live && threadIdx.x % G == 0) { const long long at = ((long long)blockIdx.y * T + i) * 2; stats[at] = L; stats[at + 1] = dsum; }\n}\n";
-        }
-        AttnKernel::Dk | AttnKernel::Dv => {
-            let dk = kind == AttnKernel::Dk;
-            let out = if dk { "dk" } else { "dv" };
-            s += &format!("extern \"C\" __global__ void {name}({t}* __restrict__ {out}, const float* __restrict__ stats, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, const {t}* __restrict__ g, long long T, float scale) {{\n");
-            s += "  __shared__ float qs[KT][D], gs[KT][D], Ls[KT], Ds[KT];\n";
-            // Here `i` is this row's key; queries r0 + r >= i see it (causal).
-            s += head;
-            s += &row("kr", "k", "scale * (float)");
-            if dk {
-                s += &row("vr", "v", "(float)");
-            }
-            s += zeros;
-            s += "  for (long long r0 = CAUSAL ? (long long)blockIdx.x * ROWS : 0; r0 < T; r0 += KT) {\n";
-            s += &load("q", Some("g"));
-            s += "    for (int r = threadIdx.x; r < KT; r += ROWS * G) {\n      const long long j = r0 + r, at = ((long long)blockIdx.y * T + j) * 2;\n      Ls[r] = j < T ? stats[at] : 0.f; Ds[r] = j < T ? stats[at + 1] : 0.f;\n    }\n";
-            s += sync;
-            s += "    const long long qn = T - r0 < KT ? T - r0 : KT;\n    if (!live) continue;\n";
-            s += "    for (int r = 0; r < qn; ++r) {\n      if (CAUSAL && r0 + r < i) continue;\n";
-            s += &format!("      const float p = expf({} - Ls[r]);\n", dot("qs[r] + col", "kr"));
-            if dk {
-                s += &format!("      const float ds = p * ({} - Ds[r]);\n#pragma unroll\n      for (int c = 0; c < DP; ++c) acc[c] += ds * qs[r][col + c];\n", dot("gs[r] + col", "vr"));
-            } else {
-                s += "#pragma unroll\n      for (int c = 0; c < DP; ++c) acc[c] += p * gs[r][col + c];\n";
-            }
-            s += "    }\n  }\n";
-            s += &store(out, if dk { "acc[c] * scale" } else { "acc[c]" });
-            s += "}\n";
-        }
-    }
+    s += "}\n";
     (s, name)
 }
+
+/// Device helpers of the tiled attention kernels. `SP`: the row stride of a tile along 64
+/// rows (`[k][64]`); `SW`: of a `[64][D]` tile, D padded to whole 64-column halves `NH`.
+const TILED_HELPERS: &str = r#"
+#define NEG_INF __int_as_float(0xff800000)
+#define SP 68
+#define NH ((D + 63) / 64)
+#define SW (NH * 64 + 4)
+#define TQ (D * SP)
+#define TN (64 * SW)
+#define TP (64 * SP)
+// c (+)= a b over KN: a along k as [k][m] (stride la), b as [k][n] (stride lb).
+template <int KN>
+__device__ __forceinline__ void mm(float (*c)[4], const float* a, int la, const float* b, int lb, int ty, int tx) {
+#pragma unroll 8
+  for (int k = 0; k < KN; ++k) {
+    float xa[RM];
+#pragma unroll
+    for (int u = 0; u < RM / 4; ++u) {
+      const float4 x = *(const float4*)(a + k * la + ty * RM + u * 4);
+      xa[u * 4] = x.x; xa[u * 4 + 1] = x.y; xa[u * 4 + 2] = x.z; xa[u * 4 + 3] = x.w;
+    }
+    const float4 y = *(const float4*)(b + k * lb + tx * 4);
+    const float ya[4] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+    for (int i = 0; i < RM; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) c[i][j] = fmaf(xa[i], ya[j], c[i][j]);
+  }
+}
+__device__ __forceinline__ void zero(float (*c)[4]) {
+#pragma unroll
+  for (int i = 0; i < RM; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.f;
+}
+// Rows r0.. of a [Tn, D] matrix into a [64][SW] tile (zeros past Tn and past D).
+__device__ __forceinline__ void load_rows(float* dst, const T* src, long long r0, long long Tn) {
+  for (int e = threadIdx.x; e < 64 * NH * 64; e += NT) {
+    const int r = e / (NH * 64), c = e % (NH * 64);
+    dst[r * SW + c] = (r0 + r < Tn && c < D) ? (float)ld(src[(r0 + r) * D + c]) : 0.f;
+  }
+}
+// The same rows transposed, into a [D][SP] tile.
+__device__ __forceinline__ void load_cols(float* dst, const T* src, long long r0, long long Tn) {
+  for (int e = threadIdx.x; e < 64 * D; e += NT) {
+    const int r = e / D, c = e % D;
+    dst[c * SP + r] = r0 + r < Tn ? (float)ld(src[(r0 + r) * D + c]) : 0.f;
+  }
+}
+// A thread's RM x 4 tile, transposed, into a [64][SP] tile.
+__device__ __forceinline__ void store_t(float* dst, const float (*c)[4], int ty, int tx) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int u = 0; u < RM / 4; ++u)
+      *(float4*)(dst + (tx * 4 + j) * SP + ty * RM + u * 4) = make_float4(c[u * 4][j], c[u * 4 + 1][j], c[u * 4 + 2][j], c[u * 4 + 3][j]);
+}
+__device__ __forceinline__ float row_max(float x) {
+#pragma unroll
+  for (int o = 1; o < 16; o <<= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+__device__ __forceinline__ float row_sum(float x) {
+#pragma unroll
+  for (int o = 1; o < 16; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+// Scales scores (query rows r0.., key columns c0.. when `keys_are_cols`, else the
+// transpose) and masks keys past Tn, queries past Tn (transposed) and, causal, later keys.
+__device__ __forceinline__ void mask(float (*s)[4], long long r0, long long c0, int ty, int tx, long long Tn, float scale, bool keys_are_cols) {
+#pragma unroll
+  for (int i = 0; i < RM; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const long long r = r0 + ty * RM + i, c = c0 + tx * 4 + j;
+      const long long key = keys_are_cols ? c : r, query = keys_are_cols ? r : c;
+      s[i][j] = (c >= Tn || (CAUSAL && key > query)) ? NEG_INF : s[i][j] * scale;
+    }
+}
+// Online softmax over one tile of scores: updates each row's max m and partial sum l,
+// rescales acc, and leaves the tile's probabilities (relative to the new max) in s.
+__device__ __forceinline__ void online(float (*s)[4], float* m, float* l, float (*acc)[RM][4]) {
+#pragma unroll
+  for (int i = 0; i < RM; ++i) {
+    const float mx = row_max(fmaxf(fmaxf(s[i][0], s[i][1]), fmaxf(s[i][2], s[i][3])));
+    const float mn = fmaxf(m[i], mx), ms = mn == NEG_INF ? 0.f : mn, corr = expf(m[i] - ms);
+    m[i] = mn;
+    l[i] *= corr;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      s[i][j] = expf(s[i][j] - ms);
+      l[i] += s[i][j];
+    }
+    if (acc)
+#pragma unroll
+      for (int h = 0; h < NH; ++h)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[h][i][j] *= corr;
+  }
+}
+// Stores rows r0 + ty*RM + i of a [64][D] accumulator, times mul (per row when `per_row`).
+__device__ __forceinline__ void store_rows(T* dst, const float (*acc)[RM][4], long long r0, int ty, int tx, long long Tn, const float* mul, bool per_row) {
+#pragma unroll
+  for (int i = 0; i < RM; ++i) {
+    const long long r = r0 + ty * RM + i;
+    if (r >= Tn) continue;
+#pragma unroll
+    for (int h = 0; h < NH; ++h)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int c = h * 64 + tx * 4 + j;
+        if (c < D) st(&dst[r * D + c], acc[h][i][j] * mul[per_row ? i : 0]);
+      }
+  }
+}
+"#;
+
+const TILED_FWD: &str = r#"  float *qt = sm, *kt = qt + TQ, *vs = kt + TQ, *pt = vs + TN;
+  q += base; k += base; v += base; o += base;
+  load_cols(qt, q, rb, Tn);
+  float acc[NH][RM][4], m[RM], l[RM];
+#pragma unroll
+  for (int h = 0; h < NH; ++h) zero(acc[h]);
+#pragma unroll
+  for (int i = 0; i < RM; ++i) { m[i] = NEG_INF; l[i] = 0.f; }
+  const long long kend = CAUSAL ? (rb + 64 < Tn ? rb + 64 : Tn) : Tn;
+  for (long long k0 = 0; k0 < kend; k0 += 64) {
+    __syncthreads();
+    load_cols(kt, k, k0, Tn);
+    load_rows(vs, v, k0, Tn);
+    __syncthreads();
+    float sc[RM][4];
+    zero(sc);
+    mm<D>(sc, qt, SP, kt, SP, ty, tx);
+    mask(sc, rb, k0, ty, tx, Tn, scale, true);
+    online(sc, m, l, acc);
+    store_t(pt, sc, ty, tx);
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < NH; ++h) mm<64>(acc[h], pt, SP, vs + h * 64, SW, ty, tx);
+  }
+  float inv[RM];
+#pragma unroll
+  for (int i = 0; i < RM; ++i) inv[i] = 1.f / row_sum(l[i]);
+  store_rows(o, acc, rb, ty, tx, Tn, inv, true);
+"#;
+
+const TILED_DQ: &str = r#"  float *qt = sm, *gt = qt + TQ, *kt = gt + TQ, *vt = kt + TQ, *ks = vt + TQ, *pt = ks + TN;
+  q += base; k += base; v += base; o += base; g += base; dq += base;
+  load_cols(qt, q, rb, Tn);
+  load_cols(gt, g, rb, Tn);
+  const long long kend = CAUSAL ? (rb + 64 < Tn ? rb + 64 : Tn) : Tn;
+  // Pass 1: each row's log-sum-exp L and Dsum = g . o.
+  float m[RM], l[RM], L[RM], Ds[RM];
+#pragma unroll
+  for (int i = 0; i < RM; ++i) { m[i] = NEG_INF; l[i] = 0.f; }
+  for (long long k0 = 0; k0 < kend; k0 += 64) {
+    __syncthreads();
+    load_cols(kt, k, k0, Tn);
+    __syncthreads();
+    float sc[RM][4];
+    zero(sc);
+    mm<D>(sc, qt, SP, kt, SP, ty, tx);
+    mask(sc, rb, k0, ty, tx, Tn, scale, true);
+    online(sc, m, l, (float (*)[RM][4])0);
+  }
+#pragma unroll
+  for (int i = 0; i < RM; ++i) {
+    const long long r = rb + ty * RM + i;
+    float acc = 0.f;
+    if (r < Tn) for (int c = tx; c < D; c += 16) acc += (float)ld(g[r * D + c]) * (float)ld(o[r * D + c]);
+    Ds[i] = row_sum(acc);
+    L[i] = (m[i] == NEG_INF ? 0.f : m[i]) + logf(row_sum(l[i]));
+    if (r < Tn && tx == 0) { const long long at = ((long long)blockIdx.y * Tn + r) * 2; stats[at] = L[i]; stats[at + 1] = Ds[i]; }
+  }
+  // Pass 2: dq = scale * sum_j p (g.v_j - Dsum) k_j.
+  float acc[NH][RM][4];
+#pragma unroll
+  for (int h = 0; h < NH; ++h) zero(acc[h]);
+  for (long long k0 = 0; k0 < kend; k0 += 64) {
+    __syncthreads();
+    load_cols(kt, k, k0, Tn);
+    load_cols(vt, v, k0, Tn);
+    load_rows(ks, k, k0, Tn);
+    __syncthreads();
+    float sc[RM][4], dp[RM][4];
+    zero(sc);
+    zero(dp);
+    mm<D>(sc, qt, SP, kt, SP, ty, tx);
+    mask(sc, rb, k0, ty, tx, Tn, scale, true);
+    mm<D>(dp, gt, SP, vt, SP, ty, tx);
+#pragma unroll
+    for (int i = 0; i < RM; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) sc[i][j] = expf(sc[i][j] - L[i]) * (dp[i][j] - Ds[i]);
+    store_t(pt, sc, ty, tx);
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < NH; ++h) mm<64>(acc[h], pt, SP, ks + h * 64, SW, ty, tx);
+  }
+  store_rows(dq, acc, rb, ty, tx, Tn, &scale, false);
+"#;
+
+// Here the block's 64 rows are keys and a score tile's columns are queries.
+const TILED_DKV: &str = r#"  float *kt = sm, *vt = kt + TQ, *qt = vt + TQ, *gt = qt + TQ, *qs = gt + TQ, *gs = qs + TN, *pt = gs + TN, *Ls = pt + TP, *Dl = Ls + 64;
+  q += base; k += base; v += base; g += base; dk += base; dv += base;
+  stats += (long long)blockIdx.y * Tn * 2;
+  load_cols(kt, k, rb, Tn);
+  load_cols(vt, v, rb, Tn);
+  float gk[NH][RM][4], gv[NH][RM][4];
+#pragma unroll
+  for (int h = 0; h < NH; ++h) { zero(gk[h]); zero(gv[h]); }
+  for (long long q0 = CAUSAL ? rb : 0; q0 < Tn; q0 += 64) {
+    __syncthreads();
+    load_cols(qt, q, q0, Tn);
+    load_cols(gt, g, q0, Tn);
+    load_rows(qs, q, q0, Tn);
+    load_rows(gs, g, q0, Tn);
+    if (threadIdx.x < 64) {
+      const bool in = q0 + threadIdx.x < Tn;
+      Ls[threadIdx.x] = in ? stats[(q0 + threadIdx.x) * 2] : 0.f;
+      Dl[threadIdx.x] = in ? stats[(q0 + threadIdx.x) * 2 + 1] : 0.f;
+    }
+    __syncthreads();
+    float p[RM][4], ds[RM][4];
+    zero(p);
+    zero(ds);
+    mm<D>(p, kt, SP, qt, SP, ty, tx);
+    mask(p, rb, q0, ty, tx, Tn, scale, false);
+    mm<D>(ds, vt, SP, gt, SP, ty, tx);
+#pragma unroll
+    for (int i = 0; i < RM; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int qi = tx * 4 + j;
+        p[i][j] = expf(p[i][j] - Ls[qi]);
+        ds[i][j] = p[i][j] * (ds[i][j] - Dl[qi]);
+      }
+    store_t(pt, p, ty, tx);
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < NH; ++h) mm<64>(gv[h], pt, SP, gs + h * 64, SW, ty, tx);
+    __syncthreads();
+    store_t(pt, ds, ty, tx);
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < NH; ++h) mm<64>(gk[h], pt, SP, qs + h * 64, SW, ty, tx);
+  }
+  const float one = 1.f;
+  store_rows(dk, gk, rb, ty, tx, Tn, &scale, false);
+  store_rows(dv, gv, rb, ty, tx, Tn, &one, false);
+"#;
 
 /// The tensor-core kernels of fused attention for f16/bf16 over dense `[n, T, D]` buffers
 /// (D a multiple of 16, at most `ATTN_MAX_D`), FlashAttention-2 style on `mma.sync
@@ -1091,16 +1256,8 @@ pub fn attention_source(kind: AttnKernel, dtype: DType, d: usize, causal: bool) 
 /// operands stay in registers; the other side streams through shared memory in tiles of 64
 /// rows (padded against bank conflicts) read with `ldmatrix` (`.trans` where it is the
 /// product's right operand along rows). A score tile's accumulator layout is the next
-/// product's A-operand layout, so probabilities never leave registers. `Fwd`: online
-/// softmax. `Dq`: each query row's log-sum-exp `L` and `Dsum = g . o` (kept in `stats` for
-/// `Dkv`), then dq. `Dkv`: per key tile, dk and dv over the queries that see it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum FlashKernel {
-    Fwd,
-    Dq,
-    Dkv,
-}
-
+/// product's A-operand layout, so probabilities never leave registers.
+///
 /// Whether the tensor-core attention kernels take this dtype and head dim.
 pub fn flash_supported(dtype: DType, d: usize) -> bool {
     matches!(dtype, DType::F16 | DType::BF16) && d % 16 == 0 && d > 0 && d <= ATTN_MAX_D
@@ -1162,7 +1319,7 @@ fn flash_helpers(dtype: DType) -> String {
     s
 }
 
-pub fn flash_source(kind: FlashKernel, dtype: DType, d: usize, causal: bool) -> (String, String) {
+pub fn flash_source(kind: AttnKernel, dtype: DType, d: usize, causal: bool) -> (String, String) {
     let t = storage_type(dtype);
     let name = format!(
         "k_flash_{}_{}_d{d}{}",
@@ -1191,7 +1348,7 @@ pub fn flash_source(kind: FlashKernel, dtype: DType, d: usize, causal: bool) -> 
     let online = format!("  float m[2] = {{NEG_INF, NEG_INF}}, l[2] = {{0.f, 0.f}};\n{bounds}{key_tiles}");
     let masked = "      float sc[2][4];\n      scores(sc, qa, ks, sub, lane);\n      mask(sc, r0, kb, gq, tq, Tn, scale, true);\n";
     match kind {
-        FlashKernel::Fwd => {
+        AttnKernel::Fwd => {
             s += &format!("extern \"C\" __global__ void __launch_bounds__(128) {name}({t}* __restrict__ o, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, long long Tn, float scale) {{\n");
             s += "  __shared__ __align__(16) T ks[64][SD], vs[64][SD];\n";
             s += head;
@@ -1211,7 +1368,7 @@ pub fn flash_source(kind: FlashKernel, dtype: DType, d: usize, causal: bool) -> 
             s += "  const float l0 = quad_sum(l[0]), l1 = quad_sum(l[1]);\n";
             s += "  store(o, acc, r0, gq, tq, Tn, 1.f / l0, 1.f / l1);\n}\n";
         }
-        FlashKernel::Dq => {
+        AttnKernel::Dq => {
             s += &format!("extern \"C\" __global__ void __launch_bounds__(128) {name}({t}* __restrict__ dq, float* __restrict__ stats, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, const {t}* __restrict__ o, const {t}* __restrict__ g, long long Tn, float scale) {{\n");
             s += "  __shared__ __align__(16) T ks[64][SD], vs[64][SD];\n";
             s += head;
@@ -1242,7 +1399,7 @@ pub fn flash_source(kind: FlashKernel, dtype: DType, d: usize, causal: bool) -> 
             s += "      accumulate(acc, sc, ks, sub, lane);\n    }\n  }\n";
             s += "  store(dq, acc, r0, gq, tq, Tn, scale, scale);\n}\n";
         }
-        FlashKernel::Dkv => {
+        AttnKernel::Dkv => {
             s += &format!("extern \"C\" __global__ void __launch_bounds__(128) {name}({t}* __restrict__ dk, {t}* __restrict__ dv, const float* __restrict__ stats, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, const {t}* __restrict__ g, long long Tn, float scale) {{\n");
             s += "  __shared__ __align__(16) T qs[64][SD], gs[64][SD];\n  __shared__ float Ls[64], Dl[64];\n";
             // Here r0 is the warp's first key; its rows are keys, its score columns queries.

@@ -376,6 +376,15 @@ impl Gpu {
             .collect()
     }
 
+    /// Lets `k` take `bytes` of dynamic shared memory (above the default 48 KiB).
+    pub fn allow_shared(&self, k: Kernel, bytes: u32) -> Result<()> {
+        self.bind()?;
+        let attr = ds::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        // SAFETY: `k` is a function of a module loaded in this context and never unloaded.
+        unsafe { dr::function::set_function_attribute(k.0, attr, bytes as i32) }
+            .map_err(cuda_err(format!("allowing {bytes} bytes of shared memory")))
+    }
+
     /// A grid-stride launch over `work` items with 256 threads a block.
     pub fn grid_for(&self, work: usize) -> u32 {
         (work.div_ceil(256)).clamp(1, self.sms as usize * 16) as u32

@@ -2,9 +2,9 @@
 //! kernels' text comes from `codegen`, the scalar math from the op table.
 
 use super::codegen::{
-    compute_type, elementwise_expr, Elementwise, Index, IndexKind, Reduce, ReduceMode, ADAM_MAX_TENSORS, MAX_RANK, SLOTS,
+    compute_type, elementwise_expr, AttnKernel, Elementwise, Index, IndexKind, Reduce, ReduceMode, ADAM_MAX_TENSORS, MAX_RANK, SLOTS,
 };
-use super::gpu::{DeviceBuffer, Gpu};
+use super::gpu::{DeviceBuffer, Gpu, Kernel};
 use crate::op::{Op, OutMeta, ReduceOp};
 use crate::shape::Layout;
 use crate::storage::Storage;
@@ -381,11 +381,10 @@ fn reduce_into(g: &Arc<Gpu>, op: ReduceOp, s: &CudaStorage, l: &Layout, dims: &[
     }
 }
 
-/// Softmax over the last dim of `s` read through `l`, into a contiguous buffer.
-/// Fused attention over dense copies of the inputs (`codegen::attention_source`): the
-/// forward, or the backward's dq, dk and dv packed into one `[3, .., T, D]` buffer.
+/// Fused attention over dense copies of the inputs: the forward, or the backward's dq, dk
+/// and dv packed into one `[3, .., T, D]` buffer.
 fn attention(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], scale: f64, causal: bool, backward: bool) -> Result<CudaStorage> {
-    use super::codegen::{attention_source, attn_lanes, AttnKernel, ATTN_MAX_D, ATTN_ROWS};
+    use super::codegen::ATTN_MAX_D;
     let (s0, l0) = x[0];
     let r = l0.rank();
     let (n, t, d) = (l0.shape[..r - 2].iter().product::<usize>(), l0.shape[r - 2], l0.shape[r - 1]);
@@ -402,52 +401,29 @@ fn attention(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], scale: f64, causal: bo
         return Ok(out);
     }
     let dense: Vec<Dense> = x.iter().map(|(s, l)| dense(g, s, l)).collect::<Result<_>>()?;
-    let mut p: Vec<u64> = dense.iter().map(|d| d.get().buf.ptr).collect();
-    if super::codegen::flash_supported(dtype, d) {
-        flash(g, &out, &p, (n, t, d), dtype, scale, causal)?;
-        return Ok(out);
-    }
-    let (mut tt, mut sc) = (t as i64, scale as f32);
-    let grid = (t.div_ceil(ATTN_ROWS) as u32, n as u32);
-    let threads = (ATTN_ROWS * attn_lanes(d)) as u32;
-    let kernel = |kind| g.kernel(super::spec_key("attention", &(kind, dtype, d, causal)), || attention_source(kind, dtype, d, causal));
-    let bytes = (len * dtype.size_in_bytes()) as u64;
-    let (mut o0, mut o1, mut o2) = (out.buf.ptr, out.buf.ptr + bytes, out.buf.ptr + 2 * bytes);
-    let (ti, si) = (&mut tt as *mut i64 as *mut c_void, &mut sc as *mut f32 as *mut c_void);
-    if !backward {
-        let k = kernel(AttnKernel::Fwd)?;
-        let [q, kk, v] = &mut p[..] else { return Err(Error::Msg("attention: expected q, k, v".into())) };
-        let mut params: [*mut c_void; 6] = [&mut o0 as *mut u64 as _, q as *mut u64 as _, kk as *mut u64 as _, v as *mut u64 as _, ti, si];
-        // SAFETY: (out, q, k, v, T, scale) matches the generated signature; every buffer is
-        // dense [n, T, D] (the output too), and the grid covers n x T rows.
-        unsafe { g.launch(k, grid, threads, 0, &mut params)? };
-        return Ok(out);
-    }
-    let stats = CudaStorage::alloc(g, DType::F32, n * t * 2)?;
-    let mut sp = stats.buf.ptr;
-    let [q, kk, v, o, gr] = &mut p[..] else { return Err(Error::Msg("attention_backward: expected q, k, v, out, grad".into())) };
-    let (q, kk, v, o, gr) =
-        (q as *mut u64 as *mut c_void, kk as *mut u64 as _, v as *mut u64 as _, o as *mut u64 as _, gr as *mut u64 as _);
-    let sp = &mut sp as *mut u64 as *mut c_void;
-    let mut dq: [*mut c_void; 9] = [&mut o0 as *mut u64 as _, sp, q, kk, v, o, gr, ti, si];
-    let mut dk: [*mut c_void; 8] = [&mut o1 as *mut u64 as _, sp, q, kk, v, gr, ti, si];
-    let mut dv: [*mut c_void; 8] = [&mut o2 as *mut u64 as _, sp, q, kk, v, gr, ti, si];
-    let (kq, kk_, kv) = (kernel(AttnKernel::Dq)?, kernel(AttnKernel::Dk)?, kernel(AttnKernel::Dv)?);
-    // SAFETY: each parameter list matches its generated signature; the inputs are dense
-    // [n, T, D], the output holds dq, dk, dv one after the other, `stats` holds 2 floats per
-    // row (written by the dq kernel, read by the later two on the same stream).
-    unsafe {
-        g.launch(kq, grid, threads, 0, &mut dq)?;
-        g.launch(kk_, grid, threads, 0, &mut dk)?;
-        g.launch(kv, grid, threads, 0, &mut dv)?;
-    }
-    drop(stats);
+    let p: Vec<u64> = dense.iter().map(|d| d.get().buf.ptr).collect();
+    attention_kernels(g, &out, &p, (n, t, d), dtype, scale, causal)?;
     Ok(out)
 }
 
-/// The tensor-core attention kernels (`codegen::flash_source`) on dense `[n, T, D]` buffers
-/// `p` (q, k, v; for the backward also o and g), writing `out` (o, or dq, dk, dv).
-fn flash(
+/// A loaded attention kernel with its block size and dynamic shared memory: the
+/// tensor-core kernels (`codegen::flash_source`) where `flash_supported`, else the tiled
+/// FMA kernels (`codegen::tiled_source`).
+fn attention_kernel(g: &Arc<Gpu>, kind: AttnKernel, dtype: DType, d: usize, causal: bool) -> Result<(Kernel, u32, u32)> {
+    use super::codegen::{flash_source, flash_supported, tiled_smem_floats, tiled_source, TILED_THREADS};
+    if flash_supported(dtype, d) {
+        let k = g.kernel(super::spec_key("flash", &(kind, dtype, d, causal)), || flash_source(kind, dtype, d, causal))?;
+        return Ok((k, 128, 0));
+    }
+    let k = g.kernel(super::spec_key("attention", &(kind, dtype, d, causal)), || tiled_source(kind, dtype, d, causal))?;
+    let bytes = (tiled_smem_floats(kind, d) * 4) as u32;
+    g.allow_shared(k, bytes)?;
+    Ok((k, TILED_THREADS as u32, bytes))
+}
+
+/// The attention kernels on dense `[n, T, D]` buffers `p` (q, k, v; for the backward also
+/// o and g), writing `out` (o, or dq, dk, dv). Each block owns 64 rows.
+fn attention_kernels(
     g: &Arc<Gpu>,
     out: &CudaStorage,
     p: &[u64],
@@ -456,8 +432,6 @@ fn flash(
     scale: f64,
     causal: bool,
 ) -> Result<()> {
-    use super::codegen::{flash_source, FlashKernel};
-    let kernel = |kind| g.kernel(super::spec_key("flash", &(kind, dtype, d, causal)), || flash_source(kind, dtype, d, causal));
     let grid = (t.div_ceil(64) as u32, n as u32);
     let (mut tt, mut sc) = (t as i64, scale as f32);
     let (ti, si) = (&mut tt as *mut i64 as *mut c_void, &mut sc as *mut f32 as *mut c_void);
@@ -466,28 +440,30 @@ fn flash(
     let (mut o0, mut o1, mut o2) = (out.buf.ptr, out.buf.ptr + bytes, out.buf.ptr + 2 * bytes);
     let arg = |x: &mut u64| x as *mut u64 as *mut c_void;
     if p.len() == 3 {
-        let k = kernel(FlashKernel::Fwd)?;
+        let (k, threads, smem) = attention_kernel(g, AttnKernel::Fwd, dtype, d, causal)?;
         let [q, kk, v] = &mut p[..] else { return Err(Error::Msg("attention: expected q, k, v".into())) };
         let mut params: [*mut c_void; 6] = [arg(&mut o0), arg(q), arg(kk), arg(v), ti, si];
         // SAFETY: (out, q, k, v, T, scale) matches the generated signature; every buffer is
-        // dense [n, T, D] with D even (aligned pairs), and the grid covers n x T rows.
-        return unsafe { g.launch(k, grid, 128, 0, &mut params) };
+        // dense [n, T, D] (the output too), and the grid covers n x T rows.
+        return unsafe { g.launch(k, grid, threads, smem, &mut params) };
     }
     let stats = CudaStorage::alloc(g, DType::F32, n * t * 2)?;
     let mut sp = stats.buf.ptr;
     let [q, kk, v, o, gr] = &mut p[..] else { return Err(Error::Msg("attention_backward: expected q, k, v, out, grad".into())) };
-    let (kq, kkv) = (kernel(FlashKernel::Dq)?, kernel(FlashKernel::Dkv)?);
+    let (kq, tq, mq) = attention_kernel(g, AttnKernel::Dq, dtype, d, causal)?;
+    let (kkv, tkv, mkv) = attention_kernel(g, AttnKernel::Dkv, dtype, d, causal)?;
     let mut dq: [*mut c_void; 9] = [arg(&mut o0), arg(&mut sp), arg(q), arg(kk), arg(v), arg(o), arg(gr), ti, si];
     // SAFETY: as above; `stats` holds 2 floats per row, written by the dq kernel and read by
     // the dk/dv kernel after it on the same stream; the output holds dq, dk, dv in turn.
-    unsafe { g.launch(kq, grid, 128, 0, &mut dq)? };
+    unsafe { g.launch(kq, grid, tq, mq, &mut dq)? };
     let mut dkv: [*mut c_void; 9] = [arg(&mut o1), arg(&mut o2), arg(&mut sp), arg(q), arg(kk), arg(v), arg(gr), ti, si];
     // SAFETY: as above.
-    unsafe { g.launch(kkv, grid, 128, 0, &mut dkv)? };
+    unsafe { g.launch(kkv, grid, tkv, mkv, &mut dkv)? };
     drop(stats);
     Ok(())
 }
 
+/// Softmax over the last dim of `s` read through `l`, into a contiguous buffer.
 fn softmax(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), (log, scale, causal): (bool, f64, bool)) -> Result<CudaStorage> {
     let out = CudaStorage::alloc(g, s.dtype, l.numel())?;
     let r = l.rank();
