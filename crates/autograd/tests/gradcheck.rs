@@ -98,6 +98,26 @@ fn where_cast_and_reductions() {
     check("normalize", |v| v[0].normalize(1e-5), &[x.clone()]);
     check("scaled causal softmax", |v| v[0].softmax_scaled(0.7, true), &[x.clone()]);
     check("normalize of a view", |v| v[0].t()?.normalize(1e-3), &[x.clone()]);
+    let (w, b) = (randn(&[x.shape()[0]], 38), randn(&[x.shape()[0]], 39));
+    check("layer norm with weight and bias", |v| v[0].t()?.layer_norm(&v[1], &v[2], 1e-3), &[x.clone(), w, b]);
+}
+
+#[test]
+fn layer_norm_matches_hand_computed_values_and_checks_its_parameters() -> Result<()> {
+    // Row [1, 2, 3]: mean 2, biased var 2/3, xhat = [-1, 0, 1] * sqrt(3/2) (eps 0).
+    let x = Tensor::from_vec(vec![1.0f64, 2.0, 3.0], &[1, 3], Device::Cpu)?;
+    let (w, b) =
+        (Tensor::from_vec(vec![2.0f64, 1.0, -1.0], &[3], Device::Cpu)?, Tensor::from_vec(vec![0.5f64, 0.0, 1.0], &[3], Device::Cpu)?);
+    let r = 1.5f64.sqrt();
+    let want = [-2.0 * r + 0.5, 0.0, -r + 1.0];
+    for (got, want) in x.layer_norm(&w, &b, 0.0)?.to_vec::<f64>()?.iter().zip(want) {
+        assert!((got - want).abs() < 1e-12, "{got} vs {want}");
+    }
+    let err = x.layer_norm(&w.narrow(0, 0, 2)?, &b, 0.0).unwrap_err().to_string();
+    assert!(err.contains("[2]") && err.contains("[1, 3]"), "{err}");
+    let err = x.layer_norm(&w.to_dtype(DType::F32)?, &b, 0.0).unwrap_err().to_string();
+    assert!(err.contains("F32") && err.contains("F64"), "{err}");
+    Ok(())
 }
 
 #[test]

@@ -97,8 +97,8 @@ impl Forward for LayerNorm {
         if x.rank() == 0 || x.shape()[x.rank() - 1] != dim {
             return Err(Error::shape("layer_norm", format!("input {:?} does not end in normalized dim {dim}", x.shape())));
         }
-        // One fused pass (and one fused backward) for the normalisation, then the affine part.
-        x.normalize(self.eps)?.mul(&self.weight)?.add(&self.bias)
+        // One fused pass (and a fused row pass in the backward).
+        x.layer_norm(&self.weight, &self.bias, self.eps)
     }
 }
 

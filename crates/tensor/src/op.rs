@@ -510,8 +510,8 @@ pub enum Op {
         log: bool,
         scale: f64,
     },
-    /// `(x - mean) / sqrt(var + eps)` over the last dim (biased variance): layer norm without
-    /// its affine part, one pass per row.
+    /// `(x - mean) / sqrt(var + eps)` over the last dim (biased variance), one pass per row;
+    /// with inputs x, weight, bias (each `[n]`), layer norm with its affine part.
     Normalize {
         eps: f64,
     },
@@ -657,6 +657,7 @@ impl Op {
         let arity = match self {
             Op::Full { .. } | Op::Arange { .. } | Op::Rand { .. } => 0,
             Op::Unary(_) | Op::Scalar { .. } | Op::Cast(_) | Op::Reduce { .. } | Op::UpdateScalar(..) | Op::Softmax { .. } => 1,
+            Op::Normalize { .. } if inputs.len() == 3 => 3,
             Op::Normalize { .. } => 1,
             Op::NormalizeBackward { .. } | Op::SoftmaxBackward { .. } => 2,
             Op::Attention { .. } => 3,
@@ -747,6 +748,19 @@ impl Op {
             Op::Softmax { log: true, causal: true, .. } => Err(Error::Msg(format!("{name}: the causal mask is for softmax only"))),
             Op::Softmax { causal: true, .. } if inputs[0].shape.len() < 2 => {
                 Err(Error::shape(name, format!("a causal softmax needs rank >= 2, got {:?}", inputs[0].shape)))
+            }
+            Op::Normalize { .. } if inputs.len() == 3 => {
+                let (x, n) = (&inputs[0], inputs[0].shape.last().copied().unwrap_or(0));
+                float_only(x.dtype)?;
+                if x.shape.is_empty() || inputs[1..].iter().any(|a| a.shape != [n]) {
+                    return Err(Error::shape(
+                        name,
+                        format!("weight {:?} and bias {:?} must be [{n}] for input {:?}", inputs[1].shape, inputs[2].shape, x.shape),
+                    ));
+                }
+                same_dtype(x.dtype, inputs[1].dtype)?;
+                same_dtype(x.dtype, inputs[2].dtype)?;
+                meta(x.shape.to_vec(), x.dtype)
             }
             Op::Softmax { .. } | Op::SoftmaxBackward { .. } | Op::Normalize { .. } | Op::NormalizeBackward { .. } => {
                 float_only(inputs[0].dtype)?;

@@ -319,6 +319,11 @@ impl Tensor {
     pub fn normalize(&self, eps: f64) -> Result<Tensor> {
         Tensor::apply(Op::Normalize { eps }, &[self], self.device())
     }
+    /// Layer norm over the last dim in one pass: `normalize(eps) * weight + bias`, with
+    /// `weight` and `bias` of shape `[n]` (the last dim) and of `self`'s dtype.
+    pub fn layer_norm(&self, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+        Tensor::apply(Op::Normalize { eps }, &[self, weight, bias], self.device())
+    }
     /// The input gradient of a softmax (`log`: log-softmax) of `scale * x` over the last dim,
     /// from its output `self` and the output's gradient `g`, in one pass per row.
     pub fn softmax_backward(&self, g: &Tensor, log: bool, scale: f64) -> Result<Tensor> {

@@ -130,8 +130,10 @@ fn every_reduction_and_index_kernel_compiles() {
                 let (s, n) = kiln_tensor::cuda::codegen::softmax_source(d, log, block, causal);
                 check(&s, &n, &mut fails);
             }
-            let (s, n) = kiln_tensor::cuda::codegen::normalize_source(d, log, block);
-            check(&s, &n, &mut fails);
+            for affine in [false, true] {
+                let (s, n) = kiln_tensor::cuda::codegen::normalize_source(d, log, affine, block);
+                check(&s, &n, &mut fails);
+            }
             let (s, n) = kiln_tensor::cuda::codegen::softmax_backward_source(d, log, block);
             check(&s, &n, &mut fails);
             let (s, n) = kiln_tensor::cuda::codegen::cross_entropy_source(d, log, block);

@@ -67,6 +67,18 @@ fn with_grad<T: CpuSlice>(
     Ok(f(&contig(x, l), &g))
 }
 
+/// `f` over row-major copies of `x` and of a weight and bias of its element type.
+fn with_affine<T: CpuSlice>(
+    x: &[T],
+    l: &Layout,
+    ((sw, lw), (sb, lb)): ((&CpuStorage, &Layout), (&CpuStorage, &Layout)),
+    name: &'static str,
+    f: impl FnOnce(&[T], &[T], &[T]) -> Vec<T>,
+) -> Result<Vec<T>> {
+    let (w, b) = (contig(typed::<T>(sw, name)?, lw), contig(typed::<T>(sb, name)?, lb));
+    Ok(f(&contig(x, l), &w, &b))
+}
+
 fn typed<'a, T: CpuSlice>(s: &'a CpuStorage, op: &'static str) -> Result<&'a [T]> {
     T::slice(s).ok_or_else(|| Error::dtype(op, format!("expected {:?}, got {:?}", T::DTYPE, s.dtype())))
 }
@@ -220,7 +232,14 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
         }
         Op::Normalize { eps } => {
             let (s, l) = ins[0];
-            with_cpu!(s, v => reduce::normalize(&contig(v, l), None, l.shape[l.rank() - 1], *eps).into_storage())
+            let n = l.shape[l.rank() - 1];
+            if let [_, w, b] = ins {
+                // Layer norm with its affine part (weight and bias of x's dtype, checked).
+                return Ok(
+                    with_cpu!(s, v => with_affine(v, l, (*w, *b), name, |x, w, b| reduce::normalize(x, None, Some((w, b)), n, *eps))?.into_storage()),
+                );
+            }
+            with_cpu!(s, v => reduce::normalize(&contig(v, l), None, None, n, *eps).into_storage())
         }
         Op::SoftmaxBackward { log, scale } => {
             let ((s, l), g) = (ins[0], ins[1]);
@@ -230,7 +249,7 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
         Op::NormalizeBackward { eps } => {
             let ((s, l), g) = (ins[0], ins[1]);
             let n = l.shape[l.rank() - 1];
-            with_cpu!(s, v => with_grad(v, l, g, name, |x, g| reduce::normalize(x, Some(g), n, *eps))?.into_storage())
+            with_cpu!(s, v => with_grad(v, l, g, name, |x, g| reduce::normalize(x, Some(g), None, n, *eps))?.into_storage())
         }
         Op::CrossEntropy { ignore_index, smoothing } | Op::CrossEntropyBackward { ignore_index, smoothing } => {
             let ((s, l), (st, lt)) = (ins[0], ins[1]);

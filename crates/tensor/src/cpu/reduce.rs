@@ -213,7 +213,7 @@ pub fn softmax_backward<T: Element>(y: &[T], g: &[T], n: usize, log: bool, scale
 
 /// Each row of `n` normalised to zero mean and unit (biased) variance, in f64; with `g`, the
 /// gradient of that map instead: `rstd (g - mean(g) - xhat mean(g xhat))`.
-pub fn normalize<T: Element>(src: &[T], g: Option<&[T]>, n: usize, eps: f64) -> Vec<T> {
+pub fn normalize<T: Element>(src: &[T], g: Option<&[T]>, affine: Option<(&[T], &[T])>, n: usize, eps: f64) -> Vec<T> {
     let mut out = pool::take::<T>(src.len());
     for_rows(&mut out, n, |r, o| {
         let x = &src[r * n..(r + 1) * n];
@@ -222,7 +222,10 @@ pub fn normalize<T: Element>(src: &[T], g: Option<&[T]>, n: usize, eps: f64) -> 
         let rstd = 1.0 / (var + eps).sqrt();
         let xhat = |i: usize| (x[i].to_f64() - mean) * rstd;
         match g {
-            None => o.iter_mut().enumerate().for_each(|(i, o)| *o = T::from_f64(xhat(i))),
+            None => match affine {
+                Some((w, b)) => o.iter_mut().enumerate().for_each(|(i, o)| *o = T::from_f64(xhat(i) * w[i].to_f64() + b[i].to_f64())),
+                None => o.iter_mut().enumerate().for_each(|(i, o)| *o = T::from_f64(xhat(i))),
+            },
             Some(g) => {
                 let g = &g[r * n..(r + 1) * n];
                 let mg = g.iter().map(|v| v.to_f64()).sum::<f64>() / n as f64;

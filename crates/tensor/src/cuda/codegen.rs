@@ -650,12 +650,19 @@ pub fn softmax_backward_source(dtype: DType, log: bool, block: bool) -> (String,
 /// Layer norm's normalisation over the last dim of a dense buffer, or (`backward`) its input
 /// gradient from `x` and the output gradient `g`: the row's mean and variance (two sweeps),
 /// then for the backward the sums of `g` and `g xhat`, then the write.
-pub fn normalize_source(dtype: DType, backward: bool, block: bool) -> (String, String) {
-    let name = row_kernel_name(if backward { "normalize_backward" } else { "normalize" }, dtype, block);
+/// Layer norm's rows (`affine`: times `w`, plus `b`, per column), or with `backward` the
+/// normalisation's input gradient. Arguments: out, x, g (backward), args, w, b (affine).
+pub fn normalize_source(dtype: DType, backward: bool, affine: bool, block: bool) -> (String, String) {
+    let kind = match (backward, affine) {
+        (true, _) => "normalize_backward",
+        (false, true) => "layer_norm",
+        (false, false) => "normalize",
+    };
+    let name = row_kernel_name(kind, dtype, block);
     let (t, c) = (storage_type(dtype), compute_type(dtype));
     let mut s = format!("{PRELUDE}\ntypedef {c} C;\nstruct NArgs {{ long long rows, red; double eps; }};\n");
     s += &format!(
-        "extern \"C\" __global__ void {name}({t}* __restrict__ o, const {t}* __restrict__ x, const {t}* __restrict__ g, NArgs a) {{\n"
+        "extern \"C\" __global__ void {name}({t}* __restrict__ o, const {t}* __restrict__ x, const {t}* __restrict__ g, NArgs a, const {t}* __restrict__ w, const {t}* __restrict__ b) {{\n"
     );
     s += row_prologue(block);
     s += "  const long long base = row * a.red; const C n = (C)a.red;\n  C acc = (C)0;\n";
@@ -675,7 +682,8 @@ pub fn normalize_source(dtype: DType, backward: bool, block: bool) -> (String, S
         s += "  for (long long j = lane; j < a.red; j += tpr) {\n";
         s += "    C xh = ((C)ld(x[base + j]) - mean) * rstd;\n    st(&o[base + j], rstd * ((C)ld(g[base + j]) - mg - xh * mgx));\n  }\n}\n";
     } else {
-        s += "  (void)g;\n  for (long long j = lane; j < a.red; j += tpr) st(&o[base + j], ((C)ld(x[base + j]) - mean) * rstd);\n}\n";
+        let affine = if affine { " * (C)ld(w[j]) + (C)ld(b[j])" } else { "" };
+        s += &format!("  (void)g;\n  for (long long j = lane; j < a.red; j += tpr) st(&o[base + j], ((C)ld(x[base + j]) - mean) * rstd{affine});\n}}\n");
     }
     (s, name)
 }

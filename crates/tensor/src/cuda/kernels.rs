@@ -232,8 +232,8 @@ pub fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, devic
         }
         Op::Reduce { op: r, dims, .. } => reduce(&g, *r, x[0], dims, meta)?,
         Op::Softmax { log, scale, causal } => softmax(&g, x[0], (*log, *scale, *causal))?,
-        Op::Normalize { eps } => normalize(&g, x[0], None, *eps)?,
-        Op::NormalizeBackward { eps } => normalize(&g, x[0], Some(x[1]), *eps)?,
+        Op::Normalize { eps } => normalize(&g, x[0], None, &x[1..], *eps)?,
+        Op::NormalizeBackward { eps } => normalize(&g, x[0], Some(x[1]), &[], *eps)?,
         Op::SoftmaxBackward { log, scale } => softmax_backward(&g, x[0], x[1], *log, *scale)?,
         Op::Attention { scale, causal } => attention(&g, &x, *scale, *causal, false)?,
         Op::AttentionBackward { scale, causal } => attention(&g, &x, *scale, *causal, true)?,
@@ -529,7 +529,7 @@ fn row_pair(
     g: &Arc<Gpu>,
     (s, l): (&CudaStorage, &Layout),
     grad: Option<(&CudaStorage, &Layout)>,
-    value: f64,
+    (value, extra): (f64, [u64; 2]),
     kernel: impl FnOnce(bool) -> Result<super::gpu::Kernel>,
 ) -> Result<CudaStorage> {
     let out = CudaStorage::alloc(g, s.dtype, l.numel())?;
@@ -545,20 +545,43 @@ fn row_pair(
     let mut a = RowArgs { rows: rows as i64, red: n as i64, value };
     let (mut o, mut px) = (out.buf.ptr, x.get().buf.ptr);
     let mut pg = gd.as_ref().map_or(0, |d| d.get().buf.ptr);
-    let mut params: [*mut c_void; 4] =
-        [&mut o as *mut u64 as _, &mut px as *mut u64 as _, &mut pg as *mut u64 as _, &mut a as *mut RowArgs as _];
-    // SAFETY: (out, x, g, RowArgs) matches the generated signatures; x and g are dense with
-    // `rows * n` elements, and so is the output (g is unused, and may be null, in layer
-    // norm's forward).
+    let [mut e0, mut e1] = extra;
+    let mut params: [*mut c_void; 6] = [
+        &mut o as *mut u64 as _,
+        &mut px as *mut u64 as _,
+        &mut pg as *mut u64 as _,
+        &mut a as *mut RowArgs as _,
+        &mut e0 as *mut u64 as _,
+        &mut e1 as *mut u64 as _,
+    ];
+    // SAFETY: (out, x, g, RowArgs) matches the generated signatures, followed by layer norm's
+    // weight and bias (null unless it has them: `[n]` and dense; the other kernels take four
+    // arguments and the driver reads no more); x and g are dense with `rows * n` elements,
+    // and so is the output (g is unused, and may be null, in layer norm's forward).
     unsafe { g.launch(k, grid, threads, 0, &mut params)? };
     Ok(out)
 }
 
-/// Layer norm's normalisation (or, with `grad`, its input gradient) over the last dim.
-fn normalize(g: &Arc<Gpu>, x: (&CudaStorage, &Layout), grad: Option<(&CudaStorage, &Layout)>, eps: f64) -> Result<CudaStorage> {
+/// Layer norm's normalisation over the last dim, with its affine part when `affine` holds
+/// the weight and bias (or, with `grad`, the normalisation's input gradient).
+fn normalize(
+    g: &Arc<Gpu>,
+    x: (&CudaStorage, &Layout),
+    grad: Option<(&CudaStorage, &Layout)>,
+    affine: &[(&CudaStorage, &Layout)],
+    eps: f64,
+) -> Result<CudaStorage> {
     let (dtype, backward) = (x.0.dtype, grad.is_some());
-    row_pair(g, x, grad, eps, |block| {
-        g.kernel(super::spec_key("normalize", &(dtype, backward, block)), || super::codegen::normalize_source(dtype, backward, block))
+    let wb: Vec<Dense> = affine.iter().map(|(s, l)| dense(g, s, l)).collect::<Result<_>>()?;
+    let extra = match &wb[..] {
+        [w, b] => [w.get().buf.ptr, b.get().buf.ptr],
+        _ => [0, 0],
+    };
+    let has = extra[0] != 0;
+    row_pair(g, x, grad, (eps, extra), |block| {
+        g.kernel(super::spec_key("normalize", &(dtype, backward, has, block)), || {
+            super::codegen::normalize_source(dtype, backward, has, block)
+        })
     })
 }
 
@@ -566,7 +589,7 @@ fn normalize(g: &Arc<Gpu>, x: (&CudaStorage, &Layout), grad: Option<(&CudaStorag
 /// the output's gradient.
 fn softmax_backward(g: &Arc<Gpu>, y: (&CudaStorage, &Layout), grad: (&CudaStorage, &Layout), log: bool, scale: f64) -> Result<CudaStorage> {
     let dtype = y.0.dtype;
-    row_pair(g, y, Some(grad), scale, |block| {
+    row_pair(g, y, Some(grad), (scale, [0, 0]), |block| {
         g.kernel(super::spec_key("softmax_backward", &(dtype, log, block)), || super::codegen::softmax_backward_source(dtype, log, block))
     })
 }
