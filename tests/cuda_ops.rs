@@ -170,8 +170,11 @@ fn reductions_match_the_cpu() {
         both(&format!("normalize {dt:?}"), &[x.clone()], tol(dt) * 8.0, |v| v[0].normalize(1e-5));
         both(&format!("normalize long rows {dt:?}"), &[long.clone()], tol(dt) * 8.0, |v| v[0].normalize(1e-5));
         let (w, b) = (randn(&[6], 12, dt), randn(&[6], 13, dt));
-        both(&format!("layer norm {dt:?}"), &[x.clone(), w, b], tol(dt) * 8.0, |v| {
+        both(&format!("layer norm {dt:?}"), &[x.clone(), w.clone(), b], tol(dt) * 8.0, |v| {
             v[0].permute(&[1, 0, 2])?.layer_norm(&v[1], &v[2], 1e-5)
+        });
+        both(&format!("layer norm backward {dt:?}"), &[x.clone(), randn(&[4, 5, 6], 14, dt), w], tol(dt) * 16.0, |v| {
+            v[0].permute(&[1, 0, 2])?.layer_norm_backward(&v[1].permute(&[1, 0, 2])?, &v[2], 1e-5)
         });
         both(&format!("normalize backward {dt:?}"), &[x.clone(), randn(&[4, 5, 6], 11, dt)], tol(dt) * 16.0, |v| {
             v[0].permute(&[1, 0, 2])?.normalize_backward(&v[1].permute(&[1, 0, 2])?, 1e-5)

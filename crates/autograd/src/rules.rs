@@ -178,7 +178,7 @@ pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Te
         Op::Normalize { eps } if inputs.len() == 3 => {
             // y = xhat w + b: xhat is recomputed (one row pass) only for w's gradient.
             let (x, w, b) = (&inputs[0], &inputs[1], &inputs[2]);
-            let dx = needs[0].then(|| x.normalize_backward(&g.mul(w)?, *eps)).transpose()?;
+            let dx = needs[0].then(|| x.layer_norm_backward(g, w, *eps)).transpose()?;
             let dw = needs[1].then(|| reduce_to(&g.mul(&x.normalize(*eps)?)?, w.shape())).transpose()?;
             let db = needs[2].then(|| reduce_to(g, b.shape())).transpose()?;
             vec![dx, dw, db]

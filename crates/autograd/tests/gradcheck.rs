@@ -117,6 +117,14 @@ fn layer_norm_matches_hand_computed_values_and_checks_its_parameters() -> Result
     assert!(err.contains("[2]") && err.contains("[1, 3]"), "{err}");
     let err = x.layer_norm(&w.to_dtype(DType::F32)?, &b, 0.0).unwrap_err().to_string();
     assert!(err.contains("F32") && err.contains("F64"), "{err}");
+    // The fused input gradient equals normalize_backward of g * w.
+    let g = Tensor::from_vec(vec![0.3f64, -1.0, 2.0], &[1, 3], Device::Cpu)?;
+    let (fused, plain) = (x.layer_norm_backward(&g, &w, 1e-5)?, x.normalize_backward(&g.mul(&w)?, 1e-5)?);
+    for (a, b) in fused.to_vec::<f64>()?.iter().zip(plain.to_vec::<f64>()?) {
+        assert!((a - b).abs() < 1e-12, "{a} vs {b}");
+    }
+    let err = x.layer_norm_backward(&g, &b.narrow(0, 0, 1)?, 1e-5).unwrap_err().to_string();
+    assert!(err.contains("[1]") && err.contains("[1, 3]"), "{err}");
     Ok(())
 }
 

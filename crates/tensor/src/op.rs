@@ -516,7 +516,8 @@ pub enum Op {
         eps: f64,
     },
     /// The gradient of `Normalize` with respect to its input (inputs: x, the output's
-    /// gradient): `rstd (g - mean(g) - xhat mean(g xhat))`, one pass per row.
+    /// gradient, and optionally layer norm's weight `w`, `[n]`, which scales g):
+    /// `rstd (gw - mean(gw) - xhat mean(gw xhat))`, one pass per row.
     NormalizeBackward {
         eps: f64,
     },
@@ -659,6 +660,7 @@ impl Op {
             Op::Unary(_) | Op::Scalar { .. } | Op::Cast(_) | Op::Reduce { .. } | Op::UpdateScalar(..) | Op::Softmax { .. } => 1,
             Op::Normalize { .. } if inputs.len() == 3 => 3,
             Op::Normalize { .. } => 1,
+            Op::NormalizeBackward { .. } if inputs.len() == 3 => 3,
             Op::NormalizeBackward { .. } | Op::SoftmaxBackward { .. } => 2,
             Op::Attention { .. } => 3,
             Op::AttentionBackward { .. } => 5,
@@ -760,6 +762,19 @@ impl Op {
                 }
                 same_dtype(x.dtype, inputs[1].dtype)?;
                 same_dtype(x.dtype, inputs[2].dtype)?;
+                meta(x.shape.to_vec(), x.dtype)
+            }
+            Op::NormalizeBackward { .. } if inputs.len() == 3 => {
+                let (x, w) = (&inputs[0], &inputs[2]);
+                float_only(x.dtype)?;
+                if x.shape.is_empty() || inputs[1].shape != x.shape || w.shape != [x.shape[x.shape.len() - 1]] {
+                    return Err(Error::shape(
+                        name,
+                        format!("gradient {:?} must match input {:?}, and weight {:?} its last dim", inputs[1].shape, x.shape, w.shape),
+                    ));
+                }
+                same_dtype(x.dtype, inputs[1].dtype)?;
+                same_dtype(x.dtype, w.dtype)?;
                 meta(x.shape.to_vec(), x.dtype)
             }
             Op::Softmax { .. } | Op::SoftmaxBackward { .. } | Op::Normalize { .. } | Op::NormalizeBackward { .. } => {

@@ -333,6 +333,11 @@ impl Tensor {
     pub fn normalize_backward(&self, g: &Tensor, eps: f64) -> Result<Tensor> {
         Tensor::apply(Op::NormalizeBackward { eps }, &[self, g], self.device())
     }
+    /// The input gradient of `layer_norm` with weight `w` for the output gradient `g` (one
+    /// row pass: `normalize_backward` of `g * w`).
+    pub fn layer_norm_backward(&self, g: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+        Tensor::apply(Op::NormalizeBackward { eps }, &[self, g, w], self.device())
+    }
     /// Scaled dot-product attention as one op (flash-style: the `[T, T]` scores are never
     /// stored): `softmax(scale * self k^T) v` over `[.., T, D]` inputs of one shape, with
     /// `causal` leaving key `j` out of query `i` when `j > i`. Under `Autocast`, F32 inputs

@@ -67,7 +67,8 @@ fn with_grad<T: CpuSlice>(
     Ok(f(&contig(x, l), &g))
 }
 
-/// `f` over row-major copies of `x` and of a weight and bias of its element type.
+/// `f` over row-major copies of `x` and of two more tensors of its element type (a weight and
+/// a bias, or a gradient and a weight).
 fn with_affine<T: CpuSlice>(
     x: &[T],
     l: &Layout,
@@ -236,10 +237,10 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             if let [_, w, b] = ins {
                 // Layer norm with its affine part (weight and bias of x's dtype, checked).
                 return Ok(
-                    with_cpu!(s, v => with_affine(v, l, (*w, *b), name, |x, w, b| reduce::normalize(x, None, Some((w, b)), n, *eps))?.into_storage()),
+                    with_cpu!(s, v => with_affine(v, l, (*w, *b), name, |x, w, b| reduce::normalize(x, None, (Some(w), Some(b)), n, *eps))?.into_storage()),
                 );
             }
-            with_cpu!(s, v => reduce::normalize(&contig(v, l), None, None, n, *eps).into_storage())
+            with_cpu!(s, v => reduce::normalize(&contig(v, l), None, (None, None), n, *eps).into_storage())
         }
         Op::SoftmaxBackward { log, scale } => {
             let ((s, l), g) = (ins[0], ins[1]);
@@ -249,7 +250,13 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
         Op::NormalizeBackward { eps } => {
             let ((s, l), g) = (ins[0], ins[1]);
             let n = l.shape[l.rank() - 1];
-            with_cpu!(s, v => with_grad(v, l, g, name, |x, g| reduce::normalize(x, Some(g), None, n, *eps))?.into_storage())
+            if let [_, _, w] = ins {
+                // With layer norm's weight (x's dtype, checked), which scales g.
+                return Ok(
+                    with_cpu!(s, v => with_affine(v, l, (g, *w), name, |x, g, w| reduce::normalize(x, Some(g), (Some(w), None), n, *eps))?.into_storage()),
+                );
+            }
+            with_cpu!(s, v => with_grad(v, l, g, name, |x, g| reduce::normalize(x, Some(g), (None, None), n, *eps))?.into_storage())
         }
         Op::CrossEntropy { ignore_index, smoothing } | Op::CrossEntropyBackward { ignore_index, smoothing } => {
             let ((s, l), (st, lt)) = (ins[0], ins[1]);

@@ -211,9 +211,10 @@ pub fn softmax_backward<T: Element>(y: &[T], g: &[T], n: usize, log: bool, scale
     out
 }
 
-/// Each row of `n` normalised to zero mean and unit (biased) variance, in f64; with `g`, the
-/// gradient of that map instead: `rstd (g - mean(g) - xhat mean(g xhat))`.
-pub fn normalize<T: Element>(src: &[T], g: Option<&[T]>, affine: Option<(&[T], &[T])>, n: usize, eps: f64) -> Vec<T> {
+/// Each row of `n` normalised to zero mean and unit (biased) variance, in f64, times `w` plus
+/// `b` per column where given; with `g`, the input gradient for the output gradient `g`
+/// instead (`w` scaling g: `rstd (gw - mean(gw) - xhat mean(gw xhat))`).
+pub fn normalize<T: Element>(src: &[T], g: Option<&[T]>, (w, b): (Option<&[T]>, Option<&[T]>), n: usize, eps: f64) -> Vec<T> {
     let mut out = pool::take::<T>(src.len());
     for_rows(&mut out, n, |r, o| {
         let x = &src[r * n..(r + 1) * n];
@@ -221,16 +222,15 @@ pub fn normalize<T: Element>(src: &[T], g: Option<&[T]>, affine: Option<(&[T], &
         let var = x.iter().map(|v| (v.to_f64() - mean).powi(2)).sum::<f64>() / n as f64;
         let rstd = 1.0 / (var + eps).sqrt();
         let xhat = |i: usize| (x[i].to_f64() - mean) * rstd;
+        let (w, b) = (|i: usize| w.map_or(1.0, |w| w[i].to_f64()), |i: usize| b.map_or(0.0, |b| b[i].to_f64()));
         match g {
-            None => match affine {
-                Some((w, b)) => o.iter_mut().enumerate().for_each(|(i, o)| *o = T::from_f64(xhat(i) * w[i].to_f64() + b[i].to_f64())),
-                None => o.iter_mut().enumerate().for_each(|(i, o)| *o = T::from_f64(xhat(i))),
-            },
+            None => o.iter_mut().enumerate().for_each(|(i, o)| *o = T::from_f64(xhat(i) * w(i) + b(i))),
             Some(g) => {
-                let g = &g[r * n..(r + 1) * n];
-                let mg = g.iter().map(|v| v.to_f64()).sum::<f64>() / n as f64;
-                let mgx = g.iter().enumerate().map(|(i, v)| v.to_f64() * xhat(i)).sum::<f64>() / n as f64;
-                o.iter_mut().enumerate().for_each(|(i, o)| *o = T::from_f64(rstd * (g[i].to_f64() - mg - xhat(i) * mgx)));
+                // The gradient of xhat is g times the weight.
+                let g: Vec<f64> = g[r * n..(r + 1) * n].iter().enumerate().map(|(i, v)| v.to_f64() * w(i)).collect();
+                let mg = g.iter().sum::<f64>() / n as f64;
+                let mgx = g.iter().enumerate().map(|(i, v)| v * xhat(i)).sum::<f64>() / n as f64;
+                o.iter_mut().enumerate().for_each(|(i, o)| *o = T::from_f64(rstd * (g[i] - mg - xhat(i) * mgx)));
             }
         }
     });

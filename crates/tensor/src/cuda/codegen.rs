@@ -651,10 +651,12 @@ pub fn softmax_backward_source(dtype: DType, log: bool, block: bool) -> (String,
 /// gradient from `x` and the output gradient `g`: the row's mean and variance (two sweeps),
 /// then for the backward the sums of `g` and `g xhat`, then the write.
 /// Layer norm's rows (`affine`: times `w`, plus `b`, per column), or with `backward` the
-/// normalisation's input gradient. Arguments: out, x, g (backward), args, w, b (affine).
+/// normalisation's input gradient (`affine`: for g times `w`). Arguments: out, x, g
+/// (backward), args, w, b (the forward's `affine`).
 pub fn normalize_source(dtype: DType, backward: bool, affine: bool, block: bool) -> (String, String) {
     let kind = match (backward, affine) {
-        (true, _) => "normalize_backward",
+        (true, true) => "layer_norm_backward",
+        (true, false) => "normalize_backward",
         (false, true) => "layer_norm",
         (false, false) => "normalize",
     };
@@ -673,14 +675,17 @@ pub fn normalize_source(dtype: DType, backward: bool, affine: bool, block: bool)
     s += &row_allreduce(block, false);
     s += "  const C rstd = (C)1 / ksqrt(acc / n + (C)a.eps);\n";
     if backward {
-        s += "  acc = (C)0;\n  for (long long j = lane; j < a.red; j += tpr) acc += (C)ld(g[base + j]);\n";
+        // The gradient of xhat: g, times the weight with `affine`.
+        let gj = if affine { "((C)ld(g[base + j]) * (C)ld(w[j]))" } else { "(C)ld(g[base + j])" };
+        s += &format!("#define GJ {gj}\n");
+        s += "  acc = (C)0;\n  for (long long j = lane; j < a.red; j += tpr) acc += GJ;\n";
         s += &row_allreduce(block, false);
         s += "  const C mg = acc / n; acc = (C)0;\n";
-        s += "  for (long long j = lane; j < a.red; j += tpr) acc += (C)ld(g[base + j]) * (((C)ld(x[base + j]) - mean) * rstd);\n";
+        s += "  for (long long j = lane; j < a.red; j += tpr) acc += GJ * (((C)ld(x[base + j]) - mean) * rstd);\n";
         s += &row_allreduce(block, false);
         s += "  const C mgx = acc / n;\n";
         s += "  for (long long j = lane; j < a.red; j += tpr) {\n";
-        s += "    C xh = ((C)ld(x[base + j]) - mean) * rstd;\n    st(&o[base + j], rstd * ((C)ld(g[base + j]) - mg - xh * mgx));\n  }\n}\n";
+        s += "    C xh = ((C)ld(x[base + j]) - mean) * rstd;\n    st(&o[base + j], rstd * (GJ - mg - xh * mgx));\n  }\n}\n";
     } else {
         let affine = if affine { " * (C)ld(w[j]) + (C)ld(b[j])" } else { "" };
         s += &format!("  (void)g;\n  for (long long j = lane; j < a.red; j += tpr) st(&o[base + j], ((C)ld(x[base + j]) - mean) * rstd{affine});\n}}\n");

@@ -233,7 +233,7 @@ pub fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, devic
         Op::Reduce { op: r, dims, .. } => reduce(&g, *r, x[0], dims, meta)?,
         Op::Softmax { log, scale, causal } => softmax(&g, x[0], (*log, *scale, *causal))?,
         Op::Normalize { eps } => normalize(&g, x[0], None, &x[1..], *eps)?,
-        Op::NormalizeBackward { eps } => normalize(&g, x[0], Some(x[1]), &[], *eps)?,
+        Op::NormalizeBackward { eps } => normalize(&g, x[0], Some(x[1]), &x[2..], *eps)?,
         Op::SoftmaxBackward { log, scale } => softmax_backward(&g, x[0], x[1], *log, *scale)?,
         Op::Attention { scale, causal } => attention(&g, &x, *scale, *causal, false)?,
         Op::AttentionBackward { scale, causal } => attention(&g, &x, *scale, *causal, true)?,
@@ -555,15 +555,16 @@ fn row_pair(
         &mut e1 as *mut u64 as _,
     ];
     // SAFETY: (out, x, g, RowArgs) matches the generated signatures, followed by layer norm's
-    // weight and bias (null unless it has them: `[n]` and dense; the other kernels take four
-    // arguments and the driver reads no more); x and g are dense with `rows * n` elements,
+    // weight and bias (null unless its kernel reads them: `[n]` and dense; the other kernels
+    // take four arguments and the driver reads no more); x and g are dense with `rows * n` elements,
     // and so is the output (g is unused, and may be null, in layer norm's forward).
     unsafe { g.launch(k, grid, threads, 0, &mut params)? };
     Ok(out)
 }
 
 /// Layer norm's normalisation over the last dim, with its affine part when `affine` holds
-/// the weight and bias (or, with `grad`, the normalisation's input gradient).
+/// the weight and bias (or, with `grad`, the input gradient, the weight scaling `grad` when
+/// `affine` holds it).
 fn normalize(
     g: &Arc<Gpu>,
     x: (&CudaStorage, &Layout),
@@ -575,6 +576,7 @@ fn normalize(
     let wb: Vec<Dense> = affine.iter().map(|(s, l)| dense(g, s, l)).collect::<Result<_>>()?;
     let extra = match &wb[..] {
         [w, b] => [w.get().buf.ptr, b.get().buf.ptr],
+        [w] => [w.get().buf.ptr, 0],
         _ => [0, 0],
     };
     let has = extra[0] != 0;
