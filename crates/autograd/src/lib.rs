@@ -172,14 +172,13 @@ struct Slice {
 
 /// The gradient of `t` from a dense part and the gradients of its slices. Slices that tile
 /// `t` along one dim (q, k, v cut from one projection) are joined by one `cat`, as PyTorch's
-/// `split` backward does; any others are added into zeros. Zeros and a sum per slice would
-/// move several times the bytes.
+/// `split` backward does; others are written into zeros (summed where they overlap). Zeros
+/// and a sum per slice would move several times the bytes.
 fn join_slices(t: &Tensor, dense: Option<Tensor>, mut parts: Vec<Slice>) -> Result<Tensor> {
-    let Some(first) = parts.first() else {
+    parts.sort_by_key(|p| (p.dim, p.start));
+    let Some(dim) = parts.first().map(|p| p.dim) else {
         return dense.ok_or_else(|| Error::Msg("backward: a gradient with no parts".into()));
     };
-    let dim = first.dim;
-    parts.sort_by_key(|p| (p.dim, p.start));
     let mut end = 0;
     let tiles = parts.iter().all(|p| {
         let ok = p.dim == dim && p.start == end;
@@ -190,8 +189,19 @@ fn join_slices(t: &Tensor, dense: Option<Tensor>, mut parts: Vec<Slice>) -> Resu
         Tensor::cat(&parts.iter().map(|p| &p.grad).collect::<Vec<_>>(), dim)?
     } else {
         let out = Tensor::zeros(t.shape(), t.dtype(), t.device())?;
+        // Slices along the first dim that start past every earlier one overwrite zeros.
+        let mut covered = 0;
         for p in &parts {
-            out.narrow(p.dim, p.start, p.grad.shape()[p.dim])?.add_(&p.grad)?;
+            let len = p.grad.shape()[p.dim];
+            let dst = out.narrow(p.dim, p.start, len)?;
+            if p.dim == dim && p.start >= covered {
+                dst.assign(&p.grad)?;
+            } else {
+                dst.add_(&p.grad)?;
+            }
+            if p.dim == dim {
+                covered = covered.max(p.start + len);
+            }
         }
         out
     };
