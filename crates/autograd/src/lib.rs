@@ -179,12 +179,13 @@ fn join_slices(t: &Tensor, dense: Option<Tensor>, mut parts: Vec<Slice>) -> Resu
     let Some(dim) = parts.first().map(|p| p.dim) else {
         return dense.ok_or_else(|| Error::Msg("backward: a gradient with no parts".into()));
     };
-    let mut end = 0;
-    let tiles = parts.iter().all(|p| {
-        let ok = p.dim == dim && p.start == end;
-        end = p.start + p.grad.shape()[dim];
-        ok
-    }) && end == t.shape()[dim];
+    // Tiling: one dim, each slice starting where the last ended, the last ending at the end.
+    let (mut tiles, mut end) = (true, 0);
+    for p in &parts {
+        tiles &= p.dim == dim && p.start == end;
+        end = p.start + p.grad.shape()[p.dim];
+    }
+    tiles &= end == t.shape()[dim];
     let sliced = if tiles {
         Tensor::cat(&parts.iter().map(|p| &p.grad).collect::<Vec<_>>(), dim)?
     } else {

@@ -751,30 +751,18 @@ impl Op {
             Op::Softmax { causal: true, .. } if inputs[0].shape.len() < 2 => {
                 Err(Error::shape(name, format!("a causal softmax needs rank >= 2, got {:?}", inputs[0].shape)))
             }
-            Op::Normalize { .. } if inputs.len() == 3 => {
-                let (x, n) = (&inputs[0], inputs[0].shape.last().copied().unwrap_or(0));
+            Op::Normalize { .. } | Op::NormalizeBackward { .. } if inputs.len() == 3 => {
+                // Layer norm's forms: x, weight, bias (`[n]` each after x) or x, its output's
+                // gradient (x's shape) and the weight.
+                let x = &inputs[0];
                 float_only(x.dtype)?;
-                if x.shape.is_empty() || inputs[1..].iter().any(|a| a.shape != [n]) {
-                    return Err(Error::shape(
-                        name,
-                        format!("weight {:?} and bias {:?} must be [{n}] for input {:?}", inputs[1].shape, inputs[2].shape, x.shape),
-                    ));
+                let n = x.shape.last().copied().unwrap_or(0);
+                let want: [&[usize]; 2] = if matches!(self, Op::Normalize { .. }) { [&[n], &[n]] } else { [x.shape, &[n]] };
+                if x.shape.is_empty() || inputs[1..].iter().zip(want).any(|(a, w)| a.shape != w) {
+                    let got: Vec<&[usize]> = inputs[1..].iter().map(|a| a.shape).collect();
+                    return Err(Error::shape(name, format!("the inputs after x {:?} must be {want:?}, got {got:?}", x.shape)));
                 }
-                same_dtype(x.dtype, inputs[1].dtype)?;
-                same_dtype(x.dtype, inputs[2].dtype)?;
-                meta(x.shape.to_vec(), x.dtype)
-            }
-            Op::NormalizeBackward { .. } if inputs.len() == 3 => {
-                let (x, w) = (&inputs[0], &inputs[2]);
-                float_only(x.dtype)?;
-                if x.shape.is_empty() || inputs[1].shape != x.shape || w.shape != [x.shape[x.shape.len() - 1]] {
-                    return Err(Error::shape(
-                        name,
-                        format!("gradient {:?} must match input {:?}, and weight {:?} its last dim", inputs[1].shape, x.shape, w.shape),
-                    ));
-                }
-                same_dtype(x.dtype, inputs[1].dtype)?;
-                same_dtype(x.dtype, w.dtype)?;
+                inputs[1..].iter().try_for_each(|a| same_dtype(x.dtype, a.dtype))?;
                 meta(x.shape.to_vec(), x.dtype)
             }
             Op::Softmax { .. } | Op::SoftmaxBackward { .. } | Op::Normalize { .. } | Op::NormalizeBackward { .. } => {

@@ -647,12 +647,11 @@ pub fn softmax_backward_source(dtype: DType, log: bool, block: bool) -> (String,
     (s, name)
 }
 
-/// Layer norm's normalisation over the last dim of a dense buffer, or (`backward`) its input
-/// gradient from `x` and the output gradient `g`: the row's mean and variance (two sweeps),
-/// then for the backward the sums of `g` and `g xhat`, then the write.
-/// Layer norm's rows (`affine`: times `w`, plus `b`, per column), or with `backward` the
-/// normalisation's input gradient (`affine`: for g times `w`). Arguments: out, x, g
-/// (backward), args, w, b (the forward's `affine`).
+/// Layer norm's normalisation over the last dim of a dense buffer (`affine`: times `w`, plus
+/// `b`, per column), or (`backward`) its input gradient from `x` and the output gradient `g`
+/// (`affine`: g times `w`): the row's mean and variance (two sweeps), then for the backward
+/// the sums of `g` and `g xhat`, then the write. Arguments: out, x, g (backward), args, w,
+/// b (the forward's `affine`).
 pub fn normalize_source(dtype: DType, backward: bool, affine: bool, block: bool) -> (String, String) {
     let kind = match (backward, affine) {
         (true, true) => "layer_norm_backward",
@@ -1089,6 +1088,16 @@ __device__ __forceinline__ void mask(float (*s)[4], long long r0, long long c0, 
       s[i][j] = (c >= Tn || (CAUSAL && key > query)) ? NEG_INF : s[i][j] * scale;
     }
 }
+// c = a b over the head dim, both [D][SP] tiles along it.
+__device__ __forceinline__ void product(float (*c)[4], const float* a, const float* b, int ty, int tx) {
+  zero(c);
+  mm<D>(c, a, SP, b, SP, ty, tx);
+}
+// A tile of scaled, masked scores (see `mask`).
+__device__ __forceinline__ void scores(float (*s)[4], const float* a, const float* b, long long r0, long long c0, int ty, int tx, long long Tn, float scale, bool keys_are_cols) {
+  product(s, a, b, ty, tx);
+  mask(s, r0, c0, ty, tx, Tn, scale, keys_are_cols);
+}
 // Online softmax over one tile of scores: updates each row's max m and partial sum l,
 // rescales acc, and leaves the tile's probabilities (relative to the new max) in s.
 __device__ __forceinline__ void online(float (*s)[4], float* m, float* l, float (*acc)[RM][4]) {
@@ -1142,9 +1151,7 @@ const TILED_FWD: &str = r#"  float *qt = sm, *kt = qt + TQ, *vs = kt + TQ, *pt =
     load_rows(vs, v, k0, Tn);
     __syncthreads();
     float sc[RM][4];
-    zero(sc);
-    mm<D>(sc, qt, SP, kt, SP, ty, tx);
-    mask(sc, rb, k0, ty, tx, Tn, scale, true);
+    scores(sc, qt, kt, rb, k0, ty, tx, Tn, scale, true);
     online(sc, m, l, acc);
     store_t(pt, sc, ty, tx);
     __syncthreads();
@@ -1171,9 +1178,7 @@ const TILED_DQ: &str = r#"  float *qt = sm, *gt = qt + TQ, *kt = gt + TQ, *vt = 
     load_cols(kt, k, k0, Tn);
     __syncthreads();
     float sc[RM][4];
-    zero(sc);
-    mm<D>(sc, qt, SP, kt, SP, ty, tx);
-    mask(sc, rb, k0, ty, tx, Tn, scale, true);
+    scores(sc, qt, kt, rb, k0, ty, tx, Tn, scale, true);
     online(sc, m, l, (float (*)[RM][4])0);
   }
 #pragma unroll
@@ -1196,11 +1201,8 @@ const TILED_DQ: &str = r#"  float *qt = sm, *gt = qt + TQ, *kt = gt + TQ, *vt = 
     load_rows(ks, k, k0, Tn);
     __syncthreads();
     float sc[RM][4], dp[RM][4];
-    zero(sc);
-    zero(dp);
-    mm<D>(sc, qt, SP, kt, SP, ty, tx);
-    mask(sc, rb, k0, ty, tx, Tn, scale, true);
-    mm<D>(dp, gt, SP, vt, SP, ty, tx);
+    scores(sc, qt, kt, rb, k0, ty, tx, Tn, scale, true);
+    product(dp, gt, vt, ty, tx);
 #pragma unroll
     for (int i = 0; i < RM; ++i)
 #pragma unroll
@@ -1235,11 +1237,8 @@ const TILED_DKV: &str = r#"  float *kt = sm, *vt = kt + TQ, *qt = vt + TQ, *gt =
     }
     __syncthreads();
     float p[RM][4], ds[RM][4];
-    zero(p);
-    zero(ds);
-    mm<D>(p, kt, SP, qt, SP, ty, tx);
-    mask(p, rb, q0, ty, tx, Tn, scale, false);
-    mm<D>(ds, vt, SP, gt, SP, ty, tx);
+    scores(p, kt, qt, rb, q0, ty, tx, Tn, scale, false);
+    product(ds, vt, gt, ty, tx);
 #pragma unroll
     for (int i = 0; i < RM; ++i)
 #pragma unroll
@@ -1263,15 +1262,7 @@ const TILED_DKV: &str = r#"  float *kt = sm, *vt = kt + TQ, *qt = vt + TQ, *gt =
   store_rows(dv, gv, rb, ty, tx, Tn, &one, false);
 "#;
 
-/// The tensor-core kernels of fused attention for f16/bf16 over dense `[n, T, D]` buffers
-/// (D a multiple of 16, at most `ATTN_MAX_D`), FlashAttention-2 style on `mma.sync
-/// m16n8k16` (f32 accumulation). A block of 4 warps owns 64 rows, each warp 16, whose
-/// operands stay in registers; the other side streams through shared memory in tiles of 64
-/// rows (padded against bank conflicts) read with `ldmatrix` (`.trans` where it is the
-/// product's right operand along rows). A score tile's accumulator layout is the next
-/// product's A-operand layout, so probabilities never leave registers.
-///
-/// Whether the tensor-core attention kernels take this dtype and head dim.
+/// Whether the tensor-core attention kernels (`flash_source`) take this dtype and head dim.
 pub fn flash_supported(dtype: DType, d: usize) -> bool {
     matches!(dtype, DType::F16 | DType::BF16) && d % 16 == 0 && d > 0 && d <= ATTN_MAX_D
 }
@@ -1332,6 +1323,13 @@ fn flash_helpers(dtype: DType) -> String {
     s
 }
 
+/// The tensor-core kernels of fused attention for f16/bf16 over dense `[n, T, D]` buffers
+/// (D a multiple of 16, at most `ATTN_MAX_D`), FlashAttention-2 style on `mma.sync
+/// m16n8k16` (f32 accumulation). A block of 4 warps owns 64 rows, each warp 16, whose
+/// operands stay in registers; the other side streams through shared memory in tiles of 64
+/// rows (padded against bank conflicts) read with `ldmatrix` (`.trans` where it is the
+/// product's right operand along rows). A score tile's accumulator layout is the next
+/// product's A-operand layout, so probabilities never leave registers.
 pub fn flash_source(kind: AttnKernel, dtype: DType, d: usize, causal: bool) -> (String, String) {
     let t = storage_type(dtype);
     let name = format!(
