@@ -415,8 +415,9 @@ fn attention_kernel(g: &Arc<Gpu>, kind: AttnKernel, dtype: DType, d: usize, caus
         let k = g.kernel(super::spec_key("flash", &(kind, dtype, d, causal)), || flash_source(kind, dtype, d, causal))?;
         return Ok((k, 128, 0));
     }
+    let k = g.kernel(super::spec_key("attention", &(kind, dtype, d, causal)), || tiled_source(kind, dtype, d, causal))?;
     let bytes = (tiled_smem_floats(kind, d) * 4) as u32;
-    let k = g.kernel_shared(super::spec_key("attention", &(kind, dtype, d, causal)), bytes, || tiled_source(kind, dtype, d, causal))?;
+    g.allow_shared(k, bytes)?;
     Ok((k, TILED_THREADS as u32, bytes))
 }
 
@@ -573,11 +574,12 @@ fn normalize(
 ) -> Result<CudaStorage> {
     let (dtype, backward) = (x.0.dtype, grad.is_some());
     let wb: Vec<Dense> = affine.iter().map(|(s, l)| dense(g, s, l)).collect::<Result<_>>()?;
-    let mut extra = [0u64; 2];
-    for (e, d) in extra.iter_mut().zip(&wb) {
-        *e = d.get().buf.ptr;
-    }
-    let has = !wb.is_empty();
+    let extra = match &wb[..] {
+        [w, b] => [w.get().buf.ptr, b.get().buf.ptr],
+        [w] => [w.get().buf.ptr, 0],
+        _ => [0, 0],
+    };
+    let has = extra[0] != 0;
     row_pair(g, x, grad, (eps, extra), |block| {
         g.kernel(super::spec_key("normalize", &(dtype, backward, has, block)), || {
             super::codegen::normalize_source(dtype, backward, has, block)
