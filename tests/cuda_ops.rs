@@ -207,6 +207,21 @@ fn matmul_matches_the_cpu_with_transposes_and_batches() {
             x[0].permute(&[1, 0, 2])?.matmul(&x[1].transpose(1, 2)?)
         });
         both(&format!("mm k=0 {dt:?}"), &[randn(&[3, 0], 21, dt), randn(&[0, 2], 22, dt)], 0.0, |x| x[0].matmul(&x[1]));
+        // With a bias: cuBLASLt's epilogue (one GEMM, aligned bias), else a broadcast add.
+        let bias = randn(&[3], 23, dt);
+        both(&format!("mm + bias {dt:?}"), &[a.clone(), b.clone(), bias.clone()], t, |x| x[0].matmul_bias(&x[1], &x[2]));
+        both(&format!("linear {dt:?}"), &[randn(&[4, 7, 5], 24, dt), randn(&[3, 5], 25, dt), bias.clone()], t, |x| {
+            x[0].linear(&x[1], Some(&x[2]))
+        });
+        both(&format!("bmm + bias {dt:?}"), &[randn(&[4, 7, 5], 14, dt), randn(&[4, 5, 3], 15, dt), bias.clone()], t, |x| {
+            x[0].matmul_bias(&x[1], &x[2])
+        });
+        both(&format!("mm + unaligned bias {dt:?}"), &[a.clone(), b.clone(), randn(&[4], 26, dt)], t, |x| {
+            x[0].matmul_bias(&x[1], &x[2].narrow(0, 1, 3)?)
+        });
+        both(&format!("mm k=0 + bias {dt:?}"), &[randn(&[3, 0], 21, dt), randn(&[0, 3], 22, dt), bias.clone()], 0.0, |x| {
+            x[0].matmul_bias(&x[1], &x[2])
+        });
     }
 }
 
@@ -300,6 +315,11 @@ fn backward_of_every_differentiable_op_matches_the_cpu() {
                     .add(&x[0].min(&[0usize][..], true)?)?
                     .add(&x[0].mean(&[0usize, 2][..], true)?)
             }),
+        ),
+        (
+            "linear with bias",
+            vec![randn(&[3, 4, 5], 57, DType::F32), randn(&[6, 5], 58, DType::F32), randn(&[6], 59, DType::F32)],
+            Box::new(|x| x[0].linear(&x[1], Some(&x[2]))?.mul(&x[0].sum(&[2usize][..], true)?)),
         ),
         (
             "matmul and views",

@@ -202,7 +202,12 @@ pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Te
         }
         Op::Matmul => {
             let (da, db) = matmul_rule(&inputs[0], &inputs[1], (needs[0], needs[1]), g)?;
-            vec![da, db]
+            // The bias's gradient sums the output's gradient over its rows.
+            let dbias = match inputs.get(2) {
+                Some(bias) if needs[2] => Some(reduce_to(g, bias.shape())?),
+                _ => None,
+            };
+            [da, db, dbias].into_iter().take(inputs.len()).collect()
         }
         Op::Reshape(_) | Op::Contiguous => vec![Some(g.reshape(x0()?.shape())?)],
         Op::Permute(perm) => {

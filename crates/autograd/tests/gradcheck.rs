@@ -160,6 +160,9 @@ fn matmul_batched_broadcast_and_transposed() {
     check("broadcast batch", |v| v[0].matmul(&v[1]), &[randn(&[2, 1, 3, 4], 16), randn(&[3, 4, 2], 17)]);
     check("transposed", |v| v[0].t()?.matmul(&v[1].t()?), &[randn(&[4, 3], 18), randn(&[2, 4], 19)]);
     check("vector", |v| v[0].matmul(&v[1]), &[randn(&[3, 4], 20), randn(&[4], 21)]);
+    let bias_ins = [randn(&[2, 3, 4], 60), randn(&[5, 4], 61), randn(&[5], 62)];
+    check("linear with bias", |v| v[0].linear(&v[1], Some(&v[2])), &bias_ins);
+    check("matmul_bias", |v| v[0].matmul_bias(&v[1], &v[2]), &[randn(&[3, 4], 63), randn(&[4, 2], 64), randn(&[2], 65)]);
 }
 
 #[test]

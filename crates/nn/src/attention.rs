@@ -66,7 +66,7 @@ impl MultiheadAttention {
         let e = self.embed_dim();
         let w = self.in_proj_weight.narrow(0, i * e, e)?;
         let b = self.in_proj_bias.narrow(0, i * e, e)?;
-        x.matmul(&w.t()?)?.add(&b)
+        x.linear(&w, Some(&b))
     }
 
     /// `[B, L, E]` to `[B, H, L, D]`.
@@ -90,7 +90,7 @@ impl MultiheadAttention {
         let (q_in, k_in, v_in) = (bf(query)?, bf(key)?, bf(value)?);
         let (q, k, v) = if query.id() == key.id() && key.id() == value.id() {
             // Self-attention: one product for all three projections.
-            let qkv = q_in.matmul(&self.in_proj_weight.t()?)?.add(&self.in_proj_bias)?;
+            let qkv = q_in.linear(&self.in_proj_weight, Some(&self.in_proj_bias))?;
             (qkv.narrow(2, 0, e)?, qkv.narrow(2, e, e)?, qkv.narrow(2, 2 * e, e)?)
         } else {
             (self.project(&q_in, 0)?, self.project(&k_in, 1)?, self.project(&v_in, 2)?)

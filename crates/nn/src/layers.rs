@@ -31,11 +31,7 @@ impl Forward for Linear {
                 format!("input {:?} does not end in in_features {in_features} (weight {:?})", x.shape(), self.weight.shape()),
             ));
         }
-        let y = x.matmul(&self.weight.t()?)?;
-        match &self.bias {
-            Some(b) => y.add(b),
-            None => Ok(y),
-        }
+        x.linear(&self.weight, self.bias.as_ref())
     }
 }
 

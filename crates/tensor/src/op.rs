@@ -548,7 +548,9 @@ pub enum Op {
         smoothing: f64,
     },
     // Contractions.
-    /// Batched matrix product `[..., m, k] x [..., k, n]` with broadcast batch dims.
+    /// Batched matrix product `[..., m, k] x [..., k, n]` with broadcast batch dims; with a
+    /// third input, a bias `[n]` added to every row (`addmm`: a cuBLASLt epilogue on CUDA, the
+    /// GEMM's accumulate-into-output on the CPU, so the sum costs no extra pass).
     Matmul,
     // Views: no kernel, a new layout over the same storage.
     Reshape(Vec<usize>),
@@ -667,6 +669,7 @@ impl Op {
             Op::CrossEntropy { .. } => 2,
             Op::CrossEntropyBackward { .. } => 3,
             Op::Reshape(_) | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_) | Op::Contiguous => 1,
+            Op::Matmul if inputs.len() == 3 => 3,
             Op::Binary(_) | Op::Matmul | Op::IndexSelect { .. } | Op::Gather { .. } => 2,
             Op::Assign | Op::UpdateBinary(_) => 2,
             Op::Where | Op::IndexAdd { .. } | Op::ScatterAdd { .. } => 3,
@@ -823,6 +826,12 @@ impl Op {
                 }
                 let mut shape = broadcast_shapes(name, &a[..a.len() - 2], &b[..b.len() - 2])?;
                 shape.extend([m, n]);
+                if let Some(bias) = inputs.get(2) {
+                    same_dtype(inputs[0].dtype, bias.dtype)?;
+                    if bias.shape != [n] {
+                        return Err(Error::shape(name, format!("the bias of {a:?} x {b:?} must be [{n}], got {:?}", bias.shape)));
+                    }
+                }
                 meta(shape, inputs[0].dtype)
             }
             Op::Reshape(shape) => {

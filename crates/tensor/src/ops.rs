@@ -401,6 +401,30 @@ impl Tensor {
         }
     }
 
+    /// `self @ rhs + bias`, the bias `[n]` added to every row by the product itself (PyTorch's
+    /// `addmm`): a cuBLASLt epilogue on CUDA, the GEMM accumulating into the bias on the CPU.
+    pub fn matmul_bias(&self, rhs: &Tensor, bias: &Tensor) -> Result<Tensor> {
+        if self.rank() < 2 || rhs.rank() < 2 {
+            return self.matmul(rhs)?.add(bias);
+        }
+        let all_f32 = [self, rhs, bias].iter().all(|t| t.dtype() == DType::F32);
+        match crate::autocast_dtype() {
+            Some(low) if all_f32 => {
+                let ins = [&self.to_dtype(low)?, &rhs.to_dtype(low)?, &bias.to_dtype(low)?];
+                Tensor::apply(Op::Matmul, &ins, self.device())?.to_dtype(DType::F32)
+            }
+            _ => Tensor::apply(Op::Matmul, &[self, rhs, bias], self.device()),
+        }
+    }
+
+    /// `self @ weight^T (+ bias)` with `weight` `[out, in]`: PyTorch's `F.linear`.
+    pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        match bias {
+            Some(b) => self.matmul_bias(&weight.t()?, b),
+            None => self.matmul(&weight.t()?),
+        }
+    }
+
     // ---- indexing ----
 
     pub fn index_select<D: Dim>(&self, dim: D, index: &Tensor) -> Result<Tensor> {

@@ -261,6 +261,33 @@ fn naive_matmul(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> 
 }
 
 #[test]
+fn matmul_with_bias_adds_it_to_every_row() -> Result<()> {
+    let a = t(&[1., 2., 3., 4., 5., 6.], &[2, 3]);
+    let b = t(&[7., 8., 9., 10., 11., 12.], &[3, 2]);
+    let bias = t(&[0.5, -1.0], &[2]);
+    assert_eq!(v(&a.matmul_bias(&b, &bias)?), vec![58.5, 63., 139.5, 153.]);
+    // F.linear: x @ W^T + b, batched rows, an empty inner dim (the output is the bias).
+    let x = Tensor::arange(12, DType::F32, CPU)?.reshape(&[2, 2, 3])?;
+    let w = b.t()?.contiguous()?;
+    assert_eq!(v(&x.linear(&w, Some(&bias))?), v(&x.matmul(&b)?.add(&bias)?));
+    assert_eq!(v(&x.linear(&w, None)?), v(&x.matmul(&b)?));
+    let empty = Tensor::zeros(&[2, 0], DType::F32, CPU)?.matmul_bias(&Tensor::zeros(&[0, 2], DType::F32, CPU)?, &bias)?;
+    assert_eq!(v(&empty), vec![0.5, -1.0, 0.5, -1.0]);
+    // BF16 and F64 take the same path.
+    let bf = a.to_dtype(DType::BF16)?.matmul_bias(&b.to_dtype(DType::BF16)?, &bias.to_dtype(DType::BF16)?)?;
+    // 139.5 rounds to even in BF16's 8-bit significand: 140.
+    assert_eq!(v(&bf.to_dtype(DType::F32)?), vec![58.5, 63., 140., 153.]);
+    let f64 = a.to_dtype(DType::F64)?.matmul_bias(&b.to_dtype(DType::F64)?, &bias.to_dtype(DType::F64)?)?;
+    assert_eq!(f64.to_vec::<f64>()?, vec![58.5, 63., 139.5, 153.]);
+    // A bias of the wrong length or dtype names the shapes and dtypes.
+    let err = a.matmul_bias(&b, &t(&[1., 2., 3.], &[3])).unwrap_err().to_string();
+    assert!(err.contains("must be [2]") && err.contains("[3]"), "{err}");
+    let err = a.matmul_bias(&b, &bias.to_dtype(DType::F64)?).unwrap_err().to_string();
+    assert!(err.contains("F64"), "{err}");
+    Ok(())
+}
+
+#[test]
 fn matmul_small_batched_broadcast_and_transposed() -> Result<()> {
     let a = t(&[1., 2., 3., 4., 5., 6.], &[2, 3]);
     let b = t(&[7., 8., 9., 10., 11., 12.], &[3, 2]);

@@ -35,13 +35,17 @@ pub struct MatmulShape<'a> {
     pub n: usize,
 }
 
-/// `out[b] = a[b] @ bm[b]` for every batch index of the broadcast batch shape.
-pub fn matmul<T: GemmElem>((a, la): (&[T], &Layout), (b, lb): (&[T], &Layout), s: MatmulShape) -> Vec<T> {
+/// `out[b] = a[b] @ bm[b] (+ bias)` for every batch index of the broadcast batch shape; the
+/// bias `[n]` (contiguous) is written into every row first and the GEMM accumulates onto it.
+pub fn matmul<T: GemmElem>((a, la): (&[T], &Layout), (b, lb): (&[T], &Layout), bias: Option<&[T]>, s: MatmulShape) -> Vec<T> {
     let MatmulShape { batch, m, k, n } = s;
     let nb: usize = batch.iter().product();
     let mut out = pool::take::<T>(nb * m * n);
     if m * n == 0 {
         return out;
+    }
+    if let Some(bias) = bias {
+        out.chunks_mut(n).for_each(|row| row.copy_from_slice(bias));
     }
     let (ra, rb) = (la.rank(), lb.rank());
     let (a_rs, a_cs) = (la.strides[ra - 2] as isize, la.strides[ra - 1] as isize);
@@ -69,7 +73,10 @@ pub fn matmul<T: GemmElem>((a, la): (&[T], &Layout), (b, lb): (&[T], &Layout), s
     let threads = rayon::current_num_threads();
     let one = |dst: &mut [T], i: usize, par: Parallelism| {
         if k == 0 {
-            dst.fill(T::zero());
+            // An empty product: the output is the bias, or zeros.
+            if bias.is_none() {
+                dst.fill(T::zero());
+            }
             return;
         }
         // SAFETY: the pointers cover [m, k], [k, n] and [m, n] matrices at the given strides,
@@ -82,14 +89,14 @@ pub fn matmul<T: GemmElem>((a, la): (&[T], &Layout), (b, lb): (&[T], &Layout), s
                 dst.as_mut_ptr(),
                 1,
                 n as isize,
-                false,
+                bias.is_some(),
                 a.as_ptr().add(oa[i]),
                 a_cs,
                 a_rs,
                 b.as_ptr().add(ob[i]),
                 b_cs,
                 b_rs,
-                T::zero(),
+                T::from_f64(if bias.is_some() { 1.0 } else { 0.0 }),
                 T::from_f64(1.0),
                 false,
                 false,
@@ -110,9 +117,14 @@ pub fn matmul<T: GemmElem>((a, la): (&[T], &Layout), (b, lb): (&[T], &Layout), s
 }
 
 /// bf16 through f32.
-pub fn matmul_bf16((a, la): (&[half::bf16], &Layout), (b, lb): (&[half::bf16], &Layout), s: MatmulShape) -> Vec<half::bf16> {
-    let af: Vec<f32> = a.iter().map(|x| x.to_f32()).collect();
-    let bf: Vec<f32> = b.iter().map(|x| x.to_f32()).collect();
-    let out = matmul((&af, la), (&bf, lb), s);
+pub fn matmul_bf16(
+    (a, la): (&[half::bf16], &Layout),
+    (b, lb): (&[half::bf16], &Layout),
+    bias: Option<&[half::bf16]>,
+    s: MatmulShape,
+) -> Vec<half::bf16> {
+    let widen = |v: &[half::bf16]| -> Vec<f32> { v.iter().map(|x| x.to_f32()).collect() };
+    let bias = bias.map(widen);
+    let out = matmul((&widen(a), la), (&widen(b), lb), bias.as_deref(), s);
     out.iter().map(|&x| half::bf16::from_f32(x)).collect()
 }

@@ -305,11 +305,17 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             let (m, n) = (meta.shape[r - 2], meta.shape[r - 1]);
             let k = la.shape[la.rank() - 1];
             let s = matmul::MatmulShape { batch: &meta.shape[..r - 2], m, k, n };
+            // The bias, if any, as a contiguous `[n]`.
+            fn bias<'a, T: CpuSlice>(ins: &[(&'a CpuStorage, &Layout)], name: &'static str) -> Result<Option<Cow<'a, [T]>>> {
+                ins.get(2).map(|(s, l)| Ok(contig(typed::<T>(s, name)?, l))).transpose()
+            }
             match sa {
-                CpuStorage::F32(a) => CpuStorage::F32(matmul::matmul((a, la), (typed(sb, name)?, lb), s)),
-                CpuStorage::F64(a) => CpuStorage::F64(matmul::matmul((a, la), (typed(sb, name)?, lb), s)),
-                CpuStorage::F16(a) => CpuStorage::F16(matmul::matmul((a, la), (typed(sb, name)?, lb), s)),
-                CpuStorage::BF16(a) => CpuStorage::BF16(matmul::matmul_bf16((a, la), (typed(sb, name)?, lb), s)),
+                CpuStorage::F32(a) => CpuStorage::F32(matmul::matmul((a, la), (typed(sb, name)?, lb), bias(ins, name)?.as_deref(), s)),
+                CpuStorage::F64(a) => CpuStorage::F64(matmul::matmul((a, la), (typed(sb, name)?, lb), bias(ins, name)?.as_deref(), s)),
+                CpuStorage::F16(a) => CpuStorage::F16(matmul::matmul((a, la), (typed(sb, name)?, lb), bias(ins, name)?.as_deref(), s)),
+                CpuStorage::BF16(a) => {
+                    CpuStorage::BF16(matmul::matmul_bf16((a, la), (typed(sb, name)?, lb), bias(ins, name)?.as_deref(), s))
+                }
                 _ => return Err(Error::dtype(name, format!("not defined for {:?}", sa.dtype()))),
             }
         }

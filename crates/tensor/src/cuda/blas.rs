@@ -128,8 +128,14 @@ fn data_type(d: DType) -> Result<(bs::cudaDataType, bs::cublasComputeType_t)> {
     })
 }
 
-/// `out[..., m, n] = a[..., m, k] @ b[..., k, n]` with broadcast batch dims.
-pub fn matmul(g: &Arc<Gpu>, (sa, la): (&CudaStorage, &Layout), (sb, lb): (&CudaStorage, &Layout), meta: &OutMeta) -> Result<CudaStorage> {
+/// `out[..., m, n] = a[..., m, k] @ b[..., k, n] (+ bias[n])` with broadcast batch dims.
+pub fn matmul(
+    g: &Arc<Gpu>,
+    (sa, la): (&CudaStorage, &Layout),
+    (sb, lb): (&CudaStorage, &Layout),
+    bias: Option<(&CudaStorage, &Layout)>,
+    meta: &OutMeta,
+) -> Result<CudaStorage> {
     let r = meta.shape.len();
     let (m, n, k) = (meta.shape[r - 2], meta.shape[r - 1], la.shape[la.rank() - 1]);
     let batch: usize = meta.shape[..r - 2].iter().product();
@@ -142,6 +148,9 @@ pub fn matmul(g: &Arc<Gpu>, (sa, la): (&CudaStorage, &Layout), (sb, lb): (&CudaS
         // SAFETY: `out` owns `bytes` bytes on this GPU.
         unsafe { cudarc::driver::result::memset_d8_async(out.buf.ptr, 0, out.len * meta.dtype.size_in_bytes(), g.stream.cu_stream()) }
             .map_err(|e| Error::Cuda(format!("memset: {e}")))?;
+        if let Some(b) = bias {
+            super::kernels::add_bias(g, &out, &meta.shape, b)?;
+        }
         return Ok(out);
     }
     // Broadcast both operands to the output's batch dims (stride 0 where they repeat).
@@ -196,6 +205,9 @@ pub fn matmul(g: &Arc<Gpu>, (sa, la): (&CudaStorage, &Layout), (sb, lb): (&CudaS
     }
     let blas = guard.as_mut().ok_or_else(|| Error::Cuda("no cuBLAS handle".into()))?;
     g.bind()?;
+    // The bias as cuBLASLt's epilogue: one GEMM (a batch of them would need the bias's
+    // batch stride), a dense and 16-byte aligned vector.
+    let bias_ptr = bias.filter(|(_, l)| batch == 1 && l.is_contiguous()).map(|(s, l)| s.ptr_at(l.offset)).filter(|&p| alignment(p) >= 16);
     // cuBLASLt, with a cached plan, when it can express the batch (it cannot repeat an
     // operand with batch stride 0).
     if let Some(lt) = blas.lt.filter(|_| batch == 1 || (a.batch_stride != 0 && b.batch_stride != 0)) {
@@ -208,8 +220,9 @@ pub fn matmul(g: &Arc<Gpu>, (sa, la): (&CudaStorage, &Layout), (sb, lb): (&CudaS
             batch: batch as i32,
             strides: (b.batch_stride, a.batch_stride, (m * n) as i64),
             align: (alignment(b.ptr), alignment(a.ptr), alignment(out.buf.ptr)),
+            bias: bias_ptr.map(alignment),
         };
-        let ptrs = [b.ptr, a.ptr, out.buf.ptr];
+        let ptrs = [b.ptr, a.ptr, out.buf.ptr, bias_ptr.unwrap_or(0)];
         let ws = (blas.ws.ptr, WORKSPACE);
         // One lookup per call; a problem cuBLASLt refuses is remembered as None (cuBLAS).
         let slot = match blas.plans.entry(gemm) {
@@ -228,7 +241,7 @@ pub fn matmul(g: &Arc<Gpu>, (sa, la): (&CudaStorage, &Layout), (sb, lb): (&CudaS
         };
         if let Some(plan) = slot {
             if plan.run(lt, g, ptrs, ws).is_ok() {
-                return Ok(out);
+                return with_bias(g, out, bias.filter(|_| bias_ptr.is_none()), &meta.shape);
             }
             // An algorithm that fails to launch is dropped; cuBLAS computes this one.
             *slot = None;
@@ -266,5 +279,13 @@ pub fn matmul(g: &Arc<Gpu>, (sa, la): (&CudaStorage, &Layout), (sb, lb): (&CudaS
         )
     }
     .map_err(blas_err)?;
+    with_bias(g, out, bias, &meta.shape)
+}
+
+/// `out` with the bias added to its rows, where no epilogue did it.
+fn with_bias(g: &Arc<Gpu>, out: CudaStorage, bias: Option<(&CudaStorage, &Layout)>, shape: &[usize]) -> Result<CudaStorage> {
+    if let Some(b) = bias {
+        super::kernels::add_bias(g, &out, shape, b)?;
+    }
     Ok(out)
 }

@@ -1088,6 +1088,16 @@ __device__ __forceinline__ void mask(float (*s)[4], long long r0, long long c0, 
       s[i][j] = (c >= Tn || (CAUSAL && key > query)) ? NEG_INF : s[i][j] * scale;
     }
 }
+// c = a b over the head dim, both [D][SP] tiles along it.
+__device__ __forceinline__ void product(float (*c)[4], const float* a, const float* b, int ty, int tx) {
+  zero(c);
+  mm<D>(c, a, SP, b, SP, ty, tx);
+}
+// A tile of scaled, masked scores (see `mask`).
+__device__ __forceinline__ void scores(float (*s)[4], const float* a, const float* b, long long r0, long long c0, int ty, int tx, long long Tn, float scale, bool keys_are_cols) {
+  product(s, a, b, ty, tx);
+  mask(s, r0, c0, ty, tx, Tn, scale, keys_are_cols);
+}
 // Online softmax over one tile of scores: updates each row's max m and partial sum l,
 // rescales acc, and leaves the tile's probabilities (relative to the new max) in s.
 __device__ __forceinline__ void online(float (*s)[4], float* m, float* l, float (*acc)[RM][4]) {
@@ -1141,9 +1151,7 @@ const TILED_FWD: &str = r#"  float *qt = sm, *kt = qt + TQ, *vs = kt + TQ, *pt =
     load_rows(vs, v, k0, Tn);
     __syncthreads();
     float sc[RM][4];
-    zero(sc);
-    mm<D>(sc, qt, SP, kt, SP, ty, tx);
-    mask(sc, rb, k0, ty, tx, Tn, scale, true);
+    scores(sc, qt, kt, rb, k0, ty, tx, Tn, scale, true);
     online(sc, m, l, acc);
     store_t(pt, sc, ty, tx);
     __syncthreads();
@@ -1170,9 +1178,7 @@ const TILED_DQ: &str = r#"  float *qt = sm, *gt = qt + TQ, *kt = gt + TQ, *vt = 
     load_cols(kt, k, k0, Tn);
     __syncthreads();
     float sc[RM][4];
-    zero(sc);
-    mm<D>(sc, qt, SP, kt, SP, ty, tx);
-    mask(sc, rb, k0, ty, tx, Tn, scale, true);
+    scores(sc, qt, kt, rb, k0, ty, tx, Tn, scale, true);
     online(sc, m, l, (float (*)[RM][4])0);
   }
 #pragma unroll
@@ -1195,11 +1201,8 @@ const TILED_DQ: &str = r#"  float *qt = sm, *gt = qt + TQ, *kt = gt + TQ, *vt = 
     load_rows(ks, k, k0, Tn);
     __syncthreads();
     float sc[RM][4], dp[RM][4];
-    zero(sc);
-    zero(dp);
-    mm<D>(sc, qt, SP, kt, SP, ty, tx);
-    mask(sc, rb, k0, ty, tx, Tn, scale, true);
-    mm<D>(dp, gt, SP, vt, SP, ty, tx);
+    scores(sc, qt, kt, rb, k0, ty, tx, Tn, scale, true);
+    product(dp, gt, vt, ty, tx);
 #pragma unroll
     for (int i = 0; i < RM; ++i)
 #pragma unroll
@@ -1234,11 +1237,8 @@ const TILED_DKV: &str = r#"  float *kt = sm, *vt = kt + TQ, *qt = vt + TQ, *gt =
     }
     __syncthreads();
     float p[RM][4], ds[RM][4];
-    zero(p);
-    zero(ds);
-    mm<D>(p, kt, SP, qt, SP, ty, tx);
-    mask(p, rb, q0, ty, tx, Tn, scale, false);
-    mm<D>(ds, vt, SP, gt, SP, ty, tx);
+    scores(p, kt, qt, rb, q0, ty, tx, Tn, scale, false);
+    product(ds, vt, gt, ty, tx);
 #pragma unroll
     for (int i = 0; i < RM; ++i)
 #pragma unroll

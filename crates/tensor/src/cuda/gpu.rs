@@ -340,12 +340,21 @@ impl Gpu {
     /// The kernel for `key` (a hash of its spec), compiled on first use from `source()`, which
     /// gives the source and the kernel's name (the CUBIN is cached on disk too).
     pub fn kernel(&self, key: u64, source: impl FnOnce() -> (String, String)) -> Result<Kernel> {
+        self.kernel_shared(key, 0, source)
+    }
+
+    /// `kernel`, for a kernel launched with `shared` bytes of dynamic shared memory: above
+    /// the default 48 KiB, the limit is raised once, when the kernel is loaded.
+    pub fn kernel_shared(&self, key: u64, shared: u32, source: impl FnOnce() -> (String, String)) -> Result<Kernel> {
         let mut map = self.kernels.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(k) = map.get(&key) {
             return Ok(*k);
         }
         let (src, name) = source();
         let k = self.load(&src, &name, &[name.as_str()])?[0];
+        if shared > 48 * 1024 {
+            self.allow_shared(k, shared)?;
+        }
         map.insert(key, k);
         Ok(k)
     }
@@ -377,7 +386,7 @@ impl Gpu {
     }
 
     /// Lets `k` take `bytes` of dynamic shared memory (above the default 48 KiB).
-    pub fn allow_shared(&self, k: Kernel, bytes: u32) -> Result<()> {
+    fn allow_shared(&self, k: Kernel, bytes: u32) -> Result<()> {
         self.bind()?;
         let attr = ds::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
         // SAFETY: `k` is a function of a module loaded in this context and never unloaded.

@@ -178,6 +178,15 @@ pub fn dense_copy(g: &Arc<Gpu>, s: &CudaStorage, l: &Layout) -> Result<CudaStora
     ew_with(g, "copy", "v0".into(), compute_type(s.dtype), &[(s, l)], &meta, NO_EXTRA)
 }
 
+/// `out[.., j] += bias[j]` over a dense `out` of `shape`: a matmul's bias where cuBLASLt's
+/// epilogue does not apply.
+pub(super) fn add_bias(g: &Arc<Gpu>, out: &CudaStorage, shape: &[usize], bias: (&CudaStorage, &Layout)) -> Result<()> {
+    let op = Op::UpdateBinary(crate::BinaryOp::Add);
+    let (prefix, expr, c) = elementwise_expr(&op, &[out.dtype]).ok_or_else(|| Error::Msg("matmul bias: no kernel".into()))?;
+    let lo = Layout::contiguous(shape);
+    launch_ew(g, prefix, expr, c, &[(out, &lo), bias], shape, out, true, NO_EXTRA)
+}
+
 /// `s` through `l` as a dense buffer: the same memory when already dense from offset 0.
 enum Dense<'a> {
     Borrowed(&'a CudaStorage),
@@ -239,7 +248,7 @@ pub fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, devic
         Op::AttentionBackward { scale, causal } => attention(&g, &x, *scale, *causal, true)?,
         Op::CrossEntropy { ignore_index, smoothing } => cross_entropy(&g, &x, *ignore_index, *smoothing)?,
         Op::CrossEntropyBackward { ignore_index, smoothing } => cross_entropy(&g, &x, *ignore_index, *smoothing)?,
-        Op::Matmul => super::blas::matmul(&g, x[0], x[1], meta)?,
+        Op::Matmul => super::blas::matmul(&g, x[0], x[1], x.get(2).copied(), meta)?,
         Op::IndexSelect { dim } => index_read(&g, IndexKind::Select, x[0], x[1], *dim, meta)?,
         Op::Gather { dim } => index_read(&g, IndexKind::Gather, x[0], x[1], *dim, meta)?,
         Op::IndexAdd { dim } | Op::ScatterAdd { dim } => index_add(&g, op, x[0], x[1], x[2], *dim)?,
@@ -415,9 +424,8 @@ fn attention_kernel(g: &Arc<Gpu>, kind: AttnKernel, dtype: DType, d: usize, caus
         let k = g.kernel(super::spec_key("flash", &(kind, dtype, d, causal)), || flash_source(kind, dtype, d, causal))?;
         return Ok((k, 128, 0));
     }
-    let k = g.kernel(super::spec_key("attention", &(kind, dtype, d, causal)), || tiled_source(kind, dtype, d, causal))?;
     let bytes = (tiled_smem_floats(kind, d) * 4) as u32;
-    g.allow_shared(k, bytes)?;
+    let k = g.kernel_shared(super::spec_key("attention", &(kind, dtype, d, causal)), bytes, || tiled_source(kind, dtype, d, causal))?;
     Ok((k, TILED_THREADS as u32, bytes))
 }
 

@@ -29,6 +29,9 @@ pub struct Gemm {
     pub strides: (i64, i64, i64),
     /// Alignment in bytes (at most 256) of the A, B and D pointers: algorithms assume it.
     pub align: (u32, u32, u32),
+    /// A bias epilogue (`D[i, j] += bias[i]`, one value per column-major row of D, the
+    /// row-major output's last dim), by the bias pointer's alignment.
+    pub bias: Option<u32>,
 }
 
 /// Descriptors and the chosen algorithm of one `Gemm`.
@@ -38,6 +41,8 @@ pub struct Plan {
     algo: ls::cublasLtMatmulAlgo_t,
     /// F64 GEMMs take F64 alpha and beta.
     f64: bool,
+    /// Runs with the bias epilogue (its pointer is set per call).
+    bias: bool,
     /// Whether the algorithm was timed (here or in an earlier process), not just the heuristic's.
     pub tuned: bool,
 }
@@ -115,8 +120,8 @@ fn layout(t: ls::cudaDataType, rows: u64, cols: u64, ld: i64, batch: i32, stride
 
 impl Plan {
     /// Descriptors for `g` and its algorithm: heuristic, from the disk cache, or timed on
-    /// `ptrs` (A, B, D) when autotuning.
-    pub(crate) fn new(lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, g: &Gemm, ptrs: [u64; 3], ws: (u64, usize)) -> Result<Plan> {
+    /// `ptrs` (A, B, D, bias) when autotuning.
+    pub(crate) fn new(lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, g: &Gemm, ptrs: [u64; 4], ws: (u64, usize)) -> Result<Plan> {
         let (t, mut compute, scale) = cuda_type(g.dtype)?;
         if g.tf32 && g.dtype == DType::F32 {
             compute = ls::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32;
@@ -127,6 +132,7 @@ impl Plan {
             layouts: [std::ptr::null_mut(); 3],
             algo: ls::cublasLtMatmulAlgo_t { data: [0; 8] },
             f64: g.dtype == DType::F64,
+            bias: g.bias.is_some(),
             tuned: false,
         };
         // cublasOperation_t: CUBLAS_OP_N = 0, CUBLAS_OP_T = 1.
@@ -137,6 +143,11 @@ impl Plan {
             let (ta, tb) = (op(g.trans.0), op(g.trans.1));
             lr::set_matmul_desc_attribute(desc, D::CUBLASLT_MATMUL_DESC_TRANSA, &ta as *const _ as _, 4).map_err(lt_err("transa"))?;
             lr::set_matmul_desc_attribute(desc, D::CUBLASLT_MATMUL_DESC_TRANSB, &tb as *const _ as _, 4).map_err(lt_err("transb"))?;
+            if plan.bias {
+                let e = ls::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS as u32;
+                lr::set_matmul_desc_attribute(desc, D::CUBLASLT_MATMUL_DESC_EPILOGUE, &e as *const u32 as _, 4)
+                    .map_err(lt_err("epilogue"))?;
+            }
         }
         let (m, n, k) = g.mnk;
         let (ar, ac) = if g.trans.0 { (k, m) } else { (m, k) };
@@ -242,7 +253,7 @@ impl Plan {
     }
 
     /// Mean seconds of a few runs of the current algorithm (after one warm-up).
-    fn time(&self, lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, ptrs: [u64; 3], ws: (u64, usize)) -> Result<f64> {
+    fn time(&self, lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, ptrs: [u64; 4], ws: (u64, usize)) -> Result<f64> {
         self.run(lt, gpu, ptrs, ws)?;
         gpu.sync()?;
         let start = Instant::now();
@@ -254,10 +265,18 @@ impl Plan {
         Ok(start.elapsed().as_secs_f64() / RUNS as f64)
     }
 
-    /// `D = A B` on the GPU's stream: `ptrs` are A, B and D.
-    pub(crate) fn run(&self, lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, ptrs: [u64; 3], ws: (u64, usize)) -> Result<()> {
+    /// `D = A B (+ bias)` on the GPU's stream: `ptrs` are A, B, D and the bias (0 if none).
+    pub(crate) fn run(&self, lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, ptrs: [u64; 4], ws: (u64, usize)) -> Result<()> {
         let (alpha, beta) = super::blas::one_and_zero(self.f64);
         let l = self.layouts;
+        if self.bias {
+            use ls::cublasLtMatmulDescAttributes_t as D;
+            let p = ptrs[3];
+            // SAFETY: `desc` is live and used only under the GPU's `blas` mutex; the buffer is
+            // a device pointer (8 bytes) to the bias, kept alive by the caller for the call.
+            unsafe { lr::set_matmul_desc_attribute(self.desc, D::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p as *const u64 as _, 8) }
+                .map_err(lt_err("bias"))?;
+        }
         // SAFETY: the pointers are live device buffers of this GPU sized for the layouts
         // (checked by the caller's shape rule); `ws` is the handle's workspace; alpha/beta
         // are host scalars of the scale type.
