@@ -107,6 +107,29 @@ fn binary_scalar_where_and_cast_match_the_cpu() {
     }
 }
 
+/// Strided operands whose innermost dim is contiguous (or broadcast) and a multiple of four
+/// take the four-at-a-time kernels; odd offsets and lengths fall back to the scalar ones.
+#[test]
+fn strided_operands_with_a_contiguous_inner_dim_match_the_cpu() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for dt in FLOATS {
+        let x = randn(&[3, 5, 4, 8], 70, dt);
+        let y = randn(&[3, 4, 5, 8], 71, dt);
+        both(&format!("permuted copy {dt:?}"), &[x.clone()], 0.0, |v| v[0].transpose(1, 2)?.contiguous());
+        both(&format!("permuted add {dt:?}"), &[x.clone(), y.clone()], tol(dt), |v| v[0].transpose(1, 2)?.add(&v[1]));
+        both(&format!("inner broadcast {dt:?}"), &[y.clone(), randn(&[3, 4, 5, 1], 72, dt)], tol(dt), |v| v[0].mul(&v[1]));
+        both(&format!("cat of permuted {dt:?}"), &[x.clone(), y.clone()], 0.0, |v| Tensor::cat(&[&v[0].transpose(1, 2)?, &v[1]], 3));
+        both(&format!("cat mid dim {dt:?}"), &[x.clone(), randn(&[3, 2, 4, 8], 73, dt)], 0.0, |v| Tensor::cat(&[&v[0], &v[1]], 1));
+        both(&format!("slice at an odd offset {dt:?}"), &[x.clone()], 0.0, |v| v[0].narrow(3, 1, 4)?.contiguous());
+        both(&format!("slice of 4 at offset 4 {dt:?}"), &[x.clone()], 0.0, |v| v[0].narrow(3, 4, 4)?.transpose(0, 1)?.contiguous());
+        both(&format!("in place into a slice {dt:?}"), &[x.clone(), randn(&[3, 5, 4, 4], 74, dt)], tol(dt), |v| {
+            let dst = v[0].copy()?;
+            dst.narrow(3, 4, 4)?.add_(&v[1])?;
+            Ok(dst)
+        });
+    }
+}
+
 #[test]
 fn sources_and_dropout_masks_are_the_same_on_both_devices() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());

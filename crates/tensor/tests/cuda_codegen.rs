@@ -39,7 +39,27 @@ fn ew(op: &Op, ins: &[DType], out: DType, contiguous: bool, inplace: bool) -> (S
         contiguous: vec![contiguous; ins.len()],
         inplace,
         vec4: contiguous,
+        strided4: None,
         narrow: !inplace,
+    };
+    spec.source(prefix)
+}
+
+/// The four-at-a-time strided form: input 0 strided, input 1 contiguous, input 2 broadcast
+/// along the innermost dim.
+fn ew4(op: &Op, ins: &[DType], out: DType, inplace: bool) -> (String, String) {
+    let (prefix, expr, compute) = elementwise_expr(op, ins).expect("an elementwise op");
+    let k = ins.len();
+    let spec = Elementwise {
+        expr,
+        compute,
+        inputs: ins.to_vec(),
+        out,
+        contiguous: (0..k).map(|i| i == 1).collect(),
+        inplace,
+        vec4: false,
+        strided4: Some((0..k).map(|i| i == 2).collect()),
+        narrow: true,
     };
     spec.source(prefix)
 }
@@ -61,6 +81,9 @@ fn every_elementwise_kernel_compiles() {
     for &d in &ALL {
         for b in BINARY {
             let out = if b.is_comparison() { DType::U8 } else { d };
+            let (s, n) = ew4(&Op::Binary(b), &[d, d], out, false);
+            check(&s, &n, &mut fails);
+            count += 1;
             for contiguous in [true, false] {
                 let (s, n) = ew(&Op::Binary(b), &[d, d], out, contiguous, false);
                 check(&s, &n, &mut fails);
@@ -88,6 +111,11 @@ fn every_elementwise_kernel_compiles() {
             check(&s, &n, &mut fails);
             count += 2;
         }
+        let (s, n) = ew4(&Op::Assign, &[d, d], d, true);
+        check(&s, &n, &mut fails);
+        let (s, n) = ew4(&Op::Where, &[DType::U8, d, d], d, false);
+        check(&s, &n, &mut fails);
+        count += 2;
         let (s, n) = ew(&Op::Assign, &[d, d], d, false, true);
         check(&s, &n, &mut fails);
         for src in [

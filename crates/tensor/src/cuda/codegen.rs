@@ -172,6 +172,11 @@ pub struct Elementwise {
     /// Four elements per thread with aligned vector loads (every operand contiguous, offsets
     /// multiples of four).
     pub vec4: bool,
+    /// Four elements per thread over strided operands whose innermost dim is contiguous (or
+    /// broadcast) and a multiple of four long: permuted copies, `cat`, slices. Per input, whether
+    /// its innermost dim is broadcast (one scalar load for the four). The launcher passes the
+    /// innermost dim divided by four and its strides times four.
+    pub strided4: Option<Vec<bool>>,
     /// Fewer than 2^32 elements: strided coordinates use 32-bit division (64-bit division
     /// costs several times more, and it is the price of every strided element).
     pub narrow: bool,
@@ -201,6 +206,8 @@ impl Elementwise {
         s += "  long long step = (long long)gridDim.x * blockDim.x;\n";
         if self.vec4 {
             s += &self.vec4_body(ot);
+        } else if let Some(bcast) = &self.strided4 {
+            s += &self.strided4_body(ot, bcast);
         } else {
             s += &self.scalar_body(ot);
         }
@@ -216,31 +223,34 @@ impl Elementwise {
         }
     }
 
+    /// The element offsets `q{k}` of the strided operands at linear position `var`: one
+    /// decomposition over `a.shape` shared by all of them.
+    fn strided_offsets(&self, var: &str) -> String {
+        let slots: Vec<usize> = (0..self.inputs.len()).filter(|&k| !self.contiguous[k]).collect();
+        if slots.is_empty() {
+            return String::new();
+        }
+        let mut b = String::new();
+        for &k in &slots {
+            b += &format!("    long long q{k} = a.off[{k}];\n");
+        }
+        if self.narrow {
+            b += &format!("    unsigned r = (unsigned){var};\n    for (int d = a.rank - 1; d >= 0; --d) {{\n");
+            b += "      unsigned sd = (unsigned)a.shape[d], c = r % sd; r /= sd;\n";
+        } else {
+            b += &format!("    long long r = {var};\n    for (int d = a.rank - 1; d >= 0; --d) {{\n");
+            b += "      long long c = r % a.shape[d]; r /= a.shape[d];\n";
+        }
+        for &k in &slots {
+            b += &format!("      q{k} += (long long)c * a.st[{k}][d];\n");
+        }
+        b + "    }\n"
+    }
+
     /// Grid-stride loop; strided operands share one decomposition of `i` per element.
     fn scalar_body(&self, ot: &str) -> String {
-        let strided: Vec<usize> = (0..self.inputs.len()).filter(|&k| !self.contiguous[k]).collect();
-        let out_strided = self.inplace && !self.contiguous[0];
         let mut b = "  for (long long i = tid; i < a.n; i += step) {\n".to_string();
-        let mut slots: Vec<usize> = strided.clone();
-        if out_strided && !slots.contains(&0) {
-            slots.push(0);
-        }
-        if !slots.is_empty() {
-            for &k in &slots {
-                b += &format!("    long long q{k} = a.off[{k}];\n");
-            }
-            if self.narrow {
-                b += "    unsigned r = (unsigned)i;\n    for (int d = a.rank - 1; d >= 0; --d) {\n";
-                b += "      unsigned sd = (unsigned)a.shape[d], c = r % sd; r /= sd;\n";
-            } else {
-                b += "    long long r = i;\n    for (int d = a.rank - 1; d >= 0; --d) {\n";
-                b += "      long long c = r % a.shape[d]; r /= a.shape[d];\n";
-            }
-            for &k in &slots {
-                b += &format!("      q{k} += (long long)c * a.st[{k}][d];\n");
-            }
-            b += "    }\n";
-        }
+        b += &self.strided_offsets("i");
         for k in 0..self.inputs.len() {
             let idx = if self.contiguous[k] { format!("a.off[{k}] + i") } else { format!("q{k}") };
             b += &format!("    auto v{k} = ld({}[{idx}]);\n", self.pointer(k));
@@ -258,14 +268,48 @@ impl Elementwise {
         b
     }
 
-    /// Four elements per thread through aligned vector types, then a scalar tail.
-    fn vec4_body(&self, ot: &str) -> String {
+    /// The aligned four-element vector type of each input (`V{k}`) and of the output (`VO`).
+    fn vector_types(&self, ot: &str) -> String {
         let mut b = String::new();
         for (k, d) in self.inputs.iter().enumerate() {
             let t = storage_type(*d);
             b += &format!("  struct alignas({}) V{k} {{ {t} v[4]; }};\n", 4 * d.size_in_bytes());
         }
-        b += &format!("  struct alignas({}) VO {{ {ot} v[4]; }};\n", 4 * self.out.size_in_bytes());
+        b + &format!("  struct alignas({}) VO {{ {ot} v[4]; }};\n", 4 * self.out.size_in_bytes())
+    }
+
+    /// Four consecutive elements of the innermost dim per step: the strided operands' offsets
+    /// are decomposed once per four (`a.shape`'s innermost dim is a quarter of the tensor's).
+    fn strided4_body(&self, ot: &str, bcast: &[bool]) -> String {
+        let mut b = self.vector_types(ot);
+        b += "  long long nv = a.n / 4;\n  for (long long q = tid; q < nv; q += step) {\n";
+        b += &self.strided_offsets("q");
+        for k in 0..self.inputs.len() {
+            let p = self.pointer(k);
+            b += &match (self.contiguous[k], bcast[k]) {
+                (true, _) => format!("    V{k} x{k} = *reinterpret_cast<const V{k}*>({p} + a.off[{k}] + q * 4);\n"),
+                (false, false) => format!("    V{k} x{k} = *reinterpret_cast<const V{k}*>({p} + q{k});\n"),
+                (false, true) => format!("    auto s{k} = {p}[q{k}];\n"),
+            };
+        }
+        b += "    VO y;\n#pragma unroll\n    for (int j = 0; j < 4; ++j) {\n      long long i = q * 4 + j;\n";
+        for k in 0..self.inputs.len() {
+            let v = if !self.contiguous[k] && bcast[k] { format!("s{k}") } else { format!("x{k}.v[j]") };
+            b += &format!("      auto v{k} = ld({v});\n");
+        }
+        b += &format!("      st(&y.v[j], {});\n    }}\n", self.expr);
+        let dst = match (self.inplace, self.contiguous[0]) {
+            (true, false) => "o + q0",
+            (true, true) => "o + a.off[0] + q * 4",
+            _ => "o + q * 4",
+        };
+        b += &format!("    *reinterpret_cast<VO*>({dst}) = y;\n  }}\n");
+        b
+    }
+
+    /// Four elements per thread through aligned vector types, then a scalar tail.
+    fn vec4_body(&self, ot: &str) -> String {
+        let mut b = self.vector_types(ot);
         b += "  long long nv = a.n / 4;\n  for (long long q = tid; q < nv; q += step) {\n";
         for k in 0..self.inputs.len() {
             b += &format!("    V{k} x{k} = *reinterpret_cast<const V{k}*>({} + a.off[{k}] + q * 4);\n", self.pointer(k));

@@ -122,6 +122,7 @@ fn launch_ew(
     }
     let offsets: Vec<usize> = ins.iter().map(|(_, l)| l.offset).collect();
     let vec4 = contiguous.iter().all(|&c| c) && offsets.iter().all(|o| o % 4 == 0) && n >= 4;
+    let strided4 = if vec4 { None } else { strided4(&cs, &cst, &contiguous, &offsets) };
     let narrow = n <= u32::MAX as usize;
     let spec = Elementwise {
         expr,
@@ -131,6 +132,7 @@ fn launch_ew(
         contiguous,
         inplace,
         vec4,
+        strided4: strided4.clone(),
         narrow,
     };
     let k = g.kernel(super::spec_key(prefix, &spec), || spec.source(prefix))?;
@@ -144,14 +146,45 @@ fn launch_ew(
             a.st[slot][d] = x as i64;
         }
     }
+    if strided4.is_some() {
+        // Positions count groups of four along the innermost dim.
+        let last = cs.len() - 1;
+        a.shape[last] /= 4;
+        for st in a.st.iter_mut().take(cst.len()) {
+            st[last] *= 4;
+        }
+    }
     let mut ptrs: Vec<u64> = vec![out.buf.ptr];
     ptrs.extend(ins.iter().enumerate().filter(|(i, _)| !(inplace && *i == 0)).map(|(_, (s, _))| s.buf.ptr));
     let mut params: Vec<*mut c_void> = ptrs.iter_mut().map(|p| p as *mut u64 as *mut c_void).collect();
     params.push(&mut a as *mut Args as *mut c_void);
-    let work = if vec4 { n / 4 } else { n };
+    let work = if vec4 || strided4.is_some() { n / 4 } else { n };
     // SAFETY: the parameters match the generated signature (output, inputs, Args); every
     // buffer is alive for the call and sized by the shape rule; the stream orders later use.
     unsafe { g.launch(k, (g.grid_for(work), 1), 256, 0, &mut params) }
+}
+
+/// Whether an elementwise kernel over the coalesced `shape` can move four elements at a time
+/// through strided operands: the innermost dim is a multiple of four long, and every operand
+/// either is contiguous, or reads it with stride 1 (then its other strides and its offset are
+/// multiples of four, so the vectors are aligned), or broadcasts it (stride 0). Gives, per
+/// operand, whether it broadcasts the innermost dim.
+fn strided4(shape: &[usize], strides: &[Vec<usize>], contiguous: &[bool], offsets: &[usize]) -> Option<Vec<bool>> {
+    let last = shape.len().checked_sub(1)?;
+    if shape[last] % 4 != 0 {
+        return None;
+    }
+    let mut bcast = Vec::with_capacity(strides.len());
+    for ((st, &c), &off) in strides.iter().zip(contiguous).zip(offsets) {
+        let aligned = off % 4 == 0 && st[..last].iter().all(|s| s % 4 == 0);
+        match (c, st[last]) {
+            (true, _) if off % 4 == 0 => bcast.push(false),
+            (false, 1) if aligned => bcast.push(false),
+            (false, 0) => bcast.push(true),
+            _ => return None,
+        }
+    }
+    Some(bcast)
 }
 
 /// Kernel arguments beyond the inputs: the scalar, and a draw's seed and offset.
