@@ -230,6 +230,13 @@ fn matmul_matches_the_cpu_with_transposes_and_batches() {
             x[0].permute(&[1, 0, 2])?.matmul(&x[1].transpose(1, 2)?)
         });
         both(&format!("mm k=0 {dt:?}"), &[randn(&[3, 0], 21, dt), randn(&[0, 2], 22, dt)], 0.0, |x| x[0].matmul(&x[1]));
+        // Attention's q k^T over heads cut from a [B, T, H, D] projection: the batch dims take
+        // no single stride, so both operands are copied (k^T as it lies, then transposed).
+        for d in [5, 8] {
+            both(&format!("q k^T of heads, D {d} {dt:?}"), &[randn(&[2, 7, 3, d], 27, dt), randn(&[2, 7, 3, d], 28, dt)], t, |x| {
+                x[0].transpose(1, 2)?.matmul(&x[1].transpose(1, 2)?.transpose(2, 3)?)
+            });
+        }
         // With a bias: cuBLASLt's epilogue (one GEMM, aligned bias), else a broadcast add.
         let bias = randn(&[3], 23, dt);
         both(&format!("mm + bias {dt:?}"), &[a.clone(), b.clone(), bias.clone()], t, |x| x[0].matmul_bias(&x[1], &x[2]));

@@ -311,6 +311,17 @@ fn matmul_small_batched_broadcast_and_transposed() -> Result<()> {
     let a = Tensor::rand_at(&[m, k], Distribution::Normal, 9, 0, DType::F32, CPU)?;
     let b = Tensor::rand_at(&[k, n], Distribution::Normal, 9, 100_000, DType::F32, CPU)?;
     close(&v(&a.matmul(&b)?), &naive_matmul(&v(&a), &v(&b), m, k, n), 1e-4);
+    // Mid-sized products have their rows split over the threads (an odd row count leaves a
+    // short last piece), with and without a bias, and with a transposed left operand.
+    let (m2, k2, n2) = (67, 300, 257);
+    let a2 = Tensor::rand_at(&[m2, k2], Distribution::Normal, 10, 0, DType::F32, CPU)?;
+    let b2 = Tensor::rand_at(&[k2, n2], Distribution::Normal, 10, 100_000, DType::F32, CPU)?;
+    let bias = Tensor::rand_at(&[n2], Distribution::Normal, 10, 200_000, DType::F32, CPU)?;
+    let want = naive_matmul(&v(&a2), &v(&b2), m2, k2, n2);
+    close(&v(&a2.matmul(&b2)?), &want, 1e-4);
+    close(&v(&a2.t()?.contiguous()?.t()?.matmul(&b2)?), &want, 1e-4);
+    let with_bias: Vec<f32> = want.iter().enumerate().map(|(i, w)| w + v(&bias)[i % n2]).collect();
+    close(&v(&a2.matmul_bias(&b2, &bias)?), &with_bias, 1e-4);
     // Half precision within its tolerance.
     for dt in [DType::F16, DType::BF16, DType::F64] {
         let got = v(&a.to_dtype(dt)?.matmul(&b.to_dtype(dt)?)?);

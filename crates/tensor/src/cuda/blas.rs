@@ -87,9 +87,18 @@ fn operand(g: &Arc<Gpu>, s: &CudaStorage, l: &Layout) -> Result<Operand> {
             return Ok(Operand { ptr, trans: true, ld: ld as i64, batch_stride: bst, _owned: None });
         }
     }
+    let bst = if r > 2 && l.shape[..r - 2].iter().product::<usize>() > 1 { (rows * cols) as i64 } else { 0 };
+    // A transposed view (a key's `k^T` in attention) is copied as it lies, the transpose
+    // left to cuBLAS: the copy then reads and writes along rows, four elements at a time.
+    if rs == 1 && cs != 1 {
+        let mut lt = l.clone();
+        lt.shape.swap(r - 2, r - 1);
+        lt.strides.swap(r - 2, r - 1);
+        let owned = dense_copy(g, s, &lt)?;
+        return Ok(Operand { ptr: owned.buf.ptr, trans: true, ld: rows.max(1) as i64, batch_stride: bst, _owned: Some(owned) });
+    }
     let owned = dense_copy(g, s, l)?;
     let ptr = owned.buf.ptr;
-    let bst = if r > 2 && l.shape[..r - 2].iter().product::<usize>() > 1 { (rows * cols) as i64 } else { 0 };
     Ok(Operand { ptr, trans: false, ld: cols.max(1) as i64, batch_stride: bst, _owned: Some(owned) })
 }
 
