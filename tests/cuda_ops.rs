@@ -185,6 +185,13 @@ fn reductions_match_the_cpu() {
             both(&format!("{op:?} tall all {dt:?}"), &[tall.clone()], t, |v| v[0].reduce(op, &[0usize, 1][..], false));
             both(&format!("{op:?} tall^T dim1 {dt:?}"), &[tall.clone()], t, |v| v[0].t()?.reduce(op, &[1usize][..], true));
         }
+        // A few hundred rows down 40 columns: 32 threads per column and a shared-memory fold
+        // (the second block of 32 columns is partly past the end), the arg reductions too.
+        let wide = randn(&[300, 40], 15, dt);
+        for op in ops {
+            let t = if op == ReduceOp::Sum { tol(dt) * 20.0 } else { 0.0 };
+            both(&format!("{op:?} wide dim0 {dt:?}"), &[wide.clone()], t, |v| v[0].reduce(op, &[0usize][..], false));
+        }
         both(&format!("softmax {dt:?}"), &[x.clone()], tol(dt) * 4.0, |v| v[0].softmax(-1));
         both(&format!("log_softmax {dt:?}"), &[x.clone()], tol(dt) * 4.0, |v| v[0].log_softmax(1));
         both(&format!("softmax long rows {dt:?}"), &[long.clone()], tol(dt) * 4.0, |v| v[0].softmax(1));

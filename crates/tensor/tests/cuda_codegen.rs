@@ -141,7 +141,7 @@ fn every_reduction_and_index_kernel_compiles() {
         for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min, ReduceOp::ArgMax, ReduceOp::ArgMin] {
             let out = if matches!(op, ReduceOp::ArgMax | ReduceOp::ArgMin) { DType::I64 } else { d };
             for one_dim in [true, false] {
-                for mode in [ReduceMode::Warp, ReduceMode::Block, ReduceMode::Column] {
+                for mode in [ReduceMode::Warp, ReduceMode::Block, ReduceMode::Column, ReduceMode::ColumnTile] {
                     let (s, n) = Reduce { op, input: d, out, one_dim, mode }.source();
                     check(&s, &n, &mut fails);
                 }

@@ -367,6 +367,11 @@ pub enum ReduceMode {
     /// One thread per output column, for reductions over outer dims (the kept dim is the
     /// contiguous one): reads are coalesced across threads. Split into chunks over blocks.
     Column,
+    /// 32 output columns per block of 32 x 32 threads: each warp reads 32 adjacent columns of
+    /// one reduced row, the 32 warps take every 32nd row, and shared memory folds them. For
+    /// short column reductions (the partials of `Column`), which one thread per column would
+    /// walk serially.
+    ColumnTile,
 }
 
 /// A reduction: `out[row] = fold(in[row, j] for j < red)` (or, split into chunks, one partial
@@ -432,11 +437,19 @@ impl Reduce {
                 "  long long row = blockIdx.x * (long long)blockDim.x + threadIdx.x, chunk = blockIdx.y;\n  \
                  int lane = 0, tpr = 1;\n  if (row >= a.rows) return;\n"
             }
+            // Threads past the last column still take part in the block's fold.
+            ReduceMode::ColumnTile => {
+                "  long long row = blockIdx.x * 32LL + threadIdx.x % 32, chunk = 0;\n  \
+                 int lane = threadIdx.x / 32, tpr = 32;\n  bool live = row < a.rows;\n"
+            }
         };
         s += "  long long base = a.off, r = row;\n";
         s += "  for (int d = a.krank - 1; d >= 0; --d) { base += (r % a.kshape[d]) * a.kst[d]; r /= a.kshape[d]; }\n";
         s += "  C av = K(0); long long ai = -1;\n";
         s += "  long long j1 = min(a.red, (chunk + 1) * a.chunk_len);\n";
+        if self.mode == ReduceMode::ColumnTile {
+            s += "  if (!live) j1 = 0;\n";
+        }
         // Four loads in flight per thread: a column walk is otherwise bound by load latency.
         s += "#pragma unroll 4\n  for (long long j = chunk * a.chunk_len + lane; j < j1; j += tpr) {\n";
         if self.one_dim {
@@ -450,6 +463,13 @@ impl Reduce {
         match self.mode {
             ReduceMode::Column => s += &format!("  st(&o[chunk * a.rows + row], {val});\n}}\n"),
             ReduceMode::Warp => s += &format!("{WARP_FOLD}  if (lane == 0) st(&o[row], {val});\n}}\n"),
+            ReduceMode::ColumnTile => {
+                s += "  __shared__ C sv[32][33]; __shared__ long long si[32][33];\n";
+                s += "  int col = threadIdx.x % 32;\n  sv[lane][col] = av; si[lane][col] = ai;\n  __syncthreads();\n";
+                s += "  if (lane != 0 || !live) return;\n";
+                s += "  for (int k = 1; k < 32; ++k) comb(av, ai, sv[k][col], si[k][col]);\n";
+                s += &format!("  st(&o[row], {val});\n}}\n");
+            }
             ReduceMode::Block => {
                 s += WARP_FOLD;
                 s += "  __shared__ C sv[32]; __shared__ long long si[32];\n";
@@ -1005,6 +1025,8 @@ pub const ATTN_MAX_D: usize = 128;
 /// the block size that covers a 64 x 64 tile. (8 rows on 128 threads measured slower at the
 /// GPT shapes: fewer warps to hide the tile loads.)
 pub const TILED_ROWS: usize = 4;
+/// Query and key rows of one tile of the tiled attention kernels.
+pub const TILE: usize = 64;
 pub const TILED_THREADS: usize = 64 * 64 / (TILED_ROWS * 4);
 
 /// Floats of dynamic shared memory a tiled attention kernel takes (see `tiled_source`).

@@ -373,10 +373,14 @@ fn reduce_into(g: &Arc<Gpu>, op: ReduceOp, s: &CudaStorage, l: &Layout, dims: &[
     let is_arg = matches!(op, ReduceOp::ArgMax | ReduceOp::ArgMin);
     let inner_contiguous = rs.is_empty() || (rs.len() == 1 && rst[0][0] == 1);
     let threads_wanted = g.sms as usize * 2048;
-    let (mode, chunks) = if split && !is_arg && !inner_contiguous && kst[0].last() == Some(&1) && rows >= 32 {
+    let columns = !inner_contiguous && kst[0].last() == Some(&1) && rows >= 32;
+    let (mode, chunks) = if split && !is_arg && columns {
         // Each thread folds at least 32 elements of its column (four loads in flight at a
         // time) before the partials pass.
         (ReduceMode::Column, (threads_wanted / rows).clamp(1, red.div_ceil(32).max(1)))
+    } else if columns && red <= 4096 {
+        // The partials pass (or a short column reduction): 32 threads down each column.
+        (ReduceMode::ColumnTile, 1)
     } else if red > 1024 {
         let pieces =
             if !split || is_arg || rows >= g.sms as usize * 2 { 1 } else { (g.sms as usize * 4 / rows).clamp(1, red.div_ceil(4096)) };
@@ -412,6 +416,7 @@ fn reduce_into(g: &Arc<Gpu>, op: ReduceOp, s: &CudaStorage, l: &Layout, dims: &[
         ReduceMode::Warp => ((rows.div_ceil(8) as u32, 1), 256),
         ReduceMode::Block => (((rows * chunks) as u32, 1), 1024),
         ReduceMode::Column => ((rows.div_ceil(256) as u32, chunks as u32), 256),
+        ReduceMode::ColumnTile => ((rows.div_ceil(32) as u32, 1), 1024),
     };
     // SAFETY: (out, input, RArgs) matches the generated signature; both buffers are alive and
     // sized by the shape rule (the partial buffer holds rows * chunks).
