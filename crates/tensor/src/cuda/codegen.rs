@@ -284,17 +284,17 @@ impl Elementwise {
         let mut b = self.vector_types(ot);
         b += "  long long nv = a.n / 4;\n  for (long long q = tid; q < nv; q += step) {\n";
         b += &self.strided_offsets("q");
-        for k in 0..self.inputs.len() {
+        for (k, &bc) in bcast.iter().enumerate() {
             let p = self.pointer(k);
-            b += &match (self.contiguous[k], bcast[k]) {
+            b += &match (self.contiguous[k], bc) {
                 (true, _) => format!("    V{k} x{k} = *reinterpret_cast<const V{k}*>({p} + a.off[{k}] + q * 4);\n"),
                 (false, false) => format!("    V{k} x{k} = *reinterpret_cast<const V{k}*>({p} + q{k});\n"),
                 (false, true) => format!("    auto s{k} = {p}[q{k}];\n"),
             };
         }
         b += "    VO y;\n#pragma unroll\n    for (int j = 0; j < 4; ++j) {\n      long long i = q * 4 + j;\n";
-        for k in 0..self.inputs.len() {
-            let v = if !self.contiguous[k] && bcast[k] { format!("s{k}") } else { format!("x{k}.v[j]") };
+        for (k, &bc) in bcast.iter().enumerate() {
+            let v = if !self.contiguous[k] && bc { format!("s{k}") } else { format!("x{k}.v[j]") };
             b += &format!("      auto v{k} = ld({v});\n");
         }
         b += &format!("      st(&y.v[j], {});\n    }}\n", self.expr);
@@ -1025,8 +1025,6 @@ pub const ATTN_MAX_D: usize = 128;
 /// the block size that covers a 64 x 64 tile. (8 rows on 128 threads measured slower at the
 /// GPT shapes: fewer warps to hide the tile loads.)
 pub const TILED_ROWS: usize = 4;
-/// Query and key rows of one tile of the tiled attention kernels.
-pub const TILE: usize = 64;
 pub const TILED_THREADS: usize = 64 * 64 / (TILED_ROWS * 4);
 
 /// Floats of dynamic shared memory a tiled attention kernel takes (see `tiled_source`).
