@@ -392,12 +392,20 @@ impl Tensor {
             (1, 1) => self.unsqueeze(0)?.matmul(&rhs.unsqueeze(1)?)?.reshape(&[0usize; 0]),
             (1, _) => self.unsqueeze(0)?.matmul(rhs)?.squeeze(-2i64),
             (_, 1) => self.matmul(&rhs.unsqueeze(1)?)?.squeeze(-1i64),
-            _ => match crate::autocast_dtype() {
-                Some(low) if self.dtype() == DType::F32 && rhs.dtype() == DType::F32 => {
-                    Tensor::apply(Op::Matmul, &[&self.to_dtype(low)?, &rhs.to_dtype(low)?], self.device())?.to_dtype(DType::F32)
-                }
-                _ => Tensor::apply(Op::Matmul, &[self, rhs], self.device()),
-            },
+            _ => Tensor::autocast_matmul(&[self, rhs]),
+        }
+    }
+
+    /// `Op::Matmul` over `ins` (a, b and perhaps a bias); under `Autocast`, F32 operands are
+    /// computed in the low dtype and the result returned in F32.
+    fn autocast_matmul(ins: &[&Tensor]) -> Result<Tensor> {
+        let device = ins[0].device();
+        match crate::autocast_dtype() {
+            Some(low) if ins.iter().all(|t| t.dtype() == DType::F32) => {
+                let low_ins: Vec<Tensor> = ins.iter().map(|t| t.to_dtype(low)).collect::<Result<_>>()?;
+                Tensor::apply(Op::Matmul, &low_ins.iter().collect::<Vec<_>>(), device)?.to_dtype(DType::F32)
+            }
+            _ => Tensor::apply(Op::Matmul, ins, device),
         }
     }
 
@@ -407,14 +415,7 @@ impl Tensor {
         if self.rank() < 2 || rhs.rank() < 2 {
             return self.matmul(rhs)?.add(bias);
         }
-        let all_f32 = [self, rhs, bias].iter().all(|t| t.dtype() == DType::F32);
-        match crate::autocast_dtype() {
-            Some(low) if all_f32 => {
-                let ins = [&self.to_dtype(low)?, &rhs.to_dtype(low)?, &bias.to_dtype(low)?];
-                Tensor::apply(Op::Matmul, &ins, self.device())?.to_dtype(DType::F32)
-            }
-            _ => Tensor::apply(Op::Matmul, &[self, rhs, bias], self.device()),
-        }
+        Tensor::autocast_matmul(&[self, rhs, bias])
     }
 
     /// `self @ weight^T (+ bias)` with `weight` `[out, in]`: PyTorch's `F.linear`.

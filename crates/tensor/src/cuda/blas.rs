@@ -157,10 +157,7 @@ pub fn matmul(
         // SAFETY: `out` owns `bytes` bytes on this GPU.
         unsafe { cudarc::driver::result::memset_d8_async(out.buf.ptr, 0, out.len * meta.dtype.size_in_bytes(), g.stream.cu_stream()) }
             .map_err(|e| Error::Cuda(format!("memset: {e}")))?;
-        if let Some(b) = bias {
-            super::kernels::add_bias(g, &out, &meta.shape, b)?;
-        }
-        return Ok(out);
+        return with_bias(g, out, bias, &meta.shape);
     }
     // Broadcast both operands to the output's batch dims (stride 0 where they repeat).
     let expand = |l: &Layout, rows: usize, cols: usize| {

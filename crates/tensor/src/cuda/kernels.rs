@@ -123,6 +123,7 @@ fn launch_ew(
     let offsets: Vec<usize> = ins.iter().map(|(_, l)| l.offset).collect();
     let vec4 = contiguous.iter().all(|&c| c) && offsets.iter().all(|o| o % 4 == 0) && n >= 4;
     let strided4 = if vec4 { None } else { strided4(&cs, &cst, &contiguous, &offsets) };
+    let four_strided = strided4.is_some();
     let narrow = n <= u32::MAX as usize;
     let spec = Elementwise {
         expr,
@@ -132,7 +133,7 @@ fn launch_ew(
         contiguous,
         inplace,
         vec4,
-        strided4: strided4.clone(),
+        strided4,
         narrow,
     };
     let k = g.kernel(super::spec_key(prefix, &spec), || spec.source(prefix))?;
@@ -146,7 +147,7 @@ fn launch_ew(
             a.st[slot][d] = x as i64;
         }
     }
-    if strided4.is_some() {
+    if four_strided {
         // Positions count groups of four along the innermost dim.
         let last = cs.len() - 1;
         a.shape[last] /= 4;
@@ -158,7 +159,7 @@ fn launch_ew(
     ptrs.extend(ins.iter().enumerate().filter(|(i, _)| !(inplace && *i == 0)).map(|(_, (s, _))| s.buf.ptr));
     let mut params: Vec<*mut c_void> = ptrs.iter_mut().map(|p| p as *mut u64 as *mut c_void).collect();
     params.push(&mut a as *mut Args as *mut c_void);
-    let work = if vec4 || strided4.is_some() { n / 4 } else { n };
+    let work = if vec4 || four_strided { n / 4 } else { n };
     // SAFETY: the parameters match the generated signature (output, inputs, Args); every
     // buffer is alive for the call and sized by the shape rule; the stream orders later use.
     unsafe { g.launch(k, (g.grid_for(work), 1), 256, 0, &mut params) }
