@@ -217,6 +217,41 @@ fn split_gradients_become_one_buffer() -> Result<()> {
     Ok(())
 }
 
+/// Linear layers on `[B, T, C]` activations (as in a transformer): the ReLU joins the product
+/// that feeds it and each bias gradient (a sum over B and T) joins its weight gradient's
+/// product, and the gradients match eager ones.
+#[test]
+fn relu_and_bias_gradients_fold_into_their_matmuls() -> Result<()> {
+    use kiln::nn::{Linear, Module};
+    kiln::tensor::rng::manual_seed(3);
+    let (l1, l2) = (Linear::new(6, 8, true, Device::Cpu)?, Linear::new(8, 4, true, Device::Cpu)?);
+    let params: Vec<Tensor> = l1.parameters().into_iter().chain(l2.parameters()).collect();
+    let step_fn = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+        let loss = l2.forward(&l1.forward(&xs[0])?.relu()?)?.square()?.mean_all()?;
+        loss.backward()?;
+        let mut out = vec![loss];
+        for p in &params {
+            out.push(p.grad().ok_or_else(|| Error::Msg("no gradient".into()))?.copy()?);
+            p.set_grad(None);
+        }
+        Ok(out)
+    };
+    let x = Tensor::rand_at(&[2, 5, 6], Distribution::Normal, 11, 0, DType::F32, Device::Cpu)?;
+    let eager = step_fn(std::slice::from_ref(&x))?;
+    let mut step = compile(Mode::Default, step_fn);
+    let compiled = step.call(&[&x])?;
+    for (i, (e, c)) in eager.iter().zip(&compiled).enumerate() {
+        assert_eq!(c.shape(), e.shape(), "output {i}");
+        assert_close(&format!("output {i}"), &c.to_vec::<f32>()?, &e.to_vec::<f32>()?, 1e-6);
+    }
+    let ir = step.dump().expect("a graph");
+    let graph = ir.split("groups").next().unwrap_or_default();
+    assert_eq!(graph.matches("= matmul_relu").count(), 1, "{graph}");
+    assert_eq!(graph.matches("= matmul_sum").count(), 2, "{graph}");
+    assert!(!graph.contains("= relu") && !graph.contains("= sum[0, 1]"), "{graph}");
+    Ok(())
+}
+
 /// Every unary op and a strided, broadcast and scalar read through one native CPU group
 /// (`CompileOptions::native_cpu`, built with the system C compiler), against eager and the
 /// interpreter bit for bit: the generated C computes each op as the CPU kernels do.

@@ -262,6 +262,37 @@ fn matmul_matches_the_cpu_with_transposes_and_batches() {
     }
 }
 
+/// `Op::MatmulFused` (compile's matmul epilogues): cuBLASLt's RELU(_BIAS) and BGRADA/BGRADB
+/// epilogues where they apply, the product then kernels where not (a batch, an unaligned
+/// bias, F64 if cuBLASLt has no such epilogue), all against the CPU.
+#[test]
+fn fused_matmul_epilogues_match_the_cpu() {
+    use kiln::tensor::{MatmulEpilogue as E, Op};
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let fused = |e: E| move |x: &[Tensor]| Tensor::apply(Op::MatmulFused(e), &x.iter().collect::<Vec<_>>(), x[0].device());
+    for dt in FLOATS {
+        let t = match dt {
+            DType::F16 => 4e-3,
+            DType::BF16 => 3e-2,
+            d => tol(d) * 10.0,
+        };
+        let (a, b, bias) = (randn(&[37, 24], 40, dt), randn(&[24, 16], 41, dt), randn(&[16], 42, dt));
+        both(&format!("matmul_relu {dt:?}"), &[a.clone(), b.clone()], t, fused(E::Relu));
+        both(&format!("matmul_relu + bias {dt:?}"), &[a.clone(), b.clone(), bias.clone()], t, fused(E::Relu));
+        both(&format!("matmul_relu batched {dt:?}"), &[randn(&[3, 37, 24], 43, dt), randn(&[3, 24, 16], 44, dt)], t, fused(E::Relu));
+        both(&format!("matmul_relu + unaligned bias {dt:?}"), &[a.clone(), b.clone(), randn(&[17], 45, dt)], t, |x| {
+            fused(E::Relu)(&[x[0].clone(), x[1].clone(), x[2].narrow(0, 1, 16)?])
+        });
+        // A weight gradient g^T x with its bias gradient sum(g): g read transposed.
+        let (g, x) = (randn(&[300, 24], 46, dt), randn(&[300, 40], 47, dt));
+        both(&format!("matmul_sum g^T x {dt:?}"), &[g.clone(), x.clone()], t * 4.0, |v| fused(E::SumLeft)(&[v[0].t()?, v[1].clone()]));
+        both(&format!("matmul_sum left {dt:?}"), &[a.clone(), b.clone()], t, fused(E::SumLeft));
+        both(&format!("matmul_sum right {dt:?}"), &[a.clone(), b.clone()], t, fused(E::SumRight));
+        both(&format!("matmul_sum x^T g {dt:?}"), &[x.clone(), g.clone()], t * 4.0, |v| fused(E::SumRight)(&[v[0].t()?, v[1].clone()]));
+        both(&format!("matmul_sum k=0 {dt:?}"), &[randn(&[3, 0], 48, dt), randn(&[0, 5], 49, dt)], 0.0, fused(E::SumLeft));
+    }
+}
+
 #[test]
 fn indexing_cat_and_in_place_updates_match_the_cpu() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());

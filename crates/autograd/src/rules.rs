@@ -34,7 +34,9 @@ fn unary_rule(u: UnaryOp, x: &Tensor, out: &Tensor, g: &Tensor) -> Result<Option
         UnaryOp::Cos => g.mul(&x.sin()?)?.neg()?,
         UnaryOp::Tanh => g.mul(&out.square()?.rsub_scalar(1.0)?)?, // 1 - tanh^2
         UnaryOp::Sigmoid => g.mul(&out.mul(&out.rsub_scalar(1.0)?)?)?, // s (1 - s)
-        UnaryOp::Relu => g.mul(&x.unary(UnaryOp::Step)?)?,
+        // From the output, as PyTorch does: the pre-activation need not be kept (and a
+        // compiled step can fuse the ReLU into the product that feeds it).
+        UnaryOp::Relu => g.mul(&out.unary(UnaryOp::Step)?)?,
         UnaryOp::Gelu => g.mul(&x.unary(UnaryOp::GeluGrad)?)?,
         UnaryOp::GeluTanh => g.mul(&x.unary(UnaryOp::GeluTanhGrad)?)?,
         UnaryOp::Silu => g.mul(&x.unary(UnaryOp::SiluGrad)?)?,
@@ -208,6 +210,9 @@ pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Te
                 _ => None,
             };
             [da, db, dbias].into_iter().take(inputs.len()).collect()
+        }
+        Op::MatmulFused(_) => {
+            return Err(Error::Msg("backward: matmul_relu and matmul_sum are made by compile's fusion after the backward was traced; they have no backward rule".into()));
         }
         Op::Reshape(_) | Op::Contiguous => vec![Some(g.reshape(x0()?.shape())?)],
         Op::Permute(perm) => {

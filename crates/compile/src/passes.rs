@@ -1,9 +1,9 @@
 //! Graph passes, each graph in, graph out: dead-code elimination, common-subexpression
 //! elimination, algebraic simplification (identities that make a node an alias of its
-//! input) and constant folding of scalar ops on constants.
+//! input), constant folding of scalar ops on constants, and matmul epilogues.
 
 use crate::graph::{Arg, Graph, Kind, NodeId};
-use kiln_tensor::{BinaryOp, Op};
+use kiln_tensor::{BinaryOp, MatmulEpilogue, Op, ReduceOp, UnaryOp};
 use std::collections::HashMap;
 
 /// Rewrites every argument through `map` (old node -> new argument source).
@@ -194,6 +194,117 @@ pub fn merge_zero_writes(g: &Graph) -> Graph {
     dce(&out)
 }
 
+/// Collapses dims `(size, stride)` (outer first) into one, if they walk one arithmetic
+/// sequence; size-1 dims are skipped. None: not one dim.
+fn collapse(dims: impl Iterator<Item = (usize, usize)>) -> Option<(usize, usize)> {
+    let mut acc: Option<(usize, usize)> = None;
+    for (size, stride) in dims.filter(|d| d.0 != 1) {
+        acc = match acc {
+            None => Some((size, stride)),
+            Some((s0, st0)) if st0 == stride * size => Some((s0 * size, stride)),
+            Some(_) => return None,
+        };
+    }
+    Some(acc.unwrap_or((1, 0)))
+}
+
+/// Whether `sum` (a sum over `dims` read through its argument) adds up exactly the elements
+/// along dim `over` of the 2-D operand layout `op`, per index of its other dim.
+fn sums_operand(sum: &Arg, dims: &[usize], op: &kiln_tensor::Layout, over: usize) -> bool {
+    let l = &sum.layout;
+    let pick = |reduced: bool| collapse((0..l.rank()).filter(|d| dims.contains(d) == reduced).map(|d| (l.shape[d], l.strides[d])));
+    let same = |x: Option<(usize, usize)>, d: usize| x.is_some_and(|(size, st)| size == op.shape[d] && (size <= 1 || st == op.strides[d]));
+    op.rank() == 2 && l.offset == op.offset && same(pick(true), over) && same(pick(false), 1 - over)
+}
+
+/// How many times each node is read (arguments, outputs and state writes).
+fn readers(g: &Graph) -> Vec<usize> {
+    let mut n = vec![0; g.nodes.len()];
+    g.nodes
+        .iter()
+        .flat_map(|x| x.args())
+        .chain(g.outputs.iter().map(|a| a.node))
+        .chain(g.writes.iter().map(|w| w.1))
+        .for_each(|a| n[a] += 1);
+    n
+}
+
+/// Work folded into matmuls (`Op::MatmulFused`, a cuBLASLt epilogue on CUDA):
+/// - a ReLU that is a product's only reader;
+/// - the sum of a 2-D product's operand over the contraction, the bias gradient `sum(g)`
+///   beside the weight gradient `g^T x`: one GEMM writes both, the sums after the product.
+pub fn fuse_matmuls(g: &Graph) -> Graph {
+    let mut out = g.clone();
+    let uses = readers(g);
+    let written: Vec<NodeId> = g.writes.iter().map(|w| w.1).collect();
+    let bases: Vec<NodeId> =
+        g.nodes.iter().filter_map(|n| if let Kind::WriteView { base, .. } = n.kind { Some(base) } else { None }).collect();
+    // alias[i] = (node, offset): readers of i read that node, `offset` elements further on.
+    let mut alias: Vec<Option<(NodeId, usize)>> = vec![None; g.nodes.len()];
+    // The first reader of each node (outputs and writes read after every node).
+    let mut first_reader = vec![usize::MAX; g.nodes.len()];
+    for (i, n) in g.nodes.iter().enumerate().rev() {
+        n.args().into_iter().for_each(|a| first_reader[a] = i);
+    }
+    for i in 0..out.nodes.len() {
+        let Kind::Op(op, args) = &out.nodes[i].kind else { continue };
+        match op {
+            Op::Unary(UnaryOp::Relu) => {
+                let p = args[0].node;
+                let pn = &out.nodes[p];
+                let whole = args[0].layout.offset == 0 && args[0].layout.is_contiguous() && args[0].layout.shape == pn.shape;
+                let Kind::Op(Op::Matmul, margs) = &pn.kind else { continue };
+                if uses[p] == 1 && whole && !written.contains(&p) && pn.dtype == out.nodes[i].dtype {
+                    out.nodes[p].kind = Kind::Op(Op::MatmulFused(MatmulEpilogue::Relu), margs.clone());
+                    alias[i] = Some((p, 0));
+                }
+            }
+            // (A sum that is written into in place stays a buffer of its own.)
+            Op::Reduce { op: ReduceOp::Sum, dims, .. } if !written.contains(&i) && !bases.contains(&i) => {
+                let (sum, dims) = (args[0].clone(), dims.clone());
+                let found = (0..out.nodes.len()).find_map(|p| {
+                    let Kind::Op(Op::Matmul, margs) = &out.nodes[p].kind else { return None };
+                    if margs.len() != 2 || written.contains(&p) || first_reader[i] <= p || out.nodes[p].dtype != out.nodes[i].dtype {
+                        return None;
+                    }
+                    let side = (0..2).find(|&s| margs[s].node == sum.node && sums_operand(&sum, &dims, &margs[s].layout, 1 - s))?;
+                    Some((p, side, margs.clone()))
+                });
+                let Some((p, side, margs)) = found else { continue };
+                let (m, n) = (margs[0].layout.shape[0], margs[1].layout.shape[1]);
+                let epi = if side == 0 { MatmulEpilogue::SumLeft } else { MatmulEpilogue::SumRight };
+                let at = kiln_tensor::op::matmul_sum_offset(m, n);
+                let len = if side == 0 { m } else { n };
+                out.nodes[p].kind = Kind::Op(Op::MatmulFused(epi), margs);
+                out.nodes[p].shape = vec![at + len];
+                alias[i] = Some((p, at));
+            }
+            _ => {}
+        }
+    }
+    let fix = |a: &mut Arg| {
+        if let Some((node, offset)) = alias[a.node] {
+            a.node = node;
+            a.layout.offset += offset;
+        }
+    };
+    for n in &mut out.nodes {
+        match &mut n.kind {
+            Kind::Op(_, args) => args.iter_mut().for_each(fix),
+            Kind::WriteView { base, value, .. } => {
+                // Only a ReLU (offset 0) can be a base here.
+                if let Some((node, 0)) = alias[*base] {
+                    *base = node;
+                }
+                fix(value)
+            }
+            Kind::Input(_) | Kind::State(_) | Kind::Rand { .. } => {}
+        }
+    }
+    out.outputs.iter_mut().for_each(fix);
+    dce(&out)
+}
+
 /// The pipeline, in order; `log` sees the graph after each pass.
 pub fn optimise(g: Graph, mut log: impl FnMut(&str, &Graph)) -> Graph {
     let mut g = dce(&g);
@@ -206,5 +317,7 @@ pub fn optimise(g: Graph, mut log: impl FnMut(&str, &Graph)) -> Graph {
     log("merge_zero_writes", &g);
     g = cse(&g);
     log("cse", &g);
+    g = fuse_matmuls(&g);
+    log("fuse_matmuls", &g);
     g
 }

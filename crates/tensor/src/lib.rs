@@ -46,7 +46,7 @@ pub fn cache_put(path: &std::path::Path, bytes: &[u8]) {
 }
 pub use dtype::{default_dtype, set_default_dtype, DType, Element};
 pub use error::{Error, Result};
-pub use op::{BinaryOp, Distribution, Op, ReduceOp, UnaryOp};
+pub use op::{BinaryOp, Distribution, MatmulEpilogue, Op, ReduceOp, UnaryOp};
 pub use ops::{no_grad, ShapeSpec};
 pub use shape::{AllDims, Dim, Dims, Layout};
 pub use tensor::{

@@ -453,6 +453,27 @@ pub enum Distribution {
     Normal,
 }
 
+/// What `Op::MatmulFused` does besides `a @ b (+ bias)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MatmulEpilogue {
+    /// `relu(a @ b + bias)`: cuBLASLt's RELU(_BIAS) epilogue (which maps NaN to 0, as
+    /// PyTorch's fused `addmm` + ReLU does).
+    Relu,
+    /// `a @ b` of 2-D operands, then the sums of `a` over its columns (the contraction), as one
+    /// flat buffer: the product `[m, n]` from element 0, the `m` sums from
+    /// `matmul_sum_offset(m, n)`. A weight's gradient `g^T x` and its bias's gradient `sum(g)`
+    /// in one GEMM (cuBLASLt's BGRADB epilogue).
+    SumLeft,
+    /// As `SumLeft`, with the `n` sums of `b` over its rows (BGRADA).
+    SumRight,
+}
+
+/// Where `Op::MatmulFused`'s sums start in its output: after the `[m, n]` product, rounded up
+/// to 64 elements so the sums stay aligned for cuBLASLt.
+pub fn matmul_sum_offset(m: usize, n: usize) -> usize {
+    (m * n).next_multiple_of(64)
+}
+
 /// A primitive op. Inputs are passed separately; parameters that shape the result live here.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Op {
@@ -552,6 +573,9 @@ pub enum Op {
     /// third input, a bias `[n]` added to every row (`addmm`: a cuBLASLt epilogue on CUDA, the
     /// GEMM's accumulate-into-output on the CPU, so the sum costs no extra pass).
     Matmul,
+    /// A matmul with work folded into it, made by `compile`'s fusion (`MatmulEpilogue`); on
+    /// CUDA it is one cuBLASLt call with an epilogue, elsewhere the product and then the rest.
+    MatmulFused(MatmulEpilogue),
     // Views: no kernel, a new layout over the same storage.
     Reshape(Vec<usize>),
     Permute(Vec<usize>),
@@ -628,6 +652,8 @@ impl Op {
             Op::CrossEntropy { .. } => "cross_entropy",
             Op::CrossEntropyBackward { .. } => "cross_entropy_backward",
             Op::Matmul => "matmul",
+            Op::MatmulFused(MatmulEpilogue::Relu) => "matmul_relu",
+            Op::MatmulFused(_) => "matmul_sum",
             Op::Reshape(_) => "reshape",
             Op::Permute(_) => "permute",
             Op::Narrow { .. } => "narrow",
@@ -669,7 +695,8 @@ impl Op {
             Op::CrossEntropy { .. } => 2,
             Op::CrossEntropyBackward { .. } => 3,
             Op::Reshape(_) | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_) | Op::Contiguous => 1,
-            Op::Matmul if inputs.len() == 3 => 3,
+            Op::Matmul | Op::MatmulFused(MatmulEpilogue::Relu) if inputs.len() == 3 => 3,
+            Op::MatmulFused(_) => 2,
             Op::Binary(_) | Op::Matmul | Op::IndexSelect { .. } | Op::Gather { .. } => 2,
             Op::Assign | Op::UpdateBinary(_) => 2,
             Op::Where | Op::IndexAdd { .. } | Op::ScatterAdd { .. } => 3,
@@ -833,6 +860,18 @@ impl Op {
                     }
                 }
                 meta(shape, inputs[0].dtype)
+            }
+            Op::MatmulFused(e) => {
+                let product = Op::Matmul.infer(inputs)?;
+                if *e == MatmulEpilogue::Relu {
+                    return Ok(product);
+                }
+                let (a, b) = (inputs[0].shape, inputs[1].shape);
+                if a.len() != 2 || b.len() != 2 {
+                    return Err(Error::shape(name, format!("needs two 2-D operands, got {a:?} x {b:?}")));
+                }
+                let sums = if *e == MatmulEpilogue::SumLeft { a[0] } else { b[1] };
+                meta(vec![matmul_sum_offset(a[0], b[1]) + sums], product.dtype)
             }
             Op::Reshape(shape) => {
                 let (n0, n1) = (inputs[0].shape.iter().product::<usize>(), shape.iter().product::<usize>());

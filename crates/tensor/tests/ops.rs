@@ -287,6 +287,36 @@ fn matmul_with_bias_adds_it_to_every_row() -> Result<()> {
     Ok(())
 }
 
+/// `Op::MatmulFused` (what compile's fusion makes) on hand-computed values.
+#[test]
+fn fused_matmuls_apply_relu_or_append_the_operand_sums() -> Result<()> {
+    use kiln_tensor::{MatmulEpilogue as E, Op};
+    let fused = |e: E, ins: &[&Tensor]| Tensor::apply(Op::MatmulFused(e), ins, CPU);
+    let a = t(&[1., 2., 3., 4.], &[2, 2]);
+    let b = t(&[1., -1., 0., 0., 1., -2.], &[2, 3]);
+    let bias = t(&[0.5, -10., 1.], &[3]);
+    // a @ b = [[1, 1, -4], [3, 1, -8]].
+    assert_eq!(v(&fused(E::Relu, &[&a, &b])?), vec![1., 1., 0., 3., 1., 0.]);
+    assert_eq!(v(&fused(E::Relu, &[&a, &b, &bias])?), vec![1.5, 0., 0., 3.5, 0., 0.]);
+    // The product, zeros up to element 64, then the sums: a's rows [3, 7], b's columns [1, 0, -2].
+    let left = fused(E::SumLeft, &[&a, &b])?;
+    assert_eq!(left.shape(), &[66]);
+    let lv = v(&left);
+    assert_eq!((&lv[..6], &lv[6..64], &lv[64..]), (&[1., 1., -4., 3., 1., -8.][..], &[0.; 58][..], &[3., 7.][..]));
+    let right = v(&fused(E::SumRight, &[&a, &b])?);
+    assert_eq!((right.len(), &right[64..]), (67, &[1., 0., -2.][..]));
+    // A transposed left operand (a weight gradient g^T x): sums of g's columns.
+    let g = t(&[1., 2., 3., 4., 5., 6.], &[3, 2]);
+    let x = t(&[1., 0., 0., 1., 1., 1.], &[3, 2]);
+    let wg = v(&fused(E::SumLeft, &[&g.t()?, &x])?);
+    assert_eq!((&wg[..4], &wg[64..]), (&[6., 8., 8., 10.][..], &[9., 12.][..]));
+    // Sums need 2-D operands, and no bias.
+    let err = fused(E::SumLeft, &[&a.reshape(&[1, 2, 2])?, &b]).unwrap_err().to_string();
+    assert!(err.contains("matmul_sum") && err.contains("[1, 2, 2]"), "{err}");
+    assert!(fused(E::SumRight, &[&a, &b, &bias]).is_err());
+    Ok(())
+}
+
 #[test]
 fn matmul_small_batched_broadcast_and_transposed() -> Result<()> {
     let a = t(&[1., 2., 3., 4., 5., 6.], &[2, 3]);

@@ -9,7 +9,7 @@ pub mod pool;
 pub mod reduce;
 pub mod strided;
 
-use crate::op::{Distribution, Op, OutMeta};
+use crate::op::{Distribution, MatmulEpilogue, Op, OutMeta};
 use crate::shape::Layout;
 use crate::storage::{CpuSlice, CpuStorage, IntoCpuStorage};
 use crate::{with_cpu, DType, Element, Error, Result};
@@ -319,6 +319,7 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
                 _ => return Err(Error::dtype(name, format!("not defined for {:?}", sa.dtype()))),
             }
         }
+        Op::MatmulFused(e) => matmul_fused(*e, ins, meta)?,
         Op::IndexSelect { dim } => {
             let ((s, l), (si, li)) = (ins[0], ins[1]);
             let idx = contig(typed::<i64>(si, name)?, li);
@@ -378,6 +379,28 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
 }
 
 /// Runs an in-place op on `dst`; `src` is the second input where the op has one.
+/// `Op::MatmulFused`: the product, then the ReLU over it or the operand's sums after it (the
+/// same kernels as the unfused ops, so compiled CPU steps match eager ones exactly).
+fn matmul_fused(e: MatmulEpilogue, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<CpuStorage> {
+    if e == MatmulEpilogue::Relu {
+        let product = run(&Op::Matmul, ins, meta)?;
+        return run(&Op::Unary(crate::UnaryOp::Relu), &[(&product, &Layout::contiguous(&meta.shape))], meta);
+    }
+    let (m, n) = (ins[0].1.shape[0], ins[1].1.shape[1]);
+    let product = run(&Op::Matmul, ins, &OutMeta { shape: vec![m, n], dtype: meta.dtype })?;
+    let (src, dim, len) = if e == MatmulEpilogue::SumLeft { (ins[0], 1, m) } else { (ins[1], 0, n) };
+    let sum = Op::Reduce { op: crate::ReduceOp::Sum, dims: vec![dim], keepdim: false };
+    let sums = run(&sum, &[src], &OutMeta { shape: vec![len], dtype: meta.dtype })?;
+    let at = crate::op::matmul_sum_offset(m, n);
+    Ok(with_cpu!(&product, p => {
+        let mut v = Vec::with_capacity(at + len);
+        v.extend_from_slice(p);
+        v.resize(at, Default::default());
+        v.extend_from_slice(typed(&sums, "matmul_sum")?);
+        v.into_storage()
+    }))
+}
+
 pub fn run_inplace(op: &Op, dst: &mut CpuStorage, ld: &Layout, src: Option<(&CpuStorage, &Layout)>) -> Result<()> {
     let name = op.name();
     match dst {

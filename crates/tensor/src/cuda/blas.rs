@@ -4,7 +4,8 @@
 
 use super::gpu::Gpu;
 use super::kernels::{dense_copy, CudaStorage};
-use super::lt::{alignment, Gemm, Plan};
+use super::lt::{alignment, Epilogue, Gemm, Plan};
+use crate::op::MatmulEpilogue;
 use crate::op::OutMeta;
 use crate::shape::Layout;
 use crate::{DType, Error, Result};
@@ -140,15 +141,51 @@ fn data_type(d: DType) -> Result<(bs::cudaDataType, bs::cublasComputeType_t)> {
 /// `out[..., m, n] = a[..., m, k] @ b[..., k, n] (+ bias[n])` with broadcast batch dims.
 pub fn matmul(
     g: &Arc<Gpu>,
-    (sa, la): (&CudaStorage, &Layout),
-    (sb, lb): (&CudaStorage, &Layout),
+    a: (&CudaStorage, &Layout),
+    b: (&CudaStorage, &Layout),
     bias: Option<(&CudaStorage, &Layout)>,
     meta: &OutMeta,
 ) -> Result<CudaStorage> {
-    let r = meta.shape.len();
-    let (m, n, k) = (meta.shape[r - 2], meta.shape[r - 1], la.shape[la.rank() - 1]);
-    let batch: usize = meta.shape[..r - 2].iter().product();
+    matmul_fused(g, a, b, bias, None, meta)
+}
+
+/// What is left of a fused matmul after the GEMM: the bias, the ReLU, the operand's sums.
+struct Rest<'a> {
+    bias: Option<(&'a CudaStorage, &'a Layout)>,
+    relu: bool,
+    /// The operand, the dim summed and where the sums go in the output.
+    sums: Option<((&'a CudaStorage, &'a Layout), usize, usize)>,
+}
+
+/// `Op::Matmul`, or with `epi` an `Op::MatmulFused`: one cuBLASLt call with the epilogue
+/// where it applies, else the plain product and the rest as kernels after it.
+pub fn matmul_fused(
+    g: &Arc<Gpu>,
+    (sa, la): (&CudaStorage, &Layout),
+    (sb, lb): (&CudaStorage, &Layout),
+    bias: Option<(&CudaStorage, &Layout)>,
+    epi: Option<MatmulEpilogue>,
+    meta: &OutMeta,
+) -> Result<CudaStorage> {
+    // The product's shape: a fused sum's output is the product and the sums, flat.
+    let shape: Vec<usize> = match epi {
+        Some(MatmulEpilogue::SumLeft | MatmulEpilogue::SumRight) => vec![la.shape[0], lb.shape[1]],
+        _ => meta.shape.clone(),
+    };
+    let r = shape.len();
+    let (m, n, k) = (shape[r - 2], shape[r - 1], la.shape[la.rank() - 1]);
+    let batch: usize = shape[..r - 2].iter().product();
     let out = CudaStorage::alloc(g, meta.dtype, meta.shape.iter().product())?;
+    let sum_at = crate::op::matmul_sum_offset(m, n);
+    let mut rest = Rest {
+        bias,
+        relu: epi == Some(MatmulEpilogue::Relu),
+        sums: match epi {
+            Some(MatmulEpilogue::SumLeft) => Some(((sa, la), 1, sum_at)),
+            Some(MatmulEpilogue::SumRight) => Some(((sb, lb), 0, sum_at)),
+            _ => None,
+        },
+    };
     if out.len == 0 {
         return Ok(out);
     }
@@ -157,7 +194,7 @@ pub fn matmul(
         // SAFETY: `out` owns `bytes` bytes on this GPU.
         unsafe { cudarc::driver::result::memset_d8_async(out.buf.ptr, 0, out.len * meta.dtype.size_in_bytes(), g.stream.cu_stream()) }
             .map_err(|e| Error::Cuda(format!("memset: {e}")))?;
-        return with_bias(g, out, bias, &meta.shape);
+        return finish(g, out, rest, &shape);
     }
     // Broadcast both operands to the output's batch dims (stride 0 where they repeat).
     let expand = |l: &Layout, rows: usize, cols: usize| {
@@ -211,9 +248,7 @@ pub fn matmul(
     }
     let blas = guard.as_mut().ok_or_else(|| Error::Cuda("no cuBLAS handle".into()))?;
     g.bind()?;
-    // The bias as cuBLASLt's epilogue: one GEMM (a batch of them would need the bias's
-    // batch stride), a dense and 16-byte aligned vector.
-    let bias_ptr = bias.filter(|(_, l)| batch == 1 && l.is_contiguous()).map(|(s, l)| s.ptr_at(l.offset)).filter(|&p| alignment(p) >= 16);
+    let (epilogue, vector) = lt_epilogue(&rest, batch, &out);
     // cuBLASLt, with a cached plan, when it can express the batch (it cannot repeat an
     // operand with batch stride 0).
     if let Some(lt) = blas.lt.filter(|_| batch == 1 || (a.batch_stride != 0 && b.batch_stride != 0)) {
@@ -226,9 +261,9 @@ pub fn matmul(
             batch: batch as i32,
             strides: (b.batch_stride, a.batch_stride, (m * n) as i64),
             align: (alignment(b.ptr), alignment(a.ptr), alignment(out.buf.ptr)),
-            bias: bias_ptr.map(alignment),
+            epilogue,
         };
-        let ptrs = [b.ptr, a.ptr, out.buf.ptr, bias_ptr.unwrap_or(0)];
+        let ptrs = [b.ptr, a.ptr, out.buf.ptr, vector];
         let ws = (blas.ws.ptr, WORKSPACE);
         // One lookup per call; a problem cuBLASLt refuses is remembered as None (cuBLAS).
         let slot = match blas.plans.entry(gemm) {
@@ -247,7 +282,9 @@ pub fn matmul(
         };
         if let Some(plan) = slot {
             if plan.run(lt, g, ptrs, ws).is_ok() {
-                return with_bias(g, out, bias.filter(|_| bias_ptr.is_none()), &meta.shape);
+                drop(guard);
+                rest.done_by(epilogue);
+                return finish(g, out, rest, &shape);
             }
             // An algorithm that fails to launch is dropped; cuBLAS computes this one.
             *slot = None;
@@ -285,13 +322,57 @@ pub fn matmul(
         )
     }
     .map_err(blas_err)?;
-    with_bias(g, out, bias, &meta.shape)
+    drop(guard);
+    finish(g, out, rest, &shape)
 }
 
-/// `out` with the bias added to its rows, where no epilogue did it.
-fn with_bias(g: &Arc<Gpu>, out: CudaStorage, bias: Option<(&CudaStorage, &Layout)>, shape: &[usize]) -> Result<CudaStorage> {
-    if let Some(b) = bias {
+/// The cuBLASLt epilogue for `rest` and its vector's address (0 if none). Epilogues need one
+/// GEMM (a batch would need the vector's batch stride) and a dense, 16-byte aligned vector.
+fn lt_epilogue(rest: &Rest, batch: usize, out: &CudaStorage) -> (Epilogue, u64) {
+    use cudarc::cublaslt::sys::cublasLtEpilogue_t as E;
+    let aligned = |p: u64| (batch == 1 && alignment(p) >= 16).then_some(p);
+    let bias = rest.bias.filter(|(_, l)| l.is_contiguous()).and_then(|(s, l)| aligned(s.ptr_at(l.offset)));
+    let (kind, vector) = match (rest.bias, bias, rest.relu, rest.sums) {
+        (Some(_), Some(p), true, _) => (E::CUBLASLT_EPILOGUE_RELU_BIAS, p),
+        (Some(_), Some(p), false, _) => (E::CUBLASLT_EPILOGUE_BIAS, p),
+        // A bias the epilogue cannot read must be added before the ReLU: neither is fused.
+        (Some(_), None, _, _) => return (Epilogue::NONE, 0),
+        (None, _, true, _) if batch == 1 => (E::CUBLASLT_EPILOGUE_RELU, 0),
+        // cuBLASLt's A is Kiln's right operand (it computes the column-major transpose).
+        (None, _, _, Some((_, dim, at))) => match aligned(out.ptr_at(at)) {
+            Some(p) => (if dim == 1 { E::CUBLASLT_EPILOGUE_BGRADB } else { E::CUBLASLT_EPILOGUE_BGRADA }, p),
+            None => return (Epilogue::NONE, 0),
+        },
+        _ => return (Epilogue::NONE, 0),
+    };
+    (Epilogue { kind: kind as u32, vector: (vector != 0).then(|| alignment(vector)) }, vector)
+}
+
+impl Rest<'_> {
+    /// Drops what `epilogue` did.
+    fn done_by(&mut self, epilogue: Epilogue) {
+        if epilogue != Epilogue::NONE {
+            *self = Rest { bias: None, relu: false, sums: None };
+        }
+    }
+}
+
+/// `out` with what no epilogue did: the bias added to its rows, the ReLU, the sums written
+/// after the product.
+fn finish(g: &Arc<Gpu>, out: CudaStorage, rest: Rest, shape: &[usize]) -> Result<CudaStorage> {
+    if let Some(b) = rest.bias {
         super::kernels::add_bias(g, &out, shape, b)?;
+    }
+    if rest.relu {
+        super::kernels::relu_in_place(g, &out, shape)?;
+    }
+    if let Some(((s, l), dim, at)) = rest.sums {
+        let len = l.shape[1 - dim];
+        let sums = super::kernels::sum_dim(g, s, l, dim)?;
+        // SAFETY: `out` holds `at + len` elements (the shape rule) and `sums` `len`, both live
+        // until the stream has run the copy (the caller keeps `out`; freed buffers are reused
+        // only in stream order).
+        unsafe { g.copy_d2d(out.ptr_at(at), sums.buf.ptr, len * out.dtype.size_in_bytes())? };
     }
     Ok(out)
 }

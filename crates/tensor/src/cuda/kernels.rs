@@ -221,6 +221,21 @@ pub(super) fn add_bias(g: &Arc<Gpu>, out: &CudaStorage, shape: &[usize], bias: (
     launch_ew(g, prefix, expr, c, &[(out, &lo), bias], shape, out, true, NO_EXTRA)
 }
 
+/// `out = relu(out)` over a dense `out` of `shape`: a fused matmul's ReLU where no epilogue
+/// applied it.
+pub(super) fn relu_in_place(g: &Arc<Gpu>, out: &CudaStorage, shape: &[usize]) -> Result<()> {
+    let op = Op::Unary(crate::UnaryOp::Relu);
+    let (prefix, expr, c) = elementwise_expr(&op, &[out.dtype]).ok_or_else(|| Error::Msg("matmul relu: no kernel".into()))?;
+    let lo = Layout::contiguous(shape);
+    launch_ew(g, prefix, expr, c, &[(out, &lo)], shape, out, true, NO_EXTRA)
+}
+
+/// The sums of a 2-D `s` (read through `l`) over `dim`, in `s`'s dtype.
+pub(super) fn sum_dim(g: &Arc<Gpu>, s: &CudaStorage, l: &Layout, dim: usize) -> Result<CudaStorage> {
+    let meta = OutMeta { shape: vec![l.shape[1 - dim]], dtype: s.dtype };
+    reduce(g, ReduceOp::Sum, (s, l), &[dim], &meta)
+}
+
 /// `s` through `l` as a dense buffer: the same memory when already dense from offset 0.
 enum Dense<'a> {
     Borrowed(&'a CudaStorage),
@@ -283,6 +298,7 @@ pub fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, devic
         Op::CrossEntropy { ignore_index, smoothing } => cross_entropy(&g, &x, *ignore_index, *smoothing)?,
         Op::CrossEntropyBackward { ignore_index, smoothing } => cross_entropy(&g, &x, *ignore_index, *smoothing)?,
         Op::Matmul => super::blas::matmul(&g, x[0], x[1], x.get(2).copied(), meta)?,
+        Op::MatmulFused(e) => super::blas::matmul_fused(&g, x[0], x[1], x.get(2).copied(), Some(*e), meta)?,
         Op::IndexSelect { dim } => index_read(&g, IndexKind::Select, x[0], x[1], *dim, meta)?,
         Op::Gather { dim } => index_read(&g, IndexKind::Gather, x[0], x[1], *dim, meta)?,
         Op::IndexAdd { dim } | Op::ScatterAdd { dim } => index_add(&g, op, x[0], x[1], x[2], *dim)?,

@@ -29,9 +29,20 @@ pub struct Gemm {
     pub strides: (i64, i64, i64),
     /// Alignment in bytes (at most 256) of the A, B and D pointers: algorithms assume it.
     pub align: (u32, u32, u32),
-    /// A bias epilogue (`D[i, j] += bias[i]`, one value per column-major row of D, the
-    /// row-major output's last dim), by the bias pointer's alignment.
-    pub bias: Option<u32>,
+    /// The epilogue (`cublasLtEpilogue_t`; `Epilogue::NONE` for none).
+    pub epilogue: Epilogue,
+}
+
+/// A cuBLASLt epilogue and the alignment of its vector: the bias it adds (one value per
+/// column-major row of D, the row-major output's last dim), or the bias gradient it writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Epilogue {
+    pub kind: u32,
+    pub vector: Option<u32>,
+}
+
+impl Epilogue {
+    pub const NONE: Epilogue = Epilogue { kind: ls::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT as u32, vector: None };
 }
 
 /// Descriptors and the chosen algorithm of one `Gemm`.
@@ -41,8 +52,8 @@ pub struct Plan {
     algo: ls::cublasLtMatmulAlgo_t,
     /// F64 GEMMs take F64 alpha and beta.
     f64: bool,
-    /// Runs with the bias epilogue (its pointer is set per call).
-    bias: bool,
+    /// The epilogue reads or writes a vector (its pointer is set per call).
+    vector: bool,
     /// Whether the algorithm was timed (here or in an earlier process), not just the heuristic's.
     pub tuned: bool,
 }
@@ -120,7 +131,7 @@ fn layout(t: ls::cudaDataType, rows: u64, cols: u64, ld: i64, batch: i32, stride
 
 impl Plan {
     /// Descriptors for `g` and its algorithm: heuristic, from the disk cache, or timed on
-    /// `ptrs` (A, B, D, bias) when autotuning.
+    /// `ptrs` (A, B, D, the epilogue's vector) when autotuning.
     pub(crate) fn new(lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, g: &Gemm, ptrs: [u64; 4], ws: (u64, usize)) -> Result<Plan> {
         let (t, mut compute, scale) = cuda_type(g.dtype)?;
         if g.tf32 && g.dtype == DType::F32 {
@@ -132,7 +143,7 @@ impl Plan {
             layouts: [std::ptr::null_mut(); 3],
             algo: ls::cublasLtMatmulAlgo_t { data: [0; 8] },
             f64: g.dtype == DType::F64,
-            bias: g.bias.is_some(),
+            vector: g.epilogue.vector.is_some(),
             tuned: false,
         };
         // cublasOperation_t: CUBLAS_OP_N = 0, CUBLAS_OP_T = 1.
@@ -143,8 +154,8 @@ impl Plan {
             let (ta, tb) = (op(g.trans.0), op(g.trans.1));
             lr::set_matmul_desc_attribute(desc, D::CUBLASLT_MATMUL_DESC_TRANSA, &ta as *const _ as _, 4).map_err(lt_err("transa"))?;
             lr::set_matmul_desc_attribute(desc, D::CUBLASLT_MATMUL_DESC_TRANSB, &tb as *const _ as _, 4).map_err(lt_err("transb"))?;
-            if plan.bias {
-                let e = ls::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS as u32;
+            if g.epilogue != Epilogue::NONE {
+                let e = g.epilogue.kind;
                 lr::set_matmul_desc_attribute(desc, D::CUBLASLT_MATMUL_DESC_EPILOGUE, &e as *const u32 as _, 4)
                     .map_err(lt_err("epilogue"))?;
             }
@@ -265,15 +276,17 @@ impl Plan {
         Ok(start.elapsed().as_secs_f64() / RUNS as f64)
     }
 
-    /// `D = A B (+ bias)` on the GPU's stream: `ptrs` are A, B, D and the bias (0 if none).
+    /// `D = A B` and the epilogue on the GPU's stream: `ptrs` are A, B, D and the epilogue's
+    /// vector (0 if none).
     pub(crate) fn run(&self, lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, ptrs: [u64; 4], ws: (u64, usize)) -> Result<()> {
         let (alpha, beta) = super::blas::one_and_zero(self.f64);
         let l = self.layouts;
-        if self.bias {
+        if self.vector {
             use ls::cublasLtMatmulDescAttributes_t as D;
             let p = ptrs[3];
             // SAFETY: `desc` is live and used only under the GPU's `blas` mutex; the buffer is
-            // a device pointer (8 bytes) to the bias, kept alive by the caller for the call.
+            // a device pointer (8 bytes) to the bias or bias gradient, kept alive by the caller
+            // for the call.
             unsafe { lr::set_matmul_desc_attribute(self.desc, D::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p as *const u64 as _, 8) }
                 .map_err(lt_err("bias"))?;
         }
