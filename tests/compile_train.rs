@@ -222,12 +222,35 @@ fn split_gradients_become_one_buffer() -> Result<()> {
 /// product, and the gradients match eager ones.
 #[test]
 fn relu_and_bias_gradients_fold_into_their_matmuls() -> Result<()> {
+    let graph = linear_pair_step(false)?;
+    assert_eq!(graph.matches("= matmul_relu").count(), 1, "{graph}");
+    assert_eq!(graph.matches("= matmul_sum").count(), 2, "{graph}");
+    assert!(!graph.contains("= relu") && !graph.contains("= sum[0, 1]"), "{graph}");
+    Ok(())
+}
+
+/// The same with GELU's tanh form: the forward GELU and the backward's product by its
+/// gradient join their matmuls too.
+#[test]
+fn gelu_tanh_and_its_gradient_fold_into_their_matmuls() -> Result<()> {
+    let graph = linear_pair_step(true)?;
+    assert_eq!(graph.matches("= matmul_gelu_tanh").count(), 1, "{graph}");
+    assert_eq!(graph.matches("= matmul_dgelu_tanh").count(), 1, "{graph}");
+    assert_eq!(graph.matches("= matmul_sum").count(), 2, "{graph}");
+    assert!(!graph.contains("= gelu_tanh") && !graph.contains("grad"), "{graph}");
+    Ok(())
+}
+
+/// Two linear layers on `[2, 5, 6]` with ReLU or tanh-GELU between: the compiled step's loss
+/// and gradients against eager ones; returns the compiled graph's text.
+fn linear_pair_step(gelu: bool) -> Result<String> {
     use kiln::nn::{Linear, Module};
     kiln::tensor::rng::manual_seed(3);
     let (l1, l2) = (Linear::new(6, 8, true, Device::Cpu)?, Linear::new(8, 4, true, Device::Cpu)?);
     let params: Vec<Tensor> = l1.parameters().into_iter().chain(l2.parameters()).collect();
     let step_fn = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
-        let loss = l2.forward(&l1.forward(&xs[0])?.relu()?)?.square()?.mean_all()?;
+        let h = l1.forward(&xs[0])?;
+        let loss = l2.forward(&if gelu { h.gelu_tanh()? } else { h.relu()? })?.square()?.mean_all()?;
         loss.backward()?;
         let mut out = vec![loss];
         for p in &params {
@@ -245,11 +268,7 @@ fn relu_and_bias_gradients_fold_into_their_matmuls() -> Result<()> {
         assert_close(&format!("output {i}"), &c.to_vec::<f32>()?, &e.to_vec::<f32>()?, 1e-6);
     }
     let ir = step.dump().expect("a graph");
-    let graph = ir.split("groups").next().unwrap_or_default();
-    assert_eq!(graph.matches("= matmul_relu").count(), 1, "{graph}");
-    assert_eq!(graph.matches("= matmul_sum").count(), 2, "{graph}");
-    assert!(!graph.contains("= relu") && !graph.contains("= sum[0, 1]"), "{graph}");
-    Ok(())
+    Ok(ir.split("groups").next().unwrap_or_default().to_string())
 }
 
 /// Every unary op and a strided, broadcast and scalar read through one native CPU group

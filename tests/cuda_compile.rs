@@ -77,6 +77,54 @@ fn compiled_mlp_on_cuda_matches_eager_cuda_and_the_cpu_in_every_mode() {
     }
 }
 
+/// 100 AdamW steps of two linear layers on `[4, 8, 24]` with tanh-GELU between; `mode` None
+/// is eager. Compiled, the GELU, its gradient and both bias gradients are matmul epilogues.
+fn train_gelu_pair(dev: Device, mode: Option<Mode>) -> Run {
+    use kiln::nn::{cross_entropy, Linear, Module};
+    kiln::tensor::rng::manual_seed(5);
+    let (l1, l2) = (Linear::new(24, 64, true, dev).unwrap(), Linear::new(64, 5, true, dev).unwrap());
+    let params: Vec<Tensor> = l1.parameters().into_iter().chain(l2.parameters()).collect();
+    let opt = RefCell::new(AdamW::new(params.clone(), AdamConfig { lr: 1e-2, ..AdamConfig::adamw() }).unwrap());
+    let f = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+        let logits = l2.forward(&l1.forward(&xs[0])?.gelu_tanh()?)?;
+        let loss = cross_entropy(&logits.reshape(&[-1, 5])?, &xs[1])?;
+        loss.backward()?;
+        opt.borrow_mut().step()?;
+        opt.borrow_mut().zero_grad()?;
+        Ok(vec![loss])
+    };
+    let mut step = compile(mode.unwrap_or(Mode::Default), f);
+    let mut losses = Vec::new();
+    for i in 0..100u64 {
+        let x = Tensor::rand_at(&[4, 8, 24], Distribution::Normal, 300, (i % 4) * 1024, DType::F32, Device::Cpu).unwrap();
+        let y = Tensor::rand_at(&[32], Distribution::Uniform, 301, (i % 4) * 64, DType::F32, Device::Cpu).unwrap();
+        let (x, y) = (x.to_device(dev).unwrap(), y.mul_scalar(5.0).unwrap().to_dtype(DType::I64).unwrap().to_device(dev).unwrap());
+        let out = if mode.is_some() { step.call(&[&x, &y]).unwrap() } else { f(&[x, y]).unwrap() };
+        losses.push(out[0].clone());
+    }
+    if mode.is_some() {
+        let graph = step.dump().unwrap_or_default();
+        for fused in ["matmul_gelu_tanh", "matmul_dgelu_tanh", "matmul_sum"] {
+            assert!(graph.contains(fused), "{fused} missing from the compiled step:\n{graph}");
+        }
+    }
+    let losses = losses.iter().map(|l| l.item().unwrap() as f32).collect();
+    Run { losses, params: params.iter().map(|p| p.to_vec::<f32>().unwrap()).collect() }
+}
+
+#[test]
+fn compiled_gelu_tanh_epilogues_on_cuda_match_eager_and_the_cpu() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    let (eager, cpu) = (train_gelu_pair(dev, None), train_gelu_pair(Device::Cpu, None));
+    assert!(eager.losses[99] < eager.losses[0] * 0.9, "it learned: {} -> {}", eager.losses[0], eager.losses[99]);
+    for mode in MODES {
+        let run = train_gelu_pair(dev, Some(mode));
+        assert_runs_agree(&format!("{mode:?} vs eager CUDA"), &run, &eager, (1e-4, 2e-4));
+        assert_runs_agree(&format!("{mode:?} vs CPU"), &run, &cpu, (1e-3, 2e-3));
+    }
+}
+
 #[test]
 fn compiled_gpt_with_dropout_on_cuda_matches_eager_cuda_and_the_cpu_in_every_mode() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());

@@ -262,14 +262,25 @@ fn matmul_matches_the_cpu_with_transposes_and_batches() {
     }
 }
 
-/// `Op::MatmulFused` (compile's matmul epilogues): cuBLASLt's RELU(_BIAS) and BGRADA/BGRADB
-/// epilogues where they apply, the product then kernels where not (a batch, an unaligned
+/// `Op::MatmulFused` (compile's matmul epilogues): cuBLASLt's RELU(_BIAS), GELU_AUX(_BIAS),
+/// DGELU and BGRADA/BGRADB epilogues where they apply, the product then kernels where not (a batch, an unaligned
 /// bias, F64 if cuBLASLt has no such epilogue), all against the CPU.
 #[test]
 fn fused_matmul_epilogues_match_the_cpu() {
     use kiln::tensor::{MatmulEpilogue as E, Op};
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let fused = |e: E| move |x: &[Tensor]| Tensor::apply(Op::MatmulFused(e), &x.iter().collect::<Vec<_>>(), x[0].device());
+    // The product and the sums; the padding between them is left unwritten on CUDA.
+    let fused = |e: E| {
+        move |x: &[Tensor]| {
+            let out = Tensor::apply(Op::MatmulFused(e), &x.iter().collect::<Vec<_>>(), x[0].device())?;
+            if matches!(e, E::Relu | E::DGeluTanh) {
+                return Ok(out);
+            }
+            let numel = x[0].matmul(&x[1])?.numel();
+            let at = kiln::tensor::op::matmul_tail_offset(numel);
+            Tensor::cat(&[&out.narrow(0, 0, numel)?, &out.narrow(0, at, out.shape()[0] - at)?], 0)
+        }
+    };
     for dt in FLOATS {
         let t = match dt {
             DType::F16 => 4e-3,
@@ -282,6 +293,18 @@ fn fused_matmul_epilogues_match_the_cpu() {
         both(&format!("matmul_relu batched {dt:?}"), &[randn(&[3, 37, 24], 43, dt), randn(&[3, 24, 16], 44, dt)], t, fused(E::Relu));
         both(&format!("matmul_relu + unaligned bias {dt:?}"), &[a.clone(), b.clone(), randn(&[17], 45, dt)], t, |x| {
             fused(E::Relu)(&[x[0].clone(), x[1].clone(), x[2].narrow(0, 1, 16)?])
+        });
+        // GELU (tanh form; cuBLASLt's differs from Kiln's formula in rounding only) with its
+        // pre-activation, and the product by its gradient.
+        both(&format!("matmul_gelu_tanh {dt:?}"), &[a.clone(), b.clone()], t, fused(E::GeluTanh));
+        both(&format!("matmul_gelu_tanh + bias {dt:?}"), &[a.clone(), b.clone(), bias.clone()], t, fused(E::GeluTanh));
+        both(&format!("matmul_gelu_tanh [B, T, C] {dt:?}"), &[randn(&[3, 37, 24], 50, dt), b.clone(), bias.clone()], t, fused(E::GeluTanh));
+        both(&format!("matmul_gelu_tanh + unaligned bias {dt:?}"), &[a.clone(), b.clone(), randn(&[17], 45, dt)], t, |x| {
+            fused(E::GeluTanh)(&[x[0].clone(), x[1].clone(), x[2].narrow(0, 1, 16)?])
+        });
+        both(&format!("matmul_dgelu_tanh {dt:?}"), &[a.clone(), b.clone(), randn(&[37, 16], 51, dt)], t, fused(E::DGeluTanh));
+        both(&format!("matmul_dgelu_tanh, h a view {dt:?}"), &[a.clone(), b.clone(), randn(&[37, 17], 52, dt)], t, |x| {
+            fused(E::DGeluTanh)(&[x[0].clone(), x[1].clone(), x[2].narrow(1, 1, 16)?])
         });
         // A weight gradient g^T x with its bias gradient sum(g): g read transposed.
         let (g, x) = (randn(&[300, 24], 46, dt), randn(&[300, 40], 47, dt));

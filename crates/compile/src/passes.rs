@@ -217,6 +217,11 @@ fn sums_operand(sum: &Arg, dims: &[usize], op: &kiln_tensor::Layout, over: usize
     op.rank() == 2 && l.offset == op.offset && same(pick(true), over) && same(pick(false), 1 - over)
 }
 
+/// Whether `a` reads all of node `n` in order.
+fn whole(a: &Arg, n: &crate::graph::Node) -> bool {
+    a.layout.offset == 0 && a.layout.is_contiguous() && a.layout.shape == n.shape
+}
+
 /// How many times each node is read (arguments, outputs and state writes).
 fn readers(g: &Graph) -> Vec<usize> {
     let mut n = vec![0; g.nodes.len()];
@@ -230,7 +235,8 @@ fn readers(g: &Graph) -> Vec<usize> {
 }
 
 /// Work folded into matmuls (`Op::MatmulFused`, a cuBLASLt epilogue on CUDA):
-/// - a ReLU that is a product's only reader;
+/// - a ReLU that is a product's only reader, or a GELU (tanh form) of a product;
+/// - the product of a matmul by a GELU's gradient;
 /// - the sum of a 2-D product's operand over the contraction, the bias gradient `sum(g)`
 ///   beside the weight gradient `g^T x`: one GEMM writes both, the sums after the product.
 pub fn fuse_matmuls(g: &Graph) -> Graph {
@@ -249,13 +255,41 @@ pub fn fuse_matmuls(g: &Graph) -> Graph {
     for i in 0..out.nodes.len() {
         let Kind::Op(op, args) = &out.nodes[i].kind else { continue };
         match op {
-            Op::Unary(UnaryOp::Relu) => {
-                let p = args[0].node;
+            // An activation of a product: cuBLASLt applies it as the product is stored. GELU's
+            // backward reads the pre-activation, which its epilogue stores after the output.
+            Op::Unary(u @ (UnaryOp::Relu | UnaryOp::GeluTanh)) => {
+                let (u, p) = (*u, args[0].node);
                 let pn = &out.nodes[p];
-                let whole = args[0].layout.offset == 0 && args[0].layout.is_contiguous() && args[0].layout.shape == pn.shape;
                 let Kind::Op(Op::Matmul, margs) = &pn.kind else { continue };
-                if uses[p] == 1 && whole && !written.contains(&p) && pn.dtype == out.nodes[i].dtype {
-                    out.nodes[p].kind = Kind::Op(Op::MatmulFused(MatmulEpilogue::Relu), margs.clone());
+                let only = uses[p] == 1 || u == UnaryOp::GeluTanh;
+                if !only || !whole(&args[0], pn) || written.contains(&p) || bases.contains(&p) || pn.dtype != out.nodes[i].dtype {
+                    continue;
+                }
+                let (margs, numel) = (margs.clone(), pn.numel());
+                alias[i] = Some((p, 0));
+                if u == UnaryOp::Relu {
+                    out.nodes[p].kind = Kind::Op(Op::MatmulFused(MatmulEpilogue::Relu), margs);
+                } else {
+                    let tail = kiln_tensor::op::matmul_tail_offset(numel);
+                    out.nodes[p].kind = Kind::Op(Op::MatmulFused(MatmulEpilogue::GeluTanh), margs);
+                    out.nodes[p].shape = vec![tail + numel];
+                    alias[p] = Some((p, tail));
+                }
+            }
+            // `(a @ b) * gelu_tanh_grad(h)`: the gradient through a GELU (cuBLASLt's DGELU).
+            Op::Binary(BinaryOp::Mul) => {
+                let dgelu = |x: &Arg, y: &Arg| -> Option<(NodeId, Vec<Arg>)> {
+                    let (p, q) = (&out.nodes[x.node], &out.nodes[y.node]);
+                    let (Kind::Op(Op::Matmul, margs), Kind::Op(Op::Unary(UnaryOp::GeluTanhGrad), h)) = (&p.kind, &q.kind) else {
+                        return None;
+                    };
+                    let alone = |n: NodeId| uses[n] == 1 && !written.contains(&n) && !bases.contains(&n);
+                    let same = p.dtype == q.dtype && p.dtype == out.nodes[i].dtype && h[0].layout.shape == p.shape;
+                    let ok = margs.len() == 2 && alone(x.node) && alone(y.node) && whole(x, p) && whole(y, q) && same && h[0].node < x.node;
+                    ok.then(|| (x.node, vec![margs[0].clone(), margs[1].clone(), h[0].clone()]))
+                };
+                if let Some((p, margs)) = dgelu(&args[0], &args[1]).or_else(|| dgelu(&args[1], &args[0])) {
+                    out.nodes[p].kind = Kind::Op(Op::MatmulFused(MatmulEpilogue::DGeluTanh), margs);
                     alias[i] = Some((p, 0));
                 }
             }
@@ -273,7 +307,7 @@ pub fn fuse_matmuls(g: &Graph) -> Graph {
                 let Some((p, side, margs)) = found else { continue };
                 let (m, n) = (margs[0].layout.shape[0], margs[1].layout.shape[1]);
                 let epi = if side == 0 { MatmulEpilogue::SumLeft } else { MatmulEpilogue::SumRight };
-                let at = kiln_tensor::op::matmul_sum_offset(m, n);
+                let at = kiln_tensor::op::matmul_tail_offset(m * n);
                 let len = if side == 0 { m } else { n };
                 out.nodes[p].kind = Kind::Op(Op::MatmulFused(epi), margs);
                 out.nodes[p].shape = vec![at + len];

@@ -459,19 +459,27 @@ pub enum MatmulEpilogue {
     /// `relu(a @ b + bias)`: cuBLASLt's RELU(_BIAS) epilogue (which maps NaN to 0, as
     /// PyTorch's fused `addmm` + ReLU does).
     Relu,
+    /// `gelu_tanh(a @ b + bias)` and the pre-activation `a @ b + bias` (which the backward
+    /// reads) as one flat buffer, the second from `matmul_tail_offset`: cuBLASLt's
+    /// GELU_AUX(_BIAS) epilogue, whose GELU is this tanh form.
+    GeluTanh,
+    /// `(a @ b) * gelu_tanh_grad(h)` (inputs a, b, h): the gradient through a `GeluTanh` whose
+    /// pre-activation is `h` (cuBLASLt's DGELU epilogue).
+    DGeluTanh,
     /// `a @ b` of 2-D operands, then the sums of `a` over its columns (the contraction), as one
     /// flat buffer: the product `[m, n]` from element 0, the `m` sums from
-    /// `matmul_sum_offset(m, n)`. A weight's gradient `g^T x` and its bias's gradient `sum(g)`
+    /// `matmul_tail_offset(m * n)`. A weight's gradient `g^T x` and its bias's gradient `sum(g)`
     /// in one GEMM (cuBLASLt's BGRADB epilogue).
     SumLeft,
     /// As `SumLeft`, with the `n` sums of `b` over its rows (BGRADA).
     SumRight,
 }
 
-/// Where `Op::MatmulFused`'s sums start in its output: after the `[m, n]` product, rounded up
-/// to 64 elements so the sums stay aligned for cuBLASLt.
-pub fn matmul_sum_offset(m: usize, n: usize) -> usize {
-    (m * n).next_multiple_of(64)
+/// Where the second part of `Op::MatmulFused`'s output (sums, or GELU's pre-activation)
+/// starts: after the product's `numel` elements, rounded up to 64 so it stays aligned for
+/// cuBLASLt. The padding between is unspecified (zeros on the CPU).
+pub fn matmul_tail_offset(numel: usize) -> usize {
+    numel.next_multiple_of(64)
 }
 
 /// A primitive op. Inputs are passed separately; parameters that shape the result live here.
@@ -653,6 +661,8 @@ impl Op {
             Op::CrossEntropyBackward { .. } => "cross_entropy_backward",
             Op::Matmul => "matmul",
             Op::MatmulFused(MatmulEpilogue::Relu) => "matmul_relu",
+            Op::MatmulFused(MatmulEpilogue::GeluTanh) => "matmul_gelu_tanh",
+            Op::MatmulFused(MatmulEpilogue::DGeluTanh) => "matmul_dgelu_tanh",
             Op::MatmulFused(_) => "matmul_sum",
             Op::Reshape(_) => "reshape",
             Op::Permute(_) => "permute",
@@ -695,7 +705,8 @@ impl Op {
             Op::CrossEntropy { .. } => 2,
             Op::CrossEntropyBackward { .. } => 3,
             Op::Reshape(_) | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_) | Op::Contiguous => 1,
-            Op::Matmul | Op::MatmulFused(MatmulEpilogue::Relu) if inputs.len() == 3 => 3,
+            Op::Matmul | Op::MatmulFused(MatmulEpilogue::Relu | MatmulEpilogue::GeluTanh) if inputs.len() == 3 => 3,
+            Op::MatmulFused(MatmulEpilogue::DGeluTanh) => 3,
             Op::MatmulFused(_) => 2,
             Op::Binary(_) | Op::Matmul | Op::IndexSelect { .. } | Op::Gather { .. } => 2,
             Op::Assign | Op::UpdateBinary(_) => 2,
@@ -862,16 +873,27 @@ impl Op {
                 meta(shape, inputs[0].dtype)
             }
             Op::MatmulFused(e) => {
-                let product = Op::Matmul.infer(inputs)?;
-                if *e == MatmulEpilogue::Relu {
-                    return Ok(product);
+                let product = Op::Matmul.infer(if *e == MatmulEpilogue::DGeluTanh { &inputs[..2] } else { inputs })?;
+                let numel: usize = product.shape.iter().product();
+                match e {
+                    MatmulEpilogue::Relu => return Ok(product),
+                    MatmulEpilogue::GeluTanh => return meta(vec![matmul_tail_offset(numel) + numel], product.dtype),
+                    MatmulEpilogue::DGeluTanh => {
+                        same_dtype(product.dtype, inputs[2].dtype)?;
+                        if inputs[2].shape != product.shape {
+                            let h = inputs[2].shape;
+                            return Err(Error::shape(name, format!("the pre-activation {h:?} must match the product {:?}", product.shape)));
+                        }
+                        return Ok(product);
+                    }
+                    MatmulEpilogue::SumLeft | MatmulEpilogue::SumRight => {}
                 }
                 let (a, b) = (inputs[0].shape, inputs[1].shape);
                 if a.len() != 2 || b.len() != 2 {
                     return Err(Error::shape(name, format!("needs two 2-D operands, got {a:?} x {b:?}")));
                 }
                 let sums = if *e == MatmulEpilogue::SumLeft { a[0] } else { b[1] };
-                meta(vec![matmul_sum_offset(a[0], b[1]) + sums], product.dtype)
+                meta(vec![matmul_tail_offset(a[0] * b[1]) + sums], product.dtype)
             }
             Op::Reshape(shape) => {
                 let (n0, n1) = (inputs[0].shape.iter().product::<usize>(), shape.iter().product::<usize>());

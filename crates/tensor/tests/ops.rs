@@ -310,6 +310,15 @@ fn fused_matmuls_apply_relu_or_append_the_operand_sums() -> Result<()> {
     let x = t(&[1., 0., 0., 1., 1., 1.], &[3, 2]);
     let wg = v(&fused(E::SumLeft, &[&g.t()?, &x])?);
     assert_eq!((&wg[..4], &wg[64..]), (&[6., 8., 8., 10.][..], &[9., 12.][..]));
+    // GELU (tanh form) with its pre-activation after it, and the product by its gradient, as
+    // the unfused ops compute them.
+    let h = a.matmul_bias(&b, &bias)?;
+    let gelu = v(&fused(E::GeluTanh, &[&a, &b, &bias])?);
+    assert_eq!((gelu.len(), &gelu[..6], &gelu[64..]), (70, &v(&h.gelu_tanh()?)[..], &v(&h)[..]));
+    let dg = fused(E::DGeluTanh, &[&a, &b, &h])?;
+    assert_eq!(v(&dg), v(&a.matmul(&b)?.mul(&h.unary(UnaryOp::GeluTanhGrad)?)?));
+    let err = fused(E::DGeluTanh, &[&a, &b, &a]).unwrap_err().to_string();
+    assert!(err.contains("[2, 2]") && err.contains("[2, 3]"), "{err}");
     // Sums need 2-D operands, and no bias.
     let err = fused(E::SumLeft, &[&a.reshape(&[1, 2, 2])?, &b]).unwrap_err().to_string();
     assert!(err.contains("matmul_sum") && err.contains("[1, 2, 2]"), "{err}");

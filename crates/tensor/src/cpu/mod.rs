@@ -379,24 +379,49 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
 }
 
 /// Runs an in-place op on `dst`; `src` is the second input where the op has one.
-/// `Op::MatmulFused`: the product, then the ReLU over it or the operand's sums after it (the
-/// same kernels as the unfused ops, so compiled CPU steps match eager ones exactly).
+/// `Op::MatmulFused`: the product, then the rest through the same kernels as the unfused
+/// ops, so compiled CPU steps match eager ones exactly.
 fn matmul_fused(e: MatmulEpilogue, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<CpuStorage> {
-    if e == MatmulEpilogue::Relu {
-        let product = run(&Op::Matmul, ins, meta)?;
-        return run(&Op::Unary(crate::UnaryOp::Relu), &[(&product, &Layout::contiguous(&meta.shape))], meta);
+    use crate::UnaryOp;
+    let dense = |shape: &[usize]| Layout::contiguous(shape);
+    let with_shape = |shape: Vec<usize>| OutMeta { shape, dtype: meta.dtype };
+    match e {
+        MatmulEpilogue::Relu => {
+            let product = run(&Op::Matmul, ins, meta)?;
+            run(&Op::Unary(UnaryOp::Relu), &[(&product, &dense(&meta.shape))], meta)
+        }
+        MatmulEpilogue::GeluTanh => {
+            // The product's shape, as the shape rule gives it.
+            let pm =
+                Op::Matmul.infer(&ins.iter().map(|(s, l)| crate::op::InMeta { shape: &l.shape, dtype: s.dtype() }).collect::<Vec<_>>())?;
+            let product = run(&Op::Matmul, ins, &pm)?;
+            let act = run(&Op::Unary(UnaryOp::GeluTanh), &[(&product, &dense(&pm.shape))], &pm)?;
+            append(&act, &product)
+        }
+        MatmulEpilogue::DGeluTanh => {
+            let product = run(&Op::Matmul, &ins[..2], meta)?;
+            let grad = run(&Op::Unary(UnaryOp::GeluTanhGrad), &ins[2..], meta)?;
+            let l = dense(&meta.shape);
+            run(&Op::Binary(crate::BinaryOp::Mul), &[(&product, &l), (&grad, &l)], meta)
+        }
+        MatmulEpilogue::SumLeft | MatmulEpilogue::SumRight => {
+            let (m, n) = (ins[0].1.shape[0], ins[1].1.shape[1]);
+            let product = run(&Op::Matmul, ins, &with_shape(vec![m, n]))?;
+            let (src, dim, len) = if e == MatmulEpilogue::SumLeft { (ins[0], 1, m) } else { (ins[1], 0, n) };
+            let sum = Op::Reduce { op: crate::ReduceOp::Sum, dims: vec![dim], keepdim: false };
+            append(&product, &run(&sum, &[src], &with_shape(vec![len]))?)
+        }
     }
-    let (m, n) = (ins[0].1.shape[0], ins[1].1.shape[1]);
-    let product = run(&Op::Matmul, ins, &OutMeta { shape: vec![m, n], dtype: meta.dtype })?;
-    let (src, dim, len) = if e == MatmulEpilogue::SumLeft { (ins[0], 1, m) } else { (ins[1], 0, n) };
-    let sum = Op::Reduce { op: crate::ReduceOp::Sum, dims: vec![dim], keepdim: false };
-    let sums = run(&sum, &[src], &OutMeta { shape: vec![len], dtype: meta.dtype })?;
-    let at = crate::op::matmul_sum_offset(m, n);
-    Ok(with_cpu!(&product, p => {
-        let mut v = Vec::with_capacity(at + len);
-        v.extend_from_slice(p);
+}
+
+/// `head`, zeros up to `matmul_tail_offset`, then `tail`: a fused matmul's flat output.
+fn append(head: &CpuStorage, tail: &CpuStorage) -> Result<CpuStorage> {
+    let at = crate::op::matmul_tail_offset(head.len());
+    Ok(with_cpu!(head, h => {
+        let mut v = Vec::with_capacity(at + tail.len());
+        v.extend_from_slice(h);
         v.resize(at, Default::default());
-        v.extend_from_slice(typed(&sums, "matmul_sum")?);
+        v.extend_from_slice(typed(tail, "matmul_fused")?);
         v.into_storage()
     }))
 }

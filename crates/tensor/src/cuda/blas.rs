@@ -5,8 +5,8 @@
 use super::gpu::Gpu;
 use super::kernels::{dense_copy, CudaStorage};
 use super::lt::{alignment, Epilogue, Gemm, Plan};
-use crate::op::MatmulEpilogue;
 use crate::op::OutMeta;
+use crate::op::{InMeta, MatmulEpilogue};
 use crate::shape::Layout;
 use crate::{DType, Error, Result};
 use cudarc::cublas::{result as br, sys as bs};
@@ -153,6 +153,10 @@ pub fn matmul(
 struct Rest<'a> {
     bias: Option<(&'a CudaStorage, &'a Layout)>,
     relu: bool,
+    /// GELU (tanh form), its pre-activation kept from this offset on.
+    gelu: Option<usize>,
+    /// The pre-activation whose GELU gradient multiplies the product.
+    dgelu: Option<(&'a CudaStorage, &'a Layout)>,
     /// The operand, the dim summed and where the sums go in the output.
     sums: Option<((&'a CudaStorage, &'a Layout), usize, usize)>,
 }
@@ -167,22 +171,28 @@ pub fn matmul_fused(
     epi: Option<MatmulEpilogue>,
     meta: &OutMeta,
 ) -> Result<CudaStorage> {
-    // The product's shape: a fused sum's output is the product and the sums, flat.
+    // The product's shape (a fused sum's or GELU's output is flat: the product, then more).
     let shape: Vec<usize> = match epi {
-        Some(MatmulEpilogue::SumLeft | MatmulEpilogue::SumRight) => vec![la.shape[0], lb.shape[1]],
+        Some(MatmulEpilogue::SumLeft | MatmulEpilogue::SumRight | MatmulEpilogue::GeluTanh) => {
+            let ins = [InMeta { shape: &la.shape, dtype: sa.dtype }, InMeta { shape: &lb.shape, dtype: sb.dtype }];
+            crate::Op::Matmul.infer(&ins)?.shape
+        }
         _ => meta.shape.clone(),
     };
     let r = shape.len();
     let (m, n, k) = (shape[r - 2], shape[r - 1], la.shape[la.rank() - 1]);
     let batch: usize = shape[..r - 2].iter().product();
     let out = CudaStorage::alloc(g, meta.dtype, meta.shape.iter().product())?;
-    let sum_at = crate::op::matmul_sum_offset(m, n);
+    let tail = crate::op::matmul_tail_offset(shape.iter().product());
+    let (bias, dgelu) = if epi == Some(MatmulEpilogue::DGeluTanh) { (None, bias) } else { (bias, None) };
     let mut rest = Rest {
         bias,
         relu: epi == Some(MatmulEpilogue::Relu),
+        gelu: (epi == Some(MatmulEpilogue::GeluTanh)).then_some(tail),
+        dgelu,
         sums: match epi {
-            Some(MatmulEpilogue::SumLeft) => Some(((sa, la), 1, sum_at)),
-            Some(MatmulEpilogue::SumRight) => Some(((sb, lb), 0, sum_at)),
+            Some(MatmulEpilogue::SumLeft) => Some(((sa, la), 1, tail)),
+            Some(MatmulEpilogue::SumRight) => Some(((sb, lb), 0, tail)),
             _ => None,
         },
     };
@@ -198,9 +208,9 @@ pub fn matmul_fused(
     }
     // Broadcast both operands to the output's batch dims (stride 0 where they repeat).
     let expand = |l: &Layout, rows: usize, cols: usize| {
-        let mut shape = meta.shape[..r - 2].to_vec();
-        shape.extend([rows, cols]);
-        Layout { strides: l.broadcast_strides(&shape), shape, offset: l.offset }
+        let mut to = shape[..r - 2].to_vec();
+        to.extend([rows, cols]);
+        Layout { strides: l.broadcast_strides(&to), shape: to, offset: l.offset }
     };
     let (mut la, lb) = (expand(la, m, k), expand(lb, k, n));
     let (mut m, mut batch) = (m, batch);
@@ -248,7 +258,7 @@ pub fn matmul_fused(
     }
     let blas = guard.as_mut().ok_or_else(|| Error::Cuda("no cuBLAS handle".into()))?;
     g.bind()?;
-    let (epilogue, vector) = lt_epilogue(&rest, batch, &out);
+    let (epilogue, vector, aux) = lt_epilogue(&rest, batch, n, &out);
     // cuBLASLt, with a cached plan, when it can express the batch (it cannot repeat an
     // operand with batch stride 0).
     if let Some(lt) = blas.lt.filter(|_| batch == 1 || (a.batch_stride != 0 && b.batch_stride != 0)) {
@@ -263,7 +273,7 @@ pub fn matmul_fused(
             align: (alignment(b.ptr), alignment(a.ptr), alignment(out.buf.ptr)),
             epilogue,
         };
-        let ptrs = [b.ptr, a.ptr, out.buf.ptr, vector];
+        let ptrs = [b.ptr, a.ptr, out.buf.ptr, vector, aux];
         let ws = (blas.ws.ptr, WORKSPACE);
         // One lookup per call; a problem cuBLASLt refuses is remembered as None (cuBLAS).
         let slot = match blas.plans.entry(gemm) {
@@ -326,33 +336,52 @@ pub fn matmul_fused(
     finish(g, out, rest, &shape)
 }
 
-/// The cuBLASLt epilogue for `rest` and its vector's address (0 if none). Epilogues need one
-/// GEMM (a batch would need the vector's batch stride) and a dense, 16-byte aligned vector.
-fn lt_epilogue(rest: &Rest, batch: usize, out: &CudaStorage) -> (Epilogue, u64) {
+/// The cuBLASLt epilogue for `rest` and the addresses of its vector and aux matrix (0 if
+/// none). Epilogues need one GEMM (a batch would need the vector's batch stride), a dense,
+/// 16-byte aligned vector and aux matrix; the aux matrix's rows are the output's, `n` long.
+fn lt_epilogue(rest: &Rest, batch: usize, n: usize, out: &CudaStorage) -> (Epilogue, u64, u64) {
     use cudarc::cublaslt::sys::cublasLtEpilogue_t as E;
     let aligned = |p: u64| (batch == 1 && alignment(p) >= 16).then_some(p);
-    let bias = rest.bias.filter(|(_, l)| l.is_contiguous()).and_then(|(s, l)| aligned(s.ptr_at(l.offset)));
-    let (kind, vector) = match (rest.bias, bias, rest.relu, rest.sums) {
-        (Some(_), Some(p), true, _) => (E::CUBLASLT_EPILOGUE_RELU_BIAS, p),
-        (Some(_), Some(p), false, _) => (E::CUBLASLT_EPILOGUE_BIAS, p),
-        // A bias the epilogue cannot read must be added before the ReLU: neither is fused.
-        (Some(_), None, _, _) => return (Epilogue::NONE, 0),
-        (None, _, true, _) if batch == 1 => (E::CUBLASLT_EPILOGUE_RELU, 0),
-        // cuBLASLt's A is Kiln's right operand (it computes the column-major transpose).
-        (None, _, _, Some((_, dim, at))) => match aligned(out.ptr_at(at)) {
-            Some(p) => (if dim == 1 { E::CUBLASLT_EPILOGUE_BGRADB } else { E::CUBLASLT_EPILOGUE_BGRADA }, p),
-            None => return (Epilogue::NONE, 0),
+    let dense = |v: Option<(&CudaStorage, &Layout)>| v.filter(|(_, l)| l.is_contiguous()).and_then(|(s, l)| aligned(s.ptr_at(l.offset)));
+    let bias = dense(rest.bias);
+    let (kind, vector, aux) = match (rest.bias, bias, rest.relu, rest.gelu, rest.dgelu, rest.sums) {
+        (Some(_), Some(p), true, ..) => (E::CUBLASLT_EPILOGUE_RELU_BIAS, p, 0),
+        (Some(_), Some(p), _, Some(at), ..) => match aligned(out.ptr_at(at)) {
+            Some(x) => (E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS, p, x),
+            None => return (Epilogue::NONE, 0, 0),
         },
-        _ => return (Epilogue::NONE, 0),
+        (Some(_), Some(p), false, None, ..) => (E::CUBLASLT_EPILOGUE_BIAS, p, 0),
+        // A bias the epilogue cannot read must be added before the activation: nothing fused.
+        (Some(_), None, ..) => return (Epilogue::NONE, 0, 0),
+        (None, _, true, ..) if batch == 1 => (E::CUBLASLT_EPILOGUE_RELU, 0, 0),
+        (None, _, _, Some(at), ..) => match aligned(out.ptr_at(at)) {
+            Some(x) => (E::CUBLASLT_EPILOGUE_GELU_AUX, 0, x),
+            None => return (Epilogue::NONE, 0, 0),
+        },
+        (None, _, _, _, Some(h), _) => match dense(Some(h)) {
+            Some(x) => (E::CUBLASLT_EPILOGUE_DGELU, 0, x),
+            None => return (Epilogue::NONE, 0, 0),
+        },
+        // cuBLASLt's A is Kiln's right operand (it computes the column-major transpose).
+        (None, _, _, _, _, Some((_, dim, at))) => match aligned(out.ptr_at(at)) {
+            Some(p) => (if dim == 1 { E::CUBLASLT_EPILOGUE_BGRADB } else { E::CUBLASLT_EPILOGUE_BGRADA }, p, 0),
+            None => return (Epilogue::NONE, 0, 0),
+        },
+        _ => return (Epilogue::NONE, 0, 0),
     };
-    (Epilogue { kind: kind as u32, vector: (vector != 0).then(|| alignment(vector)) }, vector)
+    let epilogue = Epilogue {
+        kind: kind as u32,
+        vector: (vector != 0).then(|| alignment(vector)),
+        aux: (aux != 0).then(|| (alignment(aux), n as i64)),
+    };
+    (epilogue, vector, aux)
 }
 
 impl Rest<'_> {
     /// Drops what `epilogue` did.
     fn done_by(&mut self, epilogue: Epilogue) {
         if epilogue != Epilogue::NONE {
-            *self = Rest { bias: None, relu: false, sums: None };
+            *self = Rest { bias: None, relu: false, gelu: None, dgelu: None, sums: None };
         }
     }
 }
@@ -364,7 +393,17 @@ fn finish(g: &Arc<Gpu>, out: CudaStorage, rest: Rest, shape: &[usize]) -> Result
         super::kernels::add_bias(g, &out, shape, b)?;
     }
     if rest.relu {
-        super::kernels::relu_in_place(g, &out, shape)?;
+        super::kernels::unary_in_place(g, &out, shape, crate::UnaryOp::Relu)?;
+    }
+    let bytes = shape.iter().product::<usize>() * out.dtype.size_in_bytes();
+    if let Some(at) = rest.gelu {
+        // SAFETY: `out` holds the product and, from `at`, room for a copy of it (the shape
+        // rule); the stream runs the copy before the GELU below overwrites the product.
+        unsafe { g.copy_d2d(out.ptr_at(at), out.buf.ptr, bytes)? };
+        super::kernels::unary_in_place(g, &out, shape, crate::UnaryOp::GeluTanh)?;
+    }
+    if let Some(h) = rest.dgelu {
+        super::kernels::mul_by_unary(g, &out, shape, crate::UnaryOp::GeluTanhGrad, h)?;
     }
     if let Some(((s, l), dim, at)) = rest.sums {
         let len = l.shape[1 - dim];

@@ -221,13 +221,25 @@ pub(super) fn add_bias(g: &Arc<Gpu>, out: &CudaStorage, shape: &[usize], bias: (
     launch_ew(g, prefix, expr, c, &[(out, &lo), bias], shape, out, true, NO_EXTRA)
 }
 
-/// `out = relu(out)` over a dense `out` of `shape`: a fused matmul's ReLU where no epilogue
-/// applied it.
-pub(super) fn relu_in_place(g: &Arc<Gpu>, out: &CudaStorage, shape: &[usize]) -> Result<()> {
-    let op = Op::Unary(crate::UnaryOp::Relu);
-    let (prefix, expr, c) = elementwise_expr(&op, &[out.dtype]).ok_or_else(|| Error::Msg("matmul relu: no kernel".into()))?;
+/// `out = u(out)` over a dense `out` of `shape`: a fused matmul's activation where no
+/// epilogue applied it.
+pub(super) fn unary_in_place(g: &Arc<Gpu>, out: &CudaStorage, shape: &[usize], u: crate::UnaryOp) -> Result<()> {
+    let (prefix, expr, c) =
+        elementwise_expr(&Op::Unary(u), &[out.dtype]).ok_or_else(|| Error::Msg(format!("matmul {}: no kernel", u.name())))?;
     let lo = Layout::contiguous(shape);
     launch_ew(g, prefix, expr, c, &[(out, &lo)], shape, out, true, NO_EXTRA)
+}
+
+/// `out *= u(x)` over a dense `out` of `shape` (the product of a fused matmul by an
+/// activation's gradient), as the unfused `mul` computes it.
+pub(super) fn mul_by_unary(g: &Arc<Gpu>, out: &CudaStorage, shape: &[usize], u: crate::UnaryOp, x: (&CudaStorage, &Layout)) -> Result<()> {
+    let (prefix, expr, c) =
+        elementwise_expr(&Op::Unary(u), &[x.0.dtype]).ok_or_else(|| Error::Msg(format!("matmul {}: no kernel", u.name())))?;
+    let grad = ew_with(g, prefix, expr, c, &[x], &OutMeta { shape: shape.to_vec(), dtype: out.dtype }, NO_EXTRA)?;
+    let op = Op::UpdateBinary(crate::BinaryOp::Mul);
+    let (prefix, expr, c) = elementwise_expr(&op, &[out.dtype]).ok_or_else(|| Error::Msg("matmul: no mul kernel".into()))?;
+    let lo = Layout::contiguous(shape);
+    launch_ew(g, prefix, expr, c, &[(out, &lo), (&grad, &lo)], shape, out, true, NO_EXTRA)
 }
 
 /// The sums of a 2-D `s` (read through `l`) over `dim`, in `s`'s dtype.

@@ -39,10 +39,13 @@ pub struct Gemm {
 pub struct Epilogue {
     pub kind: u32,
     pub vector: Option<u32>,
+    /// The aux matrix GELU's epilogues write (the pre-activation) or read: its pointer's
+    /// alignment and leading dimension.
+    pub aux: Option<(u32, i64)>,
 }
 
 impl Epilogue {
-    pub const NONE: Epilogue = Epilogue { kind: ls::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT as u32, vector: None };
+    pub const NONE: Epilogue = Epilogue { kind: ls::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT as u32, vector: None, aux: None };
 }
 
 /// Descriptors and the chosen algorithm of one `Gemm`.
@@ -54,6 +57,8 @@ pub struct Plan {
     f64: bool,
     /// The epilogue reads or writes a vector (its pointer is set per call).
     vector: bool,
+    /// The epilogue reads or writes an aux matrix (its pointer is set per call).
+    aux: bool,
     /// Whether the algorithm was timed (here or in an earlier process), not just the heuristic's.
     pub tuned: bool,
 }
@@ -131,8 +136,8 @@ fn layout(t: ls::cudaDataType, rows: u64, cols: u64, ld: i64, batch: i32, stride
 
 impl Plan {
     /// Descriptors for `g` and its algorithm: heuristic, from the disk cache, or timed on
-    /// `ptrs` (A, B, D, the epilogue's vector) when autotuning.
-    pub(crate) fn new(lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, g: &Gemm, ptrs: [u64; 4], ws: (u64, usize)) -> Result<Plan> {
+    /// `ptrs` (A, B, D, the epilogue's vector and aux matrix) when autotuning.
+    pub(crate) fn new(lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, g: &Gemm, ptrs: [u64; 5], ws: (u64, usize)) -> Result<Plan> {
         let (t, mut compute, scale) = cuda_type(g.dtype)?;
         if g.tf32 && g.dtype == DType::F32 {
             compute = ls::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32;
@@ -144,6 +149,7 @@ impl Plan {
             algo: ls::cublasLtMatmulAlgo_t { data: [0; 8] },
             f64: g.dtype == DType::F64,
             vector: g.epilogue.vector.is_some(),
+            aux: g.epilogue.aux.is_some(),
             tuned: false,
         };
         // cublasOperation_t: CUBLAS_OP_N = 0, CUBLAS_OP_T = 1.
@@ -158,6 +164,10 @@ impl Plan {
                 let e = g.epilogue.kind;
                 lr::set_matmul_desc_attribute(desc, D::CUBLASLT_MATMUL_DESC_EPILOGUE, &e as *const u32 as _, 4)
                     .map_err(lt_err("epilogue"))?;
+            }
+            if let Some((_, ld)) = g.epilogue.aux {
+                lr::set_matmul_desc_attribute(desc, D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld as *const i64 as _, 8)
+                    .map_err(lt_err("aux ld"))?;
             }
         }
         let (m, n, k) = g.mnk;
@@ -264,7 +274,7 @@ impl Plan {
     }
 
     /// Mean seconds of a few runs of the current algorithm (after one warm-up).
-    fn time(&self, lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, ptrs: [u64; 4], ws: (u64, usize)) -> Result<f64> {
+    fn time(&self, lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, ptrs: [u64; 5], ws: (u64, usize)) -> Result<f64> {
         self.run(lt, gpu, ptrs, ws)?;
         gpu.sync()?;
         let start = Instant::now();
@@ -276,9 +286,9 @@ impl Plan {
         Ok(start.elapsed().as_secs_f64() / RUNS as f64)
     }
 
-    /// `D = A B` and the epilogue on the GPU's stream: `ptrs` are A, B, D and the epilogue's
-    /// vector (0 if none).
-    pub(crate) fn run(&self, lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, ptrs: [u64; 4], ws: (u64, usize)) -> Result<()> {
+    /// `D = A B` and the epilogue on the GPU's stream: `ptrs` are A, B, D, the epilogue's
+    /// vector and its aux matrix (0 if none).
+    pub(crate) fn run(&self, lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, ptrs: [u64; 5], ws: (u64, usize)) -> Result<()> {
         let (alpha, beta) = super::blas::one_and_zero(self.f64);
         let l = self.layouts;
         if self.vector {
@@ -289,6 +299,14 @@ impl Plan {
             // for the call.
             unsafe { lr::set_matmul_desc_attribute(self.desc, D::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p as *const u64 as _, 8) }
                 .map_err(lt_err("bias"))?;
+        }
+        if self.aux {
+            use ls::cublasLtMatmulDescAttributes_t as D;
+            let p = ptrs[4];
+            // SAFETY: as for the bias pointer: a device pointer to the aux matrix, alive for
+            // the call.
+            unsafe { lr::set_matmul_desc_attribute(self.desc, D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &p as *const u64 as _, 8) }
+                .map_err(lt_err("aux"))?;
         }
         // SAFETY: the pointers are live device buffers of this GPU sized for the layouts
         // (checked by the caller's shape rule); `ws` is the handle's workspace; alpha/beta
