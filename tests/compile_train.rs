@@ -325,7 +325,7 @@ fn autocast_multiplies_in_bf16_and_keeps_f32_parameters() -> Result<()> {
         let _ac = kiln::tensor::Autocast::new(DType::BF16)?;
         x.matmul(&w)?
     };
-    assert_eq!(y.dtype(), DType::F32);
+    assert_eq!(y.dtype(), DType::BF16, "the product stays in the low dtype, as in torch.autocast");
     let bf = |v: f32| half::bf16::from_f32(v).to_f32();
     let (xv, wv) = (x.to_vec::<f32>()?, w.to_vec::<f32>()?);
     let mut want = vec![0f32; 4];
@@ -335,7 +335,9 @@ fn autocast_multiplies_in_bf16_and_keeps_f32_parameters() -> Result<()> {
             want[i * 2 + j] = bf(acc);
         }
     }
-    assert_close("autocast product", &y.to_vec::<f32>()?, &want, 1e-6);
+    assert_close("autocast product", &y.to_dtype(DType::F32)?.to_vec::<f32>()?, &want, 1e-6);
+    // Added to an F32 tensor it is F32 again (type promotion).
+    assert_eq!(y.add(&x.narrow(1, 0, 2)?)?.dtype(), DType::F32);
     y.sum_all()?.backward()?;
     let g = w.grad().expect("w has a gradient");
     assert_eq!(g.dtype(), DType::F32, "the parameter's gradient stays F32");

@@ -299,7 +299,12 @@ fn fused_matmul_epilogues_match_the_cpu() {
         let tg = if dt == DType::F64 { 1e-8 } else { t };
         both(&format!("matmul_gelu_tanh {dt:?}"), &[a.clone(), b.clone()], tg, fused(E::GeluTanh));
         both(&format!("matmul_gelu_tanh + bias {dt:?}"), &[a.clone(), b.clone(), bias.clone()], tg, fused(E::GeluTanh));
-        both(&format!("matmul_gelu_tanh [B, T, C] {dt:?}"), &[randn(&[3, 37, 24], 50, dt), b.clone(), bias.clone()], tg, fused(E::GeluTanh));
+        both(
+            &format!("matmul_gelu_tanh [B, T, C] {dt:?}"),
+            &[randn(&[3, 37, 24], 50, dt), b.clone(), bias.clone()],
+            tg,
+            fused(E::GeluTanh),
+        );
         both(&format!("matmul_gelu_tanh + unaligned bias {dt:?}"), &[a.clone(), b.clone(), randn(&[17], 45, dt)], tg, |x| {
             fused(E::GeluTanh)(&[x[0].clone(), x[1].clone(), x[2].narrow(0, 1, 16)?])
         });

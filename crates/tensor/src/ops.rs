@@ -215,8 +215,24 @@ impl Tensor {
     pub fn unary(&self, op: UnaryOp) -> Result<Tensor> {
         Tensor::apply(Op::Unary(op), &[self], self.device())
     }
+    /// `self op rhs`; floats of two dtypes meet in the wider one, as in PyTorch (F64 over F32
+    /// over F16/BF16; F16 with BF16 gives F32): an autocast product (BF16) added to an F32
+    /// residual stream is F32.
     pub fn binary(&self, op: BinaryOp, rhs: &Tensor) -> Result<Tensor> {
+        let (a, b) = (self.dtype(), rhs.dtype());
+        if a != b && a.is_float() && b.is_float() {
+            let to = if a == DType::F64 || b == DType::F64 { DType::F64 } else { DType::F32 };
+            return Tensor::apply(Op::Binary(op), &[&self.to_dtype(to)?, &rhs.to_dtype(to)?], self.device());
+        }
         Tensor::apply(Op::Binary(op), &[self, rhs], self.device())
+    }
+    /// Under `Autocast`, a F16/BF16 tensor in F32 (the ops PyTorch's autocast runs in F32:
+    /// softmax, layer norm, cross-entropy); otherwise `self`.
+    pub(crate) fn autocast_f32(&self) -> Result<Tensor> {
+        match crate::autocast_dtype() {
+            Some(_) if matches!(self.dtype(), DType::F16 | DType::BF16) => self.to_dtype(DType::F32),
+            _ => Ok(self.clone()),
+        }
     }
     /// `self op value` (or `value op self` when `scalar_lhs`).
     pub fn scalar_op(&self, op: BinaryOp, value: f64, scalar_lhs: bool) -> Result<Tensor> {
@@ -322,7 +338,7 @@ impl Tensor {
     /// Layer norm over the last dim in one pass: `normalize(eps) * weight + bias`, with
     /// `weight` and `bias` of shape `[n]` (the last dim) and of `self`'s dtype.
     pub fn layer_norm(&self, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
-        Tensor::apply(Op::Normalize { eps }, &[self, weight, bias], self.device())
+        Tensor::apply(Op::Normalize { eps }, &[&self.autocast_f32()?, weight, bias], self.device())
     }
     /// The input gradient of a softmax (`log`: log-softmax) of `scale * x` over the last dim,
     /// from its output `self` and the output's gradient `g`, in one pass per row.
@@ -340,17 +356,10 @@ impl Tensor {
     }
     /// Scaled dot-product attention as one op (flash-style: the `[T, T]` scores are never
     /// stored): `softmax(scale * self k^T) v` over `[.., T, D]` inputs of one shape, with
-    /// `causal` leaving key `j` out of query `i` when `j > i`. Under `Autocast`, F32 inputs
-    /// are computed in the low dtype and the result is F32, as for `matmul`.
+    /// `causal` leaving key `j` out of query `i` when `j > i`. Under `Autocast`, computed and
+    /// returned in the low dtype, as for `matmul`.
     pub fn attention(&self, k: &Tensor, v: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
-        let op = Op::Attention { scale, causal };
-        match crate::autocast_dtype() {
-            Some(low) if [self, k, v].iter().all(|t| t.dtype() == DType::F32) => {
-                let (q, k, v) = (self.to_dtype(low)?, k.to_dtype(low)?, v.to_dtype(low)?);
-                Tensor::apply(op, &[&q, &k, &v], self.device())?.to_dtype(DType::F32)
-            }
-            _ => Tensor::apply(op, &[self, k, v], self.device()),
-        }
+        Tensor::autocast_apply(Op::Attention { scale, causal }, &[self, k, v])
     }
     /// The gradients of `attention` (q = self, then k, v, its output `o` and the output's
     /// gradient `g`), packed as `[3, .., T, D]`: dq, dk, dv.
@@ -362,7 +371,7 @@ impl Tensor {
     /// `smoothing` mixes the one-hot target with the uniform distribution. A target outside
     /// `0..C` is an error (on a GPU, at the next host read).
     pub fn cross_entropy_rows(&self, targets: &Tensor, ignore_index: Option<i64>, smoothing: f64) -> Result<Tensor> {
-        Tensor::apply(Op::CrossEntropy { ignore_index, smoothing }, &[self, targets], self.device())
+        Tensor::apply(Op::CrossEntropy { ignore_index, smoothing }, &[&self.autocast_f32()?, targets], self.device())
     }
     /// The logits' gradient of `cross_entropy_rows` for the per-row gradient `g` (`[N]`).
     pub fn cross_entropy_rows_backward(&self, targets: &Tensor, g: &Tensor, ignore_index: Option<i64>, smoothing: f64) -> Result<Tensor> {
@@ -371,16 +380,17 @@ impl Tensor {
     /// `softmax(scale * x)` over the last dim, optionally with attention's causal mask (entry
     /// `j` of row `i` of each trailing `[T, S]` matrix dropped when `j > i`), in one kernel.
     pub fn softmax_scaled(&self, scale: f64, causal: bool) -> Result<Tensor> {
-        Tensor::apply(Op::Softmax { log: false, scale, causal }, &[self], self.device())
+        Tensor::apply(Op::Softmax { log: false, scale, causal }, &[&self.autocast_f32()?], self.device())
     }
     fn softmax_op(&self, d: usize, log: bool) -> Result<Tensor> {
-        let last = self.rank() - 1;
+        let x = self.autocast_f32()?;
+        let last = x.rank() - 1;
         let op = Op::Softmax { log, scale: 1.0, causal: false };
         if d == last {
-            return Tensor::apply(op, &[self], self.device());
+            return Tensor::apply(op, &[&x], x.device());
         }
-        let moved = self.transpose(d, last)?;
-        Tensor::apply(op, &[&moved], self.device())?.transpose(d, last)
+        let moved = x.transpose(d, last)?;
+        Tensor::apply(op, &[&moved], x.device())?.transpose(d, last)
     }
 
     // ---- matrix products ----
@@ -392,20 +402,21 @@ impl Tensor {
             (1, 1) => self.unsqueeze(0)?.matmul(&rhs.unsqueeze(1)?)?.reshape(&[0usize; 0]),
             (1, _) => self.unsqueeze(0)?.matmul(rhs)?.squeeze(-2i64),
             (_, 1) => self.matmul(&rhs.unsqueeze(1)?)?.squeeze(-1i64),
-            _ => Tensor::autocast_matmul(&[self, rhs]),
+            _ => Tensor::autocast_apply(Op::Matmul, &[self, rhs]),
         }
     }
 
-    /// `Op::Matmul` over `ins` (a, b and perhaps a bias); under `Autocast`, F32 operands are
-    /// computed in the low dtype and the result returned in F32.
-    fn autocast_matmul(ins: &[&Tensor]) -> Result<Tensor> {
+    /// `op` (a matmul or attention) over `ins`; under `Autocast`, F32 inputs are cast to the
+    /// low dtype, and the result stays in it (as PyTorch's autocast leaves a linear layer's
+    /// output: the next product reads it with no cast, and adding it to F32 gives F32).
+    fn autocast_apply(op: Op, ins: &[&Tensor]) -> Result<Tensor> {
         let device = ins[0].device();
         match crate::autocast_dtype() {
-            Some(low) if ins.iter().all(|t| t.dtype() == DType::F32) => {
+            Some(low) if ins.iter().all(|t| t.dtype() == DType::F32 || t.dtype() == low) => {
                 let low_ins: Vec<Tensor> = ins.iter().map(|t| t.to_dtype(low)).collect::<Result<_>>()?;
-                Tensor::apply(Op::Matmul, &low_ins.iter().collect::<Vec<_>>(), device)?.to_dtype(DType::F32)
+                Tensor::apply(op, &low_ins.iter().collect::<Vec<_>>(), device)
             }
-            _ => Tensor::apply(Op::Matmul, ins, device),
+            _ => Tensor::apply(op, ins, device),
         }
     }
 
@@ -415,7 +426,7 @@ impl Tensor {
         if self.rank() < 2 || rhs.rank() < 2 {
             return self.matmul(rhs)?.add(bias);
         }
-        Tensor::autocast_matmul(&[self, rhs, bias])
+        Tensor::autocast_apply(Op::Matmul, &[self, rhs, bias])
     }
 
     /// `self @ weight^T (+ bias)` with `weight` `[out, in]`: PyTorch's `F.linear`.

@@ -92,9 +92,11 @@ pub fn autocast_dtype() -> Option<DType> {
 }
 
 /// Mixed precision in the manner of `torch.autocast`, while the guard lives (on this thread):
-/// a matrix product of F32 tensors casts them to `dtype` (BF16 or F16), multiplies on the
-/// tensor cores with F32 accumulation and casts the result back to F32. Everything else keeps
-/// F32, parameters and their gradients included (the casts' backward returns F32 gradients).
+/// matrix products and attention cast F32 inputs to `dtype` (BF16 or F16), multiply on the
+/// tensor cores with F32 accumulation and return `dtype`; softmax, layer norm and
+/// cross-entropy cast F16/BF16 inputs up and compute in F32; binary ops of mixed float dtypes
+/// compute in the wider one. Parameters and their gradients stay F32 (the casts' backward
+/// returns F32 gradients).
 /// A compiled step traced under autocast records the casts, and is keyed by the setting.
 pub struct Autocast {
     prev: Option<DType>,

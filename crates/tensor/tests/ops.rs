@@ -119,6 +119,27 @@ fn unary_ops_match_f64_formulas() -> Result<()> {
     Ok(())
 }
 
+/// Floats of two dtypes meet in the wider one (PyTorch's promotion); under autocast, products
+/// stay in the low dtype and softmax, layer norm and cross-entropy compute in F32.
+#[test]
+fn mixed_float_dtypes_promote_and_autocast_keeps_products_low() -> Result<()> {
+    let a = t(&[1.5, -2.0, 3.25], &[3]);
+    let (b, h) = (a.to_dtype(DType::BF16)?, a.to_dtype(DType::F16)?);
+    let sum = a.add(&b)?;
+    assert_eq!((sum.dtype(), v(&sum)), (DType::F32, vec![3.0, -4.0, 6.5]));
+    assert_eq!(b.mul(&h)?.dtype(), DType::F32);
+    assert_eq!(a.to_dtype(DType::F64)?.sub(&b)?.dtype(), DType::F64);
+    assert!(a.add(&Tensor::arange(3, DType::I64, CPU)?).is_err(), "integers do not promote");
+    let _ac = kiln_tensor::Autocast::new(DType::BF16)?;
+    let m = t(&[1., 2., 3., 4.], &[2, 2]);
+    let p = m.matmul(&m)?;
+    assert_eq!((p.dtype(), v(&p)), (DType::BF16, vec![7., 10., 15., 22.]));
+    let s = p.softmax(-1)?;
+    assert_eq!(s.dtype(), DType::F32);
+    close(&v(&s), &[0.047_425_87, 0.952_574_1, 0.000_911_051_2, 0.999_089], 1e-6);
+    Ok(())
+}
+
 #[test]
 fn binary_ops_broadcast_like_numpy() -> Result<()> {
     let a = t(&[1., 2., 3., 4., 5., 6.], &[2, 3]);
