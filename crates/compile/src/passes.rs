@@ -262,7 +262,9 @@ pub fn fuse_matmuls(g: &Graph) -> Graph {
                 let pn = &out.nodes[p];
                 let Kind::Op(Op::Matmul, margs) = &pn.kind else { continue };
                 let only = uses[p] == 1 || u == UnaryOp::GeluTanh;
-                if !only || !whole(&args[0], pn) || written.contains(&p) || bases.contains(&p) || pn.dtype != out.nodes[i].dtype {
+                // (A base written into in place must keep its own shape.)
+                let kept = written.contains(&p) || bases.contains(&p) || bases.contains(&i);
+                if !only || kept || !whole(&args[0], pn) || pn.dtype != out.nodes[i].dtype {
                     continue;
                 }
                 let (margs, numel) = (margs.clone(), pn.numel());
@@ -326,7 +328,8 @@ pub fn fuse_matmuls(g: &Graph) -> Graph {
         match &mut n.kind {
             Kind::Op(_, args) => args.iter_mut().for_each(fix),
             Kind::WriteView { base, value, .. } => {
-                // Only a ReLU (offset 0) can be a base here.
+                // No fused node is a base (see above): only a product's DGELU output (offset 0)
+                // can stand for one.
                 if let Some((node, 0)) = alias[*base] {
                     *base = node;
                 }
