@@ -262,6 +262,21 @@ fn matmul_matches_the_cpu_with_transposes_and_batches() {
     }
 }
 
+/// Layer norm's parameter gradients (one pass over x and g, then a fold of per-block
+/// partials) against the CPU's composite, from a few rows to many, up to the kernel's longest
+/// row and past it (the composite ops on the GPU too).
+#[test]
+fn layer_norm_param_grads_match_the_cpu() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for dt in FLOATS {
+        for (i, shape) in [&[3, 5, 24][..], &[300, 384], &[2, 3], &[70, 1024], &[4, 1030], &[0, 8]].into_iter().enumerate() {
+            let (x, g) = (randn(shape, 60 + i as u64, dt), randn(shape, 70 + i as u64, dt));
+            let t = if matches!(dt, DType::F16 | DType::BF16) { tol(dt) * 2.0 } else { tol(dt) * 100.0 };
+            both(&format!("layer_norm_param_grads {shape:?} {dt:?}"), &[x, g], t, |v| v[0].layer_norm_param_grads(&v[1], 1e-5));
+        }
+    }
+}
+
 /// `Op::MatmulFused` (compile's matmul epilogues): cuBLASLt's RELU(_BIAS), GELU_AUX(_BIAS),
 /// DGELU and BGRADA/BGRADB epilogues where they apply, the product then kernels where not (a batch, an unaligned
 /// bias, F64 if cuBLASLt has no such epilogue), all against the CPU.

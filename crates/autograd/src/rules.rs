@@ -178,15 +178,20 @@ pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Te
             return Err(Error::Msg("backward: second derivatives through softmax are not supported".into()));
         }
         Op::Normalize { eps } if inputs.len() == 3 => {
-            // y = xhat w + b: xhat is recomputed (one row pass) only for w's gradient.
+            // y = xhat w + b: the weight's and bias's gradients in one pass over x and g.
             let (x, w, b) = (&inputs[0], &inputs[1], &inputs[2]);
             let dx = needs[0].then(|| x.layer_norm_backward(g, w, *eps)).transpose()?;
-            let dw = needs[1].then(|| reduce_to(&g.mul(&x.normalize(*eps)?)?, w.shape())).transpose()?;
-            let db = needs[2].then(|| reduce_to(g, b.shape())).transpose()?;
+            let (dw, db) = if needs[1] {
+                let both = x.layer_norm_param_grads(g, *eps)?;
+                let db = needs[2].then(|| both.narrow(0, 1, 1)?.reshape(b.shape())).transpose()?;
+                (Some(both.narrow(0, 0, 1)?.reshape(w.shape())?), db)
+            } else {
+                (None, needs[2].then(|| reduce_to(g, b.shape())).transpose()?)
+            };
             vec![dx, dw, db]
         }
         Op::Normalize { eps } => vec![Some(x0()?.normalize_backward(g, *eps)?)],
-        Op::NormalizeBackward { .. } => {
+        Op::NormalizeBackward { .. } | Op::NormalizeParamGrads { .. } => {
             return Err(Error::Msg("backward: second derivatives through normalize are not supported".into()));
         }
         Op::Attention { scale, causal } => {

@@ -550,6 +550,12 @@ pub enum Op {
     NormalizeBackward {
         eps: f64,
     },
+    /// Layer norm's parameter gradients from its input `x` and output gradient `g` (one
+    /// shape, last dim `n`): `[2, n]`, the sums over rows of `g * normalize(x)` (the weight's)
+    /// and of `g` (the bias's). On CUDA one pass reads x and g once, with no normalised copy.
+    NormalizeParamGrads {
+        eps: f64,
+    },
     /// Scaled dot-product attention without storing the scores (flash-style): inputs q, k, v
     /// of one shape `[.., T, D]`; `out = softmax(scale * q k^T) v`, where with `causal` key `j`
     /// is left out of query `i`'s softmax when `j > i`.
@@ -654,6 +660,7 @@ impl Op {
             Op::Softmax { log: true, .. } => "log_softmax",
             Op::Normalize { .. } => "normalize",
             Op::NormalizeBackward { .. } => "normalize_backward",
+            Op::NormalizeParamGrads { .. } => "layer_norm_param_grads",
             Op::SoftmaxBackward { .. } => "softmax_backward",
             Op::Attention { .. } => "attention",
             Op::AttentionBackward { .. } => "attention_backward",
@@ -699,7 +706,7 @@ impl Op {
             Op::Normalize { .. } if inputs.len() == 3 => 3,
             Op::Normalize { .. } => 1,
             Op::NormalizeBackward { .. } if inputs.len() == 3 => 3,
-            Op::NormalizeBackward { .. } | Op::SoftmaxBackward { .. } => 2,
+            Op::NormalizeBackward { .. } | Op::SoftmaxBackward { .. } | Op::NormalizeParamGrads { .. } => 2,
             Op::Attention { .. } => 3,
             Op::AttentionBackward { .. } => 5,
             Op::CrossEntropy { .. } => 2,
@@ -785,12 +792,22 @@ impl Op {
                 };
                 meta(out, if is_arg { DType::I64 } else { inputs[0].dtype })
             }
-            Op::NormalizeBackward { .. } | Op::SoftmaxBackward { .. } if inputs[0].shape != inputs[1].shape => {
+            Op::NormalizeBackward { .. } | Op::SoftmaxBackward { .. } | Op::NormalizeParamGrads { .. }
+                if inputs[0].shape != inputs[1].shape =>
+            {
                 Err(Error::shape(name, format!("input {:?} and gradient {:?} must have one shape", inputs[0].shape, inputs[1].shape)))
             }
             Op::Softmax { log: true, causal: true, .. } => Err(Error::Msg(format!("{name}: the causal mask is for softmax only"))),
             Op::Softmax { causal: true, .. } if inputs[0].shape.len() < 2 => {
                 Err(Error::shape(name, format!("a causal softmax needs rank >= 2, got {:?}", inputs[0].shape)))
+            }
+            Op::NormalizeParamGrads { .. } => {
+                float_only(inputs[0].dtype)?;
+                same_dtype(inputs[0].dtype, inputs[1].dtype)?;
+                match inputs[0].shape.last() {
+                    Some(&n) => meta(vec![2, n], inputs[0].dtype),
+                    None => Err(Error::shape(name, "needs rank >= 1, got a scalar".to_string())),
+                }
             }
             Op::Normalize { .. } | Op::NormalizeBackward { .. } if inputs.len() == 3 => {
                 // Layer norm's forms: x, weight, bias (`[n]` each after x) or x, its output's

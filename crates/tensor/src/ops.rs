@@ -345,6 +345,18 @@ impl Tensor {
     pub fn softmax_backward(&self, g: &Tensor, log: bool, scale: f64) -> Result<Tensor> {
         Tensor::apply(Op::SoftmaxBackward { log, scale }, &[self, g], self.device())
     }
+    /// Layer norm's weight and bias gradients, `[2, n]`, from its input `self` and output
+    /// gradient `g` (`Op::NormalizeParamGrads`); on CUDA rows longer than the kernel takes
+    /// go through the composite ops.
+    pub fn layer_norm_param_grads(&self, g: &Tensor, eps: f64) -> Result<Tensor> {
+        let n = self.shape().last().copied().unwrap_or(0);
+        if self.device().is_cuda() && n > crate::cuda::codegen::LN_GRADS_MAX_N {
+            let rows: Vec<usize> = (0..self.rank() - 1).collect();
+            let dw = g.mul(&self.normalize(eps)?)?.sum(&rows, false)?;
+            return Tensor::cat(&[&dw.unsqueeze(0)?, &g.sum(&rows, false)?.unsqueeze(0)?], 0);
+        }
+        Tensor::apply(Op::NormalizeParamGrads { eps }, &[self, g], self.device())
+    }
     /// The input gradient of `normalize` for the output gradient `g`.
     pub fn normalize_backward(&self, g: &Tensor, eps: f64) -> Result<Tensor> {
         Tensor::apply(Op::NormalizeBackward { eps }, &[self, g], self.device())

@@ -171,6 +171,10 @@ fn every_reduction_and_index_kernel_compiles() {
             let (s, n) = kiln_tensor::cuda::codegen::adam_source(d, ams);
             check(&s, &n, &mut fails);
         }
+        for tiles in [1, 12, 32] {
+            let (s, n) = kiln_tensor::cuda::codegen::layer_norm_param_grads_source(d, tiles);
+            check(&s, &n, &mut fails);
+        }
     }
     use kiln_tensor::cuda::codegen::{flash_source, tiled_source, AttnKernel};
     for kind in [AttnKernel::Fwd, AttnKernel::Dq, AttnKernel::Dkv] {

@@ -309,6 +309,23 @@ fn matmul_with_bias_adds_it_to_every_row() -> Result<()> {
 }
 
 /// `Op::MatmulFused` (what compile's fusion makes) on hand-computed values.
+/// Layer norm's weight and bias gradients in one op, against the ops it replaces.
+#[test]
+fn layer_norm_param_grads_match_the_composite() -> Result<()> {
+    let x = Tensor::rand_at(&[2, 3, 5], Distribution::Normal, 7, 0, DType::F32, CPU)?;
+    let g = Tensor::rand_at(&[2, 3, 5], Distribution::Normal, 8, 0, DType::F32, CPU)?;
+    let both = x.layer_norm_param_grads(&g, 1e-5)?;
+    assert_eq!(both.shape(), &[2, 5]);
+    assert_eq!(v(&both.narrow(0, 0, 1)?), v(&g.mul(&x.normalize(1e-5)?)?.sum(&[0, 1], false)?));
+    assert_eq!(v(&both.narrow(0, 1, 1)?), v(&g.sum(&[0, 1], false)?));
+    // By hand for one row [1, 3] (mean 2, variance 1, so xhat = [-1, 1] with eps 0).
+    let one = t(&[1., 3.], &[1, 2]).layer_norm_param_grads(&t(&[2., 5.], &[1, 2]), 0.0)?;
+    assert_eq!(v(&one), vec![-2., 5., 2., 5.]);
+    let err = x.layer_norm_param_grads(&g.narrow(2, 0, 4)?, 1e-5).unwrap_err().to_string();
+    assert!(err.contains("[2, 3, 5]") && err.contains("[2, 3, 4]"), "{err}");
+    Ok(())
+}
+
 #[test]
 fn fused_matmuls_apply_relu_or_append_the_operand_sums() -> Result<()> {
     use kiln_tensor::{MatmulEpilogue as E, Op};

@@ -258,6 +258,23 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             }
             with_cpu!(s, v => with_grad(v, l, g, name, |x, g| reduce::normalize(x, Some(g), (None, None), n, *eps))?.into_storage())
         }
+        Op::NormalizeParamGrads { eps } => {
+            // The unfused ops, so the CPU's results match the composite's exactly.
+            let (x, g) = (ins[0], ins[1]);
+            let rows: Vec<usize> = (0..x.1.rank() - 1).collect();
+            let n = meta.shape[1];
+            let like = |d: DType| OutMeta { shape: x.1.shape.clone(), dtype: d };
+            let xhat = run(&Op::Normalize { eps: *eps }, &[x], &like(meta.dtype))?;
+            let gx = run(&Op::Binary(crate::BinaryOp::Mul), &[g, (&xhat, &Layout::contiguous(&x.1.shape))], &like(meta.dtype))?;
+            let sum = Op::Reduce { op: crate::ReduceOp::Sum, dims: rows, keepdim: false };
+            let vec_meta = OutMeta { shape: vec![n], dtype: meta.dtype };
+            let (dw, db) = (run(&sum, &[(&gx, &Layout::contiguous(&x.1.shape))], &vec_meta)?, run(&sum, &[g], &vec_meta)?);
+            with_cpu!(&dw, w => {
+                let mut v = w.to_vec();
+                v.extend_from_slice(typed(&db, name)?);
+                v.into_storage()
+            })
+        }
         Op::CrossEntropy { ignore_index, smoothing } | Op::CrossEntropyBackward { ignore_index, smoothing } => {
             let ((s, l), (st, lt)) = (ins[0], ins[1]);
             let spec = reduce::XentSpec { n: l.shape[1], ignore: *ignore_index, smoothing: *smoothing };

@@ -200,10 +200,7 @@ pub fn matmul_fused(
         return Ok(out);
     }
     if k == 0 {
-        g.bind()?;
-        // SAFETY: `out` owns `bytes` bytes on this GPU.
-        unsafe { cudarc::driver::result::memset_d8_async(out.buf.ptr, 0, out.len * meta.dtype.size_in_bytes(), g.stream.cu_stream()) }
-            .map_err(|e| Error::Cuda(format!("memset: {e}")))?;
+        super::kernels::zero(g, &out)?;
         return finish(g, out, rest, &shape);
     }
     // Broadcast both operands to the output's batch dims (stride 0 where they repeat).

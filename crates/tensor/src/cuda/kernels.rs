@@ -304,6 +304,7 @@ pub fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, devic
         Op::Softmax { log, scale, causal } => softmax(&g, x[0], (*log, *scale, *causal))?,
         Op::Normalize { eps } => normalize(&g, x[0], None, &x[1..], *eps)?,
         Op::NormalizeBackward { eps } => normalize(&g, x[0], Some(x[1]), &x[2..], *eps)?,
+        Op::NormalizeParamGrads { eps } => layer_norm_param_grads(&g, x[0], x[1], *eps)?,
         Op::SoftmaxBackward { log, scale } => softmax_backward(&g, x[0], x[1], *log, *scale)?,
         Op::Attention { scale, causal } => attention(&g, &x, *scale, *causal, false)?,
         Op::AttentionBackward { scale, causal } => attention(&g, &x, *scale, *causal, true)?,
@@ -634,6 +635,51 @@ fn row_pair(
     // take four arguments and the driver reads no more); x and g are dense with `rows * n` elements,
     // and so is the output (g is unused, and may be null, in layer norm's forward).
     unsafe { g.launch(k, grid, threads, 0, &mut params)? };
+    Ok(out)
+}
+
+/// Zeros all of `s` (on the stream).
+pub(super) fn zero(g: &Arc<Gpu>, s: &CudaStorage) -> Result<()> {
+    g.bind()?;
+    // SAFETY: `s` owns `len` elements of its dtype on this GPU.
+    unsafe { cudarc::driver::result::memset_d8_async(s.buf.ptr, 0, s.len * s.dtype.size_in_bytes(), g.stream.cu_stream()) }
+        .map_err(|e| Error::Cuda(format!("memset: {e}")))
+}
+
+/// Layer norm's parameter gradients `[2, n]` from x and the output gradient: per-block
+/// partial sums in one pass over both (`codegen::layer_norm_param_grads_source`), then one
+/// column sum of the partials.
+fn layer_norm_param_grads(g: &Arc<Gpu>, x: (&CudaStorage, &Layout), grad: (&CudaStorage, &Layout), eps: f64) -> Result<CudaStorage> {
+    let (dtype, n) = (x.0.dtype, x.1.shape[x.1.rank() - 1]);
+    let rows = x.1.numel().checked_div(n).unwrap_or(0);
+    let out = CudaStorage::alloc(g, dtype, 2 * n)?;
+    let tiles = n.div_ceil(32);
+    if n > super::codegen::LN_GRADS_MAX_N {
+        return Err(Error::shape("layer_norm_param_grads", format!("rows of {n} exceed the kernel's {}", super::codegen::LN_GRADS_MAX_N)));
+    }
+    if rows == 0 || n == 0 {
+        zero(g, &out)?;
+        return Ok(out);
+    }
+    let (xd, gd) = (dense(g, x.0, x.1)?, dense(g, grad.0, grad.1)?);
+    // About two blocks per SM, each folding a run of rows.
+    let chunk = rows.div_ceil(rows.min(g.sms as usize * 2));
+    let blocks = rows.div_ceil(chunk);
+    let part = CudaStorage::alloc(g, accumulator(dtype), blocks * 2 * n)?;
+    let k = g.kernel(super::spec_key("ln_param_grads", &(dtype, tiles)), || super::codegen::layer_norm_param_grads_source(dtype, tiles))?;
+    let mut a = RowArgs { rows: rows as i64, red: n as i64, value: eps };
+    let (mut o, mut px, mut pg, mut ch) = (part.buf.ptr, xd.get().buf.ptr, gd.get().buf.ptr, chunk as i64);
+    let mut params: [*mut c_void; 5] = [
+        &mut o as *mut u64 as _,
+        &mut px as *mut u64 as _,
+        &mut pg as *mut u64 as _,
+        &mut a as *mut RowArgs as _,
+        &mut ch as *mut i64 as _,
+    ];
+    // SAFETY: (part, x, g, NArgs, chunk) matches the generated signature; x and g are dense
+    // `rows * n` buffers and `part` holds `blocks * 2 n` partials of the compute type.
+    unsafe { g.launch(k, (blocks as u32, 1), 256, 0, &mut params)? };
+    reduce_into(g, ReduceOp::Sum, &part, &Layout::contiguous(&[blocks, 2 * n]), &[0], &out, false)?;
     Ok(out)
 }
 
