@@ -271,7 +271,8 @@ fn layer_norm_param_grads_match_the_cpu() {
     for dt in FLOATS {
         for (i, shape) in [&[3, 5, 24][..], &[300, 384], &[2, 3], &[70, 1024], &[4, 1030], &[0, 8]].into_iter().enumerate() {
             let (x, g) = (randn(shape, 60 + i as u64, dt), randn(shape, 70 + i as u64, dt));
-            let t = if matches!(dt, DType::F16 | DType::BF16) { tol(dt) * 2.0 } else { tol(dt) * 100.0 };
+            // The CPU's composite rounds xhat and each product to F16/BF16; the GPU does not.
+            let t = if matches!(dt, DType::F16 | DType::BF16) { tol(dt) * 8.0 } else { tol(dt) * 100.0 };
             both(&format!("layer_norm_param_grads {shape:?} {dt:?}"), &[x, g], t, |v| v[0].layer_norm_param_grads(&v[1], 1e-5));
         }
     }
