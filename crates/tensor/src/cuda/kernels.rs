@@ -45,6 +45,11 @@ impl CudaStorage {
     }
 }
 
+/// A kernel's parameter array: the address of each argument, in order.
+macro_rules! kernel_params {
+    ($($x:ident),*) => { [$(&mut $x as *mut _ as *mut c_void),*] };
+}
+
 /// Mirrors `struct Args` in the kernel prelude.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
@@ -441,7 +446,7 @@ fn reduce_into(g: &Arc<Gpu>, op: ReduceOp, s: &CudaStorage, l: &Layout, dims: &[
         (a.rshape[d], a.rst[d]) = (x as i64, y as i64);
     }
     let (mut o, mut p) = (dst.buf.ptr, s.buf.ptr);
-    let mut params: [*mut c_void; 3] = [&mut o as *mut u64 as _, &mut p as *mut u64 as _, &mut a as *mut RArgs as _];
+    let mut params = kernel_params![o, p, a];
     let (grid, threads) = match mode {
         ReduceMode::Warp => ((rows.div_ceil(8) as u32, 1), 256),
         ReduceMode::Block => (((rows * chunks) as u32, 1), 1024),
@@ -573,7 +578,7 @@ fn softmax(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), (log, scale, causal): 
     }
     (a.rshape[0], a.rst[0]) = (n as i64, l.strides[r - 1] as i64);
     let (mut o, mut p) = (out.buf.ptr, s.buf.ptr);
-    let mut params: [*mut c_void; 3] = [&mut o as *mut u64 as _, &mut p as *mut u64 as _, &mut a as *mut RArgs as _];
+    let mut params = kernel_params![o, p, a];
     // SAFETY: (out, input, RArgs) matches the generated signature; the output holds every
     // element and the input is read within its layout.
     unsafe { g.launch(k, grid, threads, 0, &mut params)? };
@@ -622,14 +627,7 @@ fn row_pair(
     let (mut o, mut px) = (out.buf.ptr, x.get().buf.ptr);
     let mut pg = gd.as_ref().map_or(0, |d| d.get().buf.ptr);
     let [mut e0, mut e1] = extra;
-    let mut params: [*mut c_void; 6] = [
-        &mut o as *mut u64 as _,
-        &mut px as *mut u64 as _,
-        &mut pg as *mut u64 as _,
-        &mut a as *mut RowArgs as _,
-        &mut e0 as *mut u64 as _,
-        &mut e1 as *mut u64 as _,
-    ];
+    let mut params = kernel_params![o, px, pg, a, e0, e1];
     // SAFETY: (out, x, g, RowArgs) matches the generated signatures, followed by layer norm's
     // weight and bias (null unless its kernel reads them: `[n]` and dense; the other kernels
     // take four arguments and the driver reads no more); x and g are dense with `rows * n` elements,
@@ -670,13 +668,7 @@ fn layer_norm_param_grads(g: &Arc<Gpu>, x: (&CudaStorage, &Layout), grad: (&Cuda
     let k = g.kernel(super::spec_key("ln_param_grads", &(dtype, tiles)), || super::codegen::layer_norm_param_grads_source(dtype, tiles))?;
     let mut a = RowArgs { rows: rows as i64, red: n as i64, value: eps };
     let (mut o, mut px, mut pg, mut ch) = (part.buf.ptr, xd.get().buf.ptr, gd.get().buf.ptr, chunk as i64);
-    let mut params: [*mut c_void; 5] = [
-        &mut o as *mut u64 as _,
-        &mut px as *mut u64 as _,
-        &mut pg as *mut u64 as _,
-        &mut a as *mut RowArgs as _,
-        &mut ch as *mut i64 as _,
-    ];
+    let mut params = kernel_params![o, px, pg, a, ch];
     // SAFETY: (part, x, g, NArgs, chunk) matches the generated signature; x and g are dense
     // `rows * n` buffers and `part` holds `blocks * 2 n` partials of the compute type.
     unsafe { g.launch(k, (blocks as u32, 1), 256, 0, &mut params)? };
@@ -762,14 +754,7 @@ fn cross_entropy(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], ignore: Option<i64
         pad: 0,
     };
     let (mut o, mut px, mut pt, mut pe) = (out.buf.ptr, logits.get().buf.ptr, targets.get().buf.ptr, g.err);
-    let mut params: [*mut c_void; 6] = [
-        &mut o as *mut u64 as _,
-        &mut px as *mut u64 as _,
-        &mut pt as *mut u64 as _,
-        &mut pg as *mut u64 as _,
-        &mut pe as *mut u64 as _,
-        &mut a as *mut XArgs as _,
-    ];
+    let mut params = kernel_params![o, px, pt, pg, pe, a];
     // SAFETY: (out, logits, targets, grad, err, XArgs) matches the generated signature; logits
     // are dense [rows, n], targets dense [rows]; the gradient (backward only; null and unread in
     // the forward) holds `rows` values at stride `gst` from its offset; `err` is the error word.
@@ -828,8 +813,7 @@ fn launch_index(g: &Arc<Gpu>, kind: IndexKind, o: &CudaStorage, src: &CudaStorag
     let spec = Index { kind, dtype: o.dtype };
     let k = g.kernel(super::spec_key("index", &spec), || spec.source())?;
     let (mut po, mut ps, mut pi, mut pe) = (o.buf.ptr, src.buf.ptr, idx.buf.ptr, g.err);
-    let mut params: [*mut c_void; 5] =
-        [&mut po as *mut u64 as _, &mut ps as *mut u64 as _, &mut pi as *mut u64 as _, &mut pe as *mut u64 as _, &mut a as *mut IArgs as _];
+    let mut params = kernel_params![po, ps, pi, pe, a];
     // SAFETY: (out, src, idx, err, IArgs) matches the generated signature; the buffers are
     // dense and sized by the shape rule; `err` is the GPU's error word.
     unsafe { g.launch(k, (g.grid_for(a.n as usize), 1), 256, 0, &mut params) }
@@ -999,7 +983,7 @@ fn adam_launch(
     }
     let (dtype, ams) = (first.p.dtype(), first.vmax.is_some());
     let k = gpu.kernel(super::spec_key("adam", &(dtype, ams)), || super::codegen::adam_source(dtype, ams))?;
-    let mut params: [*mut c_void; 3] = [&mut pl as *mut u64 as _, &mut pst as *mut u64 as _, &mut a as *mut AdamArgs as _];
+    let mut params = kernel_params![pl, pst, a];
     // SAFETY: (lr, step, AdamArgs) as the generated signature; block row j updates parameter j,
     // its `n` elements from its address in p, g, m, v (and x) on this GPU, locked until queued;
     // threads past a parameter's length do nothing.
