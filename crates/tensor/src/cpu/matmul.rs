@@ -42,12 +42,25 @@ pub struct MatmulShape<'a> {
 
 /// `out[b] = a[b] @ bm[b] (+ bias)` for every batch index of the broadcast batch shape; the
 /// bias `[n]` (contiguous) is written into every row first and the GEMM accumulates onto it.
-pub fn matmul<T: GemmElem>((a, la): (&[T], &Layout), (b, lb): (&[T], &Layout), bias: Option<&[T]>, s: MatmulShape) -> Vec<T> {
+pub fn matmul<T: GemmElem>(a: (&[T], &Layout), b: (&[T], &Layout), bias: Option<&[T]>, s: MatmulShape) -> Vec<T> {
+    matmul_with_tail(a, b, bias, s, 0)
+}
+
+/// `matmul` into a buffer `tail` elements longer (unwritten): room for what a fused matmul
+/// stores after the product, with no copy of the product.
+pub fn matmul_with_tail<T: GemmElem>(
+    (a, la): (&[T], &Layout),
+    (b, lb): (&[T], &Layout),
+    bias: Option<&[T]>,
+    s: MatmulShape,
+    tail: usize,
+) -> Vec<T> {
     let MatmulShape { batch, m, k, n } = s;
     let nb: usize = batch.iter().product();
-    let mut out = pool::take::<T>(nb * m * n);
+    let mut buf = pool::take::<T>(nb * m * n + tail);
+    let out = &mut buf[..nb * m * n];
     if m * n == 0 {
-        return out;
+        return buf;
     }
     if let Some(bias) = bias {
         out.chunks_mut(n).for_each(|row| row.copy_from_slice(bias));
@@ -124,7 +137,7 @@ pub fn matmul<T: GemmElem>((a, la): (&[T], &Layout), (b, lb): (&[T], &Layout), b
             one(dst, i, 0, par);
         }
     }
-    out
+    buf
 }
 
 /// bf16 through f32.

@@ -422,11 +422,36 @@ fn matmul_fused(e: MatmulEpilogue, ins: &[(&CpuStorage, &Layout)], meta: &OutMet
             run(&Op::Binary(crate::BinaryOp::Mul), &[(&product, &l), (&grad, &l)], meta)
         }
         MatmulEpilogue::SumLeft | MatmulEpilogue::SumRight => {
-            let (m, n) = (ins[0].1.shape[0], ins[1].1.shape[1]);
-            let product = run(&Op::Matmul, ins, &with_shape(vec![m, n]))?;
+            let (m, k, n) = (ins[0].1.shape[0], ins[0].1.shape[1], ins[1].1.shape[1]);
             let (src, dim, len) = if e == MatmulEpilogue::SumLeft { (ins[0], 1, m) } else { (ins[1], 0, n) };
             let sum = Op::Reduce { op: crate::ReduceOp::Sum, dims: vec![dim], keepdim: false };
-            append(&product, &run(&sum, &[src], &with_shape(vec![len]))?)
+            let sums = run(&sum, &[src], &with_shape(vec![len]))?;
+            let at = crate::op::matmul_tail_offset(m * n);
+            let s = matmul::MatmulShape { batch: &[], m, k, n };
+            // The product straight into the output buffer (no copy), then zeros and the sums.
+            fn place<T: matmul::GemmElem + CpuSlice>(mut v: Vec<T>, mn: usize, at: usize, sums: &CpuStorage) -> Result<Vec<T>> {
+                v[mn..at].fill(T::zero());
+                v[at..].copy_from_slice(typed::<T>(sums, "matmul_sum")?);
+                Ok(v)
+            }
+            let ((sa, la), (sb, lb)) = (ins[0], ins[1]);
+            let tail = at - m * n + len;
+            Ok(match sa {
+                CpuStorage::F32(a) => CpuStorage::F32(place(
+                    matmul::matmul_with_tail((a, la), (typed(sb, "matmul_sum")?, lb), None, s, tail),
+                    m * n,
+                    at,
+                    &sums,
+                )?),
+                CpuStorage::F64(a) => CpuStorage::F64(place(
+                    matmul::matmul_with_tail((a, la), (typed(sb, "matmul_sum")?, lb), None, s, tail),
+                    m * n,
+                    at,
+                    &sums,
+                )?),
+                // F16 and BF16 (rare here): the product, then a copy into the longer buffer.
+                _ => append(&run(&Op::Matmul, ins, &with_shape(vec![m, n]))?, &sums)?,
+            })
         }
     }
 }
