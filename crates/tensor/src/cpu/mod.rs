@@ -395,7 +395,6 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
     })
 }
 
-/// Runs an in-place op on `dst`; `src` is the second input where the op has one.
 /// `Op::MatmulFused`: the product, then the rest through the same kernels as the unfused
 /// ops, so compiled CPU steps match eager ones exactly.
 fn matmul_fused(e: MatmulEpilogue, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<CpuStorage> {
@@ -429,26 +428,22 @@ fn matmul_fused(e: MatmulEpilogue, ins: &[(&CpuStorage, &Layout)], meta: &OutMet
             let at = crate::op::matmul_tail_offset(m * n);
             let s = matmul::MatmulShape { batch: &[], m, k, n };
             // The product straight into the output buffer (no copy), then zeros and the sums.
-            fn place<T: matmul::GemmElem + CpuSlice>(mut v: Vec<T>, mn: usize, at: usize, sums: &CpuStorage) -> Result<Vec<T>> {
+            fn product_then<T: matmul::GemmElem + CpuSlice>(
+                a: (&[T], &Layout),
+                (sb, lb): (&CpuStorage, &Layout),
+                s: matmul::MatmulShape,
+                at: usize,
+                sums: &CpuStorage,
+            ) -> Result<Vec<T>> {
+                let mn = s.m * s.n;
+                let mut v = matmul::matmul_with_tail(a, (typed(sb, "matmul_sum")?, lb), None, s, at - mn + sums.len());
                 v[mn..at].fill(T::zero());
                 v[at..].copy_from_slice(typed::<T>(sums, "matmul_sum")?);
                 Ok(v)
             }
-            let ((sa, la), (sb, lb)) = (ins[0], ins[1]);
-            let tail = at - m * n + len;
-            Ok(match sa {
-                CpuStorage::F32(a) => CpuStorage::F32(place(
-                    matmul::matmul_with_tail((a, la), (typed(sb, "matmul_sum")?, lb), None, s, tail),
-                    m * n,
-                    at,
-                    &sums,
-                )?),
-                CpuStorage::F64(a) => CpuStorage::F64(place(
-                    matmul::matmul_with_tail((a, la), (typed(sb, "matmul_sum")?, lb), None, s, tail),
-                    m * n,
-                    at,
-                    &sums,
-                )?),
+            Ok(match ins[0] {
+                (CpuStorage::F32(a), la) => CpuStorage::F32(product_then((a, la), ins[1], s, at, &sums)?),
+                (CpuStorage::F64(a), la) => CpuStorage::F64(product_then((a, la), ins[1], s, at, &sums)?),
                 // F16 and BF16 (rare here): the product, then a copy into the longer buffer.
                 _ => append(&run(&Op::Matmul, ins, &with_shape(vec![m, n]))?, &sums)?,
             })
@@ -468,6 +463,7 @@ fn append(head: &CpuStorage, tail: &CpuStorage) -> Result<CpuStorage> {
     }))
 }
 
+/// Runs an in-place op on `dst`; `src` is the second input where the op has one.
 pub fn run_inplace(op: &Op, dst: &mut CpuStorage, ld: &Layout, src: Option<(&CpuStorage, &Layout)>) -> Result<()> {
     let name = op.name();
     match dst {
