@@ -206,7 +206,14 @@ fn main() -> Result<()> {
         .collect();
     let steps: usize = flag("--steps", 50);
     let want = |name: &str| only.as_deref().is_none_or(|o| name.contains(o));
-    eprintln!("kiln bench on {dev} ({steps} timed steps each; TF32 {})", if cfg!(feature = "cuda") { "off" } else { "n/a" });
+    // The timed steps repeat one batch thousands of times; as the model memorises it the
+    // gradients underflow into subnormals, which would time the CPU's microcode instead.
+    let flush = dev == Device::Cpu && kiln::tensor::set_flush_denormal(true);
+    eprintln!(
+        "kiln bench on {dev} ({steps} timed steps each; TF32 {}{})",
+        if cfg!(feature = "cuda") { "off" } else { "n/a" },
+        if flush { "; subnormals flushed" } else { "" }
+    );
     if want("add_16M") {
         let ms = elementwise(dev, steps)?;
         report("add_16M", "fp32", None, Timing { ms, compile_s: None, compile_peak: None }, dev);

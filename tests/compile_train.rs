@@ -314,6 +314,56 @@ fn native_cpu_groups_match_eager_and_the_interpreter_bit_for_bit() -> Result<()>
     Ok(())
 }
 
+/// A weight gradient read only by its AdamW update is made a tile of rows at a time, each
+/// tile updated while it is in cache (`fusion::feed_products`). 4096 inputs make tiles of 16
+/// rows, so the 40-row gradient is three tiles (16, 16, 8). Parameters match the interpreter
+/// (which does not feed) bit for bit, and eager within float rounding.
+#[test]
+fn weight_gradients_feed_their_adamw_update_tile_by_tile() -> Result<()> {
+    if std::env::var("KILN_CPU_CODEGEN").is_ok_and(|v| v == "0") {
+        eprintln!("SKIPPED: KILN_CPU_CODEGEN=0 turns native CPU kernels off (feeding needs them)");
+        return Ok(());
+    }
+    let run = |how: Option<bool>| -> Result<(Vec<Vec<f32>>, Vec<f32>, usize)> {
+        kiln::tensor::rng::manual_seed(3);
+        let model = mlp(&[4096, 40], Device::Cpu)?;
+        let start = model.parameters()[0].to_vec::<f32>()?;
+        let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr: 1e-2, ..AdamConfig::adamw() })?);
+        // No clipping: the global norm would read the gradient before its update does.
+        let f = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+            let loss = cross_entropy(&model.forward(&xs[0])?, &xs[1])?;
+            loss.backward()?;
+            opt.borrow_mut().step()?;
+            opt.borrow_mut().zero_grad()?;
+            Ok(vec![loss])
+        };
+        let mut step = how.map(|native| compile_with(CompileOptions { native_cpu: native, ..Default::default() }, f));
+        for i in 0..4 {
+            let (x, y) = data(i, 8, 4096, 40);
+            match &mut step {
+                Some(s) => s.call(&[&x, &y])?,
+                None => f(&[x, y])?,
+            };
+        }
+        let fed = step.map_or(0, |s| s.explain().fed_products);
+        Ok((model.parameters().iter().map(|p| p.to_vec::<f32>()).collect::<Result<_>>()?, start, fed))
+    };
+    let (eager, start, _) = run(None)?;
+    let (native, _, fed) = run(Some(true))?;
+    let (interpreted, _, none) = run(Some(false))?;
+    assert_eq!((fed, none), (1, 0), "the weight gradient (not the 40-element bias's) is fed; a missing C compiler fails here");
+    for (k, ((f, i), e)) in native.iter().zip(&interpreted).zip(&eager).enumerate() {
+        let bad: Vec<(usize, f32, f32)> =
+            f.iter().zip(i).enumerate().filter(|(_, (a, b))| a.to_bits() != b.to_bits()).map(|(j, (a, b))| (j, *a, *b)).collect();
+        assert!(bad.is_empty(), "param {k}, fed vs interpreted: {} of {} differ, first {:?}", bad.len(), f.len(), &bad[..bad.len().min(4)]);
+        // Eager's AdamW kernel rounds in another order than the traced update's ops.
+        assert_close(&format!("param {k}, fed vs eager"), f, e, 1e-5);
+    }
+    let moved = eager[0].iter().zip(&start).filter(|(a, b)| a != b).count();
+    assert!(moved > eager[0].len() / 2, "training moved the weight: {moved} of {} changed", start.len());
+    Ok(())
+}
+
 /// Autocast (BF16): a product of F32 tensors is the product of their BF16 roundings, returned
 /// in F32 (rounded through BF16), and the weight's gradient is F32.
 #[test]

@@ -31,6 +31,8 @@ pub struct Program {
     consts: Vec<Option<Arc<StorageCell>>>,
     /// On the CPU, the groups' generated native functions (None: all interpreted).
     pub(crate) native: Option<cpu_codegen::NativeGroups>,
+    /// Per step: a product made tile by tile for the next step's group (`feed_products`).
+    fed: Vec<bool>,
 }
 
 /// Locks each distinct cell once and hands out `(storage, layout)` pairs.
@@ -72,6 +74,11 @@ impl Program {
             // One launch for independent groups (each parameter's optimizer update, ...).
             plan = fusion::batch_groups(&graph, plan);
         }
+        let native = if device == Device::Cpu && opts.native_cpu { cpu_codegen::build(&graph, &plan) } else { None };
+        let fed = match &native {
+            Some(nat) if opts.fuse => fusion::feed_products(&graph, &mut plan, &|k| nat.groups[k].is_some()),
+            _ => vec![false; plan.steps.len()],
+        };
         let reads: Vec<Vec<NodeId>> = plan.steps.iter().map(|s| step_reads(&graph, &plan, s)).collect();
         let mut last_use: Vec<usize> = vec![0; graph.nodes.len()];
         for (k, r) in reads.iter().enumerate() {
@@ -97,9 +104,9 @@ impl Program {
             let _ = capture;
             return Err(Error::Device { device, msg: "compile: Kiln was built without the `cuda` feature".into() });
         }
-        let native = if device == Device::Cpu && opts.native_cpu { cpu_codegen::build(&graph, &plan) } else { None };
         let mut p = Program {
             native,
+            fed,
             graph,
             cells,
             plan,
@@ -122,6 +129,11 @@ impl Program {
     pub fn native_groups(&self) -> Option<(usize, usize)> {
         let native = self.native.as_ref().map_or(0, |n| n.groups.iter().filter(|g| g.is_some()).count());
         (self.device == Device::Cpu).then_some((self.plan.groups.len(), native))
+    }
+
+    /// Products made tile by tile for their group (`fusion::feed_products`).
+    pub fn fed_products(&self) -> usize {
+        self.fed.iter().filter(|&&f| f).count()
     }
 
     /// Kernels one step launches: plain nodes that compute, plus one per fused group.
@@ -176,6 +188,33 @@ impl Program {
         })
     }
 
+    /// Product `p` (step `k`) made tile by tile for the group of step `k + 1`, which consumes
+    /// each tile as it is made. Returns the product's cell and the group's.
+    fn run_fed(&self, p: NodeId, k: usize, vals: &[Option<Arc<StorageCell>>]) -> Result<Vec<(NodeId, Arc<StorageCell>)>> {
+        let node = &self.graph.nodes[p];
+        let (Kind::Op(op, args), Some(Step::Groups(gs))) = (&node.kind, self.plan.steps.get(k + 1)) else {
+            return Err(Error::Msg(format!("compile: step {k} is not a product before a group")));
+        };
+        let val = |n: NodeId| vals[n].clone().ok_or_else(|| Error::Msg(format!("compile: node {n} used before it was computed")));
+        let arg_cells: Vec<Arc<StorageCell>> = args.iter().map(|a| val(a.node)).collect::<Result<_>>()?;
+        let cells: Vec<(&Arc<StorageCell>, &Layout)> = arg_cells.iter().zip(args).map(|(c, a)| (c, &a.layout)).collect();
+        let meta = OutMeta { shape: node.shape.clone(), dtype: node.dtype };
+        // Tiles of about 64K elements: the gradient tile and the state it updates stay in L2.
+        let n_cols = args[1].layout.shape[1].max(1);
+        let tile = (65536 / n_cols).max(1);
+        let mut product: Option<CpuStorage> = None;
+        let mut run = |after: &cpu::matmul::TileFn| -> Result<()> {
+            product = with_args(&cells, |ins| cpu::matmul_by_tiles(op, ins, &meta, tile, after))?;
+            Ok(())
+        };
+        let feed = fused_exec::Feed { node: p, run: &mut run };
+        let native = self.native.as_ref().and_then(|n| n.groups[gs[0]].as_ref());
+        let mut made = fused_exec::run_group(&self.graph, &self.plan.groups[gs[0]], &self.cells, &val, native, Some(feed))?;
+        let product = product.ok_or_else(|| Error::Msg(format!("compile: node {p} is not a product made by tiles")))?;
+        made.push((p, new_cell(product)));
+        Ok(made)
+    }
+
     /// A write into a view of a base that another write made and nothing reads after this
     /// step: done in the base's own buffer, no copy.
     fn write_in_place(&self, i: NodeId, k: usize, vals: &[Option<Arc<StorageCell>>]) -> Result<Option<Arc<StorageCell>>> {
@@ -212,6 +251,13 @@ impl Program {
             // On a GPU the kernels time themselves (`profile`); on the CPU, time each step here.
             let timer = (self.device == Device::Cpu && kiln_tensor::profile::enabled()).then(std::time::Instant::now);
             match step {
+                // Ran with the product before it.
+                Step::Groups(_) if k > 0 && self.fed[k - 1] => {}
+                Step::Node(i) if self.fed[k] => {
+                    for (m, c) in self.run_fed(*i, k, &vals)? {
+                        vals[m] = Some(c);
+                    }
+                }
                 Step::Node(i) => {
                     vals[*i] = Some(match &self.consts[*i] {
                         Some(c) => c.clone(),
@@ -231,7 +277,8 @@ impl Program {
                             let mut made = Vec::new();
                             for &gi in gs {
                                 let native = self.native.as_ref().and_then(|n| n.groups[gi].as_ref());
-                                made.extend(fused_exec::run_group(&self.graph, &self.plan.groups[gi], &self.cells, &cell_of, native)?);
+                                let group = &self.plan.groups[gi];
+                                made.extend(fused_exec::run_group(&self.graph, group, &self.cells, &cell_of, native, None)?);
                             }
                             made
                         }
@@ -242,7 +289,9 @@ impl Program {
                 }
             }
             if let Some(t) = timer {
-                kiln_tensor::profile::record(self.step_label(step), t.elapsed().as_secs_f64());
+                if !(k > 0 && self.fed[k - 1]) {
+                    kiln_tensor::profile::record(self.timed_label(k), t.elapsed().as_secs_f64());
+                }
             }
             if kiln_tensor::is_anomaly_detection() {
                 self.check_finite(step, &vals)?;
@@ -285,6 +334,14 @@ impl Program {
                 Kind::Input(_) | Kind::State(_) => "input/state".into(),
             },
             Step::Groups(gs) => format!("fused groups {gs:?}"),
+        }
+    }
+
+    /// A step's profile label, with a fed product named with its group.
+    fn timed_label(&self, k: usize) -> String {
+        match (self.fed.get(k), self.plan.steps.get(k + 1)) {
+            (Some(true), Some(next)) => format!("{} + {}", self.step_label(&self.plan.steps[k]), self.step_label(next)),
+            _ => self.step_label(&self.plan.steps[k]),
         }
     }
 

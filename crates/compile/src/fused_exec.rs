@@ -5,6 +5,7 @@ use crate::cpu_codegen::NativeGroup;
 use crate::fusion::Group;
 use crate::graph::{Graph, Kind, NodeId};
 use kiln_tensor::cpu::elementwise::{binary_into, load_into, scalar_into, unary_into, where_into, Convert};
+use kiln_tensor::cpu::matmul::TileFn;
 use kiln_tensor::op::Float;
 use kiln_tensor::storage::{CpuStorage, StorageCell};
 use kiln_tensor::{with_cpu, Element, Error, Layout, Op, Result};
@@ -26,6 +27,16 @@ enum Src {
 enum Ext<'a> {
     Shared(&'a CpuStorage, &'a Layout),
     Own(usize),
+    /// The product that `Feed` computes tile by tile (native functions only).
+    Fed,
+}
+
+/// A 2-D product the group reads whole, made tile by tile alongside it: `run(after)` computes
+/// the product and calls `after(element_0, start, end)` as each tile is ready, for the group
+/// to consume while it is in cache (`kiln_tensor::cpu::matmul_by_tiles`).
+pub struct Feed<'a> {
+    pub node: NodeId,
+    pub run: &'a mut dyn FnMut(&TileFn) -> Result<()>,
 }
 
 enum Out<'a> {
@@ -62,13 +73,16 @@ fn load_own<F: Element>(out: &Out, vals: &mut [F]) {
 /// Runs `gr`, through its native function when it has one (`cpu_codegen`); `cell_of(node)`
 /// gives the cell of an external value. Returns the cells of the materialised members (state
 /// buffers for in-place ones).
+/// With `feed`, its product is made alongside (the native function must apply).
 pub fn run_group(
     g: &Graph,
     gr: &Group,
     cells: &[Arc<StorageCell>],
     cell_of: &dyn Fn(NodeId) -> Result<Arc<StorageCell>>,
     native: Option<&NativeGroup>,
+    mut feed: Option<Feed>,
 ) -> Result<Vec<(NodeId, Arc<StorageCell>)>> {
+    let fed = |n: NodeId| feed.as_ref().is_some_and(|f| f.node == n);
     let numel: usize = gr.shape.iter().product();
     let outs: Vec<(NodeId, Arc<StorageCell>)> = gr
         .materialize
@@ -78,11 +92,12 @@ pub fn run_group(
             None => (m, Arc::new(StorageCell::new(kiln_tensor::storage::Storage::Cpu(CpuStorage::uninit(g.nodes[m].dtype, numel))))),
         })
         .collect();
-    let ext_cells: Vec<Arc<StorageCell>> = gr.externals.iter().map(|a| cell_of(a.node)).collect::<Result<_>>()?;
+    let ext_cells: Vec<Option<Arc<StorageCell>>> =
+        gr.externals.iter().map(|a| if fed(a.node) { Ok(None) } else { cell_of(a.node).map(Some) }).collect::<Result<_>>()?;
     // Write locks on outputs; read locks on the other distinct external cells.
     let mut out_guards: Vec<_> = outs.iter().map(|(_, c)| c.write()).collect();
     let mut read_cells: Vec<&Arc<StorageCell>> = Vec::new();
-    for c in &ext_cells {
+    for c in ext_cells.iter().flatten() {
         if !outs.iter().any(|(_, o)| Arc::ptr_eq(o, c)) && !read_cells.iter().any(|r| Arc::ptr_eq(r, c)) {
             read_cells.push(c);
         }
@@ -90,6 +105,10 @@ pub fn run_group(
     let read_guards: Vec<_> = read_cells.iter().map(|c| c.read()).collect();
     let mut exts: Vec<Ext> = Vec::with_capacity(ext_cells.len());
     for (c, a) in ext_cells.iter().zip(&gr.externals) {
+        let Some(c) = c else {
+            exts.push(Ext::Fed);
+            continue;
+        };
         match outs.iter().position(|(_, o)| Arc::ptr_eq(o, c)) {
             Some(k) => exts.push(Ext::Own(k)),
             None => {
@@ -102,13 +121,16 @@ pub fn run_group(
         // The function was generated for these in-place reads; any other aliasing interprets.
         let same = |e: &Ext, o: &Option<usize>| match e {
             Ext::Own(k) => *o == Some(*k),
-            Ext::Shared(..) => o.is_none(),
+            Ext::Shared(..) | Ext::Fed => o.is_none(),
         };
         if exts.len() == nat.own.len() && exts.iter().zip(&nat.own).all(|(e, o)| same(e, o)) {
-            run_native(g, gr, nat, &exts, &mut out_guards, numel)?;
+            run_native(g, gr, nat, &exts, &mut out_guards, numel, feed.as_mut())?;
             drop(out_guards);
             return Ok(outs);
         }
+    }
+    if feed.is_some() {
+        return Err(Error::Msg("fused group: a product fed tile by tile needs the group's native function".into()));
     }
     // Per chunk, one slice of every output.
     let mut per_output: Vec<Vec<Out>> = Vec::with_capacity(outs.len());
@@ -156,6 +178,7 @@ fn run_native(
     exts: &[Ext],
     outs: &mut [std::sync::RwLockWriteGuard<kiln_tensor::storage::Storage>],
     numel: usize,
+    feed: Option<&mut Feed>,
 ) -> Result<()> {
     let mut optr: Vec<usize> = Vec::with_capacity(outs.len());
     for (k, gd) in outs.iter_mut().enumerate() {
@@ -171,7 +194,7 @@ fn run_native(
     let mut iptr: Vec<usize> = Vec::with_capacity(exts.len());
     for (k, (e, a)) in exts.iter().zip(&gr.externals).enumerate() {
         let Ext::Shared(s, l) = e else {
-            iptr.push(0);
+            iptr.push(0); // an output's pointer, or the fed product's (per tile)
             continue;
         };
         let (d, (p, len)) = (s.dtype(), with_cpu!(s, v => (v.as_ptr() as usize, v.len())));
@@ -182,15 +205,25 @@ fn run_native(
         }
         iptr.push(p);
     }
-    if numel == 0 {
+    if numel == 0 && feed.is_none() {
         return Ok(());
     }
-    let call = |start: usize, end: usize| {
+    let call = |iptr: &[usize], start: usize, end: usize| {
         // SAFETY: the function was generated for this group's dtypes and layouts (checked
-        // above against the buffers, which the caller's guards keep locked and alive); it
+        // above against the buffers, which the caller's guards keep locked and alive; a fed
+        // product is `numel` elements of the group's dtype, made by `matmul_by_tiles`); it
         // touches elements start..end of each output and their inputs only.
         unsafe { (nat.f)(start as i64, end as i64, optr.as_ptr() as *const *mut u8, iptr.as_ptr() as *const *const u8) }
     };
+    if let Some(feed) = feed {
+        let k = exts.iter().position(|e| matches!(e, Ext::Fed)).unwrap_or(0);
+        return (feed.run)(&|base: *const u8, start: usize, end: usize| {
+            let mut ptrs = iptr.clone();
+            ptrs[k] = base as usize;
+            call(&ptrs, start, end)
+        });
+    }
+    let call = |start: usize, end: usize| call(&iptr, start, end);
     if numel >= kiln_tensor::cpu::PAR_THRESHOLD {
         let piece = numel.div_ceil(rayon::current_num_threads() * 4).next_multiple_of(64);
         (0..numel.div_ceil(piece)).into_par_iter().for_each(|c| call(c * piece, ((c + 1) * piece).min(numel)));
@@ -272,6 +305,7 @@ impl Ctx<'_> {
             match e {
                 Ext::Shared(s, l) => with_cpu!(s, v => load_into(v, l, &self.gr.shape, start, dst)),
                 Ext::Own(o) => load_own(&outs[*o], dst),
+                Ext::Fed => unreachable!("fed products run natively"),
             }
         }
         for (j, &m) in self.gr.members.iter().enumerate() {

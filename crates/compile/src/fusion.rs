@@ -9,7 +9,7 @@
 //! reads one of its values, so every outside reader runs after the group has run.
 
 use crate::graph::{Arg, Graph, Kind, NodeId};
-use kiln_tensor::{DType, Op};
+use kiln_tensor::{DType, MatmulEpilogue, Op};
 
 #[derive(Debug, Clone)]
 pub struct Group {
@@ -277,4 +277,70 @@ pub fn batch_groups(g: &Graph, plan: Plan) -> Plan {
     }
     flush(&mut run, &mut steps, &mut made, &mut read);
     Plan { steps, groups: plan.groups }
+}
+
+/// The rows and columns of a 2-D product that can be made tile by tile for one group
+/// (`kiln_tensor::cpu::matmul_by_tiles`): a plain `Matmul` or one with operand sums, F32/F64.
+fn tiled_product(g: &Graph, i: NodeId) -> Option<[usize; 2]> {
+    let n = &g.nodes[i];
+    let Kind::Op(op, args) = &n.kind else { return None };
+    let product = matches!(op, Op::Matmul | Op::MatmulFused(MatmulEpilogue::SumLeft | MatmulEpilogue::SumRight));
+    let two_d = args.len() >= 2 && args[0].layout.rank() == 2 && args[1].layout.rank() == 2;
+    (product && two_d && matches!(n.dtype, DType::F32 | DType::F64)).then(|| [args[0].layout.shape[0], args[1].layout.shape[1]])
+}
+
+/// CPU: a 2-D product whose first reader is a group reading it whole as its only read of it
+/// (an optimizer update reading a weight gradient) moves to just before that group, and the
+/// two run together (`exec`): the group consumes each tile of the product as it is made, in
+/// cache, so the gradient is never written out and read back. Only where no step in between
+/// reads the product or overwrites in place a state buffer the product reads; `native(k)`:
+/// group k has a native function. Returns the steps so moved, each before its group.
+pub fn feed_products(g: &Graph, plan: &mut Plan, native: &dyn Fn(usize) -> bool) -> Vec<bool> {
+    let state_nodes = g.state_nodes();
+    let reads = |s: &Step| -> Vec<NodeId> {
+        match s {
+            Step::Node(i) => g.nodes[*i].args(),
+            Step::Groups(gs) => gs.iter().flat_map(|&k| plan.groups[k].externals.iter().map(|a| a.node)).collect(),
+        }
+    };
+    let mut fed: Vec<NodeId> = Vec::new();
+    let mut kp = 0;
+    while kp < plan.steps.len() {
+        let Step::Node(p) = plan.steps[kp] else {
+            kp += 1;
+            continue;
+        };
+        let Some(kr) = tiled_product(g, p).and_then(|_| (kp + 1..plan.steps.len()).find(|&k| reads(&plan.steps[k]).contains(&p))) else {
+            kp += 1;
+            continue;
+        };
+        let shape = tiled_product(g, p).unwrap_or_default().to_vec();
+        let ok = match &plan.steps[kr] {
+            Step::Groups(gs) if gs.len() == 1 && native(gs[0]) => {
+                let gr = &plan.groups[gs[0]];
+                let of_p: Vec<&Arg> = gr.externals.iter().filter(|a| a.node == p).collect();
+                let product_args = g.nodes[p].args();
+                let clobbers = plan.steps[kp + 1..=kr].iter().any(|s| match s {
+                    Step::Groups(gs) => gs
+                        .iter()
+                        .flat_map(|&k| &plan.groups[k].inplace)
+                        .any(|&(_, slot)| state_nodes[slot].is_some_and(|s| product_args.contains(&s))),
+                    Step::Node(_) => false,
+                });
+                gr.shape == shape && of_p.len() == 1 && identity(of_p[0], &shape) && !clobbers
+            }
+            _ => false,
+        };
+        if ok && kr > kp + 1 {
+            // Moved up to its group; this position now holds the next step.
+            let step = plan.steps.remove(kp);
+            plan.steps.insert(kr - 1, step);
+            continue;
+        }
+        if ok {
+            fed.push(p);
+        }
+        kp += 1;
+    }
+    plan.steps.iter().map(|s| matches!(s, Step::Node(i) if fed.contains(i))).collect()
 }

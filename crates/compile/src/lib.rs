@@ -149,6 +149,9 @@ pub struct Explain {
     pub kernel_times: Option<String>,
     /// On the CPU: fusion groups, and how many of them run as native code (`cpu_codegen`).
     pub native_groups: Option<(usize, usize)>,
+    /// On the CPU: products made tile by tile for the group that reads them (a weight
+    /// gradient feeding its optimizer update, `fusion::feed_products`).
+    pub fed_products: usize,
 }
 
 impl std::fmt::Display for Explain {
@@ -161,6 +164,7 @@ impl std::fmt::Display for Explain {
         writeln!(f, "ops traced: {}, nodes after passes: {}, kernels per step: {}", self.nodes_traced, self.nodes, self.kernels)?;
         if let Some((groups, native)) = self.native_groups {
             writeln!(f, "CPU fusion groups: {groups}, built to native code: {native}")?;
+            writeln!(f, "products fed tile by tile to their group: {}", self.fed_products)?;
         }
         writeln!(f, "state buffers: {}", self.state_buffers)?;
         writeln!(f, "planned peak of intermediates: {:.2} MiB", self.planned_peak_bytes as f64 / (1 << 20) as f64)?;
@@ -389,6 +393,7 @@ where
                     e.nodes = g.nodes.len();
                     e.kernels = p.exec.kernels();
                     e.native_groups = p.exec.native_groups();
+                    e.fed_products = p.exec.fed_products();
                     e.state_buffers = g.state.len();
                     e.planned_peak_bytes = p.exec.planned_peak_bytes();
                     e.bytes_moved = p.exec.bytes_moved();

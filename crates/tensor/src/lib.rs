@@ -22,6 +22,7 @@ pub mod shape;
 pub mod storage;
 mod tensor;
 
+pub use cpu::set_flush_denormal;
 pub use device::Device;
 
 /// Kiln's disk cache for compiled kernels, folder `kind`: `$KILN_CACHE_DIR`, else

@@ -4,32 +4,103 @@
 use super::pool;
 use crate::shape::Layout;
 use crate::Element;
-use gemm::Parallelism;
 use rayon::prelude::*;
 
-/// Below this many multiply-adds a single product runs on one thread.
-/// NOTE: below ~32M multiply-adds (well under a millisecond on one core) the wake-up and
-/// spin of rayon workers on a 2-core machine costs more than the second core gains.
-const PAR_FLOPS: usize = 1 << 25;
-
-/// From this many multiply-adds up to `PAR_FLOPS`, a single product's rows are split over the
-/// threads, each running a one-thread GEMM (gemm's own threading of such products was slower
-/// than one thread: 493 against 197 us for the MLP's 32 x 784 x 256 product).
-const SPLIT_FLOPS: usize = 1 << 22;
-
-/// A product with a short inner dim and a wide output (a weight gradient at a small batch,
-/// e.g. 32 x 784 -> 784 x 256) costs mostly writing the output, which two threads share
-/// well even below `PAR_FLOPS`: measured on the MLP b32 step, eager went from about 0.75
-/// to 0.66 ms and compiled from 0.55 to 0.53 ms.
-/// (With k <= 64, 4M multiply-adds means an output of at least 64K elements.)
-fn short_and_wide(s: MatmulShape) -> bool {
-    s.k <= 64 && s.m * s.n * s.k >= 1 << 22
+/// One product `dst[m, n] = beta * dst + a[m, k] @ b[k, n]` at the given (row, column)
+/// strides, on the calling thread. `beta` is 0 (dst unread) or 1 (accumulate onto a bias).
+pub trait GemmElem: Element {
+    /// # Safety
+    /// The pointers must cover the matrices at their strides; `dst` must not alias `a` or `b`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn product(
+        m: usize,
+        k: usize,
+        n: usize,
+        a: *const Self,
+        a_s: [isize; 2],
+        b: *const Self,
+        b_s: [isize; 2],
+        beta: bool,
+        dst: *mut Self,
+        dst_s: [isize; 2],
+    );
 }
 
-pub trait GemmElem: Element {}
-impl GemmElem for f32 {}
-impl GemmElem for f64 {}
-impl GemmElem for half::f16 {}
+/// f32 and f64 go through `matrixmultiply`: 2-3x `gemm`'s speed on this 2-vCPU machine (one
+/// thread: 240 against 83 GFLOP/s at 1024 x 784 x 256), as its AVX2/FMA kernels run here
+/// while `gemm`'s AVX-512 ones need a nightly compiler. With `m < n` the transposed product
+/// `dst^T = b^T a^T` is faster (the long side in the kernel's row panels): 162 against 227 us
+/// for the MLP's 32 x 784 x 256 forward, 73 against 100 us for its weight gradient.
+macro_rules! matrixmultiply_elem {
+    ($t:ty, $f:path) => {
+        impl GemmElem for $t {
+            unsafe fn product(
+                m: usize,
+                k: usize,
+                n: usize,
+                a: *const $t,
+                a_s: [isize; 2],
+                b: *const $t,
+                b_s: [isize; 2],
+                beta: bool,
+                dst: *mut $t,
+                dst_s: [isize; 2],
+            ) {
+                let beta = if beta { 1.0 } else { 0.0 };
+                if m < n {
+                    $f(n, k, m, 1.0, b, b_s[1], b_s[0], a, a_s[1], a_s[0], beta, dst, dst_s[1], dst_s[0])
+                } else {
+                    $f(m, k, n, 1.0, a, a_s[0], a_s[1], b, b_s[0], b_s[1], beta, dst, dst_s[0], dst_s[1])
+                }
+            }
+        }
+    };
+}
+matrixmultiply_elem!(f32, matrixmultiply::sgemm);
+matrixmultiply_elem!(f64, matrixmultiply::dgemm);
+
+/// f16 has no `matrixmultiply` kernel; `gemm` has one.
+impl GemmElem for half::f16 {
+    unsafe fn product(
+        m: usize,
+        k: usize,
+        n: usize,
+        a: *const Self,
+        a_s: [isize; 2],
+        b: *const Self,
+        b_s: [isize; 2],
+        beta: bool,
+        dst: *mut Self,
+        dst_s: [isize; 2],
+    ) {
+        let one = half::f16::ONE;
+        let alpha = if beta { one } else { half::f16::ZERO };
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
+            dst_s[1],
+            dst_s[0],
+            beta,
+            a,
+            a_s[1],
+            a_s[0],
+            b,
+            b_s[1],
+            b_s[0],
+            alpha,
+            one,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
+/// From this many multiply-adds in all, a batch of products spreads over the threads.
+const PAR_BATCH_FLOPS: usize = 1 << 18;
 
 /// The sizes of a batched product `[..batch, m, k] x [..batch, k, n]`.
 #[derive(Debug, Clone, Copy)]
@@ -42,23 +113,11 @@ pub struct MatmulShape<'a> {
 
 /// `out[b] = a[b] @ bm[b] (+ bias)` for every batch index of the broadcast batch shape; the
 /// bias `[n]` (contiguous) is written into every row first and the GEMM accumulates onto it.
-pub fn matmul<T: GemmElem>(a: (&[T], &Layout), b: (&[T], &Layout), bias: Option<&[T]>, s: MatmulShape) -> Vec<T> {
-    matmul_with_tail(a, b, bias, s, 0)
-}
-
-/// `matmul` into a buffer `tail` elements longer (unwritten): room for what a fused matmul
-/// stores after the product, with no copy of the product.
-pub fn matmul_with_tail<T: GemmElem>(
-    (a, la): (&[T], &Layout),
-    (b, lb): (&[T], &Layout),
-    bias: Option<&[T]>,
-    s: MatmulShape,
-    tail: usize,
-) -> Vec<T> {
+pub fn matmul<T: GemmElem>((a, la): (&[T], &Layout), (b, lb): (&[T], &Layout), bias: Option<&[T]>, s: MatmulShape) -> Vec<T> {
     let MatmulShape { batch, m, k, n } = s;
     let nb: usize = batch.iter().product();
-    let mut buf = pool::take::<T>(nb * m * n + tail);
-    let out = &mut buf[..nb * m * n];
+    let mut buf = pool::take::<T>(nb * m * n);
+    let out = &mut buf[..];
     if m * n == 0 {
         return buf;
     }
@@ -87,11 +146,8 @@ pub fn matmul_with_tail<T: GemmElem>(
         offs
     };
     let (oa, ob) = (batch_offsets(la), batch_offsets(lb));
-    let flops = m * n * k;
-    let threads = rayon::current_num_threads();
-    // `dst` holds rows `row0..` of batch i's output.
-    let one = |dst: &mut [T], i: usize, row0: usize, par: Parallelism| {
-        let rows = dst.len() / n;
+    // `dst` holds batch i's output.
+    let one = |dst: &mut [T], i: usize| {
         if k == 0 {
             // An empty product: the output is the bias, or zeros.
             if bias.is_none() {
@@ -102,42 +158,68 @@ pub fn matmul_with_tail<T: GemmElem>(
         // SAFETY: the pointers cover [m, k], [k, n] and [m, n] matrices at the given strides,
         // all inside their slices (the shape rule and layouts guarantee it); dst is not aliased.
         unsafe {
-            gemm::gemm(
-                rows,
-                n,
+            T::product(
+                m,
                 k,
-                dst.as_mut_ptr(),
-                1,
-                n as isize,
-                bias.is_some(),
-                a.as_ptr().offset(oa[i] as isize + row0 as isize * a_rs),
-                a_cs,
-                a_rs,
+                n,
+                a.as_ptr().add(oa[i]),
+                [a_rs, a_cs],
                 b.as_ptr().add(ob[i]),
-                b_cs,
-                b_rs,
-                T::from_f64(if bias.is_some() { 1.0 } else { 0.0 }),
-                T::from_f64(1.0),
-                false,
-                false,
-                false,
-                par,
+                [b_rs, b_cs],
+                bias.is_some(),
+                dst.as_mut_ptr(),
+                [n as isize, 1],
             )
         }
     };
-    if nb >= threads && flops < PAR_FLOPS * 4 {
-        out.par_chunks_mut(m * n).enumerate().for_each(|(i, dst)| one(dst, i, 0, Parallelism::None));
-    } else if nb == 1 && threads > 1 && flops < PAR_FLOPS && (flops >= SPLIT_FLOPS || short_and_wide(s)) && m >= 2 * threads {
-        // One mid-sized product: its rows split evenly over the threads, one plain GEMM each.
-        let rows = m.div_ceil(threads);
-        out.par_chunks_mut(rows * n).enumerate().for_each(|(c, dst)| one(dst, 0, c * rows, Parallelism::None));
+    // A batch spreads over the threads; a single product runs on one: the two vCPUs here share
+    // one core's FMA units, so splitting a product measured slower (1024 x 784 x 256: 1.7 ms
+    // on one thread, 2.5 ms split over two).
+    if nb > 1 && nb * m * n * k >= PAR_BATCH_FLOPS {
+        out.par_chunks_mut(m * n).enumerate().for_each(|(i, dst)| one(dst, i));
     } else {
-        let par = if flops >= PAR_FLOPS || short_and_wide(s) { Parallelism::Rayon(threads) } else { Parallelism::None };
-        for (i, dst) in out.chunks_mut(m * n).enumerate() {
-            one(dst, i, 0, par);
-        }
+        out.chunks_mut(m * n).enumerate().for_each(|(i, dst)| one(dst, i));
     }
     buf
+}
+
+/// What runs on each tile of a product made by `by_tiles`: `(element 0 of the product,
+/// start, end)`, the tile being elements `start..end`.
+pub type TileFn<'a> = dyn Fn(*const u8, usize, usize) + Sync + 'a;
+
+/// The 2-D product `a @ b (+ bias)` into `out` (`[m, n]`), `tile` rows at a time with the
+/// tiles spread over the threads; right after each tile, `after(out_ptr, start, end)` runs
+/// on its elements `start..end` of `out` (`out_ptr` is element 0) while they are in cache.
+/// Compile's CPU back end runs an optimizer update this way, straight off its gradient.
+pub fn by_tiles<T: GemmElem>(
+    (a, la): (&[T], &Layout),
+    (b, lb): (&[T], &Layout),
+    bias: Option<&[T]>,
+    s: MatmulShape,
+    out: &mut [T],
+    tile: usize,
+    after: &TileFn,
+) {
+    let MatmulShape { m, k, n, .. } = s;
+    let (a_s, b_s) = ([la.strides[0] as isize, la.strides[1] as isize], [lb.strides[0] as isize, lb.strides[1] as isize]);
+    out[..m * n].par_chunks_mut(tile.max(1) * n).enumerate().for_each(|(t, dst)| {
+        let (r0, rows) = (t * tile.max(1), dst.len() / n);
+        match bias {
+            Some(bias) => dst.chunks_mut(n).for_each(|row| row.copy_from_slice(bias)),
+            None if k == 0 => dst.fill(T::zero()),
+            None => {}
+        }
+        if k > 0 {
+            // SAFETY: rows r0.. of a [m, k] matrix at its strides, the whole [k, n] b, and this
+            // tile's rows of the output, which no other tile touches.
+            unsafe {
+                let a0 = a.as_ptr().add(la.offset).offset(r0 as isize * a_s[0]);
+                T::product(rows, k, n, a0, a_s, b.as_ptr().add(lb.offset), b_s, bias.is_some(), dst.as_mut_ptr(), [n as isize, 1])
+            }
+        }
+        // Element 0 of `out`, from this tile's own pointer (the callee touches this tile only).
+        after(dst.as_ptr().wrapping_sub(r0 * n) as *const u8, r0 * n, (r0 + rows) * n);
+    });
 }
 
 /// bf16 through f32.
