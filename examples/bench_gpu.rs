@@ -169,15 +169,22 @@ fn transformer_forward(dev: Device, mode: Option<Mode>, steps: usize) -> Result<
     })
 }
 
-fn gpt_step(dev: Device, dtype: DType, mode: Option<Mode>, steps: usize) -> Result<Timing> {
+/// The GPT step: the GPU benchmark's model (batch 64), or with `small` the CPU criterion
+/// bench's (`benches/train_step.rs`: context 64, 4 layers, d_model 128, batch 16).
+fn gpt_step(dev: Device, dtype: DType, mode: Option<Mode>, steps: usize, small: bool) -> Result<Timing> {
     kiln::tensor::rng::manual_seed(0);
     set_default_dtype(dtype);
-    let cfg = GptConfig { vocab: 65, context: 256, d_model: 384, n_layer: 6, n_head: 6, dropout: 0.0, tied_head: false };
+    let cfg = if small {
+        GptConfig { vocab: 65, context: 64, d_model: 128, n_layer: 4, n_head: 4, dropout: 0.0, tied_head: false }
+    } else {
+        GptConfig { vocab: 65, context: 256, d_model: 384, n_layer: 6, n_head: 6, dropout: 0.0, tied_head: false }
+    };
+    let batch = if small { 16 } else { 64 };
     let model = Gpt::new(cfg, dev)?;
     set_default_dtype(DType::F32);
     let mut opt = AdamW::new(model.parameters(), AdamConfig { lr: 3e-4, ..AdamConfig::adamw() })?;
     let tok = |s| -> Result<Tensor> {
-        Tensor::rand_at(&[64, 256], Distribution::Uniform, s, 0, DType::F32, dev)?.mul_scalar(65.0)?.to_dtype(DType::I64)
+        Tensor::rand_at(&[batch, cfg.context], Distribution::Uniform, s, 0, DType::F32, dev)?.mul_scalar(65.0)?.to_dtype(DType::I64)
     };
     timed(dev, mode, (3, steps), &[tok(4)?, tok(5)?], |xs| {
         let loss = model.loss(&xs[0], &xs[1])?;
@@ -229,19 +236,27 @@ fn main() -> Result<()> {
         if want("mlp_b4096") {
             report("mlp_b4096", "fp32", mode, mlp_step(dev, 4096, mode, steps * 2)?, dev);
         }
+        // The CPU criterion bench's other workloads, on request only.
+        let asked = |name: &str| only.as_deref().is_some_and(|o| name.contains(o));
+        if asked("mlp_b1024") {
+            report("mlp_b1024", "fp32", mode, mlp_step(dev, 1024, mode, steps)?, dev);
+        }
+        if asked("gpt_small") {
+            report("gpt_small", "fp32", mode, gpt_step(dev, DType::F32, mode, steps, true)?, dev);
+        }
         if want("transformer_fwd") {
             report("transformer_fwd", "fp32", mode, transformer_forward(dev, mode, steps)?, dev);
         }
         if want("gpt_fp32") {
-            report("gpt_fp32", "fp32", mode, gpt_step(dev, DType::F32, mode, steps.min(20))?, dev);
+            report("gpt_fp32", "fp32", mode, gpt_step(dev, DType::F32, mode, steps.min(20), false)?, dev);
         }
         if want("gpt_bf16") {
             // Like torch.autocast: F32 parameters, BF16 products.
             let _ac = kiln::tensor::Autocast::new(DType::BF16)?;
-            report("gpt_bf16", "bf16 autocast", mode, gpt_step(dev, DType::F32, mode, steps.min(20))?, dev);
+            report("gpt_bf16", "bf16 autocast", mode, gpt_step(dev, DType::F32, mode, steps.min(20), false)?, dev);
         }
         if want("gpt_pure_bf16") {
-            report("gpt_pure_bf16", "bf16 (params and compute)", mode, gpt_step(dev, DType::BF16, mode, steps.min(20))?, dev);
+            report("gpt_pure_bf16", "bf16 (params and compute)", mode, gpt_step(dev, DType::BF16, mode, steps.min(20), false)?, dev);
         }
     }
     Ok(())

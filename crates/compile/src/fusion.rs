@@ -279,6 +279,12 @@ pub fn batch_groups(g: &Graph, plan: Plan) -> Plan {
     Plan { steps, groups: plan.groups }
 }
 
+/// The longest inner dimension of a product fed to its group. Each tile repacks the whole
+/// right operand (k x n), cheap for a weight gradient at a small batch (k = the batch), whose
+/// cost is mostly writing the gradient; at batch 1024 the product is compute-bound and its
+/// tiles gain nothing over splitting the product's rows across the threads.
+const FEED_MAX_K: usize = 256;
+
 /// The rows and columns of a 2-D product that can be made tile by tile for one group
 /// (`kiln_tensor::cpu::matmul_by_tiles`): a plain `Matmul` or one with operand sums, F32/F64.
 fn tiled_product(g: &Graph, i: NodeId) -> Option<[usize; 2]> {
@@ -286,7 +292,8 @@ fn tiled_product(g: &Graph, i: NodeId) -> Option<[usize; 2]> {
     let Kind::Op(op, args) = &n.kind else { return None };
     let product = matches!(op, Op::Matmul | Op::MatmulFused(MatmulEpilogue::SumLeft | MatmulEpilogue::SumRight));
     let two_d = args.len() >= 2 && args[0].layout.rank() == 2 && args[1].layout.rank() == 2;
-    (product && two_d && matches!(n.dtype, DType::F32 | DType::F64)).then(|| [args[0].layout.shape[0], args[1].layout.shape[1]])
+    let fits = two_d && args[0].layout.shape[1] <= FEED_MAX_K && matches!(n.dtype, DType::F32 | DType::F64);
+    (product && fits).then(|| [args[0].layout.shape[0], args[1].layout.shape[1]])
 }
 
 /// CPU: a 2-D product whose first reader is a group reading it whole as its only read of it

@@ -511,3 +511,30 @@ fn column_sums_match_hand_values_and_the_general_path() -> Result<()> {
     );
     Ok(())
 }
+
+/// Sums of permuted views: reduced dims outermost in memory take the row-by-row kernel on
+/// the view's memory order; each result is checked against a sum in f64 by hand.
+#[test]
+fn sums_of_permuted_views_match_hand_sums() -> Result<()> {
+    let x = Tensor::rand_at(&[4, 5, 600], Distribution::Normal, 7, 0, DType::F32, CPU)?;
+    let xv = v(&x);
+    let at = |i: usize, j: usize, k: usize| xv[(i * 5 + j) * 600 + k] as f64;
+    // [600, 4, 5] (strides 1, 3000, 600): dims 1 and 2 are outermost in memory.
+    let p = x.permute(&[2, 0, 1])?;
+    let got = v(&p.sum(&[1usize, 2][..], false)?);
+    let want: Vec<f32> =
+        (0..600).map(|k| (0..4).flat_map(|i| (0..5).map(move |j| (i, j))).map(|(i, j)| at(i, j, k)).sum::<f64>() as f32).collect();
+    assert_eq!(got, want);
+    // The transposed matrix [600, 20] summed over its columns (a weight gradient's sums).
+    let m = x.reshape(&[20, 600])?.t()?;
+    let got = v(&m.sum(&[1usize][..], false)?);
+    let want: Vec<f32> = (0..600).map(|k| (0..20).map(|r| xv[r * 600 + k] as f64).sum::<f64>() as f32).collect();
+    assert_eq!(got, want);
+    // Kept dims out of memory order ([5, 600, 4] summed over 600): the general kernel.
+    let q = x.permute(&[1, 2, 0])?;
+    let got = v(&q.sum(&[1usize][..], false)?);
+    let want: Vec<f32> =
+        (0..5).flat_map(|j| (0..4).map(move |i| (j, i))).map(|(j, i)| (0..600).map(|k| at(i, j, k)).sum::<f64>() as f32).collect();
+    assert_eq!(got, want);
+    Ok(())
+}

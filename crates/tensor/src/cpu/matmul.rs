@@ -102,6 +102,13 @@ impl GemmElem for half::f16 {
 /// From this many multiply-adds in all, a batch of products spreads over the threads.
 const PAR_BATCH_FLOPS: usize = 1 << 18;
 
+/// From this many multiply-adds a single product's rows are split over the threads. Measured
+/// in the MLP steps (criterion, same hour): at batch 1024 (200M multiply-adds a product) eager
+/// took 5.8-6.6 ms split, 8.4-10.3 ms on one thread and 10.5-10.9 ms with `gemm`'s own
+/// threading; at batch 32 (6.4M) splitting made the compiled step slower (0.66-0.72 against
+/// 0.53-0.59 ms), so smaller products stay on one thread.
+const PAR_FLOPS: usize = 1 << 25;
+
 /// The sizes of a batched product `[..batch, m, k] x [..batch, k, n]`.
 #[derive(Debug, Clone, Copy)]
 pub struct MatmulShape<'a> {
@@ -109,6 +116,16 @@ pub struct MatmulShape<'a> {
     pub m: usize,
     pub k: usize,
     pub n: usize,
+}
+
+/// The rows of a single product each thread takes: all of them below `PAR_FLOPS`.
+pub fn split_rows(s: MatmulShape) -> usize {
+    let threads = rayon::current_num_threads();
+    if s.m * s.n * s.k >= PAR_FLOPS && s.m >= 2 * threads {
+        s.m.div_ceil(threads)
+    } else {
+        s.m
+    }
 }
 
 /// `out[b] = a[b] @ bm[b] (+ bias)` for every batch index of the broadcast batch shape; the
@@ -172,11 +189,31 @@ pub fn matmul<T: GemmElem>((a, la): (&[T], &Layout), (b, lb): (&[T], &Layout), b
             )
         }
     };
-    // A batch spreads over the threads; a single product runs on one: the two vCPUs here share
-    // one core's FMA units, so splitting a product measured slower (1024 x 784 x 256: 1.7 ms
-    // on one thread, 2.5 ms split over two).
+    // A batch spreads over the threads, and so do the rows of a large product; a smaller one
+    // runs on the calling thread (waking the workers costs more than they gain).
     if nb > 1 && nb * m * n * k >= PAR_BATCH_FLOPS {
         out.par_chunks_mut(m * n).enumerate().for_each(|(i, dst)| one(dst, i));
+    } else if nb == 1 && split_rows(s) < m {
+        // One large product: its rows split evenly over the threads, a one-thread product each.
+        let rows = split_rows(s);
+        out.par_chunks_mut(rows * n).enumerate().for_each(|(c, dst)| {
+            // SAFETY: rows c * rows.. of a (inside it, as above) and this chunk of the output.
+            unsafe {
+                let a0 = a.as_ptr().add(oa[0]).offset((c * rows) as isize * a_rs);
+                T::product(
+                    dst.len() / n,
+                    k,
+                    n,
+                    a0,
+                    [a_rs, a_cs],
+                    b.as_ptr().add(ob[0]),
+                    [b_rs, b_cs],
+                    bias.is_some(),
+                    dst.as_mut_ptr(),
+                    [n as isize, 1],
+                )
+            }
+        });
     } else {
         out.chunks_mut(m * n).enumerate().for_each(|(i, dst)| one(dst, i));
     }

@@ -448,7 +448,8 @@ fn matmul_fused(e: MatmulEpilogue, ins: &[(&CpuStorage, &Layout)], meta: &OutMet
             run(&Op::Binary(crate::BinaryOp::Mul), &[(&product, &l), (&grad, &l)], meta)
         }
         MatmulEpilogue::SumLeft | MatmulEpilogue::SumRight => {
-            match matmul_by_tiles(&Op::MatmulFused(e), ins, meta, usize::MAX, &|_, _, _| {})? {
+            let s = matmul::MatmulShape { batch: &[], m: ins[0].1.shape[0], k: ins[0].1.shape[1], n: ins[1].1.shape[1] };
+            match matmul_by_tiles(&Op::MatmulFused(e), ins, meta, matmul::split_rows(s), &|_, _, _| {})? {
                 Some(out) => Ok(out),
                 // F16 and BF16 (rare here): the product, then a copy into the longer buffer.
                 None => {

@@ -89,12 +89,31 @@ fn column_sum<T: Element>(src: &[T], l: &Layout, dims: &[usize], acc: &mut [f64]
     true
 }
 
+/// A sum whose reduced dims are outermost in memory (a transposed view's rows summed, as in
+/// a weight gradient's operand sums) through `column_sum` on the layout with its dims in
+/// memory order. Only when that order keeps the kept dims' own order (the output's layout).
+fn permuted_column_sum<T: Element>(src: &[T], l: &Layout, dims: &[usize], acc: &mut [f64]) -> bool {
+    let mut order: Vec<usize> = (0..l.rank()).collect();
+    order.sort_by_key(|&d| std::cmp::Reverse(l.strides[d]));
+    let kept: Vec<usize> = order.iter().copied().filter(|d| !dims.contains(d)).collect();
+    if order.iter().enumerate().all(|(i, &d)| i == d) || kept.windows(2).any(|w| w[0] > w[1]) {
+        return false;
+    }
+    let permuted = Layout {
+        shape: order.iter().map(|&d| l.shape[d]).collect(),
+        strides: order.iter().map(|&d| l.strides[d]).collect(),
+        offset: l.offset,
+    };
+    let new_dims: Vec<usize> = (0..order.len()).filter(|&i| dims.contains(&order[i])).collect();
+    column_sum(src, &permuted, &new_dims, acc)
+}
+
 /// Sum, max and min keep the dtype (sums accumulate in f64); argmax/argmin give I64.
 pub fn reduce<T: Element>(op: ReduceOp, src: &[T], l: &Layout, dims: &[usize], out_numel: usize) -> super::Out<T> {
     match op {
         ReduceOp::Sum => {
             let mut acc = pool::take::<f64>(out_numel);
-            if !column_sum(src, l, dims, &mut acc) {
+            if !column_sum(src, l, dims, &mut acc) && !permuted_column_sum(src, l, dims, &mut acc) {
                 fold(src, l, dims, 0.0f64, |a, x, _| a + x.to_f64(), &mut acc);
             }
             let out = acc.iter().map(|&a| T::from_f64(a)).collect();
