@@ -1,5 +1,6 @@
 //! Kernel throughput on the CPU: elementwise add (GB/s, against a plain Rust loop) and a
-//! 1024^3 f32 matmul (GFLOP/s, against the `gemm` crate called directly).
+//! 1024^3 f32 matmul (GFLOP/s, against `matrixmultiply`, the kernel Kiln calls, and the
+//! `gemm` crate, each called directly).
 //! `cargo bench --bench ops`
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
@@ -66,6 +67,14 @@ fn matmul(c: &mut Criterion) {
                     gemm::Parallelism::Rayon(threads),
                 );
             }
+            black_box(&out);
+        })
+    });
+    // One thread, as Kiln's split gives each thread its rows.
+    g.bench_function("matrixmultiply_direct_one_thread", |bch| {
+        bch.iter(|| {
+            // SAFETY: all three buffers hold n*n f32 in row-major order.
+            unsafe { matrixmultiply::sgemm(n, n, n, 1.0, av.as_ptr(), n as isize, 1, bv.as_ptr(), n as isize, 1, 0.0, out.as_mut_ptr(), n as isize, 1) }
             black_box(&out);
         })
     });
