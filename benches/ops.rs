@@ -74,7 +74,24 @@ fn matmul(c: &mut Criterion) {
     g.bench_function("matrixmultiply_direct_one_thread", |bch| {
         bch.iter(|| {
             // SAFETY: all three buffers hold n*n f32 in row-major order.
-            unsafe { matrixmultiply::sgemm(n, n, n, 1.0, av.as_ptr(), n as isize, 1, bv.as_ptr(), n as isize, 1, 0.0, out.as_mut_ptr(), n as isize, 1) }
+            unsafe {
+                matrixmultiply::sgemm(
+                    n,
+                    n,
+                    n,
+                    1.0,
+                    av.as_ptr(),
+                    n as isize,
+                    1,
+                    bv.as_ptr(),
+                    n as isize,
+                    1,
+                    0.0,
+                    out.as_mut_ptr(),
+                    n as isize,
+                    1,
+                )
+            }
             black_box(&out);
         })
     });

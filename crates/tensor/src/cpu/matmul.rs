@@ -6,24 +6,23 @@ use crate::shape::Layout;
 use crate::Element;
 use rayon::prelude::*;
 
-/// One product `dst[m, n] = beta * dst + a[m, k] @ b[k, n]` at the given (row, column)
-/// strides, on the calling thread. `beta` is 0 (dst unread) or 1 (accumulate onto a bias).
+/// One product `dst[m, n] (+)= a[m, k] @ b[k, n]`, each matrix a pointer and its (row,
+/// column) strides; `accumulate`: add onto `dst` (a bias written there first), else overwrite.
+pub struct Product<T> {
+    pub m: usize,
+    pub k: usize,
+    pub n: usize,
+    pub a: (*const T, [isize; 2]),
+    pub b: (*const T, [isize; 2]),
+    pub dst: (*mut T, [isize; 2]),
+    pub accumulate: bool,
+}
+
+/// Runs a `Product` on the calling thread.
 pub trait GemmElem: Element {
     /// # Safety
     /// The pointers must cover the matrices at their strides; `dst` must not alias `a` or `b`.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn product(
-        m: usize,
-        k: usize,
-        n: usize,
-        a: *const Self,
-        a_s: [isize; 2],
-        b: *const Self,
-        b_s: [isize; 2],
-        beta: bool,
-        dst: *mut Self,
-        dst_s: [isize; 2],
-    );
+    unsafe fn product(p: &Product<Self>);
 }
 
 /// f32 and f64 go through `matrixmultiply`: 2-3x `gemm`'s speed on this 2-vCPU machine (one
@@ -34,23 +33,13 @@ pub trait GemmElem: Element {
 macro_rules! matrixmultiply_elem {
     ($t:ty, $f:path) => {
         impl GemmElem for $t {
-            unsafe fn product(
-                m: usize,
-                k: usize,
-                n: usize,
-                a: *const $t,
-                a_s: [isize; 2],
-                b: *const $t,
-                b_s: [isize; 2],
-                beta: bool,
-                dst: *mut $t,
-                dst_s: [isize; 2],
-            ) {
-                let beta = if beta { 1.0 } else { 0.0 };
+            unsafe fn product(p: &Product<$t>) {
+                let Product { m, k, n, a: (a, sa), b: (b, sb), dst: (d, sd), accumulate } = *p;
+                let beta = if accumulate { 1.0 } else { 0.0 };
                 if m < n {
-                    $f(n, k, m, 1.0, b, b_s[1], b_s[0], a, a_s[1], a_s[0], beta, dst, dst_s[1], dst_s[0])
+                    $f(n, k, m, 1.0, b, sb[1], sb[0], a, sa[1], sa[0], beta, d, sd[1], sd[0])
                 } else {
-                    $f(m, k, n, 1.0, a, a_s[0], a_s[1], b, b_s[0], b_s[1], beta, dst, dst_s[0], dst_s[1])
+                    $f(m, k, n, 1.0, a, sa[0], sa[1], b, sb[0], sb[1], beta, d, sd[0], sd[1])
                 }
             }
         }
@@ -61,42 +50,30 @@ matrixmultiply_elem!(f64, matrixmultiply::dgemm);
 
 /// f16 has no `matrixmultiply` kernel; `gemm` has one.
 impl GemmElem for half::f16 {
-    unsafe fn product(
-        m: usize,
-        k: usize,
-        n: usize,
-        a: *const Self,
-        a_s: [isize; 2],
-        b: *const Self,
-        b_s: [isize; 2],
-        beta: bool,
-        dst: *mut Self,
-        dst_s: [isize; 2],
-    ) {
-        let one = half::f16::ONE;
-        let alpha = if beta { one } else { half::f16::ZERO };
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst,
-            dst_s[1],
-            dst_s[0],
-            beta,
-            a,
-            a_s[1],
-            a_s[0],
-            b,
-            b_s[1],
-            b_s[0],
-            alpha,
-            one,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        )
+    unsafe fn product(p: &Product<Self>) {
+        let Product { m, k, n, a: (a, sa), b: (b, sb), dst: (d, sd), accumulate } = *p;
+        let (zero, one) = (half::f16::ZERO, half::f16::ONE);
+        let keep = if accumulate { one } else { zero };
+        let par = gemm::Parallelism::None;
+        gemm::gemm(m, n, k, d, sd[1], sd[0], accumulate, a, sa[1], sa[0], b, sb[1], sb[0], keep, one, false, false, false, par)
     }
+}
+
+/// Rows `row0..` of `a @ b` (whole rows of `n` columns) into `dst`, `a` given at its row 0.
+///
+/// # Safety
+/// As `GemmElem::product`, for the rows `dst` holds.
+unsafe fn product_rows<T: GemmElem>(
+    a: (*const T, [isize; 2]),
+    row0: usize,
+    b: (*const T, [isize; 2]),
+    k: usize,
+    n: usize,
+    dst: &mut [T],
+    accumulate: bool,
+) {
+    let a = (a.0.offset(row0 as isize * a.1[0]), a.1);
+    T::product(&Product { m: dst.len() / n, k, n, a, b, dst: (dst.as_mut_ptr(), [n as isize, 1]), accumulate })
 }
 
 /// From this many multiply-adds in all, a batch of products spreads over the threads.
@@ -174,20 +151,7 @@ pub fn matmul<T: GemmElem>((a, la): (&[T], &Layout), (b, lb): (&[T], &Layout), b
         }
         // SAFETY: the pointers cover [m, k], [k, n] and [m, n] matrices at the given strides,
         // all inside their slices (the shape rule and layouts guarantee it); dst is not aliased.
-        unsafe {
-            T::product(
-                m,
-                k,
-                n,
-                a.as_ptr().add(oa[i]),
-                [a_rs, a_cs],
-                b.as_ptr().add(ob[i]),
-                [b_rs, b_cs],
-                bias.is_some(),
-                dst.as_mut_ptr(),
-                [n as isize, 1],
-            )
-        }
+        unsafe { product_rows((a.as_ptr().add(oa[i]), [a_rs, a_cs]), 0, (b.as_ptr().add(ob[i]), [b_rs, b_cs]), k, n, dst, bias.is_some()) }
     };
     // A batch spreads over the threads, and so do the rows of a large product; a smaller one
     // runs on the calling thread (waking the workers costs more than they gain).
@@ -199,18 +163,14 @@ pub fn matmul<T: GemmElem>((a, la): (&[T], &Layout), (b, lb): (&[T], &Layout), b
         out.par_chunks_mut(rows * n).enumerate().for_each(|(c, dst)| {
             // SAFETY: rows c * rows.. of a (inside it, as above) and this chunk of the output.
             unsafe {
-                let a0 = a.as_ptr().add(oa[0]).offset((c * rows) as isize * a_rs);
-                T::product(
-                    dst.len() / n,
+                product_rows(
+                    (a.as_ptr().add(oa[0]), [a_rs, a_cs]),
+                    c * rows,
+                    (b.as_ptr().add(ob[0]), [b_rs, b_cs]),
                     k,
                     n,
-                    a0,
-                    [a_rs, a_cs],
-                    b.as_ptr().add(ob[0]),
-                    [b_rs, b_cs],
+                    dst,
                     bias.is_some(),
-                    dst.as_mut_ptr(),
-                    [n as isize, 1],
                 )
             }
         });
@@ -249,10 +209,7 @@ pub fn by_tiles<T: GemmElem>(
         if k > 0 {
             // SAFETY: rows r0.. of a [m, k] matrix at its strides, the whole [k, n] b, and this
             // tile's rows of the output, which no other tile touches.
-            unsafe {
-                let a0 = a.as_ptr().add(la.offset).offset(r0 as isize * a_s[0]);
-                T::product(rows, k, n, a0, a_s, b.as_ptr().add(lb.offset), b_s, bias.is_some(), dst.as_mut_ptr(), [n as isize, 1])
-            }
+            unsafe { product_rows((a.as_ptr().add(la.offset), a_s), r0, (b.as_ptr().add(lb.offset), b_s), k, n, dst, bias.is_some()) }
         }
         // Element 0 of `out`, from this tile's own pointer (the callee touches this tile only).
         after(dst.as_ptr().wrapping_sub(r0 * n) as *const u8, r0 * n, (r0 + rows) * n);
