@@ -364,6 +364,29 @@ fn weight_gradients_feed_their_adamw_update_tile_by_tile() -> Result<()> {
     Ok(())
 }
 
+/// A group reading two products whole is fed by one of them (the other runs before it as a
+/// plain product), and the result is eager's bit for bit: 8192 columns make 8-row tiles,
+/// so the 20-row product is three tiles.
+#[test]
+fn a_group_reading_two_products_is_fed_by_one() -> Result<()> {
+    if std::env::var("KILN_CPU_CODEGEN").is_ok_and(|v| v == "0") {
+        eprintln!("SKIPPED: KILN_CPU_CODEGEN=0 turns native CPU kernels off (feeding needs them)");
+        return Ok(());
+    }
+    let r = |s: &[usize], seed| Tensor::rand_at(s, Distribution::Normal, seed, 0, DType::F32, Device::Cpu);
+    let (a, b, c) = (r(&[20, 16], 1)?, r(&[16, 8192], 2)?, r(&[16, 8192], 3)?);
+    let f = |xs: &[Tensor]| -> Result<Vec<Tensor>> { Ok(vec![xs[0].matmul(&xs[1])?.add(&xs[0].matmul(&xs[2])?)?.mul_scalar(0.5)?]) };
+    let want = f(&[a.clone(), b.clone(), c.clone()])?[0].to_vec::<f32>()?;
+    let mut step = compile_with(CompileOptions::default(), f);
+    for _ in 0..3 {
+        let got = step.call(&[&a, &b, &c])?[0].to_vec::<f32>()?;
+        let bad = got.iter().zip(&want).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+        assert_eq!(bad, 0, "{bad} of {} elements differ from eager", want.len());
+    }
+    assert_eq!(step.explain().fed_products, 1, "one product fed; a missing C compiler fails here");
+    Ok(())
+}
+
 /// Autocast (BF16): a product of F32 tensors is the product of their BF16 roundings, returned
 /// in F32 (rounded through BF16), and the weight's gradient is F32.
 #[test]

@@ -310,12 +310,15 @@ pub fn feed_products(g: &Graph, plan: &mut Plan, native: &dyn Fn(usize) -> bool)
             Step::Groups(gs) => gs.iter().flat_map(|&k| plan.groups[k].externals.iter().map(|a| a.node)).collect(),
         }
     };
-    let mut fed: Vec<NodeId> = Vec::new();
+    let (mut fed, mut fed_groups): (Vec<NodeId>, Vec<usize>) = (Vec::new(), Vec::new());
     let mut kp = 0;
     while kp < plan.steps.len() {
-        let Step::Node(p) = plan.steps[kp] else {
-            kp += 1;
-            continue;
+        let p = match plan.steps[kp] {
+            Step::Node(p) if !fed.contains(&p) => p,
+            _ => {
+                kp += 1;
+                continue;
+            }
         };
         let Some(kr) = tiled_product(g, p).and_then(|_| (kp + 1..plan.steps.len()).find(|&k| reads(&plan.steps[k]).contains(&p))) else {
             kp += 1;
@@ -323,7 +326,8 @@ pub fn feed_products(g: &Graph, plan: &mut Plan, native: &dyn Fn(usize) -> bool)
         };
         let shape = tiled_product(g, p).unwrap_or_default().to_vec();
         let ok = match &plan.steps[kr] {
-            Step::Groups(gs) if gs.len() == 1 && native(gs[0]) => {
+            // One product per group: the product runs right before it.
+            Step::Groups(gs) if gs.len() == 1 && native(gs[0]) && !fed_groups.contains(&gs[0]) => {
                 let gr = &plan.groups[gs[0]];
                 let of_p: Vec<&Arg> = gr.externals.iter().filter(|a| a.node == p).collect();
                 let product_args = g.nodes[p].args();
@@ -338,14 +342,17 @@ pub fn feed_products(g: &Graph, plan: &mut Plan, native: &dyn Fn(usize) -> bool)
             }
             _ => false,
         };
-        if ok && kr > kp + 1 {
-            // Moved up to its group; this position now holds the next step.
-            let step = plan.steps.remove(kp);
-            plan.steps.insert(kr - 1, step);
-            continue;
-        }
         if ok {
             fed.push(p);
+            if let Step::Groups(gs) = &plan.steps[kr] {
+                fed_groups.push(gs[0]);
+            }
+            if kr > kp + 1 {
+                // Moved up to its group; this position now holds the next step.
+                let step = plan.steps.remove(kp);
+                plan.steps.insert(kr - 1, step);
+                continue;
+            }
         }
         kp += 1;
     }
