@@ -338,7 +338,9 @@ pub fn feed_products(g: &Graph, plan: &mut Plan, native: &dyn Fn(usize) -> bool)
                         .any(|&(_, slot)| state_nodes[slot].is_some_and(|s| product_args.contains(&s))),
                     Step::Node(_) => false,
                 });
-                gr.shape == shape && of_p.len() == 1 && identity(of_p[0], &shape) && !clobbers
+                // The group locks its reads while the product locks its own: none shared.
+                let shares = gr.externals.iter().any(|a| product_args.contains(&a.node));
+                gr.shape == shape && of_p.len() == 1 && identity(of_p[0], &shape) && !clobbers && !shares
             }
             _ => false,
         };
