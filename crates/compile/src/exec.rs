@@ -79,7 +79,7 @@ impl Program {
             Some(nat) if opts.fuse => fusion::feed_products(&graph, &mut plan, &|k| nat.groups[k].is_some()),
             _ => vec![false; plan.steps.len()],
         };
-        let reads: Vec<Vec<NodeId>> = plan.steps.iter().map(|s| step_reads(&graph, &plan, s)).collect();
+        let reads: Vec<Vec<NodeId>> = plan.steps.iter().map(|s| plan.reads(&graph, s)).collect();
         let mut last_use: Vec<usize> = vec![0; graph.nodes.len()];
         for (k, r) in reads.iter().enumerate() {
             for &a in r {
@@ -250,9 +250,10 @@ impl Program {
         for (k, step) in self.plan.steps.iter().enumerate() {
             // On a GPU the kernels time themselves (`profile`); on the CPU, time each step here.
             let timer = (self.device == Device::Cpu && kiln_tensor::profile::enabled()).then(std::time::Instant::now);
+            // A group fed by the product before it ran with that product.
+            let ran_early = k > 0 && self.fed[k - 1];
             match step {
-                // Ran with the product before it.
-                Step::Groups(_) if k > 0 && self.fed[k - 1] => {}
+                Step::Groups(_) if ran_early => {}
                 Step::Node(i) if self.fed[k] => {
                     for (m, c) in self.run_fed(*i, k, &vals)? {
                         vals[m] = Some(c);
@@ -289,7 +290,7 @@ impl Program {
                 }
             }
             if let Some(t) = timer {
-                if !(k > 0 && self.fed[k - 1]) {
+                if !ran_early {
                     kiln_tensor::profile::record(self.timed_label(k), t.elapsed().as_secs_f64());
                 }
             }
@@ -426,13 +427,5 @@ impl Program {
             }
         }
         peak
-    }
-}
-
-/// The nodes a step reads.
-fn step_reads(g: &Graph, plan: &Plan, step: &Step) -> Vec<NodeId> {
-    match step {
-        Step::Node(i) => g.nodes[*i].args(),
-        Step::Groups(gs) => gs.iter().flat_map(|&k| plan.groups[k].externals.iter().map(|a| a.node)).collect(),
     }
 }

@@ -216,7 +216,10 @@ fn run_native(
         unsafe { (nat.f)(start as i64, end as i64, optr.as_ptr() as *const *mut u8, iptr.as_ptr() as *const *const u8) }
     };
     if let Some(feed) = feed {
-        let k = exts.iter().position(|e| matches!(e, Ext::Fed)).unwrap_or(0);
+        let k = exts
+            .iter()
+            .position(|e| matches!(e, Ext::Fed))
+            .ok_or_else(|| Error::Msg("fused group: the fed product is not one of its reads".into()))?;
         return (feed.run)(&|base: *const u8, start: usize, end: usize| {
             let mut ptrs = iptr.clone();
             ptrs[k] = base as usize;

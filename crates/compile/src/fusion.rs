@@ -39,6 +39,16 @@ pub struct Plan {
     pub groups: Vec<Group>,
 }
 
+impl Plan {
+    /// The nodes a step reads.
+    pub fn reads(&self, g: &Graph, step: &Step) -> Vec<NodeId> {
+        match step {
+            Step::Node(i) => g.nodes[*i].args(),
+            Step::Groups(gs) => gs.iter().flat_map(|&k| self.groups[k].externals.iter().map(|a| a.node)).collect(),
+        }
+    }
+}
+
 /// The float type a pointwise node computes in, if it can join a group. On a GPU every
 /// member computes in its own type (as the eager kernel would, without rounding f16/bf16
 /// intermediates), so any pointwise op joins except casts to integers (whose saturating
@@ -304,12 +314,6 @@ fn tiled_product(g: &Graph, i: NodeId) -> Option<[usize; 2]> {
 /// group k has a native function. Returns the steps so moved, each before its group.
 pub fn feed_products(g: &Graph, plan: &mut Plan, native: &dyn Fn(usize) -> bool) -> Vec<bool> {
     let state_nodes = g.state_nodes();
-    let reads = |s: &Step| -> Vec<NodeId> {
-        match s {
-            Step::Node(i) => g.nodes[*i].args(),
-            Step::Groups(gs) => gs.iter().flat_map(|&k| plan.groups[k].externals.iter().map(|a| a.node)).collect(),
-        }
-    };
     let (mut fed, mut fed_groups): (Vec<NodeId>, Vec<usize>) = (Vec::new(), Vec::new());
     let mut kp = 0;
     while kp < plan.steps.len() {
@@ -320,11 +324,14 @@ pub fn feed_products(g: &Graph, plan: &mut Plan, native: &dyn Fn(usize) -> bool)
                 continue;
             }
         };
-        let Some(kr) = tiled_product(g, p).and_then(|_| (kp + 1..plan.steps.len()).find(|&k| reads(&plan.steps[k]).contains(&p))) else {
+        let Some(shape) = tiled_product(g, p) else {
             kp += 1;
             continue;
         };
-        let shape = tiled_product(g, p).unwrap_or_default().to_vec();
+        let Some(kr) = (kp + 1..plan.steps.len()).find(|&k| plan.reads(g, &plan.steps[k]).contains(&p)) else {
+            kp += 1;
+            continue;
+        };
         let ok = match &plan.steps[kr] {
             // One product per group: the product runs right before it.
             Step::Groups(gs) if gs.len() == 1 && native(gs[0]) && !fed_groups.contains(&gs[0]) => {

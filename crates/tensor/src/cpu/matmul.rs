@@ -59,7 +59,9 @@ impl GemmElem for half::f16 {
     }
 }
 
-/// Rows `row0..` of `a @ b` (whole rows of `n` columns) into `dst`, `a` given at its row 0.
+/// Rows `row0..` of `a @ b (+ bias)` (whole rows of `n` columns) into `dst`, `a` given at
+/// its row 0: the bias is written into each row and the GEMM accumulates onto it; with
+/// `k = 0` the rows are the bias, or zeros.
 ///
 /// # Safety
 /// As `GemmElem::product`, for the rows `dst` holds.
@@ -70,10 +72,23 @@ unsafe fn product_rows<T: GemmElem>(
     k: usize,
     n: usize,
     dst: &mut [T],
-    accumulate: bool,
+    bias: Option<&[T]>,
 ) {
-    let a = (a.0.offset(row0 as isize * a.1[0]), a.1);
-    T::product(&Product { m: dst.len() / n, k, n, a, b, dst: (dst.as_mut_ptr(), [n as isize, 1]), accumulate })
+    match bias {
+        Some(bias) => dst.chunks_mut(n).for_each(|row| row.copy_from_slice(bias)),
+        None if k == 0 => dst.fill(T::zero()),
+        None => {}
+    }
+    if k > 0 {
+        let a = (a.0.offset(row0 as isize * a.1[0]), a.1);
+        T::product(&Product { m: dst.len() / n, k, n, a, b, dst: (dst.as_mut_ptr(), [n as isize, 1]), accumulate: bias.is_some() })
+    }
+}
+
+/// The strides of a layout's last two dims, as a matrix's (row, column) strides.
+fn matrix_strides(l: &Layout) -> [isize; 2] {
+    let r = l.rank();
+    [l.strides[r - 2] as isize, l.strides[r - 1] as isize]
 }
 
 /// From this many multiply-adds in all, a batch of products spreads over the threads.
@@ -105,8 +120,8 @@ pub fn split_rows(s: MatmulShape) -> usize {
     }
 }
 
-/// `out[b] = a[b] @ bm[b] (+ bias)` for every batch index of the broadcast batch shape; the
-/// bias `[n]` (contiguous) is written into every row first and the GEMM accumulates onto it.
+/// `out[b] = a[b] @ bm[b] (+ bias)` for every batch index of the broadcast batch shape (the
+/// bias `[n]` contiguous).
 pub fn matmul<T: GemmElem>((a, la): (&[T], &Layout), (b, lb): (&[T], &Layout), bias: Option<&[T]>, s: MatmulShape) -> Vec<T> {
     let MatmulShape { batch, m, k, n } = s;
     let nb: usize = batch.iter().product();
@@ -115,12 +130,12 @@ pub fn matmul<T: GemmElem>((a, la): (&[T], &Layout), (b, lb): (&[T], &Layout), b
     if m * n == 0 {
         return buf;
     }
-    if let Some(bias) = bias {
-        out.chunks_mut(n).for_each(|row| row.copy_from_slice(bias));
+    if nb == 1 {
+        // One product: its rows split over the threads when large (`split_rows`).
+        by_tiles((a, la), (b, lb), bias, s, out, split_rows(s), &|_, _, _| {});
+        return buf;
     }
-    let (ra, rb) = (la.rank(), lb.rank());
-    let (a_rs, a_cs) = (la.strides[ra - 2] as isize, la.strides[ra - 1] as isize);
-    let (b_rs, b_cs) = (lb.strides[rb - 2] as isize, lb.strides[rb - 1] as isize);
+    let (a_s, b_s) = (matrix_strides(la), matrix_strides(lb));
     // Offsets of each batch's matrix in a and b (broadcast batch dims have stride 0).
     let batch_offsets = |l: &Layout| -> Vec<usize> {
         let bl = Layout { shape: l.shape[..l.rank() - 2].to_vec(), strides: l.strides[..l.rank() - 2].to_vec(), offset: l.offset };
@@ -140,42 +155,16 @@ pub fn matmul<T: GemmElem>((a, la): (&[T], &Layout), (b, lb): (&[T], &Layout), b
         offs
     };
     let (oa, ob) = (batch_offsets(la), batch_offsets(lb));
-    // `dst` holds batch i's output.
-    let one = |dst: &mut [T], i: usize| {
-        if k == 0 {
-            // An empty product: the output is the bias, or zeros.
-            if bias.is_none() {
-                dst.fill(T::zero());
-            }
-            return;
-        }
-        // SAFETY: the pointers cover [m, k], [k, n] and [m, n] matrices at the given strides,
-        // all inside their slices (the shape rule and layouts guarantee it); dst is not aliased.
-        unsafe { product_rows((a.as_ptr().add(oa[i]), [a_rs, a_cs]), 0, (b.as_ptr().add(ob[i]), [b_rs, b_cs]), k, n, dst, bias.is_some()) }
+    // SAFETY: the pointers cover [m, k], [k, n] and [m, n] matrices at the given strides, all
+    // inside their slices (the shape rule and layouts guarantee it); dst is batch i's output.
+    let one = |(i, dst): (usize, &mut [T])| unsafe {
+        product_rows((a.as_ptr().add(oa[i]), a_s), 0, (b.as_ptr().add(ob[i]), b_s), k, n, dst, bias)
     };
-    // A batch spreads over the threads, and so do the rows of a large product; a smaller one
-    // runs on the calling thread (waking the workers costs more than they gain).
-    if nb > 1 && nb * m * n * k >= PAR_BATCH_FLOPS {
-        out.par_chunks_mut(m * n).enumerate().for_each(|(i, dst)| one(dst, i));
-    } else if nb == 1 && split_rows(s) < m {
-        // One large product: its rows split evenly over the threads, a one-thread product each.
-        let rows = split_rows(s);
-        out.par_chunks_mut(rows * n).enumerate().for_each(|(c, dst)| {
-            // SAFETY: rows c * rows.. of a (inside it, as above) and this chunk of the output.
-            unsafe {
-                product_rows(
-                    (a.as_ptr().add(oa[0]), [a_rs, a_cs]),
-                    c * rows,
-                    (b.as_ptr().add(ob[0]), [b_rs, b_cs]),
-                    k,
-                    n,
-                    dst,
-                    bias.is_some(),
-                )
-            }
-        });
+    // A batch spreads over the threads when large (waking the workers costs more below that).
+    if nb * m * n * k >= PAR_BATCH_FLOPS {
+        out.par_chunks_mut(m * n).enumerate().for_each(one);
     } else {
-        out.chunks_mut(m * n).enumerate().for_each(|(i, dst)| one(dst, i));
+        out.chunks_mut(m * n).enumerate().for_each(one);
     }
     buf
 }
@@ -184,8 +173,8 @@ pub fn matmul<T: GemmElem>((a, la): (&[T], &Layout), (b, lb): (&[T], &Layout), b
 /// start, end)`, the tile being elements `start..end`.
 pub type TileFn<'a> = dyn Fn(*const u8, usize, usize) + Sync + 'a;
 
-/// The 2-D product `a @ b (+ bias)` into `out` (`[m, n]`), `tile` rows at a time with the
-/// tiles spread over the threads; right after each tile, `after(out_ptr, start, end)` runs
+/// A single product `a @ b (+ bias)` (batch dims, if any, all 1) into `out` (`[m, n]`),
+/// `tile` rows at a time with the tiles spread over the threads; right after each tile, `after(out_ptr, start, end)` runs
 /// on its elements `start..end` of `out` (`out_ptr` is element 0) while they are in cache.
 /// Compile's CPU back end runs an optimizer update this way, straight off its gradient.
 pub fn by_tiles<T: GemmElem>(
@@ -198,22 +187,24 @@ pub fn by_tiles<T: GemmElem>(
     after: &TileFn,
 ) {
     let MatmulShape { m, k, n, .. } = s;
-    let (a_s, b_s) = ([la.strides[0] as isize, la.strides[1] as isize], [lb.strides[0] as isize, lb.strides[1] as isize]);
-    out[..m * n].par_chunks_mut(tile.max(1) * n).enumerate().for_each(|(t, dst)| {
-        let (r0, rows) = (t * tile.max(1), dst.len() / n);
-        match bias {
-            Some(bias) => dst.chunks_mut(n).for_each(|row| row.copy_from_slice(bias)),
-            None if k == 0 => dst.fill(T::zero()),
-            None => {}
-        }
-        if k > 0 {
-            // SAFETY: rows r0.. of a [m, k] matrix at its strides, the whole [k, n] b, and this
-            // tile's rows of the output, which no other tile touches.
-            unsafe { product_rows((a.as_ptr().add(la.offset), a_s), r0, (b.as_ptr().add(lb.offset), b_s), k, n, dst, bias.is_some()) }
-        }
+    if m * n == 0 {
+        return;
+    }
+    let (a_s, b_s, tile) = (matrix_strides(la), matrix_strides(lb), tile.max(1));
+    let per_tile = |(t, dst): (usize, &mut [T])| {
+        let r0 = t * tile;
+        // SAFETY: rows r0.. of the [m, k] matrix a at its strides, the whole [k, n] b, and
+        // this tile's rows of the output, which no other tile touches.
+        unsafe { product_rows((a.as_ptr().add(la.offset), a_s), r0, (b.as_ptr().add(lb.offset), b_s), k, n, dst, bias) };
         // Element 0 of `out`, from this tile's own pointer (the callee touches this tile only).
-        after(dst.as_ptr().wrapping_sub(r0 * n) as *const u8, r0 * n, (r0 + rows) * n);
-    });
+        after(dst.as_ptr().wrapping_sub(r0 * n) as *const u8, r0 * n, r0 * n + dst.len());
+    };
+    // One tile runs on the calling thread: waking rayon's workers would cost more.
+    if tile >= m {
+        per_tile((0, &mut out[..m * n]));
+    } else {
+        out[..m * n].par_chunks_mut(tile * n).enumerate().for_each(per_tile);
+    }
 }
 
 /// bf16 through f32.

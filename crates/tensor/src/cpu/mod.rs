@@ -453,15 +453,20 @@ fn matmul_fused(e: MatmulEpilogue, ins: &[(&CpuStorage, &Layout)], meta: &OutMet
                 Some(out) => Ok(out),
                 // F16 and BF16 (rare here): the product, then a copy into the longer buffer.
                 None => {
-                    let (m, n) = (ins[0].1.shape[0], ins[1].1.shape[1]);
-                    let (src, dim, len) = if e == MatmulEpilogue::SumLeft { (ins[0], 1, m) } else { (ins[1], 0, n) };
-                    let sums =
-                        run(&Op::Reduce { op: crate::ReduceOp::Sum, dims: vec![dim], keepdim: false }, &[src], &with_shape(vec![len]))?;
-                    append(&run(&Op::Matmul, ins, &with_shape(vec![m, n]))?, &sums)
+                    let product = run(&Op::Matmul, ins, &with_shape(vec![s.m, s.n]))?;
+                    append(&product, &operand_sums(e, ins, meta.dtype)?)
                 }
             }
         }
     }
+}
+
+/// A fused matmul's operand sums: the left operand's rows (`SumLeft`, `[m]`) or the right's
+/// columns (`SumRight`, `[n]`).
+fn operand_sums(e: MatmulEpilogue, ins: &[(&CpuStorage, &Layout)], dtype: DType) -> Result<CpuStorage> {
+    let (src, dim) = if e == MatmulEpilogue::SumLeft { (ins[0], 1) } else { (ins[1], 0) };
+    let len = src.1.shape[1 - dim];
+    run(&Op::Reduce { op: crate::ReduceOp::Sum, dims: vec![dim], keepdim: false }, &[src], &OutMeta { shape: vec![len], dtype })
 }
 
 /// Compile's CPU back end: a 2-D `Matmul` (bias optional) or a `MatmulFused` with operand
@@ -484,14 +489,7 @@ pub fn matmul_by_tiles(
         return Ok(None);
     }
     let (m, k, n) = (ins[0].1.shape[0], ins[0].1.shape[1], ins[1].1.shape[1]);
-    let sums = match fused_sums {
-        Some(e) => {
-            let (src, dim, len) = if e == MatmulEpilogue::SumLeft { (ins[0], 1, m) } else { (ins[1], 0, n) };
-            let sum = Op::Reduce { op: crate::ReduceOp::Sum, dims: vec![dim], keepdim: false };
-            Some(run(&sum, &[src], &OutMeta { shape: vec![len], dtype: meta.dtype })?)
-        }
-        None => None,
-    };
+    let sums = fused_sums.map(|e| operand_sums(e, ins, meta.dtype)).transpose()?;
     fn go<T: matmul::GemmElem + CpuSlice>(
         ins: &[(&CpuStorage, &Layout)],
         s: matmul::MatmulShape,

@@ -711,11 +711,6 @@ pub fn softmax_backward_source(dtype: DType, log: bool, block: bool) -> (String,
     (s, name)
 }
 
-/// Layer norm's normalisation over the last dim of a dense buffer (`affine`: times `w`, plus
-/// `b`, per column), or (`backward`) its input gradient from `x` and the output gradient `g`
-/// (`affine`: g times `w`): the row's mean and variance (two sweeps), then for the backward
-/// the sums of `g` and `g xhat`, then the write. Arguments: out, x, g (backward), args, w,
-/// b (the forward's `affine`).
 /// The longest row `layer_norm_param_grads_source` takes (32 values per lane).
 pub const LN_GRADS_MAX_N: usize = 1024;
 
@@ -728,17 +723,19 @@ pub fn layer_norm_param_grads_source(dtype: DType, tiles: usize) -> (String, Str
     let name = format!("k_ln_param_grads_{}_{tiles}", storage_type(dtype).replace(' ', "_"));
     let (t, c) = (storage_type(dtype), compute_type(dtype));
     let mut s = format!("{PRELUDE}\ntypedef {c} C;\nstruct NArgs {{ long long rows, red; double eps; }};\n#define TILES {tiles}\n");
-    s += "__device__ __forceinline__ C warp_sum(C v) {\n  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);\n  return v;\n}\n";
     s += &format!("extern \"C\" __global__ void {name}(C* __restrict__ part, const {t}* __restrict__ x, const {t}* __restrict__ g, NArgs a, long long chunk) {{\n");
     s += "  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;\n";
     s += "  const long long r1 = min(a.rows, (blockIdx.x + 1) * chunk); const C n = (C)a.red;\n";
     s += "  C dw[TILES], db[TILES];\n#pragma unroll\n  for (int t = 0; t < TILES; ++t) { dw[t] = (C)0; db[t] = (C)0; }\n";
     s += "  for (long long row = blockIdx.x * chunk + warp; row < r1; row += nw) {\n";
     s += "    const long long base = row * a.red; C acc = (C)0;\n";
+    // The row's mean and variance as `normalize_source` computes them (warp sums).
     s += "    for (long long j = lane; j < a.red; j += 32) acc += (C)ld(x[base + j]);\n";
-    s += "    const C mean = warp_sum(acc) / n; acc = (C)0;\n";
+    s += &row_allreduce(false, false);
+    s += "    const C mean = acc / n; acc = (C)0;\n";
     s += "    for (long long j = lane; j < a.red; j += 32) { C d = (C)ld(x[base + j]) - mean; acc += d * d; }\n";
-    s += "    const C rstd = (C)1 / ksqrt(warp_sum(acc) / n + (C)a.eps);\n";
+    s += &row_allreduce(false, false);
+    s += "    const C rstd = (C)1 / ksqrt(acc / n + (C)a.eps);\n";
     s += "#pragma unroll\n    for (int t = 0; t < TILES; ++t) {\n      const long long j = lane + 32LL * t;\n";
     s += "      if (j < a.red) { C gv = (C)ld(g[base + j]); dw[t] += gv * (((C)ld(x[base + j]) - mean) * rstd); db[t] += gv; }\n    }\n  }\n";
     s += "  __shared__ C sh[2 * 32 * TILES];\n";
@@ -749,6 +746,11 @@ pub fn layer_norm_param_grads_source(dtype: DType, tiles: usize) -> (String, Str
     (s, name)
 }
 
+/// Layer norm's normalisation over the last dim of a dense buffer (`affine`: times `w`, plus
+/// `b`, per column), or (`backward`) its input gradient from `x` and the output gradient `g`
+/// (`affine`: g times `w`): the row's mean and variance (two sweeps), then for the backward
+/// the sums of `g` and `g xhat`, then the write. Arguments: out, x, g (backward), args, w,
+/// b (the forward's `affine`).
 pub fn normalize_source(dtype: DType, backward: bool, affine: bool, block: bool) -> (String, String) {
     let kind = match (backward, affine) {
         (true, true) => "layer_norm_backward",
