@@ -6,6 +6,8 @@
 //!   cargo run --release --features cuda --example bench_gpu -- [--device cuda|cpu] [--only NAME] [--steps N]
 //!       (`--only op_overhead` prints the host time per eager op)
 //!       [--modes eager,default,reduce-overhead,max-autotune]
+//!       [--interleave]  (eager and the first compiled mode alternately, step by step; prints
+//!                        the per-pair eager / compiled ratio: the fair comparison on a noisy host)
 //!
 //! Each compiled mode compiles the same step (`kiln::compile`); its first call is reported
 //! as `compile_s` (trace, passes, NVRTC; `KILN_EXPLAIN=1` prints each step's `explain()`, with
@@ -16,7 +18,7 @@
 
 mod common;
 
-use common::{flag, opt};
+use common::{flag, has, opt};
 use kiln::compile::{compile, Mode};
 use kiln::models::{mlp, Gpt, GptConfig};
 use kiln::nn::{cross_entropy, Transformer, TransformerConfig, TransformerMasks};
@@ -143,35 +145,40 @@ fn mode_name(m: Mode) -> &'static str {
     }
 }
 
-fn mlp_step(dev: Device, batch: usize, mode: Option<Mode>, steps: usize) -> Result<Timing> {
+/// A workload: its inputs and its step, which owns its model and optimizer.
+type Workload = (Vec<Tensor>, Box<dyn FnMut(&[Tensor]) -> Result<Vec<Tensor>>>);
+
+fn mlp_workload(dev: Device, batch: usize) -> Result<Workload> {
     kiln::tensor::rng::manual_seed(0);
     let model = mlp(&[784, 256, 10], dev)?;
     let mut opt = AdamW::new(model.parameters(), AdamConfig { lr: 1e-3, ..AdamConfig::adamw() })?;
     let x = Tensor::rand_at(&[batch, 784], Distribution::Normal, 1, 0, DType::F32, dev)?;
     let y = Tensor::rand_at(&[batch], Distribution::Uniform, 2, 0, DType::F32, dev)?.mul_scalar(10.0)?.to_dtype(DType::I64)?;
-    timed(dev, mode, (10, steps), &[x, y], |xs| {
+    let step = move |xs: &[Tensor]| {
         let loss = cross_entropy(&model.forward(&xs[0])?, &xs[1])?;
         loss.backward()?;
         opt.step()?;
         opt.zero_grad()?;
         Ok(vec![loss])
-    })
+    };
+    Ok((vec![x, y], Box::new(step)))
 }
 
-fn transformer_forward(dev: Device, mode: Option<Mode>, steps: usize) -> Result<Timing> {
+fn transformer_workload(dev: Device) -> Result<Workload> {
     kiln::tensor::rng::manual_seed(0);
     let mut model = Transformer::new(TransformerConfig { d_model: 512, nhead: 8, ..TransformerConfig::default() }, dev)?;
     model.set_training(false);
     let x = Tensor::rand_at(&[10, 32, 512], Distribution::Normal, 3, 0, DType::F32, dev)?;
-    timed(dev, mode, (3, steps), &[x], |xs| {
+    let step = move |xs: &[Tensor]| {
         let _no_grad = NoGradGuard::new();
         Ok(vec![model.forward(&xs[0], &xs[0], &TransformerMasks::default())?])
-    })
+    };
+    Ok((vec![x], Box::new(step)))
 }
 
 /// The GPT step: the GPU benchmark's model (batch 64), or with `small` the CPU criterion
 /// bench's (`benches/train_step.rs`: context 64, 4 layers, d_model 128, batch 16).
-fn gpt_step(dev: Device, dtype: DType, mode: Option<Mode>, steps: usize, small: bool) -> Result<Timing> {
+fn gpt_workload(dev: Device, dtype: DType, small: bool) -> Result<Workload> {
     kiln::tensor::rng::manual_seed(0);
     set_default_dtype(dtype);
     let cfg = if small {
@@ -186,13 +193,61 @@ fn gpt_step(dev: Device, dtype: DType, mode: Option<Mode>, steps: usize, small: 
     let tok = |s| -> Result<Tensor> {
         Tensor::rand_at(&[batch, cfg.context], Distribution::Uniform, s, 0, DType::F32, dev)?.mul_scalar(65.0)?.to_dtype(DType::I64)
     };
-    timed(dev, mode, (3, steps), &[tok(4)?, tok(5)?], |xs| {
+    let step = move |xs: &[Tensor]| {
         let loss = model.loss(&xs[0], &xs[1])?;
         loss.backward()?;
         opt.step()?;
         opt.zero_grad()?;
         Ok(vec![loss])
-    })
+    };
+    Ok((vec![tok(4)?, tok(5)?], Box::new(step)))
+}
+
+/// Eager and `mode` steps of two copies of a workload (same seed) alternately, the order
+/// swapped every pair, so that the machine's drift lands on both: prints the medians and
+/// the median eager / compiled ratio of the pairs with its 10th and 90th percentiles.
+fn interleaved(dev: Device, name: &str, mode: Mode, (warmup, steps): (usize, usize), make: impl Fn() -> Result<Workload>) -> Result<()> {
+    let (xs, mut eager) = make()?;
+    let (cx, f) = make()?;
+    let mut compiled = compile(mode, f);
+    let refs: Vec<&Tensor> = cx.iter().collect();
+    let mut time = |compiled_step: bool| -> Result<f64> {
+        cuda::synchronize(dev)?;
+        let t = Instant::now();
+        if compiled_step {
+            compiled.call(&refs)?;
+        } else {
+            eager(&xs)?;
+        }
+        cuda::synchronize(dev)?;
+        Ok(t.elapsed().as_secs_f64() * 1e3)
+    };
+    for i in 0..=warmup {
+        time(i % 2 == 0)?;
+        time(i % 2 == 1)?;
+    }
+    let (mut e, mut c, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..steps {
+        let first = i % 2 == 0;
+        let a = time(first)?;
+        let b = time(!first)?;
+        let (te, tc) = if first { (b, a) } else { (a, b) };
+        e.push(te);
+        c.push(tc);
+        ratio.push(te / tc);
+    }
+    let q = |v: &mut Vec<f64>, p: f64| {
+        v.sort_by(f64::total_cmp);
+        v[((v.len() - 1) as f64 * p).round() as usize]
+    };
+    let (me, mc) = (q(&mut e, 0.5), q(&mut c, 0.5));
+    let (r10, r50, r90) = (q(&mut ratio, 0.1), q(&mut ratio, 0.5), q(&mut ratio, 0.9));
+    eprintln!("{name}: eager {me:.3} ms, {} {mc:.3} ms; eager / compiled per pair: median {r50:.3}x (p10 {r10:.3}, p90 {r90:.3}) over {steps} pairs", mode_name(mode));
+    println!(
+        "{{\"workload\": \"{name}\", \"impl\": \"kiln eager vs {}, interleaved\", \"eager_ms\": {me:.4}, \"compiled_ms\": {mc:.4}, \"ratio_median\": {r50:.4}, \"ratio_p10\": {r10:.4}, \"ratio_p90\": {r90:.4}, \"device\": \"{dev}\"}}",
+        mode_name(mode)
+    );
+    Ok(())
 }
 
 fn main() -> Result<()> {
@@ -229,34 +284,54 @@ fn main() -> Result<()> {
     if want("op_overhead") {
         host_overhead(dev)?;
     }
+    // The CPU criterion bench's other workloads run on request only.
+    let asked = |name: &str| only.as_deref().is_some_and(|o| name.contains(o));
+    if has("--interleave") {
+        let mode = modes.iter().flatten().next().copied().unwrap_or(Mode::Default);
+        let ws: [(&str, bool, usize, &dyn Fn() -> Result<Workload>); 5] = [
+            ("mlp_b32", want("mlp_b32"), steps * 4, &|| mlp_workload(dev, 32)),
+            ("mlp_b1024", asked("mlp_b1024"), steps, &|| mlp_workload(dev, 1024)),
+            ("mlp_b4096", want("mlp_b4096"), steps * 2, &|| mlp_workload(dev, 4096)),
+            ("gpt_small", asked("gpt_small"), steps, &|| gpt_workload(dev, DType::F32, true)),
+            ("gpt_fp32", want("gpt_fp32"), steps.min(20), &|| gpt_workload(dev, DType::F32, false)),
+        ];
+        for (name, run, n, make) in ws {
+            if run {
+                interleaved(dev, name, mode, (3, n), make)?;
+            }
+        }
+        return Ok(());
+    }
     for &mode in &modes {
+        let run = |make: Result<Workload>, warmup: usize, n: usize| -> Result<Timing> {
+            let (xs, f) = make?;
+            timed(dev, mode, (warmup, n), &xs, f)
+        };
         if want("mlp_b32") {
-            report("mlp_b32", "fp32", mode, mlp_step(dev, 32, mode, steps * 4)?, dev);
+            report("mlp_b32", "fp32", mode, run(mlp_workload(dev, 32), 10, steps * 4)?, dev);
         }
         if want("mlp_b4096") {
-            report("mlp_b4096", "fp32", mode, mlp_step(dev, 4096, mode, steps * 2)?, dev);
+            report("mlp_b4096", "fp32", mode, run(mlp_workload(dev, 4096), 10, steps * 2)?, dev);
         }
-        // The CPU criterion bench's other workloads, on request only.
-        let asked = |name: &str| only.as_deref().is_some_and(|o| name.contains(o));
         if asked("mlp_b1024") {
-            report("mlp_b1024", "fp32", mode, mlp_step(dev, 1024, mode, steps)?, dev);
+            report("mlp_b1024", "fp32", mode, run(mlp_workload(dev, 1024), 10, steps)?, dev);
         }
         if asked("gpt_small") {
-            report("gpt_small", "fp32", mode, gpt_step(dev, DType::F32, mode, steps, true)?, dev);
+            report("gpt_small", "fp32", mode, run(gpt_workload(dev, DType::F32, true), 3, steps)?, dev);
         }
         if want("transformer_fwd") {
-            report("transformer_fwd", "fp32", mode, transformer_forward(dev, mode, steps)?, dev);
+            report("transformer_fwd", "fp32", mode, run(transformer_workload(dev), 3, steps)?, dev);
         }
         if want("gpt_fp32") {
-            report("gpt_fp32", "fp32", mode, gpt_step(dev, DType::F32, mode, steps.min(20), false)?, dev);
+            report("gpt_fp32", "fp32", mode, run(gpt_workload(dev, DType::F32, false), 3, steps.min(20))?, dev);
         }
         if want("gpt_bf16") {
             // Like torch.autocast: F32 parameters, BF16 products.
             let _ac = kiln::tensor::Autocast::new(DType::BF16)?;
-            report("gpt_bf16", "bf16 autocast", mode, gpt_step(dev, DType::F32, mode, steps.min(20), false)?, dev);
+            report("gpt_bf16", "bf16 autocast", mode, run(gpt_workload(dev, DType::F32, false), 3, steps.min(20))?, dev);
         }
         if want("gpt_pure_bf16") {
-            report("gpt_pure_bf16", "bf16 (params and compute)", mode, gpt_step(dev, DType::BF16, mode, steps.min(20), false)?, dev);
+            report("gpt_pure_bf16", "bf16 (params and compute)", mode, run(gpt_workload(dev, DType::BF16, false), 3, steps.min(20))?, dev);
         }
     }
     Ok(())

@@ -314,6 +314,42 @@ fn native_cpu_groups_match_eager_and_the_interpreter_bit_for_bit() -> Result<()>
     Ok(())
 }
 
+/// Kiln's f32 `exp` and `erf` (`kiln_tensor::math`) in generated C against the eager
+/// kernels, bit for bit, over their whole range: 0 to +-110 in small steps, the edges where
+/// the implementation switches (erf at 1 and 4; exp's clamps at -104 and 89, subnormal
+/// results), infinities and NaN. The native groups are built with AVX2 or AVX-512 where the
+/// CPU has them; eager runs its loops with AVX2 (`cpu::wide`).
+#[test]
+fn native_exp_and_erf_match_eager_over_their_whole_range() -> Result<()> {
+    if std::env::var("KILN_CPU_CODEGEN").is_ok_and(|v| v == "0") {
+        eprintln!("SKIPPED: KILN_CPU_CODEGEN=0 turns native CPU kernels off");
+        return Ok(());
+    }
+    let mut v: Vec<f32> = (0..22000).map(|i| (i as f32 - 11000.0) * 0.01).collect();
+    v.extend([1.0, -1.0, 4.0, -4.0, 3.9999998, -104.0, -104.5, 89.0, 88.72, -87.5, -103.0, 0.0, -0.0]);
+    v.extend([f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 1e-30, -1e-30]);
+    v.resize(v.len().next_multiple_of(8), 0.5);
+    let x = Tensor::from_vec(v.clone(), &[v.len()], Device::Cpu)?;
+    let zero = Tensor::zeros(&[v.len()], DType::F32, Device::Cpu)?;
+    let ops = [UnaryOp::Exp, UnaryOp::Erf, UnaryOp::Gelu, UnaryOp::GeluGrad, UnaryOp::Sigmoid, UnaryOp::Silu, UnaryOp::SiluGrad];
+    // `+ zero` (an input, so no pass removes it) puts the ops in one group with it (a lone op runs
+    // the eager kernel).
+    let f = |xs: &[Tensor]| -> Result<Vec<Tensor>> { ops.iter().map(|&op| xs[0].add(&xs[1])?.unary(op)).collect() };
+    let eager = f(&[x.clone(), zero.clone()])?;
+    let mut step = compile(Mode::Default, f);
+    step.call(&[&x, &zero])?;
+    let got = step.call(&[&x, &zero])?;
+    let (groups, built) = step.explain().native_groups.expect("a CPU step reports its groups");
+    assert_eq!((groups, built), (1, 1), "one native group (the add and every op); a missing C compiler fails here (set KILN_CC)");
+    for ((op, g), e) in ops.iter().zip(&got).zip(&eager) {
+        let (g, e) = (g.to_vec::<f32>()?, e.to_vec::<f32>()?);
+        for (i, (a, b)) in g.iter().zip(&e).enumerate() {
+            assert!(a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()), "{op:?}({}): native {a:e}, eager {b:e}", v[i]);
+        }
+    }
+    Ok(())
+}
+
 /// A weight gradient read only by its AdamW update is made a tile of rows at a time, each
 /// tile updated while it is in cache (`fusion::feed_products`). 4096 inputs make tiles of 16
 /// rows, so the 40-row gradient is three tiles (16, 16, 8). Parameters match the interpreter

@@ -35,14 +35,16 @@ pub struct NativeGroups {
 
 const FLAGS: [&str; 6] = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"];
 
-/// Helpers the op table's expressions call (`kexp`, `kdiv`, ...), for float and double.
-const PRELUDE: &str = r#"#include <math.h>
-#define F2(name, ef, ed) static inline float name##_f(float x) { return ef; } static inline double name##_d(double x) { return ed; }
-F2(kexp, expf(x), exp(x)) F2(klog, logf(x), log(x)) F2(ksqrt, sqrtf(x), sqrt(x)) F2(krsqrt, 1.0f / sqrtf(x), 1.0 / sqrt(x))
-F2(ksin, sinf(x), sin(x)) F2(kcos, cosf(x), cos(x)) F2(ktanh, tanhf(x), tanh(x)) F2(kerf, erff(x), erf(x))
+/// Helpers the op table's expressions call (`kexp`, `kdiv`, ...), for float and double; f32
+/// `kexp_f` and `kerf_f` come first, from `kiln_tensor::math` (see `prelude`).
+const PRELUDE: &str = r#"#define F2(name, ef, ed) static inline float name##_f(float x) { return ef; } static inline double name##_d(double x) { return ed; }
+static inline double kexp_d(double x) { return exp(x); }
+static inline double kerf_d(double x) { return erf(x); }
+F2(klog, logf(x), log(x)) F2(ksqrt, sqrtf(x), sqrt(x)) F2(krsqrt, 1.0f / sqrtf(x), 1.0 / sqrt(x))
+F2(ksin, sinf(x), sin(x)) F2(kcos, cosf(x), cos(x)) F2(ktanh, tanhf(x), tanh(x))
 F2(kabs, fabsf(x), fabs(x))
 // The same association as the CPU's `UnaryOp::eval`, so results agree bit for bit.
-static inline float ksilu_grad_f(float x) { float s = 1.0f / (1.0f + expf(-x)); return s * (1.0f + x * (1.0f - s)); }
+static inline float ksilu_grad_f(float x) { float s = 1.0f / (1.0f + kexp_f(-x)); return s * (1.0f + x * (1.0f - s)); }
 static inline double ksilu_grad_d(double x) { double s = 1.0 / (1.0 + exp(-x)); return s * (1.0 + x * (1.0 - s)); }
 static inline float kgelu_tanh_grad_f(float x) {
   float c = (float)0.7978845608028654, t = tanhf(c * (x + (float)0.044715 * x * x * x));
@@ -74,6 +76,13 @@ static inline double kdiv_d(double a, double b) { return a / b; }
 #define kdiv(a, b) _Generic((a), float: kdiv_f, default: kdiv_d)(a, b)
 #define K(v) ((C)(v))
 "#;
+
+/// The headers, Kiln's f32 `exp`/`erf` (the eager kernels' own, `kiln_tensor::math`), then
+/// `PRELUDE`.
+fn prelude() -> String {
+    let head = "#include <math.h>\n#include <stdint.h>\n#include <string.h>\n";
+    format!("{head}{}{}{PRELUDE}", kiln_tensor::math::exp_c(), kiln_tensor::math::erf_c())
+}
 
 fn c_type(d: DType) -> Option<&'static str> {
     match d {
@@ -297,7 +306,7 @@ pub fn build(g: &Graph, plan: &Plan) -> Option<NativeGroups> {
     if plan.groups.is_empty() || !enabled() {
         return None;
     }
-    let mut src = PRELUDE.to_string();
+    let mut src = prelude();
     let mut seen: Vec<u64> = Vec::new();
     let names: Vec<Option<String>> = plan
         .groups

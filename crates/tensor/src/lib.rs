@@ -14,6 +14,7 @@ mod error;
 pub mod fused;
 pub mod io;
 pub mod lazy;
+pub mod math;
 pub mod op;
 mod ops;
 pub mod profile;

@@ -70,7 +70,7 @@ pub trait Float:
 }
 
 macro_rules! float_impl {
-    ($t:ty, $erf:path) => {
+    ($t:ty, $exp:path, $erf:path) => {
         impl Float for $t {
             #[inline(always)]
             fn c(v: f64) -> Self {
@@ -78,7 +78,7 @@ macro_rules! float_impl {
             }
             #[inline(always)]
             fn exp(self) -> Self {
-                <$t>::exp(self)
+                $exp(self)
             }
             #[inline(always)]
             fn ln(self) -> Self {
@@ -119,21 +119,15 @@ macro_rules! float_impl {
         }
     };
 }
-float_impl!(f32, c_erff);
-float_impl!(f64, c_erf);
+// f32 uses Kiln's branch-free `exp`/`erf` (`math.rs`), which vectorise; f64 the C library's
+// (Rust's std has no erf). Generated CPU kernels (kiln-compile's `cpu_codegen`) compute the
+// same functions, so eager and compiled results agree bit for bit.
+float_impl!(f32, crate::math::exp_f32, crate::math::erf_f32);
+float_impl!(f64, f64::exp, c_erf);
 
-// The C library's erf (Rust's std has none): generated CPU kernels (kiln-compile's
-// `cpu_codegen`) call the same functions, so eager and compiled results agree bit for bit.
 #[cfg_attr(unix, link(name = "m"))]
 unsafe extern "C" {
-    fn erff(x: f32) -> f32;
     fn erf(x: f64) -> f64;
-}
-
-#[inline]
-fn c_erff(x: f32) -> f32 {
-    // SAFETY: a pure C99 math function, defined for every input.
-    unsafe { erff(x) }
 }
 
 #[inline]

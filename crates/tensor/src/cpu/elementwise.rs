@@ -2,7 +2,7 @@
 //! updates. Contiguous inputs take a flat loop the compiler vectorises; others walk runs.
 
 use super::strided::Strided;
-use super::{par_chunks, pool};
+use super::{par_chunks, pool, wide};
 use crate::op::{BinaryOp, Float, UnaryOp};
 use crate::shape::Layout;
 use crate::Element;
@@ -16,9 +16,14 @@ pub fn map1<T: Element, U: Element>(src: &[T], l: &Layout, f: impl Fn(T) -> U + 
         let s = &src[l.offset..l.offset + n];
         par_chunks(&mut out, |start, chunk| {
             let end = start + chunk.len();
-            for (o, &x) in chunk.iter_mut().zip(&s[start..end]) {
-                *o = f(x);
-            }
+            wide(
+                #[inline(always)]
+                || {
+                    for (o, &x) in chunk.iter_mut().zip(&s[start..end]) {
+                        *o = f(x);
+                    }
+                },
+            )
         });
     } else {
         let it = Strided::new(&l.shape, [&l.strides], [l.offset]);
@@ -262,7 +267,7 @@ impl Compute for half::bf16 {
 }
 
 pub fn unary<T: Compute>(op: UnaryOp, src: &[T], l: &Layout) -> Vec<T> {
-    per_unary!(op, OP => map1(src, l, |x: T| T::down(OP.eval(x.up()))))
+    per_unary!(op, OP => map1(src, l, #[inline(always)] |x: T| T::down(OP.eval(x.up()))))
 }
 
 pub fn unary_int(op: UnaryOp, src: &[i64], l: &Layout) -> Vec<i64> {

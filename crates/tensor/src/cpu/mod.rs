@@ -34,6 +34,23 @@ pub fn par_chunks<T: Send>(out: &mut [T], f: impl Fn(usize, &mut [T]) + Sync) {
     out.par_chunks_mut(chunk).enumerate().for_each(|(i, c)| f(i * chunk, c));
 }
 
+/// Runs `f` compiled for AVX2 where the CPU has it (x86-64's baseline is SSE2): loops over
+/// f32 `exp`/`erf` (`math.rs`, branch-free) then run 8 lanes at a time. The results are the
+/// same bits either way (IEEE operations, never contracted into FMAs).
+#[inline(always)]
+pub fn wide<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        #[target_feature(enable = "avx2")]
+        fn avx2<R>(f: impl FnOnce() -> R) -> R {
+            f()
+        }
+        // SAFETY: the CPU has AVX2 (checked just above), the only requirement of `avx2`.
+        return unsafe { avx2(f) };
+    }
+    f()
+}
+
 /// Flushes subnormal floats to zero in CPU arithmetic (results and inputs: x86's FTZ and DAZ
 /// bits), on the calling thread and every rayon worker, as `torch.set_flush_denormal` does.
 /// Training that drives gradients or Adam's second moment towards zero makes subnormals,
@@ -256,6 +273,9 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             let (s, l) = ins[0];
             let r = l.rank();
             let spec = reduce::SoftmaxSpec { n: l.shape[r - 1], log: *log, scale: *scale, causal_rows: causal.then(|| l.shape[r - 2]) };
+            if let CpuStorage::F32(v) = s {
+                return Ok(reduce::softmax_f32(&contig(v, l), spec).into_storage());
+            }
             with_cpu!(s, v => reduce::softmax(&contig(v, l), spec).into_storage())
         }
         Op::Normalize { eps } => {
