@@ -538,3 +538,38 @@ fn sums_of_permuted_views_match_hand_sums() -> Result<()> {
     assert_eq!(got, want);
     Ok(())
 }
+
+/// The f32 row kernels (softmax and layer norm computed in f32 with f64 row sums, 8 lanes at a
+/// time) against the f64 kernels on the same values: rows of 130 (not a multiple of 8), and
+/// enough of them that rows and the parameter-gradient blocks run on several threads.
+#[test]
+fn f32_row_kernels_match_the_f64_kernels() -> Result<()> {
+    let r = |seed, s: &[usize]| Tensor::rand_at(s, Distribution::Normal, seed, 0, DType::F32, CPU);
+    let (x, g) = (r(20, &[1100, 130])?.mul_scalar(3.0)?.add_scalar(1.5)?, r(21, &[1100, 130])?);
+    let (w, b) = (r(22, &[130])?, r(23, &[130])?);
+    let wide = |t: &Tensor| t.to_dtype(DType::F64);
+    let (x64, g64, w64, b64) = (wide(&x)?, wide(&g)?, wide(&w)?, wide(&b)?);
+    let cases: [(&str, Tensor, Tensor); 9] = [
+        ("softmax", x.softmax(-1)?, x64.softmax(-1)?),
+        ("log_softmax", x.log_softmax(-1)?, x64.log_softmax(-1)?),
+        (
+            "causal scaled softmax",
+            x.reshape(&[10, 110, 130])?.softmax_scaled(0.3, true)?,
+            x64.reshape(&[10, 110, 130])?.softmax_scaled(0.3, true)?,
+        ),
+        ("normalize", x.normalize(1e-5)?, x64.normalize(1e-5)?),
+        ("layer_norm", x.layer_norm(&w, &b, 1e-5)?, x64.layer_norm(&w64, &b64, 1e-5)?),
+        ("normalize_backward", x.normalize_backward(&g, 1e-5)?, x64.normalize_backward(&g64, 1e-5)?),
+        ("layer_norm_backward", x.layer_norm_backward(&g, &w, 1e-5)?, x64.layer_norm_backward(&g64, &w64, 1e-5)?),
+        ("layer_norm_param_grads", x.layer_norm_param_grads(&g, 1e-5)?, x64.layer_norm_param_grads(&g64, 1e-5)?),
+        ("softmax_backward", x.softmax(-1)?.softmax_backward(&g, false, 1.0)?, x64.softmax(-1)?.softmax_backward(&g64, false, 1.0)?),
+    ];
+    for (name, got, want) in cases {
+        assert_eq!(got.dtype(), DType::F32, "{name}");
+        let (got, want) = (v(&got), want.to_vec::<f64>()?);
+        let scale = want.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+        let worst = got.iter().zip(&want).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0, f64::max);
+        assert!(worst <= 2e-6 * scale, "{name}: off by {worst:e} (largest value {scale})");
+    }
+    Ok(())
+}

@@ -100,6 +100,23 @@ where
 
 /// `f` over row-major copies of `x` and of a gradient of the same element type (the fused
 /// backward kernels).
+/// `with_cpu!` for the row kernels with an f32 path: binds `$k` to `reduce::normalize_f32`
+/// for f32 storage and to the generic f64 `reduce::normalize` otherwise.
+macro_rules! with_rows {
+    ($s:expr, $v:ident, $k:ident => $body:expr) => {
+        match $s {
+            CpuStorage::F32($v) => {
+                let $k = reduce::normalize_f32;
+                $body.into_storage()
+            }
+            other => with_cpu!(other, $v => {
+                let $k = reduce::normalize;
+                $body.into_storage()
+            }),
+        }
+    };
+}
+
 fn with_grad<T: CpuSlice>(
     x: &[T],
     l: &Layout,
@@ -284,10 +301,10 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             if let [_, w, b] = ins {
                 // Layer norm with its affine part (weight and bias of x's dtype, checked).
                 return Ok(
-                    with_cpu!(s, v => with_affine(v, l, (*w, *b), name, |x, w, b| reduce::normalize(x, None, (Some(w), Some(b)), n, *eps))?.into_storage()),
+                    with_rows!(s, v, norm => with_affine(v, l, (*w, *b), name, |x, w, b| norm(x, None, (Some(w), Some(b)), n, *eps))?),
                 );
             }
-            with_cpu!(s, v => reduce::normalize(&contig(v, l), None, (None, None), n, *eps).into_storage())
+            with_rows!(s, v, norm => norm(&contig(v, l), None, (None, None), n, *eps))
         }
         Op::SoftmaxBackward { log, scale } => {
             let ((s, l), g) = (ins[0], ins[1]);
@@ -300,14 +317,18 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             if let [_, _, w] = ins {
                 // With layer norm's weight (x's dtype, checked), which scales g.
                 return Ok(
-                    with_cpu!(s, v => with_affine(v, l, (g, *w), name, |x, g, w| reduce::normalize(x, Some(g), (Some(w), None), n, *eps))?.into_storage()),
+                    with_rows!(s, v, norm => with_affine(v, l, (g, *w), name, |x, g, w| norm(x, Some(g), (Some(w), None), n, *eps))?),
                 );
             }
-            with_cpu!(s, v => with_grad(v, l, g, name, |x, g| reduce::normalize(x, Some(g), (None, None), n, *eps))?.into_storage())
+            with_rows!(s, v, norm => with_grad(v, l, g, name, |x, g| norm(x, Some(g), (None, None), n, *eps))?)
         }
         Op::NormalizeParamGrads { eps } => {
-            // The unfused ops, so the CPU's results match the composite's exactly.
             let (x, g) = (ins[0], ins[1]);
+            if let CpuStorage::F32(v) = x.0 {
+                let n = meta.shape[1];
+                return Ok(with_grad(v, x.1, g, name, |x, g| reduce::normalize_param_grads_f32(x, g, n, *eps))?.into_storage());
+            }
+            // Other dtypes: the unfused ops.
             let rows: Vec<usize> = (0..x.1.rank() - 1).collect();
             let n = meta.shape[1];
             let like = |d: DType| OutMeta { shape: x.1.shape.clone(), dtype: d };

@@ -213,16 +213,17 @@ pub fn softmax<T: Element>(src: &[T], k: SoftmaxSpec) -> Vec<T> {
     out
 }
 
-/// The f64 sum of `v` in eight running sums, which vectorise (one sum is a chain of
+/// The f64 sum of `f(v[i])` in eight running sums, which vectorise (one sum is a chain of
 /// dependent additions).
 #[inline(always)]
-fn sum_f64(v: &[f32]) -> f64 {
+fn sum_f64(v: &[f32], f: impl Fn(usize, f32) -> f64) -> f64 {
     let mut acc = [0.0f64; 8];
     let chunks = v.chunks_exact(8);
-    let rest: f64 = chunks.remainder().iter().map(|&x| x as f64).sum();
-    for c in chunks {
-        for (a, &x) in acc.iter_mut().zip(c) {
-            *a += x as f64;
+    let tail = chunks.len() * 8;
+    let rest: f64 = chunks.remainder().iter().enumerate().map(|(i, &x)| f(tail + i, x)).sum();
+    for (c, chunk) in chunks.enumerate() {
+        for (j, (a, &x)) in acc.iter_mut().zip(chunk).enumerate() {
+            *a += f(c * 8 + j, x);
         }
     }
     acc.iter().sum::<f64>() + rest
@@ -246,7 +247,7 @@ pub fn softmax_f32(src: &[f32], k: SoftmaxSpec) -> Vec<f32> {
             #[inline(always)]
             || {
                 o.iter_mut().zip(x).for_each(|(o, &v)| *o = crate::math::exp_f32(scale * v - m));
-                sum_f64(o)
+                sum_f64(o, |_, v| v as f64)
             },
         );
         if k.log {
@@ -275,6 +276,88 @@ pub fn softmax_backward<T: Element>(y: &[T], g: &[T], n: usize, log: bool, scale
         }
     });
     out
+}
+
+/// A row's mean and `1 / sqrt(var + eps)` (biased variance; two passes, f64 sums).
+#[inline(always)]
+fn row_stats(x: &[f32], eps: f64) -> (f32, f32) {
+    let n = x.len() as f64;
+    let mean = sum_f64(x, |_, v| v as f64) / n;
+    let var = sum_f64(x, |_, v| (v as f64 - mean) * (v as f64 - mean)) / n;
+    (mean as f32, (1.0 / (var + eps).sqrt()) as f32)
+}
+
+/// `normalize` for f32: row statistics summed in f64, the elementwise work in f32 and 8
+/// lanes at a time (`wide`), as PyTorch computes layer norm. About 4x faster than the f64
+/// path at the GPT's rows of 128.
+pub fn normalize_f32(src: &[f32], g: Option<&[f32]>, (w, b): (Option<&[f32]>, Option<&[f32]>), n: usize, eps: f64) -> Vec<f32> {
+    let mut out = pool::take::<f32>(src.len());
+    for_rows(&mut out, n, |r, o| {
+        let x = &src[r * n..(r + 1) * n];
+        super::wide(
+            #[inline(always)]
+            || {
+                let (mean, rstd) = row_stats(x, eps);
+                let xhat = |v: f32| (v - mean) * rstd;
+                match g {
+                    None => {
+                        o.iter_mut().zip(x).for_each(|(o, &v)| *o = xhat(v));
+                        if let Some(w) = w {
+                            o.iter_mut().zip(w).for_each(|(o, &w)| *o *= w);
+                        }
+                        if let Some(b) = b {
+                            o.iter_mut().zip(b).for_each(|(o, &b)| *o += b);
+                        }
+                    }
+                    Some(g) => {
+                        // The gradient of xhat is g times the weight.
+                        o.copy_from_slice(&g[r * n..(r + 1) * n]);
+                        if let Some(w) = w {
+                            o.iter_mut().zip(w).for_each(|(o, &w)| *o *= w);
+                        }
+                        let mg = (sum_f64(o, |_, v| v as f64) / n as f64) as f32;
+                        let mgx = (sum_f64(o, |i, v| (v * xhat(x[i])) as f64) / n as f64) as f32;
+                        o.iter_mut().zip(x).for_each(|(o, &v)| *o = rstd * (*o - mg - xhat(v) * mgx));
+                    }
+                }
+            },
+        )
+    });
+    out
+}
+
+/// Layer norm's weight and bias gradients `[2, n]` for f32 (`Op::NormalizeParamGrads`):
+/// `sum(g * xhat)` and `sum(g)` over the rows in one pass over x and g, blocks of rows in
+/// parallel, each into its own f64 sums, then added up.
+pub fn normalize_param_grads_f32(x: &[f32], g: &[f32], n: usize, eps: f64) -> Vec<f32> {
+    use rayon::prelude::*;
+    if n == 0 {
+        return Vec::new();
+    }
+    let block = (super::PAR_THRESHOLD / 4 / n).max(1) * n;
+    let partial = |(x, g): (&[f32], &[f32])| -> Vec<f64> {
+        let mut acc = vec![0.0f64; 2 * n];
+        let (dw, db) = acc.split_at_mut(n);
+        for (x, g) in x.chunks(n).zip(g.chunks(n)) {
+            super::wide(
+                #[inline(always)]
+                || {
+                    let (mean, rstd) = row_stats(x, eps);
+                    for (j, (&v, &g)) in x.iter().zip(g).enumerate() {
+                        dw[j] += (g * ((v - mean) * rstd)) as f64;
+                        db[j] += g as f64;
+                    }
+                },
+            )
+        }
+        acc
+    };
+    let sums: Vec<Vec<f64>> = if x.len() < super::PAR_THRESHOLD {
+        vec![partial((x, g))]
+    } else {
+        x.par_chunks(block).zip(g.par_chunks(block)).map(partial).collect()
+    };
+    (0..2 * n).map(|j| sums.iter().map(|s| s[j]).sum::<f64>() as f32).collect()
 }
 
 /// Each row of `n` normalised to zero mean and unit (biased) variance, in f64, times `w` plus
