@@ -147,6 +147,8 @@ fn mode_name(m: Mode) -> &'static str {
 
 /// A workload: its inputs and its step, which owns its model and optimizer.
 type Workload = (Vec<Tensor>, Box<dyn FnMut(&[Tensor]) -> Result<Vec<Tensor>>>);
+/// Builds a fresh copy of a workload (same seed each time).
+type MakeWorkload<'a> = &'a dyn Fn() -> Result<Workload>;
 
 fn mlp_workload(dev: Device, batch: usize) -> Result<Workload> {
     kiln::tensor::rng::manual_seed(0);
@@ -288,7 +290,7 @@ fn main() -> Result<()> {
     let asked = |name: &str| only.as_deref().is_some_and(|o| name.contains(o));
     if has("--interleave") {
         let mode = modes.iter().flatten().next().copied().unwrap_or(Mode::Default);
-        let ws: [(&str, bool, usize, &dyn Fn() -> Result<Workload>); 5] = [
+        let ws: [(&str, bool, usize, MakeWorkload); 5] = [
             ("mlp_b32", want("mlp_b32"), steps * 4, &|| mlp_workload(dev, 32)),
             ("mlp_b1024", asked("mlp_b1024"), steps, &|| mlp_workload(dev, 1024)),
             ("mlp_b4096", want("mlp_b4096"), steps * 2, &|| mlp_workload(dev, 4096)),

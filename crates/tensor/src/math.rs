@@ -10,10 +10,10 @@
 /// `e^r = 1 + r + r^2 * P(r)` for `|r| <= ln(2) / 2`.
 pub const EXP_POLY: [f32; 6] = [0.5, 0.16666667, 0.041666467, 0.008333298, 0.0013933646, 0.00019899276];
 /// `erf(x) = x + x * P(x^2)` for `|x| < 1`.
-pub const ERF_SMALL: [f32; 7] = [0.12837917, -0.37612629, 0.11283612, -0.026854808, 0.005190053, -0.00080243516, 0.000078982019];
+pub const ERF_SMALL: [f32; 7] = [0.12837917, -0.3761263, 0.11283612, -0.026854808, 0.005190053, -0.00080243516, 0.00007898202];
 /// `erfc(x) = e^(-x^2) * w * P(w)`, `w = 1 / x`, for `1 <= x < 4` (`erf` rounds to 1 beyond).
 pub const ERF_TAIL: [f32; 9] =
-    [0.5639978, 0.002848367, -0.2965422, 0.008631646, 0.63955832, -1.0073054, 0.78326315, -0.32363513, 0.056767039];
+    [0.5639978, 0.002848367, -0.2965422, 0.008631646, 0.6395583, -1.0073054, 0.78326315, -0.32363513, 0.05676704];
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 /// ln 2 split in two: `k * LN2_HI` is exact for the `k` that occur (|k| <= 150).
@@ -35,13 +35,8 @@ fn horner(c: &[f32], t: f32) -> f32 {
 /// power of two is applied in two halves so that subnormal results round once.
 #[inline(always)]
 pub fn exp_f32(x: f32) -> f32 {
-    let xc = if x < -104.0 {
-        -104.0
-    } else if x > 89.0 {
-        89.0
-    } else {
-        x
-    };
+    // NaN stays NaN (as the C form's comparisons keep it).
+    let xc = x.clamp(-104.0, 89.0);
     let t = xc * LOG2E + ROUND;
     let k = t - ROUND;
     let r = (xc - k * LN2_HI) - k * LN2_LO;
