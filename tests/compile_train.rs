@@ -347,6 +347,14 @@ fn native_exp_and_erf_match_eager_over_their_whole_range() -> Result<()> {
             assert!(a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()), "{op:?}({}): native {a:e}, eager {b:e}", v[i]);
         }
     }
+    // A lone GELU is a native group too (its wider vectors beat eager's loop), still exact.
+    let mut lone = compile(Mode::Default, |xs: &[Tensor]| Ok(vec![xs[0].unary(UnaryOp::Gelu)?]));
+    lone.call(&[&x])?;
+    let got = lone.call(&[&x])?[0].to_vec::<f32>()?;
+    assert_eq!(lone.explain().native_groups, Some((1, 1)), "the lone GELU runs as a native group");
+    let want = x.unary(UnaryOp::Gelu)?.to_vec::<f32>()?;
+    let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()));
+    assert!(same, "a lone native GELU differs from eager");
     Ok(())
 }
 

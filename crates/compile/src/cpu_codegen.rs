@@ -312,6 +312,9 @@ pub fn build(g: &Graph, plan: &Plan) -> Option<NativeGroups> {
         .groups
         .iter()
         .map(|gr| {
+            if gr.members.is_empty() {
+                return None; // a singleton the plan left to the plain kernel
+            }
             // Identical groups (repeated layers) share one function, named by its body's hash.
             let body = group_source(g, gr, "NAME")?;
             let h = fnv1a(body.as_bytes());

@@ -128,7 +128,8 @@ impl Program {
     /// On the CPU: the fusion groups, and how many run as native code.
     pub fn native_groups(&self) -> Option<(usize, usize)> {
         let native = self.native.as_ref().map_or(0, |n| n.groups.iter().filter(|g| g.is_some()).count());
-        (self.device == Device::Cpu).then_some((self.plan.groups.len(), native))
+        let groups = self.plan.groups.iter().filter(|g| !g.members.is_empty()).count();
+        (self.device == Device::Cpu).then_some((groups, native))
     }
 
     /// Products made tile by tile for their group (`fusion::feed_products`).
