@@ -314,9 +314,9 @@ fn native_cpu_groups_match_eager_and_the_interpreter_bit_for_bit() -> Result<()>
     Ok(())
 }
 
-/// Kiln's f32 `exp` and `erf` (`kiln_tensor::math`) in generated C against the eager
+/// Kiln's f32 `exp`, `erf` and `tanh` (`kiln_tensor::math`) in generated C against the eager
 /// kernels, bit for bit, over their whole range: 0 to +-110 in small steps, the edges where
-/// the implementation switches (erf at 1 and 4; exp's clamps at -104 and 89, subnormal
+/// the implementation switches (erf at 1 and 4, tanh at 0.625; exp's clamps at -104 and 89, subnormal
 /// results), infinities and NaN. The native groups are built with AVX2 or AVX-512 where the
 /// CPU has them; eager runs its loops with AVX2 (`cpu::wide`).
 #[test]
@@ -326,12 +326,23 @@ fn native_exp_and_erf_match_eager_over_their_whole_range() -> Result<()> {
         return Ok(());
     }
     let mut v: Vec<f32> = (0..22000).map(|i| (i as f32 - 11000.0) * 0.01).collect();
-    v.extend([1.0, -1.0, 4.0, -4.0, 3.9999998, -104.0, -104.5, 89.0, 88.72, -87.5, -103.0, 0.0, -0.0]);
+    v.extend([1.0, -1.0, 4.0, -4.0, 3.9999998, 0.625, -0.625, 0.62499994, -104.0, -104.5, 89.0, 88.72, -87.5, -103.0, 0.0, -0.0]);
     v.extend([f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 1e-30, -1e-30]);
     v.resize(v.len().next_multiple_of(8), 0.5);
     let x = Tensor::from_vec(v.clone(), &[v.len()], Device::Cpu)?;
     let zero = Tensor::zeros(&[v.len()], DType::F32, Device::Cpu)?;
-    let ops = [UnaryOp::Exp, UnaryOp::Erf, UnaryOp::Gelu, UnaryOp::GeluGrad, UnaryOp::Sigmoid, UnaryOp::Silu, UnaryOp::SiluGrad];
+    let ops = [
+        UnaryOp::Exp,
+        UnaryOp::Erf,
+        UnaryOp::Tanh,
+        UnaryOp::Gelu,
+        UnaryOp::GeluGrad,
+        UnaryOp::GeluTanh,
+        UnaryOp::GeluTanhGrad,
+        UnaryOp::Sigmoid,
+        UnaryOp::Silu,
+        UnaryOp::SiluGrad,
+    ];
     // `+ zero` (an input, so no pass removes it) puts the ops in one group with it (a lone op runs
     // the eager kernel).
     let f = |xs: &[Tensor]| -> Result<Vec<Tensor>> { ops.iter().map(|&op| xs[0].add(&xs[1])?.unary(op)).collect() };

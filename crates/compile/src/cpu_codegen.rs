@@ -36,18 +36,19 @@ pub struct NativeGroups {
 const FLAGS: [&str; 6] = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"];
 
 /// Helpers the op table's expressions call (`kexp`, `kdiv`, ...), for float and double; f32
-/// `kexp_f` and `kerf_f` come first, from `kiln_tensor::math` (see `prelude`).
+/// `kexp_f`, `kerf_f` and `ktanh_f` come first, from `kiln_tensor::math` (see `prelude`).
 const PRELUDE: &str = r#"#define F2(name, ef, ed) static inline float name##_f(float x) { return ef; } static inline double name##_d(double x) { return ed; }
 static inline double kexp_d(double x) { return exp(x); }
 static inline double kerf_d(double x) { return erf(x); }
 F2(klog, logf(x), log(x)) F2(ksqrt, sqrtf(x), sqrt(x)) F2(krsqrt, 1.0f / sqrtf(x), 1.0 / sqrt(x))
-F2(ksin, sinf(x), sin(x)) F2(kcos, cosf(x), cos(x)) F2(ktanh, tanhf(x), tanh(x))
+static inline double ktanh_d(double x) { return tanh(x); }
+F2(ksin, sinf(x), sin(x)) F2(kcos, cosf(x), cos(x))
 F2(kabs, fabsf(x), fabs(x))
 // The same association as the CPU's `UnaryOp::eval`, so results agree bit for bit.
 static inline float ksilu_grad_f(float x) { float s = 1.0f / (1.0f + kexp_f(-x)); return s * (1.0f + x * (1.0f - s)); }
 static inline double ksilu_grad_d(double x) { double s = 1.0 / (1.0 + exp(-x)); return s * (1.0 + x * (1.0 - s)); }
 static inline float kgelu_tanh_grad_f(float x) {
-  float c = (float)0.7978845608028654, t = tanhf(c * (x + (float)0.044715 * x * x * x));
+  float c = (float)0.7978845608028654, t = ktanh_f(c * (x + (float)0.044715 * x * x * x));
   float dinner = c * (1.0f + (float)(3.0 * 0.044715) * x * x);
   return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * dinner;
 }
@@ -77,11 +78,11 @@ static inline double kdiv_d(double a, double b) { return a / b; }
 #define K(v) ((C)(v))
 "#;
 
-/// The headers, Kiln's f32 `exp`/`erf` (the eager kernels' own, `kiln_tensor::math`), then
+/// The headers, Kiln's f32 `exp`/`erf`/`tanh` (the eager kernels' own, `kiln_tensor::math`), then
 /// `PRELUDE`.
 fn prelude() -> String {
     let head = "#include <math.h>\n#include <stdint.h>\n#include <string.h>\n";
-    format!("{head}{}{}{PRELUDE}", kiln_tensor::math::exp_c(), kiln_tensor::math::erf_c())
+    format!("{head}{}{}{}{PRELUDE}", kiln_tensor::math::exp_c(), kiln_tensor::math::erf_c(), kiln_tensor::math::tanh_c())
 }
 
 fn c_type(d: DType) -> Option<&'static str> {

@@ -153,10 +153,18 @@ pub fn plan(g: &Graph, gpu: bool) -> Plan {
     finish(g, groups, group_of, gpu)
 }
 
-/// A unary op computed with `exp` or `erf` (`kiln_tensor::math`).
+/// A unary op computed with `exp`, `erf` or `tanh` (`kiln_tensor::math`).
 fn transcendental(k: &Kind) -> bool {
     use kiln_tensor::UnaryOp as U;
-    matches!(k, Kind::Op(Op::Unary(U::Exp | U::Sigmoid | U::Gelu | U::Silu | U::Erf | U::GeluGrad | U::SiluGrad), _))
+    matches!(
+        k,
+        Kind::Op(
+            Op::Unary(
+                U::Exp | U::Sigmoid | U::Tanh | U::Gelu | U::GeluTanh | U::Silu | U::Erf | U::GeluGrad | U::GeluTanhGrad | U::SiluGrad
+            ),
+            _
+        )
+    )
 }
 
 /// Externals, materialised members, in-place state writes and the step order.

@@ -1,11 +1,11 @@
-//! `exp` and `erf` for f32 without branches or library calls, so that a loop over them
-//! vectorises (the C library's `expf`/`erff` are scalar calls, and GELU spent most of its time
-//! in them). Every CPU kernel computes f32 `exp`/`erf` here; kiln-compile's generated C
-//! (`cpu_codegen`) writes the same operations in the same order from `exp_c` and `erf_c`,
-//! with these coefficients, so eager and compiled results agree bit for bit.
-//! Accuracy against the exact functions: `exp` within 1 ulp, `erf` within 1.3 ulp
-//! (coefficients fitted by least squares on Chebyshev nodes; checked in `tests/math.rs`).
-//! f64 keeps the C library's functions.
+//! `exp`, `erf` and `tanh` for f32 without branches or library calls, so that a loop over
+//! them vectorises (the C library's `expf`/`erff`/`tanhf` are scalar calls, and GELU spent
+//! most of its time in them). Every CPU kernel computes f32 `exp`/`erf`/`tanh` here;
+//! kiln-compile's generated C (`cpu_codegen`) writes the same operations in the same order
+//! from `exp_c`, `erf_c` and `tanh_c`, with these coefficients, so eager and compiled results
+//! agree bit for bit. Accuracy against the exact functions: `exp` within 1 ulp, `erf` and
+//! `tanh` within 1.3 ulp (coefficients fitted by least squares on Chebyshev nodes; checked in
+//! `tests/math.rs`). f64 keeps the C library's functions.
 
 /// `e^r = 1 + r + r^2 * P(r)` for `|r| <= ln(2) / 2`.
 pub const EXP_POLY: [f32; 6] = [0.5, 0.16666667, 0.041666467, 0.008333298, 0.0013933646, 0.00019899276];
@@ -14,6 +14,9 @@ pub const ERF_SMALL: [f32; 7] = [0.12837917, -0.3761263, 0.11283612, -0.02685480
 /// `erfc(x) = e^(-x^2) * w * P(w)`, `w = 1 / x`, for `1 <= x < 4` (`erf` rounds to 1 beyond).
 pub const ERF_TAIL: [f32; 9] =
     [0.5639978, 0.002848367, -0.2965422, 0.008631646, 0.6395583, -1.0073054, 0.78326315, -0.32363513, 0.05676704];
+
+/// `tanh(x) = x + x * x^2 * P(x^2)` for `|x| < 0.625`.
+pub const TANH_SMALL: [f32; 6] = [-0.3333333, 0.13333212, -0.053947464, 0.021704039, -0.008184744, 0.002149053];
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 /// ln 2 split in two: `k * LN2_HI` is exact for the `k` that occur (|k| <= 150).
@@ -66,6 +69,22 @@ pub fn erf_f32(x: f32) -> f32 {
     }
 }
 
+/// `tanh(x)`: a polynomial below 0.625, `1 - 2 / (e^(2|x|) + 1)` beyond (1 once `e^(2|x|)`
+/// overflows); NaN stays NaN.
+#[inline(always)]
+pub fn tanh_f32(x: f32) -> f32 {
+    let a = x.abs();
+    let u = a * a;
+    let small = a + a * (u * horner(&TANH_SMALL, u));
+    let big = 1.0 - 2.0 / (exp_f32(a + a) + 1.0);
+    let r = if a < 0.625 { small } else { big };
+    if x.is_nan() {
+        x
+    } else {
+        r.copysign(x)
+    }
+}
+
 /// `horner` as a C expression of `t` (the same association).
 fn horner_c(c: &[f32], t: &str) -> String {
     let mut acc = format!("{:e}f", c[c.len() - 1]);
@@ -96,5 +115,15 @@ pub fn erf_c() -> String {
          float tl = a < 4.0f ? big : 1.0f;\n  float r = a < 1.0f ? small : tl;\n  return x != x ? x : copysignf(r, x);\n}}\n",
         small = horner_c(&ERF_SMALL, "u"),
         tail = horner_c(&ERF_TAIL, "w"),
+    )
+}
+
+/// `tanh_f32` as a C function `ktanh_f` (after `exp_c`).
+pub fn tanh_c() -> String {
+    format!(
+        "static inline float ktanh_f(float x) {{\n  float a = fabsf(x), u = a * a;\n  float small = a + a * (u * {small});\n  \
+         float big = 1.0f - 2.0f / (kexp_f(a + a) + 1.0f);\n  float r = a < 0.625f ? small : big;\n  \
+         return x != x ? x : copysignf(r, x);\n}}\n",
+        small = horner_c(&TANH_SMALL, "u"),
     )
 }

@@ -70,7 +70,7 @@ pub trait Float:
 }
 
 macro_rules! float_impl {
-    ($t:ty, $exp:path, $erf:path) => {
+    ($t:ty, $exp:path, $erf:path, $tanh:path) => {
         impl Float for $t {
             #[inline(always)]
             fn c(v: f64) -> Self {
@@ -98,7 +98,7 @@ macro_rules! float_impl {
             }
             #[inline(always)]
             fn tanh(self) -> Self {
-                <$t>::tanh(self)
+                $tanh(self)
             }
             #[inline(always)]
             fn erf(self) -> Self {
@@ -119,11 +119,11 @@ macro_rules! float_impl {
         }
     };
 }
-// f32 uses Kiln's branch-free `exp`/`erf` (`math.rs`), which vectorise; f64 the C library's
+// f32 uses Kiln's branch-free `exp`/`erf`/`tanh` (`math.rs`), which vectorise; f64 the C library's
 // (Rust's std has no erf). Generated CPU kernels (kiln-compile's `cpu_codegen`) compute the
 // same functions, so eager and compiled results agree bit for bit.
-float_impl!(f32, crate::math::exp_f32, crate::math::erf_f32);
-float_impl!(f64, f64::exp, c_erf);
+float_impl!(f32, crate::math::exp_f32, crate::math::erf_f32, crate::math::tanh_f32);
+float_impl!(f64, f64::exp, c_erf, f64::tanh);
 
 #[cfg_attr(unix, link(name = "m"))]
 unsafe extern "C" {

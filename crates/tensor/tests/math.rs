@@ -1,7 +1,7 @@
-//! Kiln's f32 `exp` and `erf` (`kiln_tensor::math`) against the C library's f64 functions,
+//! Kiln's f32 `exp`, `erf` and `tanh` (`kiln_tensor::math`) against the C library's f64 functions,
 //! over their whole range, and their special values.
 
-use kiln_tensor::math::{erf_f32, exp_f32};
+use kiln_tensor::math::{erf_f32, exp_f32, tanh_f32};
 
 #[cfg_attr(unix, link(name = "m"))]
 unsafe extern "C" {
@@ -82,4 +82,29 @@ fn erf_special_values_and_symmetry() {
     }
     // 2/sqrt(pi) * x for tiny x.
     assert!(ulps(erf_f32(1e-20), 1e-20f32 as f64 * 2.0 / std::f64::consts::PI.sqrt()) <= 1.0);
+}
+
+#[test]
+fn tanh_is_within_one_and_a_half_ulps_of_the_exact_value() {
+    let mut worst = (0.0, 0.0f32);
+    for x in sweep(1e-30, 12.0, 61) {
+        let e = ulps(tanh_f32(x), (x as f64).tanh());
+        if e > worst.0 {
+            worst = (e, x);
+        }
+    }
+    assert!(worst.0 <= 1.5, "tanh({}) is {} ulp off", worst.1, worst.0);
+}
+
+#[test]
+fn tanh_special_values_and_symmetry() {
+    assert_eq!(tanh_f32(0.0).to_bits(), 0.0f32.to_bits());
+    assert_eq!(tanh_f32(-0.0).to_bits(), (-0.0f32).to_bits());
+    assert_eq!(tanh_f32(f32::INFINITY), 1.0);
+    assert_eq!(tanh_f32(f32::NEG_INFINITY), -1.0);
+    assert_eq!(tanh_f32(50.0), 1.0);
+    assert!(tanh_f32(f32::NAN).is_nan());
+    for x in [1e-20f32, 0.3, 0.6249999, 0.625, 2.0, 9.0] {
+        assert_eq!(tanh_f32(-x), -tanh_f32(x), "tanh is odd at {x}");
+    }
 }
