@@ -13,6 +13,15 @@ use std::cell::RefCell;
 
 mod common;
 
+/// Whether `KILN_CPU_CODEGEN=0` turns native CPU kernels off (the test then says it skipped).
+fn native_codegen_off(why: &str) -> bool {
+    let off = std::env::var("KILN_CPU_CODEGEN").is_ok_and(|v| v == "0");
+    if off {
+        eprintln!("SKIPPED: KILN_CPU_CODEGEN=0 turns native CPU kernels off{why}");
+    }
+    off
+}
+
 fn data(step: u64, b: usize, inp: usize, classes: usize) -> (Tensor, Tensor) {
     let x = Tensor::rand_at(&[b, inp], Distribution::Normal, 100, step * 4096, DType::F32, Device::Cpu).unwrap();
     let y = Tensor::rand_at(&[b], Distribution::Uniform, 200, step * 64, DType::F32, Device::Cpu).unwrap();
@@ -276,8 +285,7 @@ fn linear_pair_step(gelu: bool) -> Result<String> {
 /// interpreter bit for bit: the generated C computes each op as the CPU kernels do.
 #[test]
 fn native_cpu_groups_match_eager_and_the_interpreter_bit_for_bit() -> Result<()> {
-    if std::env::var("KILN_CPU_CODEGEN").is_ok_and(|v| v == "0") {
-        eprintln!("SKIPPED: KILN_CPU_CODEGEN=0 turns native CPU kernels off");
+    if native_codegen_off("") {
         return Ok(());
     }
     let r = |s: &[usize], seed| Tensor::rand_at(s, Distribution::Normal, seed, 0, DType::F32, Device::Cpu);
@@ -321,8 +329,7 @@ fn native_cpu_groups_match_eager_and_the_interpreter_bit_for_bit() -> Result<()>
 /// CPU has them; eager runs its loops with AVX2 (`cpu::wide`).
 #[test]
 fn native_exp_and_erf_match_eager_over_their_whole_range() -> Result<()> {
-    if std::env::var("KILN_CPU_CODEGEN").is_ok_and(|v| v == "0") {
-        eprintln!("SKIPPED: KILN_CPU_CODEGEN=0 turns native CPU kernels off");
+    if native_codegen_off("") {
         return Ok(());
     }
     let mut v: Vec<f32> = (0..22000).map(|i| (i as f32 - 11000.0) * 0.01).collect();
@@ -375,8 +382,7 @@ fn native_exp_and_erf_match_eager_over_their_whole_range() -> Result<()> {
 /// (which does not feed) bit for bit, and eager within float rounding.
 #[test]
 fn weight_gradients_feed_their_adamw_update_tile_by_tile() -> Result<()> {
-    if std::env::var("KILN_CPU_CODEGEN").is_ok_and(|v| v == "0") {
-        eprintln!("SKIPPED: KILN_CPU_CODEGEN=0 turns native CPU kernels off (feeding needs them)");
+    if native_codegen_off(" (feeding needs them)") {
         return Ok(());
     }
     let run = |how: Option<bool>| -> Result<(Vec<Vec<f32>>, Vec<f32>, usize)> {
@@ -424,8 +430,7 @@ fn weight_gradients_feed_their_adamw_update_tile_by_tile() -> Result<()> {
 /// so the 20-row product is three tiles.
 #[test]
 fn a_group_reading_two_products_is_fed_by_one() -> Result<()> {
-    if std::env::var("KILN_CPU_CODEGEN").is_ok_and(|v| v == "0") {
-        eprintln!("SKIPPED: KILN_CPU_CODEGEN=0 turns native CPU kernels off (feeding needs them)");
+    if native_codegen_off(" (feeding needs them)") {
         return Ok(());
     }
     let r = |s: &[usize], seed| Tensor::rand_at(s, Distribution::Normal, seed, 0, DType::F32, Device::Cpu);

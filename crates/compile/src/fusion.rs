@@ -153,29 +153,15 @@ pub fn plan(g: &Graph, gpu: bool) -> Plan {
     finish(g, groups, group_of, gpu)
 }
 
-/// A unary op computed with `exp`, `erf` or `tanh` (`kiln_tensor::math`).
-fn transcendental(k: &Kind) -> bool {
-    use kiln_tensor::UnaryOp as U;
-    matches!(
-        k,
-        Kind::Op(
-            Op::Unary(
-                U::Exp | U::Sigmoid | U::Tanh | U::Gelu | U::GeluTanh | U::Silu | U::Erf | U::GeluGrad | U::GeluTanhGrad | U::SiluGrad
-            ),
-            _
-        )
-    )
-}
-
 /// Externals, materialised members, in-place state writes and the step order.
 fn finish(g: &Graph, mut groups: Vec<Group>, mut group_of: Vec<Option<usize>>, gpu: bool) -> Plan {
     // Singletons gain nothing from the group path on the CPU: they run as plain kernels,
-    // except ops built on `exp`/`erf`, whose native code runs wider vectors (`-march=native`)
+    // except ops built on `exp`/`erf`/`tanh`, whose native code runs wider vectors (`-march=native`)
     // than eager's AVX2 loops (GELU over the GPT's [1024, 512]: 0.66-0.70 against 0.92 ms).
     // On a GPU they stay groups: the generated kernel knows the shapes (index arithmetic by
     // constants) and independent ones share a launch (`batch_groups`).
     for gr in &mut groups {
-        if gr.members.len() == 1 && !gpu && !transcendental(&g.nodes[gr.members[0]].kind) {
+        if gr.members.len() == 1 && !gpu && !matches!(&g.nodes[gr.members[0]].kind, Kind::Op(Op::Unary(u), _) if u.uses_math()) {
             group_of[gr.members[0]] = None;
             gr.members.clear();
         }

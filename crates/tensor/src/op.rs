@@ -190,6 +190,16 @@ impl UnaryOp {
         }
     }
 
+    /// Whether the op computes Kiln's f32 `exp`, `erf` or `tanh` (`math.rs`), whose
+    /// vectorised loops gain most from wider vectors.
+    pub fn uses_math(self) -> bool {
+        use UnaryOp as U;
+        matches!(
+            self,
+            U::Exp | U::Sigmoid | U::Tanh | U::Gelu | U::GeluTanh | U::Silu | U::Erf | U::GeluGrad | U::GeluTanhGrad | U::SiluGrad
+        )
+    }
+
     /// The op on one value (CPU).
     #[inline(always)]
     pub fn eval<F: Float>(self, x: F) -> F {

@@ -16,6 +16,7 @@ use crate::{with_cpu, DType, Element, Error, Result};
 use elementwise as ew;
 use half::{bf16, f16};
 use rayon::prelude::*;
+use reduce::RowKernels;
 use std::borrow::Cow;
 
 /// Below this many elements a kernel stays on the calling thread.
@@ -100,23 +101,6 @@ where
 
 /// `f` over row-major copies of `x` and of a gradient of the same element type (the fused
 /// backward kernels).
-/// `with_cpu!` for the row kernels with an f32 path: binds `$k` to `reduce::normalize_f32`
-/// for f32 storage and to the generic f64 `reduce::normalize` otherwise.
-macro_rules! with_rows {
-    ($s:expr, $v:ident, $k:ident => $body:expr) => {
-        match $s {
-            CpuStorage::F32($v) => {
-                let $k = reduce::normalize_f32;
-                $body.into_storage()
-            }
-            other => with_cpu!(other, $v => {
-                let $k = reduce::normalize;
-                $body.into_storage()
-            }),
-        }
-    };
-}
-
 fn with_grad<T: CpuSlice>(
     x: &[T],
     l: &Layout,
@@ -290,10 +274,7 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             let (s, l) = ins[0];
             let r = l.rank();
             let spec = reduce::SoftmaxSpec { n: l.shape[r - 1], log: *log, scale: *scale, causal_rows: causal.then(|| l.shape[r - 2]) };
-            if let CpuStorage::F32(v) = s {
-                return Ok(reduce::softmax_f32(&contig(v, l), spec).into_storage());
-            }
-            with_cpu!(s, v => reduce::softmax(&contig(v, l), spec).into_storage())
+            with_cpu!(s, v => RowKernels::softmax_rows(&contig(v, l), spec).into_storage())
         }
         Op::Normalize { eps } => {
             let (s, l) = ins[0];
@@ -301,10 +282,10 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             if let [_, w, b] = ins {
                 // Layer norm with its affine part (weight and bias of x's dtype, checked).
                 return Ok(
-                    with_rows!(s, v, norm => with_affine(v, l, (*w, *b), name, |x, w, b| norm(x, None, (Some(w), Some(b)), n, *eps))?),
+                    with_cpu!(s, v => with_affine(v, l, (*w, *b), name, |x, w, b| RowKernels::normalize_rows(x, None, (Some(w), Some(b)), n, *eps))?.into_storage()),
                 );
             }
-            with_rows!(s, v, norm => norm(&contig(v, l), None, (None, None), n, *eps))
+            with_cpu!(s, v => RowKernels::normalize_rows(&contig(v, l), None, (None, None), n, *eps).into_storage())
         }
         Op::SoftmaxBackward { log, scale } => {
             let ((s, l), g) = (ins[0], ins[1]);
@@ -317,10 +298,10 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             if let [_, _, w] = ins {
                 // With layer norm's weight (x's dtype, checked), which scales g.
                 return Ok(
-                    with_rows!(s, v, norm => with_affine(v, l, (g, *w), name, |x, g, w| norm(x, Some(g), (Some(w), None), n, *eps))?),
+                    with_cpu!(s, v => with_affine(v, l, (g, *w), name, |x, g, w| RowKernels::normalize_rows(x, Some(g), (Some(w), None), n, *eps))?.into_storage()),
                 );
             }
-            with_rows!(s, v, norm => with_grad(v, l, g, name, |x, g| norm(x, Some(g), (None, None), n, *eps))?)
+            with_cpu!(s, v => with_grad(v, l, g, name, |x, g| RowKernels::normalize_rows(x, Some(g), (None, None), n, *eps))?.into_storage())
         }
         Op::NormalizeParamGrads { eps } => {
             let (x, g) = (ins[0], ins[1]);

@@ -213,6 +213,31 @@ pub fn softmax<T: Element>(src: &[T], k: SoftmaxSpec) -> Vec<T> {
     out
 }
 
+/// Softmax and layer norm by element type: f32 computes in f32 with f64 row sums, 8 lanes at
+/// a time (`softmax_f32`, `normalize_f32`), as PyTorch does; the other types in f64
+/// (`softmax`, `normalize`).
+pub trait RowKernels: Element {
+    fn softmax_rows(src: &[Self], k: SoftmaxSpec) -> Vec<Self> {
+        softmax(src, k)
+    }
+    fn normalize_rows(src: &[Self], g: Option<&[Self]>, wb: (Option<&[Self]>, Option<&[Self]>), n: usize, eps: f64) -> Vec<Self> {
+        normalize(src, g, wb, n, eps)
+    }
+}
+impl RowKernels for f32 {
+    fn softmax_rows(src: &[f32], k: SoftmaxSpec) -> Vec<f32> {
+        softmax_f32(src, k)
+    }
+    fn normalize_rows(src: &[f32], g: Option<&[f32]>, wb: (Option<&[f32]>, Option<&[f32]>), n: usize, eps: f64) -> Vec<f32> {
+        normalize_f32(src, g, wb, n, eps)
+    }
+}
+impl RowKernels for f64 {}
+impl RowKernels for half::f16 {}
+impl RowKernels for half::bf16 {}
+impl RowKernels for i64 {}
+impl RowKernels for u8 {}
+
 /// The f64 sum of `f(v[i])` in eight running sums, which vectorise (one sum is a chain of
 /// dependent additions).
 #[inline(always)]
@@ -233,7 +258,7 @@ fn sum_f64(v: &[f32], f: impl Fn(usize, f32) -> f64) -> f64 {
 /// lanes at a time through `wide`), written into the output and summed in f64; then one
 /// scaling pass. The generic path computes in f64 with the C library's `exp`, twice per
 /// element, which made the GPT's attention softmax 4x slower.
-pub fn softmax_f32(src: &[f32], k: SoftmaxSpec) -> Vec<f32> {
+fn softmax_f32(src: &[f32], k: SoftmaxSpec) -> Vec<f32> {
     let n = k.n;
     let mut out = pool::take::<f32>(src.len());
     let scale = k.scale as f32;
@@ -290,7 +315,7 @@ fn row_stats(x: &[f32], eps: f64) -> (f32, f32) {
 /// `normalize` for f32: row statistics summed in f64, the elementwise work in f32 and 8
 /// lanes at a time (`wide`), as PyTorch computes layer norm. About 4x faster than the f64
 /// path at the GPT's rows of 128.
-pub fn normalize_f32(src: &[f32], g: Option<&[f32]>, (w, b): (Option<&[f32]>, Option<&[f32]>), n: usize, eps: f64) -> Vec<f32> {
+fn normalize_f32(src: &[f32], g: Option<&[f32]>, (w, b): (Option<&[f32]>, Option<&[f32]>), n: usize, eps: f64) -> Vec<f32> {
     let mut out = pool::take::<f32>(src.len());
     for_rows(&mut out, n, |r, o| {
         let x = &src[r * n..(r + 1) * n];
@@ -338,18 +363,18 @@ pub fn normalize_param_grads_f32(x: &[f32], g: &[f32], n: usize, eps: f64) -> Ve
     let partial = |(x, g): (&[f32], &[f32])| -> Vec<f64> {
         let mut acc = vec![0.0f64; 2 * n];
         let (dw, db) = acc.split_at_mut(n);
-        for (x, g) in x.chunks(n).zip(g.chunks(n)) {
-            super::wide(
-                #[inline(always)]
-                || {
+        super::wide(
+            #[inline(always)]
+            || {
+                for (x, g) in x.chunks(n).zip(g.chunks(n)) {
                     let (mean, rstd) = row_stats(x, eps);
                     for (j, (&v, &g)) in x.iter().zip(g).enumerate() {
                         dw[j] += (g * ((v - mean) * rstd)) as f64;
                         db[j] += g as f64;
                     }
-                },
-            )
-        }
+                }
+            },
+        );
         acc
     };
     let sums: Vec<Vec<f64>> = if x.len() < super::PAR_THRESHOLD {
