@@ -581,6 +581,34 @@ fn fused_attention_matches_the_cpu_forward_and_backward() {
     let _ = dev;
 }
 
+/// Fused attention reading q, k and v where a model's fused projection leaves them: heads cut
+/// from one `[B, T, 3 * H * D]` buffer, read in place by the tensor-core kernels. A row stride
+/// that breaks their 16-byte loads (`pad` 3) takes the dense copy instead. Forward and the
+/// gradient of the fused buffer, against the CPU.
+#[test]
+fn fused_attention_reads_heads_of_a_fused_projection_in_place() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for dt in [DType::BF16, DType::F16] {
+        for (b, h, t, d, pad) in [(2, 3, 70, 64, 0), (3, 2, 64, 32, 8), (1, 2, 45, 64, 3)] {
+            let what = format!("attention {dt:?} from a fused [{b}, {t}, 3 x {h} x {d} + {pad}] buffer");
+            let e = h * d;
+            let ins = [randn(&[b, t, 3 * e + pad], 70, dt), randn(&[b, t, e], 71, dt)];
+            let heads = |qkv: &Tensor, i: usize| qkv.narrow(2, pad + i * e, e)?.reshape(&[b, t, h, d])?.transpose(1, 2);
+            both(&format!("{what}: forward"), &ins, tol(dt), |x| {
+                heads(&x[0], 0)?.attention(&heads(&x[0], 1)?, &heads(&x[0], 2)?, 1.0 / (d as f64).sqrt(), true)
+            });
+            both(&format!("{what}: gradient"), &ins, tol(dt) * 2.0, |x| {
+                let qkv = x[0].detach();
+                qkv.set_requires_grad(true);
+                let out = heads(&qkv, 0)?.attention(&heads(&qkv, 1)?, &heads(&qkv, 2)?, 1.0 / (d as f64).sqrt(), true)?;
+                // The output gradient arrives as heads of a [B, T, H * D] buffer too.
+                out.mul(&x[1].reshape(&[b, t, h, d])?.transpose(1, 2)?)?.sum_all()?.backward()?;
+                qkv.grad().ok_or_else(|| kiln::tensor::Error::Msg("no gradient".into()))
+            });
+        }
+    }
+}
+
 #[test]
 fn autotuned_matmuls_match_the_cpu_and_are_kept_on_disk() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());

@@ -728,16 +728,18 @@ pub fn layer_norm_param_grads_source(dtype: DType, tiles: usize) -> (String, Str
     s += "  const long long r1 = min(a.rows, (blockIdx.x + 1) * chunk); const C n = (C)a.red;\n";
     s += "  C dw[TILES], db[TILES];\n#pragma unroll\n  for (int t = 0; t < TILES; ++t) { dw[t] = (C)0; db[t] = (C)0; }\n";
     s += "  for (long long row = blockIdx.x * chunk + warp; row < r1; row += nw) {\n";
-    s += "    const long long base = row * a.red; C acc = (C)0;\n";
-    // The row's mean and variance as `normalize_source` computes them (warp sums).
-    s += "    for (long long j = lane; j < a.red; j += 32) acc += (C)ld(x[base + j]);\n";
+    // The row's x and g are loaded once into registers (all loads in flight together); the
+    // mean and variance sum them in `normalize_source`'s order (warp sums).
+    s += "    const long long base = row * a.red; C xr[TILES], gr[TILES], acc = (C)0;\n";
+    s += "#pragma unroll\n    for (int t = 0; t < TILES; ++t) {\n      const long long j = lane + 32LL * t;\n";
+    s += "      xr[t] = j < a.red ? (C)ld(x[base + j]) : (C)0; gr[t] = j < a.red ? (C)ld(g[base + j]) : (C)0;\n    }\n";
+    s += "#pragma unroll\n    for (int t = 0; t < TILES; ++t) if (lane + 32LL * t < a.red) acc += xr[t];\n";
     s += &row_allreduce(false, false);
     s += "    const C mean = acc / n; acc = (C)0;\n";
-    s += "    for (long long j = lane; j < a.red; j += 32) { C d = (C)ld(x[base + j]) - mean; acc += d * d; }\n";
+    s += "#pragma unroll\n    for (int t = 0; t < TILES; ++t) if (lane + 32LL * t < a.red) { C d = xr[t] - mean; acc += d * d; }\n";
     s += &row_allreduce(false, false);
     s += "    const C rstd = (C)1 / ksqrt(acc / n + (C)a.eps);\n";
-    s += "#pragma unroll\n    for (int t = 0; t < TILES; ++t) {\n      const long long j = lane + 32LL * t;\n";
-    s += "      if (j < a.red) { C gv = (C)ld(g[base + j]); dw[t] += gv * (((C)ld(x[base + j]) - mean) * rstd); db[t] += gv; }\n    }\n  }\n";
+    s += "#pragma unroll\n    for (int t = 0; t < TILES; ++t) { dw[t] += gr[t] * ((xr[t] - mean) * rstd); db[t] += gr[t]; }\n  }\n";
     s += "  __shared__ C sh[2 * 32 * TILES];\n";
     s += "  for (int w = 0; w < nw; ++w) {\n    if (warp == w) {\n#pragma unroll\n      for (int t = 0; t < TILES; ++t) {\n";
     s += "        const long long j = lane + 32LL * t;\n        if (j < a.red) { sh[j] = (w ? sh[j] : (C)0) + dw[t]; sh[a.red + j] = (w ? sh[a.red + j] : (C)0) + db[t]; }\n";
@@ -1361,6 +1363,12 @@ const TILED_DKV: &str = r#"  float *kt = sm, *vt = kt + TQ, *qt = vt + TQ, *gt =
   store_rows(dv, gv, rb, ty, tx, Tn, &one, false);
 "#;
 
+/// The dynamic shared memory of a `flash_source` kernel: four tiles of 64 rows of D (+8
+/// padding) 16-bit values.
+pub fn flash_smem_bytes(d: usize) -> usize {
+    4 * 64 * (d + 8) * 2
+}
+
 /// Whether the tensor-core attention kernels (`flash_source`) take this dtype and head dim.
 pub fn flash_supported(dtype: DType, d: usize) -> bool {
     matches!(dtype, DType::F16 | DType::BF16) && d % 16 == 0 && d > 0 && d <= ATTN_MAX_D
@@ -1383,19 +1391,31 @@ fn flash_helpers(dtype: DType) -> String {
     s += "  asm volatile(\"ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\" : \"=r\"(r[0]), \"=r\"(r[1]), \"=r\"(r[2]), \"=r\"(r[3]) : \"r\"(smem(p)));\n}\n";
     s += "__device__ __forceinline__ void ldsm4t(unsigned* r, const T* p) {\n";
     s += "  asm volatile(\"ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\" : \"=r\"(r[0]), \"=r\"(r[1]), \"=r\"(r[2]), \"=r\"(r[3]) : \"r\"(smem(p)));\n}\n";
-    // Rows row0..row0+64 of a row-major [T, D] matrix into a shared tile (zeros past T).
-    s += "__device__ __forceinline__ void load_tile(T (*tile)[SD], const T* p, long long row0, long long Tn) {\n";
+    // One [T, D] matrix of a batch: row t of matrix n at `(n / nh) * b + (n % nh) * h + t * t`
+    // elements (a head of a fused projection is read where it lies, with no copy).
+    s += "struct Mat { long long b, h, t, nh; };\n";
+    s += "__device__ __forceinline__ long long mat_base(Mat m) { const long long n = blockIdx.y; return (n / m.nh) * m.b + (n % m.nh) * m.h; }\n";
+    // Rows row0..row0+64 of a [T, D] matrix with row stride st into a shared tile (zeros past T).
+    s += "__device__ __forceinline__ void load_tile(T (*tile)[SD], const T* p, long long st, long long row0, long long Tn) {\n";
     s += "  for (int e = threadIdx.x; e < 64 * (D / 8); e += blockDim.x) {\n    const int r = e / (D / 8), c = (e % (D / 8)) * 8;\n";
-    s += "    uint4 v = make_uint4(0u, 0u, 0u, 0u);\n    if (row0 + r < Tn) v = *(const uint4*)(p + (row0 + r) * D + c);\n";
+    s += "    uint4 v = make_uint4(0u, 0u, 0u, 0u);\n    if (row0 + r < Tn) v = *(const uint4*)(p + (row0 + r) * st + c);\n";
     s += "    *(uint4*)&tile[r][c] = v;\n  }\n}\n";
+    // The same, copied by the async copy engine (zeros past T), so that a block loads the next
+    // tile while it computes on this one; `async_wait<N>` waits for all but the last N groups.
+    s += "__device__ __forceinline__ void load_tile_async(T (*tile)[SD], const T* p, long long st, long long row0, long long Tn) {\n";
+    s += "  for (int e = threadIdx.x; e < 64 * (D / 8); e += blockDim.x) {\n    const int r = e / (D / 8), c = (e % (D / 8)) * 8;\n";
+    s += "    const bool in = row0 + r < Tn;\n    const T* src = in ? p + (row0 + r) * st + c : p;\n";
+    s += "    asm volatile(\"cp.async.cg.shared.global [%0], [%1], 16, %2;\" :: \"r\"(smem(&tile[r][c])), \"l\"(src), \"r\"(in ? 16 : 0));\n  }\n}\n";
+    s += "__device__ __forceinline__ void async_commit() { asm volatile(\"cp.async.commit_group;\" ::); }\n";
+    s += "template <int N> __device__ __forceinline__ void async_wait() { asm volatile(\"cp.async.wait_group %0;\" :: \"n\"(N)); }\n";
     // Two neighbouring columns c, c+1 of row `row` (0 past the last row).
-    s += "__device__ __forceinline__ unsigned ld2(const T* p, long long row, int c, long long Tn) {\n";
-    s += "  return row < Tn ? *(const unsigned*)(p + row * D + c) : 0u;\n}\n";
-    // The A fragments (16 rows from r0, all of D) of a row-major [T, D] matrix.
-    s += "__device__ __forceinline__ void load_a(unsigned (*a)[4], const T* p, long long r0, int gq, int tq, long long Tn) {\n";
+    s += "__device__ __forceinline__ unsigned ld2(const T* p, long long st, long long row, int c, long long Tn) {\n";
+    s += "  return row < Tn ? *(const unsigned*)(p + row * st + c) : 0u;\n}\n";
+    // The A fragments (16 rows from r0, all of D) of a [T, D] matrix with row stride st.
+    s += "__device__ __forceinline__ void load_a(unsigned (*a)[4], const T* p, long long st, long long r0, int gq, int tq, long long Tn) {\n";
     s += "#pragma unroll\n  for (int ks = 0; ks < D / 16; ++ks) {\n    const int c = ks * 16 + tq * 2;\n";
-    s += "    a[ks][0] = ld2(p, r0 + gq, c, Tn); a[ks][1] = ld2(p, r0 + gq + 8, c, Tn);\n";
-    s += "    a[ks][2] = ld2(p, r0 + gq, c + 8, Tn); a[ks][3] = ld2(p, r0 + gq + 8, c + 8, Tn);\n  }\n}\n";
+    s += "    a[ks][0] = ld2(p, st, r0 + gq, c, Tn); a[ks][1] = ld2(p, st, r0 + gq + 8, c, Tn);\n";
+    s += "    a[ks][2] = ld2(p, st, r0 + gq, c + 8, Tn); a[ks][3] = ld2(p, st, r0 + gq + 8, c + 8, Tn);\n  }\n}\n";
     // s[0..2] = A (16 x D, registers) times the transpose of tile rows sub..sub+16: B comes
     // straight from the tile's rows (ldmatrix: keys 0-7 and 8-15, low and high 8 columns).
     s += "__device__ __forceinline__ void scores(float (*s)[4], const unsigned (*a)[4], T (*tile)[SD], int sub, int lane) {\n";
@@ -1440,95 +1460,260 @@ pub fn flash_source(kind: AttnKernel, dtype: DType, d: usize, causal: bool) -> (
     let mut s = format!("{PRELUDE}\ntypedef {t} T;\n#define D {d}\n#define CAUSAL {}\n", causal as i32);
     s += "#define NEG_INF __int_as_float(0xff800000)\n";
     s += &flash_helpers(dtype);
-    // Element e of score tile nt: row rows0 + gq (+8 for e >= 2), column cols0 + nt*8 + tq*2 +
-    // (e & 1). Masked entries (columns past T, or a key after its query when causal) are -inf.
-    s += "__device__ __forceinline__ void mask(float (*s)[4], long long rows0, long long cols0, int gq, int tq, long long Tn, float scale, bool keys_are_cols) {\n";
-    s += "#pragma unroll\n  for (int nt = 0; nt < 2; ++nt)\n#pragma unroll\n    for (int e = 0; e < 4; ++e) {\n";
-    s += "      const long long r = rows0 + gq + (e >= 2 ? 8 : 0), c = cols0 + nt * 8 + tq * 2 + (e & 1);\n";
-    s += "      const long long key = keys_are_cols ? c : r, query = keys_are_cols ? r : c;\n";
-    s += "      s[nt][e] = (c >= Tn || (CAUSAL && key > query)) ? NEG_INF : s[nt][e] * scale;\n    }\n}\n";
-    // Every warp stays to the end: the shared tiles need all of them at each barrier.
-    let head = "  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane >> 2, tq = lane & 3;\n  const long long base = (long long)blockIdx.y * Tn * D, rb = (long long)blockIdx.x * 64, r0 = rb + warp * 16;\n";
-    // Query rows stream over key tiles: the block up to its last row's keys, each warp up to its own.
-    let bounds =
-        "  const long long kend = CAUSAL ? (rb + 64 < Tn ? rb + 64 : Tn) : Tn, mine = CAUSAL ? (r0 + 16 < Tn ? r0 + 16 : Tn) : Tn;\n";
-    let key_tiles = "  for (long long kt = 0; kt < kend; kt += 64) {\n    __syncthreads();\n";
-    let subs = "    __syncthreads();\n#pragma unroll 1\n    for (int sub = 0; sub < 64; sub += 16) {\n      const long long kb = kt + sub;\n      if (kb >= mine) break;\n";
-    // A running max and sum per row, the key bounds, and the opening of the key loop.
-    let online = format!("  float m[2] = {{NEG_INF, NEG_INF}}, l[2] = {{0.f, 0.f}};\n{bounds}{key_tiles}");
-    let masked = "      float sc[2][4];\n      scores(sc, qa, ks, sub, lane);\n      mask(sc, r0, kb, gq, tq, Tn, scale, true);\n";
-    match kind {
-        AttnKernel::Fwd => {
-            s += &format!("extern \"C\" __global__ void __launch_bounds__(128) {name}({t}* __restrict__ o, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, long long Tn, float scale) {{\n");
-            s += "  __shared__ __align__(16) T ks[64][SD], vs[64][SD];\n";
-            s += head;
-            s += "  q += base; k += base; v += base; o += base;\n";
-            s += "  unsigned qa[D / 16][4];\n  load_a(qa, q, r0, gq, tq, Tn);\n  float acc[D / 8][4];\n  ZERO(acc);\n";
-            s += &online;
-            s += "    load_tile(ks, k, kt, Tn);\n    load_tile(vs, v, kt, Tn);\n";
-            s += subs;
-            s += masked;
-            s += "#pragma unroll\n      for (int h = 0; h < 2; ++h) {\n";
-            s +=
-                "        const float mx = quad_max(fmaxf(fmaxf(sc[0][2 * h], sc[0][2 * h + 1]), fmaxf(sc[1][2 * h], sc[1][2 * h + 1])));\n";
-            s += "        const float mn = fmaxf(m[h], mx), ms = mn == NEG_INF ? 0.f : mn, corr = expf(m[h] - ms);\n";
-            s += "        m[h] = mn; l[h] *= corr;\n#pragma unroll\n        for (int j = 0; j < D / 8; ++j) { acc[j][2 * h] *= corr; acc[j][2 * h + 1] *= corr; }\n";
-            s += "#pragma unroll\n        for (int nt = 0; nt < 2; ++nt) {\n          sc[nt][2 * h] = expf(sc[nt][2 * h] - ms); sc[nt][2 * h + 1] = expf(sc[nt][2 * h + 1] - ms);\n          l[h] += sc[nt][2 * h] + sc[nt][2 * h + 1];\n        }\n      }\n";
-            s += "      accumulate(acc, sc, vs, sub, lane);\n    }\n  }\n";
-            s += "  const float l0 = quad_sum(l[0]), l1 = quad_sum(l[1]);\n";
-            s += "  store(o, acc, r0, gq, tq, Tn, 1.f / l0, 1.f / l1);\n}\n";
-        }
-        AttnKernel::Dq => {
-            s += &format!("extern \"C\" __global__ void __launch_bounds__(128) {name}({t}* __restrict__ dq, float* __restrict__ stats, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, const {t}* __restrict__ o, const {t}* __restrict__ g, long long Tn, float scale) {{\n");
-            s += "  __shared__ __align__(16) T ks[64][SD], vs[64][SD];\n";
-            s += head;
-            s += "  q += base; k += base; v += base; o += base; g += base; dq += base;\n";
-            s += "  unsigned qa[D / 16][4], ga[D / 16][4];\n  load_a(qa, q, r0, gq, tq, Tn);\n  load_a(ga, g, r0, gq, tq, Tn);\n";
-            // Pass 1: each row's log-sum-exp (a running max and sum per thread, joined after).
-            s += &online;
-            s += "    load_tile(ks, k, kt, Tn);\n";
-            s += subs;
-            s += masked;
-            s += "#pragma unroll\n      for (int h = 0; h < 2; ++h)\n#pragma unroll\n        for (int e = 0; e < 4; ++e) {\n";
-            s += "          const float x = sc[e / 2][2 * h + (e & 1)];\n          if (x == NEG_INF) continue;\n";
-            s += "          const float mn = fmaxf(m[h], x);\n          l[h] = l[h] * expf(m[h] - mn) + expf(x - mn); m[h] = mn;\n        }\n    }\n  }\n";
-            s += "  float L[2], Ds[2];\n#pragma unroll\n  for (int h = 0; h < 2; ++h) {\n";
-            s += "    const float mx = quad_max(m[h]), ms = mx == NEG_INF ? 0.f : mx;\n    L[h] = ms + logf(quad_sum(l[h] * expf(m[h] - ms)));\n";
-            s += "    const long long r = r0 + gq + 8 * h;\n    float acc = 0.f;\n";
-            s += "    if (r < Tn) for (int c = tq; c < D; c += 4) acc += ld(g[r * D + c]) * ld(o[r * D + c]);\n";
-            s += "    Ds[h] = quad_sum(acc);\n";
-            s += "    if (r < Tn && tq == 0) { const long long at = ((long long)blockIdx.y * Tn + r) * 2; stats[at] = L[h]; stats[at + 1] = Ds[h]; }\n  }\n";
-            // Pass 2: dq = scale * sum_j p (g.v_j - Dsum) k_j.
-            s += "  float acc[D / 8][4];\n  ZERO(acc);\n";
-            s += key_tiles;
-            s += "    load_tile(ks, k, kt, Tn);\n    load_tile(vs, v, kt, Tn);\n";
-            s += subs;
-            s += masked;
-            s += "      float dp[2][4];\n      scores(dp, ga, vs, sub, lane);\n";
-            s += "#pragma unroll\n      for (int nt = 0; nt < 2; ++nt)\n#pragma unroll\n        for (int e = 0; e < 4; ++e) { const int h = e / 2; sc[nt][e] = expf(sc[nt][e] - L[h]) * (dp[nt][e] - Ds[h]); }\n";
-            s += "      accumulate(acc, sc, ks, sub, lane);\n    }\n  }\n";
-            s += "  store(dq, acc, r0, gq, tq, Tn, scale, scale);\n}\n";
-        }
-        AttnKernel::Dkv => {
-            s += &format!("extern \"C\" __global__ void __launch_bounds__(128) {name}({t}* __restrict__ dk, {t}* __restrict__ dv, const float* __restrict__ stats, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, const {t}* __restrict__ g, long long Tn, float scale) {{\n");
-            s += "  __shared__ __align__(16) T qs[64][SD], gs[64][SD];\n  __shared__ float Ls[64], Dl[64];\n";
-            // Here r0 is the warp's first key; its rows are keys, its score columns queries.
-            s += head;
-            s += "  q += base; k += base; v += base; g += base; dk += base; dv += base;\n  stats += (long long)blockIdx.y * Tn * 2;\n";
-            s += "  unsigned ka[D / 16][4], va[D / 16][4];\n  load_a(ka, k, r0, gq, tq, Tn);\n  load_a(va, v, r0, gq, tq, Tn);\n";
-            s += "  float gk[D / 8][4], gv[D / 8][4];\n  ZERO(gk);\n  ZERO(gv);\n";
-            s += "  for (long long qt = CAUSAL ? rb : 0; qt < Tn; qt += 64) {\n    __syncthreads();\n";
-            s += "    load_tile(qs, q, qt, Tn);\n    load_tile(gs, g, qt, Tn);\n";
-            s += "    for (int r = threadIdx.x; r < 64; r += blockDim.x) { const bool in = qt + r < Tn; Ls[r] = in ? stats[(qt + r) * 2] : 0.f; Dl[r] = in ? stats[(qt + r) * 2 + 1] : 0.f; }\n";
-            s += "    __syncthreads();\n#pragma unroll 1\n    for (int sub = 0; sub < 64; sub += 16) {\n      const long long qb = qt + sub;\n";
-            s += "      if (qb >= Tn) break;\n      if (CAUSAL && qb + 15 < r0) continue;  // every query here comes before this warp's keys\n";
-            s += "      float pt[2][4], dpt[2][4];\n      scores(pt, ka, qs, sub, lane);\n      mask(pt, r0, qb, gq, tq, Tn, scale, false);\n      scores(dpt, va, gs, sub, lane);\n";
-            s += "#pragma unroll\n      for (int nt = 0; nt < 2; ++nt)\n#pragma unroll\n        for (int e = 0; e < 4; ++e) {\n";
-            s += "          const int qi = sub + nt * 8 + tq * 2 + (e & 1);\n";
-            s += "          pt[nt][e] = expf(pt[nt][e] - Ls[qi]);\n          dpt[nt][e] = pt[nt][e] * (dpt[nt][e] - Dl[qi]);\n        }\n";
-            s += "      accumulate(gv, pt, gs, sub, lane);\n      accumulate(gk, dpt, qs, sub, lane);\n    }\n  }\n";
-            s += "  store(dk, gk, r0, gq, tq, Tn, scale, scale);\n  store(dv, gv, r0, gq, tq, Tn, 1.f, 1.f);\n}\n";
-        }
-    }
+    s += FLASH_COMMON;
+    // Registers bound occupancy: four blocks per SM measured faster for the forward and dq
+    // kernels (128 registers, no spills); the dk/dv kernel would spill.
+    let (sig, body, min_blocks) = match kind {
+        AttnKernel::Fwd => (
+            format!("{t}* __restrict__ o, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, Mat mq, Mat mk, Mat mv"),
+            FLASH_FWD,
+            4,
+        ),
+        AttnKernel::Dq => (
+            format!("{t}* __restrict__ dq, float* __restrict__ stats, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, const {t}* __restrict__ o, const {t}* __restrict__ g, Mat mq, Mat mk, Mat mv, Mat mo, Mat mg"),
+            FLASH_DQ,
+            4,
+        ),
+        AttnKernel::Dkv => (
+            format!("{t}* __restrict__ dk, {t}* __restrict__ dv, const float* __restrict__ stats, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, const {t}* __restrict__ g, Mat mq, Mat mk, Mat mv, Mat mg"),
+            FLASH_DKV,
+            1,
+        ),
+    };
+    s += &format!("extern \"C\" __global__ void __launch_bounds__(128, {min_blocks}) {name}({sig}, long long Tn, float scale) {{\n{FLASH_HEAD}{body}}}\n");
     (s, name)
 }
+
+// Score tiles: element e of n-tile nt is row rows0 + gq (+8 for e >= 2), column cols0 + nt * 8
+// + tq * 2 + (e & 1). Only tiles on the causal diagonal or past T are masked; the others are
+// only scaled.
+const FLASH_COMMON: &str = r#"
+template <int NT> __device__ __forceinline__ void mask(float (*s)[4], long long rows0, long long cols0, int gq, int tq, long long Tn, float scale, bool keys_are_cols) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const long long r = rows0 + gq + (e >= 2 ? 8 : 0), c = cols0 + nt * 8 + tq * 2 + (e & 1);
+      const long long key = keys_are_cols ? c : r, query = keys_are_cols ? r : c;
+      s[nt][e] = (c >= Tn || (CAUSAL && key > query)) ? NEG_INF : s[nt][e] * scale;
+    }
+}
+// Scales the scores of a warp's 16 rows from r0 against NT * 8 columns from c0, masking them
+// only where some column lies past T or (causal) some key comes after its query.
+template <int NT> __device__ __forceinline__ void scale_mask(float (*s)[4], long long r0, long long c0, int gq, int tq, long long Tn, float scale, bool keys_are_cols) {
+  const long long last = c0 + NT * 8 - 1;
+  const bool edge = last >= Tn || (CAUSAL && (keys_are_cols ? last > r0 : r0 + 15 > c0));
+  if (edge) { mask<NT>(s, r0, c0, gq, tq, Tn, scale, keys_are_cols); return; }
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[nt][e] *= scale;
+}
+// The kernels' four shared tiles (two matrices, two buffers each), in dynamic shared memory:
+// `flash_smem_bytes`.
+__device__ __forceinline__ T (*tiles())[64][SD] {
+  extern __shared__ __align__(16) unsigned char dyn[];
+  return reinterpret_cast<T (*)[64][SD]>(dyn);
+}
+// Tiles stream through two shared buffers: `stream_start` loads tile rows row0.. of one or two
+// matrices into buffer 0; `stream_next` starts loading the next tile (at `next`, if below `end`)
+// into the other buffer, waits for the current one and syncs the block. Each loop iteration ends
+// with a barrier, so a buffer is refilled only after every warp has read it.
+__device__ __forceinline__ void stream_start(T (*a)[64][SD], const T* pa, long long sa, T (*b)[64][SD], const T* pb, long long sb, long long row0, long long Tn) {
+  load_tile_async(a[0], pa, sa, row0, Tn);
+  if (b) load_tile_async(b[0], pb, sb, row0, Tn);
+  async_commit();
+}
+__device__ __forceinline__ void stream_next(T (*a)[64][SD], const T* pa, long long sa, T (*b)[64][SD], const T* pb, long long sb, int buf, long long next, long long end, long long Tn) {
+  if (next < end) {
+    load_tile_async(a[buf ^ 1], pa, sa, next, Tn);
+    if (b) load_tile_async(b[buf ^ 1], pb, sb, next, Tn);
+    async_commit();
+    async_wait<1>();
+  } else {
+    async_wait<0>();
+  }
+  __syncthreads();
+}
+// The scores of a warp's 16 rows (A fragments a) against the 64 rows of a shared tile whose
+// first is row c0: sub-tiles from `end` on are not computed (-inf).
+__device__ __forceinline__ void tile_scores(float (*s)[4], const unsigned (*a)[4], T (*tile)[SD], long long c0, long long end, int lane) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (c0 + 16 * i < end) {
+      scores(s + 2 * i, a, tile, 16 * i, lane);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) s[2 * i + e / 4][e % 4] = NEG_INF;
+    }
+  }
+}
+"#;
+
+// Every warp stays to the end: the shared tiles need all of them at each barrier. Query rows
+// stream over key tiles: the block up to its last row's keys, each warp up to its own.
+const FLASH_HEAD: &str = r#"  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane >> 2, tq = lane & 3;
+  const long long base = (long long)blockIdx.y * Tn * D, rb = (long long)blockIdx.x * 64, r0 = rb + warp * 16;
+  const long long kend = CAUSAL ? (rb + 64 < Tn ? rb + 64 : Tn) : Tn, mine = CAUSAL ? (r0 + 16 < Tn ? r0 + 16 : Tn) : Tn;
+"#;
+
+// The forward: a running max and sum per row, updated once per 64-key tile.
+const FLASH_FWD: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
+  q += mat_base(mq); k += mat_base(mk); v += mat_base(mv); o += base;
+  stream_start(ks, k, mk.t, vs, v, mv.t, 0, Tn);
+  unsigned qa[D / 16][4];
+  load_a(qa, q, mq.t, r0, gq, tq, Tn);
+  float acc[D / 8][4];
+  ZERO(acc);
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+  int buf = 0;
+  for (long long kt = 0; kt < kend; kt += 64, buf ^= 1) {
+    stream_next(ks, k, mk.t, vs, v, mv.t, buf, kt + 64, kend, Tn);
+    if (kt < mine) {
+      float sc[8][4];
+      tile_scores(sc, qa, ks[buf], kt, mine, lane);
+      scale_mask<8>(sc, r0, kt, gq, tq, Tn, scale, true);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = NEG_INF;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) mx = fmaxf(mx, fmaxf(sc[nt][2 * h], sc[nt][2 * h + 1]));
+        mx = quad_max(mx);
+        const float mn = fmaxf(m[h], mx), ms = mn == NEG_INF ? 0.f : mn, corr = expf(m[h] - ms);
+        m[h] = mn;
+        l[h] *= corr;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) { acc[j][2 * h] *= corr; acc[j][2 * h + 1] *= corr; }
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          sc[nt][2 * h] = expf(sc[nt][2 * h] - ms);
+          sc[nt][2 * h + 1] = expf(sc[nt][2 * h + 1] - ms);
+          l[h] += sc[nt][2 * h] + sc[nt][2 * h + 1];
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (kt + 16 * i < mine) accumulate(acc, sc + 2 * i, vs[buf], 16 * i, lane);
+    }
+    __syncthreads();
+  }
+  const float l0 = quad_sum(l[0]), l1 = quad_sum(l[1]);
+  store(o, acc, r0, gq, tq, Tn, 1.f / l0, 1.f / l1);
+"#;
+
+// dq = scale * sum_j p (g.v_j - Dsum) k_j. Pass 1 finds each row's log-sum-exp (a running max
+// and sum per thread, per 64-key tile, joined over the row's 4 threads after) and Dsum = g.o;
+// both go to `stats` for the dk/dv kernel.
+const FLASH_DQ: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
+  q += mat_base(mq); k += mat_base(mk); v += mat_base(mv); o += mat_base(mo); g += mat_base(mg); dq += base;
+  stream_start(ks, k, mk.t, nullptr, nullptr, 0, 0, Tn);
+  unsigned qa[D / 16][4];
+  load_a(qa, q, mq.t, r0, gq, tq, Tn);
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+  int buf = 0;
+  for (long long kt = 0; kt < kend; kt += 64, buf ^= 1) {
+    stream_next(ks, k, mk.t, nullptr, nullptr, 0, buf, kt + 64, kend, Tn);
+    if (kt < mine) {
+      float sc[8][4];
+      tile_scores(sc, qa, ks[buf], kt, mine, lane);
+      scale_mask<8>(sc, r0, kt, gq, tq, Tn, scale, true);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = NEG_INF;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) mx = fmaxf(mx, fmaxf(sc[nt][2 * h], sc[nt][2 * h + 1]));
+        const float mn = fmaxf(m[h], mx), ms = mn == NEG_INF ? 0.f : mn;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) sum += expf(sc[nt][2 * h] - ms) + expf(sc[nt][2 * h + 1] - ms);
+        l[h] = l[h] * expf(m[h] - ms) + sum;
+        m[h] = mn;
+      }
+    }
+    __syncthreads();
+  }
+  stream_start(ks, k, mk.t, vs, v, mv.t, 0, Tn);
+  float L[2], Ds[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float mx = quad_max(m[h]), ms = mx == NEG_INF ? 0.f : mx;
+    L[h] = ms + logf(quad_sum(l[h] * expf(m[h] - ms)));
+    const long long r = r0 + gq + 8 * h;
+    float acc = 0.f;
+    if (r < Tn) for (int c = tq; c < D; c += 4) acc += ld(g[r * mg.t + c]) * ld(o[r * mo.t + c]);
+    Ds[h] = quad_sum(acc);
+    if (r < Tn && tq == 0) { const long long at = ((long long)blockIdx.y * Tn + r) * 2; stats[at] = L[h]; stats[at + 1] = Ds[h]; }
+  }
+  unsigned ga[D / 16][4];
+  load_a(ga, g, mg.t, r0, gq, tq, Tn);
+  float acc[D / 8][4];
+  ZERO(acc);
+  buf = 0;
+  for (long long kt = 0; kt < kend; kt += 64, buf ^= 1) {
+    stream_next(ks, k, mk.t, vs, v, mv.t, buf, kt + 64, kend, Tn);
+#pragma unroll 1
+    for (int sub = 0; sub < 64; sub += 16) {
+      const long long kb = kt + sub;
+      if (kb >= mine) break;
+      float sc[2][4], dp[2][4];
+      scores(sc, qa, ks[buf], sub, lane);
+      scale_mask<2>(sc, r0, kb, gq, tq, Tn, scale, true);
+      scores(dp, ga, vs[buf], sub, lane);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[nt][e] = expf(sc[nt][e] - L[e / 2]) * (dp[nt][e] - Ds[e / 2]);
+      accumulate(acc, sc, ks[buf], sub, lane);
+    }
+    __syncthreads();
+  }
+  store(dq, acc, r0, gq, tq, Tn, scale, scale);
+"#;
+
+// dk and dv: here a warp's rows (from r0) are keys and a score tile's columns are queries.
+const FLASH_DKV: &str = r#"  T (*qs)[64][SD] = tiles(), (*gs)[64][SD] = qs + 2;
+  __shared__ float Ls[2][64], Dl[2][64];
+  q += mat_base(mq); k += mat_base(mk); v += mat_base(mv); g += mat_base(mg); dk += base; dv += base;
+  stats += (long long)blockIdx.y * Tn * 2;
+  const long long q0 = CAUSAL ? rb : 0;
+  // Each query tile's log-sum-exp and Dsum rows go with it, by plain loads into the same buffer.
+  auto load_stats = [&](int b, long long qt) {
+    for (int r = threadIdx.x; r < 64; r += blockDim.x) { const bool in = qt + r < Tn; Ls[b][r] = in ? stats[(qt + r) * 2] : 0.f; Dl[b][r] = in ? stats[(qt + r) * 2 + 1] : 0.f; }
+  };
+  stream_start(qs, q, mq.t, gs, g, mg.t, q0, Tn);
+  load_stats(0, q0);
+  unsigned ka[D / 16][4], va[D / 16][4];
+  load_a(ka, k, mk.t, r0, gq, tq, Tn);
+  load_a(va, v, mv.t, r0, gq, tq, Tn);
+  float gk[D / 8][4], gv[D / 8][4];
+  ZERO(gk);
+  ZERO(gv);
+  int buf = 0;
+  for (long long qt = q0; qt < Tn; qt += 64, buf ^= 1) {
+    if (qt + 64 < Tn) load_stats(buf ^ 1, qt + 64);
+    stream_next(qs, q, mq.t, gs, g, mg.t, buf, qt + 64, Tn, Tn);
+#pragma unroll 1
+    for (int sub = 0; sub < 64; sub += 16) {
+      const long long qb = qt + sub;
+      if (qb >= Tn) break;
+      if (CAUSAL && qb + 15 < r0) continue;  // every query here comes before this warp's keys
+      float pt[2][4], dpt[2][4];
+      scores(pt, ka, qs[buf], sub, lane);
+      scale_mask<2>(pt, r0, qb, gq, tq, Tn, scale, false);
+      scores(dpt, va, gs[buf], sub, lane);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int qi = sub + nt * 8 + tq * 2 + (e & 1);
+          pt[nt][e] = expf(pt[nt][e] - Ls[buf][qi]);
+          dpt[nt][e] = pt[nt][e] * (dpt[nt][e] - Dl[buf][qi]);
+        }
+      accumulate(gv, pt, gs[buf], sub, lane);
+      accumulate(gk, dpt, qs[buf], sub, lane);
+    }
+    __syncthreads();
+  }
+  store(dk, gk, r0, gq, tq, Tn, scale, scale);
+  store(dv, gv, r0, gq, tq, Tn, 1.f, 1.f);
+"#;

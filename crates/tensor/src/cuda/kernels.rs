@@ -463,10 +463,12 @@ fn reduce_into(g: &Arc<Gpu>, op: ReduceOp, s: &CudaStorage, l: &Layout, dims: &[
     }
 }
 
-/// Fused attention over dense copies of the inputs: the forward, or the backward's dq, dk
-/// and dv packed into one `[3, .., T, D]` buffer.
+/// Fused attention: the forward, or the backward's dq, dk and dv packed into one
+/// `[3, .., T, D]` buffer. The tensor-core kernels read each input where it lies when its
+/// rows can be addressed as `Mat` (a head cut from a fused projection); otherwise, and for
+/// the FMA kernels, an input is first copied dense.
 fn attention(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], scale: f64, causal: bool, backward: bool) -> Result<CudaStorage> {
-    use super::codegen::ATTN_MAX_D;
+    use super::codegen::{flash_supported, ATTN_MAX_D};
     let (s0, l0) = x[0];
     let r = l0.rank();
     let (n, t, d) = (l0.shape[..r - 2].iter().product::<usize>(), l0.shape[r - 2], l0.shape[r - 1]);
@@ -482,63 +484,131 @@ fn attention(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], scale: f64, causal: bo
     if len == 0 {
         return Ok(out);
     }
-    let dense: Vec<Dense> = x.iter().map(|(s, l)| dense(g, s, l)).collect::<Result<_>>()?;
-    let p: Vec<u64> = dense.iter().map(|d| d.get().buf.ptr).collect();
-    attention_kernels(g, &out, &p, (n, t, d), dtype, scale, causal)?;
+    let flash = flash_supported(dtype, d);
+    let mut copies: Vec<Dense> = Vec::new();
+    let mut ins: Vec<(u64, Mat)> = Vec::new();
+    for &(s, l) in x {
+        match Mat::of(l, (t, d)).filter(|_| flash) {
+            Some(m) => ins.push((s.buf.ptr + (l.offset * s.dtype.size_in_bytes()) as u64, m)),
+            None => {
+                let c = dense(g, s, l)?;
+                ins.push((c.get().buf.ptr, Mat::dense(t, d)));
+                copies.push(c);
+            }
+        }
+    }
+    attention_kernels(g, &out, &ins, (n, t, d), dtype, scale, causal)?;
+    drop(copies);
     Ok(out)
+}
+
+/// Where the rows of one `[T, D]` matrix of an attention batch lie (`codegen::flash_source`'s
+/// `struct Mat`): matrix `n`'s row `i` starts `(n / nh) * b + (n % nh) * h + i * t` elements
+/// from the operand's first element.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct Mat {
+    b: i64,
+    h: i64,
+    t: i64,
+    nh: i64,
+}
+
+impl Mat {
+    fn dense(t: usize, d: usize) -> Mat {
+        Mat { b: (t * d) as i64, h: 0, t: d as i64, nh: 1 }
+    }
+
+    /// The matrices of `l` (shape `[.., T, D]`) when its rows are contiguous, its leading
+    /// dims coalesce to at most two, and every row starts 16 bytes aligned (the kernels'
+    /// vector loads): 8 elements of a 16-bit type.
+    fn of(l: &Layout, (t, d): (usize, usize)) -> Option<Mat> {
+        let r = l.rank();
+        if l.strides[r - 1] != 1 && d > 1 {
+            return None;
+        }
+        let (lead, st) = coalesce(&l.shape[..r - 2], &[l.strides[..r - 2].to_vec()]);
+        let st = &st[0];
+        let (b, h, nh) = match lead.len() {
+            0 => (0, 0, 1),
+            1 => (st[0], 0, 1),
+            2 => (st[0], st[1], lead[1]),
+            _ => return None,
+        };
+        let row = if t > 1 { l.strides[r - 2] } else { d };
+        let aligned = [b, h, row, l.offset].iter().all(|&x| x % 8 == 0);
+        aligned.then_some(Mat { b: b as i64, h: h as i64, t: row as i64, nh: nh as i64 })
+    }
 }
 
 /// A loaded attention kernel with its block size and dynamic shared memory: the
 /// tensor-core kernels (`codegen::flash_source`) where `flash_supported`, else the tiled
 /// FMA kernels (`codegen::tiled_source`).
 fn attention_kernel(g: &Arc<Gpu>, kind: AttnKernel, dtype: DType, d: usize, causal: bool) -> Result<(Kernel, u32, u32)> {
-    use super::codegen::{flash_source, flash_supported, tiled_smem_floats, tiled_source, TILED_THREADS};
+    use super::codegen::{flash_smem_bytes, flash_source, flash_supported, tiled_smem_floats, tiled_source, TILED_THREADS};
     if flash_supported(dtype, d) {
-        let k = g.kernel(super::spec_key("flash", &(kind, dtype, d, causal)), || flash_source(kind, dtype, d, causal))?;
-        return Ok((k, 128, 0));
+        let bytes = flash_smem_bytes(d) as u32;
+        let k = g.kernel_shared(super::spec_key("flash", &(kind, dtype, d, causal)), bytes, || flash_source(kind, dtype, d, causal))?;
+        return Ok((k, 128, bytes));
     }
     let bytes = (tiled_smem_floats(kind, d) * 4) as u32;
     let k = g.kernel_shared(super::spec_key("attention", &(kind, dtype, d, causal)), bytes, || tiled_source(kind, dtype, d, causal))?;
     Ok((k, TILED_THREADS as u32, bytes))
 }
 
-/// The attention kernels on dense `[n, T, D]` buffers `p` (q, k, v; for the backward also
-/// o and g), writing `out` (o, or dq, dk, dv). Each block owns 64 rows.
+/// The attention kernels on inputs `ins` (q, k, v; for the backward also o and g, each a
+/// pointer to its first element and its `Mat`; dense for the FMA kernels), writing `out`
+/// (o, or dq, dk, dv, dense). Each block owns 64 rows.
 fn attention_kernels(
     g: &Arc<Gpu>,
     out: &CudaStorage,
-    p: &[u64],
+    ins: &[(u64, Mat)],
     (n, t, d): (usize, usize, usize),
     dtype: DType,
     scale: f64,
     causal: bool,
 ) -> Result<()> {
+    let flash = super::codegen::flash_supported(dtype, d);
     let grid = (t.div_ceil(64) as u32, n as u32);
     let (mut tt, mut sc) = (t as i64, scale as f32);
     let (ti, si) = (&mut tt as *mut i64 as *mut c_void, &mut sc as *mut f32 as *mut c_void);
-    let mut p = p.to_vec();
     let bytes = (n * t * d * dtype.size_in_bytes()) as u64;
     let (mut o0, mut o1, mut o2) = (out.buf.ptr, out.buf.ptr + bytes, out.buf.ptr + 2 * bytes);
     let arg = |x: &mut u64| x as *mut u64 as *mut c_void;
-    if p.len() == 3 {
+    // (outputs, inputs, [each input's Mat: tensor-core kernels only], T, scale)
+    let params = |mut p: Vec<*mut c_void>, ptrs: &mut [u64], mats: &mut [Mat]| -> Vec<*mut c_void> {
+        p.extend(ptrs.iter_mut().map(arg));
+        if flash {
+            p.extend(mats.iter_mut().map(|m| m as *mut Mat as *mut c_void));
+        }
+        p.extend([ti, si]);
+        p
+    };
+    let (mut ptrs, mut mats): (Vec<u64>, Vec<Mat>) = ins.iter().copied().unzip();
+    if ins.len() == 3 {
         let (k, threads, smem) = attention_kernel(g, AttnKernel::Fwd, dtype, d, causal)?;
-        let [q, kk, v] = &mut p[..] else { return Err(Error::Msg("attention: expected q, k, v".into())) };
-        let mut params: [*mut c_void; 6] = [arg(&mut o0), arg(q), arg(kk), arg(v), ti, si];
-        // SAFETY: (out, q, k, v, T, scale) matches the generated signature; every buffer is
-        // dense [n, T, D] (the output too), and the grid covers n x T rows.
-        return unsafe { g.launch(k, grid, threads, smem, &mut params) };
+        let mut p = params(vec![arg(&mut o0)], &mut ptrs, &mut mats);
+        // SAFETY: (out, q, k, v, [Mats], T, scale) matches the generated signature; each Mat
+        // addresses n matrices of T rows of D elements inside its input (dense for the FMA
+        // kernels), the output is dense [n, T, D], and the grid covers n x T rows.
+        return unsafe { g.launch(k, grid, threads, smem, &mut p) };
+    }
+    if ins.len() != 5 {
+        return Err(Error::Msg("attention_backward: expected q, k, v, out, grad".into()));
     }
     let stats = CudaStorage::alloc(g, DType::F32, n * t * 2)?;
     let mut sp = stats.buf.ptr;
-    let [q, kk, v, o, gr] = &mut p[..] else { return Err(Error::Msg("attention_backward: expected q, k, v, out, grad".into())) };
     let (kq, tq, mq) = attention_kernel(g, AttnKernel::Dq, dtype, d, causal)?;
     let (kkv, tkv, mkv) = attention_kernel(g, AttnKernel::Dkv, dtype, d, causal)?;
-    let mut dq: [*mut c_void; 9] = [arg(&mut o0), arg(&mut sp), arg(q), arg(kk), arg(v), arg(o), arg(gr), ti, si];
-    // SAFETY: as above; `stats` holds 2 floats per row, written by the dq kernel and read by
-    // the dk/dv kernel after it on the same stream; the output holds dq, dk, dv in turn.
+    let mut dq = params(vec![arg(&mut o0), arg(&mut sp)], &mut ptrs, &mut mats);
+    // SAFETY: as above, with (dq, stats, q, k, v, o, g, [5 Mats], T, scale); `stats` holds 2
+    // floats per row, written by the dq kernel and read by the dk/dv kernel after it on the
+    // same stream; the output holds dq, dk, dv in turn.
     unsafe { g.launch(kq, grid, tq, mq, &mut dq)? };
-    let mut dkv: [*mut c_void; 9] = [arg(&mut o1), arg(&mut o2), arg(&mut sp), arg(q), arg(kk), arg(v), arg(gr), ti, si];
-    // SAFETY: as above.
+    // The dk/dv kernel does not read o.
+    let (mut ptrs, mut mats) = ([ptrs[0], ptrs[1], ptrs[2], ptrs[4]], [mats[0], mats[1], mats[2], mats[4]]);
+    let mut dkv = params(vec![arg(&mut o1), arg(&mut o2), arg(&mut sp)], &mut ptrs, &mut mats);
+    // SAFETY: as above, with (dk, dv, stats, q, k, v, g, [4 Mats], T, scale).
     unsafe { g.launch(kkv, grid, tkv, mkv, &mut dkv)? };
     drop(stats);
     Ok(())
