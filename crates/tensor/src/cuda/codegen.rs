@@ -1557,6 +1557,9 @@ const FLASH_HEAD: &str = r#"  const int warp = threadIdx.x / 32, lane = threadId
   const long long kend = CAUSAL ? (rb + 64 < Tn ? rb + 64 : Tn) : Tn, mine = CAUSAL ? (r0 + 16 < Tn ? r0 + 16 : Tn) : Tn;
 "#;
 
+// Exponentials use the fast `__expf` (ex2.approx): their arguments are scores minus a row
+// maximum or log-sum-exp, so at most about 0, and the results are rounded to 16 bits; it
+// measured 4-6 % faster per kernel than `expf`, with the same error against the f64 reference.
 // The forward: a running max and sum per row, updated once per 64-key tile.
 const FLASH_FWD: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
   q += mat_base(mq); k += mat_base(mk); v += mat_base(mv); o += base;
@@ -1579,15 +1582,15 @@ const FLASH_FWD: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) mx = fmaxf(mx, fmaxf(sc[nt][2 * h], sc[nt][2 * h + 1]));
         mx = quad_max(mx);
-        const float mn = fmaxf(m[h], mx), ms = mn == NEG_INF ? 0.f : mn, corr = expf(m[h] - ms);
+        const float mn = fmaxf(m[h], mx), ms = mn == NEG_INF ? 0.f : mn, corr = __expf(m[h] - ms);
         m[h] = mn;
         l[h] *= corr;
 #pragma unroll
         for (int j = 0; j < D / 8; ++j) { acc[j][2 * h] *= corr; acc[j][2 * h + 1] *= corr; }
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
-          sc[nt][2 * h] = expf(sc[nt][2 * h] - ms);
-          sc[nt][2 * h + 1] = expf(sc[nt][2 * h + 1] - ms);
+          sc[nt][2 * h] = __expf(sc[nt][2 * h] - ms);
+          sc[nt][2 * h + 1] = __expf(sc[nt][2 * h + 1] - ms);
           l[h] += sc[nt][2 * h] + sc[nt][2 * h + 1];
         }
       }
@@ -1625,8 +1628,8 @@ const FLASH_DQ: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
         const float mn = fmaxf(m[h], mx), ms = mn == NEG_INF ? 0.f : mn;
         float sum = 0.f;
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) sum += expf(sc[nt][2 * h] - ms) + expf(sc[nt][2 * h + 1] - ms);
-        l[h] = l[h] * expf(m[h] - ms) + sum;
+        for (int nt = 0; nt < 8; ++nt) sum += __expf(sc[nt][2 * h] - ms) + __expf(sc[nt][2 * h + 1] - ms);
+        l[h] = l[h] * __expf(m[h] - ms) + sum;
         m[h] = mn;
       }
     }
@@ -1637,7 +1640,7 @@ const FLASH_DQ: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const float mx = quad_max(m[h]), ms = mx == NEG_INF ? 0.f : mx;
-    L[h] = ms + logf(quad_sum(l[h] * expf(m[h] - ms)));
+    L[h] = ms + logf(quad_sum(l[h] * __expf(m[h] - ms)));
     const long long r = r0 + gq + 8 * h;
     float acc = 0.f;
     if (r < Tn) for (int c = tq; c < D; c += 4) acc += ld(g[r * mg.t + c]) * ld(o[r * mo.t + c]);
@@ -1662,7 +1665,7 @@ const FLASH_DQ: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) sc[nt][e] = expf(sc[nt][e] - L[e / 2]) * (dp[nt][e] - Ds[e / 2]);
+        for (int e = 0; e < 4; ++e) sc[nt][e] = __expf(sc[nt][e] - L[e / 2]) * (dp[nt][e] - Ds[e / 2]);
       accumulate(acc, sc, ks[buf], sub, lane);
     }
     __syncthreads();
@@ -1706,7 +1709,7 @@ const FLASH_DKV: &str = r#"  T (*qs)[64][SD] = tiles(), (*gs)[64][SD] = qs + 2;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int qi = sub + nt * 8 + tq * 2 + (e & 1);
-          pt[nt][e] = expf(pt[nt][e] - Ls[buf][qi]);
+          pt[nt][e] = __expf(pt[nt][e] - Ls[buf][qi]);
           dpt[nt][e] = pt[nt][e] * (dpt[nt][e] - Dl[buf][qi]);
         }
       accumulate(gv, pt, gs[buf], sub, lane);
