@@ -11,8 +11,9 @@ mod rules;
 
 pub use gradcheck::{gradcheck, GradcheckConfig};
 pub use kiln_tensor::no_grad;
-use kiln_tensor::{Error, Op, Result, Tensor, TensorId};
+use kiln_tensor::{Error, Layout, Op, Result, Tensor, TensorId};
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 /// Turns recording off while alive (like `torch.no_grad()` used as a context manager).
 pub struct NoGradGuard {
@@ -187,7 +188,7 @@ fn join_slices(t: &Tensor, dense: Option<Tensor>, mut parts: Vec<Slice>) -> Resu
     }
     tiles &= end == t.shape()[dim];
     let sliced = if tiles {
-        Tensor::cat(&parts.iter().map(|p| &p.grad).collect::<Vec<_>>(), dim)?
+        adjacent_views(t, dim, &parts).unwrap_or(Tensor::cat(&parts.iter().map(|p| &p.grad).collect::<Vec<_>>(), dim)?)
     } else {
         let out = Tensor::zeros(t.shape(), t.dtype(), t.device())?;
         // Slices along the first dim that start past every earlier one overwrite zeros.
@@ -210,6 +211,23 @@ fn join_slices(t: &Tensor, dense: Option<Tensor>, mut parts: Vec<Slice>) -> Resu
         Some(d) => d.add(&sliced),
         None => Ok(sliced),
     }
+}
+
+/// The joined gradient with no copy, when the slices' gradients already lie side by side in
+/// one buffer exactly as the joined tensor would (the attention backward packs dq, dk and dv
+/// that way: `Op::AttentionBackward`): that buffer, viewed whole.
+fn adjacent_views(t: &Tensor, dim: usize, parts: &[Slice]) -> Option<Tensor> {
+    let whole = Layout::contiguous(t.shape());
+    let cell = parts.first()?.grad.storage();
+    let lies_in_place = |p: &Slice| {
+        let l = p.grad.layout();
+        Arc::ptr_eq(p.grad.storage(), cell)
+            && p.grad.dtype() == t.dtype()
+            && l.shape == p.grad.shape()
+            && l.strides == whole.strides
+            && l.offset == p.start * whole.strides[dim]
+    };
+    (cell.len() == t.numel() && parts.iter().all(lies_in_place)).then(|| Tensor::from_cell(cell.clone(), whole))
 }
 
 /// Adds `g` into `leaf.grad()`, in place when a gradient is already there (so its buffer

@@ -195,8 +195,13 @@ pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Te
             return Err(Error::Msg("backward: second derivatives through normalize are not supported".into()));
         }
         Op::Attention { scale, causal } => {
+            // Packed as [B, T, 3, H.., D]: each gradient is a view, T moved back after H...
             let packed = inputs[0].attention_backward(&inputs[1], &inputs[2], out, g, *scale, *causal)?;
-            (0..3).map(|w| packed.narrow(0, w, 1)?.squeeze(0).map(Some)).collect::<Result<_>>()?
+            let r = inputs[0].rank();
+            let at = if r > 2 { 2 } else { 1 };
+            let order: Vec<usize> =
+                if r > 2 { [&[0], &(2..r - 1).collect::<Vec<_>>()[..], &[1, r - 1]].concat() } else { (0..r).collect() };
+            (0..3).map(|w| packed.narrow(at, w, 1)?.squeeze(at)?.permute(&order).map(Some)).collect::<Result<_>>()?
         }
         Op::AttentionBackward { .. } => {
             return Err(Error::Msg("backward: second derivatives through attention are not supported".into()));

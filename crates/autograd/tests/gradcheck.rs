@@ -286,6 +286,24 @@ fn fused_attention_matches_finite_differences_and_the_unfused_ops() -> Result<()
             |v| v[0].transpose(0, 1)?.attention(&v[1].transpose(0, 1)?, &v[2].transpose(0, 1)?, 0.6, causal),
             &qkv(),
         );
+        // Heads cut from one fused [B, T, 3 H D] projection, as a model's attention does: the
+        // packed backward gives the projection's gradient as one buffer (no `cat`).
+        check(
+            "attention of heads cut from a fused projection",
+            |v| {
+                let head = |i: usize| v[0].narrow(2, i * 6, 6)?.reshape(&[2, 4, 3, 2])?.transpose(1, 2);
+                head(0)?.attention(&head(1)?, &head(2)?, 0.6, causal)
+            },
+            &[randn(&[2, 4, 18], 33)],
+        );
+        // Rank 2 and rank 5 ([B, H1, H2, T, D]) packings.
+        check(
+            "attention of rank 2",
+            |v| v[0].attention(&v[1], &v[2], 0.6, causal),
+            &[randn(&[4, 3], 34), randn(&[4, 3], 35), randn(&[4, 3], 36)],
+        );
+        let r5 = |seed| randn(&[2, 2, 2, 3, 2], seed);
+        check("attention of rank 5", |v| v[0].attention(&v[1], &v[2], 0.6, causal), &[r5(37), r5(38), r5(39)]);
         let [q, k, v] = qkv();
         let fused = q.attention(&k, &v, 0.6, causal)?.to_vec::<f64>()?;
         let unfused = q.matmul(&k.transpose(1, 2)?)?.softmax_scaled(0.6, causal)?.matmul(&v)?.to_vec::<f64>()?;

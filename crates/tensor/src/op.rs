@@ -568,7 +568,9 @@ pub enum Op {
         causal: bool,
     },
     /// The gradients of `Attention` (inputs q, k, v, its output, the output's gradient),
-    /// packed as `[3, .., T, D]`: dq, dk, dv.
+    /// packed the way a fused projection lays out q, k and v: for q of shape `[B, H.., T, D]`,
+    /// `[B, T, 3, H.., D]` (`[T, 3, D]` for rank 2; `attention_grads_shape`), so that the
+    /// gradient of a `[B, T, 3 H D]` projection cut into heads is this buffer, with no copy.
     AttentionBackward {
         scale: f64,
         causal: bool,
@@ -852,7 +854,7 @@ impl Op {
                         ));
                     }
                 }
-                let shape = if inputs.len() == 5 { [&[3], q].concat() } else { q.to_vec() };
+                let shape = if inputs.len() == 5 { attention_grads_shape(q) } else { q.to_vec() };
                 meta(shape, inputs[0].dtype)
             }
             Op::CrossEntropy { .. } | Op::CrossEntropyBackward { .. } => {
@@ -1051,4 +1053,15 @@ fn check_dim(op: &'static str, dim: usize, shape: &[usize]) -> Result<()> {
         return Err(Error::Dim { op, dim: dim as isize, rank: shape.len(), shape: shape.to_vec() });
     }
     Ok(())
+}
+
+/// The shape of `AttentionBackward`'s output for q of shape `[B, H.., T, D]`: `[B, T, 3, H.., D]`
+/// (`[T, 3, D]` for rank 2). dq, dk and dv are its slices along the dim of size 3.
+pub fn attention_grads_shape(q: &[usize]) -> Vec<usize> {
+    let r = q.len();
+    match r {
+        0 | 1 => vec![3],
+        2 => vec![q[0], 3, q[1]],
+        _ => [&[q[0], q[r - 2], 3], &q[1..r - 2], &[q[r - 1]]].concat(),
+    }
 }

@@ -374,7 +374,8 @@ impl Tensor {
         Tensor::autocast_apply(Op::Attention { scale, causal }, &[self, k, v])
     }
     /// The gradients of `attention` (q = self, then k, v, its output `o` and the output's
-    /// gradient `g`), packed as `[3, .., T, D]`: dq, dk, dv.
+    /// gradient `g`), packed as `[B, T, 3, H.., D]` for q of shape `[B, H.., T, D]`
+    /// (`op::attention_grads_shape`): dq, dk, dv along the dim of size 3.
     pub fn attention_backward(&self, k: &Tensor, v: &Tensor, o: &Tensor, g: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
         Tensor::apply(Op::AttentionBackward { scale, causal }, &[self, k, v, o, g], self.device())
     }

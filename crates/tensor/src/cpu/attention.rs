@@ -8,6 +8,9 @@ use rayon::prelude::*;
 #[derive(Debug, Clone, Copy)]
 pub struct AttnSpec {
     pub n: usize,
+    /// The batch matrices' inner leading dims (heads): matrix `b` is head `b % heads` of
+    /// batch `b / heads`.
+    pub heads: usize,
     pub t: usize,
     pub d: usize,
     pub scale: f64,
@@ -53,7 +56,8 @@ pub fn forward<T: Element>(q: &[T], k: &[T], v: &[T], s: AttnSpec) -> Vec<T> {
     out
 }
 
-/// dq, dk, dv packed as `[3, n, t, d]`, from the output's gradient `g`.
+/// dq, dk, dv packed as `[n / heads, t, 3, heads, d]` (`op::attention_grads_shape`), from
+/// the output's gradient `g`.
 pub fn backward<T: Element>(q: &[T], k: &[T], v: &[T], g: &[T], s: AttnSpec) -> Vec<T> {
     let (t, d) = (s.t, s.d);
     let per = t * d;
@@ -84,8 +88,11 @@ pub fn backward<T: Element>(q: &[T], k: &[T], v: &[T], g: &[T], s: AttnSpec) -> 
     let mut out = vec![T::zero(); 3 * s.n * per];
     for (b, gr) in grads.iter().enumerate() {
         for (w, x) in gr.iter().enumerate() {
-            let at = w * s.n * per + b * per;
-            out[at..at + per].iter_mut().zip(x).for_each(|(o, &y)| *o = T::from_f64(y));
+            let (outer, h) = (b / s.heads, b % s.heads);
+            for (i, row) in x.chunks(d.max(1)).enumerate() {
+                let at = ((outer * t + i) * 3 + w) * s.heads * d + h * d;
+                out[at..at + d].iter_mut().zip(row).for_each(|(o, &y)| *o = T::from_f64(y));
+            }
         }
     }
     out

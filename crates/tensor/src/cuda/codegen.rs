@@ -1434,10 +1434,10 @@ fn flash_helpers(dtype: DType) -> String {
     s += "__device__ __forceinline__ float quad_sum(float x) { x += __shfl_xor_sync(0xffffffffu, x, 1); return x + __shfl_xor_sync(0xffffffffu, x, 2); }\n";
     s += "__device__ __forceinline__ float quad_max(float x) { x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1)); return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2)); }\n";
     // Stores rows r0+gq and r0+gq+8 of a 16 x D accumulator tile, times mul0 / mul1.
-    s += "__device__ __forceinline__ void store(T* o, const float (*acc)[4], long long r0, int gq, int tq, long long Tn, float mul0, float mul1) {\n";
+    s += "__device__ __forceinline__ void store(T* o, long long st, const float (*acc)[4], long long r0, int gq, int tq, long long Tn, float mul0, float mul1) {\n";
     s += "#pragma unroll\n  for (int j = 0; j < D / 8; ++j) {\n    const int c = j * 8 + tq * 2;\n";
-    s += "    if (r0 + gq < Tn) *(unsigned*)(o + (r0 + gq) * D + c) = pack(acc[j][0] * mul0, acc[j][1] * mul0);\n";
-    s += "    if (r0 + gq + 8 < Tn) *(unsigned*)(o + (r0 + gq + 8) * D + c) = pack(acc[j][2] * mul1, acc[j][3] * mul1);\n  }\n}\n";
+    s += "    if (r0 + gq < Tn) *(unsigned*)(o + (r0 + gq) * st + c) = pack(acc[j][0] * mul0, acc[j][1] * mul0);\n";
+    s += "    if (r0 + gq + 8 < Tn) *(unsigned*)(o + (r0 + gq + 8) * st + c) = pack(acc[j][2] * mul1, acc[j][3] * mul1);\n  }\n}\n";
     s += "#define ZERO(acc) _Pragma(\"unroll\") for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f\n";
     s
 }
@@ -1470,12 +1470,12 @@ pub fn flash_source(kind: AttnKernel, dtype: DType, d: usize, causal: bool) -> (
             4,
         ),
         AttnKernel::Dq => (
-            format!("{t}* __restrict__ dq, float* __restrict__ stats, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, const {t}* __restrict__ o, const {t}* __restrict__ g, Mat mq, Mat mk, Mat mv, Mat mo, Mat mg"),
+            format!("{t}* __restrict__ dq, float* __restrict__ stats, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, const {t}* __restrict__ o, const {t}* __restrict__ g, Mat mq, Mat mk, Mat mv, Mat mo, Mat mg, Mat mout"),
             FLASH_DQ,
             4,
         ),
         AttnKernel::Dkv => (
-            format!("{t}* __restrict__ dk, {t}* __restrict__ dv, const float* __restrict__ stats, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, const {t}* __restrict__ g, Mat mq, Mat mk, Mat mv, Mat mg"),
+            format!("{t}* __restrict__ dk, {t}* __restrict__ dv, const float* __restrict__ stats, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, const {t}* __restrict__ g, Mat mq, Mat mk, Mat mv, Mat mg, Mat mout"),
             FLASH_DKV,
             1,
         ),
@@ -1601,14 +1601,14 @@ const FLASH_FWD: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
     __syncthreads();
   }
   const float l0 = quad_sum(l[0]), l1 = quad_sum(l[1]);
-  store(o, acc, r0, gq, tq, Tn, 1.f / l0, 1.f / l1);
+  store(o, D, acc, r0, gq, tq, Tn, 1.f / l0, 1.f / l1);
 "#;
 
 // dq = scale * sum_j p (g.v_j - Dsum) k_j. Pass 1 finds each row's log-sum-exp (a running max
 // and sum per thread, per 64-key tile, joined over the row's 4 threads after) and Dsum = g.o;
 // both go to `stats` for the dk/dv kernel.
 const FLASH_DQ: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
-  q += mat_base(mq); k += mat_base(mk); v += mat_base(mv); o += mat_base(mo); g += mat_base(mg); dq += base;
+  q += mat_base(mq); k += mat_base(mk); v += mat_base(mv); o += mat_base(mo); g += mat_base(mg); dq += mat_base(mout);
   stream_start(ks, k, mk.t, nullptr, nullptr, 0, 0, Tn);
   unsigned qa[D / 16][4];
   load_a(qa, q, mq.t, r0, gq, tq, Tn);
@@ -1670,13 +1670,13 @@ const FLASH_DQ: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
     }
     __syncthreads();
   }
-  store(dq, acc, r0, gq, tq, Tn, scale, scale);
+  store(dq, mout.t, acc, r0, gq, tq, Tn, scale, scale);
 "#;
 
 // dk and dv: here a warp's rows (from r0) are keys and a score tile's columns are queries.
 const FLASH_DKV: &str = r#"  T (*qs)[64][SD] = tiles(), (*gs)[64][SD] = qs + 2;
   __shared__ float Ls[2][64], Dl[2][64];
-  q += mat_base(mq); k += mat_base(mk); v += mat_base(mv); g += mat_base(mg); dk += base; dv += base;
+  q += mat_base(mq); k += mat_base(mk); v += mat_base(mv); g += mat_base(mg); dk += mat_base(mout); dv += mat_base(mout);
   stats += (long long)blockIdx.y * Tn * 2;
   const long long q0 = CAUSAL ? rb : 0;
   // Each query tile's log-sum-exp and Dsum rows go with it, by plain loads into the same buffer.
@@ -1717,6 +1717,6 @@ const FLASH_DKV: &str = r#"  T (*qs)[64][SD] = tiles(), (*gs)[64][SD] = qs + 2;
     }
     __syncthreads();
   }
-  store(dk, gk, r0, gq, tq, Tn, scale, scale);
-  store(dv, gv, r0, gq, tq, Tn, 1.f, 1.f);
+  store(dk, mout.t, gk, r0, gq, tq, Tn, scale, scale);
+  store(dv, mout.t, gv, r0, gq, tq, Tn, 1.f, 1.f);
 "#;

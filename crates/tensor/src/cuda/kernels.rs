@@ -497,9 +497,36 @@ fn attention(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], scale: f64, causal: bo
             }
         }
     }
-    attention_kernels(g, &out, &ins, (n, t, d), dtype, scale, causal)?;
+    if !backward {
+        attention_kernels(g, &[out.buf.ptr], Mat::dense(t, d), &ins, (n, t, d), dtype, scale, causal)?;
+        return Ok(out);
+    }
+    // The gradients, packed as `[B, T, 3, H.., D]` (`op::attention_grads_shape`): batch matrix
+    // b*H + h of dq starts at b T 3 H D + h D, its rows 3 H D apart; dk and dv follow dq.
+    let heads: usize = l0.shape[1.min(r - 2)..r - 2].iter().product();
+    let packed = Mat { b: (t * 3 * heads * d) as i64, h: d as i64, t: (3 * heads * d) as i64, nh: heads as i64 };
+    let e = (heads * d * dtype.size_in_bytes()) as u64;
+    if flash {
+        attention_kernels(g, &[out.buf.ptr, out.buf.ptr + e, out.buf.ptr + 2 * e], packed, &ins, (n, t, d), dtype, scale, causal)?;
+        return Ok(out);
+    }
+    // The FMA kernels write dense [3, n, T, D]; one copy packs it.
+    let bytes = (len * dtype.size_in_bytes()) as u64;
+    attention_kernels(
+        g,
+        &[out.buf.ptr, out.buf.ptr + bytes, out.buf.ptr + 2 * bytes],
+        Mat::dense(t, d),
+        &ins,
+        (n, t, d),
+        dtype,
+        scale,
+        causal,
+    )?;
+    let outer = n / heads.max(1);
+    let l = Layout { shape: vec![outer, t, 3, heads, d], strides: vec![heads * t * d, d, len, t * d, 1], offset: 0 };
+    let packed_out = dense_copy(g, &out, &l);
     drop(copies);
-    Ok(out)
+    packed_out
 }
 
 /// Where the rows of one `[T, D]` matrix of an attention batch lie (`codegen::flash_source`'s
@@ -559,9 +586,11 @@ fn attention_kernel(g: &Arc<Gpu>, kind: AttnKernel, dtype: DType, d: usize, caus
 /// The attention kernels on inputs `ins` (q, k, v; for the backward also o and g, each a
 /// pointer to its first element and its `Mat`; dense for the FMA kernels), writing `out`
 /// (o, or dq, dk, dv, dense). Each block owns 64 rows.
+#[allow(clippy::too_many_arguments)]
 fn attention_kernels(
     g: &Arc<Gpu>,
-    out: &CudaStorage,
+    outs: &[u64],
+    mout: Mat,
     ins: &[(u64, Mat)],
     (n, t, d): (usize, usize, usize),
     dtype: DType,
@@ -572,14 +601,19 @@ fn attention_kernels(
     let grid = (t.div_ceil(64) as u32, n as u32);
     let (mut tt, mut sc) = (t as i64, scale as f32);
     let (ti, si) = (&mut tt as *mut i64 as *mut c_void, &mut sc as *mut f32 as *mut c_void);
-    let bytes = (n * t * d * dtype.size_in_bytes()) as u64;
-    let (mut o0, mut o1, mut o2) = (out.buf.ptr, out.buf.ptr + bytes, out.buf.ptr + 2 * bytes);
+    let (mut o0, mut o1, mut o2) = (outs[0], outs.get(1).copied().unwrap_or(0), outs.get(2).copied().unwrap_or(0));
+    let mut mout = mout;
+    let mo = &mut mout as *mut Mat as *mut c_void;
     let arg = |x: &mut u64| x as *mut u64 as *mut c_void;
-    // (outputs, inputs, [each input's Mat: tensor-core kernels only], T, scale)
-    let params = |mut p: Vec<*mut c_void>, ptrs: &mut [u64], mats: &mut [Mat]| -> Vec<*mut c_void> {
+    // (outputs, inputs, [each input's Mat, then the gradients' Mat: tensor-core kernels
+    // only], T, scale)
+    let params = |mut p: Vec<*mut c_void>, ptrs: &mut [u64], mats: &mut [Mat], backward: bool| -> Vec<*mut c_void> {
         p.extend(ptrs.iter_mut().map(arg));
         if flash {
             p.extend(mats.iter_mut().map(|m| m as *mut Mat as *mut c_void));
+            if backward {
+                p.push(mo);
+            }
         }
         p.extend([ti, si]);
         p
@@ -587,7 +621,7 @@ fn attention_kernels(
     let (mut ptrs, mut mats): (Vec<u64>, Vec<Mat>) = ins.iter().copied().unzip();
     if ins.len() == 3 {
         let (k, threads, smem) = attention_kernel(g, AttnKernel::Fwd, dtype, d, causal)?;
-        let mut p = params(vec![arg(&mut o0)], &mut ptrs, &mut mats);
+        let mut p = params(vec![arg(&mut o0)], &mut ptrs, &mut mats, false);
         // SAFETY: (out, q, k, v, [Mats], T, scale) matches the generated signature; each Mat
         // addresses n matrices of T rows of D elements inside its input (dense for the FMA
         // kernels), the output is dense [n, T, D], and the grid covers n x T rows.
@@ -600,15 +634,16 @@ fn attention_kernels(
     let mut sp = stats.buf.ptr;
     let (kq, tq, mq) = attention_kernel(g, AttnKernel::Dq, dtype, d, causal)?;
     let (kkv, tkv, mkv) = attention_kernel(g, AttnKernel::Dkv, dtype, d, causal)?;
-    let mut dq = params(vec![arg(&mut o0), arg(&mut sp)], &mut ptrs, &mut mats);
-    // SAFETY: as above, with (dq, stats, q, k, v, o, g, [5 Mats], T, scale); `stats` holds 2
+    let mut dq = params(vec![arg(&mut o0), arg(&mut sp)], &mut ptrs, &mut mats, true);
+    // SAFETY: as above, with (dq, stats, q, k, v, o, g, [5 Mats, packed], T, scale), `packed`
+    // addressing n matrices inside the [3 n T D] output from dq's start; `stats` holds 2
     // floats per row, written by the dq kernel and read by the dk/dv kernel after it on the
     // same stream; the output holds dq, dk, dv in turn.
     unsafe { g.launch(kq, grid, tq, mq, &mut dq)? };
     // The dk/dv kernel does not read o.
     let (mut ptrs, mut mats) = ([ptrs[0], ptrs[1], ptrs[2], ptrs[4]], [mats[0], mats[1], mats[2], mats[4]]);
-    let mut dkv = params(vec![arg(&mut o1), arg(&mut o2), arg(&mut sp)], &mut ptrs, &mut mats);
-    // SAFETY: as above, with (dk, dv, stats, q, k, v, g, [4 Mats], T, scale).
+    let mut dkv = params(vec![arg(&mut o1), arg(&mut o2), arg(&mut sp)], &mut ptrs, &mut mats, true);
+    // SAFETY: as above, with (dk, dv, stats, q, k, v, g, [4 Mats, packed], T, scale).
     unsafe { g.launch(kkv, grid, tkv, mkv, &mut dkv)? };
     drop(stats);
     Ok(())
