@@ -188,7 +188,10 @@ fn join_slices(t: &Tensor, dense: Option<Tensor>, mut parts: Vec<Slice>) -> Resu
     }
     tiles &= end == t.shape()[dim];
     let sliced = if tiles {
-        adjacent_views(t, dim, &parts).unwrap_or(Tensor::cat(&parts.iter().map(|p| &p.grad).collect::<Vec<_>>(), dim)?)
+        match adjacent_views(t, dim, &parts) {
+            Some(whole) => whole,
+            None => Tensor::cat(&parts.iter().map(|p| &p.grad).collect::<Vec<_>>(), dim)?,
+        }
     } else {
         let out = Tensor::zeros(t.shape(), t.dtype(), t.device())?;
         // Slices along the first dim that start past every earlier one overwrite zeros.

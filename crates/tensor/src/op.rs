@@ -1055,6 +1055,11 @@ fn check_dim(op: &'static str, dim: usize, shape: &[usize]) -> Result<()> {
     Ok(())
 }
 
+/// The heads of attention inputs of shape `[B, H.., T, D]`: the product of `H..` (1 below rank 4).
+pub fn attention_heads(q: &[usize]) -> usize {
+    q[1.min(q.len().saturating_sub(2))..q.len().saturating_sub(2)].iter().product()
+}
+
 /// The shape of `AttentionBackward`'s output for q of shape `[B, H.., T, D]`: `[B, T, 3, H.., D]`
 /// (`[T, 3, D]` for rank 2). dq, dk and dv are its slices along the dim of size 3.
 pub fn attention_grads_shape(q: &[usize]) -> Vec<usize> {

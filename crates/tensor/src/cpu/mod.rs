@@ -345,7 +345,7 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             let r = l0.rank();
             let spec = attention::AttnSpec {
                 n: l0.shape[..r - 2].iter().product(),
-                heads: l0.shape[1.min(r - 2)..r - 2].iter().product(),
+                heads: crate::op::attention_heads(&l0.shape),
                 t: l0.shape[r - 2],
                 d: l0.shape[r - 1],
                 scale: *scale,

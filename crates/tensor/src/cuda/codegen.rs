@@ -1548,6 +1548,18 @@ __device__ __forceinline__ void tile_scores(float (*s)[4], const unsigned (*a)[4
     }
   }
 }
+// The scaled and masked scores of a warp's 16 query rows (from r0) against a 64-key tile from
+// kt; and this thread's maximum over one row half h (rows gq, gq + 8) of such a tile.
+__device__ __forceinline__ void key_tile_scores(float (*s)[4], const unsigned (*a)[4], T (*tile)[SD], long long r0, long long kt, long long mine, int gq, int tq, long long Tn, float scale, int lane) {
+  tile_scores(s, a, tile, kt, mine, lane);
+  scale_mask<8>(s, r0, kt, gq, tq, Tn, scale, true);
+}
+__device__ __forceinline__ float tile_max(const float (*s)[4], int h) {
+  float mx = NEG_INF;
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
+  return mx;
+}
 "#;
 
 // Every warp stays to the end: the shared tiles need all of them at each barrier. Query rows
@@ -1574,13 +1586,10 @@ const FLASH_FWD: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
     stream_next(ks, k, mk.t, vs, v, mv.t, buf, kt + 64, kend, Tn);
     if (kt < mine) {
       float sc[8][4];
-      tile_scores(sc, qa, ks[buf], kt, mine, lane);
-      scale_mask<8>(sc, r0, kt, gq, tq, Tn, scale, true);
+      key_tile_scores(sc, qa, ks[buf], r0, kt, mine, gq, tq, Tn, scale, lane);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float mx = NEG_INF;
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) mx = fmaxf(mx, fmaxf(sc[nt][2 * h], sc[nt][2 * h + 1]));
+        float mx = tile_max(sc, h);
         mx = quad_max(mx);
         const float mn = fmaxf(m[h], mx), ms = mn == NEG_INF ? 0.f : mn, corr = __expf(m[h] - ms);
         m[h] = mn;
@@ -1618,14 +1627,10 @@ const FLASH_DQ: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
     stream_next(ks, k, mk.t, nullptr, nullptr, 0, buf, kt + 64, kend, Tn);
     if (kt < mine) {
       float sc[8][4];
-      tile_scores(sc, qa, ks[buf], kt, mine, lane);
-      scale_mask<8>(sc, r0, kt, gq, tq, Tn, scale, true);
+      key_tile_scores(sc, qa, ks[buf], r0, kt, mine, gq, tq, Tn, scale, lane);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float mx = NEG_INF;
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) mx = fmaxf(mx, fmaxf(sc[nt][2 * h], sc[nt][2 * h + 1]));
-        const float mn = fmaxf(m[h], mx), ms = mn == NEG_INF ? 0.f : mn;
+        const float mx = tile_max(sc, h), mn = fmaxf(m[h], mx), ms = mn == NEG_INF ? 0.f : mn;
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) sum += __expf(sc[nt][2 * h] - ms) + __expf(sc[nt][2 * h + 1] - ms);

@@ -463,8 +463,8 @@ fn reduce_into(g: &Arc<Gpu>, op: ReduceOp, s: &CudaStorage, l: &Layout, dims: &[
     }
 }
 
-/// Fused attention: the forward, or the backward's dq, dk and dv packed into one
-/// `[3, .., T, D]` buffer. The tensor-core kernels read each input where it lies when its
+/// Fused attention: the forward, or the backward's dq, dk and dv packed as `[B, T, 3, H.., D]`
+/// (`op::attention_grads_shape`). The tensor-core kernels read each input where it lies when its
 /// rows can be addressed as `Mat` (a head cut from a fused projection); otherwise, and for
 /// the FMA kernels, an input is first copied dense.
 fn attention(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], scale: f64, causal: bool, backward: bool) -> Result<CudaStorage> {
@@ -503,7 +503,7 @@ fn attention(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], scale: f64, causal: bo
     }
     // The gradients, packed as `[B, T, 3, H.., D]` (`op::attention_grads_shape`): batch matrix
     // b*H + h of dq starts at b T 3 H D + h D, its rows 3 H D apart; dk and dv follow dq.
-    let heads: usize = l0.shape[1.min(r - 2)..r - 2].iter().product();
+    let heads = crate::op::attention_heads(&l0.shape);
     let packed = Mat { b: (t * 3 * heads * d) as i64, h: d as i64, t: (3 * heads * d) as i64, nh: heads as i64 };
     let e = (heads * d * dtype.size_in_bytes()) as u64;
     if flash {
@@ -584,8 +584,9 @@ fn attention_kernel(g: &Arc<Gpu>, kind: AttnKernel, dtype: DType, d: usize, caus
 }
 
 /// The attention kernels on inputs `ins` (q, k, v; for the backward also o and g, each a
-/// pointer to its first element and its `Mat`; dense for the FMA kernels), writing `out`
-/// (o, or dq, dk, dv, dense). Each block owns 64 rows.
+/// pointer to its first element and its `Mat`; dense for the FMA kernels), writing `outs`
+/// (o dense, or dq, dk, dv where `mout` places them; the FMA kernels write them dense).
+/// Each block owns 64 rows.
 #[allow(clippy::too_many_arguments)]
 fn attention_kernels(
     g: &Arc<Gpu>,
