@@ -200,9 +200,12 @@ impl Program {
         let arg_cells: Vec<Arc<StorageCell>> = args.iter().map(|a| val(a.node)).collect::<Result<_>>()?;
         let cells: Vec<(&Arc<StorageCell>, &Layout)> = arg_cells.iter().zip(args).map(|(c, a)| (c, &a.layout)).collect();
         let meta = OutMeta { shape: node.shape.clone(), dtype: node.dtype };
-        // Tiles of about 64K elements: the gradient tile and the state it updates stay in L2.
-        let n_cols = args[1].layout.shape[1].max(1);
-        let tile = (65536 / n_cols).max(1);
+        // Tiles of at most about 64K elements (the gradient tile and the state it updates stay
+        // in L2), as many as a multiple of the threads so that none waits on a short last one.
+        let (rows, cols) = (args[0].layout.shape[0].max(1), args[1].layout.shape[1].max(1));
+        let threads = rayon::current_num_threads();
+        let tiles = (rows * cols).div_ceil(65536).next_multiple_of(threads).min(rows);
+        let tile = rows.div_ceil(tiles);
         let mut product: Option<CpuStorage> = None;
         let mut run = |after: &cpu::matmul::TileFn| -> Result<()> {
             product = with_args(&cells, |ins| cpu::matmul_by_tiles(op, ins, &meta, tile, after))?;

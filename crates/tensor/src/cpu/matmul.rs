@@ -85,6 +85,55 @@ unsafe fn product_rows<T: GemmElem>(
     }
 }
 
+/// `dst = a @ b (+ bias)` (`[m, n]`, dense) as column blocks of `cols` columns run in parallel:
+/// each block packs only its part of `b`, so a short, wide product (the MLP's 32 x 784 x 256
+/// forward) splits without every thread packing all of `b`.
+///
+/// # Safety
+/// As `GemmElem::product`, for the whole of `dst`.
+unsafe fn product_cols<T: GemmElem>(
+    a: (*const T, [isize; 2]),
+    b: (*const T, [isize; 2]),
+    s: MatmulShape,
+    dst: &mut [T],
+    bias: Option<&[T]>,
+    cols: usize,
+) {
+    let MatmulShape { m, k, n, .. } = s;
+    match bias {
+        Some(bias) => dst.chunks_mut(n).for_each(|row| row.copy_from_slice(bias)),
+        None if k == 0 => dst.fill(T::zero()),
+        None => {}
+    }
+    if k == 0 {
+        return;
+    }
+    // Raw pointers as integers: the blocks write disjoint columns of `dst`.
+    let (ap, bp, dp) = (a.0 as usize, b.0 as usize, dst.as_mut_ptr() as usize);
+    (0..n.div_ceil(cols)).into_par_iter().for_each(|j| {
+        let (c0, w) = (j * cols, cols.min(n - j * cols));
+        let b = ((bp as *const T).offset(c0 as isize * b.1[1]), b.1);
+        let d = ((dp as *mut T).add(c0), [n as isize, 1]);
+        // SAFETY: columns c0..c0 + w of b and of dst, inside the caller's matrices.
+        unsafe { T::product(&Product { m, k, n: w, a: (ap as *const T, a.1), b, dst: d, accumulate: bias.is_some() }) }
+    });
+}
+
+/// The columns each thread takes of a single product made as one tile: all of them unless
+/// the product is short and wide (`m < n`, where `product` runs it transposed with the long
+/// side in the kernel's row panels) and large enough to pay for waking the workers.
+pub fn split_cols(s: MatmulShape) -> usize {
+    let threads = rayon::current_num_threads();
+    if threads > 1 && s.m < s.n && s.m * s.n * s.k >= PAR_COLS_FLOPS {
+        s.n.div_ceil(threads).next_multiple_of(16).min(s.n)
+    } else {
+        s.n
+    }
+}
+
+/// From this many multiply-adds a short, wide product's columns are split over the threads.
+const PAR_COLS_FLOPS: usize = 1 << 21;
+
 /// The strides of a layout's last two dims, as a matrix's (row, column) strides.
 fn matrix_strides(l: &Layout) -> [isize; 2] {
     let r = l.rank();
@@ -199,8 +248,15 @@ pub fn by_tiles<T: GemmElem>(
         // Element 0 of `out`, from this tile's own pointer (the callee touches this tile only).
         after(dst.as_ptr().wrapping_sub(r0 * n) as *const u8, r0 * n, r0 * n + dst.len());
     };
-    // One tile runs on the calling thread: waking rayon's workers would cost more.
-    if tile >= m {
+    let cols = split_cols(s);
+    if tile >= m && cols < n {
+        // One tile, its columns spread over the threads.
+        let dst = &mut out[..m * n];
+        // SAFETY: as in `per_tile`, the column blocks being disjoint parts of `dst`.
+        unsafe { product_cols((a.as_ptr().add(la.offset), a_s), (b.as_ptr().add(lb.offset), b_s), s, dst, bias, cols) };
+        after(dst.as_ptr() as *const u8, 0, m * n);
+    } else if tile >= m {
+        // One tile runs on the calling thread: waking rayon's workers would cost more.
         per_tile((0, &mut out[..m * n]));
     } else {
         out[..m * n].par_chunks_mut(tile * n).enumerate().for_each(per_tile);
