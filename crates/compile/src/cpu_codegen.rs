@@ -33,7 +33,11 @@ pub struct NativeGroups {
     _lib: libloading::Library,
 }
 
-const FLAGS: [&str; 6] = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"];
+/// `-ffp-contract=off`: no FMA, so results match eager's bit for bit. `-fno-trapping-math`:
+/// without it GCC 12 will not if-convert the selects of `kerf_f` and `ktanh_f`, and a group
+/// holding them stays scalar (the GPT's GELU gradient 7.0 ms a layer, not vectorised); it
+/// only lets the compiler ignore floating-point exception flags, never changes a value.
+const FLAGS: [&str; 7] = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"];
 
 /// Helpers the op table's expressions call (`kexp`, `kdiv`, ...), for float and double; f32
 /// `kexp_f`, `kerf_f` and `ktanh_f` come first, from `kiln_tensor::math` (see `prelude`).
