@@ -253,8 +253,9 @@ impl Program {
         // The whole step runs on a pool worker: its parallel kernels then start at once on the
         // awake team (on 2 vCPUs, 8-20 us a region) instead of each handing work from the
         // caller's thread to sleeping workers and waiting (27-40 us a region, measured).
-        // (Not when profiling: the profile's table is the calling thread's.)
-        match rayon::current_thread_index().is_none() && !kiln_tensor::profile::enabled() {
+        // Not in the diagnostic modes: profiling and anomaly detection are the caller thread's.
+        let diagnosing = kiln_tensor::profile::enabled() || kiln_tensor::is_anomaly_detection();
+        match rayon::current_thread_index().is_none() && !diagnosing {
             true => rayon::scope(|_| self.execute(inputs, gen, true)),
             false => self.execute(inputs, gen, true),
         }

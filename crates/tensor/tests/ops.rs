@@ -308,6 +308,24 @@ fn matmul_with_bias_adds_it_to_every_row() -> Result<()> {
     Ok(())
 }
 
+/// A short, wide product large enough that its columns split over the threads
+/// (`matmul::split_cols`), with a bias and with a transposed right operand: small integers,
+/// so every sum is exact and the result must equal the naive product.
+#[test]
+fn short_wide_products_split_by_columns_match_the_naive_product() -> Result<()> {
+    let (m, k, n) = (8, 300, 1000);
+    let a: Vec<f32> = (0..m * k).map(|i| ((i * 7) % 5) as f32 - 2.0).collect();
+    let b: Vec<f32> = (0..k * n).map(|i| ((i * 3) % 7) as f32 - 3.0).collect();
+    let bias: Vec<f32> = (0..n).map(|j| (j % 4) as f32).collect();
+    let mut want = naive_matmul(&a, &b, m, k, n);
+    want.iter_mut().enumerate().for_each(|(i, w)| *w += bias[i % n]);
+    let (ta, tb) = (t(&a, &[m, k]), t(&b, &[k, n]));
+    assert_eq!(v(&ta.matmul_bias(&tb, &t(&bias, &[n]))?), want);
+    let bt = tb.t()?.contiguous()?.t()?; // the same values through strides (n, 1) -> (1, k)
+    assert_eq!(v(&ta.matmul(&bt)?.add(&t(&bias, &[n]))?), want);
+    Ok(())
+}
+
 /// `Op::MatmulFused` (what compile's fusion makes) on hand-computed values.
 /// Layer norm's weight and bias gradients in one op, against the ops it replaces.
 #[test]
