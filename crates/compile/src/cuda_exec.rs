@@ -18,8 +18,8 @@ use kiln_tensor::op::OutMeta;
 use kiln_tensor::rng::GeneratorState;
 use kiln_tensor::storage::StorageCell;
 use kiln_tensor::{DType, Device, Distribution, Error, Result, Tensor};
-use std::cell::RefCell;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// A captured step. Field order is drop order: the graph goes before the buffers it uses.
 struct Captured {
@@ -37,11 +37,11 @@ pub struct GpuParts {
     /// `[seed, offset]` of the generator at the start of the step, when the step draws.
     rng: Option<Arc<StorageCell>>,
     /// Replay as a CUDA graph (switched off if a capture ever fails).
-    capture: std::cell::Cell<bool>,
-    captured: RefCell<Option<Captured>>,
+    capture: AtomicBool,
+    captured: Mutex<Option<Captured>>,
     /// `Mode::MaxAutotune` before its first run: that run times each new matmul shape's
     /// cuBLASLt candidates (`kiln_tensor::cuda::lt`) and keeps the fastest.
-    tune: std::cell::Cell<bool>,
+    tune: AtomicBool,
 }
 
 /// The kernel's name: its groups' indices and the first ops, so a profile reads back to the
@@ -125,14 +125,7 @@ impl GpuParts {
         let module = FusedModule::load(device, specs)?;
         let draws = g.nodes.iter().any(|n| matches!(n.kind, Kind::Rand { .. }));
         let rng = if draws { Some(cc::alloc_cell(device, DType::I64, 2)?) } else { None };
-        Ok(GpuParts {
-            module,
-            kernel_of,
-            rng,
-            capture: std::cell::Cell::new(capture),
-            captured: RefCell::new(None),
-            tune: std::cell::Cell::new(tune),
-        })
+        Ok(GpuParts { module, kernel_of, rng, capture: AtomicBool::new(capture), captured: Mutex::new(None), tune: AtomicBool::new(tune) })
     }
 
     /// Runs the fusion groups `gs` (one kernel): returns the cells of their materialised members.
@@ -183,7 +176,7 @@ impl GpuParts {
         if let Some(state) = &self.rng {
             cc::write_i64(state, &[gen.seed as i64, gen.offset as i64])?;
         }
-        if self.tune.replace(false) {
+        if self.tune.swap(false, Ordering::Relaxed) {
             let before = kiln_tensor::cuda::lt::tuning_stats();
             kiln_tensor::cuda::lt::set_autotune(true);
             let out = p.execute(inputs, gen, true);
@@ -198,10 +191,10 @@ impl GpuParts {
         }
         // Timing each kernel needs them launched one by one, and anomaly mode reads every
         // result on the host: neither can run inside a graph.
-        if !self.capture.get() || kiln_tensor::profile::enabled() || kiln_tensor::is_anomaly_detection() {
+        if !self.capture.load(Ordering::Relaxed) || kiln_tensor::profile::enabled() || kiln_tensor::is_anomaly_detection() {
             return p.execute(inputs, gen, true);
         }
-        let mut slot = self.captured.borrow_mut();
+        let mut slot = self.captured.lock().map_err(|_| Error::Msg("compile: a CUDA graph capture panicked".into()))?;
         if let Some(c) = slot.as_ref() {
             for (dst, src) in c.inputs.iter().zip(inputs) {
                 cc::copy_cell(dst, src)?;
@@ -225,7 +218,7 @@ impl GpuParts {
             Err(e) => {
                 // The step itself ran and is correct; later calls run it kernel by kernel.
                 eprintln!("kiln compile: capturing the step as a CUDA graph failed ({e}); running it without a graph");
-                self.capture.set(false);
+                self.capture.store(false, Ordering::Relaxed);
             }
         }
         Ok(out)

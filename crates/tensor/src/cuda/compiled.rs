@@ -13,7 +13,14 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 pub use super::gpu::Pool;
-pub use cudarc::driver::CudaGraph;
+/// A captured CUDA graph: cudarc's, made `Send` so that a compiled program holding one can
+/// be shared with the thread pool (compile runs CPU steps there; a GPU step never moves).
+pub struct CudaGraph(cudarc::driver::CudaGraph);
+
+// SAFETY: FFI handles. CUgraph and CUgraphExec are driver objects valid on any host thread:
+// cudarc's `launch` binds the graph's context to the calling thread first, the destroy calls
+// in its `Drop` need no current context, and the stream it holds is `Send + Sync`.
+unsafe impl Send for CudaGraph {}
 
 fn ordinal(device: Device) -> Result<usize> {
     match device {
@@ -191,10 +198,11 @@ pub fn new_pool(device: Device) -> Result<Arc<Pool>> {
 /// Captures the work `f` queues on `device` into a CUDA graph (nothing runs); allocations in
 /// `f` come from `pool`, which must outlive the graph.
 pub fn capture<R>(device: Device, pool: &Arc<Pool>, f: impl FnOnce() -> Result<R>) -> Result<(CudaGraph, R)> {
-    gpu(ordinal(device)?)?.capture(pool, f)
+    let (graph, r) = gpu(ordinal(device)?)?.capture(pool, f)?;
+    Ok((CudaGraph(graph), r))
 }
 
 /// Replays a captured graph on its GPU's stream.
 pub fn launch_graph(graph: &CudaGraph) -> Result<()> {
-    graph.launch().map_err(|e| Error::Cuda(format!("graph launch: {e}")))
+    graph.0.launch().map_err(|e| Error::Cuda(format!("graph launch: {e}")))
 }
