@@ -146,8 +146,9 @@ const PAR_BATCH_FLOPS: usize = 1 << 18;
 /// From this many multiply-adds a single product's rows are split over the threads. Measured
 /// in the MLP steps (criterion, same hour): at batch 1024 (200M multiply-adds a product) eager
 /// took 5.8-6.6 ms split, 8.4-10.3 ms on one thread and 10.5-10.9 ms with `gemm`'s own
-/// threading; at batch 32 (6.4M) splitting made the compiled step slower (0.66-0.72 against
-/// 0.53-0.59 ms), so smaller products stay on one thread.
+/// threading; at batch 32 (6.4M) splitting its 32 rows made the compiled step slower (0.66-0.72
+/// against 0.53-0.59 ms: both threads packed all of `b`), so smaller products split their
+/// columns instead when short and wide (`split_cols`), else stay on one thread.
 const PAR_FLOPS: usize = 1 << 25;
 
 /// The sizes of a batched product `[..batch, m, k] x [..batch, k, n]`.
