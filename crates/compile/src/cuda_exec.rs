@@ -194,7 +194,10 @@ impl GpuParts {
         if !self.capture.load(Ordering::Relaxed) || kiln_tensor::profile::enabled() || kiln_tensor::is_anomaly_detection() {
             return p.execute(inputs, gen, true);
         }
-        let mut slot = self.captured.lock().map_err(|_| Error::Msg("compile: a CUDA graph capture panicked".into()))?;
+        let mut slot = self
+            .captured
+            .lock()
+            .map_err(|_| Error::Msg("compile: an earlier step panicked while capturing or replaying its CUDA graph".into()))?;
         if let Some(c) = slot.as_ref() {
             for (dst, src) in c.inputs.iter().zip(inputs) {
                 cc::copy_cell(dst, src)?;

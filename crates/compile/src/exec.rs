@@ -204,10 +204,10 @@ impl Program {
         let cells: Vec<(&Arc<StorageCell>, &Layout)> = arg_cells.iter().zip(args).map(|(c, a)| (c, &a.layout)).collect();
         let meta = OutMeta { shape: node.shape.clone(), dtype: node.dtype };
         // Tiles of at most about 64K elements (the gradient tile and the state it updates stay
-        // in L2), as many as a multiple of the threads so that none waits on a short last one.
-        let (rows, cols) = (args[0].layout.shape[0].max(1), args[1].layout.shape[1].max(1));
-        // A small product is one tile: splitting it costs more than it saves.
-        let (depth, threads) = (args[0].layout.shape[1], rayon::current_num_threads());
+        // in L2), as many as a multiple of the threads so that none waits on a short last one;
+        // a small product is one tile (splitting it costs more than it saves).
+        let [rows, depth] = [args[0].layout.shape[0].max(1), args[0].layout.shape[1]];
+        let (cols, threads) = (args[1].layout.shape[1].max(1), rayon::current_num_threads());
         let tiles = match rows * cols * depth >= PAR_FED_FLOPS {
             true => (rows * cols).div_ceil(65536).next_multiple_of(threads).min(rows),
             false => 1,

@@ -59,6 +59,16 @@ impl GemmElem for half::f16 {
     }
 }
 
+/// What the GEMM accumulates onto in whole rows of `n` columns: the bias in each row; with
+/// `k = 0` (no product) zeros when there is no bias; else left for the GEMM to overwrite.
+fn start_rows<T: Element>(dst: &mut [T], n: usize, k: usize, bias: Option<&[T]>) {
+    match bias {
+        Some(bias) => dst.chunks_mut(n).for_each(|row| row.copy_from_slice(bias)),
+        None if k == 0 => dst.fill(T::zero()),
+        None => {}
+    }
+}
+
 /// Rows `row0..` of `a @ b (+ bias)` (whole rows of `n` columns) into `dst`, `a` given at
 /// its row 0: the bias is written into each row and the GEMM accumulates onto it; with
 /// `k = 0` the rows are the bias, or zeros.
@@ -74,11 +84,7 @@ unsafe fn product_rows<T: GemmElem>(
     dst: &mut [T],
     bias: Option<&[T]>,
 ) {
-    match bias {
-        Some(bias) => dst.chunks_mut(n).for_each(|row| row.copy_from_slice(bias)),
-        None if k == 0 => dst.fill(T::zero()),
-        None => {}
-    }
+    start_rows(dst, n, k, bias);
     if k > 0 {
         let a = (a.0.offset(row0 as isize * a.1[0]), a.1);
         T::product(&Product { m: dst.len() / n, k, n, a, b, dst: (dst.as_mut_ptr(), [n as isize, 1]), accumulate: bias.is_some() })
@@ -100,11 +106,7 @@ unsafe fn product_cols<T: GemmElem>(
     cols: usize,
 ) {
     let MatmulShape { m, k, n, .. } = s;
-    match bias {
-        Some(bias) => dst.chunks_mut(n).for_each(|row| row.copy_from_slice(bias)),
-        None if k == 0 => dst.fill(T::zero()),
-        None => {}
-    }
+    start_rows(dst, n, k, bias);
     if k == 0 {
         return;
     }
