@@ -139,13 +139,15 @@ impl GpuParts {
         let (mut made, mut outs, mut ins) = (Vec::new(), Vec::new(), Vec::new());
         for &gi in gs {
             let gr = &p.plan.groups[gi];
-            let n: usize = gr.shape.iter().product();
             let o: Vec<(NodeId, Arc<StorageCell>)> = gr
                 .materialize
                 .iter()
                 .map(|&m| match gr.inplace.iter().find(|x| x.0 == m) {
                     Some(&(_, slot)) => Ok((m, p.cells[slot].clone())),
-                    None => Ok((m, cc::alloc_cell(p.device, p.graph.nodes[m].dtype, n)?)),
+                    None => {
+                        let node = &p.graph.nodes[m];
+                        Ok((m, cc::alloc_cell(p.device, node.dtype, node.numel())?))
+                    }
                 })
                 .collect::<Result<_>>()?;
             outs.push(o.iter().map(|(_, c)| c.clone()).collect::<Vec<_>>());

@@ -9,7 +9,7 @@
 //! reads one of its values, so every outside reader runs after the group has run.
 
 use crate::graph::{Arg, Graph, Kind, NodeId};
-use kiln_tensor::{DType, MatmulEpilogue, Op};
+use kiln_tensor::{DType, MatmulEpilogue, Op, ReduceOp};
 
 #[derive(Debug, Clone)]
 pub struct Group {
@@ -23,6 +23,9 @@ pub struct Group {
     pub materialize: Vec<NodeId>,
     /// Members written straight into a state slot.
     pub inplace: Vec<(NodeId, usize)>,
+    /// Ends in full sums folded by one block (GPU only, `full_sum`): members after a sum are
+    /// single values computed once.
+    pub folds: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -82,6 +85,24 @@ fn compute_class(g: &Graph, i: NodeId, gpu: bool) -> Option<DType> {
     (pointwise && others_ok && same).then_some(class)
 }
 
+/// Elements a folding group may loop over: one block of 256 threads, up to 128 elements
+/// each, is cheaper than a separate reduction launch below this size.
+const FOLD_MAX: usize = 1 << 15;
+
+/// On a GPU, a sum of every element of a small float tensor: it can end the group that makes
+/// its argument, and scalar ops on the sum can follow it in the same kernel.
+fn full_sum(g: &Graph, i: NodeId) -> Option<&Arg> {
+    let n = &g.nodes[i];
+    let float = |d: DType| matches!(d, DType::F32 | DType::F64);
+    match &n.kind {
+        Kind::Op(Op::Reduce { op: ReduceOp::Sum, .. }, args) if args.len() == 1 && n.numel() == 1 && float(n.dtype) => {
+            let a = &args[0];
+            (float(g.nodes[a.node].dtype) && (2..=FOLD_MAX).contains(&a.layout.numel())).then_some(a)
+        }
+        _ => None,
+    }
+}
+
 fn identity(a: &Arg, shape: &[usize]) -> bool {
     a.layout.offset == 0 && a.layout.shape == shape && a.layout.is_contiguous()
 }
@@ -92,6 +113,8 @@ pub fn plan(g: &Graph, gpu: bool) -> Plan {
     let mut group_of: Vec<Option<usize>> = vec![None; n];
     let mut groups: Vec<Group> = Vec::new();
     let mut open: Vec<bool> = Vec::new();
+    // Values a folding group computes after its sums (the sums and scalar ops on them).
+    let mut after_fold: Vec<bool> = vec![false; n];
     for i in 0..n {
         let args: Vec<&Arg> = match &g.nodes[i].kind {
             Kind::Op(_, a) => a.iter().collect(),
@@ -99,7 +122,9 @@ pub fn plan(g: &Graph, gpu: bool) -> Plan {
             _ => vec![],
         };
         let all_args = g.nodes[i].args();
-        if let Some(class) = compute_class(g, i, gpu) {
+        if gpu && fold(g, i, &mut groups, &mut group_of, &mut open, &mut after_fold) {
+            // Joined (or started) a folding group.
+        } else if let Some(class) = compute_class(g, i, gpu) {
             let shape = &g.nodes[i].shape;
             // Join the latest open group that feeds this node through whole, in-order reads.
             let joinable = |k: usize| {
@@ -115,15 +140,7 @@ pub fn plan(g: &Graph, gpu: bool) -> Plan {
             targets.dedup();
             let k = match targets.split_first() {
                 Some((&first, rest)) => {
-                    for &other in rest {
-                        let moved = std::mem::take(&mut groups[other].members);
-                        for &m in &moved {
-                            group_of[m] = Some(first);
-                        }
-                        groups[first].members.extend(moved);
-                        open[other] = false;
-                    }
-                    groups[first].members.sort_unstable();
+                    merge(&mut groups, &mut group_of, &mut open, first, rest);
                     first
                 }
                 None => {
@@ -134,6 +151,7 @@ pub fn plan(g: &Graph, gpu: bool) -> Plan {
                         externals: vec![],
                         materialize: vec![],
                         inplace: vec![],
+                        folds: false,
                     });
                     open.push(true);
                     groups.len() - 1
@@ -151,6 +169,77 @@ pub fn plan(g: &Graph, gpu: bool) -> Plan {
         }
     }
     finish(g, groups, group_of, gpu)
+}
+
+/// Moves the members of groups `rest` into group `first` (all open, none read from outside yet).
+fn merge(groups: &mut [Group], group_of: &mut [Option<usize>], open: &mut [bool], first: usize, rest: &[usize]) {
+    for &other in rest {
+        let moved = std::mem::take(&mut groups[other].members);
+        for &m in &moved {
+            group_of[m] = Some(first);
+        }
+        groups[first].members.extend(moved);
+        groups[first].folds |= groups[other].folds;
+        open[other] = false;
+    }
+    groups[first].members.sort_unstable();
+}
+
+/// GPU folds: a full sum (`full_sum`) ends the open group making its argument (or starts a
+/// group reading it), and a scalar pointwise op whose folded arguments all come from open
+/// folding groups of one shape joins them after the fold. Returns whether `i` joined.
+fn fold(
+    g: &Graph,
+    i: NodeId,
+    groups: &mut Vec<Group>,
+    group_of: &mut [Option<usize>],
+    open: &mut Vec<bool>,
+    after_fold: &mut [bool],
+) -> bool {
+    if let Some(a) = full_sum(g, i) {
+        let shape = a.layout.shape.clone();
+        let k = match group_of[a.node] {
+            Some(k) if open[k] && !after_fold[a.node] && identity(a, &groups[k].shape) => k,
+            _ => {
+                groups.push(Group {
+                    members: vec![],
+                    shape,
+                    f64: false,
+                    externals: vec![],
+                    materialize: vec![],
+                    inplace: vec![],
+                    folds: true,
+                });
+                open.push(true);
+                groups.len() - 1
+            }
+        };
+        groups[k].folds = true;
+        groups[k].members.push(i);
+        group_of[i] = Some(k);
+        after_fold[i] = true;
+        return true;
+    }
+    let node = &g.nodes[i];
+    let Kind::Op(_, args) = &node.kind else { return false };
+    if node.numel() != 1 || compute_class(g, i, true).is_none() {
+        return false;
+    }
+    let mut targets: Vec<usize> = args.iter().filter(|a| after_fold[a.node]).filter_map(|a| group_of[a.node]).collect();
+    targets.sort_unstable();
+    targets.dedup();
+    let Some((&first, rest)) = targets.split_first() else { return false };
+    // Every argument a single value: a folded one of a target, or one computed elsewhere.
+    let fits = targets.iter().all(|&k| open[k] && groups[k].folds && groups[k].shape == groups[first].shape)
+        && args.iter().all(|a| a.layout.numel() == 1 && (after_fold[a.node] || group_of[a.node].is_none_or(|k| !targets.contains(&k))));
+    if !fits {
+        return false;
+    }
+    merge(groups, group_of, open, first, rest);
+    groups[first].members.push(i);
+    group_of[i] = Some(first);
+    after_fold[i] = true;
+    true
 }
 
 /// Externals, materialised members, in-place state writes and the step order.
@@ -249,6 +338,7 @@ const MAX_BATCH: usize = 8;
 /// none writes in place a state buffer that an earlier one reads (in one kernel they run at
 /// the same time). The optimizer's per-parameter updates become one launch this way.
 pub fn batch_groups(g: &Graph, plan: Plan) -> Plan {
+    let plan = hoist_scalar_groups(g, plan);
     let state_nodes = g.state_nodes();
     let mut steps: Vec<Step> = Vec::new();
     let mut run: Vec<usize> = Vec::new();
@@ -289,6 +379,57 @@ pub fn batch_groups(g: &Graph, plan: Plan) -> Plan {
     }
     flush(&mut run, &mut steps, &mut made, &mut read);
     Plan { steps, groups: plan.groups }
+}
+
+/// Scalar groups that read only inputs, state and constants, and write in place only state
+/// that nothing else reads (the optimizer's step count and bias corrections), join the step's
+/// first fused launch instead of making their own; the steps naming what they read move with
+/// them. Their values are then ready early, which every later reader allows.
+fn hoist_scalar_groups(g: &Graph, mut plan: Plan) -> Plan {
+    let Some(target) = plan.steps.iter().position(|s| matches!(s, Step::Groups(_))) else { return plan };
+    let state_nodes = g.state_nodes();
+    let mut users: Vec<Vec<NodeId>> = vec![vec![]; g.nodes.len()];
+    for (i, n) in g.nodes.iter().enumerate() {
+        for a in n.args() {
+            users[a].push(i);
+        }
+    }
+    let free = |gr: &Group| {
+        let leaf = |x: NodeId| matches!(g.nodes[x].kind, Kind::Input(_) | Kind::State(_)) || g.nodes[x].is_const();
+        gr.shape.iter().product::<usize>() == 1
+            && !gr.folds
+            && gr.externals.iter().all(|a| leaf(a.node))
+            && gr.inplace.iter().all(|&(_, slot)| state_nodes[slot].is_none_or(|s| users[s].iter().all(|u| gr.members.contains(u))))
+    };
+    let mut hoisted: Vec<usize> = Vec::new();
+    let mut moved: Vec<NodeId> = Vec::new();
+    for step in &plan.steps[target + 1..] {
+        if let Step::Groups(gs) = step {
+            if let [k] = gs[..] {
+                if free(&plan.groups[k]) && hoisted.len() + 1 < MAX_BATCH {
+                    hoisted.push(k);
+                    moved.extend(plan.groups[k].externals.iter().map(|a| a.node));
+                }
+            }
+        }
+    }
+    if hoisted.is_empty() {
+        return plan;
+    }
+    let stays = |s: &Step| match s {
+        Step::Groups(gs) => !(gs.len() == 1 && hoisted.contains(&gs[0])),
+        Step::Node(i) => !moved.contains(i),
+    };
+    let mut steps: Vec<Step> = plan.steps[..target].iter().filter(|s| stays(s)).cloned().collect();
+    let mut named: Vec<NodeId> = moved.clone();
+    named.sort_unstable();
+    named.dedup();
+    steps.extend(named.into_iter().map(Step::Node));
+    let Step::Groups(first) = &plan.steps[target] else { return plan };
+    steps.push(Step::Groups(first.iter().copied().chain(hoisted.iter().copied()).collect()));
+    steps.extend(plan.steps[target + 1..].iter().filter(|s| stays(s)).cloned());
+    plan.steps = steps;
+    plan
 }
 
 /// The longest inner dimension of a product fed to its group. Each tile repacks the whole
@@ -368,4 +509,126 @@ pub fn feed_products(g: &Graph, plan: &mut Plan, native: &dyn Fn(usize) -> bool)
         kp += 1;
     }
     plan.steps.iter().map(|s| matches!(s, Step::Node(i) if fed.contains(i))).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_tensor::{BinaryOp, Layout};
+
+    fn whole(g: &Graph, node: NodeId) -> Arg {
+        Arg { node, layout: Layout::contiguous(&g.nodes[node].shape) }
+    }
+
+    /// A mean cross-entropy with ignored targets and its gradient's scale, as autograd records it.
+    fn mean_loss() -> (Graph, [NodeId; 6]) {
+        let mut g = Graph::default();
+        let logits = g.push(Kind::Input(0), vec![4, 3], DType::F32);
+        let targets = g.push(Kind::Input(1), vec![4], DType::I64);
+        let ce = Op::CrossEntropy { ignore_index: Some(-100), smoothing: 0.0 };
+        let rows = g.push(Kind::Op(ce, vec![whole(&g, logits), whole(&g, targets)]), vec![4], DType::F32);
+        let sum = || Op::Reduce { op: ReduceOp::Sum, dims: vec![0], keepdim: false };
+        let total = g.push(Kind::Op(sum(), vec![whole(&g, rows)]), vec![], DType::F32);
+        let ne = Op::Scalar { op: BinaryOp::Ne, value: -100.0, scalar_lhs: false };
+        let real = g.push(Kind::Op(ne, vec![whole(&g, targets)]), vec![4], DType::U8);
+        let real_f = g.push(Kind::Op(Op::Cast(DType::F32), vec![whole(&g, real)]), vec![4], DType::F32);
+        let count = g.push(Kind::Op(sum(), vec![whole(&g, real_f)]), vec![], DType::F32);
+        let div = Op::Binary(BinaryOp::Div);
+        let loss = g.push(Kind::Op(div.clone(), vec![whole(&g, total), whole(&g, count)]), vec![], DType::F32);
+        let one = g.push(Kind::Op(Op::Full { shape: vec![], value: 1.0, dtype: DType::F32 }, vec![]), vec![], DType::F32);
+        let scale = g.push(Kind::Op(div, vec![whole(&g, one), whole(&g, count)]), vec![], DType::F32);
+        let row_scale = Arg { node: scale, layout: Layout { shape: vec![4], strides: vec![0], offset: 0 } };
+        let ceb = Op::CrossEntropyBackward { ignore_index: Some(-100), smoothing: 0.0 };
+        let dlogits = g.push(Kind::Op(ceb, vec![whole(&g, logits), whole(&g, targets), row_scale]), vec![4, 3], DType::F32);
+        g.outputs = vec![whole(&g, loss), whole(&g, dlogits)];
+        (g, [total, real, real_f, count, loss, scale])
+    }
+
+    #[test]
+    fn a_mean_loss_folds_into_one_gpu_group() {
+        let (g, chain) = mean_loss();
+        let plan = plan(&g, true);
+        let folding: Vec<&Group> = plan.groups.iter().filter(|gr| !gr.members.is_empty()).collect();
+        assert_eq!(folding.len(), 1, "{folding:?}");
+        let gr = folding[0];
+        assert!(gr.folds);
+        assert_eq!(gr.members, chain.to_vec());
+        assert_eq!(gr.shape, vec![4]);
+        // The loss (returned) and the gradient's scale (read by the backward) leave the kernel.
+        assert_eq!(gr.materialize, vec![chain[4], chain[5]]);
+        // Cross-entropy, its backward and the loss chain: three launches.
+        let launches = plan
+            .steps
+            .iter()
+            .filter(|s| match s {
+                Step::Groups(_) => true,
+                Step::Node(i) => matches!(g.nodes[*i].kind, Kind::Op(..)) && !g.nodes[*i].is_const(),
+            })
+            .count();
+        assert_eq!(launches, 3);
+    }
+
+    #[test]
+    fn the_step_count_and_its_scalars_join_the_first_launch() {
+        use crate::graph::StateInfo;
+        let mut g = Graph::default();
+        g.state = vec![StateInfo { len: 1, dtype: DType::F64, created_in_step: false }];
+        // exp over more than FOLD_MAX elements, then its sum as a reduction kernel.
+        let x = g.push(Kind::Input(0), vec![1 << 16], DType::F32);
+        let e = g.push(Kind::Op(Op::Unary(kiln_tensor::UnaryOp::Exp), vec![whole(&g, x)]), vec![1 << 16], DType::F32);
+        let sum = Op::Reduce { op: ReduceOp::Sum, dims: vec![0], keepdim: false };
+        let total = g.push(Kind::Op(sum, vec![whole(&g, e)]), vec![], DType::F32);
+        // The step count, advanced in place, and a bias correction from it.
+        let step = g.push(Kind::State(0), vec![1], DType::F64);
+        let scalar = Layout { shape: vec![], strides: vec![], offset: 0 };
+        let add = Op::Scalar { op: BinaryOp::Add, value: 1.0, scalar_lhs: false };
+        let next = g.push(Kind::Op(add, vec![Arg { node: step, layout: scalar }]), vec![], DType::F64);
+        let t = g.push(Kind::Op(Op::Cast(DType::F32), vec![whole(&g, next)]), vec![], DType::F32);
+        let pow = Op::Scalar { op: BinaryOp::Pow, value: 0.9, scalar_lhs: true };
+        let corr = g.push(Kind::Op(pow, vec![whole(&g, t)]), vec![], DType::F32);
+        let y = g.push(Kind::Input(1), vec![4], DType::F32);
+        let spread = Arg { node: corr, layout: Layout { shape: vec![4], strides: vec![0], offset: 0 } };
+        let scaled = g.push(Kind::Op(Op::Binary(BinaryOp::Mul), vec![whole(&g, y), spread]), vec![4], DType::F32);
+        g.outputs = vec![whole(&g, scaled), whole(&g, total)];
+        g.writes = vec![(0, next)];
+        let plan = batch_groups(&g, plan(&g, true));
+        let launches: Vec<&Step> = plan.steps.iter().filter(|s| matches!(s, Step::Groups(_))).collect();
+        let group_of = |node: NodeId| plan.groups.iter().position(|gr| gr.members.contains(&node)).expect("a group");
+        // exp and the step count's group in one launch, then the product.
+        assert_eq!(launches.len(), 2, "{plan:?}");
+        assert!(matches!(launches[0], Step::Groups(gs) if *gs == vec![group_of(e), group_of(next)]), "{plan:?}");
+        assert_eq!(plan.groups[group_of(next)].inplace, vec![(next, 0)]);
+        // The state it reads is named before that launch; the large sum stays a kernel after it.
+        let position = |want: &dyn Fn(&Step) -> bool| plan.steps.iter().position(want).expect("a step");
+        let first = position(&|s| std::ptr::eq(s, launches[0]));
+        assert!(position(&|s| matches!(s, Step::Node(i) if *i == step)) < first);
+        assert!(position(&|s| matches!(s, Step::Node(i) if *i == total)) > first);
+    }
+
+    #[test]
+    fn the_cpu_plan_keeps_sums_as_their_own_kernels() {
+        let (g, chain) = mean_loss();
+        let plan = plan(&g, false);
+        assert!(plan.groups.iter().all(|gr| !gr.folds));
+        for sum in [chain[0], chain[3]] {
+            assert!(plan.steps.iter().any(|s| matches!(s, Step::Node(i) if *i == sum)));
+        }
+    }
+
+    #[test]
+    fn a_scalar_reading_a_sum_and_a_big_value_does_not_join() {
+        // sum(x) * y[0..1] where y is a [4] member of the same group: y is per element, so the
+        // product cannot run after the fold.
+        let mut g = Graph::default();
+        let x = g.push(Kind::Input(0), vec![4], DType::F32);
+        let y = g.push(Kind::Op(Op::Unary(kiln_tensor::UnaryOp::Exp), vec![whole(&g, x)]), vec![4], DType::F32);
+        let s = g.push(Kind::Op(Op::Reduce { op: ReduceOp::Sum, dims: vec![0], keepdim: false }, vec![whole(&g, y)]), vec![], DType::F32);
+        let first = Arg { node: y, layout: Layout { shape: vec![], strides: vec![], offset: 0 } };
+        let p = g.push(Kind::Op(Op::Binary(BinaryOp::Mul), vec![whole(&g, s), first]), vec![], DType::F32);
+        g.outputs = vec![whole(&g, p)];
+        let plan = plan(&g, true);
+        let gr = plan.groups.iter().find(|gr| gr.members.contains(&s)).expect("the sum's group");
+        assert_eq!(gr.members, vec![y, s]);
+        assert!(!gr.members.contains(&p));
+    }
 }

@@ -274,3 +274,50 @@ fn a_module_of_fused_group_kernels_compiles() {
     check(&src, "kiln_fused", &mut fails);
     assert!(fails.is_empty(), "{}", fails.join("\n"));
 }
+
+/// A group ending in sums, then scalar members on them (a mean loss: per-row losses summed,
+/// real targets counted, the division and the gradient's scale), alone and beside a plain
+/// group in one kernel.
+#[test]
+fn a_group_folding_its_sums_in_one_block_compiles() {
+    use kiln_tensor::cuda::codegen::{fused_module, FusedGroup, FusedInput, FusedKernel, FusedMember, FusedSrc};
+    need_nvrtc();
+    let n = 300;
+    let inputs = vec![
+        FusedInput { dtype: DType::F32, offset: 0, strided: None },
+        FusedInput { dtype: DType::I64, offset: 0, strided: None },
+        FusedInput { dtype: DType::F32, offset: 2, strided: Some((vec![n], vec![0])) },
+    ];
+    let sum = Op::Reduce { op: ReduceOp::Sum, dims: vec![0], keepdim: false };
+    let m = |op: Op, args: Vec<FusedSrc>, dtype: DType| FusedMember { op, args, dtype };
+    let members = vec![
+        m(Op::Scalar { op: BinaryOp::Ne, value: -100.0, scalar_lhs: false }, vec![FusedSrc::Input(1)], DType::U8),
+        m(Op::Cast(DType::F32), vec![FusedSrc::Member(0)], DType::F32),
+        m(sum.clone(), vec![FusedSrc::Member(1)], DType::F32),
+        m(sum, vec![FusedSrc::Input(0)], DType::F32),
+        m(Op::Binary(BinaryOp::Div), vec![FusedSrc::Member(3), FusedSrc::Member(2)], DType::F32),
+        m(Op::Binary(BinaryOp::Mul), vec![FusedSrc::Member(4), FusedSrc::Input(2)], DType::F32),
+        m(Op::Cast(DType::F64), vec![FusedSrc::Member(5)], DType::F64),
+    ];
+    let fold = FusedGroup { n, inputs, members, outputs: vec![6, 1, 2] };
+    assert!(fold.folds() && !fold.vec4() && fold.blocks() == 1);
+    let plain = FusedGroup {
+        n: 64,
+        inputs: vec![FusedInput { dtype: DType::F32, offset: 0, strided: None }],
+        members: vec![m(Op::Unary(UnaryOp::Exp), vec![FusedSrc::Input(0)], DType::F32)],
+        outputs: vec![0],
+    };
+    let kernels = vec![
+        FusedKernel { name: "kiln_fold".into(), groups: vec![fold.clone()] },
+        FusedKernel { name: "kiln_fold_and_plain".into(), groups: vec![plain, fold] },
+    ];
+    let src = fused_module(&kernels).expect("sums and elementwise members");
+    // A member after the fold may not read a value of the loop other than a sum.
+    let mut bad = kernels[0].clone();
+    bad.groups[0].members[5].args[1] = FusedSrc::Member(1);
+    assert!(fused_module(&[bad]).is_err_and(|e| e.contains("member 5")));
+    assert!(src.contains("kiln_block_sum(r2)") && src.contains("kiln_block_sum(r3)"), "{src}");
+    let mut fails = Vec::new();
+    check(&src, "kiln_fold", &mut fails);
+    assert!(fails.is_empty(), "{}", fails.join("\n"));
+}

@@ -820,6 +820,12 @@ pub struct FusedMember {
 /// A compiled graph's fusion group: per element, each input is loaded once, the members run
 /// in order in registers, and `outputs` (member indices) are stored densely. Shapes and
 /// strides are literals: a compiled graph is specialised to its shapes.
+///
+/// A group may end in full sums (`Op::Reduce` members: every element of one member or input
+/// into one value), followed by scalar members over those sums: then one block loops over the
+/// `n` elements, folds each sum across its threads, and thread 0 runs the scalar members
+/// (`after_fold`). That is how a mean loss (per-row losses, the count of real targets, the
+/// division and its gradient's scale) becomes one launch.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FusedGroup {
     pub n: usize,
@@ -845,7 +851,21 @@ impl FusedGroup {
     /// Four elements per thread through aligned vector loads and stores: a length divisible by
     /// four, and every input read four at a time (`vec_read`).
     pub fn vec4(&self) -> bool {
-        self.n >= 4 && self.n % 4 == 0 && self.inputs.iter().all(|x| vec_read(x).is_some())
+        !self.folds() && self.n >= 4 && self.n % 4 == 0 && self.inputs.iter().all(|x| vec_read(x).is_some())
+    }
+
+    /// Whether the group ends in sums folded by one block.
+    pub fn folds(&self) -> bool {
+        self.members.iter().any(|m| matches!(m.op, Op::Reduce { .. }))
+    }
+
+    /// Members computed once after the fold: the sums and every member reading one.
+    fn after_fold(&self) -> Vec<bool> {
+        let mut after = vec![false; self.members.len()];
+        for (q, m) in self.members.iter().enumerate() {
+            after[q] = matches!(m.op, Op::Reduce { .. }) || m.args.iter().any(|a| matches!(*a, FusedSrc::Member(j) if after[j]));
+        }
+        after
     }
 
     /// Whether element indices fit 32 bits (cheaper index arithmetic).
@@ -855,6 +875,9 @@ impl FusedGroup {
 
     /// Blocks this group gets in its kernel's grid.
     pub fn blocks(&self) -> usize {
+        if self.folds() {
+            return 1;
+        }
         let items = if self.vec4() { self.n / 4 } else { self.n };
         items.div_ceil(FUSED_BLOCK).clamp(1, FUSED_MAX_BLOCKS)
     }
@@ -932,21 +955,14 @@ impl FusedKernel {
             let nb = gr.blocks();
             s += &format!("  if (blk >= {first} && blk < {}) {{\n", first + nb);
             let start = format!("(blk - {first}) * {FUSED_BLOCK}LL + threadIdx.x");
-            if gr.vec4() {
+            if gr.folds() {
+                s += &fold_loop(gr, j)?;
+            } else if gr.vec4() {
                 s += &vec4_loop(gr, j, &start, nb * FUSED_BLOCK)?;
             } else {
                 s += &format!("  for (long long i = {start}; i < {}LL; i += {}LL) {{\n", gr.n, nb * FUSED_BLOCK);
-                let loads: Vec<String> = gr
-                    .inputs
-                    .iter()
-                    .enumerate()
-                    .map(|(k, x)| match &x.strided {
-                        None => format!("p{j}_{k}[{} + i]", x.offset),
-                        Some((shape, strides)) => format!("p{j}_{k}[{}]", strided_index("i", x.offset, shape, strides, gr.narrow())),
-                    })
-                    .collect();
                 let stores: Vec<String> = (0..gr.outputs.len()).map(|k| format!("o{j}_{k}[i]")).collect();
-                s += &group_body(gr, &loads, &stores)?;
+                s += &group_body(gr, &element_loads(gr, j), &stores)?;
                 s += "  }\n";
             }
             s += "  }\n";
@@ -999,6 +1015,15 @@ fn vec4_loop(gr: &FusedGroup, j: usize, start: &str, stride: usize) -> Result<St
     Ok(s)
 }
 
+/// Element `i` of each input of group `j`.
+fn element_loads(gr: &FusedGroup, j: usize) -> Vec<String> {
+    let at = |(k, x): (usize, &FusedInput)| match &x.strided {
+        None => format!("p{j}_{k}[{} + i]", x.offset),
+        Some((shape, strides)) => format!("p{j}_{k}[{}]", strided_index("i", x.offset, shape, strides, gr.narrow())),
+    };
+    gr.inputs.iter().enumerate().map(at).collect()
+}
+
 /// One element of a group: `loads[k]` reads input k, the members run in order, output k is
 /// stored to `stores[k]`.
 fn group_body(gr: &FusedGroup, loads: &[String], stores: &[String]) -> Result<String, String> {
@@ -1006,28 +1031,8 @@ fn group_body(gr: &FusedGroup, loads: &[String], stores: &[String]) -> Result<St
     for (k, load) in loads.iter().enumerate() {
         s += &format!("    auto x{k} = ld({load});\n");
     }
-    let dtype_of = |src: &FusedSrc| match *src {
-        FusedSrc::Input(k) => gr.inputs.get(k).map(|x| x.dtype),
-        FusedSrc::Member(m) => gr.members.get(m).map(|x| x.dtype),
-    };
-    for (q, m) in gr.members.iter().enumerate() {
-        let dtypes: Vec<DType> =
-            m.args.iter().map(|a| dtype_of(a).ok_or_else(|| format!("member {q} reads a missing value"))).collect::<Result<_, _>>()?;
-        let (_, expr, compute) = elementwise_expr(&m.op, &dtypes).ok_or_else(|| format!("{}: not elementwise", m.op.name()))?;
-        let scalar = match &m.op {
-            Op::Scalar { value, .. } => *value,
-            _ => 0.0,
-        };
-        s += &format!("    {} m{q};\n    {{\n      typedef {compute} C;\n", compute_type(m.dtype));
-        s += &format!("      struct {{ double s; }} a = {{ {} }}; (void)a;\n", double_literal(scalar));
-        for (v, src) in m.args.iter().enumerate() {
-            let name = match src {
-                FusedSrc::Input(k) => format!("x{k}"),
-                FusedSrc::Member(k) => format!("m{k}"),
-            };
-            s += &format!("      auto v{v} = {name};\n");
-        }
-        s += &format!("      m{q} = {expr};\n    }}\n");
+    for q in 0..gr.members.len() {
+        s += &member_code(gr, q)?;
     }
     for (store, &m) in stores.iter().zip(&gr.outputs) {
         s += &format!("    st(&{store}, m{m});\n");
@@ -1035,9 +1040,136 @@ fn group_body(gr: &FusedGroup, loads: &[String], stores: &[String]) -> Result<St
     Ok(s)
 }
 
+/// Member `q` (elementwise) as `m{q}`, from inputs `x{k}` and earlier members `m{k}`.
+fn member_code(gr: &FusedGroup, q: usize) -> Result<String, String> {
+    let m = &gr.members[q];
+    let dtype_of = |src: &FusedSrc| match *src {
+        FusedSrc::Input(k) => gr.inputs.get(k).map(|x| x.dtype),
+        FusedSrc::Member(m) => gr.members.get(m).map(|x| x.dtype),
+    };
+    let dtypes: Vec<DType> =
+        m.args.iter().map(|a| dtype_of(a).ok_or_else(|| format!("member {q} reads a missing value"))).collect::<Result<_, _>>()?;
+    let (_, expr, compute) = elementwise_expr(&m.op, &dtypes).ok_or_else(|| format!("{}: not elementwise", m.op.name()))?;
+    let scalar = match &m.op {
+        Op::Scalar { value, .. } => *value,
+        _ => 0.0,
+    };
+    let mut s = format!("    {} m{q};\n    {{\n      typedef {compute} C;\n", compute_type(m.dtype));
+    s += &format!("      struct {{ double s; }} a = {{ {} }}; (void)a;\n", double_literal(scalar));
+    for (v, src) in m.args.iter().enumerate() {
+        s += &format!("      auto v{v} = {};\n", src_name(*src));
+    }
+    s += &format!("      m{q} = {expr};\n    }}\n");
+    Ok(s)
+}
+
+fn src_name(src: FusedSrc) -> String {
+    match src {
+        FusedSrc::Input(k) => format!("x{k}"),
+        FusedSrc::Member(k) => format!("m{k}"),
+    }
+}
+
+/// A group ending in sums (`FusedGroup::folds`), run by one block: the threads stride over
+/// the elements (members before the fold, sums accumulated in registers), `kiln_block_sum`
+/// folds each sum, and thread 0 runs the members after the fold and stores their values.
+fn fold_loop(gr: &FusedGroup, j: usize) -> Result<String, String> {
+    let after = gr.after_fold();
+    for (q, m) in gr.members.iter().enumerate().filter(|&(q, _)| after[q]) {
+        let reads_loop = |a: &FusedSrc| matches!(*a, FusedSrc::Member(j) if !after[j]);
+        match &m.op {
+            Op::Reduce { op: ReduceOp::Sum, .. } => {}
+            Op::Reduce { op, .. } => return Err(format!("member {q}: a fused group folds sums only, not {}", op.name())),
+            _ if m.args.iter().any(reads_loop) => return Err(format!("member {q} runs after the fold but reads a per-element value")),
+            _ => {}
+        }
+    }
+    let sums: Vec<usize> = (0..gr.members.len()).filter(|&q| matches!(gr.members[q].op, Op::Reduce { .. })).collect();
+    // The inputs read inside the loop (`in_loop`) or after the fold.
+    let reads = |in_loop: bool| {
+        let mut used = vec![false; gr.inputs.len()];
+        for (q, m) in gr.members.iter().enumerate() {
+            // A sum reads its argument inside the loop.
+            let inside = !after[q] || matches!(m.op, Op::Reduce { .. });
+            for a in &m.args {
+                if let FusedSrc::Input(k) = *a {
+                    used[k] |= inside == in_loop;
+                }
+            }
+        }
+        used
+    };
+    let mut s = String::new();
+    for &q in &sums {
+        s += &format!("  {} r{q} = 0;\n", compute_type(gr.members[q].dtype));
+    }
+    s += &format!("  for (long long i = threadIdx.x; i < {}LL; i += {FUSED_BLOCK}LL) {{\n", gr.n);
+    let loads = element_loads(gr, j);
+    for (k, used) in reads(true).into_iter().enumerate() {
+        if used {
+            s += &format!("    auto x{k} = ld({});\n", loads[k]);
+        }
+    }
+    for q in (0..gr.members.len()).filter(|&q| !after[q]) {
+        s += &member_code(gr, q)?;
+    }
+    for &q in &sums {
+        let arg = gr.members[q].args.first().ok_or_else(|| format!("sum member {q} has no argument"))?;
+        s += &format!("    r{q} += {};\n", src_name(*arg));
+    }
+    for (k, &m) in gr.outputs.iter().enumerate() {
+        if !after[m] {
+            s += &format!("    st(&o{j}_{k}[i], m{m});\n");
+        }
+    }
+    s += "  }\n";
+    for &q in &sums {
+        s += &format!("  r{q} = kiln_block_sum(r{q});\n");
+    }
+    s += "  if (threadIdx.x == 0) {\n";
+    // Inputs read after the fold are single values broadcast over the group: element 0.
+    for (k, used) in reads(false).into_iter().enumerate() {
+        if used {
+            s += &format!("    auto x{k} = ld(p{j}_{k}[{}]);\n", gr.inputs[k].offset);
+        }
+    }
+    for q in (0..gr.members.len()).filter(|&q| after[q]) {
+        s += &match gr.members[q].op {
+            Op::Reduce { .. } => format!("    {} m{q} = r{q};\n", compute_type(gr.members[q].dtype)),
+            _ => member_code(gr, q)?,
+        };
+    }
+    for (k, &m) in gr.outputs.iter().enumerate() {
+        if after[m] {
+            s += &format!("    st(&o{j}_{k}[0], m{m});\n");
+        }
+    }
+    s += "  }\n";
+    Ok(s)
+}
+
+/// A block's sum of one value per thread (the whole block calls it; the result is thread 0's).
+/// Fixed order, so a step gives the same bits every time.
+const BLOCK_SUM: &str = r#"
+template <typename T> __device__ __forceinline__ T kiln_block_sum(T v) {
+  __shared__ T part[32];
+  for (int w = 16; w > 0; w /= 2) v += __shfl_down_sync(0xffffffffu, v, w);
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
+  __syncthreads();
+  v = threadIdx.x < blockDim.x / 32 ? part[threadIdx.x] : (T)0;
+  if (threadIdx.x < 32)
+    for (int w = 16; w > 0; w /= 2) v += __shfl_down_sync(0xffffffffu, v, w);
+  return v;
+}
+"#;
+
 /// One CUDA module holding every fused kernel of a compiled graph (one NVRTC call).
 pub fn fused_module(kernels: &[FusedKernel]) -> Result<String, String> {
     let mut s = format!("{PRELUDE}\n#define K(v) ((C)(v))\n");
+    if kernels.iter().any(|k| k.groups.iter().any(FusedGroup::folds)) {
+        s += BLOCK_SUM;
+    }
     for k in kernels {
         s += &k.source()?;
     }
