@@ -859,6 +859,14 @@ impl FusedGroup {
         self.members.iter().any(|m| matches!(m.op, Op::Reduce { .. }))
     }
 
+    /// Elements of output `k`: one for a value computed after the fold, else `n`.
+    pub fn output_len(&self, k: usize) -> usize {
+        match self.outputs.get(k) {
+            Some(&m) if self.folds() && self.after_fold()[m] => 1,
+            _ => self.n,
+        }
+    }
+
     /// Members computed once after the fold: the sums and every member reading one.
     fn after_fold(&self) -> Vec<bool> {
         let mut after = vec![false; self.members.len()];

@@ -168,11 +168,11 @@ fn group_pointers(name: &str, gr: &FusedGroup, outs: &[Arc<StorageCell>], ins: &
     if outs.len() != gr.outputs.len() || ins.len() != gr.inputs.len() {
         return Err(Error::Msg(format!("{name}: given {} outputs and {} inputs", outs.len(), ins.len())));
     }
-    for (c, &m) in outs.iter().zip(&gr.outputs) {
+    for (k, (c, &m)) in outs.iter().zip(&gr.outputs).enumerate() {
         let (p, dt, n) = raw(c, true)?;
-        let want = gr.members[m].dtype;
-        if dt != want || n < gr.n {
-            return Err(Error::Msg(format!("{name}: output needs {} x {want:?}, got {n} x {dt:?}", gr.n)));
+        let (want, len) = (gr.members[m].dtype, gr.output_len(k));
+        if dt != want || n < len {
+            return Err(Error::Msg(format!("{name}: output needs {len} x {want:?}, got {n} x {dt:?}")));
         }
         ptrs.push(p);
     }

@@ -134,6 +134,9 @@ fn layout(t: ls::cudaDataType, rows: u64, cols: u64, ld: i64, batch: i32, stride
     Ok(l)
 }
 
+/// cuBLASLt's top heuristic candidates `MaxAutotune` times per new problem.
+const CANDIDATES: usize = 16;
+
 impl Plan {
     /// Descriptors for `g` and its algorithm: heuristic, from the disk cache, or timed on
     /// `ptrs` (A, B, D, the epilogue's vector and aux matrix) when autotuning.
@@ -187,7 +190,7 @@ impl Plan {
             }
         }
         let tune = autotune();
-        let candidates = plan.heuristics(lt, g, ws.1, if tune { 8 } else { 1 })?;
+        let candidates = plan.heuristics(lt, g, ws.1, if tune { CANDIDATES } else { 1 })?;
         plan.algo = candidates[0];
         if tune {
             let start = Instant::now();
@@ -273,17 +276,23 @@ impl Plan {
         Ok(ok)
     }
 
-    /// Mean seconds of a few runs of the current algorithm (after one warm-up).
+    /// Seconds per run of the current algorithm as a replayed step sees it: `RUNS` runs
+    /// captured into one CUDA graph, best of three replays. Timed from the host one call at a
+    /// time, a small product's launch cost (several microseconds, which a graph replay does not
+    /// pay) would hide the differences between its kernels.
     fn time(&self, lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, ptrs: [u64; 5], ws: (u64, usize)) -> Result<f64> {
+        const RUNS: u32 = 10;
         self.run(lt, gpu, ptrs, ws)?;
         gpu.sync()?;
-        let start = Instant::now();
-        const RUNS: u32 = 5;
-        for _ in 0..RUNS {
-            self.run(lt, gpu, ptrs, ws)?;
+        let (graph, ()) = gpu.capture(&gpu.new_pool(), || (0..RUNS).try_for_each(|_| self.run(lt, gpu, ptrs, ws)))?;
+        let mut best = f64::INFINITY;
+        for _ in 0..3 {
+            let start = Instant::now();
+            graph.launch().map_err(|e| Error::Cuda(format!("graph launch: {e}")))?;
+            gpu.sync()?;
+            best = best.min(start.elapsed().as_secs_f64());
         }
-        gpu.sync()?;
-        Ok(start.elapsed().as_secs_f64() / RUNS as f64)
+        Ok(best / RUNS as f64)
     }
 
     /// `D = A B` and the epilogue on the GPU's stream: `ptrs` are A, B, D, the epilogue's
