@@ -571,8 +571,7 @@ mod tests {
     #[test]
     fn the_step_count_and_its_scalars_join_the_first_launch() {
         use crate::graph::StateInfo;
-        let mut g = Graph::default();
-        g.state = vec![StateInfo { len: 1, dtype: DType::F64, created_in_step: false }];
+        let mut g = Graph { state: vec![StateInfo { len: 1, dtype: DType::F64, created_in_step: false }], ..Graph::default() };
         // exp over more than FOLD_MAX elements, then its sum as a reduction kernel.
         let x = g.push(Kind::Input(0), vec![1 << 16], DType::F32);
         let e = g.push(Kind::Op(Op::Unary(kiln_tensor::UnaryOp::Exp), vec![whole(&g, x)]), vec![1 << 16], DType::F32);
