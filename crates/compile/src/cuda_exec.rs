@@ -72,6 +72,9 @@ fn fused_group(g: &Graph, gr: &Group, k: usize) -> Result<FusedGroup> {
             let l = &a.layout;
             let strided = if l.is_contiguous() && l.numel() == n {
                 None
+            } else if l.numel() == 1 {
+                // One value for every element (of any rank: a folding group's scalars).
+                Some((gr.shape.clone(), vec![0; gr.shape.len()]))
             } else if l.numel() == n && l.shape != gr.shape {
                 // A copy into a new shape (a reshape the strides could not express): element
                 // i is the i-th of the source in its own row-major order.

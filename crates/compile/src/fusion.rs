@@ -89,6 +89,11 @@ fn compute_class(g: &Graph, i: NodeId, gpu: bool) -> Option<DType> {
 /// each, is cheaper than a separate reduction launch below this size.
 const FOLD_MAX: usize = 1 << 15;
 
+/// A sum joins an existing group of more than `FOLD_JOIN_MEMBERS` members only below
+/// `FOLD_JOIN_ANY` elements.
+const FOLD_JOIN_MEMBERS: usize = 8;
+const FOLD_JOIN_ANY: usize = 4096;
+
 /// On a GPU, a sum of every element of a small float tensor: it can end the group that makes
 /// its argument, and scalar ops on the sum can follow it in the same kernel.
 fn full_sum(g: &Graph, i: NodeId) -> Option<&Arg> {
@@ -198,8 +203,11 @@ fn fold(
 ) -> bool {
     if let Some(a) = full_sum(g, i) {
         let shape = a.layout.shape.clone();
+        // A sum ends its argument's group unless that group is large and busy, whose
+        // elements many blocks would compute faster than one (the sum then folds alone).
+        let light = |k: usize| groups[k].members.len() <= FOLD_JOIN_MEMBERS || a.layout.numel() <= FOLD_JOIN_ANY;
         let k = match group_of[a.node] {
-            Some(k) if open[k] && !after_fold[a.node] && identity(a, &groups[k].shape) => k,
+            Some(k) if open[k] && !after_fold[a.node] && identity(a, &groups[k].shape) && light(k) => k,
             _ => {
                 groups.push(Group {
                     members: vec![],
@@ -416,15 +424,18 @@ fn hoist_scalar_groups(g: &Graph, mut plan: Plan) -> Plan {
     if hoisted.is_empty() {
         return plan;
     }
+    // What the hoisted groups read and is named only after the first launch moves before it;
+    // steps before that launch stay where they are (an earlier reader may need them).
+    let before: Vec<NodeId> = plan.steps[..target].iter().filter_map(|s| if let Step::Node(i) = s { Some(*i) } else { None }).collect();
+    moved.retain(|i| !before.contains(i));
+    moved.sort_unstable();
+    moved.dedup();
     let stays = |s: &Step| match s {
         Step::Groups(gs) => !(gs.len() == 1 && hoisted.contains(&gs[0])),
         Step::Node(i) => !moved.contains(i),
     };
-    let mut steps: Vec<Step> = plan.steps[..target].iter().filter(|s| stays(s)).cloned().collect();
-    let mut named: Vec<NodeId> = moved.clone();
-    named.sort_unstable();
-    named.dedup();
-    steps.extend(named.into_iter().map(Step::Node));
+    let mut steps: Vec<Step> = plan.steps[..target].to_vec();
+    steps.extend(moved.iter().copied().map(Step::Node));
     let Step::Groups(first) = &plan.steps[target] else { return plan };
     steps.push(Step::Groups(first.iter().copied().chain(hoisted.iter().copied()).collect()));
     steps.extend(plan.steps[target + 1..].iter().filter(|s| stays(s)).cloned());
@@ -571,24 +582,30 @@ mod tests {
     #[test]
     fn the_step_count_and_its_scalars_join_the_first_launch() {
         use crate::graph::StateInfo;
-        let mut g = Graph { state: vec![StateInfo { len: 1, dtype: DType::F64, created_in_step: false }], ..Graph::default() };
+        let slot = StateInfo { len: 1, dtype: DType::F64, created_in_step: false };
+        let mut g = Graph { state: vec![slot.clone(), slot], ..Graph::default() };
+        // The learning rate, also read by an eager op (a cast to an integer) before any group.
+        let lr = g.push(Kind::State(1), vec![1], DType::F64);
+        let as_int = g.push(Kind::Op(Op::Cast(DType::I64), vec![whole(&g, lr)]), vec![1], DType::I64);
         // exp over more than FOLD_MAX elements, then its sum as a reduction kernel.
         let x = g.push(Kind::Input(0), vec![1 << 16], DType::F32);
         let e = g.push(Kind::Op(Op::Unary(kiln_tensor::UnaryOp::Exp), vec![whole(&g, x)]), vec![1 << 16], DType::F32);
         let sum = Op::Reduce { op: ReduceOp::Sum, dims: vec![0], keepdim: false };
         let total = g.push(Kind::Op(sum, vec![whole(&g, e)]), vec![], DType::F32);
-        // The step count, advanced in place, and a bias correction from it.
+        // The step count advanced in place, and a bias correction from it times the rate.
         let step = g.push(Kind::State(0), vec![1], DType::F64);
         let scalar = Layout { shape: vec![], strides: vec![], offset: 0 };
         let add = Op::Scalar { op: BinaryOp::Add, value: 1.0, scalar_lhs: false };
-        let next = g.push(Kind::Op(add, vec![Arg { node: step, layout: scalar }]), vec![], DType::F64);
+        let next = g.push(Kind::Op(add, vec![Arg { node: step, layout: scalar.clone() }]), vec![], DType::F64);
         let t = g.push(Kind::Op(Op::Cast(DType::F32), vec![whole(&g, next)]), vec![], DType::F32);
         let pow = Op::Scalar { op: BinaryOp::Pow, value: 0.9, scalar_lhs: true };
-        let corr = g.push(Kind::Op(pow, vec![whole(&g, t)]), vec![], DType::F32);
+        let decay = g.push(Kind::Op(pow, vec![whole(&g, t)]), vec![], DType::F32);
+        let rate = g.push(Kind::Op(Op::Cast(DType::F32), vec![Arg { node: lr, layout: scalar.clone() }]), vec![], DType::F32);
+        let corr = g.push(Kind::Op(Op::Binary(BinaryOp::Mul), vec![whole(&g, decay), whole(&g, rate)]), vec![], DType::F32);
         let y = g.push(Kind::Input(1), vec![4], DType::F32);
         let spread = Arg { node: corr, layout: Layout { shape: vec![4], strides: vec![0], offset: 0 } };
         let scaled = g.push(Kind::Op(Op::Binary(BinaryOp::Mul), vec![whole(&g, y), spread]), vec![4], DType::F32);
-        g.outputs = vec![whole(&g, scaled), whole(&g, total)];
+        g.outputs = vec![whole(&g, scaled), whole(&g, total), whole(&g, as_int)];
         g.writes = vec![(0, next)];
         let plan = batch_groups(&g, plan(&g, true));
         let launches: Vec<&Step> = plan.steps.iter().filter(|s| matches!(s, Step::Groups(_))).collect();
@@ -601,6 +618,9 @@ mod tests {
         let position = |want: &dyn Fn(&Step) -> bool| plan.steps.iter().position(want).expect("a step");
         let first = position(&|s| std::ptr::eq(s, launches[0]));
         assert!(position(&|s| matches!(s, Step::Node(i) if *i == step)) < first);
+        // The rate stays before the eager op that reads it too.
+        let lr_at = position(&|s| matches!(s, Step::Node(i) if *i == lr));
+        assert!(lr_at < position(&|s| matches!(s, Step::Node(i) if *i == as_int)));
         assert!(position(&|s| matches!(s, Step::Node(i) if *i == total)) > first);
     }
 

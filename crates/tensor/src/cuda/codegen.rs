@@ -1085,7 +1085,11 @@ fn fold_loop(gr: &FusedGroup, j: usize) -> Result<String, String> {
     let after = gr.after_fold();
     for (q, m) in gr.members.iter().enumerate().filter(|&(q, _)| after[q]) {
         let reads_loop = |a: &FusedSrc| matches!(*a, FusedSrc::Member(j) if !after[j]);
+        let reads_loop_or_input = |a: &FusedSrc| matches!(*a, FusedSrc::Input(_)) || reads_loop(a);
         match &m.op {
+            Op::Reduce { op: ReduceOp::Sum, .. } if !m.args.iter().all(reads_loop_or_input) => {
+                return Err(format!("member {q} sums a value computed after the fold"))
+            }
             Op::Reduce { op: ReduceOp::Sum, .. } => {}
             Op::Reduce { op, .. } => return Err(format!("member {q}: a fused group folds sums only, not {}", op.name())),
             _ if m.args.iter().any(reads_loop) => return Err(format!("member {q} runs after the fold but reads a per-element value")),

@@ -284,7 +284,9 @@ impl Plan {
         const RUNS: u32 = 10;
         self.run(lt, gpu, ptrs, ws)?;
         gpu.sync()?;
-        let (graph, ()) = gpu.capture(&gpu.new_pool(), || (0..RUNS).try_for_each(|_| self.run(lt, gpu, ptrs, ws)))?;
+        // (The pool outlives the graph, as `capture` asks, though the runs allocate nothing.)
+        let pool = gpu.new_pool();
+        let (graph, ()) = gpu.capture(&pool, || (0..RUNS).try_for_each(|_| self.run(lt, gpu, ptrs, ws)))?;
         let mut best = f64::INFINITY;
         for _ in 0..3 {
             let start = Instant::now();
