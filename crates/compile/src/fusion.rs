@@ -28,6 +28,13 @@ pub struct Group {
     pub folds: bool,
 }
 
+impl Group {
+    /// An empty group over `shape`.
+    fn new(shape: Vec<usize>, f64: bool, folds: bool) -> Group {
+        Group { members: vec![], shape, f64, externals: vec![], materialize: vec![], inplace: vec![], folds }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub enum Step {
     Node(NodeId),
@@ -149,15 +156,7 @@ pub fn plan(g: &Graph, gpu: bool) -> Plan {
                     first
                 }
                 None => {
-                    groups.push(Group {
-                        members: vec![],
-                        shape: shape.clone(),
-                        f64: class == DType::F64,
-                        externals: vec![],
-                        materialize: vec![],
-                        inplace: vec![],
-                        folds: false,
-                    });
+                    groups.push(Group::new(shape.clone(), class == DType::F64, false));
                     open.push(true);
                     groups.len() - 1
                 }
@@ -202,22 +201,13 @@ fn fold(
     after_fold: &mut [bool],
 ) -> bool {
     if let Some(a) = full_sum(g, i) {
-        let shape = a.layout.shape.clone();
         // A sum ends its argument's group unless that group is large and busy, whose
         // elements many blocks would compute faster than one (the sum then folds alone).
         let light = |k: usize| groups[k].members.len() <= FOLD_JOIN_MEMBERS || a.layout.numel() <= FOLD_JOIN_ANY;
         let k = match group_of[a.node] {
             Some(k) if open[k] && !after_fold[a.node] && identity(a, &groups[k].shape) && light(k) => k,
             _ => {
-                groups.push(Group {
-                    members: vec![],
-                    shape,
-                    f64: false,
-                    externals: vec![],
-                    materialize: vec![],
-                    inplace: vec![],
-                    folds: true,
-                });
+                groups.push(Group::new(a.layout.shape.clone(), false, true));
                 open.push(true);
                 groups.len() - 1
             }
@@ -263,14 +253,8 @@ fn finish(g: &Graph, mut groups: Vec<Group>, mut group_of: Vec<Option<usize>>, g
             gr.members.clear();
         }
     }
-    let n = g.nodes.len();
     let state_nodes = g.state_nodes();
-    let mut users: Vec<Vec<NodeId>> = vec![vec![]; n];
-    for i in 0..n {
-        for a in g.nodes[i].args() {
-            users[a].push(i);
-        }
-    }
+    let users = g.users();
     let exits: Vec<NodeId> = g.outputs.iter().map(|a| a.node).chain(g.writes.iter().map(|w| w.1)).collect();
     let pos = |i: NodeId, group_of: &[Option<usize>], groups: &[Group]| group_of[i].map_or(i, |k| *groups[k].members.last().unwrap_or(&i));
     for k in 0..groups.len() {
@@ -396,12 +380,7 @@ pub fn batch_groups(g: &Graph, plan: Plan) -> Plan {
 fn hoist_scalar_groups(g: &Graph, mut plan: Plan) -> Plan {
     let Some(target) = plan.steps.iter().position(|s| matches!(s, Step::Groups(_))) else { return plan };
     let state_nodes = g.state_nodes();
-    let mut users: Vec<Vec<NodeId>> = vec![vec![]; g.nodes.len()];
-    for (i, n) in g.nodes.iter().enumerate() {
-        for a in n.args() {
-            users[a].push(i);
-        }
-    }
+    let users = g.users();
     let free = |gr: &Group| {
         let leaf = |x: NodeId| matches!(g.nodes[x].kind, Kind::Input(_) | Kind::State(_)) || g.nodes[x].is_const();
         gr.shape.iter().product::<usize>() == 1

@@ -86,6 +86,17 @@ impl Graph {
         by_slot
     }
 
+    /// The nodes reading each node, in order (once per argument).
+    pub fn users(&self) -> Vec<Vec<NodeId>> {
+        let mut users = vec![vec![]; self.nodes.len()];
+        for (i, n) in self.nodes.iter().enumerate() {
+            for a in n.args() {
+                users[a].push(i);
+            }
+        }
+        users
+    }
+
     pub fn push(&mut self, kind: Kind, shape: Vec<usize>, dtype: DType) -> NodeId {
         self.nodes.push(Node { kind, shape, dtype });
         self.nodes.len() - 1

@@ -817,6 +817,13 @@ pub struct FusedMember {
     pub dtype: DType,
 }
 
+impl FusedMember {
+    /// A reduction member: a folding group's sum (`fold_loop`).
+    fn is_sum(&self) -> bool {
+        matches!(self.op, Op::Reduce { .. })
+    }
+}
+
 /// A compiled graph's fusion group: per element, each input is loaded once, the members run
 /// in order in registers, and `outputs` (member indices) are stored densely. Shapes and
 /// strides are literals: a compiled graph is specialised to its shapes.
@@ -856,22 +863,25 @@ impl FusedGroup {
 
     /// Whether the group ends in sums folded by one block.
     pub fn folds(&self) -> bool {
-        self.members.iter().any(|m| matches!(m.op, Op::Reduce { .. }))
+        self.members.iter().any(FusedMember::is_sum)
     }
 
-    /// Elements of output `k`: one for a value computed after the fold, else `n`.
+    /// Elements of each output: one for a value computed after the fold, else `n`.
+    pub fn output_lens(&self) -> Vec<usize> {
+        let after = if self.folds() { self.after_fold() } else { vec![] };
+        self.outputs.iter().map(|&m| if after.get(m) == Some(&true) { 1 } else { self.n }).collect()
+    }
+
+    /// Elements of output `k` (`output_lens`).
     pub fn output_len(&self, k: usize) -> usize {
-        match self.outputs.get(k) {
-            Some(&m) if self.folds() && self.after_fold()[m] => 1,
-            _ => self.n,
-        }
+        self.output_lens().get(k).copied().unwrap_or(self.n)
     }
 
     /// Members computed once after the fold: the sums and every member reading one.
     fn after_fold(&self) -> Vec<bool> {
         let mut after = vec![false; self.members.len()];
         for (q, m) in self.members.iter().enumerate() {
-            after[q] = matches!(m.op, Op::Reduce { .. }) || m.args.iter().any(|a| matches!(*a, FusedSrc::Member(j) if after[j]));
+            after[q] = m.is_sum() || m.args.iter().any(|a| matches!(*a, FusedSrc::Member(j) if after[j]));
         }
         after
     }
@@ -1083,26 +1093,14 @@ fn src_name(src: FusedSrc) -> String {
 /// folds each sum, and thread 0 runs the members after the fold and stores their values.
 fn fold_loop(gr: &FusedGroup, j: usize) -> Result<String, String> {
     let after = gr.after_fold();
-    for (q, m) in gr.members.iter().enumerate().filter(|&(q, _)| after[q]) {
-        let reads_loop = |a: &FusedSrc| matches!(*a, FusedSrc::Member(j) if !after[j]);
-        let reads_loop_or_input = |a: &FusedSrc| matches!(*a, FusedSrc::Input(_)) || reads_loop(a);
-        match &m.op {
-            Op::Reduce { op: ReduceOp::Sum, .. } if !m.args.iter().all(reads_loop_or_input) => {
-                return Err(format!("member {q} sums a value computed after the fold"))
-            }
-            Op::Reduce { op: ReduceOp::Sum, .. } => {}
-            Op::Reduce { op, .. } => return Err(format!("member {q}: a fused group folds sums only, not {}", op.name())),
-            _ if m.args.iter().any(reads_loop) => return Err(format!("member {q} runs after the fold but reads a per-element value")),
-            _ => {}
-        }
-    }
-    let sums: Vec<usize> = (0..gr.members.len()).filter(|&q| matches!(gr.members[q].op, Op::Reduce { .. })).collect();
+    check_fold(gr, &after)?;
+    let sums: Vec<usize> = (0..gr.members.len()).filter(|&q| gr.members[q].is_sum()).collect();
     // The inputs read inside the loop (`in_loop`) or after the fold.
     let reads = |in_loop: bool| {
         let mut used = vec![false; gr.inputs.len()];
         for (q, m) in gr.members.iter().enumerate() {
             // A sum reads its argument inside the loop.
-            let inside = !after[q] || matches!(m.op, Op::Reduce { .. });
+            let inside = !after[q] || m.is_sum();
             for a in &m.args {
                 if let FusedSrc::Input(k) = *a {
                     used[k] |= inside == in_loop;
@@ -1146,9 +1144,9 @@ fn fold_loop(gr: &FusedGroup, j: usize) -> Result<String, String> {
         }
     }
     for q in (0..gr.members.len()).filter(|&q| after[q]) {
-        s += &match gr.members[q].op {
-            Op::Reduce { .. } => format!("    {} m{q} = r{q};\n", compute_type(gr.members[q].dtype)),
-            _ => member_code(gr, q)?,
+        s += &match gr.members[q].is_sum() {
+            true => format!("    {} m{q} = r{q};\n", compute_type(gr.members[q].dtype)),
+            false => member_code(gr, q)?,
         };
     }
     for (k, &m) in gr.outputs.iter().enumerate() {
@@ -1158,6 +1156,25 @@ fn fold_loop(gr: &FusedGroup, j: usize) -> Result<String, String> {
     }
     s += "  }\n";
     Ok(s)
+}
+
+/// What `fold_loop` can generate: sums (of inputs or loop values) and, after them, members
+/// reading only sums, later scalars and inputs.
+fn check_fold(gr: &FusedGroup, after: &[bool]) -> Result<(), String> {
+    let reads_loop = |a: &FusedSrc| matches!(*a, FusedSrc::Member(j) if !after[j]);
+    let reads_loop_or_input = |a: &FusedSrc| matches!(*a, FusedSrc::Input(_)) || reads_loop(a);
+    for (q, m) in gr.members.iter().enumerate().filter(|&(q, _)| after[q]) {
+        match &m.op {
+            Op::Reduce { op: ReduceOp::Sum, .. } if !m.args.iter().all(reads_loop_or_input) => {
+                return Err(format!("member {q} sums a value computed after the fold"))
+            }
+            Op::Reduce { op: ReduceOp::Sum, .. } => {}
+            Op::Reduce { op, .. } => return Err(format!("member {q}: a fused group folds sums only, not {}", op.name())),
+            _ if m.args.iter().any(reads_loop) => return Err(format!("member {q} runs after the fold but reads a per-element value")),
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// A block's sum of one value per thread (the whole block calls it; the result is thread 0's).

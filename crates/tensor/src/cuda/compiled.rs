@@ -168,9 +168,9 @@ fn group_pointers(name: &str, gr: &FusedGroup, outs: &[Arc<StorageCell>], ins: &
     if outs.len() != gr.outputs.len() || ins.len() != gr.inputs.len() {
         return Err(Error::Msg(format!("{name}: given {} outputs and {} inputs", outs.len(), ins.len())));
     }
-    for (k, (c, &m)) in outs.iter().zip(&gr.outputs).enumerate() {
+    for ((c, &m), len) in outs.iter().zip(&gr.outputs).zip(gr.output_lens()) {
         let (p, dt, n) = raw(c, true)?;
-        let (want, len) = (gr.members[m].dtype, gr.output_len(k));
+        let want = gr.members[m].dtype;
         if dt != want || n < len {
             return Err(Error::Msg(format!("{name}: output needs {len} x {want:?}, got {n} x {dt:?}")));
         }
@@ -204,5 +204,5 @@ pub fn capture<R>(device: Device, pool: &Arc<Pool>, f: impl FnOnce() -> Result<R
 
 /// Replays a captured graph on its GPU's stream.
 pub fn launch_graph(graph: &CudaGraph) -> Result<()> {
-    graph.0.launch().map_err(|e| Error::Cuda(format!("graph launch: {e}")))
+    graph.0.launch().map_err(super::gpu::cuda_err("graph launch"))
 }

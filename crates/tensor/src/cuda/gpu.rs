@@ -66,7 +66,7 @@ pub fn driver_allocations() -> u64 {
     DRIVER_ALLOCS.load(Ordering::Relaxed)
 }
 
-fn cuda_err(what: impl std::fmt::Display) -> impl Fn(dr::DriverError) -> Error {
+pub(crate) fn cuda_err(what: impl std::fmt::Display) -> impl Fn(dr::DriverError) -> Error {
     let what = what.to_string();
     move |e| Error::Cuda(format!("{what}: {e}"))
 }

@@ -290,7 +290,7 @@ impl Plan {
         let mut best = f64::INFINITY;
         for _ in 0..3 {
             let start = Instant::now();
-            graph.launch().map_err(|e| Error::Cuda(format!("graph launch: {e}")))?;
+            graph.launch().map_err(super::gpu::cuda_err("graph launch"))?;
             gpu.sync()?;
             best = best.min(start.elapsed().as_secs_f64());
         }
