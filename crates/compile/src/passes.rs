@@ -3,7 +3,7 @@
 //! input), constant folding of scalar ops on constants, and matmul epilogues.
 
 use crate::graph::{Arg, Graph, Kind, NodeId};
-use kiln_tensor::{BinaryOp, DType, MatmulEpilogue, Op, ReduceOp, UnaryOp};
+use kiln_tensor::{BinaryOp, MatmulEpilogue, Op, ReduceOp, UnaryOp};
 use std::collections::HashMap;
 
 /// Rewrites every argument through `map` (old node -> new argument source).
@@ -238,12 +238,8 @@ fn readers(g: &Graph) -> Vec<usize> {
 /// - a ReLU that is a product's only reader, or a GELU (tanh form) of a product;
 /// - the product of a matmul by a GELU's gradient;
 /// - the sum of a 2-D product's operand over the contraction, the bias gradient `sum(g)`
-///   beside the weight gradient `g^T x`: one GEMM writes both, the sums after the product;
-/// - on a GPU, the product of a matmul by a fused ReLU's step (its gradient): the forward
-///   keeps the ReLU's bit mask (`ReluMask`) and the backward's GEMM applies it (`DRelu`),
-///   with the bias gradient, the gradient's column sums, in the same GEMM (`DReluSum`).
-///   (On the CPU, the step and product fuse into an elementwise group instead.)
-pub fn fuse_matmuls(g: &Graph, gpu: bool) -> Graph {
+///   beside the weight gradient `g^T x`: one GEMM writes both, the sums after the product.
+pub fn fuse_matmuls(g: &Graph) -> Graph {
     let mut out = g.clone();
     let uses = readers(g);
     let written: Vec<NodeId> = g.writes.iter().map(|w| w.1).collect();
@@ -297,38 +293,11 @@ pub fn fuse_matmuls(g: &Graph, gpu: bool) -> Graph {
                 if let Some((p, margs)) = dgelu(&args[0], &args[1]).or_else(|| dgelu(&args[1], &args[0])) {
                     out.nodes[p].kind = Kind::Op(Op::MatmulFused(MatmulEpilogue::DGeluTanh), margs);
                     alias[i] = Some((p, 0));
-                    continue;
-                }
-                let drelu = |x: &Arg, y: &Arg| drelu_match(&out, &uses, &alias, (x, y)).map(|m| (x.node, m));
-                if let Some((p, (relu, margs))) = drelu(&args[0], &args[1]).filter(|_| gpu).or_else(|| drelu(&args[1], &args[0]).filter(|_| gpu)) {
-                    let [m, n] = out.nodes[p].shape[..] else { continue };
-                    let (tail, words) = (kiln_tensor::op::matmul_tail_offset(m * n), kiln_tensor::op::relu_mask_words(m, n));
-                    if let Kind::Op(op, _) = &mut out.nodes[relu].kind {
-                        *op = Op::MatmulFused(MatmulEpilogue::ReluMask);
-                    }
-                    out.nodes[relu].shape = vec![tail + words];
-                    let mask = Arg { node: relu, layout: kiln_tensor::Layout { shape: vec![words], strides: vec![1], offset: tail } };
-                    out.nodes[p].kind = Kind::Op(Op::MatmulFused(MatmulEpilogue::DRelu), vec![margs[0].clone(), margs[1].clone(), mask]);
-                    alias[i] = Some((p, 0));
                 }
             }
             // (A sum that is written into in place stays a buffer of its own.)
             Op::Reduce { op: ReduceOp::Sum, dims, .. } if !written.contains(&i) && !bases.contains(&i) => {
                 let (sum, dims) = (args[0].clone(), dims.clone());
-                // The column sums of a ReLU's gradient made by a DRELU GEMM: its bias gradient.
-                if let Some((p, 0)) = alias[sum.node] {
-                    let drelu = matches!(&out.nodes[p].kind, Kind::Op(Op::MatmulFused(MatmulEpilogue::DRelu), _));
-                    let n = out.nodes[p].shape.get(1).copied().unwrap_or(0);
-                    if drelu && dims == [0] && whole(&sum, &g.nodes[sum.node]) && out.nodes[i].dtype == out.nodes[p].dtype {
-                        let at = kiln_tensor::op::matmul_tail_offset(out.nodes[p].numel());
-                        if let Kind::Op(op, _) = &mut out.nodes[p].kind {
-                            *op = Op::MatmulFused(MatmulEpilogue::DReluSum);
-                        }
-                        out.nodes[p].shape = vec![at + n];
-                        alias[i] = Some((p, at));
-                        continue;
-                    }
-                }
                 let found = (0..out.nodes.len()).find_map(|p| {
                     let Kind::Op(Op::Matmul, margs) = &out.nodes[p].kind else { return None };
                     if margs.len() != 2 || written.contains(&p) || first_reader[i] <= p || out.nodes[p].dtype != out.nodes[i].dtype {
@@ -373,22 +342,8 @@ pub fn fuse_matmuls(g: &Graph, gpu: bool) -> Graph {
     dce(&out)
 }
 
-/// `x * y` as a ReLU's gradient that a DRELU GEMM can make: `x` a 2-D F32 `Matmul` read only
-/// here, `y` the step of a ReLU fused into a product (`alias`: the ReLU reads as that
-/// product) of the same shape, read only here. Returns the fused ReLU's node and `x`'s args.
-fn drelu_match(out: &Graph, uses: &[usize], alias: &[Option<(NodeId, usize)>], (x, y): (&Arg, &Arg)) -> Option<(NodeId, Vec<Arg>)> {
-    let (p, q) = (&out.nodes[x.node], &out.nodes[y.node]);
-    let (Kind::Op(Op::Matmul, margs), Kind::Op(Op::Unary(UnaryOp::Step), h)) = (&p.kind, &q.kind) else { return None };
-    let (relu, 0) = alias[h[0].node]? else { return None };
-    let fused = matches!(out.nodes[relu].kind, Kind::Op(Op::MatmulFused(MatmulEpilogue::Relu | MatmulEpilogue::ReluMask), _));
-    let f32s = [p.dtype, q.dtype, out.nodes[h[0].node].dtype].iter().all(|&d| d == DType::F32);
-    let shapes = p.shape.len() == 2 && h[0].layout.shape == p.shape && whole(&h[0], &out.nodes[h[0].node]);
-    let alone = uses[x.node] == 1 && uses[y.node] == 1 && margs.len() == 2 && whole(x, p) && whole(y, q);
-    (fused && f32s && shapes && alone && relu < x.node).then(|| (relu, margs.clone()))
-}
-
 /// The pipeline, in order; `log` sees the graph after each pass.
-pub fn optimise(g: Graph, gpu: bool, mut log: impl FnMut(&str, &Graph)) -> Graph {
+pub fn optimise(g: Graph, mut log: impl FnMut(&str, &Graph)) -> Graph {
     let mut g = dce(&g);
     log("dce", &g);
     g = fold_constants(&g);
@@ -399,81 +354,7 @@ pub fn optimise(g: Graph, gpu: bool, mut log: impl FnMut(&str, &Graph)) -> Graph
     log("merge_zero_writes", &g);
     g = cse(&g);
     log("cse", &g);
-    g = fuse_matmuls(&g, gpu);
+    g = fuse_matmuls(&g);
     log("fuse_matmuls", &g);
     g
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use kiln_tensor::Layout;
-
-    fn whole(g: &Graph, node: NodeId) -> Arg {
-        Arg { node, layout: Layout::contiguous(&g.nodes[node].shape) }
-    }
-
-    /// A linear layer's ReLU and, in the backward, its gradient, bias gradient and weight
-    /// gradient, as autograd records them.
-    fn relu_layer() -> Graph {
-        let mut g = Graph::default();
-        let x = g.push(Kind::Input(0), vec![2, 3], DType::F32);
-        let w = g.push(Kind::Input(1), vec![3, 4], DType::F32);
-        let b = g.push(Kind::Input(2), vec![4], DType::F32);
-        let h = g.push(Kind::Op(Op::Matmul, vec![whole(&g, x), whole(&g, w), whole(&g, b)]), vec![2, 4], DType::F32);
-        let relu = g.push(Kind::Op(Op::Unary(UnaryOp::Relu), vec![whole(&g, h)]), vec![2, 4], DType::F32);
-        let g2 = g.push(Kind::Input(3), vec![2, 5], DType::F32);
-        let w2 = g.push(Kind::Input(4), vec![5, 4], DType::F32);
-        let dh = g.push(Kind::Op(Op::Matmul, vec![whole(&g, g2), whole(&g, w2)]), vec![2, 4], DType::F32);
-        let step = g.push(Kind::Op(Op::Unary(UnaryOp::Step), vec![whole(&g, relu)]), vec![2, 4], DType::F32);
-        let dz = g.push(Kind::Op(Op::Binary(BinaryOp::Mul), vec![whole(&g, dh), whole(&g, step)]), vec![2, 4], DType::F32);
-        let sum = Op::Reduce { op: ReduceOp::Sum, dims: vec![0], keepdim: false };
-        let db = g.push(Kind::Op(sum, vec![whole(&g, dz)]), vec![4], DType::F32);
-        let dz_t = Arg { node: dz, layout: Layout { shape: vec![4, 2], strides: vec![1, 4], offset: 0 } };
-        let dw = g.push(Kind::Op(Op::Matmul, vec![dz_t, whole(&g, x)]), vec![4, 3], DType::F32);
-        g.outputs = vec![whole(&g, relu), whole(&g, db), whole(&g, dw)];
-        g
-    }
-
-    /// The op nodes of `g`: (node, op name).
-    fn ops(g: &Graph) -> Vec<(NodeId, &'static str)> {
-        g.nodes.iter().enumerate().filter_map(|(i, n)| if let Kind::Op(op, _) = &n.kind { Some((i, op.name())) } else { None }).collect()
-    }
-
-    #[test]
-    fn a_relu_gradient_and_its_bias_gradient_fold_into_the_gpu_gemms() {
-        let f = fuse_matmuls(&relu_layer(), true);
-        let ops = ops(&f);
-        let names: Vec<&str> = ops.iter().map(|o| o.1).collect();
-        // The step, the mul and the sum are gone; the weight gradient is a plain product.
-        assert_eq!(names, ["matmul_relu_mask", "matmul_drelu_sum", "matmul"]);
-        let [h, dh, dw] = [ops[0].0, ops[1].0, ops[2].0];
-        // The forward keeps the ReLU's mask: 2 rows of 128 bits (8 words) after element 64.
-        assert_eq!(f.nodes[h].shape, vec![72]);
-        // The backward product applies it and writes the bias gradient after element 64.
-        assert_eq!(f.nodes[dh].shape, vec![68]);
-        let Kind::Op(_, args) = &f.nodes[dh].kind else { unreachable!() };
-        assert_eq!((args[2].node, args[2].layout.offset, &args[2].layout.shape), (h, 64, &vec![8]));
-        let Kind::Op(_, args) = &f.nodes[dw].kind else { unreachable!() };
-        assert_eq!((args[0].node, &args[0].layout.strides), (dh, &vec![1, 4]));
-        let outs: Vec<(NodeId, usize)> = f.outputs.iter().map(|a| (a.node, a.layout.offset)).collect();
-        assert_eq!(outs, vec![(h, 0), (dh, 64), (dw, 0)]);
-    }
-
-    #[test]
-    fn the_cpu_keeps_the_relu_gradient_as_elementwise_ops() {
-        let f = fuse_matmuls(&relu_layer(), false);
-        // The bias gradient rides on the weight gradient's GEMM instead.
-        let names: Vec<&str> = ops(&f).iter().map(|o| o.1).collect();
-        assert_eq!(names, ["matmul_relu", "matmul", "step", "mul", "matmul_sum"]);
-    }
-
-    #[test]
-    fn a_relu_whose_step_is_read_twice_keeps_its_gradient_unfused() {
-        let mut g = relu_layer();
-        let step = ops(&g).iter().find(|o| o.1 == "step").map(|o| o.0).unwrap_or_default();
-        g.outputs.push(whole(&g, step));
-        let names: Vec<&str> = ops(&fuse_matmuls(&g, true)).iter().map(|o| o.1).collect();
-        assert_eq!(names, ["matmul_relu", "matmul", "step", "mul", "matmul_sum"]);
-    }
 }

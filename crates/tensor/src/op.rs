@@ -477,60 +477,6 @@ pub enum MatmulEpilogue {
     SumLeft,
     /// As `SumLeft`, with the `n` sums of `b` over its rows (BGRADA).
     SumRight,
-    /// `relu(a @ b + bias)` of a 2-D F32 product `[m, n]`, then from `matmul_tail_offset` the
-    /// ReLU's mask: bit `i * relu_mask_ld(n) + j` (least significant first in each 32-bit
-    /// word) is set where element `(i, j)` is positive. That is the layout of cuBLASLt's
-    /// RELU_AUX(_BIAS) bit mask, which DRELU reads in the backward.
-    ReluMask,
-    /// `a @ b` where the mask (input 2: a `ReluMask` output's tail) is set, else 0: the
-    /// gradient through that ReLU (cuBLASLt's DRELU). A non-finite product where the ReLU was
-    /// off gives 0, where the unfused `mul` by the ReLU's step would give NaN.
-    DRelu,
-    /// As `DRelu`, then the `n` sums of the result over its rows, the bias gradient, from
-    /// `matmul_tail_offset(m * n)` (DRELU_BGRAD).
-    DReluSum,
-}
-
-/// The row stride, in bits, of a `ReluMask` mask over `n` columns (cuBLASLt asks for a
-/// multiple of 128).
-pub fn relu_mask_ld(n: usize) -> usize {
-    n.next_multiple_of(128)
-}
-
-/// The 32-bit words (F32 elements) of a `ReluMask` mask over an `[m, n]` product.
-pub fn relu_mask_words(m: usize, n: usize) -> usize {
-    m * relu_mask_ld(n) / 32
-}
-
-impl MatmulEpilogue {
-    /// Whether input 2 is an aux matrix the epilogue reads (not a bias).
-    pub fn reads_aux(self) -> bool {
-        matches!(self, MatmulEpilogue::DGeluTanh | MatmulEpilogue::DRelu | MatmulEpilogue::DReluSum)
-    }
-}
-
-/// The shape rule of the ReLU-mask epilogues: a 2-D F32 product, and for `DRelu(Sum)` a
-/// mask of its size.
-fn relu_mask_meta(e: MatmulEpilogue, name: &'static str, product: &OutMeta, mask: Option<&InMeta>) -> Result<OutMeta> {
-    let [m, n] = product.shape[..] else {
-        return Err(Error::shape(name, format!("needs a 2-D product, got {:?}", product.shape)));
-    };
-    if product.dtype != DType::F32 {
-        return Err(Error::dtype(name, format!("needs F32 operands, got {:?}", product.dtype)));
-    }
-    if let Some(mask) = mask {
-        let words = relu_mask_words(m, n);
-        if mask.shape != [words] || mask.dtype != DType::F32 {
-            let (s, d) = (mask.shape, mask.dtype);
-            return Err(Error::shape(name, format!("the ReLU mask of a [{m}, {n}] product must be [{words}] x F32, got {s:?} x {d:?}")));
-        }
-    }
-    let tail = match e {
-        MatmulEpilogue::ReluMask => relu_mask_words(m, n),
-        MatmulEpilogue::DReluSum => n,
-        _ => return Ok(product.clone()),
-    };
-    Ok(OutMeta { shape: vec![matmul_tail_offset(m * n) + tail], dtype: DType::F32 })
 }
 
 /// Where the second part of `Op::MatmulFused`'s output (sums, or GELU's pre-activation)
@@ -730,9 +676,6 @@ impl Op {
             Op::MatmulFused(MatmulEpilogue::Relu) => "matmul_relu",
             Op::MatmulFused(MatmulEpilogue::GeluTanh) => "matmul_gelu_tanh",
             Op::MatmulFused(MatmulEpilogue::DGeluTanh) => "matmul_dgelu_tanh",
-            Op::MatmulFused(MatmulEpilogue::ReluMask) => "matmul_relu_mask",
-            Op::MatmulFused(MatmulEpilogue::DRelu) => "matmul_drelu",
-            Op::MatmulFused(MatmulEpilogue::DReluSum) => "matmul_drelu_sum",
             Op::MatmulFused(_) => "matmul_sum",
             Op::Reshape(_) => "reshape",
             Op::Permute(_) => "permute",
@@ -775,12 +718,8 @@ impl Op {
             Op::CrossEntropy { .. } => 2,
             Op::CrossEntropyBackward { .. } => 3,
             Op::Reshape(_) | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_) | Op::Contiguous => 1,
-            Op::Matmul | Op::MatmulFused(MatmulEpilogue::Relu | MatmulEpilogue::GeluTanh | MatmulEpilogue::ReluMask)
-                if inputs.len() == 3 =>
-            {
-                3
-            }
-            Op::MatmulFused(e) if e.reads_aux() => 3,
+            Op::Matmul | Op::MatmulFused(MatmulEpilogue::Relu | MatmulEpilogue::GeluTanh) if inputs.len() == 3 => 3,
+            Op::MatmulFused(MatmulEpilogue::DGeluTanh) => 3,
             Op::MatmulFused(_) => 2,
             Op::Binary(_) | Op::Matmul | Op::IndexSelect { .. } | Op::Gather { .. } => 2,
             Op::Assign | Op::UpdateBinary(_) => 2,
@@ -957,13 +896,10 @@ impl Op {
                 meta(shape, inputs[0].dtype)
             }
             Op::MatmulFused(e) => {
-                let product = Op::Matmul.infer(if e.reads_aux() { &inputs[..2] } else { inputs })?;
+                let product = Op::Matmul.infer(if *e == MatmulEpilogue::DGeluTanh { &inputs[..2] } else { inputs })?;
                 let numel: usize = product.shape.iter().product();
                 match e {
                     MatmulEpilogue::Relu => return Ok(product),
-                    MatmulEpilogue::ReluMask | MatmulEpilogue::DRelu | MatmulEpilogue::DReluSum => {
-                        return relu_mask_meta(*e, name, &product, inputs.get(2).filter(|_| e.reads_aux()))
-                    }
                     MatmulEpilogue::GeluTanh => return meta(vec![matmul_tail_offset(numel) + numel], product.dtype),
                     MatmulEpilogue::DGeluTanh => {
                         same_dtype(product.dtype, inputs[2].dtype)?;

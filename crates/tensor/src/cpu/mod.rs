@@ -457,7 +457,9 @@ fn matmul_fused(e: MatmulEpilogue, ins: &[(&CpuStorage, &Layout)], meta: &OutMet
             run(&Op::Unary(UnaryOp::Relu), &[(&product, &dense(&meta.shape))], meta)
         }
         MatmulEpilogue::GeluTanh => {
-            let pm = product_meta(ins)?;
+            // The product's shape, as the shape rule gives it.
+            let pm =
+                Op::Matmul.infer(&ins.iter().map(|(s, l)| crate::op::InMeta { shape: &l.shape, dtype: s.dtype() }).collect::<Vec<_>>())?;
             let product = run(&Op::Matmul, ins, &pm)?;
             let act = run(&Op::Unary(UnaryOp::GeluTanh), &[(&product, &dense(&pm.shape))], &pm)?;
             append(&act, &product)
@@ -479,45 +481,7 @@ fn matmul_fused(e: MatmulEpilogue, ins: &[(&CpuStorage, &Layout)], meta: &OutMet
                 }
             }
         }
-        MatmulEpilogue::ReluMask => {
-            let pm = product_meta(ins)?;
-            let product = run(&Op::Matmul, ins, &pm)?;
-            let act = run(&Op::Unary(UnaryOp::Relu), &[(&product, &dense(&pm.shape))], &pm)?;
-            append(&act, &relu_mask(typed::<f32>(&act, "matmul_relu_mask")?, pm.shape[1]))
-        }
-        MatmulEpilogue::DRelu | MatmulEpilogue::DReluSum => {
-            let pm = product_meta(&ins[..2])?;
-            let product = run(&Op::Matmul, &ins[..2], &pm)?;
-            let p = typed::<f32>(&product, "matmul_drelu")?;
-            let mask = contig(typed::<f32>(ins[2].0, "matmul_drelu")?, ins[2].1);
-            let (n, ld) = (pm.shape[1], crate::op::relu_mask_ld(pm.shape[1]));
-            let on = |e: usize| e / n * ld + e % n;
-            let bit = |b: usize| mask[b / 32].to_bits() >> (b % 32) & 1 == 1;
-            let out = p.iter().enumerate().map(|(e, &x)| if bit(on(e)) { x } else { 0.0 }).collect::<Vec<f32>>().into_storage();
-            if e == MatmulEpilogue::DRelu {
-                return Ok(out);
-            }
-            let sums = run(&Op::Reduce { op: crate::ReduceOp::Sum, dims: vec![0], keepdim: false }, &[(&out, &dense(&pm.shape))], &with_shape(vec![n]))?;
-            append(&out, &sums)
-        }
     }
-}
-
-/// The shape rule's product of a fused matmul's operands (and bias).
-fn product_meta(ins: &[(&CpuStorage, &Layout)]) -> Result<OutMeta> {
-    Op::Matmul.infer(&ins.iter().map(|(s, l)| crate::op::InMeta { shape: &l.shape, dtype: s.dtype() }).collect::<Vec<_>>())
-}
-
-/// The bit mask of the positive elements of a row-major `[m, n]` product, in the layout of
-/// `MatmulEpilogue::ReluMask` (rows `relu_mask_ld(n)` bits apart, least significant bit first).
-fn relu_mask(y: &[f32], n: usize) -> CpuStorage {
-    let ld = crate::op::relu_mask_ld(n);
-    let mut words = vec![0u32; crate::op::relu_mask_words(y.len() / n.max(1), n)];
-    for (e, _) in y.iter().enumerate().filter(|(_, &x)| x > 0.0) {
-        let b = e / n * ld + e % n;
-        words[b / 32] |= 1 << (b % 32);
-    }
-    words.into_iter().map(f32::from_bits).collect::<Vec<f32>>().into_storage()
 }
 
 /// A fused matmul's operand sums: the left operand's rows (`SumLeft`, `[m]`) or the right's

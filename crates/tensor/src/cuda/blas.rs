@@ -157,11 +157,6 @@ struct Rest<'a> {
     gelu: Option<usize>,
     /// The pre-activation whose GELU gradient multiplies the product.
     dgelu: Option<(&'a CudaStorage, &'a Layout)>,
-    /// The ReLU's bit mask, written from this offset (`MatmulEpilogue::ReluMask`).
-    relu_mask: Option<usize>,
-    /// The ReLU mask whose clear bits zero the product, and where the result's column sums go
-    /// (`DRelu`, `DReluSum`).
-    drelu: Option<((&'a CudaStorage, &'a Layout), Option<usize>)>,
     /// The operand, the dim summed and where the sums go in the output.
     sums: Option<((&'a CudaStorage, &'a Layout), usize, usize)>,
 }
@@ -178,13 +173,7 @@ pub fn matmul_fused(
 ) -> Result<CudaStorage> {
     // The product's shape (a fused sum's or GELU's output is flat: the product, then more).
     let shape: Vec<usize> = match epi {
-        Some(
-            MatmulEpilogue::SumLeft
-            | MatmulEpilogue::SumRight
-            | MatmulEpilogue::GeluTanh
-            | MatmulEpilogue::ReluMask
-            | MatmulEpilogue::DReluSum,
-        ) => {
+        Some(MatmulEpilogue::SumLeft | MatmulEpilogue::SumRight | MatmulEpilogue::GeluTanh) => {
             let ins = [InMeta { shape: &la.shape, dtype: sa.dtype }, InMeta { shape: &lb.shape, dtype: sb.dtype }];
             crate::Op::Matmul.infer(&ins)?.shape
         }
@@ -195,15 +184,12 @@ pub fn matmul_fused(
     let batch: usize = shape[..r - 2].iter().product();
     let out = CudaStorage::alloc(g, meta.dtype, meta.shape.iter().product())?;
     let tail = crate::op::matmul_tail_offset(shape.iter().product());
-    // Input 2 is the bias, or the aux matrix a gradient epilogue reads.
-    let (bias, aux) = if epi.is_some_and(|e| e.reads_aux()) { (None, bias) } else { (bias, None) };
+    let (bias, dgelu) = if epi == Some(MatmulEpilogue::DGeluTanh) { (None, bias) } else { (bias, None) };
     let mut rest = Rest {
         bias,
-        relu: matches!(epi, Some(MatmulEpilogue::Relu | MatmulEpilogue::ReluMask)),
+        relu: epi == Some(MatmulEpilogue::Relu),
         gelu: (epi == Some(MatmulEpilogue::GeluTanh)).then_some(tail),
-        dgelu: aux.filter(|_| epi == Some(MatmulEpilogue::DGeluTanh)),
-        relu_mask: (epi == Some(MatmulEpilogue::ReluMask)).then_some(tail),
-        drelu: aux.filter(|_| epi != Some(MatmulEpilogue::DGeluTanh)).map(|m| (m, (epi == Some(MatmulEpilogue::DReluSum)).then_some(tail))),
+        dgelu,
         sums: match epi {
             Some(MatmulEpilogue::SumLeft) => Some(((sa, la), 1, tail)),
             Some(MatmulEpilogue::SumRight) => Some(((sb, lb), 0, tail)),
@@ -355,9 +341,6 @@ fn lt_epilogue(rest: &Rest, batch: usize, n: usize, out: &CudaStorage) -> (Epilo
     let aligned = |p: u64| (batch == 1 && alignment(p) >= 16).then_some(p);
     let dense = |v: Option<(&CudaStorage, &Layout)>| v.filter(|(_, l)| l.is_contiguous()).and_then(|(s, l)| aligned(s.ptr_at(l.offset)));
     let bias = dense(rest.bias);
-    if rest.relu_mask.is_some() || rest.drelu.is_some() {
-        return relu_epilogue(rest, bias, n, out, aligned);
-    }
     let (kind, vector, aux) = match (rest.bias, bias, rest.relu, rest.gelu, rest.dgelu, rest.sums) {
         (Some(_), Some(p), true, ..) => (E::CUBLASLT_EPILOGUE_RELU_BIAS, p, 0),
         (Some(_), Some(p), _, Some(at), ..) => match aligned(out.ptr_at(at)) {
@@ -391,33 +374,11 @@ fn lt_epilogue(rest: &Rest, batch: usize, n: usize, out: &CudaStorage) -> (Epilo
     (epilogue, vector, aux)
 }
 
-/// `lt_epilogue` for a ReLU that keeps its bit mask (RELU_AUX, with the bias or not) or a
-/// gradient through one (DRELU, with the bias gradient or not). The mask's rows (the output's,
-/// `n` long) lie `relu_mask_ld(n)` bits apart.
-fn relu_epilogue(rest: &Rest, bias: Option<u64>, n: usize, out: &CudaStorage, aligned: impl Fn(u64) -> Option<u64>) -> (Epilogue, u64, u64) {
-    use cudarc::cublaslt::sys::cublasLtEpilogue_t as E;
-    let found = match (rest.relu_mask, rest.drelu, rest.bias, bias) {
-        (Some(at), _, Some(_), Some(p)) => aligned(out.ptr_at(at)).map(|x| (E::CUBLASLT_EPILOGUE_RELU_AUX_BIAS, p, x)),
-        (Some(at), _, None, _) => aligned(out.ptr_at(at)).map(|x| (E::CUBLASLT_EPILOGUE_RELU_AUX, 0, x)),
-        (None, Some(((m, l), sums)), ..) if l.is_contiguous() => match (aligned(m.ptr_at(l.offset)), sums) {
-            (Some(x), Some(at)) => aligned(out.ptr_at(at)).map(|p| (E::CUBLASLT_EPILOGUE_DRELU_BGRAD, p, x)),
-            (Some(x), None) => Some((E::CUBLASLT_EPILOGUE_DRELU, 0, x)),
-            (None, _) => None,
-        },
-        // A bias the epilogue cannot read, or a strided mask: nothing fused.
-        _ => None,
-    };
-    let Some((kind, vector, aux)) = found else { return (Epilogue::NONE, 0, 0) };
-    let ld = crate::op::relu_mask_ld(n) as i64;
-    let epilogue = Epilogue { kind: kind as u32, vector: (vector != 0).then(|| alignment(vector)), aux: Some((alignment(aux), ld)) };
-    (epilogue, vector, aux)
-}
-
 impl Rest<'_> {
     /// Drops what `epilogue` did.
     fn done_by(&mut self, epilogue: Epilogue) {
         if epilogue != Epilogue::NONE {
-            *self = Rest { bias: None, relu: false, gelu: None, dgelu: None, relu_mask: None, drelu: None, sums: None };
+            *self = Rest { bias: None, relu: false, gelu: None, dgelu: None, sums: None };
         }
     }
 }
@@ -441,28 +402,13 @@ fn finish(g: &Arc<Gpu>, out: CudaStorage, rest: Rest, shape: &[usize]) -> Result
     if let Some(h) = rest.dgelu {
         super::kernels::mul_by_unary(g, &out, shape, crate::UnaryOp::GeluTanhGrad, h)?;
     }
-    if let Some(at) = rest.relu_mask {
-        super::kernels::relu_mask(g, &out, shape, (out.ptr_at(at), false))?;
-    }
-    if let Some(((m, l), sums)) = rest.drelu {
-        let mask = super::kernels::dense_copy(g, m, l)?;
-        super::kernels::relu_mask(g, &out, shape, (mask.buf.ptr, true))?;
-        if let Some(at) = sums {
-            write_sums(g, &out, at, (&out, &Layout::contiguous(shape)), 0)?;
-        }
-    }
     if let Some(((s, l), dim, at)) = rest.sums {
-        write_sums(g, &out, at, (s, l), dim)?;
+        let len = l.shape[1 - dim];
+        let sums = super::kernels::sum_dim(g, s, l, dim)?;
+        // SAFETY: `out` holds `at + len` elements (the shape rule) and `sums` `len`, both live
+        // until the stream has run the copy (the caller keeps `out`; freed buffers are reused
+        // only in stream order).
+        unsafe { g.copy_d2d(out.ptr_at(at), sums.buf.ptr, len * out.dtype.size_in_bytes())? };
     }
     Ok(out)
-}
-
-/// The sums of the 2-D `s` over `dim`, written into `out` from element `at`.
-fn write_sums(g: &Arc<Gpu>, out: &CudaStorage, at: usize, (s, l): (&CudaStorage, &Layout), dim: usize) -> Result<()> {
-    let len = l.shape[1 - dim];
-    let sums = super::kernels::sum_dim(g, s, l, dim)?;
-    // SAFETY: `out` holds `at + len` elements (the shape rule) and `sums` `len`, both live
-    // until the stream has run the copy (the caller keeps `out`; freed buffers are reused
-    // only in stream order).
-    unsafe { g.copy_d2d(out.ptr_at(at), sums.buf.ptr, len * out.dtype.size_in_bytes()) }
 }

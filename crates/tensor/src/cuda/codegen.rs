@@ -593,28 +593,6 @@ pub fn adam_source(dtype: DType, amsgrad: bool) -> (String, String) {
     (s, name)
 }
 
-/// The ReLU-mask kernels behind `MatmulEpilogue::ReluMask` and `DRelu` where cuBLASLt's
-/// epilogue did not run: `mask` packs the positive elements of a row-major F32 `[rows, n]`
-/// buffer into bits (rows `ld` bits apart, one thread per 32-bit word), `drelu` zeroes the
-/// elements whose bit is clear (one thread per element).
-pub fn relu_mask_source(drelu: bool) -> (String, String) {
-    let name = if drelu { "kiln_drelu" } else { "kiln_relu_mask" };
-    let body = if drelu {
-        "  if (i >= rows * n) return;\n  long long b = i / n * ld + i % n;\n  if (!((mask[b / 32] >> (b % 32)) & 1u)) y[i] = 0.0f;\n"
-    } else {
-        concat!(
-            "  if (i >= rows * ld / 32) return;\n  long long r = i * 32 / ld, j0 = i * 32 % ld;\n  unsigned bits = 0;\n",
-            "  for (int b = 0; b < 32; ++b) if (j0 + b < n && y[r * n + j0 + b] > 0.0f) bits |= 1u << b;\n  mask[i] = bits;\n"
-        )
-    };
-    let y = if drelu { "float* y" } else { "const float* y" };
-    let m = if drelu { "const unsigned* mask" } else { "unsigned* mask" };
-    let s = format!(
-        "extern \"C\" __global__ void {name}({y}, {m}, long long rows, long long n, long long ld) {{\n  long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;\n{body}}}\n"
-    );
-    (s, name.to_string())
-}
-
 /// CUDA text that all-reduces `acc` (of type C) over a row's threads: a warp with shuffles,
 /// or a block through shared memory `sh` (32 slots). `max` folds NaN-first maxima, else sums.
 fn row_allreduce(block: bool, max: bool) -> String {

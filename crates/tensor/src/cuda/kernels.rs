@@ -247,26 +247,6 @@ pub(super) fn mul_by_unary(g: &Arc<Gpu>, out: &CudaStorage, shape: &[usize], u: 
     launch_ew(g, prefix, expr, c, &[(out, &lo), (&grad, &lo)], shape, out, true, NO_EXTRA)
 }
 
-/// A fused matmul's ReLU mask where no epilogue wrote it: the positive elements of the dense
-/// F32 `out` (`[rows, n]`) as bits from element `at` on (`MatmulEpilogue::ReluMask`), or,
-/// with `drelu`, `out`'s elements zeroed where the mask `mask` has a clear bit (`DRelu`).
-pub(super) fn relu_mask(g: &Arc<Gpu>, out: &CudaStorage, shape: &[usize], mask: (u64, bool)) -> Result<()> {
-    let (rows, n) = (shape[0], shape[1]);
-    let ld = crate::op::relu_mask_ld(n);
-    let (mut y, mut m, drelu) = (out.buf.ptr, mask.0, mask.1);
-    let work = if drelu { rows * n } else { crate::op::relu_mask_words(rows, n) };
-    if out.dtype != DType::F32 || work == 0 {
-        return Err(Error::dtype("matmul_relu_mask", format!("needs a non-empty F32 product, got {:?} {shape:?}", out.dtype)));
-    }
-    let k = g.kernel(super::spec_key("relu_mask", &drelu), || super::codegen::relu_mask_source(drelu))?;
-    let (mut r, mut nn, mut l) = (rows as i64, n as i64, ld as i64);
-    let mut params = kernel_params![y, m, r, nn, l];
-    // SAFETY: (y, mask, rows, n, ld) as the generated signature; `out` holds rows x n F32
-    // elements and the mask `rows * ld / 32` words (the shape rule), both live buffers of this
-    // GPU kept by the caller until the stream has run the kernel; threads past the work return.
-    unsafe { g.launch(k, (work.div_ceil(256) as u32, 1), 256, 0, &mut params) }
-}
-
 /// The sums of a 2-D `s` (read through `l`) over `dim`, in `s`'s dtype.
 pub(super) fn sum_dim(g: &Arc<Gpu>, s: &CudaStorage, l: &Layout, dim: usize) -> Result<CudaStorage> {
     let meta = OutMeta { shape: vec![l.shape[1 - dim]], dtype: s.dtype };
