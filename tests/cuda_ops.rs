@@ -338,6 +338,28 @@ fn fused_matmul_epilogues_match_the_cpu() {
     }
 }
 
+/// `Op::CrossEntropyMean` (compile's one-block mean loss and gradient) against the CPU, with
+/// ignored targets, label smoothing, more rows than the block has warps, and F64.
+#[test]
+fn fused_mean_cross_entropy_matches_the_cpu() {
+    use kiln::tensor::Op;
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for (rows, classes, smoothing, dt) in [(32, 10, 0.0, DType::F32), (4096, 10, 0.1, DType::F32), (100, 700, 0.0, DType::F64)] {
+        let logits = randn(&[rows, classes], 70, dt).mul_scalar(3.0).unwrap();
+        // Every seventh target ignored.
+        let t: Vec<i64> = (0..rows as i64).map(|i| if i % 7 == 3 { -100 } else { (i * 5 + 1) % classes as i64 }).collect();
+        let targets = Tensor::from_vec(t, &[rows], Device::Cpu).unwrap();
+        let op = Op::CrossEntropyMean { ignore_index: Some(-100), smoothing };
+        let what = format!("cross_entropy_mean [{rows}, {classes}] {dt:?} smoothing {smoothing}");
+        both(&what, &[logits, targets], tol(dt) * 10.0, |x| {
+            let out = Tensor::apply(op.clone(), &[&x[0], &x[1]], x[0].device())?;
+            // The loss and the gradient (the padding between is left unwritten on CUDA).
+            let at = kiln::tensor::op::XENT_GRAD_AT;
+            Tensor::cat(&[&out.narrow(0, 0, 1)?, &out.narrow(0, at, rows * classes)?], 0)
+        });
+    }
+}
+
 #[test]
 fn indexing_cat_and_in_place_updates_match_the_cpu() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());

@@ -221,8 +221,11 @@ pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Te
             };
             [da, db, dbias].into_iter().take(inputs.len()).collect()
         }
-        Op::MatmulFused(_) => {
-            return Err(Error::Msg("backward: matmul_relu and matmul_sum are made by compile's fusion after the backward was traced; they have no backward rule".into()));
+        Op::MatmulFused(_) | Op::CrossEntropyMean { .. } => {
+            return Err(Error::Msg(format!(
+                "backward: {} is made by compile's fusion after the backward was traced; it has no backward rule",
+                op.name()
+            )));
         }
         Op::Reshape(_) | Op::Contiguous => vec![Some(g.reshape(x0()?.shape())?)],
         Op::Permute(perm) => {

@@ -220,3 +220,38 @@ pub fn op_label(op: &Op) -> String {
         other => other.name().to_string(),
     }
 }
+
+/// Graphs for the passes' and the planner's unit tests.
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::*;
+    use kiln_tensor::{BinaryOp, DType, Layout, Op, ReduceOp};
+
+    pub fn whole(g: &Graph, node: NodeId) -> Arg {
+        Arg { node, layout: Layout::contiguous(&g.nodes[node].shape) }
+    }
+
+    /// A mean cross-entropy with ignored targets and its gradient's scale, as autograd records it.
+    pub fn mean_loss() -> (Graph, [NodeId; 6]) {
+        let mut g = Graph::default();
+        let logits = g.push(Kind::Input(0), vec![4, 3], DType::F32);
+        let targets = g.push(Kind::Input(1), vec![4], DType::I64);
+        let ce = Op::CrossEntropy { ignore_index: Some(-100), smoothing: 0.0 };
+        let rows = g.push(Kind::Op(ce, vec![whole(&g, logits), whole(&g, targets)]), vec![4], DType::F32);
+        let sum = || Op::Reduce { op: ReduceOp::Sum, dims: vec![0], keepdim: false };
+        let total = g.push(Kind::Op(sum(), vec![whole(&g, rows)]), vec![], DType::F32);
+        let ne = Op::Scalar { op: BinaryOp::Ne, value: -100.0, scalar_lhs: false };
+        let real = g.push(Kind::Op(ne, vec![whole(&g, targets)]), vec![4], DType::U8);
+        let real_f = g.push(Kind::Op(Op::Cast(DType::F32), vec![whole(&g, real)]), vec![4], DType::F32);
+        let count = g.push(Kind::Op(sum(), vec![whole(&g, real_f)]), vec![], DType::F32);
+        let div = Op::Binary(BinaryOp::Div);
+        let loss = g.push(Kind::Op(div.clone(), vec![whole(&g, total), whole(&g, count)]), vec![], DType::F32);
+        let one = g.push(Kind::Op(Op::Full { shape: vec![], value: 1.0, dtype: DType::F32 }, vec![]), vec![], DType::F32);
+        let scale = g.push(Kind::Op(div, vec![whole(&g, one), whole(&g, count)]), vec![], DType::F32);
+        let row_scale = Arg { node: scale, layout: Layout { shape: vec![4], strides: vec![0], offset: 0 } };
+        let ceb = Op::CrossEntropyBackward { ignore_index: Some(-100), smoothing: 0.0 };
+        let dlogits = g.push(Kind::Op(ceb, vec![whole(&g, logits), whole(&g, targets), row_scale]), vec![4, 3], DType::F32);
+        g.outputs = vec![whole(&g, loss), whole(&g, dlogits)];
+        (g, [total, real, real_f, count, loss, scale])
+    }
+}

@@ -347,13 +347,6 @@ where
         log::log("graph", &format!("traced graph ({} ops):\n{}", nodes_traced, lowered.graph));
         debug_verify(&lowered.graph)?;
         let traced = start.elapsed();
-        let mut mark = Instant::now();
-        let graph = passes::optimise(lowered.graph, |name, g| {
-            log::log("passes", &format!("after {name}: {} nodes ({:.1} ms)", g.nodes.len(), mark.elapsed().as_secs_f64() * 1e3));
-            mark = Instant::now();
-            debug_verify(g).unwrap_or_else(|e| eprintln!("kiln compile: verifier after {name}: {e}"));
-        });
-        log::log("graph", &format!("optimised graph:\n{graph}"));
         for c in &lowered.cells {
             if c.id() >= first_new {
                 lazy::materialize(c)?;
@@ -362,6 +355,13 @@ where
             }
         }
         let device = step_device(inputs, &lowered.cells);
+        let mut mark = Instant::now();
+        let graph = passes::optimise(lowered.graph, device.is_cuda(), |name, g| {
+            log::log("passes", &format!("after {name}: {} nodes ({:.1} ms)", g.nodes.len(), mark.elapsed().as_secs_f64() * 1e3));
+            mark = Instant::now();
+            debug_verify(g).unwrap_or_else(|e| eprintln!("kiln compile: verifier after {name}: {e}"));
+        });
+        log::log("graph", &format!("optimised graph:\n{graph}"));
         let planned = Instant::now();
         let exec = exec::Program::new(graph, lowered.cells, &self.opts, device)?;
         log::log(

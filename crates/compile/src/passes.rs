@@ -3,7 +3,7 @@
 //! input), constant folding of scalar ops on constants, and matmul epilogues.
 
 use crate::graph::{Arg, Graph, Kind, NodeId};
-use kiln_tensor::{BinaryOp, MatmulEpilogue, Op, ReduceOp, UnaryOp};
+use kiln_tensor::{BinaryOp, DType, MatmulEpilogue, Op, ReduceOp, UnaryOp};
 use std::collections::HashMap;
 
 /// Rewrites every argument through `map` (old node -> new argument source).
@@ -318,6 +318,14 @@ pub fn fuse_matmuls(g: &Graph) -> Graph {
             _ => {}
         }
     }
+    redirect(&mut out, &alias);
+    dce(&out)
+}
+
+/// Points every read of a node `i` with `alias[i] = (node, offset)` at `node`, `offset`
+/// elements further on. No fused node is a base written into in place (the passes check): only
+/// a product's DGELU output (offset 0) can stand for one.
+fn redirect(out: &mut Graph, alias: &[Option<(NodeId, usize)>]) {
     let fix = |a: &mut Arg| {
         if let Some((node, offset)) = alias[a.node] {
             a.node = node;
@@ -328,8 +336,6 @@ pub fn fuse_matmuls(g: &Graph) -> Graph {
         match &mut n.kind {
             Kind::Op(_, args) => args.iter_mut().for_each(fix),
             Kind::WriteView { base, value, .. } => {
-                // No fused node is a base (see above): only a product's DGELU output (offset 0)
-                // can stand for one.
                 if let Some((node, 0)) = alias[*base] {
                     *base = node;
                 }
@@ -339,11 +345,94 @@ pub fn fuse_matmuls(g: &Graph) -> Graph {
         }
     }
     out.outputs.iter_mut().for_each(fix);
+}
+
+/// The most logits, and the longest row, that a fused mean cross-entropy takes: it runs as
+/// one block of 32 warps, a warp per row.
+pub const XENT_MEAN_MAX: (usize, usize) = (1 << 16, 1024);
+
+/// On a GPU, a small mean cross-entropy and its gradient as `nn::cross_entropy` and autograd
+/// record them (the rows' losses summed over the count of targets that are not ignored; the
+/// backward with every row's gradient `1 / count`) become one `Op::CrossEntropyMean`: one
+/// single-block launch where there were three (the rows, the loss chain folded in one block,
+/// the backward). The loss reads its element 0, the gradient the rest.
+pub fn fuse_mean_cross_entropy(g: &Graph, gpu: bool) -> Graph {
+    let mut out = g.clone();
+    if !gpu {
+        return out;
+    }
+    let users = g.users();
+    let mut escapes = vec![false; g.nodes.len()];
+    g.outputs.iter().map(|a| a.node).chain(g.writes.iter().map(|w| w.1)).for_each(|n| escapes[n] = true);
+    for n in &g.nodes {
+        if let Kind::WriteView { base, .. } = n.kind {
+            escapes[base] = true;
+        }
+    }
+    let mut alias: Vec<Option<(NodeId, usize)>> = vec![None; g.nodes.len()];
+    for ce in 0..g.nodes.len() {
+        let Some((loss, grad)) = mean_xent(g, &users, &escapes, ce) else { continue };
+        if let Kind::Op(op, _) = &mut out.nodes[ce].kind {
+            let Op::CrossEntropy { ignore_index, smoothing } = *op else { continue };
+            *op = Op::CrossEntropyMean { ignore_index, smoothing };
+        }
+        out.nodes[ce].shape = vec![kiln_tensor::op::XENT_GRAD_AT + g.nodes[grad].numel()];
+        (alias[loss], alias[grad]) = (Some((ce, 0)), Some((ce, kiln_tensor::op::XENT_GRAD_AT)));
+    }
+    redirect(&mut out, &alias);
     dce(&out)
 }
 
+/// For a `CrossEntropy` node `ce`, its mean's loss and gradient nodes when they form the chain
+/// `fuse_mean_cross_entropy` replaces, with nothing else reading its inner nodes.
+fn mean_xent(g: &Graph, users: &[Vec<NodeId>], escapes: &[bool], ce: NodeId) -> Option<(NodeId, NodeId)> {
+    let op = |i: NodeId| match &g.nodes[i].kind {
+        Kind::Op(op, args) => Some((op, args.as_slice())),
+        _ => None,
+    };
+    let (&Op::CrossEntropy { ignore_index: Some(ig), smoothing }, [x, t]) = op(ce)? else { return None };
+    let [rows, classes] = x.layout.shape[..] else { return None };
+    let (dtype, (most, longest)) = (g.nodes[ce].dtype, XENT_MEAN_MAX);
+    if rows * classes > most || classes > longest || !matches!(dtype, DType::F32 | DType::F64) {
+        return None;
+    }
+    // `only(i)`: the one node reading `i`, which reads it whole.
+    let only = |i: NodeId| match users[i][..] {
+        [u] if !escapes[i] && op(u)?.1.iter().all(|a| a.node != i || whole(a, &g.nodes[i])) => Some(u),
+        _ => None,
+    };
+    let sum_of = |i: NodeId| matches!(op(i), Some((Op::Reduce { op: ReduceOp::Sum, dims, .. }, _)) if dims[..] == [0]);
+    let total = only(ce).filter(|&s| sum_of(s))?;
+    let loss = only(total)?;
+    let (Op::Binary(BinaryOp::Div), [num, count]) = op(loss)? else { return None };
+    let count = count.node;
+    // The count: sum(cast(targets != ignore_index)), read by the loss and the gradient's scale.
+    let real_f = op(count).filter(|_| sum_of(count))?.1[0].node;
+    let real = match op(real_f)? {
+        (Op::Cast(d), [a]) if *d == dtype && only(real_f) == Some(count) => a.node,
+        _ => None?,
+    };
+    let ne = Op::Scalar { op: BinaryOp::Ne, value: ig as f64, scalar_lhs: false };
+    let counts_targets = matches!(op(real)?, (o, [a]) if *o == ne && a == t) && only(real) == Some(real_f);
+    let [a, b] = users[count][..] else { return None };
+    let scale = if a == loss { b } else { a };
+    let (Op::Binary(BinaryOp::Div), [one, by]) = op(scale)? else { return None };
+    let unit = matches!(op(one.node)?.0, Op::Full { value, .. } if *value == 1.0) && by.node == count;
+    // (The backward reads the scale broadcast over the rows.)
+    let (&[grad], false) = (&users[scale][..], escapes[scale]) else { return None };
+    let backward = Op::CrossEntropyBackward { ignore_index: Some(ig), smoothing };
+    let (gop, [gx, gt, gs]) = op(grad)? else { return None };
+    let same = *gop == backward && gx == x && gt == t && gs.node == scale && gs.layout.strides == [0];
+    let chain = num.node == total && !escapes[count] && counts_targets && unit && same;
+    // The loss and the gradient may be returned, but no state buffer may stand for them.
+    let kept = |i: NodeId| {
+        g.writes.iter().any(|w| w.1 == i) || g.nodes.iter().any(|n| matches!(n.kind, Kind::WriteView { base, .. } if base == i))
+    };
+    (chain && !kept(loss) && !kept(grad)).then_some((loss, grad))
+}
+
 /// The pipeline, in order; `log` sees the graph after each pass.
-pub fn optimise(g: Graph, mut log: impl FnMut(&str, &Graph)) -> Graph {
+pub fn optimise(g: Graph, gpu: bool, mut log: impl FnMut(&str, &Graph)) -> Graph {
     let mut g = dce(&g);
     log("dce", &g);
     g = fold_constants(&g);
@@ -356,5 +445,54 @@ pub fn optimise(g: Graph, mut log: impl FnMut(&str, &Graph)) -> Graph {
     log("cse", &g);
     g = fuse_matmuls(&g);
     log("fuse_matmuls", &g);
+    g = fuse_mean_cross_entropy(&g, gpu);
+    log("fuse_mean_cross_entropy", &g);
     g
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::graph::testing::{mean_loss, whole};
+
+    /// The op nodes of `g`, by name.
+    fn ops(g: &Graph) -> Vec<&'static str> {
+        g.nodes.iter().filter_map(|n| if let Kind::Op(op, _) = &n.kind { Some(op.name()) } else { None }).collect()
+    }
+
+    #[test]
+    fn a_small_mean_cross_entropy_and_its_gradient_become_one_gpu_op() {
+        let (g, _) = mean_loss();
+        let f = fuse_mean_cross_entropy(&g, true);
+        assert_eq!(ops(&f), ["cross_entropy_mean"]);
+        let ce = f.nodes.iter().position(|n| matches!(n.kind, Kind::Op(..))).unwrap_or(usize::MAX);
+        assert_eq!(f.nodes[ce].shape, vec![64 + 12]);
+        assert!(matches!(f.nodes[ce].kind, Kind::Op(Op::CrossEntropyMean { ignore_index: Some(-100), .. }, _)));
+        // The loss reads element 0, the gradient the 4 x 3 values from element 64.
+        let outs: Vec<(NodeId, usize, &[usize])> = f.outputs.iter().map(|a| (a.node, a.layout.offset, &a.layout.shape[..])).collect();
+        assert_eq!(outs, vec![(ce, 0, &[][..]), (ce, 64, &[4, 3][..])]);
+        // The CPU keeps the chain (its kernels fold nothing in one block).
+        assert_eq!(fuse_mean_cross_entropy(&g, false).nodes.len(), g.nodes.len());
+    }
+
+    #[test]
+    fn a_mean_cross_entropy_whose_parts_are_read_elsewhere_stays_unfused() {
+        // The count (the number of real targets) returned as well.
+        let (mut g, [total, _, _, count, _, _]) = mean_loss();
+        g.outputs.push(whole(&g, count));
+        assert!(!ops(&fuse_mean_cross_entropy(&g, true)).contains(&"cross_entropy_mean"));
+        // The rows' losses read by another op (the sum of the losses returned).
+        let (mut g, _) = mean_loss();
+        g.outputs.push(whole(&g, total));
+        assert!(!ops(&fuse_mean_cross_entropy(&g, true)).contains(&"cross_entropy_mean"));
+        // Rows over 1024 classes (the kernel's warp per row would crawl).
+        let (mut g, _) = mean_loss();
+        g.nodes[0].shape = vec![4, 2000];
+        for n in &mut g.nodes {
+            if let Kind::Op(_, args) = &mut n.kind {
+                args.iter_mut().filter(|a| a.node == 0).for_each(|a| a.layout = kiln_tensor::Layout::contiguous(&[4, 2000]));
+            }
+        }
+        assert!(!ops(&fuse_mean_cross_entropy(&g, true)).contains(&"cross_entropy_mean"));
+    }
 }

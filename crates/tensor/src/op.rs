@@ -479,6 +479,10 @@ pub enum MatmulEpilogue {
     SumRight,
 }
 
+/// Where `Op::CrossEntropyMean`'s gradient starts in its output (after the loss, aligned for
+/// vector loads).
+pub const XENT_GRAD_AT: usize = 64;
+
 /// Where the second part of `Op::MatmulFused`'s output (sums, or GELU's pre-activation)
 /// starts: after the product's `numel` elements, rounded up to 64 so it stays aligned for
 /// cuBLASLt. The padding between is unspecified (zeros on the CPU).
@@ -588,6 +592,15 @@ pub enum Op {
         ignore_index: Option<i64>,
         smoothing: f64,
     },
+    /// A mean cross-entropy and its gradient in one op (inputs: logits `[N, C]`, targets
+    /// `[N]`), made by compile's fusion from `cross_entropy`'s mean and its backward: element 0
+    /// is the loss (the `CrossEntropy` rows summed over the `K` targets that are not
+    /// `ignore_index`, divided by `K`), and from `XENT_GRAD_AT` on the logits' gradient `[N, C]`
+    /// of that loss (`CrossEntropyBackward` with every row's gradient `1 / K`).
+    CrossEntropyMean {
+        ignore_index: Option<i64>,
+        smoothing: f64,
+    },
     // Contractions.
     /// Batched matrix product `[..., m, k] x [..., k, n]` with broadcast batch dims; with a
     /// third input, a bias `[n]` added to every row (`addmm`: a cuBLASLt epilogue on CUDA, the
@@ -672,6 +685,7 @@ impl Op {
             Op::AttentionBackward { .. } => "attention_backward",
             Op::CrossEntropy { .. } => "cross_entropy",
             Op::CrossEntropyBackward { .. } => "cross_entropy_backward",
+            Op::CrossEntropyMean { .. } => "cross_entropy_mean",
             Op::Matmul => "matmul",
             Op::MatmulFused(MatmulEpilogue::Relu) => "matmul_relu",
             Op::MatmulFused(MatmulEpilogue::GeluTanh) => "matmul_gelu_tanh",
@@ -715,7 +729,7 @@ impl Op {
             Op::NormalizeBackward { .. } | Op::SoftmaxBackward { .. } | Op::NormalizeParamGrads { .. } => 2,
             Op::Attention { .. } => 3,
             Op::AttentionBackward { .. } => 5,
-            Op::CrossEntropy { .. } => 2,
+            Op::CrossEntropy { .. } | Op::CrossEntropyMean { .. } => 2,
             Op::CrossEntropyBackward { .. } => 3,
             Op::Reshape(_) | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_) | Op::Contiguous => 1,
             Op::Matmul | Op::MatmulFused(MatmulEpilogue::Relu | MatmulEpilogue::GeluTanh) if inputs.len() == 3 => 3,
@@ -857,7 +871,7 @@ impl Op {
                 let shape = if inputs.len() == 5 { attention_grads_shape(q) } else { q.to_vec() };
                 meta(shape, inputs[0].dtype)
             }
-            Op::CrossEntropy { .. } | Op::CrossEntropyBackward { .. } => {
+            Op::CrossEntropy { .. } | Op::CrossEntropyBackward { .. } | Op::CrossEntropyMean { .. } => {
                 let (x, t) = (inputs[0].shape, inputs[1].shape);
                 float_only(inputs[0].dtype)?;
                 index_dtype(inputs[1].dtype)?;
@@ -870,6 +884,9 @@ impl Op {
                         return Err(Error::shape(name, format!("the gradient must be [N] = {t:?}, got {:?}", g.shape)));
                     }
                     return meta(x.to_vec(), inputs[0].dtype);
+                }
+                if matches!(self, Op::CrossEntropyMean { .. }) {
+                    return meta(vec![XENT_GRAD_AT + x[0] * x[1]], inputs[0].dtype);
                 }
                 meta(vec![x[0]], inputs[0].dtype)
             }

@@ -167,6 +167,8 @@ fn every_reduction_and_index_kernel_compiles() {
             let (s, n) = kiln_tensor::cuda::codegen::cross_entropy_source(d, log, block);
             check(&s, &n, &mut fails);
         }
+        let (s, n) = kiln_tensor::cuda::codegen::cross_entropy_mean_source(d);
+        check(&s, &n, &mut fails);
         for ams in [false, true] {
             let (s, n) = kiln_tensor::cuda::codegen::adam_source(d, ams);
             check(&s, &n, &mut fails);

@@ -382,6 +382,27 @@ fn fused_matmuls_apply_relu_or_append_the_operand_sums() -> Result<()> {
     Ok(())
 }
 
+/// `Op::CrossEntropyMean` (compile's fused mean loss and gradient) on hand-computed values.
+#[test]
+fn fused_mean_cross_entropy_gives_the_loss_then_its_gradient() -> Result<()> {
+    use kiln_tensor::Op;
+    let logits = t(&[0., 0., 0., 0., 1., 2.], &[3, 2]);
+    let targets = Tensor::from_vec(vec![0i64, -100, 1], &[3], CPU)?;
+    let op = Op::CrossEntropyMean { ignore_index: Some(-100), smoothing: 0.0 };
+    let out = v(&Tensor::apply(op.clone(), &[&logits, &targets], CPU)?);
+    assert_eq!(out.len(), 64 + 6);
+    // Row 0: ln 2; row 1 ignored; row 2: ln(1 + 1/e). Two real targets.
+    let e = std::f32::consts::E;
+    close(&out[..1], &[(2f32.ln() + (1. + 1. / e).ln()) / 2.], 1e-6);
+    assert!(out[1..64].iter().all(|&x| x == 0.0));
+    // (softmax - one-hot) / 2 on the real rows.
+    let p = 1. / (1. + e);
+    close(&out[64..], &[-0.25, 0.25, 0., 0., p / 2., -p / 2.], 1e-6);
+    let err = Tensor::apply(op, &[&logits, &targets.narrow(0, 0, 2)?], CPU).unwrap_err().to_string();
+    assert!(err.contains("[3, 2]") && err.contains("[2]"), "{err}");
+    Ok(())
+}
+
 #[test]
 fn matmul_small_batched_broadcast_and_transposed() -> Result<()> {
     let a = t(&[1., 2., 3., 4., 5., 6.], &[2, 3]);

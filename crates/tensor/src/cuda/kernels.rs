@@ -315,6 +315,7 @@ pub fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, devic
         Op::AttentionBackward { scale, causal } => attention(&g, &x, *scale, *causal, true)?,
         Op::CrossEntropy { ignore_index, smoothing } => cross_entropy(&g, &x, *ignore_index, *smoothing)?,
         Op::CrossEntropyBackward { ignore_index, smoothing } => cross_entropy(&g, &x, *ignore_index, *smoothing)?,
+        Op::CrossEntropyMean { ignore_index, smoothing } => cross_entropy_mean(&g, &x, *ignore_index, *smoothing)?,
         Op::Matmul => super::blas::matmul(&g, x[0], x[1], x.get(2).copied(), meta)?,
         Op::MatmulFused(e) => super::blas::matmul_fused(&g, x[0], x[1], x.get(2).copied(), Some(*e), meta)?,
         Op::IndexSelect { dim } => index_read(&g, IndexKind::Select, x[0], x[1], *dim, meta)?,
@@ -849,22 +850,41 @@ fn cross_entropy(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], ignore: Option<i64
     })?;
     let (mut pg, gst) =
         x.get(2).map_or((0, 0), |(sg, lg)| (sg.buf.ptr + (lg.offset * sg.dtype.size_in_bytes()) as u64, lg.strides[0] as i64));
-    let mut a = XArgs {
-        rows: rows as i64,
-        red: n as i64,
-        ignore: ignore.unwrap_or(0),
-        code: XENT_CODE,
-        gst,
-        smoothing,
-        has_ignore: ignore.is_some() as i32,
-        pad: 0,
-    };
+    let mut a = XArgs::new(rows, n, ignore, smoothing, gst);
     let (mut o, mut px, mut pt, mut pe) = (out.buf.ptr, logits.get().buf.ptr, targets.get().buf.ptr, g.err);
     let mut params = kernel_params![o, px, pt, pg, pe, a];
     // SAFETY: (out, logits, targets, grad, err, XArgs) matches the generated signature; logits
     // are dense [rows, n], targets dense [rows]; the gradient (backward only; null and unread in
     // the forward) holds `rows` values at stride `gst` from its offset; `err` is the error word.
     unsafe { g.launch(k, grid, threads, 0, &mut params)? };
+    Ok(out)
+}
+
+impl XArgs {
+    fn new(rows: usize, n: usize, ignore: Option<i64>, smoothing: f64, gst: i64) -> XArgs {
+        let (has_ignore, ignore) = (ignore.is_some() as i32, ignore.unwrap_or(0));
+        XArgs { rows: rows as i64, red: n as i64, ignore, code: XENT_CODE, gst, smoothing, has_ignore, pad: 0 }
+    }
+}
+
+/// `Op::CrossEntropyMean`: the loss and the logits' gradient in one single-block launch
+/// (`codegen::cross_entropy_mean_source`).
+fn cross_entropy_mean(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], ignore: Option<i64>, smoothing: f64) -> Result<CudaStorage> {
+    let ((s, l), (st, lt)) = (x[0], x[1]);
+    let (rows, n) = (l.shape[0], l.shape[1]);
+    let out = CudaStorage::alloc(g, s.dtype, crate::op::XENT_GRAD_AT + rows * n)?;
+    if n == 0 && rows > 0 {
+        return Err(Error::shape("cross_entropy_mean", format!("needs at least one class, got logits {:?}", l.shape)));
+    }
+    let (logits, targets) = (dense(g, s, l)?, dense(g, st, lt)?);
+    let k = g.kernel(super::spec_key("cross_entropy_mean", &s.dtype), || super::codegen::cross_entropy_mean_source(s.dtype))?;
+    let mut a = XArgs::new(rows, n, ignore, smoothing, 0);
+    let (mut o, mut px, mut pt, mut pe) = (out.buf.ptr, logits.get().buf.ptr, targets.get().buf.ptr, g.err);
+    let mut params = kernel_params![o, px, pt, pe, a];
+    // SAFETY: (out, logits, targets, err, XArgs) matches the generated signature; logits are
+    // dense [rows, n], targets dense [rows], `out` holds the loss and, from XENT_GRAD_AT,
+    // rows x n values; `err` is the error word. One block: the kernel's warps stride the rows.
+    unsafe { g.launch(k, (1, 1), 1024, 0, &mut params)? };
     Ok(out)
 }
 
