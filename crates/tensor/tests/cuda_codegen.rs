@@ -167,8 +167,10 @@ fn every_reduction_and_index_kernel_compiles() {
             let (s, n) = kiln_tensor::cuda::codegen::cross_entropy_source(d, log, block);
             check(&s, &n, &mut fails);
         }
-        let (s, n) = kiln_tensor::cuda::codegen::cross_entropy_mean_source(d);
-        check(&s, &n, &mut fails);
+        for per_thread in [false, true] {
+            let (s, n) = kiln_tensor::cuda::codegen::cross_entropy_mean_source(d, per_thread);
+            check(&s, &n, &mut fails);
+        }
         for ams in [false, true] {
             let (s, n) = kiln_tensor::cuda::codegen::adam_source(d, ams);
             check(&s, &n, &mut fails);

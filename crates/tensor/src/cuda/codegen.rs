@@ -663,7 +663,7 @@ pub fn cross_entropy_source(dtype: DType, backward: bool, block: bool) -> (Strin
          const {t}* __restrict__ g, long long* err, XArgs a) {{\n"
     );
     s += row_prologue(block);
-    s += &xent_row(block);
+    s += &xent_row(block, true);
     if backward {
         s += "  const C gr = skip ? (C)0 : (C)ld(g[row * a.gst]);\n";
         s += "  for (long long j = lane; j < a.red; j += tpr) {\n";
@@ -678,47 +678,61 @@ pub fn cross_entropy_source(dtype: DType, backward: bool, block: bool) -> (Strin
     (s, name)
 }
 
-/// A cross-entropy row's target check and log-sum-exp (the row's threads in `lane`/`tpr`):
-/// defines `base`, `t`, `skip`, `lse`, `on`, `off` and leaves `acc` free.
-fn xent_row(block: bool) -> String {
+/// A cross-entropy row's target check and log-sum-exp (the row's threads in `lane`/`tpr`;
+/// `shared`: more than one, whose values are all-reduced): defines `base`, `t`, `skip`, `lse`,
+/// `on`, `off` and leaves `acc` free.
+fn xent_row(block: bool, shared: bool) -> String {
+    let reduce = |max: bool| if shared { row_allreduce(block, max) } else { String::new() };
     let mut s = String::from("  const long long base = row * a.red, t = tg[row];\n");
     s += "  bool skip = a.has_ignore && t == a.ignore;\n";
     s += "  if (!skip && (t < 0 || t >= a.red)) { if (lane == 0) check_index(err, a.code, t, a.red); skip = true; }\n";
     s += "  C acc = -(C)__longlong_as_double(0x7ff0000000000000LL);\n";
     s += "  for (long long j = lane; j < a.red; j += tpr) { C v = (C)ld(x[base + j]); acc = (v > acc || v != v) ? v : acc; }\n";
-    s += &row_allreduce(block, true);
+    s += &reduce(true);
     s += "  const C m = acc; acc = (C)0;\n";
     s += "  for (long long j = lane; j < a.red; j += tpr) acc += kexp((C)ld(x[base + j]) - m);\n";
-    s += &row_allreduce(block, false);
+    s += &reduce(false);
     s += "  const C lse = m + klog(acc), on = (C)(1.0 - a.smoothing), off = (C)(a.smoothing / (double)a.red);\n";
     s
 }
 
-/// `Op::CrossEntropyMean` in one block (small problems: the planner fuses at most
-/// `XENT_MEAN_MAX` logits): warp `w` takes rows `w, w + warps, ..` and keeps its rows' loss
-/// sum and count of real targets; the warps' parts are added in a fixed order (the same bits
-/// every step); then the same rows again for the gradient, `1 / count` per real row.
-pub fn cross_entropy_mean_source(dtype: DType) -> (String, String) {
-    let name = format!("k_cross_entropy_mean_{}", format!("{dtype:?}").to_lowercase());
+/// The longest row `Op::CrossEntropyMean`'s kernel gives one thread (longer rows get a warp).
+pub const XENT_MEAN_THREAD_ROW: usize = 32;
+
+/// `Op::CrossEntropyMean` in one block of 1024 threads (small problems: compile fuses at most
+/// 64K logits). Each thread (`per_thread`: rows of at most `XENT_MEAN_THREAD_ROW`) or warp
+/// takes every 1024th (32nd) row and keeps its rows' loss sum and count of real targets; the
+/// parts are added in a fixed order (the same bits every step); then the same rows again for
+/// the gradient, `1 / count` per real row.
+pub fn cross_entropy_mean_source(dtype: DType, per_thread: bool) -> (String, String) {
+    let name = format!("k_cross_entropy_mean_{}{}", format!("{dtype:?}").to_lowercase(), if per_thread { "_rows" } else { "" });
     let (t, c) = (storage_type(dtype), compute_type(dtype));
     let mut s = format!("{PRELUDE}{INDEX_ARGS}\ntypedef {c} C;\n");
     s += "struct XArgs { long long rows, red, ignore, code, gst; double smoothing; int has_ignore, pad; };\n";
     s += &format!(
-        "extern \"C\" __global__ void {name}({t}* __restrict__ o, const {t}* __restrict__ x, const long long* __restrict__ tg, \
-         long long* err, XArgs a) {{\n"
+        "extern \"C\" __global__ void __launch_bounds__(1024) {name}({t}* __restrict__ o, const {t}* __restrict__ x, \
+         const long long* __restrict__ tg, long long* err, XArgs a) {{\n"
     );
-    s += "  __shared__ C part[64];\n  const int lane = threadIdx.x % 32, tpr = 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;\n";
-    s += "  C wsum = (C)0, wcnt = (C)0;\n  for (long long row = warp; row < a.rows; row += warps) {\n";
-    s += &xent_row(false);
+    s += "  __shared__ C part[64];\n  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;\n";
+    s += if per_thread {
+        "  const int lane = 0, tpr = 1;\n  const long long first = threadIdx.x, step = blockDim.x;\n"
+    } else {
+        "  const int lane = threadIdx.x % 32, tpr = 32;\n  const long long first = warp, step = warps;\n"
+    };
+    s += "  C wsum = (C)0, wcnt = (C)0;\n  for (long long row = first; row < a.rows; row += step) {\n";
+    s += &xent_row(false, !per_thread);
     s += "  acc = (C)0;\n  if (a.smoothing != 0.0) for (long long j = lane; j < a.red; j += tpr) acc += (C)ld(x[base + j]);\n";
-    s += &row_allreduce(false, false);
-    s += "  if (!skip) wsum += lse - on * (C)ld(x[base + t]) - off * acc;\n";
-    s += "  wcnt += (a.has_ignore && t == a.ignore) ? (C)0 : (C)1;\n  }\n";
-    s += "  if (lane == 0) { part[warp] = wsum; part[32 + warp] = wcnt; }\n  __syncthreads();\n";
+    if !per_thread {
+        s += &row_allreduce(false, false);
+    }
+    s += "  if (lane == 0 && !skip) wsum += lse - on * (C)ld(x[base + t]) - off * acc;\n";
+    s += "  if (lane == 0) wcnt += (a.has_ignore && t == a.ignore) ? (C)0 : (C)1;\n  }\n";
+    s += "  for (int w = 16; w > 0; w /= 2) { wsum += __shfl_xor_sync(0xffffffffu, wsum, w); wcnt += __shfl_xor_sync(0xffffffffu, wcnt, w); }\n";
+    s += "  if (threadIdx.x % 32 == 0) { part[warp] = wsum; part[32 + warp] = wcnt; }\n  __syncthreads();\n";
     s += "  C total = (C)0, count = (C)0;\n  for (int w = 0; w < warps; ++w) { total += part[w]; count += part[32 + w]; }\n";
     s += "  if (threadIdx.x == 0) st(&o[0], total / count);\n  const C gr = (C)1 / count;\n";
-    s += "  for (long long row = warp; row < a.rows; row += warps) {\n";
-    s += &xent_row(false);
+    s += "  for (long long row = first; row < a.rows; row += step) {\n";
+    s += &xent_row(false, !per_thread);
     s += &format!("  {t}* __restrict__ go = o + {};\n", crate::op::XENT_GRAD_AT);
     s += "  for (long long j = lane; j < a.red; j += tpr) {\n";
     s += "    C d = kexp((C)ld(x[base + j]) - lse) - (j == t ? on : (C)0) - off;\n";

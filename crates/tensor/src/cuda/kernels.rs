@@ -877,13 +877,16 @@ fn cross_entropy_mean(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], ignore: Optio
         return Err(Error::shape("cross_entropy_mean", format!("needs at least one class, got logits {:?}", l.shape)));
     }
     let (logits, targets) = (dense(g, s, l)?, dense(g, st, lt)?);
-    let k = g.kernel(super::spec_key("cross_entropy_mean", &s.dtype), || super::codegen::cross_entropy_mean_source(s.dtype))?;
+    let per_thread = n <= super::codegen::XENT_MEAN_THREAD_ROW;
+    let k = g.kernel(super::spec_key("cross_entropy_mean", &(s.dtype, per_thread)), || {
+        super::codegen::cross_entropy_mean_source(s.dtype, per_thread)
+    })?;
     let mut a = XArgs::new(rows, n, ignore, smoothing, 0);
     let (mut o, mut px, mut pt, mut pe) = (out.buf.ptr, logits.get().buf.ptr, targets.get().buf.ptr, g.err);
     let mut params = kernel_params![o, px, pt, pe, a];
     // SAFETY: (out, logits, targets, err, XArgs) matches the generated signature; logits are
     // dense [rows, n], targets dense [rows], `out` holds the loss and, from XENT_GRAD_AT,
-    // rows x n values; `err` is the error word. One block: the kernel's warps stride the rows.
+    // rows x n values; `err` is the error word. One block: its threads or warps stride the rows.
     unsafe { g.launch(k, (1, 1), 1024, 0, &mut params)? };
     Ok(out)
 }
