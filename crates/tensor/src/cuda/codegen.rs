@@ -699,44 +699,51 @@ fn xent_row(block: bool, shared: bool) -> String {
 /// The longest row `Op::CrossEntropyMean`'s kernel gives one thread (longer rows get a warp).
 pub const XENT_MEAN_THREAD_ROW: usize = 32;
 
-/// `Op::CrossEntropyMean` in one block of 1024 threads (small problems: compile fuses at most
-/// 64K logits). Each thread (`per_thread`: rows of at most `XENT_MEAN_THREAD_ROW`) or warp
-/// takes every 1024th (32nd) row and keeps its rows' loss sum and count of real targets; the
-/// parts are added in a fixed order (the same bits every step); then the same rows again for
-/// the gradient, `1 / count` per real row.
+/// Blocks of 256 threads `Op::CrossEntropyMean`'s kernel may launch (its partial sums).
+pub const XENT_MEAN_BLOCKS: usize = 256;
+
+/// `Op::CrossEntropyMean` in one launch of blocks of 256 threads, a thread per row
+/// (`per_thread`: rows of at most `XENT_MEAN_THREAD_ROW` logits) or a warp per row. Every
+/// block counts the real targets itself (all of them, in the same order), so each knows the
+/// gradient's `1 / count` at once and writes its rows' gradients in the same pass as their
+/// losses. The loss sums the blocks' partial sums: the last block to finish (a ticket in the
+/// module's memory, reset by that block) adds them in block order, the same bits every step.
 pub fn cross_entropy_mean_source(dtype: DType, per_thread: bool) -> (String, String) {
     let name = format!("k_cross_entropy_mean_{}{}", format!("{dtype:?}").to_lowercase(), if per_thread { "_rows" } else { "" });
     let (t, c) = (storage_type(dtype), compute_type(dtype));
     let mut s = format!("{PRELUDE}{INDEX_ARGS}\ntypedef {c} C;\n");
     s += "struct XArgs { long long rows, red, ignore, code, gst; double smoothing; int has_ignore, pad; };\n";
+    s += &format!("__device__ unsigned int ticket;\n__device__ C partial[{XENT_MEAN_BLOCKS}];\n");
     s += &format!(
-        "extern \"C\" __global__ void __launch_bounds__(1024) {name}({t}* __restrict__ o, const {t}* __restrict__ x, \
+        "extern \"C\" __global__ void __launch_bounds__(256) {name}({t}* __restrict__ o, const {t}* __restrict__ x, \
          const long long* __restrict__ tg, long long* err, XArgs a) {{\n"
     );
-    s += "  __shared__ C part[64];\n  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;\n";
+    s += "  __shared__ C sh[32];\n  __shared__ bool last;\n  C acc = (C)0;\n";
+    s += "  for (long long r = threadIdx.x; r < a.rows; r += blockDim.x) acc += (a.has_ignore && tg[r] == a.ignore) ? (C)0 : (C)1;\n";
+    s += &row_allreduce(true, false);
+    s += "  const C count = acc, gr = (C)1 / count;\n  C loss = (C)0;\n  __syncthreads();\n";
     s += if per_thread {
-        "  const int lane = 0, tpr = 1;\n  const long long first = threadIdx.x, step = blockDim.x;\n"
+        "  const int lane = 0, tpr = 1;\n  const long long row = blockIdx.x * (long long)blockDim.x + threadIdx.x;\n"
     } else {
-        "  const int lane = threadIdx.x % 32, tpr = 32;\n  const long long first = warp, step = warps;\n"
+        "  const int lane = threadIdx.x % 32, tpr = 32;\n  const long long row = blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32;\n"
     };
-    s += "  C wsum = (C)0, wcnt = (C)0;\n  for (long long row = first; row < a.rows; row += step) {\n";
+    s += "  if (row < a.rows) {\n";
     s += &xent_row(false, !per_thread);
     s += "  acc = (C)0;\n  if (a.smoothing != 0.0) for (long long j = lane; j < a.red; j += tpr) acc += (C)ld(x[base + j]);\n";
     if !per_thread {
         s += &row_allreduce(false, false);
     }
-    s += "  if (lane == 0 && !skip) wsum += lse - on * (C)ld(x[base + t]) - off * acc;\n";
-    s += "  if (lane == 0) wcnt += (a.has_ignore && t == a.ignore) ? (C)0 : (C)1;\n  }\n";
-    s += "  for (int w = 16; w > 0; w /= 2) { wsum += __shfl_xor_sync(0xffffffffu, wsum, w); wcnt += __shfl_xor_sync(0xffffffffu, wcnt, w); }\n";
-    s += "  if (threadIdx.x % 32 == 0) { part[warp] = wsum; part[32 + warp] = wcnt; }\n  __syncthreads();\n";
-    s += "  C total = (C)0, count = (C)0;\n  for (int w = 0; w < warps; ++w) { total += part[w]; count += part[32 + w]; }\n";
-    s += "  if (threadIdx.x == 0) st(&o[0], total / count);\n  const C gr = (C)1 / count;\n";
-    s += "  for (long long row = first; row < a.rows; row += step) {\n";
-    s += &xent_row(false, !per_thread);
+    s += "  if (lane == 0 && !skip) loss = lse - on * (C)ld(x[base + t]) - off * acc;\n";
     s += &format!("  {t}* __restrict__ go = o + {};\n", crate::op::XENT_GRAD_AT);
     s += "  for (long long j = lane; j < a.red; j += tpr) {\n";
     s += "    C d = kexp((C)ld(x[base + j]) - lse) - (j == t ? on : (C)0) - off;\n";
-    s += "    st(&go[base + j], skip ? (C)0 : gr * d);\n  }\n  }\n}\n";
+    s += "    st(&go[base + j], skip ? (C)0 : gr * d);\n  }\n  }\n";
+    s += "  acc = loss;\n";
+    s += &row_allreduce(true, false);
+    s += "  if (threadIdx.x == 0) { partial[blockIdx.x] = acc; __threadfence(); last = atomicAdd(&ticket, 1u) == gridDim.x - 1; }\n";
+    s += "  __syncthreads();\n  if (last && threadIdx.x == 0) {\n    __threadfence();\n    C total = (C)0;\n";
+    s += "    for (unsigned b = 0; b < gridDim.x; ++b) total += ((volatile C*)partial)[b];\n";
+    s += "    st(&o[0], total / count);\n    ticket = 0;\n  }\n}\n";
     (s, name)
 }
 

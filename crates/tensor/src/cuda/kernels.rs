@@ -867,7 +867,7 @@ impl XArgs {
     }
 }
 
-/// `Op::CrossEntropyMean`: the loss and the logits' gradient in one single-block launch
+/// `Op::CrossEntropyMean`: the loss and the logits' gradient in one launch
 /// (`codegen::cross_entropy_mean_source`).
 fn cross_entropy_mean(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], ignore: Option<i64>, smoothing: f64) -> Result<CudaStorage> {
     let ((s, l), (st, lt)) = (x[0], x[1]);
@@ -878,6 +878,14 @@ fn cross_entropy_mean(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], ignore: Optio
     }
     let (logits, targets) = (dense(g, s, l)?, dense(g, st, lt)?);
     let per_thread = n <= super::codegen::XENT_MEAN_THREAD_ROW;
+    let blocks = rows.div_ceil(if per_thread { 256 } else { 8 }).max(1);
+    if blocks > super::codegen::XENT_MEAN_BLOCKS {
+        let most = super::codegen::XENT_MEAN_BLOCKS;
+        return Err(Error::shape(
+            "cross_entropy_mean",
+            format!("logits {:?} need {blocks} blocks, more than the kernel's {most}", l.shape),
+        ));
+    }
     let k = g.kernel(super::spec_key("cross_entropy_mean", &(s.dtype, per_thread)), || {
         super::codegen::cross_entropy_mean_source(s.dtype, per_thread)
     })?;
@@ -886,8 +894,9 @@ fn cross_entropy_mean(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], ignore: Optio
     let mut params = kernel_params![o, px, pt, pe, a];
     // SAFETY: (out, logits, targets, err, XArgs) matches the generated signature; logits are
     // dense [rows, n], targets dense [rows], `out` holds the loss and, from XENT_GRAD_AT,
-    // rows x n values; `err` is the error word. One block: its threads or warps stride the rows.
-    unsafe { g.launch(k, (1, 1), 1024, 0, &mut params)? };
+    // rows x n values; `err` is the error word. `blocks` covers the rows (a thread or a warp
+    // each) and fits the module's partial sums.
+    unsafe { g.launch(k, (blocks as u32, 1), 256, 0, &mut params)? };
     Ok(out)
 }
 
