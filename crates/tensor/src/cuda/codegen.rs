@@ -657,7 +657,7 @@ pub fn cross_entropy_source(dtype: DType, backward: bool, block: bool) -> (Strin
     let name = row_kernel_name(if backward { "cross_entropy_backward" } else { "cross_entropy" }, dtype, block);
     let (t, c) = (storage_type(dtype), compute_type(dtype));
     let mut s = format!("{PRELUDE}{INDEX_ARGS}\ntypedef {c} C;\n");
-    s += "struct XArgs { long long rows, red, ignore, code, gst; double smoothing; int has_ignore, pad; };\n";
+    s += XENT_ARGS;
     s += &format!(
         "extern \"C\" __global__ void {name}({t}* __restrict__ o, const {t}* __restrict__ x, const long long* __restrict__ tg, \
          const {t}* __restrict__ g, long long* err, XArgs a) {{\n"
@@ -666,9 +666,8 @@ pub fn cross_entropy_source(dtype: DType, backward: bool, block: bool) -> (Strin
     s += &xent_row(block, true);
     if backward {
         s += "  const C gr = skip ? (C)0 : (C)ld(g[row * a.gst]);\n";
-        s += "  for (long long j = lane; j < a.red; j += tpr) {\n";
-        s += "    C d = kexp((C)ld(x[base + j]) - lse) - (j == t ? on : (C)0) - off;\n";
-        s += "    st(&o[base + j], skip ? (C)0 : gr * d);\n  }\n}\n";
+        s += XENT_GRAD_LOOP;
+        s += "}\n";
     } else {
         s += "  (void)g;\n  acc = (C)0;\n";
         s += "  if (a.smoothing != 0.0) for (long long j = lane; j < a.red; j += tpr) acc += (C)ld(x[base + j]);\n";
@@ -677,6 +676,13 @@ pub fn cross_entropy_source(dtype: DType, backward: bool, block: bool) -> (Strin
     }
     (s, name)
 }
+
+/// Mirrors `kernels::XArgs`.
+const XENT_ARGS: &str = "struct XArgs { long long rows, red, ignore, code, gst; double smoothing; int has_ignore, pad; };\n";
+
+/// A cross-entropy row's gradient into `o[base + j]`, `gr` times the softmax less the
+/// (smoothed) one-hot target; 0 for a skipped row.
+const XENT_GRAD_LOOP: &str = "  for (long long j = lane; j < a.red; j += tpr) {\n    C d = kexp((C)ld(x[base + j]) - lse) - (j == t ? on : (C)0) - off;\n    st(&o[base + j], skip ? (C)0 : gr * d);\n  }\n";
 
 /// A cross-entropy row's target check and log-sum-exp (the row's threads in `lane`/`tpr`;
 /// `shared`: more than one, whose values are all-reduced): defines `base`, `t`, `skip`, `lse`,
@@ -712,7 +718,7 @@ pub fn cross_entropy_mean_source(dtype: DType, per_thread: bool) -> (String, Str
     let name = format!("k_cross_entropy_mean_{}{}", format!("{dtype:?}").to_lowercase(), if per_thread { "_rows" } else { "" });
     let (t, c) = (storage_type(dtype), compute_type(dtype));
     let mut s = format!("{PRELUDE}{INDEX_ARGS}\ntypedef {c} C;\n");
-    s += "struct XArgs { long long rows, red, ignore, code, gst; double smoothing; int has_ignore, pad; };\n";
+    s += XENT_ARGS;
     s += &format!("__device__ unsigned int ticket;\n__device__ C partial[{XENT_MEAN_BLOCKS}];\n");
     s += &format!(
         "extern \"C\" __global__ void __launch_bounds__(256) {name}({t}* __restrict__ o, const {t}* __restrict__ x, \
@@ -735,9 +741,8 @@ pub fn cross_entropy_mean_source(dtype: DType, per_thread: bool) -> (String, Str
     }
     s += "  if (lane == 0 && !skip) loss = lse - on * (C)ld(x[base + t]) - off * acc;\n";
     s += &format!("  {t}* __restrict__ go = o + {};\n", crate::op::XENT_GRAD_AT);
-    s += "  for (long long j = lane; j < a.red; j += tpr) {\n";
-    s += "    C d = kexp((C)ld(x[base + j]) - lse) - (j == t ? on : (C)0) - off;\n";
-    s += "    st(&go[base + j], skip ? (C)0 : gr * d);\n  }\n  }\n";
+    s += &XENT_GRAD_LOOP.replace("&o[", "&go[");
+    s += "  }\n";
     s += "  acc = loss;\n";
     s += &row_allreduce(true, false);
     s += "  if (threadIdx.x == 0) { partial[blockIdx.x] = acc; __threadfence(); last = atomicAdd(&ticket, 1u) == gridDim.x - 1; }\n";
