@@ -347,15 +347,17 @@ fn redirect(out: &mut Graph, alias: &[Option<(NodeId, usize)>]) {
     out.outputs.iter_mut().for_each(fix);
 }
 
-/// The most logits, and the longest row, that a fused mean cross-entropy takes: it runs as
-/// one block of 32 warps, a warp per row.
+/// The most logits, and the longest row, that a fused mean cross-entropy takes. Its kernel
+/// keeps a partial sum per block of 256 threads, room for 256 blocks: 64K rows of a thread
+/// each (rows of at most 32 logits) or 2K rows of a warp each. Every block also counts all
+/// the targets, which stays cheap only for small problems.
 pub const XENT_MEAN_MAX: (usize, usize) = (1 << 16, 1024);
 
 /// On a GPU, a small mean cross-entropy and its gradient as `nn::cross_entropy` and autograd
 /// record them (the rows' losses summed over the count of targets that are not ignored; the
 /// backward with every row's gradient `1 / count`) become one `Op::CrossEntropyMean`: one
-/// single-block launch where there were three (the rows, the loss chain folded in one block,
-/// the backward). The loss reads its element 0, the gradient the rest.
+/// launch where there were three (the rows, the loss chain folded in one block, the
+/// backward). The loss reads its element 0, the gradient the rest.
 pub fn fuse_mean_cross_entropy(g: &Graph, gpu: bool) -> Graph {
     let mut out = g.clone();
     if !gpu {
