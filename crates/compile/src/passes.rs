@@ -364,16 +364,20 @@ pub fn fuse_mean_cross_entropy(g: &Graph, gpu: bool) -> Graph {
         return out;
     }
     let users = g.users();
-    let mut escapes = vec![false; g.nodes.len()];
-    g.outputs.iter().map(|a| a.node).chain(g.writes.iter().map(|w| w.1)).for_each(|n| escapes[n] = true);
+    // `pinned`: a state buffer stands for the node (a state write, or a base written into in
+    // place); `escapes`: that, or the step returns it.
+    let mut pinned = vec![false; g.nodes.len()];
+    g.writes.iter().for_each(|w| pinned[w.1] = true);
     for n in &g.nodes {
         if let Kind::WriteView { base, .. } = n.kind {
-            escapes[base] = true;
+            pinned[base] = true;
         }
     }
+    let mut escapes = pinned.clone();
+    g.outputs.iter().for_each(|a| escapes[a.node] = true);
     let mut alias: Vec<Option<(NodeId, usize)>> = vec![None; g.nodes.len()];
     for ce in 0..g.nodes.len() {
-        let Some((loss, grad)) = mean_xent(g, &users, &escapes, ce) else { continue };
+        let Some((loss, grad)) = mean_xent(g, &users, (&escapes, &pinned), ce) else { continue };
         if let Kind::Op(op, _) = &mut out.nodes[ce].kind {
             let Op::CrossEntropy { ignore_index, smoothing } = *op else { continue };
             *op = Op::CrossEntropyMean { ignore_index, smoothing };
@@ -387,7 +391,7 @@ pub fn fuse_mean_cross_entropy(g: &Graph, gpu: bool) -> Graph {
 
 /// For a `CrossEntropy` node `ce`, its mean's loss and gradient nodes when they form the chain
 /// `fuse_mean_cross_entropy` replaces, with nothing else reading its inner nodes.
-fn mean_xent(g: &Graph, users: &[Vec<NodeId>], escapes: &[bool], ce: NodeId) -> Option<(NodeId, NodeId)> {
+fn mean_xent(g: &Graph, users: &[Vec<NodeId>], (escapes, pinned): (&[bool], &[bool]), ce: NodeId) -> Option<(NodeId, NodeId)> {
     let op = |i: NodeId| match &g.nodes[i].kind {
         Kind::Op(op, args) => Some((op, args.as_slice())),
         _ => None,
@@ -427,10 +431,7 @@ fn mean_xent(g: &Graph, users: &[Vec<NodeId>], escapes: &[bool], ce: NodeId) -> 
     let same = *gop == backward && gx == x && gt == t && gs.node == scale && gs.layout.strides == [0];
     let chain = num.node == total && !escapes[count] && counts_targets && unit && same;
     // The loss and the gradient may be returned, but no state buffer may stand for them.
-    let kept = |i: NodeId| {
-        g.writes.iter().any(|w| w.1 == i) || g.nodes.iter().any(|n| matches!(n.kind, Kind::WriteView { base, .. } if base == i))
-    };
-    (chain && !kept(loss) && !kept(grad)).then_some((loss, grad))
+    (chain && !pinned[loss] && !pinned[grad]).then_some((loss, grad))
 }
 
 /// The pipeline, in order; `log` sees the graph after each pass.

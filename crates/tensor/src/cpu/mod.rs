@@ -450,19 +450,19 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
 /// sum over the count of real targets, and the backward with every row's gradient `1 / count`.
 fn cross_entropy_mean(ins: &[(&CpuStorage, &Layout)], ignore_index: Option<i64>, smoothing: f64, dtype: DType) -> Result<CpuStorage> {
     let (rows, classes) = (ins[0].1.shape[0], ins[0].1.shape[1]);
-    let scalar = |shape: &[usize]| OutMeta { shape: shape.to_vec(), dtype };
-    let losses = run(&Op::CrossEntropy { ignore_index, smoothing }, ins, &scalar(&[rows]))?;
+    let meta = |shape: &[usize]| OutMeta { shape: shape.to_vec(), dtype };
+    let losses = run(&Op::CrossEntropy { ignore_index, smoothing }, ins, &meta(&[rows]))?;
     let targets = contig(typed::<i64>(ins[1].0, "cross_entropy_mean")?, ins[1].1);
     let count = targets.iter().filter(|&&t| Some(t) != ignore_index).count() as f64;
     let sum = Op::Reduce { op: crate::ReduceOp::Sum, dims: vec![0], keepdim: false };
-    let total = run(&sum, &[(&losses, &Layout::contiguous(&[rows]))], &scalar(&[]))?;
+    let total = run(&sum, &[(&losses, &Layout::contiguous(&[rows]))], &meta(&[]))?;
     let by_count = Op::Scalar { op: crate::BinaryOp::Div, value: count, scalar_lhs: false };
-    let loss = run(&by_count, &[(&total, &Layout::contiguous(&[]))], &scalar(&[]))?;
-    let one = run(&Op::Full { shape: vec![], value: 1.0, dtype }, &[], &scalar(&[]))?;
-    let scale = run(&by_count, &[(&one, &Layout::contiguous(&[]))], &scalar(&[]))?;
+    let loss = run(&by_count, &[(&total, &Layout::contiguous(&[]))], &meta(&[]))?;
+    let one = run(&Op::Full { shape: vec![], value: 1.0, dtype }, &[], &meta(&[]))?;
+    let scale = run(&by_count, &[(&one, &Layout::contiguous(&[]))], &meta(&[]))?;
     let per_row = Layout { shape: vec![rows], strides: vec![0], offset: 0 };
     let backward = Op::CrossEntropyBackward { ignore_index, smoothing };
-    let grad = run(&backward, &[ins[0], ins[1], (&scale, &per_row)], &scalar(&[rows, classes]))?;
+    let grad = run(&backward, &[ins[0], ins[1], (&scale, &per_row)], &meta(&[rows, classes]))?;
     Ok(with_cpu!(&loss, l => {
         let mut v = l.to_vec();
         v.resize(crate::op::XENT_GRAD_AT, Default::default());

@@ -666,7 +666,7 @@ pub fn cross_entropy_source(dtype: DType, backward: bool, block: bool) -> (Strin
     s += &xent_row(block, true);
     if backward {
         s += "  const C gr = skip ? (C)0 : (C)ld(g[row * a.gst]);\n";
-        s += XENT_GRAD_LOOP;
+        s += &xent_grad_loop("o");
         s += "}\n";
     } else {
         s += "  (void)g;\n  acc = (C)0;\n";
@@ -680,9 +680,13 @@ pub fn cross_entropy_source(dtype: DType, backward: bool, block: bool) -> (Strin
 /// Mirrors `kernels::XArgs`.
 const XENT_ARGS: &str = "struct XArgs { long long rows, red, ignore, code, gst; double smoothing; int has_ignore, pad; };\n";
 
-/// A cross-entropy row's gradient into `o[base + j]`, `gr` times the softmax less the
+/// A cross-entropy row's gradient into `out[base + j]`: `gr` times the softmax less the
 /// (smoothed) one-hot target; 0 for a skipped row.
-const XENT_GRAD_LOOP: &str = "  for (long long j = lane; j < a.red; j += tpr) {\n    C d = kexp((C)ld(x[base + j]) - lse) - (j == t ? on : (C)0) - off;\n    st(&o[base + j], skip ? (C)0 : gr * d);\n  }\n";
+fn xent_grad_loop(out: &str) -> String {
+    format!(
+        "  for (long long j = lane; j < a.red; j += tpr) {{\n    C d = kexp((C)ld(x[base + j]) - lse) - (j == t ? on : (C)0) - off;\n    st(&{out}[base + j], skip ? (C)0 : gr * d);\n  }}\n"
+    )
+}
 
 /// A cross-entropy row's target check and log-sum-exp (the row's threads in `lane`/`tpr`;
 /// `shared`: more than one, whose values are all-reduced): defines `base`, `t`, `skip`, `lse`,
@@ -741,7 +745,7 @@ pub fn cross_entropy_mean_source(dtype: DType, per_thread: bool) -> (String, Str
     }
     s += "  if (lane == 0 && !skip) loss = lse - on * (C)ld(x[base + t]) - off * acc;\n";
     s += &format!("  {t}* __restrict__ go = o + {};\n", crate::op::XENT_GRAD_AT);
-    s += &XENT_GRAD_LOOP.replace("&o[", "&go[");
+    s += &xent_grad_loop("go");
     s += "  }\n";
     s += "  acc = loss;\n";
     s += &row_allreduce(true, false);
@@ -935,11 +939,6 @@ impl FusedGroup {
     pub fn output_lens(&self) -> Vec<usize> {
         let after = if self.folds() { self.after_fold() } else { vec![] };
         self.outputs.iter().map(|&m| if after.get(m) == Some(&true) { 1 } else { self.n }).collect()
-    }
-
-    /// Elements of output `k` (`output_lens`).
-    pub fn output_len(&self, k: usize) -> usize {
-        self.output_lens().get(k).copied().unwrap_or(self.n)
     }
 
     /// Members computed once after the fold: the sums and every member reading one.
