@@ -663,14 +663,14 @@ pub fn cross_entropy_source(dtype: DType, backward: bool, block: bool) -> (Strin
          const {t}* __restrict__ g, long long* err, XArgs a) {{\n"
     );
     s += row_prologue(block);
-    s += &xent_row(block, true);
+    s += &xent_row(XentRow { regs: false }, block, true);
     if backward {
         s += "  const C gr = skip ? (C)0 : (C)ld(g[row * a.gst]);\n";
-        s += &xent_grad_loop("o");
+        s += &xent_grad_loop(XentRow { regs: false }, "o");
         s += "}\n";
     } else {
-        s += "  (void)g;\n  acc = (C)0;\n";
-        s += "  if (a.smoothing != 0.0) for (long long j = lane; j < a.red; j += tpr) acc += (C)ld(x[base + j]);\n";
+        s += "  (void)g;\n";
+        s += &xent_smoothing_sum(XentRow { regs: false });
         s += &row_allreduce(block, false);
         s += "  if (lane == 0) st(&o[row], skip ? (C)0 : lse - on * (C)ld(x[base + t]) - off * acc);\n}\n";
     }
@@ -680,27 +680,67 @@ pub fn cross_entropy_source(dtype: DType, backward: bool, block: bool) -> (Strin
 /// Mirrors `kernels::XArgs`.
 const XENT_ARGS: &str = "struct XArgs { long long rows, red, ignore, code, gst; double smoothing; int has_ignore, pad; };\n";
 
+/// How a cross-entropy kernel walks a row: its `tpr` threads stride through it in memory, or
+/// (`regs`: a thread per row of at most `XENT_MEAN_THREAD_ROW` logits) the thread loads the
+/// row into registers once, so its loads are in flight together instead of one round trip
+/// to memory per logit in each of the three sweeps.
+#[derive(Clone, Copy)]
+struct XentRow {
+    regs: bool,
+}
+
+impl XentRow {
+    /// A loop header over the row's `j` this thread handles (the body follows in braces).
+    fn each(self) -> &'static str {
+        if self.regs {
+            "#pragma unroll\n  for (int j = 0; j < XROW; ++j) if (j < a.red)"
+        } else {
+            "for (long long j = lane; j < a.red; j += tpr)"
+        }
+    }
+
+    /// The logit `j` as a `C`.
+    fn val(self) -> &'static str {
+        if self.regs {
+            "xv[j]"
+        } else {
+            "(C)ld(x[base + j])"
+        }
+    }
+}
+
 /// A cross-entropy row's gradient into `out[base + j]`: `gr` times the softmax less the
 /// (smoothed) one-hot target; 0 for a skipped row.
-fn xent_grad_loop(out: &str) -> String {
+fn xent_grad_loop(row: XentRow, out: &str) -> String {
     format!(
-        "  for (long long j = lane; j < a.red; j += tpr) {{\n    C d = kexp((C)ld(x[base + j]) - lse) - (j == t ? on : (C)0) - off;\n    st(&{out}[base + j], skip ? (C)0 : gr * d);\n  }}\n"
+        "  {} {{\n    C d = kexp({} - lse) - (j == t ? on : (C)0) - off;\n    st(&{out}[base + j], skip ? (C)0 : gr * d);\n  }}\n",
+        row.each(),
+        row.val()
     )
+}
+
+/// The row's sum of logits into `acc` (this thread's part), which label smoothing needs.
+fn xent_smoothing_sum(row: XentRow) -> String {
+    format!("  acc = (C)0;\n  if (a.smoothing != 0.0) {{\n  {} acc += {};\n  }}\n", row.each(), row.val())
 }
 
 /// A cross-entropy row's target check and log-sum-exp (the row's threads in `lane`/`tpr`;
 /// `shared`: more than one, whose values are all-reduced): defines `base`, `t`, `skip`, `lse`,
-/// `on`, `off` and leaves `acc` free.
-fn xent_row(block: bool, shared: bool) -> String {
+/// `on`, `off` (and `xv`, the row, for `row.regs`) and leaves `acc` free.
+fn xent_row(row: XentRow, block: bool, shared: bool) -> String {
     let reduce = |max: bool| if shared { row_allreduce(block, max) } else { String::new() };
+    let (each, val) = (row.each(), row.val());
     let mut s = String::from("  const long long base = row * a.red, t = tg[row];\n");
+    if row.regs {
+        s += "  C xv[XROW];\n#pragma unroll\n  for (int j = 0; j < XROW; ++j) xv[j] = j < a.red ? (C)ld(x[base + j]) : (C)0;\n";
+    }
     s += "  bool skip = a.has_ignore && t == a.ignore;\n";
     s += "  if (!skip && (t < 0 || t >= a.red)) { if (lane == 0) check_index(err, a.code, t, a.red); skip = true; }\n";
     s += "  C acc = -(C)__longlong_as_double(0x7ff0000000000000LL);\n";
-    s += "  for (long long j = lane; j < a.red; j += tpr) { C v = (C)ld(x[base + j]); acc = (v > acc || v != v) ? v : acc; }\n";
+    s += &format!("  {each} {{ C v = {val}; acc = (v > acc || v != v) ? v : acc; }}\n");
     s += &reduce(true);
     s += "  const C m = acc; acc = (C)0;\n";
-    s += "  for (long long j = lane; j < a.red; j += tpr) acc += kexp((C)ld(x[base + j]) - m);\n";
+    s += &format!("  {each} acc += kexp({val} - m);\n");
     s += &reduce(false);
     s += "  const C lse = m + klog(acc), on = (C)(1.0 - a.smoothing), off = (C)(a.smoothing / (double)a.red);\n";
     s
@@ -721,15 +761,17 @@ pub const XENT_MEAN_BLOCKS: usize = 256;
 pub fn cross_entropy_mean_source(dtype: DType, per_thread: bool) -> (String, String) {
     let name = format!("k_cross_entropy_mean_{}{}", format!("{dtype:?}").to_lowercase(), if per_thread { "_rows" } else { "" });
     let (t, c) = (storage_type(dtype), compute_type(dtype));
-    let mut s = format!("{PRELUDE}{INDEX_ARGS}\ntypedef {c} C;\n");
+    let mut s = format!("{PRELUDE}{INDEX_ARGS}\ntypedef {c} C;\n#define XROW {XENT_MEAN_THREAD_ROW}\n");
     s += XENT_ARGS;
     s += &format!("__device__ unsigned int ticket;\n__device__ C partial[{XENT_MEAN_BLOCKS}];\n");
     s += &format!(
         "extern \"C\" __global__ void __launch_bounds__(256) {name}({t}* __restrict__ o, const {t}* __restrict__ x, \
          const long long* __restrict__ tg, long long* err, XArgs a) {{\n"
     );
-    s += "  __shared__ C sh[32];\n  __shared__ bool last;\n  C acc = (C)0;\n";
-    s += "  for (long long r = threadIdx.x; r < a.rows; r += blockDim.x) acc += (a.has_ignore && tg[r] == a.ignore) ? (C)0 : (C)1;\n";
+    // The count: integer adds, exact in any order; unrolled so several targets are in flight.
+    s += "  __shared__ C sh[32];\n  __shared__ bool last;\n  long long cnt = a.has_ignore ? 0 : (threadIdx.x == 0 ? a.rows : 0);\n";
+    s += "  if (a.has_ignore) {\n#pragma unroll 8\n    for (long long r = threadIdx.x; r < a.rows; r += blockDim.x) cnt += tg[r] != a.ignore;\n  }\n";
+    s += "  C acc = (C)cnt;\n";
     s += &row_allreduce(true, false);
     s += "  const C count = acc, gr = (C)1 / count;\n  C loss = (C)0;\n  __syncthreads();\n";
     s += if per_thread {
@@ -737,15 +779,17 @@ pub fn cross_entropy_mean_source(dtype: DType, per_thread: bool) -> (String, Str
     } else {
         "  const int lane = threadIdx.x % 32, tpr = 32;\n  const long long row = blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32;\n"
     };
+    let row = XentRow { regs: per_thread };
     s += "  if (row < a.rows) {\n";
-    s += &xent_row(false, !per_thread);
-    s += "  acc = (C)0;\n  if (a.smoothing != 0.0) for (long long j = lane; j < a.red; j += tpr) acc += (C)ld(x[base + j]);\n";
+    s += &xent_row(row, false, !per_thread);
+    s += &xent_smoothing_sum(row);
     if !per_thread {
         s += &row_allreduce(false, false);
     }
+    // The target's logit from memory: indexing `xv` by a runtime value would spill it.
     s += "  if (lane == 0 && !skip) loss = lse - on * (C)ld(x[base + t]) - off * acc;\n";
     s += &format!("  {t}* __restrict__ go = o + {};\n", crate::op::XENT_GRAD_AT);
-    s += &xent_grad_loop("go");
+    s += &xent_grad_loop(row, "go");
     s += "  }\n";
     s += "  acc = loss;\n";
     s += &row_allreduce(true, false);
