@@ -283,58 +283,113 @@ fn layer_norm_param_grads_match_the_cpu() {
 /// bias, F64 if cuBLASLt has no such epilogue), all against the CPU.
 #[test]
 fn fused_matmul_epilogues_match_the_cpu() {
-    use kiln::tensor::{MatmulEpilogue as E, Op};
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    // The product and the sums; the padding between them is left unwritten on CUDA.
-    let fused = |e: E| {
-        move |x: &[Tensor]| {
-            let out = Tensor::apply(Op::MatmulFused(e), &x.iter().collect::<Vec<_>>(), x[0].device())?;
-            if matches!(e, E::Relu | E::DGeluTanh) {
-                return Ok(out);
-            }
-            let numel = x[0].matmul(&x[1])?.numel();
-            let at = kiln::tensor::op::matmul_tail_offset(numel);
-            Tensor::cat(&[&out.narrow(0, 0, numel)?, &out.narrow(0, at, out.shape()[0] - at)?], 0)
-        }
-    };
     for dt in FLOATS {
         let t = match dt {
             DType::F16 => 4e-3,
             DType::BF16 => 3e-2,
             d => tol(d) * 10.0,
         };
-        let (a, b, bias) = (randn(&[37, 24], 40, dt), randn(&[24, 16], 41, dt), randn(&[16], 42, dt));
+        // Small F32/F64 products run Kiln's own kernel (`narrow_matmuls_match_the_cpu`); the
+        // wider shape keeps cuBLASLt's epilogues under test in every dtype.
+        for (k, n) in [(24, 16), (64, 48)] {
+            fused_epilogue_cases(dt, t, k, n);
+        }
+    }
+}
+
+/// `Op::MatmulFused(e)` as a test function: the product and the sums (the padding between
+/// them is left unwritten on CUDA).
+fn fused(e: kiln::tensor::MatmulEpilogue) -> impl Fn(&[Tensor]) -> Result<Tensor> {
+    use kiln::tensor::{MatmulEpilogue as E, Op};
+    move |x: &[Tensor]| {
+        let out = Tensor::apply(Op::MatmulFused(e), &x.iter().collect::<Vec<_>>(), x[0].device())?;
+        if matches!(e, E::Relu | E::DGeluTanh) {
+            return Ok(out);
+        }
+        let numel = x[0].matmul(&x[1])?.numel();
+        let at = kiln::tensor::op::matmul_tail_offset(numel);
+        Tensor::cat(&[&out.narrow(0, 0, numel)?, &out.narrow(0, at, out.shape()[0] - at)?], 0)
+    }
+}
+
+/// `fused_matmul_epilogues_match_the_cpu` at one shape: `[37, k] x [k, n]`.
+fn fused_epilogue_cases(dt: DType, t: f64, k: usize, n: usize) {
+    use kiln::tensor::MatmulEpilogue as E;
+    {
+        let (a, b, bias) = (randn(&[37, k], 40, dt), randn(&[k, n], 41, dt), randn(&[n], 42, dt));
         both(&format!("matmul_relu {dt:?}"), &[a.clone(), b.clone()], t, fused(E::Relu));
         both(&format!("matmul_relu + bias {dt:?}"), &[a.clone(), b.clone(), bias.clone()], t, fused(E::Relu));
-        both(&format!("matmul_relu batched {dt:?}"), &[randn(&[3, 37, 24], 43, dt), randn(&[3, 24, 16], 44, dt)], t, fused(E::Relu));
-        both(&format!("matmul_relu + unaligned bias {dt:?}"), &[a.clone(), b.clone(), randn(&[17], 45, dt)], t, |x| {
-            fused(E::Relu)(&[x[0].clone(), x[1].clone(), x[2].narrow(0, 1, 16)?])
+        both(&format!("matmul_relu batched {dt:?}"), &[randn(&[3, 37, k], 43, dt), randn(&[3, k, n], 44, dt)], t, fused(E::Relu));
+        both(&format!("matmul_relu + unaligned bias {dt:?}"), &[a.clone(), b.clone(), randn(&[n + 1], 45, dt)], t, |x| {
+            fused(E::Relu)(&[x[0].clone(), x[1].clone(), x[2].narrow(0, 1, n)?])
         });
         // GELU (tanh form) with its pre-activation, and the product by its gradient. cuBLASLt
         // evaluates the gradient's formula differently (3e-9 relative in F64).
         let tg = if dt == DType::F64 { 1e-8 } else { t };
         both(&format!("matmul_gelu_tanh {dt:?}"), &[a.clone(), b.clone()], tg, fused(E::GeluTanh));
         both(&format!("matmul_gelu_tanh + bias {dt:?}"), &[a.clone(), b.clone(), bias.clone()], tg, fused(E::GeluTanh));
-        both(
-            &format!("matmul_gelu_tanh [B, T, C] {dt:?}"),
-            &[randn(&[3, 37, 24], 50, dt), b.clone(), bias.clone()],
-            tg,
-            fused(E::GeluTanh),
-        );
-        both(&format!("matmul_gelu_tanh + unaligned bias {dt:?}"), &[a.clone(), b.clone(), randn(&[17], 45, dt)], tg, |x| {
-            fused(E::GeluTanh)(&[x[0].clone(), x[1].clone(), x[2].narrow(0, 1, 16)?])
+        both(&format!("matmul_gelu_tanh [B, T, C] {dt:?}"), &[randn(&[3, 37, k], 50, dt), b.clone(), bias.clone()], tg, fused(E::GeluTanh));
+        both(&format!("matmul_gelu_tanh + unaligned bias {dt:?}"), &[a.clone(), b.clone(), randn(&[n + 1], 45, dt)], tg, |x| {
+            fused(E::GeluTanh)(&[x[0].clone(), x[1].clone(), x[2].narrow(0, 1, n)?])
         });
-        both(&format!("matmul_dgelu_tanh {dt:?}"), &[a.clone(), b.clone(), randn(&[37, 16], 51, dt)], tg, fused(E::DGeluTanh));
-        both(&format!("matmul_dgelu_tanh, h a view {dt:?}"), &[a.clone(), b.clone(), randn(&[37, 17], 52, dt)], tg, |x| {
-            fused(E::DGeluTanh)(&[x[0].clone(), x[1].clone(), x[2].narrow(1, 1, 16)?])
+        both(&format!("matmul_dgelu_tanh {dt:?}"), &[a.clone(), b.clone(), randn(&[37, n], 51, dt)], tg, fused(E::DGeluTanh));
+        both(&format!("matmul_dgelu_tanh, h a view {dt:?}"), &[a.clone(), b.clone(), randn(&[37, n + 1], 52, dt)], tg, |x| {
+            fused(E::DGeluTanh)(&[x[0].clone(), x[1].clone(), x[2].narrow(1, 1, n)?])
         });
         // A weight gradient g^T x with its bias gradient sum(g): g read transposed.
-        let (g, x) = (randn(&[300, 24], 46, dt), randn(&[300, 40], 47, dt));
+        let (g, x) = (randn(&[300, k], 46, dt), randn(&[300, 40], 47, dt));
         both(&format!("matmul_sum g^T x {dt:?}"), &[g.clone(), x.clone()], t * 4.0, |v| fused(E::SumLeft)(&[v[0].t()?, v[1].clone()]));
         both(&format!("matmul_sum left {dt:?}"), &[a.clone(), b.clone()], t, fused(E::SumLeft));
         both(&format!("matmul_sum right {dt:?}"), &[a.clone(), b.clone()], t, fused(E::SumRight));
         both(&format!("matmul_sum x^T g {dt:?}"), &[x.clone(), g.clone()], t * 4.0, |v| fused(E::SumRight)(&[v[0].t()?, v[1].clone()]));
         both(&format!("matmul_sum k=0 {dt:?}"), &[randn(&[3, 0], 48, dt), randn(&[0, 5], 49, dt)], 0.0, fused(E::SumLeft));
+    }
+}
+
+/// Kiln's own kernels for small F32/F64 products (`codegen::narrow_matmul_source`) against the
+/// CPU: the thin form (a contraction of at most 32: the MLP's weight gradients at batch 32
+/// with their bias gradients, a product by a narrow layer's weight transposed) and the warp
+/// form (at most 16 wide: a classifier head, with bias and ReLU; a transposed operand with a
+/// short contraction) and the split form (at most 16 wide, a long contraction down `a`'s
+/// columns, folded across blocks), at the MLP's shapes, plus the sizes just past the limits.
+#[test]
+fn narrow_matmuls_match_the_cpu() {
+    use kiln::tensor::MatmulEpilogue as E;
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for dt in [DType::F32, DType::F64] {
+        let t = tol(dt) * 10.0;
+        let (x, g1, h, g2) = (randn(&[32, 784], 90, dt), randn(&[32, 256], 91, dt), randn(&[32, 256], 92, dt), randn(&[32, 10], 93, dt));
+        both(&format!("x^T g + sum(g) {dt:?}"), &[x.clone(), g1.clone()], t, |v| fused(E::SumRight)(&[v[0].t()?, v[1].clone()]));
+        both(&format!("h^T g + sum(g) {dt:?}"), &[h.clone(), g2.clone()], t, |v| fused(E::SumRight)(&[v[0].t()?, v[1].clone()]));
+        both(&format!("g^T h + sum(g) {dt:?}"), &[g2.clone(), h.clone()], t, |v| fused(E::SumLeft)(&[v[0].t()?, v[1].clone()]));
+        let (w2, b1) = (randn(&[256, 10], 94, dt), randn(&[256], 95, dt));
+        both(&format!("g w^T {dt:?}"), &[randn(&[4096, 10], 96, dt), w2.clone()], t, |v| v[0].matmul(&v[1].t()?));
+        both(&format!("g w^T + bias, relu {dt:?}"), &[randn(&[300, 10], 97, dt), w2.clone(), b1.clone()], t, |v| {
+            fused(E::Relu)(&[v[0].clone(), v[1].t()?, v[2].clone()])
+        });
+        let (hb, b2) = (randn(&[4096, 256], 98, dt), randn(&[10], 99, dt));
+        both(&format!("head h w + b {dt:?}"), &[hb.clone(), w2.clone(), b2.clone()], t, |v| v[0].matmul_bias(&v[1], &v[2]));
+        both(&format!("head h w + b, relu {dt:?}"), &[h.clone(), w2.clone(), b2.clone()], t, fused(E::Relu));
+        both(&format!("a^T w, short k {dt:?}"), &[randn(&[200, 64], 100, dt), randn(&[200, 16], 101, dt)], t, |v| v[0].t()?.matmul(&v[1]));
+        // The split form: a long contraction down a^T's columns (the MLP's h^T g at batch
+        // 4096, with the bias gradient), a ragged one, and with bias and ReLU.
+        let (hl, gl) = (randn(&[4096, 256], 106, dt), randn(&[4096, 10], 107, dt));
+        both(&format!("h^T g + sum(g), k 4096 {dt:?}"), &[hl.clone(), gl.clone()], t * 4.0, |v| {
+            fused(E::SumRight)(&[v[0].t()?, v[1].clone()])
+        });
+        both(&format!("g^T h + sum(g), k 4096 (as its transpose) {dt:?}"), &[gl.clone(), hl.clone()], t * 4.0, |v| {
+            fused(E::SumLeft)(&[v[0].t()?, v[1].clone()])
+        });
+        both(&format!("a b + row sums, 5 wide {dt:?}"), &[randn(&[37, 24], 111, dt), randn(&[24, 5], 112, dt)], t, fused(E::SumLeft));
+        let (hr, gr) = (randn(&[1000, 70], 108, dt), randn(&[1000, 16], 109, dt));
+        both(&format!("h^T g, ragged {dt:?}"), &[hr.clone(), gr.clone()], t * 4.0, |v| v[0].t()?.matmul(&v[1]));
+        both(&format!("h^T g + b, relu {dt:?}"), &[hr, gr, randn(&[16], 110, dt)], t * 4.0, |v| {
+            fused(E::Relu)(&[v[0].t()?, v[1].clone(), v[2].clone()])
+        });
+        // Just past the forms' limits (cuBLAS): a contraction of 33 and 17 columns.
+        both(&format!("k = 33 {dt:?}"), &[randn(&[40, 33], 102, dt), randn(&[33, 20], 103, dt)], t, |v| v[0].matmul(&v[1]));
+        both(&format!("n = 17 {dt:?}"), &[randn(&[40, 300], 104, dt), randn(&[300, 17], 105, dt)], t, |v| v[0].matmul(&v[1]));
     }
 }
 
