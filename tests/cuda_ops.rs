@@ -290,8 +290,7 @@ fn fused_matmul_epilogues_match_the_cpu() {
             DType::BF16 => 3e-2,
             d => tol(d) * 10.0,
         };
-        // Small F32/F64 products run Kiln's own kernel (`narrow_matmuls_match_the_cpu`); the
-        // wider shape keeps cuBLASLt's epilogues under test in every dtype.
+        // A small shape and a wider one (other cuBLASLt kernels and epilogue paths).
         for (k, n) in [(24, 16), (64, 48)] {
             fused_epilogue_cases(dt, t, k, n);
         }
@@ -347,14 +346,13 @@ fn fused_epilogue_cases(dt: DType, t: f64, k: usize, n: usize) {
     }
 }
 
-/// Kiln's own kernels for small F32/F64 products (`codegen::narrow_matmul_source`) against the
-/// CPU: the thin form (a contraction of at most 32: the MLP's weight gradients at batch 32
-/// with their bias gradients, a product by a narrow layer's weight transposed) and the warp
-/// form (at most 16 wide: a classifier head, with bias and ReLU; a transposed operand with a
-/// short contraction) and the split form (at most 16 wide, a long contraction down `a`'s
-/// columns, folded across blocks), at the MLP's shapes, plus the sizes just past the limits.
+/// Products at the MLP's shapes, F32 and F64, against the CPU: the weight gradients at batch
+/// 32 with their bias gradients (BGRADA/BGRADB), a product by a narrow layer's weight
+/// transposed, the classifier head with bias and ReLU, the weight gradients at batch 4096
+/// (long contractions, which cuBLAS splits over blocks) with their bias gradients, ragged
+/// shapes, and short or narrow products.
 #[test]
-fn narrow_matmuls_match_the_cpu() {
+fn products_at_the_mlp_shapes_match_the_cpu() {
     use kiln::tensor::MatmulEpilogue as E;
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     for dt in [DType::F32, DType::F64] {
@@ -372,13 +370,13 @@ fn narrow_matmuls_match_the_cpu() {
         both(&format!("head h w + b {dt:?}"), &[hb.clone(), w2.clone(), b2.clone()], t, |v| v[0].matmul_bias(&v[1], &v[2]));
         both(&format!("head h w + b, relu {dt:?}"), &[h.clone(), w2.clone(), b2.clone()], t, fused(E::Relu));
         both(&format!("a^T w, short k {dt:?}"), &[randn(&[200, 64], 100, dt), randn(&[200, 16], 101, dt)], t, |v| v[0].t()?.matmul(&v[1]));
-        // The split form: a long contraction down a^T's columns (the MLP's h^T g at batch
-        // 4096, with the bias gradient), a ragged one, and with bias and ReLU.
+        // Long contractions down a^T's columns (the MLP's weight gradients at batch 4096,
+        // with the bias gradients), a ragged one, and with bias and ReLU.
         let (hl, gl) = (randn(&[4096, 256], 106, dt), randn(&[4096, 10], 107, dt));
         both(&format!("h^T g + sum(g), k 4096 {dt:?}"), &[hl.clone(), gl.clone()], t * 4.0, |v| {
             fused(E::SumRight)(&[v[0].t()?, v[1].clone()])
         });
-        both(&format!("g^T h + sum(g), k 4096 (as its transpose) {dt:?}"), &[gl.clone(), hl.clone()], t * 4.0, |v| {
+        both(&format!("g^T h + sum(g), k 4096 {dt:?}"), &[gl.clone(), hl.clone()], t * 4.0, |v| {
             fused(E::SumLeft)(&[v[0].t()?, v[1].clone()])
         });
         both(&format!("a b + row sums, 5 wide {dt:?}"), &[randn(&[37, 24], 111, dt), randn(&[24, 5], 112, dt)], t, fused(E::SumLeft));
@@ -387,7 +385,7 @@ fn narrow_matmuls_match_the_cpu() {
         both(&format!("h^T g + b, relu {dt:?}"), &[hr, gr, randn(&[16], 110, dt)], t * 4.0, |v| {
             fused(E::Relu)(&[v[0].t()?, v[1].clone(), v[2].clone()])
         });
-        // Just past the forms' limits (cuBLAS): a contraction of 33 and 17 columns.
+        // A contraction of 33, and 17 columns.
         both(&format!("k = 33 {dt:?}"), &[randn(&[40, 33], 102, dt), randn(&[33, 20], 103, dt)], t, |v| v[0].matmul(&v[1]));
         both(&format!("n = 17 {dt:?}"), &[randn(&[40, 300], 104, dt), randn(&[300, 17], 105, dt)], t, |v| v[0].matmul(&v[1]));
     }

@@ -171,13 +171,6 @@ fn every_reduction_and_index_kernel_compiles() {
             let (s, n) = kiln_tensor::cuda::codegen::cross_entropy_mean_source(d, per_thread);
             check(&s, &n, &mut fails);
         }
-        if matches!(d, DType::F32 | DType::F64) {
-            use kiln_tensor::cuda::codegen::NarrowForm;
-            for form in [NarrowForm::Thin, NarrowForm::Rows, NarrowForm::Split] {
-                let (s, n) = kiln_tensor::cuda::codegen::narrow_matmul_source(d, form);
-                check(&s, &n, &mut fails);
-            }
-        }
         for ams in [false, true] {
             let (s, n) = kiln_tensor::cuda::codegen::adam_source(d, ams);
             check(&s, &n, &mut fails);

@@ -2,9 +2,8 @@
 //! in place (a transposed view is a transpose flag, not a copy), F32 in full FP32 unless TF32
 //! is switched on (as in PyTorch), F16/BF16 on tensor cores with F32 accumulation.
 
-use super::codegen::NarrowForm;
 use super::gpu::Gpu;
-use super::kernels::{dense_copy, kernel_params, CudaStorage};
+use super::kernels::{dense_copy, CudaStorage};
 use super::lt::{alignment, Epilogue, Gemm, Plan};
 use crate::op::OutMeta;
 use crate::op::{InMeta, MatmulEpilogue};
@@ -227,9 +226,6 @@ pub fn matmul_fused(
         };
         (la, m, batch) = (folded, batch * m, 1);
     }
-    if batch == 1 && narrow_matmul(g, &out, (dense_a.as_ref().unwrap_or(sa), &la), (sb, &lb), &rest, (m, n, k))? {
-        return Ok(out);
-    }
     let a = operand(g, dense_a.as_ref().unwrap_or(sa), &la)?;
     let b = operand(g, sb, &lb)?;
     let b = if batch == 1 { Operand { batch_stride: 0, ..b } } else { b };
@@ -335,123 +331,6 @@ pub fn matmul_fused(
     .map_err(blas_err)?;
     drop(guard);
     finish(g, out, rest, &shape)
-}
-
-/// Mirrors `MArgs` in `codegen::narrow_matmul_source`.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct MArgs {
-    m: i64,
-    n: i64,
-    k: i64,
-    ars: i64,
-    acs: i64,
-    brs: i64,
-    bcs: i64,
-    ors: i64,
-    ocs: i64,
-    sums_at: i64,
-    chunk: i64,
-    relu: i32,
-    has_bias: i32,
-    sums: i32,
-    pad: i32,
-}
-
-/// Outputs the thin form of `narrow_matmul` takes at most (a thread each).
-const THIN_MAX_OUT: usize = 1 << 22;
-
-/// The kernel form for a small F32/F64 product `[m, k] x [k, n]` with `a`'s strides (rows,
-/// columns), if one suits it: a contraction of at most `THIN_K`; or at most `NARROW_N` wide,
-/// split over blocks when the contraction is long and runs down `a`'s contiguous columns,
-/// else a warp per row when `a`'s rows lie along memory (or are short). `sums`: the
-/// epilogue's operand sums (1: `a`'s rows, 2: `b`'s columns, 0: none).
-fn narrow_form((m, n, k): (usize, usize, usize), (ars, acs): (usize, usize), sums: i32, rows_k: usize) -> Option<NarrowForm> {
-    use super::codegen::{NARROW_N, SPLIT_ROWS, SPLIT_TILES, THIN_K, THIN_ROWS};
-    if k <= THIN_K && m * n <= THIN_MAX_OUT && m.div_ceil(THIN_ROWS) <= u16::MAX as usize {
-        Some(NarrowForm::Thin)
-    } else if n > NARROW_N {
-        None
-    } else if ars == 1 && k > 256 && sums != 1 && m <= SPLIT_ROWS * SPLIT_TILES {
-        Some(NarrowForm::Split)
-    } else if sums == 0 && k <= rows_k && (acs == 1 || k <= 256) {
-        Some(NarrowForm::Rows)
-    } else {
-        None
-    }
-}
-
-/// A small F32/F64 product (`codegen::narrow_matmul_source`) as one launch of Kiln's own
-/// kernel (`narrow_form`, of the product or its transpose), with everything `rest` asks
-/// (bias, ReLU, an operand's sums).
-/// Returns false, having launched nothing, for any other product.
-fn narrow_matmul(
-    g: &Arc<Gpu>,
-    out: &CudaStorage,
-    (sa, la): (&CudaStorage, &Layout),
-    (sb, lb): (&CudaStorage, &Layout),
-    rest: &Rest,
-    (m, n, k): (usize, usize, usize),
-) -> Result<bool> {
-    use super::codegen::{narrow_matmul_source, rows_k, NARROW_N, ROWS_PER_BLOCK, SPLIT_ROWS, THIN_COLS, THIN_ROWS};
-    let (ra, rb) = (la.rank(), lb.rank());
-    let (ars, acs, brs, bcs) = (la.strides[ra - 2], la.strides[ra - 1], lb.strides[rb - 2], lb.strides[rb - 1]);
-    let bias = match rest.bias {
-        Some((s, l)) if l.is_contiguous() => Some(s.ptr_at(l.offset)),
-        Some(_) => return Ok(false),
-        None => None,
-    };
-    let (sums, sums_at) = match rest.sums {
-        Some((_, dim, at)) => (if dim == 1 { 1 } else { 2 }, at as i64),
-        None => (0, 0),
-    };
-    if !matches!(out.dtype, DType::F32 | DType::F64) || rest.gelu.is_some() || rest.dgelu.is_some() {
-        return Ok(false);
-    }
-    let (mut pa, mut pb) = (sa.ptr_at(la.offset), sb.ptr_at(lb.offset));
-    let rk = rows_k(out.dtype);
-    // A product at most NARROW_N tall (a narrow layer's weight gradient g^T x), with no
-    // per-column epilogue, may run as its transpose b^T a^T, written through swapped strides.
-    let (m, n, ars, acs, brs, bcs, sums, ors, ocs, form) = match narrow_form((m, n, k), (ars, acs), sums, rk) {
-        Some(f) => (m, n, ars, acs, brs, bcs, sums, n, 1, f),
-        None if m <= NARROW_N && bias.is_none() && !rest.relu => {
-            let flipped = [0, 2, 1][sums as usize];
-            let Some(f) = narrow_form((n, m, k), (bcs, brs), flipped, rk) else { return Ok(false) };
-            std::mem::swap(&mut pa, &mut pb);
-            (n, m, bcs, brs, acs, ars, flipped, 1, n, f)
-        }
-        None => return Ok(false),
-    };
-    // The split form: about 128 blocks, chunks of at least 64 of `k`, and room for the
-    // chunks' partial sums (then `b`'s column sums per chunk).
-    let tiles = m.div_ceil(SPLIT_ROWS);
-    let chunk = k.div_ceil((128 / tiles).clamp(1, k.div_ceil(64)));
-    let chunks = k.div_ceil(chunk);
-    let part = match form {
-        NarrowForm::Split => Some(CudaStorage::alloc(g, out.dtype, chunks * (tiles * SPLIT_ROWS + 1) * NARROW_N)?),
-        _ => None,
-    };
-    let key = super::spec_key("narrow_matmul", &(out.dtype, form));
-    let kern = g.kernel(key, || narrow_matmul_source(out.dtype, form))?;
-    let [m64, n64, k64, chunk] = [m, n, k, chunk].map(|x| x as i64);
-    let [ars, acs, brs, bcs, ors, ocs] = [ars, acs, brs, bcs, ors, ocs].map(|x| x as i64);
-    let (relu, has_bias) = (rest.relu as i32, bias.is_some() as i32);
-    let mut p = MArgs { m: m64, n: n64, k: k64, ars, acs, brs, bcs, ors, ocs, sums_at, chunk, relu, has_bias, sums, pad: 0 };
-    let mut o = out.buf.ptr;
-    let (mut pbias, mut ppart) = (bias.unwrap_or(0), part.as_ref().map_or(0, |w| w.buf.ptr));
-    let mut params = kernel_params![o, pa, pb, pbias, ppart, p];
-    let (grid, block) = match form {
-        NarrowForm::Thin => ((n.div_ceil(THIN_COLS), m.div_ceil(THIN_ROWS)), THIN_COLS),
-        NarrowForm::Rows => ((m.div_ceil(ROWS_PER_BLOCK), 1), 256),
-        NarrowForm::Split => ((tiles, chunks), 256),
-    };
-    // SAFETY: (out, a, b, bias, part, MArgs) matches the generated signature; `a` and `b` are
-    // live buffers of this GPU read at `offset + i * rs + j * cs` inside their layouts' shapes
-    // `[m, k]` and `[k, n]`; `out` holds the `[m, n]` product and, from `sums_at`, the sums
-    // (the shape rule); the bias, when read, is `n` dense elements; `part` holds the split
-    // form's partial sums for its grid (`tiles <= SPLIT_TILES`, its tickets).
-    unsafe { g.launch(kern, (grid.0 as u32, grid.1 as u32), block as u32, 0, &mut params)? };
-    Ok(true)
 }
 
 /// The cuBLASLt epilogue for `rest` and the addresses of its vector and aux matrix (0 if

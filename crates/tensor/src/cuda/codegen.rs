@@ -663,14 +663,14 @@ pub fn cross_entropy_source(dtype: DType, backward: bool, block: bool) -> (Strin
          const {t}* __restrict__ g, long long* err, XArgs a) {{\n"
     );
     s += row_prologue(block);
-    s += &xent_row(XentRow { regs: false }, block, true);
+    s += &xent_row(block, true);
     if backward {
         s += "  const C gr = skip ? (C)0 : (C)ld(g[row * a.gst]);\n";
-        s += &xent_grad_loop(XentRow { regs: false }, "o");
+        s += &xent_grad_loop("o");
         s += "}\n";
     } else {
-        s += "  (void)g;\n";
-        s += &xent_smoothing_sum(XentRow { regs: false });
+        s += "  (void)g;\n  acc = (C)0;\n";
+        s += "  if (a.smoothing != 0.0) for (long long j = lane; j < a.red; j += tpr) acc += (C)ld(x[base + j]);\n";
         s += &row_allreduce(block, false);
         s += "  if (lane == 0) st(&o[row], skip ? (C)0 : lse - on * (C)ld(x[base + t]) - off * acc);\n}\n";
     }
@@ -680,79 +680,27 @@ pub fn cross_entropy_source(dtype: DType, backward: bool, block: bool) -> (Strin
 /// Mirrors `kernels::XArgs`.
 const XENT_ARGS: &str = "struct XArgs { long long rows, red, ignore, code, gst; double smoothing; int has_ignore, pad; };\n";
 
-/// How a cross-entropy kernel walks a row: its `tpr` threads stride through it in memory, or
-/// (`regs`: a thread per row of at most `XENT_MEAN_THREAD_ROW` logits) the thread loads the
-/// row into registers once, so its loads are in flight together instead of one round trip
-/// to memory per logit in each of the three sweeps.
-#[derive(Clone, Copy)]
-struct XentRow {
-    regs: bool,
-}
-
-impl XentRow {
-    /// A loop header over the row's `j` this thread handles (the body follows in braces).
-    fn each(self) -> &'static str {
-        if self.regs {
-            "#pragma unroll\n  for (int j = 0; j < XROW; ++j) if (j < a.red)"
-        } else {
-            "for (long long j = lane; j < a.red; j += tpr)"
-        }
-    }
-
-    /// The target's logit as a `C` (after `xent_row`).
-    fn target(self) -> &'static str {
-        if self.regs {
-            "xt"
-        } else {
-            "(C)ld(x[base + t])"
-        }
-    }
-
-    /// The logit `j` as a `C`.
-    fn val(self) -> &'static str {
-        if self.regs {
-            "xv[j]"
-        } else {
-            "(C)ld(x[base + j])"
-        }
-    }
-}
-
 /// A cross-entropy row's gradient into `out[base + j]`: `gr` times the softmax less the
 /// (smoothed) one-hot target; 0 for a skipped row.
-fn xent_grad_loop(row: XentRow, out: &str) -> String {
+fn xent_grad_loop(out: &str) -> String {
     format!(
-        "  {} {{\n    C d = kexp({} - lse) - (j == t ? on : (C)0) - off;\n    st(&{out}[base + j], skip ? (C)0 : gr * d);\n  }}\n",
-        row.each(),
-        row.val()
+        "  for (long long j = lane; j < a.red; j += tpr) {{\n    C d = kexp((C)ld(x[base + j]) - lse) - (j == t ? on : (C)0) - off;\n    st(&{out}[base + j], skip ? (C)0 : gr * d);\n  }}\n"
     )
-}
-
-/// The row's sum of logits into `acc` (this thread's part), which label smoothing needs.
-fn xent_smoothing_sum(row: XentRow) -> String {
-    format!("  acc = (C)0;\n  if (a.smoothing != 0.0) {{\n  {} acc += {};\n  }}\n", row.each(), row.val())
 }
 
 /// A cross-entropy row's target check and log-sum-exp (the row's threads in `lane`/`tpr`;
 /// `shared`: more than one, whose values are all-reduced): defines `base`, `t`, `skip`, `lse`,
-/// `on`, `off` (and for `row.regs`, from the row already in `xv`, the target's logit `xt`)
-/// and leaves `acc` free.
-fn xent_row(row: XentRow, block: bool, shared: bool) -> String {
+/// `on`, `off` and leaves `acc` free.
+fn xent_row(block: bool, shared: bool) -> String {
     let reduce = |max: bool| if shared { row_allreduce(block, max) } else { String::new() };
-    let (each, val) = (row.each(), row.val());
     let mut s = String::from("  const long long base = row * a.red, t = tg[row];\n");
-    if row.regs {
-        // The target's logit picked from registers (indexing `xv` by a runtime value would
-        // spill it to local memory).
-        s += "  C xt = (C)0;\n#pragma unroll\n  for (int j = 0; j < XROW; ++j) if (j == t) xt = xv[j];\n";
-    }
     s += "  bool skip = a.has_ignore && t == a.ignore;\n";
     s += "  if (!skip && (t < 0 || t >= a.red)) { if (lane == 0) check_index(err, a.code, t, a.red); skip = true; }\n";
     s += "  C acc = -(C)__longlong_as_double(0x7ff0000000000000LL);\n";
-    s += &format!("  {each} {{ C v = {val}; acc = (v > acc || v != v) ? v : acc; }}\n");
+    s += "  for (long long j = lane; j < a.red; j += tpr) { C v = (C)ld(x[base + j]); acc = (v > acc || v != v) ? v : acc; }\n";
     s += &reduce(true);
     s += "  const C m = acc; acc = (C)0;\n";
-    s += &format!("  {each} acc += kexp({val} - m);\n");
+    s += "  for (long long j = lane; j < a.red; j += tpr) acc += kexp((C)ld(x[base + j]) - m);\n";
     s += &reduce(false);
     s += "  const C lse = m + klog(acc), on = (C)(1.0 - a.smoothing), off = (C)(a.smoothing / (double)a.red);\n";
     s
@@ -773,206 +721,39 @@ pub const XENT_MEAN_BLOCKS: usize = 256;
 pub fn cross_entropy_mean_source(dtype: DType, per_thread: bool) -> (String, String) {
     let name = format!("k_cross_entropy_mean_{}{}", format!("{dtype:?}").to_lowercase(), if per_thread { "_rows" } else { "" });
     let (t, c) = (storage_type(dtype), compute_type(dtype));
-    let mut s = format!(
-        "{PRELUDE}{INDEX_ARGS}\ntypedef {c} C;\n#define XROW {XENT_MEAN_THREAD_ROW}\n#define XENT_MEAN_BLOCKS {XENT_MEAN_BLOCKS}\n"
-    );
+    let mut s = format!("{PRELUDE}{INDEX_ARGS}\ntypedef {c} C;\n");
     s += XENT_ARGS;
-    s += "__device__ unsigned int ticket;\n__device__ C partial[XENT_MEAN_BLOCKS];\n";
+    s += &format!("__device__ unsigned int ticket;\n__device__ C partial[{XENT_MEAN_BLOCKS}];\n");
     s += &format!(
         "extern \"C\" __global__ void __launch_bounds__(256) {name}({t}* __restrict__ o, const {t}* __restrict__ x, \
          const long long* __restrict__ tg, long long* err, XArgs a) {{\n"
     );
-    s += "  __shared__ C sh[32], parts[XENT_MEAN_BLOCKS];\n  __shared__ bool last;\n";
+    s += "  __shared__ C sh[32];\n  __shared__ bool last;\n  C acc = (C)0;\n";
+    s += "  for (long long r = threadIdx.x; r < a.rows; r += blockDim.x) acc += (a.has_ignore && tg[r] == a.ignore) ? (C)0 : (C)1;\n";
+    s += &row_allreduce(true, false);
+    s += "  const C count = acc, gr = (C)1 / count;\n  C loss = (C)0;\n  __syncthreads();\n";
     s += if per_thread {
         "  const int lane = 0, tpr = 1;\n  const long long row = blockIdx.x * (long long)blockDim.x + threadIdx.x;\n"
     } else {
         "  const int lane = threadIdx.x % 32, tpr = 32;\n  const long long row = blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32;\n"
     };
-    let row = XentRow { regs: per_thread };
-    if per_thread {
-        // The row's loads go out first, so they are in flight while the block counts.
-        s += "  C xv[XROW];\n#pragma unroll\n  for (int j = 0; j < XROW; ++j) xv[j] = row < a.rows && j < a.red ? (C)ld(x[row * a.red + j]) : (C)0;\n";
-    }
-    // The count: integer adds, exact in any order; unrolled so several targets are in flight.
-    s += "  long long cnt = a.has_ignore ? 0 : (threadIdx.x == 0 ? a.rows : 0);\n";
-    s += "  if (a.has_ignore) {\n#pragma unroll 8\n    for (long long r = threadIdx.x; r < a.rows; r += blockDim.x) cnt += tg[r] != a.ignore;\n  }\n";
-    s += "  C acc = (C)cnt;\n";
-    s += &row_allreduce(true, false);
-    s += "  const C count = acc, gr = (C)1 / count;\n  C loss = (C)0;\n  __syncthreads();\n";
     s += "  if (row < a.rows) {\n";
-    s += &xent_row(row, false, !per_thread);
-    s += &xent_smoothing_sum(row);
+    s += &xent_row(false, !per_thread);
+    s += "  acc = (C)0;\n  if (a.smoothing != 0.0) for (long long j = lane; j < a.red; j += tpr) acc += (C)ld(x[base + j]);\n";
     if !per_thread {
         s += &row_allreduce(false, false);
     }
-    s += &format!("  if (lane == 0 && !skip) loss = lse - on * {} - off * acc;\n", row.target());
+    s += "  if (lane == 0 && !skip) loss = lse - on * (C)ld(x[base + t]) - off * acc;\n";
     s += &format!("  {t}* __restrict__ go = o + {};\n", crate::op::XENT_GRAD_AT);
-    s += &xent_grad_loop(row, "go");
+    s += &xent_grad_loop("go");
     s += "  }\n";
     s += "  acc = loss;\n";
     s += &row_allreduce(true, false);
-    // One block: its sum is the loss. Else the last block to finish folds the partial sums,
-    // loaded by its threads at once, then added by one thread in block order.
-    s += "  if (gridDim.x == 1) { if (threadIdx.x == 0) st(&o[0], acc / count); return; }\n";
     s += "  if (threadIdx.x == 0) { partial[blockIdx.x] = acc; __threadfence(); last = atomicAdd(&ticket, 1u) == gridDim.x - 1; }\n";
-    s += "  __syncthreads();\n  if (!last) return;\n  __threadfence();\n";
-    s += "  if (threadIdx.x < gridDim.x) parts[threadIdx.x] = ((volatile C*)partial)[threadIdx.x];\n  __syncthreads();\n";
-    s += "  if (threadIdx.x == 0) {\n    C total = (C)0;\n    for (unsigned b = 0; b < gridDim.x; ++b) total += parts[b];\n";
+    s += "  __syncthreads();\n  if (last && threadIdx.x == 0) {\n    __threadfence();\n    C total = (C)0;\n";
+    s += "    for (unsigned b = 0; b < gridDim.x; ++b) total += ((volatile C*)partial)[b];\n";
     s += "    st(&o[0], total / count);\n    ticket = 0;\n  }\n}\n";
     (s, name)
-}
-
-/// The widest product `narrow_matmul_source`'s warp form takes (`n`, its sums in registers).
-pub const NARROW_N: usize = 16;
-
-/// The longest contraction `narrow_matmul_source`'s thin form takes.
-pub const THIN_K: usize = 32;
-
-/// Which kernel `narrow_matmul_source` writes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum NarrowForm {
-    /// A contraction of at most `THIN_K`: a thread per output element. Its bias-gradient sums
-    /// come from the threads of the first column (`a`'s rows) or row (`b`'s columns).
-    Thin,
-    /// At most `NARROW_N` wide: a warp per output row, its lanes striding through the
-    /// contraction and folding their sums by shuffles.
-    Rows,
-    /// At most `NARROW_N` wide with a long contraction down `a`'s contiguous columns (a weight
-    /// gradient `h^T g` over a large batch): blocks over tiles of `SPLIT_ROWS` output rows
-    /// and chunks of `k`, each thread one row's sums over every `SPLIT_SUB`-th element of the
-    /// chunk; the block folds its sub-lanes, and the last block of each tile to finish (a
-    /// ticket per tile) folds the chunks' partial sums in chunk order. `b`'s column sums too.
-    Split,
-}
-
-/// Output rows of a `NarrowForm::Split` block, and its threads per row.
-pub const SPLIT_ROWS: usize = 32;
-pub const SPLIT_SUB: usize = 8;
-
-/// Tiles of `SPLIT_ROWS` rows a `NarrowForm::Split` product may have (its tickets).
-pub const SPLIT_TILES: usize = 1024;
-
-/// Mirrors `blas::MArgs`: `out[m, n] = a[m, k] b[k, n]` (strides of rows and columns, `out`'s
-/// too: a transposed problem writes its transpose), plus a
-/// bias `[n]`, then a ReLU; `sums` 1: the rows of `a` summed over `k` (`[m]`), 2: the columns
-/// of `b` (`[n]`), written from element `sums_at` of `out`; `chunk`: the split form's slice of
-/// `k` per block.
-const MATMUL_ARGS: &str = "struct MArgs { long long m, n, k, ars, acs, brs, bcs, ors, ocs, sums_at, chunk; int relu, has_bias, sums, pad; };\n";
-
-/// A small F32/F64 product that cuBLAS runs in one or more launches of mostly idle tiles (its
-/// fixed cost, 3-9 us on an H200, is most of a small step), as one kernel of Kiln's own with
-/// its epilogue (`NarrowForm`). Every form adds in a fixed order: the same bits every run.
-/// Arguments: out, a, b, bias, the split form's partial sums, `MArgs`.
-pub fn narrow_matmul_source(dtype: DType, form: NarrowForm) -> (String, String) {
-    let name = format!("k_matmul_{}_{}", format!("{form:?}").to_lowercase(), storage_type(dtype));
-    let (t, c) = (storage_type(dtype), compute_type(dtype));
-    let mut s = format!("{PRELUDE}\ntypedef {c} C;\n#define K(v) ((C)(v))\n#define NMAX {NARROW_N}\n{MATMUL_ARGS}");
-    s += &format!("#define TI {SPLIT_ROWS}\n#define SUB {SPLIT_SUB}\n__device__ unsigned int tickets[{SPLIT_TILES}];\n");
-    s += &format!("#define THIN_K {THIN_K}\n#define THIN_COLS {THIN_COLS}\n#define THIN_ROWS {THIN_ROWS}\n#define RK {}\n#define ROWS_PER_BLOCK {ROWS_PER_BLOCK}\n", rows_k(dtype));
-    s += &format!(
-        "extern \"C\" __global__ void __launch_bounds__(256) {name}({t}* __restrict__ o, const {t}* __restrict__ a, \
-         const {t}* __restrict__ b, const {t}* __restrict__ bias, C* __restrict__ part, MArgs p) {{\n"
-    );
-    let epilogue = |v: &str| format!("if (p.has_bias) {v} += (C)ld(bias[j]);\n    if (p.relu) {v} = {};\n", crate::UnaryOp::Relu.c_expr(v));
-    match form {
-        NarrowForm::Thin => s += &thin_body(&epilogue("v")),
-        NarrowForm::Rows => s += &rows_body(&epilogue("v")),
-        NarrowForm::Split => s += &split_body(&epilogue("v")),
-    }
-    (s, name)
-}
-
-/// Columns and rows of the output a `NarrowForm::Thin` block computes (its threads: a column
-/// each, down the rows).
-pub const THIN_COLS: usize = 128;
-pub const THIN_ROWS: usize = 16;
-
-/// Output rows a `NarrowForm::Rows` block computes (its staged `b` serves them all).
-pub const ROWS_PER_BLOCK: usize = 32;
-
-/// The longest contraction `NarrowForm::Rows` takes: `b`, transposed, fills 32 KiB of shared
-/// memory.
-pub fn rows_k(dtype: DType) -> usize {
-    // (Every dtype the form takes is F32 or F64.)
-    (32 << 10) / (NARROW_N * dtype.size_in_bytes())
-}
-
-/// The body of `NarrowForm::Thin`: the block stages its `THIN_ROWS` rows of `a` and
-/// `THIN_COLS` columns of `b` in shared memory (reads along lanes then hit consecutive
-/// banks, however `b` is laid out), each thread's loads unrolled so they are in flight
-/// together, then each thread computes its column down the rows.
-fn thin_body(epilogue: &str) -> String {
-    let mut s = String::from("  (void)part;\n  __shared__ C as[THIN_ROWS * THIN_K], bs[THIN_K * THIN_COLS];\n");
-    s += "  const int jj = threadIdx.x, kk = (int)p.k;\n  const long long j = blockIdx.x * (long long)THIN_COLS + jj, i0 = blockIdx.y * (long long)THIN_ROWS;\n";
-    s += "  const bool live = j < p.n;\n";
-    s += "#pragma unroll\n  for (int q = 0; q < THIN_K; ++q) if (q < kk) bs[q * THIN_COLS + jj] = live ? (C)ld(b[q * p.brs + j * p.bcs]) : (C)0;\n";
-    s += "#pragma unroll\n  for (int u = 0; u < THIN_ROWS * THIN_K / THIN_COLS; ++u) {\n    const int e = jj + u * THIN_COLS;\n";
-    s += "    if (e < THIN_ROWS * kk) { const long long i = i0 + e / kk; as[e] = i < p.m ? (C)ld(a[i * p.ars + (e % kk) * p.acs]) : (C)0; }\n  }\n";
-    s += "  __syncthreads();\n";
-    s += "  for (int r = 0; live && r < THIN_ROWS && i0 + r < p.m; ++r) {\n    C v = (C)0;\n";
-    s += "#pragma unroll 8\n    for (int q = 0; q < kk; ++q) v += as[r * kk + q] * bs[q * THIN_COLS + jj];\n";
-    s += &format!("    {epilogue}    st(&o[(i0 + r) * p.ors + j * p.ocs], v);\n  }}\n");
-    // The operands' sums over the contraction, from the first block row (b's columns) or
-    // block column (a's rows).
-    s += "  C v = (C)0;\n";
-    s += "  if (p.sums == 2 && blockIdx.y == 0 && live) { for (int q = 0; q < kk; ++q) v += bs[q * THIN_COLS + jj]; st(&o[p.sums_at + j], v); }\n";
-    s += "  if (p.sums == 1 && blockIdx.x == 0 && jj < THIN_ROWS && i0 + jj < p.m) { for (int q = 0; q < kk; ++q) v += as[jj * kk + q]; st(&o[p.sums_at + i0 + jj], v); }\n}\n";
-    s
-}
-
-/// The body of `NarrowForm::Rows`: the block stages `b` transposed in shared memory (a lane's
-/// read of column `j` then hits its own bank); each warp loads its rows of `a` into
-/// registers at once (`RK / 32` values a row per lane), then folds each row's sums by
-/// shuffles.
-fn rows_body(epilogue: &str) -> String {
-    let mut s =
-        String::from("  (void)part;\n  __shared__ C bt[NMAX * RK];\n  const int lane = threadIdx.x % 32, kk = (int)p.k, nn = (int)p.n;\n");
-    s += "#pragma unroll\n  for (int u = 0; u < NMAX * RK / 256; ++u) {\n    const int e = threadIdx.x + 256 * u;\n";
-    s += "    if (e < kk * nn) { const int q = e / nn, j = e % nn; bt[j * kk + q] = (C)ld(b[q * p.brs + j * p.bcs]); }\n  }\n";
-    s += "  const long long i0 = blockIdx.x * (long long)ROWS_PER_BLOCK + threadIdx.x / 32;\n";
-    s += "  C xa[ROWS_PER_BLOCK / 8][RK / 32];\n";
-    s += "#pragma unroll\n  for (int r = 0; r < ROWS_PER_BLOCK / 8; ++r)\n#pragma unroll\n    for (int t = 0; t < RK / 32; ++t) {\n";
-    s += "      const long long i = i0 + 8 * r; const int q = lane + 32 * t;\n      xa[r][t] = i < p.m && q < kk ? (C)ld(a[i * p.ars + q * p.acs]) : (C)0;\n    }\n";
-    s += "  __syncthreads();\n";
-    s +=
-        "#pragma unroll\n  for (int r = 0; r < ROWS_PER_BLOCK / 8; ++r) {\n    const long long i = i0 + 8 * r;\n    if (i >= p.m) break;\n";
-    s += "    C acc[NMAX];\n#pragma unroll\n    for (int j = 0; j < NMAX; ++j) acc[j] = (C)0;\n";
-    s += "#pragma unroll\n    for (int t = 0; t < RK / 32; ++t) {\n      const int q = lane + 32 * t;\n";
-    s += "      if (q < kk) {\n#pragma unroll\n        for (int j = 0; j < NMAX; ++j) if (j < nn) acc[j] += xa[r][t] * bt[j * kk + q];\n      }\n    }\n";
-    s += "#pragma unroll\n    for (int j = 0; j < NMAX; ++j) if (j < nn) for (int w = 16; w > 0; w /= 2) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], w);\n";
-    s += "#pragma unroll\n    for (int j = 0; j < NMAX; ++j) if (j < nn && lane == j) {\n";
-    s += &format!("      C v = acc[j];\n      {epilogue}      st(&o[i * p.ors + j * p.ocs], v);\n    }}\n  }}\n}}\n");
-    s
-}
-
-/// The body of `NarrowForm::Split` (`epilogue` applies the bias and ReLU to `v`, column `j`).
-fn split_body(epilogue: &str) -> String {
-    let mut s = String::from("  __shared__ C red[SUB * TI * NMAX];\n  __shared__ bool last;\n");
-    s += "  const int ti = threadIdx.x % TI, sub = threadIdx.x / TI;\n";
-    s += "  const long long i = blockIdx.x * (long long)TI + ti, q0 = blockIdx.y * p.chunk, q1 = min(p.k, q0 + p.chunk);\n";
-    s += "  const long long tile = TI * NMAX, bsums = (long long)gridDim.x * gridDim.y * tile;\n";
-    s += "  C acc[NMAX], bs = (C)0;\n#pragma unroll\n  for (int j = 0; j < NMAX; ++j) acc[j] = (C)0;\n";
-    s += "  if (i < p.m) {\n#pragma unroll 4\n    for (long long q = q0 + sub; q < q1; q += SUB) {\n      const C x = (C)ld(a[i * p.ars + q * p.acs]);\n";
-    s += "#pragma unroll\n      for (int j = 0; j < NMAX; ++j) if (j < p.n) acc[j] += x * (C)ld(b[q * p.brs + j * p.bcs]);\n    }\n  }\n";
-    s += "  const bool colsums = p.sums == 2 && blockIdx.x == 0;\n";
-    s += "  if (colsums && ti < p.n) for (long long q = q0 + sub; q < q1; q += SUB) bs += (C)ld(b[q * p.brs + ti * p.bcs]);\n";
-    // The block's sub-lanes folded in order into this chunk's partial sums.
-    s += "#pragma unroll\n  for (int j = 0; j < NMAX; ++j) red[(sub * TI + ti) * NMAX + j] = acc[j];\n  __syncthreads();\n";
-    s += "  C* mine = part + ((long long)blockIdx.y * gridDim.x + blockIdx.x) * tile;\n";
-    s += "  for (int e = threadIdx.x; e < tile; e += blockDim.x) { C v = (C)0; for (int u = 0; u < SUB; ++u) v += red[u * tile + e]; mine[e] = v; }\n";
-    s += "  if (colsums) {\n    __syncthreads();\n    if (ti < NMAX) red[sub * NMAX + ti] = bs;\n    __syncthreads();\n";
-    s += "    if (threadIdx.x < NMAX) { C v = (C)0; for (int u = 0; u < SUB; ++u) v += red[u * NMAX + threadIdx.x]; part[bsums + blockIdx.y * NMAX + threadIdx.x] = v; }\n  }\n";
-    // The last block of the tile folds the chunks in order.
-    s += "  __threadfence();\n  __syncthreads();\n";
-    s += "  if (threadIdx.x == 0) last = atomicAdd(&tickets[blockIdx.x], 1u) == gridDim.y - 1;\n  __syncthreads();\n";
-    s += "  if (!last) return;\n  __threadfence();\n";
-    s += "  for (int e = threadIdx.x; e < tile; e += blockDim.x) {\n    const int j = e % NMAX;\n    const long long r = blockIdx.x * (long long)TI + e / NMAX;\n";
-    s += "    if (j >= p.n || r >= p.m) continue;\n    C v = (C)0;\n";
-    s += "    for (unsigned c = 0; c < gridDim.y; ++c) v += __ldcg(&part[((long long)c * gridDim.x + blockIdx.x) * tile + e]);\n";
-    s += &format!("    {epilogue}    st(&o[r * p.ors + j * p.ocs], v);\n  }}\n");
-    s += "  if (colsums && threadIdx.x < p.n) {\n    C v = (C)0;\n    for (unsigned c = 0; c < gridDim.y; ++c) v += __ldcg(&part[bsums + c * NMAX + threadIdx.x]);\n";
-    s += "    st(&o[p.sums_at + threadIdx.x], v);\n  }\n  if (threadIdx.x == 0) tickets[blockIdx.x] = 0;\n}\n";
-    s
 }
 
 /// The gradient of a softmax (`log`: log-softmax) of `scale * x` over the last dim of dense

@@ -49,7 +49,6 @@ impl CudaStorage {
 macro_rules! kernel_params {
     ($($x:ident),*) => { [$(&mut $x as *mut _ as *mut c_void),*] };
 }
-pub(super) use kernel_params;
 
 /// Mirrors `struct Args` in the kernel prelude.
 #[repr(C)]
