@@ -315,35 +315,42 @@ fn fused(e: kiln::tensor::MatmulEpilogue) -> impl Fn(&[Tensor]) -> Result<Tensor
 /// `fused_matmul_epilogues_match_the_cpu` at one shape: `[37, k] x [k, n]`.
 fn fused_epilogue_cases(dt: DType, t: f64, k: usize, n: usize) {
     use kiln::tensor::MatmulEpilogue as E;
-    {
-        let (a, b, bias) = (randn(&[37, k], 40, dt), randn(&[k, n], 41, dt), randn(&[n], 42, dt));
-        both(&format!("matmul_relu {dt:?}"), &[a.clone(), b.clone()], t, fused(E::Relu));
-        both(&format!("matmul_relu + bias {dt:?}"), &[a.clone(), b.clone(), bias.clone()], t, fused(E::Relu));
-        both(&format!("matmul_relu batched {dt:?}"), &[randn(&[3, 37, k], 43, dt), randn(&[3, k, n], 44, dt)], t, fused(E::Relu));
-        both(&format!("matmul_relu + unaligned bias {dt:?}"), &[a.clone(), b.clone(), randn(&[n + 1], 45, dt)], t, |x| {
-            fused(E::Relu)(&[x[0].clone(), x[1].clone(), x[2].narrow(0, 1, n)?])
-        });
-        // GELU (tanh form) with its pre-activation, and the product by its gradient. cuBLASLt
-        // evaluates the gradient's formula differently (3e-9 relative in F64).
-        let tg = if dt == DType::F64 { 1e-8 } else { t };
-        both(&format!("matmul_gelu_tanh {dt:?}"), &[a.clone(), b.clone()], tg, fused(E::GeluTanh));
-        both(&format!("matmul_gelu_tanh + bias {dt:?}"), &[a.clone(), b.clone(), bias.clone()], tg, fused(E::GeluTanh));
-        both(&format!("matmul_gelu_tanh [B, T, C] {dt:?}"), &[randn(&[3, 37, k], 50, dt), b.clone(), bias.clone()], tg, fused(E::GeluTanh));
-        both(&format!("matmul_gelu_tanh + unaligned bias {dt:?}"), &[a.clone(), b.clone(), randn(&[n + 1], 45, dt)], tg, |x| {
-            fused(E::GeluTanh)(&[x[0].clone(), x[1].clone(), x[2].narrow(0, 1, n)?])
-        });
-        both(&format!("matmul_dgelu_tanh {dt:?}"), &[a.clone(), b.clone(), randn(&[37, n], 51, dt)], tg, fused(E::DGeluTanh));
-        both(&format!("matmul_dgelu_tanh, h a view {dt:?}"), &[a.clone(), b.clone(), randn(&[37, n + 1], 52, dt)], tg, |x| {
-            fused(E::DGeluTanh)(&[x[0].clone(), x[1].clone(), x[2].narrow(1, 1, n)?])
-        });
-        // A weight gradient g^T x with its bias gradient sum(g): g read transposed.
-        let (g, x) = (randn(&[300, k], 46, dt), randn(&[300, 40], 47, dt));
-        both(&format!("matmul_sum g^T x {dt:?}"), &[g.clone(), x.clone()], t * 4.0, |v| fused(E::SumLeft)(&[v[0].t()?, v[1].clone()]));
-        both(&format!("matmul_sum left {dt:?}"), &[a.clone(), b.clone()], t, fused(E::SumLeft));
-        both(&format!("matmul_sum right {dt:?}"), &[a.clone(), b.clone()], t, fused(E::SumRight));
-        both(&format!("matmul_sum x^T g {dt:?}"), &[x.clone(), g.clone()], t * 4.0, |v| fused(E::SumRight)(&[v[0].t()?, v[1].clone()]));
-        both(&format!("matmul_sum k=0 {dt:?}"), &[randn(&[3, 0], 48, dt), randn(&[0, 5], 49, dt)], 0.0, fused(E::SumLeft));
-    }
+    let (a, b, bias) = (randn(&[37, k], 40, dt), randn(&[k, n], 41, dt), randn(&[n], 42, dt));
+    both(&format!("matmul_relu {dt:?}, k {k} n {n}"), &[a.clone(), b.clone()], t, fused(E::Relu));
+    both(&format!("matmul_relu + bias {dt:?}, k {k} n {n}"), &[a.clone(), b.clone(), bias.clone()], t, fused(E::Relu));
+    both(&format!("matmul_relu batched {dt:?}, k {k} n {n}"), &[randn(&[3, 37, k], 43, dt), randn(&[3, k, n], 44, dt)], t, fused(E::Relu));
+    both(&format!("matmul_relu + unaligned bias {dt:?}, k {k} n {n}"), &[a.clone(), b.clone(), randn(&[n + 1], 45, dt)], t, |x| {
+        fused(E::Relu)(&[x[0].clone(), x[1].clone(), x[2].narrow(0, 1, n)?])
+    });
+    // GELU (tanh form) with its pre-activation, and the product by its gradient. cuBLASLt
+    // evaluates the gradient's formula differently (3e-9 relative in F64).
+    let tg = if dt == DType::F64 { 1e-8 } else { t };
+    both(&format!("matmul_gelu_tanh {dt:?}, k {k} n {n}"), &[a.clone(), b.clone()], tg, fused(E::GeluTanh));
+    both(&format!("matmul_gelu_tanh + bias {dt:?}, k {k} n {n}"), &[a.clone(), b.clone(), bias.clone()], tg, fused(E::GeluTanh));
+    both(
+        &format!("matmul_gelu_tanh [B, T, C] {dt:?}, k {k} n {n}"),
+        &[randn(&[3, 37, k], 50, dt), b.clone(), bias.clone()],
+        tg,
+        fused(E::GeluTanh),
+    );
+    both(&format!("matmul_gelu_tanh + unaligned bias {dt:?}, k {k} n {n}"), &[a.clone(), b.clone(), randn(&[n + 1], 45, dt)], tg, |x| {
+        fused(E::GeluTanh)(&[x[0].clone(), x[1].clone(), x[2].narrow(0, 1, n)?])
+    });
+    both(&format!("matmul_dgelu_tanh {dt:?}, k {k} n {n}"), &[a.clone(), b.clone(), randn(&[37, n], 51, dt)], tg, fused(E::DGeluTanh));
+    both(&format!("matmul_dgelu_tanh, h a view {dt:?}, k {k} n {n}"), &[a.clone(), b.clone(), randn(&[37, n + 1], 52, dt)], tg, |x| {
+        fused(E::DGeluTanh)(&[x[0].clone(), x[1].clone(), x[2].narrow(1, 1, n)?])
+    });
+    // A weight gradient g^T x with its bias gradient sum(g): g read transposed.
+    let (g, x) = (randn(&[300, k], 46, dt), randn(&[300, 40], 47, dt));
+    both(&format!("matmul_sum g^T x {dt:?}, k {k} n {n}"), &[g.clone(), x.clone()], t * 4.0, |v| {
+        fused(E::SumLeft)(&[v[0].t()?, v[1].clone()])
+    });
+    both(&format!("matmul_sum left {dt:?}, k {k} n {n}"), &[a.clone(), b.clone()], t, fused(E::SumLeft));
+    both(&format!("matmul_sum right {dt:?}, k {k} n {n}"), &[a.clone(), b.clone()], t, fused(E::SumRight));
+    both(&format!("matmul_sum x^T g {dt:?}, k {k} n {n}"), &[x.clone(), g.clone()], t * 4.0, |v| {
+        fused(E::SumRight)(&[v[0].t()?, v[1].clone()])
+    });
+    both(&format!("matmul_sum k=0 {dt:?}, k {k} n {n}"), &[randn(&[3, 0], 48, dt), randn(&[0, 5], 49, dt)], 0.0, fused(E::SumLeft));
 }
 
 /// Products at the MLP's shapes, F32 and F64, against the CPU: the weight gradients at batch

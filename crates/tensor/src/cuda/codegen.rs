@@ -669,8 +669,8 @@ pub fn cross_entropy_source(dtype: DType, backward: bool, block: bool) -> (Strin
         s += &xent_grad_loop("o");
         s += "}\n";
     } else {
-        s += "  (void)g;\n  acc = (C)0;\n";
-        s += "  if (a.smoothing != 0.0) for (long long j = lane; j < a.red; j += tpr) acc += (C)ld(x[base + j]);\n";
+        s += "  (void)g;\n";
+        s += XENT_SMOOTHING_SUM;
         s += &row_allreduce(block, false);
         s += "  if (lane == 0) st(&o[row], skip ? (C)0 : lse - on * (C)ld(x[base + t]) - off * acc);\n}\n";
     }
@@ -679,6 +679,10 @@ pub fn cross_entropy_source(dtype: DType, backward: bool, block: bool) -> (Strin
 
 /// Mirrors `kernels::XArgs`.
 const XENT_ARGS: &str = "struct XArgs { long long rows, red, ignore, code, gst; double smoothing; int has_ignore, pad; };\n";
+
+/// The row's sum of logits (this thread's part) into `acc`, which label smoothing needs.
+const XENT_SMOOTHING_SUM: &str =
+    "  acc = (C)0;\n  if (a.smoothing != 0.0) for (long long j = lane; j < a.red; j += tpr) acc += (C)ld(x[base + j]);\n";
 
 /// A cross-entropy row's gradient into `out[base + j]`: `gr` times the softmax less the
 /// (smoothed) one-hot target; 0 for a skipped row.
@@ -709,8 +713,10 @@ fn xent_row(block: bool, shared: bool) -> String {
 /// The longest row `Op::CrossEntropyMean`'s kernel gives one thread (longer rows get a warp).
 pub const XENT_MEAN_THREAD_ROW: usize = 32;
 
-/// Blocks of 256 threads `Op::CrossEntropyMean`'s kernel may launch (its partial sums).
+/// Blocks `Op::CrossEntropyMean`'s kernel may launch (its partial sums), and its threads a
+/// block.
 pub const XENT_MEAN_BLOCKS: usize = 256;
+pub const XENT_MEAN_THREADS: usize = 256;
 
 /// `Op::CrossEntropyMean` in one launch of blocks of 256 threads, a thread per row
 /// (`per_thread`: rows of at most `XENT_MEAN_THREAD_ROW` logits) or a warp per row. Every
@@ -725,7 +731,7 @@ pub fn cross_entropy_mean_source(dtype: DType, per_thread: bool) -> (String, Str
     s += XENT_ARGS;
     s += &format!("__device__ unsigned int ticket;\n__device__ C partial[{XENT_MEAN_BLOCKS}];\n");
     s += &format!(
-        "extern \"C\" __global__ void __launch_bounds__(256) {name}({t}* __restrict__ o, const {t}* __restrict__ x, \
+        "extern \"C\" __global__ void __launch_bounds__({XENT_MEAN_THREADS}) {name}({t}* __restrict__ o, const {t}* __restrict__ x, \
          const long long* __restrict__ tg, long long* err, XArgs a) {{\n"
     );
     s += "  __shared__ C sh[32];\n  __shared__ bool last;\n  C acc = (C)0;\n";
@@ -739,7 +745,7 @@ pub fn cross_entropy_mean_source(dtype: DType, per_thread: bool) -> (String, Str
     };
     s += "  if (row < a.rows) {\n";
     s += &xent_row(false, !per_thread);
-    s += "  acc = (C)0;\n  if (a.smoothing != 0.0) for (long long j = lane; j < a.red; j += tpr) acc += (C)ld(x[base + j]);\n";
+    s += XENT_SMOOTHING_SUM;
     if !per_thread {
         s += &row_allreduce(false, false);
     }

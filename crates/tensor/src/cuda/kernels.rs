@@ -878,7 +878,8 @@ fn cross_entropy_mean(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], ignore: Optio
     }
     let (logits, targets) = (dense(g, s, l)?, dense(g, st, lt)?);
     let per_thread = n <= super::codegen::XENT_MEAN_THREAD_ROW;
-    let blocks = rows.div_ceil(if per_thread { 256 } else { 8 }).max(1);
+    let threads = super::codegen::XENT_MEAN_THREADS;
+    let blocks = rows.div_ceil(if per_thread { threads } else { threads / 32 }).max(1);
     if blocks > super::codegen::XENT_MEAN_BLOCKS {
         let most = super::codegen::XENT_MEAN_BLOCKS;
         return Err(Error::shape(
@@ -896,7 +897,7 @@ fn cross_entropy_mean(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], ignore: Optio
     // dense [rows, n], targets dense [rows], `out` holds the loss and, from XENT_GRAD_AT,
     // rows x n values; `err` is the error word. `blocks` covers the rows (a thread or a warp
     // each) and fits the module's partial sums.
-    unsafe { g.launch(k, (blocks as u32, 1), 256, 0, &mut params)? };
+    unsafe { g.launch(k, (blocks as u32, 1), threads as u32, 0, &mut params)? };
     Ok(out)
 }
 
