@@ -626,7 +626,8 @@ fn steady_state_ops_make_no_driver_allocation() {
 
 /// Fused attention (`Tensor::attention` and its backward kernels) against the CPU's f64
 /// reference: every float dtype the kernels take, causal and not, T not a multiple of the
-/// kernels' tiles, two head dims, inputs through a transposed view (split heads), and the
+/// kernels' tiles, head dims for every kernel family (F32's D = 20 takes the FMA kernels, the
+/// others the tensor-core ones), inputs through a transposed view (split heads), and the
 /// gradients through autograd.
 #[test]
 fn fused_attention_matches_the_cpu_forward_and_backward() {
@@ -640,6 +641,7 @@ fn fused_attention_matches_the_cpu_forward_and_backward() {
             (1, 1, 130, 128, true),
             (1, 2, 200, 24, true),
             (1, 1, 100, 96, false),
+            (1, 2, 50, 20, true),
         ] {
             let what = format!("attention {dt:?} [{b}, {h}, {t}, {d}] causal {causal}");
             // [B, T, H, D] buffers viewed as [B, H, T, D], as a model splits heads.
@@ -670,7 +672,7 @@ fn fused_attention_matches_the_cpu_forward_and_backward() {
 #[test]
 fn fused_attention_reads_heads_of_a_fused_projection_in_place() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    for dt in [DType::BF16, DType::F16] {
+    for dt in [DType::F32, DType::BF16, DType::F16] {
         for (b, h, t, d, pad) in [(2, 3, 70, 64, 0), (3, 2, 64, 32, 8), (1, 2, 45, 64, 3)] {
             let what = format!("attention {dt:?} from a fused [{b}, {t}, 3 x {h} x {d} + {pad}] buffer");
             let e = h * d;

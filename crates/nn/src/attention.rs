@@ -128,8 +128,9 @@ const OFF: u8 = 2;
 /// Whether `scaled_dot_product_attention` takes the fused attention op (`Tensor::attention`)
 /// on a GPU: `Some(true)` for every float dtype but F64, `Some(false)` never, `None` (the
 /// default) where it runs on tensor cores: f16/bf16 (or F32 under `Autocast`) with a head dim
-/// that is a multiple of 16 up to 128. Its F32 kernels run on the FMA units and are slower
-/// than the unfused ops at the GPT shapes (BENCHMARKS.md).
+/// that is a multiple of 16 up to 128, and F32 (three TF32 products per step, about F32's
+/// precision, as PyTorch's F32 SDPA) with one that is a multiple of 8. Other head dims run
+/// on the FMA units, slower than the unfused ops at the GPT shapes (BENCHMARKS.md).
 pub fn set_fused_attention(on: Option<bool>) {
     let v = match on {
         Some(true) => ON,
@@ -155,8 +156,6 @@ fn fused_attention_on(q: &Tensor) -> bool {
     match FUSED_ATTENTION.load(std::sync::atomic::Ordering::Relaxed) {
         ON => fits,
         OFF => false,
-        // F32 stays unfused even for sequences within one 64-row tile: the Transformer
-        // benchmark (10-token sequences) measured 1.98 ms a compiled forward fused, 1.94 unfused.
         _ => fits && kiln_tensor::cuda::codegen::flash_supported(low, d),
     }
 }

@@ -1594,62 +1594,88 @@ const TILED_DKV: &str = r#"  float *kt = sm, *vt = kt + TQ, *qt = vt + TQ, *gt =
   store_rows(dv, gv, rb, ty, tx, Tn, &one, false);
 "#;
 
-/// The dynamic shared memory of a `flash_source` kernel: four tiles of 64 rows of D (+8
-/// padding) 16-bit values.
-pub fn flash_smem_bytes(d: usize) -> usize {
-    4 * 64 * (d + 8) * 2
+/// The padding of a `flash_source` tile row: 16 bytes, against bank conflicts and keeping the
+/// rows' 16-byte copies aligned.
+fn flash_pad(dtype: DType) -> usize {
+    16 / dtype.size_in_bytes()
 }
 
-/// Whether the tensor-core attention kernels (`flash_source`) take this dtype and head dim.
+/// The dynamic shared memory of a `flash_source` kernel: four tiles of 64 padded rows of D.
+pub fn flash_smem_bytes(dtype: DType, d: usize) -> usize {
+    4 * 64 * (d + flash_pad(dtype)) * dtype.size_in_bytes()
+}
+
+/// Whether the tensor-core attention kernels (`flash_source`) take this dtype and head dim:
+/// f16/bf16 with D a multiple of 16, F32 (three TF32 products each) with D a multiple of 8.
 pub fn flash_supported(dtype: DType, d: usize) -> bool {
-    matches!(dtype, DType::F16 | DType::BF16) && d % 16 == 0 && d > 0 && d <= ATTN_MAX_D
+    let step = match dtype {
+        DType::F16 | DType::BF16 => 16,
+        DType::F32 => 8,
+        _ => return false,
+    };
+    d % step == 0 && d > 0 && d <= ATTN_MAX_D
 }
 
-/// Device helpers of the flash kernels: the MMA, packing, shared tiles and fragment loads.
-/// A fragment register holds two neighbouring 16-bit values, the lower column in the low half.
+/// Device helpers of the flash kernels: shared tiles, `Mat`, async copies, quad reductions,
+/// then the MMA and its fragments for the dtype (`flash_frags_16` or `flash_frags_f32`).
+/// Each kernel body sees `KS` (the MMA's depth), `AW` (words of one A fragment) and `EXP`.
 fn flash_helpers(dtype: DType) -> String {
+    let mut s = format!("#define SD (D + {})\n#define VEC {}\n", flash_pad(dtype), flash_pad(dtype));
+    s += "__device__ __forceinline__ unsigned smem(const void* p) {\n  unsigned a;\n";
+    s += "  asm(\"{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\" : \"=r\"(a) : \"l\"(p));\n  return a;\n}\n";
+    // One [T, D] matrix of a batch: row t of matrix n at `(n / nh) * b + (n % nh) * h + t * t`
+    // elements (a head of a fused projection is read where it lies, with no copy).
+    s += "struct Mat { long long b, h, t, nh; };\n";
+    s += "__device__ __forceinline__ long long mat_base(Mat m) { const long long n = blockIdx.y; return (n / m.nh) * m.b + (n % m.nh) * m.h; }\n";
+    // Rows row0..row0+64 of a [T, D] matrix with row stride st into a shared tile, copied by
+    // the async copy engine 16 bytes at a time (zeros past T), so that a block loads the next
+    // tile while it computes on this one; `async_wait<N>` waits for all but the last N groups.
+    s += "__device__ __forceinline__ void load_tile_async(T (*tile)[SD], const T* p, long long st, long long row0, long long Tn) {\n";
+    s +=
+        "  for (int e = threadIdx.x; e < 64 * (D / VEC); e += blockDim.x) {\n    const int r = e / (D / VEC), c = (e % (D / VEC)) * VEC;\n";
+    s += "    const bool in = row0 + r < Tn;\n    const T* src = in ? p + (row0 + r) * st + c : p;\n";
+    s += "    asm volatile(\"cp.async.cg.shared.global [%0], [%1], 16, %2;\" :: \"r\"(smem(&tile[r][c])), \"l\"(src), \"r\"(in ? 16 : 0));\n  }\n}\n";
+    s += "__device__ __forceinline__ void async_commit() { asm volatile(\"cp.async.commit_group;\" ::); }\n";
+    s += "template <int N> __device__ __forceinline__ void async_wait() { asm volatile(\"cp.async.wait_group %0;\" :: \"n\"(N)); }\n";
+    // Sum and max over the 4 threads that share a row.
+    s += "__device__ __forceinline__ float quad_sum(float x) { x += __shfl_xor_sync(0xffffffffu, x, 1); return x + __shfl_xor_sync(0xffffffffu, x, 2); }\n";
+    s += "__device__ __forceinline__ float quad_max(float x) { x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1)); return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2)); }\n";
+    s += "#define ZERO(acc) _Pragma(\"unroll\") for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f\n";
+    s += &match dtype {
+        DType::F32 => flash_frags_f32(),
+        _ => flash_frags_16(dtype),
+    };
+    s
+}
+
+/// The f16/bf16 MMA (`m16n8k16`) and fragments. A fragment register holds two neighbouring
+/// 16-bit values, the lower column in the low half.
+fn flash_frags_16(dtype: DType) -> String {
     let ty = if dtype == DType::F16 { "f16" } else { "bf16" };
-    let mut s = String::new();
-    s += "#define SD (D + 8)\n";
+    // Exponentials use the fast `__expf` (ex2.approx): their arguments are scores minus a row
+    // maximum or log-sum-exp, so at most about 0, and the results are rounded to 16 bits; it
+    // measured 4-6 % faster per kernel than `expf`, with the same error against the f64 reference.
+    let mut s = String::from("#define KS 16\n#define AW 4\n#define EXP __expf\n");
     s += "__device__ __forceinline__ void mma(float* c, const unsigned* a, const unsigned* b) {\n";
     s += &format!("  asm volatile(\"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, {{%8,%9}}, {{%0,%1,%2,%3}};\"\n");
     s += "    : \"+f\"(c[0]), \"+f\"(c[1]), \"+f\"(c[2]), \"+f\"(c[3]) : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"r\"(b[0]), \"r\"(b[1]));\n}\n";
     s += "__device__ __forceinline__ unsigned pack(float lo, float hi) {\n  unsigned r;\n";
     s += &format!("  asm(\"cvt.rn.{ty}x2.f32 %0, %1, %2;\" : \"=r\"(r) : \"f\"(hi), \"f\"(lo));\n  return r;\n}}\n");
-    s += "__device__ __forceinline__ unsigned smem(const void* p) {\n  unsigned a;\n";
-    s += "  asm(\"{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\" : \"=r\"(a) : \"l\"(p));\n  return a;\n}\n";
     s += "__device__ __forceinline__ void ldsm4(unsigned* r, const T* p) {\n";
     s += "  asm volatile(\"ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\" : \"=r\"(r[0]), \"=r\"(r[1]), \"=r\"(r[2]), \"=r\"(r[3]) : \"r\"(smem(p)));\n}\n";
     s += "__device__ __forceinline__ void ldsm4t(unsigned* r, const T* p) {\n";
     s += "  asm volatile(\"ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\" : \"=r\"(r[0]), \"=r\"(r[1]), \"=r\"(r[2]), \"=r\"(r[3]) : \"r\"(smem(p)));\n}\n";
-    // One [T, D] matrix of a batch: row t of matrix n at `(n / nh) * b + (n % nh) * h + t * t`
-    // elements (a head of a fused projection is read where it lies, with no copy).
-    s += "struct Mat { long long b, h, t, nh; };\n";
-    s += "__device__ __forceinline__ long long mat_base(Mat m) { const long long n = blockIdx.y; return (n / m.nh) * m.b + (n % m.nh) * m.h; }\n";
-    // Rows row0..row0+64 of a [T, D] matrix with row stride st into a shared tile (zeros past T).
-    s += "__device__ __forceinline__ void load_tile(T (*tile)[SD], const T* p, long long st, long long row0, long long Tn) {\n";
-    s += "  for (int e = threadIdx.x; e < 64 * (D / 8); e += blockDim.x) {\n    const int r = e / (D / 8), c = (e % (D / 8)) * 8;\n";
-    s += "    uint4 v = make_uint4(0u, 0u, 0u, 0u);\n    if (row0 + r < Tn) v = *(const uint4*)(p + (row0 + r) * st + c);\n";
-    s += "    *(uint4*)&tile[r][c] = v;\n  }\n}\n";
-    // The same, copied by the async copy engine (zeros past T), so that a block loads the next
-    // tile while it computes on this one; `async_wait<N>` waits for all but the last N groups.
-    s += "__device__ __forceinline__ void load_tile_async(T (*tile)[SD], const T* p, long long st, long long row0, long long Tn) {\n";
-    s += "  for (int e = threadIdx.x; e < 64 * (D / 8); e += blockDim.x) {\n    const int r = e / (D / 8), c = (e % (D / 8)) * 8;\n";
-    s += "    const bool in = row0 + r < Tn;\n    const T* src = in ? p + (row0 + r) * st + c : p;\n";
-    s += "    asm volatile(\"cp.async.cg.shared.global [%0], [%1], 16, %2;\" :: \"r\"(smem(&tile[r][c])), \"l\"(src), \"r\"(in ? 16 : 0));\n  }\n}\n";
-    s += "__device__ __forceinline__ void async_commit() { asm volatile(\"cp.async.commit_group;\" ::); }\n";
-    s += "template <int N> __device__ __forceinline__ void async_wait() { asm volatile(\"cp.async.wait_group %0;\" :: \"n\"(N)); }\n";
     // Two neighbouring columns c, c+1 of row `row` (0 past the last row).
     s += "__device__ __forceinline__ unsigned ld2(const T* p, long long st, long long row, int c, long long Tn) {\n";
     s += "  return row < Tn ? *(const unsigned*)(p + row * st + c) : 0u;\n}\n";
     // The A fragments (16 rows from r0, all of D) of a [T, D] matrix with row stride st.
-    s += "__device__ __forceinline__ void load_a(unsigned (*a)[4], const T* p, long long st, long long r0, int gq, int tq, long long Tn) {\n";
+    s += "__device__ __forceinline__ void load_a(unsigned (*a)[AW], const T* p, long long st, long long r0, int gq, int tq, long long Tn) {\n";
     s += "#pragma unroll\n  for (int ks = 0; ks < D / 16; ++ks) {\n    const int c = ks * 16 + tq * 2;\n";
     s += "    a[ks][0] = ld2(p, st, r0 + gq, c, Tn); a[ks][1] = ld2(p, st, r0 + gq + 8, c, Tn);\n";
     s += "    a[ks][2] = ld2(p, st, r0 + gq, c + 8, Tn); a[ks][3] = ld2(p, st, r0 + gq + 8, c + 8, Tn);\n  }\n}\n";
     // s[0..2] = A (16 x D, registers) times the transpose of tile rows sub..sub+16: B comes
     // straight from the tile's rows (ldmatrix: keys 0-7 and 8-15, low and high 8 columns).
-    s += "__device__ __forceinline__ void scores(float (*s)[4], const unsigned (*a)[4], T (*tile)[SD], int sub, int lane) {\n";
+    s += "__device__ __forceinline__ void scores(float (*s)[4], const unsigned (*a)[AW], T (*tile)[SD], int sub, int lane) {\n";
     s += "#pragma unroll\n  for (int nt = 0; nt < 2; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;\n";
     s += "  const int mi = lane >> 3, row = sub + (mi >> 1) * 8 + (lane & 7), col = (mi & 1) * 8;\n";
     s += "#pragma unroll\n  for (int ks = 0; ks < D / 16; ++ks) {\n    unsigned b[4];\n    ldsm4(b, &tile[row][ks * 16 + col]);\n";
@@ -1661,24 +1687,71 @@ fn flash_helpers(dtype: DType) -> String {
     s += "  const int mi = lane >> 3, row = sub + (mi & 1) * 8 + (lane & 7), col = (mi >> 1) * 8;\n";
     s += "#pragma unroll\n  for (int j = 0; j < D / 8; j += 2) {\n    unsigned b[4];\n    ldsm4t(b, &tile[row][j * 8 + col]);\n";
     s += "    mma(acc[j], a, b);\n    mma(acc[j + 1], a, b + 2);\n  }\n}\n";
-    // Sum and max over the 4 threads that share a row.
-    s += "__device__ __forceinline__ float quad_sum(float x) { x += __shfl_xor_sync(0xffffffffu, x, 1); return x + __shfl_xor_sync(0xffffffffu, x, 2); }\n";
-    s += "__device__ __forceinline__ float quad_max(float x) { x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1)); return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2)); }\n";
     // Stores rows r0+gq and r0+gq+8 of a 16 x D accumulator tile, times mul0 / mul1.
     s += "__device__ __forceinline__ void store(T* o, long long st, const float (*acc)[4], long long r0, int gq, int tq, long long Tn, float mul0, float mul1) {\n";
     s += "#pragma unroll\n  for (int j = 0; j < D / 8; ++j) {\n    const int c = j * 8 + tq * 2;\n";
     s += "    if (r0 + gq < Tn) *(unsigned*)(o + (r0 + gq) * st + c) = pack(acc[j][0] * mul0, acc[j][1] * mul0);\n";
     s += "    if (r0 + gq + 8 < Tn) *(unsigned*)(o + (r0 + gq + 8) * st + c) = pack(acc[j][2] * mul1, acc[j][3] * mul1);\n  }\n}\n";
-    s += "#define ZERO(acc) _Pragma(\"unroll\") for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f\n";
     s
 }
 
-/// The tensor-core kernels of fused attention for f16/bf16 over dense `[n, T, D]` buffers
-/// (D a multiple of 16, at most `ATTN_MAX_D`), FlashAttention-2 style on `mma.sync
-/// m16n8k16` (f32 accumulation). A block of 4 warps owns 64 rows, each warp 16, whose
+/// The F32 MMA and fragments: `m16n8k8` on TF32, three products per step (`x = big + small`,
+/// each part a TF32 value; `a b ~ a_big b_big + a_big b_small + a_small b_big`), which keeps
+/// about F32's precision at tensor-core speed, as PyTorch's F32 memory-efficient attention
+/// does (CUTLASS's `OpMultiplyAddFastF32`). An A fragment is split once (words 0-3 the big
+/// parts, 4-7 the small); B values are split as they are read from the shared tile, with no
+/// `ldmatrix`. The score accumulators hold columns `2 tq, 2 tq + 1` where the next product's A
+/// wants `tq, tq + 4`: that product's depth is taken in that permuted order, on both sides.
+/// (Measured at the GPT shapes against variants: A fragments kept raw and split per use,
+/// products grouped so that neighbours feed other accumulators, a whole 64-key score tile at
+/// once, three or four blocks per SM; each was 2-20 % slower. BENCHMARKS.md.)
+fn flash_frags_f32() -> String {
+    let mut s = String::from("#define KS 8\n#define AW 8\n#define EXP expf\n");
+    s += "__device__ __forceinline__ unsigned tf32(float x) { unsigned r; asm(\"cvt.rna.tf32.f32 %0, %1;\" : \"=r\"(r) : \"f\"(x)); return r; }\n";
+    s += "__device__ __forceinline__ void split(unsigned* a, float x0, float x1, float x2, float x3) {\n";
+    s += "  const float x[4] = {x0, x1, x2, x3};\n";
+    s += "#pragma unroll\n  for (int i = 0; i < 4; ++i) { a[i] = tf32(x[i]); a[i + 4] = tf32(x[i] - __uint_as_float(a[i])); }\n}\n";
+    s += "__device__ __forceinline__ void mma8(float* c, const unsigned* a, const unsigned* b) {\n";
+    s += "  asm volatile(\"mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\"\n";
+    s += "    : \"+f\"(c[0]), \"+f\"(c[1]), \"+f\"(c[2]), \"+f\"(c[3]) : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"r\"(b[0]), \"r\"(b[1]));\n}\n";
+    // c += a (split) times the B fragment (b0, b1); the small products first.
+    s += "__device__ __forceinline__ void mma(float* c, const unsigned* a, float b0, float b1) {\n";
+    s += "  const unsigned big[2] = {tf32(b0), tf32(b1)};\n";
+    s += "  const unsigned small[2] = {tf32(b0 - __uint_as_float(big[0])), tf32(b1 - __uint_as_float(big[1]))};\n";
+    s += "  mma8(c, a + 4, big);\n  mma8(c, a, small);\n  mma8(c, a, big);\n}\n";
+    s += "__device__ __forceinline__ float ldf(const T* p, long long st, long long row, int c, long long Tn) { return row < Tn ? p[row * st + c] : 0.f; }\n";
+    // The A fragments (16 rows from r0, all of D) of a [T, D] matrix with row stride st, split.
+    s += "__device__ __forceinline__ void load_a(unsigned (*a)[AW], const T* p, long long st, long long r0, int gq, int tq, long long Tn) {\n";
+    s += "#pragma unroll\n  for (int ks = 0; ks < D / 8; ++ks) {\n    const int c = ks * 8 + tq;\n";
+    s += "    split(a[ks], ldf(p, st, r0 + gq, c, Tn), ldf(p, st, r0 + gq + 8, c, Tn), ldf(p, st, r0 + gq, c + 4, Tn), ldf(p, st, r0 + gq + 8, c + 4, Tn));\n  }\n}\n";
+    // s[0..2] = A (16 x D) times the transpose of tile rows sub..sub+16: B(k, n) is the tile's
+    // row sub + 8 nt + n, column k (rows 68 floats apart for D = 64: no bank conflicts).
+    s += "__device__ __forceinline__ void scores(float (*s)[4], const unsigned (*a)[AW], T (*tile)[SD], int sub, int lane) {\n";
+    s += "  const int gq = lane >> 2, tq = lane & 3;\n";
+    s += "#pragma unroll\n  for (int nt = 0; nt < 2; ++nt) {\n    s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;\n";
+    s += "    const float* b = &tile[sub + nt * 8 + gq][tq];\n";
+    s += "#pragma unroll\n    for (int ks = 0; ks < D / 8; ++ks) mma(s[nt], a[ks], b[ks * 8], b[ks * 8 + 4]);\n  }\n}\n";
+    // acc (16 x D) += P (16 x 16, as score accumulators) times tile rows sub..sub+16, the
+    // depth permuted: depth tq is row 2 tq, depth tq + 4 row 2 tq + 1 (of each 8).
+    s += "__device__ __forceinline__ void accumulate(float (*acc)[4], const float (*pr)[4], T (*tile)[SD], int sub, int lane) {\n";
+    s += "  const int gq = lane >> 2, tq = lane & 3;\n";
+    s += "#pragma unroll\n  for (int kc = 0; kc < 2; ++kc) {\n    unsigned a[8];\n    split(a, pr[kc][0], pr[kc][2], pr[kc][1], pr[kc][3]);\n";
+    s += "    const float* b0 = &tile[sub + kc * 8 + 2 * tq][gq];\n    const float* b1 = b0 + SD;\n";
+    s += "#pragma unroll\n    for (int j = 0; j < D / 8; ++j) mma(acc[j], a, b0[j * 8], b1[j * 8]);\n  }\n}\n";
+    // Stores rows r0+gq and r0+gq+8 of a 16 x D accumulator tile, times mul0 / mul1.
+    s += "__device__ __forceinline__ void store(T* o, long long st, const float (*acc)[4], long long r0, int gq, int tq, long long Tn, float mul0, float mul1) {\n";
+    s += "#pragma unroll\n  for (int j = 0; j < D / 8; ++j) {\n    const int c = j * 8 + tq * 2;\n";
+    s += "    if (r0 + gq < Tn) *(float2*)(o + (r0 + gq) * st + c) = make_float2(acc[j][0] * mul0, acc[j][1] * mul0);\n";
+    s += "    if (r0 + gq + 8 < Tn) *(float2*)(o + (r0 + gq + 8) * st + c) = make_float2(acc[j][2] * mul1, acc[j][3] * mul1);\n  }\n}\n";
+    s
+}
+
+/// The tensor-core kernels of fused attention for f16/bf16 (`mma.sync m16n8k16`) and F32
+/// (three TF32 `m16n8k8` products each) where `flash_supported`, FlashAttention-2 style with
+/// f32 accumulation. A block of 4 warps owns 64 rows, each warp 16, whose
 /// operands stay in registers; the other side streams through shared memory in tiles of 64
-/// rows (padded against bank conflicts) read with `ldmatrix` (`.trans` where it is the
-/// product's right operand along rows). A score tile's accumulator layout is the next
+/// rows (padded against bank conflicts), read with `ldmatrix` (16-bit; `.trans` where it is
+/// the product's right operand along rows) or plain loads (F32). A score tile's accumulator layout is the next
 /// product's A-operand layout, so probabilities never leave registers.
 pub fn flash_source(kind: AttnKernel, dtype: DType, d: usize, causal: bool) -> (String, String) {
     let t = storage_type(dtype);
@@ -1692,18 +1765,20 @@ pub fn flash_source(kind: AttnKernel, dtype: DType, d: usize, causal: bool) -> (
     s += "#define NEG_INF __int_as_float(0xff800000)\n";
     s += &flash_helpers(dtype);
     s += FLASH_COMMON;
-    // Registers bound occupancy: four blocks per SM measured faster for the forward and dq
-    // kernels (128 registers, no spills); the dk/dv kernel would spill.
+    // Registers bound occupancy: four blocks per SM measured faster for the 16-bit forward and
+    // dq kernels (128 registers, no spills); the dk/dv kernel would spill, and so would the
+    // F32 ones, whose A fragments take twice the registers (split), at four.
+    let wide = if dtype == DType::F32 { 2 } else { 4 };
     let (sig, body, min_blocks) = match kind {
         AttnKernel::Fwd => (
             format!("{t}* __restrict__ o, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, Mat mq, Mat mk, Mat mv"),
             FLASH_FWD,
-            4,
+            wide,
         ),
         AttnKernel::Dq => (
             format!("{t}* __restrict__ dq, float* __restrict__ stats, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, const {t}* __restrict__ o, const {t}* __restrict__ g, Mat mq, Mat mk, Mat mv, Mat mo, Mat mg, Mat mout"),
             FLASH_DQ,
-            4,
+            wide,
         ),
         AttnKernel::Dkv => (
             format!("{t}* __restrict__ dk, {t}* __restrict__ dv, const float* __restrict__ stats, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, const {t}* __restrict__ g, Mat mq, Mat mk, Mat mv, Mat mg, Mat mout"),
@@ -1768,7 +1843,7 @@ __device__ __forceinline__ void stream_next(T (*a)[64][SD], const T* pa, long lo
 }
 // The scores of a warp's 16 rows (A fragments a) against the 64 rows of a shared tile whose
 // first is row c0: sub-tiles from `end` on are not computed (-inf).
-__device__ __forceinline__ void tile_scores(float (*s)[4], const unsigned (*a)[4], T (*tile)[SD], long long c0, long long end, int lane) {
+__device__ __forceinline__ void tile_scores(float (*s)[4], const unsigned (*a)[AW], T (*tile)[SD], long long c0, long long end, int lane) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     if (c0 + 16 * i < end) {
@@ -1781,7 +1856,7 @@ __device__ __forceinline__ void tile_scores(float (*s)[4], const unsigned (*a)[4
 }
 // The scaled and masked scores of a warp's 16 query rows (from r0) against a 64-key tile from
 // kt; and this thread's maximum over one row half h (rows gq, gq + 8) of such a tile.
-__device__ __forceinline__ void key_tile_scores(float (*s)[4], const unsigned (*a)[4], T (*tile)[SD], long long r0, long long kt, long long mine, int gq, int tq, long long Tn, float scale, int lane) {
+__device__ __forceinline__ void key_tile_scores(float (*s)[4], const unsigned (*a)[AW], T (*tile)[SD], long long r0, long long kt, long long mine, int gq, int tq, long long Tn, float scale, int lane) {
   tile_scores(s, a, tile, kt, mine, lane);
   scale_mask<8>(s, r0, kt, gq, tq, Tn, scale, true);
 }
@@ -1800,14 +1875,11 @@ const FLASH_HEAD: &str = r#"  const int warp = threadIdx.x / 32, lane = threadId
   const long long kend = CAUSAL ? (rb + 64 < Tn ? rb + 64 : Tn) : Tn, mine = CAUSAL ? (r0 + 16 < Tn ? r0 + 16 : Tn) : Tn;
 "#;
 
-// Exponentials use the fast `__expf` (ex2.approx): their arguments are scores minus a row
-// maximum or log-sum-exp, so at most about 0, and the results are rounded to 16 bits; it
-// measured 4-6 % faster per kernel than `expf`, with the same error against the f64 reference.
 // The forward: a running max and sum per row, updated once per 64-key tile.
 const FLASH_FWD: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
   q += mat_base(mq); k += mat_base(mk); v += mat_base(mv); o += base;
   stream_start(ks, k, mk.t, vs, v, mv.t, 0, Tn);
-  unsigned qa[D / 16][4];
+  unsigned qa[D / KS][AW];
   load_a(qa, q, mq.t, r0, gq, tq, Tn);
   float acc[D / 8][4];
   ZERO(acc);
@@ -1822,15 +1894,15 @@ const FLASH_FWD: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
       for (int h = 0; h < 2; ++h) {
         float mx = tile_max(sc, h);
         mx = quad_max(mx);
-        const float mn = fmaxf(m[h], mx), ms = mn == NEG_INF ? 0.f : mn, corr = __expf(m[h] - ms);
+        const float mn = fmaxf(m[h], mx), ms = mn == NEG_INF ? 0.f : mn, corr = EXP(m[h] - ms);
         m[h] = mn;
         l[h] *= corr;
 #pragma unroll
         for (int j = 0; j < D / 8; ++j) { acc[j][2 * h] *= corr; acc[j][2 * h + 1] *= corr; }
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
-          sc[nt][2 * h] = __expf(sc[nt][2 * h] - ms);
-          sc[nt][2 * h + 1] = __expf(sc[nt][2 * h + 1] - ms);
+          sc[nt][2 * h] = EXP(sc[nt][2 * h] - ms);
+          sc[nt][2 * h + 1] = EXP(sc[nt][2 * h + 1] - ms);
           l[h] += sc[nt][2 * h] + sc[nt][2 * h + 1];
         }
       }
@@ -1850,7 +1922,7 @@ const FLASH_FWD: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
 const FLASH_DQ: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
   q += mat_base(mq); k += mat_base(mk); v += mat_base(mv); o += mat_base(mo); g += mat_base(mg); dq += mat_base(mout);
   stream_start(ks, k, mk.t, nullptr, nullptr, 0, 0, Tn);
-  unsigned qa[D / 16][4];
+  unsigned qa[D / KS][AW];
   load_a(qa, q, mq.t, r0, gq, tq, Tn);
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
   int buf = 0;
@@ -1864,8 +1936,8 @@ const FLASH_DQ: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
         const float mx = tile_max(sc, h), mn = fmaxf(m[h], mx), ms = mn == NEG_INF ? 0.f : mn;
         float sum = 0.f;
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) sum += __expf(sc[nt][2 * h] - ms) + __expf(sc[nt][2 * h + 1] - ms);
-        l[h] = l[h] * __expf(m[h] - ms) + sum;
+        for (int nt = 0; nt < 8; ++nt) sum += EXP(sc[nt][2 * h] - ms) + EXP(sc[nt][2 * h + 1] - ms);
+        l[h] = l[h] * EXP(m[h] - ms) + sum;
         m[h] = mn;
       }
     }
@@ -1876,14 +1948,14 @@ const FLASH_DQ: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const float mx = quad_max(m[h]), ms = mx == NEG_INF ? 0.f : mx;
-    L[h] = ms + logf(quad_sum(l[h] * __expf(m[h] - ms)));
+    L[h] = ms + logf(quad_sum(l[h] * EXP(m[h] - ms)));
     const long long r = r0 + gq + 8 * h;
     float acc = 0.f;
     if (r < Tn) for (int c = tq; c < D; c += 4) acc += ld(g[r * mg.t + c]) * ld(o[r * mo.t + c]);
     Ds[h] = quad_sum(acc);
     if (r < Tn && tq == 0) { const long long at = ((long long)blockIdx.y * Tn + r) * 2; stats[at] = L[h]; stats[at + 1] = Ds[h]; }
   }
-  unsigned ga[D / 16][4];
+  unsigned ga[D / KS][AW];
   load_a(ga, g, mg.t, r0, gq, tq, Tn);
   float acc[D / 8][4];
   ZERO(acc);
@@ -1901,7 +1973,7 @@ const FLASH_DQ: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) sc[nt][e] = __expf(sc[nt][e] - L[e / 2]) * (dp[nt][e] - Ds[e / 2]);
+        for (int e = 0; e < 4; ++e) sc[nt][e] = EXP(sc[nt][e] - L[e / 2]) * (dp[nt][e] - Ds[e / 2]);
       accumulate(acc, sc, ks[buf], sub, lane);
     }
     __syncthreads();
@@ -1921,7 +1993,7 @@ const FLASH_DKV: &str = r#"  T (*qs)[64][SD] = tiles(), (*gs)[64][SD] = qs + 2;
   };
   stream_start(qs, q, mq.t, gs, g, mg.t, q0, Tn);
   load_stats(0, q0);
-  unsigned ka[D / 16][4], va[D / 16][4];
+  unsigned ka[D / KS][AW], va[D / KS][AW];
   load_a(ka, k, mk.t, r0, gq, tq, Tn);
   load_a(va, v, mv.t, r0, gq, tq, Tn);
   float gk[D / 8][4], gv[D / 8][4];
@@ -1945,7 +2017,7 @@ const FLASH_DKV: &str = r#"  T (*qs)[64][SD] = tiles(), (*gs)[64][SD] = qs + 2;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int qi = sub + nt * 8 + tq * 2 + (e & 1);
-          pt[nt][e] = __expf(pt[nt][e] - Ls[buf][qi]);
+          pt[nt][e] = EXP(pt[nt][e] - Ls[buf][qi]);
           dpt[nt][e] = pt[nt][e] * (dpt[nt][e] - Dl[buf][qi]);
         }
       accumulate(gv, pt, gs[buf], sub, lane);

@@ -489,7 +489,7 @@ fn attention(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], scale: f64, causal: bo
     let mut copies: Vec<Dense> = Vec::new();
     let mut ins: Vec<(u64, Mat)> = Vec::new();
     for &(s, l) in x {
-        match Mat::of(l, (t, d)).filter(|_| flash) {
+        match Mat::of(l, (t, d), 16 / dtype.size_in_bytes()).filter(|_| flash) {
             Some(m) => ins.push((s.buf.ptr + (l.offset * s.dtype.size_in_bytes()) as u64, m)),
             None => {
                 let c = dense(g, s, l)?;
@@ -549,8 +549,8 @@ impl Mat {
 
     /// The matrices of `l` (shape `[.., T, D]`) when its rows are contiguous, its leading
     /// dims coalesce to at most two, and every row starts 16 bytes aligned (the kernels'
-    /// vector loads): 8 elements of a 16-bit type.
-    fn of(l: &Layout, (t, d): (usize, usize)) -> Option<Mat> {
+    /// vector loads): `vec` elements.
+    fn of(l: &Layout, (t, d): (usize, usize), vec: usize) -> Option<Mat> {
         let r = l.rank();
         if l.strides[r - 1] != 1 && d > 1 {
             return None;
@@ -564,7 +564,7 @@ impl Mat {
             _ => return None,
         };
         let row = if t > 1 { l.strides[r - 2] } else { d };
-        let aligned = [b, h, row, l.offset].iter().all(|&x| x % 8 == 0);
+        let aligned = [b, h, row, l.offset].iter().all(|&x| x % vec == 0);
         aligned.then_some(Mat { b: b as i64, h: h as i64, t: row as i64, nh: nh as i64 })
     }
 }
@@ -575,7 +575,7 @@ impl Mat {
 fn attention_kernel(g: &Arc<Gpu>, kind: AttnKernel, dtype: DType, d: usize, causal: bool) -> Result<(Kernel, u32, u32)> {
     use super::codegen::{flash_smem_bytes, flash_source, flash_supported, tiled_smem_floats, tiled_source, TILED_THREADS};
     if flash_supported(dtype, d) {
-        let bytes = flash_smem_bytes(d) as u32;
+        let bytes = flash_smem_bytes(dtype, d) as u32;
         let k = g.kernel_shared(super::spec_key("flash", &(kind, dtype, d, causal)), bytes, || flash_source(kind, dtype, d, causal))?;
         return Ok((k, 128, bytes));
     }
