@@ -278,6 +278,25 @@ fn layer_norm_param_grads_match_the_cpu() {
     }
 }
 
+/// Layer norm's whole backward in one pass (`layer_norm_grads`: the parameter gradients and,
+/// from the same rows in registers, x's gradient), against the CPU's separate ops, at the
+/// shapes of `layer_norm_param_grads_match_the_cpu`, past the kernel's longest row too.
+#[test]
+fn layer_norm_grads_in_one_pass_match_the_cpu() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for dt in FLOATS {
+        for (i, shape) in [&[3, 5, 24][..], &[300, 384], &[2, 3], &[70, 1024], &[4, 1030], &[0, 8]].into_iter().enumerate() {
+            let n = shape[shape.len() - 1];
+            let ins = [randn(shape, 80 + i as u64, dt), randn(shape, 90 + i as u64, dt), randn(&[n], 100 + i as u64, dt)];
+            let t = if matches!(dt, DType::F16 | DType::BF16) { tol(dt) * 8.0 } else { tol(dt) * 100.0 };
+            both(&format!("layer_norm_grads {shape:?} {dt:?}"), &ins, t, |v| {
+                let (dx, dw, db) = v[0].layer_norm_grads(&v[1], &v[2], 1e-5)?;
+                Tensor::cat(&[&dx.reshape(&[dx.numel()])?, &dw, &db], 0)
+            });
+        }
+    }
+}
+
 /// `Op::MatmulFused` (compile's matmul epilogues): cuBLASLt's RELU(_BIAS), GELU_AUX(_BIAS),
 /// DGELU and BGRADA/BGRADB epilogues where they apply, the product then kernels where not (a batch, an unaligned
 /// bias, F64 if cuBLASLt has no such epilogue), all against the CPU.

@@ -125,6 +125,19 @@ fn layer_norm_matches_hand_computed_values_and_checks_its_parameters() -> Result
     }
     let err = x.layer_norm_backward(&g, &b.narrow(0, 0, 1)?, 1e-5).unwrap_err().to_string();
     assert!(err.contains("[1]") && err.contains("[1, 3]"), "{err}");
+    // The whole backward as one op: the same x gradient, and the parameter gradients by hand:
+    // dw = g * xhat, db = g (one row).
+    let (dx, dw, db) = x.layer_norm_grads(&g, &w, 0.0)?;
+    for (a, b) in dx.to_vec::<f64>()?.iter().zip(x.layer_norm_backward(&g, &w, 0.0)?.to_vec::<f64>()?) {
+        assert!((a - b).abs() < 1e-12, "{a} vs {b}");
+    }
+    let want_dw = [0.3 * -r, 0.0, 2.0 * r];
+    for (got, want) in dw.to_vec::<f64>()?.iter().zip(want_dw) {
+        assert!((got - want).abs() < 1e-12, "dw {got} vs {want}");
+    }
+    assert_eq!(db.to_vec::<f64>()?, vec![0.3, -1.0, 2.0]);
+    let err = x.layer_norm_grads(&g, &b.narrow(0, 0, 2)?, 0.0).unwrap_err().to_string();
+    assert!(err.contains("[2]") && err.contains("[1, 3]") && err.contains("weight"), "{err}");
     Ok(())
 }
 

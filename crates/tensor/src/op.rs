@@ -490,6 +490,13 @@ pub fn matmul_tail_offset(numel: usize) -> usize {
     numel.next_multiple_of(64)
 }
 
+/// Where x's gradient starts in `Op::NormalizeParamGrads`'s flat output (with the weight):
+/// after the `[2, n]` parameter gradients, rounded up to 64 elements so that it stays
+/// aligned for vector loads.
+pub fn ln_grads_dx_at(n: usize) -> usize {
+    (2 * n).next_multiple_of(64)
+}
+
 /// A primitive op. Inputs are passed separately; parameters that shape the result live here.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Op {
@@ -561,6 +568,9 @@ pub enum Op {
     /// Layer norm's parameter gradients from its input `x` and output gradient `g` (one
     /// shape, last dim `n`): `[2, n]`, the sums over rows of `g * normalize(x)` (the weight's)
     /// and of `g` (the bias's). On CUDA one pass reads x and g once, with no normalised copy.
+    /// With the weight `w` (`[n]`) as a third input, the whole backward in that pass: one flat
+    /// buffer, the `[2, n]` then, from `ln_grads_dx_at(n)`, x's gradient (as
+    /// `NormalizeBackward` with `w` computes it).
     NormalizeParamGrads {
         eps: f64,
     },
@@ -725,7 +735,7 @@ impl Op {
             Op::Unary(_) | Op::Scalar { .. } | Op::Cast(_) | Op::Reduce { .. } | Op::UpdateScalar(..) | Op::Softmax { .. } => 1,
             Op::Normalize { .. } if inputs.len() == 3 => 3,
             Op::Normalize { .. } => 1,
-            Op::NormalizeBackward { .. } if inputs.len() == 3 => 3,
+            Op::NormalizeBackward { .. } | Op::NormalizeParamGrads { .. } if inputs.len() == 3 => 3,
             Op::NormalizeBackward { .. } | Op::SoftmaxBackward { .. } | Op::NormalizeParamGrads { .. } => 2,
             Op::Attention { .. } => 3,
             Op::AttentionBackward { .. } => 5,
@@ -823,10 +833,14 @@ impl Op {
             }
             Op::NormalizeParamGrads { .. } => {
                 float_only(inputs[0].dtype)?;
-                same_dtype(inputs[0].dtype, inputs[1].dtype)?;
-                match inputs[0].shape.last() {
-                    Some(&n) => meta(vec![2, n], inputs[0].dtype),
-                    None => Err(Error::shape(name, "needs rank >= 1, got a scalar".to_string())),
+                inputs[1..].iter().try_for_each(|a| same_dtype(inputs[0].dtype, a.dtype))?;
+                let Some(&n) = inputs[0].shape.last() else {
+                    return Err(Error::shape(name, "needs rank >= 1, got a scalar".to_string()));
+                };
+                match inputs.get(2) {
+                    None => meta(vec![2, n], inputs[0].dtype),
+                    Some(w) if w.shape == [n] => meta(vec![ln_grads_dx_at(n) + inputs[0].shape.iter().product::<usize>()], inputs[0].dtype),
+                    Some(w) => Err(Error::shape(name, format!("the weight must be [{n}] for x {:?}, got {:?}", inputs[0].shape, w.shape))),
                 }
             }
             Op::Normalize { .. } | Op::NormalizeBackward { .. } if inputs.len() == 3 => {

@@ -357,6 +357,23 @@ impl Tensor {
         }
         Tensor::apply(Op::NormalizeParamGrads { eps }, &[self, g], self.device())
     }
+    /// Layer norm's whole backward for its weight `w` and the output gradient `g`: x's, the
+    /// weight's and the bias's gradients, from one pass over x and g on CUDA
+    /// (`Op::NormalizeParamGrads` with the weight; rows longer than its kernel takes run the
+    /// two ops).
+    pub fn layer_norm_grads(&self, g: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor, Tensor)> {
+        let n = self.shape().last().copied().unwrap_or(0);
+        if self.device().is_cuda() && n > crate::cuda::codegen::LN_GRADS_MAX_N {
+            let both = self.layer_norm_param_grads(g, eps)?;
+            return Ok((self.layer_norm_backward(g, w, eps)?, both.narrow(0, 0, 1)?.reshape(&[n])?, both.narrow(0, 1, 1)?.reshape(&[n])?));
+        }
+        let flat = Tensor::apply(Op::NormalizeParamGrads { eps }, &[self, g, w], self.device())?;
+        let at = crate::op::ln_grads_dx_at(n);
+        // The parameter gradients get their own small buffer: as views they would keep the
+        // whole flat buffer (x's size) alive for as long as the parameters hold them.
+        let params = flat.narrow(0, 0, 2 * n)?.copy()?;
+        Ok((flat.narrow(0, at, self.numel())?.reshape(self.shape())?, params.narrow(0, 0, n)?, params.narrow(0, n, n)?))
+    }
     /// The input gradient of `normalize` for the output gradient `g`.
     pub fn normalize_backward(&self, g: &Tensor, eps: f64) -> Result<Tensor> {
         Tensor::apply(Op::NormalizeBackward { eps }, &[self, g], self.device())

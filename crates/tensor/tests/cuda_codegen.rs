@@ -175,8 +175,8 @@ fn every_reduction_and_index_kernel_compiles() {
             let (s, n) = kiln_tensor::cuda::codegen::adam_source(d, ams);
             check(&s, &n, &mut fails);
         }
-        for tiles in [1, 12, 32] {
-            let (s, n) = kiln_tensor::cuda::codegen::layer_norm_param_grads_source(d, tiles);
+        for (tiles, dx) in [(1, false), (12, false), (32, false), (1, true), (12, true), (32, true)] {
+            let (s, n) = kiln_tensor::cuda::codegen::layer_norm_param_grads_source(d, tiles, dx);
             check(&s, &n, &mut fails);
         }
     }

@@ -303,6 +303,19 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             }
             with_cpu!(s, v => with_grad(v, l, g, name, |x, g| RowKernels::normalize_rows(x, Some(g), (None, None), n, *eps))?.into_storage())
         }
+        Op::NormalizeParamGrads { eps } if ins.len() == 3 => {
+            // With the weight: the parameter gradients, then x's gradient from `ln_grads_dx_at`.
+            let x = ins[0];
+            let n = x.1.shape[x.1.rank() - 1];
+            let both = run(&Op::NormalizeParamGrads { eps: *eps }, &ins[..2], &OutMeta { shape: vec![2, n], dtype: meta.dtype })?;
+            let dx = run(&Op::NormalizeBackward { eps: *eps }, ins, &OutMeta { shape: x.1.shape.clone(), dtype: meta.dtype })?;
+            with_cpu!(&both, p => {
+                let mut v = p.to_vec();
+                v.resize(crate::op::ln_grads_dx_at(n), Default::default());
+                v.extend_from_slice(typed(&dx, name)?);
+                v.into_storage()
+            })
+        }
         Op::NormalizeParamGrads { eps } => {
             let (x, g) = (ins[0], ins[1]);
             if let CpuStorage::F32(v) = x.0 {

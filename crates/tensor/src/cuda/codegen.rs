@@ -793,15 +793,23 @@ pub const LN_GRADS_MAX_N: usize = 1024;
 /// `part[b] = [sum g * xhat | sum g]` (`2 n` values of the compute type). Each warp takes a
 /// row at a time (mean and variance as `normalize_source` computes them), each lane keeps its
 /// `tiles` columns' sums in registers, and the warps add theirs in a fixed order, so the
-/// result does not depend on scheduling.
-pub fn layer_norm_param_grads_source(dtype: DType, tiles: usize) -> (String, String) {
-    let name = format!("k_ln_param_grads_{}_{tiles}", storage_type(dtype).replace(' ', "_"));
+/// result does not depend on scheduling. With `dx`, the same pass also writes the input's
+/// gradient (`normalize_source`'s backward with the weight `w`) from the row it holds, so the
+/// layer norm's whole backward reads x and g once.
+pub fn layer_norm_param_grads_source(dtype: DType, tiles: usize, dx: bool) -> (String, String) {
+    let name = format!("k_ln_{}grads_{}_{tiles}", if dx { "" } else { "param_" }, storage_type(dtype).replace(' ', "_"));
     let (t, c) = (storage_type(dtype), compute_type(dtype));
     let mut s = format!("{PRELUDE}\ntypedef {c} C;\nstruct NArgs {{ long long rows, red; double eps; }};\n#define TILES {tiles}\n");
-    s += &format!("extern \"C\" __global__ void {name}(C* __restrict__ part, const {t}* __restrict__ x, const {t}* __restrict__ g, NArgs a, long long chunk) {{\n");
+    s += &format!("extern \"C\" __global__ void {name}(C* __restrict__ part, const {t}* __restrict__ x, const {t}* __restrict__ g, NArgs a, long long chunk, {t}* __restrict__ dx, const {t}* __restrict__ w) {{\n");
     s += "  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;\n";
     s += "  const long long r1 = min(a.rows, (blockIdx.x + 1) * chunk); const C n = (C)a.red;\n";
-    s += "  C dw[TILES], db[TILES];\n#pragma unroll\n  for (int t = 0; t < TILES; ++t) { dw[t] = (C)0; db[t] = (C)0; }\n";
+    s += "  C dw[TILES], db[TILES], wr[TILES];\n#pragma unroll\n  for (int t = 0; t < TILES; ++t) { dw[t] = (C)0; db[t] = (C)0; }\n";
+    if dx {
+        // The lane's columns are the same in every row: their weights are loaded once.
+        s += "#pragma unroll\n  for (int t = 0; t < TILES; ++t) wr[t] = lane + 32LL * t < a.red ? (C)ld(w[lane + 32LL * t]) : (C)0;\n";
+    } else {
+        s += "  (void)dx; (void)w; (void)wr;\n";
+    }
     s += "  for (long long row = blockIdx.x * chunk + warp; row < r1; row += nw) {\n";
     // The row's x and g are loaded once into registers (all loads in flight together); the
     // mean and variance sum them in `normalize_source`'s order (warp sums).
@@ -814,7 +822,19 @@ pub fn layer_norm_param_grads_source(dtype: DType, tiles: usize) -> (String, Str
     s += "#pragma unroll\n    for (int t = 0; t < TILES; ++t) if (lane + 32LL * t < a.red) { C d = xr[t] - mean; acc += d * d; }\n";
     s += &row_allreduce(false, false);
     s += "    const C rstd = (C)1 / ksqrt(acc / n + (C)a.eps);\n";
-    s += "#pragma unroll\n    for (int t = 0; t < TILES; ++t) { dw[t] += gr[t] * ((xr[t] - mean) * rstd); db[t] += gr[t]; }\n  }\n";
+    s += "#pragma unroll\n    for (int t = 0; t < TILES; ++t) { xr[t] = (xr[t] - mean) * rstd; dw[t] += gr[t] * xr[t]; db[t] += gr[t]; }\n";
+    if dx {
+        // dx = rstd (gw - mean(gw) - xhat mean(gw xhat)), xr now holding xhat.
+        s += "    acc = (C)0;\n#pragma unroll\n    for (int t = 0; t < TILES; ++t) acc += gr[t] * wr[t];\n";
+        s += &row_allreduce(false, false);
+        s += "    const C mg = acc / n; acc = (C)0;\n";
+        s += "#pragma unroll\n    for (int t = 0; t < TILES; ++t) acc += gr[t] * wr[t] * xr[t];\n";
+        s += &row_allreduce(false, false);
+        s += "    const C mgx = acc / n;\n";
+        s += "#pragma unroll\n    for (int t = 0; t < TILES; ++t) {\n      const long long j = lane + 32LL * t;\n";
+        s += "      if (j < a.red) st(&dx[base + j], rstd * (gr[t] * wr[t] - mg - xr[t] * mgx));\n    }\n";
+    }
+    s += "  }\n";
     s += "  __shared__ C sh[2 * 32 * TILES];\n";
     s += "  for (int w = 0; w < nw; ++w) {\n    if (warp == w) {\n#pragma unroll\n      for (int t = 0; t < TILES; ++t) {\n";
     s += "        const long long j = lane + 32LL * t;\n        if (j < a.red) { sh[j] = (w ? sh[j] : (C)0) + dw[t]; sh[a.red + j] = (w ? sh[a.red + j] : (C)0) + db[t]; }\n";

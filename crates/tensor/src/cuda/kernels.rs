@@ -309,7 +309,7 @@ pub fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, devic
         Op::Softmax { log, scale, causal } => softmax(&g, x[0], (*log, *scale, *causal))?,
         Op::Normalize { eps } => normalize(&g, x[0], None, &x[1..], *eps)?,
         Op::NormalizeBackward { eps } => normalize(&g, x[0], Some(x[1]), &x[2..], *eps)?,
-        Op::NormalizeParamGrads { eps } => layer_norm_param_grads(&g, x[0], x[1], *eps)?,
+        Op::NormalizeParamGrads { eps } => layer_norm_param_grads(&g, x[0], x[1], x.get(2).copied(), *eps)?,
         Op::SoftmaxBackward { log, scale } => softmax_backward(&g, x[0], x[1], *log, *scale)?,
         Op::Attention { scale, causal } => attention(&g, &x, *scale, *causal, false)?,
         Op::AttentionBackward { scale, causal } => attention(&g, &x, *scale, *causal, true)?,
@@ -753,11 +753,19 @@ pub(super) fn zero(g: &Arc<Gpu>, s: &CudaStorage) -> Result<()> {
 
 /// Layer norm's parameter gradients `[2, n]` from x and the output gradient: per-block
 /// partial sums in one pass over both (`codegen::layer_norm_param_grads_source`), then one
-/// column sum of the partials.
-fn layer_norm_param_grads(g: &Arc<Gpu>, x: (&CudaStorage, &Layout), grad: (&CudaStorage, &Layout), eps: f64) -> Result<CudaStorage> {
+/// column sum of the partials. With the weight `w`, the same pass writes the input's gradient
+/// too, after the `[2, n]` from `op::ln_grads_dx_at(n)` (`Op::NormalizeParamGrads`'s flat form).
+fn layer_norm_param_grads(
+    g: &Arc<Gpu>,
+    x: (&CudaStorage, &Layout),
+    grad: (&CudaStorage, &Layout),
+    w: Option<(&CudaStorage, &Layout)>,
+    eps: f64,
+) -> Result<CudaStorage> {
     let (dtype, n) = (x.0.dtype, x.1.shape[x.1.rank() - 1]);
     let rows = x.1.numel().checked_div(n).unwrap_or(0);
-    let out = CudaStorage::alloc(g, dtype, 2 * n)?;
+    let dx_at = crate::op::ln_grads_dx_at(n);
+    let out = CudaStorage::alloc(g, dtype, if w.is_some() { dx_at + x.1.numel() } else { 2 * n })?;
     let tiles = n.div_ceil(32);
     if n > super::codegen::LN_GRADS_MAX_N {
         return Err(Error::shape("layer_norm_param_grads", format!("rows of {n} exceed the kernel's {}", super::codegen::LN_GRADS_MAX_N)));
@@ -767,17 +775,27 @@ fn layer_norm_param_grads(g: &Arc<Gpu>, x: (&CudaStorage, &Layout), grad: (&Cuda
         return Ok(out);
     }
     let (xd, gd) = (dense(g, x.0, x.1)?, dense(g, grad.0, grad.1)?);
+    let wd = w.map(|(s, l)| dense(g, s, l)).transpose()?;
     // About two blocks of 8 warps per SM, each folding a run of rows. (Four blocks of 16
     // warps measured no faster, and F64's 32 tiles need more registers than 16 warps have.)
     let chunk = rows.div_ceil(rows.min(g.sms as usize * 2));
     let blocks = rows.div_ceil(chunk);
     let part = CudaStorage::alloc(g, accumulator(dtype), blocks * 2 * n)?;
-    let k = g.kernel(super::spec_key("ln_param_grads", &(dtype, tiles)), || super::codegen::layer_norm_param_grads_source(dtype, tiles))?;
+    let with_dx = wd.is_some();
+    let k = g.kernel(super::spec_key("ln_param_grads", &(dtype, tiles, with_dx)), || {
+        super::codegen::layer_norm_param_grads_source(dtype, tiles, with_dx)
+    })?;
     let mut a = RowArgs { rows: rows as i64, red: n as i64, value: eps };
     let (mut o, mut px, mut pg, mut ch) = (part.buf.ptr, xd.get().buf.ptr, gd.get().buf.ptr, chunk as i64);
-    let mut params = kernel_params![o, px, pg, a, ch];
-    // SAFETY: (part, x, g, NArgs, chunk) matches the generated signature; x and g are dense
-    // `rows * n` buffers and `part` holds `blocks * 2 n` partials of the compute type.
+    let (mut pdx, mut pw) = match &wd {
+        Some(w) => (out.ptr_at(dx_at), w.get().buf.ptr),
+        None => (0, 0),
+    };
+    let mut params = kernel_params![o, px, pg, a, ch, pdx, pw];
+    // SAFETY: (part, x, g, NArgs, chunk, dx, w) matches the generated signature; x and g are
+    // dense `rows * n` buffers, `part` holds `blocks * 2 n` partials of the compute type, and
+    // with the weight (dense, `n`) `out` holds `rows * n` more elements from `dx_at`; without
+    // it the kernel reads neither dx nor w.
     unsafe { g.launch(k, (blocks as u32, 1), 256, 0, &mut params)? };
     reduce_into(g, ReduceOp::Sum, &part, &Layout::contiguous(&[blocks, 2 * n]), &[0], &out, false)?;
     Ok(out)
