@@ -181,7 +181,7 @@ pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Te
             // y = xhat w + b: the weight's and bias's gradients in one pass over x and g.
             let (x, w, b) = (&inputs[0], &inputs[1], &inputs[2]);
             if needs[0] && needs[1] {
-                // The whole backward in one pass (one flat buffer; each gradient a view of it).
+                // The whole backward in one pass over x and g (`Tensor::layer_norm_grads`).
                 let (dx, dw, db) = x.layer_norm_grads(g, w, *eps)?;
                 return Ok(vec![Some(dx), Some(dw.reshape(w.shape())?), needs[2].then(|| db.reshape(b.shape())).transpose()?]);
             }
