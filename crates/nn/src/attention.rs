@@ -129,8 +129,9 @@ const OFF: u8 = 2;
 /// on a GPU: `Some(true)` for every float dtype but F64, `Some(false)` never, `None` (the
 /// default) where it runs on tensor cores: f16/bf16 (or F32 under `Autocast`) with a head dim
 /// that is a multiple of 16 up to 128, and F32 (three TF32 products per step, about F32's
-/// precision, as PyTorch's F32 SDPA) with one that is a multiple of 8. Other head dims run
-/// on the FMA units, slower than the unfused ops at the GPT shapes (BENCHMARKS.md).
+/// precision, as PyTorch's F32 SDPA) with one that is a multiple of 8 up to 64 (forced on,
+/// up to 128). Other head dims run on the FMA units, slower than the unfused ops at the GPT
+/// shapes (BENCHMARKS.md).
 pub fn set_fused_attention(on: Option<bool>) {
     let v = match on {
         Some(true) => ON,
@@ -156,7 +157,9 @@ fn fused_attention_on(q: &Tensor) -> bool {
     match FUSED_ATTENTION.load(std::sync::atomic::Ordering::Relaxed) {
         ON => fits,
         OFF => false,
-        _ => fits && kiln_tensor::cuda::codegen::flash_supported(low, d),
+        // F32's kernels hold twice the registers (split fragments): past D = 64 they spill
+        // (NVRTC: about 1 KB a thread at D = 128) and were not measured against the unfused ops.
+        _ => fits && kiln_tensor::cuda::codegen::flash_supported(low, d) && (low != DType::F32 || d <= 64),
     }
 }
 
