@@ -262,6 +262,10 @@ fn matmul_matches_the_cpu_with_transposes_and_batches() {
     }
 }
 
+/// Layer norms' shapes for the GPU tests: from a few rows to many, up to the kernels' longest
+/// row (`LN_GRADS_MAX_N`) and past it, and no rows at all.
+const LN_SHAPES: [&[usize]; 6] = [&[3, 5, 24], &[300, 384], &[2, 3], &[70, 1024], &[4, 1030], &[0, 8]];
+
 /// Layer norm's parameter gradients (one pass over x and g, then a fold of per-block
 /// partials) against the CPU's composite, from a few rows to many, up to the kernel's longest
 /// row and past it (the composite ops on the GPU too).
@@ -269,7 +273,7 @@ fn matmul_matches_the_cpu_with_transposes_and_batches() {
 fn layer_norm_param_grads_match_the_cpu() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     for dt in FLOATS {
-        for (i, shape) in [&[3, 5, 24][..], &[300, 384], &[2, 3], &[70, 1024], &[4, 1030], &[0, 8]].into_iter().enumerate() {
+        for (i, shape) in LN_SHAPES.into_iter().enumerate() {
             let (x, g) = (randn(shape, 60 + i as u64, dt), randn(shape, 70 + i as u64, dt));
             // The CPU's composite rounds xhat and each product to F16/BF16; the GPU does not.
             let t = if matches!(dt, DType::F16 | DType::BF16) { tol(dt) * 8.0 } else { tol(dt) * 100.0 };
@@ -285,7 +289,7 @@ fn layer_norm_param_grads_match_the_cpu() {
 fn layer_norm_grads_in_one_pass_match_the_cpu() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     for dt in FLOATS {
-        for (i, shape) in [&[3, 5, 24][..], &[300, 384], &[2, 3], &[70, 1024], &[4, 1030], &[0, 8]].into_iter().enumerate() {
+        for (i, shape) in LN_SHAPES.into_iter().enumerate() {
             let n = shape[shape.len() - 1];
             let ins = [randn(shape, 80 + i as u64, dt), randn(shape, 90 + i as u64, dt), randn(&[n], 100 + i as u64, dt)];
             let t = if matches!(dt, DType::F16 | DType::BF16) { tol(dt) * 8.0 } else { tol(dt) * 100.0 };

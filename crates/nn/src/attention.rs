@@ -121,6 +121,10 @@ static FUSED_ATTENTION: std::sync::LazyLock<std::sync::atomic::AtomicU8> = std::
         _ => AUTO,
     })
 });
+/// The largest head dim F32 attention is fused for by default: F32's kernels hold twice the
+/// registers (split fragments), past 64 they spill (NVRTC: about 1 KB a thread at D = 128),
+/// and no larger head dim was measured against the unfused ops.
+const F32_FUSED_MAX_D: usize = 64;
 const AUTO: u8 = 0;
 const ON: u8 = 1;
 const OFF: u8 = 2;
@@ -157,9 +161,7 @@ fn fused_attention_on(q: &Tensor) -> bool {
     match FUSED_ATTENTION.load(std::sync::atomic::Ordering::Relaxed) {
         ON => fits,
         OFF => false,
-        // F32's kernels hold twice the registers (split fragments): past D = 64 they spill
-        // (NVRTC: about 1 KB a thread at D = 128) and were not measured against the unfused ops.
-        _ => fits && kiln_tensor::cuda::codegen::flash_supported(low, d) && (low != DType::F32 || d <= 64),
+        _ => fits && kiln_tensor::cuda::codegen::flash_supported(low, d) && (low != DType::F32 || d <= F32_FUSED_MAX_D),
     }
 }
 

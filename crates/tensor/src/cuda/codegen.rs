@@ -803,12 +803,10 @@ pub fn layer_norm_param_grads_source(dtype: DType, tiles: usize, dx: bool) -> (S
     s += &format!("extern \"C\" __global__ void {name}(C* __restrict__ part, const {t}* __restrict__ x, const {t}* __restrict__ g, NArgs a, long long chunk, {t}* __restrict__ dx, const {t}* __restrict__ w) {{\n");
     s += "  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;\n";
     s += "  const long long r1 = min(a.rows, (blockIdx.x + 1) * chunk); const C n = (C)a.red;\n";
-    s += "  C dw[TILES], db[TILES], wr[TILES];\n#pragma unroll\n  for (int t = 0; t < TILES; ++t) { dw[t] = (C)0; db[t] = (C)0; }\n";
+    s += "  C dw[TILES], db[TILES];\n#pragma unroll\n  for (int t = 0; t < TILES; ++t) { dw[t] = (C)0; db[t] = (C)0; }\n";
     if dx {
         // The lane's columns are the same in every row: their weights are loaded once.
-        s += "#pragma unroll\n  for (int t = 0; t < TILES; ++t) wr[t] = lane + 32LL * t < a.red ? (C)ld(w[lane + 32LL * t]) : (C)0;\n";
-    } else {
-        s += "  (void)dx; (void)w; (void)wr;\n";
+        s += "  C wr[TILES];\n#pragma unroll\n  for (int t = 0; t < TILES; ++t) wr[t] = lane + 32LL * t < a.red ? (C)ld(w[lane + 32LL * t]) : (C)0;\n";
     }
     s += "  for (long long row = blockIdx.x * chunk + warp; row < r1; row += nw) {\n";
     // The row's x and g are loaded once into registers (all loads in flight together); the
@@ -1614,15 +1612,15 @@ const TILED_DKV: &str = r#"  float *kt = sm, *vt = kt + TQ, *qt = vt + TQ, *gt =
   store_rows(dv, gv, rb, ty, tx, Tn, &one, false);
 "#;
 
-/// The padding of a `flash_source` tile row: 16 bytes, against bank conflicts and keeping the
-/// rows' 16-byte copies aligned.
-fn flash_pad(dtype: DType) -> usize {
+/// Elements in 16 bytes: a `flash_source` tile row's padding (against bank conflicts, keeping
+/// the rows' 16-byte copies aligned) and the alignment, in elements, its operands' rows need.
+pub fn flash_vec(dtype: DType) -> usize {
     16 / dtype.size_in_bytes()
 }
 
 /// The dynamic shared memory of a `flash_source` kernel: four tiles of 64 padded rows of D.
 pub fn flash_smem_bytes(dtype: DType, d: usize) -> usize {
-    4 * 64 * (d + flash_pad(dtype)) * dtype.size_in_bytes()
+    4 * 64 * (d + flash_vec(dtype)) * dtype.size_in_bytes()
 }
 
 /// Whether the tensor-core attention kernels (`flash_source`) take this dtype and head dim:
@@ -1637,10 +1635,11 @@ pub fn flash_supported(dtype: DType, d: usize) -> bool {
 }
 
 /// Device helpers of the flash kernels: shared tiles, `Mat`, async copies, quad reductions,
-/// then the MMA and its fragments for the dtype (`flash_frags_16` or `flash_frags_f32`).
+/// the MMA and its fragments for the dtype (`flash_frags_16` or `flash_frags_f32`, each with its
+/// `put2`), then the accumulator store.
 /// Each kernel body sees `KS` (the MMA's depth), `AW` (words of one A fragment) and `EXP`.
 fn flash_helpers(dtype: DType) -> String {
-    let mut s = format!("#define SD (D + {})\n#define VEC {}\n", flash_pad(dtype), flash_pad(dtype));
+    let mut s = format!("#define SD (D + {})\n#define VEC {}\n", flash_vec(dtype), flash_vec(dtype));
     s += "__device__ __forceinline__ unsigned smem(const void* p) {\n  unsigned a;\n";
     s += "  asm(\"{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\" : \"=r\"(a) : \"l\"(p));\n  return a;\n}\n";
     // One [T, D] matrix of a batch: row t of matrix n at `(n / nh) * b + (n % nh) * h + t * t`
@@ -1665,6 +1664,11 @@ fn flash_helpers(dtype: DType) -> String {
         DType::F32 => flash_frags_f32(),
         _ => flash_frags_16(dtype),
     };
+    // Stores rows r0+gq and r0+gq+8 of a 16 x D accumulator tile, times mul0 / mul1.
+    s += "__device__ __forceinline__ void store(T* o, long long st, const float (*acc)[4], long long r0, int gq, int tq, long long Tn, float mul0, float mul1) {\n";
+    s += "#pragma unroll\n  for (int j = 0; j < D / 8; ++j) {\n    const int c = j * 8 + tq * 2;\n";
+    s += "    if (r0 + gq < Tn) put2(o + (r0 + gq) * st + c, acc[j][0] * mul0, acc[j][1] * mul0);\n";
+    s += "    if (r0 + gq + 8 < Tn) put2(o + (r0 + gq + 8) * st + c, acc[j][2] * mul1, acc[j][3] * mul1);\n  }\n}\n";
     s
 }
 
@@ -1707,11 +1711,8 @@ fn flash_frags_16(dtype: DType) -> String {
     s += "  const int mi = lane >> 3, row = sub + (mi & 1) * 8 + (lane & 7), col = (mi >> 1) * 8;\n";
     s += "#pragma unroll\n  for (int j = 0; j < D / 8; j += 2) {\n    unsigned b[4];\n    ldsm4t(b, &tile[row][j * 8 + col]);\n";
     s += "    mma(acc[j], a, b);\n    mma(acc[j + 1], a, b + 2);\n  }\n}\n";
-    // Stores rows r0+gq and r0+gq+8 of a 16 x D accumulator tile, times mul0 / mul1.
-    s += "__device__ __forceinline__ void store(T* o, long long st, const float (*acc)[4], long long r0, int gq, int tq, long long Tn, float mul0, float mul1) {\n";
-    s += "#pragma unroll\n  for (int j = 0; j < D / 8; ++j) {\n    const int c = j * 8 + tq * 2;\n";
-    s += "    if (r0 + gq < Tn) *(unsigned*)(o + (r0 + gq) * st + c) = pack(acc[j][0] * mul0, acc[j][1] * mul0);\n";
-    s += "    if (r0 + gq + 8 < Tn) *(unsigned*)(o + (r0 + gq + 8) * st + c) = pack(acc[j][2] * mul1, acc[j][3] * mul1);\n  }\n}\n";
+    // Two neighbouring values of a row, stored as one 32-bit word.
+    s += "__device__ __forceinline__ void put2(T* p, float lo, float hi) { *(unsigned*)p = pack(lo, hi); }\n";
     s
 }
 
@@ -1758,11 +1759,8 @@ fn flash_frags_f32() -> String {
     s += "#pragma unroll\n  for (int kc = 0; kc < 2; ++kc) {\n    unsigned a[8];\n    split(a, pr[kc][0], pr[kc][2], pr[kc][1], pr[kc][3]);\n";
     s += "    const float* b0 = &tile[sub + kc * 8 + 2 * tq][gq];\n    const float* b1 = b0 + SD;\n";
     s += "#pragma unroll\n    for (int j = 0; j < D / 8; ++j) mma(acc[j], a, b0[j * 8], b1[j * 8]);\n  }\n}\n";
-    // Stores rows r0+gq and r0+gq+8 of a 16 x D accumulator tile, times mul0 / mul1.
-    s += "__device__ __forceinline__ void store(T* o, long long st, const float (*acc)[4], long long r0, int gq, int tq, long long Tn, float mul0, float mul1) {\n";
-    s += "#pragma unroll\n  for (int j = 0; j < D / 8; ++j) {\n    const int c = j * 8 + tq * 2;\n";
-    s += "    if (r0 + gq < Tn) *(float2*)(o + (r0 + gq) * st + c) = make_float2(acc[j][0] * mul0, acc[j][1] * mul0);\n";
-    s += "    if (r0 + gq + 8 < Tn) *(float2*)(o + (r0 + gq + 8) * st + c) = make_float2(acc[j][2] * mul1, acc[j][3] * mul1);\n  }\n}\n";
+    // Two neighbouring values of a row, stored as one 64-bit word.
+    s += "__device__ __forceinline__ void put2(T* p, float lo, float hi) { *(float2*)p = make_float2(lo, hi); }\n";
     s
 }
 

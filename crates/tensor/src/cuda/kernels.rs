@@ -489,7 +489,7 @@ fn attention(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], scale: f64, causal: bo
     let mut copies: Vec<Dense> = Vec::new();
     let mut ins: Vec<(u64, Mat)> = Vec::new();
     for &(s, l) in x {
-        match Mat::of(l, (t, d), 16 / dtype.size_in_bytes()).filter(|_| flash) {
+        match Mat::of(l, (t, d), super::codegen::flash_vec(dtype)).filter(|_| flash) {
             Some(m) => ins.push((s.buf.ptr + (l.offset * s.dtype.size_in_bytes()) as u64, m)),
             None => {
                 let c = dense(g, s, l)?;
