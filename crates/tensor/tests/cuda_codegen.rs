@@ -195,6 +195,13 @@ fn every_reduction_and_index_kernel_compiles() {
             }
         }
     }
+    // The 3xTF32 GEMM: every candidate tile for every operand layout.
+    for (a_k, b_k) in [(true, true), (true, false), (false, true), (false, false)] {
+        for t in kiln_tensor::cuda::gemm::candidates(a_k, b_k) {
+            let (s, n) = kiln_tensor::cuda::gemm::source(&t);
+            check(&s, &n, &mut fails);
+        }
+    }
     for d in [DType::F32, DType::F64] {
         for kind in [IndexKind::Add, IndexKind::ScatterAdd] {
             let (s, n) = Index { kind, dtype: d }.source();
