@@ -418,6 +418,21 @@ fn products_at_the_mlp_shapes_match_the_cpu() {
         // A contraction of 33, and 17 columns.
         both(&format!("k = 33 {dt:?}"), &[randn(&[40, 33], 102, dt), randn(&[33, 20], 103, dt)], t, |v| v[0].matmul(&v[1]));
         both(&format!("n = 17 {dt:?}"), &[randn(&[40, 300], 104, dt), randn(&[300, 17], 105, dt)], t, |v| v[0].matmul(&v[1]));
+        // The narrow-product kernel (at most 16 columns): a head's weight read transposed, A
+        // rows cut from a wider buffer, one column, 16 columns, a contraction of one, and
+        // rows that are not a multiple of the block's eight.
+        let w = randn(&[10, 300], 113, dt);
+        both(&format!("narrow h w^T + b {dt:?}"), &[randn(&[1001, 300], 114, dt), w.clone(), b2.clone()], t, |v| {
+            v[0].linear(&v[1], Some(&v[2]))
+        });
+        both(&format!("narrow, a cut from wider rows, relu {dt:?}"), &[randn(&[77, 320], 115, dt), w, b2.clone()], t, |v| {
+            fused(E::Relu)(&[v[0].narrow(1, 20, 300)?, v[1].t()?, v[2].clone()])
+        });
+        for (m, k, n) in [(9, 700, 1), (50, 64, 16), (13, 1, 7)] {
+            both(&format!("narrow [{m}, {k}] x [{k}, {n}] {dt:?}"), &[randn(&[m, k], 116, dt), randn(&[k, n], 117, dt)], t, |v| {
+                v[0].matmul(&v[1])
+            });
+        }
     }
 }
 
@@ -427,7 +442,18 @@ fn products_at_the_mlp_shapes_match_the_cpu() {
 fn fused_mean_cross_entropy_matches_the_cpu() {
     use kiln::tensor::Op;
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    for (rows, classes, smoothing, dt) in [(32, 10, 0.0, DType::F32), (4096, 10, 0.1, DType::F32), (100, 700, 0.0, DType::F64)] {
+    // Rows of one to 32 threads each (`xent_mean_threads_per_row`), some sharing their last
+    // warp with rows past the end.
+    let cases = [
+        (32, 10, 0.0, DType::F32),
+        (4096, 10, 0.1, DType::F32),
+        (4093, 10, 0.0, DType::F32),
+        (5, 3, 0.0, DType::F32),
+        (33, 20, 0.1, DType::F64),
+        (7, 64, 0.0, DType::F32),
+        (100, 700, 0.0, DType::F64),
+    ];
+    for (rows, classes, smoothing, dt) in cases {
         let logits = randn(&[rows, classes], 70, dt).mul_scalar(3.0).unwrap();
         // Every seventh target ignored.
         let t: Vec<i64> = (0..rows as i64).map(|i| if i % 7 == 3 { -100 } else { (i * 5 + 1) % classes as i64 }).collect();

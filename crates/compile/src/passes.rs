@@ -348,9 +348,9 @@ fn redirect(out: &mut Graph, alias: &[Option<(NodeId, usize)>]) {
 }
 
 /// The most logits, and the longest row, that a fused mean cross-entropy takes. Its kernel
-/// keeps a partial sum per block of 256 threads, room for 256 blocks: 64K rows of a thread
-/// each (rows of at most 32 logits) or 2K rows of a warp each. Every block also counts all
-/// the targets, which stays cheap only for small problems.
+/// keeps a partial sum per block of 256 threads, room for 256 blocks, and gives a row at most
+/// a quarter as many threads as it has logits: 64K logits always fit. Every block also counts
+/// all the targets, which stays cheap only for small problems.
 pub const XENT_MEAN_MAX: (usize, usize) = (1 << 16, 1024);
 
 /// On a GPU, a small mean cross-entropy and its gradient as `nn::cross_entropy` and autograd

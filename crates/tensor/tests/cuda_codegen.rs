@@ -167,8 +167,12 @@ fn every_reduction_and_index_kernel_compiles() {
             let (s, n) = kiln_tensor::cuda::codegen::cross_entropy_source(d, log, block);
             check(&s, &n, &mut fails);
         }
-        for per_thread in [false, true] {
-            let (s, n) = kiln_tensor::cuda::codegen::cross_entropy_mean_source(d, per_thread);
+        for n in [1, 10, kiln_tensor::cuda::codegen::NARROW_MAX_N] {
+            let (s, name) = kiln_tensor::cuda::codegen::matmul_narrow_source(d, n);
+            check(&s, &name, &mut fails);
+        }
+        for tpr in [1, 4, 32] {
+            let (s, n) = kiln_tensor::cuda::codegen::cross_entropy_mean_source(d, tpr);
             check(&s, &n, &mut fails);
         }
         for ams in [false, true] {
@@ -193,13 +197,6 @@ fn every_reduction_and_index_kernel_compiles() {
                 let (s, n) = tiled_source(kind, d, hd, causal);
                 check(&s, &n, &mut fails);
             }
-        }
-    }
-    // The 3xTF32 GEMM: every candidate tile for every operand layout.
-    for (a_k, b_k) in [(true, true), (true, false), (false, true), (false, false)] {
-        for t in kiln_tensor::cuda::gemm::candidates(a_k, b_k) {
-            let (s, n) = kiln_tensor::cuda::gemm::source(&t);
-            check(&s, &n, &mut fails);
         }
     }
     for d in [DType::F32, DType::F64] {

@@ -226,6 +226,11 @@ pub fn matmul_fused(
         };
         (la, m, batch) = (folded, batch * m, 1);
     }
+    if let Some((la2, lb2)) = narrow(meta.dtype, batch, &la, &lb, &rest) {
+        super::kernels::matmul_narrow(g, (dense_a.as_ref().unwrap_or(sa), &la2), (sb, &lb2), rest.bias, rest.relu, &out)?;
+        (rest.bias, rest.relu) = (None, false);
+        return finish(g, out, rest, &shape);
+    }
     let a = operand(g, dense_a.as_ref().unwrap_or(sa), &la)?;
     let b = operand(g, sb, &lb)?;
     let b = if batch == 1 { Operand { batch_stride: 0, ..b } } else { b };
@@ -332,6 +337,29 @@ pub fn matmul_fused(
     drop(guard);
     finish(g, out, rest, &shape)
 }
+
+/// 2-D views of A and B when `kernels::matmul_narrow` takes the product: F32 or F64, one GEMM
+/// of at most `NARROW_MAX_N` columns with A's rows contiguous, a bias and ReLU at most (the
+/// other epilogues are cuBLASLt's), and a contraction short enough for one warp a row.
+fn narrow(dtype: DType, batch: usize, la: &Layout, lb: &Layout, rest: &Rest) -> Option<(Layout, Layout)> {
+    let (r, rb) = (la.rank(), lb.rank());
+    let (m, k, n) = (la.shape[r - 2], la.shape[r - 1], lb.shape[rb - 1]);
+    let plain = rest.gelu.is_none() && rest.dgelu.is_none() && rest.sums.is_none();
+    let ok = matches!(dtype, DType::F32 | DType::F64)
+        && batch == 1
+        && plain
+        && (1..=super::codegen::NARROW_MAX_N).contains(&n)
+        && (1..=NARROW_MAX_K).contains(&k)
+        && (la.strides[r - 1] == 1 || k == 1);
+    let view = |l: &Layout, rows: usize, cols: usize| {
+        let r = l.rank();
+        Layout { shape: vec![rows, cols], strides: vec![l.strides[r - 2], l.strides[r - 1]], offset: l.offset }
+    };
+    ok.then(|| (view(la, m, k), view(lb, k, n)))
+}
+
+/// The longest contraction `narrow` takes (a warp walks it serially).
+const NARROW_MAX_K: usize = 8192;
 
 /// The cuBLASLt epilogue for `rest` and the addresses of its vector and aux matrix (0 if
 /// none). Epilogues need one GEMM (a batch would need the vector's batch stride), a dense,

@@ -597,12 +597,22 @@ pub fn adam_source(dtype: DType, amsgrad: bool) -> (String, String) {
 /// or a block through shared memory `sh` (32 slots). `max` folds NaN-first maxima, else sums.
 fn row_allreduce(block: bool, max: bool) -> String {
     let f = |a: &str, b: &str| if max { format!("(({b}) > ({a}) || ({b}) != ({b}) ? ({b}) : ({a}))") } else { format!("(({a}) + ({b}))") };
-    let mut r = format!("  for (int w = 16; w > 0; w /= 2) {{ C o_ = __shfl_xor_sync(0xffffffffu, acc, w); acc = {}; }}\n", f("acc", "o_"));
+    let mut r = lanes_allreduce(max, 32);
     if block {
         r += "  __syncthreads();\n  if (threadIdx.x % 32 == 0) sh[threadIdx.x / 32] = acc;\n  __syncthreads();\n";
         r += &format!("  acc = sh[0];\n  for (int w = 1; w < (int)(blockDim.x / 32); ++w) {{ C o_ = sh[w]; acc = {}; }}\n", f("acc", "o_"));
     }
     r
+}
+
+/// CUDA text that all-reduces `acc` over aligned groups of `width` lanes (a power of two up to
+/// 32; nothing for 1) with shuffles. Every lane of the warp must run it.
+fn lanes_allreduce(max: bool, width: usize) -> String {
+    let f = if max { "(o_ > acc || o_ != o_ ? o_ : acc)" } else { "(acc + o_)" };
+    match width {
+        0 | 1 => String::new(),
+        w => format!("  for (int w = {}; w > 0; w /= 2) {{ C o_ = __shfl_xor_sync(0xffffffffu, acc, w); acc = {f}; }}\n", w / 2),
+    }
 }
 
 /// A row kernel's name: `k_<stem>_<dtype>`, with `_block` for its block-per-row form.
@@ -663,10 +673,10 @@ pub fn cross_entropy_source(dtype: DType, backward: bool, block: bool) -> (Strin
          const {t}* __restrict__ g, long long* err, XArgs a) {{\n"
     );
     s += row_prologue(block);
-    s += &xent_row(block, true);
+    s += &xent_row(|max| row_allreduce(block, max));
     if backward {
         s += "  const C gr = skip ? (C)0 : (C)ld(g[row * a.gst]);\n";
-        s += &xent_grad_loop("o");
+        s += &xent_grad_loop("o", "");
         s += "}\n";
     } else {
         s += "  (void)g;\n";
@@ -685,18 +695,19 @@ const XENT_SMOOTHING_SUM: &str =
     "  acc = (C)0;\n  if (a.smoothing != 0.0) for (long long j = lane; j < a.red; j += tpr) acc += (C)ld(x[base + j]);\n";
 
 /// A cross-entropy row's gradient into `out[base + j]`: `gr` times the softmax less the
-/// (smoothed) one-hot target; 0 for a skipped row.
-fn xent_grad_loop(out: &str) -> String {
+/// (smoothed) one-hot target; 0 for a skipped row. Each store runs under `guard` (a C
+/// condition, or none).
+fn xent_grad_loop(out: &str, guard: &str) -> String {
+    let guard = if guard.is_empty() { String::new() } else { format!("if ({guard}) ") };
     format!(
-        "  for (long long j = lane; j < a.red; j += tpr) {{\n    C d = kexp((C)ld(x[base + j]) - lse) - (j == t ? on : (C)0) - off;\n    st(&{out}[base + j], skip ? (C)0 : gr * d);\n  }}\n"
+        "  for (long long j = lane; j < a.red; j += tpr) {{\n    C d = kexp((C)ld(x[base + j]) - lse) - (j == t ? on : (C)0) - off;\n    {guard}st(&{out}[base + j], skip ? (C)0 : gr * d);\n  }}\n"
     )
 }
 
-/// A cross-entropy row's target check and log-sum-exp (the row's threads in `lane`/`tpr`;
-/// `shared`: more than one, whose values are all-reduced): defines `base`, `t`, `skip`, `lse`,
-/// `on`, `off` and leaves `acc` free.
-fn xent_row(block: bool, shared: bool) -> String {
-    let reduce = |max: bool| if shared { row_allreduce(block, max) } else { String::new() };
+/// A cross-entropy row's target check and log-sum-exp (the row's threads in `lane`/`tpr`,
+/// whose values `reduce(max)` all-reduces): defines `base`, `t`, `skip`, `lse`, `on`, `off` and
+/// leaves `acc` free.
+fn xent_row(reduce: impl Fn(bool) -> String) -> String {
     let mut s = String::from("  const long long base = row * a.red, t = tg[row];\n");
     s += "  bool skip = a.has_ignore && t == a.ignore;\n";
     s += "  if (!skip && (t < 0 || t >= a.red)) { if (lane == 0) check_index(err, a.code, t, a.red); skip = true; }\n";
@@ -710,22 +721,80 @@ fn xent_row(block: bool, shared: bool) -> String {
     s
 }
 
-/// The longest row `Op::CrossEntropyMean`'s kernel gives one thread (longer rows get a warp).
-pub const XENT_MEAN_THREAD_ROW: usize = 32;
+/// The widest product `matmul_narrow_source` takes.
+pub const NARROW_MAX_N: usize = 16;
+
+/// `o [m, n] = a [m, k] b [k, n] (+ bias) (ReLU)` for a narrow output (`n`, compiled in, at
+/// most `NARROW_MAX_N`: a classifier head), A's rows contiguous: a warp per row, its lanes
+/// striding along the row (coalesced) and keeping `n` partial sums, then a butterfly sum per
+/// column. cuBLAS's tiles for such a product leave most of the GPU idle: MLP b4096's head
+/// `[4096, 256] x [256, 10]` took 11.7 us there (session 18). The ReLU maps NaN to 0, as
+/// cuBLASLt's epilogue does.
+pub fn matmul_narrow_source(dtype: DType, n: usize) -> (String, String) {
+    let name = format!("k_matmul_narrow_{}_n{n}", format!("{dtype:?}").to_lowercase());
+    let (t, c) = (storage_type(dtype), compute_type(dtype));
+    let mut s = format!("{PRELUDE}\ntypedef {c} C;\n#define NN {n}\n");
+    s += "struct NArgs { long long m, k, sam, sbk, sbn, sbias; int has_bias, relu; };\n";
+    s += &format!(
+        "extern \"C\" __global__ void __launch_bounds__({NARROW_THREADS}) {name}({t}* __restrict__ o, const {t}* __restrict__ a, \
+         const {t}* __restrict__ b, const {t}* __restrict__ bias, NArgs g) {{\n"
+    );
+    s += &format!("  const long long row = blockIdx.x * {}LL + threadIdx.x / 32;\n", NARROW_THREADS / 32);
+    s += r#"  const int lane = threadIdx.x % 32;
+  if (row >= g.m) return;
+  C acc[NN];
+#pragma unroll
+  for (int j = 0; j < NN; ++j) acc[j] = (C)0;
+  const auto* ar = a + row * g.sam;
+#pragma unroll 4
+  for (long long k = lane; k < g.k; k += 32) {
+    const C av = (C)ld(ar[k]);
+    const auto* bk = b + k * g.sbk;
+#pragma unroll
+    for (int j = 0; j < NN; ++j) acc[j] += av * (C)ld(bk[j * g.sbn]);
+  }
+  C v = (C)0;
+#pragma unroll
+  for (int j = 0; j < NN; ++j) {
+    C x = acc[j];
+    for (int w = 16; w > 0; w /= 2) x += __shfl_xor_sync(0xffffffffu, x, w);
+    if (lane == j) v = x;
+  }
+  if (lane < NN) {
+    if (g.has_bias) v += (C)ld(bias[lane * g.sbias]);
+    if (g.relu) v = v > (C)0 ? v : (C)0;
+    st(&o[row * NN + lane], v);
+  }
+}
+"#;
+    (s, name)
+}
+
+/// Threads of a `matmul_narrow_source` block (a warp per row).
+pub const NARROW_THREADS: usize = 256;
+
+/// Threads `Op::CrossEntropyMean`'s kernel gives a row of `classes` logits: about four logits
+/// each, a power of two up to a warp. (A thread per row of 10 logits left most SMs idle and
+/// each thread a long serial chain: 10.3 us for MLP b4096's 4096 rows; session 18.)
+pub fn xent_mean_threads_per_row(classes: usize) -> usize {
+    classes.div_ceil(4).next_power_of_two().min(32)
+}
 
 /// Blocks `Op::CrossEntropyMean`'s kernel may launch (its partial sums), and its threads a
 /// block.
 pub const XENT_MEAN_BLOCKS: usize = 256;
 pub const XENT_MEAN_THREADS: usize = 256;
+// The last block reads the partial sums a thread each.
+const _: () = assert!(XENT_MEAN_BLOCKS <= XENT_MEAN_THREADS);
 
-/// `Op::CrossEntropyMean` in one launch of blocks of 256 threads, a thread per row
-/// (`per_thread`: rows of at most `XENT_MEAN_THREAD_ROW` logits) or a warp per row. Every
-/// block counts the real targets itself (all of them, in the same order), so each knows the
-/// gradient's `1 / count` at once and writes its rows' gradients in the same pass as their
-/// losses. The loss sums the blocks' partial sums: the last block to finish (a ticket in the
-/// module's memory, reset by that block) adds them in block order, the same bits every step.
-pub fn cross_entropy_mean_source(dtype: DType, per_thread: bool) -> (String, String) {
-    let name = format!("k_cross_entropy_mean_{}{}", format!("{dtype:?}").to_lowercase(), if per_thread { "_rows" } else { "" });
+/// `Op::CrossEntropyMean` in one launch of blocks of 256 threads, `tpr` threads a row
+/// (`xent_mean_threads_per_row`). Every block counts the real targets itself (all of them, in
+/// the same order), so each knows the gradient's `1 / count` at once and writes its rows'
+/// gradients in the same pass as their losses. The loss sums the blocks' partial sums: the last
+/// block to finish (a ticket in the module's memory, reset by that block) reads them a thread
+/// each and adds them in a fixed order, the same bits every step.
+pub fn cross_entropy_mean_source(dtype: DType, tpr: usize) -> (String, String) {
+    let name = format!("k_cross_entropy_mean_{}_t{tpr}", format!("{dtype:?}").to_lowercase());
     let (t, c) = (storage_type(dtype), compute_type(dtype));
     let mut s = format!("{PRELUDE}{INDEX_ARGS}\ntypedef {c} C;\n");
     s += XENT_ARGS;
@@ -735,30 +804,30 @@ pub fn cross_entropy_mean_source(dtype: DType, per_thread: bool) -> (String, Str
          const long long* __restrict__ tg, long long* err, XArgs a) {{\n"
     );
     s += "  __shared__ C sh[32];\n  __shared__ bool last;\n  C acc = (C)0;\n";
-    s += "  for (long long r = threadIdx.x; r < a.rows; r += blockDim.x) acc += (a.has_ignore && tg[r] == a.ignore) ? (C)0 : (C)1;\n";
+    s += "#pragma unroll 8\n  for (long long r = threadIdx.x; r < a.rows; r += blockDim.x) acc += (a.has_ignore && tg[r] == a.ignore) ? (C)0 : (C)1;\n";
     s += &row_allreduce(true, false);
     s += "  const C count = acc, gr = (C)1 / count;\n  C loss = (C)0;\n  __syncthreads();\n";
-    s += if per_thread {
-        "  const int lane = 0, tpr = 1;\n  const long long row = blockIdx.x * (long long)blockDim.x + threadIdx.x;\n"
-    } else {
-        "  const int lane = threadIdx.x % 32, tpr = 32;\n  const long long row = blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32;\n"
-    };
-    s += "  if (row < a.rows) {\n";
-    s += &xent_row(false, !per_thread);
+    // A row's threads may share a warp with rows past the end: those run on a copy of row 0
+    // and store nothing, so that every lane takes part in the shuffles.
+    s += &format!("  const int lane = threadIdx.x % {tpr}, tpr = {tpr};\n");
+    s += &format!("  long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) / {tpr};\n");
+    s += "  const bool valid = row < a.rows;\n  if (!valid) row = 0;\n";
+    s += "  if (a.rows > 0) {\n";
+    s += &xent_row(|max| lanes_allreduce(max, tpr));
     s += XENT_SMOOTHING_SUM;
-    if !per_thread {
-        s += &row_allreduce(false, false);
-    }
-    s += "  if (lane == 0 && !skip) loss = lse - on * (C)ld(x[base + t]) - off * acc;\n";
+    s += &lanes_allreduce(false, tpr);
+    s += "  if (valid && lane == 0 && !skip) loss = lse - on * (C)ld(x[base + t]) - off * acc;\n";
     s += &format!("  {t}* __restrict__ go = o + {};\n", crate::op::XENT_GRAD_AT);
-    s += &xent_grad_loop("go");
+    s += &xent_grad_loop("go", "valid");
     s += "  }\n";
     s += "  acc = loss;\n";
     s += &row_allreduce(true, false);
     s += "  if (threadIdx.x == 0) { partial[blockIdx.x] = acc; __threadfence(); last = atomicAdd(&ticket, 1u) == gridDim.x - 1; }\n";
-    s += "  __syncthreads();\n  if (last && threadIdx.x == 0) {\n    __threadfence();\n    C total = (C)0;\n";
-    s += "    for (unsigned b = 0; b < gridDim.x; ++b) total += ((volatile C*)partial)[b];\n";
-    s += "    st(&o[0], total / count);\n    ticket = 0;\n  }\n}\n";
+    // `last` is the same for the whole block, so the block reduction under it is safe.
+    s += "  __syncthreads();\n  if (!last) return;\n  __threadfence();\n";
+    s += "  acc = threadIdx.x < gridDim.x ? ((volatile C*)partial)[threadIdx.x] : (C)0;\n";
+    s += &row_allreduce(true, false);
+    s += "  if (threadIdx.x == 0) { st(&o[0], acc / count); ticket = 0; }\n}\n";
     (s, name)
 }
 

@@ -895,9 +895,9 @@ fn cross_entropy_mean(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], ignore: Optio
         return Err(Error::shape("cross_entropy_mean", format!("needs at least one class, got logits {:?}", l.shape)));
     }
     let (logits, targets) = (dense(g, s, l)?, dense(g, st, lt)?);
-    let per_thread = n <= super::codegen::XENT_MEAN_THREAD_ROW;
+    let tpr = super::codegen::xent_mean_threads_per_row(n);
     let threads = super::codegen::XENT_MEAN_THREADS;
-    let blocks = rows.div_ceil(if per_thread { threads } else { threads / 32 }).max(1);
+    let blocks = (rows * tpr).div_ceil(threads).max(1);
     if blocks > super::codegen::XENT_MEAN_BLOCKS {
         let most = super::codegen::XENT_MEAN_BLOCKS;
         return Err(Error::shape(
@@ -905,9 +905,7 @@ fn cross_entropy_mean(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], ignore: Optio
             format!("logits {:?} need {blocks} blocks, more than the kernel's {most}", l.shape),
         ));
     }
-    let k = g.kernel(super::spec_key("cross_entropy_mean", &(s.dtype, per_thread)), || {
-        super::codegen::cross_entropy_mean_source(s.dtype, per_thread)
-    })?;
+    let k = g.kernel(super::spec_key("cross_entropy_mean", &(s.dtype, tpr)), || super::codegen::cross_entropy_mean_source(s.dtype, tpr))?;
     let mut a = XArgs::new(rows, n, ignore, smoothing, 0);
     let (mut o, mut px, mut pt, mut pe) = (out.buf.ptr, logits.get().buf.ptr, targets.get().buf.ptr, g.err);
     let mut params = kernel_params![o, px, pt, pe, a];
@@ -917,6 +915,53 @@ fn cross_entropy_mean(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], ignore: Optio
     // each) and fits the module's partial sums.
     unsafe { g.launch(k, (blocks as u32, 1), threads as u32, 0, &mut params)? };
     Ok(out)
+}
+
+/// Mirrors `struct NArgs` (`codegen::matmul_narrow_source`).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct NArgs {
+    m: i64,
+    k: i64,
+    sam: i64,
+    sbk: i64,
+    sbn: i64,
+    sbias: i64,
+    has_bias: i32,
+    relu: i32,
+}
+
+/// `out [m, n] = a [m, k] b [k, n] (+ bias) (ReLU)` by the narrow-product kernel: 2-D views of
+/// A (rows contiguous) and B, a bias `[n]`; `out` dense. The caller checks
+/// `n <= NARROW_MAX_N` and A's layout (`blas::matmul_fused`).
+pub(super) fn matmul_narrow(
+    g: &Arc<Gpu>,
+    (sa, la): (&CudaStorage, &Layout),
+    (sb, lb): (&CudaStorage, &Layout),
+    bias: Option<(&CudaStorage, &Layout)>,
+    relu: bool,
+    out: &CudaStorage,
+) -> Result<()> {
+    let (m, k, n) = (la.shape[0], la.shape[1], lb.shape[1]);
+    let k_fn = g.kernel(super::spec_key("matmul_narrow", &(out.dtype, n)), || super::codegen::matmul_narrow_source(out.dtype, n))?;
+    let mut a = NArgs {
+        m: m as i64,
+        k: k as i64,
+        sam: la.strides[0] as i64,
+        sbk: lb.strides[0] as i64,
+        sbn: lb.strides[1] as i64,
+        sbias: bias.map_or(0, |(_, l)| l.strides[0] as i64),
+        has_bias: bias.is_some() as i32,
+        relu: relu as i32,
+    };
+    let (mut po, mut pa, mut pb) = (out.buf.ptr, sa.ptr_at(la.offset), sb.ptr_at(lb.offset));
+    let mut pbias = bias.map_or(po, |(s, l)| s.ptr_at(l.offset));
+    let mut params = kernel_params![po, pa, pb, pbias, a];
+    let rows = super::codegen::NARROW_THREADS / 32;
+    // SAFETY: (out, a, b, bias, NArgs) matches the generated signature; the views lie inside
+    // their buffers (the caller's shape rule), `out` holds m x n values, `bias` n (read only
+    // when has_bias); a warp per row of A, `rows` rows a block.
+    unsafe { g.launch(k_fn, (m.div_ceil(rows) as u32, 1), super::codegen::NARROW_THREADS as u32, 0, &mut params) }
 }
 
 /// Mirrors `struct IArgs`.

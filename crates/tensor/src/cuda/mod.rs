@@ -11,7 +11,6 @@
 #[cfg(feature = "cuda")]
 mod blas;
 pub mod codegen;
-pub mod gemm;
 #[cfg(feature = "cuda")]
 pub mod compiled;
 #[cfg(feature = "cuda")]
