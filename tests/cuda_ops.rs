@@ -428,6 +428,15 @@ fn products_at_the_mlp_shapes_match_the_cpu() {
         both(&format!("narrow, a cut from wider rows, relu {dt:?}"), &[randn(&[77, 320], 115, dt), w, b2.clone()], t, |v| {
             fused(E::Relu)(&[v[0].narrow(1, 20, 300)?, v[1].t()?, v[2].clone()])
         });
+        // The short-product kernels (at most 16 rows, a contraction of 1024 or more, chunks
+        // of 64 folded in order): a ragged contraction, two column blocks, one row, A's rows
+        // read across a transposed buffer, with and without the row sums.
+        let (gs, hs) = (randn(&[1500, 5], 118, dt), randn(&[1500, 300], 119, dt));
+        both(&format!("short g^T h, k 1500 {dt:?}"), &[gs.clone(), hs.clone()], t * 4.0, |v| v[0].t()?.matmul(&v[1]));
+        both(&format!("short g^T h + sum(g), k 1500 {dt:?}"), &[gs, hs], t * 4.0, |v| fused(E::SumLeft)(&[v[0].t()?, v[1].clone()]));
+        both(&format!("short [1, 2048] x [2048, 7] {dt:?}"), &[randn(&[1, 2048], 120, dt), randn(&[2048, 7], 121, dt)], t * 4.0, |v| {
+            v[0].matmul(&v[1])
+        });
         for (m, k, n) in [(9, 700, 1), (50, 64, 16), (13, 1, 7)] {
             both(&format!("narrow [{m}, {k}] x [{k}, {n}] {dt:?}"), &[randn(&[m, k], 116, dt), randn(&[k, n], 117, dt)], t, |v| {
                 v[0].matmul(&v[1])

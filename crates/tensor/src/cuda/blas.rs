@@ -226,6 +226,12 @@ pub fn matmul_fused(
         };
         (la, m, batch) = (folded, batch * m, 1);
     }
+    if let Some((la2, lb2)) = short(meta.dtype, batch, &la, &lb, &rest) {
+        let sums = rest.sums.map(|(_, _, at)| at);
+        super::kernels::matmul_short(g, (dense_a.as_ref().unwrap_or(sa), &la2), (sb, &lb2), sums, &out)?;
+        rest.sums = None;
+        return finish(g, out, rest, &shape);
+    }
     if let Some((la2, lb2)) = narrow(meta.dtype, batch, &la, &lb, &rest) {
         super::kernels::matmul_narrow(g, (dense_a.as_ref().unwrap_or(sa), &la2), (sb, &lb2), rest.bias, rest.relu, &out)?;
         (rest.bias, rest.relu) = (None, false);
@@ -351,11 +357,31 @@ fn narrow(dtype: DType, batch: usize, la: &Layout, lb: &Layout, rest: &Rest) -> 
         && (1..=super::codegen::NARROW_MAX_N).contains(&n)
         && (1..=NARROW_MAX_K).contains(&k)
         && (la.strides[r - 1] == 1 || k == 1);
-    let view = |l: &Layout, rows: usize, cols: usize| {
-        let r = l.rank();
-        Layout { shape: vec![rows, cols], strides: vec![l.strides[r - 2], l.strides[r - 1]], offset: l.offset }
-    };
-    ok.then(|| (view(la, m, k), view(lb, k, n)))
+    ok.then(|| (view2(la, m, k), view2(lb, k, n)))
+}
+
+/// 2-D views of A and B when `kernels::matmul_short` takes the product: F32 or F64, one GEMM
+/// of at most `SHORT_MAX_M` rows and a contraction of at least `SHORT_MIN_K`, B's rows
+/// contiguous, and no epilogue but A's row sums (`SumLeft`: a head's bias gradient).
+fn short(dtype: DType, batch: usize, la: &Layout, lb: &Layout, rest: &Rest) -> Option<(Layout, Layout)> {
+    use super::codegen::{SHORT_MAX_M, SHORT_MIN_K};
+    let (r, rb) = (la.rank(), lb.rank());
+    let (m, k, n) = (la.shape[r - 2], la.shape[r - 1], lb.shape[rb - 1]);
+    let left_sums = rest.sums.is_none_or(|(_, dim, _)| dim == 1);
+    let plain = rest.bias.is_none() && !rest.relu && rest.gelu.is_none() && rest.dgelu.is_none() && left_sums;
+    let ok = matches!(dtype, DType::F32 | DType::F64)
+        && batch == 1
+        && plain
+        && (1..=SHORT_MAX_M).contains(&m)
+        && k >= SHORT_MIN_K
+        && (lb.strides[rb - 1] == 1 || n == 1);
+    ok.then(|| (view2(la, m, k), view2(lb, k, n)))
+}
+
+/// The last two dims of a layout as a 2-D view `[rows, cols]`.
+fn view2(l: &Layout, rows: usize, cols: usize) -> Layout {
+    let r = l.rank();
+    Layout { shape: vec![rows, cols], strides: vec![l.strides[r - 2], l.strides[r - 1]], offset: l.offset }
 }
 
 /// The longest contraction `narrow` takes (a warp walks it serially).

@@ -770,6 +770,85 @@ pub fn matmul_narrow_source(dtype: DType, n: usize) -> (String, String) {
     (s, name)
 }
 
+/// The most rows `matmul_short_source` takes, and the shortest contraction worth its two launches.
+pub const SHORT_MAX_M: usize = 16;
+pub const SHORT_MIN_K: usize = 1024;
+
+/// Threads of a `matmul_short_source` block: one column each.
+pub const SHORT_THREADS: usize = 256;
+
+/// A product with few rows and a long contraction, `o [m, n] = a [m, k] b [k, n]` (`m`
+/// compiled in, at most `SHORT_MAX_M`: a classifier head's weight gradient `g^T h`), B's rows
+/// contiguous, in two kernels and no atomics. `..._part`: block (x, y) takes columns x * 256..
+/// (a thread each) over the contraction's chunk y, the chunk of A staged in shared memory, and
+/// writes its `m` partial sums per column to `part [chunks, m, ldp]`; with `sums`, block x = 0
+/// also writes A's row sums over the chunk to column `n` (a bias gradient, `SumLeft`).
+/// `..._fold`: a thread per output adds the chunks' partials in order. cuBLAS split the
+/// contraction for MLP b4096's `[10, 4096] x [4096, 256]` too, then ran its reduction and the
+/// bias gradient as two more kernels (session 18).
+pub fn matmul_short_source(dtype: DType, m: usize, sums: bool) -> (String, String) {
+    let name = format!("k_matmul_short_{}_m{m}{}", format!("{dtype:?}").to_lowercase(), if sums { "_sums" } else { "" });
+    let (t, c) = (storage_type(dtype), compute_type(dtype));
+    let mut s = format!("{PRELUDE}\ntypedef {c} C;\n#define MM {m}\n#define CH {SHORT_CHUNK}\n");
+    s += "struct SArgs { long long n, k, sam, sak, sbk, ldp, chunks, tail; };\n";
+    s += &format!(
+        "extern \"C\" __global__ void __launch_bounds__({SHORT_THREADS}) {name}_part({t}* __restrict__ part, const {t}* __restrict__ a, \
+         const {t}* __restrict__ b, SArgs g) {{\n"
+    );
+    s += r#"  __shared__ C as[MM][CH];
+  const long long col = blockIdx.x * (long long)blockDim.x + threadIdx.x, k0 = blockIdx.y * (long long)CH;
+  const int len = (int)(g.k - k0 < CH ? g.k - k0 : CH);
+  for (int e = threadIdx.x; e < MM * CH; e += blockDim.x) {
+    const int i = e / CH, kk = e % CH;
+    as[i][kk] = kk < len ? (C)ld(a[i * g.sam + (k0 + kk) * g.sak]) : (C)0;
+  }
+  __syncthreads();
+  C acc[MM];
+#pragma unroll
+  for (int i = 0; i < MM; ++i) acc[i] = (C)0;
+  if (col < g.n) {
+#pragma unroll 4
+    for (int kk = 0; kk < len; ++kk) {
+      const C bv = (C)ld(b[(k0 + kk) * g.sbk + col]);
+#pragma unroll
+      for (int i = 0; i < MM; ++i) acc[i] += as[i][kk] * bv;
+    }
+#pragma unroll
+    for (int i = 0; i < MM; ++i) st(&part[(blockIdx.y * MM + i) * g.ldp + col], acc[i]);
+  }
+"#;
+    if sums {
+        // A warp a row: lanes stride the chunk, then a butterfly sum.
+        s += r#"  if (blockIdx.x == 0) {
+    const int lane = threadIdx.x % 32;
+    for (int i = threadIdx.x / 32; i < MM; i += blockDim.x / 32) {
+      C v = (C)0;
+      for (int kk = lane; kk < CH; kk += 32) v += as[i][kk];
+      for (int w = 16; w > 0; w /= 2) v += __shfl_xor_sync(0xffffffffu, v, w);
+      if (lane == 0) st(&part[(blockIdx.y * MM + i) * g.ldp + g.n], v);
+    }
+  }
+"#;
+    }
+    s += "}\n";
+    s += &format!(
+        "extern \"C\" __global__ void __launch_bounds__({SHORT_THREADS}) {name}_fold({t}* __restrict__ o, const {t}* __restrict__ part, SArgs g) {{\n"
+    );
+    s += r#"  const long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (e >= MM * g.ldp) return;
+  const long long i = e / g.ldp, c = e % g.ldp;
+  C v = (C)0;
+#pragma unroll 8
+  for (long long y = 0; y < g.chunks; ++y) v += (C)ld(part[(y * MM + i) * g.ldp + c]);
+  st(&o[c < g.n ? i * g.n + c : g.tail + i], v);
+}
+"#;
+    (s, name)
+}
+
+/// The contraction's chunk a `matmul_short_source` block takes.
+pub const SHORT_CHUNK: usize = 64;
+
 /// Threads of a `matmul_narrow_source` block (a warp per row).
 pub const NARROW_THREADS: usize = 256;
 

@@ -359,6 +359,23 @@ impl Gpu {
         Ok(k)
     }
 
+    /// Kernels `names` of one module (compiled once from `source()`, which gives the source,
+    /// the module's name and the kernels' names), kept under `key`, `key + 1`, ...
+    pub fn kernel_set<const N: usize>(&self, key: u64, source: impl FnOnce() -> (String, String, [String; N])) -> Result<[Kernel; N]> {
+        let keys: [u64; N] = std::array::from_fn(|i| key.wrapping_add(i as u64));
+        let mut map = self.kernels.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(found) = keys.iter().map(|k| map.get(k).copied()).collect::<Option<Vec<Kernel>>>() {
+            return found.try_into().map_err(|_| Error::Msg("kernel set".into()));
+        }
+        let (src, module, names) = source();
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let loaded = self.load(&src, &module, &refs)?;
+        for (k, f) in keys.iter().zip(&loaded) {
+            map.insert(*k, *f);
+        }
+        loaded.try_into().map_err(|_| Error::Msg("kernel set".into()))
+    }
+
     /// Compiles `src` (through the CUBIN disk cache, under `name`), loads it and returns the
     /// kernels `names` in order. The module stays loaded for the life of the process.
     pub fn load(&self, src: &str, name: &str, names: &[&str]) -> Result<Vec<Kernel>> {

@@ -964,6 +964,62 @@ pub(super) fn matmul_narrow(
     unsafe { g.launch(k_fn, (m.div_ceil(rows) as u32, 1), super::codegen::NARROW_THREADS as u32, 0, &mut params) }
 }
 
+/// Mirrors `struct SArgs` (`codegen::matmul_short_source`).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct SArgs {
+    n: i64,
+    k: i64,
+    sam: i64,
+    sak: i64,
+    sbk: i64,
+    ldp: i64,
+    chunks: i64,
+    tail: i64,
+}
+
+/// `out [m, n] = a [m, k] b [k, n]` by the short-product kernels (`codegen::matmul_short_source`):
+/// 2-D views of A (any strides) and B (rows contiguous); with `sums` at `Some(at)`, A's row
+/// sums written from `out[at]` too (`MatmulEpilogue::SumLeft`). The caller checks
+/// `m <= SHORT_MAX_M` and B's layout (`blas::matmul_fused`).
+pub(super) fn matmul_short(
+    g: &Arc<Gpu>,
+    (sa, la): (&CudaStorage, &Layout),
+    (sb, lb): (&CudaStorage, &Layout),
+    sums: Option<usize>,
+    out: &CudaStorage,
+) -> Result<()> {
+    use super::codegen::{SHORT_CHUNK, SHORT_THREADS};
+    let (m, k, n) = (la.shape[0], la.shape[1], lb.shape[1]);
+    let [part_k, fold_k] = g.kernel_set(super::spec_key("matmul_short", &(out.dtype, m, sums.is_some())), || {
+        let (src, name) = super::codegen::matmul_short_source(out.dtype, m, sums.is_some());
+        (src, name.clone(), [format!("{name}_part"), format!("{name}_fold")])
+    })?;
+    let (chunks, ldp) = (k.div_ceil(SHORT_CHUNK), n + sums.is_some() as usize);
+    let part = CudaStorage::alloc(g, out.dtype, chunks * m * ldp)?;
+    let mut a = SArgs {
+        n: n as i64,
+        k: k as i64,
+        sam: la.strides[0] as i64,
+        sak: la.strides[1] as i64,
+        sbk: lb.strides[0] as i64,
+        ldp: ldp as i64,
+        chunks: chunks as i64,
+        tail: sums.unwrap_or(0) as i64,
+    };
+    let (mut pp, mut pa, mut pb, mut po) = (part.buf.ptr, sa.ptr_at(la.offset), sb.ptr_at(lb.offset), out.buf.ptr);
+    let mut params = kernel_params![pp, pa, pb, a];
+    let grid = (n.div_ceil(SHORT_THREADS) as u32, chunks as u32);
+    // SAFETY: (part, a, b, SArgs) matches the generated signature; the views lie inside their
+    // buffers (the caller's shape rule), `part` holds chunks x m x ldp values; block (x, y)
+    // takes columns x * 256.. of chunk y.
+    unsafe { g.launch(part_k, grid, SHORT_THREADS as u32, 0, &mut params)? };
+    let mut params = kernel_params![po, pp, a];
+    // SAFETY: (out, part, SArgs) matches the fold's signature; a thread per output, m x ldp of
+    // them: `out` holds m x n values and, with the sums, m more from `tail`.
+    unsafe { g.launch(fold_k, ((m * ldp).div_ceil(SHORT_THREADS) as u32, 1), SHORT_THREADS as u32, 0, &mut params) }
+}
+
 /// Mirrors `struct IArgs`.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
