@@ -326,7 +326,7 @@ fn fused(e: kiln::tensor::MatmulEpilogue) -> impl Fn(&[Tensor]) -> Result<Tensor
     use kiln::tensor::{MatmulEpilogue as E, Op};
     move |x: &[Tensor]| {
         let out = Tensor::apply(Op::MatmulFused(e), &x.iter().collect::<Vec<_>>(), x[0].device())?;
-        if matches!(e, E::Relu | E::DGeluTanh) {
+        if matches!(e, E::Relu | E::DGeluTanh | E::DRelu) {
             return Ok(out);
         }
         let numel = x[0].matmul(&x[1])?.numel();
@@ -360,6 +360,7 @@ fn fused_epilogue_cases(dt: DType, t: f64, k: usize, n: usize) {
         fused(E::GeluTanh)(&[x[0].clone(), x[1].clone(), x[2].narrow(0, 1, n)?])
     });
     both(&format!("matmul_dgelu_tanh {dt:?}, k {k} n {n}"), &[a.clone(), b.clone(), randn(&[37, n], 51, dt)], tg, fused(E::DGeluTanh));
+    both(&format!("matmul_drelu {dt:?}, k {k} n {n}"), &[a.clone(), b.clone(), randn(&[37, n], 53, dt)], t, fused(E::DRelu));
     both(&format!("matmul_dgelu_tanh, h a view {dt:?}, k {k} n {n}"), &[a.clone(), b.clone(), randn(&[37, n + 1], 52, dt)], tg, |x| {
         fused(E::DGeluTanh)(&[x[0].clone(), x[1].clone(), x[2].narrow(1, 1, n)?])
     });
@@ -436,6 +437,15 @@ fn products_at_the_mlp_shapes_match_the_cpu() {
         both(&format!("short g^T h + sum(g), k 1500 {dt:?}"), &[gs, hs], t * 4.0, |v| fused(E::SumLeft)(&[v[0].t()?, v[1].clone()]));
         both(&format!("short [1, 2048] x [2048, 7] {dt:?}"), &[randn(&[1, 2048], 120, dt), randn(&[2048, 7], 121, dt)], t * 4.0, |v| {
             v[0].matmul(&v[1])
+        });
+        // The thin-product kernel (a contraction of at most 16), with the ReLU's gradient: the
+        // MLP's backward through its head, h a view, and a product with no mask.
+        let (gh, hh) = (randn(&[4096, 10], 122, dt), randn(&[4096, 257], 123, dt));
+        both(&format!("thin g w * step(h) {dt:?}"), &[gh.clone(), randn(&[10, 256], 124, dt), hh], t, |v| {
+            fused(E::DRelu)(&[v[0].clone(), v[1].clone(), v[2].narrow(1, 1, 256)?])
+        });
+        both(&format!("thin g^T-read [33, 3] x [3, 70] {dt:?}"), &[randn(&[3, 33], 125, dt), randn(&[3, 70], 126, dt)], t, |v| {
+            v[0].t()?.matmul(&v[1])
         });
         for (m, k, n) in [(9, 700, 1), (50, 64, 16), (13, 1, 7)] {
             both(&format!("narrow [{m}, {k}] x [{k}, {n}] {dt:?}"), &[randn(&[m, k], 116, dt), randn(&[k, n], 117, dt)], t, |v| {

@@ -236,10 +236,12 @@ fn readers(g: &Graph) -> Vec<usize> {
 
 /// Work folded into matmuls (`Op::MatmulFused`, a cuBLASLt epilogue on CUDA):
 /// - a ReLU that is a product's only reader, or a GELU (tanh form) of a product;
-/// - the product of a matmul by a GELU's gradient;
+/// - the product of a matmul by a GELU's gradient, and on a GPU by a ReLU's (`step`) where
+///   the contraction is short enough for Kiln's thin-product kernel, which multiplies as it
+///   stores (`codegen::matmul_thin_source`; elsewhere the separate multiply is as fast);
 /// - the sum of a 2-D product's operand over the contraction, the bias gradient `sum(g)`
 ///   beside the weight gradient `g^T x`: one GEMM writes both, the sums after the product.
-pub fn fuse_matmuls(g: &Graph) -> Graph {
+pub fn fuse_matmuls(g: &Graph, gpu: bool) -> Graph {
     let mut out = g.clone();
     let uses = readers(g);
     let written: Vec<NodeId> = g.writes.iter().map(|w| w.1).collect();
@@ -278,20 +280,26 @@ pub fn fuse_matmuls(g: &Graph) -> Graph {
                     alias[p] = Some((p, tail));
                 }
             }
-            // `(a @ b) * gelu_tanh_grad(h)`: the gradient through a GELU (cuBLASLt's DGELU).
+            // `(a @ b) * gelu_tanh_grad(h)`: the gradient through a GELU (cuBLASLt's DGELU), or
+            // `(a @ b) * step(h)`, through a ReLU.
             Op::Binary(BinaryOp::Mul) => {
-                let dgelu = |x: &Arg, y: &Arg| -> Option<(NodeId, Vec<Arg>)> {
+                let dgelu = |x: &Arg, y: &Arg| -> Option<(NodeId, Vec<Arg>, MatmulEpilogue)> {
                     let (p, q) = (&out.nodes[x.node], &out.nodes[y.node]);
-                    let (Kind::Op(Op::Matmul, margs), Kind::Op(Op::Unary(UnaryOp::GeluTanhGrad), h)) = (&p.kind, &q.kind) else {
+                    let (Kind::Op(Op::Matmul, margs), Kind::Op(Op::Unary(u), h)) = (&p.kind, &q.kind) else {
                         return None;
+                    };
+                    let epi = match u {
+                        UnaryOp::GeluTanhGrad => MatmulEpilogue::DGeluTanh,
+                        UnaryOp::Step if gpu && thin_product(margs, p.dtype) => MatmulEpilogue::DRelu,
+                        _ => return None,
                     };
                     let alone = |n: NodeId| uses[n] == 1 && !written.contains(&n) && !bases.contains(&n);
                     let same = p.dtype == q.dtype && p.dtype == out.nodes[i].dtype && h[0].layout.shape == p.shape;
                     let ok = margs.len() == 2 && alone(x.node) && alone(y.node) && whole(x, p) && whole(y, q) && same && h[0].node < x.node;
-                    ok.then(|| (x.node, vec![margs[0].clone(), margs[1].clone(), h[0].clone()]))
+                    ok.then(|| (x.node, vec![margs[0].clone(), margs[1].clone(), h[0].clone()], epi))
                 };
-                if let Some((p, margs)) = dgelu(&args[0], &args[1]).or_else(|| dgelu(&args[1], &args[0])) {
-                    out.nodes[p].kind = Kind::Op(Op::MatmulFused(MatmulEpilogue::DGeluTanh), margs);
+                if let Some((p, margs, epi)) = dgelu(&args[0], &args[1]).or_else(|| dgelu(&args[1], &args[0])) {
+                    out.nodes[p].kind = Kind::Op(Op::MatmulFused(epi), margs);
                     alias[i] = Some((p, 0));
                 }
             }
@@ -434,6 +442,19 @@ fn mean_xent(g: &Graph, users: &[Vec<NodeId>], (escapes, pinned): (&[bool], &[bo
     (chain && !pinned[loss] && !pinned[grad]).then_some((loss, grad))
 }
 
+/// Whether a 2-D product is one the CUDA back end's thin-product kernel takes (`blas::thin`):
+/// F32 or F64, a contraction of at most `THIN_MAX_K`, B's rows contiguous.
+fn thin_product(margs: &[Arg], dtype: DType) -> bool {
+    let [a, b] = margs else { return false };
+    let (la, lb) = (&a.layout, &b.layout);
+    let k = la.shape.last().copied().unwrap_or(0);
+    la.shape.len() == 2
+        && lb.shape.len() == 2
+        && matches!(dtype, DType::F32 | DType::F64)
+        && (1..=kiln_tensor::cuda::codegen::THIN_MAX_K).contains(&k)
+        && (lb.strides[1] == 1 || lb.shape[1] == 1)
+}
+
 /// The pipeline, in order; `log` sees the graph after each pass.
 pub fn optimise(g: Graph, gpu: bool, mut log: impl FnMut(&str, &Graph)) -> Graph {
     let mut g = dce(&g);
@@ -446,7 +467,7 @@ pub fn optimise(g: Graph, gpu: bool, mut log: impl FnMut(&str, &Graph)) -> Graph
     log("merge_zero_writes", &g);
     g = cse(&g);
     log("cse", &g);
-    g = fuse_matmuls(&g);
+    g = fuse_matmuls(&g, gpu);
     log("fuse_matmuls", &g);
     g = fuse_mean_cross_entropy(&g, gpu);
     log("fuse_mean_cross_entropy", &g);
@@ -461,6 +482,31 @@ mod tests {
     /// The op nodes of `g`, by name.
     fn ops(g: &Graph) -> Vec<&'static str> {
         g.nodes.iter().filter_map(|n| if let Kind::Op(op, _) = &n.kind { Some(op.name()) } else { None }).collect()
+    }
+
+    /// `(g @ w) * step(h)` with a contraction of `k`: the backward through a ReLU before a
+    /// layer of `k` outputs.
+    fn relu_backward(k: usize) -> Graph {
+        let mut g = Graph::default();
+        let d = g.push(Kind::Input(0), vec![6, k], DType::F32);
+        let w = g.push(Kind::Input(1), vec![k, 5], DType::F32);
+        let h = g.push(Kind::Input(2), vec![6, 5], DType::F32);
+        let p = g.push(Kind::Op(Op::Matmul, vec![whole(&g, d), whole(&g, w)]), vec![6, 5], DType::F32);
+        let s = g.push(Kind::Op(Op::Unary(UnaryOp::Step), vec![whole(&g, h)]), vec![6, 5], DType::F32);
+        let m = g.push(Kind::Op(Op::Binary(BinaryOp::Mul), vec![whole(&g, p), whole(&g, s)]), vec![6, 5], DType::F32);
+        g.outputs = vec![whole(&g, m)];
+        g
+    }
+
+    #[test]
+    fn a_relu_gradient_joins_a_thin_product_on_a_gpu_only() {
+        let fused = fuse_matmuls(&relu_backward(10), true);
+        assert_eq!(ops(&dce(&fused)), ["matmul_drelu"]);
+        let Kind::Op(_, args) = &fused.nodes[3].kind else { panic!("node 3 is not an op") };
+        assert_eq!(args.iter().map(|a| a.node).collect::<Vec<_>>(), [0, 1, 2]);
+        // The CPU, and a contraction past the thin kernel's, keep the multiply.
+        assert_eq!(ops(&dce(&fuse_matmuls(&relu_backward(10), false))), ["matmul", "step", "mul"]);
+        assert_eq!(ops(&dce(&fuse_matmuls(&relu_backward(64), true))), ["matmul", "step", "mul"]);
     }
 
     #[test]

@@ -470,6 +470,11 @@ pub enum MatmulEpilogue {
     /// `(a @ b) * gelu_tanh_grad(h)` (inputs a, b, h): the gradient through a `GeluTanh` whose
     /// pre-activation is `h` (cuBLASLt's DGELU epilogue).
     DGeluTanh,
+    /// `(a @ b) * step(h)` (inputs a, b, h): the gradient through a ReLU whose output is `h`
+    /// (autograd's `g * step(y)`). cuBLASLt's DRELU wants a bit mask instead, so the CUDA
+    /// back end multiplies in a kernel, or, for a contraction of at most 16 (the product by a
+    /// classifier head's weight), in its own product kernel.
+    DRelu,
     /// `a @ b` of 2-D operands, then the sums of `a` over its columns (the contraction), as one
     /// flat buffer: the product `[m, n]` from element 0, the `m` sums from
     /// `matmul_tail_offset(m * n)`. A weight's gradient `g^T x` and its bias's gradient `sum(g)`
@@ -477,6 +482,17 @@ pub enum MatmulEpilogue {
     SumLeft,
     /// As `SumLeft`, with the `n` sums of `b` over its rows (BGRADA).
     SumRight,
+}
+
+impl MatmulEpilogue {
+    /// The activation gradient a `D*` epilogue multiplies the product by (of its third input).
+    pub fn activation_grad(self) -> Option<UnaryOp> {
+        match self {
+            MatmulEpilogue::DGeluTanh => Some(UnaryOp::GeluTanhGrad),
+            MatmulEpilogue::DRelu => Some(UnaryOp::Step),
+            MatmulEpilogue::Relu | MatmulEpilogue::GeluTanh | MatmulEpilogue::SumLeft | MatmulEpilogue::SumRight => None,
+        }
+    }
 }
 
 /// Where `Op::CrossEntropyMean`'s gradient starts in its output (after the loss, aligned for
@@ -700,6 +716,7 @@ impl Op {
             Op::MatmulFused(MatmulEpilogue::Relu) => "matmul_relu",
             Op::MatmulFused(MatmulEpilogue::GeluTanh) => "matmul_gelu_tanh",
             Op::MatmulFused(MatmulEpilogue::DGeluTanh) => "matmul_dgelu_tanh",
+            Op::MatmulFused(MatmulEpilogue::DRelu) => "matmul_drelu",
             Op::MatmulFused(_) => "matmul_sum",
             Op::Reshape(_) => "reshape",
             Op::Permute(_) => "permute",
@@ -743,7 +760,7 @@ impl Op {
             Op::CrossEntropyBackward { .. } => 3,
             Op::Reshape(_) | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_) | Op::Contiguous => 1,
             Op::Matmul | Op::MatmulFused(MatmulEpilogue::Relu | MatmulEpilogue::GeluTanh) if inputs.len() == 3 => 3,
-            Op::MatmulFused(MatmulEpilogue::DGeluTanh) => 3,
+            Op::MatmulFused(MatmulEpilogue::DGeluTanh | MatmulEpilogue::DRelu) => 3,
             Op::MatmulFused(_) => 2,
             Op::Binary(_) | Op::Matmul | Op::IndexSelect { .. } | Op::Gather { .. } => 2,
             Op::Assign | Op::UpdateBinary(_) => 2,
@@ -927,12 +944,12 @@ impl Op {
                 meta(shape, inputs[0].dtype)
             }
             Op::MatmulFused(e) => {
-                let product = Op::Matmul.infer(if *e == MatmulEpilogue::DGeluTanh { &inputs[..2] } else { inputs })?;
+                let product = Op::Matmul.infer(if e.activation_grad().is_some() { &inputs[..2] } else { inputs })?;
                 let numel: usize = product.shape.iter().product();
                 match e {
                     MatmulEpilogue::Relu => return Ok(product),
                     MatmulEpilogue::GeluTanh => return meta(vec![matmul_tail_offset(numel) + numel], product.dtype),
-                    MatmulEpilogue::DGeluTanh => {
+                    MatmulEpilogue::DGeluTanh | MatmulEpilogue::DRelu => {
                         same_dtype(product.dtype, inputs[2].dtype)?;
                         if inputs[2].shape != product.shape {
                             let h = inputs[2].shape;

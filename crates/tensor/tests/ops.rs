@@ -373,6 +373,9 @@ fn fused_matmuls_apply_relu_or_append_the_operand_sums() -> Result<()> {
     assert_eq!((gelu.len(), &gelu[..6], &gelu[64..]), (70, &v(&h.gelu_tanh()?)[..], &v(&h)[..]));
     let dg = fused(E::DGeluTanh, &[&a, &b, &h])?;
     assert_eq!(v(&dg), v(&a.matmul(&b)?.mul(&h.unary(UnaryOp::GeluTanhGrad)?)?));
+    let step = Tensor::from_vec(vec![1.0f32, -1.0, 0.0, 2.0, 3.0, -0.5], &[2, 3], Device::Cpu)?;
+    let dr = fused(E::DRelu, &[&a, &b, &step])?;
+    assert_eq!(v(&dr), v(&a.matmul(&b)?.mul(&step.unary(UnaryOp::Step)?)?));
     let err = fused(E::DGeluTanh, &[&a, &b, &a]).unwrap_err().to_string();
     assert!(err.contains("[2, 2]") && err.contains("[2, 3]"), "{err}");
     // Sums need 2-D operands, and no bias.

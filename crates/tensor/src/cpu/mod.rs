@@ -503,9 +503,10 @@ fn matmul_fused(e: MatmulEpilogue, ins: &[(&CpuStorage, &Layout)], meta: &OutMet
             let act = run(&Op::Unary(UnaryOp::GeluTanh), &[(&product, &dense(&pm.shape))], &pm)?;
             append(&act, &product)
         }
-        MatmulEpilogue::DGeluTanh => {
+        MatmulEpilogue::DGeluTanh | MatmulEpilogue::DRelu => {
             let product = run(&Op::Matmul, &ins[..2], meta)?;
-            let grad = run(&Op::Unary(UnaryOp::GeluTanhGrad), &ins[2..], meta)?;
+            let u = e.activation_grad().ok_or_else(|| crate::Error::Msg("matmul: no activation gradient".into()))?;
+            let grad = run(&Op::Unary(u), &ins[2..], meta)?;
             let l = dense(&meta.shape);
             run(&Op::Binary(crate::BinaryOp::Mul), &[(&product, &l), (&grad, &l)], meta)
         }

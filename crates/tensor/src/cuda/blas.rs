@@ -157,6 +157,8 @@ struct Rest<'a> {
     gelu: Option<usize>,
     /// The pre-activation whose GELU gradient multiplies the product.
     dgelu: Option<(&'a CudaStorage, &'a Layout)>,
+    /// The ReLU's output whose step multiplies the product (`DRelu`).
+    drelu: Option<(&'a CudaStorage, &'a Layout)>,
     /// The operand, the dim summed and where the sums go in the output.
     sums: Option<((&'a CudaStorage, &'a Layout), usize, usize)>,
 }
@@ -184,12 +186,14 @@ pub fn matmul_fused(
     let batch: usize = shape[..r - 2].iter().product();
     let out = CudaStorage::alloc(g, meta.dtype, meta.shape.iter().product())?;
     let tail = crate::op::matmul_tail_offset(shape.iter().product());
-    let (bias, dgelu) = if epi == Some(MatmulEpilogue::DGeluTanh) { (None, bias) } else { (bias, None) };
+    let (bias, h) = if epi.and_then(MatmulEpilogue::activation_grad).is_some() { (None, bias) } else { (bias, None) };
+    let (dgelu, drelu) = if epi == Some(MatmulEpilogue::DRelu) { (None, h) } else { (h, None) };
     let mut rest = Rest {
         bias,
         relu: epi == Some(MatmulEpilogue::Relu),
         gelu: (epi == Some(MatmulEpilogue::GeluTanh)).then_some(tail),
         dgelu,
+        drelu,
         sums: match epi {
             Some(MatmulEpilogue::SumLeft) => Some(((sa, la), 1, tail)),
             Some(MatmulEpilogue::SumRight) => Some(((sb, lb), 0, tail)),
@@ -225,6 +229,12 @@ pub fn matmul_fused(
             }
         };
         (la, m, batch) = (folded, batch * m, 1);
+    }
+    if let Some((la2, lb2)) = thin(meta.dtype, batch, &la, &lb, &rest) {
+        let h = rest.drelu.map(|(s, l)| (s, view2(l, m, n)));
+        super::kernels::matmul_thin(g, (dense_a.as_ref().unwrap_or(sa), &la2), (sb, &lb2), h.as_ref().map(|(s, l)| (*s, l)), &out)?;
+        rest.drelu = None;
+        return finish(g, out, rest, &shape);
     }
     if let Some((la2, lb2)) = short(meta.dtype, batch, &la, &lb, &rest) {
         let sums = rest.sums.map(|(_, _, at)| at);
@@ -350,7 +360,7 @@ pub fn matmul_fused(
 fn narrow(dtype: DType, batch: usize, la: &Layout, lb: &Layout, rest: &Rest) -> Option<(Layout, Layout)> {
     let (r, rb) = (la.rank(), lb.rank());
     let (m, k, n) = (la.shape[r - 2], la.shape[r - 1], lb.shape[rb - 1]);
-    let plain = rest.gelu.is_none() && rest.dgelu.is_none() && rest.sums.is_none();
+    let plain = rest.gelu.is_none() && rest.dgelu.is_none() && rest.drelu.is_none() && rest.sums.is_none();
     let ok = matches!(dtype, DType::F32 | DType::F64)
         && batch == 1
         && plain
@@ -368,13 +378,29 @@ fn short(dtype: DType, batch: usize, la: &Layout, lb: &Layout, rest: &Rest) -> O
     let (r, rb) = (la.rank(), lb.rank());
     let (m, k, n) = (la.shape[r - 2], la.shape[r - 1], lb.shape[rb - 1]);
     let left_sums = rest.sums.is_none_or(|(_, dim, _)| dim == 1);
-    let plain = rest.bias.is_none() && !rest.relu && rest.gelu.is_none() && rest.dgelu.is_none() && left_sums;
+    let plain = rest.bias.is_none() && !rest.relu && rest.gelu.is_none() && rest.dgelu.is_none() && rest.drelu.is_none() && left_sums;
     let ok = matches!(dtype, DType::F32 | DType::F64)
         && batch == 1
         && plain
         && (1..=SHORT_MAX_M).contains(&m)
         && k >= SHORT_MIN_K
         && (lb.strides[rb - 1] == 1 || n == 1);
+    ok.then(|| (view2(la, m, k), view2(lb, k, n)))
+}
+
+/// 2-D views of A and B when `kernels::matmul_thin` takes the product: F32 or F64, one GEMM
+/// with a contraction of at most `THIN_MAX_K`, B's rows contiguous, and no epilogue but
+/// `DRelu` (h as wide as the product).
+fn thin(dtype: DType, batch: usize, la: &Layout, lb: &Layout, rest: &Rest) -> Option<(Layout, Layout)> {
+    let (r, rb) = (la.rank(), lb.rank());
+    let (m, k, n) = (la.shape[r - 2], la.shape[r - 1], lb.shape[rb - 1]);
+    let plain = rest.bias.is_none() && !rest.relu && rest.gelu.is_none() && rest.dgelu.is_none() && rest.sums.is_none();
+    let ok = matches!(dtype, DType::F32 | DType::F64)
+        && batch == 1
+        && plain
+        && (1..=super::codegen::THIN_MAX_K).contains(&k)
+        && (lb.strides[rb - 1] == 1 || n == 1)
+        && rest.drelu.is_none_or(|(_, l)| l.rank() >= 2 && l.shape[l.rank() - 2..] == [m, n]);
     ok.then(|| (view2(la, m, k), view2(lb, k, n)))
 }
 
@@ -432,7 +458,7 @@ impl Rest<'_> {
     /// Drops what `epilogue` did.
     fn done_by(&mut self, epilogue: Epilogue) {
         if epilogue != Epilogue::NONE {
-            *self = Rest { bias: None, relu: false, gelu: None, dgelu: None, sums: None };
+            *self = Rest { bias: None, relu: false, gelu: None, dgelu: None, drelu: None, sums: None };
         }
     }
 }
@@ -452,6 +478,9 @@ fn finish(g: &Arc<Gpu>, out: CudaStorage, rest: Rest, shape: &[usize]) -> Result
         // rule); the stream runs the copy before the GELU below overwrites the product.
         unsafe { g.copy_d2d(out.ptr_at(at), out.buf.ptr, bytes)? };
         super::kernels::unary_in_place(g, &out, shape, crate::UnaryOp::GeluTanh)?;
+    }
+    if let Some(h) = rest.drelu {
+        super::kernels::mul_by_unary(g, &out, shape, crate::UnaryOp::Step, h)?;
     }
     if let Some(h) = rest.dgelu {
         super::kernels::mul_by_unary(g, &out, shape, crate::UnaryOp::GeluTanhGrad, h)?;

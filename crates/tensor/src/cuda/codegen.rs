@@ -783,7 +783,7 @@ pub const SHORT_THREADS: usize = 256;
 /// (a thread each) over the contraction's chunk y, the chunk of A staged in shared memory, and
 /// writes its `m` partial sums per column to `part [chunks, m, ldp]`; with `sums`, block x = 0
 /// also writes A's row sums over the chunk to column `n` (a bias gradient, `SumLeft`).
-/// `..._fold`: a thread per output adds the chunks' partials in order. cuBLAS split the
+/// `..._fold`: a warp per output adds the chunks' partials in a fixed order. cuBLAS split the
 /// contraction for MLP b4096's `[10, 4096] x [4096, 256]` too, then ran its reduction and the
 /// bias gradient as two more kernels (session 18).
 pub fn matmul_short_source(dtype: DType, m: usize, sums: bool) -> (String, String) {
@@ -834,20 +834,60 @@ pub fn matmul_short_source(dtype: DType, m: usize, sums: bool) -> (String, Strin
     s += &format!(
         "extern \"C\" __global__ void __launch_bounds__({SHORT_THREADS}) {name}_fold({t}* __restrict__ o, const {t}* __restrict__ part, SArgs g) {{\n"
     );
-    s += r#"  const long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    // A warp per output: lanes stride the chunks, then a butterfly sum (a fixed order).
+    s += r#"  const long long e = (blockIdx.x * (long long)blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
   if (e >= MM * g.ldp) return;
   const long long i = e / g.ldp, c = e % g.ldp;
   C v = (C)0;
-#pragma unroll 8
-  for (long long y = 0; y < g.chunks; ++y) v += (C)ld(part[(y * MM + i) * g.ldp + c]);
-  st(&o[c < g.n ? i * g.n + c : g.tail + i], v);
+#pragma unroll 4
+  for (long long y = lane; y < g.chunks; y += 32) v += (C)ld(part[(y * MM + i) * g.ldp + c]);
+  for (int w = 16; w > 0; w /= 2) v += __shfl_xor_sync(0xffffffffu, v, w);
+  if (lane == 0) st(&o[c < g.n ? i * g.n + c : g.tail + i], v);
 }
 "#;
     (s, name)
 }
 
-/// The contraction's chunk a `matmul_short_source` block takes.
-pub const SHORT_CHUNK: usize = 64;
+/// The contraction's chunk a `matmul_short_source` block takes: short, so that many blocks
+/// share the work and each walks few rows (64 took 7.7 us for MLP b4096's weight gradient).
+pub const SHORT_CHUNK: usize = 16;
+
+/// The longest contraction `matmul_thin_source` takes.
+pub const THIN_MAX_K: usize = 16;
+
+/// A product with a short contraction, `o [m, n] = a [m, k] b [k, n]` (`k` compiled in, at
+/// most `THIN_MAX_K`: the product by a classifier head's weight in the backward), with
+/// `drelu` times `step(h [m, n])` (`MatmulEpilogue::DRelu`: the ReLU's gradient in the same
+/// pass): a thread per output, consecutive threads along a row, so that a warp reads B's
+/// rows and h along memory and A's row as one broadcast value. It replaces a cuBLAS product
+/// (5.6 us at MLP b4096) and the gradient's elementwise kernel (5.2 us; session 18).
+pub fn matmul_thin_source(dtype: DType, k: usize, drelu: bool) -> (String, String) {
+    let name = format!("k_matmul_thin_{}_k{k}{}", format!("{dtype:?}").to_lowercase(), if drelu { "_drelu" } else { "" });
+    let (t, c) = (storage_type(dtype), compute_type(dtype));
+    let mut s = format!("{PRELUDE}\ntypedef {c} C;\n#define KK {k}\n");
+    s += "struct TArgs { long long m, n, sam, sak, sbk, sbn, shm, shn; };\n";
+    s += &format!(
+        "extern \"C\" __global__ void {name}({t}* __restrict__ o, const {t}* __restrict__ a, const {t}* __restrict__ b, \
+         const {t}* __restrict__ h, TArgs g) {{\n"
+    );
+    // 32-bit coordinates where every index fits (64-bit division costs many instructions).
+    s += r#"  const bool narrow = g.m * g.n < (1LL << 31);
+  for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < g.m * g.n; e += (long long)gridDim.x * blockDim.x) {
+    const long long r = narrow ? (long long)((unsigned)e / (unsigned)g.n) : e / g.n, c = e - r * g.n;
+    C v = (C)0;
+#pragma unroll
+    for (int j = 0; j < KK; ++j) v += (C)ld(a[r * g.sam + j * g.sak]) * (C)ld(b[j * g.sbk + c * g.sbn]);
+"#;
+    if drelu {
+        // A product, as the unfused `mul` by `step` (a NaN or infinite gradient stays NaN).
+        s += "    v *= (C)ld(h[r * g.shm + c * g.shn]) > (C)0 ? (C)1 : (C)0;\n";
+    } else {
+        s += "    (void)h;\n";
+    }
+    s += "    st(&o[e], v);\n  }\n}\n";
+    (s, name)
+}
 
 /// Threads of a `matmul_narrow_source` block (a warp per row).
 pub const NARROW_THREADS: usize = 256;

@@ -1015,9 +1015,56 @@ pub(super) fn matmul_short(
     // takes columns x * 256.. of chunk y.
     unsafe { g.launch(part_k, grid, SHORT_THREADS as u32, 0, &mut params)? };
     let mut params = kernel_params![po, pp, a];
-    // SAFETY: (out, part, SArgs) matches the fold's signature; a thread per output, m x ldp of
+    // SAFETY: (out, part, SArgs) matches the fold's signature; a warp per output, m x ldp of
     // them: `out` holds m x n values and, with the sums, m more from `tail`.
-    unsafe { g.launch(fold_k, ((m * ldp).div_ceil(SHORT_THREADS) as u32, 1), SHORT_THREADS as u32, 0, &mut params) }
+    unsafe { g.launch(fold_k, ((m * ldp * 32).div_ceil(SHORT_THREADS) as u32, 1), SHORT_THREADS as u32, 0, &mut params) }
+}
+
+/// Mirrors `struct TArgs` (`codegen::matmul_thin_source`).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct TArgs {
+    m: i64,
+    n: i64,
+    sam: i64,
+    sak: i64,
+    sbk: i64,
+    sbn: i64,
+    shm: i64,
+    shn: i64,
+}
+
+/// `out [m, n] = a [m, k] b [k, n]`, with `drelu` times `step(h)`, by the thin-product kernel:
+/// 2-D views of A, B and h (any strides); `out` dense. The caller checks `k <= THIN_MAX_K`
+/// (`blas::matmul_fused`).
+pub(super) fn matmul_thin(
+    g: &Arc<Gpu>,
+    (sa, la): (&CudaStorage, &Layout),
+    (sb, lb): (&CudaStorage, &Layout),
+    drelu: Option<(&CudaStorage, &Layout)>,
+    out: &CudaStorage,
+) -> Result<()> {
+    let (m, k, n) = (la.shape[0], la.shape[1], lb.shape[1]);
+    let key = super::spec_key("matmul_thin", &(out.dtype, k, drelu.is_some()));
+    let kf = g.kernel(key, || super::codegen::matmul_thin_source(out.dtype, k, drelu.is_some()))?;
+    let hs = |d: usize| drelu.map_or(0, |(_, l)| l.strides[d] as i64);
+    let mut a = TArgs {
+        m: m as i64,
+        n: n as i64,
+        sam: la.strides[0] as i64,
+        sak: la.strides[1] as i64,
+        sbk: lb.strides[0] as i64,
+        sbn: lb.strides[1] as i64,
+        shm: hs(0),
+        shn: hs(1),
+    };
+    let (mut po, mut pa, mut pb) = (out.buf.ptr, sa.ptr_at(la.offset), sb.ptr_at(lb.offset));
+    let mut ph = drelu.map_or(po, |(s, l)| s.ptr_at(l.offset));
+    let mut params = kernel_params![po, pa, pb, ph, a];
+    // SAFETY: (out, a, b, h, TArgs) matches the generated signature; the views lie inside
+    // their buffers (the caller's shape rule), `out` holds m x n values; h is read only with
+    // `drelu`; the grid strides over every output.
+    unsafe { g.launch(kf, (g.grid_for(m * n), 1), 256, 0, &mut params) }
 }
 
 /// Mirrors `struct IArgs`.
