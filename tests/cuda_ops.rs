@@ -444,6 +444,13 @@ fn products_at_the_mlp_shapes_match_the_cpu() {
         both(&format!("thin g w * step(h) {dt:?}"), &[gh.clone(), randn(&[10, 256], 124, dt), hh], t, |v| {
             fused(E::DRelu)(&[v[0].clone(), v[1].clone(), v[2].narrow(1, 1, 256)?])
         });
+        both(
+            &format!("thin g w * step(h), four a thread {dt:?}"),
+            &[gh.clone(), randn(&[10, 256], 127, dt), randn(&[4096, 256], 128, dt)],
+            t,
+            fused(E::DRelu),
+        );
+        both(&format!("thin g w, four a thread {dt:?}"), &[gh.clone(), randn(&[10, 64], 129, dt)], t, |v| v[0].matmul(&v[1]));
         both(&format!("thin g^T-read [33, 3] x [3, 70] {dt:?}"), &[randn(&[3, 33], 125, dt), randn(&[3, 70], 126, dt)], t, |v| {
             v[0].t()?.matmul(&v[1])
         });

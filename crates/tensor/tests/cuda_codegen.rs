@@ -175,8 +175,10 @@ fn every_reduction_and_index_kernel_compiles() {
             let (s, name) = kiln_tensor::cuda::codegen::matmul_short_source(d, m, sums);
             check(&s, &name, &mut fails);
         }
-        for (k, drelu) in [(1, false), (10, true), (kiln_tensor::cuda::codegen::THIN_MAX_K, true)] {
-            let (s, name) = kiln_tensor::cuda::codegen::matmul_thin_source(d, k, drelu);
+        for (k, drelu, vec4) in
+            [(1, false, false), (10, true, true), (kiln_tensor::cuda::codegen::THIN_MAX_K, true, false), (3, false, true)]
+        {
+            let (s, name) = kiln_tensor::cuda::codegen::matmul_thin_source(d, k, drelu, vec4);
             check(&s, &name, &mut fails);
         }
         for tpr in [1, 4, 32] {

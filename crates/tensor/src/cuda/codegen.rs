@@ -859,33 +859,51 @@ pub const THIN_MAX_K: usize = 16;
 /// A product with a short contraction, `o [m, n] = a [m, k] b [k, n]` (`k` compiled in, at
 /// most `THIN_MAX_K`: the product by a classifier head's weight in the backward), with
 /// `drelu` times `step(h [m, n])` (`MatmulEpilogue::DRelu`: the ReLU's gradient in the same
-/// pass): a thread per output, consecutive threads along a row, so that a warp reads B's
-/// rows and h along memory and A's row as one broadcast value. It replaces a cuBLAS product
-/// (5.6 us at MLP b4096) and the gradient's elementwise kernel (5.2 us; session 18).
-pub fn matmul_thin_source(dtype: DType, k: usize, drelu: bool) -> (String, String) {
-    let name = format!("k_matmul_thin_{}_k{k}{}", format!("{dtype:?}").to_lowercase(), if drelu { "_drelu" } else { "" });
-    let (t, c) = (storage_type(dtype), compute_type(dtype));
-    let mut s = format!("{PRELUDE}\ntypedef {c} C;\n#define KK {k}\n");
-    s += "struct TArgs { long long m, n, sam, sak, sbk, sbn, shm, shn; };\n";
-    s += &format!(
-        "extern \"C\" __global__ void {name}({t}* __restrict__ o, const {t}* __restrict__ a, const {t}* __restrict__ b, \
-         const {t}* __restrict__ h, TArgs g) {{\n"
+/// pass): a thread per output, or with `vec4` per four neighbours in a row (B's rows, h and
+/// the output read and written as aligned vectors: `n`, their row strides and offsets
+/// multiples of 4, B and h contiguous along rows). Consecutive threads walk a row, so a warp
+/// reads B's rows and h along memory and A's row as broadcast values. It replaces a cuBLAS
+/// product (5.6 us at MLP b4096) and the gradient's elementwise kernel (5.2 us; session 18).
+pub fn matmul_thin_source(dtype: DType, k: usize, drelu: bool, vec4: bool) -> (String, String) {
+    let name = format!(
+        "k_matmul_thin_{}_k{k}{}{}",
+        format!("{dtype:?}").to_lowercase(),
+        if drelu { "_drelu" } else { "" },
+        if vec4 { "_v4" } else { "" }
     );
-    // 32-bit coordinates where every index fits (64-bit division costs many instructions).
-    s += r#"  const bool narrow = g.m * g.n < (1LL << 31);
-  for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < g.m * g.n; e += (long long)gridDim.x * blockDim.x) {
-    const long long r = narrow ? (long long)((unsigned)e / (unsigned)g.n) : e / g.n, c = e - r * g.n;
-    C v = (C)0;
+    let (t, c) = (storage_type(dtype), compute_type(dtype));
+    let w = if vec4 { 4 } else { 1 };
+    let mut s = format!("{PRELUDE}\ntypedef {c} C;\ntypedef {t} T;\n#define KK {k}\n#define W {w}\n");
+    s += "struct TArgs { long long m, n, sam, sak, sbk, sbn, shm, shn; };\nstruct alignas(W * sizeof(T)) VW { T v[W]; };\n";
+    s += &format!(
+        "extern \"C\" __global__ void {name}(T* __restrict__ o, const T* __restrict__ a, const T* __restrict__ b, const T* __restrict__ h, TArgs g) {{\n"
+    );
+    // Groups of W outputs along a row; 32-bit coordinates where every index fits (64-bit
+    // division costs many instructions). With W = 4 the column strides are 1.
+    s += r#"  const long long nw = g.n / W, total = g.m * nw;
+  const bool narrow = total < (1LL << 31);
+  for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < total; e += (long long)gridDim.x * blockDim.x) {
+    const long long r = narrow ? (long long)((unsigned)e / (unsigned)nw) : e / nw, c = (e - r * nw) * W;
+    C v[W];
 #pragma unroll
-    for (int j = 0; j < KK; ++j) v += (C)ld(a[r * g.sam + j * g.sak]) * (C)ld(b[j * g.sbk + c * g.sbn]);
+    for (int q = 0; q < W; ++q) v[q] = (C)0;
+#pragma unroll
+    for (int j = 0; j < KK; ++j) {
+      const C x = (C)ld(a[r * g.sam + j * g.sak]);
+      const VW y = *reinterpret_cast<const VW*>(b + j * g.sbk + c * g.sbn);
+#pragma unroll
+      for (int q = 0; q < W; ++q) v[q] += x * (C)ld(y.v[q]);
+    }
 "#;
     if drelu {
         // A product, as the unfused `mul` by `step` (a NaN or infinite gradient stays NaN).
-        s += "    v *= (C)ld(h[r * g.shm + c * g.shn]) > (C)0 ? (C)1 : (C)0;\n";
+        s += "    const VW z = *reinterpret_cast<const VW*>(h + r * g.shm + c * g.shn);\n";
+        s += "#pragma unroll\n    for (int q = 0; q < W; ++q) v[q] *= (C)ld(z.v[q]) > (C)0 ? (C)1 : (C)0;\n";
     } else {
         s += "    (void)h;\n";
     }
-    s += "    st(&o[e], v);\n  }\n}\n";
+    s += "    VW out;\n#pragma unroll\n    for (int q = 0; q < W; ++q) st(&out.v[q], v[q]);\n";
+    s += "    *reinterpret_cast<VW*>(o + r * g.n + c) = out;\n  }\n}\n";
     (s, name)
 }
 

@@ -1045,8 +1045,11 @@ pub(super) fn matmul_thin(
     out: &CudaStorage,
 ) -> Result<()> {
     let (m, k, n) = (la.shape[0], la.shape[1], lb.shape[1]);
-    let key = super::spec_key("matmul_thin", &(out.dtype, k, drelu.is_some()));
-    let kf = g.kernel(key, || super::codegen::matmul_thin_source(out.dtype, k, drelu.is_some()))?;
+    // Four neighbours a thread where B's rows and h are aligned vectors along memory.
+    let rows4 = |l: &Layout| l.strides[1] == 1 && l.strides[0] % 4 == 0 && l.offset % 4 == 0;
+    let vec4 = n % 4 == 0 && rows4(lb) && drelu.is_none_or(|(_, l)| rows4(l));
+    let key = super::spec_key("matmul_thin", &(out.dtype, k, drelu.is_some(), vec4));
+    let kf = g.kernel(key, || super::codegen::matmul_thin_source(out.dtype, k, drelu.is_some(), vec4))?;
     let hs = |d: usize| drelu.map_or(0, |(_, l)| l.strides[d] as i64);
     let mut a = TArgs {
         m: m as i64,
@@ -1063,8 +1066,10 @@ pub(super) fn matmul_thin(
     let mut params = kernel_params![po, pa, pb, ph, a];
     // SAFETY: (out, a, b, h, TArgs) matches the generated signature; the views lie inside
     // their buffers (the caller's shape rule), `out` holds m x n values; h is read only with
-    // `drelu`; the grid strides over every output.
-    unsafe { g.launch(kf, (g.grid_for(m * n), 1), 256, 0, &mut params) }
+    // `drelu`; with `vec4`, B's and h's rows are contiguous and every vector aligned (buffers
+    // start 256-byte aligned; offsets and row strides are multiples of 4); the grid strides
+    // over every output (or group of four).
+    unsafe { g.launch(kf, (g.grid_for(m * n / if vec4 { 4 } else { 1 }), 1), 256, 0, &mut params) }
 }
 
 /// Mirrors `struct IArgs`.
