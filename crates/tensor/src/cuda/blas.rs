@@ -384,6 +384,7 @@ fn short(dtype: DType, batch: usize, la: &Layout, lb: &Layout, rest: &Rest) -> O
         && plain
         && (1..=SHORT_MAX_M).contains(&m)
         && k >= SHORT_MIN_K
+        && k.div_ceil(super::codegen::SHORT_CHUNK) * m * (n + 1) <= SHORT_MAX_PARTIALS
         && (lb.strides[rb - 1] == 1 || n == 1);
     ok.then(|| (view2(la, m, k), view2(lb, k, n)))
 }
@@ -403,6 +404,9 @@ fn thin(dtype: DType, batch: usize, la: &Layout, lb: &Layout, rest: &Rest) -> Op
         && rest.drelu.is_none_or(|(_, l)| l.rank() >= 2 && l.shape[l.rank() - 2..] == [m, n]);
     ok.then(|| (view2(la, m, k), view2(lb, k, n)))
 }
+
+/// The most partial sums `short` lets its first kernel write (16 MiB of F32): past it, cuBLAS.
+const SHORT_MAX_PARTIALS: usize = 1 << 22;
 
 /// The last two dims of a layout as a 2-D view `[rows, cols]`.
 fn view2(l: &Layout, rows: usize, cols: usize) -> Layout {
