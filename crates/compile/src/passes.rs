@@ -442,17 +442,14 @@ fn mean_xent(g: &Graph, users: &[Vec<NodeId>], (escapes, pinned): (&[bool], &[bo
     (chain && !pinned[loss] && !pinned[grad]).then_some((loss, grad))
 }
 
-/// Whether a 2-D product is one the CUDA back end's thin-product kernel takes (`blas::thin`):
-/// F32 or F64, a contraction of at most `THIN_MAX_K`, B's rows contiguous.
+/// Whether a product of two 2-D operands is one the CUDA back end's thin-product kernel takes
+/// (`codegen::thin_takes`).
 fn thin_product(margs: &[Arg], dtype: DType) -> bool {
     let [a, b] = margs else { return false };
     let (la, lb) = (&a.layout, &b.layout);
-    let k = la.shape.last().copied().unwrap_or(0);
     la.shape.len() == 2
         && lb.shape.len() == 2
-        && matches!(dtype, DType::F32 | DType::F64)
-        && (1..=kiln_tensor::cuda::codegen::THIN_MAX_K).contains(&k)
-        && (lb.strides[1] == 1 || lb.shape[1] == 1)
+        && kiln_tensor::cuda::codegen::thin_takes(dtype, la.shape[1], lb.strides[1] == 1 || lb.shape[1] == 1)
 }
 
 /// The pipeline, in order; `log` sees the graph after each pass.

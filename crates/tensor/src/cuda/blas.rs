@@ -155,10 +155,9 @@ struct Rest<'a> {
     relu: bool,
     /// GELU (tanh form), its pre-activation kept from this offset on.
     gelu: Option<usize>,
-    /// The pre-activation whose GELU gradient multiplies the product.
-    dgelu: Option<(&'a CudaStorage, &'a Layout)>,
-    /// The ReLU's output whose step multiplies the product (`DRelu`).
-    drelu: Option<(&'a CudaStorage, &'a Layout)>,
+    /// An activation's gradient (`MatmulEpilogue::activation_grad`) of the input that
+    /// multiplies the product: GELU's of its pre-activation, or a ReLU's `step` of its output.
+    dact: Option<(crate::UnaryOp, (&'a CudaStorage, &'a Layout))>,
     /// The operand, the dim summed and where the sums go in the output.
     sums: Option<((&'a CudaStorage, &'a Layout), usize, usize)>,
 }
@@ -186,14 +185,14 @@ pub fn matmul_fused(
     let batch: usize = shape[..r - 2].iter().product();
     let out = CudaStorage::alloc(g, meta.dtype, meta.shape.iter().product())?;
     let tail = crate::op::matmul_tail_offset(shape.iter().product());
-    let (bias, h) = if epi.and_then(MatmulEpilogue::activation_grad).is_some() { (None, bias) } else { (bias, None) };
-    let (dgelu, drelu) = if epi == Some(MatmulEpilogue::DRelu) { (None, h) } else { (h, None) };
+    // A `D*` epilogue's third input is the activation's, not a bias.
+    let dact = epi.and_then(MatmulEpilogue::activation_grad);
+    let (bias, dact) = if dact.is_some() { (None, dact.zip(bias)) } else { (bias, None) };
     let mut rest = Rest {
         bias,
         relu: epi == Some(MatmulEpilogue::Relu),
         gelu: (epi == Some(MatmulEpilogue::GeluTanh)).then_some(tail),
-        dgelu,
-        drelu,
+        dact,
         sums: match epi {
             Some(MatmulEpilogue::SumLeft) => Some(((sa, la), 1, tail)),
             Some(MatmulEpilogue::SumRight) => Some(((sb, lb), 0, tail)),
@@ -230,22 +229,18 @@ pub fn matmul_fused(
         };
         (la, m, batch) = (folded, batch * m, 1);
     }
-    if let Some((la2, lb2)) = thin(meta.dtype, batch, &la, &lb, &rest) {
-        let h = rest.drelu.map(|(s, l)| (s, view2(l, m, n)));
-        super::kernels::matmul_thin(g, (dense_a.as_ref().unwrap_or(sa), &la2), (sb, &lb2), h.as_ref().map(|(s, l)| (*s, l)), &out)?;
-        rest.drelu = None;
-        return finish(g, out, rest, &shape);
-    }
-    if let Some((la2, lb2)) = short(meta.dtype, batch, &la, &lb, &rest) {
-        let sums = rest.sums.map(|(_, _, at)| at);
-        super::kernels::matmul_short(g, (dense_a.as_ref().unwrap_or(sa), &la2), (sb, &lb2), sums, &out)?;
-        rest.sums = None;
-        return finish(g, out, rest, &shape);
-    }
-    if let Some((la2, lb2)) = narrow(meta.dtype, batch, &la, &lb, &rest) {
-        super::kernels::matmul_narrow(g, (dense_a.as_ref().unwrap_or(sa), &la2), (sb, &lb2), rest.bias, rest.relu, &out)?;
-        (rest.bias, rest.relu) = (None, false);
-        return finish(g, out, rest, &shape);
+    if let Some(own) = own_product(meta.dtype, batch, &la, &lb, &rest) {
+        // Kiln's kernel does all that is left of the fused op.
+        let (a, b) = ((dense_a.as_ref().unwrap_or(sa), &own.a), (sb, &own.b));
+        match own.kind {
+            Own::Thin => {
+                let h = rest.dact.map(|(_, (s, l))| (s, view2(l, m, n)));
+                super::kernels::matmul_thin(g, a, b, h.as_ref().map(|(s, l)| (*s, l)), &out)?
+            }
+            Own::Short => super::kernels::matmul_short(g, a, b, rest.sums.map(|(_, _, at)| at), &out)?,
+            Own::Narrow => super::kernels::matmul_narrow(g, a, b, rest.bias, rest.relu, &out)?,
+        }
+        return Ok(out);
     }
     let a = operand(g, dense_a.as_ref().unwrap_or(sa), &la)?;
     let b = operand(g, sb, &lb)?;
@@ -354,68 +349,74 @@ pub fn matmul_fused(
     finish(g, out, rest, &shape)
 }
 
-/// 2-D views of A and B when `kernels::matmul_narrow` takes the product: F32 or F64, one GEMM
-/// of at most `NARROW_MAX_N` columns with A's rows contiguous, a bias and ReLU at most (the
-/// other epilogues are cuBLASLt's), and a contraction short enough for one warp a row.
-fn narrow(dtype: DType, batch: usize, la: &Layout, lb: &Layout, rest: &Rest) -> Option<(Layout, Layout)> {
-    let (r, rb) = (la.rank(), lb.rank());
-    let (m, k, n) = (la.shape[r - 2], la.shape[r - 1], lb.shape[rb - 1]);
-    let plain = rest.gelu.is_none() && rest.dgelu.is_none() && rest.drelu.is_none() && rest.sums.is_none();
-    let ok = matches!(dtype, DType::F32 | DType::F64)
-        && batch == 1
-        && plain
-        && (1..=super::codegen::NARROW_MAX_N).contains(&n)
-        && (1..=NARROW_MAX_K).contains(&k)
-        && (la.strides[r - 1] == 1 || k == 1);
-    ok.then(|| (view2(la, m, k), view2(lb, k, n)))
+/// Which of Kiln's own kernels takes a product that cuBLAS's tiles would leave mostly idle.
+enum Own {
+    /// A contraction of at most 16, with `DRelu`'s mask at most (`kernels::matmul_thin`).
+    Thin,
+    /// At most 16 rows over a long contraction, with `SumLeft`'s sums at most (`matmul_short`).
+    Short,
+    /// At most 16 columns, A's rows contiguous, with a bias and ReLU at most (`matmul_narrow`).
+    Narrow,
 }
 
-/// 2-D views of A and B when `kernels::matmul_short` takes the product: F32 or F64, one GEMM
-/// of at most `SHORT_MAX_M` rows and a contraction of at least `SHORT_MIN_K`, B's rows
-/// contiguous, and no epilogue but A's row sums (`SumLeft`: a head's bias gradient).
-fn short(dtype: DType, batch: usize, la: &Layout, lb: &Layout, rest: &Rest) -> Option<(Layout, Layout)> {
-    use super::codegen::{SHORT_MAX_M, SHORT_MIN_K};
+/// An `Own` kernel for a product, with 2-D views of A and B.
+struct OwnProduct {
+    kind: Own,
+    a: Layout,
+    b: Layout,
+}
+
+/// The `Own` kernel that takes this product, if any: F32 or F64, one GEMM, and nothing left in
+/// `rest` that the kernel cannot do.
+fn own_product(dtype: DType, batch: usize, la: &Layout, lb: &Layout, rest: &Rest) -> Option<OwnProduct> {
+    use super::codegen::{NARROW_MAX_N, SHORT_CHUNK, SHORT_MAX_M, SHORT_MIN_K};
+    if !matches!(dtype, DType::F32 | DType::F64) || batch != 1 || rest.gelu.is_some() {
+        return None;
+    }
     let (r, rb) = (la.rank(), lb.rank());
     let (m, k, n) = (la.shape[r - 2], la.shape[r - 1], lb.shape[rb - 1]);
-    let left_sums = rest.sums.is_none_or(|(_, dim, _)| dim == 1);
-    let plain = rest.bias.is_none() && !rest.relu && rest.gelu.is_none() && rest.dgelu.is_none() && rest.drelu.is_none() && left_sums;
-    let ok = matches!(dtype, DType::F32 | DType::F64)
-        && batch == 1
-        && plain
+    let b_rows = lb.strides[rb - 1] == 1 || n == 1;
+    let (bias_relu, sums) = (rest.bias.is_some() || rest.relu, rest.sums.map(|(_, dim, _)| dim));
+    // The thin kernel takes only `DRelu`'s mask (h as wide as the product).
+    let mask = match rest.dact {
+        None => Some(true),
+        Some((u, (_, l))) => (u == crate::UnaryOp::Step && l.rank() >= 2 && l.shape[l.rank() - 2..] == [m, n]).then_some(false),
+    };
+    let kind = if mask.is_some() && !bias_relu && sums.is_none() && super::codegen::thin_takes(dtype, k, b_rows) {
+        Own::Thin
+    } else if mask == Some(true)
+        && !bias_relu
+        && sums.is_none_or(|d| d == 1)
         && (1..=SHORT_MAX_M).contains(&m)
         && k >= SHORT_MIN_K
-        && k.div_ceil(super::codegen::SHORT_CHUNK) * m * (n + 1) <= SHORT_MAX_PARTIALS
-        && (lb.strides[rb - 1] == 1 || n == 1);
-    ok.then(|| (view2(la, m, k), view2(lb, k, n)))
+        && k.div_ceil(SHORT_CHUNK) * m * (n + 1) <= SHORT_MAX_PARTIALS
+        && b_rows
+    {
+        Own::Short
+    } else if mask == Some(true)
+        && sums.is_none()
+        && (1..=NARROW_MAX_N).contains(&n)
+        && (1..=NARROW_MAX_K).contains(&k)
+        && (la.strides[r - 1] == 1 || k == 1)
+    {
+        Own::Narrow
+    } else {
+        return None;
+    };
+    Some(OwnProduct { kind, a: view2(la, m, k), b: view2(lb, k, n) })
 }
 
-/// 2-D views of A and B when `kernels::matmul_thin` takes the product: F32 or F64, one GEMM
-/// with a contraction of at most `THIN_MAX_K`, B's rows contiguous, and no epilogue but
-/// `DRelu` (h as wide as the product).
-fn thin(dtype: DType, batch: usize, la: &Layout, lb: &Layout, rest: &Rest) -> Option<(Layout, Layout)> {
-    let (r, rb) = (la.rank(), lb.rank());
-    let (m, k, n) = (la.shape[r - 2], la.shape[r - 1], lb.shape[rb - 1]);
-    let plain = rest.bias.is_none() && !rest.relu && rest.gelu.is_none() && rest.dgelu.is_none() && rest.sums.is_none();
-    let ok = matches!(dtype, DType::F32 | DType::F64)
-        && batch == 1
-        && plain
-        && (1..=super::codegen::THIN_MAX_K).contains(&k)
-        && (lb.strides[rb - 1] == 1 || n == 1)
-        && rest.drelu.is_none_or(|(_, l)| l.rank() >= 2 && l.shape[l.rank() - 2..] == [m, n]);
-    ok.then(|| (view2(la, m, k), view2(lb, k, n)))
-}
-
-/// The most partial sums `short` lets its first kernel write (16 MiB of F32): past it, cuBLAS.
+/// The most partial sums `Own::Short` lets its first kernel write (16 MiB of F32): past it, cuBLAS.
 const SHORT_MAX_PARTIALS: usize = 1 << 22;
+
+/// The longest contraction `Own::Narrow` takes (a warp walks it serially).
+const NARROW_MAX_K: usize = 8192;
 
 /// The last two dims of a layout as a 2-D view `[rows, cols]`.
 fn view2(l: &Layout, rows: usize, cols: usize) -> Layout {
     let r = l.rank();
     Layout { shape: vec![rows, cols], strides: vec![l.strides[r - 2], l.strides[r - 1]], offset: l.offset }
 }
-
-/// The longest contraction `narrow` takes (a warp walks it serially).
-const NARROW_MAX_K: usize = 8192;
 
 /// The cuBLASLt epilogue for `rest` and the addresses of its vector and aux matrix (0 if
 /// none). Epilogues need one GEMM (a batch would need the vector's batch stride), a dense,
@@ -425,7 +426,8 @@ fn lt_epilogue(rest: &Rest, batch: usize, n: usize, out: &CudaStorage) -> (Epilo
     let aligned = |p: u64| (batch == 1 && alignment(p) >= 16).then_some(p);
     let dense = |v: Option<(&CudaStorage, &Layout)>| v.filter(|(_, l)| l.is_contiguous()).and_then(|(s, l)| aligned(s.ptr_at(l.offset)));
     let bias = dense(rest.bias);
-    let (kind, vector, aux) = match (rest.bias, bias, rest.relu, rest.gelu, rest.dgelu, rest.sums) {
+    let dgelu = rest.dact.filter(|(u, _)| *u == crate::UnaryOp::GeluTanhGrad).map(|(_, h)| h);
+    let (kind, vector, aux) = match (rest.bias, bias, rest.relu, rest.gelu, dgelu, rest.sums) {
         (Some(_), Some(p), true, ..) => (E::CUBLASLT_EPILOGUE_RELU_BIAS, p, 0),
         (Some(_), Some(p), _, Some(at), ..) => match aligned(out.ptr_at(at)) {
             Some(x) => (E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS, p, x),
@@ -462,7 +464,7 @@ impl Rest<'_> {
     /// Drops what `epilogue` did.
     fn done_by(&mut self, epilogue: Epilogue) {
         if epilogue != Epilogue::NONE {
-            *self = Rest { bias: None, relu: false, gelu: None, dgelu: None, drelu: None, sums: None };
+            *self = Rest { bias: None, relu: false, gelu: None, dact: None, sums: None };
         }
     }
 }
@@ -483,11 +485,8 @@ fn finish(g: &Arc<Gpu>, out: CudaStorage, rest: Rest, shape: &[usize]) -> Result
         unsafe { g.copy_d2d(out.ptr_at(at), out.buf.ptr, bytes)? };
         super::kernels::unary_in_place(g, &out, shape, crate::UnaryOp::GeluTanh)?;
     }
-    if let Some(h) = rest.drelu {
-        super::kernels::mul_by_unary(g, &out, shape, crate::UnaryOp::Step, h)?;
-    }
-    if let Some(h) = rest.dgelu {
-        super::kernels::mul_by_unary(g, &out, shape, crate::UnaryOp::GeluTanhGrad, h)?;
+    if let Some((u, h)) = rest.dact {
+        super::kernels::mul_by_unary(g, &out, shape, u, h)?;
     }
     if let Some(((s, l), dim, at)) = rest.sums {
         let len = l.shape[1 - dim];

@@ -97,6 +97,11 @@ __device__ __forceinline__ double kdiv(double a, double b) { return a / b; }
 __device__ __forceinline__ long long kdiv(long long a, long long b) {
   return (b == 0 || (a == (-9223372036854775807LL - 1) && b == -1)) ? 0 : a / b;
 }
+// The sum over a warp's 32 lanes, in every lane (a fixed order: the same bits every run).
+template <class T> __device__ __forceinline__ T kwarp_sum(T x) {
+  for (int w = 16; w > 0; w /= 2) x += __shfl_xor_sync(0xffffffffu, x, w);
+  return x;
+}
 template <class T> __device__ __forceinline__ T ksilu_grad(T x) { T s = T(1) / (T(1) + kexp(-x)); return s * (T(1) + x * (T(1) - s)); }
 template <class T> __device__ __forceinline__ T kgelu_tanh_grad(T x) {
   T c = T(0.7978845608028654), a = T(0.044715);
@@ -756,8 +761,7 @@ pub fn matmul_narrow_source(dtype: DType, n: usize) -> (String, String) {
   C v = (C)0;
 #pragma unroll
   for (int j = 0; j < NN; ++j) {
-    C x = acc[j];
-    for (int w = 16; w > 0; w /= 2) x += __shfl_xor_sync(0xffffffffu, x, w);
+    const C x = kwarp_sum(acc[j]);
     if (lane == j) v = x;
   }
   if (lane < NN) {
@@ -824,7 +828,7 @@ pub fn matmul_short_source(dtype: DType, m: usize, sums: bool) -> (String, Strin
     for (int i = threadIdx.x / 32; i < MM; i += blockDim.x / 32) {
       C v = (C)0;
       for (int kk = lane; kk < CH; kk += 32) v += as[i][kk];
-      for (int w = 16; w > 0; w /= 2) v += __shfl_xor_sync(0xffffffffu, v, w);
+      v = kwarp_sum(v);
       if (lane == 0) st(&part[(blockIdx.y * MM + i) * g.ldp + g.n], v);
     }
   }
@@ -842,7 +846,7 @@ pub fn matmul_short_source(dtype: DType, m: usize, sums: bool) -> (String, Strin
   C v = (C)0;
 #pragma unroll 4
   for (long long y = lane; y < g.chunks; y += 32) v += (C)ld(part[(y * MM + i) * g.ldp + c]);
-  for (int w = 16; w > 0; w /= 2) v += __shfl_xor_sync(0xffffffffu, v, w);
+  v = kwarp_sum(v);
   if (lane == 0) st(&o[c < g.n ? i * g.n + c : g.tail + i], v);
 }
 "#;
@@ -855,6 +859,13 @@ pub const SHORT_CHUNK: usize = 16;
 
 /// The longest contraction `matmul_thin_source` takes.
 pub const THIN_MAX_K: usize = 16;
+
+/// Whether the thin-product kernel takes a product (the CUDA back end's dispatch, and
+/// `fuse_matmuls`, which fuses a ReLU's gradient only where it does): F32 or F64, a
+/// contraction of at most `THIN_MAX_K`, B's rows contiguous.
+pub fn thin_takes(dtype: DType, k: usize, b_rows_contiguous: bool) -> bool {
+    matches!(dtype, DType::F32 | DType::F64) && (1..=THIN_MAX_K).contains(&k) && b_rows_contiguous
+}
 
 /// A product with a short contraction, `o [m, n] = a [m, k] b [k, n]` (`k` compiled in, at
 /// most `THIN_MAX_K`: the product by a classifier head's weight in the backward), with

@@ -364,8 +364,9 @@ impl Gpu {
     pub fn kernel_set<const N: usize>(&self, key: u64, source: impl FnOnce() -> (String, String, [String; N])) -> Result<[Kernel; N]> {
         let keys: [u64; N] = std::array::from_fn(|i| key.wrapping_add(i as u64));
         let mut map = self.kernels.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(found) = keys.iter().map(|k| map.get(k).copied()).collect::<Option<Vec<Kernel>>>() {
-            return found.try_into().map_err(|_| Error::Msg("kernel set".into()));
+        // (Looked up on every launch: no allocation.)
+        if keys.iter().all(|k| map.contains_key(k)) {
+            return Ok(keys.map(|k| map[&k]));
         }
         let (src, module, names) = source();
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
