@@ -933,7 +933,7 @@ struct NArgs {
 
 /// `out [m, n] = a [m, k] b [k, n] (+ bias) (ReLU)` by the narrow-product kernel: 2-D views of
 /// A (rows contiguous) and B, a bias `[n]`; `out` dense. The caller checks
-/// `n <= NARROW_MAX_N` and A's layout (`blas::matmul_fused`).
+/// `n <= NARROW_MAX_N` and A's layout (`blas::own_product`).
 pub(super) fn matmul_narrow(
     g: &Arc<Gpu>,
     (sa, la): (&CudaStorage, &Layout),
@@ -981,7 +981,7 @@ struct SArgs {
 /// `out [m, n] = a [m, k] b [k, n]` by the short-product kernels (`codegen::matmul_short_source`):
 /// 2-D views of A (any strides) and B (rows contiguous); with `sums` at `Some(at)`, A's row
 /// sums written from `out[at]` too (`MatmulEpilogue::SumLeft`). The caller checks
-/// `m <= SHORT_MAX_M` and B's layout (`blas::matmul_fused`).
+/// `m <= SHORT_MAX_M` and B's layout (`blas::own_product`).
 pub(super) fn matmul_short(
     g: &Arc<Gpu>,
     (sa, la): (&CudaStorage, &Layout),
@@ -1036,7 +1036,7 @@ struct TArgs {
 
 /// `out [m, n] = a [m, k] b [k, n]`, with `drelu` times `step(h)`, by the thin-product kernel:
 /// 2-D views of A, B and h (any strides); `out` dense. The caller checks `k <= THIN_MAX_K`
-/// (`blas::matmul_fused`).
+/// (`blas::own_product`).
 pub(super) fn matmul_thin(
     g: &Arc<Gpu>,
     (sa, la): (&CudaStorage, &Layout),
