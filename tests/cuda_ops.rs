@@ -793,3 +793,53 @@ fn autotuned_matmuls_match_the_cpu_and_are_kept_on_disk() {
     assert!(after - before >= 6, "each new shape is timed ({} were)", after - before);
     assert!(files >= 6, "tuned choices are written to the cache folder ({files} files)");
 }
+
+/// Kiln's Hopper F32 GEMM (`wgmma`, three TF32 products a step) against the CPU in all four
+/// operand layouts, with ragged edges (rows, columns and a contraction not multiples of the
+/// tiles) and every epilogue it takes; then the same products through cuBLAS, to show that
+/// both agree with the CPU to F32's tolerance. On a GPU other than `sm_90` it says it skipped.
+#[test]
+fn hopper_f32_gemm_matches_the_cpu_in_every_layout_and_epilogue() {
+    use kiln::tensor::MatmulEpilogue as E;
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    let Device::Cuda(ordinal) = dev else { unreachable!("gpu() gives a CUDA device") };
+    let cc = cuda::compute_capability(ordinal).unwrap();
+    if cc != (9, 0) {
+        println!("SKIPPED: Kiln's wgmma GEMM needs an sm_90 GPU; this one is sm_{}{}", cc.0, cc.1);
+        return;
+    }
+    let dt = DType::F32;
+    cuda::set_f32_gemm(cuda::F32Gemm::Kiln);
+    let launches = cuda::kiln_gemm_launches();
+    let t = tol(dt) * 10.0;
+    for (m, k, n) in [(300, 36, 260), (132, 200, 8), (4, 4, 4), (260, 1000, 132)] {
+        let (a, at, b, bt) = (randn(&[m, k], 60, dt), randn(&[k, m], 61, dt), randn(&[k, n], 62, dt), randn(&[n, k], 63, dt));
+        let s = format!("m {m} k {k} n {n}");
+        both(&format!("a b, {s}"), &[a.clone(), b.clone()], t, |v| v[0].matmul(&v[1]));
+        both(&format!("a w^T, {s}"), &[a.clone(), bt.clone()], t, |v| v[0].matmul(&v[1].t()?));
+        both(&format!("x^T b, {s}"), &[at.clone(), b.clone()], t, |v| v[0].t()?.matmul(&v[1]));
+        both(&format!("x^T w^T, {s}"), &[at.clone(), bt.clone()], t, |v| v[0].t()?.matmul(&v[1].t()?));
+        let (bias, h) = (randn(&[n], 64, dt), randn(&[m, n], 65, dt));
+        both(&format!("a w^T + bias, relu, {s}"), &[a.clone(), bt.clone(), bias.clone()], t, |v| {
+            fused(E::Relu)(&[v[0].clone(), v[1].t()?, v[2].clone()])
+        });
+        both(&format!("a w^T + bias, gelu with its input, {s}"), &[a.clone(), bt.clone(), bias.clone()], t, |v| {
+            fused(E::GeluTanh)(&[v[0].clone(), v[1].t()?, v[2].clone()])
+        });
+        both(&format!("g w * gelu'(h), {s}"), &[a.clone(), b.clone(), h.clone()], t, fused(E::DGeluTanh));
+        both(&format!("g w * step(h), {s}"), &[a.clone(), b.clone(), h.clone()], t, fused(E::DRelu));
+    }
+    // Every product above ran on Kiln's kernel (four layouts and four epilogues, at four
+    // shapes, each forward on the GPU once).
+    assert_eq!(cuda::kiln_gemm_launches() - launches, 4 * 8, "products that did not take Kiln's GEMM");
+    // A [B, T, C] input folded into rows, against cuBLAS's result on the same GPU.
+    let (x, w) = (randn(&[3, 100, 64], 66, dt).to_device(dev).unwrap(), randn(&[96, 64], 67, dt).to_device(dev).unwrap());
+    let ours = x.matmul(&w.t().unwrap()).unwrap();
+    cuda::set_f32_gemm(cuda::F32Gemm::Cublas);
+    let theirs = x.matmul(&w.t().unwrap()).unwrap();
+    cuda::set_f32_gemm(cuda::F32Gemm::Auto);
+    let (o, c) = (ours.to_vec_f64().unwrap(), theirs.to_vec_f64().unwrap());
+    let worst = o.iter().zip(&c).map(|(p, q)| (p - q).abs() / (1.0 + q.abs())).fold(0.0, f64::max);
+    assert!(worst < 1e-5, "Kiln's GEMM against cuBLAS's: {worst}");
+}

@@ -22,9 +22,11 @@ fn need_nvrtc() {
     );
 }
 
-/// Compiles one source; collects failures so one run reports them all.
+/// Compiles one source (for `sm_90a` where it asks, as `Gpu::load` does); collects failures
+/// so one run reports them all.
 fn check(src: &str, name: &str, failures: &mut Vec<String>) {
-    if let Err(e) = nvrtc::compile(src, name, "sm_90", true) {
+    let arch = if src.starts_with(kiln_tensor::cuda::wgmma::ARCH_SPECIFIC) { "sm_90a" } else { "sm_90" };
+    if let Err(e) = nvrtc::compile(src, name, arch, true) {
         failures.push(format!("{name}: {e}"));
     }
 }
@@ -339,4 +341,27 @@ fn a_group_folding_its_sums_in_one_block_compiles() {
     let mut fails = Vec::new();
     check(&src, "kiln_fold", &mut fails);
     assert!(fails.is_empty(), "{}", fails.join("\n"));
+}
+
+/// Kiln's Hopper F32 GEMM in its four layouts with each epilogue the back end asks for.
+#[test]
+fn every_hopper_gemm_variant_compiles() {
+    use kiln_tensor::cuda::wgmma::Spec;
+    need_nvrtc();
+    let mut fails = Vec::new();
+    let epilogues = [
+        (false, false, None, None),
+        (true, false, Some(UnaryOp::Relu), None),
+        (true, true, Some(UnaryOp::GeluTanh), None),
+        (false, true, Some(UnaryOp::GeluTanh), None),
+        (false, false, None, Some(UnaryOp::GeluTanhGrad)),
+        (false, false, None, Some(UnaryOp::Step)),
+    ];
+    for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+        for (bias, keep, act, dact) in epilogues {
+            let (s, n) = Spec { ta, tb, bias, keep, act, dact }.source();
+            check(&s, &n, &mut fails);
+        }
+    }
+    assert!(fails.is_empty(), "{} kernels failed:\n{}", fails.len(), fails.join("\n\n"));
 }

@@ -229,10 +229,20 @@ pub fn matmul_fused(
         };
         (la, m, batch) = (folded, batch * m, 1);
     }
-    if let Some(own) = own_product(meta.dtype, batch, &la, &lb, &rest) {
+    let sa = dense_a.as_ref().unwrap_or(sa);
+    if let Some(own) = own_product(g, meta.dtype, batch, (sa, &la), (sb, &lb), &rest) {
         // Kiln's kernel does all that is left of the fused op.
-        let (a, b) = ((dense_a.as_ref().unwrap_or(sa), &own.a), (sb, &own.b));
+        let (a, b) = ((sa, &own.a), (sb, &own.b));
         match own.kind {
+            Own::Hopper(spec) => {
+                let bias = rest.bias.map(|(s, l)| s.ptr_at(l.offset));
+                let aux = match (rest.gelu, rest.dact) {
+                    (Some(at), _) => Some((out.ptr_at(at), n)),
+                    (None, Some((_, (s, l)))) => aux_rows(l, m, n).map(|(at, ld)| (s.ptr_at(at), ld)),
+                    _ => None,
+                };
+                super::kernels::matmul_wgmma(g, spec, a, b, bias, aux, &out)?
+            }
             Own::Thin => {
                 let h = rest.dact.map(|(_, (s, l))| (s, view2(l, m, n)));
                 super::kernels::matmul_thin(g, a, b, h.as_ref().map(|(s, l)| (*s, l)), &out)?
@@ -242,7 +252,7 @@ pub fn matmul_fused(
         }
         return Ok(out);
     }
-    let a = operand(g, dense_a.as_ref().unwrap_or(sa), &la)?;
+    let a = operand(g, sa, &la)?;
     let b = operand(g, sb, &lb)?;
     let b = if batch == 1 { Operand { batch_stride: 0, ..b } } else { b };
     let (dt, compute) = data_type(meta.dtype)?;
@@ -349,8 +359,12 @@ pub fn matmul_fused(
     finish(g, out, rest, &shape)
 }
 
-/// Which of Kiln's own kernels takes a product that cuBLAS's tiles would leave mostly idle.
+/// Which of Kiln's own kernels takes a product: cuBLAS's FP32 is slower (`Hopper`), or its
+/// tiles would leave most of the GPU idle (the rest).
 enum Own {
+    /// F32 on the tensor cores, three TF32 products a step (`wgmma.rs`), with the fused op's
+    /// bias, activation or activation gradient.
+    Hopper(super::wgmma::Spec),
     /// A contraction of at most 16, with `DRelu`'s mask at most (`kernels::matmul_thin`).
     Thin,
     /// At most 16 rows over a long contraction, with `SumLeft`'s sums at most (`matmul_short`).
@@ -368,13 +382,27 @@ struct OwnProduct {
 
 /// The `Own` kernel that takes this product, if any: F32 or F64, one GEMM, and nothing left in
 /// `rest` that the kernel cannot do.
-fn own_product(dtype: DType, batch: usize, la: &Layout, lb: &Layout, rest: &Rest) -> Option<OwnProduct> {
+fn own_product(
+    g: &Gpu,
+    dtype: DType,
+    batch: usize,
+    (sa, la): (&CudaStorage, &Layout),
+    (sb, lb): (&CudaStorage, &Layout),
+    rest: &Rest,
+) -> Option<OwnProduct> {
     use super::codegen::{NARROW_MAX_N, SHORT_CHUNK, SHORT_MAX_M, SHORT_MIN_K};
-    if !matches!(dtype, DType::F32 | DType::F64) || batch != 1 || rest.gelu.is_some() {
+    if !matches!(dtype, DType::F32 | DType::F64) || batch != 1 {
         return None;
     }
     let (r, rb) = (la.rank(), lb.rank());
     let (m, k, n) = (la.shape[r - 2], la.shape[r - 1], lb.shape[rb - 1]);
+    let (a, b) = (view2(la, m, k), view2(lb, k, n));
+    if let Some(spec) = hopper_spec(g, dtype, (sa, &a), (sb, &b), rest) {
+        return Some(OwnProduct { kind: Own::Hopper(spec), a, b });
+    }
+    if rest.gelu.is_some() {
+        return None;
+    }
     let b_rows = lb.strides[rb - 1] == 1 || n == 1;
     let (bias_relu, sums) = (rest.bias.is_some() || rest.relu, rest.sums.map(|(_, dim, _)| dim));
     // The thin kernel takes only `DRelu`'s mask (h as wide as the product).
@@ -403,7 +431,93 @@ fn own_product(dtype: DType, batch: usize, la: &Layout, lb: &Layout, rest: &Rest
     } else {
         return None;
     };
-    Some(OwnProduct { kind, a: view2(la, m, k), b: view2(lb, k, n) })
+    Some(OwnProduct { kind, a, b })
+}
+
+/// An activation input `[.., m, n]` as rows of `n` with unit stride: (offset, row stride).
+fn aux_rows(l: &Layout, m: usize, n: usize) -> Option<(usize, usize)> {
+    let v = l.reshaped(&[m, n])?;
+    (v.strides[1] == 1 || n == 1).then_some((v.offset, v.strides[0]))
+}
+
+/// Which F32 GEMM runs products on a Hopper GPU (`set_f32_gemm`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum F32Gemm {
+    /// Kiln's (`wgmma.rs`) where it measured faster than cuBLAS: at least a wave of its tiles,
+    /// and not the layout `a^T b` with B's rows contiguous (0.8-0.95x cuBLAS, session 19).
+    Auto,
+    /// Kiln's wherever its layout rules allow (for tests).
+    Kiln,
+    /// cuBLAS's always (as `KILN_F32_GEMM=cublas` asks).
+    Cublas,
+}
+
+static F32_GEMM: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(u8::MAX);
+
+/// Chooses the F32 GEMM for products on Hopper GPUs from now on.
+pub fn set_f32_gemm(choice: F32Gemm) {
+    F32_GEMM.store(choice as u8, Ordering::Relaxed);
+}
+
+/// The choice set by `set_f32_gemm`, else `KILN_F32_GEMM` (`kiln` or `cublas`), else `Auto`.
+pub fn f32_gemm() -> F32Gemm {
+    match F32_GEMM.load(Ordering::Relaxed) {
+        0 => F32Gemm::Auto,
+        1 => F32Gemm::Kiln,
+        2 => F32Gemm::Cublas,
+        _ => match std::env::var("KILN_F32_GEMM").as_deref() {
+            Ok("kiln") => F32Gemm::Kiln,
+            Ok("cublas") => F32Gemm::Cublas,
+            _ => F32Gemm::Auto,
+        },
+    }
+}
+
+/// The `wgmma` GEMM's variant for a product (2-D views `a`, `b`), if it takes it: F32 in full
+/// FP32 (with TF32 allowed, cuBLAS's TF32 is faster), an `sm_90` GPU, each operand with a unit
+/// stride, its other stride and contiguous extent multiples of 4 and its start 16-byte
+/// aligned (16-byte loads), `n` even (8-byte stores), and an epilogue it can do.
+fn hopper_spec(g: &Gpu, dtype: DType, (sa, a): (&CudaStorage, &Layout), (sb, b): (&CudaStorage, &Layout), rest: &Rest) -> Option<super::wgmma::Spec> {
+    let choice = f32_gemm();
+    if dtype != DType::F32 || allow_tf32() || g.arch != (9, 0) || choice == F32Gemm::Cublas {
+        return None;
+    }
+    let (m, k, n) = (a.shape[0], a.shape[1], b.shape[1]);
+    if m.max(n).max(k) >= i32::MAX as usize || n % 2 != 0 || rest.sums.is_some() {
+        return None;
+    }
+    // (transposed, leading stride) of a 2-D view `[rows, cols]` read along one unit stride;
+    // the contiguous extent must be a multiple of 4.
+    let unit = |s: &CudaStorage, l: &Layout| -> Option<bool> {
+        let (rows, cols) = (l.shape[0], l.shape[1]);
+        let trans = if l.strides[1] == 1 && cols % 4 == 0 {
+            false
+        } else if l.strides[0] == 1 && rows % 4 == 0 {
+            true
+        } else {
+            return None;
+        };
+        let ld = l.strides[if trans { 1 } else { 0 }];
+        (ld % 4 == 0 && ld >= if trans { rows } else { cols } && s.ptr_at(l.offset) % 16 == 0).then_some(trans)
+    };
+    let (ta, tb) = (unit(sa, a)?, unit(sb, b)?);
+    let bias = match rest.bias {
+        Some((_, l)) if l.strides.last() != Some(&1) && n > 1 => return None,
+        b => b.is_some(),
+    };
+    let dact = match rest.dact {
+        Some((_, (_, l))) if aux_rows(l, m, n).is_none() => return None,
+        d => d.map(|(u, _)| u),
+    };
+    let act = match (rest.relu, rest.gelu) {
+        (true, _) => Some(crate::UnaryOp::Relu),
+        (false, Some(_)) => Some(crate::UnaryOp::GeluTanh),
+        _ => None,
+    };
+    let spec = super::wgmma::Spec { ta, tb, bias, keep: rest.gelu.is_some(), act, dact };
+    let tiles = m.div_ceil(super::wgmma::BM) * n.div_ceil(super::wgmma::BN);
+    let fast = tiles >= g.sms as usize && !(ta && !tb);
+    (choice == F32Gemm::Kiln || fast).then_some(spec)
 }
 
 /// The most partial sums `Own::Short` lets its first kernel write (16 MiB of F32): past it, cuBLAS.

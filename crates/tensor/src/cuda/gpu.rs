@@ -383,7 +383,9 @@ impl Gpu {
         if super::log_kernels() {
             eprintln!("[kiln kernels] {name}:\n{src}");
         }
-        let cubin = super::nvrtc::cubin(src, name, self.arch)?;
+        // `wgmma` kernels need the architecture-specific target (`sm_90a`).
+        let suffix = if src.starts_with(super::wgmma::ARCH_SPECIFIC) { "a" } else { "" };
+        let cubin = super::nvrtc::cubin(src, name, &format!("sm_{}{}{suffix}", self.arch.0, self.arch.1))?;
         self.load_cubin(&cubin, name, names)
     }
 

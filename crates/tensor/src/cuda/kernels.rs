@@ -1299,3 +1299,59 @@ fn adam_launch(
     // threads past a parameter's length do nothing.
     unsafe { gpu.launch(k, (gpu.grid_for(most), batch.len() as u32), 256, 0, &mut params) }
 }
+
+/// Products run by `matmul_wgmma` in this process (`cuda::kiln_gemm_launches`).
+pub(super) static KILN_GEMM_LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Mirrors `struct GArgs` (`wgmma.rs`).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct GArgs {
+    lda: i64,
+    ldb: i64,
+    ldc: i64,
+    ldx: i64,
+    m: i32,
+    n: i32,
+    k: i32,
+    pad: i32,
+}
+
+/// `out [m, n] = a [m, k] b [k, n]` and `spec`'s epilogue by Kiln's Hopper GEMM
+/// (`wgmma.rs`): 2-D views of A and B, each with the unit stride `spec` says and the other a
+/// multiple of 4, 16-byte aligned; `bias` a dense `[n]`; `aux` (GELU's pre-activation
+/// written, or an activation's input read) an address with rows `ldx` apart; `out` dense.
+/// The caller checks all of it (`blas::own_product`).
+pub(super) fn matmul_wgmma(
+    g: &Arc<Gpu>,
+    spec: super::wgmma::Spec,
+    (sa, la): (&CudaStorage, &Layout),
+    (sb, lb): (&CudaStorage, &Layout),
+    bias: Option<u64>,
+    aux: Option<(u64, usize)>,
+    out: &CudaStorage,
+) -> Result<()> {
+    use super::wgmma::{BM, BN, THREADS};
+    KILN_GEMM_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let (m, k, n) = (la.shape[0], la.shape[1], lb.shape[1]);
+    let shared = spec.shared_bytes() as u32;
+    let k_fn = g.kernel_shared(super::spec_key("matmul_wgmma", &spec), shared, || spec.source())?;
+    let mut a = GArgs {
+        lda: la.strides[spec.ta as usize] as i64,
+        ldb: lb.strides[spec.tb as usize] as i64,
+        ldc: n as i64,
+        ldx: aux.map_or(0, |(_, ld)| ld as i64),
+        m: m as i32,
+        n: n as i32,
+        k: k as i32,
+        pad: 0,
+    };
+    let (mut pa, mut pb, mut pc) = (sa.ptr_at(la.offset), sb.ptr_at(lb.offset), out.buf.ptr);
+    let (mut pbias, mut paux) = (bias.unwrap_or(0), aux.map_or(0, |(p, _)| p));
+    let mut params = kernel_params![pa, pb, pc, pbias, paux, a];
+    // SAFETY: (a, b, c, bias, aux, GArgs) matches the generated signature; the views lie
+    // inside their buffers with the strides given (the caller's checks), `out` holds m x n
+    // values, bias n and aux m rows of ldx (read or written only when the spec says so); a
+    // block per 128 x 128 tile, with the shared memory the spec asks for.
+    unsafe { g.launch(k_fn, (n.div_ceil(BN) as u32, m.div_ceil(BM) as u32), THREADS as u32, shared, &mut params) }
+}

@@ -11,6 +11,7 @@
 #[cfg(feature = "cuda")]
 mod blas;
 pub mod codegen;
+pub mod wgmma;
 #[cfg(feature = "cuda")]
 pub mod compiled;
 #[cfg(feature = "cuda")]
@@ -30,7 +31,7 @@ use crate::Error;
 use crate::{Device, Result, Tensor};
 
 #[cfg(feature = "cuda")]
-pub use blas::{allow_tf32, set_allow_tf32};
+pub use blas::{allow_tf32, f32_gemm, set_allow_tf32, set_f32_gemm, F32Gemm};
 #[cfg(feature = "cuda")]
 pub use gpu::driver_allocations;
 #[cfg(feature = "cuda")]
@@ -60,6 +61,19 @@ pub fn is_available(ordinal: usize) -> bool {
         let _ = ordinal;
         false
     }
+}
+
+/// The compute capability of `Device::Cuda(ordinal)` (e.g. (9, 0) for an H100 or H200).
+#[cfg(feature = "cuda")]
+pub fn compute_capability(ordinal: usize) -> Result<(i32, i32)> {
+    Ok(gpu::gpu(ordinal)?.arch)
+}
+
+/// How many products Kiln's Hopper F32 GEMM (`wgmma.rs`) has run in this process (the rest
+/// ran on cuBLAS or Kiln's small-product kernels; a compiled step's replays are not counted).
+#[cfg(feature = "cuda")]
+pub fn kiln_gemm_launches() -> u64 {
+    kernels::KILN_GEMM_LAUNCHES.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Waits until all work queued on the GPU has run (for timing; ops never need it).

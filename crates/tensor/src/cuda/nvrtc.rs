@@ -25,18 +25,19 @@ pub fn cache_dir() -> Option<PathBuf> {
     crate::cache_dir("cubin")
 }
 
-/// The CUBIN for `src`, from the disk cache or freshly compiled (and then cached).
-pub fn cubin(src: &str, name: &str, arch: (i32, i32)) -> Result<Vec<u8>> {
+/// The CUBIN for `src` and `arch` (e.g. "sm_90"), from the disk cache or freshly compiled
+/// (and then cached).
+pub fn cubin(src: &str, name: &str, arch: &str) -> Result<Vec<u8>> {
     if !available() {
         return Err(Error::Cuda("NVRTC (libnvrtc.so) not found; it compiles Kiln's CUDA kernels".into()));
     }
     let (va, vb) = version();
-    let key = fnv1a(format!("{src}\n// sm_{}{} nvrtc {va}.{vb}", arch.0, arch.1).as_bytes());
-    let path = cache_dir().map(|d| d.join(format!("{name}-{key:016x}-sm{}{}.cubin", arch.0, arch.1)));
+    let key = fnv1a(format!("{src}\n// {arch} nvrtc {va}.{vb}").as_bytes());
+    let path = cache_dir().map(|d| d.join(format!("{name}-{key:016x}-{arch}.cubin")));
     if let Some(bytes) = path.as_ref().and_then(|p| std::fs::read(p).ok()) {
         return Ok(bytes);
     }
-    let bin = compile(src, name, &format!("sm_{}{}", arch.0, arch.1), true)?;
+    let bin = compile(src, name, arch, true)?;
     if let Some(p) = path {
         crate::cache_put(&p, &bin);
     }

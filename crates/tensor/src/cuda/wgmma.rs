@@ -1,0 +1,266 @@
+//! Kiln's F32 GEMM for Hopper (`sm_90a`): each F32 operand split into two TF32 parts
+//! (`x = big + small`), three `wgmma` products a step (`a_big b_big + a_big b_small +
+//! a_small b_big`, F32 accumulation), which keeps F32's accuracy to about 2^-21 at the tensor
+//! cores' rate. cuBLAS's true-FP32 SGEMM runs on the CUDA cores at about 51 TFLOP/s on the
+//! H200; `mma.sync` TF32 issues at about 130 TFLOP/s, so three of them cap near 44 (measured,
+//! session 18): only `wgmma` leaves room.
+//!
+//! A block of two warpgroups computes a `128 x 128` tile of `c = a @ b` and its epilogue.
+//! Every thread loads its share of a 32-deep slice of A and B into registers (16-byte loads,
+//! whatever the operands' transposes), splits it and stores both parts in shared memory in
+//! the K-major, 128-byte-swizzled layout `wgmma` reads (a transposed operand is turned on the
+//! way). Two stages, one barrier a slice: the next slice is stored and the one after loaded
+//! while the tensor cores run this one. The tensor cores' F32 accumulation truncates, so each
+//! slice's products go to a fresh accumulator that the CUDA cores add to the total (rounded):
+//! the error stays below SGEMM's (4096^3: 3.1e-7 relative against cuBLAS's 1.2e-6; 2.9e-5
+//! with one accumulator, growing with k).
+
+use super::codegen::PRELUDE;
+use crate::UnaryOp;
+
+/// Rows of a block's tile (two warpgroups of 64).
+pub const BM: usize = 128;
+/// Columns of a block's tile.
+pub const BN: usize = 128;
+/// The contraction slice a stage holds: 32 TF32 values, one 128-byte swizzle row.
+pub const BK: usize = 32;
+/// Shared-memory stages.
+pub const STAGES: usize = 2;
+/// Threads a block: two warpgroups.
+pub const THREADS: usize = 256;
+
+/// Marks a source that must be compiled for the architecture-specific target (`sm_90a`):
+/// `wgmma` exists nowhere else. `Gpu::load` reads it.
+pub const ARCH_SPECIFIC: &str = "// kiln: arch-specific (sm_90a)\n";
+
+/// One compiled variant of the GEMM: the operands' layouts and the epilogue, applied to each
+/// output `v` at row `r`, column `j` in this order: `v += bias[j]`; with `keep`, `aux[r, j] = v`
+/// (GELU's pre-activation for its backward); `v = act(v)`; `v *= dact(aux[r, j])` (an
+/// activation's gradient at its input, `MatmulEpilogue::DGelu` and `DRelu`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Spec {
+    /// A is stored `[k, m]` (its rows are M): `a^T` as a view.
+    pub ta: bool,
+    /// B is stored `[n, k]` (K contiguous): `w^T` as a view, as in a Linear's forward.
+    pub tb: bool,
+    pub bias: bool,
+    pub keep: bool,
+    pub act: Option<UnaryOp>,
+    pub dact: Option<UnaryOp>,
+}
+
+impl Spec {
+    /// Dynamic shared memory a block takes: the stages plus 1 KiB to align them to the
+    /// swizzle's 1024-byte period.
+    pub fn shared_bytes(&self) -> usize {
+        STAGES * 2 * (BM + BN) * BK * 4 + 1024
+    }
+
+    pub fn name(&self) -> String {
+        let op = |u: Option<UnaryOp>| u.map_or(String::new(), |u| format!("_{}", format!("{u:?}").to_lowercase()));
+        format!(
+            "k_gemm_tf32x3_{}{}{}{}{}{}",
+            if self.ta { "t" } else { "n" },
+            if self.tb { "t" } else { "n" },
+            if self.bias { "_bias" } else { "" },
+            if self.keep { "_keep" } else { "" },
+            op(self.act),
+            op(self.dact).replace('_', "_d"),
+        )
+    }
+
+    /// The CUDA source and the kernel's name (for `sm_90a`: it starts with `ARCH_SPECIFIC`).
+    pub fn source(&self) -> (String, String) {
+        let name = self.name();
+        let mut s = format!("{ARCH_SPECIFIC}{PRELUDE}\ntypedef float C;\n#define K(v) ((C)(v))\n");
+        s += &format!("#define BN {BN}\n#define TA {}\n#define TB {}\n", self.ta as u8, self.tb as u8);
+        s += BODY;
+        s += &mma_fn(BN);
+        s += "__device__ __forceinline__ float epilogue(float v, const float* bias, float* aux, long long xat, int col) {\n";
+        if self.bias {
+            s += "  v += __ldg(bias + col);\n";
+        }
+        if self.keep {
+            s += "  aux[xat] = v;\n";
+        }
+        if let Some(u) = self.act {
+            s += &format!("  v = {};\n", u.c_expr("v"));
+        }
+        if let Some(u) = self.dact {
+            s += &format!("  {{ const float h = aux[xat]; v *= {}; }}\n", u.c_expr("h"));
+        }
+        s += "  return v;\n}\n";
+        s += &format!(
+            "extern \"C\" __global__ void __launch_bounds__({THREADS}, 1) {name}(const float* __restrict__ a, \
+             const float* __restrict__ b, float* __restrict__ c, const float* __restrict__ bias, float* aux, GArgs g) {{\n  gemm(a, b, c, bias, aux, g);\n}}\n"
+        );
+        (s, name)
+    }
+}
+
+/// `wgmma m64n{bn}k8` on TF32 from two shared-memory descriptors, accumulating into `d`.
+fn mma_fn(bn: usize) -> String {
+    let regs = bn / 2;
+    let list: Vec<String> = (0..regs).map(|i| format!("%{i}")).collect();
+    let outs: Vec<String> = (0..regs).map(|i| format!("\"+f\"(d[{i}])")).collect();
+    format!(
+        "__device__ __forceinline__ void mma(float (&d)[{regs}], unsigned long long da, unsigned long long db, int acc) {{\n  asm volatile(\
+         \"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{}, 0;\\nwgmma.mma_async.sync.aligned.m64n{bn}k8.f32.tf32.tf32 {{{}}}, %{regs}, %{}, p, 1, 1;\\n}}\\n\"\n    : {}\n    : \"l\"(da), \"l\"(db), \"r\"(acc));\n}}\n",
+        regs + 2,
+        list.join(", "),
+        regs + 1,
+        outs.join(", ")
+    )
+}
+
+/// Everything but the `wgmma` wrapper and the entry point (they depend on the tile width).
+const BODY: &str = r#"
+#define BM 128
+#define BK 32
+#define STAGES 2
+#define A_PART (BM * BK * 4)
+#define B_PART (BN * BK * 4)
+#define STAGE_BYTES (2 * A_PART + 2 * B_PART)
+#define ACC (BN / 2)
+struct GArgs { long long lda, ldb, ldc, ldx; int m, n, k, pad; };
+
+__device__ __forceinline__ unsigned tf32(float x) { unsigned r; asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x)); return r; }
+// Byte offset of element (r, k) in a K-major slice (a row is BK values, 128 bytes): the
+// 16-byte chunk c of row r lies at chunk c ^ (r % 8), the 128-byte swizzle.
+__device__ __forceinline__ unsigned swz(int r, int k) { return r * 128 + ((((k >> 2) ^ r) & 7) << 4) + (k & 3) * 4; }
+// A shared-memory matrix descriptor: 128-byte swizzle, 8-row groups 1024 bytes apart.
+__device__ __forceinline__ unsigned long long desc(const unsigned char* p) {
+  const unsigned addr = (unsigned)__cvta_generic_to_shared(p);
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void split_store(unsigned char* big, unsigned char* small, unsigned off, float x) {
+  const unsigned hi = tf32(x);
+  *(unsigned*)(big + off) = hi;
+  *(unsigned*)(small + off) = tf32(x - __uint_as_float(hi));
+}
+__device__ __forceinline__ void split_store4(unsigned char* big, unsigned char* small, unsigned off, float4 x) {
+  const uint4 hi = make_uint4(tf32(x.x), tf32(x.y), tf32(x.z), tf32(x.w));
+  *(uint4*)(big + off) = hi;
+  *(uint4*)(small + off) = make_uint4(tf32(x.x - __uint_as_float(hi.x)), tf32(x.y - __uint_as_float(hi.y)),
+                                      tf32(x.z - __uint_as_float(hi.z)), tf32(x.w - __uint_as_float(hi.w)));
+}
+
+// One operand's slice: R rows (M for A, N for B) by BK, element (r, k) at p[r * ld + k] when
+// KC (K contiguous), else at p[k * ld + r]. A thread holds R / 32 float4s of it: with KC, four
+// neighbours along k of row r (one 16-byte store a part); else four neighbours along r at k
+// (four 4-byte stores a part, two-way bank conflicts; a quad's shuffle transpose to 16-byte
+// stores measured slower).
+template <int R, bool KC> struct Slice {
+  float4 v[R / 32];
+  __device__ __forceinline__ static void at(int idx, int& r, int& k) {
+    if (KC) { r = idx >> 3; k = 4 * (idx & 7); }
+    else { r = 4 * ((idx >> 3) % (R / 4)); k = (idx & 7) + 8 * (idx / (2 * R)); }
+  }
+  __device__ __forceinline__ void load(const float* p, long long ld, int r0, int rows, int k0, int K) {
+#pragma unroll
+    for (int i = 0; i < R / 32; ++i) {
+      int r, k;
+      at(threadIdx.x + 256 * i, r, k);
+      const int gr = r0 + r, gk = k0 + k;
+      v[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (gr < rows && gk < K) v[i] = __ldg((const float4*)(KC ? p + (long long)gr * ld + gk : p + (long long)gk * ld + gr));
+    }
+  }
+  __device__ __forceinline__ void store(unsigned char* big, unsigned char* small) const {
+#pragma unroll
+    for (int i = 0; i < R / 32; ++i) {
+      int r, k;
+      at(threadIdx.x + 256 * i, r, k);
+      if (KC) {
+        split_store4(big, small, swz(r, k), v[i]);
+      } else {
+        split_store(big, small, swz(r, k), v[i].x);
+        split_store(big, small, swz(r + 1, k), v[i].y);
+        split_store(big, small, swz(r + 2, k), v[i].z);
+        split_store(big, small, swz(r + 3, k), v[i].w);
+      }
+    }
+  }
+};
+
+__device__ __forceinline__ void mma(float (&d)[ACC], unsigned long long da, unsigned long long db, int acc);
+
+__device__ __forceinline__ float epilogue(float v, const float* bias, float* aux, long long xat, int col);
+
+__device__ __forceinline__ void gemm(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
+                                     const float* __restrict__ bias, float* aux, GArgs g) {
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = (unsigned char*)(((unsigned long long)smem_raw + 1023) & ~1023ull);
+  const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+  Slice<BM, !TA> sa;
+  Slice<BN, TB> sb;
+  const int kt_count = (g.k + BK - 1) / BK;
+  const int wg = threadIdx.x / 128;
+  // The tensor cores' F32 accumulation truncates: each slice's products are summed apart
+  // (t) and added to d with the CUDA cores' rounding, which keeps the error near SGEMM's
+  // instead of growing with k.
+  float d[ACC], t[ACC];
+#pragma unroll
+  for (int i = 0; i < ACC; ++i) d[i] = 0.f;
+
+  sa.load(a, g.lda, m0, g.m, 0, g.k);
+  sb.load(b, g.ldb, n0, g.n, 0, g.k);
+  sa.store(smem, smem + A_PART);
+  sb.store(smem + 2 * A_PART, smem + 2 * A_PART + B_PART);
+  if (kt_count > 1) {
+    sa.load(a, g.lda, m0, g.m, BK, g.k);
+    sb.load(b, g.ldb, n0, g.n, BK, g.k);
+  }
+  for (int kt = 0; kt < kt_count; ++kt) {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+    const unsigned char* st = smem + (kt % STAGES) * STAGE_BYTES;
+    const unsigned long long a_big = desc(st + wg * 64 * 128), a_small = desc(st + A_PART + wg * 64 * 128);
+    const unsigned long long b_big = desc(st + 2 * A_PART), b_small = desc(st + 2 * A_PART + B_PART);
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+    for (int s = 0; s < BK / 8; ++s) {
+      // Each k-step of 8 TF32 values is 32 bytes further along the swizzled rows (2 in the
+      // descriptor's 16-byte units). The slice's first product overwrites t.
+      mma(t, a_small + 2 * s, b_big + 2 * s, s);
+      mma(t, a_big + 2 * s, b_small + 2 * s, 1);
+      mma(t, a_big + 2 * s, b_big + 2 * s, 1);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    if (kt + 1 < kt_count) {
+      // Stage (kt + 1) % STAGES was last read by slice kt - 1, whose products every
+      // warpgroup waited for before this slice's barrier.
+      unsigned char* nx = smem + ((kt + 1) % STAGES) * STAGE_BYTES;
+      sa.store(nx, nx + A_PART);
+      sb.store(nx + 2 * A_PART, nx + 2 * A_PART + B_PART);
+    }
+    if (kt + 2 < kt_count) {
+      sa.load(a, g.lda, m0, g.m, (kt + 2) * BK, g.k);
+      sb.load(b, g.ldb, n0, g.n, (kt + 2) * BK, g.k);
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+    for (int i = 0; i < ACC; ++i) {
+      asm volatile("" : "+f"(t[i])::"memory");
+      d[i] += t[i];
+    }
+  }
+  // The accumulator's layout: warp w of the warpgroup holds rows 16 w.. (lane / 4, and 8
+  // below it), columns 8 j + 2 (lane % 4) and the next, for each j.
+  const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
+  const int row = m0 + wg * 64 + warp * 16 + lane / 4;
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+    const int col = n0 + 8 * j + 2 * (lane % 4);
+    if (col >= g.n) continue;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = row + 8 * h;
+      if (r >= g.m) continue;
+      const long long xat = (long long)r * g.ldx + col;
+      const float2 v = make_float2(epilogue(d[4 * j + 2 * h], bias, aux, xat, col), epilogue(d[4 * j + 2 * h + 1], bias, aux, xat + 1, col + 1));
+      *(float2*)(c + (long long)r * g.ldc + col) = v;
+    }
+  }
+}
+"#;
