@@ -53,6 +53,58 @@ fn elementwise(dev: Device, steps: usize) -> Result<f64> {
     median_ms(dev, 3, steps, || a.add(&b).map(|_| ()))
 }
 
+/// F32 products at the GPT's, the Transformer's and the MLP's shapes (`m k n` and layout:
+/// `n` for a row-major operand, `t` for a transposed view), Kiln's Hopper GEMM
+/// (`F32Gemm::Kiln`) against cuBLAS's, 20 products between synchronisations: one JSON line
+/// each with both times and TFLOP/s (`--only gemm_f32`, CUDA only, not part of the table).
+#[cfg(feature = "cuda")]
+fn gemm_f32(dev: Device, steps: usize) -> Result<()> {
+    use cuda::{set_f32_gemm, F32Gemm};
+    let shapes: [(usize, usize, usize, &str); 14] = [
+        (4096, 4096, 4096, "nt"),
+        (16384, 384, 1152, "nt"),
+        (16384, 384, 1536, "nt"),
+        (16384, 1536, 384, "nt"),
+        (16384, 384, 1536, "nn"),
+        (16384, 1536, 384, "nn"),
+        (384, 16384, 1536, "tn"),
+        (320, 512, 1536, "nt"),
+        (320, 512, 512, "nt"),
+        (320, 512, 2048, "nt"),
+        (320, 2048, 512, "nt"),
+        (4096, 784, 256, "nt"),
+        (4096, 256, 784, "nn"),
+        (784, 4096, 256, "tn"),
+    ];
+    for (m, k, n, layout) in shapes {
+        let t = |rows: usize, cols: usize, trans: bool, seed: u64| -> Result<Tensor> {
+            let x = Tensor::rand_at(&if trans { [cols, rows] } else { [rows, cols] }, Distribution::Normal, seed, 0, DType::F32, dev)?;
+            if trans {
+                x.t()
+            } else {
+                Ok(x)
+            }
+        };
+        let (a, b) = (t(m, k, layout.starts_with('t'), 11)?, t(k, n, layout.ends_with('t'), 12)?);
+        let mut us = [0.0; 2];
+        for (i, choice) in [F32Gemm::Cublas, F32Gemm::Kiln].into_iter().enumerate() {
+            set_f32_gemm(choice);
+            us[i] = median_ms(dev, 2, steps.min(20), || (0..20).try_for_each(|_| a.matmul(&b).map(|_| ())))? * 1e3 / 20.0;
+        }
+        set_f32_gemm(F32Gemm::Auto);
+        let tflops = |us: f64| 2.0 * (m * n * k) as f64 / us / 1e6;
+        println!(
+            "{{\"workload\": \"gemm_f32\", \"shape\": \"{m}x{k}x{n} {layout}\", \"cublas_us\": {:.1}, \"kiln_us\": {:.1}, \"cublas_tflops\": {:.1}, \"kiln_tflops\": {:.1}, \"speedup\": {:.2}}}",
+            us[0],
+            us[1],
+            tflops(us[0]),
+            tflops(us[1]),
+            us[0] / us[1]
+        );
+    }
+    Ok(())
+}
+
 /// Host time per eager op (printed to stderr, not part of the table): 2000 ops on
 /// 1-element tensors queued without synchronising, so the device never holds the host back.
 /// Contiguous adds, a broadcast add and a matmul, each with and without autograd recording.
@@ -285,6 +337,10 @@ fn main() -> Result<()> {
     }
     if want("op_overhead") {
         host_overhead(dev)?;
+    }
+    #[cfg(feature = "cuda")]
+    if only.as_deref().is_some_and(|o| "gemm_f32".contains(o)) && dev.is_cuda() {
+        gemm_f32(dev, steps)?;
     }
     // The CPU criterion bench's other workloads run on request only.
     let asked = |name: &str| only.as_deref().is_some_and(|o| name.contains(o));

@@ -234,7 +234,17 @@ pub fn matmul_fused(
         // Kiln's kernel does all that is left of the fused op.
         let (a, b) = ((sa, &own.a), (sb, &own.b));
         match own.kind {
-            Own::Hopper(spec) => {
+            Own::Hopper(spec, turn_b) => {
+                // B turned: a dense copy of B^T read as B with K contiguous.
+                let turned;
+                let b = if turn_b {
+                    let l = b.1;
+                    let t = Layout { shape: vec![n, k], strides: vec![l.strides[1], l.strides[0]], offset: l.offset };
+                    turned = (dense_copy(g, sb, &t)?, Layout { shape: vec![k, n], strides: vec![1, k], offset: 0 });
+                    (&turned.0, &turned.1)
+                } else {
+                    b
+                };
                 let bias = rest.bias.map(|(s, l)| s.ptr_at(l.offset));
                 let aux = match (rest.gelu, rest.dact) {
                     (Some(at), _) => Some((out.ptr_at(at), n)),
@@ -363,8 +373,8 @@ pub fn matmul_fused(
 /// tiles would leave most of the GPU idle (the rest).
 enum Own {
     /// F32 on the tensor cores, three TF32 products a step (`wgmma.rs`), with the fused op's
-    /// bias, activation or activation gradient.
-    Hopper(super::wgmma::Spec),
+    /// bias, activation or activation gradient; with `true`, B is copied transposed first.
+    Hopper(super::wgmma::Spec, bool),
     /// A contraction of at most 16, with `DRelu`'s mask at most (`kernels::matmul_thin`).
     Thin,
     /// At most 16 rows over a long contraction, with `SumLeft`'s sums at most (`matmul_short`).
@@ -397,8 +407,8 @@ fn own_product(
     let (r, rb) = (la.rank(), lb.rank());
     let (m, k, n) = (la.shape[r - 2], la.shape[r - 1], lb.shape[rb - 1]);
     let (a, b) = (view2(la, m, k), view2(lb, k, n));
-    if let Some(spec) = hopper_spec(g, dtype, (sa, &a), (sb, &b), rest) {
-        return Some(OwnProduct { kind: Own::Hopper(spec), a, b });
+    if let Some((spec, turn_b)) = hopper_spec(g, dtype, (sa, &a), (sb, &b), rest) {
+        return Some(OwnProduct { kind: Own::Hopper(spec, turn_b), a, b });
     }
     if rest.gelu.is_some() {
         return None;
@@ -476,8 +486,15 @@ pub fn f32_gemm() -> F32Gemm {
 /// The `wgmma` GEMM's variant for a product (2-D views `a`, `b`), if it takes it: F32 in full
 /// FP32 (with TF32 allowed, cuBLAS's TF32 is faster), an `sm_90` GPU, each operand with a unit
 /// stride, its other stride and contiguous extent multiples of 4 and its start 16-byte
-/// aligned (16-byte loads), `n` even (8-byte stores), and an epilogue it can do.
-fn hopper_spec(g: &Gpu, dtype: DType, (sa, a): (&CudaStorage, &Layout), (sb, b): (&CudaStorage, &Layout), rest: &Rest) -> Option<super::wgmma::Spec> {
+/// aligned (16-byte loads), `n` even (8-byte stores), and an epilogue it can do. With `true`,
+/// B is to be copied transposed first.
+fn hopper_spec(
+    g: &Gpu,
+    dtype: DType,
+    (sa, a): (&CudaStorage, &Layout),
+    (sb, b): (&CudaStorage, &Layout),
+    rest: &Rest,
+) -> Option<(super::wgmma::Spec, bool)> {
     let choice = f32_gemm();
     if dtype != DType::F32 || allow_tf32() || g.arch != (9, 0) || choice == F32Gemm::Cublas {
         return None;
@@ -486,8 +503,8 @@ fn hopper_spec(g: &Gpu, dtype: DType, (sa, a): (&CudaStorage, &Layout), (sb, b):
     if m.max(n).max(k) >= i32::MAX as usize || n % 2 != 0 || rest.sums.is_some() {
         return None;
     }
-    // (transposed, leading stride) of a 2-D view `[rows, cols]` read along one unit stride;
-    // the contiguous extent must be a multiple of 4.
+    // Whether a 2-D view `[rows, cols]` is read transposed (along its unit stride), if the
+    // kernel can read it at all.
     let unit = |s: &CudaStorage, l: &Layout| -> Option<bool> {
         let (rows, cols) = (l.shape[0], l.shape[1]);
         let trans = if l.strides[1] == 1 && cols % 4 == 0 {
@@ -501,6 +518,10 @@ fn hopper_spec(g: &Gpu, dtype: DType, (sa, a): (&CudaStorage, &Layout), (sb, b):
         (ld % 4 == 0 && ld >= if trans { rows } else { cols } && s.ptr_at(l.offset) % 16 == 0).then_some(trans)
     };
     let (ta, tb) = (unit(sa, a)?, unit(sb, b)?);
+    // B with its rows contiguous (`g @ w`, a Linear's input gradient) is turned first where
+    // it is small beside the product: the kernel reads K-contiguous operands 1.2-1.5x faster.
+    let turn_b = !tb && k % 4 == 0 && m >= TURN_B_MIN_M;
+    let tb = tb || turn_b;
     let bias = match rest.bias {
         Some((_, l)) if l.strides.last() != Some(&1) && n > 1 => return None,
         b => b.is_some(),
@@ -515,10 +536,15 @@ fn hopper_spec(g: &Gpu, dtype: DType, (sa, a): (&CudaStorage, &Layout), (sb, b):
         _ => None,
     };
     let spec = super::wgmma::Spec { ta, tb, bias, keep: rest.gelu.is_some(), act, dact };
-    let tiles = m.div_ceil(super::wgmma::BM) * n.div_ceil(super::wgmma::BN);
-    let fast = tiles >= g.sms as usize && !(ta && !tb);
-    (choice == F32Gemm::Kiln || fast).then_some(spec)
+    // Blocks: tiles times the contraction's parts.
+    let blocks = m.div_ceil(super::wgmma::BM) * n.div_ceil(super::wgmma::BN) * super::wgmma::splits(m, n, k, g.sms as usize).0;
+    let fast = 2 * blocks >= g.sms as usize && (tb || !ta);
+    (choice == F32Gemm::Kiln || fast).then_some((spec, turn_b))
 }
+
+/// The fewest rows of A for which `hopper_spec` copies a row-major B transposed: the copy
+/// moves `k n` values against the product's `m n k` multiply-adds.
+const TURN_B_MIN_M: usize = 1024;
 
 /// The most partial sums `Own::Short` lets its first kernel write (16 MiB of F32): past it, cuBLAS.
 const SHORT_MAX_PARTIALS: usize = 1 << 22;

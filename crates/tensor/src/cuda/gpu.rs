@@ -362,6 +362,16 @@ impl Gpu {
     /// Kernels `names` of one module (compiled once from `source()`, which gives the source,
     /// the module's name and the kernels' names), kept under `key`, `key + 1`, ...
     pub fn kernel_set<const N: usize>(&self, key: u64, source: impl FnOnce() -> (String, String, [String; N])) -> Result<[Kernel; N]> {
+        self.kernel_set_shared(key, [0; N], source)
+    }
+
+    /// `kernel_set` for kernels launched with `shared[i]` bytes of dynamic shared memory each.
+    pub fn kernel_set_shared<const N: usize>(
+        &self,
+        key: u64,
+        shared: [u32; N],
+        source: impl FnOnce() -> (String, String, [String; N]),
+    ) -> Result<[Kernel; N]> {
         let keys: [u64; N] = std::array::from_fn(|i| key.wrapping_add(i as u64));
         let mut map = self.kernels.lock().unwrap_or_else(|e| e.into_inner());
         // (Looked up on every launch: no allocation.)
@@ -371,7 +381,10 @@ impl Gpu {
         let (src, module, names) = source();
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         let loaded = self.load(&src, &module, &refs)?;
-        for (k, f) in keys.iter().zip(&loaded) {
+        for ((k, f), bytes) in keys.iter().zip(&loaded).zip(shared) {
+            if bytes > 48 * 1024 {
+                self.allow_shared(*f, bytes)?;
+            }
             map.insert(*k, *f);
         }
         loaded.try_into().map_err(|_| Error::Msg("kernel set".into()))
@@ -425,9 +438,17 @@ impl Gpu {
     /// `params` must match the kernel's signature, and every device pointer among them must
     /// stay valid (owned by a live buffer) until the stream has run the kernel.
     pub unsafe fn launch(&self, k: Kernel, grid: (u32, u32), block: u32, shmem: u32, params: &mut [*mut c_void]) -> Result<()> {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.launch3(k, (grid.0, grid.1, 1), block, shmem, params) }
+    }
+
+    /// `launch` with a three-dimensional grid.
+    ///
+    /// # Safety
+    /// As for `launch`.
+    pub unsafe fn launch3(&self, k: Kernel, grid: (u32, u32, u32), block: u32, shmem: u32, params: &mut [*mut c_void]) -> Result<()> {
         self.bind()?;
         // SAFETY: forwarded from this function's contract.
-        unsafe { dr::launch_kernel(k.0, (grid.0, grid.1, 1), (block, 1, 1), shmem, self.stream.cu_stream(), params) }
-            .map_err(cuda_err("kernel launch"))
+        unsafe { dr::launch_kernel(k.0, grid, (block, 1, 1), shmem, self.stream.cu_stream(), params) }.map_err(cuda_err("kernel launch"))
     }
 }

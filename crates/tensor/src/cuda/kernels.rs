@@ -1314,6 +1314,8 @@ struct GArgs {
     m: i32,
     n: i32,
     k: i32,
+    kc: i32,
+    splits: i32,
     pad: i32,
 }
 
@@ -1321,7 +1323,9 @@ struct GArgs {
 /// (`wgmma.rs`): 2-D views of A and B, each with the unit stride `spec` says and the other a
 /// multiple of 4, 16-byte aligned; `bias` a dense `[n]`; `aux` (GELU's pre-activation
 /// written, or an activation's input read) an address with rows `ldx` apart; `out` dense.
-/// The caller checks all of it (`blas::own_product`).
+/// The caller checks all of it (`blas::own_product`). A product of few tiles splits its
+/// contraction (`wgmma::splits`): the parts' sums go to a scratch buffer and a second kernel
+/// adds them in order and applies the epilogue.
 pub(super) fn matmul_wgmma(
     g: &Arc<Gpu>,
     spec: super::wgmma::Spec,
@@ -1335,7 +1339,11 @@ pub(super) fn matmul_wgmma(
     KILN_GEMM_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let (m, k, n) = (la.shape[0], la.shape[1], lb.shape[1]);
     let shared = spec.shared_bytes() as u32;
-    let k_fn = g.kernel_shared(super::spec_key("matmul_wgmma", &spec), shared, || spec.source())?;
+    let [gemm, fold] = g.kernel_set_shared(super::spec_key("matmul_wgmma", &spec), [shared, 0], || {
+        let (src, name) = spec.source();
+        (src, name.clone(), [name.clone(), format!("{name}_fold")])
+    })?;
+    let (splits, depth) = super::wgmma::splits(m, n, k, g.sms as usize);
     let mut a = GArgs {
         lda: la.strides[spec.ta as usize] as i64,
         ldb: lb.strides[spec.tb as usize] as i64,
@@ -1344,14 +1352,27 @@ pub(super) fn matmul_wgmma(
         m: m as i32,
         n: n as i32,
         k: k as i32,
+        kc: depth as i32,
+        splits: splits as i32,
         pad: 0,
     };
+    let part = if splits > 1 { Some(CudaStorage::alloc(g, DType::F32, splits * m * n)?) } else { None };
     let (mut pa, mut pb, mut pc) = (sa.ptr_at(la.offset), sb.ptr_at(lb.offset), out.buf.ptr);
     let (mut pbias, mut paux) = (bias.unwrap_or(0), aux.map_or(0, |(p, _)| p));
-    let mut params = kernel_params![pa, pb, pc, pbias, paux, a];
-    // SAFETY: (a, b, c, bias, aux, GArgs) matches the generated signature; the views lie
+    let mut ppart = part.as_ref().map_or(0, |p| p.buf.ptr);
+    let mut params = kernel_params![pa, pb, pc, pbias, paux, ppart, a];
+    // SAFETY: (a, b, c, bias, aux, part, GArgs) matches the generated signature; the views lie
     // inside their buffers with the strides given (the caller's checks), `out` holds m x n
-    // values, bias n and aux m rows of ldx (read or written only when the spec says so); a
-    // block per 128 x 128 tile, with the shared memory the spec asks for.
-    unsafe { g.launch(k_fn, (n.div_ceil(BN) as u32, m.div_ceil(BM) as u32), THREADS as u32, shared, &mut params) }
+    // values, bias n, aux m rows of ldx (read or written only when the spec says so) and part
+    // splits x m x n (written only when split); a block per 128 x 128 tile and part of the
+    // contraction, with the shared memory the spec asks for.
+    unsafe { g.launch3(gemm, (n.div_ceil(BN) as u32, m.div_ceil(BM) as u32, splits as u32), THREADS as u32, shared, &mut params)? };
+    if part.is_some() {
+        let mut params = kernel_params![pc, pbias, paux, ppart, a];
+        // SAFETY: (c, bias, aux, part, GArgs) matches `_fold`; `part` holds the splits' sums
+        // (written by the launch before, in stream order) and lives until this call returns
+        // (freed buffers are reused only in stream order).
+        unsafe { g.launch(fold, (g.grid_for(m * n / 2), 1), 256, 0, &mut params)? };
+    }
+    Ok(())
 }

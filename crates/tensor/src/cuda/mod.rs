@@ -11,7 +11,6 @@
 #[cfg(feature = "cuda")]
 mod blas;
 pub mod codegen;
-pub mod wgmma;
 #[cfg(feature = "cuda")]
 pub mod compiled;
 #[cfg(feature = "cuda")]
@@ -22,6 +21,7 @@ pub(crate) mod kernels;
 pub mod lt;
 #[cfg(feature = "cuda")]
 pub mod nvrtc;
+pub mod wgmma;
 
 use crate::op::{Op, OutMeta};
 use crate::shape::Layout;

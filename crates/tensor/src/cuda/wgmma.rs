@@ -29,6 +29,20 @@ pub const STAGES: usize = 2;
 /// Threads a block: two warpgroups.
 pub const THREADS: usize = 256;
 
+/// How many parts the contraction is split into, so that a product of few tiles still
+/// fills the GPU (`sms` multiprocessors, a block each): at most a wave of blocks, each part
+/// at least `MIN_SPLIT_SLICES` slices deep. Returns (parts, depth of a part).
+pub fn splits(m: usize, n: usize, k: usize, sms: usize) -> (usize, usize) {
+    let tiles = m.div_ceil(BM) * n.div_ceil(BN);
+    let slices = k.div_ceil(BK);
+    let want = (sms / tiles.max(1)).clamp(1, (slices / MIN_SPLIT_SLICES).max(1));
+    let depth = slices.div_ceil(want) * BK;
+    (k.div_ceil(depth).max(1), depth)
+}
+
+/// The shallowest part of a split contraction, in slices of `BK`.
+pub const MIN_SPLIT_SLICES: usize = 2;
+
 /// Marks a source that must be compiled for the architecture-specific target (`sm_90a`):
 /// `wgmma` exists nowhere else. `Gpu::load` reads it.
 pub const ARCH_SPECIFIC: &str = "// kiln: arch-specific (sm_90a)\n";
@@ -69,7 +83,8 @@ impl Spec {
         )
     }
 
-    /// The CUDA source and the kernel's name (for `sm_90a`: it starts with `ARCH_SPECIFIC`).
+    /// The CUDA source and the GEMM kernel's name; the fold kernel is `{name}_fold` (for
+    /// `sm_90a`: the source starts with `ARCH_SPECIFIC`).
     pub fn source(&self) -> (String, String) {
         let name = self.name();
         let mut s = format!("{ARCH_SPECIFIC}{PRELUDE}\ntypedef float C;\n#define K(v) ((C)(v))\n");
@@ -92,7 +107,12 @@ impl Spec {
         s += "  return v;\n}\n";
         s += &format!(
             "extern \"C\" __global__ void __launch_bounds__({THREADS}, 1) {name}(const float* __restrict__ a, \
-             const float* __restrict__ b, float* __restrict__ c, const float* __restrict__ bias, float* aux, GArgs g) {{\n  gemm(a, b, c, bias, aux, g);\n}}\n"
+             const float* __restrict__ b, float* __restrict__ c, const float* __restrict__ bias, float* aux, float* __restrict__ part, GArgs g) {{\n  \
+             gemm(a, b, c, bias, aux, part, g);\n}}\n"
+        );
+        s += &format!(
+            "extern \"C\" __global__ void __launch_bounds__(256) {name}_fold(float* __restrict__ c, const float* __restrict__ bias, float* aux, \
+             const float* __restrict__ part, GArgs g) {{\n  fold(c, bias, aux, part, g);\n}}\n"
         );
         (s, name)
     }
@@ -122,7 +142,9 @@ const BODY: &str = r#"
 #define B_PART (BN * BK * 4)
 #define STAGE_BYTES (2 * A_PART + 2 * B_PART)
 #define ACC (BN / 2)
-struct GArgs { long long lda, ldb, ldc, ldx; int m, n, k, pad; };
+// kc: the contraction each blockIdx.z takes (a multiple of BK); splits > 1 writes raw sums
+// to part [splits, m, n] for the fold kernel.
+struct GArgs { long long lda, ldb, ldc, ldx; int m, n, k, kc, splits, pad; };
 
 __device__ __forceinline__ unsigned tf32(float x) { unsigned r; asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x)); return r; }
 // Byte offset of element (r, k) in a K-major slice (a row is BK values, 128 bytes): the
@@ -188,13 +210,15 @@ __device__ __forceinline__ void mma(float (&d)[ACC], unsigned long long da, unsi
 __device__ __forceinline__ float epilogue(float v, const float* bias, float* aux, long long xat, int col);
 
 __device__ __forceinline__ void gemm(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
-                                     const float* __restrict__ bias, float* aux, GArgs g) {
+                                     const float* __restrict__ bias, float* aux, float* __restrict__ part, GArgs g) {
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = (unsigned char*)(((unsigned long long)smem_raw + 1023) & ~1023ull);
   const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
   Slice<BM, !TA> sa;
   Slice<BN, TB> sb;
-  const int kt_count = (g.k + BK - 1) / BK;
+  // This block's share of the contraction: [k0, kend).
+  const int k0 = blockIdx.z * g.kc, kend = min(g.k, k0 + g.kc);
+  const int kt_count = (kend - k0 + BK - 1) / BK;
   const int wg = threadIdx.x / 128;
   // The tensor cores' F32 accumulation truncates: each slice's products are summed apart
   // (t) and added to d with the CUDA cores' rounding, which keeps the error near SGEMM's
@@ -203,13 +227,13 @@ __device__ __forceinline__ void gemm(const float* __restrict__ a, const float* _
 #pragma unroll
   for (int i = 0; i < ACC; ++i) d[i] = 0.f;
 
-  sa.load(a, g.lda, m0, g.m, 0, g.k);
-  sb.load(b, g.ldb, n0, g.n, 0, g.k);
+  sa.load(a, g.lda, m0, g.m, k0, kend);
+  sb.load(b, g.ldb, n0, g.n, k0, kend);
   sa.store(smem, smem + A_PART);
   sb.store(smem + 2 * A_PART, smem + 2 * A_PART + B_PART);
   if (kt_count > 1) {
-    sa.load(a, g.lda, m0, g.m, BK, g.k);
-    sb.load(b, g.ldb, n0, g.n, BK, g.k);
+    sa.load(a, g.lda, m0, g.m, k0 + BK, kend);
+    sb.load(b, g.ldb, n0, g.n, k0 + BK, kend);
   }
   for (int kt = 0; kt < kt_count; ++kt) {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -235,8 +259,8 @@ __device__ __forceinline__ void gemm(const float* __restrict__ a, const float* _
       sb.store(nx + 2 * A_PART, nx + 2 * A_PART + B_PART);
     }
     if (kt + 2 < kt_count) {
-      sa.load(a, g.lda, m0, g.m, (kt + 2) * BK, g.k);
-      sb.load(b, g.ldb, n0, g.n, (kt + 2) * BK, g.k);
+      sa.load(a, g.lda, m0, g.m, k0 + (kt + 2) * BK, kend);
+      sb.load(b, g.ldb, n0, g.n, k0 + (kt + 2) * BK, kend);
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
@@ -257,10 +281,31 @@ __device__ __forceinline__ void gemm(const float* __restrict__ a, const float* _
     for (int h = 0; h < 2; ++h) {
       const int r = row + 8 * h;
       if (r >= g.m) continue;
+      if (g.splits > 1) {
+        *(float2*)(part + ((long long)blockIdx.z * g.m + r) * g.n + col) = make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+        continue;
+      }
       const long long xat = (long long)r * g.ldx + col;
       const float2 v = make_float2(epilogue(d[4 * j + 2 * h], bias, aux, xat, col), epilogue(d[4 * j + 2 * h + 1], bias, aux, xat + 1, col + 1));
       *(float2*)(c + (long long)r * g.ldc + col) = v;
     }
+  }
+}
+
+// The split contraction's partial sums added in split order (the same bits every run), then
+// the epilogue: a thread per two neighbours of a row.
+__device__ __forceinline__ void fold(float* __restrict__ c, const float* __restrict__ bias, float* aux, const float* __restrict__ part, GArgs g) {
+  const long long pairs = (long long)g.m * g.n / 2, plane = (long long)g.m * g.n;
+  for (long long i = blockIdx.x * 256LL + threadIdx.x; i < pairs; i += 256LL * gridDim.x) {
+    float2 v = *(const float2*)(part + 2 * i);
+    for (int z = 1; z < g.splits; ++z) {
+      const float2 w = *(const float2*)(part + z * plane + 2 * i);
+      v.x += w.x;
+      v.y += w.y;
+    }
+    const int r = (int)(2 * i / g.n), col = (int)(2 * i % g.n);
+    const long long xat = (long long)r * g.ldx + col;
+    *(float2*)(c + (long long)r * g.ldc + col) = make_float2(epilogue(v.x, bias, aux, xat, col), epilogue(v.y, bias, aux, xat + 1, col + 1));
   }
 }
 "#;
