@@ -453,8 +453,9 @@ fn aux_rows(l: &Layout, m: usize, n: usize) -> Option<(usize, usize)> {
 /// Which F32 GEMM runs products on a Hopper GPU (`set_f32_gemm`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum F32Gemm {
-    /// Kiln's (`wgmma.rs`) where it measured faster than cuBLAS: at least a wave of its tiles,
-    /// and not the layout `a^T b` with B's rows contiguous (0.8-0.95x cuBLAS, session 19).
+    /// Kiln's (`wgmma.rs`) where it measured faster than cuBLAS (1.2-1.8x, session 19): at
+    /// least half a wave of blocks (tiles times the contraction's parts), and not `a^T b`
+    /// with B's rows contiguous (0.82-0.99x).
     Auto,
     /// Kiln's wherever its layout rules allow (for tests).
     Kiln,

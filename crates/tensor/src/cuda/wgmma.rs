@@ -88,7 +88,8 @@ impl Spec {
     pub fn source(&self) -> (String, String) {
         let name = self.name();
         let mut s = format!("{ARCH_SPECIFIC}{PRELUDE}\ntypedef float C;\n#define K(v) ((C)(v))\n");
-        s += &format!("#define BN {BN}\n#define TA {}\n#define TB {}\n", self.ta as u8, self.tb as u8);
+        s += &format!("#define BM {BM}\n#define BN {BN}\n#define BK {BK}\n#define STAGES {STAGES}\n");
+        s += &format!("#define TA {}\n#define TB {}\n", self.ta as u8, self.tb as u8);
         s += BODY;
         s += &mma_fn(BN);
         s += "__device__ __forceinline__ float epilogue(float v, const float* bias, float* aux, long long xat, int col) {\n";
@@ -133,11 +134,8 @@ fn mma_fn(bn: usize) -> String {
     )
 }
 
-/// Everything but the `wgmma` wrapper and the entry point (they depend on the tile width).
+/// Everything but the tile constants, the `wgmma` wrapper, the epilogue and the entry points.
 const BODY: &str = r#"
-#define BM 128
-#define BK 32
-#define STAGES 2
 #define A_PART (BM * BK * 4)
 #define B_PART (BN * BK * 4)
 #define STAGE_BYTES (2 * A_PART + 2 * B_PART)
