@@ -307,3 +307,37 @@ __device__ __forceinline__ void fold(float* __restrict__ c, const float* __restr
   }
 }
 "#;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The parts cover the contraction exactly, each a whole number of slices and at least
+    /// `MIN_SPLIT_SLICES` deep where split, and the blocks never pass a wave.
+    #[test]
+    fn splits_cover_the_contraction_within_a_wave() {
+        for (m, n, k) in
+            [(320, 512, 512), (320, 512, 2048), (4096, 256, 784), (16384, 1536, 384), (132, 8, 200), (4, 4, 4), (1, 2, 100_000)]
+        {
+            let (parts, depth) = splits(m, n, k, 132);
+            let tiles = m.div_ceil(BM) * n.div_ceil(BN);
+            assert_eq!(depth % BK, 0, "{m} {n} {k}");
+            assert!(parts * depth >= k && (parts - 1) * depth < k, "{m} {n} {k}: {parts} x {depth}");
+            assert!(parts == 1 || depth >= MIN_SPLIT_SLICES * BK, "{m} {n} {k}: {depth}");
+            assert!(parts == 1 || tiles * parts <= 132, "{m} {n} {k}: {tiles} x {parts}");
+        }
+        // The Transformer's `[320, 512] x [512, 512]`: 12 tiles, eight parts of 64.
+        assert_eq!(splits(320, 512, 512, 132), (8, 64));
+        // A full wave of tiles is not split.
+        assert_eq!(splits(16384, 1536, 384, 132), (1, 384));
+    }
+
+    #[test]
+    fn names_say_layout_and_epilogue() {
+        let spec = Spec { ta: false, tb: true, bias: true, keep: true, act: Some(UnaryOp::GeluTanh), dact: None };
+        assert_eq!(spec.name(), "k_gemm_tf32x3_nt_bias_keep_gelutanh");
+        let spec = Spec { ta: true, tb: false, bias: false, keep: false, act: None, dact: Some(UnaryOp::Step) };
+        assert_eq!(spec.name(), "k_gemm_tf32x3_tn_dstep");
+        assert!(spec.source().0.starts_with(ARCH_SPECIFIC));
+    }
+}
