@@ -25,8 +25,7 @@ fn need_nvrtc() {
 /// Compiles one source (for `sm_90a` where it asks, as `Gpu::load` does); collects failures
 /// so one run reports them all.
 fn check(src: &str, name: &str, failures: &mut Vec<String>) {
-    let arch = if src.starts_with(kiln_tensor::cuda::wgmma::ARCH_SPECIFIC) { "sm_90a" } else { "sm_90" };
-    if let Err(e) = nvrtc::compile(src, name, arch, true) {
+    if let Err(e) = nvrtc::compile(src, name, &nvrtc::target(src, (9, 0)), true) {
         failures.push(format!("{name}: {e}"));
     }
 }

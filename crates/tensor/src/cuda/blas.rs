@@ -470,17 +470,19 @@ pub fn set_f32_gemm(choice: F32Gemm) {
     F32_GEMM.store(choice as u8, Ordering::Relaxed);
 }
 
-/// The choice set by `set_f32_gemm`, else `KILN_F32_GEMM` (`kiln` or `cublas`), else `Auto`.
+/// The choice set by `set_f32_gemm`, else `KILN_F32_GEMM` (`kiln` or `cublas`, read once),
+/// else `Auto`.
 pub fn f32_gemm() -> F32Gemm {
+    static FROM_ENV: std::sync::OnceLock<F32Gemm> = std::sync::OnceLock::new();
     match F32_GEMM.load(Ordering::Relaxed) {
         0 => F32Gemm::Auto,
         1 => F32Gemm::Kiln,
         2 => F32Gemm::Cublas,
-        _ => match std::env::var("KILN_F32_GEMM").as_deref() {
+        _ => *FROM_ENV.get_or_init(|| match std::env::var("KILN_F32_GEMM").as_deref() {
             Ok("kiln") => F32Gemm::Kiln,
             Ok("cublas") => F32Gemm::Cublas,
             _ => F32Gemm::Auto,
-        },
+        }),
     }
 }
 
@@ -496,8 +498,11 @@ fn hopper_spec(
     (sb, b): (&CudaStorage, &Layout),
     rest: &Rest,
 ) -> Option<(super::wgmma::Spec, bool)> {
+    if dtype != DType::F32 || g.arch != (9, 0) || allow_tf32() {
+        return None;
+    }
     let choice = f32_gemm();
-    if dtype != DType::F32 || allow_tf32() || g.arch != (9, 0) || choice == F32Gemm::Cublas {
+    if choice == F32Gemm::Cublas {
         return None;
     }
     let (m, k, n) = (a.shape[0], a.shape[1], b.shape[1]);

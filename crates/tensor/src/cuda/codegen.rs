@@ -1933,6 +1933,11 @@ fn flash_frags_16(dtype: DType) -> String {
     s
 }
 
+/// `tf32(x)`: `x` rounded to TF32 (its bits as a u32), the big part of the three-TF32 split
+/// that the F32 flash kernels and `wgmma.rs`'s GEMM use (the small part is `tf32(x - big)`).
+pub const TF32: &str =
+    "__device__ __forceinline__ unsigned tf32(float x) { unsigned r; asm(\"cvt.rna.tf32.f32 %0, %1;\" : \"=r\"(r) : \"f\"(x)); return r; }\n";
+
 /// The F32 MMA and fragments: `m16n8k8` on TF32, three products per step (`x = big + small`,
 /// each part a TF32 value; `a b ~ a_big b_big + a_big b_small + a_small b_big`), which keeps
 /// about F32's precision at tensor-core speed, as PyTorch's F32 memory-efficient attention
@@ -1945,7 +1950,7 @@ fn flash_frags_16(dtype: DType) -> String {
 /// once, three or four blocks per SM; each was 2-20 % slower. BENCHMARKS.md.)
 fn flash_frags_f32() -> String {
     let mut s = String::from("#define KS 8\n#define AW 8\n#define EXP expf\n");
-    s += "__device__ __forceinline__ unsigned tf32(float x) { unsigned r; asm(\"cvt.rna.tf32.f32 %0, %1;\" : \"=r\"(r) : \"f\"(x)); return r; }\n";
+    s += TF32;
     s += "__device__ __forceinline__ void split(unsigned* a, float x0, float x1, float x2, float x3) {\n";
     s += "  const float x[4] = {x0, x1, x2, x3};\n";
     s += "#pragma unroll\n  for (int i = 0; i < 4; ++i) { a[i] = tf32(x[i]); a[i + 4] = tf32(x[i] - __uint_as_float(a[i])); }\n}\n";

@@ -119,13 +119,13 @@ impl FusedModule {
             let jobs: Vec<_> = specs
                 .chunks(chunk)
                 .map(|part| {
-                    let arch = format!("sm_{}{}", g.arch.0, g.arch.1);
+                    let arch = g.arch;
                     scope.spawn(move || {
                         let src = fused_module(part).map_err(|e| Error::Msg(format!("compiled CUDA step: {e}")))?;
                         if super::log_kernels() {
                             eprintln!("[kiln kernels] fused groups:\n{src}");
                         }
-                        super::nvrtc::cubin(&src, "kiln_fused", &arch)
+                        super::nvrtc::cubin(&src, "kiln_fused", &super::nvrtc::target(&src, arch))
                     })
                 })
                 .collect();

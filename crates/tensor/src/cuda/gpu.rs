@@ -396,9 +396,7 @@ impl Gpu {
         if super::log_kernels() {
             eprintln!("[kiln kernels] {name}:\n{src}");
         }
-        // `wgmma` kernels need the architecture-specific target (`sm_90a`).
-        let suffix = if src.starts_with(super::wgmma::ARCH_SPECIFIC) { "a" } else { "" };
-        let cubin = super::nvrtc::cubin(src, name, &format!("sm_{}{}{suffix}", self.arch.0, self.arch.1))?;
+        let cubin = super::nvrtc::cubin(src, name, &super::nvrtc::target(src, self.arch))?;
         self.load_cubin(&cubin, name, names)
     }
 

@@ -25,6 +25,13 @@ pub fn cache_dir() -> Option<PathBuf> {
     crate::cache_dir("cubin")
 }
 
+/// The NVRTC target for `src` on a GPU of compute capability `cc`: `sm_90`, or `sm_90a` for a
+/// source that starts with `wgmma::ARCH_SPECIFIC` (`wgmma` exists only there).
+pub fn target(src: &str, cc: (i32, i32)) -> String {
+    let suffix = if src.starts_with(super::wgmma::ARCH_SPECIFIC) { "a" } else { "" };
+    format!("sm_{}{}{suffix}", cc.0, cc.1)
+}
+
 /// The CUBIN for `src` and `arch` (e.g. "sm_90"), from the disk cache or freshly compiled
 /// (and then cached).
 pub fn cubin(src: &str, name: &str, arch: &str) -> Result<Vec<u8>> {

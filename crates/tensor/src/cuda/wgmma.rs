@@ -15,7 +15,7 @@
 //! the error stays below SGEMM's (4096^3: 3.1e-7 relative against cuBLAS's 1.2e-6; 2.9e-5
 //! with one accumulator, growing with k).
 
-use super::codegen::PRELUDE;
+use super::codegen::{PRELUDE, TF32};
 use crate::UnaryOp;
 
 /// Rows of a block's tile (two warpgroups of 64).
@@ -44,7 +44,7 @@ pub fn splits(m: usize, n: usize, k: usize, sms: usize) -> (usize, usize) {
 pub const MIN_SPLIT_SLICES: usize = 2;
 
 /// Marks a source that must be compiled for the architecture-specific target (`sm_90a`):
-/// `wgmma` exists nowhere else. `Gpu::load` reads it.
+/// `wgmma` exists nowhere else. `nvrtc::target` reads it.
 pub const ARCH_SPECIFIC: &str = "// kiln: arch-specific (sm_90a)\n";
 
 /// One compiled variant of the GEMM: the operands' layouts and the epilogue, applied to each
@@ -90,6 +90,7 @@ impl Spec {
         let mut s = format!("{ARCH_SPECIFIC}{PRELUDE}\ntypedef float C;\n#define K(v) ((C)(v))\n");
         s += &format!("#define BM {BM}\n#define BN {BN}\n#define BK {BK}\n#define STAGES {STAGES}\n");
         s += &format!("#define TA {}\n#define TB {}\n", self.ta as u8, self.tb as u8);
+        s += TF32;
         s += BODY;
         s += &mma_fn(BN);
         s += "__device__ __forceinline__ float epilogue(float v, const float* bias, float* aux, long long xat, int col) {\n";
@@ -144,7 +145,6 @@ const BODY: &str = r#"
 // to part [splits, m, n] for the fold kernel.
 struct GArgs { long long lda, ldb, ldc, ldx; int m, n, k, kc, splits, pad; };
 
-__device__ __forceinline__ unsigned tf32(float x) { unsigned r; asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x)); return r; }
 // Byte offset of element (r, k) in a K-major slice (a row is BK values, 128 bytes): the
 // 16-byte chunk c of row r lies at chunk c ^ (r % 8), the 128-byte swizzle.
 __device__ __forceinline__ unsigned swz(int r, int k) { return r * 128 + ((((k >> 2) ^ r) & 7) << 4) + (k & 3) * 4; }
@@ -206,6 +206,12 @@ template <int R, bool KC> struct Slice {
 __device__ __forceinline__ void mma(float (&d)[ACC], unsigned long long da, unsigned long long db, int acc);
 
 __device__ __forceinline__ float epilogue(float v, const float* bias, float* aux, long long xat, int col);
+
+// Outputs (r, col) and (r, col + 1) after the epilogue.
+__device__ __forceinline__ void put2(float* c, const float* bias, float* aux, const GArgs& g, int r, int col, float x, float y) {
+  const long long xat = (long long)r * g.ldx + col;
+  *(float2*)(c + (long long)r * g.ldc + col) = make_float2(epilogue(x, bias, aux, xat, col), epilogue(y, bias, aux, xat + 1, col + 1));
+}
 
 __device__ __forceinline__ void gemm(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
                                      const float* __restrict__ bias, float* aux, float* __restrict__ part, GArgs g) {
@@ -283,9 +289,7 @@ __device__ __forceinline__ void gemm(const float* __restrict__ a, const float* _
         *(float2*)(part + ((long long)blockIdx.z * g.m + r) * g.n + col) = make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
         continue;
       }
-      const long long xat = (long long)r * g.ldx + col;
-      const float2 v = make_float2(epilogue(d[4 * j + 2 * h], bias, aux, xat, col), epilogue(d[4 * j + 2 * h + 1], bias, aux, xat + 1, col + 1));
-      *(float2*)(c + (long long)r * g.ldc + col) = v;
+      put2(c, bias, aux, g, r, col, d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
     }
   }
 }
@@ -301,9 +305,7 @@ __device__ __forceinline__ void fold(float* __restrict__ c, const float* __restr
       v.x += w.x;
       v.y += w.y;
     }
-    const int r = (int)(2 * i / g.n), col = (int)(2 * i % g.n);
-    const long long xat = (long long)r * g.ldx + col;
-    *(float2*)(c + (long long)r * g.ldc + col) = make_float2(epilogue(v.x, bias, aux, xat, col), epilogue(v.y, bias, aux, xat + 1, col + 1));
+    put2(c, bias, aux, g, (int)(2 * i / g.n), (int)(2 * i % g.n), v.x, v.y);
   }
 }
 "#;
