@@ -54,6 +54,9 @@ fn train_mlp(dev: Device, mode: Option<Mode>, steps: u64) -> (Run, u64) {
     }
     if mode.is_some() {
         assert_eq!(step.counts(), (steps as usize, steps as usize - 1), "one trace, then replays");
+        // The head, its loss and its backward ran as one fused op.
+        let graph = step.dump().unwrap_or_default();
+        assert!(graph.contains("linear_cross_entropy_mean"), "{graph}");
     }
     let allocs = cuda::driver_allocations() - allocs;
     let losses = losses.iter().map(|l| l.item().unwrap() as f32).collect();

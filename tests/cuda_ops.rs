@@ -496,6 +496,45 @@ fn fused_mean_cross_entropy_matches_the_cpu() {
 }
 
 #[test]
+fn fused_classifier_head_matches_the_cpu() {
+    use kiln::tensor::op::linear_xent_parts;
+    use kiln::tensor::Op;
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // (rows, classes, features, drelu, smoothing, h a column slice, w read transposed)
+    let cases = [
+        (32, 10, 256, true, 0.0, false, false),
+        (16, 5, 32, true, 0.0, false, true),
+        (5, 3, 7, false, 0.1, true, false),
+        (64, 16, 200, true, 0.0, true, true),
+        (600, 2, 17, false, 0.0, false, false),
+    ];
+    for (n, c, f, drelu, smoothing, sliced, transposed) in cases {
+        let h = randn(&[n, f + 3], 71, DType::F32).relu().unwrap();
+        let h = if sliced { h.narrow(1, 2, f).unwrap() } else { h.narrow(1, 0, f).unwrap().contiguous().unwrap() };
+        let w = if transposed { randn(&[f, c], 72, DType::F32).t().unwrap() } else { randn(&[c, f], 72, DType::F32) };
+        let b = randn(&[c], 73, DType::F32);
+        let t: Vec<i64> = (0..n as i64).map(|i| if i % 7 == 3 { -100 } else { (i * 5 + 1) % c as i64 }).collect();
+        let targets = Tensor::from_vec(t, &[n], Device::Cpu).unwrap();
+        let op = Op::LinearCrossEntropyMean { ignore_index: Some(-100), smoothing, drelu };
+        let what = format!("linear_cross_entropy_mean [{n}, {f}] x [{c}, {f}] drelu {drelu} smoothing {smoothing}");
+        both(&what, &[h, w, b, targets], 1e-4, |x| {
+            let out = Tensor::apply(op.clone(), &[&x[0], &x[1], &x[2], &x[3]], x[0].device())?;
+            // The loss, the weight and bias gradients, h's gradient (the padding is unwritten).
+            let (dw, db, dh, _) = linear_xent_parts(n, c, f);
+            Tensor::cat(&[&out.narrow(0, 0, 1)?, &out.narrow(0, dw, c * f)?, &out.narrow(0, db, c)?, &out.narrow(0, dh, n * f)?], 0)
+        });
+    }
+    // A target outside the classes is an error at the next host read, as for cross_entropy.
+    let dev = gpu();
+    let ins = [randn(&[4, 8], 74, DType::F32), randn(&[3, 8], 75, DType::F32), randn(&[3], 76, DType::F32)];
+    let ins: Vec<Tensor> = ins.iter().map(|x| x.to_device(dev).unwrap()).collect();
+    let bad = Tensor::from_vec(vec![0i64, 1, 3, 2], &[4], Device::Cpu).unwrap().to_device(dev).unwrap();
+    let op = Op::LinearCrossEntropyMean { ignore_index: Some(-100), smoothing: 0.0, drelu: false };
+    let err = Tensor::apply(op, &[&ins[0], &ins[1], &ins[2], &bad], dev).and_then(|o| o.to_vec_f64()).unwrap_err().to_string();
+    assert!(err.contains("cross_entropy") && err.contains("out of range"), "{err}");
+}
+
+#[test]
 fn indexing_cat_and_in_place_updates_match_the_cpu() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     for dt in FLOATS {

@@ -226,7 +226,7 @@ pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Te
             };
             [da, db, dbias].into_iter().take(inputs.len()).collect()
         }
-        Op::MatmulFused(_) | Op::CrossEntropyMean { .. } => {
+        Op::MatmulFused(_) | Op::CrossEntropyMean { .. } | Op::LinearCrossEntropyMean { .. } => {
             return Err(Error::Msg(format!(
                 "backward: {} is made by compile's fusion after the backward was traced; it has no backward rule",
                 op.name()

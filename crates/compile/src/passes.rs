@@ -442,6 +442,92 @@ fn mean_xent(g: &Graph, users: &[Vec<NodeId>], (escapes, pinned): (&[bool], &[bo
     (chain && !pinned[loss] && !pinned[grad]).then_some((loss, grad))
 }
 
+/// The nodes `fuse_linear_cross_entropy` folds into a `CrossEntropyMean` node: its args (h,
+/// the weight, the bias, the targets), the weight-gradient product (with the bias's sums) and
+/// h's gradient product, and whether that one multiplies by a ReLU's `step(h)`.
+struct Head {
+    args: Vec<Arg>,
+    dw: NodeId,
+    dh: NodeId,
+    drelu: bool,
+}
+
+/// On a GPU, a linear classifier head small enough for one block (`codegen::linear_xent_fits`:
+/// a small batch), its fused mean cross-entropy and the head's backward become one
+/// `Op::LinearCrossEntropyMean`: the head's product, the loss, the weight and bias gradients
+/// (`g^T h` with `sum(g)`) and h's gradient (`g w`, through a ReLU or not) in one launch. The
+/// gradients' readers read them inside the new node's output.
+pub fn fuse_linear_cross_entropy(g: &Graph, gpu: bool) -> Graph {
+    let mut out = g.clone();
+    if !gpu {
+        return out;
+    }
+    let users = g.users();
+    let mut pinned = vec![false; g.nodes.len()];
+    g.writes.iter().for_each(|w| pinned[w.1] = true);
+    for n in &g.nodes {
+        if let Kind::WriteView { base, .. } = n.kind {
+            pinned[base] = true;
+        }
+    }
+    let mut alias: Vec<Option<(NodeId, usize)>> = vec![None; g.nodes.len()];
+    for ce in 0..g.nodes.len() {
+        let Some(head) = linear_head(g, &users, &pinned, ce) else { continue };
+        let Kind::Op(Op::CrossEntropyMean { ignore_index, smoothing }, _) = out.nodes[ce].kind else { continue };
+        let (n, c, f) = (head.args[0].layout.shape[0], head.args[1].layout.shape[0], head.args[0].layout.shape[1]);
+        let (dw_at, _, dh_at, len) = kiln_tensor::op::linear_xent_parts(n, c, f);
+        let op = Op::LinearCrossEntropyMean { ignore_index, smoothing, drelu: head.drelu };
+        out.nodes[ce].kind = Kind::Op(op, head.args);
+        out.nodes[ce].shape = vec![len];
+        (alias[head.dw], alias[head.dh]) = (Some((ce, dw_at)), Some((ce, dh_at)));
+    }
+    redirect(&mut out, &alias);
+    dce(&out)
+}
+
+/// The head `fuse_linear_cross_entropy` replaces at `CrossEntropyMean` node `ce`: its logits a
+/// product with a bias read by nothing else, its gradient read only by the two products
+/// autograd records for the head (and its loss by anything).
+fn linear_head(g: &Graph, users: &[Vec<NodeId>], pinned: &[bool], ce: NodeId) -> Option<Head> {
+    let op = |i: NodeId| match &g.nodes[i].kind {
+        Kind::Op(op, args) => Some((op, args.as_slice())),
+        _ => None,
+    };
+    let (Op::CrossEntropyMean { .. }, [x, t]) = op(ce)? else { return None };
+    let p = x.node;
+    let (Op::Matmul, [h, wt, bias]) = op(p)? else { return None };
+    let fits = |n, c, f| kiln_tensor::cuda::codegen::linear_xent_fits(g.nodes[ce].dtype, n, c, f);
+    let (&[n, f], &[_, c]) = (&h.layout.shape[..], &wt.layout.shape[..]) else { return None };
+    let escapes = |i: NodeId| pinned[i] || g.outputs.iter().any(|a| a.node == i);
+    if users[p] != [ce] || escapes(p) || !whole(x, &g.nodes[p]) || !fits(n, c, f) || pinned[ce] {
+        return None;
+    }
+    // The weight [C, F], which the forward read transposed; the gradient [N, C] and its transpose.
+    let l = &wt.layout;
+    let w = Arg {
+        node: wt.node,
+        layout: kiln_tensor::Layout { shape: vec![c, f], strides: vec![l.strides[1], l.strides[0]], offset: l.offset },
+    };
+    let at = kiln_tensor::op::XENT_GRAD_AT;
+    let grad = kiln_tensor::Layout { shape: vec![n, c], strides: vec![c, 1], offset: at };
+    let grad_t = kiln_tensor::Layout { shape: vec![c, n], strides: vec![1, c], offset: at };
+    let of_grad = |a: &Arg, l: &kiln_tensor::Layout| a.node == ce && a.layout == *l;
+    let (mut dw, mut dh) = (None, None);
+    for &u in &users[ce] {
+        match op(u)? {
+            (Op::MatmulFused(MatmulEpilogue::SumLeft), [a, b]) if of_grad(a, &grad_t) && b == h => dw = Some(u),
+            (Op::MatmulFused(MatmulEpilogue::DRelu), [a, b, r]) if of_grad(a, &grad) && *b == w && r == h => dh = Some((u, true)),
+            (Op::Matmul, [a, b]) if of_grad(a, &grad) && *b == w => dh = Some((u, false)),
+            // Anything else reads the loss only.
+            (_, args) if args.iter().all(|a| a.node != ce || (a.layout.offset == 0 && a.layout.numel() == 1)) => {}
+            _ => return None,
+        }
+    }
+    let ((dw, (dh, drelu)), loss_only) =
+        ((dw?, dh?), g.outputs.iter().all(|a| a.node != ce || a.layout.offset == 0 && a.layout.numel() == 1));
+    (loss_only && !pinned[dw] && !pinned[dh] && dw != dh).then(|| Head { args: vec![h.clone(), w, bias.clone(), t.clone()], dw, dh, drelu })
+}
+
 /// Whether a product of two 2-D operands is one the CUDA back end's thin-product kernel takes
 /// (`codegen::thin_takes`).
 fn thin_product(margs: &[Arg], dtype: DType) -> bool {
@@ -468,6 +554,8 @@ pub fn optimise(g: Graph, gpu: bool, mut log: impl FnMut(&str, &Graph)) -> Graph
     log("fuse_matmuls", &g);
     g = fuse_mean_cross_entropy(&g, gpu);
     log("fuse_mean_cross_entropy", &g);
+    g = fuse_linear_cross_entropy(&g, gpu);
+    log("fuse_linear_cross_entropy", &g);
     g
 }
 
@@ -519,6 +607,61 @@ mod tests {
         assert_eq!(outs, vec![(ce, 0, &[][..]), (ce, 64, &[4, 3][..])]);
         // The CPU keeps the chain (its kernels fold nothing in one block).
         assert_eq!(fuse_mean_cross_entropy(&g, false).nodes.len(), g.nodes.len());
+    }
+
+    /// A classifier head after `fuse_mean_cross_entropy` as autograd records it: logits
+    /// `h w^T + b`, the fused loss, `g^T h` with `sum(g)` and `(g w) * step(h)`. Returns the
+    /// graph and the loss, weight-gradient and input-gradient nodes.
+    fn classifier_head(n: usize) -> (Graph, [NodeId; 3]) {
+        use kiln_tensor::{op::XENT_GRAD_AT, Layout};
+        let (c, f) = (3, 6);
+        let mut g = Graph::default();
+        let h = g.push(Kind::Input(0), vec![n, f], DType::F32);
+        let w = g.push(Kind::Input(1), vec![c, f], DType::F32);
+        let b = g.push(Kind::Input(2), vec![c], DType::F32);
+        let t = g.push(Kind::Input(3), vec![n], DType::I64);
+        let wt = Arg { node: w, layout: Layout { shape: vec![f, c], strides: vec![1, f], offset: 0 } };
+        let p = g.push(Kind::Op(Op::Matmul, vec![whole(&g, h), wt, whole(&g, b)]), vec![n, c], DType::F32);
+        let xent = Op::CrossEntropyMean { ignore_index: Some(-100), smoothing: 0.0 };
+        let ce = g.push(Kind::Op(xent, vec![whole(&g, p), whole(&g, t)]), vec![XENT_GRAD_AT + n * c], DType::F32);
+        let grad = |shape: Vec<usize>, strides: Vec<usize>| Arg { node: ce, layout: Layout { shape, strides, offset: XENT_GRAD_AT } };
+        let sums = Op::MatmulFused(MatmulEpilogue::SumLeft);
+        let dw = g.push(Kind::Op(sums, vec![grad(vec![c, n], vec![1, c]), whole(&g, h)]), vec![64 + c], DType::F32);
+        let drelu = Op::MatmulFused(MatmulEpilogue::DRelu);
+        let dh = g.push(Kind::Op(drelu, vec![grad(vec![n, c], vec![c, 1]), whole(&g, w), whole(&g, h)]), vec![n, f], DType::F32);
+        let loss = Arg { node: ce, layout: Layout { shape: vec![], strides: vec![], offset: 0 } };
+        g.outputs = vec![loss, whole(&g, dw), whole(&g, dh)];
+        (g, [ce, dw, dh])
+    }
+
+    #[test]
+    fn a_small_classifier_head_its_loss_and_its_backward_become_one_gpu_op() {
+        let (g, [ce, _, _]) = classifier_head(4);
+        let f = fuse_linear_cross_entropy(&g, true);
+        assert_eq!(ops(&f), ["linear_cross_entropy_mean"]);
+        let fused = f.nodes.iter().position(|n| matches!(n.kind, Kind::Op(..))).unwrap_or(usize::MAX);
+        let Kind::Op(Op::LinearCrossEntropyMean { drelu: true, .. }, args) = &f.nodes[fused].kind else { panic!("{f}") };
+        // h, the weight read as [C, F], the bias, the targets.
+        assert_eq!(args.iter().map(|a| a.node).collect::<Vec<_>>(), [0, 1, 2, 3]);
+        assert_eq!((&args[1].layout.shape[..], &args[1].layout.strides[..]), (&[3, 6][..], &[6, 1][..]));
+        // The loss at 0, the weight gradient (and its sums) from 64, h's gradient after them.
+        let (dw, _, dh, len) = kiln_tensor::op::linear_xent_parts(4, 3, 6);
+        assert_eq!(f.nodes[fused].shape, vec![len]);
+        let outs: Vec<(NodeId, usize)> = f.outputs.iter().map(|a| (a.node, a.layout.offset)).collect();
+        assert_eq!(outs, vec![(fused, 0), (fused, dw), (fused, dh)]);
+        // The CPU keeps the products; so does a GPU when the logits are read elsewhere.
+        assert_eq!(fuse_linear_cross_entropy(&g, false).nodes.len(), g.nodes.len());
+        let (mut g, _) = classifier_head(4);
+        g.outputs.push(whole(&g, 4));
+        assert!(!ops(&fuse_linear_cross_entropy(&g, true)).contains(&"linear_cross_entropy_mean"));
+        // Or when the gradient is returned too.
+        let (mut g, _) = classifier_head(4);
+        let grad = Arg { node: ce, layout: kiln_tensor::Layout { shape: vec![4, 3], strides: vec![3, 1], offset: 64 } };
+        g.outputs.push(grad);
+        assert!(!ops(&fuse_linear_cross_entropy(&g, true)).contains(&"linear_cross_entropy_mean"));
+        // A batch past one block's shared memory stays unfused.
+        let (g, _) = classifier_head(4096);
+        assert!(!ops(&fuse_linear_cross_entropy(&g, true)).contains(&"linear_cross_entropy_mean"));
     }
 
     #[test]

@@ -71,3 +71,41 @@ fn transformer_names_shapes_and_masks() -> Result<()> {
     assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() < 1e-5));
     Ok(())
 }
+
+/// Compile's fused classifier head (`Op::LinearCrossEntropyMean`, which a GPU step runs as one
+/// block) on the CPU against autograd through the ops it stands for: the loss, the weight and
+/// bias gradients and the gradient of the head's input (through a ReLU with `drelu`).
+#[test]
+fn the_fused_classifier_head_matches_autograd() -> Result<()> {
+    use kiln_autograd::Backward;
+    use kiln_nn::{cross_entropy_with, CrossEntropyConfig};
+    let (n, c, f) = (6, 4, 5);
+    let close = |what: &str, got: &[f64], want: &Tensor| {
+        let want = want.to_vec::<f64>().unwrap();
+        assert_eq!(got.len(), want.len(), "{what}");
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert!((a - b).abs() < 1e-12, "{what}[{i}]: fused {a} vs autograd {b}");
+        }
+    };
+    for (drelu, smoothing) in [(true, 0.0), (false, 0.1)] {
+        let rand = |shape: &[usize], seed| Tensor::rand_at(shape, Distribution::Normal, seed, 0, DType::F64, Device::Cpu);
+        let (pre, w, b) = (rand(&[n, f], 1)?, rand(&[c, f], 2)?, rand(&[c], 3)?);
+        let targets = Tensor::from_vec(vec![0i64, 3, -100, 1, 2, 3], &[n], Device::Cpu)?;
+        for x in [&pre, &w, &b] {
+            x.set_requires_grad(true);
+        }
+        let h = if drelu { pre.relu()? } else { pre.clone() };
+        let cfg = CrossEntropyConfig { label_smoothing: smoothing, ..CrossEntropyConfig::default() };
+        let loss = cross_entropy_with(&h.linear(&w, Some(&b))?, &targets, cfg)?;
+        loss.backward()?;
+        let op = kiln_tensor::Op::LinearCrossEntropyMean { ignore_index: Some(-100), smoothing, drelu };
+        let out = Tensor::apply(op, &[&h.detach(), &w.detach(), &b.detach(), &targets], Device::Cpu)?.to_vec::<f64>()?;
+        let (dw, db, dh, len) = kiln_tensor::op::linear_xent_parts(n, c, f);
+        assert_eq!(out.len(), len);
+        close("loss", &out[..1], &loss.reshape(&[1])?);
+        close("weight grad", &out[dw..dw + c * f], &w.grad().expect("w.grad"));
+        close("bias grad", &out[db..db + c], &b.grad().expect("b.grad"));
+        close("input grad", &out[dh..], &pre.grad().expect("pre.grad"));
+    }
+    Ok(())
+}

@@ -499,6 +499,16 @@ impl MatmulEpilogue {
 /// vector loads).
 pub const XENT_GRAD_AT: usize = 64;
 
+/// Where the parts of `Op::LinearCrossEntropyMean`'s output start for `n` rows, `c` classes and
+/// `h` features: `(weight gradient, bias gradient, h's gradient, total length)`, each part
+/// aligned to 64 elements as `matmul_tail_offset` aligns the sums.
+pub fn linear_xent_parts(n: usize, c: usize, h: usize) -> (usize, usize, usize, usize) {
+    let dw = XENT_GRAD_AT;
+    let db = dw + matmul_tail_offset(c * h);
+    let dh = (db + c).next_multiple_of(64);
+    (dw, db, dh, dh + n * h)
+}
+
 /// Where the second part of `Op::MatmulFused`'s output (sums, or GELU's pre-activation)
 /// starts: after the product's `numel` elements, rounded up to 64 so it stays aligned for
 /// cuBLASLt. The padding between is unspecified (zeros on the CPU).
@@ -627,6 +637,18 @@ pub enum Op {
         ignore_index: Option<i64>,
         smoothing: f64,
     },
+    /// A linear classifier head, its mean cross-entropy and the head's backward in one op,
+    /// made by compile's fusion on a GPU (one block runs it: a small batch's head is a few
+    /// launches of latency otherwise). Inputs: h `[N, H]`, the weight w `[C, H]`, the bias `[C]`
+    /// and the targets `[N]`; the logits are `h w^T + bias`. Output (`linear_xent_parts`): the
+    /// loss at 0 (as `CrossEntropyMean`), from `XENT_GRAD_AT` the weight's gradient `g^T h`
+    /// `[C, H]` followed by the bias's `sum(g)` (`MatmulEpilogue::SumLeft`'s layout), then
+    /// h's gradient `g w` `[N, H]`, times `step(h)` with `drelu` (h is a ReLU's output).
+    LinearCrossEntropyMean {
+        ignore_index: Option<i64>,
+        smoothing: f64,
+        drelu: bool,
+    },
     // Contractions.
     /// Batched matrix product `[..., m, k] x [..., k, n]` with broadcast batch dims; with a
     /// third input, a bias `[n]` added to every row (`addmm`: a cuBLASLt epilogue on CUDA, the
@@ -712,6 +734,7 @@ impl Op {
             Op::CrossEntropy { .. } => "cross_entropy",
             Op::CrossEntropyBackward { .. } => "cross_entropy_backward",
             Op::CrossEntropyMean { .. } => "cross_entropy_mean",
+            Op::LinearCrossEntropyMean { .. } => "linear_cross_entropy_mean",
             Op::Matmul => "matmul",
             Op::MatmulFused(MatmulEpilogue::Relu) => "matmul_relu",
             Op::MatmulFused(MatmulEpilogue::GeluTanh) => "matmul_gelu_tanh",
@@ -757,6 +780,7 @@ impl Op {
             Op::Attention { .. } => 3,
             Op::AttentionBackward { .. } => 5,
             Op::CrossEntropy { .. } | Op::CrossEntropyMean { .. } => 2,
+            Op::LinearCrossEntropyMean { .. } => 4,
             Op::CrossEntropyBackward { .. } => 3,
             Op::Reshape(_) | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_) | Op::Contiguous => 1,
             Op::Matmul | Op::MatmulFused(MatmulEpilogue::Relu | MatmulEpilogue::GeluTanh) if inputs.len() == 3 => 3,
@@ -920,6 +944,22 @@ impl Op {
                     return meta(vec![XENT_GRAD_AT + x[0] * x[1]], inputs[0].dtype);
                 }
                 meta(vec![x[0]], inputs[0].dtype)
+            }
+            Op::LinearCrossEntropyMean { .. } => {
+                let [h, w, b, t] = [0, 1, 2, 3].map(|i| inputs[i].shape);
+                float_only(inputs[0].dtype)?;
+                for x in &inputs[1..3] {
+                    same_dtype(inputs[0].dtype, x.dtype)?;
+                }
+                index_dtype(inputs[3].dtype)?;
+                let ok = h.len() == 2 && w.len() == 2 && w[1] == h[1] && b == [w[0]] && t == [h[0]];
+                if !ok {
+                    return Err(Error::shape(
+                        name,
+                        format!("expects h [N, H], weight [C, H], bias [C] and targets [N], got {h:?}, {w:?}, {b:?} and {t:?}"),
+                    ));
+                }
+                meta(vec![linear_xent_parts(h[0], w[0], h[1]).3], inputs[0].dtype)
             }
             Op::Matmul => {
                 let (a, b) = (inputs[0].shape, inputs[1].shape);

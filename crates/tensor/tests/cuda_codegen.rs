@@ -186,6 +186,10 @@ fn every_reduction_and_index_kernel_compiles() {
             let (s, n) = kiln_tensor::cuda::codegen::cross_entropy_mean_source(d, tpr);
             check(&s, &n, &mut fails);
         }
+        if d == DType::F32 {
+            let (s, n) = kiln_tensor::cuda::codegen::linear_xent_source(d);
+            check(&s, &n, &mut fails);
+        }
         for ams in [false, true] {
             let (s, n) = kiln_tensor::cuda::codegen::adam_source(d, ams);
             check(&s, &n, &mut fails);

@@ -354,6 +354,9 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             with_cpu!(s, v => go(v, l, &targets, ins.get(2), spec)?.into_storage())
         }
         Op::CrossEntropyMean { ignore_index, smoothing } => cross_entropy_mean(ins, *ignore_index, *smoothing, meta.dtype)?,
+        Op::LinearCrossEntropyMean { ignore_index, smoothing, drelu } => {
+            linear_cross_entropy_mean(ins, *ignore_index, *smoothing, *drelu, meta)?
+        }
         Op::Attention { scale, causal } | Op::AttentionBackward { scale, causal } => {
             let (s0, l0) = ins[0];
             let r = l0.rank();
@@ -480,6 +483,41 @@ fn cross_entropy_mean(ins: &[(&CpuStorage, &Layout)], ignore_index: Option<i64>,
         let mut v = l.to_vec();
         v.resize(crate::op::XENT_GRAD_AT, Default::default());
         v.extend_from_slice(typed(&grad, "cross_entropy_mean")?);
+        v.into_storage()
+    }))
+}
+
+/// `Op::LinearCrossEntropyMean` from the unfused ops it stands for: the head's product, the
+/// mean cross-entropy, the weight and bias gradients (`SumLeft`) and h's gradient.
+fn linear_cross_entropy_mean(
+    ins: &[(&CpuStorage, &Layout)],
+    ignore_index: Option<i64>,
+    smoothing: f64,
+    drelu: bool,
+    meta: &OutMeta,
+) -> Result<CpuStorage> {
+    use crate::op::XENT_GRAD_AT;
+    let [h, w, bias, targets] = [ins[0], ins[1], ins[2], ins[3]];
+    let (n, c, f) = (h.1.shape[0], w.1.shape[0], h.1.shape[1]);
+    let with_shape = |shape: Vec<usize>| OutMeta { shape, dtype: meta.dtype };
+    let wt = Layout { shape: vec![f, c], strides: vec![w.1.strides[1], w.1.strides[0]], offset: w.1.offset };
+    let logits = run(&Op::Matmul, &[h, (w.0, &wt), bias], &with_shape(vec![n, c]))?;
+    let xent = Op::CrossEntropyMean { ignore_index, smoothing };
+    let ce = run(&xent, &[(&logits, &Layout::contiguous(&[n, c])), targets], &with_shape(vec![XENT_GRAD_AT + n * c]))?;
+    let g = Layout { shape: vec![n, c], strides: vec![c, 1], offset: XENT_GRAD_AT };
+    let gt = Layout { shape: vec![c, n], strides: vec![1, c], offset: XENT_GRAD_AT };
+    let dw = run(&Op::MatmulFused(MatmulEpilogue::SumLeft), &[(&ce, &gt), h], &with_shape(vec![crate::op::matmul_tail_offset(c * f) + c]))?;
+    let dh = match drelu {
+        true => run(&Op::MatmulFused(MatmulEpilogue::DRelu), &[(&ce, &g), w, h], &with_shape(vec![n, f]))?,
+        false => run(&Op::Matmul, &[(&ce, &g), w], &with_shape(vec![n, f]))?,
+    };
+    let (dw_at, _, dh_at, len) = crate::op::linear_xent_parts(n, c, f);
+    Ok(with_cpu!(&ce, loss => {
+        let mut v = vec![Default::default(); len];
+        v[0] = loss[0];
+        let dw = typed(&dw, "linear_cross_entropy_mean")?;
+        v[dw_at..dw_at + dw.len()].copy_from_slice(dw);
+        v[dh_at..].copy_from_slice(typed(&dh, "linear_cross_entropy_mean")?);
         v.into_storage()
     }))
 }

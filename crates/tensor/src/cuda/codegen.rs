@@ -979,6 +979,93 @@ pub fn cross_entropy_mean_source(dtype: DType, tpr: usize) -> (String, String) {
     (s, name)
 }
 
+/// Threads of `linear_xent_source`'s one block.
+pub const LINEAR_XENT_THREADS: usize = 512;
+/// The most shared memory `linear_xent_source` stages (h and the weight, rows padded by one,
+/// and the logits), and the most multiply-adds of each of its three products: beyond them
+/// one block is slower than the separate kernels.
+pub const LINEAR_XENT_MAX_SMEM: usize = 96 * 1024;
+pub const LINEAR_XENT_MAX_MACS: usize = 1 << 20;
+
+/// Shared memory `linear_xent_source` needs for `n` rows, `c` classes and `f` features.
+pub fn linear_xent_smem_bytes(n: usize, c: usize, f: usize) -> usize {
+    ((n + c) * (f + 1) + n * c) * 4
+}
+
+/// Whether one block runs `Op::LinearCrossEntropyMean` at this size (F32 only).
+pub fn linear_xent_fits(dtype: DType, n: usize, c: usize, f: usize) -> bool {
+    dtype == DType::F32 && c > 0 && linear_xent_smem_bytes(n, c, f) <= LINEAR_XENT_MAX_SMEM && n * c * f <= LINEAR_XENT_MAX_MACS
+}
+
+/// `Op::LinearCrossEntropyMean` in one block: h `[N, F]` and the weight `[C, F]` staged in
+/// shared memory (rows padded by one float: no bank conflicts), the logits `h w^T + b`, the
+/// count of real targets and each row's loss and gradient (`xent_row`, a thread a row, the
+/// gradient over its logits in place), the loss summed in a fixed order, then the weight's
+/// and bias's gradients `g^T h`, `sum(g)` and h's `g w` (times `step(h)` with `drelu`) from
+/// shared memory. Classifier heads at small batches: five launches of latency (the head's
+/// product, the loss, two products and a bias-gradient kernel; 18 us at MLP b32) in one.
+pub fn linear_xent_source(dtype: DType) -> (String, String) {
+    let name = format!("k_linear_xent_{}", format!("{dtype:?}").to_lowercase());
+    let t = storage_type(dtype);
+    let mut s = format!("{PRELUDE}{INDEX_ARGS}\ntypedef {} C;\n{XENT_ARGS}", compute_type(dtype));
+    s += "struct LArgs { long long hs0, hs1, ho, wsc, wsj, wo, bsc, bo, f, dw, db, dh; int drelu, pad; };\n";
+    s += &format!(
+        "extern \"C\" __global__ void __launch_bounds__({LINEAR_XENT_THREADS}) {name}({t}* __restrict__ o, const {t}* __restrict__ hp, \
+         const {t}* __restrict__ wp, const {t}* __restrict__ bp, const long long* __restrict__ tg, long long* err, XArgs a, LArgs l) {{\n"
+    );
+    s += r#"  extern __shared__ C smem[];
+  __shared__ C sh[32];
+  const int N = (int)a.rows, NC = (int)a.red, F = (int)l.f, FP = F + 1, tid = threadIdx.x, nt = blockDim.x;
+  C* hs = smem;
+  C* ws = hs + N * FP;
+  C* lg = ws + NC * FP;
+  for (int e = tid; e < N * F; e += nt) { const int r = e / F, j = e - r * F; hs[r * FP + j] = (C)ld(hp[l.ho + r * l.hs0 + j * l.hs1]); }
+  for (int e = tid; e < NC * F; e += nt) { const int c = e / F, j = e - c * F; ws[c * FP + j] = (C)ld(wp[l.wo + c * l.wsc + j * l.wsj]); }
+  __syncthreads();
+  for (int e = tid; e < N * NC; e += nt) {
+    const int r = e / NC, c = e - r * NC;
+    C v = (C)0;
+#pragma unroll 8
+    for (int j = 0; j < F; ++j) v += hs[r * FP + j] * ws[c * FP + j];
+    lg[e] = v + (C)ld(bp[l.bo + c * l.bsc]);
+  }
+  C acc = (C)0;
+  for (int r = tid; r < N; r += nt) acc += (a.has_ignore && tg[r] == a.ignore) ? (C)0 : (C)1;
+"#;
+    s += &row_allreduce(true, false);
+    s += "  const C count = acc, gr = (C)1 / count;\n  C loss = (C)0;\n  __syncthreads();\n";
+    // A thread a row: `xent_row` reads the logits as `x`, the gradient overwrites them.
+    s += "  for (long long row = tid; row < N; row += nt) {\n    const C* x = lg; const int lane = 0, tpr = 1;\n";
+    s += &xent_row(|_| String::new());
+    s += XENT_SMOOTHING_SUM;
+    s += "  if (!skip) loss += lse - on * x[base + t] - off * acc;\n";
+    s += &xent_grad_loop("lg", "");
+    s += "  }\n  acc = loss;\n";
+    s += &row_allreduce(true, false);
+    s += "  if (tid == 0) st(&o[0], acc / count);\n  __syncthreads();\n";
+    s += r#"  for (int e = tid; e < NC * F; e += nt) {
+    const int c = e / F, j = e - c * F;
+    C v = (C)0;
+    for (int r = 0; r < N; ++r) v += lg[r * NC + c] * hs[r * FP + j];
+    st(&o[l.dw + e], v);
+  }
+  for (int c = tid; c < NC; c += nt) {
+    C v = (C)0;
+    for (int r = 0; r < N; ++r) v += lg[r * NC + c];
+    st(&o[l.db + c], v);
+  }
+  for (int e = tid; e < N * F; e += nt) {
+    const int r = e / F, j = e - r * F;
+    C v = (C)0;
+    for (int c = 0; c < NC; ++c) v += lg[r * NC + c] * ws[c * FP + j];
+    if (l.drelu) v *= hs[r * FP + j] > (C)0 ? (C)1 : (C)0;
+    st(&o[l.dh + e], v);
+  }
+}
+"#;
+    (s, name)
+}
+
 /// The gradient of a softmax (`log`: log-softmax) of `scale * x` over the last dim of dense
 /// `[rows, red]` buffers, from its output `y` and the output's gradient `g`: one sweep for
 /// `sum(g y)` (or `sum(g)`), one for the write.

@@ -316,6 +316,9 @@ pub fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, devic
         Op::CrossEntropy { ignore_index, smoothing } => cross_entropy(&g, &x, *ignore_index, *smoothing)?,
         Op::CrossEntropyBackward { ignore_index, smoothing } => cross_entropy(&g, &x, *ignore_index, *smoothing)?,
         Op::CrossEntropyMean { ignore_index, smoothing } => cross_entropy_mean(&g, &x, *ignore_index, *smoothing)?,
+        Op::LinearCrossEntropyMean { ignore_index, smoothing, drelu } => {
+            linear_cross_entropy_mean(&g, &x, *ignore_index, *smoothing, *drelu)?
+        }
         Op::Matmul => super::blas::matmul(&g, x[0], x[1], x.get(2).copied(), meta)?,
         Op::MatmulFused(e) => super::blas::matmul_fused(&g, x[0], x[1], x.get(2).copied(), Some(*e), meta)?,
         Op::IndexSelect { dim } => index_read(&g, IndexKind::Select, x[0], x[1], *dim, meta)?,
@@ -914,6 +917,82 @@ fn cross_entropy_mean(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], ignore: Optio
     // rows x n values; `err` is the error word. `blocks` covers the rows (a thread or a warp
     // each) and fits the module's partial sums.
     unsafe { g.launch(k, (blocks as u32, 1), threads as u32, 0, &mut params)? };
+    Ok(out)
+}
+
+/// Mirrors `struct LArgs` (`codegen::linear_xent_source`): h's, the weight's and the bias's
+/// strides and offsets, the features, where the output's parts start, and `drelu`.
+#[repr(C)]
+struct LArgs {
+    hs0: i64,
+    hs1: i64,
+    ho: i64,
+    wsc: i64,
+    wsj: i64,
+    wo: i64,
+    bsc: i64,
+    bo: i64,
+    f: i64,
+    dw: i64,
+    db: i64,
+    dh: i64,
+    drelu: i32,
+    pad: i32,
+}
+
+/// `Op::LinearCrossEntropyMean` in one block (`codegen::linear_xent_source`).
+fn linear_cross_entropy_mean(
+    g: &Arc<Gpu>,
+    x: &[(&CudaStorage, &Layout)],
+    ignore: Option<i64>,
+    smoothing: f64,
+    drelu: bool,
+) -> Result<CudaStorage> {
+    use super::codegen::{linear_xent_fits, linear_xent_smem_bytes, LINEAR_XENT_MAX_SMEM, LINEAR_XENT_THREADS};
+    let [(sh, lh), (sw, lw), (sb, lb), (st, lt)] = [x[0], x[1], x[2], x[3]];
+    let (n, c, f) = (lh.shape[0], lw.shape[0], lh.shape[1]);
+    if !linear_xent_fits(sh.dtype, n, c, f) {
+        return Err(Error::shape(
+            "linear_cross_entropy_mean",
+            format!(
+                "h {:?} and weight {:?} in {:?}: one block takes F32 heads of up to {LINEAR_XENT_MAX_SMEM} bytes staged",
+                lh.shape, lw.shape, sh.dtype
+            ),
+        ));
+    }
+    let (dw, db, dh, len) = crate::op::linear_xent_parts(n, c, f);
+    let out = CudaStorage::alloc(g, sh.dtype, len)?;
+    let targets = dense(g, st, lt)?;
+    let k = g.kernel_shared(super::spec_key("linear_xent", &sh.dtype), LINEAR_XENT_MAX_SMEM as u32, || {
+        super::codegen::linear_xent_source(sh.dtype)
+    })?;
+    let i = |v: usize| v as i64;
+    let mut l = LArgs {
+        hs0: i(lh.strides[0]),
+        hs1: i(lh.strides[1]),
+        ho: 0,
+        wsc: i(lw.strides[0]),
+        wsj: i(lw.strides[1]),
+        wo: 0,
+        bsc: i(lb.strides[0]),
+        bo: 0,
+        f: i(f),
+        dw: i(dw),
+        db: i(db),
+        dh: i(dh),
+        drelu: drelu as i32,
+        pad: 0,
+    };
+    let mut a = XArgs::new(n, c, ignore, smoothing, 0);
+    let (mut o, mut ph, mut pw, mut pb) = (out.buf.ptr, sh.ptr_at(lh.offset), sw.ptr_at(lw.offset), sb.ptr_at(lb.offset));
+    let (mut pt, mut pe) = (targets.get().buf.ptr, g.err);
+    let mut params = kernel_params![o, ph, pw, pb, pt, pe, a, l];
+    let smem = linear_xent_smem_bytes(n, c, f) as u32;
+    // SAFETY: (out, h, w, bias, targets, err, XArgs, LArgs) matches the generated signature;
+    // h, w and the bias are read through their own strides from their first elements within
+    // their shapes, the targets are dense [n], `out` holds `linear_xent_parts`' length, and
+    // `smem` (at most the limit the kernel was loaded with) holds the staged operands.
+    unsafe { g.launch(k, (1, 1), LINEAR_XENT_THREADS as u32, smem, &mut params)? };
     Ok(out)
 }
 
