@@ -361,6 +361,19 @@ fn redirect(out: &mut Graph, alias: &[Option<(NodeId, usize)>]) {
 /// all the targets, which stays cheap only for small problems.
 pub const XENT_MEAN_MAX: (usize, usize) = (1 << 16, 1024);
 
+/// Per node, whether a state buffer stands for it (a state write, or a base written into in
+/// place): a fusion may not move it into another node's output.
+fn pinned(g: &Graph) -> Vec<bool> {
+    let mut pinned = vec![false; g.nodes.len()];
+    g.writes.iter().for_each(|w| pinned[w.1] = true);
+    for n in &g.nodes {
+        if let Kind::WriteView { base, .. } = n.kind {
+            pinned[base] = true;
+        }
+    }
+    pinned
+}
+
 /// On a GPU, a small mean cross-entropy and its gradient as `nn::cross_entropy` and autograd
 /// record them (the rows' losses summed over the count of targets that are not ignored; the
 /// backward with every row's gradient `1 / count`) become one `Op::CrossEntropyMean`: one
@@ -372,15 +385,8 @@ pub fn fuse_mean_cross_entropy(g: &Graph, gpu: bool) -> Graph {
         return out;
     }
     let users = g.users();
-    // `pinned`: a state buffer stands for the node (a state write, or a base written into in
-    // place); `escapes`: that, or the step returns it.
-    let mut pinned = vec![false; g.nodes.len()];
-    g.writes.iter().for_each(|w| pinned[w.1] = true);
-    for n in &g.nodes {
-        if let Kind::WriteView { base, .. } = n.kind {
-            pinned[base] = true;
-        }
-    }
+    // `escapes`: pinned, or the step returns it.
+    let pinned = pinned(g);
     let mut escapes = pinned.clone();
     g.outputs.iter().for_each(|a| escapes[a.node] = true);
     let mut alias: Vec<Option<(NodeId, usize)>> = vec![None; g.nodes.len()];
@@ -463,13 +469,7 @@ pub fn fuse_linear_cross_entropy(g: &Graph, gpu: bool) -> Graph {
         return out;
     }
     let users = g.users();
-    let mut pinned = vec![false; g.nodes.len()];
-    g.writes.iter().for_each(|w| pinned[w.1] = true);
-    for n in &g.nodes {
-        if let Kind::WriteView { base, .. } = n.kind {
-            pinned[base] = true;
-        }
-    }
+    let pinned = pinned(g);
     let mut alias: Vec<Option<(NodeId, usize)>> = vec![None; g.nodes.len()];
     for ce in 0..g.nodes.len() {
         let Some(head) = linear_head(g, &users, &pinned, ce) else { continue };
