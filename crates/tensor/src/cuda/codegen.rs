@@ -982,10 +982,12 @@ pub fn cross_entropy_mean_source(dtype: DType, tpr: usize) -> (String, String) {
 /// Threads of `linear_xent_source`'s one block.
 pub const LINEAR_XENT_THREADS: usize = 512;
 /// The most shared memory `linear_xent_source` stages (h and the weight, rows padded by one,
-/// and the logits), and the most multiply-adds of each of its three products: beyond them
-/// one block is slower than the separate kernels.
+/// and the logits), and the most multiply-adds of each of its three products. One SM reads
+/// shared memory 32 values a cycle, so the block's time grows with the head: at MLP b32's
+/// `[32, 256] x [256, 10]` (82K multiply-adds a product) it took 21.8 us (`ncu`, H200), more
+/// than the five launches it replaces (18 us); below 16K it is a few microseconds.
 pub const LINEAR_XENT_MAX_SMEM: usize = 96 * 1024;
-pub const LINEAR_XENT_MAX_MACS: usize = 1 << 20;
+pub const LINEAR_XENT_MAX_MACS: usize = 1 << 14;
 
 /// Shared memory `linear_xent_source` needs for `n` rows, `c` classes and `f` features.
 pub fn linear_xent_smem_bytes(n: usize, c: usize, f: usize) -> usize {
@@ -1003,7 +1005,8 @@ pub fn linear_xent_fits(dtype: DType, n: usize, c: usize, f: usize) -> bool {
 /// gradient over its logits in place), the loss summed in a fixed order, then the weight's
 /// and bias's gradients `g^T h`, `sum(g)` and h's `g w` (times `step(h)` with `drelu`) from
 /// shared memory. Classifier heads at small batches: five launches of latency (the head's
-/// product, the loss, two products and a bias-gradient kernel; 18 us at MLP b32) in one.
+/// product, the loss, two products and a bias-gradient kernel) in one, for heads up to
+/// `LINEAR_XENT_MAX_MACS`.
 pub fn linear_xent_source(dtype: DType) -> (String, String) {
     let name = format!("k_linear_xent_{}", format!("{dtype:?}").to_lowercase());
     let t = storage_type(dtype);

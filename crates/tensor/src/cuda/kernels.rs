@@ -948,14 +948,14 @@ fn linear_cross_entropy_mean(
     smoothing: f64,
     drelu: bool,
 ) -> Result<CudaStorage> {
-    use super::codegen::{linear_xent_fits, linear_xent_smem_bytes, LINEAR_XENT_MAX_SMEM, LINEAR_XENT_THREADS};
+    use super::codegen::{linear_xent_fits, linear_xent_smem_bytes, LINEAR_XENT_MAX_MACS, LINEAR_XENT_MAX_SMEM, LINEAR_XENT_THREADS};
     let [(sh, lh), (sw, lw), (sb, lb), (st, lt)] = [x[0], x[1], x[2], x[3]];
     let (n, c, f) = (lh.shape[0], lw.shape[0], lh.shape[1]);
     if !linear_xent_fits(sh.dtype, n, c, f) {
         return Err(Error::shape(
             "linear_cross_entropy_mean",
             format!(
-                "h {:?} and weight {:?} in {:?}: one block takes F32 heads of up to {LINEAR_XENT_MAX_SMEM} bytes staged",
+                "h {:?} and weight {:?} in {:?}: one block takes F32 heads of up to {LINEAR_XENT_MAX_SMEM} bytes staged and {LINEAR_XENT_MAX_MACS} multiply-adds a product",
                 lh.shape, lw.shape, sh.dtype
             ),
         ));
