@@ -209,6 +209,14 @@ fn reductions_match_the_cpu() {
         both(&format!("normalize backward {dt:?}"), &[x.clone(), randn(&[4, 5, 6], 11, dt)], tol(dt) * 16.0, |v| {
             v[0].permute(&[1, 0, 2])?.normalize_backward(&v[1].permute(&[1, 0, 2])?, 1e-5)
         });
+        // Rows of whole float4s per lane (F32 takes the register-resident forward), some with
+        // a large mean.
+        for (i, n) in [128usize, 512, 1024].into_iter().enumerate() {
+            let rows = randn(&[37, n], 16 + i as u64, dt).add_scalar(4.0 * i as f64).unwrap();
+            let (w, b) = (randn(&[n], 19, dt), randn(&[n], 20, dt));
+            both(&format!("layer norm rows of {n} {dt:?}"), &[rows.clone(), w, b], tol(dt) * 8.0, |v| v[0].layer_norm(&v[1], &v[2], 1e-5));
+            both(&format!("normalize rows of {n} {dt:?}"), &[rows], tol(dt) * 8.0, |v| v[0].normalize(1e-5));
+        }
     }
     // NaN wins max and argmax, as on the CPU.
     let n = Tensor::from_slice(&[1.0f32, f32::NAN, 3.0, 2.0], &[2, 2], Device::Cpu).unwrap();
@@ -892,6 +900,18 @@ fn hopper_f32_gemm_matches_the_cpu_in_every_layout_and_epilogue() {
             if cuda::kiln_gemm_launches() == before {
                 missed.push(what);
             }
+        }
+    }
+    // A sequence-first `[T, B, C]` input read batch-first, `x.transpose(0, 1) @ w^T + bias`
+    // (an attention's projection): its rows do not fold, so the kernel reads them through its
+    // row map. The first shape splits its contraction, the second has ragged tiles.
+    for (tl, bl, c, n) in [(10, 32, 512, 512), (7, 5, 36, 260)] {
+        let ins = vec![randn(&[tl, bl, c], 68, dt), randn(&[n, c], 69, dt), randn(&[n], 70, dt)];
+        let what = format!("[{tl}, {bl}, {c}] read batch-first @ w^T + bias, relu, n {n}");
+        let before = cuda::kiln_gemm_launches();
+        both(&what, &ins, t, |v| fused(E::Relu)(&[v[0].transpose(0, 1)?, v[1].t()?, v[2].clone()]));
+        if cuda::kiln_gemm_launches() == before {
+            missed.push(what);
         }
     }
     assert!(missed.is_empty(), "products that did not take Kiln's GEMM: {missed:?}");

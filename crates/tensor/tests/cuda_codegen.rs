@@ -346,7 +346,8 @@ fn a_group_folding_its_sums_in_one_block_compiles() {
     assert!(fails.is_empty(), "{}", fails.join("\n"));
 }
 
-/// Kiln's Hopper F32 GEMM in its four layouts with each epilogue the back end asks for.
+/// Kiln's Hopper F32 GEMM in its four layouts with each epilogue the back end asks for, with
+/// and without A's row map.
 #[test]
 fn every_hopper_gemm_variant_compiles() {
     use kiln_tensor::cuda::wgmma::Spec;
@@ -362,9 +363,26 @@ fn every_hopper_gemm_variant_compiles() {
     ];
     for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
         for (bias, keep, act, dact) in epilogues {
-            let (s, n) = Spec { ta, tb, bias, keep, act, dact }.source();
-            check(&s, &n, &mut fails);
+            // The row map only where A is K-contiguous (`blas::mapped_rows`).
+            for map_a in if ta { vec![false] } else { vec![false, true] } {
+                let (s, n) = Spec { ta, tb, bias, keep, act, dact, map_a }.source();
+                check(&s, &n, &mut fails);
+            }
         }
     }
     assert!(fails.is_empty(), "{} kernels failed:\n{}", fails.len(), fails.join("\n\n"));
+}
+
+/// The register-resident layer norm forward at each row width it takes.
+#[test]
+fn layer_norm_rows_kernels_compile() {
+    need_nvrtc();
+    let mut fails = Vec::new();
+    for tiles in 1..=kiln_tensor::cuda::codegen::LN_ROWS_MAX_N / 128 {
+        for affine in [false, true] {
+            let (s, n) = kiln_tensor::cuda::codegen::normalize_rows_source(tiles, affine);
+            check(&s, &n, &mut fails);
+        }
+    }
+    assert!(fails.is_empty(), "{}", fails.join("\n"));
 }

@@ -217,12 +217,18 @@ pub fn matmul_fused(
     // A shared B (a Linear's weight) against a batch of A's rows is one GEMM with the batch
     // folded into M, as PyTorch does: far faster than a strided batch of small GEMMs.
     // When A's rows cannot be folded as they lie (a permuted view, e.g. a sequence-first
-    // batch), one dense copy of A and one GEMM still beat `batch` GEMMs of a few rows.
+    // batch), Kiln's Hopper GEMM reads them through a row map (`a_rows`); else one dense
+    // copy of A and one GEMM still beat `batch` GEMMs of a few rows.
     let mut dense_a: Option<CudaStorage> = None;
+    let mut a_rows: Option<(usize, usize)> = None;
     if batch > 1 && lb.strides[..r - 2].iter().all(|&s| s == 0) {
-        let folded = match la.reshaped(&[batch * m, k]) {
-            Some(f) => f,
-            None => {
+        let folded = match (la.reshaped(&[batch * m, k]), mapped_rows(g, meta.dtype, (sa, &la), (sb, &lb), &rest)) {
+            (Some(f), _) => f,
+            (None, Some(mapped)) => {
+                a_rows = Some((m, la.strides[0]));
+                mapped
+            }
+            (None, None) => {
                 dense_a = Some(dense_copy(g, sa, &la)?);
                 Layout::contiguous(&[batch * m, k])
             }
@@ -230,7 +236,12 @@ pub fn matmul_fused(
         (la, m, batch) = (folded, batch * m, 1);
     }
     let sa = dense_a.as_ref().unwrap_or(sa);
-    if let Some(own) = own_product(g, meta.dtype, batch, (sa, &la), (sb, &lb), &rest) {
+    let own = own_product(g, meta.dtype, batch, (sa, &la), (sb, &lb), &rest);
+    // (`mapped_rows` found the Hopper GEMM takes it; only that kernel reads the row map.)
+    if a_rows.is_some() && !matches!(own, Some(OwnProduct { kind: Own::Hopper(..), .. })) {
+        return Err(Error::Cuda(format!("matmul: A's rows {:?} (strides {:?}) need the Hopper GEMM's row map", la.shape, la.strides)));
+    }
+    if let Some(own) = own {
         // Kiln's kernel does all that is left of the fused op.
         let (a, b) = ((sa, &own.a), (sb, &own.b));
         match own.kind {
@@ -251,7 +262,7 @@ pub fn matmul_fused(
                     (None, Some((_, (s, l)))) => aux_rows(l, m, n).map(|(at, ld)| (s.ptr_at(at), ld)),
                     _ => None,
                 };
-                super::kernels::matmul_wgmma(g, spec, a, b, bias, aux, &out)?
+                super::kernels::matmul_wgmma(g, spec, (a.0, a.1, a_rows), b, bias, aux, &out)?
             }
             Own::Thin => {
                 let h = rest.dact.map(|(_, (s, l))| (s, view2(l, m, n)));
@@ -444,6 +455,20 @@ fn own_product(
     Some(OwnProduct { kind, a, b })
 }
 
+/// A `[batch, m, k]` A whose batch does not fold into its rows (a sequence-first view read
+/// batch-first), as the `[batch m, k]` view Kiln's Hopper GEMM reads through its row map
+/// (`kernels::matmul_wgmma`'s `a_rows`: the rows' stride is the inner one), if that GEMM takes
+/// the product with A K-contiguous.
+fn mapped_rows(g: &Gpu, dtype: DType, (sa, la): (&CudaStorage, &Layout), (sb, lb): (&CudaStorage, &Layout), rest: &Rest) -> Option<Layout> {
+    if la.rank() != 3 || la.strides[2] != 1 || la.strides[0] % 4 != 0 {
+        return None;
+    }
+    let (b, m, k) = (la.shape[0], la.shape[1], la.shape[2]);
+    let a = Layout { shape: vec![b * m, k], strides: vec![la.strides[1], 1], offset: la.offset };
+    let spec = hopper_spec(g, dtype, (sa, &a), (sb, &view2(lb, k, lb.shape[lb.rank() - 1])), rest)?.0;
+    (!spec.ta).then_some(a)
+}
+
 /// An activation input `[.., m, n]` as rows of `n` with unit stride: (offset, row stride).
 fn aux_rows(l: &Layout, m: usize, n: usize) -> Option<(usize, usize)> {
     let v = l.reshaped(&[m, n])?;
@@ -541,7 +566,7 @@ fn hopper_spec(
         (false, Some(_)) => Some(crate::UnaryOp::GeluTanh),
         _ => None,
     };
-    let spec = super::wgmma::Spec { ta, tb, bias, keep: rest.gelu.is_some(), act, dact };
+    let spec = super::wgmma::Spec { ta, tb, bias, keep: rest.gelu.is_some(), act, dact, map_a: false };
     // Blocks: tiles times the contraction's parts.
     let blocks = m.div_ceil(super::wgmma::BM) * n.div_ceil(super::wgmma::BN) * super::wgmma::splits(m, n, k, g.sms as usize).0;
     let fast = 2 * blocks >= g.sms as usize && (tb || !ta);

@@ -1193,6 +1193,39 @@ pub fn normalize_source(dtype: DType, backward: bool, affine: bool, block: bool)
     (s, name)
 }
 
+/// The widest F32 row `normalize_rows_source` holds in registers (eight float4s a lane).
+pub const LN_ROWS_MAX_N: usize = 1024;
+
+/// Layer norm's forward for F32 rows of `32 * 4 * tiles` values (`tiles <= 8`), a warp per row
+/// held in registers: each lane loads its `tiles` float4s at once, so the row costs one trip to
+/// memory where `normalize_source`'s loop made one a value (5.5 us against about 2 for the
+/// Transformer's 320 rows of 512). Same arguments; all pointers 16-byte aligned.
+pub fn normalize_rows_source(tiles: usize, affine: bool) -> (String, String) {
+    let name = format!("k_layer_norm_rows{tiles}_f32{}", if affine { "" } else { "_plain" });
+    let mut s = format!("{PRELUDE}\ntypedef float C;\nstruct NArgs {{ long long rows, red; double eps; }};\n#define T {tiles}\n");
+    s += &format!(
+        "extern \"C\" __global__ void {name}(float* __restrict__ o, const float* __restrict__ x, const float* __restrict__ g, NArgs a, const float* __restrict__ w, const float* __restrict__ b) {{\n"
+    );
+    s += "  (void)g;\n  const long long row = blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32; const int lane = threadIdx.x % 32;\n";
+    s += "  if (row >= a.rows) return;\n  const float4* xr = (const float4*)(x + row * a.red);\n  float4 v[T];\n  C acc = 0.f;\n";
+    s += "#pragma unroll\n  for (int t = 0; t < T; ++t) v[t] = __ldg(xr + lane + 32 * t);\n";
+    s += "#pragma unroll\n  for (int t = 0; t < T; ++t) acc += (v[t].x + v[t].y) + (v[t].z + v[t].w);\n";
+    s += &row_allreduce(false, false);
+    s += "  const C n = (C)a.red, mean = acc / n;\n  acc = 0.f;\n";
+    s += "#pragma unroll\n  for (int t = 0; t < T; ++t) {\n    const float4 d = make_float4(v[t].x - mean, v[t].y - mean, v[t].z - mean, v[t].w - mean);\n";
+    s += "    acc += (d.x * d.x + d.y * d.y) + (d.z * d.z + d.w * d.w);\n  }\n";
+    s += &row_allreduce(false, false);
+    s += "  const C rstd = 1.f / ksqrt(acc / n + (C)a.eps);\n  float4* out = (float4*)(o + row * a.red);\n";
+    s += "#pragma unroll\n  for (int t = 0; t < T; ++t) {\n    const int j = lane + 32 * t;\n";
+    s += "    float4 y = make_float4((v[t].x - mean) * rstd, (v[t].y - mean) * rstd, (v[t].z - mean) * rstd, (v[t].w - mean) * rstd);\n";
+    if affine {
+        s += "    const float4 wj = __ldg((const float4*)w + j), bj = __ldg((const float4*)b + j);\n";
+        s += "    y = make_float4(y.x * wj.x + bj.x, y.y * wj.y + bj.y, y.z * wj.z + bj.z, y.w * wj.w + bj.w);\n";
+    }
+    s += "    out[j] = y;\n  }\n}\n";
+    (s, name)
+}
+
 /// Where a fused member's argument comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum FusedSrc {

@@ -715,13 +715,13 @@ struct RowArgs {
 
 /// A row kernel over the last dim of `x` and (if given) a gradient of its shape, both read as
 /// dense copies, with `(out, x, g, RowArgs)` parameters; `kernel` picks the kernel for block
-/// mode or not.
+/// mode or not, and whether every pointer (extras included) is 16-byte aligned.
 fn row_pair(
     g: &Arc<Gpu>,
     (s, l): (&CudaStorage, &Layout),
     grad: Option<(&CudaStorage, &Layout)>,
     (value, extra): (f64, [u64; 2]),
-    kernel: impl FnOnce(bool) -> Result<super::gpu::Kernel>,
+    kernel: impl FnOnce(bool, bool) -> Result<super::gpu::Kernel>,
 ) -> Result<CudaStorage> {
     let out = CudaStorage::alloc(g, s.dtype, l.numel())?;
     let n = l.shape[l.rank() - 1];
@@ -732,10 +732,10 @@ fn row_pair(
     let x = dense(g, s, l)?;
     let gd = grad.map(|(sg, lg)| dense(g, sg, lg)).transpose()?;
     let (block, grid, threads) = row_launch(rows, n);
-    let k = kernel(block)?;
-    let mut a = RowArgs { rows: rows as i64, red: n as i64, value };
     let (mut o, mut px) = (out.buf.ptr, x.get().buf.ptr);
     let mut pg = gd.as_ref().map_or(0, |d| d.get().buf.ptr);
+    let k = kernel(block, [o, px, pg, extra[0], extra[1]].iter().all(|p| p % 16 == 0))?;
+    let mut a = RowArgs { rows: rows as i64, red: n as i64, value };
     let [mut e0, mut e1] = extra;
     let mut params = kernel_params![o, px, pg, a, e0, e1];
     // SAFETY: (out, x, g, RowArgs) matches the generated signatures, followed by layer norm's
@@ -822,7 +822,14 @@ fn normalize(
         _ => [0, 0],
     };
     let has = extra[0] != 0;
-    row_pair(g, x, grad, (eps, extra), |block| {
+    let n = x.1.shape[x.1.rank() - 1];
+    // Rows that fit in registers as float4s take the one-trip kernel (F32 forward, with the
+    // weight and bias or neither).
+    let rows_kernel = dtype == DType::F32 && !backward && n % 128 == 0 && n <= super::codegen::LN_ROWS_MAX_N && (extra[1] != 0) == has;
+    row_pair(g, x, grad, (eps, extra), |block, aligned| {
+        if rows_kernel && !block && aligned {
+            return g.kernel(super::spec_key("normalize_rows", &(n, has)), || super::codegen::normalize_rows_source(n / 128, has));
+        }
         g.kernel(super::spec_key("normalize", &(dtype, backward, has, block)), || {
             super::codegen::normalize_source(dtype, backward, has, block)
         })
@@ -833,7 +840,7 @@ fn normalize(
 /// the output's gradient.
 fn softmax_backward(g: &Arc<Gpu>, y: (&CudaStorage, &Layout), grad: (&CudaStorage, &Layout), log: bool, scale: f64) -> Result<CudaStorage> {
     let dtype = y.0.dtype;
-    row_pair(g, y, Some(grad), (scale, [0, 0]), |block| {
+    row_pair(g, y, Some(grad), (scale, [0, 0]), |block, _| {
         g.kernel(super::spec_key("softmax_backward", &(dtype, log, block)), || super::codegen::softmax_backward_source(dtype, log, block))
     })
 }
@@ -1390,31 +1397,35 @@ struct GArgs {
     ldb: i64,
     ldc: i64,
     ldx: i64,
+    a_outer: i64,
     m: i32,
     n: i32,
     k: i32,
     kc: i32,
     splits: i32,
-    pad: i32,
+    a_inner: i32,
 }
 
 /// `out [m, n] = a [m, k] b [k, n]` and `spec`'s epilogue by Kiln's Hopper GEMM
 /// (`wgmma.rs`): 2-D views of A and B, each with the unit stride `spec` says and the other a
 /// multiple of 4, 16-byte aligned; `bias` a dense `[n]`; `aux` (GELU's pre-activation
 /// written, or an activation's input read) an address with rows `ldx` apart; `out` dense.
-/// The caller checks all of it (`blas::own_product`). A product of few tiles splits its
+/// The caller checks all of it (`blas::own_product`). `a_rows` (inner, outer) says A's rows are
+/// a batch that does not lie as rows: row `r` at `(r % inner) * lda + (r / inner) * outer`
+/// (A K-contiguous, `outer` a multiple of 4). A product of few tiles splits its
 /// contraction (`wgmma::splits`): the parts' sums go to a scratch buffer and a second kernel
 /// adds them in order and applies the epilogue.
 pub(super) fn matmul_wgmma(
     g: &Arc<Gpu>,
     spec: super::wgmma::Spec,
-    (sa, la): (&CudaStorage, &Layout),
+    (sa, la, a_rows): (&CudaStorage, &Layout, Option<(usize, usize)>),
     (sb, lb): (&CudaStorage, &Layout),
     bias: Option<u64>,
     aux: Option<(u64, usize)>,
     out: &CudaStorage,
 ) -> Result<()> {
     use super::wgmma::{BM, BN, THREADS};
+    let spec = super::wgmma::Spec { map_a: a_rows.is_some(), ..spec };
     KILN_GEMM_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let (m, k, n) = (la.shape[0], la.shape[1], lb.shape[1]);
     let shared = spec.shared_bytes() as u32;
@@ -1428,12 +1439,13 @@ pub(super) fn matmul_wgmma(
         ldb: lb.strides[spec.tb as usize] as i64,
         ldc: n as i64,
         ldx: aux.map_or(0, |(_, ld)| ld as i64),
+        a_outer: a_rows.map_or(0, |(_, outer)| outer as i64),
         m: m as i32,
         n: n as i32,
         k: k as i32,
         kc: depth as i32,
         splits: splits as i32,
-        pad: 0,
+        a_inner: a_rows.map_or(m, |(inner, _)| inner) as i32,
     };
     let part = if splits > 1 { Some(CudaStorage::alloc(g, DType::F32, splits * m * n)?) } else { None };
     let (mut pa, mut pb, mut pc) = (sa.ptr_at(la.offset), sb.ptr_at(lb.offset), out.buf.ptr);
@@ -1441,10 +1453,10 @@ pub(super) fn matmul_wgmma(
     let mut ppart = part.as_ref().map_or(0, |p| p.buf.ptr);
     let mut params = kernel_params![pa, pb, pc, pbias, paux, ppart, a];
     // SAFETY: (a, b, c, bias, aux, part, GArgs) matches the generated signature; the views lie
-    // inside their buffers with the strides given (the caller's checks), `out` holds m x n
-    // values, bias n, aux m rows of ldx (read or written only when the spec says so) and part
-    // splits x m x n (written only when split); a block per 128 x 128 tile and part of the
-    // contraction, with the shared memory the spec asks for.
+    // inside their buffers with the strides given (the caller's checks; with `a_rows`, every
+    // row the map names), `out` holds m x n values, bias n, aux m rows of ldx (read or written
+    // only when the spec says so) and part splits x m x n (written only when split); a block
+    // per 128 x 128 tile and part of the contraction, with the shared memory the spec asks for.
     unsafe { g.launch3(gemm, (n.div_ceil(BN) as u32, m.div_ceil(BM) as u32, splits as u32), THREADS as u32, shared, &mut params)? };
     if part.is_some() {
         let mut params = kernel_params![pc, pbias, paux, ppart, a];

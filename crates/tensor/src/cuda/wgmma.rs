@@ -61,6 +61,10 @@ pub struct Spec {
     pub keep: bool,
     pub act: Option<UnaryOp>,
     pub dact: Option<UnaryOp>,
+    /// A's rows are read through the row map (`GArgs::a_inner`, `a_outer`): a batch folded
+    /// into M that does not lie as rows. Its own variant, so that plain products keep their
+    /// address arithmetic.
+    pub map_a: bool,
 }
 
 impl Spec {
@@ -73,13 +77,14 @@ impl Spec {
     pub fn name(&self) -> String {
         let op = |u: Option<UnaryOp>| u.map_or(String::new(), |u| format!("_{}", format!("{u:?}").to_lowercase()));
         format!(
-            "k_gemm_tf32x3_{}{}{}{}{}{}",
+            "k_gemm_tf32x3_{}{}{}{}{}{}{}",
             if self.ta { "t" } else { "n" },
             if self.tb { "t" } else { "n" },
             if self.bias { "_bias" } else { "" },
             if self.keep { "_keep" } else { "" },
             op(self.act),
             op(self.dact).replace('_', "_d"),
+            if self.map_a { "_rowmap" } else { "" },
         )
     }
 
@@ -89,7 +94,7 @@ impl Spec {
         let name = self.name();
         let mut s = format!("{ARCH_SPECIFIC}{PRELUDE}\ntypedef float C;\n#define K(v) ((C)(v))\n");
         s += &format!("#define BM {BM}\n#define BN {BN}\n#define BK {BK}\n#define STAGES {STAGES}\n");
-        s += &format!("#define TA {}\n#define TB {}\n", self.ta as u8, self.tb as u8);
+        s += &format!("#define TA {}\n#define TB {}\n#define MAP_A {}\n", self.ta as u8, self.tb as u8, self.map_a as u8);
         s += TF32;
         s += BODY;
         s += &mma_fn(BN);
@@ -142,8 +147,10 @@ const BODY: &str = r#"
 #define STAGE_BYTES (2 * A_PART + 2 * B_PART)
 #define ACC (BN / 2)
 // kc: the contraction each blockIdx.z takes (a multiple of BK); splits > 1 writes raw sums
-// to part [splits, m, n] for the fold kernel.
-struct GArgs { long long lda, ldb, ldc, ldx; int m, n, k, kc, splits, pad; };
+// to part [splits, m, n] for the fold kernel. With MAP_A, A's row r lies at
+// (r % a_inner) * lda + (r / a_inner) * a_outer: a batch folded into M that does not lie as
+// rows (a sequence-first view read batch-first).
+struct GArgs { long long lda, ldb, ldc, ldx, a_outer; int m, n, k, kc, splits, a_inner; };
 
 // Byte offset of element (r, k) in a K-major slice (a row is BK values, 128 bytes): the
 // 16-byte chunk c of row r lies at chunk c ^ (r % 8), the 128-byte swizzle.
@@ -169,21 +176,22 @@ __device__ __forceinline__ void split_store4(unsigned char* big, unsigned char* 
 // KC (K contiguous), else at p[k * ld + r]. A thread holds R / 32 float4s of it: with KC, four
 // neighbours along k of row r (one 16-byte store a part); else four neighbours along r at k
 // (four 4-byte stores a part, two-way bank conflicts; a quad's shuffle transpose to 16-byte
-// stores measured slower).
-template <int R, bool KC> struct Slice {
+// stores measured slower). MAP: rows through the row map (KC only).
+template <int R, bool KC, bool MAP> struct Slice {
   float4 v[R / 32];
   __device__ __forceinline__ static void at(int idx, int& r, int& k) {
     if (KC) { r = idx >> 3; k = 4 * (idx & 7); }
     else { r = 4 * ((idx >> 3) % (R / 4)); k = (idx & 7) + 8 * (idx / (2 * R)); }
   }
-  __device__ __forceinline__ void load(const float* p, long long ld, int r0, int rows, int k0, int K) {
+  __device__ __forceinline__ void load(const float* p, long long ld, int r0, int rows, int k0, int K, const GArgs& g) {
 #pragma unroll
     for (int i = 0; i < R / 32; ++i) {
       int r, k;
       at(threadIdx.x + 256 * i, r, k);
       const int gr = r0 + r, gk = k0 + k;
+      const long long row = MAP ? (long long)(gr % g.a_inner) * ld + (long long)(gr / g.a_inner) * g.a_outer : (long long)gr * ld;
       v[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (gr < rows && gk < K) v[i] = __ldg((const float4*)(KC ? p + (long long)gr * ld + gk : p + (long long)gk * ld + gr));
+      if (gr < rows && gk < K) v[i] = __ldg((const float4*)(KC ? p + row + gk : p + (long long)gk * ld + gr));
     }
   }
   __device__ __forceinline__ void store(unsigned char* big, unsigned char* small) const {
@@ -218,8 +226,8 @@ __device__ __forceinline__ void gemm(const float* __restrict__ a, const float* _
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = (unsigned char*)(((unsigned long long)smem_raw + 1023) & ~1023ull);
   const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
-  Slice<BM, !TA> sa;
-  Slice<BN, TB> sb;
+  Slice<BM, !TA, MAP_A> sa;
+  Slice<BN, TB, false> sb;
   // This block's share of the contraction: [k0, kend).
   const int k0 = blockIdx.z * g.kc, kend = min(g.k, k0 + g.kc);
   const int kt_count = (kend - k0 + BK - 1) / BK;
@@ -231,13 +239,13 @@ __device__ __forceinline__ void gemm(const float* __restrict__ a, const float* _
 #pragma unroll
   for (int i = 0; i < ACC; ++i) d[i] = 0.f;
 
-  sa.load(a, g.lda, m0, g.m, k0, kend);
-  sb.load(b, g.ldb, n0, g.n, k0, kend);
+  sa.load(a, g.lda, m0, g.m, k0, kend, g);
+  sb.load(b, g.ldb, n0, g.n, k0, kend, g);
   sa.store(smem, smem + A_PART);
   sb.store(smem + 2 * A_PART, smem + 2 * A_PART + B_PART);
   if (kt_count > 1) {
-    sa.load(a, g.lda, m0, g.m, k0 + BK, kend);
-    sb.load(b, g.ldb, n0, g.n, k0 + BK, kend);
+    sa.load(a, g.lda, m0, g.m, k0 + BK, kend, g);
+    sb.load(b, g.ldb, n0, g.n, k0 + BK, kend, g);
   }
   for (int kt = 0; kt < kt_count; ++kt) {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -263,8 +271,8 @@ __device__ __forceinline__ void gemm(const float* __restrict__ a, const float* _
       sb.store(nx + 2 * A_PART, nx + 2 * A_PART + B_PART);
     }
     if (kt + 2 < kt_count) {
-      sa.load(a, g.lda, m0, g.m, k0 + (kt + 2) * BK, kend);
-      sb.load(b, g.ldb, n0, g.n, k0 + (kt + 2) * BK, kend);
+      sa.load(a, g.lda, m0, g.m, k0 + (kt + 2) * BK, kend, g);
+      sb.load(b, g.ldb, n0, g.n, k0 + (kt + 2) * BK, kend, g);
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
@@ -336,10 +344,10 @@ mod tests {
 
     #[test]
     fn names_say_layout_and_epilogue() {
-        let spec = Spec { ta: false, tb: true, bias: true, keep: true, act: Some(UnaryOp::GeluTanh), dact: None };
+        let spec = Spec { ta: false, tb: true, bias: true, keep: true, act: Some(UnaryOp::GeluTanh), dact: None, map_a: false };
         assert_eq!(spec.name(), "k_gemm_tf32x3_nt_bias_keep_gelutanh");
-        let spec = Spec { ta: true, tb: false, bias: false, keep: false, act: None, dact: Some(UnaryOp::Step) };
-        assert_eq!(spec.name(), "k_gemm_tf32x3_tn_dstep");
+        let spec = Spec { ta: true, tb: false, bias: false, keep: false, act: None, dact: Some(UnaryOp::Step), map_a: true };
+        assert_eq!(spec.name(), "k_gemm_tf32x3_tn_dstep_rowmap");
         assert!(spec.source().0.starts_with(ARCH_SPECIFIC));
     }
 }
