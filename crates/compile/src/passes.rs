@@ -361,9 +361,10 @@ fn redirect(out: &mut Graph, alias: &[Option<(NodeId, usize)>]) {
 /// all the targets, which stays cheap only for small problems.
 pub const XENT_MEAN_MAX: (usize, usize) = (1 << 16, 1024);
 
-/// Per node, whether a state buffer stands for it (a state write, or a base written into in
-/// place): a fusion may not move it into another node's output.
-fn pinned(g: &Graph) -> Vec<bool> {
+/// Per node, (pinned, escapes): whether a state buffer stands for it (a state write, or a
+/// base written into in place), which a fusion may not move into another node's output; and
+/// whether it is pinned or the step returns it.
+fn pinned_and_escaping(g: &Graph) -> (Vec<bool>, Vec<bool>) {
     let mut pinned = vec![false; g.nodes.len()];
     g.writes.iter().for_each(|w| pinned[w.1] = true);
     for n in &g.nodes {
@@ -371,7 +372,9 @@ fn pinned(g: &Graph) -> Vec<bool> {
             pinned[base] = true;
         }
     }
-    pinned
+    let mut escapes = pinned.clone();
+    g.outputs.iter().for_each(|a| escapes[a.node] = true);
+    (pinned, escapes)
 }
 
 /// On a GPU, a small mean cross-entropy and its gradient as `nn::cross_entropy` and autograd
@@ -385,10 +388,7 @@ pub fn fuse_mean_cross_entropy(g: &Graph, gpu: bool) -> Graph {
         return out;
     }
     let users = g.users();
-    // `escapes`: pinned, or the step returns it.
-    let pinned = pinned(g);
-    let mut escapes = pinned.clone();
-    g.outputs.iter().for_each(|a| escapes[a.node] = true);
+    let (pinned, escapes) = pinned_and_escaping(g);
     let mut alias: Vec<Option<(NodeId, usize)>> = vec![None; g.nodes.len()];
     for ce in 0..g.nodes.len() {
         let Some((loss, grad)) = mean_xent(g, &users, (&escapes, &pinned), ce) else { continue };
@@ -469,10 +469,10 @@ pub fn fuse_linear_cross_entropy(g: &Graph, gpu: bool) -> Graph {
         return out;
     }
     let users = g.users();
-    let pinned = pinned(g);
+    let (pinned, escapes) = pinned_and_escaping(g);
     let mut alias: Vec<Option<(NodeId, usize)>> = vec![None; g.nodes.len()];
     for ce in 0..g.nodes.len() {
-        let Some(head) = linear_head(g, &users, &pinned, ce) else { continue };
+        let Some(head) = linear_head(g, &users, (&escapes, &pinned), ce) else { continue };
         let Kind::Op(Op::CrossEntropyMean { ignore_index, smoothing }, _) = out.nodes[ce].kind else { continue };
         let (n, c, f) = (head.args[0].layout.shape[0], head.args[1].layout.shape[0], head.args[0].layout.shape[1]);
         let (dw_at, _, dh_at, len) = kiln_tensor::op::linear_xent_parts(n, c, f);
@@ -488,7 +488,7 @@ pub fn fuse_linear_cross_entropy(g: &Graph, gpu: bool) -> Graph {
 /// The head `fuse_linear_cross_entropy` replaces at `CrossEntropyMean` node `ce`: its logits a
 /// product with a bias read by nothing else, its gradient read only by the two products
 /// autograd records for the head (and its loss by anything).
-fn linear_head(g: &Graph, users: &[Vec<NodeId>], pinned: &[bool], ce: NodeId) -> Option<Head> {
+fn linear_head(g: &Graph, users: &[Vec<NodeId>], (escapes, pinned): (&[bool], &[bool]), ce: NodeId) -> Option<Head> {
     let op = |i: NodeId| match &g.nodes[i].kind {
         Kind::Op(op, args) => Some((op, args.as_slice())),
         _ => None,
@@ -498,8 +498,7 @@ fn linear_head(g: &Graph, users: &[Vec<NodeId>], pinned: &[bool], ce: NodeId) ->
     let (Op::Matmul, [h, wt, bias]) = op(p)? else { return None };
     let fits = |n, c, f| kiln_tensor::cuda::codegen::linear_xent_fits(g.nodes[ce].dtype, n, c, f);
     let (&[n, f], &[_, c]) = (&h.layout.shape[..], &wt.layout.shape[..]) else { return None };
-    let escapes = |i: NodeId| pinned[i] || g.outputs.iter().any(|a| a.node == i);
-    if users[p] != [ce] || escapes(p) || !whole(x, &g.nodes[p]) || !fits(n, c, f) || pinned[ce] {
+    if users[p] != [ce] || escapes[p] || !whole(x, &g.nodes[p]) || !fits(n, c, f) || pinned[ce] {
         return None;
     }
     // The weight [C, F], which the forward read transposed; the gradient [N, C] and its transpose.
