@@ -220,31 +220,27 @@ pub fn matmul_fused(
     // batch), Kiln's Hopper GEMM reads them through a row map (`a_rows`); else one dense
     // copy of A and one GEMM still beat `batch` GEMMs of a few rows.
     let mut dense_a: Option<CudaStorage> = None;
-    // A's row map (inner, outer) and the Hopper product that reads it: only that kernel can.
-    let mut mapped: Option<((usize, usize), OwnProduct)> = None;
+    let mut a_rows: Option<(usize, usize)> = None;
     if batch > 1 && lb.strides[..r - 2].iter().all(|&s| s == 0) {
-        let folded = match la.reshaped(&[batch * m, k]) {
-            Some(f) => f,
-            None => match mapped_rows(g, meta.dtype, (sa, &la), (sb, &lb), &rest) {
-                Some(own) => {
-                    let a = own.a.clone();
-                    mapped = Some(((m, la.strides[0]), own));
-                    a
-                }
-                None => {
-                    dense_a = Some(dense_copy(g, sa, &la)?);
-                    Layout::contiguous(&[batch * m, k])
-                }
-            },
+        let folded = match (la.reshaped(&[batch * m, k]), mapped_rows(g, meta.dtype, (sa, &la), (sb, &lb), &rest)) {
+            (Some(f), _) => f,
+            (None, Some(mapped)) => {
+                a_rows = Some((m, la.strides[0]));
+                mapped
+            }
+            (None, None) => {
+                dense_a = Some(dense_copy(g, sa, &la)?);
+                Layout::contiguous(&[batch * m, k])
+            }
         };
         (la, m, batch) = (folded, batch * m, 1);
     }
     let sa = dense_a.as_ref().unwrap_or(sa);
-    let a_rows = mapped.as_ref().map(|(rows, _)| *rows);
-    let own = match mapped {
-        Some((_, own)) => Some(own),
-        None => own_product(g, meta.dtype, batch, (sa, &la), (sb, &lb), &rest),
-    };
+    let own = own_product(g, meta.dtype, batch, (sa, &la), (sb, &lb), &rest);
+    // (`mapped_rows` found the Hopper GEMM takes it; only that kernel reads the row map.)
+    if a_rows.is_some() && !matches!(own, Some(OwnProduct { kind: Own::Hopper(..), .. })) {
+        return Err(Error::Cuda(format!("matmul: A's rows {:?} (strides {:?}) need the Hopper GEMM's row map", la.shape, la.strides)));
+    }
     if let Some(own) = own {
         // Kiln's kernel does all that is left of the fused op.
         let (a, b) = ((sa, &own.a), (sb, &own.b));
@@ -459,25 +455,18 @@ fn own_product(
     Some(OwnProduct { kind, a, b })
 }
 
-/// The Hopper product for a `[batch, m, k]` A whose batch does not fold into its rows (a
-/// sequence-first view read batch-first), with A as the `[batch m, k]` view that GEMM reads
-/// through its row map (`kernels::matmul_wgmma`'s `a_rows`: the rows' stride is the inner
-/// one), if it takes the product with A K-contiguous.
-fn mapped_rows(
-    g: &Gpu,
-    dtype: DType,
-    (sa, la): (&CudaStorage, &Layout),
-    (sb, lb): (&CudaStorage, &Layout),
-    rest: &Rest,
-) -> Option<OwnProduct> {
+/// A `[batch, m, k]` A whose batch does not fold into its rows (a sequence-first view read
+/// batch-first), as the `[batch m, k]` view Kiln's Hopper GEMM reads through its row map
+/// (`kernels::matmul_wgmma`'s `a_rows`: the rows' stride is the inner one), if that GEMM takes
+/// the product with A K-contiguous.
+fn mapped_rows(g: &Gpu, dtype: DType, (sa, la): (&CudaStorage, &Layout), (sb, lb): (&CudaStorage, &Layout), rest: &Rest) -> Option<Layout> {
     if la.rank() != 3 || la.strides[2] != 1 || la.strides[0] % 4 != 0 {
         return None;
     }
-    let (batch, m, k) = (la.shape[0], la.shape[1], la.shape[2]);
-    let a = Layout { shape: vec![batch * m, k], strides: vec![la.strides[1], 1], offset: la.offset };
-    let b = view2(lb, k, lb.shape[lb.rank() - 1]);
-    let (spec, turn_b) = hopper_spec(g, dtype, (sa, &a), (sb, &b), rest)?;
-    (!spec.ta).then_some(OwnProduct { kind: Own::Hopper(spec, turn_b), a, b })
+    let (b, m, k) = (la.shape[0], la.shape[1], la.shape[2]);
+    let a = Layout { shape: vec![b * m, k], strides: vec![la.strides[1], 1], offset: la.offset };
+    let spec = hopper_spec(g, dtype, (sa, &a), (sb, &view2(lb, k, lb.shape[lb.rank() - 1])), rest)?.0;
+    (!spec.ta).then_some(a)
 }
 
 /// An activation input `[.., m, n]` as rows of `n` with unit stride: (offset, row stride).
