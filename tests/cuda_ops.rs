@@ -869,7 +869,7 @@ fn hopper_f32_gemm_matches_the_cpu_in_every_layout_and_epilogue() {
     cuda::set_f32_gemm(cuda::F32Gemm::Kiln);
     let t = tol(dt) * 10.0;
     let mut missed = Vec::new();
-    for (m, k, n) in [(300, 36, 260), (132, 200, 8), (4, 4, 4), (260, 1000, 132), (1032, 40, 36)] {
+    for (m, k, n) in [(300, 36, 260), (132, 200, 8), (4, 4, 4), (260, 1000, 132), (1032, 40, 36), (200, 400, 200)] {
         let (a, at, b, bt) = (randn(&[m, k], 60, dt), randn(&[k, m], 61, dt), randn(&[k, n], 62, dt), randn(&[n, k], 63, dt));
         let (bias, h) = (randn(&[n], 64, dt), randn(&[m, n], 65, dt));
         type Case = Box<dyn Fn(&[Tensor]) -> Result<Tensor>>;
@@ -891,8 +891,9 @@ fn hopper_f32_gemm_matches_the_cpu_in_every_layout_and_epilogue() {
             ("g w * gelu'(h)", vec![a.clone(), b.clone(), h.clone()], Box::new(fused(E::DGeluTanh))),
             ("g w * step(h)", vec![a.clone(), b.clone(), h.clone()], Box::new(fused(E::DRelu))),
         ];
-        // (The second and fourth shapes split the contraction; the fifth has enough rows for a
-        // row-major B to be copied transposed first.)
+        // (The second, fourth and last shapes split the contraction, into 3, 8 and 5 parts, the
+        // last part short; the fifth has enough rows for a row-major B to be copied transposed
+        // first.)
         for (what, ins, f) in cases {
             let what = format!("{what}, m {m} k {k} n {n}");
             let before = cuda::kiln_gemm_launches();

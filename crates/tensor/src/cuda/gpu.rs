@@ -449,4 +449,42 @@ impl Gpu {
         // SAFETY: forwarded from this function's contract.
         unsafe { dr::launch_kernel(k.0, grid, (block, 1, 1), shmem, self.stream.cu_stream(), params) }.map_err(cuda_err("kernel launch"))
     }
+
+    /// `launch3` with the grid's blocks in clusters of `cluster_z` along z (Hopper's thread
+    /// block clusters: the blocks of one cluster run at once and read each other's shared
+    /// memory). `grid.2` must be a multiple of `cluster_z`, at most 8.
+    ///
+    /// # Safety
+    /// As for `launch`.
+    pub unsafe fn launch_cluster(
+        &self,
+        k: Kernel,
+        grid: (u32, u32, u32),
+        cluster_z: u32,
+        block: u32,
+        shmem: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        self.bind()?;
+        // All 64 bytes of the union defined, then the cluster's shape in its first 12.
+        let mut value = ds::CUlaunchAttributeValue { pad: [0; 64] };
+        value.clusterDim = ds::CUlaunchAttributeValue_union__bindgen_ty_1 { x: 1, y: 1, z: cluster_z };
+        let mut attr = ds::CUlaunchAttribute { id: ds::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, pad: [0; 4], value };
+        let config = ds::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: shmem,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: `config` and `attr` outlive the call; the rest is this function's contract.
+        unsafe { ds::cuLaunchKernelEx(&config, k.0, params.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+            .map_err(cuda_err(format!("cluster launch ({} x {} x {} blocks, clusters of {cluster_z})", grid.0, grid.1, grid.2)))
+    }
 }

@@ -1413,8 +1413,8 @@ struct GArgs {
 /// The caller checks all of it (`blas::own_product`). `a_rows` (inner, outer) says A's rows are
 /// a batch that does not lie as rows: row `r` at `(r % inner) * lda + (r / inner) * outer`
 /// (A K-contiguous, `outer` a multiple of 4). A product of few tiles splits its
-/// contraction (`wgmma::splits`): the parts' sums go to a scratch buffer and a second kernel
-/// adds them in order and applies the epilogue.
+/// contraction (`wgmma::splits`), each tile's parts one thread block cluster that adds
+/// them in order through its shared memory and applies the epilogue.
 pub(super) fn matmul_wgmma(
     g: &Arc<Gpu>,
     spec: super::wgmma::Spec,
@@ -1429,10 +1429,7 @@ pub(super) fn matmul_wgmma(
     KILN_GEMM_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let (m, k, n) = (la.shape[0], la.shape[1], lb.shape[1]);
     let shared = spec.shared_bytes() as u32;
-    let [gemm, fold] = g.kernel_set_shared(super::spec_key("matmul_wgmma", &spec), [shared, 0], || {
-        let (src, name) = spec.source();
-        (src, name.clone(), [name.clone(), format!("{name}_fold")])
-    })?;
+    let gemm = g.kernel_shared(super::spec_key("matmul_wgmma", &spec), shared, || spec.source())?;
     let (splits, depth) = super::wgmma::splits(m, n, k, g.sms as usize);
     let mut a = GArgs {
         lda: la.strides[spec.ta as usize] as i64,
@@ -1447,23 +1444,19 @@ pub(super) fn matmul_wgmma(
         splits: splits as i32,
         a_inner: a_rows.map_or(m, |(inner, _)| inner) as i32,
     };
-    let part = if splits > 1 { Some(CudaStorage::alloc(g, DType::F32, splits * m * n)?) } else { None };
     let (mut pa, mut pb, mut pc) = (sa.ptr_at(la.offset), sb.ptr_at(lb.offset), out.buf.ptr);
     let (mut pbias, mut paux) = (bias.unwrap_or(0), aux.map_or(0, |(p, _)| p));
-    let mut ppart = part.as_ref().map_or(0, |p| p.buf.ptr);
-    let mut params = kernel_params![pa, pb, pc, pbias, paux, ppart, a];
-    // SAFETY: (a, b, c, bias, aux, part, GArgs) matches the generated signature; the views lie
+    let mut params = kernel_params![pa, pb, pc, pbias, paux, a];
+    let grid = (n.div_ceil(BN) as u32, m.div_ceil(BM) as u32, splits as u32);
+    // SAFETY: (a, b, c, bias, aux, GArgs) matches the generated signature; the views lie
     // inside their buffers with the strides given (the caller's checks; with `a_rows`, every
     // row the map names), `out` holds m x n values, bias n, aux m rows of ldx (read or written
-    // only when the spec says so) and part splits x m x n (written only when split); a block
-    // per 128 x 128 tile and part of the contraction, with the shared memory the spec asks for.
-    unsafe { g.launch3(gemm, (n.div_ceil(BN) as u32, m.div_ceil(BM) as u32, splits as u32), THREADS as u32, shared, &mut params)? };
-    if part.is_some() {
-        let mut params = kernel_params![pc, pbias, paux, ppart, a];
-        // SAFETY: (c, bias, aux, part, GArgs) matches `_fold`; `part` holds the splits' sums
-        // (written by the launch before, in stream order) and lives until this call returns
-        // (freed buffers are reused only in stream order).
-        unsafe { g.launch(fold, (g.grid_for(m * n / 2), 1), 256, 0, &mut params)? };
+    // only when the spec says so); a block per 128 x 128 tile and part of the contraction,
+    // with the shared memory the spec asks for, a tile's parts one cluster (at most 8).
+    unsafe {
+        match splits {
+            1 => g.launch3(gemm, grid, THREADS as u32, shared, &mut params),
+            _ => g.launch_cluster(gemm, grid, splits as u32, THREADS as u32, shared, &mut params),
+        }
     }
-    Ok(())
 }

@@ -30,18 +30,23 @@ pub const STAGES: usize = 2;
 pub const THREADS: usize = 256;
 
 /// How many parts the contraction is split into, so that a product of few tiles still
-/// fills the GPU (`sms` multiprocessors, a block each): at most a wave of blocks, each part
-/// at least `MIN_SPLIT_SLICES` slices deep. Returns (parts, depth of a part).
+/// fills the GPU (`sms` multiprocessors, a block each): at most a wave of blocks and
+/// `MAX_PARTS` parts (a tile's parts are one cluster), each part at least `MIN_SPLIT_SLICES`
+/// slices deep. Returns (parts, depth of a part).
 pub fn splits(m: usize, n: usize, k: usize, sms: usize) -> (usize, usize) {
     let tiles = m.div_ceil(BM) * n.div_ceil(BN);
     let slices = k.div_ceil(BK);
-    let want = (sms / tiles.max(1)).clamp(1, (slices / MIN_SPLIT_SLICES).max(1));
+    let want = (sms / tiles.max(1)).clamp(1, (slices / MIN_SPLIT_SLICES).clamp(1, MAX_PARTS));
     let depth = slices.div_ceil(want) * BK;
     (k.div_ceil(depth).max(1), depth)
 }
 
 /// The shallowest part of a split contraction, in slices of `BK`.
 pub const MIN_SPLIT_SLICES: usize = 2;
+
+/// The most parts a contraction is split into: a tile's parts run as one thread block
+/// cluster, and 8 is the largest cluster every Hopper part schedules.
+pub const MAX_PARTS: usize = 8;
 
 /// Marks a source that must be compiled for the architecture-specific target (`sm_90a`):
 /// `wgmma` exists nowhere else. `nvrtc::target` reads it.
@@ -88,8 +93,8 @@ impl Spec {
         )
     }
 
-    /// The CUDA source and the GEMM kernel's name; the fold kernel is `{name}_fold` (for
-    /// `sm_90a`: the source starts with `ARCH_SPECIFIC`).
+    /// The CUDA source and the GEMM kernel's name (for `sm_90a`: the source starts with
+    /// `ARCH_SPECIFIC`).
     pub fn source(&self) -> (String, String) {
         let name = self.name();
         let mut s = format!("{ARCH_SPECIFIC}{PRELUDE}\ntypedef float C;\n#define K(v) ((C)(v))\n");
@@ -114,12 +119,8 @@ impl Spec {
         s += "  return v;\n}\n";
         s += &format!(
             "extern \"C\" __global__ void __launch_bounds__({THREADS}, 1) {name}(const float* __restrict__ a, \
-             const float* __restrict__ b, float* __restrict__ c, const float* __restrict__ bias, float* aux, float* __restrict__ part, GArgs g) {{\n  \
-             gemm(a, b, c, bias, aux, part, g);\n}}\n"
-        );
-        s += &format!(
-            "extern \"C\" __global__ void __launch_bounds__(256) {name}_fold(float* __restrict__ c, const float* __restrict__ bias, float* aux, \
-             const float* __restrict__ part, GArgs g) {{\n  fold(c, bias, aux, part, g);\n}}\n"
+             const float* __restrict__ b, float* __restrict__ c, const float* __restrict__ bias, float* aux, GArgs g) {{\n  \
+             gemm(a, b, c, bias, aux, g);\n}}\n"
         );
         (s, name)
     }
@@ -146,8 +147,9 @@ const BODY: &str = r#"
 #define B_PART (BN * BK * 4)
 #define STAGE_BYTES (2 * A_PART + 2 * B_PART)
 #define ACC (BN / 2)
-// kc: the contraction each blockIdx.z takes (a multiple of BK); splits > 1 writes raw sums
-// to part [splits, m, n] for the fold kernel. With MAP_A, A's row r lies at
+// kc: the contraction each blockIdx.z takes (a multiple of BK); with splits > 1 the grid's
+// z is the parts and each tile's parts are one cluster, which adds them up (cluster_fold).
+// With MAP_A, A's row r lies at
 // (r % a_inner) * lda + (r / a_inner) * a_outer: a batch folded into M that does not lie as
 // rows (a sequence-first view read batch-first).
 struct GArgs { long long lda, ldb, ldc, ldx, a_outer; int m, n, k, kc, splits, a_inner; };
@@ -221,8 +223,61 @@ __device__ __forceinline__ void put2(float* c, const float* bias, float* aux, co
   *(float2*)(c + (long long)r * g.ldc + col) = make_float2(epilogue(x, bias, aux, xat, col), epilogue(y, bias, aux, xat + 1, col + 1));
 }
 
+// Every thread of every block of the cluster arrives, then waits for the rest: the cluster's
+// shared memory writes before it are visible to its reads after.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The float4 at shared address addr (this block's) in the shared memory of the cluster's
+// block `rank`.
+__device__ __forceinline__ float4 ld_cluster(unsigned addr, int rank) {
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(remote) : "memory");
+  return v;
+}
+
+// A split contraction's fold without a trip through global memory: each block of the tile's
+// cluster (block z holds part z) leaves its sums in its shared memory, then folds a share of
+// the tile, adding the parts in split order (the same bits every run) from the blocks' shared
+// memory, and applies the epilogue. (row, col): this thread's first accumulator element.
+#define FOLD_LD (BN + 8)
+__device__ __forceinline__ void cluster_fold(const float (&d)[ACC], unsigned char* smem, float* __restrict__ c,
+                                             const float* __restrict__ bias, float* aux, const GArgs& g, int m0, int n0, int row, int col) {
+  float* tile = (float*)smem;
+  // Both warpgroups' last products have read the stages the tile overwrites.
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) *(float2*)(tile + (row + 8 * h) * FOLD_LD + col + 8 * j) = make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+  }
+  cluster_sync();
+  const unsigned base = (unsigned)__cvta_generic_to_shared(tile);
+  const int quads = BM * BN / 4, share = (quads + g.splits - 1) / g.splits;
+  const int end = min(quads, ((int)blockIdx.z + 1) * share);
+  for (int i = blockIdx.z * share + threadIdx.x; i < end; i += 256) {
+    const int r = i / (BN / 4), q = 4 * (i % (BN / 4)), gr = m0 + r, gc = n0 + q;
+    if (gr >= g.m || gc >= g.n) continue;
+    const unsigned at = base + (unsigned)(r * FOLD_LD + q) * 4;
+    float4 w[8];
+#pragma unroll
+    for (int p = 0; p < 8; ++p)
+      if (p < g.splits) w[p] = ld_cluster(at, p);
+    float4 v = w[0];
+#pragma unroll
+    for (int p = 1; p < 8; ++p)
+      if (p < g.splits) { v.x += w[p].x; v.y += w[p].y; v.z += w[p].z; v.w += w[p].w; }
+    put2(c, bias, aux, g, gr, gc, v.x, v.y);
+    if (gc + 2 < g.n) put2(c, bias, aux, g, gr, gc + 2, v.z, v.w);
+  }
+  // No block leaves (and frees its shared memory) while another still reads it.
+  cluster_sync();
+}
+
 __device__ __forceinline__ void gemm(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
-                                     const float* __restrict__ bias, float* aux, float* __restrict__ part, GArgs g) {
+                                     const float* __restrict__ bias, float* aux, GArgs g) {
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = (unsigned char*)(((unsigned long long)smem_raw + 1023) & ~1023ull);
   const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
@@ -284,6 +339,10 @@ __device__ __forceinline__ void gemm(const float* __restrict__ a, const float* _
   // The accumulator's layout: warp w of the warpgroup holds rows 16 w.. (lane / 4, and 8
   // below it), columns 8 j + 2 (lane % 4) and the next, for each j.
   const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
+  if (g.splits > 1) {
+    cluster_fold(d, smem, c, bias, aux, g, m0, n0, wg * 64 + warp * 16 + lane / 4, 2 * (lane % 4));
+    return;
+  }
   const int row = m0 + wg * 64 + warp * 16 + lane / 4;
 #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
@@ -293,29 +352,11 @@ __device__ __forceinline__ void gemm(const float* __restrict__ a, const float* _
     for (int h = 0; h < 2; ++h) {
       const int r = row + 8 * h;
       if (r >= g.m) continue;
-      if (g.splits > 1) {
-        *(float2*)(part + ((long long)blockIdx.z * g.m + r) * g.n + col) = make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
-        continue;
-      }
       put2(c, bias, aux, g, r, col, d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
     }
   }
 }
 
-// The split contraction's partial sums added in split order (the same bits every run), then
-// the epilogue: a thread per two neighbours of a row.
-__device__ __forceinline__ void fold(float* __restrict__ c, const float* __restrict__ bias, float* aux, const float* __restrict__ part, GArgs g) {
-  const long long pairs = (long long)g.m * g.n / 2, plane = (long long)g.m * g.n;
-  for (long long i = blockIdx.x * 256LL + threadIdx.x; i < pairs; i += 256LL * gridDim.x) {
-    float2 v = *(const float2*)(part + 2 * i);
-    for (int z = 1; z < g.splits; ++z) {
-      const float2 w = *(const float2*)(part + z * plane + 2 * i);
-      v.x += w.x;
-      v.y += w.y;
-    }
-    put2(c, bias, aux, g, (int)(2 * i / g.n), (int)(2 * i % g.n), v.x, v.y);
-  }
-}
 "#;
 
 #[cfg(test)]
@@ -335,9 +376,12 @@ mod tests {
             assert!(parts * depth >= k && (parts - 1) * depth < k, "{m} {n} {k}: {parts} x {depth}");
             assert!(parts == 1 || depth >= MIN_SPLIT_SLICES * BK, "{m} {n} {k}: {depth}");
             assert!(parts == 1 || tiles * parts <= 132, "{m} {n} {k}: {tiles} x {parts}");
+            assert!(parts <= MAX_PARTS, "{m} {n} {k}: {parts}");
         }
         // The Transformer's `[320, 512] x [512, 512]`: 12 tiles, eight parts of 64.
         assert_eq!(splits(320, 512, 512, 132), (8, 64));
+        // A lone tile takes at most a cluster's parts.
+        assert_eq!(splits(64, 64, 100_000, 132), (MAX_PARTS, 12512));
         // A full wave of tiles is not split.
         assert_eq!(splits(16384, 1536, 384, 132), (1, 384));
     }
