@@ -304,3 +304,44 @@ fn fused_groups_with_broadcast_and_sliced_inputs_match_eager() {
         assert_close("compiled broadcast chain vs eager", &got, &want, 1e-6);
     }
 }
+
+/// A sequence-first Transformer's forward (`nn.Transformer`'s layout: `[T, B, C]` in, batch-first
+/// attention inside): compiled on CUDA (the residual adds in the projections' epilogues, read
+/// through the batch permutation) against eager CUDA and the CPU, in every mode.
+#[test]
+fn compiled_sequence_first_transformer_on_cuda_matches_eager_and_the_cpu() {
+    use kiln::nn::{Transformer, TransformerConfig, TransformerMasks};
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    let cfg = TransformerConfig { d_model: 64, nhead: 4, num_encoder_layers: 2, num_decoder_layers: 2, dim_feedforward: 128, ..TransformerConfig::default() };
+    let forward = |dev: Device, mode: Option<Mode>| -> Vec<f32> {
+        kiln::tensor::rng::manual_seed(0);
+        let mut model = Transformer::new(cfg, dev).unwrap();
+        model.set_training(false);
+        let x = Tensor::rand_at(&[10, 6, 64], Distribution::Normal, 3, 0, DType::F32, dev).unwrap();
+        let f = move |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+            let _no_grad = NoGradGuard::new();
+            Ok(vec![model.forward(&xs[0], &xs[0], &TransformerMasks::default())?])
+        };
+        let Some(mode) = mode else { return f(&[x]).unwrap()[0].to_vec::<f32>().unwrap() };
+        let mut step = compile(mode, f);
+        let first = step.call(&[&x]).unwrap()[0].to_vec::<f32>().unwrap();
+        let again = step.call(&[&x]).unwrap()[0].to_vec::<f32>().unwrap();
+        assert_eq!(first, again, "{mode:?}: a replay changed the result");
+        first
+    };
+    let cpu = forward(Device::Cpu, None);
+    // cuBLAS, then Kiln's Hopper GEMM (which these small products would not take by default)
+    // where the GPU has it.
+    for gemm in [cuda::F32Gemm::Cublas, cuda::F32Gemm::Kiln] {
+        cuda::set_f32_gemm(gemm);
+        let eager = forward(dev, None);
+        assert_close(&format!("{gemm:?}: eager CUDA vs CPU"), &eager, &cpu, 1e-4);
+        for mode in [Mode::Default, Mode::ReduceOverhead, Mode::MaxAutotune] {
+            let got = forward(dev, Some(mode));
+            assert_close(&format!("{gemm:?}: {mode:?} vs eager CUDA"), &got, &eager, 1e-5);
+            assert_close(&format!("{gemm:?}: {mode:?} vs the CPU"), &got, &cpu, 1e-4);
+        }
+    }
+    cuda::set_f32_gemm(cuda::F32Gemm::Auto);
+}

@@ -334,7 +334,7 @@ fn fused(e: kiln::tensor::MatmulEpilogue) -> impl Fn(&[Tensor]) -> Result<Tensor
     use kiln::tensor::{MatmulEpilogue as E, Op};
     move |x: &[Tensor]| {
         let out = Tensor::apply(Op::MatmulFused(e), &x.iter().collect::<Vec<_>>(), x[0].device())?;
-        if matches!(e, E::Relu | E::DGeluTanh | E::DRelu) {
+        if matches!(e, E::Relu | E::DGeluTanh | E::DRelu | E::Residual) {
             return Ok(out);
         }
         let numel = x[0].matmul(&x[1])?.numel();
@@ -383,6 +383,13 @@ fn fused_epilogue_cases(dt: DType, t: f64, k: usize, n: usize) {
         fused(E::SumRight)(&[v[0].t()?, v[1].clone()])
     });
     both(&format!("matmul_sum k=0 {dt:?}, k {k} n {n}"), &[randn(&[3, 0], 48, dt), randn(&[0, 5], 49, dt)], 0.0, fused(E::SumLeft));
+    // A residual add, with a bias after it, and read strided (no epilogue takes it).
+    let r = randn(&[37, n], 54, dt);
+    both(&format!("matmul_residual {dt:?}, k {k} n {n}"), &[a.clone(), b.clone(), r.clone()], t, fused(E::Residual));
+    both(&format!("matmul_residual + bias {dt:?}, k {k} n {n}"), &[a.clone(), b.clone(), r.clone(), bias.clone()], t, fused(E::Residual));
+    both(&format!("matmul_residual, r transposed {dt:?}, k {k} n {n}"), &[a.clone(), b.clone(), randn(&[n, 37], 55, dt)], t, |x| {
+        fused(E::Residual)(&[x[0].clone(), x[1].clone(), x[2].t()?])
+    });
 }
 
 /// Products at the MLP's shapes, F32 and F64, against the CPU: the weight gradients at batch
@@ -781,6 +788,12 @@ fn fused_attention_matches_the_cpu_forward_and_backward() {
             both(&format!("{what}: forward"), &ins, tol(dt), |x| {
                 x[0].transpose(1, 2)?.attention(&x[1].transpose(1, 2)?, &x[2].transpose(1, 2)?, scale, causal)
             });
+            // Written with the heads after T (compile's `attention_heads_last`).
+            both(&format!("{what}: forward, heads last"), &ins, tol(dt), |x| {
+                let op = kiln::tensor::Op::Attention { scale, causal, heads_last: true };
+                let qkv: Vec<Tensor> = x[..3].iter().map(|t| t.transpose(1, 2)).collect::<Result<_>>()?;
+                Tensor::apply(op, &qkv.iter().collect::<Vec<_>>(), x[0].device())
+            });
             both(&format!("{what}: gradients"), &ins, tol(dt) * 2.0, |x| {
                 let qkv: Vec<Tensor> = x[..3].iter().map(|t| t.transpose(1, 2).unwrap().contiguous().unwrap()).collect();
                 qkv.iter().for_each(|t| {
@@ -911,6 +924,15 @@ fn hopper_f32_gemm_matches_the_cpu_in_every_layout_and_epilogue() {
         let what = format!("[{tl}, {bl}, {c}] read batch-first @ w^T + bias, relu, n {n}");
         let before = cuda::kiln_gemm_launches();
         both(&what, &ins, t, |v| fused(E::Relu)(&[v[0].transpose(0, 1)?, v[1].t()?, v[2].clone()]));
+        if cuda::kiln_gemm_launches() == before {
+            missed.push(what);
+        }
+        // A batch-first product added to a sequence-first residual (a Transformer's attention
+        // output projection and its residual connection), in the product's epilogue.
+        let ins = vec![randn(&[bl, tl, c], 71, dt), randn(&[n, c], 72, dt), randn(&[tl, bl, n], 73, dt), randn(&[n], 74, dt)];
+        let what = format!("[{bl}, {tl}, {c}] read sequence-first @ w^T + bias + residual, n {n}");
+        let before = cuda::kiln_gemm_launches();
+        both(&what, &ins, t, |v| fused(E::Residual)(&[v[0].transpose(0, 1)?, v[1].t()?, v[2].clone(), v[3].clone()]));
         if cuda::kiln_gemm_launches() == before {
             missed.push(what);
         }

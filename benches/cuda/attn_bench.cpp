@@ -81,7 +81,7 @@ int main(int argc, char** argv) {
       CUfunction f; char fname[128]; snprintf(fname, sizeof fname, "k_flash_%s_%s_d64_causal", names[kind], f32 ? "f32" : "bf16"); CK(cuModuleGetFunction(&f, m, fname));
       if (smem > 48 * 1024) CK(cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem));
       std::vector<void*> p;
-      if (kind == 0) { p = {&o, &pq, &pk, &pv}; if (!old) { p.push_back(&mq); p.push_back(&mk); p.push_back(&mv); } }
+      if (kind == 0) { p = {&o, &pq, &pk, &pv}; if (!old) { p.push_back(&mq); p.push_back(&mk); p.push_back(&mv); p.push_back(&mout); } }
       if (kind == 1) { p = {&dq, &stats, &pq, &pk, &pv, &o, &g}; if (!old) { p.push_back(&mq); p.push_back(&mk); p.push_back(&mv); p.push_back(&mo); p.push_back(&mg); p.push_back(&mout); } }
       if (kind == 2) { p = {&dk, &dv, &stats, &pq, &pk, &pv, &g}; if (!old) { p.push_back(&mq); p.push_back(&mk); p.push_back(&mv); p.push_back(&mg); p.push_back(&mout); } }
       p.push_back(&Tn); p.push_back(&scale);

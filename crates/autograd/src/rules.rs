@@ -199,7 +199,10 @@ pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Te
         Op::NormalizeBackward { .. } | Op::NormalizeParamGrads { .. } => {
             return Err(Error::Msg("backward: second derivatives through normalize are not supported".into()));
         }
-        Op::Attention { scale, causal } => {
+        Op::Attention { heads_last: true, .. } => {
+            return Err(Error::Msg("backward: attention with the heads last is made by compile, after autograd".into()));
+        }
+        Op::Attention { scale, causal, heads_last: false } => {
             // Packed as [B, T, 3, H.., D]: each gradient is a view, T moved back after H...
             let packed = inputs[0].attention_backward(&inputs[1], &inputs[2], out, g, *scale, *causal)?;
             let r = inputs[0].rank();

@@ -3,7 +3,7 @@
 //! input), constant folding of scalar ops on constants, and matmul epilogues.
 
 use crate::graph::{Arg, Graph, Kind, NodeId};
-use kiln_tensor::{BinaryOp, DType, MatmulEpilogue, Op, ReduceOp, UnaryOp};
+use kiln_tensor::{BinaryOp, DType, Layout, MatmulEpilogue, Op, ReduceOp, UnaryOp};
 use std::collections::HashMap;
 
 /// Rewrites every argument through `map` (old node -> new argument source).
@@ -254,9 +254,31 @@ pub fn fuse_matmuls(g: &Graph, gpu: bool) -> Graph {
     for (i, n) in g.nodes.iter().enumerate().rev() {
         n.args().into_iter().for_each(|a| first_reader[a] = i);
     }
+    // Products that a residual add took over (dead, left for `dce`).
+    let mut taken = vec![false; g.nodes.len()];
     for i in 0..out.nodes.len() {
         let Kind::Op(op, args) = &out.nodes[i].kind else { continue };
         match op {
+            // `r + a @ b (+ bias)` on a GPU: the add in the product's epilogue. The product may
+            // be read with its dims permuted (a batch-first product added to a sequence-first
+            // residual): its operands are then read through the same permutation.
+            Op::Binary(BinaryOp::Add) if gpu && !written.contains(&i) && !bases.contains(&i) => {
+                let residual = |x: &Arg, y: &Arg| -> Option<(NodeId, Vec<Arg>)> {
+                    let (p, node) = (x.node, &out.nodes[i]);
+                    let Kind::Op(Op::Matmul, margs) = &out.nodes[p].kind else { return None };
+                    let alone = uses[p] == 1 && !written.contains(&p) && !bases.contains(&p) && y.node != p;
+                    let same = out.nodes[p].dtype == node.dtype && out.nodes[y.node].dtype == node.dtype && y.layout.shape == node.shape;
+                    let perm = read_permutation(&x.layout, &out.nodes[p].shape).filter(|_| alone && same)?;
+                    let mut fused = permuted_operands(&margs[..2], &perm)?;
+                    fused.push(y.clone());
+                    fused.extend(margs.get(2).cloned());
+                    Some((p, fused))
+                };
+                if let Some((p, fused)) = residual(&args[0], &args[1]).or_else(|| residual(&args[1], &args[0])) {
+                    out.nodes[i].kind = Kind::Op(Op::MatmulFused(MatmulEpilogue::Residual), fused);
+                    taken[p] = true;
+                }
+            }
             // An activation of a product: cuBLASLt applies it as the product is stored. GELU's
             // backward reads the pre-activation, which its epilogue stores after the output.
             Op::Unary(u @ (UnaryOp::Relu | UnaryOp::GeluTanh)) => {
@@ -308,7 +330,7 @@ pub fn fuse_matmuls(g: &Graph, gpu: bool) -> Graph {
                 let (sum, dims) = (args[0].clone(), dims.clone());
                 let found = (0..out.nodes.len()).find_map(|p| {
                     let Kind::Op(Op::Matmul, margs) = &out.nodes[p].kind else { return None };
-                    if margs.len() != 2 || written.contains(&p) || first_reader[i] <= p || out.nodes[p].dtype != out.nodes[i].dtype {
+                    if margs.len() != 2 || taken[p] || written.contains(&p) || first_reader[i] <= p || out.nodes[p].dtype != out.nodes[i].dtype {
                         return None;
                     }
                     let side = (0..2).find(|&s| margs[s].node == sum.node && sums_operand(&sum, &dims, &margs[s].layout, 1 - s))?;
@@ -328,6 +350,46 @@ pub fn fuse_matmuls(g: &Graph, gpu: bool) -> Graph {
     }
     redirect(&mut out, &alias);
     dce(&out)
+}
+
+/// `perm` (view dim `d` is dim `perm[d]` of `shape`) when `view` reads a contiguous buffer of
+/// `shape` with its dims permuted, the last one staying last (the identity when it reads it
+/// whole).
+fn read_permutation(view: &Layout, shape: &[usize]) -> Option<Vec<usize>> {
+    let r = shape.len();
+    if view.offset != 0 || view.rank() != r || r < 2 {
+        return None;
+    }
+    let strides = Layout::contiguous(shape).strides;
+    let mut perm: Vec<usize> = Vec::with_capacity(r);
+    for d in 0..r {
+        let fits = |e: usize| shape[e] == view.shape[d] && (strides[e] == view.strides[d] || shape[e] == 1);
+        perm.push((0..r).find(|&e| !perm.contains(&e) && fits(e))?);
+    }
+    (perm[r - 1] == r - 1).then_some(perm)
+}
+
+/// A product's operands `[a, b]` read so that their product is the product's dims permuted by
+/// `perm` (`read_permutation`): with a 2-D b (a weight the batch shares), a's rows and batch
+/// dims may mix; else the rows stay and the batch dims of each operand of full rank move.
+fn permuted_operands(ab: &[Arg], perm: &[usize]) -> Option<Vec<Arg>> {
+    let r = perm.len();
+    let shared = ab[1].layout.rank() == 2 && ab[0].layout.rank() == r;
+    if !shared && perm[r - 2] != r - 2 {
+        return None;
+    }
+    let permute = |a: &Arg| -> Option<Arg> {
+        let l = &a.layout;
+        match l.rank() {
+            2 if r > 2 => Some(a.clone()),
+            n if n == r => {
+                let layout = Layout { shape: perm.iter().map(|&e| l.shape[e]).collect(), strides: perm.iter().map(|&e| l.strides[e]).collect(), offset: l.offset };
+                Some(Arg { node: a.node, layout })
+            }
+            _ => None,
+        }
+    };
+    ab.iter().map(permute).collect()
 }
 
 /// Points every read of a node `i` with `alias[i] = (node, offset)` at `node`, `offset`
@@ -555,7 +617,68 @@ pub fn optimise(g: Graph, gpu: bool, mut log: impl FnMut(&str, &Graph)) -> Graph
     log("fuse_mean_cross_entropy", &g);
     g = fuse_linear_cross_entropy(&g, gpu);
     log("fuse_linear_cross_entropy", &g);
+    g = attention_heads_last(&g, gpu);
+    log("attention_heads_last", &g);
     g
+}
+
+/// On a GPU, an attention output `[B, H, T, D]` copied with its heads moved after T (the
+/// `contiguous` before an output projection) is written that way by the attention kernel
+/// (`heads_last`): no copy. Its other readers, each reading it whole (the backward), read the
+/// new buffer through the permutation; readers of the copy read the new buffer.
+pub fn attention_heads_last(g: &Graph, gpu: bool) -> Graph {
+    let mut out = g.clone();
+    if !gpu {
+        return out;
+    }
+    let n = g.nodes.len();
+    let kept: Vec<NodeId> = g.writes.iter().map(|w| w.1).chain(g.nodes.iter().filter_map(|x| match x.kind {
+        Kind::WriteView { base, .. } => Some(base),
+        _ => None,
+    })).collect();
+    // Every read of each node: (reader, layout); usize::MAX for outputs and writes.
+    let mut reads: Vec<Vec<(usize, &Layout)>> = vec![Vec::new(); n];
+    for (i, x) in g.nodes.iter().enumerate() {
+        match &x.kind {
+            Kind::Op(_, args) => args.iter().for_each(|a| reads[a.node].push((i, &a.layout))),
+            Kind::WriteView { value, .. } => reads[value.node].push((i, &value.layout)),
+            Kind::Input(_) | Kind::State(_) | Kind::Rand { .. } => {}
+        }
+    }
+    g.outputs.iter().for_each(|a| reads[a.node].push((usize::MAX, &a.layout)));
+    let mut alias: Vec<Option<(NodeId, usize)>> = vec![None; n];
+    let mut moved: Vec<Option<Layout>> = vec![None; n];
+    for i in 0..n {
+        let Kind::Op(Op::Contiguous, args) = &g.nodes[i].kind else { continue };
+        let a = args[0].node;
+        let Kind::Op(Op::Attention { scale, causal, heads_last: false }, qkv) = &g.nodes[a].kind else { continue };
+        let &[b, h, t, d] = &g.nodes[a].shape[..] else { continue };
+        let heads_after_t = Layout { shape: vec![b, t, h, d], strides: vec![h * t * d, d, t * d, 1], offset: 0 };
+        let whole = Layout::contiguous(&g.nodes[a].shape);
+        let others_whole = reads[a].iter().all(|&(r, l)| r == i || *l == whole);
+        if args[0].layout != heads_after_t || !others_whole || moved[a].is_some() || kept.contains(&a) || kept.contains(&i) {
+            continue;
+        }
+        out.nodes[a].kind = Kind::Op(Op::Attention { scale: *scale, causal: *causal, heads_last: true }, qkv.clone());
+        out.nodes[a].shape = vec![b, t, h, d];
+        moved[a] = Some(Layout { shape: vec![b, h, t, d], strides: vec![h * t * d, d, h * d, 1], offset: 0 });
+        alias[i] = Some((a, 0));
+    }
+    let fix = |x: &mut Arg| {
+        if let Some(l) = &moved[x.node] {
+            x.layout = l.clone();
+        }
+    };
+    for x in &mut out.nodes {
+        match &mut x.kind {
+            Kind::Op(_, args) => args.iter_mut().for_each(fix),
+            Kind::WriteView { value, .. } => fix(value),
+            Kind::Input(_) | Kind::State(_) | Kind::Rand { .. } => {}
+        }
+    }
+    out.outputs.iter_mut().for_each(fix);
+    redirect(&mut out, &alias);
+    dce(&out)
 }
 
 #[cfg(test)]
@@ -591,6 +714,82 @@ mod tests {
         // The CPU, and a contraction past the thin kernel's, keep the multiply.
         assert_eq!(ops(&dce(&fuse_matmuls(&relu_backward(10), false))), ["matmul", "step", "mul"]);
         assert_eq!(ops(&dce(&fuse_matmuls(&relu_backward(64), true))), ["matmul", "step", "mul"]);
+    }
+
+    /// `r + x @ w^T + b` where the product `[B, T, C]` is read as `[T, B, C]` (with `permute`)
+    /// and the residual is `[T, B, C]`; with `twice`, the product is read again.
+    fn residual_add(permute: bool, twice: bool) -> (Graph, NodeId) {
+        let (bl, tl, c) = (3, 4, 8);
+        let mut g = Graph::default();
+        let x = g.push(Kind::Input(0), vec![bl, tl, c], DType::F32);
+        let w = g.push(Kind::Input(1), vec![c, c], DType::F32);
+        let b = g.push(Kind::Input(2), vec![c], DType::F32);
+        let r = g.push(Kind::Input(3), if permute { vec![tl, bl, c] } else { vec![bl, tl, c] }, DType::F32);
+        let wt = Arg { node: w, layout: Layout { shape: vec![c, c], strides: vec![1, c], offset: 0 } };
+        let p = g.push(Kind::Op(Op::Matmul, vec![whole(&g, x), wt, whole(&g, b)]), vec![bl, tl, c], DType::F32);
+        let view = match permute {
+            true => Arg { node: p, layout: Layout { shape: vec![tl, bl, c], strides: vec![c, tl * c, 1], offset: 0 } },
+            false => whole(&g, p),
+        };
+        let shape = g.nodes[r].shape.clone();
+        let sum = g.push(Kind::Op(Op::Binary(BinaryOp::Add), vec![whole(&g, r), view]), shape, DType::F32);
+        g.outputs = vec![whole(&g, sum)];
+        if twice {
+            g.outputs.push(whole(&g, p));
+        }
+        (g, sum)
+    }
+
+    #[test]
+    fn a_residual_add_joins_its_product_on_a_gpu_through_a_permutation() {
+        for permute in [false, true] {
+            let (g, sum) = residual_add(permute, false);
+            let f = dce(&fuse_matmuls(&g, true));
+            assert_eq!(ops(&f), ["matmul_residual"], "{f}");
+            let Kind::Op(_, args) = &f.nodes[sum - 1].kind else { panic!("{f}") };
+            // x (read sequence-first when the sum is), w^T, the residual, the bias.
+            assert_eq!(args.iter().map(|a| a.node).collect::<Vec<_>>(), [0, 1, 3, 2]);
+            let want: (&[usize], &[usize]) = if permute { (&[4, 3, 8], &[8, 32, 1]) } else { (&[3, 4, 8], &[32, 8, 1]) };
+            assert_eq!((&args[0].layout.shape[..], &args[0].layout.strides[..]), want);
+            assert_eq!(&args[1].layout.strides[..], &[1, 8]);
+            // The CPU, and a product read elsewhere too, keep the add.
+            assert_eq!(ops(&dce(&fuse_matmuls(&g, false))), ["matmul", "add"]);
+            assert_eq!(ops(&dce(&fuse_matmuls(&residual_add(permute, true).0, true))), ["matmul", "add"]);
+        }
+        // The rows and the batch swapped, and a view that moves the columns.
+        let rows = Layout { shape: vec![4, 3, 8], strides: vec![8, 32, 1], offset: 0 };
+        assert_eq!(read_permutation(&rows, &[3, 4, 8]), Some(vec![1, 0, 2]));
+        let cols = Layout { shape: vec![3, 8, 4], strides: vec![32, 1, 8], offset: 0 };
+        assert_eq!(read_permutation(&cols, &[3, 4, 8]), None);
+        // A batched b keeps the rows in place.
+        let (a, b) = (Layout::contiguous(&[3, 4, 8]), Layout::contiguous(&[3, 8, 8]));
+        let ab = [Arg { node: 0, layout: a }, Arg { node: 1, layout: b }];
+        assert!(permuted_operands(&ab, &[1, 0, 2]).is_none());
+        let same = permuted_operands(&ab, &[0, 1, 2]).unwrap_or_default();
+        assert_eq!(same, ab);
+    }
+
+    #[test]
+    fn attention_copied_with_its_heads_after_t_writes_them_there_on_a_gpu() {
+        let (b, h, t, d) = (2, 3, 5, 4);
+        let mut g = Graph::default();
+        let q = g.push(Kind::Input(0), vec![b, h, t, d], DType::F32);
+        let op = Op::Attention { scale: 0.5, causal: true, heads_last: false };
+        let a = g.push(Kind::Op(op, vec![whole(&g, q), whole(&g, q), whole(&g, q)]), vec![b, h, t, d], DType::F32);
+        let moved = Arg { node: a, layout: Layout { shape: vec![b, t, h, d], strides: vec![h * t * d, d, t * d, 1], offset: 0 } };
+        let c = g.push(Kind::Op(Op::Contiguous, vec![moved]), vec![b, t, h * d], DType::F32);
+        let neg = g.push(Kind::Op(Op::Unary(UnaryOp::Neg), vec![whole(&g, a)]), vec![b, h, t, d], DType::F32);
+        g.outputs = vec![whole(&g, c), whole(&g, neg)];
+        assert_eq!(ops(&attention_heads_last(&g, false)), ["attention", "contiguous", "neg"]);
+        let f = attention_heads_last(&g, true);
+        assert_eq!(ops(&f), ["attention", "neg"], "{f}");
+        assert!(matches!(f.nodes[1].kind, Kind::Op(Op::Attention { heads_last: true, .. }, _)));
+        assert_eq!(f.nodes[1].shape, vec![b, t, h, d]);
+        // The copy's reader reads the new buffer as it read the copy; the other reads it
+        // through the permutation back to [B, H, T, D].
+        assert_eq!((f.outputs[0].node, &f.outputs[0].layout.shape[..]), (1, &[b, t, h * d][..]));
+        let Kind::Op(_, args) = &f.nodes[2].kind else { panic!("{f}") };
+        assert_eq!((&args[0].layout.shape[..], &args[0].layout.strides[..]), (&[b, h, t, d][..], &[h * t * d, d, h * d, 1][..]));
     }
 
     #[test]

@@ -482,6 +482,9 @@ pub enum MatmulEpilogue {
     SumLeft,
     /// As `SumLeft`, with the `n` sums of `b` over its rows (BGRADA).
     SumRight,
+    /// `a @ b (+ bias) + r` (inputs a, b, r and the bias last, if any; r the product's shape):
+    /// a residual connection's add in the product's epilogue (a GEMM's `beta C`).
+    Residual,
 }
 
 impl MatmulEpilogue {
@@ -490,7 +493,11 @@ impl MatmulEpilogue {
         match self {
             MatmulEpilogue::DGeluTanh => Some(UnaryOp::GeluTanhGrad),
             MatmulEpilogue::DRelu => Some(UnaryOp::Step),
-            MatmulEpilogue::Relu | MatmulEpilogue::GeluTanh | MatmulEpilogue::SumLeft | MatmulEpilogue::SumRight => None,
+            MatmulEpilogue::Relu
+            | MatmulEpilogue::GeluTanh
+            | MatmulEpilogue::SumLeft
+            | MatmulEpilogue::SumRight
+            | MatmulEpilogue::Residual => None,
         }
     }
 }
@@ -602,10 +609,13 @@ pub enum Op {
     },
     /// Scaled dot-product attention without storing the scores (flash-style): inputs q, k, v
     /// of one shape `[.., T, D]`; `out = softmax(scale * q k^T) v`, where with `causal` key `j`
-    /// is left out of query `i`'s softmax when `j > i`.
+    /// is left out of query `i`'s softmax when `j > i`. With `heads_last` (made by compile's
+    /// passes on a GPU, for q `[B, H, T, D]`) the output is `[B, T, H, D]`: each row holds the
+    /// heads' outputs side by side, as an output projection reads them.
     Attention {
         scale: f64,
         causal: bool,
+        heads_last: bool,
     },
     /// The gradients of `Attention` (inputs q, k, v, its output, the output's gradient),
     /// packed the way a fused projection lays out q, k and v: for q of shape `[B, H.., T, D]`,
@@ -706,6 +716,7 @@ pub struct OutMeta {
 }
 
 /// Shape and dtype of an op's input, as the shape rules see it.
+#[derive(Clone, Copy)]
 pub struct InMeta<'a> {
     pub shape: &'a [usize],
     pub dtype: DType,
@@ -740,6 +751,7 @@ impl Op {
             Op::MatmulFused(MatmulEpilogue::GeluTanh) => "matmul_gelu_tanh",
             Op::MatmulFused(MatmulEpilogue::DGeluTanh) => "matmul_dgelu_tanh",
             Op::MatmulFused(MatmulEpilogue::DRelu) => "matmul_drelu",
+            Op::MatmulFused(MatmulEpilogue::Residual) => "matmul_residual",
             Op::MatmulFused(_) => "matmul_sum",
             Op::Reshape(_) => "reshape",
             Op::Permute(_) => "permute",
@@ -785,6 +797,7 @@ impl Op {
             Op::Reshape(_) | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_) | Op::Contiguous => 1,
             Op::Matmul | Op::MatmulFused(MatmulEpilogue::Relu | MatmulEpilogue::GeluTanh) if inputs.len() == 3 => 3,
             Op::MatmulFused(MatmulEpilogue::DGeluTanh | MatmulEpilogue::DRelu) => 3,
+            Op::MatmulFused(MatmulEpilogue::Residual) => inputs.len().clamp(3, 4),
             Op::MatmulFused(_) => 2,
             Op::Binary(_) | Op::Matmul | Op::IndexSelect { .. } | Op::Gather { .. } => 2,
             Op::Assign | Op::UpdateBinary(_) => 2,
@@ -923,7 +936,14 @@ impl Op {
                         ));
                     }
                 }
-                let shape = if inputs.len() == 5 { attention_grads_shape(q) } else { q.to_vec() };
+                let shape = match self {
+                    Op::AttentionBackward { .. } => attention_grads_shape(q),
+                    Op::Attention { heads_last: true, .. } => match q {
+                        &[b, h, t, d] => vec![b, t, h, d],
+                        _ => return Err(Error::shape(name, format!("with the heads last needs q of rank 4 [B, H, T, D], got {q:?}"))),
+                    },
+                    _ => q.to_vec(),
+                };
                 meta(shape, inputs[0].dtype)
             }
             Op::CrossEntropy { .. } | Op::CrossEntropyBackward { .. } | Op::CrossEntropyMean { .. } => {
@@ -984,7 +1004,12 @@ impl Op {
                 meta(shape, inputs[0].dtype)
             }
             Op::MatmulFused(e) => {
-                let product = Op::Matmul.infer(if e.activation_grad().is_some() { &inputs[..2] } else { inputs })?;
+                // (A residual's operands: a, b and the bias after r.)
+                let product = match e {
+                    MatmulEpilogue::Residual => Op::Matmul.infer(&[&inputs[..2], &inputs[3..]].concat())?,
+                    e if e.activation_grad().is_some() => Op::Matmul.infer(&inputs[..2])?,
+                    _ => Op::Matmul.infer(inputs)?,
+                };
                 let numel: usize = product.shape.iter().product();
                 match e {
                     MatmulEpilogue::Relu => return Ok(product),
@@ -994,6 +1019,14 @@ impl Op {
                         if inputs[2].shape != product.shape {
                             let h = inputs[2].shape;
                             return Err(Error::shape(name, format!("the pre-activation {h:?} must match the product {:?}", product.shape)));
+                        }
+                        return Ok(product);
+                    }
+                    MatmulEpilogue::Residual => {
+                        same_dtype(product.dtype, inputs[2].dtype)?;
+                        if inputs[2].shape != product.shape {
+                            let r = inputs[2].shape;
+                            return Err(Error::shape(name, format!("the residual {r:?} must match the product {:?}", product.shape)));
                         }
                         return Ok(product);
                     }

@@ -365,9 +365,14 @@ fn every_hopper_gemm_variant_compiles() {
         for (bias, keep, act, dact) in epilogues {
             // The row map only where A is K-contiguous (`blas::mapped_rows`).
             for map_a in if ta { vec![false] } else { vec![false, true] } {
-                let (s, n) = Spec { ta, tb, bias, keep, act, dact, map_a }.source();
+                let (s, n) = Spec { ta, tb, bias, keep, act, dact, residual: false, map_a }.source();
                 check(&s, &n, &mut fails);
             }
+        }
+        // A residual connection's add, with and without a bias.
+        for bias in [false, true] {
+            let (s, n) = Spec { ta, tb, bias, keep: false, act: None, dact: None, residual: true, map_a: !ta }.source();
+            check(&s, &n, &mut fails);
         }
     }
     assert!(fails.is_empty(), "{} kernels failed:\n{}", fails.len(), fails.join("\n\n"));

@@ -382,6 +382,28 @@ fn fused_matmuls_apply_relu_or_append_the_operand_sums() -> Result<()> {
     let err = fused(E::SumLeft, &[&a.reshape(&[1, 2, 2])?, &b]).unwrap_err().to_string();
     assert!(err.contains("matmul_sum") && err.contains("[1, 2, 2]"), "{err}");
     assert!(fused(E::SumRight, &[&a, &b, &bias]).is_err());
+    // A residual added after the bias: inputs a, b, r, then the bias.
+    let r = t(&[10., 20., 30., 40., 50., 60.], &[2, 3]);
+    assert_eq!(v(&fused(E::Residual, &[&a, &b, &r])?), vec![11., 21., 26., 43., 51., 52.]);
+    assert_eq!(v(&fused(E::Residual, &[&a, &b, &r, &bias])?), vec![11.5, 11., 27., 43.5, 41., 53.]);
+    let err = fused(E::Residual, &[&a, &b, &a]).unwrap_err().to_string();
+    assert!(err.contains("matmul_residual") && err.contains("[2, 2]") && err.contains("[2, 3]"), "{err}");
+    Ok(())
+}
+
+/// `Op::Attention` with the heads last (what compile writes for an output projection): the
+/// plain output with its heads moved after T, and only for `[B, H, T, D]`.
+#[test]
+fn attention_with_the_heads_last_moves_them_after_t() -> Result<()> {
+    use kiln_tensor::Op;
+    let r = |s: u64| Tensor::rand_at(&[2, 3, 5, 4], Distribution::Normal, s, 0, DType::F32, CPU);
+    let (q, k, w) = (r(1)?, r(2)?, r(3)?);
+    let last = Tensor::apply(Op::Attention { scale: 0.5, causal: true, heads_last: true }, &[&q, &k, &w], CPU)?;
+    assert_eq!(last.shape(), &[2, 5, 3, 4]);
+    assert_eq!(v(&last), v(&q.attention(&k, &w, 0.5, true)?.transpose(1, 2)?.contiguous()?));
+    let flat = q.reshape(&[6, 5, 4])?;
+    let err = Tensor::apply(Op::Attention { scale: 0.5, causal: true, heads_last: true }, &[&flat, &flat, &flat], CPU).unwrap_err();
+    assert!(err.to_string().contains("[6, 5, 4]"), "{err}");
     Ok(())
 }
 

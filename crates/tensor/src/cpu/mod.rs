@@ -357,7 +357,15 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
         Op::LinearCrossEntropyMean { ignore_index, smoothing, drelu } => {
             linear_cross_entropy_mean(ins, *ignore_index, *smoothing, *drelu, meta)?
         }
-        Op::Attention { scale, causal } | Op::AttentionBackward { scale, causal } => {
+        Op::Attention { scale, causal, heads_last: true } => {
+            // [B, H, T, D], then the heads moved after T.
+            let (b, h, t, d) = (ins[0].1.shape[0], ins[0].1.shape[1], ins[0].1.shape[2], ins[0].1.shape[3]);
+            let plain = OutMeta { shape: vec![b, h, t, d], dtype: meta.dtype };
+            let out = run(&Op::Attention { scale: *scale, causal: *causal, heads_last: false }, ins, &plain)?;
+            let moved = Layout { shape: meta.shape.clone(), strides: vec![h * t * d, d, t * d, 1], offset: 0 };
+            run(&Op::Contiguous, &[(&out, &moved)], meta)?
+        }
+        Op::Attention { scale, causal, heads_last: false } | Op::AttentionBackward { scale, causal } => {
             let (s0, l0) = ins[0];
             let r = l0.rank();
             let spec = attention::AttnSpec {
@@ -547,6 +555,11 @@ fn matmul_fused(e: MatmulEpilogue, ins: &[(&CpuStorage, &Layout)], meta: &OutMet
             let grad = run(&Op::Unary(u), &ins[2..], meta)?;
             let l = dense(&meta.shape);
             run(&Op::Binary(crate::BinaryOp::Mul), &[(&product, &l), (&grad, &l)], meta)
+        }
+        MatmulEpilogue::Residual => {
+            let ab: Vec<(&CpuStorage, &Layout)> = [&ins[..2], &ins[3..]].concat();
+            let product = run(&Op::Matmul, &ab, meta)?;
+            run(&Op::Binary(crate::BinaryOp::Add), &[(&product, &dense(&meta.shape)), ins[2]], meta)
         }
         MatmulEpilogue::SumLeft | MatmulEpilogue::SumRight => {
             let s = matmul::MatmulShape { batch: &[], m: ins[0].1.shape[0], k: ins[0].1.shape[1], n: ins[1].1.shape[1] };

@@ -146,7 +146,7 @@ pub fn matmul(
     bias: Option<(&CudaStorage, &Layout)>,
     meta: &OutMeta,
 ) -> Result<CudaStorage> {
-    matmul_fused(g, a, b, bias, None, meta)
+    matmul_fused(g, a, b, bias.as_slice(), None, meta)
 }
 
 /// What is left of a fused matmul after the GEMM: the bias, the ReLU, the operand's sums.
@@ -160,15 +160,18 @@ struct Rest<'a> {
     dact: Option<(crate::UnaryOp, (&'a CudaStorage, &'a Layout))>,
     /// The operand, the dim summed and where the sums go in the output.
     sums: Option<((&'a CudaStorage, &'a Layout), usize, usize)>,
+    /// A residual added last (`MatmulEpilogue::Residual`), the product's shape.
+    residual: Option<(&'a CudaStorage, &'a Layout)>,
 }
 
-/// `Op::Matmul`, or with `epi` an `Op::MatmulFused`: one cuBLASLt call with the epilogue
-/// where it applies, else the plain product and the rest as kernels after it.
+/// `Op::Matmul`, or with `epi` an `Op::MatmulFused`: one cuBLASLt call (or Kiln kernel) with
+/// the epilogue where it applies, else the plain product and the rest as kernels after it.
+/// `more`: the op's inputs after a and b.
 pub fn matmul_fused(
     g: &Arc<Gpu>,
     (sa, la): (&CudaStorage, &Layout),
     (sb, lb): (&CudaStorage, &Layout),
-    bias: Option<(&CudaStorage, &Layout)>,
+    more: &[(&CudaStorage, &Layout)],
     epi: Option<MatmulEpilogue>,
     meta: &OutMeta,
 ) -> Result<CudaStorage> {
@@ -185,9 +188,14 @@ pub fn matmul_fused(
     let batch: usize = shape[..r - 2].iter().product();
     let out = CudaStorage::alloc(g, meta.dtype, meta.shape.iter().product())?;
     let tail = crate::op::matmul_tail_offset(shape.iter().product());
-    // A `D*` epilogue's third input is the activation's, not a bias.
+    // A `D*` epilogue's third input is the activation's, a residual's the residual (the bias
+    // after it); else the third is the bias.
     let dact = epi.and_then(MatmulEpilogue::activation_grad);
-    let (bias, dact) = if dact.is_some() { (None, dact.zip(bias)) } else { (bias, None) };
+    let (bias, dact, residual) = match (epi, dact) {
+        (_, Some(u)) => (None, more.first().map(|&h| (u, h)), None),
+        (Some(MatmulEpilogue::Residual), None) => (more.get(1).copied(), None, more.first().copied()),
+        _ => (more.first().copied(), None, None),
+    };
     let mut rest = Rest {
         bias,
         relu: epi == Some(MatmulEpilogue::Relu),
@@ -198,6 +206,7 @@ pub fn matmul_fused(
             Some(MatmulEpilogue::SumRight) => Some(((sb, lb), 0, tail)),
             _ => None,
         },
+        residual,
     };
     if out.len == 0 {
         return Ok(out);
@@ -221,26 +230,28 @@ pub fn matmul_fused(
     // copy of A and one GEMM still beat `batch` GEMMs of a few rows.
     let mut dense_a: Option<CudaStorage> = None;
     let mut a_rows: Option<(usize, usize)> = None;
+    let mut mapped: Option<OwnProduct> = None;
     if batch > 1 && lb.strides[..r - 2].iter().all(|&s| s == 0) {
-        let folded = match (la.reshaped(&[batch * m, k]), mapped_rows(g, meta.dtype, (sa, &la), (sb, &lb), &rest)) {
-            (Some(f), _) => f,
-            (None, Some(mapped)) => {
-                a_rows = Some((m, la.strides[0]));
-                mapped
-            }
-            (None, None) => {
-                dense_a = Some(dense_copy(g, sa, &la)?);
-                Layout::contiguous(&[batch * m, k])
-            }
+        let folded = match la.reshaped(&[batch * m, k]) {
+            Some(f) => f,
+            None => match mapped_rows(g, meta.dtype, (sa, &la), (sb, &lb), &rest) {
+                Some(own) => {
+                    a_rows = Some((m, la.strides[0]));
+                    let a = own.a.clone();
+                    mapped = Some(own);
+                    a
+                }
+                None => {
+                    dense_a = Some(dense_copy(g, sa, &la)?);
+                    Layout::contiguous(&[batch * m, k])
+                }
+            },
         };
         (la, m, batch) = (folded, batch * m, 1);
     }
     let sa = dense_a.as_ref().unwrap_or(sa);
-    let own = own_product(g, meta.dtype, batch, (sa, &la), (sb, &lb), &rest);
-    // (`mapped_rows` found the Hopper GEMM takes it; only that kernel reads the row map.)
-    if a_rows.is_some() && !matches!(own, Some(OwnProduct { kind: Own::Hopper(..), .. })) {
-        return Err(Error::Cuda(format!("matmul: A's rows {:?} (strides {:?}) need the Hopper GEMM's row map", la.shape, la.strides)));
-    }
+    // (Only the Hopper GEMM reads a row map: `mapped` is its product.)
+    let own = mapped.or_else(|| own_product(g, meta.dtype, batch, (sa, &la), (sb, &lb), &rest));
     if let Some(own) = own {
         // Kiln's kernel does all that is left of the fused op.
         let (a, b) = ((sa, &own.a), (sb, &own.b));
@@ -262,7 +273,8 @@ pub fn matmul_fused(
                     (None, Some((_, (s, l)))) => aux_rows(l, m, n).map(|(at, ld)| (s.ptr_at(at), ld)),
                     _ => None,
                 };
-                super::kernels::matmul_wgmma(g, spec, (a.0, a.1, a_rows), b, bias, aux, &out)?
+                let residual = rest.residual.and_then(|(s, l)| l.reshaped(&[m, n]).map(|v| s.ptr_at(v.offset)));
+                super::kernels::matmul_wgmma(g, spec, (a.0, a.1, a_rows), b, (bias, aux, residual), &out)?
             }
             Own::Thin => {
                 let h = rest.dact.map(|(_, (s, l))| (s, view2(l, m, n)));
@@ -421,7 +433,7 @@ fn own_product(
     if let Some((spec, turn_b)) = hopper_spec(g, dtype, (sa, &a), (sb, &b), rest) {
         return Some(OwnProduct { kind: Own::Hopper(spec, turn_b), a, b });
     }
-    if rest.gelu.is_some() {
+    if rest.gelu.is_some() || rest.residual.is_some() {
         return None;
     }
     let b_rows = lb.strides[rb - 1] == 1 || n == 1;
@@ -456,17 +468,18 @@ fn own_product(
 }
 
 /// A `[batch, m, k]` A whose batch does not fold into its rows (a sequence-first view read
-/// batch-first), as the `[batch m, k]` view Kiln's Hopper GEMM reads through its row map
-/// (`kernels::matmul_wgmma`'s `a_rows`: the rows' stride is the inner one), if that GEMM takes
-/// the product with A K-contiguous.
-fn mapped_rows(g: &Gpu, dtype: DType, (sa, la): (&CudaStorage, &Layout), (sb, lb): (&CudaStorage, &Layout), rest: &Rest) -> Option<Layout> {
+/// batch-first), as Kiln's Hopper GEMM's product of the `[batch m, k]` view it reads through
+/// its row map (`kernels::matmul_wgmma`'s `a_rows`: the rows' stride is the inner one), if
+/// that GEMM takes it with A K-contiguous.
+fn mapped_rows(g: &Gpu, dtype: DType, (sa, la): (&CudaStorage, &Layout), (sb, lb): (&CudaStorage, &Layout), rest: &Rest) -> Option<OwnProduct> {
     if la.rank() != 3 || la.strides[2] != 1 || la.strides[0] % 4 != 0 {
         return None;
     }
     let (b, m, k) = (la.shape[0], la.shape[1], la.shape[2]);
     let a = Layout { shape: vec![b * m, k], strides: vec![la.strides[1], 1], offset: la.offset };
-    let spec = hopper_spec(g, dtype, (sa, &a), (sb, &view2(lb, k, lb.shape[lb.rank() - 1])), rest)?.0;
-    (!spec.ta).then_some(a)
+    let b2 = view2(lb, k, lb.shape[lb.rank() - 1]);
+    let (spec, turn_b) = hopper_spec(g, dtype, (sa, &a), (sb, &b2), rest)?;
+    (!spec.ta).then_some(OwnProduct { kind: Own::Hopper(spec, turn_b), a, b: b2 })
 }
 
 /// An activation input `[.., m, n]` as rows of `n` with unit stride: (offset, row stride).
@@ -566,7 +579,12 @@ fn hopper_spec(
         (false, Some(_)) => Some(crate::UnaryOp::GeluTanh),
         _ => None,
     };
-    let spec = super::wgmma::Spec { ta, tb, bias, keep: rest.gelu.is_some(), act, dact, map_a: false };
+    // The residual as dense rows of the output's.
+    let residual = match rest.residual {
+        Some((_, l)) if l.reshaped(&[m, n]).is_none_or(|v| v.strides != [n, 1]) => return None,
+        r => r.is_some(),
+    };
+    let spec = super::wgmma::Spec { ta, tb, bias, keep: rest.gelu.is_some(), act, dact, residual, map_a: false };
     // Blocks: tiles times the contraction's parts.
     let blocks = m.div_ceil(super::wgmma::BM) * n.div_ceil(super::wgmma::BN) * super::wgmma::splits(m, n, k, g.sms as usize).0;
     let fast = 2 * blocks >= g.sms as usize && (tb || !ta);
@@ -635,7 +653,7 @@ impl Rest<'_> {
     /// Drops what `epilogue` did.
     fn done_by(&mut self, epilogue: Epilogue) {
         if epilogue != Epilogue::NONE {
-            *self = Rest { bias: None, relu: false, gelu: None, dact: None, sums: None };
+            *self = Rest { bias: None, relu: false, gelu: None, dact: None, sums: None, residual: self.residual };
         }
     }
 }
@@ -644,7 +662,7 @@ impl Rest<'_> {
 /// after the product.
 fn finish(g: &Arc<Gpu>, out: CudaStorage, rest: Rest, shape: &[usize]) -> Result<CudaStorage> {
     if let Some(b) = rest.bias {
-        super::kernels::add_bias(g, &out, shape, b)?;
+        super::kernels::add_into(g, &out, shape, b)?;
     }
     if rest.relu {
         super::kernels::unary_in_place(g, &out, shape, crate::UnaryOp::Relu)?;
@@ -658,6 +676,9 @@ fn finish(g: &Arc<Gpu>, out: CudaStorage, rest: Rest, shape: &[usize]) -> Result
     }
     if let Some((u, h)) = rest.dact {
         super::kernels::mul_by_unary(g, &out, shape, u, h)?;
+    }
+    if let Some(r) = rest.residual {
+        super::kernels::add_into(g, &out, shape, r)?;
     }
     if let Some(((s, l), dim, at)) = rest.sums {
         let len = l.shape[1 - dim];

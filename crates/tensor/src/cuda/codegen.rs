@@ -2134,7 +2134,7 @@ pub fn flash_source(kind: AttnKernel, dtype: DType, d: usize, causal: bool) -> (
     let wide = if dtype == DType::F32 { 2 } else { 4 };
     let (sig, body, min_blocks) = match kind {
         AttnKernel::Fwd => (
-            format!("{t}* __restrict__ o, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, Mat mq, Mat mk, Mat mv"),
+            format!("{t}* __restrict__ o, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, Mat mq, Mat mk, Mat mv, Mat mo"),
             FLASH_FWD,
             wide,
         ),
@@ -2240,7 +2240,7 @@ const FLASH_HEAD: &str = r#"  const int warp = threadIdx.x / 32, lane = threadId
 
 // The forward: a running max and sum per row, updated once per 64-key tile.
 const FLASH_FWD: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
-  q += mat_base(mq); k += mat_base(mk); v += mat_base(mv); o += base;
+  q += mat_base(mq); k += mat_base(mk); v += mat_base(mv); o += mat_base(mo);
   stream_start(ks, k, mk.t, vs, v, mv.t, 0, Tn);
   unsigned qa[D / KS][AW];
   load_a(qa, q, mq.t, r0, gq, tq, Tn);
@@ -2276,7 +2276,7 @@ const FLASH_FWD: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
     __syncthreads();
   }
   const float l0 = quad_sum(l[0]), l1 = quad_sum(l[1]);
-  store(o, D, acc, r0, gq, tq, Tn, 1.f / l0, 1.f / l1);
+  store(o, mo.t, acc, r0, gq, tq, Tn, 1.f / l0, 1.f / l1);
 "#;
 
 // dq = scale * sum_j p (g.v_j - Dsum) k_j. Pass 1 finds each row's log-sum-exp (a running max

@@ -217,9 +217,9 @@ pub fn dense_copy(g: &Arc<Gpu>, s: &CudaStorage, l: &Layout) -> Result<CudaStora
     ew_with(g, "copy", "v0".into(), compute_type(s.dtype), &[(s, l)], &meta, NO_EXTRA)
 }
 
-/// `out[.., j] += bias[j]` over a dense `out` of `shape`: a matmul's bias where cuBLASLt's
-/// epilogue does not apply.
-pub(super) fn add_bias(g: &Arc<Gpu>, out: &CudaStorage, shape: &[usize], bias: (&CudaStorage, &Layout)) -> Result<()> {
+/// `out += x` over a dense `out` of `shape`, `x` broadcast to it: a matmul's bias (`[n]`) or
+/// residual where no epilogue added it.
+pub(super) fn add_into(g: &Arc<Gpu>, out: &CudaStorage, shape: &[usize], bias: (&CudaStorage, &Layout)) -> Result<()> {
     let op = Op::UpdateBinary(crate::BinaryOp::Add);
     let (prefix, expr, c) = elementwise_expr(&op, &[out.dtype]).ok_or_else(|| Error::Msg("matmul bias: no kernel".into()))?;
     let lo = Layout::contiguous(shape);
@@ -311,8 +311,8 @@ pub fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, devic
         Op::NormalizeBackward { eps } => normalize(&g, x[0], Some(x[1]), &x[2..], *eps)?,
         Op::NormalizeParamGrads { eps } => layer_norm_param_grads(&g, x[0], x[1], x.get(2).copied(), *eps)?,
         Op::SoftmaxBackward { log, scale } => softmax_backward(&g, x[0], x[1], *log, *scale)?,
-        Op::Attention { scale, causal } => attention(&g, &x, *scale, *causal, false)?,
-        Op::AttentionBackward { scale, causal } => attention(&g, &x, *scale, *causal, true)?,
+        Op::Attention { scale, causal, heads_last } => attention(&g, &x, (*scale, *causal), false, *heads_last)?,
+        Op::AttentionBackward { scale, causal } => attention(&g, &x, (*scale, *causal), true, false)?,
         Op::CrossEntropy { ignore_index, smoothing } => cross_entropy(&g, &x, *ignore_index, *smoothing)?,
         Op::CrossEntropyBackward { ignore_index, smoothing } => cross_entropy(&g, &x, *ignore_index, *smoothing)?,
         Op::CrossEntropyMean { ignore_index, smoothing } => cross_entropy_mean(&g, &x, *ignore_index, *smoothing)?,
@@ -320,7 +320,7 @@ pub fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, devic
             linear_cross_entropy_mean(&g, &x, *ignore_index, *smoothing, *drelu)?
         }
         Op::Matmul => super::blas::matmul(&g, x[0], x[1], x.get(2).copied(), meta)?,
-        Op::MatmulFused(e) => super::blas::matmul_fused(&g, x[0], x[1], x.get(2).copied(), Some(*e), meta)?,
+        Op::MatmulFused(e) => super::blas::matmul_fused(&g, x[0], x[1], &x[2..], Some(*e), meta)?,
         Op::IndexSelect { dim } => index_read(&g, IndexKind::Select, x[0], x[1], *dim, meta)?,
         Op::Gather { dim } => index_read(&g, IndexKind::Gather, x[0], x[1], *dim, meta)?,
         Op::IndexAdd { dim } | Op::ScatterAdd { dim } => index_add(&g, op, x[0], x[1], x[2], *dim)?,
@@ -467,11 +467,12 @@ fn reduce_into(g: &Arc<Gpu>, op: ReduceOp, s: &CudaStorage, l: &Layout, dims: &[
     }
 }
 
-/// Fused attention: the forward, or the backward's dq, dk and dv packed as `[B, T, 3, H.., D]`
-/// (`op::attention_grads_shape`). The tensor-core kernels read each input where it lies when its
-/// rows can be addressed as `Mat` (a head cut from a fused projection); otherwise, and for
-/// the FMA kernels, an input is first copied dense.
-fn attention(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], scale: f64, causal: bool, backward: bool) -> Result<CudaStorage> {
+/// Fused attention: the forward (with `heads_last`, written `[B, T, H, D]`), or the backward's
+/// dq, dk and dv packed as `[B, T, 3, H.., D]` (`op::attention_grads_shape`). The tensor-core
+/// kernels read each input where it lies when its rows can be addressed as `Mat` (a head cut
+/// from a fused projection) and write where `Mat` says; otherwise, and for the FMA kernels, an
+/// input is first copied dense, and an output copied into place after.
+fn attention(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], (scale, causal): (f64, bool), backward: bool, heads_last: bool) -> Result<CudaStorage> {
     use super::codegen::{flash_supported, ATTN_MAX_D};
     let (s0, l0) = x[0];
     let r = l0.rank();
@@ -501,13 +502,20 @@ fn attention(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], scale: f64, causal: bo
             }
         }
     }
+    let heads = crate::op::attention_heads(&l0.shape);
     if !backward {
+        // The heads last: matrix b*H + h's row i at b T H D + i H D + h D.
+        let last = Mat { b: (t * heads * d) as i64, h: d as i64, t: (heads * d) as i64, nh: heads as i64 };
+        if !heads_last || flash {
+            attention_kernels(g, &[out.buf.ptr], if heads_last { last } else { Mat::dense(t, d) }, &ins, (n, t, d), dtype, scale, causal)?;
+            return Ok(out);
+        }
         attention_kernels(g, &[out.buf.ptr], Mat::dense(t, d), &ins, (n, t, d), dtype, scale, causal)?;
-        return Ok(out);
+        let moved = Layout { shape: vec![n / heads, t, heads, d], strides: vec![heads * t * d, d, t * d, 1], offset: 0 };
+        return dense_copy(g, &out, &moved);
     }
     // The gradients, packed as `[B, T, 3, H.., D]` (`op::attention_grads_shape`): batch matrix
     // b*H + h of dq starts at b T 3 H D + h D, its rows 3 H D apart; dk and dv follow dq.
-    let heads = crate::op::attention_heads(&l0.shape);
     let packed = Mat { b: (t * 3 * heads * d) as i64, h: d as i64, t: (3 * heads * d) as i64, nh: heads as i64 };
     let e = (heads * d * dtype.size_in_bytes()) as u64;
     if flash {
@@ -589,7 +597,7 @@ fn attention_kernel(g: &Arc<Gpu>, kind: AttnKernel, dtype: DType, d: usize, caus
 
 /// The attention kernels on inputs `ins` (q, k, v; for the backward also o and g, each a
 /// pointer to its first element and its `Mat`; dense for the FMA kernels), writing `outs`
-/// (o dense, or dq, dk, dv where `mout` places them; the FMA kernels write them dense).
+/// (o, or dq, dk, dv, where `mout` places them; the FMA kernels write them dense).
 /// Each block owns 64 rows.
 #[allow(clippy::too_many_arguments)]
 fn attention_kernels(
@@ -610,15 +618,13 @@ fn attention_kernels(
     let mut mout = mout;
     let mo = &mut mout as *mut Mat as *mut c_void;
     let arg = |x: &mut u64| x as *mut u64 as *mut c_void;
-    // (outputs, inputs, [each input's Mat, then the gradients' Mat: tensor-core kernels
-    // only], T, scale)
-    let params = |mut p: Vec<*mut c_void>, ptrs: &mut [u64], mats: &mut [Mat], backward: bool| -> Vec<*mut c_void> {
+    // (outputs, inputs, [each input's Mat, then the output's: tensor-core kernels only], T,
+    // scale)
+    let params = |mut p: Vec<*mut c_void>, ptrs: &mut [u64], mats: &mut [Mat]| -> Vec<*mut c_void> {
         p.extend(ptrs.iter_mut().map(arg));
         if flash {
             p.extend(mats.iter_mut().map(|m| m as *mut Mat as *mut c_void));
-            if backward {
-                p.push(mo);
-            }
+            p.push(mo);
         }
         p.extend([ti, si]);
         p
@@ -626,10 +632,10 @@ fn attention_kernels(
     let (mut ptrs, mut mats): (Vec<u64>, Vec<Mat>) = ins.iter().copied().unzip();
     if ins.len() == 3 {
         let (k, threads, smem) = attention_kernel(g, AttnKernel::Fwd, dtype, d, causal)?;
-        let mut p = params(vec![arg(&mut o0)], &mut ptrs, &mut mats, false);
+        let mut p = params(vec![arg(&mut o0)], &mut ptrs, &mut mats);
         // SAFETY: (out, q, k, v, [Mats], T, scale) matches the generated signature; each Mat
-        // addresses n matrices of T rows of D elements inside its input (dense for the FMA
-        // kernels), the output is dense [n, T, D], and the grid covers n x T rows.
+        // addresses n matrices of T rows of D elements inside its input, and `mout` inside
+        // the n T D output (dense for the FMA kernels), and the grid covers n x T rows.
         return unsafe { g.launch(k, grid, threads, smem, &mut p) };
     }
     if ins.len() != 5 {
@@ -639,7 +645,7 @@ fn attention_kernels(
     let mut sp = stats.buf.ptr;
     let (kq, tq, mq) = attention_kernel(g, AttnKernel::Dq, dtype, d, causal)?;
     let (kkv, tkv, mkv) = attention_kernel(g, AttnKernel::Dkv, dtype, d, causal)?;
-    let mut dq = params(vec![arg(&mut o0), arg(&mut sp)], &mut ptrs, &mut mats, true);
+    let mut dq = params(vec![arg(&mut o0), arg(&mut sp)], &mut ptrs, &mut mats);
     // SAFETY: as above, with (dq, stats, q, k, v, o, g, [5 Mats, packed], T, scale), `packed`
     // addressing n matrices inside the [3 n T D] output from dq's start; `stats` holds 2
     // floats per row, written by the dq kernel and read by the dk/dv kernel after it on the
@@ -647,7 +653,7 @@ fn attention_kernels(
     unsafe { g.launch(kq, grid, tq, mq, &mut dq)? };
     // The dk/dv kernel does not read o.
     let (mut ptrs, mut mats) = ([ptrs[0], ptrs[1], ptrs[2], ptrs[4]], [mats[0], mats[1], mats[2], mats[4]]);
-    let mut dkv = params(vec![arg(&mut o1), arg(&mut o2), arg(&mut sp)], &mut ptrs, &mut mats, true);
+    let mut dkv = params(vec![arg(&mut o1), arg(&mut o2), arg(&mut sp)], &mut ptrs, &mut mats);
     // SAFETY: as above, with (dk, dv, stats, q, k, v, g, [4 Mats, packed], T, scale).
     unsafe { g.launch(kkv, grid, tkv, mkv, &mut dkv)? };
     drop(stats);
@@ -1409,7 +1415,8 @@ struct GArgs {
 /// `out [m, n] = a [m, k] b [k, n]` and `spec`'s epilogue by Kiln's Hopper GEMM
 /// (`wgmma.rs`): 2-D views of A and B, each with the unit stride `spec` says and the other a
 /// multiple of 4, 16-byte aligned; `bias` a dense `[n]`; `aux` (GELU's pre-activation
-/// written, or an activation's input read) an address with rows `ldx` apart; `out` dense.
+/// written, or an activation's input read) an address with rows `ldx` apart; `residual` a
+/// dense `[m, n]` added last; `out` dense.
 /// The caller checks all of it (`blas::own_product`). `a_rows` (inner, outer) says A's rows are
 /// a batch that does not lie as rows: row `r` at `(r % inner) * lda + (r / inner) * outer`
 /// (A K-contiguous, `outer` a multiple of 4). A product of few tiles splits its
@@ -1420,8 +1427,7 @@ pub(super) fn matmul_wgmma(
     spec: super::wgmma::Spec,
     (sa, la, a_rows): (&CudaStorage, &Layout, Option<(usize, usize)>),
     (sb, lb): (&CudaStorage, &Layout),
-    bias: Option<u64>,
-    aux: Option<(u64, usize)>,
+    (bias, aux, residual): (Option<u64>, Option<(u64, usize)>, Option<u64>),
     out: &CudaStorage,
 ) -> Result<()> {
     use super::wgmma::{BM, BN, THREADS};
@@ -1445,13 +1451,13 @@ pub(super) fn matmul_wgmma(
         a_inner: a_rows.map_or(m, |(inner, _)| inner) as i32,
     };
     let (mut pa, mut pb, mut pc) = (sa.ptr_at(la.offset), sb.ptr_at(lb.offset), out.buf.ptr);
-    let (mut pbias, mut paux) = (bias.unwrap_or(0), aux.map_or(0, |(p, _)| p));
-    let mut params = kernel_params![pa, pb, pc, pbias, paux, a];
+    let (mut pbias, mut paux, mut pres) = (bias.unwrap_or(0), aux.map_or(0, |(p, _)| p), residual.unwrap_or(0));
+    let mut params = kernel_params![pa, pb, pc, pbias, paux, pres, a];
     let grid = (n.div_ceil(BN) as u32, m.div_ceil(BM) as u32, splits as u32);
-    // SAFETY: (a, b, c, bias, aux, GArgs) matches the generated signature; the views lie
-    // inside their buffers with the strides given (the caller's checks; with `a_rows`, every
-    // row the map names), `out` holds m x n values, bias n, aux m rows of ldx (read or written
-    // only when the spec says so); a block per 128 x 128 tile and part of the contraction,
+    // SAFETY: (a, b, c, bias, aux, residual, GArgs) matches the generated signature; the views
+    // lie inside their buffers with the strides given (the caller's checks; with `a_rows`,
+    // every row the map names), `out` and the residual hold m x n values, bias n, aux m rows of
+    // ldx (each read or written only when the spec says so); a block per 128 x 128 tile and part of the contraction,
     // with the shared memory the spec asks for, a tile's parts one cluster (at most 8).
     unsafe {
         match splits {

@@ -55,7 +55,8 @@ pub const ARCH_SPECIFIC: &str = "// kiln: arch-specific (sm_90a)\n";
 /// One compiled variant of the GEMM: the operands' layouts and the epilogue, applied to each
 /// output `v` at row `r`, column `j` in this order: `v += bias[j]`; with `keep`, `aux[r, j] = v`
 /// (GELU's pre-activation for its backward); `v = act(v)`; `v *= dact(aux[r, j])` (an
-/// activation's gradient at its input, `MatmulEpilogue::DGelu` and `DRelu`).
+/// activation's gradient at its input, `MatmulEpilogue::DGelu` and `DRelu`); with `residual`,
+/// `v += res[r, j]` (`MatmulEpilogue::Residual`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Spec {
     /// A is stored `[k, m]` (its rows are M): `a^T` as a view.
@@ -66,6 +67,7 @@ pub struct Spec {
     pub keep: bool,
     pub act: Option<UnaryOp>,
     pub dact: Option<UnaryOp>,
+    pub residual: bool,
     /// A's rows are read through the row map (`GArgs::a_inner`, `a_outer`): a batch folded
     /// into M that does not lie as rows. Its own variant, so that plain products keep their
     /// address arithmetic.
@@ -82,13 +84,14 @@ impl Spec {
     pub fn name(&self) -> String {
         let op = |u: Option<UnaryOp>| u.map_or(String::new(), |u| format!("_{}", format!("{u:?}").to_lowercase()));
         format!(
-            "k_gemm_tf32x3_{}{}{}{}{}{}{}",
+            "k_gemm_tf32x3_{}{}{}{}{}{}{}{}",
             if self.ta { "t" } else { "n" },
             if self.tb { "t" } else { "n" },
             if self.bias { "_bias" } else { "" },
             if self.keep { "_keep" } else { "" },
             op(self.act),
             op(self.dact).replace('_', "_d"),
+            if self.residual { "_residual" } else { "" },
             if self.map_a { "_rowmap" } else { "" },
         )
     }
@@ -103,7 +106,7 @@ impl Spec {
         s += TF32;
         s += BODY;
         s += &mma_fn(BN);
-        s += "__device__ __forceinline__ float epilogue(float v, const float* bias, float* aux, long long xat, int col) {\n";
+        s += "__device__ __forceinline__ float epilogue(float v, const float* bias, float* aux, const float* res, long long xat, long long cat, int col) {\n";
         if self.bias {
             s += "  v += __ldg(bias + col);\n";
         }
@@ -116,11 +119,14 @@ impl Spec {
         if let Some(u) = self.dact {
             s += &format!("  {{ const float h = aux[xat]; v *= {}; }}\n", u.c_expr("h"));
         }
+        if self.residual {
+            s += "  v += res[cat];\n";
+        }
         s += "  return v;\n}\n";
         s += &format!(
             "extern \"C\" __global__ void __launch_bounds__({THREADS}, 1) {name}(const float* __restrict__ a, \
-             const float* __restrict__ b, float* __restrict__ c, const float* __restrict__ bias, float* aux, GArgs g) {{\n  \
-             gemm(a, b, c, bias, aux, g);\n}}\n"
+             const float* __restrict__ b, float* __restrict__ c, const float* __restrict__ bias, float* aux, const float* __restrict__ res, GArgs g) {{\n  \
+             gemm(a, b, c, bias, aux, res, g);\n}}\n"
         );
         (s, name)
     }
@@ -215,12 +221,15 @@ template <int R, bool KC, bool MAP> struct Slice {
 
 __device__ __forceinline__ void mma(float (&d)[ACC], unsigned long long da, unsigned long long db, int acc);
 
-__device__ __forceinline__ float epilogue(float v, const float* bias, float* aux, long long xat, int col);
+__device__ __forceinline__ float epilogue(float v, const float* bias, float* aux, const float* res, long long xat, long long cat, int col);
+
+// The epilogue's operands: bias [n], aux (rows ldx apart), the residual (rows ldc apart).
+struct Epi { const float* bias; float* aux; const float* res; };
 
 // Outputs (r, col) and (r, col + 1) after the epilogue.
-__device__ __forceinline__ void put2(float* c, const float* bias, float* aux, const GArgs& g, int r, int col, float x, float y) {
-  const long long xat = (long long)r * g.ldx + col;
-  *(float2*)(c + (long long)r * g.ldc + col) = make_float2(epilogue(x, bias, aux, xat, col), epilogue(y, bias, aux, xat + 1, col + 1));
+__device__ __forceinline__ void put2(float* c, const Epi& e, const GArgs& g, int r, int col, float x, float y) {
+  const long long xat = (long long)r * g.ldx + col, cat = (long long)r * g.ldc + col;
+  *(float2*)(c + cat) = make_float2(epilogue(x, e.bias, e.aux, e.res, xat, cat, col), epilogue(y, e.bias, e.aux, e.res, xat + 1, cat + 1, col + 1));
 }
 
 // Every thread of every block of the cluster arrives, then waits for the rest: the cluster's
@@ -243,8 +252,8 @@ __device__ __forceinline__ float4 ld_cluster(unsigned addr, int rank) {
 // the tile, adding the parts in split order (the same bits every run) from the blocks' shared
 // memory, and applies the epilogue. (row, col): this thread's first accumulator element.
 #define FOLD_LD (BN + 8)
-__device__ __forceinline__ void cluster_fold(const float (&d)[ACC], unsigned char* smem, float* __restrict__ c,
-                                             const float* __restrict__ bias, float* aux, const GArgs& g, int m0, int n0, int row, int col) {
+__device__ __forceinline__ void cluster_fold(const float (&d)[ACC], unsigned char* smem, float* __restrict__ c, const Epi& e,
+                                             const GArgs& g, int m0, int n0, int row, int col) {
   float* tile = (float*)smem;
   // Both warpgroups' last products have read the stages the tile overwrites.
   __syncthreads();
@@ -269,15 +278,16 @@ __device__ __forceinline__ void cluster_fold(const float (&d)[ACC], unsigned cha
 #pragma unroll
     for (int p = 1; p < 8; ++p)
       if (p < g.splits) { v.x += w[p].x; v.y += w[p].y; v.z += w[p].z; v.w += w[p].w; }
-    put2(c, bias, aux, g, gr, gc, v.x, v.y);
-    if (gc + 2 < g.n) put2(c, bias, aux, g, gr, gc + 2, v.z, v.w);
+    put2(c, e, g, gr, gc, v.x, v.y);
+    if (gc + 2 < g.n) put2(c, e, g, gr, gc + 2, v.z, v.w);
   }
   // No block leaves (and frees its shared memory) while another still reads it.
   cluster_sync();
 }
 
 __device__ __forceinline__ void gemm(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
-                                     const float* __restrict__ bias, float* aux, GArgs g) {
+                                     const float* __restrict__ bias, float* aux, const float* __restrict__ res, GArgs g) {
+  const Epi e = {bias, aux, res};
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = (unsigned char*)(((unsigned long long)smem_raw + 1023) & ~1023ull);
   const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
@@ -340,7 +350,7 @@ __device__ __forceinline__ void gemm(const float* __restrict__ a, const float* _
   // below it), columns 8 j + 2 (lane % 4) and the next, for each j.
   const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
   if (g.splits > 1) {
-    cluster_fold(d, smem, c, bias, aux, g, m0, n0, wg * 64 + warp * 16 + lane / 4, 2 * (lane % 4));
+    cluster_fold(d, smem, c, e, g, m0, n0, wg * 64 + warp * 16 + lane / 4, 2 * (lane % 4));
     return;
   }
   const int row = m0 + wg * 64 + warp * 16 + lane / 4;
@@ -352,7 +362,7 @@ __device__ __forceinline__ void gemm(const float* __restrict__ a, const float* _
     for (int h = 0; h < 2; ++h) {
       const int r = row + 8 * h;
       if (r >= g.m) continue;
-      put2(c, bias, aux, g, r, col, d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+      put2(c, e, g, r, col, d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
     }
   }
 }
@@ -388,10 +398,12 @@ mod tests {
 
     #[test]
     fn names_say_layout_and_epilogue() {
-        let spec = Spec { ta: false, tb: true, bias: true, keep: true, act: Some(UnaryOp::GeluTanh), dact: None, map_a: false };
+        let spec = Spec { ta: false, tb: true, bias: true, keep: true, act: Some(UnaryOp::GeluTanh), dact: None, residual: false, map_a: false };
         assert_eq!(spec.name(), "k_gemm_tf32x3_nt_bias_keep_gelutanh");
-        let spec = Spec { ta: true, tb: false, bias: false, keep: false, act: None, dact: Some(UnaryOp::Step), map_a: true };
+        let spec = Spec { ta: true, tb: false, bias: false, keep: false, act: None, dact: Some(UnaryOp::Step), residual: false, map_a: true };
         assert_eq!(spec.name(), "k_gemm_tf32x3_tn_dstep_rowmap");
+        let spec = Spec { ta: false, tb: true, bias: true, keep: false, act: None, dact: None, residual: true, map_a: true };
+        assert_eq!(spec.name(), "k_gemm_tf32x3_nt_bias_residual_rowmap");
         assert!(spec.source().0.starts_with(ARCH_SPECIFIC));
     }
 }
