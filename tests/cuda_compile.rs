@@ -313,7 +313,14 @@ fn compiled_sequence_first_transformer_on_cuda_matches_eager_and_the_cpu() {
     use kiln::nn::{Transformer, TransformerConfig, TransformerMasks};
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dev = gpu();
-    let cfg = TransformerConfig { d_model: 64, nhead: 4, num_encoder_layers: 2, num_decoder_layers: 2, dim_feedforward: 128, ..TransformerConfig::default() };
+    let cfg = TransformerConfig {
+        d_model: 64,
+        nhead: 4,
+        num_encoder_layers: 2,
+        num_decoder_layers: 2,
+        dim_feedforward: 128,
+        ..TransformerConfig::default()
+    };
     let forward = |dev: Device, mode: Option<Mode>| -> Vec<f32> {
         kiln::tensor::rng::manual_seed(0);
         let mut model = Transformer::new(cfg, dev).unwrap();

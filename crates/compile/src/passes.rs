@@ -330,7 +330,12 @@ pub fn fuse_matmuls(g: &Graph, gpu: bool) -> Graph {
                 let (sum, dims) = (args[0].clone(), dims.clone());
                 let found = (0..out.nodes.len()).find_map(|p| {
                     let Kind::Op(Op::Matmul, margs) = &out.nodes[p].kind else { return None };
-                    if margs.len() != 2 || taken[p] || written.contains(&p) || first_reader[i] <= p || out.nodes[p].dtype != out.nodes[i].dtype {
+                    if margs.len() != 2
+                        || taken[p]
+                        || written.contains(&p)
+                        || first_reader[i] <= p
+                        || out.nodes[p].dtype != out.nodes[i].dtype
+                    {
                         return None;
                     }
                     let side = (0..2).find(|&s| margs[s].node == sum.node && sums_operand(&sum, &dims, &margs[s].layout, 1 - s))?;
@@ -383,7 +388,11 @@ fn permuted_operands(ab: &[Arg], perm: &[usize]) -> Option<Vec<Arg>> {
         match l.rank() {
             2 if r > 2 => Some(a.clone()),
             n if n == r => {
-                let layout = Layout { shape: perm.iter().map(|&e| l.shape[e]).collect(), strides: perm.iter().map(|&e| l.strides[e]).collect(), offset: l.offset };
+                let layout = Layout {
+                    shape: perm.iter().map(|&e| l.shape[e]).collect(),
+                    strides: perm.iter().map(|&e| l.strides[e]).collect(),
+                    offset: l.offset,
+                };
                 Some(Arg { node: a.node, layout })
             }
             _ => None,
@@ -632,10 +641,15 @@ pub fn attention_heads_last(g: &Graph, gpu: bool) -> Graph {
         return out;
     }
     let n = g.nodes.len();
-    let kept: Vec<NodeId> = g.writes.iter().map(|w| w.1).chain(g.nodes.iter().filter_map(|x| match x.kind {
-        Kind::WriteView { base, .. } => Some(base),
-        _ => None,
-    })).collect();
+    let kept: Vec<NodeId> = g
+        .writes
+        .iter()
+        .map(|w| w.1)
+        .chain(g.nodes.iter().filter_map(|x| match x.kind {
+            Kind::WriteView { base, .. } => Some(base),
+            _ => None,
+        }))
+        .collect();
     // Every read of each node: (reader, layout); usize::MAX for outputs and writes.
     let mut reads: Vec<Vec<(usize, &Layout)>> = vec![Vec::new(); n];
     for (i, x) in g.nodes.iter().enumerate() {

@@ -92,6 +92,12 @@ impl MultiheadAttention {
             // Self-attention: one product for all three projections.
             let qkv = q_in.linear(&self.in_proj_weight, Some(&self.in_proj_bias))?;
             (qkv.narrow(2, 0, e)?, qkv.narrow(2, e, e)?, qkv.narrow(2, 2 * e, e)?)
+        } else if key.id() == value.id() {
+            // Cross-attention over one memory: one product for the key and value, as PyTorch's
+            // `_in_projection_packed`.
+            let w = self.in_proj_weight.narrow(0, e, 2 * e)?;
+            let kv = k_in.linear(&w, Some(&self.in_proj_bias.narrow(0, e, 2 * e)?))?;
+            (self.project(&q_in, 0)?, kv.narrow(2, 0, e)?, kv.narrow(2, e, e)?)
         } else {
             (self.project(&q_in, 0)?, self.project(&k_in, 1)?, self.project(&v_in, 2)?)
         };

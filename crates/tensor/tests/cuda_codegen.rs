@@ -378,6 +378,21 @@ fn every_hopper_gemm_variant_compiles() {
     assert!(fails.is_empty(), "{} kernels failed:\n{}", fails.len(), fails.join("\n\n"));
 }
 
+/// The short-sequence attention forward for every dtype, head dims past and below a warp, causal
+/// or not.
+#[test]
+fn short_attention_kernels_compile() {
+    need_nvrtc();
+    let mut fails = Vec::new();
+    for dt in [DType::F32, DType::F16, DType::BF16] {
+        for (d, causal) in [(20, true), (64, false), (128, true)] {
+            let (s, n) = kiln_tensor::cuda::codegen::attention_short_source(dt, d, causal);
+            check(&s, &n, &mut fails);
+        }
+    }
+    assert!(fails.is_empty(), "{}", fails.join("\n"));
+}
+
 /// The register-resident layer norm forward at each row width it takes.
 #[test]
 fn layer_norm_rows_kernels_compile() {

@@ -471,7 +471,13 @@ fn own_product(
 /// batch-first), as Kiln's Hopper GEMM's product of the `[batch m, k]` view it reads through
 /// its row map (`kernels::matmul_wgmma`'s `a_rows`: the rows' stride is the inner one), if
 /// that GEMM takes it with A K-contiguous.
-fn mapped_rows(g: &Gpu, dtype: DType, (sa, la): (&CudaStorage, &Layout), (sb, lb): (&CudaStorage, &Layout), rest: &Rest) -> Option<OwnProduct> {
+fn mapped_rows(
+    g: &Gpu,
+    dtype: DType,
+    (sa, la): (&CudaStorage, &Layout),
+    (sb, lb): (&CudaStorage, &Layout),
+    rest: &Rest,
+) -> Option<OwnProduct> {
     if la.rank() != 3 || la.strides[2] != 1 || la.strides[0] % 4 != 0 {
         return None;
     }

@@ -472,7 +472,13 @@ fn reduce_into(g: &Arc<Gpu>, op: ReduceOp, s: &CudaStorage, l: &Layout, dims: &[
 /// kernels read each input where it lies when its rows can be addressed as `Mat` (a head cut
 /// from a fused projection) and write where `Mat` says; otherwise, and for the FMA kernels, an
 /// input is first copied dense, and an output copied into place after.
-fn attention(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], (scale, causal): (f64, bool), backward: bool, heads_last: bool) -> Result<CudaStorage> {
+fn attention(
+    g: &Arc<Gpu>,
+    x: &[(&CudaStorage, &Layout)],
+    (scale, causal): (f64, bool),
+    backward: bool,
+    heads_last: bool,
+) -> Result<CudaStorage> {
     use super::codegen::{flash_supported, ATTN_MAX_D};
     let (s0, l0) = x[0];
     let r = l0.rank();
@@ -489,25 +495,20 @@ fn attention(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], (scale, causal): (f64,
     if len == 0 {
         return Ok(out);
     }
-    let flash = flash_supported(dtype, d);
-    let mut copies: Vec<Dense> = Vec::new();
-    let mut ins: Vec<(u64, Mat)> = Vec::new();
-    for &(s, l) in x {
-        match Mat::of(l, (t, d), super::codegen::flash_vec(dtype)).filter(|_| flash) {
-            Some(m) => ins.push((s.buf.ptr + (l.offset * s.dtype.size_in_bytes()) as u64, m)),
-            None => {
-                let c = dense(g, s, l)?;
-                ins.push((c.get().buf.ptr, Mat::dense(t, d)));
-                copies.push(c);
-            }
-        }
-    }
     let heads = crate::op::attention_heads(&l0.shape);
+    // The heads last: matrix b*H + h's row i at b T H D + i H D + h D.
+    let last = Mat { b: (t * heads * d) as i64, h: d as i64, t: (heads * d) as i64, nh: heads as i64 };
+    let mout = if heads_last { last } else { Mat::dense(t, d) };
+    if !backward && t <= super::codegen::ATTN_SHORT_MAX_T {
+        let (ins, _copies) = attention_inputs(g, x, (t, d), Some(1))?;
+        attention_short(g, out.buf.ptr, mout, &ins, (n, t, d), dtype, (scale, causal))?;
+        return Ok(out);
+    }
+    let flash = flash_supported(dtype, d);
+    let (ins, copies) = attention_inputs(g, x, (t, d), flash.then(|| super::codegen::flash_vec(dtype)))?;
     if !backward {
-        // The heads last: matrix b*H + h's row i at b T H D + i H D + h D.
-        let last = Mat { b: (t * heads * d) as i64, h: d as i64, t: (heads * d) as i64, nh: heads as i64 };
         if !heads_last || flash {
-            attention_kernels(g, &[out.buf.ptr], if heads_last { last } else { Mat::dense(t, d) }, &ins, (n, t, d), dtype, scale, causal)?;
+            attention_kernels(g, &[out.buf.ptr], mout, &ins, (n, t, d), dtype, scale, causal)?;
             return Ok(out);
         }
         attention_kernels(g, &[out.buf.ptr], Mat::dense(t, d), &ins, (n, t, d), dtype, scale, causal)?;
@@ -539,6 +540,52 @@ fn attention(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], (scale, causal): (f64,
     let packed_out = dense_copy(g, &out, &l);
     drop(copies);
     packed_out
+}
+
+/// Each attention input as a pointer to its first element and its `Mat` where its rows can be
+/// addressed so with `vec`-element alignment (`None`: never), else a dense copy (kept alive in
+/// the second list).
+fn attention_inputs<'a>(
+    g: &Arc<Gpu>,
+    x: &[(&'a CudaStorage, &Layout)],
+    (t, d): (usize, usize),
+    vec: Option<usize>,
+) -> Result<(Vec<(u64, Mat)>, Vec<Dense<'a>>)> {
+    let mut copies: Vec<Dense> = Vec::new();
+    let mut ins: Vec<(u64, Mat)> = Vec::new();
+    for &(s, l) in x {
+        match vec.and_then(|v| Mat::of(l, (t, d), v)) {
+            Some(m) => ins.push((s.ptr_at(l.offset), m)),
+            None => {
+                let c = dense(g, s, l)?;
+                ins.push((c.get().buf.ptr, Mat::dense(t, d)));
+                copies.push(c);
+            }
+        }
+    }
+    Ok((ins, copies))
+}
+
+/// `codegen::attention_short_source`'s forward: a block per matrix, `ins` q, k, v.
+fn attention_short(
+    g: &Arc<Gpu>,
+    out: u64,
+    mout: Mat,
+    ins: &[(u64, Mat)],
+    (n, t, d): (usize, usize, usize),
+    dtype: DType,
+    (scale, causal): (f64, bool),
+) -> Result<()> {
+    let k = g.kernel(super::spec_key("attn_short", &(dtype, d, causal)), || super::codegen::attention_short_source(dtype, d, causal))?;
+    let ([mut q, mut kp, mut v], [mut mq, mut mk, mut mv]) = ([ins[0].0, ins[1].0, ins[2].0], [ins[0].1, ins[1].1, ins[2].1]);
+    let (mut o, mut mo, mut tt, mut sc) = (out, mout, t as i64, scale as f32);
+    let mut params = kernel_params![o, q, kp, v, mq, mk, mv, mo, tt, sc];
+    let smem = (2 * t * (d + 1) * 4) as u32;
+    // SAFETY: (o, q, k, v, mq, mk, mv, mo, T, scale) matches the generated signature; each Mat
+    // addresses n matrices of T rows of D elements inside its buffer (the output's `mout`
+    // inside the n T D output), a block per matrix, K and V's T (D + 1) floats each in shared
+    // memory (at most 33 KiB: T <= 32, D <= 128).
+    unsafe { g.launch(k, (n as u32, 1), 128, smem, &mut params) }
 }
 
 /// Where the rows of one `[T, D]` matrix of an attention batch lie (`codegen::flash_source`'s

@@ -398,9 +398,11 @@ mod tests {
 
     #[test]
     fn names_say_layout_and_epilogue() {
-        let spec = Spec { ta: false, tb: true, bias: true, keep: true, act: Some(UnaryOp::GeluTanh), dact: None, residual: false, map_a: false };
+        let spec =
+            Spec { ta: false, tb: true, bias: true, keep: true, act: Some(UnaryOp::GeluTanh), dact: None, residual: false, map_a: false };
         assert_eq!(spec.name(), "k_gemm_tf32x3_nt_bias_keep_gelutanh");
-        let spec = Spec { ta: true, tb: false, bias: false, keep: false, act: None, dact: Some(UnaryOp::Step), residual: false, map_a: true };
+        let spec =
+            Spec { ta: true, tb: false, bias: false, keep: false, act: None, dact: Some(UnaryOp::Step), residual: false, map_a: true };
         assert_eq!(spec.name(), "k_gemm_tf32x3_tn_dstep_rowmap");
         let spec = Spec { ta: false, tb: true, bias: true, keep: false, act: None, dact: None, residual: true, map_a: true };
         assert_eq!(spec.name(), "k_gemm_tf32x3_nt_bias_residual_rowmap");
