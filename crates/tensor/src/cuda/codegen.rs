@@ -2060,14 +2060,14 @@ fn flash_frags_16(dtype: DType) -> String {
 pub const ATTN_SHORT_MAX_T: usize = 32;
 
 /// The forward of attention over short sequences (T at most `ATTN_SHORT_MAX_T`, any head
-/// dim up to `ATTN_MAX_D`) in FP32 on the CUDA cores: a block of four warps per matrix (a
-/// head of a batch item), K and V in shared memory (rows padded a float, so that lanes reading
-/// one column of K hit 32 banks), each warp a query row at a time: lane `j` scores key `j`, the
-/// warp's shuffles take the softmax, and the lanes sum the output's columns. The tensor-core
-/// kernels' 64-row tiles would be mostly padding (a 10-token sequence took 7.3 us there). Inputs
-/// and the output are addressed through `Mat` (heads cut from a fused projection; the output
-/// with the heads last). Kernel `k_attn_short_{dtype}_d{d}[_causal](o, q, k, v, mq, mk, mv,
-/// mo, T, scale)`, dynamic shared memory `2 * T * (D + 1)` floats.
+/// dim up to `ATTN_MAX_D`) in FP32 on the CUDA cores: a block per matrix (a head of a batch
+/// item) with a warp per query row, q, k and v in shared memory (k's rows padded a float, so
+/// that lanes reading one column of it hit 32 banks); lane `j` scores key `j`, the warp's
+/// shuffles take the softmax, and the lanes sum the output's columns. The tensor-core kernels'
+/// 64-row tiles would be mostly padding (a 10-token sequence took 7.3 us there). Inputs and the
+/// output are addressed through `Mat` (heads cut from a fused projection; the output with the
+/// heads last). Kernel `k_attn_short_{dtype}_d{d}[_causal](o, q, k, v, mq, mk, mv, mo, T,
+/// scale)`, 32 T threads, `attention_short_smem(T, D)` bytes of dynamic shared memory.
 pub fn attention_short_source(dtype: DType, d: usize, causal: bool) -> (String, String) {
     let t = storage_type(dtype);
     let name = format!("k_attn_short_{}_d{d}{}", format!("{dtype:?}").to_lowercase(), if causal { "_causal" } else { "" });
@@ -2075,52 +2075,62 @@ pub fn attention_short_source(dtype: DType, d: usize, causal: bool) -> (String, 
     s += "struct Mat { long long b, h, t, nh; };\n";
     s += "__device__ __forceinline__ long long mat_base(Mat m) { const long long n = blockIdx.x; return (n / m.nh) * m.b + (n % m.nh) * m.h; }\n";
     s += &format!(
-        "extern \"C\" __global__ void __launch_bounds__(128) {name}(T* __restrict__ o, const T* __restrict__ q, const T* __restrict__ k, \
-         const T* __restrict__ v, Mat mq, Mat mk, Mat mv, Mat mo, long long Tn, float scale) {{\n"
+        "extern \"C\" __global__ void __launch_bounds__({}) {name}(T* __restrict__ o, const T* __restrict__ q, const T* __restrict__ k, \
+         const T* __restrict__ v, Mat mq, Mat mk, Mat mv, Mat mo, long long Tn, float scale) {{\n",
+        32 * ATTN_SHORT_MAX_T
     );
-    s += r#"  extern __shared__ float kv[];
-  float* ks = kv;
-  float* vs = kv + Tn * (D + 1);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, tn = (int)Tn;
+    s += r#"  extern __shared__ float sm[];
+  const int tn = (int)Tn, row = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* qs = sm;
+  float* ks = qs + tn * D;
+  float* vs = ks + tn * (D + 1);
   q += mat_base(mq); k += mat_base(mk); v += mat_base(mv); o += mat_base(mo);
-  for (int i = threadIdx.x; i < tn * D; i += 128) {
+  for (int i = threadIdx.x; i < tn * D; i += blockDim.x) {
     const int r = i / D, c = i % D;
+    qs[i] = ld(q[r * mq.t + c]);
     ks[r * (D + 1) + c] = ld(k[r * mk.t + c]);
-    vs[r * (D + 1) + c] = ld(v[r * mv.t + c]);
+    vs[i] = ld(v[r * mv.t + c]);
   }
   __syncthreads();
-  for (int row = warp; row < tn; row += 4) {
-    // Lane j's score against key j (the query's values broadcast from the same address).
-    const T* qr = q + row * mq.t;
-    const bool live = lane < tn && !(CAUSAL && lane > row);
-    float sc = 0.f;
-    if (lane < tn) {
-#pragma unroll 8
-      for (int c = 0; c < D; ++c) sc = fmaf(ld(qr[c]), ks[lane * (D + 1) + c], sc);
-    }
-    sc = live ? sc * scale : __int_as_float(0xff800000);
-    float mx = sc;
+  // Lane j's score against key j (the query's values broadcast from one address).
+  const bool live = lane < tn && !(CAUSAL && lane > row);
+  float sc = 0.f;
+  if (lane < tn) {
+    const float* qr = qs + row * D;
+    const float* kr = ks + lane * (D + 1);
+    float part[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int w = 16; w > 0; w >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, w));
-    const float p = live ? expf(sc - mx) : 0.f;
-    float sum = p;
+    for (int c = 0; c < D; ++c) part[c % 4] = fmaf(qr[c], kr[c], part[c % 4]);
+    sc = (part[0] + part[1]) + (part[2] + part[3]);
+  }
+  sc = live ? sc * scale : __int_as_float(0xff800000);
+  float mx = sc;
 #pragma unroll
-    for (int w = 16; w > 0; w >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, w);
-    const float inv = 1.f / sum;
-    // (Every lane shuffles, also past D.)
-    for (int c0 = 0; c0 < D; c0 += 32) {
-      const int c = c0 + lane;
-      float acc = 0.f;
-      for (int j = 0; j < tn; ++j) {
-        const float pj = __shfl_sync(0xffffffffu, p, j);
-        if (c < D) acc = fmaf(pj, vs[j * (D + 1) + c], acc);
-      }
-      if (c < D) st(&o[row * mo.t + c], acc * inv);
+  for (int w = 16; w > 0; w >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, w));
+  const float p = live ? expf(sc - mx) : 0.f;
+  float sum = p;
+#pragma unroll
+  for (int w = 16; w > 0; w >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, w);
+  const float inv = 1.f / sum;
+  // (Every lane shuffles, also past D.)
+#pragma unroll
+  for (int c0 = 0; c0 < D; c0 += 32) {
+    const int c = c0 + lane;
+    float acc = 0.f;
+    for (int j = 0; j < tn; ++j) {
+      const float pj = __shfl_sync(0xffffffffu, p, j);
+      if (c < D) acc = fmaf(pj, vs[j * D + c], acc);
     }
+    if (c < D) st(&o[row * mo.t + c], acc * inv);
   }
 }
 "#;
     (s, name)
+}
+
+/// Dynamic shared memory of `attention_short_source`'s kernel: q and v `[T, D]`, k `[T, D + 1]`.
+pub fn attention_short_smem(t: usize, d: usize) -> usize {
+    4 * (2 * t * d + t * (d + 1))
 }
 
 /// `tf32(x)`: `x` rounded to TF32 (its bits as a u32), the big part of the three-TF32 split

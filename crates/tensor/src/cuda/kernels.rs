@@ -576,16 +576,18 @@ fn attention_short(
     dtype: DType,
     (scale, causal): (f64, bool),
 ) -> Result<()> {
-    let k = g.kernel(super::spec_key("attn_short", &(dtype, d, causal)), || super::codegen::attention_short_source(dtype, d, causal))?;
+    use super::codegen::{attention_short_smem, attention_short_source, ATTN_SHORT_MAX_T};
+    let most = attention_short_smem(ATTN_SHORT_MAX_T, d) as u32;
+    let k = g.kernel_shared(super::spec_key("attn_short", &(dtype, d, causal)), most, || attention_short_source(dtype, d, causal))?;
     let ([mut q, mut kp, mut v], [mut mq, mut mk, mut mv]) = ([ins[0].0, ins[1].0, ins[2].0], [ins[0].1, ins[1].1, ins[2].1]);
     let (mut o, mut mo, mut tt, mut sc) = (out, mout, t as i64, scale as f32);
     let mut params = kernel_params![o, q, kp, v, mq, mk, mv, mo, tt, sc];
-    let smem = (2 * t * (d + 1) * 4) as u32;
+    let smem = attention_short_smem(t, d) as u32;
     // SAFETY: (o, q, k, v, mq, mk, mv, mo, T, scale) matches the generated signature; each Mat
     // addresses n matrices of T rows of D elements inside its buffer (the output's `mout`
-    // inside the n T D output), a block per matrix, K and V's T (D + 1) floats each in shared
-    // memory (at most 33 KiB: T <= 32, D <= 128).
-    unsafe { g.launch(k, (n as u32, 1), 128, smem, &mut params) }
+    // inside the n T D output), a block per matrix and a warp per row (T <= 32), with the
+    // shared memory the kernel asks for (its limit raised to T = 32's when loaded).
+    unsafe { g.launch(k, (n as u32, 1), 32 * t as u32, smem, &mut params) }
 }
 
 /// Where the rows of one `[T, D]` matrix of an attention batch lie (`codegen::flash_source`'s
