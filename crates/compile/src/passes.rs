@@ -662,8 +662,8 @@ pub fn attention_heads_last(g: &Graph, gpu: bool) -> Graph {
     g.outputs.iter().for_each(|a| reads[a.node].push((usize::MAX, &a.layout)));
     let mut alias: Vec<Option<(NodeId, usize)>> = vec![None; n];
     let mut moved: Vec<Option<Layout>> = vec![None; n];
-    for i in 0..n {
-        let Kind::Op(Op::Contiguous, args) = &g.nodes[i].kind else { continue };
+    for (i, node) in g.nodes.iter().enumerate() {
+        let Kind::Op(Op::Contiguous, args) = &node.kind else { continue };
         let a = args[0].node;
         let Kind::Op(Op::Attention { scale, causal, heads_last: false }, qkv) = &g.nodes[a].kind else { continue };
         let &[b, h, t, d] = &g.nodes[a].shape[..] else { continue };

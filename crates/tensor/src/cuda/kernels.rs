@@ -542,6 +542,9 @@ fn attention(
     packed_out
 }
 
+/// Attention inputs as the kernels take them (`attention_inputs`), and the copies they read.
+type AttnInputs<'a> = (Vec<(u64, Mat)>, Vec<Dense<'a>>);
+
 /// Each attention input as a pointer to its first element and its `Mat` where its rows can be
 /// addressed so with `vec`-element alignment (`None`: never), else a dense copy (kept alive in
 /// the second list).
@@ -550,7 +553,7 @@ fn attention_inputs<'a>(
     x: &[(&'a CudaStorage, &Layout)],
     (t, d): (usize, usize),
     vec: Option<usize>,
-) -> Result<(Vec<(u64, Mat)>, Vec<Dense<'a>>)> {
+) -> Result<AttnInputs<'a>> {
     let mut copies: Vec<Dense> = Vec::new();
     let mut ins: Vec<(u64, Mat)> = Vec::new();
     for &(s, l) in x {
