@@ -396,6 +396,14 @@ mod tests {
         assert_eq!(splits(16384, 1536, 384, 132), (1, 384));
     }
 
+    /// `cluster_fold`'s tile (rows of `BN + 8` floats, `FOLD_LD`) fits in the stages it reuses.
+    #[test]
+    fn the_fold_tile_fits_in_the_stages() {
+        let spec = Spec { ta: false, tb: true, bias: false, keep: false, act: None, dact: None, residual: false, map_a: false };
+        assert!(BM * (BN + 8) * 4 <= spec.shared_bytes() - 1024);
+        assert!(spec.source().0.contains("#define FOLD_LD (BN + 8)"));
+    }
+
     #[test]
     fn names_say_layout_and_epilogue() {
         let spec =
