@@ -266,9 +266,12 @@ pub fn fuse_matmuls(g: &Graph, gpu: bool) -> Graph {
                 let residual = |x: &Arg, y: &Arg| -> Option<(NodeId, Vec<Arg>)> {
                     let (p, node) = (x.node, &out.nodes[i]);
                     let Kind::Op(Op::Matmul, margs) = &out.nodes[p].kind else { return None };
+                    // (The product's operands are read at i now, later than at p: none may be a
+                    // buffer written in place in between.)
                     let alone = uses[p] == 1 && !written.contains(&p) && !bases.contains(&p) && y.node != p;
+                    let stable = margs.iter().all(|a| !bases.contains(&a.node));
                     let same = out.nodes[p].dtype == node.dtype && out.nodes[y.node].dtype == node.dtype && y.layout.shape == node.shape;
-                    let perm = read_permutation(&x.layout, &out.nodes[p].shape).filter(|_| alone && same)?;
+                    let perm = read_permutation(&x.layout, &out.nodes[p].shape).filter(|_| alone && same && stable)?;
                     let mut fused = permuted_operands(&margs[..2], &perm)?;
                     fused.push(y.clone());
                     fused.extend(margs.get(2).cloned());
@@ -770,6 +773,13 @@ mod tests {
             assert_eq!(ops(&dce(&fuse_matmuls(&g, false))), ["matmul", "add"]);
             assert_eq!(ops(&dce(&fuse_matmuls(&residual_add(permute, true).0, true))), ["matmul", "add"]);
         }
+        // An operand written in place after the product keeps the add apart (the fused read
+        // would come after the write).
+        let (mut g, _) = residual_add(false, false);
+        let value = g.push(Kind::Input(4), vec![4, 8], DType::F32);
+        let at = Layout { shape: vec![4, 8], strides: vec![8, 1], offset: 0 };
+        g.push(Kind::WriteView { base: 0, layout: at, value: whole(&g, value) }, vec![3, 4, 8], DType::F32);
+        assert_eq!(ops(&fuse_matmuls(&g, true)), ["matmul", "add"]);
         // The rows and the batch swapped, and a view that moves the columns.
         let rows = Layout { shape: vec![4, 3, 8], strides: vec![8, 32, 1], offset: 0 };
         assert_eq!(read_permutation(&rows, &[3, 4, 8]), Some(vec![1, 0, 2]));
