@@ -6,20 +6,31 @@ use crate::graph::{Arg, Graph, Kind, NodeId};
 use kiln_tensor::{BinaryOp, DType, Layout, MatmulEpilogue, Op, ReduceOp, UnaryOp};
 use std::collections::HashMap;
 
-/// Rewrites every argument through `map` (old node -> new argument source).
-fn remap(g: &mut Graph, map: &[NodeId]) {
-    let fix = |a: &mut Arg| a.node = map[a.node];
+/// Calls `f` on every argument that reads a node's values: ops' arguments, written values and
+/// the step's outputs (not the bases written into, nor state writes).
+fn each_read(g: &mut Graph, mut f: impl FnMut(&mut Arg)) {
     for n in &mut g.nodes {
         match &mut n.kind {
-            Kind::Op(_, args) => args.iter_mut().for_each(fix),
-            Kind::WriteView { base, value, .. } => {
-                *base = map[*base];
-                fix(value);
-            }
+            Kind::Op(_, args) => args.iter_mut().for_each(&mut f),
+            Kind::WriteView { value, .. } => f(value),
             Kind::Input(_) | Kind::State(_) | Kind::Rand { .. } => {}
         }
     }
-    g.outputs.iter_mut().for_each(fix);
+    g.outputs.iter_mut().for_each(f);
+}
+
+/// Each base written into in place.
+fn bases_mut(g: &mut Graph) -> impl Iterator<Item = &mut NodeId> {
+    g.nodes.iter_mut().filter_map(|n| match &mut n.kind {
+        Kind::WriteView { base, .. } => Some(base),
+        _ => None,
+    })
+}
+
+/// Rewrites every argument through `map` (old node -> new argument source).
+fn remap(g: &mut Graph, map: &[NodeId]) {
+    each_read(g, |a| a.node = map[a.node]);
+    bases_mut(g).for_each(|b| *b = map[*b]);
     g.writes.iter_mut().for_each(|w| w.1 = map[w.1]);
 }
 
@@ -387,17 +398,9 @@ fn permuted_operands(ab: &[Arg], perm: &[usize]) -> Option<Vec<Arg>> {
         return None;
     }
     let permute = |a: &Arg| -> Option<Arg> {
-        let l = &a.layout;
-        match l.rank() {
+        match a.layout.rank() {
             2 if r > 2 => Some(a.clone()),
-            n if n == r => {
-                let layout = Layout {
-                    shape: perm.iter().map(|&e| l.shape[e]).collect(),
-                    strides: perm.iter().map(|&e| l.strides[e]).collect(),
-                    offset: l.offset,
-                };
-                Some(Arg { node: a.node, layout })
-            }
+            n if n == r => Some(Arg { node: a.node, layout: a.layout.permuted(perm) }),
             _ => None,
         }
     };
@@ -408,25 +411,17 @@ fn permuted_operands(ab: &[Arg], perm: &[usize]) -> Option<Vec<Arg>> {
 /// elements further on. No fused node is a base written into in place (the passes check): only
 /// a product's DGELU output (offset 0) can stand for one.
 fn redirect(out: &mut Graph, alias: &[Option<(NodeId, usize)>]) {
-    let fix = |a: &mut Arg| {
+    each_read(out, |a| {
         if let Some((node, offset)) = alias[a.node] {
             a.node = node;
             a.layout.offset += offset;
         }
-    };
-    for n in &mut out.nodes {
-        match &mut n.kind {
-            Kind::Op(_, args) => args.iter_mut().for_each(fix),
-            Kind::WriteView { base, value, .. } => {
-                if let Some((node, 0)) = alias[*base] {
-                    *base = node;
-                }
-                fix(value)
-            }
-            Kind::Input(_) | Kind::State(_) | Kind::Rand { .. } => {}
+    });
+    for base in bases_mut(out) {
+        if let Some((node, 0)) = alias[*base] {
+            *base = node;
         }
     }
-    out.outputs.iter_mut().for_each(fix);
 }
 
 /// The most logits, and the longest row, that a fused mean cross-entropy takes. Its kernel
@@ -644,15 +639,7 @@ pub fn attention_heads_last(g: &Graph, gpu: bool) -> Graph {
         return out;
     }
     let n = g.nodes.len();
-    let kept: Vec<NodeId> = g
-        .writes
-        .iter()
-        .map(|w| w.1)
-        .chain(g.nodes.iter().filter_map(|x| match x.kind {
-            Kind::WriteView { base, .. } => Some(base),
-            _ => None,
-        }))
-        .collect();
+    let (pinned, _) = pinned_and_escaping(g);
     // Every read of each node: (reader, layout); usize::MAX for outputs and writes.
     let mut reads: Vec<Vec<(usize, &Layout)>> = vec![Vec::new(); n];
     for (i, x) in g.nodes.iter().enumerate() {
@@ -670,30 +657,24 @@ pub fn attention_heads_last(g: &Graph, gpu: bool) -> Graph {
         let a = args[0].node;
         let Kind::Op(Op::Attention { scale, causal, heads_last: false }, qkv) = &g.nodes[a].kind else { continue };
         let &[b, h, t, d] = &g.nodes[a].shape[..] else { continue };
-        let heads_after_t = Layout { shape: vec![b, t, h, d], strides: vec![h * t * d, d, t * d, 1], offset: 0 };
+        // Swapping H and T either way: the copy's view of the old buffer, and the old
+        // readers' view of the new one.
+        const SWAP: [usize; 4] = [0, 2, 1, 3];
         let whole = Layout::contiguous(&g.nodes[a].shape);
         let others_whole = reads[a].iter().all(|&(r, l)| r == i || *l == whole);
-        if args[0].layout != heads_after_t || !others_whole || moved[a].is_some() || kept.contains(&a) || kept.contains(&i) {
+        if args[0].layout != whole.permuted(&SWAP) || !others_whole || moved[a].is_some() || pinned[a] || pinned[i] {
             continue;
         }
         out.nodes[a].kind = Kind::Op(Op::Attention { scale: *scale, causal: *causal, heads_last: true }, qkv.clone());
         out.nodes[a].shape = vec![b, t, h, d];
-        moved[a] = Some(Layout { shape: vec![b, h, t, d], strides: vec![h * t * d, d, h * d, 1], offset: 0 });
+        moved[a] = Some(Layout::contiguous(&out.nodes[a].shape).permuted(&SWAP));
         alias[i] = Some((a, 0));
     }
-    let fix = |x: &mut Arg| {
+    each_read(&mut out, |x| {
         if let Some(l) = &moved[x.node] {
             x.layout = l.clone();
         }
-    };
-    for x in &mut out.nodes {
-        match &mut x.kind {
-            Kind::Op(_, args) => args.iter_mut().for_each(fix),
-            Kind::WriteView { value, .. } => fix(value),
-            Kind::Input(_) | Kind::State(_) | Kind::Rand { .. } => {}
-        }
-    }
-    out.outputs.iter_mut().for_each(fix);
+    });
     redirect(&mut out, &alias);
     dce(&out)
 }

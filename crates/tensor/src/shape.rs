@@ -38,6 +38,15 @@ impl Layout {
         let pad = shape.len() - self.rank();
         (0..shape.len()).map(|i| if i < pad || self.shape[i - pad] == 1 { 0 } else { self.strides[i - pad] }).collect()
     }
+    /// The same memory with its dims reordered: dim `d` of the result is dim `perm[d]` of this
+    /// one (as torch.permute; `perm` a permutation of `0..rank`).
+    pub fn permuted(&self, perm: &[usize]) -> Layout {
+        Layout {
+            shape: perm.iter().map(|&p| self.shape[p]).collect(),
+            strides: perm.iter().map(|&p| self.strides[p]).collect(),
+            offset: self.offset,
+        }
+    }
     /// The layout of a reshape without copying, if the strides allow it (as torch.view).
     pub fn reshaped(&self, shape: &[usize]) -> Option<Layout> {
         if self.is_contiguous() {

@@ -511,11 +511,7 @@ fn view_layout(op: &Op, inputs: &[&Tensor]) -> Option<Layout> {
     match op {
         Op::Reshape(shape) if *shape == l.shape => Some(l.clone()),
         Op::Reshape(shape) => l.reshaped(shape),
-        Op::Permute(perm) => Some(Layout {
-            shape: perm.iter().map(|&p| l.shape[p]).collect(),
-            strides: perm.iter().map(|&p| l.strides[p]).collect(),
-            offset: l.offset,
-        }),
+        Op::Permute(perm) => Some(l.permuted(perm)),
         Op::Narrow { dim, start, len } => {
             let mut out = l.clone();
             out.offset += start * l.strides[*dim];

@@ -362,8 +362,7 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             let (b, h, t, d) = (ins[0].1.shape[0], ins[0].1.shape[1], ins[0].1.shape[2], ins[0].1.shape[3]);
             let plain = OutMeta { shape: vec![b, h, t, d], dtype: meta.dtype };
             let out = run(&Op::Attention { scale: *scale, causal: *causal, heads_last: false }, ins, &plain)?;
-            let moved = Layout { shape: meta.shape.clone(), strides: vec![h * t * d, d, t * d, 1], offset: 0 };
-            run(&Op::Contiguous, &[(&out, &moved)], meta)?
+            run(&Op::Contiguous, &[(&out, &Layout::contiguous(&plain.shape).permuted(&[0, 2, 1, 3]))], meta)?
         }
         Op::Attention { scale, causal, heads_last: false } | Op::AttentionBackward { scale, causal } => {
             let (s0, l0) = ins[0];

@@ -273,7 +273,7 @@ pub fn matmul_fused(
                     (None, Some((_, (s, l)))) => aux_rows(l, m, n).map(|(at, ld)| (s.ptr_at(at), ld)),
                     _ => None,
                 };
-                let residual = rest.residual.and_then(|(s, l)| l.reshaped(&[m, n]).map(|v| s.ptr_at(v.offset)));
+                let residual = rest.residual.and_then(|(s, l)| aux_rows(l, m, n).map(|(at, _)| s.ptr_at(at)));
                 super::kernels::matmul_wgmma(g, spec, (a.0, a.1, a_rows), b, (bias, aux, residual), &out)?
             }
             Own::Thin => {
@@ -488,7 +488,8 @@ fn mapped_rows(
     (!spec.ta).then_some(OwnProduct { kind: Own::Hopper(spec, turn_b), a, b: b2 })
 }
 
-/// An activation input `[.., m, n]` as rows of `n` with unit stride: (offset, row stride).
+/// An activation input or residual `[.., m, n]` as rows of `n` with unit stride: (offset, row
+/// stride).
 fn aux_rows(l: &Layout, m: usize, n: usize) -> Option<(usize, usize)> {
     let v = l.reshaped(&[m, n])?;
     (v.strides[1] == 1 || n == 1).then_some((v.offset, v.strides[0]))
@@ -587,7 +588,7 @@ fn hopper_spec(
     };
     // The residual as dense rows of the output's.
     let residual = match rest.residual {
-        Some((_, l)) if l.reshaped(&[m, n]).is_none_or(|v| v.strides != [n, 1]) => return None,
+        Some((_, l)) if aux_rows(l, m, n).is_none_or(|(_, ld)| ld != n) => return None,
         r => r.is_some(),
     };
     let spec = super::wgmma::Spec { ta, tb, bias, keep: rest.gelu.is_some(), act, dact, residual, map_a: false };

@@ -512,8 +512,7 @@ fn attention(
             return Ok(out);
         }
         attention_kernels(g, &[out.buf.ptr], Mat::dense(t, d), &ins, (n, t, d), dtype, scale, causal)?;
-        let moved = Layout { shape: vec![n / heads, t, heads, d], strides: vec![heads * t * d, d, t * d, 1], offset: 0 };
-        return dense_copy(g, &out, &moved);
+        return dense_copy(g, &out, &Layout::contiguous(&[n / heads, heads, t, d]).permuted(&[0, 2, 1, 3]));
     }
     // The gradients, packed as `[B, T, 3, H.., D]` (`op::attention_grads_shape`): batch matrix
     // b*H + h of dq starts at b T 3 H D + h D, its rows 3 H D apart; dk and dv follow dq.
@@ -1509,8 +1508,9 @@ pub(super) fn matmul_wgmma(
     // SAFETY: (a, b, c, bias, aux, residual, GArgs) matches the generated signature; the views
     // lie inside their buffers with the strides given (the caller's checks; with `a_rows`,
     // every row the map names), `out` and the residual hold m x n values, bias n, aux m rows of
-    // ldx (each read or written only when the spec says so); a block per 128 x 128 tile and part of the contraction,
-    // with the shared memory the spec asks for, a tile's parts one cluster (at most 8).
+    // ldx (each read or written only when the spec says so); a block per 128 x 128 tile and
+    // part of the contraction, with the shared memory the spec asks for, a tile's parts one
+    // cluster (at most 8).
     unsafe {
         match splits {
             1 => g.launch3(gemm, grid, THREADS as u32, shared, &mut params),
