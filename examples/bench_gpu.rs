@@ -86,20 +86,33 @@ fn gemm_f32(dev: Device, steps: usize) -> Result<()> {
             }
         };
         let (a, b) = (t(m, k, layout.starts_with('t'), 11)?, t(k, n, layout.ends_with('t'), 12)?);
-        let mut us = [0.0; 2];
+        // ||c - c64|| / ||c64|| against the F64 product of the same operands.
+        let want = a.to_dtype(DType::F64)?.matmul(&b.to_dtype(DType::F64)?)?.to_vec_f64()?;
+        let error = |c: &Tensor| -> Result<f64> {
+            let (mut num, mut den) = (0.0, 0.0);
+            for (x, y) in c.to_vec_f64()?.iter().zip(&want) {
+                num += (x - y) * (x - y);
+                den += y * y;
+            }
+            Ok((num / den).sqrt())
+        };
+        let (mut us, mut err) = ([0.0; 2], [0.0; 2]);
         for (i, choice) in [F32Gemm::Cublas, F32Gemm::Kiln].into_iter().enumerate() {
             set_f32_gemm(choice);
             us[i] = median_ms(dev, 2, steps.min(20), || (0..20).try_for_each(|_| a.matmul(&b).map(|_| ())))? * 1e3 / 20.0;
+            err[i] = error(&a.matmul(&b)?)?;
         }
         set_f32_gemm(F32Gemm::Auto);
         let tflops = |us: f64| 2.0 * (m * n * k) as f64 / us / 1e6;
         println!(
-            "{{\"workload\": \"gemm_f32\", \"shape\": \"{m}x{k}x{n} {layout}\", \"cublas_us\": {:.1}, \"kiln_us\": {:.1}, \"cublas_tflops\": {:.1}, \"kiln_tflops\": {:.1}, \"speedup\": {:.2}}}",
+            "{{\"workload\": \"gemm_f32\", \"shape\": \"{m}x{k}x{n} {layout}\", \"cublas_us\": {:.1}, \"kiln_us\": {:.1}, \"cublas_tflops\": {:.1}, \"kiln_tflops\": {:.1}, \"speedup\": {:.2}, \"cublas_err\": {:.1e}, \"kiln_err\": {:.1e}}}",
             us[0],
             us[1],
             tflops(us[0]),
             tflops(us[1]),
-            us[0] / us[1]
+            us[0] / us[1],
+            err[0],
+            err[1]
         );
     }
     Ok(())

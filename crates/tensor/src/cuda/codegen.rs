@@ -2134,7 +2134,8 @@ pub fn attention_short_smem(t: usize, d: usize) -> usize {
 }
 
 /// `tf32(x)`: `x` rounded to TF32 (its bits as a u32), the big part of the three-TF32 split
-/// that the F32 flash kernels and `wgmma.rs`'s GEMM use (the small part is `tf32(x - big)`).
+/// that the F32 flash kernels use (the small part is `tf32(x - big)`; `wgmma.rs`'s GEMM splits
+/// with two integer ops instead, `tf32_big`).
 pub const TF32: &str =
     "__device__ __forceinline__ unsigned tf32(float x) { unsigned r; asm(\"cvt.rna.tf32.f32 %0, %1;\" : \"=r\"(r) : \"f\"(x)); return r; }\n";
 
