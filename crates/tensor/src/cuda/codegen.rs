@@ -2133,11 +2133,17 @@ pub fn attention_short_smem(t: usize, d: usize) -> usize {
     4 * (2 * t * d + t * (d + 1))
 }
 
-/// `tf32(x)`: `x` rounded to TF32 (its bits as a u32), the big part of the three-TF32 split
-/// that the F32 flash kernels use (the small part is `tf32(x - big)`; `wgmma.rs`'s GEMM splits
-/// with two integer ops instead, `tf32_big`).
-pub const TF32: &str =
-    "__device__ __forceinline__ unsigned tf32(float x) { unsigned r; asm(\"cvt.rna.tf32.f32 %0, %1;\" : \"=r\"(r) : \"f\"(x)); return r; }\n";
+/// The three-TF32 split of an F32 `x` (`x = big + small`) that the F32 flash kernels and
+/// `wgmma.rs`'s GEMM use, as TF32 operands' bits. `tf32_big(x)`: `x` rounded to TF32 by adding
+/// half a TF32 ulp to its bits and clearing the 13 bits TF32 lacks (two integer ops, where
+/// `cvt.rna` takes four with its inf/NaN test; an infinity keeps its bits, a NaN stays one in
+/// the small part). `tf32_small(x, big)`: `x - big`, exact in F32 and passed whole: the tensor
+/// cores read a TF32 operand's top 19 bits and truncate the rest, which costs it 2^-11 of its
+/// own size (2^-23 of x's), as CUTLASS's fast F32 products do. (Measured, session 23: the
+/// GEMM's slice 567 to 404 instructions, 4096^3 81 to 89 TFLOP/s, the same error.)
+pub const TF32: &str = "__device__ __forceinline__ unsigned tf32_big(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
+__device__ __forceinline__ unsigned tf32_small(float x, unsigned big) { return __float_as_uint(x - __uint_as_float(big)); }
+";
 
 /// The F32 MMA and fragments: `m16n8k8` on TF32, three products per step (`x = big + small`,
 /// each part a TF32 value; `a b ~ a_big b_big + a_big b_small + a_small b_big`), which keeps
@@ -2154,14 +2160,14 @@ fn flash_frags_f32() -> String {
     s += TF32;
     s += "__device__ __forceinline__ void split(unsigned* a, float x0, float x1, float x2, float x3) {\n";
     s += "  const float x[4] = {x0, x1, x2, x3};\n";
-    s += "#pragma unroll\n  for (int i = 0; i < 4; ++i) { a[i] = tf32(x[i]); a[i + 4] = tf32(x[i] - __uint_as_float(a[i])); }\n}\n";
+    s += "#pragma unroll\n  for (int i = 0; i < 4; ++i) { a[i] = tf32_big(x[i]); a[i + 4] = tf32_small(x[i], a[i]); }\n}\n";
     s += "__device__ __forceinline__ void mma8(float* c, const unsigned* a, const unsigned* b) {\n";
     s += "  asm volatile(\"mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\"\n";
     s += "    : \"+f\"(c[0]), \"+f\"(c[1]), \"+f\"(c[2]), \"+f\"(c[3]) : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"r\"(b[0]), \"r\"(b[1]));\n}\n";
     // c += a (split) times the B fragment (b0, b1); the small products first.
     s += "__device__ __forceinline__ void mma(float* c, const unsigned* a, float b0, float b1) {\n";
-    s += "  const unsigned big[2] = {tf32(b0), tf32(b1)};\n";
-    s += "  const unsigned small[2] = {tf32(b0 - __uint_as_float(big[0])), tf32(b1 - __uint_as_float(big[1]))};\n";
+    s += "  const unsigned big[2] = {tf32_big(b0), tf32_big(b1)};\n";
+    s += "  const unsigned small[2] = {tf32_small(b0, big[0]), tf32_small(b1, big[1])};\n";
     s += "  mma8(c, a + 4, big);\n  mma8(c, a, small);\n  mma8(c, a, big);\n}\n";
     s += "__device__ __forceinline__ float ldf(const T* p, long long st, long long row, int c, long long Tn) { return row < Tn ? p[row * st + c] : 0.f; }\n";
     // The A fragments (16 rows from r0, all of D) of a [T, D] matrix with row stride st, split.

@@ -7,7 +7,7 @@
 //!
 //! A block of two warpgroups computes a `128 x 128` tile of `c = a @ b` and its epilogue.
 //! Every thread loads its share of a 32-deep slice of A and B into registers (16-byte loads,
-//! whatever the operands' transposes), splits it (`tf32_big`) and stores both parts in shared memory in
+//! whatever the operands' transposes), splits it (`codegen::TF32`) and stores both parts in shared memory in
 //! the K-major, 128-byte-swizzled layout `wgmma` reads (a transposed operand is turned on the
 //! way). Two stages, one barrier a slice: the next slice is stored and the one after loaded
 //! while the tensor cores run this one. The tensor cores' F32 accumulation truncates, so each
@@ -15,7 +15,7 @@
 //! the error stays below SGEMM's (4096^3: 3.1e-7 relative against cuBLAS's 1.2e-6; 2.9e-5
 //! with one accumulator, growing with k).
 
-use super::codegen::PRELUDE;
+use super::codegen::{PRELUDE, TF32};
 use crate::UnaryOp;
 
 /// Rows of a block's tile (two warpgroups of 64).
@@ -103,6 +103,7 @@ impl Spec {
         let mut s = format!("{ARCH_SPECIFIC}{PRELUDE}\ntypedef float C;\n#define K(v) ((C)(v))\n");
         s += &format!("#define BM {BM}\n#define BN {BN}\n#define BK {BK}\n#define STAGES {STAGES}\n");
         s += &format!("#define TA {}\n#define TB {}\n#define MAP_A {}\n", self.ta as u8, self.tb as u8, self.map_a as u8);
+        s += TF32;
         s += BODY;
         s += &mma_fn(BN);
         s += "__device__ __forceinline__ float epilogue(float v, const float* bias, float* aux, const float* res, long long xat, long long cat, int col) {\n";
@@ -167,22 +168,15 @@ __device__ __forceinline__ unsigned long long desc(const unsigned char* p) {
   const unsigned addr = (unsigned)__cvta_generic_to_shared(p);
   return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
-// x's big part: x rounded to TF32 by adding half a TF32 ulp to its bits and clearing the 13
-// bits TF32 lacks (two integer ops, where cvt.rna takes four with its inf/NaN test; an
-// infinity keeps its bits, a NaN stays a NaN in the small part). The small part, x - big, is
-// exact in F32 and stored whole: the tensor cores read a TF32 operand's top 19 bits and
-// truncate the rest, which costs it 2^-11 of its own size (2^-23 of x's).
-__device__ __forceinline__ unsigned tf32_big(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
 __device__ __forceinline__ void split_store(unsigned char* big, unsigned char* small, unsigned off, float x) {
   const unsigned hi = tf32_big(x);
   *(unsigned*)(big + off) = hi;
-  *(float*)(small + off) = x - __uint_as_float(hi);
+  *(unsigned*)(small + off) = tf32_small(x, hi);
 }
 __device__ __forceinline__ void split_store4(unsigned char* big, unsigned char* small, unsigned off, float4 x) {
   const uint4 hi = make_uint4(tf32_big(x.x), tf32_big(x.y), tf32_big(x.z), tf32_big(x.w));
   *(uint4*)(big + off) = hi;
-  *(float4*)(small + off) = make_float4(x.x - __uint_as_float(hi.x), x.y - __uint_as_float(hi.y), x.z - __uint_as_float(hi.z),
-                                        x.w - __uint_as_float(hi.w));
+  *(uint4*)(small + off) = make_uint4(tf32_small(x.x, hi.x), tf32_small(x.y, hi.y), tf32_small(x.z, hi.z), tf32_small(x.w, hi.w));
 }
 
 // One operand's slice: R rows (M for A, N for B) by BK, element (r, k) at p[r * ld + k] when
