@@ -407,6 +407,8 @@ fn products_at_the_mlp_shapes_match_the_cpu() {
         both(&format!("x^T g + sum(g) {dt:?}"), &[x.clone(), g1.clone()], t, |v| fused(E::SumRight)(&[v[0].t()?, v[1].clone()]));
         both(&format!("h^T g + sum(g) {dt:?}"), &[h.clone(), g2.clone()], t, |v| fused(E::SumRight)(&[v[0].t()?, v[1].clone()]));
         both(&format!("g^T h + sum(g) {dt:?}"), &[g2.clone(), h.clone()], t, |v| fused(E::SumLeft)(&[v[0].t()?, v[1].clone()]));
+        // The first layer's weight and bias gradients as compile orders them (the thin kernel).
+        both(&format!("g^T x + sum(g) {dt:?}"), &[g1.clone(), x.clone()], t, |v| fused(E::SumLeft)(&[v[0].t()?, v[1].clone()]));
         let (w2, b1) = (randn(&[256, 10], 94, dt), randn(&[256], 95, dt));
         both(&format!("g w^T {dt:?}"), &[randn(&[4096, 10], 96, dt), w2.clone()], t, |v| v[0].matmul(&v[1].t()?));
         both(&format!("g w^T + bias, relu {dt:?}"), &[randn(&[300, 10], 97, dt), w2.clone(), b1.clone()], t, |v| {
@@ -453,7 +455,7 @@ fn products_at_the_mlp_shapes_match_the_cpu() {
         both(&format!("short [1, 2048] x [2048, 7] {dt:?}"), &[randn(&[1, 2048], 120, dt), randn(&[2048, 7], 121, dt)], t * 4.0, |v| {
             v[0].matmul(&v[1])
         });
-        // The thin-product kernel (a contraction of at most 16), with the ReLU's gradient: the
+        // The thin-product kernel (a contraction of at most 32), with the ReLU's gradient: the
         // MLP's backward through its head, h a view, and a product with no mask.
         let (gh, hh) = (randn(&[4096, 10], 122, dt), randn(&[4096, 257], 123, dt));
         both(&format!("thin g w * step(h) {dt:?}"), &[gh.clone(), randn(&[10, 256], 124, dt), hh], t, |v| {
@@ -522,6 +524,9 @@ fn fused_classifier_head_matches_the_cpu() {
         (5, 3, 7, false, 0.1, true, false),
         (64, 16, 16, true, 0.0, true, true),
         (600, 2, 13, false, 0.0, false, false),
+        // MLP b32's head (eight blocks of 4 rows), and rows and features that split unevenly.
+        (32, 10, 256, true, 0.0, false, false),
+        (33, 10, 100, true, 0.1, true, true),
     ];
     for (n, c, f, drelu, smoothing, sliced, transposed) in cases {
         let h = randn(&[n, f + 3], 71, DType::F32).relu().unwrap();
@@ -539,16 +544,16 @@ fn fused_classifier_head_matches_the_cpu() {
             Tensor::cat(&[&out.narrow(0, 0, 1)?, &out.narrow(0, dw, c * f)?, &out.narrow(0, db, c)?, &out.narrow(0, dh, n * f)?], 0)
         });
     }
-    // A head past one block's limit is refused, naming the shapes.
+    // A head past the kernel's limit is refused, naming the shapes.
     let dev = gpu();
-    let big: Vec<Tensor> = [randn(&[32, 256], 77, DType::F32), randn(&[10, 256], 78, DType::F32), randn(&[10], 79, DType::F32)]
+    let big: Vec<Tensor> = [randn(&[256, 256], 77, DType::F32), randn(&[10, 256], 78, DType::F32), randn(&[10], 79, DType::F32)]
         .iter()
         .map(|x| x.to_device(dev).unwrap())
         .collect();
-    let t32 = Tensor::zeros(&[32], DType::I64, dev).unwrap();
+    let t256 = Tensor::zeros(&[256], DType::I64, dev).unwrap();
     let op = Op::LinearCrossEntropyMean { ignore_index: Some(-100), smoothing: 0.0, drelu: false };
-    let err = Tensor::apply(op, &[&big[0], &big[1], &big[2], &t32], dev).unwrap_err().to_string();
-    assert!(err.contains("[32, 256]") && err.contains("[10, 256]"), "{err}");
+    let err = Tensor::apply(op, &[&big[0], &big[1], &big[2], &t256], dev).unwrap_err().to_string();
+    assert!(err.contains("[256, 256]") && err.contains("[10, 256]"), "{err}");
     // A target outside the classes is an error at the next host read, as for cross_entropy.
     let ins = [randn(&[4, 8], 74, DType::F32), randn(&[3, 8], 75, DType::F32), randn(&[3], 76, DType::F32)];
     let ins: Vec<Tensor> = ins.iter().map(|x| x.to_device(dev).unwrap()).collect();

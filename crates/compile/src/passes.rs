@@ -527,8 +527,8 @@ struct Head {
     drelu: bool,
 }
 
-/// On a GPU, a linear classifier head small enough for one block (`codegen::linear_xent_fits`:
-/// a small batch), its fused mean cross-entropy and the head's backward become one
+/// On a GPU, a linear classifier head small enough for one cluster of blocks
+/// (`codegen::linear_xent_fits`: a small batch), its fused mean cross-entropy and the head's backward become one
 /// `Op::LinearCrossEntropyMean`: the head's product, the loss, the weight and bias gradients
 /// (`g^T h` with `sum(g)`) and h's gradient (`g w`, through a ReLU or not) in one launch. The
 /// gradients' readers read them inside the new node's output.
@@ -862,7 +862,7 @@ mod tests {
         let grad = Arg { node: ce, layout: kiln_tensor::Layout { shape: vec![4, 3], strides: vec![3, 1], offset: 64 } };
         g.outputs.push(grad);
         assert!(!ops(&fuse_linear_cross_entropy(&g, true)).contains(&"linear_cross_entropy_mean"));
-        // A batch past one block's shared memory stays unfused.
+        // A batch past the kernel's limits stays unfused.
         let (g, _) = classifier_head(4096);
         assert!(!ops(&fuse_linear_cross_entropy(&g, true)).contains(&"linear_cross_entropy_mean"));
     }

@@ -179,7 +179,7 @@ fn every_reduction_and_index_kernel_compiles() {
         for (k, drelu, vec4) in
             [(1, false, false), (10, true, true), (kiln_tensor::cuda::codegen::THIN_MAX_K, true, false), (3, false, true)]
         {
-            let (s, name) = kiln_tensor::cuda::codegen::matmul_thin_source(d, k, drelu, vec4);
+            let (s, name) = kiln_tensor::cuda::codegen::matmul_thin_source(d, k, drelu, vec4, k == 10);
             check(&s, &name, &mut fails);
         }
         for tpr in [1, 4, 32] {
@@ -187,8 +187,10 @@ fn every_reduction_and_index_kernel_compiles() {
             check(&s, &n, &mut fails);
         }
         if d == DType::F32 {
-            let (s, n) = kiln_tensor::cuda::codegen::linear_xent_source(d);
-            check(&s, &n, &mut fails);
+            for cluster in [false, true] {
+                let (s, n) = kiln_tensor::cuda::codegen::linear_xent_source(d, cluster);
+                check(&s, &n, &mut fails);
+            }
         }
         for ams in [false, true] {
             let (s, n) = kiln_tensor::cuda::codegen::adam_source(d, ams);

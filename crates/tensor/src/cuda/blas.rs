@@ -278,7 +278,7 @@ pub fn matmul_fused(
             }
             Own::Thin => {
                 let h = rest.dact.map(|(_, (s, l))| (s, view2(l, m, n)));
-                super::kernels::matmul_thin(g, a, b, h.as_ref().map(|(s, l)| (*s, l)), &out)?
+                super::kernels::matmul_thin(g, a, b, h.as_ref().map(|(s, l)| (*s, l)), rest.sums.map(|(_, _, at)| at), &out)?
             }
             Own::Short => super::kernels::matmul_short(g, a, b, rest.sums.map(|(_, _, at)| at), &out)?,
             Own::Narrow => super::kernels::matmul_narrow(g, a, b, rest.bias, rest.relu, &out)?,
@@ -398,7 +398,7 @@ enum Own {
     /// F32 on the tensor cores, three TF32 products a step (`wgmma.rs`), with the fused op's
     /// bias, activation or activation gradient; with `true`, B is copied transposed first.
     Hopper(super::wgmma::Spec, bool),
-    /// A contraction of at most 16, with `DRelu`'s mask at most (`kernels::matmul_thin`).
+    /// A contraction of at most 32, with `DRelu`'s mask or `SumLeft`'s sums (`kernels::matmul_thin`).
     Thin,
     /// At most 16 rows over a long contraction, with `SumLeft`'s sums at most (`matmul_short`).
     Short,
@@ -443,7 +443,7 @@ fn own_product(
         None => Some(true),
         Some((u, (_, l))) => (u == crate::UnaryOp::Step && l.rank() >= 2 && l.shape[l.rank() - 2..] == [m, n]).then_some(false),
     };
-    let kind = if mask.is_some() && !bias_relu && sums.is_none() && super::codegen::thin_takes(dtype, k, b_rows) {
+    let kind = if mask.is_some() && !bias_relu && sums.is_none_or(|d| d == 1) && super::codegen::thin_takes(dtype, k, b_rows) {
         Own::Thin
     } else if mask == Some(true)
         && !bias_relu

@@ -857,8 +857,9 @@ pub fn matmul_short_source(dtype: DType, m: usize, sums: bool) -> (String, Strin
 /// share the work and each walks few rows (64 took 7.7 us for MLP b4096's weight gradient).
 pub const SHORT_CHUNK: usize = 16;
 
-/// The longest contraction `matmul_thin_source` takes.
-pub const THIN_MAX_K: usize = 16;
+/// The longest contraction `matmul_thin_source` takes (MLP b32's weight gradients, `g^T x`
+/// over the batch, at 32).
+pub const THIN_MAX_K: usize = 32;
 
 /// Whether the thin-product kernel takes a product (the CUDA back end's dispatch, and
 /// `fuse_matmuls`, which fuses a ReLU's gradient only where it does): F32 or F64, a
@@ -875,17 +876,21 @@ pub fn thin_takes(dtype: DType, k: usize, b_rows_contiguous: bool) -> bool {
 /// multiples of 4, B and h contiguous along rows). Consecutive threads walk a row, so a warp
 /// reads B's rows and h along memory and A's row as broadcast values. It replaces a cuBLAS
 /// product (5.6 us at MLP b4096) and the gradient's elementwise kernel (5.2 us; session 18).
-pub fn matmul_thin_source(dtype: DType, k: usize, drelu: bool, vec4: bool) -> (String, String) {
+/// With `sums` (`MatmulEpilogue::SumLeft`: a weight gradient `g^T x` and its bias's `sum(g)`)
+/// the thread of a row's first column also writes the row's sum of A at `o[at + r]`, which
+/// cuBLASLt runs as a kernel of its own.
+pub fn matmul_thin_source(dtype: DType, k: usize, drelu: bool, vec4: bool, sums: bool) -> (String, String) {
     let name = format!(
-        "k_matmul_thin_{}_k{k}{}{}",
+        "k_matmul_thin_{}_k{k}{}{}{}",
         format!("{dtype:?}").to_lowercase(),
         if drelu { "_drelu" } else { "" },
-        if vec4 { "_v4" } else { "" }
+        if vec4 { "_v4" } else { "" },
+        if sums { "_sums" } else { "" }
     );
     let (t, c) = (storage_type(dtype), compute_type(dtype));
     let w = if vec4 { 4 } else { 1 };
     let mut s = format!("{PRELUDE}\ntypedef {c} C;\ntypedef {t} T;\n#define KK {k}\n#define W {w}\n");
-    s += "struct TArgs { long long m, n, sam, sak, sbk, sbn, shm, shn; };\nstruct alignas(W * sizeof(T)) VW { T v[W]; };\n";
+    s += "struct TArgs { long long m, n, sam, sak, sbk, sbn, shm, shn, at; };\nstruct alignas(W * sizeof(T)) VW { T v[W]; };\n";
     s += &format!(
         "extern \"C\" __global__ void {name}(T* __restrict__ o, const T* __restrict__ a, const T* __restrict__ b, const T* __restrict__ h, TArgs g) {{\n"
     );
@@ -912,6 +917,9 @@ pub fn matmul_thin_source(dtype: DType, k: usize, drelu: bool, vec4: bool) -> (S
         s += "#pragma unroll\n    for (int q = 0; q < W; ++q) v[q] *= (C)ld(z.v[q]) > (C)0 ? (C)1 : (C)0;\n";
     } else {
         s += "    (void)h;\n";
+    }
+    if sums {
+        s += "    if (c == 0) {\n      C u = (C)0;\n#pragma unroll\n      for (int j = 0; j < KK; ++j) u += (C)ld(a[r * g.sam + j * g.sak]);\n      st(&o[g.at + r], u);\n    }\n";
     }
     s += "    VW out;\n#pragma unroll\n    for (int q = 0; q < W; ++q) st(&out.v[q], v[q]);\n";
     s += "    *reinterpret_cast<VW*>(o + r * g.n + c) = out;\n  }\n}\n";
@@ -979,95 +987,164 @@ pub fn cross_entropy_mean_source(dtype: DType, tpr: usize) -> (String, String) {
     (s, name)
 }
 
-/// Threads of `linear_xent_source`'s one block.
-pub const LINEAR_XENT_THREADS: usize = 512;
-/// The most shared memory `linear_xent_source` stages (h and the weight, rows padded by one,
-/// and the logits), and the most multiply-adds of each of its three products. One SM reads
-/// shared memory 32 values a cycle, so the block's time grows with the head: at MLP b32's
-/// `[32, 256] x [256, 10]` (82K multiply-adds a product) it took 21.8 us (`ncu`, H200), more
-/// than the five launches it replaces (18 us); below 16K it is a few microseconds.
+/// Threads of each of `linear_xent_source`'s blocks.
+pub const LINEAR_XENT_THREADS: usize = 256;
+/// The most blocks (one cluster, the largest every Hopper part schedules) `linear_xent_source`
+/// spreads a head over.
+pub const LINEAR_XENT_MAX_BLOCKS: usize = 8;
+/// The most shared memory a block of `linear_xent_source` stages (the weight and its rows of h,
+/// rows padded by one, its logits and every row's gradient), and the most multiply-adds a
+/// block does (its rows' logits and h-gradients, its share of `g^T h`). A single block that
+/// did all three products of MLP b32's `[32, 256] x [256, 10]` head (246K multiply-adds) took
+/// 21.8 us (`ncu`, H200; one SM reads shared memory 32 values a cycle), more than the five
+/// launches it replaces (18 us).
 pub const LINEAR_XENT_MAX_SMEM: usize = 96 * 1024;
-pub const LINEAR_XENT_MAX_MACS: usize = 1 << 14;
+pub const LINEAR_XENT_MAX_MACS: usize = 1 << 16;
 
-/// Shared memory `linear_xent_source` needs for `n` rows, `c` classes and `f` features.
-pub fn linear_xent_smem_bytes(n: usize, c: usize, f: usize) -> usize {
-    ((n + c) * (f + 1) + n * c) * 4
+/// `linear_xent_source`'s split of `n` rows: (rows a block, blocks); with `cluster` false (no
+/// thread block clusters: before Hopper) one block takes every row.
+pub fn linear_xent_blocks(n: usize, cluster: bool) -> (usize, usize) {
+    let per = if cluster { n.div_ceil(LINEAR_XENT_MAX_BLOCKS).max(1) } else { n.max(1) };
+    (per, n.div_ceil(per).max(1))
 }
 
-/// Whether one block runs `Op::LinearCrossEntropyMean` at this size (F32 only).
+/// Shared memory a block of `linear_xent_source` needs for `n` rows, `c` classes and `f`
+/// features: the weight and its rows of h (padded), their logits, every row's gradient,
+/// every row of h in the block's share of the columns, and the bias.
+pub fn linear_xent_smem_bytes(n: usize, c: usize, f: usize, cluster: bool) -> usize {
+    let (per, blocks) = linear_xent_blocks(n, cluster);
+    ((per + c) * (f + 1) + per * c + n * c + n * f.div_ceil(blocks) + c) * 4
+}
+
+/// Whether `linear_xent_source` runs `Op::LinearCrossEntropyMean` at this size (F32 only):
+/// spread over a cluster, each block within `LINEAR_XENT_MAX_MACS`; the shared memory within
+/// `LINEAR_XENT_MAX_SMEM` in one block too (a GPU without clusters runs it so).
 pub fn linear_xent_fits(dtype: DType, n: usize, c: usize, f: usize) -> bool {
-    dtype == DType::F32 && c > 0 && linear_xent_smem_bytes(n, c, f) <= LINEAR_XENT_MAX_SMEM && n * c * f <= LINEAR_XENT_MAX_MACS
+    let (per, blocks) = linear_xent_blocks(n, true);
+    let macs = 2 * per * c * f + c * f.div_ceil(blocks) * n;
+    dtype == DType::F32 && c > 0 && linear_xent_smem_bytes(n, c, f, false) <= LINEAR_XENT_MAX_SMEM && macs <= LINEAR_XENT_MAX_MACS
 }
 
-/// `Op::LinearCrossEntropyMean` in one block: h `[N, F]` and the weight `[C, F]` staged in
-/// shared memory (rows padded by one float: no bank conflicts), the logits `h w^T + b`, the
-/// count of real targets and each row's loss and gradient (`xent_row`, a thread a row, the
-/// gradient over its logits in place), the loss summed in a fixed order, then the weight's
-/// and bias's gradients `g^T h`, `sum(g)` and h's `g w` (times `step(h)` with `drelu`) from
-/// shared memory. Classifier heads at small batches: five launches of latency (the head's
-/// product, the loss, two products and a bias-gradient kernel) in one, for heads up to
-/// `LINEAR_XENT_MAX_MACS`.
-pub fn linear_xent_source(dtype: DType) -> (String, String) {
-    let name = format!("k_linear_xent_{}", format!("{dtype:?}").to_lowercase());
+/// `Op::LinearCrossEntropyMean` in one launch, the rows split over a cluster of blocks
+/// (`linear_xent_blocks`; block z takes rows `z * per ..` and columns `z * ceil(F / blocks) ..`).
+/// Each block first stages, all loads in flight at once, the weight `[C, F]`, its rows of h
+/// (rows padded by one float: no bank conflicts), its columns of h and the bias; computes
+/// its logits `h w^T + b` (a warp per logit), counts every real target, and takes each of its
+/// rows' loss and gradient (`xent_row`, a thread a row, the gradient over the
+/// logits in place) and h's gradient `g w` (times `step(h)` with `drelu`). After the cluster's
+/// barrier each block copies every row's gradient from the blocks' shared memory and writes a
+/// share of the weight's gradient `g^T h` (its columns); the last block writes the bias's
+/// `sum(g)` and the first the loss, the blocks' partial sums added in order (the same bits
+/// every run). Classifier heads at small batches: five launches (the head's product, the loss,
+/// two products and a bias-gradient kernel) in one. Without `cluster` (before Hopper) one
+/// block runs it all.
+pub fn linear_xent_source(dtype: DType, cluster: bool) -> (String, String) {
+    let name = format!("k_linear_xent_{}{}", format!("{dtype:?}").to_lowercase(), if cluster { "_cluster" } else { "" });
     let t = storage_type(dtype);
     let mut s = format!("{PRELUDE}{INDEX_ARGS}\ntypedef {} C;\n{XENT_ARGS}", compute_type(dtype));
-    s += "struct LArgs { long long hs0, hs1, ho, wsc, wsj, wo, bsc, bo, f, dw, db, dh; int drelu, pad; };\n";
+    s += "struct LArgs { long long hs0, hs1, ho, wsc, wsj, wo, bsc, bo, f, dw, db, dh; int drelu, per; };\n";
+    s += if cluster { LINEAR_XENT_CLUSTER } else { LINEAR_XENT_ONE_BLOCK };
     s += &format!(
         "extern \"C\" __global__ void __launch_bounds__({LINEAR_XENT_THREADS}) {name}({t}* __restrict__ o, const {t}* __restrict__ hp, \
-         const {t}* __restrict__ wp, const {t}* __restrict__ bp, const long long* __restrict__ tg, long long* err, XArgs a, LArgs l) {{\n"
+         const {t}* __restrict__ wp, const {t}* __restrict__ bp, const long long* __restrict__ tg0, long long* err, XArgs a, LArgs l) {{\n"
     );
-    s += r#"  extern __shared__ C smem[];
-  __shared__ C sh[32];
-  const int N = (int)a.rows, NC = (int)a.red, F = (int)l.f, FP = F + 1, tid = threadIdx.x, nt = blockDim.x;
-  C* hs = smem;
-  C* ws = hs + N * FP;
-  C* lg = ws + NC * FP;
-  for (int e = tid; e < N * F; e += nt) { const int r = e / F, j = e - r * F; hs[r * FP + j] = (C)ld(hp[l.ho + r * l.hs0 + j * l.hs1]); }
+    s += &format!("  extern __shared__ C smem[];\n  __shared__ C sh[32], mine, parts[{LINEAR_XENT_MAX_BLOCKS}];\n");
+    s += r#"  const int N = (int)a.rows, NC = (int)a.red, F = (int)l.f, FP = F + 1, tid = threadIdx.x, nt = blockDim.x;
+  const int B = (int)gridDim.z, rank = (int)blockIdx.z, PER = l.per, r0 = rank * PER;
+  const int R = N - r0 < PER ? (N - r0 > 0 ? N - r0 : 0) : PER;
+  C* ws = smem;
+  C* hs = ws + NC * FP;
+  C* lg = hs + PER * FP;
+  C* ga = lg + PER * NC;
+  C* hc = ga + N * NC;
+  C* bs = hc + N * ((F + B - 1) / B);
+  const int FB = (F + B - 1) / B, j0 = rank * FB, W = F - j0 < FB ? (F - j0 > 0 ? F - j0 : 0) : FB;
+  // Unrolled, so that each thread's loads are issued before their stores wait on them.
+#pragma unroll 4
+  for (int e = tid; e < R * F; e += nt) { const int r = e / F, j = e - r * F; hs[r * FP + j] = (C)ld(hp[l.ho + (r0 + r) * l.hs0 + j * l.hs1]); }
+#pragma unroll 4
   for (int e = tid; e < NC * F; e += nt) { const int c = e / F, j = e - c * F; ws[c * FP + j] = (C)ld(wp[l.wo + c * l.wsc + j * l.wsj]); }
+#pragma unroll 4
+  for (int e = tid; e < N * W; e += nt) { const int r = e / W, j = e - r * W; hc[e] = (C)ld(hp[l.ho + r * l.hs0 + (j0 + j) * l.hs1]); }
+  for (int c = tid; c < NC; c += nt) bs[c] = (C)ld(bp[l.bo + c * l.bsc]);
   __syncthreads();
-  for (int e = tid; e < N * NC; e += nt) {
+  for (int e = tid / 32; e < R * NC; e += nt / 32) {
     const int r = e / NC, c = e - r * NC;
-    C v = (C)0;
-#pragma unroll 8
-    for (int j = 0; j < F; ++j) v += hs[r * FP + j] * ws[c * FP + j];
-    lg[e] = v + (C)ld(bp[l.bo + c * l.bsc]);
-  }
-  C acc = (C)0;
-  for (int r = tid; r < N; r += nt) acc += (a.has_ignore && tg[r] == a.ignore) ? (C)0 : (C)1;
+    C acc = (C)0;
+    for (int j = tid % 32; j < F; j += 32) acc += hs[r * FP + j] * ws[c * FP + j];
 "#;
+    s += &lanes_allreduce(false, 32);
+    s += "    if (tid % 32 == 0) lg[e] = acc + bs[c];\n  }\n";
+    s += "  C acc = (C)0;\n  for (int r = tid; r < N; r += nt) acc += (a.has_ignore && tg0[r] == a.ignore) ? (C)0 : (C)1;\n";
     s += &row_allreduce(true, false);
-    s += "  const C count = acc, gr = (C)1 / count;\n  C loss = (C)0;\n  __syncthreads();\n";
+    s += "  const C count = acc, gr = (C)1 / count;\n  C loss = (C)0;\n  const long long* tg = tg0 + r0;\n  __syncthreads();\n";
     // A thread a row: `xent_row` reads the logits as `x`, the gradient overwrites them.
-    s += "  for (long long row = tid; row < N; row += nt) {\n    const C* x = lg; const int lane = 0, tpr = 1;\n";
+    s += "  for (long long row = tid; row < R; row += nt) {\n    const C* x = lg; const int lane = 0, tpr = 1;\n";
     s += &xent_row(|_| String::new());
     s += XENT_SMOOTHING_SUM;
     s += "  if (!skip) loss += lse - on * x[base + t] - off * acc;\n";
     s += &xent_grad_loop("lg", "");
     s += "  }\n  acc = loss;\n";
     s += &row_allreduce(true, false);
-    s += "  if (tid == 0) st(&o[0], acc / count);\n  __syncthreads();\n";
-    s += r#"  for (int e = tid; e < NC * F; e += nt) {
-    const int c = e / F, j = e - c * F;
-    C v = (C)0;
-    for (int r = 0; r < N; ++r) v += lg[r * NC + c] * hs[r * FP + j];
-    st(&o[l.dw + e], v);
-  }
-  for (int c = tid; c < NC; c += nt) {
-    C v = (C)0;
-    for (int r = 0; r < N; ++r) v += lg[r * NC + c];
-    st(&o[l.db + c], v);
-  }
-  for (int e = tid; e < N * F; e += nt) {
+    s += r#"  if (tid == 0) mine = acc;
+  __syncthreads();
+  for (int e = tid; e < R * F; e += nt) {
     const int r = e / F, j = e - r * F;
     C v = (C)0;
+#pragma unroll 4
     for (int c = 0; c < NC; ++c) v += lg[r * NC + c] * ws[c * FP + j];
     if (l.drelu) v *= hs[r * FP + j] > (C)0 ? (C)1 : (C)0;
-    st(&o[l.dh + e], v);
+    st(&o[l.dh + (r0 + r) * F + j], v);
   }
+  cluster_arrive_wait();
+#pragma unroll 4
+  for (int e = tid; e < N * NC; e += nt) { const int p = e / (PER * NC); ga[e] = remote(&lg[e - p * PER * NC], p); }
+  const C part = rank == 0 && tid < B ? remote(&mine, tid) : (C)0;
+  cluster_arrive();
+  if (tid < B) parts[tid] = part;
+  __syncthreads();
+  if (rank == 0 && tid == 0) { C v = (C)0; for (int p = 0; p < B; ++p) v += parts[p]; st(&o[0], v / count); }
+  for (int e = tid; e < NC * W; e += nt) {
+    const int c = e / W, j = e - c * W;
+    C v = (C)0;
+#pragma unroll 8
+    for (int r = 0; r < N; ++r) v += ga[r * NC + c] * hc[r * W + j];
+    st(&o[l.dw + c * F + j0 + j], v);
+  }
+  if (rank == B - 1) for (int c = tid; c < NC; c += nt) {
+    C v = (C)0;
+    for (int r = 0; r < N; ++r) v += ga[r * NC + c];
+    st(&o[l.db + c], v);
+  }
+  cluster_wait();
 }
 "#;
     (s, name)
 }
+
+/// `linear_xent_source`'s cluster steps: the full barrier (the blocks' gradients written before
+/// any is read), a read of block `rank`'s shared memory at this block's address `p`, and the
+/// last barrier split so that a block leaves only once every block is done reading the others.
+const LINEAR_XENT_CLUSTER: &str = r#"__device__ __forceinline__ void cluster_arrive_wait() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+__device__ __forceinline__ float remote(const float* p, int rank) {
+  unsigned addr = (unsigned)__cvta_generic_to_shared(p), at;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(at) : "r"(addr), "r"(rank));
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(at) : "memory");
+  return v;
+}
+"#;
+
+/// `LINEAR_XENT_CLUSTER` for one block (no clusters): the block's own barrier and memory.
+const LINEAR_XENT_ONE_BLOCK: &str = r#"__device__ __forceinline__ void cluster_arrive_wait() { __syncthreads(); }
+__device__ __forceinline__ void cluster_arrive() {}
+__device__ __forceinline__ void cluster_wait() {}
+__device__ __forceinline__ float remote(const float* p, int) { return *p; }
+"#;
 
 /// The gradient of a softmax (`log`: log-softmax) of `scale * x` over the last dim of dense
 /// `[rows, red]` buffers, from its output `y` and the output's gradient `g`: one sweep for

@@ -985,7 +985,8 @@ fn cross_entropy_mean(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], ignore: Optio
 }
 
 /// Mirrors `struct LArgs` (`codegen::linear_xent_source`): h's, the weight's and the bias's
-/// strides and offsets, the features, where the output's parts start, and `drelu`.
+/// strides and offsets, the features, where the output's parts start, `drelu` and the rows a
+/// block takes.
 #[repr(C)]
 struct LArgs {
     hs0: i64,
@@ -1001,10 +1002,11 @@ struct LArgs {
     db: i64,
     dh: i64,
     drelu: i32,
-    pad: i32,
+    per: i32,
 }
 
-/// `Op::LinearCrossEntropyMean` in one block (`codegen::linear_xent_source`).
+/// `Op::LinearCrossEntropyMean` in one launch (`codegen::linear_xent_source`): a cluster of
+/// blocks on Hopper, one block before.
 fn linear_cross_entropy_mean(
     g: &Arc<Gpu>,
     x: &[(&CudaStorage, &Layout)],
@@ -1012,23 +1014,27 @@ fn linear_cross_entropy_mean(
     smoothing: f64,
     drelu: bool,
 ) -> Result<CudaStorage> {
-    use super::codegen::{linear_xent_fits, linear_xent_smem_bytes, LINEAR_XENT_MAX_MACS, LINEAR_XENT_MAX_SMEM, LINEAR_XENT_THREADS};
+    use super::codegen::{
+        linear_xent_blocks, linear_xent_fits, linear_xent_smem_bytes, LINEAR_XENT_MAX_MACS, LINEAR_XENT_MAX_SMEM, LINEAR_XENT_THREADS,
+    };
     let [(sh, lh), (sw, lw), (sb, lb), (st, lt)] = [x[0], x[1], x[2], x[3]];
     let (n, c, f) = (lh.shape[0], lw.shape[0], lh.shape[1]);
     if !linear_xent_fits(sh.dtype, n, c, f) {
         return Err(Error::shape(
             "linear_cross_entropy_mean",
             format!(
-                "h {:?} and weight {:?} in {:?}: one block takes F32 heads of up to {LINEAR_XENT_MAX_SMEM} bytes staged and {LINEAR_XENT_MAX_MACS} multiply-adds a product",
+                "h {:?} and weight {:?} in {:?}: the fused head takes F32 heads of up to {LINEAR_XENT_MAX_SMEM} bytes staged and {LINEAR_XENT_MAX_MACS} multiply-adds a block",
                 lh.shape, lw.shape, sh.dtype
             ),
         ));
     }
+    let cluster = g.arch.0 >= 9;
+    let (per, blocks) = linear_xent_blocks(n, cluster);
     let (dw, db, dh, len) = crate::op::linear_xent_parts(n, c, f);
     let out = CudaStorage::alloc(g, sh.dtype, len)?;
     let targets = dense(g, st, lt)?;
-    let k = g.kernel_shared(super::spec_key("linear_xent", &sh.dtype), LINEAR_XENT_MAX_SMEM as u32, || {
-        super::codegen::linear_xent_source(sh.dtype)
+    let k = g.kernel_shared(super::spec_key("linear_xent", &(sh.dtype, cluster)), LINEAR_XENT_MAX_SMEM as u32, || {
+        super::codegen::linear_xent_source(sh.dtype, cluster)
     })?;
     let i = |v: usize| v as i64;
     let mut l = LArgs {
@@ -1045,18 +1051,26 @@ fn linear_cross_entropy_mean(
         db: i(db),
         dh: i(dh),
         drelu: drelu as i32,
-        pad: 0,
+        per: per as i32,
     };
     let mut a = XArgs::new(n, c, ignore, smoothing, 0);
     let (mut o, mut ph, mut pw, mut pb) = (out.buf.ptr, sh.ptr_at(lh.offset), sw.ptr_at(lw.offset), sb.ptr_at(lb.offset));
     let (mut pt, mut pe) = (targets.get().buf.ptr, g.err);
     let mut params = kernel_params![o, ph, pw, pb, pt, pe, a, l];
-    let smem = linear_xent_smem_bytes(n, c, f) as u32;
+    let smem = linear_xent_smem_bytes(n, c, f, cluster) as u32;
+    let (threads, z) = (LINEAR_XENT_THREADS as u32, blocks as u32);
     // SAFETY: (out, h, w, bias, targets, err, XArgs, LArgs) matches the generated signature;
     // h, w and the bias are read through their own strides from their first elements within
     // their shapes, the targets are dense [n], `out` holds `linear_xent_parts`' length, and
-    // `smem` (at most the limit the kernel was loaded with) holds the staged operands.
-    unsafe { g.launch(k, (1, 1), LINEAR_XENT_THREADS as u32, smem, &mut params)? };
+    // `smem` (at most the limit the kernel was loaded with: `linear_xent_fits`) holds a
+    // block's staged operands for `per` rows, `blocks` of which cover the n rows.
+    unsafe {
+        if cluster {
+            g.launch_cluster(k, (1, 1, z), z, threads, smem, &mut params)?
+        } else {
+            g.launch(k, (1, 1), threads, smem, &mut params)?
+        }
+    };
     Ok(out)
 }
 
@@ -1175,9 +1189,11 @@ struct TArgs {
     sbn: i64,
     shm: i64,
     shn: i64,
+    at: i64,
 }
 
-/// `out [m, n] = a [m, k] b [k, n]`, with `drelu` times `step(h)`, by the thin-product kernel:
+/// `out [m, n] = a [m, k] b [k, n]`, with `drelu` times `step(h)` and with `sums_at` A's row
+/// sums at `out[sums_at..]` (`MatmulEpilogue::SumLeft`), by the thin-product kernel:
 /// 2-D views of A, B and h (any strides); `out` dense. The caller checks `k <= THIN_MAX_K`
 /// (`blas::own_product`).
 pub(super) fn matmul_thin(
@@ -1185,14 +1201,16 @@ pub(super) fn matmul_thin(
     (sa, la): (&CudaStorage, &Layout),
     (sb, lb): (&CudaStorage, &Layout),
     drelu: Option<(&CudaStorage, &Layout)>,
+    sums_at: Option<usize>,
     out: &CudaStorage,
 ) -> Result<()> {
     let (m, k, n) = (la.shape[0], la.shape[1], lb.shape[1]);
     // Four neighbours a thread where B's rows and h are aligned vectors along memory.
     let rows4 = |l: &Layout| l.strides[1] == 1 && l.strides[0] % 4 == 0 && l.offset % 4 == 0;
     let vec4 = n % 4 == 0 && rows4(lb) && drelu.is_none_or(|(_, l)| rows4(l));
-    let key = super::spec_key("matmul_thin", &(out.dtype, k, drelu.is_some(), vec4));
-    let kf = g.kernel(key, || super::codegen::matmul_thin_source(out.dtype, k, drelu.is_some(), vec4))?;
+    let (dr, sums) = (drelu.is_some(), sums_at.is_some());
+    let key = super::spec_key("matmul_thin", &(out.dtype, k, dr, vec4, sums));
+    let kf = g.kernel(key, || super::codegen::matmul_thin_source(out.dtype, k, dr, vec4, sums))?;
     let hs = |d: usize| drelu.map_or(0, |(_, l)| l.strides[d] as i64);
     let mut a = TArgs {
         m: m as i64,
@@ -1203,6 +1221,7 @@ pub(super) fn matmul_thin(
         sbn: lb.strides[1] as i64,
         shm: hs(0),
         shn: hs(1),
+        at: sums_at.unwrap_or(0) as i64,
     };
     let (mut po, mut pa, mut pb) = (out.buf.ptr, sa.ptr_at(la.offset), sb.ptr_at(lb.offset));
     let mut ph = drelu.map_or(po, |(s, l)| s.ptr_at(l.offset));
