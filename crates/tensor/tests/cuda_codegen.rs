@@ -408,3 +408,24 @@ fn layer_norm_rows_kernels_compile() {
     }
     assert!(fails.is_empty(), "{}", fails.join("\n"));
 }
+
+/// `nvrtc::cubins` (kernels compiled together on threads: a fused step's modules, an
+/// attention's three kernels) returns each source's CUBIN in order, the same bytes as
+/// compiling them one at a time, and a failing source's error in its own place.
+#[test]
+fn kernels_compiled_together_come_back_in_order() {
+    need_nvrtc();
+    let mut jobs: Vec<(String, String)> =
+        [1, 7, 30].iter().map(|&k| kiln_tensor::cuda::codegen::matmul_thin_source(DType::F32, k, k == 7, false, k == 30)).collect();
+    jobs.insert(1, ("extern \"C\" __global__ void k_broken() { not_a_function(); }".to_string(), "k_broken".to_string()));
+    let together = nvrtc::cubins(&jobs, (9, 0));
+    assert_eq!(together.len(), 4);
+    for ((src, name), got) in jobs.iter().zip(&together) {
+        let alone = nvrtc::compile(src, name, "sm_90", true);
+        match (got, alone) {
+            (Ok(a), Ok(b)) => assert!(a == &b && !a.is_empty(), "{name}: the CUBIN differs from a lone compile"),
+            (Err(e), Err(_)) => assert!(name == "k_broken" && e.to_string().contains("not_a_function"), "{name}: {e}"),
+            (got, alone) => panic!("{name}: together {:?}, alone {:?}", got.is_ok(), alone.is_ok()),
+        }
+    }
+}

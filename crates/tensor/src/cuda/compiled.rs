@@ -115,22 +115,17 @@ impl FusedModule {
         let g = gpu(ordinal(device)?)?;
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 8);
         let chunk = specs.len().div_ceil(threads).max(8);
-        let cubins: Vec<Result<Vec<u8>>> = std::thread::scope(|scope| {
-            let jobs: Vec<_> = specs
-                .chunks(chunk)
-                .map(|part| {
-                    let arch = g.arch;
-                    scope.spawn(move || {
-                        let src = fused_module(part).map_err(|e| Error::Msg(format!("compiled CUDA step: {e}")))?;
-                        if super::log_kernels() {
-                            eprintln!("[kiln kernels] fused groups:\n{src}");
-                        }
-                        super::nvrtc::cubin(&src, "kiln_fused", &super::nvrtc::target(&src, arch))
-                    })
-                })
-                .collect();
-            jobs.into_iter().map(|j| j.join().unwrap_or_else(|_| Err(Error::Msg("NVRTC thread panicked".into())))).collect()
-        });
+        let jobs: Vec<(String, String)> = specs
+            .chunks(chunk)
+            .map(|part| {
+                let src = fused_module(part).map_err(|e| Error::Msg(format!("compiled CUDA step: {e}")))?;
+                if super::log_kernels() {
+                    eprintln!("[kiln kernels] fused groups:\n{src}");
+                }
+                Ok((src, "kiln_fused".to_string()))
+            })
+            .collect::<Result<_>>()?;
+        let cubins = super::nvrtc::cubins(&jobs, g.arch);
         let mut kernels = Vec::with_capacity(specs.len());
         for (part, cubin) in specs.chunks(chunk).zip(cubins) {
             let names: Vec<&str> = part.iter().map(|k| k.name.as_str()).collect();

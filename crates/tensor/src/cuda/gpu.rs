@@ -359,6 +359,35 @@ impl Gpu {
         Ok(k)
     }
 
+    /// `kernel_shared` for kernels needed together (an attention's forward and its two
+    /// backward kernels, `shared` bytes each): those not loaded yet compile on threads at once,
+    /// `source(i)` giving kernel `i`'s source and name. Returns them in the order of `keys`.
+    pub fn kernels_together<const N: usize>(
+        &self,
+        keys: [u64; N],
+        shared: u32,
+        source: impl Fn(usize) -> (String, String),
+    ) -> Result<[Kernel; N]> {
+        let mut map = self.kernels.lock().unwrap_or_else(|e| e.into_inner());
+        let missing: Vec<usize> = (0..N).filter(|i| !map.contains_key(&keys[*i])).collect();
+        if !missing.is_empty() {
+            let jobs: Vec<(String, String)> = missing.iter().map(|&i| source(i)).collect();
+            for (src, name) in &jobs {
+                if super::log_kernels() {
+                    eprintln!("[kiln kernels] {name}:\n{src}");
+                }
+            }
+            for ((&i, (_, name)), cubin) in missing.iter().zip(&jobs).zip(super::nvrtc::cubins(&jobs, self.arch)) {
+                let k = self.load_cubin(&cubin?, name, &[name.as_str()])?[0];
+                if shared > 48 * 1024 {
+                    self.allow_shared(k, shared)?;
+                }
+                map.insert(keys[i], k);
+            }
+        }
+        Ok(keys.map(|k| map[&k]))
+    }
+
     /// Kernels `names` of one module (compiled once from `source()`, which gives the source,
     /// the module's name and the kernels' names), kept under `key`, `key + 1`, ...
     pub fn kernel_set<const N: usize>(&self, key: u64, source: impl FnOnce() -> (String, String, [String; N])) -> Result<[Kernel; N]> {

@@ -637,9 +637,14 @@ impl Mat {
 fn attention_kernel(g: &Arc<Gpu>, kind: AttnKernel, dtype: DType, d: usize, causal: bool) -> Result<(Kernel, u32, u32)> {
     use super::codegen::{flash_smem_bytes, flash_source, flash_supported, tiled_smem_floats, tiled_source, TILED_THREADS};
     if flash_supported(dtype, d) {
+        // A training step needs all three, so a cold cache compiles them at once (F32's take
+        // 1-1.4 s each on a small machine; an inference-only process builds the backward
+        // two for nothing, once, into the disk cache).
+        const KINDS: [AttnKernel; 3] = [AttnKernel::Fwd, AttnKernel::Dq, AttnKernel::Dkv];
         let bytes = flash_smem_bytes(dtype, d) as u32;
-        let k = g.kernel_shared(super::spec_key("flash", &(kind, dtype, d, causal)), bytes, || flash_source(kind, dtype, d, causal))?;
-        return Ok((k, 128, bytes));
+        let keys = KINDS.map(|k| super::spec_key("flash", &(k, dtype, d, causal)));
+        let ks = g.kernels_together(keys, bytes, |i| flash_source(KINDS[i], dtype, d, causal))?;
+        return Ok((ks[KINDS.iter().position(|&k| k == kind).unwrap_or(0)], 128, bytes));
     }
     let bytes = (tiled_smem_floats(kind, d) * 4) as u32;
     let k = g.kernel_shared(super::spec_key("attention", &(kind, dtype, d, causal)), bytes, || tiled_source(kind, dtype, d, causal))?;

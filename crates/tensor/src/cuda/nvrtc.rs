@@ -51,6 +51,16 @@ pub fn cubin(src: &str, name: &str, arch: &str) -> Result<Vec<u8>> {
     Ok(bin)
 }
 
+/// `cubin` for several sources (source, name) at once, each on a thread of its own (NVRTC
+/// compiles independent programs concurrently), for a GPU of compute capability `cc`; the
+/// results in order.
+pub fn cubins(jobs: &[(String, String)], cc: (i32, i32)) -> Vec<Result<Vec<u8>>> {
+    std::thread::scope(|scope| {
+        let threads: Vec<_> = jobs.iter().map(|(src, name)| scope.spawn(move || cubin(src, name, &target(src, cc)))).collect();
+        threads.into_iter().map(|t| t.join().unwrap_or_else(|_| Err(Error::Msg("NVRTC thread panicked".into())))).collect()
+    })
+}
+
 /// Compiles `src` for `arch` (e.g. "sm_90"): a CUBIN when `binary`, else PTX text bytes.
 /// Errors carry NVRTC's log.
 pub fn compile(src: &str, name: &str, arch: &str, binary: bool) -> Result<Vec<u8>> {
