@@ -383,6 +383,8 @@ fn fused_epilogue_cases(dt: DType, t: f64, k: usize, n: usize) {
         fused(E::SumRight)(&[v[0].t()?, v[1].clone()])
     });
     both(&format!("matmul_sum k=0 {dt:?}, k {k} n {n}"), &[randn(&[3, 0], 48, dt), randn(&[0, 5], 49, dt)], 0.0, fused(E::SumLeft));
+    // No columns: only the row sums (a short contraction the thin kernel would otherwise take).
+    both(&format!("matmul_sum n=0 {dt:?}, k {k} n {n}"), &[randn(&[3, 4], 56, dt), randn(&[4, 0], 57, dt)], t, fused(E::SumLeft));
     // A residual add, with a bias after it, and read strided (no epilogue takes it).
     let r = randn(&[37, n], 54, dt);
     both(&format!("matmul_residual {dt:?}, k {k} n {n}"), &[a.clone(), b.clone(), r.clone()], t, fused(E::Residual));

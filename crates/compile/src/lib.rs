@@ -356,7 +356,11 @@ where
         }
         let device = step_device(inputs, &lowered.cells);
         let mut mark = Instant::now();
-        let graph = passes::optimise(lowered.graph, device.is_cuda(), |name, g| {
+        let target = match device {
+            Device::Cuda(i) => passes::Target::Gpu { clusters: kiln_tensor::cuda::has_clusters(i) },
+            _ => passes::Target::Cpu,
+        };
+        let graph = passes::optimise(lowered.graph, target, |name, g| {
             log::log("passes", &format!("after {name}: {} nodes ({:.1} ms)", g.nodes.len(), mark.elapsed().as_secs_f64() * 1e3));
             mark = Instant::now();
             debug_verify(g).unwrap_or_else(|e| eprintln!("kiln compile: verifier after {name}: {e}"));

@@ -527,14 +527,15 @@ struct Head {
     drelu: bool,
 }
 
-/// On a GPU, a linear classifier head small enough for one cluster of blocks
+/// On a GPU with thread block clusters (`clusters`; one block would take up to eight times
+/// the work it is sized for), a linear classifier head small enough for one cluster of blocks
 /// (`codegen::linear_xent_fits`: a small batch), its fused mean cross-entropy and the head's backward become one
 /// `Op::LinearCrossEntropyMean`: the head's product, the loss, the weight and bias gradients
 /// (`g^T h` with `sum(g)`) and h's gradient (`g w`, through a ReLU or not) in one launch. The
 /// gradients' readers read them inside the new node's output.
-pub fn fuse_linear_cross_entropy(g: &Graph, gpu: bool) -> Graph {
+pub fn fuse_linear_cross_entropy(g: &Graph, clusters: bool) -> Graph {
     let mut out = g.clone();
-    if !gpu {
+    if !clusters {
         return out;
     }
     let users = g.users();
@@ -606,8 +607,20 @@ fn thin_product(margs: &[Arg], dtype: DType) -> bool {
         && kiln_tensor::cuda::codegen::thin_takes(dtype, la.shape[1], lb.strides[1] == 1 || lb.shape[1] == 1)
 }
 
+/// What a graph is optimised for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    Cpu,
+    /// A CUDA GPU; `clusters`: it runs thread block clusters (Hopper on), which the fused
+    /// classifier head's kernel needs to spread over several SMs.
+    Gpu {
+        clusters: bool,
+    },
+}
+
 /// The pipeline, in order; `log` sees the graph after each pass.
-pub fn optimise(g: Graph, gpu: bool, mut log: impl FnMut(&str, &Graph)) -> Graph {
+pub fn optimise(g: Graph, target: Target, mut log: impl FnMut(&str, &Graph)) -> Graph {
+    let gpu = target != Target::Cpu;
     let mut g = dce(&g);
     log("dce", &g);
     g = fold_constants(&g);
@@ -622,7 +635,7 @@ pub fn optimise(g: Graph, gpu: bool, mut log: impl FnMut(&str, &Graph)) -> Graph
     log("fuse_matmuls", &g);
     g = fuse_mean_cross_entropy(&g, gpu);
     log("fuse_mean_cross_entropy", &g);
-    g = fuse_linear_cross_entropy(&g, gpu);
+    g = fuse_linear_cross_entropy(&g, target == Target::Gpu { clusters: true });
     log("fuse_linear_cross_entropy", &g);
     g = attention_heads_last(&g, gpu);
     log("attention_heads_last", &g);
@@ -852,7 +865,8 @@ mod tests {
         assert_eq!(f.nodes[fused].shape, vec![len]);
         let outs: Vec<(NodeId, usize)> = f.outputs.iter().map(|a| (a.node, a.layout.offset)).collect();
         assert_eq!(outs, vec![(fused, 0), (fused, dw), (fused, dh)]);
-        // The CPU keeps the products; so does a GPU when the logits are read elsewhere.
+        // The CPU (and a GPU without clusters) keeps the products; so does a GPU when the
+        // logits are read elsewhere.
         assert_eq!(fuse_linear_cross_entropy(&g, false).nodes.len(), g.nodes.len());
         let (mut g, _) = classifier_head(4);
         g.outputs.push(whole(&g, 4));

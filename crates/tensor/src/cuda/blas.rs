@@ -211,7 +211,9 @@ pub fn matmul_fused(
     if out.len == 0 {
         return Ok(out);
     }
-    if k == 0 {
+    // No contraction (a zero product) or no product at all (only a fused op's sums or
+    // pre-activation remain): no GEMM to run.
+    if k == 0 || m * n * batch == 0 {
         super::kernels::zero(g, &out)?;
         return finish(g, out, rest, &shape);
     }
@@ -443,7 +445,8 @@ fn own_product(
         None => Some(true),
         Some((u, (_, l))) => (u == crate::UnaryOp::Step && l.rank() >= 2 && l.shape[l.rank() - 2..] == [m, n]).then_some(false),
     };
-    let kind = if mask.is_some() && !bias_relu && sums.is_none_or(|d| d == 1) && super::codegen::thin_takes(dtype, k, b_rows) {
+    // (Its sums ride on each row's first column: a product of no columns leaves them to `finish`.)
+    let kind = if mask.is_some() && !bias_relu && sums.is_none_or(|d| d == 1 && n > 0) && super::codegen::thin_takes(dtype, k, b_rows) {
         Own::Thin
     } else if mask == Some(true)
         && !bias_relu

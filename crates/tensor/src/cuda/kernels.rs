@@ -1232,8 +1232,8 @@ pub(super) fn matmul_thin(
     let mut ph = drelu.map_or(po, |(s, l)| s.ptr_at(l.offset));
     let mut params = kernel_params![po, pa, pb, ph, a];
     // SAFETY: (out, a, b, h, TArgs) matches the generated signature; the views lie inside
-    // their buffers (the caller's shape rule), `out` holds m x n values; h is read only with
-    // `drelu`; with `vec4`, B's and h's rows are contiguous and every vector aligned (buffers
+    // their buffers (the caller's shape rule), `out` holds m x n values (and with `sums_at`
+    // m more from there); h is read only with `drelu`; with `vec4`, B's and h's rows are contiguous and every vector aligned (buffers
     // start 256-byte aligned; offsets and row strides are multiples of 4); the grid strides
     // over every output (or group of four).
     unsafe { g.launch(kf, (g.grid_for(m * n / if vec4 { 4 } else { 1 }), 1), 256, 0, &mut params) }

@@ -63,6 +63,18 @@ pub fn is_available(ordinal: usize) -> bool {
     }
 }
 
+/// Whether `Device::Cuda(ordinal)` runs thread block clusters (compute capability 9.0 on:
+/// Hopper); false without the `cuda` feature or the device.
+pub fn has_clusters(ordinal: usize) -> bool {
+    #[cfg(feature = "cuda")]
+    return gpu::gpu(ordinal).is_ok_and(|g| g.arch.0 >= 9);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = ordinal;
+        false
+    }
+}
+
 /// The compute capability of `Device::Cuda(ordinal)` (e.g. (9, 0) for an H100 or H200).
 #[cfg(feature = "cuda")]
 pub fn compute_capability(ordinal: usize) -> Result<(i32, i32)> {
