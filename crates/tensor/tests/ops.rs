@@ -361,6 +361,9 @@ fn fused_matmuls_apply_relu_or_append_the_operand_sums() -> Result<()> {
     assert_eq!((&lv[..6], &lv[6..64], &lv[64..]), (&[1., 1., -4., 3., 1., -8.][..], &[0.; 58][..], &[3., 7.][..]));
     let right = v(&fused(E::SumRight, &[&a, &b])?);
     assert_eq!((right.len(), &right[64..]), (67, &[1., 0., -2.][..]));
+    // A product of no columns: only a's row sums remain.
+    let none = Tensor::zeros(&[2, 0], DType::F32, Device::Cpu)?;
+    assert_eq!(v(&fused(E::SumLeft, &[&a, &none])?), vec![3., 7.]);
     // A transposed left operand (a weight gradient g^T x): sums of g's columns.
     let g = t(&[1., 2., 3., 4., 5., 6.], &[3, 2]);
     let x = t(&[1., 0., 0., 1., 1., 1.], &[3, 2]);
