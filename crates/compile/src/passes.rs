@@ -529,8 +529,8 @@ struct Head {
 
 /// On a GPU with thread block clusters (`clusters`; one block would take up to eight times
 /// the work it is sized for), a linear classifier head small enough for one cluster of blocks
-/// (`codegen::linear_xent_fits`: a small batch), its fused mean cross-entropy and the head's backward become one
-/// `Op::LinearCrossEntropyMean`: the head's product, the loss, the weight and bias gradients
+/// (`codegen::linear_xent_fits`: a small batch), its fused mean cross-entropy and the head's
+/// backward become one `Op::LinearCrossEntropyMean`: the head's product, the loss, the weight and bias gradients
 /// (`g^T h` with `sum(g)`) and h's gradient (`g w`, through a ReLU or not) in one launch. The
 /// gradients' readers read them inside the new node's output.
 pub fn fuse_linear_cross_entropy(g: &Graph, clusters: bool) -> Graph {

@@ -649,8 +649,8 @@ pub enum Op {
     },
     /// A linear classifier head, its mean cross-entropy and the head's backward in one op,
     /// made by compile's fusion on a GPU (one launch, a cluster of blocks: a small batch's
-    /// head is five launches of latency otherwise). Inputs: h `[N, H]`, the weight w `[C, H]`, the bias `[C]`
-    /// and the targets `[N]`; the logits are `h w^T + bias`. Output (`linear_xent_parts`): the
+    /// head is five launches of latency otherwise). Inputs: h `[N, H]`, the weight w `[C, H]`,
+    /// the bias `[C]` and the targets `[N]`; the logits are `h w^T + bias`. Output (`linear_xent_parts`): the
     /// loss at 0 (as `CrossEntropyMean`), from `XENT_GRAD_AT` the weight's gradient `g^T h`
     /// `[C, H]` followed by the bias's `sum(g)` (`MatmulEpilogue::SumLeft`'s layout), then
     /// h's gradient `g w` `[N, H]`, times `step(h)` with `drelu` (h is a ReLU's output).

@@ -1030,11 +1030,11 @@ pub fn linear_xent_fits(dtype: DType, n: usize, c: usize, f: usize) -> bool {
 /// Each block first stages, all loads in flight at once, the weight `[C, F]`, its rows of h
 /// (rows padded by one float: no bank conflicts), its columns of h and the bias; computes
 /// its logits `h w^T + b` (a warp per logit), counts every real target, and takes each of its
-/// rows' loss and gradient (`xent_row`, a thread a row, the gradient over the
-/// logits in place) and h's gradient `g w` (times `step(h)` with `drelu`). After the cluster's
-/// barrier each block copies every row's gradient from the blocks' shared memory and writes a
-/// share of the weight's gradient `g^T h` (its columns); the last block writes the bias's
-/// `sum(g)` and the first the loss, the blocks' partial sums added in order (the same bits
+/// rows' loss and gradient (`xent_row`, a thread a row, the gradient over the logits in place)
+/// and h's gradient `g w` (times `step(h)` with `drelu`). After the cluster's barrier each
+/// block copies every row's gradient from the blocks' shared memory and writes a share of the
+/// weight's gradient `g^T h` (its columns); the last block writes the bias's `sum(g)` and the
+/// first the loss, the blocks' partial sums added in order (the same bits
 /// every run). Classifier heads at small batches: five launches (the head's product, the loss,
 /// two products and a bias-gradient kernel) in one. Without `cluster` (before Hopper) one
 /// block runs it all.
@@ -1043,7 +1043,12 @@ pub fn linear_xent_source(dtype: DType, cluster: bool) -> (String, String) {
     let t = storage_type(dtype);
     let mut s = format!("{PRELUDE}{INDEX_ARGS}\ntypedef {} C;\n{XENT_ARGS}", compute_type(dtype));
     s += "struct LArgs { long long hs0, hs1, ho, wsc, wsj, wo, bsc, bo, f, dw, db, dh; int drelu, per; };\n";
-    s += if cluster { LINEAR_XENT_CLUSTER } else { LINEAR_XENT_ONE_BLOCK };
+    if cluster {
+        s += CLUSTER;
+        s += LINEAR_XENT_REMOTE;
+    } else {
+        s += LINEAR_XENT_ONE_BLOCK;
+    }
     s += &format!(
         "extern \"C\" __global__ void __launch_bounds__({LINEAR_XENT_THREADS}) {name}({t}* __restrict__ o, const {t}* __restrict__ hp, \
          const {t}* __restrict__ wp, const {t}* __restrict__ bp, const long long* __restrict__ tg0, long long* err, XArgs a, LArgs l) {{\n"
@@ -1096,7 +1101,7 @@ pub fn linear_xent_source(dtype: DType, cluster: bool) -> (String, String) {
     if (l.drelu) v *= hs[r * FP + j] > (C)0 ? (C)1 : (C)0;
     st(&o[l.dh + (r0 + r) * F + j], v);
   }
-  cluster_arrive_wait();
+  cluster_sync();
 #pragma unroll 4
   for (int e = tid; e < N * NC; e += nt) { const int p = e / (PER * NC); ga[e] = remote(&lg[e - p * PER * NC], p); }
   const C part = rank == 0 && tid < B ? remote(&mine, tid) : (C)0;
@@ -1122,25 +1127,36 @@ pub fn linear_xent_source(dtype: DType, cluster: bool) -> (String, String) {
     (s, name)
 }
 
-/// `linear_xent_source`'s cluster steps: the full barrier (the blocks' gradients written before
-/// any is read), a read of block `rank`'s shared memory at this block's address `p`, and the
-/// last barrier split so that a block leaves only once every block is done reading the others.
-const LINEAR_XENT_CLUSTER: &str = r#"__device__ __forceinline__ void cluster_arrive_wait() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+/// Thread block clusters (Hopper), for `wgmma.rs`'s split fold and `linear_xent_source`:
+/// `cluster_sync()`, every thread of every block arrives, then waits for the rest (the
+/// cluster's shared-memory writes before it are visible to its reads after), also split in
+/// `cluster_arrive()` and `cluster_wait()`; `ld_cluster(addr, rank)` and `ld_cluster1`, the
+/// float4 or float at this block's shared address `addr` in block `rank`'s shared memory.
+pub const CLUSTER: &str = r#"__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-__device__ __forceinline__ float remote(const float* p, int rank) {
-  unsigned addr = (unsigned)__cvta_generic_to_shared(p), at;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(at) : "r"(addr), "r"(rank));
+__device__ __forceinline__ void cluster_sync() { cluster_arrive(); cluster_wait(); }
+__device__ __forceinline__ unsigned cluster_addr(unsigned addr, int rank) {
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  return remote;
+}
+__device__ __forceinline__ float4 ld_cluster(unsigned addr, int rank) {
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(cluster_addr(addr, rank)) : "memory");
+  return v;
+}
+__device__ __forceinline__ float ld_cluster1(unsigned addr, int rank) {
   float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(at) : "memory");
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(cluster_addr(addr, rank)) : "memory");
   return v;
 }
 "#;
 
-/// `LINEAR_XENT_CLUSTER` for one block (no clusters): the block's own barrier and memory.
-const LINEAR_XENT_ONE_BLOCK: &str = r#"__device__ __forceinline__ void cluster_arrive_wait() { __syncthreads(); }
+/// `linear_xent_source`'s reads of block `rank`'s shared memory at this block's pointer `p`:
+/// through the cluster, or (one block, no clusters) its own, with `CLUSTER`'s barriers as the
+/// block's.
+const LINEAR_XENT_REMOTE: &str = "__device__ __forceinline__ float remote(const float* p, int rank) { return ld_cluster1((unsigned)__cvta_generic_to_shared(p), rank); }\n";
+const LINEAR_XENT_ONE_BLOCK: &str = r#"__device__ __forceinline__ void cluster_sync() { __syncthreads(); }
 __device__ __forceinline__ void cluster_arrive() {}
 __device__ __forceinline__ void cluster_wait() {}
 __device__ __forceinline__ float remote(const float* p, int) { return *p; }

@@ -119,9 +119,7 @@ impl FusedModule {
             .chunks(chunk)
             .map(|part| {
                 let src = fused_module(part).map_err(|e| Error::Msg(format!("compiled CUDA step: {e}")))?;
-                if super::log_kernels() {
-                    eprintln!("[kiln kernels] fused groups:\n{src}");
-                }
+                super::log_source("fused groups", &src);
                 Ok((src, "kiln_fused".to_string()))
             })
             .collect::<Result<_>>()?;

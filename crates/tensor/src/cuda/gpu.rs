@@ -369,21 +369,21 @@ impl Gpu {
         source: impl Fn(usize) -> (String, String),
     ) -> Result<[Kernel; N]> {
         let mut map = self.kernels.lock().unwrap_or_else(|e| e.into_inner());
+        // (Looked up on every launch: no allocation once loaded.)
+        if keys.iter().all(|k| map.contains_key(k)) {
+            return Ok(keys.map(|k| map[&k]));
+        }
         let missing: Vec<usize> = (0..N).filter(|i| !map.contains_key(&keys[*i])).collect();
-        if !missing.is_empty() {
-            let jobs: Vec<(String, String)> = missing.iter().map(|&i| source(i)).collect();
-            for (src, name) in &jobs {
-                if super::log_kernels() {
-                    eprintln!("[kiln kernels] {name}:\n{src}");
-                }
+        let jobs: Vec<(String, String)> = missing.iter().map(|&i| source(i)).collect();
+        for (src, name) in &jobs {
+            super::log_source(name, src);
+        }
+        for ((&i, (_, name)), cubin) in missing.iter().zip(&jobs).zip(super::nvrtc::cubins(&jobs, self.arch)) {
+            let k = self.load_cubin(&cubin?, name, &[name.as_str()])?[0];
+            if shared > 48 * 1024 {
+                self.allow_shared(k, shared)?;
             }
-            for ((&i, (_, name)), cubin) in missing.iter().zip(&jobs).zip(super::nvrtc::cubins(&jobs, self.arch)) {
-                let k = self.load_cubin(&cubin?, name, &[name.as_str()])?[0];
-                if shared > 48 * 1024 {
-                    self.allow_shared(k, shared)?;
-                }
-                map.insert(keys[i], k);
-            }
+            map.insert(keys[i], k);
         }
         Ok(keys.map(|k| map[&k]))
     }
@@ -422,9 +422,7 @@ impl Gpu {
     /// Compiles `src` (through the CUBIN disk cache, under `name`), loads it and returns the
     /// kernels `names` in order. The module stays loaded for the life of the process.
     pub fn load(&self, src: &str, name: &str, names: &[&str]) -> Result<Vec<Kernel>> {
-        if super::log_kernels() {
-            eprintln!("[kiln kernels] {name}:\n{src}");
-        }
+        super::log_source(name, src);
         let cubin = super::nvrtc::cubin(src, name, &super::nvrtc::target(src, self.arch))?;
         self.load_cubin(&cubin, name, names)
     }
@@ -452,6 +450,11 @@ impl Gpu {
         // SAFETY: `k` is a function of a module loaded in this context and never unloaded.
         unsafe { dr::function::set_function_attribute(k.0, attr, bytes as i32) }
             .map_err(cuda_err(format!("allowing {bytes} bytes of shared memory")))
+    }
+
+    /// Whether this GPU runs thread block clusters (compute capability 9.0 on: Hopper).
+    pub fn has_clusters(&self) -> bool {
+        self.arch.0 >= 9
     }
 
     /// A grid-stride launch over `work` items with 256 threads a block.

@@ -1033,7 +1033,7 @@ fn linear_cross_entropy_mean(
             ),
         ));
     }
-    let cluster = g.arch.0 >= 9;
+    let cluster = g.has_clusters();
     let (per, blocks) = linear_xent_blocks(n, cluster);
     let (dw, db, dh, len) = crate::op::linear_xent_parts(n, c, f);
     let out = CudaStorage::alloc(g, sh.dtype, len)?;
@@ -1233,9 +1233,9 @@ pub(super) fn matmul_thin(
     let mut params = kernel_params![po, pa, pb, ph, a];
     // SAFETY: (out, a, b, h, TArgs) matches the generated signature; the views lie inside
     // their buffers (the caller's shape rule), `out` holds m x n values (and with `sums_at`
-    // m more from there); h is read only with `drelu`; with `vec4`, B's and h's rows are contiguous and every vector aligned (buffers
-    // start 256-byte aligned; offsets and row strides are multiples of 4); the grid strides
-    // over every output (or group of four).
+    // m more from there); h is read only with `drelu`; with `vec4`, B's and h's rows are
+    // contiguous and every vector aligned (buffers start 256-byte aligned; offsets and row
+    // strides are multiples of 4); the grid strides over every output (or group of four).
     unsafe { g.launch(kf, (g.grid_for(m * n / if vec4 { 4 } else { 1 }), 1), 256, 0, &mut params) }
 }
 

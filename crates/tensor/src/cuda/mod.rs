@@ -43,6 +43,13 @@ pub fn log_kernels() -> bool {
     *ON.get_or_init(|| std::env::var("KILN_LOG").is_ok_and(|v| v.split(',').any(|w| w.trim() == "kernels" || w.trim() == "all")))
 }
 
+/// Prints a generated source about to be compiled, under `KILN_LOG=kernels`.
+pub(crate) fn log_source(name: &str, src: &str) {
+    if log_kernels() {
+        eprintln!("[kiln kernels] {name}:\n{src}");
+    }
+}
+
 /// A hash of a kernel spec: the in-memory kernel cache's key.
 pub fn spec_key<T: std::hash::Hash>(kind: &str, spec: &T) -> u64 {
     use std::hash::{Hash, Hasher};
@@ -67,7 +74,7 @@ pub fn is_available(ordinal: usize) -> bool {
 /// Hopper); false without the `cuda` feature or the device.
 pub fn has_clusters(ordinal: usize) -> bool {
     #[cfg(feature = "cuda")]
-    return gpu::gpu(ordinal).is_ok_and(|g| g.arch.0 >= 9);
+    return gpu::gpu(ordinal).is_ok_and(|g| g.has_clusters());
     #[cfg(not(feature = "cuda"))]
     {
         let _ = ordinal;

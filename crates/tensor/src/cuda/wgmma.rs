@@ -7,15 +7,15 @@
 //!
 //! A block of two warpgroups computes a `128 x 128` tile of `c = a @ b` and its epilogue.
 //! Every thread loads its share of a 32-deep slice of A and B into registers (16-byte loads,
-//! whatever the operands' transposes), splits it (`codegen::TF32`) and stores both parts in shared memory in
-//! the K-major, 128-byte-swizzled layout `wgmma` reads (a transposed operand is turned on the
-//! way). Two stages, one barrier a slice: the next slice is stored and the one after loaded
+//! whatever the operands' transposes), splits it (`codegen::TF32`) and stores both parts in
+//! shared memory in the K-major, 128-byte-swizzled layout `wgmma` reads (a transposed operand
+//! is turned on the way). Two stages, one barrier a slice: the next slice is stored and the one after loaded
 //! while the tensor cores run this one. The tensor cores' F32 accumulation truncates, so each
 //! slice's products go to a fresh accumulator that the CUDA cores add to the total (rounded):
 //! the error stays below SGEMM's (4096^3: 3.1e-7 relative against cuBLAS's 1.2e-6; 2.9e-5
 //! with one accumulator, growing with k).
 
-use super::codegen::{PRELUDE, TF32};
+use super::codegen::{CLUSTER, PRELUDE, TF32};
 use crate::UnaryOp;
 
 /// Rows of a block's tile (two warpgroups of 64).
@@ -104,6 +104,7 @@ impl Spec {
         s += &format!("#define BM {BM}\n#define BN {BN}\n#define BK {BK}\n#define STAGES {STAGES}\n");
         s += &format!("#define TA {}\n#define TB {}\n#define MAP_A {}\n", self.ta as u8, self.tb as u8, self.map_a as u8);
         s += TF32;
+        s += CLUSTER;
         s += BODY;
         s += &mma_fn(BN);
         s += "__device__ __forceinline__ float epilogue(float v, const float* bias, float* aux, const float* res, long long xat, long long cat, int col) {\n";
@@ -229,21 +230,6 @@ struct Epi { const float* bias; float* aux; const float* res; };
 __device__ __forceinline__ void put2(float* c, const Epi& e, const GArgs& g, int r, int col, float x, float y) {
   const long long xat = (long long)r * g.ldx + col, cat = (long long)r * g.ldc + col;
   *(float2*)(c + cat) = make_float2(epilogue(x, e.bias, e.aux, e.res, xat, cat, col), epilogue(y, e.bias, e.aux, e.res, xat + 1, cat + 1, col + 1));
-}
-
-// Every thread of every block of the cluster arrives, then waits for the rest: the cluster's
-// shared memory writes before it are visible to its reads after.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// The float4 at shared address addr (this block's) in the shared memory of the cluster's
-// block `rank`.
-__device__ __forceinline__ float4 ld_cluster(unsigned addr, int rank) {
-  unsigned remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-  float4 v;
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(remote) : "memory");
-  return v;
 }
 
 // A split contraction's fold without a trip through global memory: each block of the tile's
