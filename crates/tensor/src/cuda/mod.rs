@@ -44,6 +44,7 @@ pub fn log_kernels() -> bool {
 }
 
 /// Prints a generated source about to be compiled, under `KILN_LOG=kernels`.
+#[cfg(feature = "cuda")]
 pub(crate) fn log_source(name: &str, src: &str) {
     if log_kernels() {
         eprintln!("[kiln kernels] {name}:\n{src}");
