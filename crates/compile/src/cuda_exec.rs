@@ -39,6 +39,8 @@ pub struct GpuParts {
     /// Replay as a CUDA graph (switched off if a capture ever fails).
     capture: AtomicBool,
     captured: Mutex<Option<Captured>>,
+    /// The first run is preceded by a dry run that compiles all its kernels at once.
+    prepared: AtomicBool,
     /// `Mode::MaxAutotune` before its first run: that run times each new matmul shape's
     /// cuBLASLt candidates (`kiln_tensor::cuda::lt`) and keeps the fastest.
     tune: AtomicBool,
@@ -128,7 +130,15 @@ impl GpuParts {
         let module = FusedModule::load(device, specs)?;
         let draws = g.nodes.iter().any(|n| matches!(n.kind, Kind::Rand { .. }));
         let rng = if draws { Some(cc::alloc_cell(device, DType::I64, 2)?) } else { None };
-        Ok(GpuParts { module, kernel_of, rng, capture: AtomicBool::new(capture), captured: Mutex::new(None), tune: AtomicBool::new(tune) })
+        Ok(GpuParts {
+            module,
+            kernel_of,
+            rng,
+            capture: AtomicBool::new(capture),
+            captured: Mutex::new(None),
+            prepared: AtomicBool::new(false),
+            tune: AtomicBool::new(tune),
+        })
     }
 
     /// Runs the fusion groups `gs` (one kernel): returns the cells of their materialised members.
@@ -180,6 +190,12 @@ impl GpuParts {
     pub fn run(&self, p: &Program, inputs: &[Arc<StorageCell>], gen: GeneratorState) -> Result<Vec<Tensor>> {
         if let Some(state) = &self.rng {
             cc::write_i64(state, &[gen.seed as i64, gen.offset as i64])?;
+        }
+        // The first call runs the step dry to learn every kernel it needs (fused and per-op),
+        // then compiles them all at once on threads instead of one by one as each is reached.
+        // (Not in anomaly mode: its host checks would read the dry run's unwritten buffers.)
+        if !self.prepared.swap(true, Ordering::Relaxed) && !kiln_tensor::is_anomaly_detection() {
+            cc::prepare(p.device, || p.execute(inputs, gen, false))?;
         }
         if self.tune.swap(false, Ordering::Relaxed) {
             let before = kiln_tensor::cuda::lt::tuning_stats();

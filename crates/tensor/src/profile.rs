@@ -9,6 +9,9 @@ use std::sync::OnceLock;
 /// Whether `KILN_PROFILE` is set (read once), or this thread has switched timing on.
 pub fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
+    if PAUSED.with(|p| p.get()) {
+        return false;
+    }
     FORCED.with(|f| f.get()) || *ON.get_or_init(|| std::env::var_os("KILN_PROFILE").is_some_and(|v| v != "0"))
 }
 
@@ -20,6 +23,19 @@ pub fn set_enabled(on: bool) {
 thread_local! {
     static TABLE: RefCell<HashMap<String, (u64, f64)>> = RefCell::new(HashMap::new());
     static FORCED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    static PAUSED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with timing off on this thread (a dry run's skipped launches are not timed).
+pub fn paused<R>(f: impl FnOnce() -> R) -> R {
+    struct Resume(bool);
+    impl Drop for Resume {
+        fn drop(&mut self) {
+            PAUSED.with(|p| p.set(self.0));
+        }
+    }
+    let _resume = Resume(PAUSED.with(|p| p.replace(true)));
+    f()
 }
 
 pub fn record(key: String, secs: f64) {

@@ -42,3 +42,35 @@ fn bad_requests_are_errors_not_crashes() {
     let e = a.to_device(Device::Cuda(99)).unwrap_err().to_string();
     assert!(e.contains("Cuda(99)"), "{e}");
 }
+
+#[test]
+fn a_dry_run_notes_kernels_and_changes_nothing() {
+    use kiln_tensor::cuda::compiled::{dry_run, prepare};
+    let dev = gpu();
+    let p = Tensor::from_slice(&[1.0f32, 2.0, 3.0], &[3], Device::Cpu).unwrap().to_device(dev).unwrap();
+    let m = Tensor::from_slice(&[0.5f32, -1.0, 2.0, 1.5, 0.25, -0.75], &[2, 3], Device::Cpu).unwrap().to_device(dev).unwrap();
+    // A product (cuBLAS), kernels (one of a shape no other test uses, so not loaded yet) and
+    // in-place updates: in a dry run none of it may reach the device.
+    let work = || -> kiln_tensor::Result<()> {
+        let y = m.matmul(&p.reshape(&[3, 1])?)?.reshape(&[2])?;
+        let z = y.sin()?.mul_scalar(0.37)?.sum_all()?;
+        p.add_(&z.expand(&[3])?)?;
+        p.mul_scalar_(3.0)?;
+        Ok(())
+    };
+    let (r, noted) = dry_run(work);
+    r.unwrap();
+    assert!(!noted.is_empty(), "the dry run noted no kernels");
+    assert_eq!(p.to_vec::<f32>().unwrap(), vec![1.0, 2.0, 3.0], "a dry run changed a tensor");
+    // Preparing compiles them; the real run then gives the eager answer.
+    let n = prepare(dev, work).unwrap();
+    assert!(n >= 1, "prepare compiled {n} programs");
+    work().unwrap();
+    let y = [0.5f32 * 1.0 - 2.0 + 6.0, 1.5 + 0.5 - 2.25];
+    let z = 0.37 * (y[0].sin() + y[1].sin());
+    let want: Vec<f32> = [1.0f32, 2.0, 3.0].iter().map(|v| (v + z) * 3.0).collect();
+    let got = p.to_vec::<f32>().unwrap();
+    for (g, w) in got.iter().zip(&want) {
+        assert!((g - w).abs() < 1e-5, "after the real run: {got:?}, want {want:?}");
+    }
+}

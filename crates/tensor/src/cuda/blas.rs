@@ -27,6 +27,44 @@ pub struct Blas {
     plans: std::collections::HashMap<Gemm, Option<Plan>>,
 }
 
+impl Blas {
+    /// The GPU's cuBLAS handle (on its stream, with its own workspace) and cuBLASLt's.
+    fn new(g: &Arc<Gpu>) -> Result<Blas> {
+        // SAFETY: only probes for the library.
+        if !unsafe { bs::is_culib_present() } {
+            return Err(Error::Cuda("cuBLAS (libcublas.so) not found; it runs Kiln's CUDA matmuls".into()));
+        }
+        g.bind()?;
+        let h = br::create_handle().map_err(blas_err)?;
+        // SAFETY: a fresh handle and this GPU's live stream.
+        unsafe { br::set_stream(h, g.stream.cu_stream() as _) }.map_err(blas_err)?;
+        let ws = g.alloc(WORKSPACE)?;
+        // SAFETY: `ws` is a live buffer of WORKSPACE bytes owned by the handle's `Blas`.
+        unsafe { bs::cublasSetWorkspace_v2(h, ws.ptr as *mut c_void, WORKSPACE) }.result().map_err(blas_err)?;
+        // Without cuBLASLt (or its handle), plain cuBLAS runs every GEMM.
+        let lt_wanted = std::env::var("KILN_CUBLASLT").map_or(true, |v| v != "0");
+        // SAFETY: only probes for the library.
+        let lt = (lt_wanted && unsafe { cudarc::cublaslt::sys::is_culib_present() })
+            .then(cudarc::cublaslt::result::create_handle)
+            .and_then(|r| r.ok());
+        Ok(Blas { h, lt, ws, plans: Default::default() })
+    }
+}
+
+/// Starts cuBLAS and cuBLASLt on `g` (loading the libraries and making the handles takes
+/// about 0.25 s): a compiled step's first call does it on a thread beside NVRTC.
+pub(crate) fn start(g: &Arc<Gpu>) -> Result<()> {
+    get(&mut g.blas.lock().unwrap_or_else(|e| e.into_inner()), g).map(drop)
+}
+
+/// The GPU's `Blas` in `slot`, made on first use.
+fn get<'a>(slot: &'a mut Option<Blas>, g: &Arc<Gpu>) -> Result<&'a mut Blas> {
+    if slot.is_none() {
+        *slot = Some(Blas::new(g)?);
+    }
+    slot.as_mut().ok_or_else(|| Error::Cuda("no cuBLAS handle".into()))
+}
+
 /// cuBLAS's workspace: what PyTorch gives it on Hopper.
 const WORKSPACE: usize = 32 << 20;
 // SAFETY: the handle is only used under the GPU's `blas` mutex.
@@ -293,28 +331,13 @@ pub fn matmul_fused(
     let (dt, compute) = data_type(meta.dtype)?;
     let op = |t: bool| if t { bs::cublasOperation_t::CUBLAS_OP_T } else { bs::cublasOperation_t::CUBLAS_OP_N };
     let (alpha, beta) = one_and_zero(meta.dtype == DType::F64);
-    let mut guard = g.blas.lock().unwrap_or_else(|e| e.into_inner());
-    if guard.is_none() {
-        // SAFETY: only probes for the library.
-        if !unsafe { bs::is_culib_present() } {
-            return Err(Error::Cuda("cuBLAS (libcublas.so) not found; it runs Kiln's CUDA matmuls".into()));
-        }
-        g.bind()?;
-        let h = br::create_handle().map_err(blas_err)?;
-        // SAFETY: a fresh handle and this GPU's live stream.
-        unsafe { br::set_stream(h, g.stream.cu_stream() as _) }.map_err(blas_err)?;
-        let ws = g.alloc(WORKSPACE)?;
-        // SAFETY: `ws` is a live buffer of WORKSPACE bytes owned by the handle's `Blas`.
-        unsafe { bs::cublasSetWorkspace_v2(h, ws.ptr as *mut c_void, WORKSPACE) }.result().map_err(blas_err)?;
-        // Without cuBLASLt (or its handle), plain cuBLAS runs every GEMM.
-        let lt_wanted = std::env::var("KILN_CUBLASLT").map_or(true, |v| v != "0");
-        // SAFETY: only probes for the library.
-        let lt = (lt_wanted && unsafe { cudarc::cublaslt::sys::is_culib_present() })
-            .then(cudarc::cublaslt::result::create_handle)
-            .and_then(|r| r.ok());
-        *guard = Some(Blas { h, lt, ws, plans: Default::default() });
+    // A dry run does not wait for cuBLAS to start (`start` may be doing that on another
+    // thread): it asks for the kernels the cuBLAS path could need and is done.
+    if super::gpu::is_dry() && !g.blas.try_lock().is_ok_and(|b| b.is_some()) {
+        return finish(g, out, rest, &shape);
     }
-    let blas = guard.as_mut().ok_or_else(|| Error::Cuda("no cuBLAS handle".into()))?;
+    let mut guard = g.blas.lock().unwrap_or_else(|e| e.into_inner());
+    let blas = get(&mut guard, g)?;
     g.bind()?;
     let (epilogue, vector, aux) = lt_epilogue(&rest, batch, n, &out);
     // cuBLASLt, with a cached plan, when it can express the batch (it cannot repeat an
@@ -359,6 +382,10 @@ pub fn matmul_fused(
         }
     }
     let h = blas.h;
+    if super::gpu::is_dry() {
+        drop(guard);
+        return finish(g, out, rest, &shape);
+    }
     // Row-major C = A B is column-major C^T = B^T A^T: pass B first.
     // SAFETY: every pointer is a live device buffer of this GPU sized for the shapes given
     // (checked by the shape rule); alpha/beta are host scalars of the compute type.

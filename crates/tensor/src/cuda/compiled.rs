@@ -10,9 +10,9 @@ use crate::shape::Layout;
 use crate::storage::{Storage, StorageCell};
 use crate::{DType, Device, Error, Result};
 use std::ffi::c_void;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
-pub use super::gpu::Pool;
+pub use super::gpu::{dry_run, Pool, Wanted};
 /// A captured CUDA graph: cudarc's, made `Send` so that a compiled program holding one can
 /// be shared with the thread pool (compile runs CPU steps there; a GPU step never moves).
 pub struct CudaGraph(cudarc::driver::CudaGraph);
@@ -101,35 +101,91 @@ pub fn rand_from_state(state: &Arc<StorageCell>, dist: Distribution, offset: u64
     Ok(Arc::new(StorageCell::new(Storage::Cuda(out))))
 }
 
-/// A compiled graph's fused kernels, loaded as one module.
+/// Runs `f`, work for `device`, dry (`dry_run`: nothing reaches the device), then compiles
+/// every kernel it asked for at once, on threads, so that its real run finds them loaded.
+/// Returns how many NVRTC programs were compiled (or found in the disk cache).
+pub fn prepare<R>(device: Device, f: impl FnOnce() -> R) -> Result<usize> {
+    let start = std::time::Instant::now();
+    let g = gpu(ordinal(device)?)?;
+    // cuBLAS starts beside the dry run and NVRTC (its error, if any, comes back at the
+    // first product of the real run).
+    let blas = {
+        let g = g.clone();
+        std::thread::spawn(move || super::blas::start(&g))
+    };
+    let (_, wanted) = dry_run(|| crate::profile::paused(f));
+    let dry = start.elapsed();
+    let n = g.compile(wanted);
+    let _ = blas.join();
+    let n = n?;
+    if super::log_on("time") {
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        eprintln!(
+            "[kiln time] dry run {:.1} ms, then {n} CUDA programs compiled at once (and cuBLAS started) in {:.1} ms",
+            ms(dry),
+            ms(start.elapsed() - dry)
+        );
+    }
+    Ok(n)
+}
+
+/// A compiled graph's fused kernels: their sources are made at once, their NVRTC programs
+/// (a share of the kernels each) compiled on threads at the first launch, or noted by a dry
+/// run (`dry_run`) to compile together with the step's other kernels.
 pub struct FusedModule {
     gpu: Arc<Gpu>,
     specs: Vec<FusedKernel>,
-    kernels: Vec<Kernel>,
+    programs: Vec<Wanted>,
+    /// Each kernel's key in the GPU's kernel cache.
+    keys: Vec<u64>,
+    kernels: OnceLock<Vec<Kernel>>,
 }
 
 impl FusedModule {
-    /// Compiles (or finds in the disk cache) every kernel: NVRTC runs on up to eight threads,
-    /// each compiling one module of a share of the kernels.
+    /// Generates every kernel's source, as programs of about equal size (two per core, at most
+    /// 32: NVRTC's time grows with a program's source, and a step's first call waits for the
+    /// slowest).
     pub fn load(device: Device, specs: Vec<FusedKernel>) -> Result<FusedModule> {
         let g = gpu(ordinal(device)?)?;
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 8);
-        let chunk = specs.len().div_ceil(threads).max(8);
-        let jobs: Vec<(String, String)> = specs
-            .chunks(chunk)
-            .map(|part| {
-                let src = fused_module(part).map_err(|e| Error::Msg(format!("compiled CUDA step: {e}")))?;
-                super::log_source("fused groups", &src);
-                Ok((src, "kiln_fused".to_string()))
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let fused = |ks: &[FusedKernel]| fused_module(ks).map_err(|e| Error::Msg(format!("compiled CUDA step: {e}")));
+        // Longest first, each kernel to the lightest program so far.
+        let mut sizes: Vec<(usize, usize)> =
+            specs.iter().enumerate().map(|(i, k)| Ok((fused(std::slice::from_ref(k))?.len(), i))).collect::<Result<_>>()?;
+        sizes.sort_unstable_by(|a, b| b.cmp(a));
+        let mut bins: Vec<(usize, Vec<usize>)> = vec![(0, Vec::new()); (2 * cores).clamp(1, 32).min(specs.len())];
+        for (size, i) in sizes {
+            if let Some(bin) = bins.iter_mut().min_by_key(|b| b.0) {
+                bin.0 += size;
+                bin.1.push(i);
+            }
+        }
+        let mut keys = vec![0u64; specs.len()];
+        let programs: Vec<Wanted> = bins
+            .into_iter()
+            .map(|(_, members)| {
+                let part: Vec<FusedKernel> = members.iter().map(|&i| specs[i].clone()).collect();
+                let src = fused(&part)?;
+                let base = super::codegen::fnv1a(src.as_bytes());
+                for (j, &i) in members.iter().enumerate() {
+                    keys[i] = base.wrapping_add(j as u64);
+                }
+                let names = part.iter().map(|k| k.name.clone()).collect();
+                Ok(Wanted::new(members.iter().map(|&i| keys[i]).collect(), vec![0; part.len()], src, "kiln_fused".to_string(), names))
             })
             .collect::<Result<_>>()?;
-        let cubins = super::nvrtc::cubins(&jobs, g.arch);
-        let mut kernels = Vec::with_capacity(specs.len());
-        for (part, cubin) in specs.chunks(chunk).zip(cubins) {
-            let names: Vec<&str> = part.iter().map(|k| k.name.as_str()).collect();
-            kernels.extend(g.load_cubin(&cubin?, "kiln_fused", &names)?);
+        Ok(FusedModule { gpu: g, specs, programs, keys, kernels: OnceLock::new() })
+    }
+
+    /// Kernel `k`, its programs compiled on first use (a placeholder in a dry run).
+    fn kernel(&self, k: usize) -> Result<Kernel> {
+        if let Some(ks) = self.kernels.get() {
+            return Ok(ks[k]);
         }
-        Ok(FusedModule { gpu: g, specs, kernels })
+        match self.gpu.kernels_listed(&self.keys, || self.programs.clone())? {
+            Some(ks) => Ok(self.kernels.get_or_init(|| ks)[k]),
+            None => Ok(Kernel::NOTED),
+        }
     }
 
     /// The name of kernel `k` (for profiles).
@@ -152,7 +208,7 @@ impl FusedModule {
         // SAFETY: the parameters are each group's outputs then inputs, in the order of the
         // generated signature; each buffer was checked to be big enough for every index the
         // kernel forms, and the caller's cells keep them alive.
-        unsafe { self.gpu.launch(self.kernels[k], (spec.blocks() as u32, 1), FUSED_BLOCK as u32, 0, &mut params) }
+        unsafe { self.gpu.launch(self.kernel(k)?, (spec.blocks() as u32, 1), FUSED_BLOCK as u32, 0, &mut params) }
     }
 }
 

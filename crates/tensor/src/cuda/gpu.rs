@@ -18,6 +18,80 @@ unsafe impl Send for Kernel {}
 // SAFETY: as above; the handle is never mutated.
 unsafe impl Sync for Kernel {}
 
+impl Kernel {
+    /// What a dry run hands out for a kernel it has only noted (never launched).
+    pub(crate) const NOTED: Kernel = Kernel(std::ptr::null_mut());
+}
+
+#[derive(Clone)]
+/// Kernels to compile together (one NVRTC program each, on threads of their own): what a
+/// dry run noted, or what a lookup missed.
+pub struct Wanted {
+    /// The in-memory cache's key of each kernel of the program, in the order of `names`.
+    keys: Vec<u64>,
+    /// Dynamic shared memory each kernel is launched with.
+    shared: Vec<u32>,
+    /// The source and the program's name (`nvrtc::cubins`'s job).
+    job: (String, String),
+    names: Vec<String>,
+}
+
+impl Wanted {
+    /// One program of kernels `names`, kept under `keys`, launched with `shared` bytes each.
+    pub fn new(keys: Vec<u64>, shared: Vec<u32>, src: String, module: String, names: Vec<String>) -> Wanted {
+        Wanted { keys, shared, job: (src, module), names }
+    }
+
+    /// A program of one kernel, named as the program.
+    fn one(key: u64, shared: u32, (src, name): (String, String)) -> Wanted {
+        Wanted { keys: vec![key], shared: vec![shared], names: vec![name.clone()], job: (src, name) }
+    }
+}
+
+thread_local! {
+    /// While this thread is in `dry_run`: the kernels asked for that were not loaded.
+    static DRY: std::cell::RefCell<Option<Vec<Wanted>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Whether this thread is in `dry_run`.
+pub fn is_dry() -> bool {
+    DRY.with(|d| d.borrow().is_some())
+}
+
+/// Runs `f` dry: every kernel it asks for that is not loaded yet is noted instead of
+/// compiled, and nothing it queues reaches the device (no launch, device copy, memset or
+/// GEMM; allocations and host-to-device writes happen). Returns `f`'s result, meaningless
+/// as data, and the kernels noted, which `Gpu::compile` then compiles all at once. A compiled
+/// step's first call runs itself dry first so that its kernels compile in parallel.
+pub fn dry_run<R>(f: impl FnOnce() -> R) -> (R, Vec<Wanted>) {
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            DRY.with(|d| d.borrow_mut().take());
+        }
+    }
+    DRY.with(|d| *d.borrow_mut() = Some(Vec::new()));
+    let reset = Reset;
+    let r = f();
+    let wanted = DRY.with(|d| d.borrow_mut().take()).unwrap_or_default();
+    drop(reset);
+    (r, wanted)
+}
+
+/// In a dry run, notes `wanted` (once per first key) and returns true; else false.
+fn note(wanted: &[Wanted]) -> bool {
+    DRY.with(|d| {
+        let mut d = d.borrow_mut();
+        let Some(list) = d.as_mut() else { return false };
+        for w in wanted {
+            if !list.iter().any(|x| x.keys[0] == w.keys[0]) {
+                list.push(w.clone());
+            }
+        }
+        true
+    })
+}
+
 pub struct Gpu {
     pub ordinal: usize,
     pub ctx: Arc<CudaContext>,
@@ -260,6 +334,9 @@ impl Gpu {
     /// # Safety
     /// Both ranges must lie in live buffers of this GPU until the stream has run the copy.
     pub unsafe fn copy_d2d(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        if is_dry() {
+            return Ok(());
+        }
         self.bind()?;
         // SAFETY: forwarded from this function's contract.
         unsafe { dr::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }.map_err(cuda_err("device to device copy"))
@@ -346,17 +423,7 @@ impl Gpu {
     /// `kernel`, for a kernel launched with `shared` bytes of dynamic shared memory: above
     /// the default 48 KiB, the limit is raised once, when the kernel is loaded.
     pub fn kernel_shared(&self, key: u64, shared: u32, source: impl FnOnce() -> (String, String)) -> Result<Kernel> {
-        let mut map = self.kernels.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(k) = map.get(&key) {
-            return Ok(*k);
-        }
-        let (src, name) = source();
-        let k = self.load(&src, &name, &[name.as_str()])?[0];
-        if shared > 48 * 1024 {
-            self.allow_shared(k, shared)?;
-        }
-        map.insert(key, k);
-        Ok(k)
+        self.kernels_ready([key], || vec![Wanted::one(key, shared, source())]).map(|[k]| k)
     }
 
     /// `kernel_shared` for kernels needed together (an attention's forward and its two
@@ -368,24 +435,7 @@ impl Gpu {
         shared: u32,
         source: impl Fn(usize) -> (String, String),
     ) -> Result<[Kernel; N]> {
-        let mut map = self.kernels.lock().unwrap_or_else(|e| e.into_inner());
-        // (Looked up on every launch: no allocation once loaded.)
-        if keys.iter().all(|k| map.contains_key(k)) {
-            return Ok(keys.map(|k| map[&k]));
-        }
-        let missing: Vec<usize> = (0..N).filter(|i| !map.contains_key(&keys[*i])).collect();
-        let jobs: Vec<(String, String)> = missing.iter().map(|&i| source(i)).collect();
-        for (src, name) in &jobs {
-            super::log_source(name, src);
-        }
-        for ((&i, (_, name)), cubin) in missing.iter().zip(&jobs).zip(super::nvrtc::cubins(&jobs, self.arch)) {
-            let k = self.load_cubin(&cubin?, name, &[name.as_str()])?[0];
-            if shared > 48 * 1024 {
-                self.allow_shared(k, shared)?;
-            }
-            map.insert(keys[i], k);
-        }
-        Ok(keys.map(|k| map[&k]))
+        self.kernels_ready(keys, || (0..N).map(|i| Wanted::one(keys[i], shared, source(i))).collect())
     }
 
     /// Kernels `names` of one module (compiled once from `source()`, which gives the source,
@@ -402,29 +452,70 @@ impl Gpu {
         source: impl FnOnce() -> (String, String, [String; N]),
     ) -> Result<[Kernel; N]> {
         let keys: [u64; N] = std::array::from_fn(|i| key.wrapping_add(i as u64));
-        let mut map = self.kernels.lock().unwrap_or_else(|e| e.into_inner());
-        // (Looked up on every launch: no allocation.)
-        if keys.iter().all(|k| map.contains_key(k)) {
-            return Ok(keys.map(|k| map[&k]));
-        }
-        let (src, module, names) = source();
-        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-        let loaded = self.load(&src, &module, &refs)?;
-        for ((k, f), bytes) in keys.iter().zip(&loaded).zip(shared) {
-            if bytes > 48 * 1024 {
-                self.allow_shared(*f, bytes)?;
-            }
-            map.insert(*k, *f);
-        }
-        loaded.try_into().map_err(|_| Error::Msg("kernel set".into()))
+        self.kernels_ready(keys, || {
+            let (src, module, names) = source();
+            vec![Wanted::new(keys.to_vec(), shared.to_vec(), src, module, names.to_vec())]
+        })
     }
 
-    /// Compiles `src` (through the CUBIN disk cache, under `name`), loads it and returns the
-    /// kernels `names` in order. The module stays loaded for the life of the process.
-    pub fn load(&self, src: &str, name: &str, names: &[&str]) -> Result<Vec<Kernel>> {
-        super::log_source(name, src);
-        let cubin = super::nvrtc::cubin(src, name, &super::nvrtc::target(src, self.arch))?;
-        self.load_cubin(&cubin, name, names)
+    /// The kernels under `keys`. Any not loaded: `wanted()` says how to make them, and they
+    /// are compiled now (at once, on threads), or only noted in a dry run (placeholders).
+    /// Looked up on every launch: no allocation once loaded.
+    pub fn kernels_ready<const N: usize>(&self, keys: [u64; N], wanted: impl FnOnce() -> Vec<Wanted>) -> Result<[Kernel; N]> {
+        let found =
+            |map: &HashMap<u64, Kernel>| -> Option<[Kernel; N]> { keys.iter().all(|k| map.contains_key(k)).then(|| keys.map(|k| map[&k])) };
+        if let Some(ks) = found(&self.kernels.lock().unwrap_or_else(|e| e.into_inner())) {
+            return Ok(ks);
+        }
+        let wanted = wanted();
+        if note(&wanted) {
+            return Ok([Kernel::NOTED; N]);
+        }
+        self.compile(wanted)?;
+        found(&self.kernels.lock().unwrap_or_else(|e| e.into_inner()))
+            .ok_or_else(|| Error::Msg(format!("compiled kernels do not cover the keys asked for ({keys:x?})")))
+    }
+
+    /// `kernels_ready` for any number of kernels (allocates: for lookups done once); `None`
+    /// in a dry run, which only notes them.
+    pub fn kernels_listed(&self, keys: &[u64], wanted: impl FnOnce() -> Vec<Wanted>) -> Result<Option<Vec<Kernel>>> {
+        let found = |map: &HashMap<u64, Kernel>| -> Option<Vec<Kernel>> { keys.iter().map(|k| map.get(k).copied()).collect() };
+        if let Some(ks) = found(&self.kernels.lock().unwrap_or_else(|e| e.into_inner())) {
+            return Ok(Some(ks));
+        }
+        let wanted = wanted();
+        if note(&wanted) {
+            return Ok(None);
+        }
+        self.compile(wanted)?;
+        let ks = found(&self.kernels.lock().unwrap_or_else(|e| e.into_inner()));
+        ks.map(Some).ok_or_else(|| Error::Msg("compiled kernels do not cover the keys asked for".into()))
+    }
+
+    /// Compiles (through the CUBIN disk cache), loads and keeps every program of `wanted` not
+    /// loaded yet, the programs on threads at once. Returns how many programs that was.
+    pub fn compile(&self, wanted: Vec<Wanted>) -> Result<usize> {
+        let todo: Vec<Wanted> = {
+            let map = self.kernels.lock().unwrap_or_else(|e| e.into_inner());
+            wanted.into_iter().filter(|w| w.keys.iter().any(|k| !map.contains_key(k))).collect()
+        };
+        let jobs: Vec<(String, String)> = todo.iter().map(|w| w.job.clone()).collect();
+        for (src, name) in &jobs {
+            super::log_source(name, src);
+        }
+        let cubins = super::nvrtc::cubins(&jobs, self.arch);
+        let mut map = self.kernels.lock().unwrap_or_else(|e| e.into_inner());
+        for (w, cubin) in todo.iter().zip(cubins) {
+            let names: Vec<&str> = w.names.iter().map(String::as_str).collect();
+            let loaded = self.load_cubin(&cubin?, &w.job.1, &names)?;
+            for ((key, k), &bytes) in w.keys.iter().zip(loaded).zip(&w.shared) {
+                if bytes > 48 * 1024 {
+                    self.allow_shared(k, bytes)?;
+                }
+                map.insert(*key, k);
+            }
+        }
+        Ok(todo.len())
     }
 
     /// Loads a CUBIN made by NVRTC for this GPU and returns the kernels `names` in order.
@@ -477,6 +568,9 @@ impl Gpu {
     /// # Safety
     /// As for `launch`.
     pub unsafe fn launch3(&self, k: Kernel, grid: (u32, u32, u32), block: u32, shmem: u32, params: &mut [*mut c_void]) -> Result<()> {
+        if launch_skipped(k)? {
+            return Ok(());
+        }
         self.bind()?;
         // SAFETY: forwarded from this function's contract.
         unsafe { dr::launch_kernel(k.0, grid, (block, 1, 1), shmem, self.stream.cu_stream(), params) }.map_err(cuda_err("kernel launch"))
@@ -497,6 +591,9 @@ impl Gpu {
         shmem: u32,
         params: &mut [*mut c_void],
     ) -> Result<()> {
+        if launch_skipped(k)? {
+            return Ok(());
+        }
         self.bind()?;
         // All 64 bytes of the union defined, then the cluster's shape in its first 12.
         let mut value = ds::CUlaunchAttributeValue { pad: [0; 64] };
@@ -519,4 +616,15 @@ impl Gpu {
             .result()
             .map_err(cuda_err(format!("cluster launch ({} x {} x {} blocks, clusters of {cluster_z})", grid.0, grid.1, grid.2)))
     }
+}
+
+/// Whether a launch of `k` is skipped (in a dry run); a placeholder outside one is an error.
+fn launch_skipped(k: Kernel) -> Result<bool> {
+    if is_dry() {
+        return Ok(true);
+    }
+    if k.0.is_null() {
+        return Err(Error::Msg("a kernel noted in a dry run was launched before it was compiled".into()));
+    }
+    Ok(false)
 }

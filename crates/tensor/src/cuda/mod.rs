@@ -40,7 +40,12 @@ pub use kernels::CudaStorage;
 /// Whether `KILN_LOG` asks for `kernels`: each generated CUDA source is printed when compiled.
 pub fn log_kernels() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("KILN_LOG").is_ok_and(|v| v.split(',').any(|w| w.trim() == "kernels" || w.trim() == "all")))
+    *ON.get_or_init(|| log_on("kernels"))
+}
+
+/// Whether `KILN_LOG` names `topic` (or `all`); read afresh (for rare events only).
+pub fn log_on(topic: &str) -> bool {
+    std::env::var("KILN_LOG").is_ok_and(|v| v.split(',').any(|w| w.trim() == topic || w.trim() == "all"))
 }
 
 /// Prints a generated source about to be compiled, under `KILN_LOG=kernels`.

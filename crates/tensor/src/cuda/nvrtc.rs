@@ -44,7 +44,11 @@ pub fn cubin(src: &str, name: &str, arch: &str) -> Result<Vec<u8>> {
     if let Some(bytes) = path.as_ref().and_then(|p| std::fs::read(p).ok()) {
         return Ok(bytes);
     }
+    let start = std::time::Instant::now();
     let bin = compile(src, name, arch, true)?;
+    if super::log_on("nvrtc") {
+        eprintln!("[kiln nvrtc] {name} for {arch}: {:.0} ms", start.elapsed().as_secs_f64() * 1e3);
+    }
     if let Some(p) = path {
         crate::cache_put(&p, &bin);
     }
@@ -55,6 +59,9 @@ pub fn cubin(src: &str, name: &str, arch: &str) -> Result<Vec<u8>> {
 /// compiles independent programs concurrently), for a GPU of compute capability `cc`; the
 /// results in order.
 pub fn cubins(jobs: &[(String, String)], cc: (i32, i32)) -> Vec<Result<Vec<u8>>> {
+    if let [(src, name)] = jobs {
+        return vec![cubin(src, name, &target(src, cc))];
+    }
     std::thread::scope(|scope| {
         let threads: Vec<_> = jobs.iter().map(|(src, name)| scope.spawn(move || cubin(src, name, &target(src, cc)))).collect();
         threads.into_iter().map(|t| t.join().unwrap_or_else(|_| Err(Error::Msg("NVRTC thread panicked".into())))).collect()
