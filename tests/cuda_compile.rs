@@ -252,6 +252,27 @@ fn a_smaller_last_batch_recompiles_on_cuda_and_stays_correct() {
     }
 }
 
+/// `ReduceOverhead` reads an input in place while the caller passes the same buffer, refilled
+/// between calls (PyTorch's advice for CUDA graphs), and reads copies once it passes another:
+/// every call sees its own input's values.
+#[test]
+fn replays_read_a_refilled_input_in_place_and_copy_other_inputs() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    let mut step = compile(Mode::ReduceOverhead, |xs: &[Tensor]| Ok(vec![xs[0].mul_scalar(2.0)?.sum_all()?]));
+    let x = Tensor::ones(&[1000], DType::F32, dev).unwrap();
+    let mut got = vec![step.call(&[&x]).unwrap()[0].item().unwrap()];
+    x.fill_(3.0).unwrap();
+    got.push(step.call(&[&x]).unwrap()[0].item().unwrap());
+    let other = Tensor::full(0.5, &[1000], DType::F32, dev).unwrap();
+    got.push(step.call(&[&other]).unwrap()[0].item().unwrap());
+    x.fill_(-1.0).unwrap();
+    got.push(step.call(&[&x]).unwrap()[0].item().unwrap());
+    got.push(step.call(&[&other]).unwrap()[0].item().unwrap());
+    assert_eq!(got, vec![2000.0, 6000.0, 1000.0, -2000.0, 1000.0]);
+    assert_eq!(step.counts().0, 5);
+}
+
 /// The trace computes nothing on the GPU: its outputs are placeholders without memory, so the
 /// first call's peak is the compiled program's, and a tensor the closure keeps outside the
 /// step (not returned) is an error naming it when read, never stale or garbage values.

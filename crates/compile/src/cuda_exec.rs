@@ -24,9 +24,19 @@ use std::sync::{Arc, Mutex};
 /// A captured step. Field order is drop order: the graph goes before the buffers it uses.
 struct Captured {
     graph: CudaGraph,
-    inputs: Vec<Arc<StorageCell>>,
+    inputs: Inputs,
     outputs: Vec<Tensor>,
     _pool: Arc<Pool>,
+}
+
+/// Where a captured graph reads its inputs.
+enum Inputs {
+    /// In the caller's buffers at these addresses (the first call's): a call whose inputs
+    /// lie there (a static input buffer the caller refills, as PyTorch advises for CUDA
+    /// graphs) replays with no copy.
+    Direct(Vec<u64>),
+    /// In static buffers of its own, which each call copies the caller's inputs into.
+    Copied(Vec<Arc<StorageCell>>),
 }
 
 pub struct GpuParts {
@@ -219,15 +229,48 @@ impl GpuParts {
             .captured
             .lock()
             .map_err(|_| Error::Msg("compile: an earlier step panicked while capturing or replaying its CUDA graph".into()))?;
+        let addresses = inputs.iter().map(|c| cc::address(c)).collect::<Result<Vec<u64>>>()?;
         if let Some(c) = slot.as_ref() {
-            for (dst, src) in c.inputs.iter().zip(inputs) {
-                cc::copy_cell(dst, src)?;
+            match &c.inputs {
+                Inputs::Direct(at) if *at == addresses => {}
+                Inputs::Direct(_) => {
+                    // Inputs elsewhere: from now on the graph reads copies (captured again,
+                    // the old graph and its pool dropped first).
+                    *slot = None;
+                    return self.capture_and_replay(p, inputs, gen, &mut slot);
+                }
+                Inputs::Copied(statics) => {
+                    for (dst, src) in statics.iter().zip(inputs) {
+                        cc::copy_cell(dst, src)?;
+                    }
+                }
             }
             cc::launch_graph(&c.graph)?;
             return c.outputs.iter().map(|t| t.copy()).collect();
         }
         // The first run loads every kernel (and cuBLAS) outside the capture.
+        let start = std::time::Instant::now();
         let out = p.execute(inputs, gen, true)?;
+        let ran = start.elapsed();
+        let pool = cc::new_pool(p.device)?;
+        // The graph's outputs stay its own buffers; each call copies them for the caller.
+        match cc::capture(p.device, &pool, || p.execute(inputs, gen, false)) {
+            Ok((graph, outputs)) => *slot = Some(Captured { graph, inputs: Inputs::Direct(addresses), outputs, _pool: pool }),
+            Err(e) => self.capture_failed(e),
+        }
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        crate::log::log("time", &format!("first run {:.1} ms, capture {:.1} ms", ms(ran), ms(start.elapsed() - ran)));
+        Ok(out)
+    }
+
+    /// Captures the step reading static copies of its inputs, then runs it on `inputs`.
+    fn capture_and_replay(
+        &self,
+        p: &Program,
+        inputs: &[Arc<StorageCell>],
+        gen: GeneratorState,
+        slot: &mut Option<Captured>,
+    ) -> Result<Vec<Tensor>> {
         let pool = cc::new_pool(p.device)?;
         let statics: Vec<Arc<StorageCell>> = inputs
             .iter()
@@ -236,15 +279,26 @@ impl GpuParts {
                 cc::alloc_cell(p.device, dtype, c.len())
             })
             .collect::<Result<_>>()?;
-        // The graph's outputs stay its own buffers; each call copies them for the caller.
         match cc::capture(p.device, &pool, || p.execute(&statics, gen, false)) {
-            Ok((graph, outputs)) => *slot = Some(Captured { graph, inputs: statics, outputs, _pool: pool }),
+            Ok((graph, outputs)) => {
+                for (dst, src) in statics.iter().zip(inputs) {
+                    cc::copy_cell(dst, src)?;
+                }
+                cc::launch_graph(&graph)?;
+                let out = outputs.iter().map(|t| t.copy()).collect();
+                *slot = Some(Captured { graph, inputs: Inputs::Copied(statics), outputs, _pool: pool });
+                out
+            }
             Err(e) => {
-                // The step itself ran and is correct; later calls run it kernel by kernel.
-                eprintln!("kiln compile: capturing the step as a CUDA graph failed ({e}); running it without a graph");
-                self.capture.store(false, Ordering::Relaxed);
+                self.capture_failed(e);
+                p.execute(inputs, gen, true)
             }
         }
-        Ok(out)
+    }
+
+    /// The step itself ran and is correct; later calls run it kernel by kernel.
+    fn capture_failed(&self, e: Error) {
+        eprintln!("kiln compile: capturing the step as a CUDA graph failed ({e}); running it without a graph");
+        self.capture.store(false, Ordering::Relaxed);
     }
 }

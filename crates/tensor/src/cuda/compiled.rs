@@ -46,6 +46,11 @@ fn raw_of(s: &Storage) -> Result<(u64, DType, usize)> {
     }
 }
 
+/// The device address of a CUDA cell's buffer.
+pub fn address(cell: &StorageCell) -> Result<u64> {
+    raw(cell, false).map(|(p, _, _)| p)
+}
+
 /// An uninitialised buffer of `len` elements on `device`.
 pub fn alloc_cell(device: Device, dtype: DType, len: usize) -> Result<Arc<StorageCell>> {
     let g = gpu(ordinal(device)?)?;
