@@ -189,7 +189,8 @@ impl Plan {
                 return Ok(plan);
             }
         }
-        let tune = autotune();
+        // (A dry run launches nothing, so it has nothing to time.)
+        let tune = autotune() && !super::gpu::is_dry();
         let candidates = plan.heuristics(lt, g, ws.1, if tune { CANDIDATES } else { 1 })?;
         plan.algo = candidates[0];
         if tune {
