@@ -54,7 +54,30 @@ impl Blas {
 /// Starts cuBLAS and cuBLASLt on `g` (loading the libraries and making the handles takes
 /// about 0.25 s): a compiled step's first call does it on a thread beside NVRTC.
 pub(crate) fn start(g: &Arc<Gpu>) -> Result<()> {
-    get(&mut g.blas.lock().unwrap_or_else(|e| e.into_inner()), g).map(drop)
+    let started = std::time::Instant::now();
+    let mut guard = g.blas.lock().unwrap_or_else(|e| e.into_inner());
+    let blas = get(&mut guard, g)?;
+    let made = started.elapsed();
+    // One heuristic query, so that cuBLASLt's own first-use set-up is done here too.
+    if let Some(lt) = blas.lt {
+        let gemm = Gemm {
+            dtype: DType::F32,
+            tf32: false,
+            trans: (false, false),
+            mnk: (256, 256, 256),
+            ld: (256, 256, 256),
+            batch: 1,
+            strides: (0, 0, 0),
+            align: (256, 256, 256),
+            epilogue: super::lt::Epilogue::NONE,
+        };
+        let _ = Plan::new(lt, g, &gemm, [0; 5], (blas.ws.ptr, WORKSPACE));
+    }
+    if super::log_on("time") {
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        eprintln!("[kiln time] cuBLAS started in {:.1} ms, its first heuristic {:.1} ms", ms(made), ms(started.elapsed() - made));
+    }
+    Ok(())
 }
 
 /// The GPU's `Blas` in `slot`, made on first use.
