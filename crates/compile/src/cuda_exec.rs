@@ -1,12 +1,14 @@
 //! The GPU side of a compiled program: every fusion group becomes one generated CUDA kernel
-//! (all of a graph's kernels in one NVRTC module), random draws read the generator's seed and
-//! offset from a device buffer, and with `capture` (`Mode::ReduceOverhead`) the whole step
-//! is captured once into a CUDA graph and replayed.
+//! (packed into a few NVRTC programs), the first call runs the step dry to compile all its
+//! kernels at once, random draws read the generator's seed and offset from a device buffer,
+//! and with `capture` (`Mode::ReduceOverhead`) the whole step is captured once into a CUDA
+//! graph and replayed.
 //!
 //! The captured graph owns a private memory pool (every intermediate of the step lives there,
-//! at the addresses baked into the graph), static input buffers that each call copies the
-//! caller's inputs into, and its output buffers, which each call copies into fresh tensors
-//! for the caller: a later replay never changes what the caller holds.
+//! at the addresses baked into the graph) and its output buffers, which each call copies into
+//! fresh tensors for the caller: a later replay never changes what the caller holds. It reads
+//! its inputs where the first call's lay while calls pass tensors there, else from static
+//! buffers that each call copies the caller's inputs into.
 
 use crate::exec::Program;
 use crate::fusion::{Group, Plan, Step};
@@ -14,7 +16,7 @@ use crate::graph::{Graph, Kind, NodeId};
 use kiln_tensor::cuda;
 use kiln_tensor::cuda::codegen::{FusedGroup, FusedInput, FusedKernel, FusedMember, FusedSrc};
 use kiln_tensor::cuda::compiled::{self as cc, CudaGraph, FusedModule, Pool};
-use kiln_tensor::op::OutMeta;
+use kiln_tensor::op::{Op, OutMeta};
 use kiln_tensor::rng::GeneratorState;
 use kiln_tensor::storage::StorageCell;
 use kiln_tensor::{DType, Device, Distribution, Error, Result, Tensor};
@@ -196,7 +198,8 @@ impl GpuParts {
     }
 
     /// One step. With `capture`, the first call runs the step and then captures it; later
-    /// calls copy the inputs in, replay the graph and copy the outputs out.
+    /// calls replay the graph (copying the inputs in first unless they lie where the graph
+    /// reads them) and copy the outputs out.
     pub fn run(&self, p: &Program, inputs: &[Arc<StorageCell>], gen: GeneratorState) -> Result<Vec<Tensor>> {
         if let Some(state) = &self.rng {
             cc::write_i64(state, &[gen.seed as i64, gen.offset as i64])?;
@@ -205,7 +208,8 @@ impl GpuParts {
         // then compiles them all at once on threads instead of one by one as each is reached.
         // (Not in anomaly mode: its host checks would read the dry run's unwritten buffers.)
         if !self.prepared.swap(true, Ordering::Relaxed) && !kiln_tensor::is_anomaly_detection() {
-            cc::prepare(p.device, || p.execute(inputs, gen, false))?;
+            let products = p.graph.nodes.iter().any(|n| matches!(&n.kind, Kind::Op(Op::Matmul | Op::MatmulFused(_), _)));
+            cc::prepare(p.device, products, || p.execute(inputs, gen, false))?;
         }
         if self.tune.swap(false, Ordering::Relaxed) {
             let before = kiln_tensor::cuda::lt::tuning_stats();

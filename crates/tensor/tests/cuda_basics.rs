@@ -62,8 +62,17 @@ fn a_dry_run_notes_kernels_and_changes_nothing() {
     r.unwrap();
     assert!(!noted.is_empty(), "the dry run noted no kernels");
     assert_eq!(p.to_vec::<f32>().unwrap(), vec![1.0, 2.0, 3.0], "a dry run changed a tensor");
+    // Nested, the inner run's notes are the outer run's too, and the outer run stays dry after it.
+    let (inner, outer) = dry_run(|| {
+        let (r, inner) = dry_run(work);
+        r.unwrap();
+        p.mul_scalar_(5.0).unwrap();
+        inner
+    });
+    assert!(!inner.is_empty() && outer.len() >= inner.len(), "{} noted inside, {} outside", inner.len(), outer.len());
+    assert_eq!(p.to_vec::<f32>().unwrap(), vec![1.0, 2.0, 3.0], "a nested dry run changed a tensor");
     // Preparing compiles them; the real run then gives the eager answer.
-    let n = prepare(dev, work).unwrap();
+    let n = prepare(dev, true, work).unwrap();
     assert!(n >= 1, "prepare compiled {n} programs");
     work().unwrap();
     let y = [0.5f32 * 1.0 - 2.0 + 6.0, 1.5 + 0.5 - 2.25];

@@ -54,6 +54,7 @@ impl Blas {
 /// Starts cuBLAS and cuBLASLt on `g` (loading the libraries and making the handles takes
 /// about 0.25 s): a compiled step's first call does it on a thread beside NVRTC.
 pub(crate) fn start(g: &Arc<Gpu>) -> Result<()> {
+    g.bind()?;
     let started = std::time::Instant::now();
     let mut guard = g.blas.lock().unwrap_or_else(|e| e.into_inner());
     let blas = get(&mut guard, g)?;

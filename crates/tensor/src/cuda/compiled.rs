@@ -1,6 +1,7 @@
-//! What the compiler's CUDA back end needs from a GPU: buffers as storage cells, one module
-//! of fused kernels per compiled graph, random draws whose seed and offset live on the
-//! device, raw copies, and graph capture with a private memory pool.
+//! What the compiler's CUDA back end needs from a GPU: buffers as storage cells, a compiled
+//! graph's fused kernels (in a few NVRTC programs), the dry run that compiles a step's
+//! kernels at once, random draws whose seed and offset live on the device, raw copies, and
+//! graph capture with a private memory pool.
 
 use super::codegen::{fused_module, FusedGroup, FusedKernel, FUSED_BLOCK};
 use super::gpu::{gpu, Gpu, Kernel};
@@ -107,31 +108,37 @@ pub fn rand_from_state(state: &Arc<StorageCell>, dist: Distribution, offset: u64
 }
 
 /// Runs `f`, work for `device`, dry (`dry_run`: nothing reaches the device), then compiles
-/// every kernel it asked for at once, on threads, so that its real run finds them loaded.
-/// Returns how many NVRTC programs were compiled (or found in the disk cache).
-pub fn prepare<R>(device: Device, f: impl FnOnce() -> R) -> Result<usize> {
+/// every kernel it asked for at once, on threads, so that its real run finds them loaded;
+/// with `products`, cuBLAS starts on a thread beside them. Returns how many NVRTC programs
+/// were compiled (or found in the disk cache); one that fails is left to its first real use,
+/// which reports the error.
+pub fn prepare<R>(device: Device, products: bool, f: impl FnOnce() -> R) -> Result<usize> {
     let start = std::time::Instant::now();
     let g = gpu(ordinal(device)?)?;
-    // cuBLAS starts beside the dry run and NVRTC (its error, if any, comes back at the
-    // first product of the real run).
-    let blas = {
+    // (Its error, if any, comes back at the first product of the real run.)
+    let blas = products.then(|| {
         let g = g.clone();
         std::thread::spawn(move || super::blas::start(&g))
-    };
+    });
     let (_, wanted) = dry_run(|| crate::profile::paused(f));
     let dry = start.elapsed();
-    let n = g.compile(wanted);
-    let _ = blas.join();
-    let n = n?;
+    let noted = wanted.len();
+    let compiled = g.compile(wanted);
+    if let Some(b) = blas {
+        let _ = b.join();
+    }
     if super::log_on("time") {
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
         eprintln!(
-            "[kiln time] dry run {:.1} ms, then {n} CUDA programs compiled at once (and cuBLAS started) in {:.1} ms",
+            "[kiln time] dry run {:.1} ms, then {noted} CUDA programs compiled at once in {:.1} ms",
             ms(dry),
             ms(start.elapsed() - dry)
         );
     }
-    Ok(n)
+    if let Err(e) = &compiled {
+        eprintln!("kiln: compiling a step's kernels ahead of its first run failed ({e}); they compile as the run reaches them");
+    }
+    Ok(compiled.unwrap_or(0))
 }
 
 /// A compiled graph's fused kernels: their sources are made at once, their NVRTC programs

@@ -60,36 +60,52 @@ pub fn is_dry() -> bool {
 
 /// Runs `f` dry: every kernel it asks for that is not loaded yet is noted instead of
 /// compiled, and nothing it queues reaches the device (no launch, device copy, memset or
-/// GEMM; allocations and host-to-device writes happen). Returns `f`'s result, meaningless
-/// as data, and the kernels noted, which `Gpu::compile` then compiles all at once. A compiled
-/// step's first call runs itself dry first so that its kernels compile in parallel.
+/// GEMM; allocations and host-to-device writes happen, and host reads read whatever the
+/// buffers hold). Returns `f`'s result, meaningless as data, and the kernels noted, which
+/// `Gpu::compile` then compiles all at once. A compiled step's first call runs itself dry
+/// first so that its kernels compile in parallel. Nested in another dry run, its notes are
+/// the outer run's too.
 pub fn dry_run<R>(f: impl FnOnce() -> R) -> (R, Vec<Wanted>) {
-    struct Reset;
-    impl Drop for Reset {
+    /// Puts back the outer run's list (with this run's notes added), or ends the dry run.
+    struct Restore(Option<Vec<Wanted>>);
+    impl Drop for Restore {
         fn drop(&mut self) {
-            DRY.with(|d| d.borrow_mut().take());
+            let outer = self.0.take();
+            DRY.with(|d| {
+                let mut d = d.borrow_mut();
+                let inner = d.take().unwrap_or_default();
+                *d = outer.map(|mut o| {
+                    merge(&mut o, &inner);
+                    o
+                });
+            });
         }
     }
-    DRY.with(|d| *d.borrow_mut() = Some(Vec::new()));
-    let reset = Reset;
+    let outer = DRY.with(|d| d.borrow_mut().replace(Vec::new()));
+    let restore = Restore(outer);
     let r = f();
-    let wanted = DRY.with(|d| d.borrow_mut().take()).unwrap_or_default();
-    drop(reset);
+    let wanted = DRY.with(|d| d.borrow().clone()).unwrap_or_default();
+    drop(restore);
     (r, wanted)
+}
+
+/// Adds to `list` the programs of `wanted` it lacks (by first key).
+fn merge(list: &mut Vec<Wanted>, wanted: &[Wanted]) {
+    for w in wanted {
+        if !list.iter().any(|x| x.keys[0] == w.keys[0]) {
+            list.push(w.clone());
+        }
+    }
 }
 
 /// In a dry run, notes `wanted` (once per first key) and returns true; else false.
 fn note(wanted: &[Wanted]) -> bool {
-    DRY.with(|d| {
-        let mut d = d.borrow_mut();
-        let Some(list) = d.as_mut() else { return false };
-        for w in wanted {
-            if !list.iter().any(|x| x.keys[0] == w.keys[0]) {
-                list.push(w.clone());
-            }
-        }
-        true
-    })
+    DRY.with(|d| d.borrow_mut().as_mut().map(|list| merge(list, wanted)).is_some())
+}
+
+/// Whether this thread is in a dry run that has already noted the program of `key`.
+fn noted(key: u64) -> bool {
+    DRY.with(|d| d.borrow().as_ref().is_some_and(|list| list.iter().any(|w| w.keys[0] == key)))
 }
 
 pub struct Gpu {
@@ -467,6 +483,9 @@ impl Gpu {
         if let Some(ks) = found(&self.kernels.lock().unwrap_or_else(|e| e.into_inner())) {
             return Ok(ks);
         }
+        if noted(keys[0]) {
+            return Ok([Kernel::NOTED; N]);
+        }
         let wanted = wanted();
         if note(&wanted) {
             return Ok([Kernel::NOTED; N]);
@@ -476,10 +495,13 @@ impl Gpu {
             .ok_or_else(|| Error::Msg(format!("compiled kernels do not cover the keys asked for ({keys:x?})")))
     }
 
-    /// `kernels_ready` for any number of kernels (allocates: for lookups done once); `None`
-    /// in a dry run, which only notes them.
+    /// `kernels_ready` for any number of kernels (allocates: for callers that keep what it
+    /// returns); `None` in a dry run, which only notes them (once).
     pub fn kernels_listed(&self, keys: &[u64], wanted: impl FnOnce() -> Vec<Wanted>) -> Result<Option<Vec<Kernel>>> {
         let found = |map: &HashMap<u64, Kernel>| -> Option<Vec<Kernel>> { keys.iter().map(|k| map.get(k).copied()).collect() };
+        if keys.first().is_some_and(|k| noted(*k)) {
+            return Ok(None);
+        }
         if let Some(ks) = found(&self.kernels.lock().unwrap_or_else(|e| e.into_inner())) {
             return Ok(Some(ks));
         }
@@ -493,7 +515,8 @@ impl Gpu {
     }
 
     /// Compiles (through the CUBIN disk cache), loads and keeps every program of `wanted` not
-    /// loaded yet, the programs on threads at once. Returns how many programs that was.
+    /// loaded yet, the programs on threads at once. Returns how many programs that was; a
+    /// program that fails does not stop the others, and the first failure is the error.
     pub fn compile(&self, wanted: Vec<Wanted>) -> Result<usize> {
         let todo: Vec<Wanted> = {
             let map = self.kernels.lock().unwrap_or_else(|e| e.into_inner());
@@ -505,17 +528,23 @@ impl Gpu {
         }
         let cubins = super::nvrtc::cubins(&jobs, self.arch);
         let mut map = self.kernels.lock().unwrap_or_else(|e| e.into_inner());
+        let mut first_error = None;
         for (w, cubin) in todo.iter().zip(cubins) {
             let names: Vec<&str> = w.names.iter().map(String::as_str).collect();
-            let loaded = self.load_cubin(&cubin?, &w.job.1, &names)?;
-            for ((key, k), &bytes) in w.keys.iter().zip(loaded).zip(&w.shared) {
-                if bytes > 48 * 1024 {
-                    self.allow_shared(k, bytes)?;
+            let loaded = cubin.and_then(|c| self.load_cubin(&c, &w.job.1, &names)).and_then(|ks| {
+                for (k, &bytes) in ks.iter().zip(&w.shared) {
+                    if bytes > 48 * 1024 {
+                        self.allow_shared(*k, bytes)?;
+                    }
                 }
-                map.insert(*key, k);
+                Ok(ks)
+            });
+            match loaded {
+                Ok(ks) => map.extend(w.keys.iter().copied().zip(ks)),
+                Err(e) => first_error = first_error.or(Some(e)),
             }
         }
-        Ok(todo.len())
+        first_error.map_or(Ok(todo.len()), Err)
     }
 
     /// Loads a CUBIN made by NVRTC for this GPU and returns the kernels `names` in order.

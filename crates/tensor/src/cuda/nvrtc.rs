@@ -55,17 +55,35 @@ pub fn cubin(src: &str, name: &str, arch: &str) -> Result<Vec<u8>> {
     Ok(bin)
 }
 
-/// `cubin` for several sources (source, name) at once, each on a thread of its own (NVRTC
-/// compiles independent programs concurrently), for a GPU of compute capability `cc`; the
-/// results in order.
+/// `cubin` for several sources (source, name) at once on up to one thread a core (NVRTC
+/// compiles independent programs concurrently; the longest sources start first), for a GPU of
+/// compute capability `cc`; the results in order.
 pub fn cubins(jobs: &[(String, String)], cc: (i32, i32)) -> Vec<Result<Vec<u8>>> {
     if let [(src, name)] = jobs {
         return vec![cubin(src, name, &target(src, cc))];
     }
+    let mut order: Vec<usize> = (0..jobs.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(jobs[i].0.len()));
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results: Vec<std::sync::Mutex<Option<Result<Vec<u8>>>>> = jobs.iter().map(|_| Default::default()).collect();
+    let work = || {
+        while let Some(&i) = order.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
+            let (src, name) = &jobs[i];
+            *results[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(cubin(src, name, &target(src, cc)));
+        }
+    };
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     std::thread::scope(|scope| {
-        let threads: Vec<_> = jobs.iter().map(|(src, name)| scope.spawn(move || cubin(src, name, &target(src, cc)))).collect();
-        threads.into_iter().map(|t| t.join().unwrap_or_else(|_| Err(Error::Msg("NVRTC thread panicked".into())))).collect()
-    })
+        // A thread that cannot be started leaves its share to the others (and to this one).
+        for _ in 1..cores.min(jobs.len()) {
+            let _ = std::thread::Builder::new().spawn_scoped(scope, work);
+        }
+        work();
+    });
+    results
+        .into_iter()
+        .map(|r| r.into_inner().unwrap_or_else(|e| e.into_inner()).unwrap_or_else(|| Err(Error::Msg("NVRTC thread panicked".into()))))
+        .collect()
 }
 
 /// Compiles `src` for `arch` (e.g. "sm_90"): a CUBIN when `binary`, else PTX text bytes.
