@@ -233,20 +233,21 @@ impl GpuParts {
             .captured
             .lock()
             .map_err(|_| Error::Msg("compile: an earlier step panicked while capturing or replaying its CUDA graph".into()))?;
-        let addresses = inputs.iter().map(|c| cc::address(c)).collect::<Result<Vec<u64>>>()?;
-        if let Some(c) = slot.as_ref() {
-            match &c.inputs {
-                Inputs::Direct(at) if *at == addresses => {}
-                Inputs::Direct(_) => {
-                    // Inputs elsewhere: from now on the graph reads copies (captured again,
-                    // the old graph and its pool dropped first).
-                    *slot = None;
-                    return self.capture_and_replay(p, inputs, gen, &mut slot);
+        if let Some(Captured { inputs: Inputs::Direct(at), .. }) = slot.as_ref() {
+            if !same_addresses(at, inputs)? {
+                // Inputs elsewhere: from now on the graph reads copies (captured again, the old
+                // graph and its pool dropped first).
+                *slot = None;
+                match self.capture_copied(p, inputs, gen)? {
+                    Some(c) => *slot = Some(c),
+                    None => return p.execute(inputs, gen, true),
                 }
-                Inputs::Copied(statics) => {
-                    for (dst, src) in statics.iter().zip(inputs) {
-                        cc::copy_cell(dst, src)?;
-                    }
+            }
+        }
+        if let Some(c) = slot.as_ref() {
+            if let Inputs::Copied(statics) = &c.inputs {
+                for (dst, src) in statics.iter().zip(inputs) {
+                    cc::copy_cell(dst, src)?;
                 }
             }
             cc::launch_graph(&c.graph)?;
@@ -258,6 +259,7 @@ impl GpuParts {
         let ran = start.elapsed();
         let pool = cc::new_pool(p.device)?;
         // The graph's outputs stay its own buffers; each call copies them for the caller.
+        let addresses = inputs.iter().map(|c| cc::address(c)).collect::<Result<Vec<u64>>>()?;
         match cc::capture(p.device, &pool, || p.execute(inputs, gen, false)) {
             Ok((graph, outputs)) => *slot = Some(Captured { graph, inputs: Inputs::Direct(addresses), outputs, _pool: pool }),
             Err(e) => self.capture_failed(e),
@@ -267,14 +269,9 @@ impl GpuParts {
         Ok(out)
     }
 
-    /// Captures the step reading static copies of its inputs, then runs it on `inputs`.
-    fn capture_and_replay(
-        &self,
-        p: &Program,
-        inputs: &[Arc<StorageCell>],
-        gen: GeneratorState,
-        slot: &mut Option<Captured>,
-    ) -> Result<Vec<Tensor>> {
+    /// The step captured reading static buffers like `inputs` (each call copies its inputs
+    /// into them); `None` if the capture failed (later calls then run without a graph).
+    fn capture_copied(&self, p: &Program, inputs: &[Arc<StorageCell>], gen: GeneratorState) -> Result<Option<Captured>> {
         let pool = cc::new_pool(p.device)?;
         let statics: Vec<Arc<StorageCell>> = inputs
             .iter()
@@ -284,18 +281,10 @@ impl GpuParts {
             })
             .collect::<Result<_>>()?;
         match cc::capture(p.device, &pool, || p.execute(&statics, gen, false)) {
-            Ok((graph, outputs)) => {
-                for (dst, src) in statics.iter().zip(inputs) {
-                    cc::copy_cell(dst, src)?;
-                }
-                cc::launch_graph(&graph)?;
-                let out = outputs.iter().map(|t| t.copy()).collect();
-                *slot = Some(Captured { graph, inputs: Inputs::Copied(statics), outputs, _pool: pool });
-                out
-            }
+            Ok((graph, outputs)) => Ok(Some(Captured { graph, inputs: Inputs::Copied(statics), outputs, _pool: pool })),
             Err(e) => {
                 self.capture_failed(e);
-                p.execute(inputs, gen, true)
+                Ok(None)
             }
         }
     }
@@ -305,4 +294,14 @@ impl GpuParts {
         eprintln!("kiln compile: capturing the step as a CUDA graph failed ({e}); running it without a graph");
         self.capture.store(false, Ordering::Relaxed);
     }
+}
+
+/// Whether every input cell lies at the address the graph was captured with.
+fn same_addresses(at: &[u64], inputs: &[Arc<StorageCell>]) -> Result<bool> {
+    for (a, c) in at.iter().zip(inputs) {
+        if cc::address(c)? != *a {
+            return Ok(false);
+        }
+    }
+    Ok(at.len() == inputs.len())
 }

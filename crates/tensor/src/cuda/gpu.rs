@@ -483,14 +483,9 @@ impl Gpu {
         if let Some(ks) = found(&self.kernels.lock().unwrap_or_else(|e| e.into_inner())) {
             return Ok(ks);
         }
-        if noted(keys[0]) {
+        if self.make(keys[0], wanted)? {
             return Ok([Kernel::NOTED; N]);
         }
-        let wanted = wanted();
-        if note(&wanted) {
-            return Ok([Kernel::NOTED; N]);
-        }
-        self.compile(wanted)?;
         found(&self.kernels.lock().unwrap_or_else(|e| e.into_inner()))
             .ok_or_else(|| Error::Msg(format!("compiled kernels do not cover the keys asked for ({keys:x?})")))
     }
@@ -499,19 +494,28 @@ impl Gpu {
     /// returns); `None` in a dry run, which only notes them (once).
     pub fn kernels_listed(&self, keys: &[u64], wanted: impl FnOnce() -> Vec<Wanted>) -> Result<Option<Vec<Kernel>>> {
         let found = |map: &HashMap<u64, Kernel>| -> Option<Vec<Kernel>> { keys.iter().map(|k| map.get(k).copied()).collect() };
-        if keys.first().is_some_and(|k| noted(*k)) {
-            return Ok(None);
-        }
         if let Some(ks) = found(&self.kernels.lock().unwrap_or_else(|e| e.into_inner())) {
             return Ok(Some(ks));
         }
-        let wanted = wanted();
-        if note(&wanted) {
+        if keys.first().map_or(Ok(false), |&k| self.make(k, wanted))? {
             return Ok(None);
         }
-        self.compile(wanted)?;
         let ks = found(&self.kernels.lock().unwrap_or_else(|e| e.into_inner()));
         ks.map(Some).ok_or_else(|| Error::Msg("compiled kernels do not cover the keys asked for".into()))
+    }
+
+    /// After a lookup of the program whose first key is `first` missed: in a dry run notes
+    /// `wanted()` (once) and returns true; else compiles it and returns false.
+    fn make(&self, first: u64, wanted: impl FnOnce() -> Vec<Wanted>) -> Result<bool> {
+        if noted(first) {
+            return Ok(true);
+        }
+        let wanted = wanted();
+        if note(&wanted) {
+            return Ok(true);
+        }
+        self.compile(wanted)?;
+        Ok(false)
     }
 
     /// Compiles (through the CUBIN disk cache), loads and keeps every program of `wanted` not
