@@ -478,6 +478,24 @@ fn products_at_the_mlp_shapes_match_the_cpu() {
                 v[0].matmul(&v[1])
             });
         }
+        // The few-rows kernel (at most 32 rows, in one launch): the MLP's first layer with
+        // bias and ReLU (its weight read transposed), ragged rows, columns and contraction
+        // with B's rows contiguous, one row, and A read down a transposed buffer.
+        both(&format!("few x w1^T + b1, relu {dt:?}"), &[x.clone(), randn(&[256, 784], 130, dt), b1.clone()], t, |v| {
+            fused(E::Relu)(&[v[0].clone(), v[1].t()?, v[2].clone()])
+        });
+        both(&format!("few [19, 300] x [300, 37] {dt:?}"), &[randn(&[19, 300], 131, dt), randn(&[300, 37], 132, dt)], t, |v| {
+            v[0].matmul(&v[1])
+        });
+        both(
+            &format!("few [1, 129] x [129, 100] + b {dt:?}"),
+            &[randn(&[1, 129], 133, dt), randn(&[129, 100], 134, dt), randn(&[100], 135, dt)],
+            t,
+            |v| v[0].matmul_bias(&v[1], &v[2]),
+        );
+        both(&format!("few a^T [5, 200] x [200, 40] {dt:?}"), &[randn(&[200, 5], 136, dt), randn(&[200, 40], 137, dt)], t, |v| {
+            v[0].t()?.matmul(&v[1])
+        });
     }
 }
 

@@ -16,7 +16,7 @@ use crate::graph::{Graph, Kind, NodeId};
 use kiln_tensor::cuda;
 use kiln_tensor::cuda::codegen::{FusedGroup, FusedInput, FusedKernel, FusedMember, FusedSrc};
 use kiln_tensor::cuda::compiled::{self as cc, CudaGraph, FusedModule, Pool};
-use kiln_tensor::op::{Op, OutMeta};
+use kiln_tensor::op::OutMeta;
 use kiln_tensor::rng::GeneratorState;
 use kiln_tensor::storage::StorageCell;
 use kiln_tensor::{DType, Device, Distribution, Error, Result, Tensor};
@@ -208,8 +208,7 @@ impl GpuParts {
         // then compiles them all at once on threads instead of one by one as each is reached.
         // (Not in anomaly mode: its host checks would read the dry run's unwritten buffers.)
         if !self.prepared.swap(true, Ordering::Relaxed) && !kiln_tensor::is_anomaly_detection() {
-            let products = p.graph.nodes.iter().any(|n| matches!(&n.kind, Kind::Op(Op::Matmul | Op::MatmulFused(_), _)));
-            cc::prepare(p.device, products, || p.execute(inputs, gen, false))?;
+            cc::prepare(p.device, || p.execute(inputs, gen, false))?;
         }
         if self.tune.swap(false, Ordering::Relaxed) {
             let before = kiln_tensor::cuda::lt::tuning_stats();

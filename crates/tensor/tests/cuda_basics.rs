@@ -72,7 +72,7 @@ fn a_dry_run_notes_kernels_and_changes_nothing() {
     assert!(!inner.is_empty() && outer.len() >= inner.len(), "{} noted inside, {} outside", inner.len(), outer.len());
     assert_eq!(p.to_vec::<f32>().unwrap(), vec![1.0, 2.0, 3.0], "a nested dry run changed a tensor");
     // Preparing compiles them; the real run then gives the eager answer.
-    let n = prepare(dev, true, work).unwrap();
+    let n = prepare(dev, work).unwrap();
     assert!(n >= 1, "prepare compiled {n} programs");
     work().unwrap();
     let y = [0.5f32 * 1.0 - 2.0 + 6.0, 1.5 + 0.5 - 2.25];

@@ -52,7 +52,8 @@ impl Blas {
 }
 
 /// Starts cuBLAS and cuBLASLt on `g` (loading the libraries and making the handles takes
-/// about 0.25 s): a compiled step's first call does it on a thread beside NVRTC.
+/// about 0.15 s): a compiled step's dry run does it on a thread (`Gpu::start_blas`) beside
+/// the rest of the dry run and NVRTC.
 pub(crate) fn start(g: &Arc<Gpu>) -> Result<()> {
     g.bind()?;
     let started = std::time::Instant::now();
@@ -346,6 +347,7 @@ pub fn matmul_fused(
             }
             Own::Short => super::kernels::matmul_short(g, a, b, rest.sums.map(|(_, _, at)| at), &out)?,
             Own::Narrow => super::kernels::matmul_narrow(g, a, b, rest.bias, rest.relu, &out)?,
+            Own::Few => super::kernels::matmul_few(g, a, b, rest.bias, rest.relu, &out)?,
         }
         return Ok(out);
     }
@@ -355,9 +357,10 @@ pub fn matmul_fused(
     let (dt, compute) = data_type(meta.dtype)?;
     let op = |t: bool| if t { bs::cublasOperation_t::CUBLAS_OP_T } else { bs::cublasOperation_t::CUBLAS_OP_N };
     let (alpha, beta) = one_and_zero(meta.dtype == DType::F64);
-    // A dry run does not wait for cuBLAS to start (`start` may be doing that on another
-    // thread): it asks for the kernels the cuBLAS path could need and is done.
+    // A dry run does not wait for cuBLAS to start: it starts it on another thread (once),
+    // asks for the kernels the cuBLAS path could need and is done.
     if super::gpu::is_dry() && !g.blas.try_lock().is_ok_and(|b| b.is_some()) {
+        g.start_blas();
         return finish(g, out, rest, &shape);
     }
     let mut guard = g.blas.lock().unwrap_or_else(|e| e.into_inner());
@@ -457,6 +460,8 @@ enum Own {
     Short,
     /// At most 16 columns, A's rows contiguous, with a bias and ReLU at most (`matmul_narrow`).
     Narrow,
+    /// At most 32 rows, with a bias and ReLU at most (`matmul_few`).
+    Few,
 }
 
 /// An `Own` kernel for a product, with 2-D views of A and B.
@@ -476,7 +481,7 @@ fn own_product(
     (sb, lb): (&CudaStorage, &Layout),
     rest: &Rest,
 ) -> Option<OwnProduct> {
-    use super::codegen::{NARROW_MAX_N, SHORT_CHUNK, SHORT_MAX_M, SHORT_MIN_K};
+    use super::codegen::{FEW_COLS, FEW_MAX_M, NARROW_MAX_N, SHORT_CHUNK, SHORT_MAX_M, SHORT_MIN_K, THIN_MAX_K};
     if !matches!(dtype, DType::F32 | DType::F64) || batch != 1 {
         return None;
     }
@@ -515,6 +520,13 @@ fn own_product(
         && (la.strides[r - 1] == 1 || k == 1)
     {
         Own::Narrow
+    } else if mask == Some(true)
+        && sums.is_none()
+        && (1..=FEW_MAX_M).contains(&m)
+        && k > THIN_MAX_K
+        && n.div_ceil(FEW_COLS) * m * k <= FEW_MAX_READS
+    {
+        Own::Few
     } else {
         return None;
     };
@@ -661,6 +673,10 @@ const SHORT_MAX_PARTIALS: usize = 1 << 22;
 
 /// The longest contraction `Own::Narrow` takes (a warp walks it serially).
 const NARROW_MAX_K: usize = 8192;
+
+/// The most elements of A the few-rows kernel's blocks read in all (each block reads its rows
+/// of A whole, so a wide product reads A many times; cuBLAS's tiles share it better).
+const FEW_MAX_READS: usize = 1 << 22;
 
 /// The last two dims of a layout as a 2-D view `[rows, cols]`.
 fn view2(l: &Layout, rows: usize, cols: usize) -> Layout {

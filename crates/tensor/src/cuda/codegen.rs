@@ -926,6 +926,112 @@ pub fn matmul_thin_source(dtype: DType, k: usize, drelu: bool, vec4: bool, sums:
     (s, name)
 }
 
+/// The most rows `matmul_few_source` takes, its columns a block and its threads.
+pub const FEW_MAX_M: usize = 32;
+pub const FEW_COLS: usize = 8;
+pub const FEW_THREADS: usize = 256;
+/// The contraction's chunk a `matmul_few_source` block stages at a time.
+const FEW_CHUNK: usize = 128;
+
+/// Rows of A a `matmul_few_source` block takes: shared memory for F64 holds half as many.
+pub fn few_rows_per_block(dtype: DType) -> usize {
+    if dtype == DType::F64 {
+        8
+    } else {
+        16
+    }
+}
+
+/// `o [m, n] = a [m, k] b [k, n] (+ bias) (ReLU)` for a few rows (at most `FEW_MAX_M`: a
+/// small batch through a Linear layer) in one launch, where cuBLAS splits the contraction
+/// over blocks and adds the parts in a second kernel (MLP b32's `[32, 784] x [784, 256]`:
+/// 5.3 + 4.5 us, session 25). Block (x, y) takes `FEW_COLS` columns and `MT` rows; its
+/// threads are `FEW_COLS` columns by `SL` slices of the contraction. A and B go through
+/// shared memory a chunk at a time, the next chunk read into registers while this one is
+/// multiplied; each thread keeps `MT` partial sums (4 consecutive k of each chunk), and the
+/// slices' sums are added in a fixed order at the end. The ReLU maps NaN to 0, as
+/// cuBLASLt's epilogue does.
+pub fn matmul_few_source(dtype: DType) -> (String, String) {
+    let mt = few_rows_per_block(dtype);
+    let name = format!("k_matmul_few_{}_m{mt}", format!("{dtype:?}").to_lowercase());
+    let (t, c) = (storage_type(dtype), compute_type(dtype));
+    let sl = FEW_THREADS / FEW_COLS;
+    let mut s = format!("{PRELUDE}\ntypedef {c} C;\n#define MT {mt}\n#define NT {FEW_COLS}\n#define KC {FEW_CHUNK}\n#define SL {sl}\n");
+    s += &format!("#define KS {}\n#define LD (KC + 4)\n#define RS (MT * NT + 8)\n", FEW_CHUNK / sl);
+    s += &format!("#define PA (MT * KC / {FEW_THREADS})\n#define PB (NT * KC / {FEW_THREADS})\n");
+    s += "struct FArgs { long long m, n, k, sam, sak, sbk, sbn, sbias; int has_bias, relu; };\n";
+    s += &format!(
+        "extern \"C\" __global__ void __launch_bounds__({FEW_THREADS}) {name}({t}* __restrict__ o, const {t}* __restrict__ a, \
+         const {t}* __restrict__ b, const {t}* __restrict__ bias, FArgs g) {{\n"
+    );
+    // Rows of As/Bs are padded by 4: a quarter-warp reading 4 consecutive k of 8 columns (or
+    // of one row, broadcast) touches distinct banks; so are the slices' rows of partial sums.
+    s += r#"  __shared__ __align__(16) C as[MT * LD];
+  __shared__ __align__(16) C bs[NT * LD];
+  __shared__ C red[SL * RS];
+  const int tid = threadIdx.x, c = tid % NT, sl = tid / NT;
+  const long long row0 = blockIdx.y * (long long)MT, col0 = blockIdx.x * (long long)NT;
+  C pa[PA], pb[PB], acc[MT];
+#pragma unroll
+  for (int i = 0; i < MT; ++i) acc[i] = (C)0;
+  // Element e of a chunk: A's (e / KC, e % KC), B's column e / KC (k fastest, as a weight
+  // [n, k] lies) or, B's rows contiguous, column e % NT (columns fastest).
+  auto fetch = [&](long long k0) {
+#pragma unroll
+    for (int q = 0; q < PA; ++q) {
+      const int e = tid + q * blockDim.x, i = e / KC, kk = e % KC;
+      const long long r = row0 + i, k = k0 + kk;
+      pa[q] = (r < g.m && k < g.k) ? (C)ld(a[r * g.sam + k * g.sak]) : (C)0;
+    }
+#pragma unroll
+    for (int q = 0; q < PB; ++q) {
+      const int e = tid + q * blockDim.x;
+      const int j = g.sbk == 1 ? e / KC : e % NT, kk = g.sbk == 1 ? e % KC : e / NT;
+      const long long col = col0 + j, k = k0 + kk;
+      pb[q] = (col < g.n && k < g.k) ? (C)ld(b[k * g.sbk + col * g.sbn]) : (C)0;
+    }
+  };
+  fetch(0);
+  for (long long k0 = 0; k0 < g.k; k0 += KC) {
+    __syncthreads();
+#pragma unroll
+    for (int q = 0; q < PA; ++q) { const int e = tid + q * blockDim.x; as[(e / KC) * LD + e % KC] = pa[q]; }
+#pragma unroll
+    for (int q = 0; q < PB; ++q) {
+      const int e = tid + q * blockDim.x;
+      const int j = g.sbk == 1 ? e / KC : e % NT, kk = g.sbk == 1 ? e % KC : e / NT;
+      bs[j * LD + kk] = pb[q];
+    }
+    __syncthreads();
+    if (k0 + KC < g.k) fetch(k0 + KC);
+    C bv[KS];
+#pragma unroll
+    for (int q = 0; q < KS; ++q) bv[q] = bs[c * LD + sl * KS + q];
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+#pragma unroll
+      for (int q = 0; q < KS; ++q) acc[i] += as[i * LD + sl * KS + q] * bv[q];
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < MT; ++i) red[sl * RS + i * NT + c] = acc[i];
+  __syncthreads();
+  if (tid < MT * NT) {
+    const int i = tid / NT, j = tid % NT;
+    const long long r = row0 + i, col = col0 + j;
+    C v = (C)0;
+    for (int q = 0; q < SL; ++q) v += red[q * RS + tid];
+    if (r < g.m && col < g.n) {
+      if (g.has_bias) v += (C)ld(bias[col * g.sbias]);
+      if (g.relu) v = v > (C)0 ? v : (C)0;
+      st(&o[r * g.n + col], v);
+    }
+  }
+}
+"#;
+    (s, name)
+}
+
 /// Threads of a `matmul_narrow_source` block (a warp per row).
 pub const NARROW_THREADS: usize = 256;
 
@@ -1011,11 +1117,11 @@ pub fn linear_xent_blocks(n: usize, cluster: bool) -> (usize, usize) {
 }
 
 /// Shared memory a block of `linear_xent_source` needs for `n` rows, `c` classes and `f`
-/// features: the weight and its rows of h (padded), their logits, every row's gradient,
-/// every row of h in the block's share of the columns, and the bias.
+/// features: the targets, the weight and its rows of h (padded), their logits, every row's
+/// gradient, every row of h in the block's share of the columns, and the bias.
 pub fn linear_xent_smem_bytes(n: usize, c: usize, f: usize, cluster: bool) -> usize {
     let (per, blocks) = linear_xent_blocks(n, cluster);
-    ((per + c) * (f + 1) + per * c + n * c + n * f.div_ceil(blocks) + c) * 4
+    ((per + c) * (f + 1) + per * c + n * c + n * f.div_ceil(blocks) + c) * 4 + n * 8
 }
 
 /// Whether `linear_xent_source` runs `Op::LinearCrossEntropyMean` at this size (F32 only):
@@ -1030,7 +1136,8 @@ pub fn linear_xent_fits(dtype: DType, n: usize, c: usize, f: usize) -> bool {
 /// `Op::LinearCrossEntropyMean` in one launch, the rows split over a cluster of blocks
 /// (`linear_xent_blocks`; block z takes rows `z * per ..` and columns `z * ceil(F / blocks) ..`).
 /// Each block first stages, all loads in flight at once, the weight `[C, F]`, its rows of h
-/// (rows padded by one float: no bank conflicts), its columns of h and the bias; computes
+/// (rows padded by one float: no bank conflicts), its columns of h, the bias and the targets
+/// (read later, they cost a second trip to memory: about 1 us); computes
 /// its logits `h w^T + b` (a warp per logit), counts every real target, and takes each of its
 /// rows' loss and gradient (`xent_row`, a thread a row, the gradient over the logits in place)
 /// and h's gradient `g w` (times `step(h)` with `drelu`). After the cluster's barrier each
@@ -1053,13 +1160,14 @@ pub fn linear_xent_source(dtype: DType, cluster: bool) -> (String, String) {
     }
     s += &format!(
         "extern \"C\" __global__ void __launch_bounds__({LINEAR_XENT_THREADS}) {name}({t}* __restrict__ o, const {t}* __restrict__ hp, \
-         const {t}* __restrict__ wp, const {t}* __restrict__ bp, const long long* __restrict__ tg0, long long* err, XArgs a, LArgs l) {{\n"
+         const {t}* __restrict__ wp, const {t}* __restrict__ bp, const long long* __restrict__ tgp, long long* err, XArgs a, LArgs l) {{\n"
     );
-    s += &format!("  extern __shared__ C smem[];\n  __shared__ C sh[32], mine, parts[{LINEAR_XENT_MAX_BLOCKS}];\n");
+    s += &format!("  extern __shared__ __align__(8) C smem[];\n  __shared__ C sh[32], mine, parts[{LINEAR_XENT_MAX_BLOCKS}];\n");
     s += r#"  const int N = (int)a.rows, NC = (int)a.red, F = (int)l.f, FP = F + 1, tid = threadIdx.x, nt = blockDim.x;
   const int B = (int)gridDim.z, rank = (int)blockIdx.z, PER = l.per, r0 = rank * PER;
   const int R = N - r0 < PER ? (N - r0 > 0 ? N - r0 : 0) : PER;
-  C* ws = smem;
+  long long* tg0 = reinterpret_cast<long long*>(smem);
+  C* ws = reinterpret_cast<C*>(tg0 + N);
   C* hs = ws + NC * FP;
   C* lg = hs + PER * FP;
   C* ga = lg + PER * NC;
@@ -1074,6 +1182,7 @@ pub fn linear_xent_source(dtype: DType, cluster: bool) -> (String, String) {
 #pragma unroll 4
   for (int e = tid; e < N * W; e += nt) { const int r = e / W, j = e - r * W; hc[e] = (C)ld(hp[l.ho + r * l.hs0 + (j0 + j) * l.hs1]); }
   for (int c = tid; c < NC; c += nt) bs[c] = (C)ld(bp[l.bo + c * l.bsc]);
+  for (int r = tid; r < N; r += nt) tg0[r] = tgp[r];
   __syncthreads();
   for (int e = tid / 32; e < R * NC; e += nt / 32) {
     const int r = e / NC, c = e - r * NC;

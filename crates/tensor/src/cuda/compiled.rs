@@ -109,24 +109,17 @@ pub fn rand_from_state(state: &Arc<StorageCell>, dist: Distribution, offset: u64
 
 /// Runs `f`, work for `device`, dry (`dry_run`: nothing reaches the device), then compiles
 /// every kernel it asked for at once, on threads, so that its real run finds them loaded;
-/// with `products`, cuBLAS starts on a thread beside them. Returns how many NVRTC programs
-/// were compiled (or found in the disk cache); one that fails is left to its first real use,
-/// which reports the error.
-pub fn prepare<R>(device: Device, products: bool, f: impl FnOnce() -> R) -> Result<usize> {
+/// cuBLAS starts on a thread beside them if a product of `f` needs it (`Gpu::start_blas`).
+/// Returns how many NVRTC programs were compiled (or found in the disk cache); one that
+/// fails is left to its first real use, which reports the error.
+pub fn prepare<R>(device: Device, f: impl FnOnce() -> R) -> Result<usize> {
     let start = std::time::Instant::now();
     let g = gpu(ordinal(device)?)?;
-    // (Its error, if any, comes back at the first product of the real run.)
-    let blas = products.then(|| {
-        let g = g.clone();
-        std::thread::spawn(move || super::blas::start(&g))
-    });
     let (_, wanted) = dry_run(|| crate::profile::paused(f));
     let dry = start.elapsed();
     let noted = wanted.len();
     let compiled = g.compile(wanted);
-    if let Some(b) = blas {
-        let _ = b.join();
-    }
+    g.started_blas();
     if super::log_on("time") {
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
         eprintln!(

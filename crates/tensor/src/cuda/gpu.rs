@@ -124,6 +124,8 @@ pub struct Gpu {
     /// Three i64 on the device: op code, bad index, dim size (0 when no error).
     pub err: u64,
     pub(crate) blas: Mutex<Option<super::blas::Blas>>,
+    /// The thread starting cuBLAS (`start_blas`) until `started_blas` waits for it.
+    blas_start: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 /// Free buffers by size class.
@@ -219,6 +221,7 @@ pub fn gpu(ordinal: usize) -> Result<Arc<Gpu>> {
         held: AtomicU64::new(0),
         err,
         blas: Mutex::new(None),
+        blas_start: Mutex::new(None),
     });
     map.insert(ordinal, g.clone());
     g.bind()?;
@@ -322,6 +325,27 @@ impl Gpu {
         DRIVER_ALLOCS.fetch_add(1, Ordering::Relaxed);
         self.held.fetch_add(class as u64, Ordering::Relaxed);
         Ok(DeviceBuffer { ptr, bytes: class, gpu: self.clone(), pool })
+    }
+
+    /// Starts cuBLAS on a thread (`blas::start`: 135-170 ms on the H200) unless it has
+    /// started or is starting: a dry run calls it at its first product that needs cuBLAS,
+    /// so that the start overlaps the rest of the dry run and NVRTC.
+    pub(crate) fn start_blas(self: &Arc<Self>) {
+        let mut slot = self.blas_start.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.is_some() || self.blas.try_lock().is_ok_and(|b| b.is_some()) {
+            return;
+        }
+        let g = self.clone();
+        // (Its error, if any, comes back at the first product of the real run.)
+        *slot = Some(std::thread::spawn(move || drop(super::blas::start(&g))));
+    }
+
+    /// Waits for `start_blas`'s thread, if one runs.
+    pub(crate) fn started_blas(&self) {
+        let handle = self.blas_start.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(h) = handle {
+            let _ = h.join();
+        }
     }
 
     /// A new private pool for a graph capture (see `Pool`).

@@ -1135,6 +1135,58 @@ pub(super) fn matmul_narrow(
     unsafe { g.launch(k_fn, (m.div_ceil(rows) as u32, 1), super::codegen::NARROW_THREADS as u32, 0, &mut params) }
 }
 
+/// Mirrors `struct FArgs` (`codegen::matmul_few_source`).
+#[repr(C)]
+struct FArgs {
+    m: i64,
+    n: i64,
+    k: i64,
+    sam: i64,
+    sak: i64,
+    sbk: i64,
+    sbn: i64,
+    sbias: i64,
+    has_bias: i32,
+    relu: i32,
+}
+
+/// `out [m, n] = a [m, k] b [k, n] (+ bias) (ReLU)` by the few-rows kernel: 2-D views of A and
+/// B, a bias `[n]`; `out` dense. The caller checks `m <= FEW_MAX_M` (`blas::own_product`).
+pub(super) fn matmul_few(
+    g: &Arc<Gpu>,
+    (sa, la): (&CudaStorage, &Layout),
+    (sb, lb): (&CudaStorage, &Layout),
+    bias: Option<(&CudaStorage, &Layout)>,
+    relu: bool,
+    out: &CudaStorage,
+) -> Result<()> {
+    use super::codegen::{few_rows_per_block, FEW_COLS, FEW_THREADS};
+    let (m, k, n) = (la.shape[0], la.shape[1], lb.shape[1]);
+    let k_fn = g.kernel(super::spec_key("matmul_few", &out.dtype), || super::codegen::matmul_few_source(out.dtype))?;
+    let i = |v: usize| v as i64;
+    let mut a = FArgs {
+        m: i(m),
+        n: i(n),
+        k: i(k),
+        sam: i(la.strides[0]),
+        sak: i(la.strides[1]),
+        sbk: i(lb.strides[0]),
+        sbn: i(lb.strides[1]),
+        sbias: bias.map_or(0, |(_, l)| i(l.strides[0])),
+        has_bias: bias.is_some() as i32,
+        relu: relu as i32,
+    };
+    let (mut po, mut pa, mut pb) = (out.buf.ptr, sa.ptr_at(la.offset), sb.ptr_at(lb.offset));
+    let mut pbias = bias.map_or(po, |(s, l)| s.ptr_at(l.offset));
+    let mut params = kernel_params![po, pa, pb, pbias, a];
+    let grid = (n.div_ceil(FEW_COLS) as u32, m.div_ceil(few_rows_per_block(out.dtype)) as u32);
+    // SAFETY: (out, a, b, bias, FArgs) matches the generated signature; the views lie inside
+    // their buffers (the caller's shape rule) and are read only within (m, k) and (k, n),
+    // `out` holds m x n values, `bias` n (read only when has_bias); the grid covers the
+    // output's column and row tiles.
+    unsafe { g.launch(k_fn, grid, FEW_THREADS as u32, 0, &mut params) }
+}
+
 /// Mirrors `struct SArgs` (`codegen::matmul_short_source`).
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
