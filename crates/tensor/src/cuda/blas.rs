@@ -460,7 +460,7 @@ enum Own {
     Short,
     /// At most 16 columns, A's rows contiguous, with a bias and ReLU at most (`matmul_narrow`).
     Narrow,
-    /// At most 32 rows, with a bias and ReLU at most (`matmul_few`).
+    /// F32, at most 32 rows, with a bias and ReLU at most, on Hopper (`matmul_few`).
     Few,
 }
 
@@ -521,6 +521,8 @@ fn own_product(
     {
         Own::Narrow
     } else if mask == Some(true)
+        && dtype == DType::F32
+        && g.has_clusters()
         && sums.is_none()
         && (1..=FEW_MAX_M).contains(&m)
         && k > THIN_MAX_K

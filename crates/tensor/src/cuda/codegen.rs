@@ -926,111 +926,136 @@ pub fn matmul_thin_source(dtype: DType, k: usize, drelu: bool, vec4: bool, sums:
     (s, name)
 }
 
-/// The most rows `matmul_few_source` takes, its columns a block and its threads.
+/// The most rows `matmul_few_source` takes, its columns a block, its threads, and the blocks
+/// of a cluster (each a slice of the contraction).
 pub const FEW_MAX_M: usize = 32;
-pub const FEW_COLS: usize = 8;
+pub const FEW_COLS: usize = 16;
 pub const FEW_THREADS: usize = 256;
-/// The contraction's chunk a `matmul_few_source` block stages at a time.
+pub const FEW_SPLIT: usize = 8;
+/// The most of its slice of the contraction a `matmul_few_source` block stages at a time.
 const FEW_CHUNK: usize = 128;
 
-/// Rows of A a `matmul_few_source` block takes: shared memory for F64 holds half as many.
-pub fn few_rows_per_block(dtype: DType) -> usize {
-    if dtype == DType::F64 {
-        8
-    } else {
-        16
-    }
-}
-
-/// `o [m, n] = a [m, k] b [k, n] (+ bias) (ReLU)` for a few rows (at most `FEW_MAX_M`: a
-/// small batch through a Linear layer) in one launch, where cuBLAS splits the contraction
-/// over blocks and adds the parts in a second kernel (MLP b32's `[32, 784] x [784, 256]`:
-/// 5.3 + 4.5 us, session 25). Block (x, y) takes `FEW_COLS` columns and `MT` rows; its
-/// threads are `FEW_COLS` columns by `SL` slices of the contraction. A and B go through
-/// shared memory a chunk at a time, the next chunk read into registers while this one is
-/// multiplied; each thread keeps `MT` partial sums (4 consecutive k of each chunk), and the
-/// slices' sums are added in a fixed order at the end. The ReLU maps NaN to 0, as
-/// cuBLASLt's epilogue does.
-pub fn matmul_few_source(dtype: DType) -> (String, String) {
-    let mt = few_rows_per_block(dtype);
-    let name = format!("k_matmul_few_{}_m{mt}", format!("{dtype:?}").to_lowercase());
-    let (t, c) = (storage_type(dtype), compute_type(dtype));
-    let sl = FEW_THREADS / FEW_COLS;
-    let mut s = format!("{PRELUDE}\ntypedef {c} C;\n#define MT {mt}\n#define NT {FEW_COLS}\n#define KC {FEW_CHUNK}\n#define SL {sl}\n");
-    s += &format!("#define KS {}\n#define LD (KC + 4)\n#define RS (MT * NT + 8)\n", FEW_CHUNK / sl);
-    s += &format!("#define PA (MT * KC / {FEW_THREADS})\n#define PB (NT * KC / {FEW_THREADS})\n");
+/// `o [m, n] = a [m, k] b [k, n] (+ bias) (ReLU)`, F32, for a few rows (at most `FEW_MAX_M`:
+/// a small batch through a Linear layer) in one launch of thread block clusters (Hopper),
+/// where cuBLAS splits the contraction over blocks and adds the parts in a second kernel
+/// (MLP b32's `[32, 784] x [784, 256]`: 5.3 + 4.5 us, session 25). Cluster x takes
+/// `FEW_COLS` columns; its `FEW_SPLIT` blocks each a slice of the contraction, staged in
+/// shared memory as rows along k (`stage_k`: float4 loads along k where they are aligned, else
+/// loads along whichever of an operand's dims is contiguous, every load in flight at once). A
+/// thread keeps `RPT` rows of one column, reading float4s along k (A's broadcast to the lanes
+/// of one row group; B's rows padded so that a quarter-warp's float4s fall in distinct banks). After the cluster's barrier, block z adds its share of the
+/// outputs over the blocks' partial sums in order (the same bits every run) and applies the
+/// bias and ReLU (NaN to 0, as cuBLASLt's epilogue). Session 26 measured a block walking the
+/// whole contraction chunk by chunk at 8.2 us (a wait on memory each chunk) and this cluster
+/// with loads across rows (32 sectors a request) at 12.3 us, and with 32 columns a cluster
+/// (64 blocks) and scalar loads along k at 11.3 us (issue-bound: 36 instructions a staged
+/// element, 8 warps an SM).
+pub fn matmul_few_source() -> (String, String) {
+    let name = "k_matmul_few_f32".to_string();
+    let mut s = format!("{PRELUDE}{CLUSTER}\n#define NT {FEW_COLS}\n#define KC {FEW_CHUNK}\n#define S {FEW_SPLIT}\n");
+    s += &format!("#define MR {FEW_MAX_M}\n#define OUTS (MR * NT)\n#define PER (OUTS / S)\n#define KPMAX (KC + 4)\n#define RPT (OUTS / {FEW_THREADS})\n");
     s += "struct FArgs { long long m, n, k, sam, sak, sbk, sbn, sbias; int has_bias, relu; };\n";
+    s += FEW_STAGE;
     s += &format!(
-        "extern \"C\" __global__ void __launch_bounds__({FEW_THREADS}) {name}({t}* __restrict__ o, const {t}* __restrict__ a, \
-         const {t}* __restrict__ b, const {t}* __restrict__ bias, FArgs g) {{\n"
+        "extern \"C\" __global__ void __launch_bounds__({FEW_THREADS}) {name}(float* __restrict__ o, const float* __restrict__ a, \
+         const float* __restrict__ b, const float* __restrict__ bias, FArgs g) {{\n"
     );
-    // Rows of As/Bs are padded by 4: a quarter-warp reading 4 consecutive k of 8 columns (or
-    // of one row, broadcast) touches distinct banks; so are the slices' rows of partial sums.
-    s += r#"  __shared__ __align__(16) C as[MT * LD];
-  __shared__ __align__(16) C bs[NT * LD];
-  __shared__ C red[SL * RS];
-  const int tid = threadIdx.x, c = tid % NT, sl = tid / NT;
-  const long long row0 = blockIdx.y * (long long)MT, col0 = blockIdx.x * (long long)NT;
-  C pa[PA], pb[PB], acc[MT];
+    s += r#"  __shared__ __align__(16) float as[MR * KPMAX];
+  __shared__ __align__(16) float bs[NT * KPMAX];
+  __shared__ float part[OUTS];
+  const int tid = threadIdx.x, c = tid % NT, rg = tid / NT, rank = blockIdx.z;
+  // Slices of a multiple of 4: float4 loads stay aligned.
+  const long long col0 = blockIdx.x * (long long)NT, slice = ((g.k + S - 1) / S + 3) & ~3LL;
+  const long long k0 = rank * slice, k1 = k0 + slice < g.k ? k0 + slice : g.k;
+  const int mrows = (int)(g.m < MR ? g.m : MR), ncols = (int)(g.n - col0 < NT ? g.n - col0 : NT);
+  float acc[RPT];
 #pragma unroll
-  for (int i = 0; i < MT; ++i) acc[i] = (C)0;
-  // Element e of a chunk: A's (e / KC, e % KC), B's column e / KC (k fastest, as a weight
-  // [n, k] lies) or, B's rows contiguous, column e % NT (columns fastest).
-  auto fetch = [&](long long k0) {
-#pragma unroll
-    for (int q = 0; q < PA; ++q) {
-      const int e = tid + q * blockDim.x, i = e / KC, kk = e % KC;
-      const long long r = row0 + i, k = k0 + kk;
-      pa[q] = (r < g.m && k < g.k) ? (C)ld(a[r * g.sam + k * g.sak]) : (C)0;
-    }
-#pragma unroll
-    for (int q = 0; q < PB; ++q) {
-      const int e = tid + q * blockDim.x;
-      const int j = g.sbk == 1 ? e / KC : e % NT, kk = g.sbk == 1 ? e % KC : e / NT;
-      const long long col = col0 + j, k = k0 + kk;
-      pb[q] = (col < g.n && k < g.k) ? (C)ld(b[k * g.sbk + col * g.sbn]) : (C)0;
-    }
-  };
-  fetch(0);
-  for (long long k0 = 0; k0 < g.k; k0 += KC) {
+  for (int q = 0; q < RPT; ++q) acc[q] = 0.f;
+  for (long long c0 = k0; c0 < k1; c0 += KC) {
+    const int len = (int)(k1 - c0 < KC ? k1 - c0 : KC), len4 = (len + 3) & ~3, kp = len4 % 8 == 4 ? len4 : len4 + 4;
+    stage_k(as, kp, a + c0 * g.sak, g.sam, g.sak, mrows, MR, len, len4, tid, blockDim.x);
+    stage_k(bs, kp, b + col0 * g.sbn + c0 * g.sbk, g.sbn, g.sbk, ncols, NT, len, len4, tid, blockDim.x);
     __syncthreads();
+    const float* ar = as + rg * RPT * kp;
+    const float* br = bs + c * kp;
+#pragma unroll 2
+    for (int kk = 0; kk < len4; kk += 4) {
+      const float4 bv = *reinterpret_cast<const float4*>(br + kk);
 #pragma unroll
-    for (int q = 0; q < PA; ++q) { const int e = tid + q * blockDim.x; as[(e / KC) * LD + e % KC] = pa[q]; }
-#pragma unroll
-    for (int q = 0; q < PB; ++q) {
-      const int e = tid + q * blockDim.x;
-      const int j = g.sbk == 1 ? e / KC : e % NT, kk = g.sbk == 1 ? e % KC : e / NT;
-      bs[j * LD + kk] = pb[q];
+      for (int q = 0; q < RPT; ++q) {
+        const float4 av = *reinterpret_cast<const float4*>(ar + q * kp + kk);
+        acc[q] += av.x * bv.x; acc[q] += av.y * bv.y; acc[q] += av.z * bv.z; acc[q] += av.w * bv.w;
+      }
     }
     __syncthreads();
-    if (k0 + KC < g.k) fetch(k0 + KC);
-    C bv[KS];
-#pragma unroll
-    for (int q = 0; q < KS; ++q) bv[q] = bs[c * LD + sl * KS + q];
-#pragma unroll
-    for (int i = 0; i < MT; ++i) {
-#pragma unroll
-      for (int q = 0; q < KS; ++q) acc[i] += as[i * LD + sl * KS + q] * bv[q];
-    }
   }
 #pragma unroll
-  for (int i = 0; i < MT; ++i) red[sl * RS + i * NT + c] = acc[i];
-  __syncthreads();
-  if (tid < MT * NT) {
-    const int i = tid / NT, j = tid % NT;
-    const long long r = row0 + i, col = col0 + j;
-    C v = (C)0;
-    for (int q = 0; q < SL; ++q) v += red[q * RS + tid];
-    if (r < g.m && col < g.n) {
-      if (g.has_bias) v += (C)ld(bias[col * g.sbias]);
-      if (g.relu) v = v > (C)0 ? v : (C)0;
-      st(&o[r * g.n + col], v);
+  for (int q = 0; q < RPT; ++q) part[(rg * RPT + q) * NT + c] = acc[q];
+  cluster_sync();
+  if (tid < PER) {
+    const int e = rank * PER + tid, i = e / NT, j = e % NT;
+    const long long col = col0 + j;
+    const unsigned at = (unsigned)__cvta_generic_to_shared(&part[e]);
+    float v = 0.f;
+#pragma unroll
+    for (int p = 0; p < S; ++p) v += ld_cluster1(at, p);
+    if (i < g.m && col < g.n) {
+      if (g.has_bias) v += ld(bias[col * g.sbias]);
+      if (g.relu) v = v > 0.f ? v : 0.f;
+      st(&o[i * g.n + col], v);
     }
   }
+  cluster_sync();
 }
 "#;
     (s, name)
 }
+
+/// `matmul_few_source`'s staging: `dst[r * kp + kk]` = the operand at (r, kk) for `r < rows`
+/// and `kk < len`, zero elsewhere up to `rmax` rows and `len4` (the float4 reads' end). Loads
+/// run along k when its stride is 1 (a weight read as its transpose), else along the rows;
+/// one division a thread, then a running index, unrolled so the loads are in flight together.
+const FEW_STAGE: &str = r#"__device__ __forceinline__ void stage_k(float* __restrict__ dst, int kp, const float* __restrict__ src,
+    long long sr, long long sk, int rows, int rmax, int len, int len4, int tid, int nt) {
+  const int q4 = len4 / 4;
+  if (sk == 1 && (sr & 3) == 0 && ((unsigned long long)src & 15) == 0) {
+    // float4s: quad kq of row r.
+    int r = tid / q4, kq = tid - r * q4;
+    const int dr = nt / q4, dq = nt - dr * q4;
+#pragma unroll 4
+    for (; r < rmax;) {
+      const int kk = kq * 4;
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (r < rows) {
+        const float* p = src + r * sr + kk;
+        if (kk + 4 <= len) v = *reinterpret_cast<const float4*>(p);
+        else { v.x = ld(p[0]); if (kk + 1 < len) v.y = ld(p[1]); if (kk + 2 < len) v.z = ld(p[2]); }
+      }
+      *reinterpret_cast<float4*>(&dst[r * kp + kk]) = v;
+      kq += dq; r += dr;
+      if (kq >= q4) { kq -= q4; ++r; }
+    }
+  } else if (sk == 1) {
+    int r = tid / len4, kk = tid - r * len4;
+    const int dr = nt / len4, dk = nt - dr * len4;
+#pragma unroll 4
+    for (; r < rmax;) {
+      dst[r * kp + kk] = (r < rows && kk < len) ? ld(src[r * sr + kk]) : 0.f;
+      kk += dk; r += dr;
+      if (kk >= len4) { kk -= len4; ++r; }
+    }
+  } else {
+    int kk = tid / rmax, r = tid - kk * rmax;
+    const int dk = nt / rmax, dr = nt - dk * rmax;
+#pragma unroll 4
+    for (; kk < len4;) {
+      dst[r * kp + kk] = (r < rows && kk < len) ? ld(src[r * sr + kk * sk]) : 0.f;
+      r += dr; kk += dk;
+      if (r >= rmax) { r -= rmax; ++kk; }
+    }
+  }
+}
+"#;
 
 /// Threads of a `matmul_narrow_source` block (a warp per row).
 pub const NARROW_THREADS: usize = 256;
@@ -1158,6 +1183,7 @@ pub fn linear_xent_source(dtype: DType, cluster: bool) -> (String, String) {
     } else {
         s += LINEAR_XENT_ONE_BLOCK;
     }
+    s += LINEAR_XENT_STAGE;
     s += &format!(
         "extern \"C\" __global__ void __launch_bounds__({LINEAR_XENT_THREADS}) {name}({t}* __restrict__ o, const {t}* __restrict__ hp, \
          const {t}* __restrict__ wp, const {t}* __restrict__ bp, const long long* __restrict__ tgp, long long* err, XArgs a, LArgs l) {{\n"
@@ -1174,13 +1200,9 @@ pub fn linear_xent_source(dtype: DType, cluster: bool) -> (String, String) {
   C* hc = ga + N * NC;
   C* bs = hc + N * ((F + B - 1) / B);
   const int FB = (F + B - 1) / B, j0 = rank * FB, W = F - j0 < FB ? (F - j0 > 0 ? F - j0 : 0) : FB;
-  // Unrolled, so that each thread's loads are issued before their stores wait on them.
-#pragma unroll 4
-  for (int e = tid; e < R * F; e += nt) { const int r = e / F, j = e - r * F; hs[r * FP + j] = (C)ld(hp[l.ho + (r0 + r) * l.hs0 + j * l.hs1]); }
-#pragma unroll 4
-  for (int e = tid; e < NC * F; e += nt) { const int c = e / F, j = e - c * F; ws[c * FP + j] = (C)ld(wp[l.wo + c * l.wsc + j * l.wsj]); }
-#pragma unroll 4
-  for (int e = tid; e < N * W; e += nt) { const int r = e / W, j = e - r * W; hc[e] = (C)ld(hp[l.ho + r * l.hs0 + (j0 + j) * l.hs1]); }
+  stage(hs, FP, hp + l.ho + r0 * l.hs0, l.hs0, l.hs1, R, F, tid, nt);
+  stage(ws, FP, wp + l.wo, l.wsc, l.wsj, NC, F, tid, nt);
+  stage(hc, W, hp + l.ho + j0 * l.hs1, l.hs0, l.hs1, N, W, tid, nt);
   for (int c = tid; c < NC; c += nt) bs[c] = (C)ld(bp[l.bo + c * l.bsc]);
   for (int r = tid; r < N; r += nt) tg0[r] = tgp[r];
   __syncthreads();
@@ -1191,19 +1213,21 @@ pub fn linear_xent_source(dtype: DType, cluster: bool) -> (String, String) {
 "#;
     s += &lanes_allreduce(false, 32);
     s += "    if (tid % 32 == 0) lg[e] = acc + bs[c];\n  }\n";
-    s += "  C acc = (C)0;\n  for (int r = tid; r < N; r += nt) acc += (a.has_ignore && tg0[r] == a.ignore) ? (C)0 : (C)1;\n";
-    s += &row_allreduce(true, false);
+    // Every warp counts the real targets itself: no block-wide reduction.
+    s += "  C acc = (C)0;\n  for (int r = tid % 32; r < N; r += 32) acc += (a.has_ignore && tg0[r] == a.ignore) ? (C)0 : (C)1;\n";
+    s += &lanes_allreduce(false, 32);
     s += "  const C count = acc, gr = (C)1 / count;\n  C loss = (C)0;\n  const long long* tg = tg0 + r0;\n  __syncthreads();\n";
-    // A thread a row: `xent_row` reads the logits as `x`, the gradient overwrites them.
-    s += "  for (long long row = tid; row < R; row += nt) {\n    const C* x = lg; const int lane = 0, tpr = 1;\n";
-    s += &xent_row(|_| String::new());
+    // A warp a row, its lanes over the classes: `xent_row` reads the logits as `x`, the
+    // gradient overwrites them. (A thread a row left the other warps waiting on its serial
+    // exponentials.) Lane 0 keeps the warp's loss; thread 0 adds the warps' in order.
+    s += "  for (long long row = tid / 32; row < R; row += nt / 32) {\n    const C* x = lg; const int lane = tid % 32, tpr = 32;\n";
+    s += &xent_row(|max| lanes_allreduce(max, 32));
     s += XENT_SMOOTHING_SUM;
+    s += &lanes_allreduce(false, 32);
     s += "  if (!skip) loss += lse - on * x[base + t] - off * acc;\n";
     s += &xent_grad_loop("lg", "");
-    s += "  }\n  acc = loss;\n";
-    s += &row_allreduce(true, false);
-    s += r#"  if (tid == 0) mine = acc;
-  __syncthreads();
+    s += "  }\n  if (tid % 32 == 0) sh[tid / 32] = loss;\n  __syncthreads();\n";
+    s += r#"  if (tid == 0) { C v = (C)0; for (int w = 0; w < nt / 32; ++w) v += sh[w]; mine = v; }
   for (int e = tid; e < R * F; e += nt) {
     const int r = e / F, j = e - r * F;
     C v = (C)0;
@@ -1266,6 +1290,23 @@ __device__ __forceinline__ float ld_cluster1(unsigned addr, int rank) {
 /// `linear_xent_source`'s reads of block `rank`'s shared memory at this block's pointer `p`:
 /// through the cluster, or (one block, no clusters) its own, with `CLUSTER`'s barriers as the
 /// block's.
+/// A `rows x cols` block of a strided operand into shared memory (row stride `dld`): one
+/// division a thread, then a running (row, column) for each element, so that the copy costs
+/// few instructions (a division and 64-bit index an element made the head's staging issue-bound:
+/// 630 instructions a warp); unrolled, so each thread's loads are in flight together.
+const LINEAR_XENT_STAGE: &str = r#"template <typename T> __device__ __forceinline__ void stage(C* __restrict__ dst, int dld, const T* __restrict__ src,
+    long long s0, long long s1, int rows, int cols, int tid, int nt) {
+  if (rows <= 0 || cols <= 0) return;
+  int r = tid / cols, j = tid - r * cols;
+  const int dr = nt / cols, dj = nt - dr * cols;
+#pragma unroll 4
+  for (; r < rows;) {
+    dst[r * dld + j] = (C)ld(src[r * s0 + j * s1]);
+    j += dj; r += dr;
+    if (j >= cols) { j -= cols; ++r; }
+  }
+}
+"#;
 const LINEAR_XENT_REMOTE: &str = "__device__ __forceinline__ float remote(const float* p, int rank) { return ld_cluster1((unsigned)__cvta_generic_to_shared(p), rank); }\n";
 const LINEAR_XENT_ONE_BLOCK: &str = r#"__device__ __forceinline__ void cluster_sync() { __syncthreads(); }
 __device__ __forceinline__ void cluster_arrive() {}

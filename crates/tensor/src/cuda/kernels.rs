@@ -1151,7 +1151,8 @@ struct FArgs {
 }
 
 /// `out [m, n] = a [m, k] b [k, n] (+ bias) (ReLU)` by the few-rows kernel: 2-D views of A and
-/// B, a bias `[n]`; `out` dense. The caller checks `m <= FEW_MAX_M` (`blas::own_product`).
+/// B, a bias `[n]`; `out` dense, F32. The caller checks `m <= FEW_MAX_M` and that the GPU
+/// has clusters (`blas::own_product`).
 pub(super) fn matmul_few(
     g: &Arc<Gpu>,
     (sa, la): (&CudaStorage, &Layout),
@@ -1160,9 +1161,9 @@ pub(super) fn matmul_few(
     relu: bool,
     out: &CudaStorage,
 ) -> Result<()> {
-    use super::codegen::{few_rows_per_block, FEW_COLS, FEW_THREADS};
+    use super::codegen::{FEW_COLS, FEW_SPLIT, FEW_THREADS};
     let (m, k, n) = (la.shape[0], la.shape[1], lb.shape[1]);
-    let k_fn = g.kernel(super::spec_key("matmul_few", &out.dtype), || super::codegen::matmul_few_source(out.dtype))?;
+    let k_fn = g.kernel(super::spec_key("matmul_few", &()), super::codegen::matmul_few_source)?;
     let i = |v: usize| v as i64;
     let mut a = FArgs {
         m: i(m),
@@ -1179,12 +1180,12 @@ pub(super) fn matmul_few(
     let (mut po, mut pa, mut pb) = (out.buf.ptr, sa.ptr_at(la.offset), sb.ptr_at(lb.offset));
     let mut pbias = bias.map_or(po, |(s, l)| s.ptr_at(l.offset));
     let mut params = kernel_params![po, pa, pb, pbias, a];
-    let grid = (n.div_ceil(FEW_COLS) as u32, m.div_ceil(few_rows_per_block(out.dtype)) as u32);
-    // SAFETY: (out, a, b, bias, FArgs) matches the generated signature; the views lie inside
-    // their buffers (the caller's shape rule) and are read only within (m, k) and (k, n),
-    // `out` holds m x n values, `bias` n (read only when has_bias); the grid covers the
-    // output's column and row tiles.
-    unsafe { g.launch(k_fn, grid, FEW_THREADS as u32, 0, &mut params) }
+    let grid = (n.div_ceil(FEW_COLS) as u32, 1, FEW_SPLIT as u32);
+    // SAFETY: (out, a, b, bias, FArgs) matches the generated signature; the F32 views lie
+    // inside their buffers (the caller's shape rule) and are read only within (m, k) and
+    // (k, n), `out` holds m x n values, `bias` n (read only when has_bias); the grid covers
+    // the output's column tiles, a cluster of FEW_SPLIT blocks each (the GPU has clusters).
+    unsafe { g.launch_cluster(k_fn, grid, FEW_SPLIT as u32, FEW_THREADS as u32, 0, &mut params) }
 }
 
 /// Mirrors `struct SArgs` (`codegen::matmul_short_source`).
