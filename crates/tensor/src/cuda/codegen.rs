@@ -726,6 +726,10 @@ fn xent_row(reduce: impl Fn(bool) -> String) -> String {
     s
 }
 
+/// The arguments of the narrow and few-rows product kernels (mirrored by `kernels::PArgs`):
+/// sizes, A's, B's and the bias's strides, and the epilogue's flags.
+const PRODUCT_ARGS: &str = "struct PArgs { long long m, n, k, sam, sak, sbk, sbn, sbias; int has_bias, relu; };\n";
+
 /// The widest product `matmul_narrow_source` takes.
 pub const NARROW_MAX_N: usize = 16;
 
@@ -739,10 +743,10 @@ pub fn matmul_narrow_source(dtype: DType, n: usize) -> (String, String) {
     let name = format!("k_matmul_narrow_{}_n{n}", format!("{dtype:?}").to_lowercase());
     let (t, c) = (storage_type(dtype), compute_type(dtype));
     let mut s = format!("{PRELUDE}\ntypedef {c} C;\n#define NN {n}\n");
-    s += "struct NArgs { long long m, k, sam, sbk, sbn, sbias; int has_bias, relu; };\n";
+    s += PRODUCT_ARGS;
     s += &format!(
         "extern \"C\" __global__ void __launch_bounds__({NARROW_THREADS}) {name}({t}* __restrict__ o, const {t}* __restrict__ a, \
-         const {t}* __restrict__ b, const {t}* __restrict__ bias, NArgs g) {{\n"
+         const {t}* __restrict__ b, const {t}* __restrict__ bias, PArgs g) {{\n"
     );
     s += &format!("  const long long row = blockIdx.x * {}LL + threadIdx.x / 32;\n", NARROW_THREADS / 32);
     s += r#"  const int lane = threadIdx.x % 32;
@@ -955,11 +959,11 @@ pub fn matmul_few_source() -> (String, String) {
     let name = "k_matmul_few_f32".to_string();
     let mut s = format!("{PRELUDE}{CLUSTER}\n#define NT {FEW_COLS}\n#define KC {FEW_CHUNK}\n#define S {FEW_SPLIT}\n");
     s += &format!("#define MR {FEW_MAX_M}\n#define OUTS (MR * NT)\n#define PER (OUTS / S)\n#define KPMAX (KC + 4)\n#define RPT (OUTS / {FEW_THREADS})\n");
-    s += "struct FArgs { long long m, n, k, sam, sak, sbk, sbn, sbias; int has_bias, relu; };\n";
+    s += PRODUCT_ARGS;
     s += FEW_STAGE;
     s += &format!(
         "extern \"C\" __global__ void __launch_bounds__({FEW_THREADS}) {name}(float* __restrict__ o, const float* __restrict__ a, \
-         const float* __restrict__ b, const float* __restrict__ bias, FArgs g) {{\n"
+         const float* __restrict__ b, const float* __restrict__ bias, PArgs g) {{\n"
     );
     s += r#"  __shared__ __align__(16) float as[MR * KPMAX];
   __shared__ __align__(16) float bs[NT * KPMAX];

@@ -1088,56 +1088,9 @@ fn linear_cross_entropy_mean(
     Ok(out)
 }
 
-/// Mirrors `struct NArgs` (`codegen::matmul_narrow_source`).
+/// Mirrors `struct PArgs` (`codegen::PRODUCT_ARGS`): the narrow and few-rows products.
 #[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct NArgs {
-    m: i64,
-    k: i64,
-    sam: i64,
-    sbk: i64,
-    sbn: i64,
-    sbias: i64,
-    has_bias: i32,
-    relu: i32,
-}
-
-/// `out [m, n] = a [m, k] b [k, n] (+ bias) (ReLU)` by the narrow-product kernel: 2-D views of
-/// A (rows contiguous) and B, a bias `[n]`; `out` dense. The caller checks
-/// `n <= NARROW_MAX_N` and A's layout (`blas::own_product`).
-pub(super) fn matmul_narrow(
-    g: &Arc<Gpu>,
-    (sa, la): (&CudaStorage, &Layout),
-    (sb, lb): (&CudaStorage, &Layout),
-    bias: Option<(&CudaStorage, &Layout)>,
-    relu: bool,
-    out: &CudaStorage,
-) -> Result<()> {
-    let (m, k, n) = (la.shape[0], la.shape[1], lb.shape[1]);
-    let k_fn = g.kernel(super::spec_key("matmul_narrow", &(out.dtype, n)), || super::codegen::matmul_narrow_source(out.dtype, n))?;
-    let mut a = NArgs {
-        m: m as i64,
-        k: k as i64,
-        sam: la.strides[0] as i64,
-        sbk: lb.strides[0] as i64,
-        sbn: lb.strides[1] as i64,
-        sbias: bias.map_or(0, |(_, l)| l.strides[0] as i64),
-        has_bias: bias.is_some() as i32,
-        relu: relu as i32,
-    };
-    let (mut po, mut pa, mut pb) = (out.buf.ptr, sa.ptr_at(la.offset), sb.ptr_at(lb.offset));
-    let mut pbias = bias.map_or(po, |(s, l)| s.ptr_at(l.offset));
-    let mut params = kernel_params![po, pa, pb, pbias, a];
-    let rows = super::codegen::NARROW_THREADS / 32;
-    // SAFETY: (out, a, b, bias, NArgs) matches the generated signature; the views lie inside
-    // their buffers (the caller's shape rule), `out` holds m x n values, `bias` n (read only
-    // when has_bias); a warp per row of A, `rows` rows a block.
-    unsafe { g.launch(k_fn, (m.div_ceil(rows) as u32, 1), super::codegen::NARROW_THREADS as u32, 0, &mut params) }
-}
-
-/// Mirrors `struct FArgs` (`codegen::matmul_few_source`).
-#[repr(C)]
-struct FArgs {
+struct PArgs {
     m: i64,
     n: i64,
     k: i64,
@@ -1150,25 +1103,30 @@ struct FArgs {
     relu: i32,
 }
 
-/// `out [m, n] = a [m, k] b [k, n] (+ bias) (ReLU)` by the few-rows kernel: 2-D views of A and
-/// B, a bias `[n]`; `out` dense, F32. The caller checks `m <= FEW_MAX_M` and that the GPU
-/// has clusters (`blas::own_product`).
-pub(super) fn matmul_few(
+/// Launches a narrow or few-rows product kernel `k_fn` on 2-D views of A and B with an
+/// optional bias `[n]` and ReLU into the dense `out`, over `grid` (with `cluster`, clusters
+/// of that many blocks along z).
+///
+/// # Safety
+/// `k_fn` takes `(out, a, b, bias, PArgs)`, reads A and B only within `(m, k)` and `(k, n)`
+/// of their views, the bias only when `has_bias`, and writes only `m x n` values of `out`;
+/// the views lie inside their buffers (the caller's shape rule).
+#[allow(clippy::too_many_arguments)]
+unsafe fn launch_product(
     g: &Arc<Gpu>,
+    k_fn: Kernel,
     (sa, la): (&CudaStorage, &Layout),
     (sb, lb): (&CudaStorage, &Layout),
     bias: Option<(&CudaStorage, &Layout)>,
     relu: bool,
     out: &CudaStorage,
+    (grid, threads, cluster): ((u32, u32, u32), u32, Option<u32>),
 ) -> Result<()> {
-    use super::codegen::{FEW_COLS, FEW_SPLIT, FEW_THREADS};
-    let (m, k, n) = (la.shape[0], la.shape[1], lb.shape[1]);
-    let k_fn = g.kernel(super::spec_key("matmul_few", &()), super::codegen::matmul_few_source)?;
     let i = |v: usize| v as i64;
-    let mut a = FArgs {
-        m: i(m),
-        n: i(n),
-        k: i(k),
+    let mut a = PArgs {
+        m: i(la.shape[0]),
+        n: i(lb.shape[1]),
+        k: i(la.shape[1]),
         sam: i(la.strides[0]),
         sak: i(la.strides[1]),
         sbk: i(lb.strides[0]),
@@ -1180,12 +1138,53 @@ pub(super) fn matmul_few(
     let (mut po, mut pa, mut pb) = (out.buf.ptr, sa.ptr_at(la.offset), sb.ptr_at(lb.offset));
     let mut pbias = bias.map_or(po, |(s, l)| s.ptr_at(l.offset));
     let mut params = kernel_params![po, pa, pb, pbias, a];
-    let grid = (n.div_ceil(FEW_COLS) as u32, 1, FEW_SPLIT as u32);
-    // SAFETY: (out, a, b, bias, FArgs) matches the generated signature; the F32 views lie
-    // inside their buffers (the caller's shape rule) and are read only within (m, k) and
-    // (k, n), `out` holds m x n values, `bias` n (read only when has_bias); the grid covers
-    // the output's column tiles, a cluster of FEW_SPLIT blocks each (the GPU has clusters).
-    unsafe { g.launch_cluster(k_fn, grid, FEW_SPLIT as u32, FEW_THREADS as u32, 0, &mut params) }
+    // SAFETY: forwarded from this function's contract; the parameters are the kernel's.
+    unsafe {
+        match cluster {
+            Some(z) => g.launch_cluster(k_fn, grid, z, threads, 0, &mut params),
+            None => g.launch3(k_fn, grid, threads, 0, &mut params),
+        }
+    }
+}
+
+/// `out [m, n] = a [m, k] b [k, n] (+ bias) (ReLU)` by the narrow-product kernel: 2-D views of
+/// A (rows contiguous) and B, a bias `[n]`; `out` dense. The caller checks
+/// `n <= NARROW_MAX_N` and A's layout (`blas::own_product`).
+pub(super) fn matmul_narrow(
+    g: &Arc<Gpu>,
+    a: (&CudaStorage, &Layout),
+    b: (&CudaStorage, &Layout),
+    bias: Option<(&CudaStorage, &Layout)>,
+    relu: bool,
+    out: &CudaStorage,
+) -> Result<()> {
+    let (m, n) = (a.1.shape[0], b.1.shape[1]);
+    let k_fn = g.kernel(super::spec_key("matmul_narrow", &(out.dtype, n)), || super::codegen::matmul_narrow_source(out.dtype, n))?;
+    let rows = super::codegen::NARROW_THREADS / 32;
+    let launch = ((m.div_ceil(rows) as u32, 1, 1), super::codegen::NARROW_THREADS as u32, None);
+    // SAFETY: the narrow kernel's signature and reads are `launch_product`'s; a warp per row
+    // of A, `rows` rows a block, covers the m rows.
+    unsafe { launch_product(g, k_fn, a, b, bias, relu, out, launch) }
+}
+
+/// `out [m, n] = a [m, k] b [k, n] (+ bias) (ReLU)` by the few-rows kernel: 2-D views of A and
+/// B, a bias `[n]`; `out` dense, F32. The caller checks `m <= FEW_MAX_M` and that the GPU
+/// has clusters (`blas::own_product`).
+pub(super) fn matmul_few(
+    g: &Arc<Gpu>,
+    a: (&CudaStorage, &Layout),
+    b: (&CudaStorage, &Layout),
+    bias: Option<(&CudaStorage, &Layout)>,
+    relu: bool,
+    out: &CudaStorage,
+) -> Result<()> {
+    use super::codegen::{FEW_COLS, FEW_SPLIT, FEW_THREADS};
+    let k_fn = g.kernel(super::spec_key("matmul_few", &()), super::codegen::matmul_few_source)?;
+    let grid = (b.1.shape[1].div_ceil(FEW_COLS) as u32, 1, FEW_SPLIT as u32);
+    // SAFETY: the few-rows kernel's signature and reads are `launch_product`'s (F32 views);
+    // the grid covers the output's column tiles, a cluster of FEW_SPLIT blocks each (the GPU
+    // has clusters), each block all of its m <= FEW_MAX_M rows.
+    unsafe { launch_product(g, k_fn, a, b, bias, relu, out, (grid, FEW_THREADS as u32, Some(FEW_SPLIT as u32))) }
 }
 
 /// Mirrors `struct SArgs` (`codegen::matmul_short_source`).
