@@ -676,8 +676,8 @@ const SHORT_MAX_PARTIALS: usize = 1 << 22;
 /// The longest contraction `Own::Narrow` takes (a warp walks it serially).
 const NARROW_MAX_K: usize = 8192;
 
-/// The most elements of A the few-rows kernel's blocks read in all (each block reads its rows
-/// of A whole, so a wide product reads A many times; cuBLAS's tiles share it better).
+/// The most elements of A the few-rows kernel's clusters read in all (each cluster of 16
+/// columns reads all of A, so a wide product reads A many times; cuBLAS's tiles share it better).
 const FEW_MAX_READS: usize = 1 << 22;
 
 /// The last two dims of a layout as a 2-D view `[rows, cols]`.

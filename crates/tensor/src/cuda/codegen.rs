@@ -1169,7 +1169,7 @@ pub fn linear_xent_fits(dtype: DType, n: usize, c: usize, f: usize) -> bool {
 /// (rows padded by one float: no bank conflicts), its columns of h, the bias and the targets
 /// (read later, they cost a second trip to memory: about 1 us); computes
 /// its logits `h w^T + b` (a warp per logit), counts every real target, and takes each of its
-/// rows' loss and gradient (`xent_row`, a thread a row, the gradient over the logits in place)
+/// rows' loss and gradient (`xent_row`, a warp a row, the gradient over the logits in place)
 /// and h's gradient `g w` (times `step(h)` with `drelu`). After the cluster's barrier each
 /// block copies every row's gradient from the blocks' shared memory and writes a share of the
 /// weight's gradient `g^T h` (its columns); the last block writes the bias's `sum(g)` and the
