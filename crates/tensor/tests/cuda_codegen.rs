@@ -4,7 +4,7 @@
 //! before anything reaches a GPU. Without NVRTC the test fails saying so; it never passes
 //! vacuously.
 
-use kiln_tensor::cuda::codegen::{elementwise_expr, Elementwise, Index, IndexKind, Reduce, ReduceMode};
+use kiln_tensor::cuda::codegen::{elementwise_expr, waiting_for_prior, Elementwise, Index, IndexKind, Reduce, ReduceMode};
 use kiln_tensor::cuda::nvrtc;
 use kiln_tensor::{BinaryOp, DType, Distribution, Op, ReduceOp, UnaryOp};
 
@@ -22,10 +22,12 @@ fn need_nvrtc() {
     );
 }
 
-/// Compiles one source (for `sm_90a` where it asks, as `Gpu::load` does); collects failures
+/// Compiles one source as `Gpu` does (each kernel waiting for the one before it first, for
+/// `sm_90a` where it asks); collects failures
 /// so one run reports them all.
 fn check(src: &str, name: &str, failures: &mut Vec<String>) {
-    if let Err(e) = nvrtc::compile(src, name, &nvrtc::target(src, (9, 0)), true) {
+    let src = waiting_for_prior(src);
+    if let Err(e) = nvrtc::compile(&src, name, &nvrtc::target(&src, (9, 0)), true) {
         failures.push(format!("{name}: {e}"));
     }
 }
@@ -432,4 +434,21 @@ fn kernels_compiled_together_come_back_in_order() {
             (got, alone) => panic!("{name}: together {:?}, alone {:?}", got.is_ok(), alone.is_ok()),
         }
     }
+}
+
+#[test]
+fn every_kernel_waits_for_the_one_before_it_first() {
+    let src = "extern \"C\" __global__ void __launch_bounds__(128) a(float* o, Args g) {\n  int i = 0; { o[i] = 1; }\n}\n\
+               __device__ float f(float x) { return x; }\n\
+               extern \"C\" __global__ void b(float* o) { o[0] = f(2); }\n";
+    let out = waiting_for_prior(src);
+    let wait = "\n#if __CUDA_ARCH__ >= 900\n  asm volatile(\"griddepcontrol.wait;";
+    assert_eq!(out.matches(wait).count(), 2, "{out}");
+    // Each right after its kernel's opening brace, before the body's first statement.
+    assert!(out.contains(&format!("a(float* o, Args g) {{{wait}")), "{out}");
+    assert!(out.contains(&format!("b(float* o) {{{wait}")), "{out}");
+    assert!(out.contains("__device__ float f(float x) { return x; }"), "{out}");
+    // Nothing else changes: without the inserted lines the source is as it was.
+    let block = &out[out.find(wait).unwrap()..out.find("#endif\n").unwrap() + "#endif\n".len()];
+    assert_eq!(out.replace(block, ""), src);
 }

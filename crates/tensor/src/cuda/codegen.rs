@@ -15,6 +15,31 @@ pub const MAX_RANK: usize = 8;
 /// Operand slots in `Args`: up to three inputs and the output.
 pub const SLOTS: usize = 4;
 
+/// Hopper's programmatic dependent launch (`Gpu::launch3`): a kernel may be launched while
+/// the kernel before it on the stream still runs. So every kernel's first statement waits
+/// until that kernel has finished and its writes are visible (before this kernel reads or
+/// writes any memory), then lets the kernel after it be launched early: its blocks take room
+/// on the SMs only once every block of this one has started, and wait there in turn. Before
+/// sm_90, and in a launch without the attribute, both instructions do nothing.
+const PRIOR_WAIT: &str =
+    "\n#if __CUDA_ARCH__ >= 900\n  asm volatile(\"griddepcontrol.wait;\\n\\tgriddepcontrol.launch_dependents;\" ::: \"memory\");\n#endif\n";
+
+/// `src` with `PRIOR_WAIT` as the first statement of every kernel (after the opening brace
+/// of each `__global__` function's body: signatures hold no braces).
+pub fn waiting_for_prior(src: &str) -> String {
+    let mut out = String::with_capacity(src.len() + 256);
+    let mut rest = src;
+    while let Some(at) = rest.find("__global__") {
+        let Some(brace) = rest[at..].find('{') else { break };
+        let body = at + brace + 1;
+        out.push_str(&rest[..body]);
+        out.push_str(PRIOR_WAIT);
+        rest = &rest[body..];
+    }
+    out.push_str(rest);
+    out
+}
+
 pub const PRELUDE: &str = r#"
 struct h16 { unsigned short x; };
 struct b16 { unsigned short x; };

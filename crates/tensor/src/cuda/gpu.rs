@@ -39,12 +39,12 @@ pub struct Wanted {
 impl Wanted {
     /// One program of kernels `names`, kept under `keys`, launched with `shared` bytes each.
     pub fn new(keys: Vec<u64>, shared: Vec<u32>, src: String, module: String, names: Vec<String>) -> Wanted {
-        Wanted { keys, shared, job: (src, module), names }
+        Wanted { keys, shared, job: (super::codegen::waiting_for_prior(&src), module), names }
     }
 
     /// A program of one kernel, named as the program.
     fn one(key: u64, shared: u32, (src, name): (String, String)) -> Wanted {
-        Wanted { keys: vec![key], shared: vec![shared], names: vec![name.clone()], job: (src, name) }
+        Wanted::new(vec![key], vec![shared], src, name.clone(), vec![name])
     }
 }
 
@@ -126,6 +126,9 @@ pub struct Gpu {
     pub(crate) blas: Mutex<Option<super::blas::Blas>>,
     /// The thread starting cuBLAS (`start_blas`) until `started_blas` waits for it.
     blas_start: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Whether kernels are launched with programmatic stream serialization (`launch_ex`):
+    /// on Hopper and later, unless `KILN_EARLY_LAUNCH=0` (to measure what it saves).
+    early_launch: bool,
 }
 
 /// Free buffers by size class.
@@ -222,6 +225,7 @@ pub fn gpu(ordinal: usize) -> Result<Arc<Gpu>> {
         err,
         blas: Mutex::new(None),
         blas_start: Mutex::new(None),
+        early_launch: arch.0 >= 9 && std::env::var("KILN_EARLY_LAUNCH").map_or(true, |v| v != "0"),
     });
     map.insert(ordinal, g.clone());
     g.bind()?;
@@ -625,12 +629,8 @@ impl Gpu {
     /// # Safety
     /// As for `launch`.
     pub unsafe fn launch3(&self, k: Kernel, grid: (u32, u32, u32), block: u32, shmem: u32, params: &mut [*mut c_void]) -> Result<()> {
-        if launch_skipped(k)? {
-            return Ok(());
-        }
-        self.bind()?;
         // SAFETY: forwarded from this function's contract.
-        unsafe { dr::launch_kernel(k.0, grid, (block, 1, 1), shmem, self.stream.cu_stream(), params) }.map_err(cuda_err("kernel launch"))
+        unsafe { self.launch_ex(k, grid, None, block, shmem, params) }
     }
 
     /// `launch3` with the grid's blocks in clusters of `cluster_z` along z (Hopper's thread
@@ -648,14 +648,43 @@ impl Gpu {
         shmem: u32,
         params: &mut [*mut c_void],
     ) -> Result<()> {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.launch_ex(k, grid, Some(cluster_z), block, shmem, params) }
+    }
+
+    /// Every launch: on Hopper with programmatic stream serialization, so the kernel may be
+    /// launched before the one ahead of it on the stream has finished (each kernel waits for
+    /// it first: `codegen::waiting_for_prior`), hiding the launch latency between kernels.
+    ///
+    /// # Safety
+    /// As for `launch`.
+    unsafe fn launch_ex(
+        &self,
+        k: Kernel,
+        grid: (u32, u32, u32),
+        cluster_z: Option<u32>,
+        block: u32,
+        shmem: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
         if launch_skipped(k)? {
             return Ok(());
         }
         self.bind()?;
-        // All 64 bytes of the union defined, then the cluster's shape in its first 12.
-        let mut value = ds::CUlaunchAttributeValue { pad: [0; 64] };
-        value.clusterDim = ds::CUlaunchAttributeValue_union__bindgen_ty_1 { x: 1, y: 1, z: cluster_z };
-        let mut attr = ds::CUlaunchAttribute { id: ds::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, pad: [0; 4], value };
+        let mut attrs: [ds::CUlaunchAttribute; 2] = [launch_attr(ds::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_IGNORE); 2];
+        let mut count = 0;
+        if let Some(z) = cluster_z {
+            let mut attr = launch_attr(ds::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION);
+            attr.value.clusterDim = ds::CUlaunchAttributeValue_union__bindgen_ty_1 { x: 1, y: 1, z };
+            attrs[count] = attr;
+            count += 1;
+        }
+        if self.early_launch {
+            let mut attr = launch_attr(ds::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION);
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            attrs[count] = attr;
+            count += 1;
+        }
         let config = ds::CUlaunchConfig {
             gridDimX: grid.0,
             gridDimY: grid.1,
@@ -665,14 +694,20 @@ impl Gpu {
             blockDimZ: 1,
             sharedMemBytes: shmem,
             hStream: self.stream.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: 1,
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: count as u32,
         };
-        // SAFETY: `config` and `attr` outlive the call; the rest is this function's contract.
-        unsafe { ds::cuLaunchKernelEx(&config, k.0, params.as_mut_ptr(), std::ptr::null_mut()) }
-            .result()
-            .map_err(cuda_err(format!("cluster launch ({} x {} x {} blocks, clusters of {cluster_z})", grid.0, grid.1, grid.2)))
+        // SAFETY: `config` and `attrs` outlive the call; the rest is this function's contract.
+        unsafe { ds::cuLaunchKernelEx(&config, k.0, params.as_mut_ptr(), std::ptr::null_mut()) }.result().map_err(cuda_err(format!(
+            "kernel launch ({} x {} x {} blocks of {block} threads, clusters of {cluster_z:?}, {shmem} bytes shared)",
+            grid.0, grid.1, grid.2
+        )))
     }
+}
+
+/// A launch attribute `id` with all 64 bytes of its value's union zeroed.
+fn launch_attr(id: ds::CUlaunchAttributeID) -> ds::CUlaunchAttribute {
+    ds::CUlaunchAttribute { id, pad: [0; 4], value: ds::CUlaunchAttributeValue { pad: [0; 64] } }
 }
 
 /// Whether a launch of `k` is skipped (in a dry run); a placeholder outside one is an error.
