@@ -26,7 +26,7 @@ fn need_nvrtc() {
 /// `sm_90a` where it asks); collects failures
 /// so one run reports them all.
 fn check(src: &str, name: &str, failures: &mut Vec<String>) {
-    let src = waiting_for_prior(src);
+    let src = waiting_for_prior(src, true);
     if let Err(e) = nvrtc::compile(&src, name, &nvrtc::target(&src, (9, 0)), true) {
         failures.push(format!("{name}: {e}"));
     }
@@ -441,7 +441,7 @@ fn every_kernel_waits_for_the_one_before_it_first() {
     let src = "extern \"C\" __global__ void __launch_bounds__(128) a(float* o, Args g) {\n  int i = 0; { o[i] = 1; }\n}\n\
                __device__ float f(float x) { return x; }\n\
                extern \"C\" __global__ void b(float* o) { o[0] = f(2); }\n";
-    let out = waiting_for_prior(src);
+    let out = waiting_for_prior(src, true);
     let wait = "\n#if __CUDA_ARCH__ >= 900\n  asm volatile(\"griddepcontrol.wait;";
     assert_eq!(out.matches(wait).count(), 2, "{out}");
     // Each right after its kernel's opening brace, before the body's first statement.
@@ -449,6 +449,13 @@ fn every_kernel_waits_for_the_one_before_it_first() {
     assert!(out.contains(&format!("b(float* o) {{{wait}")), "{out}");
     assert!(out.contains("__device__ float f(float x) { return x; }"), "{out}");
     // Nothing else changes: without the inserted lines the source is as it was.
-    let block = &out[out.find(wait).unwrap()..out.find("#endif\n").unwrap() + "#endif\n".len()];
+    let (start, per) = (out.find(wait).unwrap(), (out.len() - src.len()) / 2);
+    let block = &out[start..start + per];
+    assert!(
+        block.ends_with("#endif\n") && block.contains("#ifndef LATE_NEXT\n  asm volatile(\"griddepcontrol.launch_dependents;"),
+        "{block}"
+    );
     assert_eq!(out.replace(block, ""), src);
+    // Without `let_next`, only the wait.
+    assert!(!waiting_for_prior(src, false).contains("launch_dependents"));
 }

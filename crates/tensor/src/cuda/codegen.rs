@@ -15,18 +15,25 @@ pub const MAX_RANK: usize = 8;
 /// Operand slots in `Args`: up to three inputs and the output.
 pub const SLOTS: usize = 4;
 
-/// Hopper's programmatic dependent launch (`Gpu::launch3`): a kernel may be launched while
+/// Hopper's programmatic dependent launch (`Gpu::launch_ex`): a kernel may be launched while
 /// the kernel before it on the stream still runs. So every kernel's first statement waits
 /// until that kernel has finished and its writes are visible (before this kernel reads or
-/// writes any memory), then lets the kernel after it be launched early: its blocks take room
-/// on the SMs only once every block of this one has started, and wait there in turn. Before
-/// sm_90, and in a launch without the attribute, both instructions do nothing.
-const PRIOR_WAIT: &str =
-    "\n#if __CUDA_ARCH__ >= 900\n  asm volatile(\"griddepcontrol.wait;\\n\\tgriddepcontrol.launch_dependents;\" ::: \"memory\");\n#endif\n";
+/// writes any memory). With `let_next` it then lets the kernel after it be launched early
+/// (unless it defines `LATE_NEXT`): that kernel's blocks take room on the SMs once every
+/// block of this one has started, and wait there in turn; without, once every block of this
+/// one has finished. Before sm_90, and in a launch without the attribute, these instructions
+/// do nothing.
+const PRIOR_WAIT: &str = "\n#if __CUDA_ARCH__ >= 900\n  asm volatile(\"griddepcontrol.wait;\" ::: \"memory\");\n";
+const LET_NEXT: &str = "#ifndef LATE_NEXT\n  asm volatile(\"griddepcontrol.launch_dependents;\" ::: \"memory\");\n#endif\n";
+/// Defined by the long compute-bound kernels (the Hopper GEMM, attention): they let the next
+/// kernel launch only as their blocks finish. Its blocks waiting beside theirs on the SMs
+/// made the Transformer forward 4-6 % slower (H200), while the small kernels of a step like
+/// MLP b32's gain 1.5-2 us over the step from launching the next early.
+pub const LATE_NEXT: &str = "#define LATE_NEXT\n";
 
-/// `src` with `PRIOR_WAIT` as the first statement of every kernel (after the opening brace
-/// of each `__global__` function's body: signatures hold no braces).
-pub fn waiting_for_prior(src: &str) -> String {
+/// `src` with `PRIOR_WAIT` (and `LET_NEXT`) as the first statements of every kernel (after
+/// the opening brace of each `__global__` function's body: signatures hold no braces).
+pub fn waiting_for_prior(src: &str, let_next: bool) -> String {
     let mut out = String::with_capacity(src.len() + 256);
     let mut rest = src;
     while let Some(at) = rest.find("__global__") {
@@ -34,6 +41,10 @@ pub fn waiting_for_prior(src: &str) -> String {
         let body = at + brace + 1;
         out.push_str(&rest[..body]);
         out.push_str(PRIOR_WAIT);
+        if let_next {
+            out.push_str(LET_NEXT);
+        }
+        out.push_str("#endif\n");
         rest = &rest[body..];
     }
     out.push_str(rest);
@@ -1022,20 +1033,22 @@ pub fn matmul_few_source() -> (String, String) {
 #pragma unroll
   for (int q = 0; q < RPT; ++q) part[(rg * RPT + q) * NT + c] = acc[q];
   cluster_sync();
+  float v = 0.f;
+  const int e = rank * PER + tid, i = e / NT, j = e % NT;
   if (tid < PER) {
-    const int e = rank * PER + tid, i = e / NT, j = e % NT;
-    const long long col = col0 + j;
     const unsigned at = (unsigned)__cvta_generic_to_shared(&part[e]);
-    float v = 0.f;
 #pragma unroll
     for (int p = 0; p < S; ++p) v += ld_cluster1(at, p);
-    if (i < g.m && col < g.n) {
-      if (g.has_bias) v += ld(bias[col * g.sbias]);
-      if (g.relu) v = v > 0.f ? v : 0.f;
-      st(&o[i * g.n + col], v);
-    }
   }
+  // Each block's partial sums stay alive until the others have read them; the output is
+  // stored after this barrier, so its release has no global store to wait for.
   cluster_sync();
+  const long long col = col0 + j;
+  if (tid < PER && i < g.m && col < g.n) {
+    if (g.has_bias) v += ld(bias[col * g.sbias]);
+    if (g.relu) v = v > 0.f ? v : 0.f;
+    st(&o[i * g.n + col], v);
+  }
 }
 "#;
     (s, name)
@@ -1194,11 +1207,11 @@ pub fn linear_xent_fits(dtype: DType, n: usize, c: usize, f: usize) -> bool {
 /// (rows padded by one float: no bank conflicts), its columns of h, the bias and the targets
 /// (read later, they cost a second trip to memory: about 1 us); computes
 /// its logits `h w^T + b` (a warp per logit), counts every real target, and takes each of its
-/// rows' loss and gradient (`xent_row`, a warp a row, the gradient over the logits in place)
-/// and h's gradient `g w` (times `step(h)` with `drelu`). After the cluster's barrier each
-/// block copies every row's gradient from the blocks' shared memory and writes a share of the
-/// weight's gradient `g^T h` (its columns); the last block writes the bias's `sum(g)` and the
-/// first the loss, the blocks' partial sums added in order (the same bits
+/// rows' loss and gradient (`xent_row`, a warp a row, the gradient over the logits in place).
+/// After the cluster's barrier each block copies every row's gradient from the blocks' shared
+/// memory, then writes h's gradient `g w` for its rows (times `step(h)` with `drelu`) and a
+/// share of the weight's gradient `g^T h` (its columns); the last block writes the bias's
+/// `sum(g)` and the first the loss, the blocks' partial sums added in order (the same bits
 /// every run). Classifier heads at small batches: five launches (the head's product, the loss,
 /// two products and a bias-gradient kernel) in one. Without `cluster` (before Hopper) one
 /// block runs it all.
@@ -1258,6 +1271,13 @@ pub fn linear_xent_source(dtype: DType, cluster: bool) -> (String, String) {
     s += &xent_grad_loop("lg", "");
     s += "  }\n  if (tid % 32 == 0) sh[tid / 32] = loss;\n  __syncthreads();\n";
     s += r#"  if (tid == 0) { C v = (C)0; for (int w = 0; w < nt / 32; ++w) v += sh[w]; mine = v; }
+  // Every global store comes after both cluster barriers: their releases then have no store
+  // to wait for (a barrier after h's gradient's stores waited for them all to reach memory).
+  cluster_sync();
+#pragma unroll 4
+  for (int e = tid; e < N * NC; e += nt) { const int p = e / (PER * NC); ga[e] = remote(&lg[e - p * PER * NC], p); }
+  const C part = rank == 0 && tid < B ? remote(&mine, tid) : (C)0;
+  cluster_arrive();
   for (int e = tid; e < R * F; e += nt) {
     const int r = e / F, j = e - r * F;
     C v = (C)0;
@@ -1266,11 +1286,6 @@ pub fn linear_xent_source(dtype: DType, cluster: bool) -> (String, String) {
     if (l.drelu) v *= hs[r * FP + j] > (C)0 ? (C)1 : (C)0;
     st(&o[l.dh + (r0 + r) * F + j], v);
   }
-  cluster_sync();
-#pragma unroll 4
-  for (int e = tid; e < N * NC; e += nt) { const int p = e / (PER * NC); ga[e] = remote(&lg[e - p * PER * NC], p); }
-  const C part = rank == 0 && tid < B ? remote(&mine, tid) : (C)0;
-  cluster_arrive();
   if (tid < B) parts[tid] = part;
   __syncthreads();
   if (rank == 0 && tid == 0) { C v = (C)0; for (int p = 0; p < B; ++p) v += parts[p]; st(&o[0], v / count); }
@@ -1955,7 +1970,7 @@ pub fn tiled_source(kind: AttnKernel, dtype: DType, d: usize, causal: bool) -> (
         format!("{dtype:?}").to_lowercase(),
         if causal { "_causal" } else { "" }
     );
-    let mut s = format!("{PRELUDE}\ntypedef {t} T;\n#define D {d}\n#define CAUSAL {}\n", causal as i32);
+    let mut s = format!("{PRELUDE}{LATE_NEXT}\ntypedef {t} T;\n#define D {d}\n#define CAUSAL {}\n", causal as i32);
     s += &format!("#define RM {TILED_ROWS}\n#define NT {TILED_THREADS}\n");
     s += TILED_HELPERS;
     let sig = match kind {
@@ -2346,7 +2361,7 @@ pub const ATTN_SHORT_MAX_T: usize = 32;
 pub fn attention_short_source(dtype: DType, d: usize, causal: bool) -> (String, String) {
     let t = storage_type(dtype);
     let name = format!("k_attn_short_{}_d{d}{}", format!("{dtype:?}").to_lowercase(), if causal { "_causal" } else { "" });
-    let mut s = format!("{PRELUDE}\ntypedef {t} T;\n#define D {d}\n#define CAUSAL {}\n", causal as i32);
+    let mut s = format!("{PRELUDE}{LATE_NEXT}\ntypedef {t} T;\n#define D {d}\n#define CAUSAL {}\n", causal as i32);
     s += "struct Mat { long long b, h, t, nh; };\n";
     s += "__device__ __forceinline__ long long mat_base(Mat m) { const long long n = blockIdx.x; return (n / m.nh) * m.b + (n % m.nh) * m.h; }\n";
     s += &format!(
@@ -2483,7 +2498,7 @@ pub fn flash_source(kind: AttnKernel, dtype: DType, d: usize, causal: bool) -> (
         format!("{dtype:?}").to_lowercase(),
         if causal { "_causal" } else { "" }
     );
-    let mut s = format!("{PRELUDE}\ntypedef {t} T;\n#define D {d}\n#define CAUSAL {}\n", causal as i32);
+    let mut s = format!("{PRELUDE}{LATE_NEXT}\ntypedef {t} T;\n#define D {d}\n#define CAUSAL {}\n", causal as i32);
     s += "#define NEG_INF __int_as_float(0xff800000)\n";
     s += &flash_helpers(dtype);
     s += FLASH_COMMON;
