@@ -26,7 +26,7 @@ fn need_nvrtc() {
 /// `sm_90a` where it asks); collects failures
 /// so one run reports them all.
 fn check(src: &str, name: &str, failures: &mut Vec<String>) {
-    let src = waiting_for_prior(src, true);
+    let src = waiting_for_prior(src);
     if let Err(e) = nvrtc::compile(&src, name, &nvrtc::target(&src, (9, 0)), true) {
         failures.push(format!("{name}: {e}"));
     }
@@ -441,7 +441,7 @@ fn every_kernel_waits_for_the_one_before_it_first() {
     let src = "extern \"C\" __global__ void __launch_bounds__(128) a(float* o, Args g) {\n  int i = 0; { o[i] = 1; }\n}\n\
                __device__ float f(float x) { return x; }\n\
                extern \"C\" __global__ void b(float* o) { o[0] = f(2); }\n";
-    let out = waiting_for_prior(src, true);
+    let out = waiting_for_prior(src);
     let wait = "\n#if __CUDA_ARCH__ >= 900\n  asm volatile(\"griddepcontrol.wait;";
     assert_eq!(out.matches(wait).count(), 2, "{out}");
     // Each right after its kernel's opening brace, before the body's first statement.
@@ -456,6 +456,4 @@ fn every_kernel_waits_for_the_one_before_it_first() {
         "{block}"
     );
     assert_eq!(out.replace(block, ""), src);
-    // Without `let_next`, only the wait.
-    assert!(!waiting_for_prior(src, false).contains("launch_dependents"));
 }

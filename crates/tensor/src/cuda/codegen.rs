@@ -18,22 +18,21 @@ pub const SLOTS: usize = 4;
 /// Hopper's programmatic dependent launch (`Gpu::launch_ex`): a kernel may be launched while
 /// the kernel before it on the stream still runs. So every kernel's first statement waits
 /// until that kernel has finished and its writes are visible (before this kernel reads or
-/// writes any memory). With `let_next` it then lets the kernel after it be launched early
-/// (unless it defines `LATE_NEXT`): that kernel's blocks take room on the SMs once every
-/// block of this one has started, and wait there in turn; without, once every block of this
-/// one has finished. Before sm_90, and in a launch without the attribute, these instructions
-/// do nothing.
-const PRIOR_WAIT: &str = "\n#if __CUDA_ARCH__ >= 900\n  asm volatile(\"griddepcontrol.wait;\" ::: \"memory\");\n";
-const LET_NEXT: &str = "#ifndef LATE_NEXT\n  asm volatile(\"griddepcontrol.launch_dependents;\" ::: \"memory\");\n#endif\n";
+/// writes any memory). It then lets the kernel after it be launched early (unless it defines
+/// `LATE_NEXT`): that kernel's blocks take room on the SMs once every block of this one has
+/// started, and wait there in turn (else once every block of this one has finished). Before
+/// sm_90, and in a launch without the attribute, these instructions do nothing.
+const PRIOR_WAIT: &str = "\n#if __CUDA_ARCH__ >= 900\n  asm volatile(\"griddepcontrol.wait;\" ::: \"memory\");\n#ifndef LATE_NEXT\n  \
+                          asm volatile(\"griddepcontrol.launch_dependents;\" ::: \"memory\");\n#endif\n#endif\n";
 /// Defined by the long compute-bound kernels (the Hopper GEMM, attention): they let the next
 /// kernel launch only as their blocks finish. Its blocks waiting beside theirs on the SMs
 /// made the Transformer forward 4-6 % slower (H200), while the small kernels of a step like
 /// MLP b32's gain 1.5-2 us over the step from launching the next early.
 pub const LATE_NEXT: &str = "#define LATE_NEXT\n";
 
-/// `src` with `PRIOR_WAIT` (and `LET_NEXT`) as the first statements of every kernel (after
+/// `src` with `PRIOR_WAIT` as the first statements of every kernel (after
 /// the opening brace of each `__global__` function's body: signatures hold no braces).
-pub fn waiting_for_prior(src: &str, let_next: bool) -> String {
+pub fn waiting_for_prior(src: &str) -> String {
     let mut out = String::with_capacity(src.len() + 256);
     let mut rest = src;
     while let Some(at) = rest.find("__global__") {
@@ -41,10 +40,6 @@ pub fn waiting_for_prior(src: &str, let_next: bool) -> String {
         let body = at + brace + 1;
         out.push_str(&rest[..body]);
         out.push_str(PRIOR_WAIT);
-        if let_next {
-            out.push_str(LET_NEXT);
-        }
-        out.push_str("#endif\n");
         rest = &rest[body..];
     }
     out.push_str(rest);

@@ -39,21 +39,13 @@ pub struct Wanted {
 impl Wanted {
     /// One program of kernels `names`, kept under `keys`, launched with `shared` bytes each.
     pub fn new(keys: Vec<u64>, shared: Vec<u32>, src: String, module: String, names: Vec<String>) -> Wanted {
-        Wanted { keys, shared, job: (super::codegen::waiting_for_prior(&src, early_launch() == 1), module), names }
+        Wanted { keys, shared, job: (super::codegen::waiting_for_prior(&src), module), names }
     }
 
     /// A program of one kernel, named as the program.
     fn one(key: u64, shared: u32, (src, name): (String, String)) -> Wanted {
         Wanted::new(vec![key], vec![shared], src, name.clone(), vec![name])
     }
-}
-
-/// `KILN_EARLY_LAUNCH`: 0 off; 1 (the default) a kernel lets the next launch once all its
-/// blocks have started (`codegen::LATE_NEXT`'s kernels: once they have finished); 2 every
-/// kernel once its blocks have finished (to measure the difference).
-fn early_launch() -> u8 {
-    static MODE: OnceLock<u8> = OnceLock::new();
-    *MODE.get_or_init(|| std::env::var("KILN_EARLY_LAUNCH").ok().and_then(|v| v.parse().ok()).unwrap_or(1))
 }
 
 thread_local! {
@@ -233,7 +225,7 @@ pub fn gpu(ordinal: usize) -> Result<Arc<Gpu>> {
         err,
         blas: Mutex::new(None),
         blas_start: Mutex::new(None),
-        early_launch: arch.0 >= 9 && early_launch() != 0,
+        early_launch: arch.0 >= 9 && std::env::var("KILN_EARLY_LAUNCH").as_deref() != Ok("0"),
     });
     map.insert(ordinal, g.clone());
     g.bind()?;
