@@ -104,13 +104,15 @@ pub fn compile(src: &str, name: &str, arch: &str, binary: bool) -> Result<Vec<u8
         }
         Ok(()) if binary => {
             let mut size = 0usize;
-            // SAFETY: as above; `buf` is sized from NVRTC's own answer.
+            // SAFETY: as above; `buf` is sized from NVRTC's own answer. No early return: the
+            // program is destroyed below whatever happens here.
             unsafe {
-                ns::nvrtcGetCUBINSize(prog, &mut size).result().map_err(|e| Error::Cuda(format!("nvrtc: {e:?}")))?;
-                let mut buf = vec![0u8; size];
-                ns::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut _).result().map_err(|e| Error::Cuda(format!("nvrtc: {e:?}")))?;
-                Ok(buf)
+                ns::nvrtcGetCUBINSize(prog, &mut size).result().and_then(|()| {
+                    let mut buf = vec![0u8; size];
+                    ns::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut _).result().map(|()| buf)
+                })
             }
+            .map_err(|e| Error::Cuda(format!("nvrtc could not hand back the CUBIN of {name}: {e:?}")))
         }
         Ok(()) => {
             // SAFETY: as above.
