@@ -25,9 +25,9 @@ pub const SLOTS: usize = 4;
 const PRIOR_WAIT: &str = "\n#if __CUDA_ARCH__ >= 900\n  asm volatile(\"griddepcontrol.wait;\" ::: \"memory\");\n#ifndef LATE_NEXT\n  \
                           asm volatile(\"griddepcontrol.launch_dependents;\" ::: \"memory\");\n#endif\n#endif\n";
 /// Defined by the long compute-bound kernels (the Hopper GEMM, attention): they let the next
-/// kernel launch only as their blocks finish. Its blocks waiting beside theirs on the SMs
-/// made the Transformer forward 4-6 % slower (H200), while the small kernels of a step like
-/// MLP b32's gain 1.5-2 us over the step from launching the next early.
+/// kernel launch only as their blocks finish. The next kernel's blocks waiting beside theirs
+/// on the SMs made the Transformer forward 4-6 % slower (H200), while the small kernels of a
+/// step like MLP b32's gain 1.5-2 us over the step from launching the next early.
 pub const LATE_NEXT: &str = "#define LATE_NEXT\n";
 
 /// `src` with `PRIOR_WAIT` as the first statements of every kernel (after
@@ -1266,8 +1266,9 @@ pub fn linear_xent_source(dtype: DType, cluster: bool) -> (String, String) {
     s += &xent_grad_loop("lg", "");
     s += "  }\n  if (tid % 32 == 0) sh[tid / 32] = loss;\n  __syncthreads();\n";
     s += r#"  if (tid == 0) { C v = (C)0; for (int w = 0; w < nt / 32; ++w) v += sh[w]; mine = v; }
-  // Every global store comes after both cluster barriers: their releases then have no store
-  // to wait for (a barrier after h's gradient's stores waited for them all to reach memory).
+  // Every global store comes after this block's arrivals at both cluster barriers: their
+  // releases then have no store to wait for (an arrival after h's gradient's stores waited
+  // for them all to reach memory).
   cluster_sync();
 #pragma unroll 4
   for (int e = tid; e < N * NC; e += nt) { const int p = e / (PER * NC); ga[e] = remote(&lg[e - p * PER * NC], p); }

@@ -698,10 +698,14 @@ impl Gpu {
             numAttrs: count as u32,
         };
         // SAFETY: `config` and `attrs` outlive the call; the rest is this function's contract.
-        unsafe { ds::cuLaunchKernelEx(&config, k.0, params.as_mut_ptr(), std::ptr::null_mut()) }.result().map_err(cuda_err(format!(
-            "kernel launch ({} x {} x {} blocks of {block} threads, clusters of {cluster_z:?}, {shmem} bytes shared)",
-            grid.0, grid.1, grid.2
-        )))
+        let launched = unsafe { ds::cuLaunchKernelEx(&config, k.0, params.as_mut_ptr(), std::ptr::null_mut()) }.result();
+        // (The message is formatted only on failure: no allocation a launch.)
+        launched.map_err(|e| {
+            let (x, y, z) = grid;
+            cuda_err(format!("kernel launch ({x} x {y} x {z} blocks of {block} threads, clusters of {cluster_z:?}, {shmem} bytes shared)"))(
+                e,
+            )
+        })
     }
 }
 
