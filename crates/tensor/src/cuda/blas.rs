@@ -30,8 +30,7 @@ pub struct Blas {
 impl Blas {
     /// The GPU's cuBLAS handle (on its stream, with its own workspace) and cuBLASLt's.
     fn new(g: &Arc<Gpu>) -> Result<Blas> {
-        // SAFETY: only probes for the library.
-        if !unsafe { bs::is_culib_present() } {
+        if !super::gpu::held_open(&cudarc::get_lib_name_candidates("cublas")) {
             return Err(Error::Cuda("cuBLAS (libcublas.so) not found; it runs Kiln's CUDA matmuls".into()));
         }
         g.bind()?;
@@ -43,8 +42,7 @@ impl Blas {
         unsafe { bs::cublasSetWorkspace_v2(h, ws.ptr as *mut c_void, WORKSPACE) }.result().map_err(blas_err)?;
         // Without cuBLASLt (or its handle), plain cuBLAS runs every GEMM.
         let lt_wanted = std::env::var("KILN_CUBLASLT").map_or(true, |v| v != "0");
-        // SAFETY: only probes for the library.
-        let lt = (lt_wanted && unsafe { cudarc::cublaslt::sys::is_culib_present() })
+        let lt = (lt_wanted && super::gpu::held_open(&cudarc::get_lib_name_candidates("cublasLt")))
             .then(cudarc::cublaslt::result::create_handle)
             .and_then(|r| r.ok());
         Ok(Blas { h, lt, ws, plans: Default::default() })

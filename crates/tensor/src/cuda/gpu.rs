@@ -169,12 +169,17 @@ pub(crate) fn cuda_err(what: impl std::fmt::Display) -> impl Fn(dr::DriverError)
 /// Whether the NVIDIA driver library can be loaded at all (cudarc would panic on first use).
 fn driver_present() -> bool {
     static PRESENT: OnceLock<bool> = OnceLock::new();
-    *PRESENT.get_or_init(|| {
-        ["libcuda.so.1", "libcuda.so"].iter().any(|name| {
-            // SAFETY: loading the NVIDIA driver library runs its initialisers; it is the same
-            // library cudarc loads, and we only test that it loads.
-            unsafe { libloading::Library::new(*name) }.is_ok()
-        })
+    *PRESENT.get_or_init(|| held_open(&["libcuda.so.1", "libcuda.so"]))
+}
+
+/// Whether one of the library file `names` loads; the first that does stays loaded for the
+/// process. (cudarc's own probes open and close a library, and its loader opens it again:
+/// cuBLASLt's 550 MB were loaded twice, 60 ms each time.)
+pub(crate) fn held_open<S: AsRef<str>>(names: &[S]) -> bool {
+    names.iter().any(|name| {
+        // SAFETY: loading a CUDA library runs its initialisers, as cudarc's loader does with
+        // the same file; it is never unloaded, as cudarc never unloads its own.
+        unsafe { libloading::Library::new(name.as_ref()) }.map(std::mem::forget).is_ok()
     })
 }
 

@@ -7,10 +7,11 @@ use cudarc::nvrtc::{result as nr, sys as ns};
 use std::ffi::CString;
 use std::path::PathBuf;
 
-/// Whether libnvrtc can be loaded (cudarc panics on first use otherwise).
+/// Whether libnvrtc can be loaded (cudarc panics on first use otherwise); it then stays
+/// loaded (`gpu::held_open`).
 pub fn available() -> bool {
-    // SAFETY: only tries to open the library.
-    unsafe { ns::is_culib_present() }
+    static PRESENT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PRESENT.get_or_init(|| super::gpu::held_open(&cudarc::get_lib_name_candidates("nvrtc")))
 }
 
 fn version() -> (i32, i32) {
