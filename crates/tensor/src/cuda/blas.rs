@@ -344,8 +344,8 @@ pub fn matmul_fused(
                 super::kernels::matmul_thin(g, a, b, h.as_ref().map(|(s, l)| (*s, l)), rest.sums.map(|(_, _, at)| at), &out)?
             }
             Own::Short => super::kernels::matmul_short(g, a, b, rest.sums.map(|(_, _, at)| at), &out)?,
-            Own::Narrow => super::kernels::matmul_narrow(g, a, b, rest.bias, rest.relu, &out)?,
-            Own::Few => super::kernels::matmul_few(g, a, b, rest.bias, rest.relu, &out)?,
+            Own::Narrow => super::kernels::matmul_small(g, false, a, b, rest.bias, rest.relu, &out)?,
+            Own::Few => super::kernels::matmul_small(g, true, a, b, rest.bias, rest.relu, &out)?,
         }
         return Ok(out);
     }
@@ -456,9 +456,9 @@ enum Own {
     Thin,
     /// At most 16 rows over a long contraction, with `SumLeft`'s sums at most (`matmul_short`).
     Short,
-    /// At most 16 columns, A's rows contiguous, with a bias and ReLU at most (`matmul_narrow`).
+    /// At most 16 columns, A's rows contiguous, with a bias and ReLU at most (`matmul_small`).
     Narrow,
-    /// F32, at most 32 rows, with a bias and ReLU at most, on Hopper (`matmul_few`).
+    /// F32, at most 32 rows, with a bias and ReLU at most, on Hopper (`matmul_small`).
     Few,
 }
 

@@ -1103,29 +1103,34 @@ struct PArgs {
     relu: i32,
 }
 
-/// Launches a narrow or few-rows product kernel `k_fn` on 2-D views of A and B with an
-/// optional bias `[n]` and ReLU into the dense `out`, over `grid` (with `cluster`, clusters
-/// of that many blocks along z).
-///
-/// # Safety
-/// `k_fn` takes `(out, a, b, bias, PArgs)`, reads A and B only within `(m, k)` and `(k, n)`
-/// of their views, the bias only when `has_bias`, and writes only `m x n` values of `out`;
-/// the views lie inside their buffers (the caller's shape rule).
-#[allow(clippy::too_many_arguments)]
-unsafe fn launch_product(
+/// `out [m, n] = a [m, k] b [k, n] (+ bias) (ReLU)` on 2-D views of A and B, a bias `[n]`,
+/// `out` dense: with `few`, by the few-rows kernel (F32; the caller checks `m <= FEW_MAX_M`
+/// and that the GPU has clusters), else by the narrow kernel (the caller checks
+/// `n <= NARROW_MAX_N` and that A's rows are contiguous; `blas::own_product`).
+pub(super) fn matmul_small(
     g: &Arc<Gpu>,
-    k_fn: Kernel,
+    few: bool,
     (sa, la): (&CudaStorage, &Layout),
     (sb, lb): (&CudaStorage, &Layout),
     bias: Option<(&CudaStorage, &Layout)>,
     relu: bool,
     out: &CudaStorage,
-    (grid, threads, cluster): ((u32, u32, u32), u32, Option<u32>),
 ) -> Result<()> {
+    use super::codegen::{FEW_COLS, FEW_SPLIT, FEW_THREADS, NARROW_THREADS};
+    let (m, n) = (la.shape[0], lb.shape[1]);
+    // The kernel and its grid: a cluster of FEW_SPLIT blocks per FEW_COLS columns, each
+    // block all of the m rows; or a warp per row of A, NARROW_THREADS / 32 rows a block.
+    let (k_fn, grid, threads, cluster) = if few {
+        let k_fn = g.kernel(super::spec_key("matmul_few", &()), super::codegen::matmul_few_source)?;
+        (k_fn, (n.div_ceil(FEW_COLS) as u32, 1, FEW_SPLIT as u32), FEW_THREADS, Some(FEW_SPLIT as u32))
+    } else {
+        let k_fn = g.kernel(super::spec_key("matmul_narrow", &(out.dtype, n)), || super::codegen::matmul_narrow_source(out.dtype, n))?;
+        (k_fn, (m.div_ceil(NARROW_THREADS / 32) as u32, 1, 1), NARROW_THREADS, None)
+    };
     let i = |v: usize| v as i64;
     let mut a = PArgs {
-        m: i(la.shape[0]),
-        n: i(lb.shape[1]),
+        m: i(m),
+        n: i(n),
         k: i(la.shape[1]),
         sam: i(la.strides[0]),
         sak: i(la.strides[1]),
@@ -1138,53 +1143,16 @@ unsafe fn launch_product(
     let (mut po, mut pa, mut pb) = (out.buf.ptr, sa.ptr_at(la.offset), sb.ptr_at(lb.offset));
     let mut pbias = bias.map_or(po, |(s, l)| s.ptr_at(l.offset));
     let mut params = kernel_params![po, pa, pb, pbias, a];
-    // SAFETY: forwarded from this function's contract; the parameters are the kernel's.
+    // SAFETY: (out, a, b, bias, PArgs) matches both kernels' signatures; they read A and B
+    // only within (m, k) and (k, n) of their views, which lie inside their buffers (the
+    // caller's shape rule), the bias (n values) only when has_bias, and write only the m x n
+    // values of `out`; the grid covers the output as said above.
     unsafe {
         match cluster {
-            Some(z) => g.launch_cluster(k_fn, grid, z, threads, 0, &mut params),
-            None => g.launch3(k_fn, grid, threads, 0, &mut params),
+            Some(z) => g.launch_cluster(k_fn, grid, z, threads as u32, 0, &mut params),
+            None => g.launch3(k_fn, grid, threads as u32, 0, &mut params),
         }
     }
-}
-
-/// `out [m, n] = a [m, k] b [k, n] (+ bias) (ReLU)` by the narrow-product kernel: 2-D views of
-/// A (rows contiguous) and B, a bias `[n]`; `out` dense. The caller checks
-/// `n <= NARROW_MAX_N` and A's layout (`blas::own_product`).
-pub(super) fn matmul_narrow(
-    g: &Arc<Gpu>,
-    a: (&CudaStorage, &Layout),
-    b: (&CudaStorage, &Layout),
-    bias: Option<(&CudaStorage, &Layout)>,
-    relu: bool,
-    out: &CudaStorage,
-) -> Result<()> {
-    let (m, n) = (a.1.shape[0], b.1.shape[1]);
-    let k_fn = g.kernel(super::spec_key("matmul_narrow", &(out.dtype, n)), || super::codegen::matmul_narrow_source(out.dtype, n))?;
-    let rows = super::codegen::NARROW_THREADS / 32;
-    let launch = ((m.div_ceil(rows) as u32, 1, 1), super::codegen::NARROW_THREADS as u32, None);
-    // SAFETY: the narrow kernel's signature and reads are `launch_product`'s; a warp per row
-    // of A, `rows` rows a block, covers the m rows.
-    unsafe { launch_product(g, k_fn, a, b, bias, relu, out, launch) }
-}
-
-/// `out [m, n] = a [m, k] b [k, n] (+ bias) (ReLU)` by the few-rows kernel: 2-D views of A and
-/// B, a bias `[n]`; `out` dense, F32. The caller checks `m <= FEW_MAX_M` and that the GPU
-/// has clusters (`blas::own_product`).
-pub(super) fn matmul_few(
-    g: &Arc<Gpu>,
-    a: (&CudaStorage, &Layout),
-    b: (&CudaStorage, &Layout),
-    bias: Option<(&CudaStorage, &Layout)>,
-    relu: bool,
-    out: &CudaStorage,
-) -> Result<()> {
-    use super::codegen::{FEW_COLS, FEW_SPLIT, FEW_THREADS};
-    let k_fn = g.kernel(super::spec_key("matmul_few", &()), super::codegen::matmul_few_source)?;
-    let grid = (b.1.shape[1].div_ceil(FEW_COLS) as u32, 1, FEW_SPLIT as u32);
-    // SAFETY: the few-rows kernel's signature and reads are `launch_product`'s (F32 views);
-    // the grid covers the output's column tiles, a cluster of FEW_SPLIT blocks each (the GPU
-    // has clusters), each block all of its m <= FEW_MAX_M rows.
-    unsafe { launch_product(g, k_fn, a, b, bias, relu, out, (grid, FEW_THREADS as u32, Some(FEW_SPLIT as u32))) }
 }
 
 /// Mirrors `struct SArgs` (`codegen::matmul_short_source`).
