@@ -5,8 +5,8 @@
 //! graph and replayed.
 //!
 //! The captured graph owns a private memory pool (every intermediate of the step lives there,
-//! at the addresses baked into the graph) and its output buffers, which each call copies into
-//! fresh tensors for the caller: a later replay never changes what the caller holds. It reads
+//! at the addresses baked into the graph) and its output buffers, which its last nodes copy
+//! into fresh tensors for the caller: a later replay never changes what the caller holds. It reads
 //! its inputs where the first call's lay while calls pass tensors there, else from static
 //! buffers that each call copies the caller's inputs into.
 
@@ -15,11 +15,11 @@ use crate::fusion::{Group, Plan, Step};
 use crate::graph::{Graph, Kind, NodeId};
 use kiln_tensor::cuda;
 use kiln_tensor::cuda::codegen::{FusedGroup, FusedInput, FusedKernel, FusedMember, FusedSrc};
-use kiln_tensor::cuda::compiled::{self as cc, CudaGraph, FusedModule, Pool};
+use kiln_tensor::cuda::compiled::{self as cc, CudaGraph, FusedModule, OutputCopy, Pool};
 use kiln_tensor::op::OutMeta;
 use kiln_tensor::rng::GeneratorState;
 use kiln_tensor::storage::StorageCell;
-use kiln_tensor::{DType, Device, Distribution, Error, Result, Tensor};
+use kiln_tensor::{DType, Device, Distribution, Error, Layout, Result, Tensor};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -28,7 +28,41 @@ struct Captured {
     graph: CudaGraph,
     inputs: Inputs,
     outputs: Vec<Tensor>,
+    /// The graph's own copies of `outputs` into each call's fresh tensors; `None` when an
+    /// output is not dense (each call then copies it after the replay).
+    copies: Option<Copies>,
     _pool: Arc<Pool>,
+}
+
+/// A graph's copies of its outputs (its last nodes), and the tensors its next replay copies
+/// them into.
+struct Copies {
+    nodes: Vec<OutputCopy>,
+    next: Vec<Tensor>,
+}
+
+impl Copies {
+    fn new(nodes: Vec<OutputCopy>, graph: &CudaGraph, outputs: &[Tensor], device: Device) -> Result<Copies> {
+        let mut c = Copies { nodes, next: vec![] };
+        c.aim(graph, outputs, device)?;
+        Ok(c)
+    }
+
+    /// Points the copies at new tensors like `outputs` for the next replay, and returns the
+    /// ones before (a replay already queued copies into those: destinations are read at
+    /// launch). Done after a launch, so the host work overlaps the replay.
+    fn aim(&mut self, graph: &CudaGraph, outputs: &[Tensor], device: Device) -> Result<Vec<Tensor>> {
+        let fresh: Vec<Tensor> = outputs
+            .iter()
+            .map(|t| Ok(Tensor::from_cell(cc::alloc_cell(device, t.dtype(), t.numel())?, Layout::contiguous(t.shape()))))
+            .collect::<Result<_>>()?;
+        let dsts = fresh.iter().map(|t| cc::address(t.storage())).collect::<Result<Vec<u64>>>()?;
+        // SAFETY: the nodes were captured into `graph`, one per output, and each fresh buffer
+        // holds its output's bytes; `next` keeps them alive until the replay that writes them
+        // is queued, and a buffer the caller drops sooner is reused only by later work.
+        unsafe { cc::set_output_copies(graph, &self.nodes, &dsts)? };
+        Ok(std::mem::replace(&mut self.next, fresh))
+    }
 }
 
 /// Where a captured graph reads its inputs.
@@ -58,10 +92,11 @@ pub struct GpuParts {
     tune: AtomicBool,
 }
 
-/// The kernel's name: its groups' indices and the first ops, so a profile reads back to the
-/// IR (`KILN_LOG=fusion` lists the groups).
+/// The kernel's name: its groups' indices and the first ops (of the first group after a
+/// lead), so a profile reads back to the IR (`KILN_LOG=fusion` lists the groups).
 fn kernel_name(g: &Graph, plan: &Plan, gs: &[usize]) -> String {
-    let ops: Vec<&str> = plan.groups[gs[0]]
+    let named = gs.iter().find(|&&k| !plan.groups[k].lead).unwrap_or(&gs[0]);
+    let ops: Vec<&str> = plan.groups[*named]
         .members
         .iter()
         .filter_map(|&m| match &g.nodes[m].kind {
@@ -75,8 +110,9 @@ fn kernel_name(g: &Graph, plan: &Plan, gs: &[usize]) -> String {
     format!("kiln_group{}{more}_{}", ids.join("_"), ops.join("_"))
 }
 
-/// The kernel spec of one fusion group.
-fn fused_group(g: &Graph, gr: &Group, k: usize) -> Result<FusedGroup> {
+/// The kernel spec of one fusion group; `lead`: its launch's lead group (whose values it reads
+/// from registers).
+fn fused_group(g: &Graph, gr: &Group, k: usize, lead: Option<&Group>) -> Result<FusedGroup> {
     let n: usize = gr.shape.iter().product();
     let inputs: Vec<FusedInput> = gr
         .externals
@@ -96,7 +132,8 @@ fn fused_group(g: &Graph, gr: &Group, k: usize) -> Result<FusedGroup> {
             } else {
                 Some((gr.shape.clone(), l.broadcast_strides(&gr.shape)))
             };
-            FusedInput { dtype, offset: l.offset, strided }
+            let lead = lead.and_then(|ld| ld.materialize.iter().position(|&m| m == a.node));
+            FusedInput { dtype, offset: l.offset, strided, lead }
         })
         .collect();
     let pos = |x: NodeId| gr.members.iter().position(|&m| m == x);
@@ -131,10 +168,12 @@ impl GpuParts {
         let mut seen: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
         for step in &plan.steps {
             let Step::Groups(gs) = step else { continue };
-            let groups: Vec<FusedGroup> = gs.iter().map(|&k| fused_group(g, &plan.groups[k], k)).collect::<Result<_>>()?;
-            let key = format!("{groups:?}");
+            let lead = plan.groups[gs[0]].lead.then(|| &plan.groups[gs[0]]);
+            let groups: Vec<FusedGroup> =
+                gs.iter().map(|&k| fused_group(g, &plan.groups[k], k, lead.filter(|_| k != gs[0]))).collect::<Result<_>>()?;
+            let key = format!("{}{groups:?}", lead.is_some());
             let k = *seen.entry(key).or_insert_with(|| {
-                specs.push(FusedKernel { name: kernel_name(g, plan, gs), groups });
+                specs.push(FusedKernel { name: kernel_name(g, plan, gs), groups, lead: lead.is_some() });
                 specs.len() - 1
             });
             kernel_of[gs[0]] = Some(k);
@@ -161,7 +200,7 @@ impl GpuParts {
         cell_of: &dyn Fn(NodeId) -> Result<Arc<StorageCell>>,
     ) -> Result<Vec<(NodeId, Arc<StorageCell>)>> {
         let k = self.kernel_of[gs[0]].ok_or_else(|| Error::Msg(format!("compile: group {} has no kernel", gs[0])))?;
-        let (mut made, mut outs, mut ins) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut made, mut outs, mut ins): (Vec<(NodeId, Arc<StorageCell>)>, _, _) = (Vec::new(), Vec::new(), Vec::new());
         for &gi in gs {
             let gr = &p.plan.groups[gi];
             let o: Vec<(NodeId, Arc<StorageCell>)> = gr
@@ -176,7 +215,9 @@ impl GpuParts {
                 })
                 .collect::<Result<_>>()?;
             outs.push(o.iter().map(|(_, c)| c.clone()).collect::<Vec<_>>());
-            ins.push(gr.externals.iter().map(|a| cell_of(a.node)).collect::<Result<Vec<_>>>()?);
+            // (A lead's values are made by this launch: their buffers are passed, not read.)
+            let made_here = |x: NodeId| made.iter().find(|(m, _)| *m == x).map(|(_, c)| c.clone());
+            ins.push(gr.externals.iter().map(|a| made_here(a.node).map_or_else(|| cell_of(a.node), Ok)).collect::<Result<Vec<_>>>()?);
             made.extend(o);
         }
         if kiln_tensor::profile::enabled() {
@@ -208,7 +249,8 @@ impl GpuParts {
         // then compiles them all at once on threads instead of one by one as each is reached.
         // (Not in anomaly mode: its host checks would read the dry run's unwritten buffers.)
         if !self.prepared.swap(true, Ordering::Relaxed) && !kiln_tensor::is_anomaly_detection() {
-            cc::prepare(p.device, || p.execute(inputs, gen, false))?;
+            let capture = self.capture.load(Ordering::Relaxed);
+            cc::prepare(p.device, || (p.execute(inputs, gen, false), capture.then(|| cc::want_output_copies(p.device))))?;
         }
         if self.tune.swap(false, Ordering::Relaxed) {
             let before = kiln_tensor::cuda::lt::tuning_stats();
@@ -243,14 +285,17 @@ impl GpuParts {
                 }
             }
         }
-        if let Some(c) = slot.as_ref() {
+        if let Some(c) = slot.as_mut() {
             if let Inputs::Copied(statics) = &c.inputs {
                 for (dst, src) in statics.iter().zip(inputs) {
                     cc::copy_cell(dst, src)?;
                 }
             }
             cc::launch_graph(&c.graph)?;
-            return c.outputs.iter().map(|t| t.copy()).collect();
+            return match &mut c.copies {
+                Some(copies) => copies.aim(&c.graph, &c.outputs, p.device),
+                None => c.outputs.iter().map(|t| t.copy()).collect(),
+            };
         }
         // The first run loads every kernel (and cuBLAS) outside the capture.
         let start = std::time::Instant::now();
@@ -259,8 +304,11 @@ impl GpuParts {
         let pool = cc::new_pool(p.device)?;
         // The graph's outputs stay its own buffers; each call copies them for the caller.
         let addresses = inputs.iter().map(|c| cc::address(c)).collect::<Result<Vec<u64>>>()?;
-        match cc::capture(p.device, &pool, || p.execute(inputs, gen, false)) {
-            Ok((graph, outputs)) => *slot = Some(Captured { graph, inputs: Inputs::Direct(addresses), outputs, _pool: pool }),
+        match cc::capture(p.device, &pool, || captured_step(p, inputs, gen)) {
+            Ok((graph, (outputs, nodes))) => {
+                let copies = nodes.map(|n| Copies::new(n, &graph, &outputs, p.device)).transpose()?;
+                *slot = Some(Captured { graph, inputs: Inputs::Direct(addresses), outputs, copies, _pool: pool })
+            }
             Err(e) => self.capture_failed(e),
         }
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
@@ -279,8 +327,11 @@ impl GpuParts {
                 cc::alloc_cell(p.device, dtype, c.len())
             })
             .collect::<Result<_>>()?;
-        match cc::capture(p.device, &pool, || p.execute(&statics, gen, false)) {
-            Ok((graph, outputs)) => Ok(Some(Captured { graph, inputs: Inputs::Copied(statics), outputs, _pool: pool })),
+        match cc::capture(p.device, &pool, || captured_step(p, &statics, gen)) {
+            Ok((graph, (outputs, nodes))) => {
+                let copies = nodes.map(|n| Copies::new(n, &graph, &outputs, p.device)).transpose()?;
+                Ok(Some(Captured { graph, inputs: Inputs::Copied(statics), outputs, copies, _pool: pool }))
+            }
             Err(e) => {
                 self.capture_failed(e);
                 Ok(None)
@@ -293,6 +344,17 @@ impl GpuParts {
         eprintln!("kiln compile: capturing the step as a CUDA graph failed ({e}); running it without a graph");
         self.capture.store(false, Ordering::Relaxed);
     }
+}
+
+/// The step as captured: its outputs, and (when every output is dense) their copies into
+/// the caller's tensors as the graph's last nodes.
+fn captured_step(p: &Program, inputs: &[Arc<StorageCell>], gen: GeneratorState) -> Result<(Vec<Tensor>, Option<Vec<OutputCopy>>)> {
+    let outputs = p.execute(inputs, gen, false)?;
+    if !outputs.iter().all(|t| t.layout().is_contiguous()) {
+        return Ok((outputs, None));
+    }
+    let copies = outputs.iter().map(|t| cc::capture_output_copy(t.storage(), t.layout().offset, t.numel())).collect::<Result<_>>()?;
+    Ok((outputs, Some(copies)))
 }
 
 /// Whether every input cell lies at the address the graph was captured with.

@@ -26,12 +26,15 @@ pub struct Group {
     /// Ends in full sums folded by one block (GPU only, `full_sum`): members after a sum are
     /// single values computed once.
     pub folds: bool,
+    /// Leads its launch (GPU only, `lead_scalar_groups`): a scalar group that every thread of
+    /// the launch's kernel computes first, so that the other groups read it from registers.
+    pub lead: bool,
 }
 
 impl Group {
     /// An empty group over `shape`.
     fn new(shape: Vec<usize>, f64: bool, folds: bool) -> Group {
-        Group { members: vec![], shape, f64, externals: vec![], materialize: vec![], inplace: vec![], folds }
+        Group { members: vec![], shape, f64, externals: vec![], materialize: vec![], inplace: vec![], folds, lead: false }
     }
 }
 
@@ -370,7 +373,57 @@ pub fn batch_groups(g: &Graph, plan: Plan) -> Plan {
         }
     }
     flush(&mut run, &mut steps, &mut made, &mut read);
-    Plan { steps, groups: plan.groups }
+    lead_scalar_groups(g, Plan { steps, groups: plan.groups })
+}
+
+/// Whether group `gr` is a scalar group free to run anywhere before its readers: one value,
+/// reading only inputs, state and constants, and writing in place only state that nothing
+/// outside it reads (the optimizer's step count).
+fn free_scalar(g: &Graph, gr: &Group, state_nodes: &[Option<NodeId>], users: &[Vec<NodeId>]) -> bool {
+    let leaf = |x: NodeId| matches!(g.nodes[x].kind, Kind::Input(_) | Kind::State(_)) || g.nodes[x].is_const();
+    gr.shape.iter().product::<usize>() == 1
+        && !gr.folds
+        && gr.externals.iter().all(|a| leaf(a.node))
+        && gr.inplace.iter().all(|&(_, slot)| state_nodes[slot].is_none_or(|s| users[s].iter().all(|u| gr.members.contains(u))))
+}
+
+/// A free scalar group left in a launch of its own (no launch before it to join) leads the
+/// next launch instead: every thread of that kernel computes its few values first, the other
+/// groups read them from registers, and the kernel's last block stores them
+/// (`FusedKernel::lead`). AdamW's step count and bias corrections so ride on its update. Only
+/// where no step in between reads the group's values and no group of that launch overwrites
+/// state the scalar group reads.
+fn lead_scalar_groups(g: &Graph, mut plan: Plan) -> Plan {
+    let (state_nodes, users) = (g.state_nodes(), g.users());
+    let mut k = 0;
+    while k < plan.steps.len() {
+        let Step::Groups(ref solo) = plan.steps[k] else {
+            k += 1;
+            continue;
+        };
+        let s = solo[0];
+        let sg = &plan.groups[s];
+        if solo.len() != 1 || !free_scalar(g, sg, &state_nodes, &users) {
+            k += 1;
+            continue;
+        }
+        let Some(j) = (k + 1..plan.steps.len()).find(|&j| matches!(plan.steps[j], Step::Groups(_))) else { break };
+        let read_between = plan.steps[k + 1..j].iter().any(|st| plan.reads(g, st).iter().any(|x| sg.materialize.contains(x)));
+        let Step::Groups(gs) = &plan.steps[j] else { break };
+        let clobbers = gs
+            .iter()
+            .flat_map(|&q| &plan.groups[q].inplace)
+            .any(|&(_, slot)| state_nodes[slot].is_some_and(|st| sg.externals.iter().any(|a| a.node == st)));
+        if read_between || clobbers || gs.len() >= MAX_BATCH || plan.groups[gs[0]].lead {
+            k += 1;
+            continue;
+        }
+        let led: Vec<usize> = std::iter::once(s).chain(gs.iter().copied()).collect();
+        plan.groups[s].lead = true;
+        plan.steps[j] = Step::Groups(led);
+        plan.steps.remove(k);
+    }
+    plan
 }
 
 /// Scalar groups that read only inputs, state and constants, and write in place only state
@@ -379,15 +432,8 @@ pub fn batch_groups(g: &Graph, plan: Plan) -> Plan {
 /// them. Their values are then ready early, which every later reader allows.
 fn hoist_scalar_groups(g: &Graph, mut plan: Plan) -> Plan {
     let Some(target) = plan.steps.iter().position(|s| matches!(s, Step::Groups(_))) else { return plan };
-    let state_nodes = g.state_nodes();
-    let users = g.users();
-    let free = |gr: &Group| {
-        let leaf = |x: NodeId| matches!(g.nodes[x].kind, Kind::Input(_) | Kind::State(_)) || g.nodes[x].is_const();
-        gr.shape.iter().product::<usize>() == 1
-            && !gr.folds
-            && gr.externals.iter().all(|a| leaf(a.node))
-            && gr.inplace.iter().all(|&(_, slot)| state_nodes[slot].is_none_or(|s| users[s].iter().all(|u| gr.members.contains(u))))
-    };
+    let (state_nodes, users) = (g.state_nodes(), g.users());
+    let free = |gr: &Group| free_scalar(g, gr, &state_nodes, &users);
     let mut hoisted: Vec<usize> = Vec::new();
     let mut moved: Vec<NodeId> = Vec::new();
     for step in &plan.steps[target + 1..] {
@@ -574,6 +620,58 @@ mod tests {
         let lr_at = position(&|s| matches!(s, Step::Node(i) if *i == lr));
         assert!(lr_at < position(&|s| matches!(s, Step::Node(i) if *i == as_int)));
         assert!(position(&|s| matches!(s, Step::Node(i) if *i == total)) > first);
+    }
+
+    /// AdamW's shape: step + 1 (written back) and 1 - 0.9^t, then p - grad / corr; with
+    /// `reader`, a product reading the scalars between them. Returns (graph, next, corr, updated).
+    fn count_then_update(reader: bool) -> (Graph, NodeId, NodeId, NodeId) {
+        use crate::graph::StateInfo;
+        let count = StateInfo { len: 1, dtype: DType::F64, created_in_step: false };
+        let param = StateInfo { len: 8, dtype: DType::F32, created_in_step: false };
+        let mut g = Graph { state: vec![count, param], ..Graph::default() };
+        let scalar = Layout { shape: vec![], strides: vec![], offset: 0 };
+        let step = g.push(Kind::State(0), vec![1], DType::F64);
+        let add = Op::Scalar { op: BinaryOp::Add, value: 1.0, scalar_lhs: false };
+        let next = g.push(Kind::Op(add, vec![Arg { node: step, layout: scalar.clone() }]), vec![], DType::F64);
+        let t = g.push(Kind::Op(Op::Cast(DType::F32), vec![whole(&g, next)]), vec![], DType::F32);
+        let pow = Op::Scalar { op: BinaryOp::Pow, value: 0.9, scalar_lhs: true };
+        let decay = g.push(Kind::Op(pow, vec![whole(&g, t)]), vec![], DType::F32);
+        let one_minus = Op::Scalar { op: BinaryOp::Sub, value: 1.0, scalar_lhs: true };
+        let corr = g.push(Kind::Op(one_minus, vec![whole(&g, decay)]), vec![], DType::F32);
+        if reader {
+            let x = g.push(Kind::Input(1), vec![1, 8], DType::F32);
+            let column = Arg { node: corr, layout: Layout { shape: vec![8, 1], strides: vec![0, 0], offset: 0 } };
+            let product = g.push(Kind::Op(Op::Matmul, vec![whole(&g, x), column]), vec![1, 1], DType::F32);
+            g.outputs = vec![whole(&g, product)];
+        }
+        let p = g.push(Kind::State(1), vec![8], DType::F32);
+        let grad = g.push(Kind::Input(0), vec![8], DType::F32);
+        let spread = Arg { node: corr, layout: Layout { shape: vec![8], strides: vec![0], offset: 0 } };
+        let scaled = g.push(Kind::Op(Op::Binary(BinaryOp::Div), vec![whole(&g, grad), spread]), vec![8], DType::F32);
+        let updated = g.push(Kind::Op(Op::Binary(BinaryOp::Sub), vec![whole(&g, p), whole(&g, scaled)]), vec![8], DType::F32);
+        g.writes = vec![(0, next), (1, updated)];
+        (g, next, corr, updated)
+    }
+
+    #[test]
+    fn a_lone_step_count_group_leads_the_update_launch() {
+        let group_of = |plan: &Plan, node: NodeId| plan.groups.iter().position(|gr| gr.members.contains(&node)).expect("a group");
+        let launches = |plan: &Plan| plan.steps.iter().filter(|s| matches!(s, Step::Groups(_))).cloned().collect::<Vec<Step>>();
+        let (g, next, corr, updated) = count_then_update(false);
+        // Without leads: the scalars, then the update.
+        let alone = plan(&g, true);
+        assert_eq!(launches(&alone).len(), 2, "{alone:?}");
+        let led = batch_groups(&g, plan(&g, true));
+        let (s, u) = (group_of(&led, next), group_of(&led, updated));
+        assert!(matches!(&launches(&led)[..], [Step::Groups(gs)] if *gs == vec![s, u]), "{led:?}");
+        assert!(led.groups[s].lead && !led.groups[u].lead);
+        assert_eq!(led.groups[s].inplace, vec![(next, 0)]);
+        assert!(led.groups[u].externals.iter().any(|a| a.node == corr) && led.groups[s].materialize.contains(&corr));
+        // A product between them reading the scalars keeps them apart.
+        let (g, ..) = count_then_update(true);
+        let apart = batch_groups(&g, plan(&g, true));
+        assert_eq!(launches(&apart).len(), 2, "{apart:?}");
+        assert!(apart.groups.iter().all(|gr| !gr.lead));
     }
 
     #[test]

@@ -242,10 +242,10 @@ fn a_module_of_fused_group_kernels_compiles() {
     let shape = vec![4usize, 6];
     let inputs = |d: DType| {
         vec![
-            FusedInput { dtype: d, offset: 0, strided: None },
-            FusedInput { dtype: d, offset: 3, strided: None },
-            FusedInput { dtype: d, offset: 1, strided: Some((shape.clone(), vec![1, 4])) },
-            FusedInput { dtype: d, offset: 0, strided: Some((shape.clone(), vec![0, 1])) },
+            FusedInput { dtype: d, offset: 0, strided: None, lead: None },
+            FusedInput { dtype: d, offset: 3, strided: None, lead: None },
+            FusedInput { dtype: d, offset: 1, strided: Some((shape.clone(), vec![1, 4])), lead: None },
+            FusedInput { dtype: d, offset: 0, strided: Some((shape.clone(), vec![0, 1])), lead: None },
         ]
     };
     let mut groups = Vec::new();
@@ -279,16 +279,16 @@ fn a_module_of_fused_group_kernels_compiles() {
         groups.push(FusedGroup { n: 24, inputs: inputs(d), members, outputs });
     }
     // The same members over dense inputs take the 4-wide vector path.
-    let dense: Vec<FusedInput> = (0..4).map(|k| FusedInput { dtype: DType::F32, offset: 4 * k, strided: None }).collect();
+    let dense: Vec<FusedInput> = (0..4).map(|k| FusedInput { dtype: DType::F32, offset: 4 * k, strided: None, lead: None }).collect();
     let vec = FusedGroup { inputs: dense, ..groups[0].clone() };
     assert!(vec.vec4() && !groups[0].vec4());
     groups.push(vec);
     // Rows of a wider buffer and a per-row broadcast also take it; a column broadcast does not.
     let rows_and_splat = vec![
-        FusedInput { dtype: DType::F32, offset: 0, strided: None },
-        FusedInput { dtype: DType::F32, offset: 8, strided: Some((vec![3, 8], vec![12, 1])) },
-        FusedInput { dtype: DType::F32, offset: 0, strided: Some((vec![3, 8], vec![1, 0])) },
-        FusedInput { dtype: DType::F32, offset: 0, strided: Some((vec![3, 8], vec![0, 1])) },
+        FusedInput { dtype: DType::F32, offset: 0, strided: None, lead: None },
+        FusedInput { dtype: DType::F32, offset: 8, strided: Some((vec![3, 8], vec![12, 1])), lead: None },
+        FusedInput { dtype: DType::F32, offset: 0, strided: Some((vec![3, 8], vec![1, 0])), lead: None },
+        FusedInput { dtype: DType::F32, offset: 0, strided: Some((vec![3, 8], vec![0, 1])), lead: None },
     ];
     let mixed = FusedGroup { inputs: rows_and_splat.clone(), ..groups[0].clone() };
     assert!(mixed.vec4());
@@ -297,9 +297,12 @@ fn a_module_of_fused_group_kernels_compiles() {
     assert!(!FusedGroup { inputs: columns, ..groups[0].clone() }.vec4());
     groups.push(mixed);
     // One kernel per group, and one running them side by side.
-    let mut kernels: Vec<FusedKernel> =
-        groups.iter().enumerate().map(|(k, g)| FusedKernel { name: format!("kiln_group{k}"), groups: vec![g.clone()] }).collect();
-    kernels.push(FusedKernel { name: "kiln_groups_0_1_2_3".into(), groups });
+    let mut kernels: Vec<FusedKernel> = groups
+        .iter()
+        .enumerate()
+        .map(|(k, g)| FusedKernel { name: format!("kiln_group{k}"), groups: vec![g.clone()], lead: false })
+        .collect();
+    kernels.push(FusedKernel { name: "kiln_groups_0_1_2_3".into(), groups, lead: false });
     let src = fused_module(&kernels).expect("every member is elementwise");
     let mut fails = Vec::new();
     check(&src, "kiln_fused", &mut fails);
@@ -315,9 +318,9 @@ fn a_group_folding_its_sums_in_one_block_compiles() {
     need_nvrtc();
     let n = 300;
     let inputs = vec![
-        FusedInput { dtype: DType::F32, offset: 0, strided: None },
-        FusedInput { dtype: DType::I64, offset: 0, strided: None },
-        FusedInput { dtype: DType::F32, offset: 2, strided: Some((vec![n], vec![0])) },
+        FusedInput { dtype: DType::F32, offset: 0, strided: None, lead: None },
+        FusedInput { dtype: DType::I64, offset: 0, strided: None, lead: None },
+        FusedInput { dtype: DType::F32, offset: 2, strided: Some((vec![n], vec![0])), lead: None },
     ];
     let sum = Op::Reduce { op: ReduceOp::Sum, dims: vec![0], keepdim: false };
     let m = |op: Op, args: Vec<FusedSrc>, dtype: DType| FusedMember { op, args, dtype };
@@ -335,13 +338,13 @@ fn a_group_folding_its_sums_in_one_block_compiles() {
     assert_eq!(fold.output_lens(), vec![1, n, 1]);
     let plain = FusedGroup {
         n: 64,
-        inputs: vec![FusedInput { dtype: DType::F32, offset: 0, strided: None }],
+        inputs: vec![FusedInput { dtype: DType::F32, offset: 0, strided: None, lead: None }],
         members: vec![m(Op::Unary(UnaryOp::Exp), vec![FusedSrc::Input(0)], DType::F32)],
         outputs: vec![0],
     };
     let kernels = vec![
-        FusedKernel { name: "kiln_fold".into(), groups: vec![fold.clone()] },
-        FusedKernel { name: "kiln_fold_and_plain".into(), groups: vec![plain, fold] },
+        FusedKernel { name: "kiln_fold".into(), groups: vec![fold.clone()], lead: false },
+        FusedKernel { name: "kiln_fold_and_plain".into(), groups: vec![plain, fold], lead: false },
     ];
     let src = fused_module(&kernels).expect("sums and elementwise members");
     // A member after the fold may not read a value of the loop other than a sum.
@@ -351,6 +354,62 @@ fn a_group_folding_its_sums_in_one_block_compiles() {
     assert!(src.contains("kiln_block_sum(r2)") && src.contains("kiln_block_sum(r3)"), "{src}");
     let mut fails = Vec::new();
     check(&src, "kiln_fold", &mut fails);
+    assert!(fails.is_empty(), "{}", fails.join("\n"));
+}
+
+/// A kernel led by a scalar group (AdamW's step count and bias correction): every thread
+/// computes the lead's values, a vector group, a strided group and a folding group read them
+/// from registers, and the last block stores them (the step count in place) after a ticket.
+#[test]
+fn a_kernel_led_by_a_scalar_group_compiles() {
+    use kiln_tensor::cuda::codegen::{fused_module, FusedGroup, FusedInput, FusedKernel, FusedMember, FusedSrc};
+    need_nvrtc();
+    let m = |op: Op, args: Vec<FusedSrc>, dtype: DType| FusedMember { op, args, dtype };
+    let dense = |dtype: DType| FusedInput { dtype, offset: 0, strided: None, lead: None };
+    // step + 1 (F64, written back), then 1 - 0.9^t as F32.
+    let lead = FusedGroup {
+        n: 1,
+        inputs: vec![dense(DType::F64)],
+        members: vec![
+            m(Op::Scalar { op: BinaryOp::Add, value: 1.0, scalar_lhs: false }, vec![FusedSrc::Input(0)], DType::F64),
+            m(Op::Cast(DType::F32), vec![FusedSrc::Member(0)], DType::F32),
+            m(Op::Scalar { op: BinaryOp::Pow, value: 0.9, scalar_lhs: true }, vec![FusedSrc::Member(1)], DType::F32),
+            m(Op::Scalar { op: BinaryOp::Sub, value: 1.0, scalar_lhs: true }, vec![FusedSrc::Member(2)], DType::F32),
+        ],
+        outputs: vec![0, 3],
+    };
+    let corr = |n: usize| FusedInput { dtype: DType::F32, offset: 0, strided: Some((vec![n], vec![0])), lead: Some(1) };
+    let divide = vec![m(Op::Binary(BinaryOp::Div), vec![FusedSrc::Input(0), FusedSrc::Input(1)], DType::F32)];
+    let vector = FusedGroup { n: 4096, inputs: vec![dense(DType::F32), corr(4096)], members: divide.clone(), outputs: vec![0] };
+    let strided = FusedGroup { n: 10, inputs: vec![dense(DType::F32), corr(10)], members: divide.clone(), outputs: vec![0] };
+    let mut folded = divide;
+    folded.push(m(Op::Reduce { op: ReduceOp::Sum, dims: vec![0], keepdim: false }, vec![FusedSrc::Member(0)], DType::F32));
+    folded.push(m(Op::Binary(BinaryOp::Mul), vec![FusedSrc::Member(1), FusedSrc::Input(1)], DType::F32));
+    let fold = FusedGroup { n: 300, inputs: vec![dense(DType::F32), corr(300)], members: folded, outputs: vec![2] };
+    assert!(vector.vec4() && !strided.vec4() && fold.folds());
+    let k = FusedKernel { name: "kiln_led".into(), groups: vec![lead, vector.clone(), strided.clone(), fold.clone()], lead: true };
+    // The lead gets no blocks: 4096 / 4 / 256 for the vector group, one each for the others.
+    assert_eq!(k.blocks(), 4 + 1 + 1);
+    let src = fused_module(std::slice::from_ref(&k)).expect("a plain scalar lead");
+    let body = &src[src.find("kiln_led(").expect("the kernel")..];
+    // Readers take the lead's values from registers, not from the buffers passed for them.
+    for (needle, count) in [
+        ("unsigned int* kiln_ticket)", 1),
+        ("atomicAdd(kiln_ticket, 1u) == gridDim.x - 1", 1),
+        ("o0_0[0] = L0;", 1),
+        ("o0_1[0] = L1;", 1),
+        ("= ld(L1)", 4),
+    ] {
+        assert_eq!(body.matches(needle).count(), count, "{needle} in {body}");
+    }
+    for unread in ["p1_1", "p2_1", "p3_1"] {
+        assert_eq!(body.matches(unread).count(), 1, "{unread} only in the signature: {body}");
+    }
+    // A lead that folds sums or reads another lead is refused.
+    let bad = FusedKernel { groups: vec![fold, vector], ..k.clone() };
+    assert!(fused_module(&[bad]).is_err_and(|e| e.contains("lead group")));
+    let mut fails = Vec::new();
+    check(&src, "kiln_led", &mut fails);
     assert!(fails.is_empty(), "{}", fails.join("\n"));
 }
 

@@ -1520,12 +1520,15 @@ pub enum FusedSrc {
 }
 
 /// An input of a fused kernel: read at `offset + i` when `strides` is `None`, else at
-/// `offset + sum(coord_d * strides_d)` over `shape` (broadcasts have stride 0).
+/// `offset + sum(coord_d * strides_d)` over `shape` (broadcasts have stride 0). With `lead`,
+/// the value is output `r` of the kernel's lead group, read from a register (its buffer is
+/// still passed: the kernel's last block writes it).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct FusedInput {
     pub dtype: DType,
     pub offset: usize,
     pub strided: Option<(Vec<usize>, Vec<usize>)>,
+    pub lead: Option<usize>,
 }
 
 /// One op of a fused kernel: an elementwise `Op` over earlier members or inputs.
@@ -1563,10 +1566,17 @@ pub struct FusedGroup {
 /// One kernel running one or more independent groups, each over its own range of blocks
 /// (horizontal fusion: e.g. every parameter's optimizer update in one launch). Parameters
 /// are each group's outputs then inputs, group after group.
+///
+/// With `lead`, `groups[0]` is a scalar group (one element, no sums, e.g. AdamW's step count
+/// and bias corrections) that every thread computes first, and the other groups read its
+/// outputs from registers (`FusedInput::lead`). It gets no blocks: the grid's last block to
+/// finish stores its outputs, counted by a ticket (a `u32` that is zero between launches,
+/// passed last), since an output may be state the lead reads (the step count).
 #[derive(Debug, Clone, PartialEq)]
 pub struct FusedKernel {
     pub name: String,
     pub groups: Vec<FusedGroup>,
+    pub lead: bool,
 }
 
 /// Threads per block of fused kernels, and the most blocks one group gets (grid-stride beyond).
@@ -1631,6 +1641,9 @@ enum VecRead {
 }
 
 fn vec_read(x: &FusedInput) -> Option<VecRead> {
+    if x.lead.is_some() {
+        return Some(VecRead::Splat);
+    }
     let Some((shape, strides)) = &x.strided else { return (x.offset % 4 == 0).then_some(VecRead::Dense) };
     let last = shape.len().checked_sub(1)?;
     if shape[last] % 4 != 0 {
@@ -1663,9 +1676,9 @@ pub fn strided_index(var: &str, offset: usize, shape: &[usize], strides: &[usize
 }
 
 impl FusedKernel {
-    /// Blocks of the whole launch.
+    /// Blocks of the whole launch (none for a lead).
     pub fn blocks(&self) -> usize {
-        self.groups.iter().map(FusedGroup::blocks).sum()
+        self.groups.iter().skip(self.lead as usize).map(FusedGroup::blocks).sum()
     }
 
     /// The kernel's source (without the prelude: `fused_module` adds it once per module).
@@ -1680,10 +1693,16 @@ impl FusedKernel {
                 params.push(format!("const {}* p{j}_{k}", storage_type(x.dtype)));
             }
         }
+        if self.lead {
+            params.push("unsigned int* kiln_ticket".into());
+        }
         let mut s = format!("extern \"C\" __global__ void {}({}) {{\n", self.name, params.join(", "));
         s += "  long long blk = blockIdx.x;\n";
+        if let (true, Some(lead)) = (self.lead, self.groups.first()) {
+            s += &lead_values(lead)?;
+        }
         let mut first = 0usize;
-        for (j, gr) in self.groups.iter().enumerate() {
+        for (j, gr) in self.groups.iter().enumerate().skip(self.lead as usize) {
             let nb = gr.blocks();
             s += &format!("  if (blk >= {first} && blk < {}) {{\n", first + nb);
             let start = format!("(blk - {first}) * {FUSED_BLOCK}LL + threadIdx.x");
@@ -1700,9 +1719,43 @@ impl FusedKernel {
             s += "  }\n";
             first += nb;
         }
+        if let (true, Some(lead)) = (self.lead, self.groups.first()) {
+            s += &lead_stores(lead);
+        }
         s += "}\n";
         Ok(s)
     }
+}
+
+/// A lead group's outputs `L{r}` (stored values, so that readers see what memory would hold),
+/// computed by every thread from element 0 of its inputs.
+fn lead_values(gr: &FusedGroup) -> Result<String, String> {
+    if gr.n != 1 || gr.folds() || gr.inputs.iter().any(|x| x.lead.is_some()) {
+        return Err(format!("a lead group must be one element without sums or leads of its own (n = {}, sums: {})", gr.n, gr.folds()));
+    }
+    let mut s = String::new();
+    for (r, &m) in gr.outputs.iter().enumerate() {
+        let d = gr.members.get(m).ok_or_else(|| format!("lead output {r} names no member"))?.dtype;
+        s += &format!("  {} L{r};\n", storage_type(d));
+    }
+    let loads: Vec<String> = gr.inputs.iter().enumerate().map(|(k, x)| format!("p0_{k}[{}]", x.offset)).collect();
+    let stores: Vec<String> = (0..gr.outputs.len()).map(|r| format!("L{r}")).collect();
+    s += "  {\n";
+    s += &group_body(gr, &loads, &stores)?;
+    s += "  }\n";
+    Ok(s)
+}
+
+/// The grid's last block to finish (every other block has read what the lead read) stores the
+/// lead's outputs and resets the ticket for the next launch.
+fn lead_stores(gr: &FusedGroup) -> String {
+    let mut s = String::from("  __syncthreads();\n  if (threadIdx.x == 0) {\n    __threadfence();\n");
+    s += "    if (atomicAdd(kiln_ticket, 1u) == gridDim.x - 1) {\n      __threadfence();\n";
+    for r in 0..gr.outputs.len() {
+        s += &format!("      o0_{r}[0] = L{r};\n");
+    }
+    s += "      *kiln_ticket = 0u;\n    }\n  }\n";
+    s
 }
 
 /// Group `j`'s loop over four elements per thread: vector loads, the members per element,
@@ -1722,6 +1775,10 @@ fn vec4_loop(gr: &FusedGroup, j: usize, start: &str, stride: usize) -> Result<St
     let mut loads: Vec<String> = Vec::new();
     for (k, x) in gr.inputs.iter().enumerate() {
         let at = |(shape, strides): &(Vec<usize>, Vec<usize>)| strided_index("q * 4", x.offset, shape, strides, gr.narrow());
+        if let Some(r) = x.lead {
+            loads.push(format!("L{r}"));
+            continue;
+        }
         match (vec_read(x), &x.strided) {
             (Some(VecRead::Splat), Some(st)) => {
                 s += &format!("    const auto a{k} = p{j}_{k}[{}];\n", at(st));
@@ -1749,9 +1806,10 @@ fn vec4_loop(gr: &FusedGroup, j: usize, start: &str, stride: usize) -> Result<St
 
 /// Element `i` of each input of group `j`.
 fn element_loads(gr: &FusedGroup, j: usize) -> Vec<String> {
-    let at = |(k, x): (usize, &FusedInput)| match &x.strided {
-        None => format!("p{j}_{k}[{} + i]", x.offset),
-        Some((shape, strides)) => format!("p{j}_{k}[{}]", strided_index("i", x.offset, shape, strides, gr.narrow())),
+    let at = |(k, x): (usize, &FusedInput)| match (&x.strided, x.lead) {
+        (_, Some(r)) => format!("L{r}"),
+        (None, None) => format!("p{j}_{k}[{} + i]", x.offset),
+        (Some((shape, strides)), None) => format!("p{j}_{k}[{}]", strided_index("i", x.offset, shape, strides, gr.narrow())),
     };
     gr.inputs.iter().enumerate().map(at).collect()
 }
@@ -1854,7 +1912,9 @@ fn fold_loop(gr: &FusedGroup, j: usize) -> Result<String, String> {
     // Inputs read after the fold are single values broadcast over the group: element 0.
     for (k, used) in reads(false).into_iter().enumerate() {
         if used {
-            s += &format!("    auto x{k} = ld(p{j}_{k}[{}]);\n", gr.inputs[k].offset);
+            let x = &gr.inputs[k];
+            let value = x.lead.map_or_else(|| format!("p{j}_{k}[{}]", x.offset), |r| format!("L{r}"));
+            s += &format!("    auto x{k} = ld({value});\n");
         }
     }
     for q in (0..gr.members.len()).filter(|&q| after[q]) {

@@ -144,6 +144,8 @@ pub struct FusedModule {
     /// Each kernel's key in the GPU's kernel cache.
     keys: Vec<u64>,
     kernels: OnceLock<Vec<Kernel>>,
+    /// A zeroed `u32` per kernel: a lead's ticket (`FusedKernel::lead`).
+    tickets: CudaStorage,
 }
 
 impl FusedModule {
@@ -179,7 +181,10 @@ impl FusedModule {
                 Ok(Wanted::new(members.iter().map(|&i| keys[i]).collect(), vec![0; part.len()], src, "kiln_fused".to_string(), names))
             })
             .collect::<Result<_>>()?;
-        Ok(FusedModule { gpu: g, specs, programs, keys, kernels: OnceLock::new() })
+        // (Eight bytes a kernel: I64, the narrowest dtype with four-byte alignment.)
+        let tickets = CudaStorage::alloc(&g, DType::I64, specs.len().max(1))?;
+        super::kernels::zero(&g, &tickets)?;
+        Ok(FusedModule { gpu: g, specs, programs, keys, kernels: OnceLock::new(), tickets })
     }
 
     /// Kernel `k`, its programs compiled on first use (a placeholder in a dry run).
@@ -209,10 +214,13 @@ impl FusedModule {
         for ((gr, outs), ins) in spec.groups.iter().zip(outs).zip(ins) {
             group_pointers(&spec.name, gr, outs, ins, &mut ptrs)?;
         }
+        if spec.lead {
+            ptrs.push(self.tickets.ptr_at(k));
+        }
         let mut params: Vec<*mut c_void> = ptrs.iter_mut().map(|p| p as *mut u64 as *mut c_void).collect();
         // SAFETY: the parameters are each group's outputs then inputs, in the order of the
-        // generated signature; each buffer was checked to be big enough for every index the
-        // kernel forms, and the caller's cells keep them alive.
+        // generated signature (then a lead's ticket, in `tickets`); each buffer was checked to
+        // be big enough for every index the kernel forms, and the caller's cells keep them alive.
         unsafe { self.gpu.launch(self.kernel(k)?, (spec.blocks() as u32, 1), FUSED_BLOCK as u32, 0, &mut params) }
     }
 }
@@ -259,4 +267,74 @@ pub fn capture<R>(device: Device, pool: &Arc<Pool>, f: impl FnOnce() -> Result<R
 /// Replays a captured graph on its GPU's stream.
 pub fn launch_graph(graph: &CudaGraph) -> Result<()> {
     graph.0.launch().map_err(super::gpu::cuda_err("graph launch"))
+}
+
+/// The copy of one output of a captured step into the caller's buffer, inside the graph: a
+/// kernel node whose destination each replay sets (`set_output_copies`), so that no copy is
+/// launched after the graph and a later replay never writes what an earlier caller holds.
+pub struct OutputCopy {
+    node: super::gpu::GraphNode,
+    kernel: Kernel,
+    grid: u32,
+    src: u64,
+    bytes: u64,
+}
+
+/// Copies `bytes` bytes from `src` to `dst`, 16 at a time where both are 16-byte aligned.
+const COPY_OUT: &str = r#"extern "C" __global__ void kiln_copy_out(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst, unsigned long long bytes) {
+  unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x, step = gridDim.x * (unsigned long long)blockDim.x;
+  unsigned long long words = (((unsigned long long)src | (unsigned long long)dst) % 16 == 0) ? bytes / 16 : 0;
+  for (unsigned long long w = i; w < words; w += step) reinterpret_cast<uint4*>(dst)[w] = reinterpret_cast<const uint4*>(src)[w];
+  for (unsigned long long b = words * 16 + i; b < bytes; b += step) dst[b] = src[b];
+}
+"#;
+
+/// Threads a block of the output copy, and the most blocks it takes.
+const COPY_OUT_BLOCK: u32 = 256;
+const COPY_OUT_MAX_BLOCKS: u64 = 1024;
+
+fn copy_out_kernel(g: &Gpu) -> Result<Kernel> {
+    g.kernel(super::codegen::fnv1a(COPY_OUT.as_bytes()), || (COPY_OUT.to_string(), "kiln_copy_out".to_string()))
+}
+
+/// Loads the output-copy kernel (a dry run notes it, to compile with the step's kernels).
+pub fn want_output_copies(device: Device) -> Result<()> {
+    let g = gpu(ordinal(device)?)?;
+    copy_out_kernel(&g).map(|_| ())
+}
+
+/// Inside a capture: queues the copy of `len` elements of `cell` from element `offset` as a
+/// graph node (to the same buffer until `set_output_copies` gives it a destination).
+pub fn capture_output_copy(cell: &StorageCell, offset: usize, len: usize) -> Result<OutputCopy> {
+    let (p, dt, n) = raw(cell, false)?;
+    if offset + len > n {
+        return Err(Error::Msg(format!("output copy: {len} x {dt:?} from element {offset} of a buffer of {n}")));
+    }
+    let g = gpu_of(cell)?;
+    let kernel = copy_out_kernel(&g)?;
+    let (src, bytes) = (p + (offset * dt.size_in_bytes()) as u64, (len * dt.size_in_bytes()) as u64);
+    let grid = (bytes / 16).div_ceil(COPY_OUT_BLOCK as u64).clamp(1, COPY_OUT_MAX_BLOCKS) as u32;
+    let (mut s, mut d, mut b) = (src, src, bytes);
+    let mut params: Vec<*mut c_void> = vec![&mut s as *mut u64 as _, &mut d as *mut u64 as _, &mut b as *mut u64 as _];
+    // SAFETY: kiln_copy_out's three parameters; the range lies in `cell`, which the graph's
+    // outputs keep alive, and the copy to itself is never run (each replay sets `dst` first).
+    unsafe { g.launch(kernel, (grid, 1), COPY_OUT_BLOCK, 0, &mut params)? };
+    let node = g.last_captured()?;
+    Ok(OutputCopy { node, kernel, grid, src, bytes })
+}
+
+/// Points each of `graph`'s output copies at its destination, for its next replay.
+///
+/// # Safety
+/// `copies` were captured into `graph`; each `dsts[i]` holds `copies[i]`'s bytes in a live
+/// buffer of the graph's GPU until the replay has run.
+pub unsafe fn set_output_copies(graph: &CudaGraph, copies: &[OutputCopy], dsts: &[u64]) -> Result<()> {
+    for (c, &dst) in copies.iter().zip(dsts) {
+        let (mut s, mut d, mut b) = (c.src, dst, c.bytes);
+        let mut params: [*mut c_void; 3] = [&mut s as *mut u64 as _, &mut d as *mut u64 as _, &mut b as *mut u64 as _];
+        // SAFETY: forwarded from this function's contract; the node is a kernel node of this
+        // graph running `c.kernel`, whose parameters are read before the call returns.
+        unsafe { super::gpu::set_kernel_node(graph.0.cu_graph_exec(), c.node, c.kernel, c.grid, COPY_OUT_BLOCK, &mut params)? };
+    }
+    Ok(())
 }

@@ -714,6 +714,69 @@ impl Gpu {
     }
 }
 
+/// A node of a captured CUDA graph.
+#[derive(Clone, Copy, Debug)]
+pub struct GraphNode(ds::CUgraphNode);
+// SAFETY: a handle into a graph; the driver allows using it from any thread, and Kiln uses it
+// only with the graph (held beside it) that owns it.
+unsafe impl Send for GraphNode {}
+// SAFETY: as above; the handle is never mutated.
+unsafe impl Sync for GraphNode {}
+
+impl Gpu {
+    /// While the stream is being captured: the node its last queued work became.
+    pub fn last_captured(&self) -> Result<GraphNode> {
+        let mut status = ds::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let (mut deps, mut count): (*const ds::CUgraphNode, usize) = (std::ptr::null(), 0);
+        let (mut id, mut graph, mut edges): (u64, ds::CUgraph, *const ds::CUgraphEdgeData) = (0, std::ptr::null_mut(), std::ptr::null());
+        // SAFETY: every out-pointer is a live local; `deps` points into the driver's capture
+        // state, read at once below, before anything else is queued on the stream.
+        unsafe {
+            ds::cuStreamGetCaptureInfo_v3(self.stream.cu_stream(), &mut status, &mut id, &mut graph, &mut deps, &mut edges, &mut count)
+        }
+        .result()
+        .map_err(cuda_err("capture info"))?;
+        if status != ds::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE || count != 1 || deps.is_null() {
+            return Err(Error::Cuda(format!("the stream is not capturing after one node ({status:?}, {count} dependencies)")));
+        }
+        // SAFETY: `deps` holds `count` (1) nodes.
+        Ok(GraphNode(unsafe { *deps }))
+    }
+}
+
+/// Replaces the parameters of kernel node `node` of the instantiated graph `exec` (its kernel
+/// `k`, `grid` blocks of `block` threads, no shared memory) for the replays that follow.
+///
+/// # Safety
+/// `node` is a kernel node of `exec`'s graph, and `params` are `k`'s parameters, valid for
+/// every replay that runs with them.
+pub unsafe fn set_kernel_node(
+    exec: ds::CUgraphExec,
+    node: GraphNode,
+    k: Kernel,
+    grid: u32,
+    block: u32,
+    params: &mut [*mut c_void],
+) -> Result<()> {
+    let p = ds::CUDA_KERNEL_NODE_PARAMS {
+        func: k.0,
+        gridDimX: grid,
+        gridDimY: 1,
+        gridDimZ: 1,
+        blockDimX: block,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: 0,
+        kernelParams: params.as_mut_ptr(),
+        extra: std::ptr::null_mut(),
+        kern: std::ptr::null_mut(),
+        ctx: std::ptr::null_mut(),
+    };
+    // SAFETY: `p` outlives the call (the driver copies the parameters); the rest is this
+    // function's contract.
+    unsafe { ds::cuGraphExecKernelNodeSetParams_v2(exec, node.0, &p) }.result().map_err(cuda_err("setting a graph node's parameters"))
+}
+
 /// A launch attribute `id` with all 64 bytes of its value's union zeroed.
 fn launch_attr(id: ds::CUlaunchAttributeID) -> ds::CUlaunchAttribute {
     ds::CUlaunchAttribute { id, pad: [0; 4], value: ds::CUlaunchAttributeValue { pad: [0; 64] } }
