@@ -19,9 +19,10 @@ for w in order:
     base = next((r["median_ms"] for r in mine if r["impl"] == "torch eager"), None)
     for r in mine:
         ratio = f"{base / r['median_ms']:.2f}x faster" if base and r["median_ms"] <= base else (f"{r['median_ms'] / base:.2f}x slower" if base else "-")
-        comp = f"{r['compile_s']:.1f} s" if r.get("compile_s") else "-"
+        c = r.get("compile_s")
+        comp = "-" if not c else (f"{c:.1f} s" if c >= 0.1 else f"{c * 1000:.0f} ms")
         ms = r["median_ms"]
-        t = f"{ms * 1000:.0f} us" if ms < 1 else f"{ms:.2f} ms"
+        t = f"{ms * 1000:.1f} us" if ms < 0.1 else (f"{ms * 1000:.0f} us" if ms < 1 else f"{ms:.2f} ms")
         if w == "add_16M":
             t += f" ({3 * 4 * 2**24 / (ms * 1e-3) / 1e9:.0f} GB/s)"
         first = f"{r['compile_peak_mib']:.0f} MiB" if "compile_peak_mib" in r else "-"
