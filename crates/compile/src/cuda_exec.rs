@@ -200,8 +200,9 @@ impl GpuParts {
         cell_of: &dyn Fn(NodeId) -> Result<Arc<StorageCell>>,
     ) -> Result<Vec<(NodeId, Arc<StorageCell>)>> {
         let k = self.kernel_of[gs[0]].ok_or_else(|| Error::Msg(format!("compile: group {} has no kernel", gs[0])))?;
+        let led = p.plan.groups[gs[0]].lead;
         let (mut made, mut outs, mut ins): (Vec<(NodeId, Arc<StorageCell>)>, _, _) = (Vec::new(), Vec::new(), Vec::new());
-        for &gi in gs {
+        for (q, &gi) in gs.iter().enumerate() {
             let gr = &p.plan.groups[gi];
             let o: Vec<(NodeId, Arc<StorageCell>)> = gr
                 .materialize
@@ -215,9 +216,10 @@ impl GpuParts {
                 })
                 .collect::<Result<_>>()?;
             outs.push(o.iter().map(|(_, c)| c.clone()).collect::<Vec<_>>());
-            // (A lead's values are made by this launch: their buffers are passed, not read.)
-            let made_here = |x: NodeId| made.iter().find(|(m, _)| *m == x).map(|(_, c)| c.clone());
-            ins.push(gr.externals.iter().map(|a| made_here(a.node).map_or_else(|| cell_of(a.node), Ok)).collect::<Result<Vec<_>>>()?);
+            // A lead's values are made by this launch (the groups after it get its buffers,
+            // which its last block writes); everything else was made before.
+            let from_lead = |x: NodeId| (led && q > 0).then(|| made.iter().find(|(m, _)| *m == x).map(|(_, c)| c.clone())).flatten();
+            ins.push(gr.externals.iter().map(|a| from_lead(a.node).map_or_else(|| cell_of(a.node), Ok)).collect::<Result<Vec<_>>>()?);
             made.extend(o);
         }
         if kiln_tensor::profile::enabled() {

@@ -407,9 +407,12 @@ fn lead_scalar_groups(g: &Graph, mut plan: Plan) -> Plan {
             k += 1;
             continue;
         }
-        let Some(j) = (k + 1..plan.steps.len()).find(|&j| matches!(plan.steps[j], Step::Groups(_))) else { break };
+        let next = plan.steps.iter().enumerate().skip(k + 1).find_map(|(j, st)| match st {
+            Step::Groups(gs) => Some((j, gs)),
+            Step::Node(_) => None,
+        });
+        let Some((j, gs)) = next else { break };
         let read_between = plan.steps[k + 1..j].iter().any(|st| plan.reads(g, st).iter().any(|x| sg.materialize.contains(x)));
-        let Step::Groups(gs) = &plan.steps[j] else { break };
         let clobbers = gs
             .iter()
             .flat_map(|&q| &plan.groups[q].inplace)

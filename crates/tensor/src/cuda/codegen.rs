@@ -1698,7 +1698,8 @@ impl FusedKernel {
         }
         let mut s = format!("extern \"C\" __global__ void {}({}) {{\n", self.name, params.join(", "));
         s += "  long long blk = blockIdx.x;\n";
-        if let (true, Some(lead)) = (self.lead, self.groups.first()) {
+        let lead = self.groups.first().filter(|_| self.lead);
+        if let Some(lead) = lead {
             s += &lead_values(lead)?;
         }
         let mut first = 0usize;
@@ -1719,7 +1720,7 @@ impl FusedKernel {
             s += "  }\n";
             first += nb;
         }
-        if let (true, Some(lead)) = (self.lead, self.groups.first()) {
+        if let Some(lead) = lead {
             s += &lead_stores(lead);
         }
         s += "}\n";
