@@ -5,7 +5,7 @@
 //! `--features cuda`; without a GPU each test fails saying so.
 
 use common::{assert_close, assert_runs_agree, mlp_step, train_gpt, Run};
-use kiln::compile::{compile, Mode};
+use kiln::compile::{compile, compile_with, CompileOptions, Mode};
 use kiln::models::mlp;
 use kiln::optim::{AdamConfig, AdamW, LrScheduler, WarmupCosine};
 use kiln::prelude::*;
@@ -77,6 +77,54 @@ fn compiled_mlp_on_cuda_matches_eager_cuda_and_the_cpu_in_every_mode() {
         assert_runs_agree(&format!("{mode:?} vs eager CUDA"), &run, &eager, (1e-4, 2e-4));
         assert_runs_agree(&format!("{mode:?} vs CPU"), &run, &cpu, (1e-3, 2e-3));
         assert_eq!(allocs, 0, "{mode:?}: steps 11..200 asked the driver for memory");
+    }
+}
+
+/// `steps` MLP steps at batch 16 without clipping: eager (`opts` None) or compiled, and the
+/// compiled step's count of products made by the kernels that read them.
+fn train_mlp_unclipped(dev: Device, opts: Option<CompileOptions>, steps: u64) -> (Run, usize) {
+    use kiln::nn::{cross_entropy, Module};
+    kiln::tensor::rng::manual_seed(0);
+    let model = mlp(&[20, 32, 5], dev).unwrap();
+    let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr: 1e-2, ..AdamConfig::adamw() }).unwrap());
+    let f = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+        let loss = cross_entropy(&model.forward(&xs[0])?, &xs[1])?;
+        loss.backward()?;
+        opt.borrow_mut().step()?;
+        opt.borrow_mut().zero_grad()?;
+        Ok(vec![loss])
+    };
+    let mut step = compile_with(opts.unwrap_or_default(), f);
+    let mut losses = Vec::new();
+    for i in 0..steps {
+        let (x, y) = batch(i, 16, dev);
+        losses.push(if opts.is_some() { step.call(&[&x, &y]).unwrap() } else { f(&[x, y]).unwrap() }.remove(0));
+    }
+    let losses = losses.iter().map(|l| l.item().unwrap() as f32).collect();
+    let run = Run { losses, params: model.parameters().iter().map(|p| p.to_vec::<f32>().unwrap()).collect() };
+    (run, step.explain().fed_products)
+}
+
+#[test]
+fn an_unclipped_mlp_makes_its_first_weight_gradient_inside_the_update_with_the_same_bits() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    let (eager, _) = train_mlp_unclipped(dev, None, 100);
+    assert!(eager.losses[99] < eager.losses[0] * 0.8, "it learned: {} -> {}", eager.losses[0], eager.losses[99]);
+    for mode in MODES {
+        let opts = |feed_products: bool| Some(CompileOptions { mode, feed_products, ..CompileOptions::default() });
+        let (fed, made) = train_mlp_unclipped(dev, opts(true), 100);
+        let (apart, none) = train_mlp_unclipped(dev, opts(false), 100);
+        // The first layer's `g^T x` over the batch of 16 and its bias's sums (the head's
+        // gradients come from the fused head), added in the thin-product kernel's order.
+        assert_eq!((made, none), (1, 0), "{mode:?}: products made by their readers");
+        assert_eq!(fed.losses, apart.losses, "{mode:?}: losses");
+        assert_eq!(fed.params, apart.params, "{mode:?}: parameters");
+        // Against eager (cuBLAS's order) over the first 20 steps, before AdamW without
+        // clipping drifts the two apart.
+        let (short, _) = train_mlp_unclipped(dev, opts(true), 20);
+        let first = Run { losses: eager.losses[..20].to_vec(), params: vec![] };
+        assert_runs_agree(&format!("{mode:?} vs eager CUDA"), &Run { params: vec![], ..short }, &first, (1e-4, 0.0));
     }
 }
 

@@ -12,9 +12,9 @@
 
 use crate::exec::Program;
 use crate::fusion::{Group, Plan, Step};
-use crate::graph::{Graph, Kind, NodeId};
+use crate::graph::{Arg, Graph, Kind, NodeId};
 use kiln_tensor::cuda;
-use kiln_tensor::cuda::codegen::{FusedGroup, FusedInput, FusedKernel, FusedMember, FusedSrc};
+use kiln_tensor::cuda::codegen::{Fed, FusedGroup, FusedInput, FusedKernel, FusedMember, FusedSrc};
 use kiln_tensor::cuda::compiled::{self as cc, CudaGraph, FusedModule, OutputCopy, Pool};
 use kiln_tensor::op::OutMeta;
 use kiln_tensor::rng::GeneratorState;
@@ -112,12 +112,16 @@ fn kernel_name(g: &Graph, plan: &Plan, gs: &[usize]) -> String {
 
 /// The kernel spec of one fusion group; `lead`: its launch's lead group (whose values it reads
 /// from registers).
-fn fused_group(g: &Graph, gr: &Group, k: usize, lead: Option<&Group>) -> Result<FusedGroup> {
+fn fused_group(g: &Graph, plan: &Plan, k: usize, lead: Option<&Group>) -> Result<FusedGroup> {
+    let gr = &plan.groups[k];
     let n: usize = gr.shape.iter().product();
     let inputs: Vec<FusedInput> = gr
         .externals
         .iter()
         .map(|a| {
+            if plan.fed.contains(&a.node) {
+                return fed_input(g, a);
+            }
             let dtype = g.nodes[a.node].dtype;
             let l = &a.layout;
             let strided = if l.is_contiguous() && l.numel() == n {
@@ -133,9 +137,9 @@ fn fused_group(g: &Graph, gr: &Group, k: usize, lead: Option<&Group>) -> Result<
                 Some((gr.shape.clone(), l.broadcast_strides(&gr.shape)))
             };
             let lead = lead.and_then(|ld| ld.materialize.iter().position(|&m| m == a.node));
-            FusedInput { dtype, offset: l.offset, strided, lead }
+            Ok(FusedInput { dtype, offset: l.offset, strided, lead, fed: None })
         })
-        .collect();
+        .collect::<Result<_>>()?;
     let pos = |x: NodeId| gr.members.iter().position(|&m| m == x);
     let mut members = Vec::with_capacity(gr.members.len());
     for &m in &gr.members {
@@ -160,6 +164,27 @@ fn fused_group(g: &Graph, gr: &Group, k: usize, lead: Option<&Group>) -> Result<
     Ok(FusedGroup { n, inputs, members, outputs })
 }
 
+/// A read of a fed product (`fusion::feed_gpu_products`): the product itself (at offset 0) or
+/// `SumLeft`'s sums, made from the product's operands where the group reads them.
+fn fed_input(g: &Graph, read: &Arg) -> Result<FusedInput> {
+    let (a, b) = fed_operands(g, read.node)?;
+    let strides = |l: &Layout| [l.strides[0], l.strides[1]];
+    let (k, cols) = (a.layout.shape[1], b.layout.shape[1]);
+    let fed = match read.layout.offset {
+        0 => Fed { k, cols, a: strides(&a.layout), b: Some((b.layout.offset, strides(&b.layout))) },
+        _ => Fed { k, cols: 1, a: strides(&a.layout), b: None },
+    };
+    Ok(FusedInput { dtype: g.nodes[read.node].dtype, offset: a.layout.offset, strided: None, lead: None, fed: Some(fed) })
+}
+
+/// A fed product's two operands.
+fn fed_operands(g: &Graph, p: NodeId) -> Result<(&Arg, &Arg)> {
+    match &g.nodes[p].kind {
+        Kind::Op(_, args) if args.len() == 2 && args.iter().all(|a| a.layout.rank() == 2) => Ok((&args[0], &args[1])),
+        _ => Err(Error::Msg(format!("compile: %{p} is fed to its readers but is not a product of two matrices"))),
+    }
+}
+
 impl GpuParts {
     pub fn new(g: &Graph, plan: &Plan, device: Device, capture: bool, tune: bool) -> Result<GpuParts> {
         let mut specs = Vec::new();
@@ -170,7 +195,7 @@ impl GpuParts {
             let Step::Groups(gs) = step else { continue };
             let lead = plan.groups[gs[0]].lead.then(|| &plan.groups[gs[0]]);
             let groups: Vec<FusedGroup> =
-                gs.iter().map(|&k| fused_group(g, &plan.groups[k], k, lead.filter(|_| k != gs[0]))).collect::<Result<_>>()?;
+                gs.iter().map(|&k| fused_group(g, plan, k, lead.filter(|_| k != gs[0]))).collect::<Result<_>>()?;
             let key = format!("{}{groups:?}", lead.is_some());
             let k = *seen.entry(key).or_insert_with(|| {
                 specs.push(FusedKernel { name: kernel_name(g, plan, gs), groups, lead: lead.is_some() });
@@ -219,7 +244,20 @@ impl GpuParts {
             // A lead's values are made by this launch (the groups after it get its buffers,
             // which its last block writes); everything else was made before.
             let from_lead = |x: NodeId| (led && q > 0).then(|| made.iter().find(|(m, _)| *m == x).map(|(_, c)| c.clone())).flatten();
-            ins.push(gr.externals.iter().map(|a| from_lead(a.node).map_or_else(|| cell_of(a.node), Ok)).collect::<Result<Vec<_>>>()?);
+            let mut cells: Vec<Arc<StorageCell>> = Vec::with_capacity(gr.externals.len());
+            for a in &gr.externals {
+                if p.plan.fed.contains(&a.node) {
+                    // A fed product's operands: a, and b unless the group reads the sums.
+                    let (x, y) = fed_operands(&p.graph, a.node)?;
+                    cells.push(cell_of(x.node)?);
+                    if a.layout.offset == 0 {
+                        cells.push(cell_of(y.node)?);
+                    }
+                    continue;
+                }
+                cells.push(from_lead(a.node).map_or_else(|| cell_of(a.node), Ok)?);
+            }
+            ins.push(cells);
             made.extend(o);
         }
         if kiln_tensor::profile::enabled() {

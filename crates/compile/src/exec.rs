@@ -71,15 +71,18 @@ impl Program {
         let mut plan = if opts.fuse {
             fusion::plan(&graph, device.is_cuda())
         } else {
-            Plan { steps: (0..graph.nodes.len()).map(Step::Node).collect(), groups: vec![] }
+            Plan { steps: (0..graph.nodes.len()).map(Step::Node).collect(), groups: vec![], fed: vec![] }
         };
         if device.is_cuda() {
             // One launch for independent groups (each parameter's optimizer update, ...).
             plan = fusion::batch_groups(&graph, plan);
+            if opts.fuse && opts.feed_products {
+                fusion::feed_gpu_products(&graph, &mut plan);
+            }
         }
         let native = if device == Device::Cpu && opts.native_cpu { cpu_codegen::build(&graph, &plan) } else { None };
         let fed = match &native {
-            Some(nat) if opts.fuse => fusion::feed_products(&graph, &mut plan, &|k| nat.groups[k].is_some()),
+            Some(nat) if opts.fuse && opts.feed_products => fusion::feed_products(&graph, &mut plan, &|k| nat.groups[k].is_some()),
             _ => vec![false; plan.steps.len()],
         };
         let reads: Vec<Vec<NodeId>> = plan.steps.iter().map(|s| plan.reads(&graph, s)).collect();
@@ -135,9 +138,10 @@ impl Program {
         (self.device == Device::Cpu).then_some((groups, native))
     }
 
-    /// Products made tile by tile for their group (`fusion::feed_products`).
+    /// Products made where their reader needs them: on the CPU tile by tile for their group
+    /// (`fusion::feed_products`), on a GPU inside the kernel that reads them (`feed_gpu_products`).
     pub fn fed_products(&self) -> usize {
-        self.fed.iter().filter(|&&f| f).count()
+        self.fed.iter().filter(|&&f| f).count() + self.plan.fed.len()
     }
 
     /// Kernels one step launches: plain nodes that compute, plus one per fused group.

@@ -50,6 +50,9 @@ pub enum Step {
 pub struct Plan {
     pub steps: Vec<Step>,
     pub groups: Vec<Group>,
+    /// Products no step makes: the groups reading them compute them (GPU only,
+    /// `feed_gpu_products`), reading the products' operands instead.
+    pub fed: Vec<NodeId>,
 }
 
 impl Plan {
@@ -57,7 +60,11 @@ impl Plan {
     pub fn reads(&self, g: &Graph, step: &Step) -> Vec<NodeId> {
         match step {
             Step::Node(i) => g.nodes[*i].args(),
-            Step::Groups(gs) => gs.iter().flat_map(|&k| self.groups[k].externals.iter().map(|a| a.node)).collect(),
+            Step::Groups(gs) => gs
+                .iter()
+                .flat_map(|&k| self.groups[k].externals.iter().map(|a| a.node))
+                .flat_map(|i| if self.fed.contains(&i) { g.nodes[i].args() } else { vec![i] })
+                .collect(),
         }
     }
 }
@@ -320,7 +327,7 @@ fn finish(g: &Graph, mut groups: Vec<Group>, mut group_of: Vec<Option<usize>>, g
             Some(_) => {}
         }
     }
-    Plan { steps, groups }
+    Plan { steps, groups, fed: vec![] }
 }
 
 /// Groups one launch runs at most: NVRTC's time grows faster than linearly with a kernel's
@@ -373,7 +380,7 @@ pub fn batch_groups(g: &Graph, plan: Plan) -> Plan {
         }
     }
     flush(&mut run, &mut steps, &mut made, &mut read);
-    lead_scalar_groups(g, Plan { steps, groups: plan.groups })
+    lead_scalar_groups(g, Plan { steps, groups: plan.groups, fed: plan.fed })
 }
 
 /// Whether group `gr` is a scalar group free to run anywhere before its readers: one value,
@@ -550,6 +557,80 @@ pub fn feed_products(g: &Graph, plan: &mut Plan, native: &dyn Fn(usize) -> bool)
     plan.steps.iter().map(|s| matches!(s, Step::Node(i) if fed.contains(i))).collect()
 }
 
+/// The longest contraction a group computes a product over itself (`feed_gpu_products`; the
+/// CUDA back end's thin-product kernel takes the same, `codegen::THIN_MAX_K`).
+const GPU_FEED_MAX_K: usize = 32;
+
+/// GPU: a product with a short contraction (a weight gradient `g^T x` at a small batch, and
+/// with `SumLeft` its bias's gradient) that only one later launch reads, each of its groups
+/// reading the product whole or the sums whole, is made by those groups where they read it
+/// (`codegen::Fed`) instead of by a kernel of its own: one launch fewer, and the gradient is
+/// never written out and read back. Not where a group in between overwrites in place a state
+/// buffer the product reads, nor for a step's outputs or state writes.
+pub fn feed_gpu_products(g: &Graph, plan: &mut Plan) {
+    let state_nodes = g.state_nodes();
+    let kept: Vec<NodeId> = g.outputs.iter().map(|a| a.node).chain(g.writes.iter().map(|w| w.1)).collect();
+    let mut fed: Vec<NodeId> = Vec::new();
+    for kp in 0..plan.steps.len() {
+        let Step::Node(p) = plan.steps[kp] else { continue };
+        let Some(reads) = gpu_fed_reads(g, p) else { continue };
+        let readers: Vec<usize> = (kp + 1..plan.steps.len()).filter(|&k| plan.reads(g, &plan.steps[k]).contains(&p)).collect();
+        let (false, &[kr]) = (kept.contains(&p), &readers[..]) else { continue };
+        let Step::Groups(gs) = &plan.steps[kr] else { continue };
+        let args = g.nodes[p].args();
+        let clobbers = plan.steps[kp + 1..=kr].iter().any(|s| match s {
+            Step::Groups(gs) => {
+                gs.iter().flat_map(|&k| &plan.groups[k].inplace).any(|&(_, slot)| state_nodes[slot].is_some_and(|s| args.contains(&s)))
+            }
+            Step::Node(_) => false,
+        });
+        // Each part read whole by one group at most, a group of the part's own shape.
+        let mut taken = [false; 2];
+        let fits = gs.iter().all(|&k| {
+            let gr = &plan.groups[k];
+            let of_p: Vec<&Arg> = gr.externals.iter().filter(|a| a.node == p).collect();
+            match of_p[..] {
+                [] => true,
+                [a] if !gr.folds && !gr.lead => reads.iter().enumerate().any(|(part, (offset, shape))| {
+                    let whole = a.layout.offset == *offset && a.layout.shape == *shape && a.layout.is_contiguous();
+                    let ok = whole && gr.shape == *shape && !taken[part];
+                    taken[part] |= ok;
+                    ok
+                }),
+                _ => false,
+            }
+        });
+        if fits && !clobbers {
+            fed.push(p);
+        }
+    }
+    plan.steps.retain(|s| !matches!(s, Step::Node(i) if fed.contains(i)));
+    plan.fed = fed;
+}
+
+/// The parts of a product a group can compute where it reads them (`feed_gpu_products`), as
+/// (offset, shape): the product `[m, n]`, and with `SumLeft` the sums `[m]` after it. A 2-D
+/// F32/F64 `Matmul` or `SumLeft` over at most `GPU_FEED_MAX_K`.
+fn gpu_fed_reads(g: &Graph, i: NodeId) -> Option<Vec<(usize, Vec<usize>)>> {
+    let n = &g.nodes[i];
+    let Kind::Op(op, args) = &n.kind else { return None };
+    let sums = match op {
+        Op::Matmul => false,
+        Op::MatmulFused(MatmulEpilogue::SumLeft) => true,
+        _ => return None,
+    };
+    let [a, b] = &args[..] else { return None };
+    let (sa, sb) = (&a.layout.shape, &b.layout.shape);
+    let fits = sa.len() == 2 && sb.len() == 2 && (1..=GPU_FEED_MAX_K).contains(&sa[1]) && matches!(n.dtype, DType::F32 | DType::F64);
+    let same = g.nodes[a.node].dtype == n.dtype && g.nodes[b.node].dtype == n.dtype;
+    let (m, cols) = (sa[0], sb[1]);
+    let mut parts = vec![(0, vec![m, cols])];
+    if sums {
+        parts.push((kiln_tensor::op::matmul_tail_offset(m * cols), vec![m]));
+    }
+    (fits && same).then_some(parts)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -675,6 +756,56 @@ mod tests {
         let apart = batch_groups(&g, plan(&g, true));
         assert_eq!(launches(&apart).len(), 2, "{apart:?}");
         assert!(apart.groups.iter().all(|gr| !gr.lead));
+    }
+
+    /// SGD on a `[4, 8]` weight and its `[4]` bias from `SumLeft(g^T, x)` over a batch of 6;
+    /// `read_twice`: the weight's update also reads the product transposed. Returns (graph,
+    /// product, g, x).
+    fn weight_gradient_update(read_twice: bool) -> (Graph, NodeId, NodeId, NodeId) {
+        use crate::graph::StateInfo;
+        let slot = |len: usize| StateInfo { len, dtype: DType::F32, created_in_step: false };
+        let mut g = Graph { state: vec![slot(32), slot(4)], ..Graph::default() };
+        let grad = g.push(Kind::Input(0), vec![6, 4], DType::F32);
+        let x = g.push(Kind::Input(1), vec![6, 8], DType::F32);
+        let gt = Arg { node: grad, layout: Layout { shape: vec![4, 6], strides: vec![1, 4], offset: 0 } };
+        let len = kiln_tensor::op::matmul_tail_offset(32) + 4;
+        let p = g.push(Kind::Op(Op::MatmulFused(MatmulEpilogue::SumLeft), vec![gt, whole(&g, x)]), vec![len], DType::F32);
+        let view = |shape: Vec<usize>, strides: Vec<usize>, offset: usize| Arg { node: p, layout: Layout { shape, strides, offset } };
+        let (w, b) = (g.push(Kind::State(0), vec![4, 8], DType::F32), g.push(Kind::State(1), vec![4], DType::F32));
+        let sub = Op::Binary(BinaryOp::Sub);
+        let mut dw = g.push(Kind::Op(sub.clone(), vec![whole(&g, w), view(vec![4, 8], vec![8, 1], 0)]), vec![4, 8], DType::F32);
+        if read_twice {
+            let add = Op::Binary(BinaryOp::Add);
+            dw = g.push(Kind::Op(add, vec![whole(&g, dw), view(vec![4, 8], vec![1, 4], 0)]), vec![4, 8], DType::F32);
+        }
+        let db = g.push(Kind::Op(sub, vec![whole(&g, b), view(vec![4], vec![1], len - 4)]), vec![4], DType::F32);
+        g.writes = vec![(0, dw), (1, db)];
+        (g, p, grad, x)
+    }
+
+    #[test]
+    fn a_short_weight_gradient_is_made_by_the_update_that_reads_it() {
+        let (g, p, grad, x) = weight_gradient_update(false);
+        let mut fed = batch_groups(&g, plan(&g, true));
+        feed_gpu_products(&g, &mut fed);
+        assert_eq!(fed.fed, vec![p]);
+        // No step makes the product: the one launch (both updates) reads its operands.
+        assert!(!fed.steps.iter().any(|s| matches!(s, Step::Node(i) if *i == p)), "{fed:?}");
+        let launches: Vec<&Step> = fed.steps.iter().filter(|s| matches!(s, Step::Groups(_))).collect();
+        assert!(matches!(launches[..], [Step::Groups(gs)] if gs.len() == 2), "{fed:?}");
+        let reads = fed.reads(&g, launches[0]);
+        assert!(reads.contains(&grad) && reads.contains(&x) && !reads.contains(&p), "{reads:?}");
+        // Read other than whole (transposed, as well): the product keeps its own kernel.
+        let (g, p, ..) = weight_gradient_update(true);
+        let mut kept = batch_groups(&g, plan(&g, true));
+        feed_gpu_products(&g, &mut kept);
+        assert!(kept.fed.is_empty() && kept.steps.iter().any(|s| matches!(s, Step::Node(i) if *i == p)), "{kept:?}");
+        // So does a product the step returns.
+        let (mut g, p, ..) = weight_gradient_update(false);
+        g.outputs = vec![whole(&g, p)];
+        let mut kept = batch_groups(&g, plan(&g, true));
+        feed_gpu_products(&g, &mut kept);
+        assert!(kept.fed.is_empty(), "{kept:?}");
     }
 
     #[test]

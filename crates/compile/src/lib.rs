@@ -71,11 +71,24 @@ pub struct CompileOptions {
     /// On the CPU, build each fusion group into native code with the system C compiler
     /// (`cpu_codegen`); off, or without a compiler, groups run in the chunked interpreter.
     pub native_cpu: bool,
+    /// A product with a short contraction (a weight gradient `g^T x` at a small batch) is made
+    /// where its reader needs it: on a GPU inside the kernel of the one launch that reads it
+    /// (`fusion::feed_gpu_products`), on the CPU tile by tile for its group
+    /// (`fusion::feed_products`). Off: each such product is a kernel of its own.
+    pub feed_products: bool,
 }
 
 impl Default for CompileOptions {
     fn default() -> Self {
-        CompileOptions { mode: Mode::Default, fullgraph: false, recompile_limit: 8, fuse: true, check_steps: 0, native_cpu: true }
+        CompileOptions {
+            mode: Mode::Default,
+            fullgraph: false,
+            recompile_limit: 8,
+            fuse: true,
+            check_steps: 0,
+            native_cpu: true,
+            feed_products: true,
+        }
     }
 }
 
@@ -165,6 +178,8 @@ impl std::fmt::Display for Explain {
         if let Some((groups, native)) = self.native_groups {
             writeln!(f, "CPU fusion groups: {groups}, built to native code: {native}")?;
             writeln!(f, "products fed tile by tile to their group: {}", self.fed_products)?;
+        } else if self.fed_products > 0 {
+            writeln!(f, "products made by the kernels that read them: {}", self.fed_products)?;
         }
         writeln!(f, "state buffers: {}", self.state_buffers)?;
         writeln!(f, "planned peak of intermediates: {:.2} MiB", self.planned_peak_bytes as f64 / (1 << 20) as f64)?;

@@ -242,10 +242,10 @@ fn a_module_of_fused_group_kernels_compiles() {
     let shape = vec![4usize, 6];
     let inputs = |d: DType| {
         vec![
-            FusedInput { dtype: d, offset: 0, strided: None, lead: None },
-            FusedInput { dtype: d, offset: 3, strided: None, lead: None },
-            FusedInput { dtype: d, offset: 1, strided: Some((shape.clone(), vec![1, 4])), lead: None },
-            FusedInput { dtype: d, offset: 0, strided: Some((shape.clone(), vec![0, 1])), lead: None },
+            FusedInput { dtype: d, offset: 0, strided: None, lead: None, fed: None },
+            FusedInput { dtype: d, offset: 3, strided: None, lead: None, fed: None },
+            FusedInput { dtype: d, offset: 1, strided: Some((shape.clone(), vec![1, 4])), lead: None, fed: None },
+            FusedInput { dtype: d, offset: 0, strided: Some((shape.clone(), vec![0, 1])), lead: None, fed: None },
         ]
     };
     let mut groups = Vec::new();
@@ -279,16 +279,17 @@ fn a_module_of_fused_group_kernels_compiles() {
         groups.push(FusedGroup { n: 24, inputs: inputs(d), members, outputs });
     }
     // The same members over dense inputs take the 4-wide vector path.
-    let dense: Vec<FusedInput> = (0..4).map(|k| FusedInput { dtype: DType::F32, offset: 4 * k, strided: None, lead: None }).collect();
+    let dense: Vec<FusedInput> =
+        (0..4).map(|k| FusedInput { dtype: DType::F32, offset: 4 * k, strided: None, lead: None, fed: None }).collect();
     let vec = FusedGroup { inputs: dense, ..groups[0].clone() };
     assert!(vec.vec4() && !groups[0].vec4());
     groups.push(vec);
     // Rows of a wider buffer and a per-row broadcast also take it; a column broadcast does not.
     let rows_and_splat = vec![
-        FusedInput { dtype: DType::F32, offset: 0, strided: None, lead: None },
-        FusedInput { dtype: DType::F32, offset: 8, strided: Some((vec![3, 8], vec![12, 1])), lead: None },
-        FusedInput { dtype: DType::F32, offset: 0, strided: Some((vec![3, 8], vec![1, 0])), lead: None },
-        FusedInput { dtype: DType::F32, offset: 0, strided: Some((vec![3, 8], vec![0, 1])), lead: None },
+        FusedInput { dtype: DType::F32, offset: 0, strided: None, lead: None, fed: None },
+        FusedInput { dtype: DType::F32, offset: 8, strided: Some((vec![3, 8], vec![12, 1])), lead: None, fed: None },
+        FusedInput { dtype: DType::F32, offset: 0, strided: Some((vec![3, 8], vec![1, 0])), lead: None, fed: None },
+        FusedInput { dtype: DType::F32, offset: 0, strided: Some((vec![3, 8], vec![0, 1])), lead: None, fed: None },
     ];
     let mixed = FusedGroup { inputs: rows_and_splat.clone(), ..groups[0].clone() };
     assert!(mixed.vec4());
@@ -318,9 +319,9 @@ fn a_group_folding_its_sums_in_one_block_compiles() {
     need_nvrtc();
     let n = 300;
     let inputs = vec![
-        FusedInput { dtype: DType::F32, offset: 0, strided: None, lead: None },
-        FusedInput { dtype: DType::I64, offset: 0, strided: None, lead: None },
-        FusedInput { dtype: DType::F32, offset: 2, strided: Some((vec![n], vec![0])), lead: None },
+        FusedInput { dtype: DType::F32, offset: 0, strided: None, lead: None, fed: None },
+        FusedInput { dtype: DType::I64, offset: 0, strided: None, lead: None, fed: None },
+        FusedInput { dtype: DType::F32, offset: 2, strided: Some((vec![n], vec![0])), lead: None, fed: None },
     ];
     let sum = Op::Reduce { op: ReduceOp::Sum, dims: vec![0], keepdim: false };
     let m = |op: Op, args: Vec<FusedSrc>, dtype: DType| FusedMember { op, args, dtype };
@@ -338,7 +339,7 @@ fn a_group_folding_its_sums_in_one_block_compiles() {
     assert_eq!(fold.output_lens(), vec![1, n, 1]);
     let plain = FusedGroup {
         n: 64,
-        inputs: vec![FusedInput { dtype: DType::F32, offset: 0, strided: None, lead: None }],
+        inputs: vec![FusedInput { dtype: DType::F32, offset: 0, strided: None, lead: None, fed: None }],
         members: vec![m(Op::Unary(UnaryOp::Exp), vec![FusedSrc::Input(0)], DType::F32)],
         outputs: vec![0],
     };
@@ -365,7 +366,7 @@ fn a_kernel_led_by_a_scalar_group_compiles() {
     use kiln_tensor::cuda::codegen::{fused_module, FusedGroup, FusedInput, FusedKernel, FusedMember, FusedSrc};
     need_nvrtc();
     let m = |op: Op, args: Vec<FusedSrc>, dtype: DType| FusedMember { op, args, dtype };
-    let dense = |dtype: DType| FusedInput { dtype, offset: 0, strided: None, lead: None };
+    let dense = |dtype: DType| FusedInput { dtype, offset: 0, strided: None, lead: None, fed: None };
     // step + 1 (F64, written back), then 1 - 0.9^t as F32.
     let lead = FusedGroup {
         n: 1,
@@ -378,7 +379,7 @@ fn a_kernel_led_by_a_scalar_group_compiles() {
         ],
         outputs: vec![0, 3],
     };
-    let corr = |n: usize| FusedInput { dtype: DType::F32, offset: 0, strided: Some((vec![n], vec![0])), lead: Some(1) };
+    let corr = |n: usize| FusedInput { dtype: DType::F32, offset: 0, strided: Some((vec![n], vec![0])), lead: Some(1), fed: None };
     let divide = vec![m(Op::Binary(BinaryOp::Div), vec![FusedSrc::Input(0), FusedSrc::Input(1)], DType::F32)];
     let vector = FusedGroup { n: 4096, inputs: vec![dense(DType::F32), corr(4096)], members: divide.clone(), outputs: vec![0] };
     let strided = FusedGroup { n: 10, inputs: vec![dense(DType::F32), corr(10)], members: divide.clone(), outputs: vec![0] };
@@ -515,4 +516,41 @@ fn every_kernel_waits_for_the_one_before_it_first() {
         "{block}"
     );
     assert_eq!(out.replace(block, ""), src);
+}
+
+/// A weight's update reading its gradient `g^T x` and its bias's reading `sum(g)` as fed
+/// products (`Fed`), four at a time and one at a time, F32 and F64.
+#[test]
+fn groups_computing_their_fed_products_compile() {
+    use kiln_tensor::cuda::codegen::{fused_module, Fed, FusedGroup, FusedInput, FusedKernel, FusedMember, FusedSrc};
+    need_nvrtc();
+    let mut fails = Vec::new();
+    for d in [DType::F32, DType::F64] {
+        let dense = FusedInput { dtype: d, offset: 0, strided: None, lead: None, fed: None };
+        // g [32, 256] read as g^T (row stride 1, k stride 256); x [32, 784] from element 8.
+        let dot = |cols: usize| Fed { k: 32, cols, a: [1, 256], b: Some((8, [cols, 1])) };
+        let sums = Fed { k: 32, cols: 1, a: [1, 256], b: None };
+        let fed = |f: Fed, offset: usize| FusedInput { dtype: d, offset, strided: None, lead: None, fed: Some(f) };
+        let sub = vec![FusedMember { op: Op::Binary(BinaryOp::Sub), args: vec![FusedSrc::Input(0), FusedSrc::Input(1)], dtype: d }];
+        let group = |n: usize, x: FusedInput| FusedGroup { n, inputs: vec![dense.clone(), x], members: sub.clone(), outputs: vec![0] };
+        // Four columns a thread from b's rows; the bias's sums from a's columns; and, with a
+        // row of 6 columns and an odd offset, one element a thread.
+        let weight = group(256 * 784, fed(dot(784), 0));
+        let bias = group(256, fed(sums.clone(), 0));
+        let odd = group(256 * 6, fed(Fed { b: Some((3, [6, 1])), ..dot(6) }, 0));
+        let odd_sums = group(256, fed(sums, 1));
+        assert!(weight.vec4() && bias.vec4() && !odd.vec4() && !odd_sums.vec4());
+        let k = FusedKernel { name: format!("kiln_fed_{d:?}"), groups: vec![weight, bias, odd, odd_sums], lead: false };
+        let src = fused_module(std::slice::from_ref(&k)).expect("fed products");
+        let body = &src[src.find(&k.name).expect("the kernel")..];
+        // b's buffer follows a's for the products, not for the sums; each fed input is made,
+        // never loaded.
+        for (needle, count) in [("p0_1b", 2), ("p2_1b", 2), ("p1_1b", 0), ("kiln_fed_dot<32, 4, VI1>", 1), ("kiln_fed_sum<32, 4, VI1>", 1)]
+        {
+            assert_eq!(body.matches(needle).count(), count, "{needle} in {body}");
+        }
+        assert_eq!(body.matches("kiln_fed_dot<32, 1,").count() + body.matches("kiln_fed_sum<32, 1,").count(), 2, "{body}");
+        check(&src, &k.name, &mut fails);
+    }
+    assert!(fails.is_empty(), "{}", fails.join("\n"));
 }

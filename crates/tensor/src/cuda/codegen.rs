@@ -1522,13 +1522,69 @@ pub enum FusedSrc {
 /// An input of a fused kernel: read at `offset + i` when `strides` is `None`, else at
 /// `offset + sum(coord_d * strides_d)` over `shape` (broadcasts have stride 0). With `lead`,
 /// the value is output `r` of the kernel's lead group, read from a register (its buffer is
-/// still passed: the kernel's last block writes it).
+/// still passed: the kernel's last block writes it). With `fed`, the value is a short
+/// product computed where it is read, its left operand at `offset` of this input's buffer.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct FusedInput {
     pub dtype: DType,
     pub offset: usize,
     pub strided: Option<(Vec<usize>, Vec<usize>)>,
     pub lead: Option<usize>,
+    pub fed: Option<Fed>,
+}
+
+/// A product with a short contraction computed by the group that reads it (a weight gradient
+/// `g^T x` at a small batch, fed to its optimizer update: no launch of its own, and the
+/// gradient never written out and read back). Element `i` of the group, at row `r = i / cols`
+/// and column `c = i % cols`, is `sum_t a[r sa[0] + t sa[1]] b[t sb[0] + c sb[1]]` over the
+/// `k` terms in order (as the thin-product kernel adds them), a from the input's `offset` and
+/// b (passed right after a) from `b.0`; with `b` None it is the sum of a's row `r`
+/// (`MatmulEpilogue::SumLeft`'s sums, `cols` 1). F32 or F64.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Fed {
+    pub k: usize,
+    pub cols: usize,
+    pub a: [usize; 2],
+    pub b: Option<(usize, [usize; 2])>,
+}
+
+impl Fed {
+    /// The elements of a and of b a group of `n` elements reads up to (exclusive), from the
+    /// offsets.
+    pub fn extents(&self, offset: usize, n: usize) -> (usize, Option<usize>) {
+        let (rows, last_t) = (n.div_ceil(self.cols).max(1), self.k.max(1) - 1);
+        let a = offset + (rows - 1) * self.a[0] + last_t * self.a[1] + 1;
+        (a, self.b.map(|(at, sb)| at + last_t * sb[0] + (self.cols - 1) * sb[1] + 1))
+    }
+
+    /// Whether four neighbouring elements can be made from aligned vector reads: four columns
+    /// of one row from b's rows, or four rows' sums from a's columns.
+    fn vec4(&self, offset: usize) -> bool {
+        match self.b {
+            Some((at, sb)) => self.cols % 4 == 0 && sb[1] == 1 && at % 4 == 0 && sb[0] % 4 == 0,
+            None => self.cols == 1 && self.a[0] == 1 && offset % 4 == 0 && self.a[1] % 4 == 0,
+        }
+    }
+
+    /// The value (or with `vec` four values as `VI{k}`) of input `k` of group `j` at linear
+    /// element `i`.
+    fn value(&self, x: &FusedInput, (j, k): (usize, usize), i: &str, narrow: bool, vec: bool) -> String {
+        let (r, c) = match narrow {
+            true => (format!("((unsigned)({i}) / {}u)", self.cols), format!("((unsigned)({i}) % {}u)", self.cols)),
+            false => (format!("(({i}) / {}LL)", self.cols), format!("(({i}) % {}LL)", self.cols)),
+        };
+        let t = storage_type(x.dtype);
+        let (w, one) = if vec { (format!("4, VI{k}"), "") } else { (format!("1, kiln_v1<{t}>"), ".v[0]") };
+        let a = format!("p{j}_{k} + {} + (long long){r} * {}LL", x.offset, self.a[0]);
+        let call = match self.b {
+            Some((at, sb)) => {
+                let b = format!("p{j}_{k}b + {at} + (long long){c} * {}LL", sb[1]);
+                format!("kiln_fed_dot<{}, {w}>({a}, {}LL, {b}, {}LL)", self.k, self.a[1], sb[0])
+            }
+            None => format!("kiln_fed_sum<{}, {w}>({a}, {}LL)", self.k, self.a[1]),
+        };
+        call + one
+    }
 }
 
 /// One op of a fused kernel: an elementwise `Op` over earlier members or inputs.
@@ -1638,11 +1694,16 @@ enum VecRead {
     Dense,
     Rows,
     Splat,
+    /// Four values of a fed product (`Fed::vec4`).
+    Fed,
 }
 
 fn vec_read(x: &FusedInput) -> Option<VecRead> {
     if x.lead.is_some() {
         return Some(VecRead::Splat);
+    }
+    if let Some(f) = &x.fed {
+        return f.vec4(x.offset).then_some(VecRead::Fed);
     }
     let Some((shape, strides)) = &x.strided else { return (x.offset % 4 == 0).then_some(VecRead::Dense) };
     let last = shape.len().checked_sub(1)?;
@@ -1691,6 +1752,9 @@ impl FusedKernel {
             }
             for (k, x) in gr.inputs.iter().enumerate() {
                 params.push(format!("const {}* p{j}_{k}", storage_type(x.dtype)));
+                if x.fed.as_ref().is_some_and(|f| f.b.is_some()) {
+                    params.push(format!("const {}* p{j}_{k}b", storage_type(x.dtype)));
+                }
             }
         }
         if self.lead {
@@ -1780,13 +1844,19 @@ fn vec4_loop(gr: &FusedGroup, j: usize, start: &str, stride: usize) -> Result<St
             loads.push(format!("L{r}"));
             continue;
         }
-        match (vec_read(x), &x.strided) {
-            (Some(VecRead::Splat), Some(st)) => {
+        match (vec_read(x), &x.strided, &x.fed) {
+            (Some(VecRead::Fed), _, Some(f)) => {
+                s += &format!("    const VI{k} a{k} = {};\n", f.value(x, (j, k), "q * 4", gr.narrow(), true));
+            }
+            (_, _, Some(_)) => return Err(format!("input {k}: a fed product read four at a time without aligned rows")),
+            (Some(VecRead::Splat), Some(st), None) => {
                 s += &format!("    const auto a{k} = p{j}_{k}[{}];\n", at(st));
                 loads.push(format!("a{k}"));
                 continue;
             }
-            (Some(VecRead::Rows), Some(st)) => s += &format!("    VI{k} a{k} = *reinterpret_cast<const VI{k}*>(p{j}_{k} + {});\n", at(st)),
+            (Some(VecRead::Rows), Some(st), None) => {
+                s += &format!("    VI{k} a{k} = *reinterpret_cast<const VI{k}*>(p{j}_{k} + {});\n", at(st))
+            }
             _ => s += &format!("    VI{k} a{k} = *reinterpret_cast<const VI{k}*>(p{j}_{k} + {} + q * 4);\n", x.offset),
         }
         loads.push(format!("a{k}.v[e]"));
@@ -1809,6 +1879,7 @@ fn vec4_loop(gr: &FusedGroup, j: usize, start: &str, stride: usize) -> Result<St
 fn element_loads(gr: &FusedGroup, j: usize) -> Vec<String> {
     let at = |(k, x): (usize, &FusedInput)| match (&x.strided, x.lead) {
         (_, Some(r)) => format!("L{r}"),
+        _ if x.fed.is_some() => x.fed.as_ref().map_or_else(String::new, |f| f.value(x, (j, k), "i", gr.narrow(), false)),
         (None, None) => format!("p{j}_{k}[{} + i]", x.offset),
         (Some((shape, strides)), None) => format!("p{j}_{k}[{}]", strided_index("i", x.offset, shape, strides, gr.narrow())),
     };
@@ -1914,6 +1985,9 @@ fn fold_loop(gr: &FusedGroup, j: usize) -> Result<String, String> {
     for (k, used) in reads(false).into_iter().enumerate() {
         if used {
             let x = &gr.inputs[k];
+            if x.fed.is_some() {
+                return Err(format!("input {k}: a fed product read after the fold"));
+            }
             let value = x.lead.map_or_else(|| format!("p{j}_{k}[{}]", x.offset), |r| format!("L{r}"));
             s += &format!("    auto x{k} = ld({value});\n");
         }
@@ -1968,11 +2042,48 @@ template <typename T> __device__ __forceinline__ T kiln_block_sum(T v) {
 }
 "#;
 
+/// A fed product's `W` neighbouring values (`Fed::value`): `kiln_fed_dot`, columns of one
+/// row (b's rows read as vectors of `V`), and `kiln_fed_sum`, the sums of neighbouring rows
+/// (a's columns read as vectors). Each term is added in order, as the thin-product kernel does.
+const FED: &str = r#"
+template <class T> struct kiln_v1 { T v[1]; };
+template <int K, int W, class V, class T>
+__device__ __forceinline__ V kiln_fed_dot(const T* __restrict__ a, long long sa, const T* __restrict__ b, long long sb) {
+  V acc;
+#pragma unroll
+  for (int e = 0; e < W; ++e) acc.v[e] = (T)0;
+#pragma unroll
+  for (int t = 0; t < K; ++t) {
+    const T u = a[t * sa];
+    const V w = *reinterpret_cast<const V*>(b + t * sb);
+#pragma unroll
+    for (int e = 0; e < W; ++e) acc.v[e] += u * w.v[e];
+  }
+  return acc;
+}
+template <int K, int W, class V, class T>
+__device__ __forceinline__ V kiln_fed_sum(const T* __restrict__ a, long long sa) {
+  V acc;
+#pragma unroll
+  for (int e = 0; e < W; ++e) acc.v[e] = (T)0;
+#pragma unroll
+  for (int t = 0; t < K; ++t) {
+    const V w = *reinterpret_cast<const V*>(a + t * sa);
+#pragma unroll
+    for (int e = 0; e < W; ++e) acc.v[e] += w.v[e];
+  }
+  return acc;
+}
+"#;
+
 /// One CUDA module holding every fused kernel of a compiled graph (one NVRTC call).
 pub fn fused_module(kernels: &[FusedKernel]) -> Result<String, String> {
     let mut s = format!("{PRELUDE}\n#define K(v) ((C)(v))\n");
     if kernels.iter().any(|k| k.groups.iter().any(FusedGroup::folds)) {
         s += BLOCK_SUM;
+    }
+    if kernels.iter().any(|k| k.groups.iter().any(|g| g.inputs.iter().any(|x| x.fed.is_some()))) {
+        s += FED;
     }
     for k in kernels {
         s += &k.source()?;

@@ -227,8 +227,10 @@ impl FusedModule {
 
 /// Checks one group's buffers against its spec and appends their pointers.
 fn group_pointers(name: &str, gr: &FusedGroup, outs: &[Arc<StorageCell>], ins: &[Arc<StorageCell>], ptrs: &mut Vec<u64>) -> Result<()> {
-    if outs.len() != gr.outputs.len() || ins.len() != gr.inputs.len() {
-        return Err(Error::Msg(format!("{name}: given {} outputs and {} inputs", outs.len(), ins.len())));
+    // A fed product with a right operand reads two buffers.
+    let cells: usize = gr.inputs.iter().map(|x| 1 + x.fed.as_ref().is_some_and(|f| f.b.is_some()) as usize).sum();
+    if outs.len() != gr.outputs.len() || ins.len() != cells {
+        return Err(Error::Msg(format!("{name}: given {} outputs and {} input buffers", outs.len(), ins.len())));
     }
     for ((c, &m), len) in outs.iter().zip(&gr.outputs).zip(gr.output_lens()) {
         let (p, dt, n) = raw(c, true)?;
@@ -238,16 +240,21 @@ fn group_pointers(name: &str, gr: &FusedGroup, outs: &[Arc<StorageCell>], ins: &
         }
         ptrs.push(p);
     }
-    for (c, x) in ins.iter().zip(&gr.inputs) {
-        let (p, dt, n) = raw(c, false)?;
-        let last = match &x.strided {
-            None => x.offset + gr.n,
-            Some((shape, st)) => crate::shape::last_index(x.offset, shape, st) + 1,
+    let mut cells = ins.iter();
+    for x in &gr.inputs {
+        let (last, b_last) = match (&x.strided, &x.fed) {
+            (_, Some(f)) => f.extents(x.offset, gr.n),
+            (None, None) => (x.offset + gr.n, None),
+            (Some((shape, st)), None) => (crate::shape::last_index(x.offset, shape, st) + 1, None),
         };
-        if dt != x.dtype || (gr.n > 0 && n < last) {
-            return Err(Error::Msg(format!("{name}: input needs {last} x {:?}, got {n} x {dt:?}", x.dtype)));
+        for last in std::iter::once(last).chain(b_last) {
+            let c = cells.next().ok_or_else(|| Error::Msg(format!("{name}: an input buffer is missing")))?;
+            let (p, dt, n) = raw(c, false)?;
+            if dt != x.dtype || (gr.n > 0 && n < last) {
+                return Err(Error::Msg(format!("{name}: input needs {last} x {:?}, got {n} x {dt:?}", x.dtype)));
+            }
+            ptrs.push(p);
         }
-        ptrs.push(p);
     }
     Ok(())
 }
