@@ -991,6 +991,7 @@ pub fn matmul_few_source() -> (String, String) {
     let mut s = format!("{PRELUDE}{CLUSTER}\n#define NT {FEW_COLS}\n#define KC {FEW_CHUNK}\n#define S {FEW_SPLIT}\n");
     s += &format!("#define MR {FEW_MAX_M}\n#define OUTS (MR * NT)\n#define PER (OUTS / S)\n#define KPMAX (KC + 4)\n#define RPT (OUTS / {FEW_THREADS})\n");
     s += PRODUCT_ARGS;
+    s += WALK;
     s += FEW_STAGE;
     s += &format!(
         "extern \"C\" __global__ void __launch_bounds__({FEW_THREADS}) {name}(float* __restrict__ o, const float* __restrict__ a, \
@@ -1055,13 +1056,9 @@ pub fn matmul_few_source() -> (String, String) {
 /// one division a thread, then a running index, unrolled so the loads are in flight together.
 const FEW_STAGE: &str = r#"__device__ __forceinline__ void stage_k(float* __restrict__ dst, int kp, const float* __restrict__ src,
     long long sr, long long sk, int rows, int rmax, int len, int len4, int tid, int nt) {
-  const int q4 = len4 / 4;
   if (sk == 1 && (sr & 3) == 0 && ((unsigned long long)src & 15) == 0) {
     // float4s: quad kq of row r.
-    int r = tid / q4, kq = tid - r * q4;
-    const int dr = nt / q4, dq = nt - dr * q4;
-#pragma unroll 4
-    for (; r < rmax;) {
+    kiln_walk(rmax, len4 / 4, tid, nt, [&](int r, int kq) {
       const int kk = kq * 4;
       float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
       if (r < rows) {
@@ -1070,27 +1067,26 @@ const FEW_STAGE: &str = r#"__device__ __forceinline__ void stage_k(float* __rest
         else { v.x = ld(p[0]); if (kk + 1 < len) v.y = ld(p[1]); if (kk + 2 < len) v.z = ld(p[2]); }
       }
       *reinterpret_cast<float4*>(&dst[r * kp + kk]) = v;
-      kq += dq; r += dr;
-      if (kq >= q4) { kq -= q4; ++r; }
-    }
+    });
   } else if (sk == 1) {
-    int r = tid / len4, kk = tid - r * len4;
-    const int dr = nt / len4, dk = nt - dr * len4;
-#pragma unroll 4
-    for (; r < rmax;) {
-      dst[r * kp + kk] = (r < rows && kk < len) ? ld(src[r * sr + kk]) : 0.f;
-      kk += dk; r += dr;
-      if (kk >= len4) { kk -= len4; ++r; }
-    }
+    kiln_walk(rmax, len4, tid, nt, [&](int r, int kk) { dst[r * kp + kk] = (r < rows && kk < len) ? ld(src[r * sr + kk]) : 0.f; });
   } else {
-    int kk = tid / rmax, r = tid - kk * rmax;
-    const int dk = nt / rmax, dr = nt - dk * rmax;
+    kiln_walk(len4, rmax, tid, nt, [&](int kk, int r) { dst[r * kp + kk] = (r < rows && kk < len) ? ld(src[r * sr + kk * sk]) : 0.f; });
+  }
+}
+"#;
+
+/// Calls `f(o, i)` for a thread's share of an `outer x inner` range, the `nt` threads taking
+/// consecutive elements (row-major), each stepping on without a division: the staging loops
+/// of the kernels that load their operands into shared memory.
+const WALK: &str = r#"template <class F> __device__ __forceinline__ void kiln_walk(int outer, int inner, int tid, int nt, F f) {
+  int o = tid / inner, i = tid - o * inner;
+  const int dout = nt / inner, din = nt - dout * inner;
 #pragma unroll 4
-    for (; kk < len4;) {
-      dst[r * kp + kk] = (r < rows && kk < len) ? ld(src[r * sr + kk * sk]) : 0.f;
-      r += dr; kk += dk;
-      if (r >= rmax) { r -= rmax; ++kk; }
-    }
+  for (; o < outer;) {
+    f(o, i);
+    i += din; o += dout;
+    if (i >= inner) { i -= inner; ++o; }
   }
 }
 "#;
@@ -1221,6 +1217,7 @@ pub fn linear_xent_source(dtype: DType, cluster: bool) -> (String, String) {
     } else {
         s += LINEAR_XENT_ONE_BLOCK;
     }
+    s += WALK;
     s += LINEAR_XENT_STAGE;
     s += &format!(
         "extern \"C\" __global__ void __launch_bounds__({LINEAR_XENT_THREADS}) {name}({t}* __restrict__ o, const {t}* __restrict__ hp, \
@@ -1338,14 +1335,7 @@ __device__ __forceinline__ float ld_cluster1(unsigned addr, int rank) {
 const LINEAR_XENT_STAGE: &str = r#"template <typename T> __device__ __forceinline__ void stage(C* __restrict__ dst, int dld, const T* __restrict__ src,
     long long s0, long long s1, int rows, int cols, int tid, int nt) {
   if (rows <= 0 || cols <= 0) return;
-  int r = tid / cols, j = tid - r * cols;
-  const int dr = nt / cols, dj = nt - dr * cols;
-#pragma unroll 4
-  for (; r < rows;) {
-    dst[r * dld + j] = (C)ld(src[r * s0 + j * s1]);
-    j += dj; r += dr;
-    if (j >= cols) { j -= cols; ++r; }
-  }
+  kiln_walk(rows, cols, tid, nt, [&](int r, int j) { dst[r * dld + j] = (C)ld(src[r * s0 + j * s1]); });
 }
 "#;
 const LINEAR_XENT_REMOTE: &str = "__device__ __forceinline__ float remote(const float* p, int rank) { return ld_cluster1((unsigned)__cvta_generic_to_shared(p), rank); }\n";
