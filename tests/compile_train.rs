@@ -385,7 +385,8 @@ fn weight_gradients_feed_their_adamw_update_tile_by_tile() -> Result<()> {
     if native_codegen_off(" (feeding needs them)") {
         return Ok(());
     }
-    let run = |how: Option<bool>| -> Result<(Vec<Vec<f32>>, Vec<f32>, usize)> {
+    // `how`: compiled with (native code, feeding), or eager.
+    let run = |how: Option<(bool, bool)>| -> Result<(Vec<Vec<f32>>, Vec<f32>, usize)> {
         kiln::tensor::rng::manual_seed(3);
         let model = mlp(&[4096, 40], Device::Cpu)?;
         let start = model.parameters()[0].to_vec::<f32>()?;
@@ -398,7 +399,8 @@ fn weight_gradients_feed_their_adamw_update_tile_by_tile() -> Result<()> {
             opt.borrow_mut().zero_grad()?;
             Ok(vec![loss])
         };
-        let mut step = how.map(|native| compile_with(CompileOptions { native_cpu: native, ..Default::default() }, f));
+        let opts = |(native_cpu, feed_products)| CompileOptions { native_cpu, feed_products, ..Default::default() };
+        let mut step = how.map(|h| compile_with(opts(h), f));
         for i in 0..4 {
             let (x, y) = data(i, 8, 4096, 40);
             match &mut step {
@@ -410,9 +412,11 @@ fn weight_gradients_feed_their_adamw_update_tile_by_tile() -> Result<()> {
         Ok((model.parameters().iter().map(|p| p.to_vec::<f32>()).collect::<Result<_>>()?, start, fed))
     };
     let (eager, start, _) = run(None)?;
-    let (native, _, fed) = run(Some(true))?;
-    let (interpreted, _, none) = run(Some(false))?;
-    assert_eq!((fed, none), (1, 0), "the weight gradient (not the 40-element bias's) is fed; a missing C compiler fails here");
+    let (native, _, fed) = run(Some((true, true)))?;
+    let (interpreted, _, none) = run(Some((false, true)))?;
+    let (unfed, _, off) = run(Some((true, false)))?;
+    assert_eq!((fed, none, off), (1, 0, 0), "the weight gradient (not the 40-element bias's) is fed; a missing C compiler fails here");
+    assert_eq!(native, unfed, "`feed_products` off: the same bits, the product a kernel of its own");
     for (k, ((f, i), e)) in native.iter().zip(&interpreted).zip(&eager).enumerate() {
         let bad: Vec<(usize, f32, f32)> =
             f.iter().zip(i).enumerate().filter(|(_, (a, b))| a.to_bits() != b.to_bits()).map(|(j, (a, b))| (j, *a, *b)).collect();
