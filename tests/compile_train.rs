@@ -2,7 +2,7 @@
 //! (with dropout, AdamW, a warmup-cosine schedule stepping outside the compiled step, and
 //! gradient clipping), recompiles on shape changes, graph breaks, caller-owned outputs.
 
-use common::{assert_close, mlp_step};
+use common::{assert_close, mlp_step, mlp_step_unclipped};
 use kiln::compile::{compile, compile_with, CompileOptions, Mode};
 use kiln::models::mlp;
 use kiln::nn::cross_entropy;
@@ -392,13 +392,7 @@ fn weight_gradients_feed_their_adamw_update_tile_by_tile() -> Result<()> {
         let start = model.parameters()[0].to_vec::<f32>()?;
         let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr: 1e-2, ..AdamConfig::adamw() })?);
         // No clipping: the global norm would read the gradient before its update does.
-        let f = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
-            let loss = cross_entropy(&model.forward(&xs[0])?, &xs[1])?;
-            loss.backward()?;
-            opt.borrow_mut().step()?;
-            opt.borrow_mut().zero_grad()?;
-            Ok(vec![loss])
-        };
+        let f = mlp_step_unclipped(&model, &opt);
         let opts = |(native_cpu, feed_products)| CompileOptions { native_cpu, feed_products, ..Default::default() };
         let mut step = how.map(|h| compile_with(opts(h), f));
         for i in 0..4 {

@@ -4,7 +4,7 @@
 //! batch recompiling, and a replayed CUDA graph making no driver allocation. Built only with
 //! `--features cuda`; without a GPU each test fails saying so.
 
-use common::{assert_close, assert_runs_agree, mlp_step, train_gpt, Run};
+use common::{assert_close, assert_runs_agree, mlp_step, mlp_step_unclipped, train_gpt, Run};
 use kiln::compile::{compile, compile_with, CompileOptions, Mode};
 use kiln::models::mlp;
 use kiln::optim::{AdamConfig, AdamW, LrScheduler, WarmupCosine};
@@ -83,17 +83,10 @@ fn compiled_mlp_on_cuda_matches_eager_cuda_and_the_cpu_in_every_mode() {
 /// `steps` MLP steps at batch 16 without clipping: eager (`opts` None) or compiled, and the
 /// compiled step's count of products made by the kernels that read them.
 fn train_mlp_unclipped(dev: Device, opts: Option<CompileOptions>, steps: u64) -> (Run, usize) {
-    use kiln::nn::{cross_entropy, Module};
     kiln::tensor::rng::manual_seed(0);
     let model = mlp(&[20, 32, 5], dev).unwrap();
     let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr: 1e-2, ..AdamConfig::adamw() }).unwrap());
-    let f = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
-        let loss = cross_entropy(&model.forward(&xs[0])?, &xs[1])?;
-        loss.backward()?;
-        opt.borrow_mut().step()?;
-        opt.borrow_mut().zero_grad()?;
-        Ok(vec![loss])
-    };
+    let f = mlp_step_unclipped(&model, &opt);
     let mut step = compile_with(opts.unwrap_or_default(), f);
     let mut losses = Vec::new();
     for i in 0..steps {

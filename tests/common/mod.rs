@@ -23,6 +23,18 @@ pub fn mlp_step<'a>(model: &'a Sequential, opt: &'a RefCell<AdamW>) -> impl FnMu
     }
 }
 
+/// One MLP step without clipping (forward, backward, AdamW, zero_grad): a `Copy` closure,
+/// so that one step function runs both compiled and eagerly.
+pub fn mlp_step_unclipped<'a>(model: &'a Sequential, opt: &'a RefCell<AdamW>) -> impl Fn(&[Tensor]) -> Result<Vec<Tensor>> + Copy + 'a {
+    move |xs: &[Tensor]| {
+        let loss = cross_entropy(&model.forward(&xs[0])?, &xs[1])?;
+        loss.backward()?;
+        opt.borrow_mut().step()?;
+        opt.borrow_mut().zero_grad()?;
+        Ok(vec![loss])
+    }
+}
+
 /// Losses (read only after the last step, so a replay that overwrote a returned tensor
 /// shows) and final parameters.
 pub struct Run {
