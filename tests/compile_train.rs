@@ -518,17 +518,6 @@ fn compiled_autocast_matches_eager_and_is_keyed_by_the_setting() -> Result<()> {
     Ok(())
 }
 
-/// One SGD training step over `model` (forward, backward, step, zero_grad).
-fn sgd_step<'a>(model: &'a kiln::nn::Sequential, opt: &'a RefCell<kiln::optim::SGD>) -> impl FnMut(&[Tensor]) -> Result<Vec<Tensor>> + 'a {
-    move |xs: &[Tensor]| {
-        let loss = cross_entropy(&model.forward(&xs[0])?, &xs[1])?;
-        loss.backward()?;
-        opt.borrow_mut().step()?;
-        opt.borrow_mut().zero_grad()?;
-        Ok(vec![loss])
-    }
-}
-
 /// SGD's momentum buffer starts at the first gradient: a step compiled on the first call must
 /// keep accumulating momentum on replays (a baked first-step rule would drop it), and with
 /// dampening, whose first step is a different rule, tracing from the first step is an error.
@@ -540,8 +529,8 @@ fn compiled_sgd_with_momentum_matches_eager() -> Result<()> {
         kiln::tensor::rng::manual_seed(5);
         let model = mlp(&[20, 8, 5], Device::Cpu)?;
         let opt = RefCell::new(SGD::new(model.parameters(), cfg)?);
-        let mut eager = sgd_step(&model, &opt);
-        let mut step = compile(Mode::Default, sgd_step(&model, &opt));
+        let eager = mlp_step_unclipped(&model, &opt);
+        let mut step = compile(Mode::Default, mlp_step_unclipped(&model, &opt));
         for i in 0..20 {
             let (x, y) = data(i, 16, 20, 5);
             if compiled {
@@ -559,7 +548,7 @@ fn compiled_sgd_with_momentum_matches_eager() -> Result<()> {
     kiln::tensor::rng::manual_seed(5);
     let model = mlp(&[20, 8, 5], Device::Cpu)?;
     let opt = RefCell::new(SGD::new(model.parameters(), SgdConfig { dampening: 0.1, nesterov: false, ..cfg })?);
-    let mut damped = compile(Mode::Default, sgd_step(&model, &opt));
+    let mut damped = compile(Mode::Default, mlp_step_unclipped(&model, &opt));
     let (x, y) = data(0, 16, 20, 5);
     let e = damped.call(&[&x, &y]).unwrap_err().to_string();
     assert!(e.contains("dampening") && e.contains("take one eager step"), "{e}");

@@ -23,9 +23,12 @@ pub fn mlp_step<'a>(model: &'a Sequential, opt: &'a RefCell<AdamW>) -> impl FnMu
     }
 }
 
-/// One MLP step without clipping (forward, backward, AdamW, zero_grad): a `Copy` closure,
-/// so that one step function runs both compiled and eagerly.
-pub fn mlp_step_unclipped<'a>(model: &'a Sequential, opt: &'a RefCell<AdamW>) -> impl Fn(&[Tensor]) -> Result<Vec<Tensor>> + Copy + 'a {
+/// One MLP step without clipping (forward, backward, the optimizer's step, zero_grad): a
+/// `Copy` closure, so that one step function runs both compiled and eagerly.
+pub fn mlp_step_unclipped<'a, O: Optimizer>(
+    model: &'a Sequential,
+    opt: &'a RefCell<O>,
+) -> impl Fn(&[Tensor]) -> Result<Vec<Tensor>> + Copy + 'a {
     move |xs: &[Tensor]| {
         let loss = cross_entropy(&model.forward(&xs[0])?, &xs[1])?;
         loss.backward()?;
