@@ -561,8 +561,8 @@ pub fn feed_products(g: &Graph, plan: &mut Plan, native: &dyn Fn(usize) -> bool)
 /// CUDA back end's thin-product kernel takes the same, `codegen::THIN_MAX_K`).
 const GPU_FEED_MAX_K: usize = 32;
 
-/// GPU: a product with a short contraction (a weight gradient `g^T x` at a small batch, and
-/// with `SumLeft` its bias's gradient) that only one later launch reads, each of its groups
+/// GPU: a product with a short contraction (a weight gradient `g^T x` at a small batch, with
+/// `SumLeft` its bias's gradient) that only one later launch reads, each of its groups
 /// reading the product whole or the sums whole, is made by those groups where they read it
 /// (`codegen::Fed`) instead of by a kernel of its own: one launch fewer, and the gradient is
 /// never written out and read back. Not where a group in between overwrites in place a state
@@ -609,26 +609,24 @@ pub fn feed_gpu_products(g: &Graph, plan: &mut Plan) {
 }
 
 /// The parts of a product a group can compute where it reads them (`feed_gpu_products`), as
-/// (offset, shape): the product `[m, n]`, and with `SumLeft` the sums `[m]` after it. A 2-D
-/// F32/F64 `Matmul` or `SumLeft` over at most `GPU_FEED_MAX_K`.
+/// (offset, shape): the product `[m, n]` and the sums `[m]` after it. Only a 2-D F32/F64
+/// `SumLeft` (a weight gradient and its bias's) that the CUDA back end's thin-product kernel
+/// would take: a contraction of at most `GPU_FEED_MAX_K`, b's rows contiguous, no empty
+/// side; a group then adds the same terms in the same order. (A plain product goes to a
+/// GEMM, which reads b once for all rows where a group reads it once a row.)
 fn gpu_fed_reads(g: &Graph, i: NodeId) -> Option<Vec<(usize, Vec<usize>)>> {
     let n = &g.nodes[i];
-    let Kind::Op(op, args) = &n.kind else { return None };
-    let sums = match op {
-        Op::Matmul => false,
-        Op::MatmulFused(MatmulEpilogue::SumLeft) => true,
-        _ => return None,
-    };
+    let Kind::Op(Op::MatmulFused(MatmulEpilogue::SumLeft), args) = &n.kind else { return None };
     let [a, b] = &args[..] else { return None };
     let (sa, sb) = (&a.layout.shape, &b.layout.shape);
-    let fits = sa.len() == 2 && sb.len() == 2 && (1..=GPU_FEED_MAX_K).contains(&sa[1]) && matches!(n.dtype, DType::F32 | DType::F64);
-    let same = g.nodes[a.node].dtype == n.dtype && g.nodes[b.node].dtype == n.dtype;
-    let (m, cols) = (sa[0], sb[1]);
-    let mut parts = vec![(0, vec![m, cols])];
-    if sums {
-        parts.push((kiln_tensor::op::matmul_tail_offset(m * cols), vec![m]));
+    if sa.len() != 2 || sb.len() != 2 {
+        return None;
     }
-    (fits && same).then_some(parts)
+    let (m, k, cols) = (sa[0], sa[1], sb[1]);
+    let b_rows = b.layout.strides[1] == 1 || cols == 1;
+    let fits = (1..=GPU_FEED_MAX_K).contains(&k) && m > 0 && cols > 0 && b_rows && matches!(n.dtype, DType::F32 | DType::F64);
+    let same = g.nodes[a.node].dtype == n.dtype && g.nodes[b.node].dtype == n.dtype;
+    (fits && same).then(|| vec![(0, vec![m, cols]), (kiln_tensor::op::matmul_tail_offset(m * cols), vec![m])])
 }
 
 #[cfg(test)]
