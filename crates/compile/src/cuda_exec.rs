@@ -119,8 +119,8 @@ fn fused_group(g: &Graph, plan: &Plan, k: usize, lead: Option<&Group>) -> Result
         .externals
         .iter()
         .map(|a| {
-            if plan.fed.contains(&a.node) {
-                return fed_input(g, a);
+            if let Some(operands) = plan.fed_operands(g, a) {
+                return Ok(fed_input(g, a, operands));
             }
             let dtype = g.nodes[a.node].dtype;
             let l = &a.layout;
@@ -164,25 +164,17 @@ fn fused_group(g: &Graph, plan: &Plan, k: usize, lead: Option<&Group>) -> Result
     Ok(FusedGroup { n, inputs, members, outputs })
 }
 
-/// A read of a fed product (`fusion::feed_gpu_products`): the product itself (at offset 0) or
-/// `SumLeft`'s sums, made from the product's operands where the group reads them.
-fn fed_input(g: &Graph, read: &Arg) -> Result<FusedInput> {
-    let (a, b) = fed_operands(g, read.node)?;
+/// A read of a fed product (`fusion::feed_gpu_products`, 2-D operands): the product itself
+/// (from a and b) or `SumLeft`'s sums (from a), made where the group reads them.
+fn fed_input(g: &Graph, read: &Arg, (a, b): (&Arg, Option<&Arg>)) -> FusedInput {
     let strides = |l: &Layout| [l.strides[0], l.strides[1]];
-    let (k, cols) = (a.layout.shape[1], b.layout.shape[1]);
-    let fed = match read.layout.offset {
-        0 => Fed { k, cols, a: strides(&a.layout), b: Some((b.layout.offset, strides(&b.layout))) },
-        _ => Fed { k, cols: 1, a: strides(&a.layout), b: None },
+    let fed = Fed {
+        k: a.layout.shape[1],
+        cols: b.map_or(1, |b| b.layout.shape[1]),
+        a: strides(&a.layout),
+        b: b.map(|b| (b.layout.offset, strides(&b.layout))),
     };
-    Ok(FusedInput { dtype: g.nodes[read.node].dtype, offset: a.layout.offset, strided: None, lead: None, fed: Some(fed) })
-}
-
-/// A fed product's two operands.
-fn fed_operands(g: &Graph, p: NodeId) -> Result<(&Arg, &Arg)> {
-    match &g.nodes[p].kind {
-        Kind::Op(_, args) if args.len() == 2 && args.iter().all(|a| a.layout.rank() == 2) => Ok((&args[0], &args[1])),
-        _ => Err(Error::Msg(format!("compile: %{p} is fed to its readers but is not a product of two matrices"))),
-    }
+    FusedInput { dtype: g.nodes[read.node].dtype, offset: a.layout.offset, strided: None, lead: None, fed: Some(fed) }
 }
 
 impl GpuParts {
@@ -246,16 +238,16 @@ impl GpuParts {
             let from_lead = |x: NodeId| (led && q > 0).then(|| made.iter().find(|(m, _)| *m == x).map(|(_, c)| c.clone())).flatten();
             let mut cells: Vec<Arc<StorageCell>> = Vec::with_capacity(gr.externals.len());
             for a in &gr.externals {
-                if p.plan.fed.contains(&a.node) {
-                    // A fed product's operands: a, and b unless the group reads the sums.
-                    let (x, y) = fed_operands(&p.graph, a.node)?;
-                    cells.push(cell_of(x.node)?);
-                    if a.layout.offset == 0 {
-                        cells.push(cell_of(y.node)?);
+                match p.plan.fed_operands(&p.graph, a) {
+                    // A fed product's operands, as `fed_input` passes them.
+                    Some((x, y)) => {
+                        cells.push(cell_of(x.node)?);
+                        if let Some(y) = y {
+                            cells.push(cell_of(y.node)?);
+                        }
                     }
-                    continue;
+                    None => cells.push(from_lead(a.node).map_or_else(|| cell_of(a.node), Ok)?),
                 }
-                cells.push(from_lead(a.node).map_or_else(|| cell_of(a.node), Ok)?);
             }
             ins.push(cells);
             made.extend(o);

@@ -62,9 +62,24 @@ impl Plan {
             Step::Node(i) => g.nodes[*i].args(),
             Step::Groups(gs) => gs
                 .iter()
-                .flat_map(|&k| self.groups[k].externals.iter().map(|a| a.node))
-                .flat_map(|i| if self.fed.contains(&i) { g.nodes[i].args() } else { vec![i] })
+                .flat_map(|&k| &self.groups[k].externals)
+                .flat_map(|a| match self.fed_operands(g, a) {
+                    Some((x, y)) => std::iter::once(x.node).chain(y.map(|y| y.node)).collect(),
+                    None => vec![a.node],
+                })
                 .collect(),
+        }
+    }
+
+    /// For a read of a fed product (`feed_gpu_products`), the operands the reading group
+    /// computes it from: a and b for the product (at offset 0), a alone for `SumLeft`'s sums.
+    pub fn fed_operands<'g>(&self, g: &'g Graph, read: &Arg) -> Option<(&'g Arg, Option<&'g Arg>)> {
+        if !self.fed.contains(&read.node) {
+            return None;
+        }
+        match &g.nodes[read.node].kind {
+            Kind::Op(_, args) if args.len() == 2 => Some((&args[0], (read.layout.offset == 0).then_some(&args[1]))),
+            _ => None,
         }
     }
 }

@@ -1542,9 +1542,9 @@ impl Fed {
     /// The elements of a and of b a group of `n` elements reads up to (exclusive), from the
     /// offsets.
     pub fn extents(&self, offset: usize, n: usize) -> (usize, Option<usize>) {
-        let (rows, last_t) = (n.div_ceil(self.cols).max(1), self.k.max(1) - 1);
+        let (rows, last_t) = (n.div_ceil(self.cols.max(1)).max(1), self.k.max(1) - 1);
         let a = offset + (rows - 1) * self.a[0] + last_t * self.a[1] + 1;
-        (a, self.b.map(|(at, sb)| at + last_t * sb[0] + (self.cols - 1) * sb[1] + 1))
+        (a, self.b.map(|(at, sb)| at + last_t * sb[0] + (self.cols.max(1) - 1) * sb[1] + 1))
     }
 
     /// Whether four neighbouring elements can be made from aligned vector reads: four columns
@@ -1867,11 +1867,11 @@ fn vec4_loop(gr: &FusedGroup, j: usize, start: &str, stride: usize) -> Result<St
 
 /// Element `i` of each input of group `j`.
 fn element_loads(gr: &FusedGroup, j: usize) -> Vec<String> {
-    let at = |(k, x): (usize, &FusedInput)| match (&x.strided, x.lead) {
-        (_, Some(r)) => format!("L{r}"),
-        _ if x.fed.is_some() => x.fed.as_ref().map_or_else(String::new, |f| f.value(x, (j, k), "i", gr.narrow(), false)),
-        (None, None) => format!("p{j}_{k}[{} + i]", x.offset),
-        (Some((shape, strides)), None) => format!("p{j}_{k}[{}]", strided_index("i", x.offset, shape, strides, gr.narrow())),
+    let at = |(k, x): (usize, &FusedInput)| match (&x.strided, x.lead, &x.fed) {
+        (_, Some(r), _) => format!("L{r}"),
+        (_, None, Some(f)) => f.value(x, (j, k), "i", gr.narrow(), false),
+        (None, None, None) => format!("p{j}_{k}[{} + i]", x.offset),
+        (Some((shape, strides)), None, None) => format!("p{j}_{k}[{}]", strided_index("i", x.offset, shape, strides, gr.narrow())),
     };
     gr.inputs.iter().enumerate().map(at).collect()
 }
