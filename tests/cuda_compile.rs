@@ -81,8 +81,8 @@ fn compiled_mlp_on_cuda_matches_eager_cuda_and_the_cpu_in_every_mode() {
 }
 
 /// `steps` MLP steps at batch 16 without clipping: eager (`opts` None) or compiled, and the
-/// compiled step's count of products made by the kernels that read them.
-fn train_mlp_unclipped(dev: Device, opts: Option<CompileOptions>, steps: u64) -> (Run, usize) {
+/// compiled step's count of products made by the kernels that read them, and its bytes moved.
+fn train_mlp_unclipped(dev: Device, opts: Option<CompileOptions>, steps: u64) -> (Run, (usize, usize)) {
     kiln::tensor::rng::manual_seed(0);
     let model = mlp(&[20, 32, 5], dev).unwrap();
     let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr: 1e-2, ..AdamConfig::adamw() }).unwrap());
@@ -95,7 +95,8 @@ fn train_mlp_unclipped(dev: Device, opts: Option<CompileOptions>, steps: u64) ->
     }
     let losses = losses.iter().map(|l| l.item().unwrap() as f32).collect();
     let run = Run { losses, params: model.parameters().iter().map(|p| p.to_vec::<f32>().unwrap()).collect() };
-    (run, step.explain().fed_products)
+    let e = step.explain();
+    (run, (e.fed_products, e.bytes_moved))
 }
 
 #[test]
@@ -106,11 +107,15 @@ fn an_unclipped_mlp_makes_its_first_weight_gradient_inside_the_update_with_the_s
     assert!(eager.losses[99] < eager.losses[0] * 0.8, "it learned: {} -> {}", eager.losses[0], eager.losses[99]);
     for mode in MODES {
         let opts = |feed_products: bool| Some(CompileOptions { mode, feed_products, ..CompileOptions::default() });
-        let (fed, made) = train_mlp_unclipped(dev, opts(true), 100);
-        let (apart, none) = train_mlp_unclipped(dev, opts(false), 100);
+        let (fed, (made, fed_bytes)) = train_mlp_unclipped(dev, opts(true), 100);
+        let (apart, (none, apart_bytes)) = train_mlp_unclipped(dev, opts(false), 100);
         // The first layer's `g^T x` over the batch of 16 and its bias's sums (the head's
         // gradients come from the fused head), added in the thin-product kernel's order.
         assert_eq!((made, none), (1, 0), "{mode:?}: products made by their readers");
+        // Apart, the product's launch reads g^T (32 x 16) and x (16 x 20) and writes the
+        // product and sums (640 + 32 values), which the update reads back; fed, the update
+        // reads g^T and x for the product and g^T again for the sums: 832 values fewer.
+        assert_eq!(apart_bytes as i64 - fed_bytes as i64, 832 * 4, "{mode:?}: bytes moved ({apart_bytes} apart, {fed_bytes} fed)");
         assert_eq!(fed.losses, apart.losses, "{mode:?}: losses");
         assert_eq!(fed.params, apart.params, "{mode:?}: parameters");
         // Against eager (cuBLAS's order) over the first 20 steps, before AdamW without
@@ -175,9 +180,13 @@ fn compiled_gpt_with_dropout_on_cuda_matches_eager_cuda_and_the_cpu_in_every_mod
     let dev = gpu();
     let eager = train_gpt(dev, None, 200);
     let cpu = train_gpt(Device::Cpu, None, 200);
+    // Parameters within 3e-3 of eager's: one step of AdamW at the peak learning rate (3e-3)
+    // is that big whatever the gradient, so a gradient near zero rounded to the other sign
+    // in one of 200 steps moves a weight by it (seen at 1.1-1.2e-3 on the H200 in two runs of
+    // many, `Default` against eager). The losses stay within 5e-4.
     for mode in MODES {
         let run = train_gpt(dev, Some(mode), 200);
-        assert_runs_agree(&format!("{mode:?} vs eager CUDA"), &run, &eager, (5e-4, 1e-3));
+        assert_runs_agree(&format!("{mode:?} vs eager CUDA"), &run, &eager, (5e-4, 3e-3));
         assert_runs_agree(&format!("{mode:?} vs CPU"), &run, &cpu, (2e-3, 5e-3));
     }
 }

@@ -15,7 +15,7 @@ use crate::fusion::{Group, Plan, Step};
 use crate::graph::{Arg, Graph, Kind, NodeId};
 use kiln_tensor::cuda;
 use kiln_tensor::cuda::codegen::{Fed, FusedGroup, FusedInput, FusedKernel, FusedMember, FusedSrc};
-use kiln_tensor::cuda::compiled::{self as cc, CudaGraph, FusedModule, OutputCopy, Pool};
+use kiln_tensor::cuda::compiled::{self as cc, CudaGraph, FusedModule, OutputCopies, Pool};
 use kiln_tensor::op::OutMeta;
 use kiln_tensor::rng::GeneratorState;
 use kiln_tensor::storage::StorageCell;
@@ -34,15 +34,15 @@ struct Captured {
     _pool: Arc<Pool>,
 }
 
-/// A graph's copies of its outputs (its last nodes), and the tensors its next replay copies
-/// them into.
+/// A graph's copies of its outputs (its last nodes, or its last kernel's last block), and the
+/// tensors its next replay copies them into.
 struct Copies {
-    nodes: Vec<OutputCopy>,
+    nodes: OutputCopies,
     next: Vec<Tensor>,
 }
 
 impl Copies {
-    fn new(nodes: Vec<OutputCopy>, graph: &CudaGraph, outputs: &[Tensor], device: Device) -> Result<Copies> {
+    fn new(nodes: OutputCopies, graph: &CudaGraph, outputs: &[Tensor], device: Device) -> Result<Copies> {
         let mut c = Copies { nodes, next: vec![] };
         c.aim(graph, outputs, device)?;
         Ok(c)
@@ -57,7 +57,7 @@ impl Copies {
             .map(|t| Ok(Tensor::from_cell(cc::alloc_cell(device, t.dtype(), t.numel())?, Layout::contiguous(t.shape()))))
             .collect::<Result<_>>()?;
         let dsts = fresh.iter().map(|t| cc::address(t.storage())).collect::<Result<Vec<u64>>>()?;
-        // SAFETY: the nodes were captured into `graph`, one per output, and each fresh buffer
+        // SAFETY: the copies were captured into `graph`, one per output, and each fresh buffer
         // holds its output's bytes; `next` keeps them alive until the replay that writes them
         // is queued, and a buffer the caller drops sooner is reused only by later work.
         unsafe { cc::set_output_copies(graph, &self.nodes, &dsts)? };
@@ -183,14 +183,16 @@ impl GpuParts {
         let mut kernel_of = vec![None; plan.groups.len()];
         // Identical groups (the same layer repeated) share one kernel.
         let mut seen: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+        let folds = if capture { copying_step(g, plan) } else { None };
         for step in &plan.steps {
             let Step::Groups(gs) = step else { continue };
             let lead = plan.groups[gs[0]].lead.then(|| &plan.groups[gs[0]]);
             let groups: Vec<FusedGroup> =
                 gs.iter().map(|&k| fused_group(g, plan, k, lead.filter(|_| k != gs[0]))).collect::<Result<_>>()?;
-            let key = format!("{}{groups:?}", lead.is_some());
+            let copies = if folds.is_some_and(|f| std::ptr::eq(f, step)) { g.outputs.len() } else { 0 };
+            let key = format!("{}{copies}{groups:?}", lead.is_some());
             let k = *seen.entry(key).or_insert_with(|| {
-                specs.push(FusedKernel { name: kernel_name(g, plan, gs), groups, lead: lead.is_some() });
+                specs.push(FusedKernel { name: kernel_name(g, plan, gs), groups, lead: lead.is_some(), copies });
                 specs.len() - 1
             });
             kernel_of[gs[0]] = Some(k);
@@ -252,14 +254,27 @@ impl GpuParts {
             ins.push(cells);
             made.extend(o);
         }
+        // The step's outputs, for a kernel that copies them (made before it, or by it).
+        let copies = match self.module.copies(k) {
+            0 => Vec::new(),
+            _ => p
+                .graph
+                .outputs
+                .iter()
+                .map(|a| {
+                    let cell = made.iter().find(|(m, _)| *m == a.node).map_or_else(|| cell_of(a.node), |(_, c)| Ok(c.clone()))?;
+                    Ok((cell, a.layout.offset, a.layout.numel()))
+                })
+                .collect::<Result<Vec<_>>>()?,
+        };
         if kiln_tensor::profile::enabled() {
             cuda::synchronize(p.device)?;
             let t = std::time::Instant::now();
-            self.module.launch(k, &outs, &ins)?;
+            self.module.launch(k, &outs, &ins, &copies)?;
             cuda::synchronize(p.device)?;
             kiln_tensor::profile::record(format!("fused {}", self.module.name(k)), t.elapsed().as_secs_f64());
         } else {
-            self.module.launch(k, &outs, &ins)?;
+            self.module.launch(k, &outs, &ins, &copies)?;
         }
         Ok(made)
     }
@@ -379,14 +394,31 @@ impl GpuParts {
 }
 
 /// The step as captured: its outputs, and (when every output is dense) their copies into
-/// the caller's tensors as the graph's last nodes.
-fn captured_step(p: &Program, inputs: &[Arc<StorageCell>], gen: GeneratorState) -> Result<(Vec<Tensor>, Option<Vec<OutputCopy>>)> {
+/// the caller's tensors: by its last kernel when that was made to copy them and is the
+/// graph's last node, else as nodes of their own after it.
+fn captured_step(p: &Program, inputs: &[Arc<StorageCell>], gen: GeneratorState) -> Result<(Vec<Tensor>, Option<OutputCopies>)> {
     let outputs = p.execute(inputs, gen, false)?;
+    if let Some(f) = p.gpu()?.module.folded_copies()? {
+        return Ok((outputs, Some(OutputCopies::Folded(f))));
+    }
     if !outputs.iter().all(|t| t.layout().is_contiguous()) {
         return Ok((outputs, None));
     }
     let copies = outputs.iter().map(|t| cc::capture_output_copy(t.storage(), t.layout().offset, t.numel())).collect::<Result<_>>()?;
-    Ok((outputs, Some(copies)))
+    Ok((outputs, Some(OutputCopies::Nodes(copies))))
+}
+
+/// The most bytes of outputs a step's last kernel copies in its last block (one block, so
+/// a loss or a few small tensors; more take copy nodes of a full grid).
+const FOLDED_COPY_BYTES: usize = 64 << 10;
+
+/// The plan step whose kernel copies a captured step's outputs: the last, when it is a fused
+/// launch and the outputs are dense and small.
+fn copying_step<'a>(g: &Graph, plan: &'a Plan) -> Option<&'a Step> {
+    let last = plan.steps.last().filter(|s| matches!(s, Step::Groups(_)))?;
+    let bytes: usize = g.outputs.iter().map(|a| a.layout.numel() * g.nodes[a.node].dtype.size_in_bytes()).sum();
+    let dense = g.outputs.iter().all(|a| a.layout.is_contiguous());
+    (dense && !g.outputs.is_empty() && bytes <= FOLDED_COPY_BYTES).then_some(last)
 }
 
 /// Whether every input cell lies at the address the graph was captured with.

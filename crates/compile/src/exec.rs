@@ -244,7 +244,7 @@ impl Program {
     }
 
     #[cfg(feature = "cuda")]
-    fn gpu(&self) -> Result<&crate::cuda_exec::GpuParts> {
+    pub(crate) fn gpu(&self) -> Result<&crate::cuda_exec::GpuParts> {
         self.gpu.as_ref().ok_or_else(|| Error::Msg("compile: a CPU program ran a GPU step".into()))
     }
 
@@ -417,8 +417,12 @@ impl Program {
                     .map(|&k| {
                         let gr = &self.plan.groups[k];
                         let n: usize = gr.shape.iter().product();
-                        gr.externals.iter().map(|a| n.min(a.layout.numel()) * g.nodes[a.node].dtype.size_in_bytes()).sum::<usize>()
-                            + gr.materialize.iter().map(|&m| g.node_bytes(m)).sum::<usize>()
+                        let read = |a: &crate::graph::Arg| match self.plan.fed_operands(g, a) {
+                            // A fed product reads its operands, not the product.
+                            Some((x, y)) => arg_bytes(x) + y.map_or(0, arg_bytes),
+                            None => n.min(a.layout.numel()) * g.nodes[a.node].dtype.size_in_bytes(),
+                        };
+                        gr.externals.iter().map(read).sum::<usize>() + gr.materialize.iter().map(|&m| g.node_bytes(m)).sum::<usize>()
                     })
                     .sum(),
             })

@@ -370,6 +370,11 @@ where
             }
         }
         let device = step_device(inputs, &lowered.cells);
+        if let Device::Cuda(i) = device {
+            if needs_blas(&lowered.graph) && std::env::var("KILN_BLAS_EARLY").map_or(true, |v| v != "0") {
+                kiln_tensor::cuda::start_blas(i);
+            }
+        }
         let mut mark = Instant::now();
         let target = match device {
             Device::Cuda(i) => passes::Target::Gpu { clusters: kiln_tensor::cuda::has_clusters(i) },
@@ -512,4 +517,18 @@ fn debug_verify(g: &Graph) -> Result<()> {
         g.verify().map_err(|e| Error::Msg(format!("compile: graph verifier: {e}")))?;
     }
     Ok(())
+}
+
+/// Whether a traced step holds a product that cuBLAS likely runs (every side over 32: the
+/// smaller ones take Kiln's few-rows, thin and narrow kernels). cuBLAS then starts on a
+/// thread at once, beside the passes and the dry run, rather than at the dry run's first
+/// such product; a guess wrong either way costs only when that start happens.
+fn needs_blas(g: &graph::Graph) -> bool {
+    g.nodes.iter().any(|n| match &n.kind {
+        graph::Kind::Op(kiln_tensor::op::Op::Matmul, args) if args.len() == 2 => {
+            let (a, b) = (&args[0].layout.shape, &args[1].layout.shape);
+            a.len() >= 2 && b.len() >= 2 && a[a.len() - 2..].iter().chain(&b[b.len() - 1..]).all(|&d| d > 32)
+        }
+        _ => false,
+    })
 }

@@ -301,9 +301,9 @@ fn a_module_of_fused_group_kernels_compiles() {
     let mut kernels: Vec<FusedKernel> = groups
         .iter()
         .enumerate()
-        .map(|(k, g)| FusedKernel { name: format!("kiln_group{k}"), groups: vec![g.clone()], lead: false })
+        .map(|(k, g)| FusedKernel { name: format!("kiln_group{k}"), groups: vec![g.clone()], lead: false, copies: 0 })
         .collect();
-    kernels.push(FusedKernel { name: "kiln_groups_0_1_2_3".into(), groups, lead: false });
+    kernels.push(FusedKernel { name: "kiln_groups_0_1_2_3".into(), groups, lead: false, copies: 0 });
     let src = fused_module(&kernels).expect("every member is elementwise");
     let mut fails = Vec::new();
     check(&src, "kiln_fused", &mut fails);
@@ -344,8 +344,8 @@ fn a_group_folding_its_sums_in_one_block_compiles() {
         outputs: vec![0],
     };
     let kernels = vec![
-        FusedKernel { name: "kiln_fold".into(), groups: vec![fold.clone()], lead: false },
-        FusedKernel { name: "kiln_fold_and_plain".into(), groups: vec![plain, fold], lead: false },
+        FusedKernel { name: "kiln_fold".into(), groups: vec![fold.clone()], lead: false, copies: 0 },
+        FusedKernel { name: "kiln_fold_and_plain".into(), groups: vec![plain, fold], lead: false, copies: 0 },
     ];
     let src = fused_module(&kernels).expect("sums and elementwise members");
     // A member after the fold may not read a value of the loop other than a sum.
@@ -388,7 +388,8 @@ fn a_kernel_led_by_a_scalar_group_compiles() {
     folded.push(m(Op::Binary(BinaryOp::Mul), vec![FusedSrc::Member(1), FusedSrc::Input(1)], DType::F32));
     let fold = FusedGroup { n: 300, inputs: vec![dense(DType::F32), corr(300)], members: folded, outputs: vec![2] };
     assert!(vector.vec4() && !strided.vec4() && fold.folds());
-    let k = FusedKernel { name: "kiln_led".into(), groups: vec![lead, vector.clone(), strided.clone(), fold.clone()], lead: true };
+    let k =
+        FusedKernel { name: "kiln_led".into(), groups: vec![lead, vector.clone(), strided.clone(), fold.clone()], lead: true, copies: 0 };
     // The lead gets no blocks: 4096 / 4 / 256 for the vector group, one each for the others.
     assert_eq!(k.blocks(), 4 + 1 + 1);
     let src = fused_module(std::slice::from_ref(&k)).expect("a plain scalar lead");
@@ -407,10 +408,32 @@ fn a_kernel_led_by_a_scalar_group_compiles() {
         assert_eq!(body.matches(unread).count(), 1, "{unread} only in the signature: {body}");
     }
     // A lead that folds sums or reads another lead is refused.
-    let bad = FusedKernel { groups: vec![fold, vector], ..k.clone() };
+    let bad = FusedKernel { groups: vec![fold, vector.clone()], ..k.clone() };
     assert!(fused_module(&[bad]).is_err_and(|e| e.contains("lead group")));
+    // The last block may also copy a step's outputs: after the lead's stores, or alone.
+    let led_copying = FusedKernel { name: "kiln_led_copying".into(), copies: 2, ..k.clone() };
+    let plain = FusedGroup { inputs: vec![dense(DType::F32), dense(DType::F32)], ..vector };
+    let copying = FusedKernel { name: "kiln_copying".into(), groups: vec![plain], lead: false, copies: 1 };
+    assert!(copying.ticket() && !FusedKernel { copies: 0, ..copying.clone() }.ticket());
+    let src2 = fused_module(&[led_copying, copying]).expect("kernels with output copies");
+    let led = &src2[src2.find("kiln_led_copying(").expect("the led kernel")..src2.find("kiln_copying(").expect("the other")];
+    let alone = &src2[src2.find("kiln_copying(").expect("the kernel")..];
+    for (body, copies, stores) in [(led, 2, 1), (alone, 1, 0)] {
+        for (needle, count) in [
+            ("unsigned char* c0d, unsigned long long c0n", 1),
+            ("unsigned char* c1d, unsigned long long c1n", copies - 1),
+            ("unsigned int* kiln_ticket)", 1),
+            ("atomicAdd(kiln_ticket, 1u) == gridDim.x - 1", 1),
+            ("kiln_copy_out(c0s, c0d, c0n);", 1),
+            ("kiln_copy_out(c1s, c1d, c1n);", copies - 1),
+            ("o0_1[0] = L1;", stores),
+        ] {
+            assert_eq!(body.matches(needle).count(), count, "{needle} in {body}");
+        }
+    }
     let mut fails = Vec::new();
     check(&src, "kiln_led", &mut fails);
+    check(&src2, "kiln_led_copying", &mut fails);
     assert!(fails.is_empty(), "{}", fails.join("\n"));
 }
 
@@ -540,7 +563,7 @@ fn groups_computing_their_fed_products_compile() {
         let odd = group(256 * 6, fed(Fed { b: Some((3, [6, 1])), ..dot(6) }, 0));
         let odd_sums = group(256, fed(sums, 1));
         assert!(weight.vec4() && bias.vec4() && !odd.vec4() && !odd_sums.vec4());
-        let k = FusedKernel { name: format!("kiln_fed_{d:?}"), groups: vec![weight, bias, odd, odd_sums], lead: false };
+        let k = FusedKernel { name: format!("kiln_fed_{d:?}"), groups: vec![weight, bias, odd, odd_sums], lead: false, copies: 0 };
         let src = fused_module(std::slice::from_ref(&k)).expect("fed products");
         let body = &src[src.find(&k.name).expect("the kernel")..];
         // b's buffer follows a's for the products, not for the sums; each fed input is made,

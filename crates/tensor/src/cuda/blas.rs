@@ -30,6 +30,7 @@ pub struct Blas {
 impl Blas {
     /// The GPU's cuBLAS handle (on its stream, with its own workspace) and cuBLASLt's.
     fn new(g: &Arc<Gpu>) -> Result<Blas> {
+        let started = std::time::Instant::now();
         if !super::gpu::held_open(&cudarc::get_lib_name_candidates("cublas")) {
             return Err(Error::Cuda("cuBLAS (libcublas.so) not found; it runs Kiln's CUDA matmuls".into()));
         }
@@ -40,44 +41,48 @@ impl Blas {
         let ws = g.alloc(WORKSPACE)?;
         // SAFETY: `ws` is a live buffer of WORKSPACE bytes owned by the handle's `Blas`.
         unsafe { bs::cublasSetWorkspace_v2(h, ws.ptr as *mut c_void, WORKSPACE) }.result().map_err(blas_err)?;
-        // Without cuBLASLt (or its handle), plain cuBLAS runs every GEMM.
-        let lt_wanted = std::env::var("KILN_CUBLASLT").map_or(true, |v| v != "0");
-        let lt = (lt_wanted && super::gpu::held_open(&cudarc::get_lib_name_candidates("cublasLt")))
-            .then(cudarc::cublaslt::result::create_handle)
-            .and_then(|r| r.ok());
+        // (On a thread of its own beside cuBLAS's handle it measured no faster: the two
+        // libraries load one after the other.)
+        let lt = start_lt(g, started);
         Ok(Blas { h, lt, ws, plans: Default::default() })
     }
+}
+
+/// cuBLASLt's handle, after one heuristic query so that the library's own first-use set-up
+/// (about 0.1 s) is done too; None when libcublasLt is missing, fails to start or
+/// `KILN_CUBLASLT=0` (plain cuBLAS then runs every GEMM).
+fn start_lt(g: &Arc<Gpu>, started: std::time::Instant) -> Option<cudarc::cublaslt::sys::cublasLtHandle_t> {
+    let wanted = std::env::var("KILN_CUBLASLT").map_or(true, |v| v != "0");
+    if !wanted || !super::gpu::held_open(&cudarc::get_lib_name_candidates("cublasLt")) || g.bind().is_err() {
+        return None;
+    }
+    let lt = cudarc::cublaslt::result::create_handle().ok()?;
+    let made = started.elapsed();
+    let gemm = Gemm {
+        dtype: DType::F32,
+        tf32: false,
+        trans: (false, false),
+        mnk: (256, 256, 256),
+        ld: (256, 256, 256),
+        batch: 1,
+        strides: (0, 0, 0),
+        align: (256, 256, 256),
+        epilogue: super::lt::Epilogue::NONE,
+    };
+    let _ = Plan::new(lt, g, &gemm, [0; 5], (0, WORKSPACE));
+    if super::log_on("time") {
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        eprintln!("[kiln time] cuBLAS started in {:.1} ms, cuBLASLt's first heuristic {:.1} ms", ms(made), ms(started.elapsed() - made));
+    }
+    Some(lt)
 }
 
 /// Starts cuBLAS and cuBLASLt on `g` (loading the libraries and making the handles takes
 /// about 0.15 s): a compiled step's dry run does it on a thread (`Gpu::start_blas`) beside
 /// the rest of the dry run and NVRTC.
 pub(crate) fn start(g: &Arc<Gpu>) -> Result<()> {
-    g.bind()?;
-    let started = std::time::Instant::now();
     let mut guard = g.blas.lock().unwrap_or_else(|e| e.into_inner());
-    let blas = get(&mut guard, g)?;
-    let made = started.elapsed();
-    // One heuristic query, so that cuBLASLt's own first-use set-up is done here too.
-    if let Some(lt) = blas.lt {
-        let gemm = Gemm {
-            dtype: DType::F32,
-            tf32: false,
-            trans: (false, false),
-            mnk: (256, 256, 256),
-            ld: (256, 256, 256),
-            batch: 1,
-            strides: (0, 0, 0),
-            align: (256, 256, 256),
-            epilogue: super::lt::Epilogue::NONE,
-        };
-        let _ = Plan::new(lt, g, &gemm, [0; 5], (blas.ws.ptr, WORKSPACE));
-    }
-    if super::log_on("time") {
-        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-        eprintln!("[kiln time] cuBLAS started in {:.1} ms, its first heuristic {:.1} ms", ms(made), ms(started.elapsed() - made));
-    }
-    Ok(())
+    get(&mut guard, g).map(|_| ())
 }
 
 /// The GPU's `Blas` in `slot`, made on first use.

@@ -1618,11 +1618,17 @@ pub struct FusedGroup {
 /// outputs from registers (`FusedInput::lead`). It gets no blocks: the grid's last block to
 /// finish stores its outputs, counted by a ticket (a `u32` that is zero between launches,
 /// passed last), since an output may be state the lead reads (the step count).
+///
+/// With `copies`, that last block also copies `copies` byte ranges (parameters `c{i}s`,
+/// `c{i}d`, `c{i}n` before the ticket; none where `c{i}d` is null): the step's outputs into
+/// the caller's tensors when this is a captured step's last launch, so that the graph needs
+/// no copy node after it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FusedKernel {
     pub name: String,
     pub groups: Vec<FusedGroup>,
     pub lead: bool,
+    pub copies: usize,
 }
 
 /// Threads per block of fused kernels, and the most blocks one group gets (grid-stride beyond).
@@ -1747,7 +1753,10 @@ impl FusedKernel {
                 }
             }
         }
-        if self.lead {
+        for i in 0..self.copies {
+            params.push(format!("const unsigned char* c{i}s, unsigned char* c{i}d, unsigned long long c{i}n"));
+        }
+        if self.ticket() {
             params.push("unsigned int* kiln_ticket".into());
         }
         let mut s = format!("extern \"C\" __global__ void {}({}) {{\n", self.name, params.join(", "));
@@ -1774,11 +1783,16 @@ impl FusedKernel {
             s += "  }\n";
             first += nb;
         }
-        if let Some(lead) = lead {
-            s += &lead_stores(lead);
+        if self.ticket() {
+            s += &last_block(lead, self.copies);
         }
         s += "}\n";
         Ok(s)
+    }
+
+    /// Whether the launch counts its finished blocks (`last_block`): it takes a ticket.
+    pub fn ticket(&self) -> bool {
+        self.lead || self.copies > 0
     }
 }
 
@@ -1801,15 +1815,21 @@ fn lead_values(gr: &FusedGroup) -> Result<String, String> {
     Ok(s)
 }
 
-/// The grid's last block to finish (every other block has read what the lead read) stores the
-/// lead's outputs and resets the ticket for the next launch.
-fn lead_stores(gr: &FusedGroup) -> String {
-    let mut s = String::from("  __syncthreads();\n  if (threadIdx.x == 0) {\n    __threadfence();\n");
-    s += "    if (atomicAdd(kiln_ticket, 1u) == gridDim.x - 1) {\n      __threadfence();\n";
-    for r in 0..gr.outputs.len() {
+/// The grid's last block to finish (every other block has read what the lead read, and its
+/// writes are visible) stores the lead's outputs, makes the copies, and resets the ticket for
+/// the next launch.
+fn last_block(lead: Option<&FusedGroup>, copies: usize) -> String {
+    let mut s = String::from("  __shared__ bool kiln_last;\n  __syncthreads();\n  if (threadIdx.x == 0) {\n    __threadfence();\n");
+    s += "    kiln_last = atomicAdd(kiln_ticket, 1u) == gridDim.x - 1;\n  }\n  __syncthreads();\n  if (kiln_last) {\n";
+    s += "    __threadfence();\n    if (threadIdx.x == 0) {\n";
+    for r in 0..lead.map_or(0, |gr| gr.outputs.len()) {
         s += &format!("      o0_{r}[0] = L{r};\n");
     }
-    s += "      *kiln_ticket = 0u;\n    }\n  }\n";
+    s += "      *kiln_ticket = 0u;\n    }\n";
+    for i in 0..copies {
+        s += &format!("    kiln_copy_out(c{i}s, c{i}d, c{i}n);\n");
+    }
+    s += "  }\n";
     s
 }
 
@@ -2066,6 +2086,21 @@ __device__ __forceinline__ V kiln_fed_sum(const T* __restrict__ a, long long sa)
 }
 "#;
 
+/// A block's copy of `n` bytes (none where `d` is null), 16 at a time where both ends are
+/// 16-byte aligned; loads bypass L1, since other blocks of the launch may have written `s`.
+const COPY_OUT: &str = r#"
+__device__ __forceinline__ void kiln_copy_out(const unsigned char* s, unsigned char* d, unsigned long long n) {
+  if (d == 0) return;
+  const unsigned long long words = (((unsigned long long)s | (unsigned long long)d) % 16 == 0) ? n / 16 : 0;
+  for (unsigned long long w = threadIdx.x; w < words; w += blockDim.x) {
+    uint4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(s + 16 * w));
+    reinterpret_cast<uint4*>(d)[w] = v;
+  }
+  for (unsigned long long b = words * 16 + threadIdx.x; b < n; b += blockDim.x) d[b] = ((const volatile unsigned char*)s)[b];
+}
+"#;
+
 /// One CUDA module holding every fused kernel of a compiled graph (one NVRTC call).
 pub fn fused_module(kernels: &[FusedKernel]) -> Result<String, String> {
     let mut s = format!("{PRELUDE}\n#define K(v) ((C)(v))\n");
@@ -2074,6 +2109,9 @@ pub fn fused_module(kernels: &[FusedKernel]) -> Result<String, String> {
     }
     if kernels.iter().any(|k| k.groups.iter().any(|g| g.inputs.iter().any(|x| x.fed.is_some()))) {
         s += FED;
+    }
+    if kernels.iter().any(|k| k.copies > 0) {
+        s += COPY_OUT;
     }
     for k in kernels {
         s += &k.source()?;

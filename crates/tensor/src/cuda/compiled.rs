@@ -11,7 +11,7 @@ use crate::shape::Layout;
 use crate::storage::{Storage, StorageCell};
 use crate::{DType, Device, Error, Result};
 use std::ffi::c_void;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 pub use super::gpu::{dry_run, Pool, Wanted};
 /// A captured CUDA graph: cudarc's, made `Send` so that a compiled program holding one can
@@ -144,8 +144,10 @@ pub struct FusedModule {
     /// Each kernel's key in the GPU's kernel cache.
     keys: Vec<u64>,
     kernels: OnceLock<Vec<Kernel>>,
-    /// A zeroed `u32` per kernel: a lead's ticket (`FusedKernel::lead`).
+    /// A zeroed `u32` per kernel: its ticket (`FusedKernel::ticket`).
     tickets: CudaStorage,
+    /// The launch of a kernel with output copies captured last (`launch`, `folded_copies`).
+    folded: Mutex<Option<FoldedCopies>>,
 }
 
 impl FusedModule {
@@ -184,7 +186,7 @@ impl FusedModule {
         // (Eight bytes a kernel: I64, the narrowest dtype with four-byte alignment.)
         let tickets = CudaStorage::alloc(&g, DType::I64, specs.len().max(1))?;
         super::kernels::zero(&g, &tickets)?;
-        Ok(FusedModule { gpu: g, specs, programs, keys, kernels: OnceLock::new(), tickets })
+        Ok(FusedModule { gpu: g, specs, programs, keys, kernels: OnceLock::new(), tickets, folded: Mutex::new(None) })
     }
 
     /// Kernel `k`, its programs compiled on first use (a placeholder in a dry run).
@@ -203,25 +205,68 @@ impl FusedModule {
         &self.specs[k].name
     }
 
+    /// Output copies kernel `k`'s last block makes (`FusedKernel::copies`).
+    pub fn copies(&self, k: usize) -> usize {
+        self.specs[k].copies
+    }
+
     /// Launches kernel `k` with the cells its spec was made for: per group, `outs[j]` and
-    /// `ins[j]` in order.
-    pub fn launch(&self, k: usize, outs: &[Vec<Arc<StorageCell>>], ins: &[Vec<Arc<StorageCell>>]) -> Result<()> {
+    /// `ins[j]` in order, and its output copies' sources, `(cell, element offset, elements)`
+    /// each (their destinations are null: a captured graph's are set by `set_output_copies`).
+    pub fn launch(
+        &self,
+        k: usize,
+        outs: &[Vec<Arc<StorageCell>>],
+        ins: &[Vec<Arc<StorageCell>>],
+        copies: &[(Arc<StorageCell>, usize, usize)],
+    ) -> Result<()> {
         let spec = &self.specs[k];
-        if outs.len() != spec.groups.len() || ins.len() != spec.groups.len() {
-            return Err(Error::Msg(format!("{}: given buffers for {} groups, it runs {}", spec.name, outs.len(), spec.groups.len())));
+        if outs.len() != spec.groups.len() || ins.len() != spec.groups.len() || copies.len() != spec.copies {
+            return Err(Error::Msg(format!(
+                "{}: given buffers for {} groups and {} output copies, it runs {} and makes {}",
+                spec.name,
+                outs.len(),
+                copies.len(),
+                spec.groups.len(),
+                spec.copies
+            )));
         }
         let mut ptrs: Vec<u64> = Vec::new();
         for ((gr, outs), ins) in spec.groups.iter().zip(outs).zip(ins) {
             group_pointers(&spec.name, gr, outs, ins, &mut ptrs)?;
         }
-        if spec.lead {
+        let mut dsts = Vec::with_capacity(copies.len());
+        for (cell, offset, len) in copies {
+            let (p, dt, n) = raw(cell, false)?;
+            if offset + len > n {
+                return Err(Error::Msg(format!("{}: output copy of {len} x {dt:?} from element {offset} of a buffer of {n}", spec.name)));
+            }
+            let size = dt.size_in_bytes() as u64;
+            dsts.push(ptrs.len() + 1);
+            ptrs.extend([p + *offset as u64 * size, 0, *len as u64 * size]);
+        }
+        if spec.ticket() {
             ptrs.push(self.tickets.ptr_at(k));
         }
         let mut params: Vec<*mut c_void> = ptrs.iter_mut().map(|p| p as *mut u64 as *mut c_void).collect();
+        let (kernel, grid) = (self.kernel(k)?, spec.blocks() as u32);
         // SAFETY: the parameters are each group's outputs then inputs, in the order of the
-        // generated signature (then a lead's ticket, in `tickets`); each buffer was checked to
-        // be big enough for every index the kernel forms, and the caller's cells keep them alive.
-        unsafe { self.gpu.launch(self.kernel(k)?, (spec.blocks() as u32, 1), FUSED_BLOCK as u32, 0, &mut params) }
+        // generated signature, then each copy's source, null destination and length, then the
+        // ticket (in `tickets`); each buffer was checked to be big enough for every index the
+        // kernel forms, and the caller's cells keep them alive.
+        unsafe { self.gpu.launch(kernel, (grid, 1), FUSED_BLOCK as u32, 0, &mut params)? };
+        if spec.copies > 0 && self.gpu.capturing() {
+            let node = self.gpu.last_captured()?;
+            *self.folded.lock().unwrap_or_else(|e| e.into_inner()) = Some(FoldedCopies { node, kernel, grid, params: ptrs, dsts });
+        }
+        Ok(())
+    }
+
+    /// After a capture: the captured launch of a kernel with output copies, if it is the
+    /// graph's last node (so that the copies see every output final).
+    pub fn folded_copies(&self) -> Result<Option<FoldedCopies>> {
+        let Some(f) = self.folded.lock().unwrap_or_else(|e| e.into_inner()).take() else { return Ok(None) };
+        Ok((self.gpu.last_captured()? == f.node).then_some(f))
     }
 }
 
@@ -330,12 +375,48 @@ pub fn capture_output_copy(cell: &StorageCell, offset: usize, len: usize) -> Res
     Ok(OutputCopy { node, kernel, grid, src, bytes })
 }
 
+/// A captured step's last fused kernel, which also copies the step's outputs
+/// (`FusedKernel::copies`): its node and parameters, and which of them are the destinations.
+pub struct FoldedCopies {
+    node: super::gpu::GraphNode,
+    kernel: Kernel,
+    grid: u32,
+    params: Vec<u64>,
+    dsts: Vec<usize>,
+}
+
+/// What copies a captured step's outputs into the caller's tensors: a node each, or the
+/// step's last kernel.
+pub enum OutputCopies {
+    Nodes(Vec<OutputCopy>),
+    Folded(FoldedCopies),
+}
+
 /// Points each of `graph`'s output copies at its destination, for its next replay.
 ///
 /// # Safety
-/// `copies` were captured into `graph`; each `dsts[i]` holds `copies[i]`'s bytes in a live
+/// `copies` were captured into `graph`; each `dsts[i]` holds output `i`'s bytes in a live
 /// buffer of the graph's GPU until the replay has run.
-pub unsafe fn set_output_copies(graph: &CudaGraph, copies: &[OutputCopy], dsts: &[u64]) -> Result<()> {
+pub unsafe fn set_output_copies(graph: &CudaGraph, copies: &OutputCopies, dsts: &[u64]) -> Result<()> {
+    let copies = match copies {
+        OutputCopies::Nodes(nodes) => nodes,
+        OutputCopies::Folded(f) => {
+            if dsts.len() != f.dsts.len() {
+                return Err(Error::Msg(format!("output copies: {} destinations for {} outputs", dsts.len(), f.dsts.len())));
+            }
+            let mut vals = f.params.clone();
+            for (&slot, &dst) in f.dsts.iter().zip(dsts) {
+                vals[slot] = dst;
+            }
+            let mut params: Vec<*mut c_void> = vals.iter_mut().map(|p| p as *mut u64 as *mut c_void).collect();
+            // SAFETY: forwarded from this function's contract; the node is the kernel node of
+            // this graph that `f` was captured from, given the parameters it was captured with
+            // but for the destinations (read before the call returns).
+            return unsafe {
+                super::gpu::set_kernel_node(graph.0.cu_graph_exec(), f.node, f.kernel, f.grid, FUSED_BLOCK as u32, &mut params)
+            };
+        }
+    };
     for (c, &dst) in copies.iter().zip(dsts) {
         let (mut s, mut d, mut b) = (c.src, dst, c.bytes);
         let mut params: [*mut c_void; 3] = [&mut s as *mut u64 as _, &mut d as *mut u64 as _, &mut b as *mut u64 as _];

@@ -715,7 +715,7 @@ impl Gpu {
 }
 
 /// A node of a captured CUDA graph.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GraphNode(ds::CUgraphNode);
 // SAFETY: a handle into a graph; the driver allows using it from any thread, and Kiln uses it
 // only with the graph (held beside it) that owns it.
@@ -724,6 +724,11 @@ unsafe impl Send for GraphNode {}
 unsafe impl Sync for GraphNode {}
 
 impl Gpu {
+    /// Whether this GPU's stream is being captured into a graph (`capture`).
+    pub(crate) fn capturing(&self) -> bool {
+        self.capture_pool.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+    }
+
     /// While the stream is being captured: the node its last queued work became.
     pub fn last_captured(&self) -> Result<GraphNode> {
         let mut status = ds::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;

@@ -76,6 +76,18 @@ pub fn is_available(ordinal: usize) -> bool {
     }
 }
 
+/// Starts cuBLAS for `Device::Cuda(ordinal)` on a thread (0.15-0.2 s), unless it has
+/// started: for a compiled step that will need it, as soon as its trace shows so. Does
+/// nothing without the `cuda` feature or the device.
+pub fn start_blas(ordinal: usize) {
+    #[cfg(feature = "cuda")]
+    if let Ok(g) = gpu::gpu(ordinal) {
+        g.start_blas();
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = ordinal;
+}
+
 /// Whether `Device::Cuda(ordinal)` runs thread block clusters (compute capability 9.0 on:
 /// Hopper); false without the `cuda` feature or the device.
 pub fn has_clusters(ordinal: usize) -> bool {
