@@ -573,6 +573,9 @@ impl Gpu {
                     if bytes > 48 * 1024 {
                         self.allow_shared(*k, bytes)?;
                     }
+                    if self.has_clusters() {
+                        self.allow_big_clusters(*k)?;
+                    }
                 }
                 Ok(ks)
             });
@@ -609,6 +612,14 @@ impl Gpu {
             .map_err(cuda_err(format!("allowing {bytes} bytes of shared memory")))
     }
 
+    /// Lets `k` run in clusters of up to 16 blocks (Hopper; 8 is the portable most).
+    fn allow_big_clusters(&self, k: Kernel) -> Result<()> {
+        self.bind()?;
+        let attr = ds::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED;
+        // SAFETY: `k` is a function of a module loaded in this context and never unloaded.
+        unsafe { dr::function::set_function_attribute(k.0, attr, 1) }.map_err(cuda_err("allowing clusters of 16 blocks"))
+    }
+
     /// Whether this GPU runs thread block clusters (compute capability 9.0 on: Hopper).
     pub fn has_clusters(&self) -> bool {
         self.arch.0 >= 9
@@ -640,7 +651,7 @@ impl Gpu {
 
     /// `launch3` with the grid's blocks in clusters of `cluster_z` along z (Hopper's thread
     /// block clusters: the blocks of one cluster run at once and read each other's shared
-    /// memory). `grid.2` must be a multiple of `cluster_z`, at most 8.
+    /// memory). `grid.2` must be a multiple of `cluster_z`, at most 16 (`allow_big_clusters`).
     ///
     /// # Safety
     /// As for `launch`.
