@@ -371,7 +371,7 @@ where
         }
         let device = step_device(inputs, &lowered.cells);
         if let Device::Cuda(i) = device {
-            if needs_blas(&lowered.graph) && std::env::var("KILN_BLAS_EARLY").map_or(true, |v| v != "0") {
+            if needs_blas(&lowered.graph) {
                 kiln_tensor::cuda::start_blas(i);
             }
         }

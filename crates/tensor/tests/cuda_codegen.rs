@@ -434,6 +434,9 @@ fn a_kernel_led_by_a_scalar_group_compiles() {
     let mut fails = Vec::new();
     check(&src, "kiln_led", &mut fails);
     check(&src2, "kiln_led_copying", &mut fails);
+    // The output-copy node's kernel shares the fused kernels' copy.
+    let (copy, name) = kiln_tensor::cuda::codegen::copy_out_source();
+    check(&copy, &name, &mut fails);
     assert!(fails.is_empty(), "{}", fails.join("\n"));
 }
 

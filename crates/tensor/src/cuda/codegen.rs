@@ -2089,18 +2089,37 @@ __device__ __forceinline__ V kiln_fed_sum(const T* __restrict__ a, long long sa)
 }
 "#;
 
-/// A block's copy of `n` bytes (none where `d` is null), 16 at a time where both ends are
-/// 16-byte aligned; loads bypass L1, since other blocks of the launch may have written `s`.
-const COPY_OUT: &str = r#"
-__device__ __forceinline__ void kiln_copy_out(const unsigned char* s, unsigned char* d, unsigned long long n) {
-  if (d == 0) return;
+/// A copy of `n` bytes from `s` to `d`, this thread taking pieces `i`, `i + step`, ...: 16
+/// bytes a piece where both ends are 16-byte aligned, else one. Loads bypass L1, since other
+/// blocks of the launch may have written `s`. (Output copies: a graph node's whole grid,
+/// `copy_out_source`, or a fused kernel's last block, `COPY_OUT`.)
+const COPY_BYTES: &str = r#"
+__device__ __forceinline__ void kiln_copy_bytes(const unsigned char* s, unsigned char* d, unsigned long long n,
+                                                unsigned long long i, unsigned long long step) {
   const unsigned long long words = (((unsigned long long)s | (unsigned long long)d) % 16 == 0) ? n / 16 : 0;
-  for (unsigned long long w = threadIdx.x; w < words; w += blockDim.x) {
+  for (unsigned long long w = i; w < words; w += step) {
     uint4 v;
     asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(s + 16 * w));
     reinterpret_cast<uint4*>(d)[w] = v;
   }
-  for (unsigned long long b = words * 16 + threadIdx.x; b < n; b += blockDim.x) d[b] = ((const volatile unsigned char*)s)[b];
+  for (unsigned long long b = words * 16 + i; b < n; b += step) d[b] = ((const volatile unsigned char*)s)[b];
+}
+"#;
+
+/// The output-copy node's kernel (`compiled::capture_output_copy`): `bytes` bytes from `src`
+/// to `dst` over the whole grid.
+pub fn copy_out_source() -> (String, String) {
+    let s = format!(
+        "{COPY_BYTES}extern \"C\" __global__ void kiln_copy_out(const unsigned char* src, unsigned char* dst, unsigned long long bytes) {{\n  \
+         kiln_copy_bytes(src, dst, bytes, blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x, gridDim.x * (unsigned long long)blockDim.x);\n}}\n"
+    );
+    (s, "kiln_copy_out".to_string())
+}
+
+/// A block's copy of `n` bytes (`kiln_copy_bytes`), none where `d` is null.
+const COPY_OUT: &str = r#"
+__device__ __forceinline__ void kiln_copy_out(const unsigned char* s, unsigned char* d, unsigned long long n) {
+  if (d != 0) kiln_copy_bytes(s, d, n, threadIdx.x, blockDim.x);
 }
 "#;
 
@@ -2114,6 +2133,7 @@ pub fn fused_module(kernels: &[FusedKernel]) -> Result<String, String> {
         s += FED;
     }
     if kernels.iter().any(|k| k.copies > 0) {
+        s += COPY_BYTES;
         s += COPY_OUT;
     }
     for k in kernels {

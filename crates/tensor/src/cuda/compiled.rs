@@ -332,21 +332,13 @@ pub struct OutputCopy {
     bytes: u64,
 }
 
-/// Copies `bytes` bytes from `src` to `dst`, 16 at a time where both are 16-byte aligned.
-const COPY_OUT: &str = r#"extern "C" __global__ void kiln_copy_out(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst, unsigned long long bytes) {
-  unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x, step = gridDim.x * (unsigned long long)blockDim.x;
-  unsigned long long words = (((unsigned long long)src | (unsigned long long)dst) % 16 == 0) ? bytes / 16 : 0;
-  for (unsigned long long w = i; w < words; w += step) reinterpret_cast<uint4*>(dst)[w] = reinterpret_cast<const uint4*>(src)[w];
-  for (unsigned long long b = words * 16 + i; b < bytes; b += step) dst[b] = src[b];
-}
-"#;
-
 /// Threads a block of the output copy, and the most blocks it takes.
 const COPY_OUT_BLOCK: u32 = 256;
 const COPY_OUT_MAX_BLOCKS: u64 = 1024;
 
 fn copy_out_kernel(g: &Gpu) -> Result<Kernel> {
-    g.kernel(super::codegen::fnv1a(COPY_OUT.as_bytes()), || (COPY_OUT.to_string(), "kiln_copy_out".to_string()))
+    let (src, name) = super::codegen::copy_out_source();
+    g.kernel(super::codegen::fnv1a(src.as_bytes()), || (src, name))
 }
 
 /// Loads the output-copy kernel (a dry run notes it, to compile with the step's kernels).

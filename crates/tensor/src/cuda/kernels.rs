@@ -1121,9 +1121,8 @@ pub(super) fn matmul_small(
     // The kernel and its grid: a cluster of FEW_SPLIT blocks per FEW_COLS columns, each
     // block all of the m rows; or a warp per row of A, NARROW_THREADS / 32 rows a block.
     let (k_fn, grid, threads, cluster) = if few {
-        let split = FEW_SPLIT as u32;
-        let k_fn = g.kernel(super::spec_key("matmul_few", &split), super::codegen::matmul_few_source)?;
-        (k_fn, (n.div_ceil(FEW_COLS) as u32, 1, split), FEW_THREADS, Some(split))
+        let k_fn = g.kernel(super::spec_key("matmul_few", &()), super::codegen::matmul_few_source)?;
+        (k_fn, (n.div_ceil(FEW_COLS) as u32, 1, FEW_SPLIT as u32), FEW_THREADS, Some(FEW_SPLIT as u32))
     } else {
         let k_fn = g.kernel(super::spec_key("matmul_narrow", &(out.dtype, n)), || super::codegen::matmul_narrow_source(out.dtype, n))?;
         (k_fn, (m.div_ceil(NARROW_THREADS / 32) as u32, 1, 1), NARROW_THREADS, None)
