@@ -796,6 +796,7 @@ fn steady_state_ops_make_no_driver_allocation() {
 fn fused_attention_matches_the_cpu_forward_and_backward() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dev = gpu();
+    let mut before = cuda::attention_lse_reuses();
     for dt in [DType::F32, DType::BF16, DType::F16] {
         for (b, h, t, d, causal) in [
             (2, 3, 70, 64, true),
@@ -833,6 +834,20 @@ fn fused_attention_matches_the_cpu_forward_and_backward() {
                 let grads: Vec<Tensor> = qkv.iter().map(|t| t.grad().expect("a gradient")).collect();
                 Tensor::cat(&grads.iter().collect::<Vec<_>>(), 0)
             });
+            // The tensor-core forward keeps each row's log-sum-exp with its output, and the
+            // backward above read it; a copy of the output carries none, so dq finds it again.
+            let flash = t > 32 && (d % 16 == 0 || (dt == DType::F32 && d % 8 == 0));
+            let reused = cuda::attention_lse_reuses();
+            both(&format!("{what}: gradients, log-sum-exp recomputed"), &ins, tol(dt) * 2.0, |x| {
+                let qkv: Vec<Tensor> = x[..3].iter().map(|t| t.transpose(1, 2).unwrap().contiguous().unwrap()).collect();
+                let out = qkv[0].attention(&qkv[1], &qkv[2], scale, causal)?.copy()?;
+                qkv[0].attention_backward(&qkv[1], &qkv[2], &out, &x[3].transpose(1, 2)?, scale, causal)
+            });
+            assert_eq!(cuda::attention_lse_reuses(), reused, "{what}: a copy of the output kept no log-sum-exp");
+            if flash {
+                assert!(reused > before, "{what}: the backward read the forward's log-sum-exp");
+            }
+            before = reused;
         }
     }
     let _ = dev;

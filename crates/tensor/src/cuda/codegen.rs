@@ -2494,7 +2494,7 @@ fn flash_helpers(dtype: DType) -> String {
     // One [T, D] matrix of a batch: row t of matrix n at `(n / nh) * b + (n % nh) * h + t * t`
     // elements (a head of a fused projection is read where it lies, with no copy).
     s += "struct Mat { long long b, h, t, nh; };\n";
-    s += "__device__ __forceinline__ long long mat_base(Mat m) { const long long n = blockIdx.y; return (n / m.nh) * m.b + (n % m.nh) * m.h; }\n";
+    s += "__device__ __forceinline__ long long mat_base(Mat m) { const long long n = blockIdx.x; return (n / m.nh) * m.b + (n % m.nh) * m.h; }\n";
     // Rows row0..row0+64 of a [T, D] matrix with row stride st into a shared tile, copied by
     // the async copy engine 16 bytes at a time (zeros past T), so that a block loads the next
     // tile while it computes on this one; `async_wait<N>` waits for all but the last N groups.
@@ -2528,7 +2528,8 @@ fn flash_frags_16(dtype: DType) -> String {
     // Exponentials use the fast `__expf` (ex2.approx): their arguments are scores minus a row
     // maximum or log-sum-exp, so at most about 0, and the results are rounded to 16 bits; it
     // measured 4-6 % faster per kernel than `expf`, with the same error against the f64 reference.
-    let mut s = String::from("#define KS 16\n#define AW 4\n#define EXP __expf\n");
+    let mut s = String::from("#define KS 16\n#define AW 4\n");
+    s += "__device__ __forceinline__ float EXP2(float x) { float y; asm(\"ex2.approx.ftz.f32 %0, %1;\" : \"=f\"(y) : \"f\"(x)); return y; }\n";
     s += "__device__ __forceinline__ void mma(float* c, const unsigned* a, const unsigned* b) {\n";
     s += &format!("  asm volatile(\"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, {{%8,%9}}, {{%0,%1,%2,%3}};\"\n");
     s += "    : \"+f\"(c[0]), \"+f\"(c[1]), \"+f\"(c[2]), \"+f\"(c[3]) : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"r\"(b[0]), \"r\"(b[1]));\n}\n";
@@ -2665,7 +2666,7 @@ __device__ __forceinline__ unsigned tf32_small(float x, unsigned big) { return _
 /// products grouped so that neighbours feed other accumulators, a whole 64-key score tile at
 /// once, three or four blocks per SM; each was 2-20 % slower. BENCHMARKS.md.)
 fn flash_frags_f32() -> String {
-    let mut s = String::from("#define KS 8\n#define AW 8\n#define EXP expf\n");
+    let mut s = String::from("#define KS 8\n#define AW 8\n#define EXP2 exp2f\n");
     s += TF32;
     s += "__device__ __forceinline__ void split(unsigned* a, float x0, float x1, float x2, float x3) {\n";
     s += "  const float x[4] = {x0, x1, x2, x3};\n";
@@ -2708,7 +2709,9 @@ fn flash_frags_f32() -> String {
 /// operands stay in registers; the other side streams through shared memory in tiles of 64
 /// rows (padded against bank conflicts), read with `ldmatrix` (16-bit; `.trans` where it is
 /// the product's right operand along rows) or plain loads (F32). A score tile's accumulator layout is the next
-/// product's A-operand layout, so probabilities never leave registers.
+/// product's A-operand layout, so probabilities never leave registers. The grid is (matrix,
+/// 64-row block); the forward and dq take an optional per-row log-sum-exp (`lse`, null for
+/// none) that the forward writes and dq reads instead of recomputing it.
 pub fn flash_source(kind: AttnKernel, dtype: DType, d: usize, causal: bool) -> (String, String) {
     let t = storage_type(dtype);
     let name = format!(
@@ -2718,7 +2721,7 @@ pub fn flash_source(kind: AttnKernel, dtype: DType, d: usize, causal: bool) -> (
         if causal { "_causal" } else { "" }
     );
     let mut s = format!("{PRELUDE}{LATE_NEXT}\ntypedef {t} T;\n#define D {d}\n#define CAUSAL {}\n", causal as i32);
-    s += "#define NEG_INF __int_as_float(0xff800000)\n";
+    s += &format!("#define NEG_INF __int_as_float(0xff800000)\n#define HEAVY_LAST {}\n", (kind != AttnKernel::Dkv) as i32);
     s += &flash_helpers(dtype);
     s += FLASH_COMMON;
     // Registers bound occupancy: four blocks per SM measured faster for the 16-bit forward and
@@ -2727,12 +2730,12 @@ pub fn flash_source(kind: AttnKernel, dtype: DType, d: usize, causal: bool) -> (
     let wide = if dtype == DType::F32 { 2 } else { 4 };
     let (sig, body, min_blocks) = match kind {
         AttnKernel::Fwd => (
-            format!("{t}* __restrict__ o, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, Mat mq, Mat mk, Mat mv, Mat mo"),
+            format!("{t}* __restrict__ o, float* __restrict__ lse, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, Mat mq, Mat mk, Mat mv, Mat mo"),
             FLASH_FWD,
             wide,
         ),
         AttnKernel::Dq => (
-            format!("{t}* __restrict__ dq, float* __restrict__ stats, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, const {t}* __restrict__ o, const {t}* __restrict__ g, Mat mq, Mat mk, Mat mv, Mat mo, Mat mg, Mat mout"),
+            format!("{t}* __restrict__ dq, float* __restrict__ stats, const float* __restrict__ lse, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, const {t}* __restrict__ o, const {t}* __restrict__ g, Mat mq, Mat mk, Mat mv, Mat mo, Mat mg, Mat mout"),
             FLASH_DQ,
             wide,
         ),
@@ -2750,14 +2753,19 @@ pub fn flash_source(kind: AttnKernel, dtype: DType, d: usize, causal: bool) -> (
 // + tq * 2 + (e & 1). Only tiles on the causal diagonal or past T are masked; the others are
 // only scaled.
 const FLASH_COMMON: &str = r#"
+// Offsets from the tile's corner are 32-bit (the tile's rows and columns lie within T of each
+// other): the mask's integer work was the kernels' busiest pipe.
 template <int NT> __device__ __forceinline__ void mask(float (*s)[4], long long rows0, long long cols0, int gq, int tq, long long Tn, float scale, bool keys_are_cols) {
+  const long long left = Tn - cols0;
+  const int width = left < NT * 8 ? (int)left : NT * 8, ahead = (int)(cols0 - rows0);
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const long long r = rows0 + gq + (e >= 2 ? 8 : 0), c = cols0 + nt * 8 + tq * 2 + (e & 1);
-      const long long key = keys_are_cols ? c : r, query = keys_are_cols ? r : c;
-      s[nt][e] = (c >= Tn || (CAUSAL && key > query)) ? NEG_INF : s[nt][e] * scale;
+      const int r = gq + (e >= 2 ? 8 : 0), c = nt * 8 + tq * 2 + (e & 1);
+      // key > query, with the key a column (c + ahead > r) or a row (r > c + ahead).
+      const bool later = keys_are_cols ? c + ahead > r : r > c + ahead;
+      s[nt][e] = (c >= width || (CAUSAL && later)) ? NEG_INF : s[nt][e] * scale;
     }
 }
 // Scales the scores of a warp's 16 rows from r0 against NT * 8 columns from c0, masking them
@@ -2826,12 +2834,19 @@ __device__ __forceinline__ float tile_max(const float (*s)[4], int h) {
 
 // Every warp stays to the end: the shared tiles need all of them at each barrier. Query rows
 // stream over key tiles: the block up to its last row's keys, each warp up to its own.
+// The matrix is blockIdx.x and the 64-row block blockIdx.y, numbered so that the blocks with the
+// most tiles to stream (under a causal mask: the last query blocks, the first key blocks)
+// start first and the last wave holds the shortest. Scores are scaled into base-2 units
+// (`sl`), so that each exponential is one `ex2`.
 const FLASH_HEAD: &str = r#"  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane >> 2, tq = lane & 3;
-  const long long base = (long long)blockIdx.y * Tn * D, rb = (long long)blockIdx.x * 64, r0 = rb + warp * 16;
+  const long long blk = CAUSAL && HEAVY_LAST ? gridDim.y - 1 - blockIdx.y : blockIdx.y;
+  const long long rb = blk * 64, r0 = rb + warp * 16;
+  const float sl = scale * 1.4426950408889634f;
   const long long kend = CAUSAL ? (rb + 64 < Tn ? rb + 64 : Tn) : Tn, mine = CAUSAL ? (r0 + 16 < Tn ? r0 + 16 : Tn) : Tn;
 "#;
 
-// The forward: a running max and sum per row, updated once per 64-key tile.
+// The forward: a running max and sum per row, updated once per 64-key tile; with `lse`, each
+// row's log-sum-exp (base 2, of the scaled scores) kept for the backward's dq.
 const FLASH_FWD: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
   q += mat_base(mq); k += mat_base(mk); v += mat_base(mv); o += mat_base(mo);
   stream_start(ks, k, mk.t, vs, v, mv.t, 0, Tn);
@@ -2845,20 +2860,20 @@ const FLASH_FWD: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
     stream_next(ks, k, mk.t, vs, v, mv.t, buf, kt + 64, kend, Tn);
     if (kt < mine) {
       float sc[8][4];
-      key_tile_scores(sc, qa, ks[buf], r0, kt, mine, gq, tq, Tn, scale, lane);
+      key_tile_scores(sc, qa, ks[buf], r0, kt, mine, gq, tq, Tn, sl, lane);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float mx = tile_max(sc, h);
         mx = quad_max(mx);
-        const float mn = fmaxf(m[h], mx), ms = mn == NEG_INF ? 0.f : mn, corr = EXP(m[h] - ms);
+        const float mn = fmaxf(m[h], mx), ms = mn == NEG_INF ? 0.f : mn, corr = EXP2(m[h] - ms);
         m[h] = mn;
         l[h] *= corr;
 #pragma unroll
         for (int j = 0; j < D / 8; ++j) { acc[j][2 * h] *= corr; acc[j][2 * h + 1] *= corr; }
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
-          sc[nt][2 * h] = EXP(sc[nt][2 * h] - ms);
-          sc[nt][2 * h + 1] = EXP(sc[nt][2 * h + 1] - ms);
+          sc[nt][2 * h] = EXP2(sc[nt][2 * h] - ms);
+          sc[nt][2 * h + 1] = EXP2(sc[nt][2 * h + 1] - ms);
           l[h] += sc[nt][2 * h] + sc[nt][2 * h + 1];
         }
       }
@@ -2870,30 +2885,36 @@ const FLASH_FWD: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
   }
   const float l0 = quad_sum(l[0]), l1 = quad_sum(l[1]);
   store(o, mo.t, acc, r0, gq, tq, Tn, 1.f / l0, 1.f / l1);
+  if (lse && tq == 0) {
+    const long long at = (long long)blockIdx.x * Tn + r0 + gq;
+    if (r0 + gq < Tn) lse[at] = (m[0] == NEG_INF ? 0.f : m[0]) + log2f(l0);
+    if (r0 + gq + 8 < Tn) lse[at + 8] = (m[1] == NEG_INF ? 0.f : m[1]) + log2f(l1);
+  }
 "#;
 
-// dq = scale * sum_j p (g.v_j - Dsum) k_j. Pass 1 finds each row's log-sum-exp (a running max
-// and sum per thread, per 64-key tile, joined over the row's 4 threads after) and Dsum = g.o;
-// both go to `stats` for the dk/dv kernel.
+// dq = scale * sum_j p (g.v_j - Dsum) k_j. Each row's log-sum-exp comes from the forward
+// (`lse`) or, without it, from a first pass (a running max and sum per thread, per 64-key
+// tile, joined over the row's 4 threads after); it and Dsum = g.o go to `stats` for the dk/dv
+// kernel.
 const FLASH_DQ: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
   q += mat_base(mq); k += mat_base(mk); v += mat_base(mv); o += mat_base(mo); g += mat_base(mg); dq += mat_base(mout);
-  stream_start(ks, k, mk.t, nullptr, nullptr, 0, 0, Tn);
   unsigned qa[D / KS][AW];
-  load_a(qa, q, mq.t, r0, gq, tq, Tn);
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
   int buf = 0;
-  for (long long kt = 0; kt < kend; kt += 64, buf ^= 1) {
+  if (!lse) stream_start(ks, k, mk.t, nullptr, nullptr, 0, 0, Tn);
+  load_a(qa, q, mq.t, r0, gq, tq, Tn);
+  for (long long kt = 0; !lse && kt < kend; kt += 64, buf ^= 1) {
     stream_next(ks, k, mk.t, nullptr, nullptr, 0, buf, kt + 64, kend, Tn);
     if (kt < mine) {
       float sc[8][4];
-      key_tile_scores(sc, qa, ks[buf], r0, kt, mine, gq, tq, Tn, scale, lane);
+      key_tile_scores(sc, qa, ks[buf], r0, kt, mine, gq, tq, Tn, sl, lane);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float mx = tile_max(sc, h), mn = fmaxf(m[h], mx), ms = mn == NEG_INF ? 0.f : mn;
         float sum = 0.f;
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) sum += EXP(sc[nt][2 * h] - ms) + EXP(sc[nt][2 * h + 1] - ms);
-        l[h] = l[h] * EXP(m[h] - ms) + sum;
+        for (int nt = 0; nt < 8; ++nt) sum += EXP2(sc[nt][2 * h] - ms) + EXP2(sc[nt][2 * h + 1] - ms);
+        l[h] = l[h] * EXP2(m[h] - ms) + sum;
         m[h] = mn;
       }
     }
@@ -2903,13 +2924,17 @@ const FLASH_DQ: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
   float L[2], Ds[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const float mx = quad_max(m[h]), ms = mx == NEG_INF ? 0.f : mx;
-    L[h] = ms + logf(quad_sum(l[h] * EXP(m[h] - ms)));
     const long long r = r0 + gq + 8 * h;
+    if (lse) {
+      L[h] = r < Tn ? lse[(long long)blockIdx.x * Tn + r] : 0.f;
+    } else {
+      const float mx = quad_max(m[h]), ms = mx == NEG_INF ? 0.f : mx;
+      L[h] = ms + log2f(quad_sum(l[h] * EXP2(m[h] - ms)));
+    }
     float acc = 0.f;
     if (r < Tn) for (int c = tq; c < D; c += 4) acc += ld(g[r * mg.t + c]) * ld(o[r * mo.t + c]);
     Ds[h] = quad_sum(acc);
-    if (r < Tn && tq == 0) { const long long at = ((long long)blockIdx.y * Tn + r) * 2; stats[at] = L[h]; stats[at + 1] = Ds[h]; }
+    if (r < Tn && tq == 0) { const long long at = ((long long)blockIdx.x * Tn + r) * 2; stats[at] = L[h]; stats[at + 1] = Ds[h]; }
   }
   unsigned ga[D / KS][AW];
   load_a(ga, g, mg.t, r0, gq, tq, Tn);
@@ -2924,12 +2949,12 @@ const FLASH_DQ: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
       if (kb >= mine) break;
       float sc[2][4], dp[2][4];
       scores(sc, qa, ks[buf], sub, lane);
-      scale_mask<2>(sc, r0, kb, gq, tq, Tn, scale, true);
+      scale_mask<2>(sc, r0, kb, gq, tq, Tn, sl, true);
       scores(dp, ga, vs[buf], sub, lane);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) sc[nt][e] = EXP(sc[nt][e] - L[e / 2]) * (dp[nt][e] - Ds[e / 2]);
+        for (int e = 0; e < 4; ++e) sc[nt][e] = EXP2(sc[nt][e] - L[e / 2]) * (dp[nt][e] - Ds[e / 2]);
       accumulate(acc, sc, ks[buf], sub, lane);
     }
     __syncthreads();
@@ -2941,7 +2966,7 @@ const FLASH_DQ: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
 const FLASH_DKV: &str = r#"  T (*qs)[64][SD] = tiles(), (*gs)[64][SD] = qs + 2;
   __shared__ float Ls[2][64], Dl[2][64];
   q += mat_base(mq); k += mat_base(mk); v += mat_base(mv); g += mat_base(mg); dk += mat_base(mout); dv += mat_base(mout);
-  stats += (long long)blockIdx.y * Tn * 2;
+  stats += (long long)blockIdx.x * Tn * 2;
   const long long q0 = CAUSAL ? rb : 0;
   // Each query tile's log-sum-exp and Dsum rows go with it, by plain loads into the same buffer.
   auto load_stats = [&](int b, long long qt) {
@@ -2966,14 +2991,14 @@ const FLASH_DKV: &str = r#"  T (*qs)[64][SD] = tiles(), (*gs)[64][SD] = qs + 2;
       if (CAUSAL && qb + 15 < r0) continue;  // every query here comes before this warp's keys
       float pt[2][4], dpt[2][4];
       scores(pt, ka, qs[buf], sub, lane);
-      scale_mask<2>(pt, r0, qb, gq, tq, Tn, scale, false);
+      scale_mask<2>(pt, r0, qb, gq, tq, Tn, sl, false);
       scores(dpt, va, gs[buf], sub, lane);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int qi = sub + nt * 8 + tq * 2 + (e & 1);
-          pt[nt][e] = EXP(pt[nt][e] - Ls[buf][qi]);
+          pt[nt][e] = EXP2(pt[nt][e] - Ls[buf][qi]);
           dpt[nt][e] = pt[nt][e] * (dpt[nt][e] - Dl[buf][qi]);
         }
       accumulate(gv, pt, gs[buf], sub, lane);

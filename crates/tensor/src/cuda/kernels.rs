@@ -18,11 +18,24 @@ pub struct CudaStorage {
     pub buf: DeviceBuffer,
     pub dtype: DType,
     pub len: usize,
+    /// With a flash attention forward's output: each row's log-sum-exp, for its backward.
+    pub lse: Option<RowLse>,
+}
+
+/// The per-row log-sum-exp (base 2, of the scaled scores) of the attention forward whose output
+/// holds it: `rows` = matrices x T, for this scale and mask. Its backward reads it instead of
+/// recomputing every row's scores once more.
+#[derive(Debug)]
+pub struct RowLse {
+    buf: DeviceBuffer,
+    rows: usize,
+    scale: f64,
+    causal: bool,
 }
 
 impl CudaStorage {
     pub fn alloc(g: &Arc<Gpu>, dtype: DType, len: usize) -> Result<CudaStorage> {
-        Ok(CudaStorage { buf: g.alloc(len * dtype.size_in_bytes())?, dtype, len })
+        Ok(CudaStorage { buf: g.alloc(len * dtype.size_in_bytes())?, dtype, len, lse: None })
     }
     pub fn device(&self) -> Device {
         Device::Cuda(self.buf.gpu.ordinal)
@@ -513,11 +526,18 @@ fn attention(
     let flash = flash_supported(dtype, d);
     let (ins, copies) = attention_inputs(g, x, (t, d), flash.then(|| super::codegen::flash_vec(dtype)))?;
     if !backward {
-        if !heads_last || flash {
-            attention_kernels(g, &[out.buf.ptr], mout, &ins, (n, t, d), dtype, scale, causal)?;
+        if flash {
+            let mut out = out;
+            let lse = RowLse { buf: g.alloc(n * t * 4)?, rows: n * t, scale, causal };
+            attention_kernels(g, &[out.buf.ptr], mout, &ins, (n, t, d), dtype, (scale, causal, lse.buf.ptr))?;
+            out.lse = Some(lse);
             return Ok(out);
         }
-        attention_kernels(g, &[out.buf.ptr], Mat::dense(t, d), &ins, (n, t, d), dtype, scale, causal)?;
+        if !heads_last {
+            attention_kernels(g, &[out.buf.ptr], mout, &ins, (n, t, d), dtype, (scale, causal, 0))?;
+            return Ok(out);
+        }
+        attention_kernels(g, &[out.buf.ptr], Mat::dense(t, d), &ins, (n, t, d), dtype, (scale, causal, 0))?;
         return dense_copy(g, &out, &Layout::contiguous(&[n / heads, heads, t, d]).permuted(&[0, 2, 1, 3]));
     }
     // The gradients, packed as `[B, T, 3, H.., D]` (`op::attention_grads_shape`): batch matrix
@@ -525,7 +545,8 @@ fn attention(
     let packed = Mat { b: (t * 3 * heads * d) as i64, h: d as i64, t: (3 * heads * d) as i64, nh: heads as i64 };
     let e = (heads * d * dtype.size_in_bytes()) as u64;
     if flash {
-        attention_kernels(g, &[out.buf.ptr, out.buf.ptr + e, out.buf.ptr + 2 * e], packed, &ins, (n, t, d), dtype, scale, causal)?;
+        let lse = forward_lse(x[3], (n, t, d), (scale, causal));
+        attention_kernels(g, &[out.buf.ptr, out.buf.ptr + e, out.buf.ptr + 2 * e], packed, &ins, (n, t, d), dtype, (scale, causal, lse))?;
         return Ok(out);
     }
     // The FMA kernels write dense [3, n, T, D]; one copy packs it.
@@ -537,8 +558,7 @@ fn attention(
         &ins,
         (n, t, d),
         dtype,
-        scale,
-        causal,
+        (scale, causal, 0),
     )?;
     let outer = n / heads.max(1);
     let l = Layout { shape: vec![outer, t, 3, heads, d], strides: vec![heads * t * d, d, len, t * d, 1], offset: 0 };
@@ -546,6 +566,21 @@ fn attention(
     drop(copies);
     packed_out
 }
+
+/// The device address of the per-row log-sum-exp that the flash forward kept with `o` (the
+/// backward's `o`: that forward's output, whole, for the same matrices, scale and mask), or 0.
+fn forward_lse((s, l): (&CudaStorage, &Layout), (n, t, d): (usize, usize, usize), (scale, causal): (f64, bool)) -> u64 {
+    match &s.lse {
+        Some(x) if x.rows == n * t && x.scale == scale && x.causal == causal && l.offset == 0 && l.numel() == n * t * d => {
+            ATTN_LSE_REUSED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            x.buf.ptr
+        }
+        _ => 0,
+    }
+}
+
+/// How many attention backwards read their forward's log-sum-exp (`forward_lse`).
+pub(super) static ATTN_LSE_REUSED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Attention inputs as the kernels take them (`attention_inputs`), and the copies they read.
 type AttnInputs<'a> = (Vec<(u64, Mat)>, Vec<Dense<'a>>);
@@ -659,9 +694,10 @@ fn attention_kernel(g: &Arc<Gpu>, kind: AttnKernel, dtype: DType, d: usize, caus
 
 /// The attention kernels on inputs `ins` (q, k, v; for the backward also o and g, each a
 /// pointer to its first element and its `Mat`; dense for the FMA kernels), writing `outs`
-/// (o, or dq, dk, dv, where `mout` places them; the FMA kernels write them dense).
-/// Each block owns 64 rows.
-#[allow(clippy::too_many_arguments)]
+/// (o, or dq, dk, dv, where `mout` places them; the FMA kernels write them dense). `lse`
+/// (tensor-core kernels; 0 for none): the per-row log-sum-exp the forward writes and dq reads.
+/// Each block owns 64 rows: the tensor-core kernels' grid is (matrix, row block), the FMA
+/// kernels' (row block, matrix).
 fn attention_kernels(
     g: &Arc<Gpu>,
     outs: &[u64],
@@ -669,11 +705,11 @@ fn attention_kernels(
     ins: &[(u64, Mat)],
     (n, t, d): (usize, usize, usize),
     dtype: DType,
-    scale: f64,
-    causal: bool,
+    (scale, causal, lse): (f64, bool, u64),
 ) -> Result<()> {
     let flash = super::codegen::flash_supported(dtype, d);
-    let grid = (t.div_ceil(64) as u32, n as u32);
+    let grid = if flash { (n as u32, t.div_ceil(64) as u32) } else { (t.div_ceil(64) as u32, n as u32) };
+    let mut lse = lse;
     let (mut tt, mut sc) = (t as i64, scale as f32);
     let (ti, si) = (&mut tt as *mut i64 as *mut c_void, &mut sc as *mut f32 as *mut c_void);
     let (mut o0, mut o1, mut o2) = (outs[0], outs.get(1).copied().unwrap_or(0), outs.get(2).copied().unwrap_or(0));
@@ -694,10 +730,12 @@ fn attention_kernels(
     let (mut ptrs, mut mats): (Vec<u64>, Vec<Mat>) = ins.iter().copied().unzip();
     if ins.len() == 3 {
         let (k, threads, smem) = attention_kernel(g, AttnKernel::Fwd, dtype, d, causal)?;
-        let mut p = params(vec![arg(&mut o0)], &mut ptrs, &mut mats);
-        // SAFETY: (out, q, k, v, [Mats], T, scale) matches the generated signature; each Mat
-        // addresses n matrices of T rows of D elements inside its input, and `mout` inside
-        // the n T D output (dense for the FMA kernels), and the grid covers n x T rows.
+        let first = if flash { vec![arg(&mut o0), arg(&mut lse)] } else { vec![arg(&mut o0)] };
+        let mut p = params(first, &mut ptrs, &mut mats);
+        // SAFETY: (out, [lse], q, k, v, [Mats], T, scale) matches the generated signature; each
+        // Mat addresses n matrices of T rows of D elements inside its input, and `mout` inside
+        // the n T D output (dense for the FMA kernels); `lse` is null or holds n T floats; the
+        // grid covers n x T rows.
         return unsafe { g.launch(k, grid, threads, smem, &mut p) };
     }
     if ins.len() != 5 {
@@ -707,8 +745,9 @@ fn attention_kernels(
     let mut sp = stats.buf.ptr;
     let (kq, tq, mq) = attention_kernel(g, AttnKernel::Dq, dtype, d, causal)?;
     let (kkv, tkv, mkv) = attention_kernel(g, AttnKernel::Dkv, dtype, d, causal)?;
-    let mut dq = params(vec![arg(&mut o0), arg(&mut sp)], &mut ptrs, &mut mats);
-    // SAFETY: as above, with (dq, stats, q, k, v, o, g, [5 Mats, packed], T, scale), `packed`
+    let first = if flash { vec![arg(&mut o0), arg(&mut sp), arg(&mut lse)] } else { vec![arg(&mut o0), arg(&mut sp)] };
+    let mut dq = params(first, &mut ptrs, &mut mats);
+    // SAFETY: as above, with (dq, stats, [lse], q, k, v, o, g, [5 Mats, packed], T, scale), `packed`
     // addressing n matrices inside the [3 n T D] output from dq's start; `stats` holds 2
     // floats per row, written by the dq kernel and read by the dk/dv kernel after it on the
     // same stream; the output holds dq, dk, dv in turn.

@@ -113,6 +113,13 @@ pub fn kiln_gemm_launches() -> u64 {
     kernels::KILN_GEMM_LAUNCHES.load(std::sync::atomic::Ordering::Relaxed)
 }
 
+/// How many attention backwards in this process read the per-row log-sum-exp their flash
+/// forward kept with its output, instead of recomputing it (outside a compiled step's replays).
+#[cfg(feature = "cuda")]
+pub fn attention_lse_reuses() -> u64 {
+    kernels::ATTN_LSE_REUSED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Waits until all work queued on the GPU has run (for timing; ops never need it).
 pub fn synchronize(device: Device) -> Result<()> {
     match device {
@@ -153,7 +160,7 @@ pub(crate) fn placeholder(device: Device, dtype: crate::DType, len: usize) -> Re
     #[cfg(feature = "cuda")]
     {
         let Device::Cuda(n) = device else { return Err(crate::Error::Msg(format!("cuda::placeholder: {device} is not a GPU"))) };
-        Ok(Storage::Cuda(kernels::CudaStorage { buf: gpu::DeviceBuffer::placeholder(gpu::gpu(n)?), dtype, len }))
+        Ok(Storage::Cuda(kernels::CudaStorage { buf: gpu::DeviceBuffer::placeholder(gpu::gpu(n)?), dtype, len, lse: None }))
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -222,7 +229,7 @@ mod copies {
             let (a, b) = (l.offset, l.offset + l.numel());
             crate::with_cpu!(st, v => g.upload(&v[a..b]))
         })??;
-        let s = CudaStorage { buf, dtype: t.dtype(), len: t.numel() };
+        let s = CudaStorage { buf, dtype: t.dtype(), len: t.numel(), lse: None };
         Ok(Tensor::from_storage(Storage::Cuda(s), t.shape()))
     }
 
