@@ -2493,8 +2493,7 @@ fn flash_helpers(dtype: DType) -> String {
     s += "  asm(\"{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\" : \"=r\"(a) : \"l\"(p));\n  return a;\n}\n";
     // One [T, D] matrix of a batch: row t of matrix n at `(n / nh) * b + (n % nh) * h + t * t`
     // elements (a head of a fused projection is read where it lies, with no copy).
-    s += "struct Mat { long long b, h, t, nh; };\n";
-    s += "__device__ __forceinline__ long long mat_base(Mat m) { const long long n = blockIdx.x; return (n / m.nh) * m.b + (n % m.nh) * m.h; }\n";
+    s += MAT;
     // Rows row0..row0+64 of a [T, D] matrix with row stride st into a shared tile, copied by
     // the async copy engine 16 bytes at a time (zeros past T), so that a block loads the next
     // tile while it computes on this one; `async_wait<N>` waits for all but the last N groups.
@@ -2513,13 +2512,23 @@ fn flash_helpers(dtype: DType) -> String {
         DType::F32 => flash_frags_f32(),
         _ => flash_frags_16(dtype),
     };
-    // Stores rows r0+gq and r0+gq+8 of a 16 x D accumulator tile, times mul0 / mul1.
-    s += "__device__ __forceinline__ void store(T* o, long long st, const float (*acc)[4], long long r0, int gq, int tq, long long Tn, float mul0, float mul1) {\n";
+    // Stores a warp's 16 x D accumulator tile (rows gq and gq + 8 times mul0 / mul1) at rows
+    // r0.. of o: through the warp's 16 rows of a free shared tile, so that each row goes out
+    // in 16-byte pieces (straight from the fragments, a 16-bit row took 16 stores of 4 bytes).
+    s += "__device__ __forceinline__ void store(T* o, long long st, const float (*acc)[4], long long r0, int gq, int tq, long long Tn, float mul0, float mul1, T (*stage)[SD], int lane) {\n";
     s += "#pragma unroll\n  for (int j = 0; j < D / 8; ++j) {\n    const int c = j * 8 + tq * 2;\n";
-    s += "    if (r0 + gq < Tn) put2(o + (r0 + gq) * st + c, acc[j][0] * mul0, acc[j][1] * mul0);\n";
-    s += "    if (r0 + gq + 8 < Tn) put2(o + (r0 + gq + 8) * st + c, acc[j][2] * mul1, acc[j][3] * mul1);\n  }\n}\n";
+    s += "    put2(&stage[gq][c], acc[j][0] * mul0, acc[j][1] * mul0);\n    put2(&stage[gq + 8][c], acc[j][2] * mul1, acc[j][3] * mul1);\n  }\n";
+    s += "  __syncwarp();\n  for (int e = lane; e < 16 * (D / VEC); e += 32) {\n    const int r = e / (D / VEC), c = (e % (D / VEC)) * VEC;\n";
+    s += "    if (r0 + r < Tn) *(uint4*)(o + (r0 + r) * st + c) = *(const uint4*)&stage[r][c];\n  }\n  __syncwarp();\n}\n";
     s
 }
+
+/// One `[T, D]` matrix of an attention batch (`kernels::Mat`), and where block `blockIdx.x`'s
+/// starts. In 32 bits (the matrix is a block index, `nh` at most their count): a 64-bit division
+/// is a long subroutine, and a kernel places up to six matrices.
+const MAT: &str = "struct Mat { long long b, h, t, nh; };
+__device__ __forceinline__ long long mat_base(Mat m) { const unsigned n = blockIdx.x, nh = (unsigned)m.nh; return (long long)(n / nh) * m.b + (long long)(n % nh) * m.h; }
+";
 
 /// The f16/bf16 MMA (`m16n8k16`) and fragments. A fragment register holds two neighbouring
 /// 16-bit values, the lower column in the low half.
@@ -2582,8 +2591,7 @@ pub fn attention_short_source(dtype: DType, d: usize, causal: bool) -> (String, 
     let t = storage_type(dtype);
     let name = format!("k_attn_short_{}_d{d}{}", format!("{dtype:?}").to_lowercase(), if causal { "_causal" } else { "" });
     let mut s = format!("{PRELUDE}{LATE_NEXT}\ntypedef {t} T;\n#define D {d}\n#define CAUSAL {}\n", causal as i32);
-    s += "struct Mat { long long b, h, t, nh; };\n";
-    s += "__device__ __forceinline__ long long mat_base(Mat m) { const long long n = blockIdx.x; return (n / m.nh) * m.b + (n % m.nh) * m.h; }\n";
+    s += MAT;
     s += &format!(
         "extern \"C\" __global__ void __launch_bounds__({}) {name}(T* __restrict__ o, const T* __restrict__ q, const T* __restrict__ k, \
          const T* __restrict__ v, Mat mq, Mat mk, Mat mv, Mat mo, long long Tn, float scale) {{\n",
@@ -2842,6 +2850,9 @@ const FLASH_HEAD: &str = r#"  const int warp = threadIdx.x / 32, lane = threadId
   const long long blk = CAUSAL && HEAVY_LAST ? gridDim.y - 1 - blockIdx.y : blockIdx.y;
   const long long rb = blk * 64, r0 = rb + warp * 16;
   const float sl = scale * 1.4426950408889634f;
+  // Where the warp stages its results: its own 16 rows of the first shared tile, free once the
+  // loops end (each iteration ends at a barrier, and the last wait leaves no copy in flight).
+  T (*stage)[SD] = tiles()[0] + warp * 16;
   const long long kend = CAUSAL ? (rb + 64 < Tn ? rb + 64 : Tn) : Tn, mine = CAUSAL ? (r0 + 16 < Tn ? r0 + 16 : Tn) : Tn;
 "#;
 
@@ -2884,7 +2895,7 @@ const FLASH_FWD: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
     __syncthreads();
   }
   const float l0 = quad_sum(l[0]), l1 = quad_sum(l[1]);
-  store(o, mo.t, acc, r0, gq, tq, Tn, 1.f / l0, 1.f / l1);
+  store(o, mo.t, acc, r0, gq, tq, Tn, 1.f / l0, 1.f / l1, stage, lane);
   if (lse && tq == 0) {
     const long long at = (long long)blockIdx.x * Tn + r0 + gq;
     if (r0 + gq < Tn) lse[at] = (m[0] == NEG_INF ? 0.f : m[0]) + log2f(l0);
@@ -2959,7 +2970,7 @@ const FLASH_DQ: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
     }
     __syncthreads();
   }
-  store(dq, mout.t, acc, r0, gq, tq, Tn, scale, scale);
+  store(dq, mout.t, acc, r0, gq, tq, Tn, scale, scale, stage, lane);
 "#;
 
 // dk and dv: here a warp's rows (from r0) are keys and a score tile's columns are queries.
@@ -3006,6 +3017,6 @@ const FLASH_DKV: &str = r#"  T (*qs)[64][SD] = tiles(), (*gs)[64][SD] = qs + 2;
     }
     __syncthreads();
   }
-  store(dk, mout.t, gk, r0, gq, tq, Tn, scale, scale);
-  store(dv, mout.t, gv, r0, gq, tq, Tn, 1.f, 1.f);
+  store(dk, mout.t, gk, r0, gq, tq, Tn, scale, scale, stage, lane);
+  store(dv, mout.t, gv, r0, gq, tq, Tn, 1.f, 1.f, stage, lane);
 "#;
