@@ -4,7 +4,9 @@
 // `cargo run --release -p kiln-tensor --example flash_sources -- DIR [bf16|f32]` writes
 // (edited by hand for a variant), compiled with `nvcc -cubin -arch=sm_90`. Its argument style:
 // "old" (dense, no Mat arguments: the kernels before session 12), "dense" or "strided" (q, k,
-// v heads cut from one [B, T, 3 H D] buffer); then the dynamic shared memory per launch (36864
+// v heads cut from one [B, T, 3 H D] buffer; sessions 12-30), or "lse-dense" / "lse-strided"
+// (since session 31: the forward writes each row's log-sum-exp, dq reads it, and the grid is
+// (matrix, row block)); then the dynamic shared memory per launch (36864
 // for the BF16 kernels at D = 64, 69632 for the F32 ones), then the dtype (bf16 or f32). The
 // first variant of each dtype is the reference for the others' outputs.
 // Shapes: the GPT benchmark's attention, B 64, H 6, T 256, D 64, causal.
@@ -56,7 +58,8 @@ int main(int argc, char** argv) {
     long long src = (((long long)b * H + h) * T + t) * D + d, dst = ((long long)b * T + t) * 3 * H * D + h * D + d;
     hqkv[dst] = hq[src]; hqkv[dst + H * D] = hk[src]; hqkv[dst + 2 * H * D] = hv[src];
   }
-  CUdeviceptr o, dq, dkv, stats; CK(cuMemAlloc(&o, N * 4)); CK(cuMemAlloc(&dq, N * 4)); CK(cuMemAlloc(&dkv, 2 * N * 4)); CK(cuMemAlloc(&stats, (long long)B * H * T * 8));
+  CUdeviceptr o, dq, dkv, stats, lse; CK(cuMemAlloc(&o, N * 4)); CK(cuMemAlloc(&dq, N * 4)); CK(cuMemAlloc(&dkv, 2 * N * 4)); CK(cuMemAlloc(&stats, (long long)B * H * T * 8));
+  CK(cuMemAlloc(&lse, (long long)B * H * T * 4));
   long long Tn = T; float scale = 0.125f;
   std::vector<std::vector<float>> ref[2];
   CUevent e0, e1; CK(cuEventCreate(&e0, 0)); CK(cuEventCreate(&e1, 0));
@@ -68,6 +71,8 @@ int main(int argc, char** argv) {
     const bool f32 = c3 != std::string::npos && spec.substr(c3 + 1) == "f32";
     const int es = f32 ? 4 : 2;
     CUdeviceptr q = upload(hq, es), k = upload(hk, es), v = upload(hv, es), g = upload(hg, es), qkv = upload(hqkv, es);
+    const bool with_lse = style.rfind("lse-", 0) == 0;
+    if (with_lse) style = style.substr(4);
     bool old = style == "old", strided = style == "strided";
     Mat dense = {T * D, 0, D, 1}, sm = {(long long)T * 3 * H * D, D, 3 * H * D, H};
     Mat mq = strided ? sm : dense, mk = mq, mv = mq, mo = dense, mg = dense, mout = dense;
@@ -81,11 +86,12 @@ int main(int argc, char** argv) {
       CUfunction f; char fname[128]; snprintf(fname, sizeof fname, "k_flash_%s_%s_d64_causal", names[kind], f32 ? "f32" : "bf16"); CK(cuModuleGetFunction(&f, m, fname));
       if (smem > 48 * 1024) CK(cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem));
       std::vector<void*> p;
-      if (kind == 0) { p = {&o, &pq, &pk, &pv}; if (!old) { p.push_back(&mq); p.push_back(&mk); p.push_back(&mv); p.push_back(&mout); } }
-      if (kind == 1) { p = {&dq, &stats, &pq, &pk, &pv, &o, &g}; if (!old) { p.push_back(&mq); p.push_back(&mk); p.push_back(&mv); p.push_back(&mo); p.push_back(&mg); p.push_back(&mout); } }
+      if (kind == 0) { p = {&o, &pq, &pk, &pv}; if (with_lse) p.insert(p.begin() + 1, &lse); if (!old) { p.push_back(&mq); p.push_back(&mk); p.push_back(&mv); p.push_back(&mout); } }
+      if (kind == 1) { p = {&dq, &stats, &pq, &pk, &pv, &o, &g}; if (with_lse) p.insert(p.begin() + 2, &lse); if (!old) { p.push_back(&mq); p.push_back(&mk); p.push_back(&mv); p.push_back(&mo); p.push_back(&mg); p.push_back(&mout); } }
       if (kind == 2) { p = {&dk, &dv, &stats, &pq, &pk, &pv, &g}; if (!old) { p.push_back(&mq); p.push_back(&mk); p.push_back(&mv); p.push_back(&mg); p.push_back(&mout); } }
       p.push_back(&Tn); p.push_back(&scale);
-      auto launch = [&] { CK(cuLaunchKernel(f, T / 64, B * H, 1, 128, 1, 1, smem, 0, p.data(), 0)); };
+      const unsigned gx = with_lse ? B * H : T / 64, gy = with_lse ? T / 64 : B * H;
+      auto launch = [&] { CK(cuLaunchKernel(f, gx, gy, 1, 128, 1, 1, smem, 0, p.data(), 0)); };
       launch(); CK(cuCtxSynchronize());
       std::vector<float> ts;
       for (int r = 0; r < 30; ++r) { CK(cuEventRecord(e0, 0)); launch(); CK(cuEventRecord(e1, 0)); CK(cuEventSynchronize(e1)); float ms; CK(cuEventElapsedTime(&ms, e0, e1)); ts.push_back(ms * 1000); }
