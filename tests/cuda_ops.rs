@@ -309,6 +309,38 @@ fn layer_norm_grads_in_one_pass_match_the_cpu() {
     }
 }
 
+/// Compile's folds of autocast's casts into layer norm (`passes::fold_layer_norm_casts`): the
+/// forward writing F16/BF16 (the register-resident kernel at 384 and 1024, the loop at 24 and
+/// 1030), and the backward reading a BF16 gradient for F32 x (rows up to its one-pass kernel's
+/// 1024), against the CPU.
+#[test]
+fn layer_norm_with_folded_casts_matches_the_cpu() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for (i, shape) in LN_SHAPES.into_iter().enumerate() {
+        let n = shape[shape.len() - 1];
+        let (x, w, b) =
+            (randn(shape, 110 + i as u64, DType::F32), randn(&[n], 120 + i as u64, DType::F32), randn(&[n], 130 + i as u64, DType::F32));
+        for to in [DType::BF16, DType::F16] {
+            let op = kiln::tensor::Op::Normalize { eps: 1e-5, to: Some(to) };
+            both(&format!("layer norm {shape:?} written as {to:?}"), &[x.clone(), w.clone(), b.clone()], tol(to), |v| {
+                let y = Tensor::apply(op.clone(), &[&v[0], &v[1], &v[2]], v[0].device())?;
+                assert_eq!(y.dtype(), to);
+                y.to_dtype(DType::F32)
+            });
+        }
+        if n > kiln::tensor::cuda::codegen::LN_GRADS_MAX_N {
+            continue; // the one-pass backward's limit (autograd takes other ops past it)
+        }
+        let g = randn(shape, 140 + i as u64, DType::BF16);
+        both(&format!("layer norm grads {shape:?}, g in BF16"), &[x.clone(), g, w.clone()], tol(DType::F32) * 100.0, |v| {
+            let flat = Tensor::apply(kiln::tensor::Op::NormalizeParamGrads { eps: 1e-5 }, &[&v[0], &v[1], &v[2]], v[0].device())?;
+            // The parameter gradients, then x's (the padding between them is not part of it).
+            let dx = flat.narrow(0, kiln::tensor::op::ln_grads_dx_at(n), v[0].numel())?;
+            Tensor::cat(&[&flat.narrow(0, 0, 2 * n)?, &dx], 0)
+        });
+    }
+}
+
 /// `Op::MatmulFused` (compile's matmul epilogues): cuBLASLt's RELU(_BIAS), GELU_AUX(_BIAS),
 /// DGELU and BGRADA/BGRADB epilogues where they apply, the product then kernels where not (a batch, an unaligned
 /// bias, F64 if cuBLASLt has no such epilogue), all against the CPU.

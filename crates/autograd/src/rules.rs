@@ -177,7 +177,10 @@ pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Te
         Op::SoftmaxBackward { .. } => {
             return Err(Error::Msg("backward: second derivatives through softmax are not supported".into()));
         }
-        Op::Normalize { eps } if inputs.len() == 3 => {
+        Op::Normalize { to: Some(_), .. } => {
+            return Err(Error::Msg("backward: a layer norm writing another dtype is made by compile, after autograd".into()));
+        }
+        Op::Normalize { eps, to: None } if inputs.len() == 3 => {
             // y = xhat w + b: the weight's and bias's gradients in one pass over x and g.
             let (x, w, b) = (&inputs[0], &inputs[1], &inputs[2]);
             if needs[0] && needs[1] {
@@ -195,7 +198,7 @@ pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Te
             };
             vec![dx, dw, db]
         }
-        Op::Normalize { eps } => vec![Some(x0()?.normalize_backward(g, *eps)?)],
+        Op::Normalize { eps, to: None } => vec![Some(x0()?.normalize_backward(g, *eps)?)],
         Op::NormalizeBackward { .. } | Op::NormalizeParamGrads { .. } => {
             return Err(Error::Msg("backward: second derivatives through normalize are not supported".into()));
         }

@@ -639,7 +639,52 @@ pub fn optimise(g: Graph, target: Target, mut log: impl FnMut(&str, &Graph)) -> 
     log("fuse_linear_cross_entropy", &g);
     g = attention_heads_last(&g, gpu);
     log("attention_heads_last", &g);
+    g = fold_layer_norm_casts(&g, gpu);
+    log("fold_layer_norm_casts", &g);
     g
+}
+
+/// On a GPU, autocast's casts beside an F32 layer norm go into its kernels: a layer norm read
+/// only by a cast of all of it to F16/BF16 (before a product) writes that dtype itself
+/// (`Normalize`'s `to`: the cast node becomes the layer norm), and a layer norm's backward
+/// (`NormalizeParamGrads`) whose gradient was cast to F32 only for it reads the gradient in
+/// the dtype the product left it in. Each saves a kernel and a round trip of an F32 copy.
+pub fn fold_layer_norm_casts(g: &Graph, gpu: bool) -> Graph {
+    let mut out = g.clone();
+    if !gpu {
+        return out;
+    }
+    let uses = readers(g);
+    let (_, escapes) = pinned_and_escaping(g);
+    let bases: Vec<NodeId> =
+        g.nodes.iter().filter_map(|n| if let Kind::WriteView { base, .. } = n.kind { Some(base) } else { None }).collect();
+    // The node read in place of `a` at a later node: nothing may write it in between.
+    let alone = |a: NodeId| uses[a] == 1 && !escapes[a];
+    for (i, node) in g.nodes.iter().enumerate() {
+        let Kind::Op(op, args) = &node.kind else { continue };
+        match op {
+            Op::Cast(to @ (DType::BF16 | DType::F16)) => {
+                let a = args[0].node;
+                let Kind::Op(Op::Normalize { eps, to: None }, nargs) = &g.nodes[a].kind else { continue };
+                let stable = nargs.iter().all(|x| !bases.contains(&x.node));
+                if alone(a) && stable && whole(&args[0], &g.nodes[a]) && g.nodes[a].dtype == DType::F32 {
+                    out.nodes[i].kind = Kind::Op(Op::Normalize { eps: *eps, to: Some(*to) }, nargs.clone());
+                }
+            }
+            Op::NormalizeParamGrads { .. } => {
+                let c = args[1].node;
+                let Kind::Op(Op::Cast(DType::F32), cargs) = &g.nodes[c].kind else { continue };
+                let low = matches!(g.nodes[cargs[0].node].dtype, DType::BF16 | DType::F16);
+                if alone(c) && low && !bases.contains(&cargs[0].node) && whole(&args[1], &g.nodes[c]) {
+                    if let Kind::Op(_, pargs) = &mut out.nodes[i].kind {
+                        pargs[1] = cargs[0].clone();
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    dce(&out)
 }
 
 /// On a GPU, an attention output `[B, H, T, D]` copied with its heads moved after T (the
@@ -808,6 +853,35 @@ mod tests {
         assert_eq!((f.outputs[0].node, &f.outputs[0].layout.shape[..]), (1, &[b, t, h * d][..]));
         let Kind::Op(_, args) = &f.nodes[2].kind else { panic!("{f}") };
         assert_eq!((&args[0].layout.shape[..], &args[0].layout.strides[..]), (&[b, h, t, d][..], &[h * t * d, d, h * d, 1][..]));
+    }
+
+    #[test]
+    fn autocast_casts_beside_a_layer_norm_fold_into_it_on_a_gpu() {
+        let (r, n) = (6, 8);
+        let mut g = Graph::default();
+        let x = g.push(Kind::Input(0), vec![r, n], DType::F32);
+        let w = g.push(Kind::Input(1), vec![n], DType::F32);
+        let gb = g.push(Kind::Input(2), vec![r, n], DType::BF16);
+        let ln = Op::Normalize { eps: 1e-5, to: None };
+        let y = g.push(Kind::Op(ln, vec![whole(&g, x), whole(&g, w), whole(&g, w)]), vec![r, n], DType::F32);
+        let yb = g.push(Kind::Op(Op::Cast(DType::BF16), vec![whole(&g, y)]), vec![r, n], DType::BF16);
+        let gf = g.push(Kind::Op(Op::Cast(DType::F32), vec![whole(&g, gb)]), vec![r, n], DType::F32);
+        let grads = Op::NormalizeParamGrads { eps: 1e-5 };
+        let len = kiln_tensor::op::ln_grads_dx_at(n) + r * n;
+        let pg = g.push(Kind::Op(grads, vec![whole(&g, x), whole(&g, gf), whole(&g, w)]), vec![len], DType::F32);
+        g.outputs = vec![whole(&g, yb), whole(&g, pg)];
+        assert_eq!(ops(&fold_layer_norm_casts(&g, false)), ["normalize", "to_dtype", "to_dtype", "layer_norm_param_grads"]);
+        let f = fold_layer_norm_casts(&g, true);
+        assert_eq!(ops(&f), ["normalize", "layer_norm_param_grads"], "{f}");
+        let Kind::Op(Op::Normalize { to: Some(DType::BF16), .. }, _) = &f.nodes[f.outputs[0].node].kind else { panic!("{f}") };
+        assert_eq!(f.nodes[f.outputs[0].node].dtype, DType::BF16);
+        let Kind::Op(_, args) = &f.nodes[f.outputs[1].node].kind else { panic!("{f}") };
+        assert_eq!(f.nodes[args[1].node].dtype, DType::BF16, "the backward reads the BF16 gradient: {f}");
+        // A layer norm read elsewhere too keeps its F32 output and the cast.
+        let mut h = g.clone();
+        let neg = h.push(Kind::Op(Op::Unary(UnaryOp::Neg), vec![whole(&h, y)]), vec![r, n], DType::F32);
+        h.outputs.push(whole(&h, neg));
+        assert_eq!(ops(&fold_layer_norm_casts(&h, true)), ["normalize", "to_dtype", "layer_norm_param_grads", "neg"]);
     }
 
     #[test]

@@ -588,9 +588,12 @@ pub enum Op {
         scale: f64,
     },
     /// `(x - mean) / sqrt(var + eps)` over the last dim (biased variance), one pass per row;
-    /// with inputs x, weight, bias (each `[n]`), layer norm with its affine part.
+    /// with inputs x, weight, bias (each `[n]`), layer norm with its affine part. `to`: the
+    /// output's dtype when it is not x's (a cast folded in by compile on a GPU, after autograd:
+    /// BF16 autocast's cast of an F32 layer norm before a product).
     Normalize {
         eps: f64,
+        to: Option<DType>,
     },
     /// The gradient of `Normalize` with respect to its input (inputs: x, the output's
     /// gradient, and optionally layer norm's weight `w`, `[n]`, which scales g):
@@ -599,7 +602,7 @@ pub enum Op {
         eps: f64,
     },
     /// Layer norm's parameter gradients from its input `x` and output gradient `g` (one
-    /// shape, last dim `n`): `[2, n]`, the sums over rows of `g * normalize(x)` (the weight's)
+    /// shape, last dim `n`; g in any float dtype, read as x's): `[2, n]`, the sums over rows of `g * normalize(x)` (the weight's)
     /// and of `g` (the bias's). On CUDA one pass reads x and g once, with no normalised copy.
     /// With the weight `w` (`[n]`) as a third input, the whole backward in that pass: one flat
     /// buffer, the `[2, n]` then, from `ln_grads_dx_at(n)`, x's gradient (as
@@ -887,7 +890,8 @@ impl Op {
             }
             Op::NormalizeParamGrads { .. } => {
                 float_only(inputs[0].dtype)?;
-                inputs[1..].iter().try_for_each(|a| same_dtype(inputs[0].dtype, a.dtype))?;
+                float_only(inputs[1].dtype)?;
+                inputs[2..].iter().try_for_each(|a| same_dtype(inputs[0].dtype, a.dtype))?;
                 let Some(&n) = inputs[0].shape.last() else {
                     return Err(Error::shape(name, "needs rank >= 1, got a scalar".to_string()));
                 };
@@ -909,7 +913,13 @@ impl Op {
                     return Err(Error::shape(name, format!("the inputs after x {:?} must be {want:?}, got {got:?}", x.shape)));
                 }
                 inputs[1..].iter().try_for_each(|a| same_dtype(x.dtype, a.dtype))?;
-                meta(x.shape.to_vec(), x.dtype)
+                match self {
+                    Op::Normalize { to: Some(d), .. } => {
+                        float_only(*d)?;
+                        meta(x.shape.to_vec(), *d)
+                    }
+                    _ => meta(x.shape.to_vec(), x.dtype),
+                }
             }
             Op::Softmax { .. } | Op::SoftmaxBackward { .. } | Op::Normalize { .. } | Op::NormalizeBackward { .. } => {
                 float_only(inputs[0].dtype)?;
@@ -919,7 +929,13 @@ impl Op {
                 if inputs[0].shape.is_empty() {
                     return Err(Error::shape(name, "needs rank >= 1, got a scalar".to_string()));
                 }
-                meta(inputs[0].shape.to_vec(), inputs[0].dtype)
+                match self {
+                    Op::Normalize { to: Some(d), .. } => {
+                        float_only(*d)?;
+                        meta(inputs[0].shape.to_vec(), *d)
+                    }
+                    _ => meta(inputs[0].shape.to_vec(), inputs[0].dtype),
+                }
             }
             Op::Attention { .. } | Op::AttentionBackward { .. } => {
                 let q = inputs[0].shape;

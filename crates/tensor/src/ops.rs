@@ -333,12 +333,12 @@ impl Tensor {
     /// `(x - mean) / sqrt(var + eps)` over the last dim (layer norm before its affine part),
     /// one fused primitive with a fused backward.
     pub fn normalize(&self, eps: f64) -> Result<Tensor> {
-        Tensor::apply(Op::Normalize { eps }, &[self], self.device())
+        Tensor::apply(Op::Normalize { eps, to: None }, &[self], self.device())
     }
     /// Layer norm over the last dim in one pass: `normalize(eps) * weight + bias`, with
     /// `weight` and `bias` of shape `[n]` (the last dim) and of `self`'s dtype.
     pub fn layer_norm(&self, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
-        Tensor::apply(Op::Normalize { eps }, &[&self.autocast_f32()?, weight, bias], self.device())
+        Tensor::apply(Op::Normalize { eps, to: None }, &[&self.autocast_f32()?, weight, bias], self.device())
     }
     /// The input gradient of a softmax (`log`: log-softmax) of `scale * x` over the last dim,
     /// from its output `self` and the output's gradient `g`, in one pass per row.

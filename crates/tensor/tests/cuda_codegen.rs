@@ -162,9 +162,12 @@ fn every_reduction_and_index_kernel_compiles() {
                 check(&s, &n, &mut fails);
             }
             for affine in [false, true] {
-                let (s, n) = kiln_tensor::cuda::codegen::normalize_source(d, log, affine, block);
+                let (s, n) = kiln_tensor::cuda::codegen::normalize_source(d, log, affine, block, d);
                 check(&s, &n, &mut fails);
             }
+            // The forward writing a folded cast's dtype.
+            let (s, n) = kiln_tensor::cuda::codegen::normalize_source(d, false, true, block, DType::BF16);
+            check(&s, &n, &mut fails);
             let (s, n) = kiln_tensor::cuda::codegen::softmax_backward_source(d, log, block);
             check(&s, &n, &mut fails);
             let (s, n) = kiln_tensor::cuda::codegen::cross_entropy_source(d, log, block);
@@ -203,9 +206,12 @@ fn every_reduction_and_index_kernel_compiles() {
             check(&s, &n, &mut fails);
         }
         for (tiles, dx) in [(1, false), (12, false), (32, false), (1, true), (12, true), (32, true)] {
-            let (s, n) = kiln_tensor::cuda::codegen::layer_norm_param_grads_source(d, tiles, dx);
+            let (s, n) = kiln_tensor::cuda::codegen::layer_norm_param_grads_source(d, tiles, dx, d);
             check(&s, &n, &mut fails);
         }
+        // g in BF16 (a product's gradient under autocast) for an F32 layer norm.
+        let (s, n) = kiln_tensor::cuda::codegen::layer_norm_param_grads_source(DType::F32, 12, true, DType::BF16);
+        check(&s, &n, &mut fails);
     }
     use kiln_tensor::cuda::codegen::{flash_source, tiled_source, AttnKernel};
     for kind in [AttnKernel::Fwd, AttnKernel::Dq, AttnKernel::Dkv] {
@@ -487,14 +493,15 @@ fn short_attention_kernels_compile() {
     assert!(fails.is_empty(), "{}", fails.join("\n"));
 }
 
-/// The register-resident layer norm forward at each row width it takes.
+/// The register-resident layer norm forward at each row width it takes, writing F32 or a
+/// folded cast's F16/BF16.
 #[test]
 fn layer_norm_rows_kernels_compile() {
     need_nvrtc();
     let mut fails = Vec::new();
     for tiles in 1..=kiln_tensor::cuda::codegen::LN_ROWS_MAX_N / 128 {
-        for affine in [false, true] {
-            let (s, n) = kiln_tensor::cuda::codegen::normalize_rows_source(tiles, affine);
+        for (affine, out) in [(false, DType::F32), (true, DType::F32), (true, DType::BF16), (false, DType::F16)] {
+            let (s, n) = kiln_tensor::cuda::codegen::normalize_rows_source(tiles, affine, out);
             check(&s, &n, &mut fails);
         }
     }

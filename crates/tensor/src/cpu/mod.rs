@@ -276,7 +276,13 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             let spec = reduce::SoftmaxSpec { n: l.shape[r - 1], log: *log, scale: *scale, causal_rows: causal.then(|| l.shape[r - 2]) };
             with_cpu!(s, v => RowKernels::softmax_rows(&contig(v, l), spec).into_storage())
         }
-        Op::Normalize { eps } => {
+        Op::Normalize { eps, to: Some(d) } => {
+            // In x's dtype, then cast.
+            let x = ins[0];
+            let plain = run(&Op::Normalize { eps: *eps, to: None }, ins, &OutMeta { shape: meta.shape.clone(), dtype: x.0.dtype() })?;
+            run(&Op::Cast(*d), &[(&plain, &Layout::contiguous(&meta.shape))], meta)?
+        }
+        Op::Normalize { eps, to: None } => {
             let (s, l) = ins[0];
             let n = l.shape[l.rank() - 1];
             if let [_, w, b] = ins {
@@ -303,6 +309,15 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             }
             with_cpu!(s, v => with_grad(v, l, g, name, |x, g| RowKernels::normalize_rows(x, Some(g), (None, None), n, *eps))?.into_storage())
         }
+        Op::NormalizeParamGrads { .. } if ins[1].0.dtype() != ins[0].0.dtype() => {
+            // g in another float dtype: read as x's.
+            let (x, (gs, gl)) = (ins[0], ins[1]);
+            let g = run(&Op::Cast(x.0.dtype()), &[(gs, gl)], &OutMeta { shape: gl.shape.clone(), dtype: x.0.dtype() })?;
+            let gl = Layout::contiguous(&gl.shape);
+            let mut with_g: Vec<(&CpuStorage, &Layout)> = ins.to_vec();
+            with_g[1] = (&g, &gl);
+            run(op, &with_g, meta)?
+        }
         Op::NormalizeParamGrads { eps } if ins.len() == 3 => {
             // With the weight: the parameter gradients, then x's gradient from `ln_grads_dx_at`.
             let x = ins[0];
@@ -326,7 +341,7 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             let rows: Vec<usize> = (0..x.1.rank() - 1).collect();
             let n = meta.shape[1];
             let like = |d: DType| OutMeta { shape: x.1.shape.clone(), dtype: d };
-            let xhat = run(&Op::Normalize { eps: *eps }, &[x], &like(meta.dtype))?;
+            let xhat = run(&Op::Normalize { eps: *eps, to: None }, &[x], &like(meta.dtype))?;
             let gx = run(&Op::Binary(crate::BinaryOp::Mul), &[g, (&xhat, &Layout::contiguous(&x.1.shape))], &like(meta.dtype))?;
             let sum = Op::Reduce { op: crate::ReduceOp::Sum, dims: rows, keepdim: false };
             let vec_meta = OutMeta { shape: vec![n], dtype: meta.dtype };

@@ -1382,11 +1382,15 @@ pub const LN_GRADS_MAX_N: usize = 1024;
 /// result does not depend on scheduling. With `dx`, the same pass also writes the input's
 /// gradient (`normalize_source`'s backward with the weight `w`) from the row it holds, so the
 /// layer norm's whole backward reads x and g once.
-pub fn layer_norm_param_grads_source(dtype: DType, tiles: usize, dx: bool) -> (String, String) {
-    let name = format!("k_ln_{}grads_{}_{tiles}", if dx { "" } else { "param_" }, storage_type(dtype).replace(' ', "_"));
-    let (t, c) = (storage_type(dtype), compute_type(dtype));
+pub fn layer_norm_param_grads_source(dtype: DType, tiles: usize, dx: bool, gdt: DType) -> (String, String) {
+    let mut name = format!("k_ln_{}grads_{}_{tiles}", if dx { "" } else { "param_" }, storage_type(dtype).replace(' ', "_"));
+    if gdt != dtype {
+        // g in another float dtype (a BF16 product's gradient under autocast), read as C.
+        name += &format!("_g{}", format!("{gdt:?}").to_lowercase());
+    }
+    let (t, c, gt) = (storage_type(dtype), compute_type(dtype), storage_type(gdt));
     let mut s = format!("{PRELUDE}\ntypedef {c} C;\nstruct NArgs {{ long long rows, red; double eps; }};\n#define TILES {tiles}\n");
-    s += &format!("extern \"C\" __global__ void {name}(C* __restrict__ part, const {t}* __restrict__ x, const {t}* __restrict__ g, NArgs a, long long chunk, {t}* __restrict__ dx, const {t}* __restrict__ w) {{\n");
+    s += &format!("extern \"C\" __global__ void {name}(C* __restrict__ part, const {t}* __restrict__ x, const {gt}* __restrict__ g, NArgs a, long long chunk, {t}* __restrict__ dx, const {t}* __restrict__ w) {{\n");
     s += "  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;\n";
     s += "  const long long r1 = min(a.rows, (blockIdx.x + 1) * chunk); const C n = (C)a.red;\n";
     s += "  C dw[TILES], db[TILES];\n#pragma unroll\n  for (int t = 0; t < TILES; ++t) { dw[t] = (C)0; db[t] = (C)0; }\n";
@@ -1431,19 +1435,23 @@ pub fn layer_norm_param_grads_source(dtype: DType, tiles: usize, dx: bool) -> (S
 /// `b`, per column), or (`backward`) its input gradient from `x` and the output gradient `g`
 /// (`affine`: g times `w`): the row's mean and variance (two sweeps), then for the backward
 /// the sums of `g` and `g xhat`, then the write. Arguments: out, x, g (backward), args, w,
-/// b (the forward's `affine`).
-pub fn normalize_source(dtype: DType, backward: bool, affine: bool, block: bool) -> (String, String) {
+/// b (the forward's `affine`). The output is written in `out` (x's dtype, or the forward's
+/// folded cast: `Op::Normalize`'s `to`).
+pub fn normalize_source(dtype: DType, backward: bool, affine: bool, block: bool, out: DType) -> (String, String) {
     let kind = match (backward, affine) {
         (true, true) => "layer_norm_backward",
         (true, false) => "normalize_backward",
         (false, true) => "layer_norm",
         (false, false) => "normalize",
     };
-    let name = row_kernel_name(kind, dtype, block);
-    let (t, c) = (storage_type(dtype), compute_type(dtype));
+    let mut name = row_kernel_name(kind, dtype, block);
+    if out != dtype {
+        name += &format!("_to_{}", format!("{out:?}").to_lowercase());
+    }
+    let (t, c, ot) = (storage_type(dtype), compute_type(dtype), storage_type(out));
     let mut s = format!("{PRELUDE}\ntypedef {c} C;\nstruct NArgs {{ long long rows, red; double eps; }};\n");
     s += &format!(
-        "extern \"C\" __global__ void {name}({t}* __restrict__ o, const {t}* __restrict__ x, const {t}* __restrict__ g, NArgs a, const {t}* __restrict__ w, const {t}* __restrict__ b) {{\n"
+        "extern \"C\" __global__ void {name}({ot}* __restrict__ o, const {t}* __restrict__ x, const {t}* __restrict__ g, NArgs a, const {t}* __restrict__ w, const {t}* __restrict__ b) {{\n"
     );
     s += row_prologue(block);
     s += "  const long long base = row * a.red; const C n = (C)a.red;\n  C acc = (C)0;\n";
@@ -1478,12 +1486,20 @@ pub const LN_ROWS_MAX_N: usize = 1024;
 /// Layer norm's forward for F32 rows of `32 * 4 * tiles` values (`tiles <= 8`), a warp per row
 /// held in registers: each lane loads its `tiles` float4s at once, so the row costs one trip to
 /// memory where `normalize_source`'s loop made one a value (5.5 us against about 2 for the
-/// Transformer's 320 rows of 512). Same arguments; all pointers 16-byte aligned.
-pub fn normalize_rows_source(tiles: usize, affine: bool) -> (String, String) {
-    let name = format!("k_layer_norm_rows{tiles}_f32{}", if affine { "" } else { "_plain" });
+/// Transformer's 320 rows of 512). Same arguments; all pointers 16-byte aligned. The output is
+/// written in `out`: F32, or F16/BF16 (a folded cast, four values as one 8-byte store).
+pub fn normalize_rows_source(tiles: usize, affine: bool, out: DType) -> (String, String) {
+    let to = if out == DType::F32 { String::new() } else { format!("_to_{}", format!("{out:?}").to_lowercase()) };
+    let name = format!("k_layer_norm_rows{tiles}_f32{}{to}", if affine { "" } else { "_plain" });
+    let ot = storage_type(out);
     let mut s = format!("{PRELUDE}\ntypedef float C;\nstruct NArgs {{ long long rows, red; double eps; }};\n#define T {tiles}\n");
+    s += &match out {
+        DType::BF16 => "__device__ __forceinline__ unsigned pack2(float a, float b) { return f2b(a) | ((unsigned)f2b(b) << 16); }\n",
+        DType::F16 => "__device__ __forceinline__ unsigned pack2(float a, float b) { return f2h(a) | ((unsigned)f2h(b) << 16); }\n",
+        _ => "",
+    };
     s += &format!(
-        "extern \"C\" __global__ void {name}(float* __restrict__ o, const float* __restrict__ x, const float* __restrict__ g, NArgs a, const float* __restrict__ w, const float* __restrict__ b) {{\n"
+        "extern \"C\" __global__ void {name}({ot}* __restrict__ o, const float* __restrict__ x, const float* __restrict__ g, NArgs a, const float* __restrict__ w, const float* __restrict__ b) {{\n"
     );
     s += "  (void)g;\n  const long long row = blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32; const int lane = threadIdx.x % 32;\n";
     s += "  if (row >= a.rows) return;\n  const float4* xr = (const float4*)(x + row * a.red);\n  float4 v[T];\n  C acc = 0.f;\n";
@@ -1494,14 +1510,18 @@ pub fn normalize_rows_source(tiles: usize, affine: bool) -> (String, String) {
     s += "#pragma unroll\n  for (int t = 0; t < T; ++t) {\n    const float4 d = make_float4(v[t].x - mean, v[t].y - mean, v[t].z - mean, v[t].w - mean);\n";
     s += "    acc += (d.x * d.x + d.y * d.y) + (d.z * d.z + d.w * d.w);\n  }\n";
     s += &row_allreduce(false, false);
-    s += "  const C rstd = 1.f / ksqrt(acc / n + (C)a.eps);\n  float4* out = (float4*)(o + row * a.red);\n";
+    s += "  const C rstd = 1.f / ksqrt(acc / n + (C)a.eps);\n";
     s += "#pragma unroll\n  for (int t = 0; t < T; ++t) {\n    const int j = lane + 32 * t;\n";
     s += "    float4 y = make_float4((v[t].x - mean) * rstd, (v[t].y - mean) * rstd, (v[t].z - mean) * rstd, (v[t].w - mean) * rstd);\n";
     if affine {
         s += "    const float4 wj = __ldg((const float4*)w + j), bj = __ldg((const float4*)b + j);\n";
         s += "    y = make_float4(y.x * wj.x + bj.x, y.y * wj.y + bj.y, y.z * wj.z + bj.z, y.w * wj.w + bj.w);\n";
     }
-    s += "    out[j] = y;\n  }\n}\n";
+    s += if out == DType::F32 {
+        "    ((float4*)(o + row * a.red))[j] = y;\n  }\n}\n"
+    } else {
+        "    ((uint2*)(o + row * a.red))[j] = make_uint2(pack2(y.x, y.y), pack2(y.z, y.w));\n  }\n}\n"
+    };
     (s, name)
 }
 

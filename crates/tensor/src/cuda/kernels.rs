@@ -326,8 +326,8 @@ pub fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, devic
         }
         Op::Reduce { op: r, dims, .. } => reduce(&g, *r, x[0], dims, meta)?,
         Op::Softmax { log, scale, causal } => softmax(&g, x[0], (*log, *scale, *causal))?,
-        Op::Normalize { eps } => normalize(&g, x[0], None, &x[1..], *eps)?,
-        Op::NormalizeBackward { eps } => normalize(&g, x[0], Some(x[1]), &x[2..], *eps)?,
+        Op::Normalize { eps, to } => normalize(&g, x[0], None, &x[1..], (*eps, *to))?,
+        Op::NormalizeBackward { eps } => normalize(&g, x[0], Some(x[1]), &x[2..], (*eps, None))?,
         Op::NormalizeParamGrads { eps } => layer_norm_param_grads(&g, x[0], x[1], x.get(2).copied(), *eps)?,
         Op::SoftmaxBackward { log, scale } => softmax_backward(&g, x[0], x[1], *log, *scale)?,
         Op::Attention { scale, causal, heads_last } => attention(&g, &x, (*scale, *causal), false, *heads_last)?,
@@ -828,9 +828,10 @@ fn row_pair(
     (s, l): (&CudaStorage, &Layout),
     grad: Option<(&CudaStorage, &Layout)>,
     (value, extra): (f64, [u64; 2]),
+    out_dtype: DType,
     kernel: impl FnOnce(bool, bool) -> Result<super::gpu::Kernel>,
 ) -> Result<CudaStorage> {
-    let out = CudaStorage::alloc(g, s.dtype, l.numel())?;
+    let out = CudaStorage::alloc(g, out_dtype, l.numel())?;
     let n = l.shape[l.rank() - 1];
     let rows = l.numel().checked_div(n).unwrap_or(0);
     if rows == 0 {
@@ -895,8 +896,9 @@ fn layer_norm_param_grads(
     let blocks = rows.div_ceil(chunk);
     let part = CudaStorage::alloc(g, accumulator(dtype), blocks * 2 * n)?;
     let with_dx = wd.is_some();
-    let k = g.kernel(super::spec_key("ln_param_grads", &(dtype, tiles, with_dx)), || {
-        super::codegen::layer_norm_param_grads_source(dtype, tiles, with_dx)
+    let gdt = grad.0.dtype;
+    let k = g.kernel(super::spec_key("ln_param_grads", &(dtype, tiles, with_dx, gdt)), || {
+        super::codegen::layer_norm_param_grads_source(dtype, tiles, with_dx, gdt)
     })?;
     let mut a = RowArgs { rows: rows as i64, red: n as i64, value: eps };
     let (mut o, mut px, mut pg, mut ch) = (part.buf.ptr, xd.get().buf.ptr, gd.get().buf.ptr, chunk as i64);
@@ -922,9 +924,10 @@ fn normalize(
     x: (&CudaStorage, &Layout),
     grad: Option<(&CudaStorage, &Layout)>,
     affine: &[(&CudaStorage, &Layout)],
-    eps: f64,
+    (eps, to): (f64, Option<DType>),
 ) -> Result<CudaStorage> {
     let (dtype, backward) = (x.0.dtype, grad.is_some());
+    let out = to.unwrap_or(dtype);
     let wb: Vec<Dense> = affine.iter().map(|(s, l)| dense(g, s, l)).collect::<Result<_>>()?;
     let extra = match &wb[..] {
         [w, b] => [w.get().buf.ptr, b.get().buf.ptr],
@@ -936,12 +939,13 @@ fn normalize(
     // Rows that fit in registers as float4s take the one-trip kernel (F32 forward, with the
     // weight and bias or neither).
     let rows_kernel = dtype == DType::F32 && !backward && n % 128 == 0 && n <= super::codegen::LN_ROWS_MAX_N && (extra[1] != 0) == has;
-    row_pair(g, x, grad, (eps, extra), |block, aligned| {
+    row_pair(g, x, grad, (eps, extra), out, |block, aligned| {
         if rows_kernel && !block && aligned {
-            return g.kernel(super::spec_key("normalize_rows", &(n, has)), || super::codegen::normalize_rows_source(n / 128, has));
+            return g
+                .kernel(super::spec_key("normalize_rows", &(n, has, out)), || super::codegen::normalize_rows_source(n / 128, has, out));
         }
-        g.kernel(super::spec_key("normalize", &(dtype, backward, has, block)), || {
-            super::codegen::normalize_source(dtype, backward, has, block)
+        g.kernel(super::spec_key("normalize", &(dtype, backward, has, block, out)), || {
+            super::codegen::normalize_source(dtype, backward, has, block, out)
         })
     })
 }
@@ -950,7 +954,7 @@ fn normalize(
 /// the output's gradient.
 fn softmax_backward(g: &Arc<Gpu>, y: (&CudaStorage, &Layout), grad: (&CudaStorage, &Layout), log: bool, scale: f64) -> Result<CudaStorage> {
     let dtype = y.0.dtype;
-    row_pair(g, y, Some(grad), (scale, [0, 0]), |block, _| {
+    row_pair(g, y, Some(grad), (scale, [0, 0]), dtype, |block, _| {
         g.kernel(super::spec_key("softmax_backward", &(dtype, log, block)), || super::codegen::softmax_backward_source(dtype, log, block))
     })
 }
