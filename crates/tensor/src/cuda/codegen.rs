@@ -1493,7 +1493,7 @@ pub fn normalize_rows_source(tiles: usize, affine: bool, out: DType) -> (String,
     let name = format!("k_layer_norm_rows{tiles}_f32{}{to}", if affine { "" } else { "_plain" });
     let ot = storage_type(out);
     let mut s = format!("{PRELUDE}\ntypedef float C;\nstruct NArgs {{ long long rows, red; double eps; }};\n#define T {tiles}\n");
-    s += &match out {
+    s += match out {
         DType::BF16 => "__device__ __forceinline__ unsigned pack2(float a, float b) { return f2b(a) | ((unsigned)f2b(b) << 16); }\n",
         DType::F16 => "__device__ __forceinline__ unsigned pack2(float a, float b) { return f2h(a) | ((unsigned)f2h(b) << 16); }\n",
         _ => "",
