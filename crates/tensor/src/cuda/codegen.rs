@@ -2753,14 +2753,22 @@ pub fn flash_source(kind: AttnKernel, dtype: DType, d: usize, causal: bool) -> (
     s += &flash_helpers(dtype);
     s += FLASH_COMMON;
     // Registers bound occupancy: four blocks per SM measured faster for the 16-bit forward and
-    // dq kernels (128 registers, no spills); the dk/dv kernel would spill, and so would the
-    // F32 ones, whose A fragments take twice the registers (split), at four.
+    // dq kernels (128 registers, no spills); the dk/dv kernel spills at four (and measured
+    // 57 us against 51 at the GPT's shape with three), and so would the F32 ones, whose A
+    // fragments take twice the registers (split). The F32 forward fits three blocks' 168
+    // registers with no spill up to D = 64 (three blocks' shared memory fits there): 100 us
+    // against 116 at two (GPT shapes, `ncu`).
     let wide = if dtype == DType::F32 { 2 } else { 4 };
+    let fwd = match dtype {
+        DType::F32 if d <= 64 => 3,
+        DType::F32 => 2,
+        _ => 4,
+    };
     let (sig, body, min_blocks) = match kind {
         AttnKernel::Fwd => (
             format!("{t}* __restrict__ o, float* __restrict__ lse, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, Mat mq, Mat mk, Mat mv, Mat mo"),
             FLASH_FWD,
-            wide,
+            fwd,
         ),
         AttnKernel::Dq => (
             format!("{t}* __restrict__ dq, float* __restrict__ stats, const float* __restrict__ lse, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, const {t}* __restrict__ o, const {t}* __restrict__ g, Mat mq, Mat mk, Mat mv, Mat mo, Mat mg, Mat mout"),
