@@ -885,6 +885,25 @@ fn fused_attention_matches_the_cpu_forward_and_backward() {
     let _ = dev;
 }
 
+/// The tensor-core attention kernels take more than 65535 batch matrices (their grid puts the
+/// matrices along x), forward and backward, against the CPU; the FMA kernels (F32 with D =
+/// 20) say clearly that they do not.
+#[test]
+fn fused_attention_takes_more_than_65535_matrices() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (n, t, d) = (65540, 40, 16);
+    let ins: Vec<Tensor> = (0..4).map(|s| randn(&[n, t, d], 150 + s, DType::BF16)).collect();
+    let scale = 0.25;
+    both("attention over 65540 matrices: forward", &ins, tol(DType::BF16), |x| x[0].attention(&x[1], &x[2], scale, true));
+    both("attention over 65540 matrices: gradients", &ins, tol(DType::BF16) * 2.0, |x| {
+        let o = x[0].attention(&x[1], &x[2], scale, true)?;
+        x[0].attention_backward(&x[1], &x[2], &o, &x[3], scale, true)
+    });
+    let q = randn(&[n, t, 20], 160, DType::F32).to_device(gpu()).unwrap();
+    let err = q.attention(&q, &q, scale, true).expect_err("the FMA kernels take at most 65535 matrices");
+    assert!(err.to_string().contains("at most 65535 batch matrices"), "{err}");
+}
+
 /// Fused attention reading q, k and v where a model's fused projection leaves them: heads cut
 /// from one `[B, T, 3 * H * D]` buffer, read in place by the tensor-core kernels. A row stride
 /// that breaks their 16-byte loads (`pad` 3) takes the dense copy instead. Forward and the

@@ -151,8 +151,8 @@ pub fn set_fused_attention(on: Option<bool>) {
     FUSED_ATTENTION.store(v, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// Whether the fused attention op is used for `q` (see `set_fused_attention`); the kernels'
-/// grid takes at most 65535 batch matrices.
+/// Whether the fused attention op is used for `q` (see `set_fused_attention`); the FMA
+/// kernels' grid takes at most 65535 batch matrices.
 fn fused_attention_on(q: &Tensor) -> bool {
     let r = q.rank();
     if !q.device().is_cuda() || r < 2 || q.dtype() == DType::F64 {
@@ -163,7 +163,8 @@ fn fused_attention_on(q: &Tensor) -> bool {
         (DType::F32, Some(low)) => low,
         (dt, _) => dt,
     };
-    let fits = d <= 128 && matrices <= 65535;
+    // The tensor-core kernels take any count of matrices; the FMA kernels at most 65535.
+    let fits = d <= 128 && (matrices <= 65535 || kiln_tensor::cuda::codegen::flash_supported(low, d));
     match FUSED_ATTENTION.load(std::sync::atomic::Ordering::Relaxed) {
         ON => fits,
         OFF => false,

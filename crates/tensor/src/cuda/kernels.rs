@@ -503,9 +503,12 @@ fn attention(
     let r = l0.rank();
     let (n, t, d) = (l0.shape[..r - 2].iter().product::<usize>(), l0.shape[r - 2], l0.shape[r - 1]);
     let dtype = s0.dtype;
-    if d > ATTN_MAX_D || n > 65535 || !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+    // The FMA kernels' grid has the matrices along y (at most 65535); the others along x.
+    let fma = !flash_supported(dtype, d) && (backward || t > super::codegen::ATTN_SHORT_MAX_T);
+    let most = if fma { 65535 } else { i32::MAX as usize };
+    if d > ATTN_MAX_D || n > most || !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
         return Err(Error::Msg(format!(
-            "attention on CUDA: {:?} in {dtype:?} is not supported (head dim at most {ATTN_MAX_D}, at most 65535 batch matrices, f32/f16/bf16); use the unfused ops",
+            "attention on CUDA: {:?} in {dtype:?} is not supported (head dim at most {ATTN_MAX_D}, at most {most} batch matrices, f32/f16/bf16); use the unfused ops",
             l0.shape
         )));
     }
