@@ -233,6 +233,11 @@ fn whole(a: &Arg, n: &crate::graph::Node) -> bool {
     a.layout.offset == 0 && a.layout.is_contiguous() && a.layout.shape == n.shape
 }
 
+/// The nodes written into in place (each `WriteView`'s base).
+fn view_bases(g: &Graph) -> Vec<NodeId> {
+    g.nodes.iter().filter_map(|n| if let Kind::WriteView { base, .. } = n.kind { Some(base) } else { None }).collect()
+}
+
 /// How many times each node is read (arguments, outputs and state writes).
 fn readers(g: &Graph) -> Vec<usize> {
     let mut n = vec![0; g.nodes.len()];
@@ -256,8 +261,7 @@ pub fn fuse_matmuls(g: &Graph, gpu: bool) -> Graph {
     let mut out = g.clone();
     let uses = readers(g);
     let written: Vec<NodeId> = g.writes.iter().map(|w| w.1).collect();
-    let bases: Vec<NodeId> =
-        g.nodes.iter().filter_map(|n| if let Kind::WriteView { base, .. } = n.kind { Some(base) } else { None }).collect();
+    let bases = view_bases(g);
     // alias[i] = (node, offset): readers of i read that node, `offset` elements further on.
     let mut alias: Vec<Option<(NodeId, usize)>> = vec![None; g.nodes.len()];
     // The first reader of each node (outputs and writes read after every node).
@@ -656,8 +660,7 @@ pub fn fold_layer_norm_casts(g: &Graph, gpu: bool) -> Graph {
     }
     let uses = readers(g);
     let (_, escapes) = pinned_and_escaping(g);
-    let bases: Vec<NodeId> =
-        g.nodes.iter().filter_map(|n| if let Kind::WriteView { base, .. } = n.kind { Some(base) } else { None }).collect();
+    let bases = view_bases(g);
     // The node read in place of `a` at a later node: nothing may write it in between.
     let alone = |a: NodeId| uses[a] == 1 && !escapes[a];
     for (i, node) in g.nodes.iter().enumerate() {

@@ -152,7 +152,7 @@ pub fn set_fused_attention(on: Option<bool>) {
 }
 
 /// Whether the fused attention op is used for `q` (see `set_fused_attention`); the FMA
-/// kernels' grid takes at most 65535 batch matrices.
+/// kernels take at most `ATTN_FMA_MAX_MATRICES` batch matrices.
 fn fused_attention_on(q: &Tensor) -> bool {
     let r = q.rank();
     if !q.device().is_cuda() || r < 2 || q.dtype() == DType::F64 {
@@ -163,12 +163,12 @@ fn fused_attention_on(q: &Tensor) -> bool {
         (DType::F32, Some(low)) => low,
         (dt, _) => dt,
     };
-    // The tensor-core kernels take any count of matrices; the FMA kernels at most 65535.
-    let fits = d <= 128 && (matrices <= 65535 || kiln_tensor::cuda::codegen::flash_supported(low, d));
+    use kiln_tensor::cuda::codegen::{flash_supported, ATTN_FMA_MAX_MATRICES};
+    let fits = d <= 128 && (matrices <= ATTN_FMA_MAX_MATRICES || flash_supported(low, d));
     match FUSED_ATTENTION.load(std::sync::atomic::Ordering::Relaxed) {
         ON => fits,
         OFF => false,
-        _ => fits && kiln_tensor::cuda::codegen::flash_supported(low, d) && (low != DType::F32 || d <= F32_FUSED_MAX_D),
+        _ => fits && flash_supported(low, d) && (low != DType::F32 || d <= F32_FUSED_MAX_D),
     }
 }
 

@@ -602,8 +602,8 @@ pub enum Op {
         eps: f64,
     },
     /// Layer norm's parameter gradients from its input `x` and output gradient `g` (one
-    /// shape, last dim `n`; g in any float dtype, read as x's): `[2, n]`, the sums over rows of `g * normalize(x)` (the weight's)
-    /// and of `g` (the bias's). On CUDA one pass reads x and g once, with no normalised copy.
+    /// shape, last dim `n`; g in any float dtype, read as x's): `[2, n]`, the sums over rows of
+    /// `g * normalize(x)` (the weight's) and of `g` (the bias's). On CUDA one pass reads x and g once, with no normalised copy.
     /// With the weight `w` (`[n]`) as a third input, the whole backward in that pass: one flat
     /// buffer, the `[2, n]` then, from `ln_grads_dx_at(n)`, x's gradient (as
     /// `NormalizeBackward` with `w` computes it).
@@ -817,6 +817,13 @@ impl Op {
                 Err(Error::dtype(name, format!("needs a floating-point tensor, got {d:?}")))
             }
         };
+        // The dtype a row op writes for input dtype `x`: `Normalize`'s `to` (a float), else x.
+        let written = |x: DType| -> Result<DType> {
+            match self {
+                Op::Normalize { to: Some(d), .. } => float_only(*d).map(|_| *d),
+                _ => Ok(x),
+            }
+        };
         let same_dtype = |a: DType, b: DType| -> Result<()> {
             if a == b {
                 Ok(())
@@ -913,13 +920,7 @@ impl Op {
                     return Err(Error::shape(name, format!("the inputs after x {:?} must be {want:?}, got {got:?}", x.shape)));
                 }
                 inputs[1..].iter().try_for_each(|a| same_dtype(x.dtype, a.dtype))?;
-                match self {
-                    Op::Normalize { to: Some(d), .. } => {
-                        float_only(*d)?;
-                        meta(x.shape.to_vec(), *d)
-                    }
-                    _ => meta(x.shape.to_vec(), x.dtype),
-                }
+                meta(x.shape.to_vec(), written(x.dtype)?)
             }
             Op::Softmax { .. } | Op::SoftmaxBackward { .. } | Op::Normalize { .. } | Op::NormalizeBackward { .. } => {
                 float_only(inputs[0].dtype)?;
@@ -929,13 +930,7 @@ impl Op {
                 if inputs[0].shape.is_empty() {
                     return Err(Error::shape(name, "needs rank >= 1, got a scalar".to_string()));
                 }
-                match self {
-                    Op::Normalize { to: Some(d), .. } => {
-                        float_only(*d)?;
-                        meta(inputs[0].shape.to_vec(), *d)
-                    }
-                    _ => meta(inputs[0].shape.to_vec(), inputs[0].dtype),
-                }
+                meta(inputs[0].shape.to_vec(), written(inputs[0].dtype)?)
             }
             Op::Attention { .. } | Op::AttentionBackward { .. } => {
                 let q = inputs[0].shape;

@@ -656,6 +656,15 @@ fn row_kernel_name(stem: &str, dtype: DType, block: bool) -> String {
     format!("k_{stem}_{}{}", format!("{dtype:?}").to_lowercase(), if block { "_block" } else { "" })
 }
 
+/// A kernel name's mark of a second dtype: `_{tag}{other}` where it differs from `base`.
+fn other_dtype(tag: &str, base: DType, other: DType) -> String {
+    if other == base {
+        String::new()
+    } else {
+        format!("_{tag}{}", format!("{other:?}").to_lowercase())
+    }
+}
+
 /// The thread mapping shared by the row kernels: a warp per row, or a block per row.
 fn row_prologue(block: bool) -> &'static str {
     if block {
@@ -1383,11 +1392,13 @@ pub const LN_GRADS_MAX_N: usize = 1024;
 /// gradient (`normalize_source`'s backward with the weight `w`) from the row it holds, so the
 /// layer norm's whole backward reads x and g once.
 pub fn layer_norm_param_grads_source(dtype: DType, tiles: usize, dx: bool, gdt: DType) -> (String, String) {
-    let mut name = format!("k_ln_{}grads_{}_{tiles}", if dx { "" } else { "param_" }, storage_type(dtype).replace(' ', "_"));
-    if gdt != dtype {
-        // g in another float dtype (a BF16 product's gradient under autocast), read as C.
-        name += &format!("_g{}", format!("{gdt:?}").to_lowercase());
-    }
+    // g may be in another float dtype (a BF16 product's gradient under autocast), read as C.
+    let name = format!(
+        "k_ln_{}grads_{}_{tiles}{}",
+        if dx { "" } else { "param_" },
+        storage_type(dtype).replace(' ', "_"),
+        other_dtype("g", dtype, gdt)
+    );
     let (t, c, gt) = (storage_type(dtype), compute_type(dtype), storage_type(gdt));
     let mut s = format!("{PRELUDE}\ntypedef {c} C;\nstruct NArgs {{ long long rows, red; double eps; }};\n#define TILES {tiles}\n");
     s += &format!("extern \"C\" __global__ void {name}(C* __restrict__ part, const {t}* __restrict__ x, const {gt}* __restrict__ g, NArgs a, long long chunk, {t}* __restrict__ dx, const {t}* __restrict__ w) {{\n");
@@ -1444,10 +1455,7 @@ pub fn normalize_source(dtype: DType, backward: bool, affine: bool, block: bool,
         (false, true) => "layer_norm",
         (false, false) => "normalize",
     };
-    let mut name = row_kernel_name(kind, dtype, block);
-    if out != dtype {
-        name += &format!("_to_{}", format!("{out:?}").to_lowercase());
-    }
+    let name = row_kernel_name(kind, dtype, block) + &other_dtype("to_", dtype, out);
     let (t, c, ot) = (storage_type(dtype), compute_type(dtype), storage_type(out));
     let mut s = format!("{PRELUDE}\ntypedef {c} C;\nstruct NArgs {{ long long rows, red; double eps; }};\n");
     s += &format!(
@@ -1489,8 +1497,7 @@ pub const LN_ROWS_MAX_N: usize = 1024;
 /// Transformer's 320 rows of 512). Same arguments; all pointers 16-byte aligned. The output is
 /// written in `out`: F32, or F16/BF16 (a folded cast, four values as one 8-byte store).
 pub fn normalize_rows_source(tiles: usize, affine: bool, out: DType) -> (String, String) {
-    let to = if out == DType::F32 { String::new() } else { format!("_to_{}", format!("{out:?}").to_lowercase()) };
-    let name = format!("k_layer_norm_rows{tiles}_f32{}{to}", if affine { "" } else { "_plain" });
+    let name = format!("k_layer_norm_rows{tiles}_f32{}{}", if affine { "" } else { "_plain" }, other_dtype("to_", DType::F32, out));
     let ot = storage_type(out);
     let mut s = format!("{PRELUDE}\ntypedef float C;\nstruct NArgs {{ long long rows, red; double eps; }};\n#define T {tiles}\n");
     s += match out {
@@ -2175,6 +2182,9 @@ pub enum AttnKernel {
 
 /// The largest head dim the attention kernels take.
 pub const ATTN_MAX_D: usize = 128;
+/// The most batch matrices the FMA attention kernels (`tiled_source`) take: their grid has them
+/// along y. The tensor-core and short-sequence kernels have them along x.
+pub const ATTN_FMA_MAX_MATRICES: usize = 65535;
 
 /// Rows of a score tile each thread of a tiled attention kernel owns (4 columns each), and
 /// the block size that covers a 64 x 64 tile. (8 rows on 128 threads measured slower at the

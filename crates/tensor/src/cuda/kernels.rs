@@ -498,14 +498,13 @@ fn attention(
     backward: bool,
     heads_last: bool,
 ) -> Result<CudaStorage> {
-    use super::codegen::{flash_supported, ATTN_MAX_D};
+    use super::codegen::{flash_supported, ATTN_FMA_MAX_MATRICES, ATTN_MAX_D, ATTN_SHORT_MAX_T};
     let (s0, l0) = x[0];
     let r = l0.rank();
     let (n, t, d) = (l0.shape[..r - 2].iter().product::<usize>(), l0.shape[r - 2], l0.shape[r - 1]);
     let dtype = s0.dtype;
-    // The FMA kernels' grid has the matrices along y (at most 65535); the others along x.
-    let fma = !flash_supported(dtype, d) && (backward || t > super::codegen::ATTN_SHORT_MAX_T);
-    let most = if fma { 65535 } else { i32::MAX as usize };
+    let (flash, short) = (flash_supported(dtype, d), !backward && t <= ATTN_SHORT_MAX_T);
+    let most = if flash || short { i32::MAX as usize } else { ATTN_FMA_MAX_MATRICES };
     if d > ATTN_MAX_D || n > most || !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
         return Err(Error::Msg(format!(
             "attention on CUDA: {:?} in {dtype:?} is not supported (head dim at most {ATTN_MAX_D}, at most {most} batch matrices, f32/f16/bf16); use the unfused ops",
@@ -521,12 +520,11 @@ fn attention(
     // The heads last: matrix b*H + h's row i at b T H D + i H D + h D.
     let last = Mat { b: (t * heads * d) as i64, h: d as i64, t: (heads * d) as i64, nh: heads as i64 };
     let mout = if heads_last { last } else { Mat::dense(t, d) };
-    if !backward && t <= super::codegen::ATTN_SHORT_MAX_T {
+    if short {
         let (ins, _copies) = attention_inputs(g, x, (t, d), Some(1))?;
         attention_short(g, out.buf.ptr, mout, &ins, (n, t, d), dtype, (scale, causal))?;
         return Ok(out);
     }
-    let flash = flash_supported(dtype, d);
     let (ins, copies) = attention_inputs(g, x, (t, d), flash.then(|| super::codegen::flash_vec(dtype)))?;
     if !backward {
         if flash {
@@ -708,11 +706,10 @@ fn attention_kernels(
     ins: &[(u64, Mat)],
     (n, t, d): (usize, usize, usize),
     dtype: DType,
-    (scale, causal, lse): (f64, bool, u64),
+    (scale, causal, mut lse): (f64, bool, u64),
 ) -> Result<()> {
     let flash = super::codegen::flash_supported(dtype, d);
     let grid = if flash { (n as u32, t.div_ceil(64) as u32) } else { (t.div_ceil(64) as u32, n as u32) };
-    let mut lse = lse;
     let (mut tt, mut sc) = (t as i64, scale as f32);
     let (ti, si) = (&mut tt as *mut i64 as *mut c_void, &mut sc as *mut f32 as *mut c_void);
     let (mut o0, mut o1, mut o2) = (outs[0], outs.get(1).copied().unwrap_or(0), outs.get(2).copied().unwrap_or(0));
