@@ -240,7 +240,7 @@ fn every_reduction_and_index_kernel_compiles() {
 /// A compiled graph's fused kernels: one module whose kernels chain every unary, binary and
 /// scalar op, a comparison feeding a `where`, casts between f32 and f64, and inputs read
 /// contiguously, at an offset, through strides and broadcast; a group over dense inputs takes the
-/// 4-wide vector path; one kernel runs three groups.
+/// vector path (eight elements a thread where every input is 16-bit); one kernel runs them all.
 #[test]
 fn a_module_of_fused_group_kernels_compiles() {
     use kiln_tensor::cuda::codegen::{fused_module, FusedGroup, FusedInput, FusedKernel, FusedMember, FusedSrc};
@@ -288,7 +288,7 @@ fn a_module_of_fused_group_kernels_compiles() {
     let dense: Vec<FusedInput> =
         (0..4).map(|k| FusedInput { dtype: DType::F32, offset: 4 * k, strided: None, lead: None, fed: None }).collect();
     let vec = FusedGroup { inputs: dense, ..groups[0].clone() };
-    assert!(vec.vec4() && !groups[0].vec4());
+    assert!(vec.vectorised() && !groups[0].vectorised());
     groups.push(vec);
     // Rows of a wider buffer and a per-row broadcast also take it; a column broadcast does not.
     let rows_and_splat = vec![
@@ -298,18 +298,46 @@ fn a_module_of_fused_group_kernels_compiles() {
         FusedInput { dtype: DType::F32, offset: 0, strided: Some((vec![3, 8], vec![0, 1])), lead: None, fed: None },
     ];
     let mixed = FusedGroup { inputs: rows_and_splat.clone(), ..groups[0].clone() };
-    assert!(mixed.vec4());
+    assert!(mixed.vectorised());
     let mut columns = rows_and_splat;
     columns[1].strided = Some((vec![3, 8], vec![1, 3]));
-    assert!(!FusedGroup { inputs: columns, ..groups[0].clone() }.vec4());
+    assert!(!FusedGroup { inputs: columns, ..groups[0].clone() }.vectorised());
     groups.push(mixed);
+    // A group whose loaded inputs are all 16-bit takes eight elements a thread (16-byte loads),
+    // its F32 output stored eight at a time too; a row of 12 or an F32 input keeps four.
+    let bf = |offset: usize, strided: Option<(Vec<usize>, Vec<usize>)>, dtype: DType| FusedInput {
+        dtype,
+        offset,
+        strided,
+        lead: None,
+        fed: None,
+    };
+    let grad = |cols: usize, g: DType| FusedGroup {
+        n: 3 * cols,
+        inputs: vec![
+            bf(8, None, DType::BF16),
+            bf(0, Some((vec![3, cols], vec![2 * cols, 1])), g),
+            bf(0, Some((vec![3, cols], vec![0, 1])), DType::BF16),
+        ],
+        members: vec![
+            FusedMember { op: Op::Binary(BinaryOp::Add), args: vec![FusedSrc::Input(0), FusedSrc::Input(2)], dtype: DType::BF16 },
+            FusedMember { op: Op::Unary(UnaryOp::GeluGrad), args: vec![FusedSrc::Member(0)], dtype: DType::BF16 },
+            FusedMember { op: Op::Binary(BinaryOp::Mul), args: vec![FusedSrc::Member(1), FusedSrc::Input(1)], dtype: DType::BF16 },
+            FusedMember { op: Op::Cast(DType::F32), args: vec![FusedSrc::Member(2)], dtype: DType::F32 },
+        ],
+        outputs: vec![2, 3],
+    };
+    let (wide, twelve, with_f32) = (grad(16, DType::BF16), grad(12, DType::BF16), grad(16, DType::F32));
+    assert_eq!((wide.width(), twelve.width(), with_f32.width()), (8, 4, 4));
+    assert_eq!(wide.blocks(), 1);
+    groups.extend([wide, twelve]);
     // One kernel per group, and one running them side by side.
     let mut kernels: Vec<FusedKernel> = groups
         .iter()
         .enumerate()
         .map(|(k, g)| FusedKernel { name: format!("kiln_group{k}"), groups: vec![g.clone()], lead: false, copies: 0 })
         .collect();
-    kernels.push(FusedKernel { name: "kiln_groups_0_1_2_3".into(), groups, lead: false, copies: 0 });
+    kernels.push(FusedKernel { name: "kiln_groups_side_by_side".into(), groups, lead: false, copies: 0 });
     let src = fused_module(&kernels).expect("every member is elementwise");
     let mut fails = Vec::new();
     check(&src, "kiln_fused", &mut fails);
@@ -341,7 +369,7 @@ fn a_group_folding_its_sums_in_one_block_compiles() {
         m(Op::Cast(DType::F64), vec![FusedSrc::Member(5)], DType::F64),
     ];
     let fold = FusedGroup { n, inputs, members, outputs: vec![6, 1, 2] };
-    assert!(fold.folds() && !fold.vec4() && fold.blocks() == 1);
+    assert!(fold.folds() && !fold.vectorised() && fold.blocks() == 1);
     assert_eq!(fold.output_lens(), vec![1, n, 1]);
     let plain = FusedGroup {
         n: 64,
@@ -393,7 +421,7 @@ fn a_kernel_led_by_a_scalar_group_compiles() {
     folded.push(m(Op::Reduce { op: ReduceOp::Sum, dims: vec![0], keepdim: false }, vec![FusedSrc::Member(0)], DType::F32));
     folded.push(m(Op::Binary(BinaryOp::Mul), vec![FusedSrc::Member(1), FusedSrc::Input(1)], DType::F32));
     let fold = FusedGroup { n: 300, inputs: vec![dense(DType::F32), corr(300)], members: folded, outputs: vec![2] };
-    assert!(vector.vec4() && !strided.vec4() && fold.folds());
+    assert!(vector.vectorised() && !strided.vectorised() && fold.folds());
     let k =
         FusedKernel { name: "kiln_led".into(), groups: vec![lead, vector.clone(), strided.clone(), fold.clone()], lead: true, copies: 0 };
     // The lead gets no blocks: 4096 / 4 / 256 for the vector group, one each for the others.
@@ -572,7 +600,7 @@ fn groups_computing_their_fed_products_compile() {
         let bias = group(256, fed(sums.clone(), 0));
         let odd = group(256 * 6, fed(Fed { b: Some((3, [6, 1])), ..dot(6) }, 0));
         let odd_sums = group(256, fed(sums, 1));
-        assert!(weight.vec4() && bias.vec4() && !odd.vec4() && !odd_sums.vec4());
+        assert!(weight.vectorised() && bias.vectorised() && !odd.vectorised() && !odd_sums.vectorised());
         let k = FusedKernel { name: format!("kiln_fed_{d:?}"), groups: vec![weight, bias, odd, odd_sums], lead: false, copies: 0 };
         let src = fused_module(std::slice::from_ref(&k)).expect("fed products");
         let body = &src[src.find(&k.name).expect("the kernel")..];

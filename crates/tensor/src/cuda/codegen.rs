@@ -1666,10 +1666,23 @@ pub const FUSED_BLOCK: usize = 256;
 const FUSED_MAX_BLOCKS: usize = 2048;
 
 impl FusedGroup {
-    /// Four elements per thread through aligned vector loads and stores: a length divisible by
-    /// four, and every input read four at a time (`vec_read`).
-    pub fn vec4(&self) -> bool {
-        !self.folds() && self.n >= 4 && self.n % 4 == 0 && self.inputs.iter().all(|x| vec_read(x).is_some())
+    /// Elements per thread of the vector path (aligned vector loads and stores), or 1 for the
+    /// scalar loop: 8 where every input loaded is 16-bit (a 16-byte load each, as an F32
+    /// input's four make: with 8-byte loads too few bytes are in flight to reach the
+    /// bandwidth), else 4; the length a multiple of it and every input read that many at a
+    /// time (`vec_read`).
+    pub fn width(&self) -> usize {
+        if self.folds() {
+            return 1;
+        }
+        let narrow = self.inputs.iter().filter(|x| x.lead.is_none()).all(|x| x.dtype.size_in_bytes() <= 2);
+        let fits = |w: usize| self.n >= w && self.n % w == 0 && self.inputs.iter().all(|x| vec_read(x, w).is_some());
+        [8, 4].into_iter().filter(|&w| w == 4 || narrow).find(|&w| fits(w)).unwrap_or(1)
+    }
+
+    /// Whether the group takes the vector path (`width` above 1).
+    pub fn vectorised(&self) -> bool {
+        self.width() > 1
     }
 
     /// Whether the group ends in sums folded by one block.
@@ -1702,7 +1715,7 @@ impl FusedGroup {
         if self.folds() {
             return 1;
         }
-        let items = if self.vec4() { self.n / 4 } else { self.n };
+        let items = self.n / self.width();
         items.div_ceil(FUSED_BLOCK).clamp(1, FUSED_MAX_BLOCKS)
     }
 }
@@ -1712,10 +1725,10 @@ fn double_literal(v: f64) -> String {
     format!("__longlong_as_double({:#x}LL)", v.to_bits() as i64)
 }
 
-/// How the vector path reads an input four elements at a time: four aligned neighbours
+/// How the vector path reads an input `w` elements at a time: `w` aligned neighbours
 /// (`Dense` from its offset, or `Rows`: a strided input whose last dim is contiguous, a
-/// multiple of four long and aligned), or one value for all four (`Splat`: broadcast along
-/// a last dim that is a multiple of four long, such as a bias over rows).
+/// multiple of `w` long and aligned), or one value for all `w` (`Splat`: broadcast along
+/// a last dim that is a multiple of `w` long, such as a bias over rows).
 enum VecRead {
     Dense,
     Rows,
@@ -1724,19 +1737,19 @@ enum VecRead {
     Fed,
 }
 
-fn vec_read(x: &FusedInput) -> Option<VecRead> {
+fn vec_read(x: &FusedInput, w: usize) -> Option<VecRead> {
     if x.lead.is_some() {
         return Some(VecRead::Splat);
     }
     if let Some(f) = &x.fed {
-        return f.vec4(x.offset).then_some(VecRead::Fed);
+        return (w == 4 && f.vec4(x.offset)).then_some(VecRead::Fed);
     }
-    let Some((shape, strides)) = &x.strided else { return (x.offset % 4 == 0).then_some(VecRead::Dense) };
+    let Some((shape, strides)) = &x.strided else { return (x.offset % w == 0).then_some(VecRead::Dense) };
     let last = shape.len().checked_sub(1)?;
-    if shape[last] % 4 != 0 {
+    if shape[last] % w != 0 {
         return None;
     }
-    let aligned = x.offset % 4 == 0 && strides[..last].iter().zip(shape).all(|(s, n)| *n == 1 || s % 4 == 0);
+    let aligned = x.offset % w == 0 && strides[..last].iter().zip(shape).all(|(s, n)| *n == 1 || s % w == 0);
     match strides[last] {
         0 => Some(VecRead::Splat),
         1 if aligned => Some(VecRead::Rows),
@@ -1802,8 +1815,8 @@ impl FusedKernel {
             let start = format!("(blk - {first}) * {FUSED_BLOCK}LL + threadIdx.x");
             if gr.folds() {
                 s += &fold_loop(gr, j)?;
-            } else if gr.vec4() {
-                s += &vec4_loop(gr, j, &start, nb * FUSED_BLOCK)?;
+            } else if gr.vectorised() {
+                s += &vector_loop(gr, j, &start, nb * FUSED_BLOCK)?;
             } else {
                 s += &format!("  for (long long i = {start}; i < {}LL; i += {}LL) {{\n", gr.n, nb * FUSED_BLOCK);
                 let stores: Vec<String> = (0..gr.outputs.len()).map(|k| format!("o{j}_{k}[i]")).collect();
@@ -1863,12 +1876,12 @@ fn last_block(lead: Option<&FusedGroup>, copies: usize) -> String {
     s
 }
 
-/// Group `j`'s loop over four elements per thread: vector loads, the members per element,
+/// Group `j`'s loop over `width` elements per thread: vector loads, the members per element,
 /// vector stores.
-fn vec4_loop(gr: &FusedGroup, j: usize, start: &str, stride: usize) -> Result<String, String> {
-    let mut s = String::new();
+fn vector_loop(gr: &FusedGroup, j: usize, start: &str, stride: usize) -> Result<String, String> {
+    let (mut s, w) = (String::new(), gr.width());
     let vec_type =
-        |name: String, d: DType| format!("  struct alignas({}) {name} {{ {} v[4]; }};\n", 4 * d.size_in_bytes(), storage_type(d));
+        |name: String, d: DType| format!("  struct alignas({}) {name} {{ {} v[{w}]; }};\n", w * d.size_in_bytes(), storage_type(d));
     for (k, x) in gr.inputs.iter().enumerate() {
         s += &vec_type(format!("VI{k}"), x.dtype);
     }
@@ -1876,15 +1889,15 @@ fn vec4_loop(gr: &FusedGroup, j: usize, start: &str, stride: usize) -> Result<St
         let d = gr.members.get(m).ok_or_else(|| format!("output {k} names no member"))?.dtype;
         s += &vec_type(format!("VO{k}"), d);
     }
-    s += &format!("  for (long long q = {start}; q < {}LL; q += {stride}LL) {{\n", gr.n / 4);
+    s += &format!("  for (long long q = {start}; q < {}LL; q += {stride}LL) {{\n", gr.n / w);
     let mut loads: Vec<String> = Vec::new();
     for (k, x) in gr.inputs.iter().enumerate() {
-        let at = |(shape, strides): &(Vec<usize>, Vec<usize>)| strided_index("q * 4", x.offset, shape, strides, gr.narrow());
+        let at = |(shape, strides): &(Vec<usize>, Vec<usize>)| strided_index(&format!("q * {w}"), x.offset, shape, strides, gr.narrow());
         if let Some(r) = x.lead {
             loads.push(format!("L{r}"));
             continue;
         }
-        match (vec_read(x), &x.strided, &x.fed) {
+        match (vec_read(x, w), &x.strided, &x.fed) {
             (Some(VecRead::Fed), _, Some(f)) => {
                 s += &format!("    const VI{k} a{k} = {};\n", f.value(x, (j, k), "q * 4", gr.narrow(), true));
             }
@@ -1897,19 +1910,19 @@ fn vec4_loop(gr: &FusedGroup, j: usize, start: &str, stride: usize) -> Result<St
             (Some(VecRead::Rows), Some(st), None) => {
                 s += &format!("    VI{k} a{k} = *reinterpret_cast<const VI{k}*>(p{j}_{k} + {});\n", at(st))
             }
-            _ => s += &format!("    VI{k} a{k} = *reinterpret_cast<const VI{k}*>(p{j}_{k} + {} + q * 4);\n", x.offset),
+            _ => s += &format!("    VI{k} a{k} = *reinterpret_cast<const VI{k}*>(p{j}_{k} + {} + q * {w});\n", x.offset),
         }
         loads.push(format!("a{k}.v[e]"));
     }
     for k in 0..gr.outputs.len() {
         s += &format!("    VO{k} b{k};\n");
     }
-    s += "#pragma unroll\n    for (int e = 0; e < 4; ++e) {\n";
+    s += &format!("#pragma unroll\n    for (int e = 0; e < {w}; ++e) {{\n");
     let stores: Vec<String> = (0..gr.outputs.len()).map(|k| format!("b{k}.v[e]")).collect();
     s += &group_body(gr, &loads, &stores)?;
     s += "    }\n";
     for k in 0..gr.outputs.len() {
-        s += &format!("    *reinterpret_cast<VO{k}*>(o{j}_{k} + q * 4) = b{k};\n");
+        s += &format!("    *reinterpret_cast<VO{k}*>(o{j}_{k} + q * {w}) = b{k};\n");
     }
     s += "  }\n";
     Ok(s)
