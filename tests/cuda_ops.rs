@@ -357,6 +357,17 @@ fn fused_matmul_epilogues_match_the_cpu() {
         for (k, n) in [(24, 16), (64, 48)] {
             fused_epilogue_cases(dt, t, k, n);
         }
+        // Bias gradients over many rows (`kernels::column_sums`: chunks of rows, added in
+        // order): 16-byte vectors where the columns allow (392), one value a lane where not.
+        for n in [392, 390] {
+            let (g, x) = (randn(&[4100, n], 58, dt), randn(&[4100, 8], 59, dt));
+            both(&format!("matmul_sum long g^T x {dt:?}, n {n}"), &[g.clone(), x.clone()], t * 4.0, |v| {
+                fused(kiln::tensor::MatmulEpilogue::SumLeft)(&[v[0].t()?, v[1].clone()])
+            });
+            both(&format!("matmul_sum long x^T g {dt:?}, n {n}"), &[x, g], t * 4.0, |v| {
+                fused(kiln::tensor::MatmulEpilogue::SumRight)(&[v[0].t()?, v[1].clone()])
+            });
+        }
     }
 }
 

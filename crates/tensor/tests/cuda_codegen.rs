@@ -150,6 +150,15 @@ fn every_reduction_and_index_kernel_compiles() {
                 }
             }
         }
+    }
+    // A bias gradient's sums over rows: 16 bytes a lane or one value, then the chunks added.
+    for d in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        for v in [1, 16 / d.size_in_bytes()] {
+            let (s, n) = kiln_tensor::cuda::codegen::column_sums_source(d, v);
+            check(&s, &n, &mut fails);
+        }
+        let (s, n) = kiln_tensor::cuda::codegen::column_sums_fold_source(d);
+        check(&s, &n, &mut fails);
         for kind in [IndexKind::Select, IndexKind::Gather] {
             let (s, n) = Index { kind, dtype: d }.source();
             check(&s, &n, &mut fails);

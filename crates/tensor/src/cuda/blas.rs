@@ -716,7 +716,10 @@ fn lt_epilogue(rest: &Rest, batch: usize, n: usize, out: &CudaStorage) -> (Epilo
             Some(x) => (E::CUBLASLT_EPILOGUE_DGELU, 0, x),
             None => return (Epilogue::NONE, 0, 0),
         },
-        // cuBLASLt's A is Kiln's right operand (it computes the column-major transpose).
+        // cuBLASLt's A is Kiln's right operand (it computes the column-major transpose). Its
+        // BGRAD epilogue is a kernel of its own, slower than `kernels::column_sums`, which
+        // `finish` runs where it fits.
+        (None, _, _, _, _, Some(((_, l), dim, _))) if super::kernels::column_sums_fit(l, dim) => return (Epilogue::NONE, 0, 0),
         (None, _, _, _, _, Some((_, dim, at))) => match aligned(out.ptr_at(at)) {
             Some(p) => (if dim == 1 { E::CUBLASLT_EPILOGUE_BGRADB } else { E::CUBLASLT_EPILOGUE_BGRADA }, p, 0),
             None => return (Epilogue::NONE, 0, 0),
@@ -762,7 +765,9 @@ fn finish(g: &Arc<Gpu>, out: CudaStorage, rest: Rest, shape: &[usize]) -> Result
     if let Some(r) = rest.residual {
         super::kernels::add_into(g, &out, shape, r)?;
     }
-    if let Some(((s, l), dim, at)) = rest.sums {
+    if let Some(((s, l), dim, at)) = rest.sums.filter(|((_, l), dim, _)| super::kernels::column_sums_fit(l, *dim)) {
+        super::kernels::column_sums(g, (s, l), dim, &out, at)?;
+    } else if let Some(((s, l), dim, at)) = rest.sums {
         let len = l.shape[1 - dim];
         let sums = super::kernels::sum_dim(g, s, l, dim)?;
         // SAFETY: `out` holds `at + len` elements (the shape rule) and `sums` `len`, both live

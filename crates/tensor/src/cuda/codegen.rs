@@ -1381,6 +1381,72 @@ pub fn softmax_backward_source(dtype: DType, log: bool, block: bool) -> (String,
     (s, name)
 }
 
+/// Warps a `column_sums_source` block: each takes every `COLSUM_WARPS`-th row of its chunk.
+pub const COLSUM_WARPS: usize = 8;
+
+/// Sums over the rows of `x [rows, n]` (columns contiguous, rows `stride` apart), first pass:
+/// block (x, y) folds chunk y's rows of a tile of `32 * v` columns (`v` neighbours a lane,
+/// one 16-byte load where `v` is 16 bytes of T) into `part[y * n + c]`, F32 (F64 for F64),
+/// adding its warps' sums in a fixed order. A bias's gradient `sum(g)` beside the weight's
+/// `g^T x`: cuBLASLt's BGRAD epilogue ran it as a kernel of its own at 1.1-2.2 TB/s
+/// (session 32). `column_sums_fold_source` adds the chunks.
+pub fn column_sums_source(dtype: DType, v: usize) -> (String, String) {
+    let name = format!("k_column_sums_{}_v{v}", format!("{dtype:?}").to_lowercase());
+    let acc = if dtype == DType::F64 { "double" } else { "float" };
+    let mut s = format!("{PRELUDE}\ntypedef {} T;\ntypedef {acc} A;\n#define V {v}\n#define WARPS {COLSUM_WARPS}\n", storage_type(dtype));
+    s += "struct alignas(V * sizeof(T)) VT { T v[V]; };\n";
+    s += &format!(
+        "extern \"C\" __global__ void __launch_bounds__(WARPS * 32) {name}(A* __restrict__ part, const T* __restrict__ x, long long rows, long long n, long long stride, long long chunk) {{\n"
+    );
+    s += r#"  __shared__ A sums[WARPS][32 * V];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const long long c = ((long long)blockIdx.x * 32 + lane) * V;
+  const long long r0 = blockIdx.y * chunk, r1 = min(rows, r0 + chunk);
+  A acc[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) acc[j] = (A)0;
+  if (c < n) {
+#pragma unroll 4
+    for (long long r = r0 + warp; r < r1; r += WARPS) {
+      const VT y = *reinterpret_cast<const VT*>(x + r * stride + c);
+#pragma unroll
+      for (int j = 0; j < V; ++j) acc[j] += (A)ld(y.v[j]);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < V; ++j) sums[warp][lane * V + j] = acc[j];
+  __syncthreads();
+  for (int t = threadIdx.x; t < 32 * V; t += WARPS * 32) {
+    const long long col = (long long)blockIdx.x * 32 * V + t;
+    if (col < n) {
+      A u = (A)0;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) u += sums[w][t];
+      part[blockIdx.y * n + col] = u;
+    }
+  }
+}
+"#;
+    (s, name)
+}
+
+/// Sums over the rows, second pass: `o[c] = sum_y part[y * n + c]` over the `chunks` in order,
+/// stored as T (a thread a column).
+pub fn column_sums_fold_source(dtype: DType) -> (String, String) {
+    let name = format!("k_column_sums_fold_{}", format!("{dtype:?}").to_lowercase());
+    let acc = if dtype == DType::F64 { "double" } else { "float" };
+    let mut s = format!("{PRELUDE}\ntypedef {} T;\ntypedef {acc} A;\n", storage_type(dtype));
+    s += &format!("extern \"C\" __global__ void {name}(T* __restrict__ o, const A* __restrict__ part, long long n, long long chunks) {{\n");
+    s += r#"  for (long long c = blockIdx.x * (long long)blockDim.x + threadIdx.x; c < n; c += (long long)gridDim.x * blockDim.x) {
+    A u = (A)0;
+    for (long long y = 0; y < chunks; ++y) u += part[y * n + c];
+    st(&o[c], u);
+  }
+}
+"#;
+    (s, name)
+}
+
 /// The longest row `layer_norm_param_grads_source` takes (32 values per lane).
 pub const LN_GRADS_MAX_N: usize = 1024;
 

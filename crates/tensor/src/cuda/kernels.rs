@@ -266,6 +266,48 @@ pub(super) fn sum_dim(g: &Arc<Gpu>, s: &CudaStorage, l: &Layout, dim: usize) -> 
     reduce(g, ReduceOp::Sum, (s, l), &[dim], &meta)
 }
 
+/// Whether `column_sums` takes the sums over dim `dim` of the 2-D view `l`: the other dim
+/// contiguous.
+pub(super) fn column_sums_fit(l: &Layout, dim: usize) -> bool {
+    l.rank() == 2 && dim < 2 && (l.strides[1 - dim] == 1 || l.shape[1 - dim] == 1)
+}
+
+/// `out[at..at + n]` = the sums over dim `dim` of the 2-D view `(s, l)` (`n` the other dim's
+/// length; `column_sums_fit`): chunks of rows into F32 partials, then the chunks added in
+/// order (`codegen::column_sums_source`: the same bits every run).
+pub(super) fn column_sums(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), dim: usize, out: &CudaStorage, at: usize) -> Result<()> {
+    use super::codegen::{column_sums_fold_source, column_sums_source, COLSUM_WARPS};
+    let (rows, n, ld) = (l.shape[dim], l.shape[1 - dim], l.strides[dim]);
+    if n == 0 {
+        return Ok(());
+    }
+    // 16 bytes a lane where every row's columns are aligned vectors.
+    let wide = 16 / s.dtype.size_in_bytes();
+    let v = if n % wide == 0 && ld % wide == 0 && l.offset % wide == 0 { wide } else { 1 };
+    let tiles = n.div_ceil(32 * v);
+    // About one resident wave of blocks, each chunk at least a row a warp.
+    let chunks = (g.sms as usize * 8 / tiles).clamp(1, rows.div_ceil(COLSUM_WARPS).max(1));
+    let chunk = rows.div_ceil(chunks).max(1);
+    let chunks = rows.div_ceil(chunk).max(1);
+    let part = CudaStorage::alloc(g, accumulator(s.dtype), chunks * n)?;
+    let kf = g.kernel(super::spec_key("column_sums", &(s.dtype, v)), || column_sums_source(s.dtype, v))?;
+    let (mut pp, mut px) = (part.buf.ptr, s.ptr_at(l.offset));
+    let (mut r, mut nn, mut lda, mut ch) = (rows as i64, n as i64, ld as i64, chunk as i64);
+    let mut params = kernel_params![pp, px, r, nn, lda, ch];
+    // SAFETY: (part, x, rows, n, ld, chunk) matches the generated signature; the view lies in
+    // `s` (the caller's shape rule), its kept dim contiguous, and with `v` > 1 every row's
+    // columns start 16-byte aligned (buffers are 256-byte aligned; offset and ld multiples of
+    // v); `part` holds chunks x n values; the grid covers every tile and chunk.
+    unsafe { g.launch(kf, (tiles as u32, chunks as u32), (COLSUM_WARPS * 32) as u32, 0, &mut params)? };
+    let kf = g.kernel(super::spec_key("column_sums_fold", &out.dtype), || column_sums_fold_source(out.dtype))?;
+    let (mut po, mut pp, mut nn, mut ch) = (out.ptr_at(at), part.buf.ptr, n as i64, chunks as i64);
+    let mut params = kernel_params![po, pp, nn, ch];
+    // SAFETY: (o, part, n, chunks) matches the generated signature; `out` holds `at + n`
+    // values (the caller's shape rule) and `part` chunks x n, live until the stream has run
+    // this (freed buffers are reused only in stream order).
+    unsafe { g.launch(kf, (g.grid_for(n), 1), 256, 0, &mut params) }
+}
+
 /// `s` through `l` as a dense buffer: the same memory when already dense from offset 0.
 enum Dense<'a> {
     Borrowed(&'a CudaStorage),
