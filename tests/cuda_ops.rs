@@ -185,6 +185,16 @@ fn reductions_match_the_cpu() {
             both(&format!("{op:?} tall all {dt:?}"), &[tall.clone()], t, |v| v[0].reduce(op, &[0usize, 1][..], false));
             both(&format!("{op:?} tall^T dim1 {dt:?}"), &[tall.clone()], t, |v| v[0].t()?.reduce(op, &[1usize][..], true));
         }
+        // Sums over leading dims of a million elements take the column-sum kernel: columns in
+        // 16-byte vectors ([64, 40, 410] over dims 0 and [300, 3500] over dim 0), or one a
+        // lane (3501 columns), and a view whose rows lie 4100 apart.
+        let big = randn(&[64, 40, 410], 17, dt);
+        let t = tol(dt) * 40.0;
+        both(&format!("sum big dim0 {dt:?}"), &[big.clone()], t, |v| v[0].reduce(ReduceOp::Sum, &[0usize][..], false));
+        for cols in [3500, 3501] {
+            let m = randn(&[300, 4100], 18, dt);
+            both(&format!("sum big rows of {cols} {dt:?}"), &[m], t, |v| v[0].narrow(1, 0, cols)?.reduce(ReduceOp::Sum, &[0usize][..], true));
+        }
         // A few hundred rows down 40 columns: 32 threads per column and a shared-memory fold
         // (the second block of 32 columns is partly past the end), the arg reductions too.
         let wide = randn(&[300, 40], 15, dt);
@@ -653,6 +663,14 @@ fn indexing_cat_and_in_place_updates_match_the_cpu() {
             0.0,
             |v| v[0].embedding(&v[1]),
         );
+        // Rows of a warp's width or more (a warp a row), and an index_add reading a whole,
+        // dense source where it lies.
+        let ids = Tensor::from_slice(&[3i64, 9, 0, 3, 7, 7], &[2, 3], Device::Cpu).unwrap();
+        both(&format!("embedding wide rows {dt:?}"), &[randn(&[10, 40], 32, dt), ids], 0.0, |v| v[0].embedding(&v[1]));
+        let idx3 = Tensor::from_slice(&[1i64, 1, 0, 4], &[4], Device::Cpu).unwrap();
+        both(&format!("index_add dense source {dt:?}"), &[x.clone(), idx3, randn(&[4, 4, 3], 33, dt)], tol(dt) * 2.0, |v| {
+            v[0].index_add(0, &v[1], &v[2])
+        });
         // In place through a strided view: only the view's elements change.
         both(&format!("in place {dt:?}"), &[randn(&[6, 5], 30, dt), randn(&[5], 31, dt)], tol(dt), |v| {
             let dst = v[0].copy()?;
@@ -800,6 +818,10 @@ fn cuda_errors_are_clear() {
     assert!(e.contains("index_select") && e.contains("12") && e.contains("size 10"), "{e}");
     // The error is reported once; the device keeps working.
     assert_eq!(table.sum_all().unwrap().item().unwrap(), 40.0);
+    // The same from the warp-a-row path (rows of 40).
+    let wide = Tensor::ones(&[10, 40], DType::F32, dev).unwrap();
+    let e = wide.embedding(&ids).unwrap().to_vec::<f32>().unwrap_err().to_string();
+    assert!(e.contains("index_select") && e.contains("12") && e.contains("size 10"), "{e}");
     // A cross-entropy target beyond the classes: the same path.
     let targets = Tensor::from_slice(&[1i64, 4], &[2], dev).unwrap();
     let e = cross_entropy(&table.narrow(0, 0, 2).unwrap(), &targets).unwrap().item().unwrap_err().to_string();

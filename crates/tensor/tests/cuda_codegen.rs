@@ -150,6 +150,10 @@ fn every_reduction_and_index_kernel_compiles() {
                 }
             }
         }
+        for kind in [IndexKind::Select, IndexKind::Gather] {
+            let (s, n) = Index { kind, dtype: d }.source();
+            check(&s, &n, &mut fails);
+        }
     }
     // A bias gradient's sums over rows: 16 bytes a lane or one value, then the chunks added.
     for d in [DType::F32, DType::F64, DType::F16, DType::BF16] {
@@ -159,10 +163,6 @@ fn every_reduction_and_index_kernel_compiles() {
         }
         let (s, n) = kiln_tensor::cuda::codegen::column_sums_fold_source(d);
         check(&s, &n, &mut fails);
-        for kind in [IndexKind::Select, IndexKind::Gather] {
-            let (s, n) = Index { kind, dtype: d }.source();
-            check(&s, &n, &mut fails);
-        }
     }
     for d in FLOATS {
         for (log, block) in [(false, false), (true, false), (false, true), (true, true)] {
