@@ -193,7 +193,9 @@ fn reductions_match_the_cpu() {
         both(&format!("sum big dim0 {dt:?}"), &[big.clone()], t, |v| v[0].reduce(ReduceOp::Sum, &[0usize][..], false));
         for cols in [3500, 3501] {
             let m = randn(&[300, 4100], 18, dt);
-            both(&format!("sum big rows of {cols} {dt:?}"), &[m], t, |v| v[0].narrow(1, 0, cols)?.reduce(ReduceOp::Sum, &[0usize][..], true));
+            both(&format!("sum big rows of {cols} {dt:?}"), &[m], t, |v| {
+                v[0].narrow(1, 0, cols)?.reduce(ReduceOp::Sum, &[0usize][..], true)
+            });
         }
         // A few hundred rows down 40 columns: 32 threads per column and a shared-memory fold
         // (the second block of 32 columns is partly past the end), the arg reductions too.
