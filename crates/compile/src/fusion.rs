@@ -458,14 +458,16 @@ fn lead_scalar_groups(g: &Graph, mut plan: Plan) -> Plan {
 ///   step count and bias corrections), at most `MAX_BATCH - 1` of them;
 /// - groups that write nothing in place: autocast's casts of the weights to BF16, one small
 ///   launch each in every layer's forward (3.4-6.5 us each for GPT BF16's 24, session 32),
-///   which `batch_groups` then runs `MAX_BATCH` to a launch. Their values were alive from
-///   each layer's forward through its backward already.
+///   which `batch_groups` then runs `MAX_BATCH` to a launch. Only in a step that writes
+///   state (training), where those values were alive from each layer's forward through its
+///   backward already; in a forward alone they would all be alive at once.
 fn hoist_early_groups(g: &Graph, mut plan: Plan) -> Plan {
     let Some(target) = plan.steps.iter().position(|s| matches!(s, Step::Groups(_))) else { return plan };
     let (state_nodes, users) = (g.state_nodes(), g.users());
     let free = |gr: &Group| free_scalar(g, gr, &state_nodes, &users);
     let leaf = |x: NodeId| matches!(g.nodes[x].kind, Kind::Input(_) | Kind::State(_)) || g.nodes[x].is_const();
-    let reads_leaves = |gr: &Group| !gr.folds && gr.inplace.is_empty() && gr.externals.iter().all(|a| leaf(a.node));
+    let training = !g.writes.is_empty();
+    let reads_leaves = |gr: &Group| training && !gr.folds && gr.inplace.is_empty() && gr.externals.iter().all(|a| leaf(a.node));
     let (mut hoisted, mut scalars): (Vec<usize>, usize) = (Vec::new(), 0);
     let mut moved: Vec<NodeId> = Vec::new();
     for step in &plan.steps[target + 1..] {
@@ -728,8 +730,11 @@ mod tests {
         assert!(position(&|s| matches!(s, Step::Node(i) if *i == total)) > first);
     }
 
-    /// Autocast's shape: two layers, each `x @ cast(w)` then a ReLU. The second weight's cast
-    /// joins the first's launch; the ReLUs, which read products, stay where they are.
+    /// Autocast's shape: two layers, each `x @ cast(w)` then a ReLU, and the first weight
+    /// updated in place from the second's cast (a training step's write). The second weight's
+    /// cast joins the first's launch; the ReLUs, which read products, and the update, which
+    /// writes state in place, stay where they are; without the write (a forward alone)
+    /// nothing moves.
     #[test]
     fn weight_casts_join_the_first_launch() {
         use crate::graph::StateInfo;
@@ -750,15 +755,24 @@ mod tests {
         g.outputs = vec![whole(&g, h)];
         let group_of = |plan: &Plan, node: NodeId| plan.groups.iter().position(|gr| gr.members.contains(&node)).expect("a group");
         let launches = |plan: &Plan| plan.steps.iter().filter(|s| matches!(s, Step::Groups(_))).cloned().collect::<Vec<Step>>();
+        // A forward alone: the second cast stays after the first product.
+        let forward = batch_groups(&g, plan(&g, true));
+        assert!(matches!(&launches(&forward)[0], Step::Groups(gs) if *gs == vec![group_of(&forward, casts[0])]), "{forward:?}");
+        let w0 = g.nodes[casts[0]].args()[0];
+        let back = g.push(Kind::Op(Op::Cast(DType::F32), vec![whole(&g, casts[1])]), vec![8, 8], DType::F32);
+        let update = g.push(Kind::Op(Op::Binary(BinaryOp::Sub), vec![whole(&g, w0), whole(&g, back)]), vec![8, 8], DType::F32);
+        g.writes = vec![(0, update)];
         let unbatched = plan(&g, true);
-        assert_eq!(launches(&unbatched).len(), 4, "{unbatched:?}");
+        assert_eq!(launches(&unbatched).len(), 5, "{unbatched:?}");
         let batched = batch_groups(&g, plan(&g, true));
         let got = launches(&batched);
         assert_eq!(got.len(), 3, "{batched:?}");
-        let [c0, c1, r0, r1] = [casts[0], casts[1], relus[0], relus[1]].map(|n| group_of(&batched, n));
+        let [c0, c1, r0, r1, u] = [casts[0], casts[1], relus[0], relus[1], update].map(|n| group_of(&batched, n));
+        assert!(!batched.groups[u].inplace.is_empty(), "{batched:?}");
         assert!(matches!(&got[0], Step::Groups(gs) if *gs == vec![c0, c1]), "{batched:?}");
         assert!(matches!(&got[1], Step::Groups(gs) if *gs == vec![r0]), "{batched:?}");
-        assert!(matches!(&got[2], Step::Groups(gs) if *gs == vec![r1]), "{batched:?}");
+        // (The update, independent of the last ReLU, shares its launch.)
+        assert!(matches!(&got[2], Step::Groups(gs) if *gs == vec![r1, u]), "{batched:?}");
         // The second weight is named before the launch that now reads it.
         let at = |want: &dyn Fn(&Step) -> bool| batched.steps.iter().position(want).expect("a step");
         let second = g.nodes[casts[1]].args()[0];

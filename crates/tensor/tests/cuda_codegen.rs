@@ -150,8 +150,8 @@ fn every_reduction_and_index_kernel_compiles() {
                 }
             }
         }
-        for kind in [IndexKind::Select, IndexKind::Gather] {
-            let (s, n) = Index { kind, dtype: d }.source();
+        for (kind, rows) in [(IndexKind::Select, false), (IndexKind::Select, true), (IndexKind::Gather, false)] {
+            let (s, n) = Index { kind, dtype: d, rows }.source();
             check(&s, &n, &mut fails);
         }
     }
@@ -239,7 +239,7 @@ fn every_reduction_and_index_kernel_compiles() {
     }
     for d in [DType::F32, DType::F64] {
         for kind in [IndexKind::Add, IndexKind::ScatterAdd] {
-            let (s, n) = Index { kind, dtype: d }.source();
+            let (s, n) = Index { kind, dtype: d, rows: false }.source();
             check(&s, &n, &mut fails);
         }
     }

@@ -536,6 +536,16 @@ impl Reduce {
 pub struct Index {
     pub kind: IndexKind,
     pub dtype: DType,
+    /// `Select` a warp a row, its lanes along the row (`select_by_rows`), so the 64-bit
+    /// divisions come once a row rather than three times an element (GPT's token embedding,
+    /// 16384 rows of 384, took 32 us element by element).
+    pub rows: bool,
+}
+
+/// Whether `Index::rows` suits a select of `rows` rows of `inner` elements: rows at least a
+/// warp wide, and enough of them to give every warp of a full GPU (`sms` multiprocessors) one.
+pub fn select_by_rows(rows: usize, inner: usize, sms: usize) -> bool {
+    inner >= 32 && rows >= sms * 64
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -570,11 +580,8 @@ impl Index {
         s += &format!(
             "extern \"C\" __global__ void {name}({t}* __restrict__ o, const {t}* __restrict__ src, const long long* __restrict__ idx, long long* err, IArgs a) {{\n"
         );
-        if self.kind == IndexKind::Select {
-            // Rows of at least a warp's width (an embedding's): a warp a row, its lanes along
-            // the row, so the 64-bit divisions come once a row, not three times an element
-            // (GPT's token embedding, 16384 rows of 384: 32 us, session 32).
-            s += r#"  if (a.inner >= 32) {
+        if self.kind == IndexKind::Select && self.rows {
+            s += r#"  {
     const long long rows = a.outer * a.nidx, warps = ((long long)gridDim.x * blockDim.x) / 32;
     const int lane = threadIdx.x % 32;
     for (long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) / 32; row < rows; row += warps) {
@@ -584,9 +591,10 @@ impl Index {
       T* to = o + row * a.inner;
       for (long long e = lane; e < a.inner; e += 32) to[e] = ok ? from[e] : T();
     }
-    return;
   }
+}
 "#;
+            return (s, name);
         }
         s += "  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < a.n; i += (long long)gridDim.x * blockDim.x) {\n";
         s += &match self.kind {
@@ -1457,17 +1465,32 @@ pub fn column_sums_source(dtype: DType, v: usize) -> (String, String) {
     (s, name)
 }
 
-/// Sums over the rows, second pass: `o[c] = sum_y part[y * n + c]` over the `chunks` in order,
-/// stored as T (a thread a column).
+/// Sums over the rows, second pass: `o[c] = sum_y part[y * n + c]` over the `chunks`, stored
+/// as T. A block takes 32 columns: warp w adds chunks w, w + WARPS, .. (eight loads in flight),
+/// then the warps' sums are added in order, so the bits never change; a thread a column
+/// walking every chunk waited on 512 loads in turn for GPT's 384 bias columns.
 pub fn column_sums_fold_source(dtype: DType) -> (String, String) {
     let name = format!("k_column_sums_fold_{}", format!("{dtype:?}").to_lowercase());
     let acc = if dtype == DType::F64 { "double" } else { "float" };
-    let mut s = format!("{PRELUDE}\ntypedef {} T;\ntypedef {acc} A;\n", storage_type(dtype));
-    s += &format!("extern \"C\" __global__ void {name}(T* __restrict__ o, const A* __restrict__ part, long long n, long long chunks) {{\n");
-    s += r#"  for (long long c = blockIdx.x * (long long)blockDim.x + threadIdx.x; c < n; c += (long long)gridDim.x * blockDim.x) {
-    A u = (A)0;
-    for (long long y = 0; y < chunks; ++y) u += part[y * n + c];
-    st(&o[c], u);
+    let mut s = format!("{PRELUDE}\ntypedef {} T;\ntypedef {acc} A;\n#define WARPS {COLSUM_WARPS}\n", storage_type(dtype));
+    s += &format!(
+        "extern \"C\" __global__ void __launch_bounds__(WARPS * 32) {name}(T* __restrict__ o, const A* __restrict__ part, long long n, long long chunks) {{\n"
+    );
+    s += r#"  __shared__ A sums[WARPS][32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const long long c = (long long)blockIdx.x * 32 + lane;
+  A u = (A)0;
+  if (c < n) {
+#pragma unroll 8
+    for (long long y = warp; y < chunks; y += WARPS) u += part[y * n + c];
+  }
+  sums[warp][lane] = u;
+  __syncthreads();
+  if (warp == 0 && c < n) {
+    A t = (A)0;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) t += sums[w][lane];
+    st(&o[c], t);
   }
 }
 "#;
@@ -1768,9 +1791,9 @@ impl FusedGroup {
         if self.folds() {
             return 1;
         }
-        let narrow = self.inputs.iter().filter(|x| x.lead.is_none()).all(|x| x.dtype.size_in_bytes() <= 2);
+        let loads_16bit = self.inputs.iter().filter(|x| x.lead.is_none()).all(|x| x.dtype.size_in_bytes() == 2);
         let fits = |w: usize| self.n >= w && self.n % w == 0 && self.inputs.iter().all(|x| vec_read(x, w).is_some());
-        [8, 4].into_iter().filter(|&w| w == 4 || narrow).find(|&w| fits(w)).unwrap_or(1)
+        [8, 4].into_iter().filter(|&w| w == 4 || loads_16bit).find(|&w| fits(w)).unwrap_or(1)
     }
 
     /// Whether the group takes the vector path (`width` above 1).

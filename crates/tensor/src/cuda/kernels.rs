@@ -288,6 +288,7 @@ pub(super) fn column_sums(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), dim: us
     // 16 bytes a lane where every row's columns are aligned vectors.
     let wide = 16 / s.dtype.size_in_bytes();
     let v = if n % wide == 0 && ld % wide == 0 && l.offset % wide == 0 { wide } else { 1 };
+    debug_assert!(v == 1 || n % v == 0, "the kernel reads whole vectors of columns");
     let tiles = n.div_ceil(32 * v);
     // About one resident wave of blocks, each chunk at least a row a warp.
     let chunks = (g.sms as usize * 8 / tiles).clamp(1, rows.div_ceil(COLSUM_WARPS).max(1));
@@ -308,8 +309,8 @@ pub(super) fn column_sums(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), dim: us
     let mut params = kernel_params![po, pp, nn, ch];
     // SAFETY: (o, part, n, chunks) matches the generated signature; `out` holds `at + n`
     // values (the caller's shape rule) and `part` chunks x n, live until the stream has run
-    // this (freed buffers are reused only in stream order).
-    unsafe { g.launch(kf, (g.grid_for(n), 1), 256, 0, &mut params) }
+    // this (freed buffers are reused only in stream order); a block covers 32 columns.
+    unsafe { g.launch(kf, (n.div_ceil(32) as u32, 1), (COLSUM_WARPS * 32) as u32, 0, &mut params) }
 }
 
 /// `s` through `l` as a dense buffer: the same memory when already dense from offset 0.
@@ -477,7 +478,8 @@ fn reduce_into(g: &Arc<Gpu>, op: ReduceOp, s: &CudaStorage, l: &Layout, dims: &[
     let is_arg = matches!(op, ReduceOp::ArgMax | ReduceOp::ArgMin);
     // A large sum over leading dims of contiguous columns (an eager bias gradient, GPT's
     // position-embedding gradient: 26.7 us for 25 MB as a column reduction): 16-byte loads.
-    let wide_columns = op == ReduceOp::Sum && split && ks.len() == 1 && kst[0] == [1] && rs.len() == 1;
+    // (Columns enough for whole warps: a few columns over many rows stay with `Block` below.)
+    let wide_columns = op == ReduceOp::Sum && split && ks.len() == 1 && kst[0] == [1] && rs.len() == 1 && rows >= 256;
     if wide_columns && out.dtype == s.dtype && s.dtype.is_float() && rows * red >= COLUMN_SUMS_MIN {
         let view = Layout { shape: vec![red, rows], strides: vec![rst[0][0], 1], offset: l.offset };
         return column_sums(g, (s, &view), 0, out, 0);
@@ -1405,6 +1407,7 @@ fn index_code(kind: IndexKind) -> i64 {
 
 /// Launches an index kernel: `o` written from `src` at `idx` (all dense).
 fn launch_index(g: &Arc<Gpu>, kind: IndexKind, o: &CudaStorage, src: &CudaStorage, idx: &CudaStorage, mut a: IArgs) -> Result<()> {
+    let rows = kind == IndexKind::Select && super::codegen::select_by_rows((a.outer * a.nidx) as usize, a.inner as usize, g.sms as usize);
     if a.n == 0 {
         return Ok(());
     }
@@ -1412,7 +1415,7 @@ fn launch_index(g: &Arc<Gpu>, kind: IndexKind, o: &CudaStorage, src: &CudaStorag
         return Err(too_many_dims(&[]));
     }
     a.code = index_code(kind);
-    let spec = Index { kind, dtype: o.dtype };
+    let spec = Index { kind, dtype: o.dtype, rows };
     let k = g.kernel(super::spec_key("index", &spec), || spec.source())?;
     let (mut po, mut ps, mut pi, mut pe) = (o.buf.ptr, src.buf.ptr, idx.buf.ptr, g.err);
     let mut params = kernel_params![po, ps, pi, pe, a];
