@@ -271,9 +271,9 @@ pub(super) fn sum_dim(g: &Arc<Gpu>, s: &CudaStorage, l: &Layout, dim: usize) -> 
 const COLUMN_SUMS_MIN: usize = 1 << 20;
 
 /// Whether `column_sums` takes the sums over dim `dim` of the 2-D view `l`: the other dim
-/// contiguous.
+/// contiguous, and short enough for the grid (its blocks along x).
 pub(super) fn column_sums_fit(l: &Layout, dim: usize) -> bool {
-    l.rank() == 2 && dim < 2 && (l.strides[1 - dim] == 1 || l.shape[1 - dim] == 1)
+    l.rank() == 2 && dim < 2 && (l.strides[1 - dim] == 1 || l.shape[1 - dim] == 1) && l.shape[1 - dim] < 1 << 31
 }
 
 /// `out[at..at + n]` = the sums over dim `dim` of the 2-D view `(s, l)` (`n` the other dim's
