@@ -2014,10 +2014,11 @@ fn vector_loop(gr: &FusedGroup, j: usize, start: &str, stride: usize) -> Result<
             continue;
         }
         match (vec_read(x, w), &x.strided, &x.fed) {
-            (Some(VecRead::Fed), _, Some(f)) => {
+            // (`Fed::value` makes four values: `vec_read` offers a fed input only at width 4.)
+            (Some(VecRead::Fed), _, Some(f)) if w == 4 => {
                 s += &format!("    const VI{k} a{k} = {};\n", f.value(x, (j, k), "q * 4", gr.narrow(), true));
             }
-            (_, _, Some(_)) => return Err(format!("input {k}: a fed product read four at a time without aligned rows")),
+            (_, _, Some(_)) => return Err(format!("input {k}: a fed product read {w} at a time (it takes four, from aligned rows)")),
             (Some(VecRead::Splat), Some(st), None) => {
                 s += &format!("    const auto a{k} = p{j}_{k}[{}];\n", at(st));
                 loads.push(format!("a{k}"));
