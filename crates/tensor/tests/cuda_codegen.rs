@@ -132,6 +132,15 @@ fn every_elementwise_kernel_compiles() {
             count += 1;
         }
     }
+    // Before sm_80 the prelude rounds to BF16 in integer steps (`f2b`'s other branch): the
+    // casts into BF16 for a Turing GPU (sm_75, the oldest CUDA 13 compiles for).
+    for &d in &FLOATS {
+        let (s, n) = ew(&Op::Cast(DType::BF16), &[d], DType::BF16, true, false);
+        if let Err(e) = nvrtc::compile(&waiting_for_prior(&s), &n, "sm_75", true) {
+            fails.push(format!("{n} for sm_75: {e}"));
+        }
+        count += 1;
+    }
     assert!(fails.is_empty(), "{} of {count} kernels failed:\n{}", fails.len(), fails.join("\n\n"));
     assert!(count > 400, "{count}");
 }
