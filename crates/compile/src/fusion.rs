@@ -402,10 +402,9 @@ pub fn batch_groups(g: &Graph, plan: Plan) -> Plan {
 /// reading only inputs, state and constants, and writing in place only state that nothing
 /// outside it reads (the optimizer's step count).
 fn free_scalar(g: &Graph, gr: &Group, state_nodes: &[Option<NodeId>], users: &[Vec<NodeId>]) -> bool {
-    let leaf = |x: NodeId| matches!(g.nodes[x].kind, Kind::Input(_) | Kind::State(_)) || g.nodes[x].is_const();
     gr.shape.iter().product::<usize>() == 1
         && !gr.folds
-        && gr.externals.iter().all(|a| leaf(a.node))
+        && gr.externals.iter().all(|a| g.nodes[a.node].is_leaf())
         && gr.inplace.iter().all(|&(_, slot)| state_nodes[slot].is_none_or(|s| users[s].iter().all(|u| gr.members.contains(u))))
 }
 
@@ -465,9 +464,9 @@ fn hoist_early_groups(g: &Graph, mut plan: Plan) -> Plan {
     let Some(target) = plan.steps.iter().position(|s| matches!(s, Step::Groups(_))) else { return plan };
     let (state_nodes, users) = (g.state_nodes(), g.users());
     let free = |gr: &Group| free_scalar(g, gr, &state_nodes, &users);
-    let leaf = |x: NodeId| matches!(g.nodes[x].kind, Kind::Input(_) | Kind::State(_)) || g.nodes[x].is_const();
     let training = !g.writes.is_empty();
-    let reads_leaves = |gr: &Group| training && !gr.folds && gr.inplace.is_empty() && gr.externals.iter().all(|a| leaf(a.node));
+    let reads_leaves =
+        |gr: &Group| training && !gr.folds && gr.inplace.is_empty() && gr.externals.iter().all(|a| g.nodes[a.node].is_leaf());
     let (mut hoisted, mut scalars): (Vec<usize>, usize) = (Vec::new(), 0);
     let mut moved: Vec<NodeId> = Vec::new();
     for step in &plan.steps[target + 1..] {

@@ -44,6 +44,10 @@ impl Node {
     pub fn is_const(&self) -> bool {
         matches!(&self.kind, Kind::Op(Op::Full { .. } | Op::Arange { .. }, args) if args.is_empty())
     }
+    /// An input, state or a constant: what a step has before it computes anything.
+    pub fn is_leaf(&self) -> bool {
+        matches!(self.kind, Kind::Input(_) | Kind::State(_)) || self.is_const()
+    }
     pub fn args(&self) -> Vec<NodeId> {
         match &self.kind {
             Kind::Input(_) | Kind::State(_) | Kind::Rand { .. } => vec![],

@@ -765,15 +765,17 @@ fn finish(g: &Arc<Gpu>, out: CudaStorage, rest: Rest, shape: &[usize]) -> Result
     if let Some(r) = rest.residual {
         super::kernels::add_into(g, &out, shape, r)?;
     }
-    if let Some(((s, l), dim, at)) = rest.sums.filter(|((_, l), dim, _)| super::kernels::column_sums_fit(l, *dim)) {
-        super::kernels::column_sums(g, (s, l), dim, &out, at)?;
-    } else if let Some(((s, l), dim, at)) = rest.sums {
-        let len = l.shape[1 - dim];
-        let sums = super::kernels::sum_dim(g, s, l, dim)?;
-        // SAFETY: `out` holds `at + len` elements (the shape rule) and `sums` `len`, both live
-        // until the stream has run the copy (the caller keeps `out`; freed buffers are reused
-        // only in stream order).
-        unsafe { g.copy_d2d(out.ptr_at(at), sums.buf.ptr, len * out.dtype.size_in_bytes())? };
+    match rest.sums {
+        Some(((s, l), dim, at)) if super::kernels::column_sums_fit(l, dim) => super::kernels::column_sums(g, (s, l), dim, &out, at)?,
+        Some(((s, l), dim, at)) => {
+            let len = l.shape[1 - dim];
+            let sums = super::kernels::sum_dim(g, s, l, dim)?;
+            // SAFETY: `out` holds `at + len` elements (the shape rule) and `sums` `len`, both live
+            // until the stream has run the copy (the caller keeps `out`; freed buffers are reused
+            // only in stream order).
+            unsafe { g.copy_d2d(out.ptr_at(at), sums.buf.ptr, len * out.dtype.size_in_bytes())? };
+        }
+        None => {}
     }
     Ok(out)
 }

@@ -1427,8 +1427,11 @@ pub const COLSUM_WARPS: usize = 8;
 /// (session 32). `column_sums_fold_source` adds the chunks.
 pub fn column_sums_source(dtype: DType, v: usize) -> (String, String) {
     let name = format!("k_column_sums_{}_v{v}", format!("{dtype:?}").to_lowercase());
-    let acc = if dtype == DType::F64 { "double" } else { "float" };
-    let mut s = format!("{PRELUDE}\ntypedef {} T;\ntypedef {acc} A;\n#define V {v}\n#define WARPS {COLSUM_WARPS}\n", storage_type(dtype));
+    let mut s = format!(
+        "{PRELUDE}\ntypedef {} T;\ntypedef {} A;\n#define V {v}\n#define WARPS {COLSUM_WARPS}\n",
+        storage_type(dtype),
+        compute_type(dtype)
+    );
     s += "struct alignas(V * sizeof(T)) VT { T v[V]; };\n";
     s += &format!(
         "extern \"C\" __global__ void __launch_bounds__(WARPS * 32) {name}(A* __restrict__ part, const T* __restrict__ x, long long rows, long long n, long long stride, long long chunk) {{\n"
@@ -1471,8 +1474,8 @@ pub fn column_sums_source(dtype: DType, v: usize) -> (String, String) {
 /// walking every chunk waited on 512 loads in turn for GPT's 384 bias columns.
 pub fn column_sums_fold_source(dtype: DType) -> (String, String) {
     let name = format!("k_column_sums_fold_{}", format!("{dtype:?}").to_lowercase());
-    let acc = if dtype == DType::F64 { "double" } else { "float" };
-    let mut s = format!("{PRELUDE}\ntypedef {} T;\ntypedef {acc} A;\n#define WARPS {COLSUM_WARPS}\n", storage_type(dtype));
+    let mut s =
+        format!("{PRELUDE}\ntypedef {} T;\ntypedef {} A;\n#define WARPS {COLSUM_WARPS}\n", storage_type(dtype), compute_type(dtype));
     s += &format!(
         "extern \"C\" __global__ void __launch_bounds__(WARPS * 32) {name}(T* __restrict__ o, const A* __restrict__ part, long long n, long long chunks) {{\n"
     );

@@ -143,6 +143,8 @@ pub struct FusedModule {
     programs: Vec<Wanted>,
     /// Each kernel's key in the GPU's kernel cache.
     keys: Vec<u64>,
+    /// Each kernel's grid (`FusedKernel::blocks`), worked out once rather than at every launch.
+    grids: Vec<u32>,
     kernels: OnceLock<Vec<Kernel>>,
     /// A zeroed `u32` per kernel: its ticket (`FusedKernel::ticket`).
     tickets: CudaStorage,
@@ -186,7 +188,8 @@ impl FusedModule {
         // (Eight bytes a kernel: I64, the narrowest dtype with four-byte alignment.)
         let tickets = CudaStorage::alloc(&g, DType::I64, specs.len().max(1))?;
         super::kernels::zero(&g, &tickets)?;
-        Ok(FusedModule { gpu: g, specs, programs, keys, kernels: OnceLock::new(), tickets, folded: Mutex::new(None) })
+        let grids = specs.iter().map(|k| k.blocks() as u32).collect();
+        Ok(FusedModule { gpu: g, specs, programs, keys, grids, kernels: OnceLock::new(), tickets, folded: Mutex::new(None) })
     }
 
     /// Kernel `k`, its programs compiled on first use (a placeholder in a dry run).
@@ -249,7 +252,7 @@ impl FusedModule {
             ptrs.push(self.tickets.ptr_at(k));
         }
         let mut params: Vec<*mut c_void> = ptrs.iter_mut().map(|p| p as *mut u64 as *mut c_void).collect();
-        let (kernel, grid) = (self.kernel(k)?, spec.blocks() as u32);
+        let (kernel, grid) = (self.kernel(k)?, self.grids[k]);
         // SAFETY: the parameters are each group's outputs then inputs, in the order of the
         // generated signature, then each copy's source, null destination and length, then the
         // ticket (in `tickets`); each buffer was checked to be big enough for every index the

@@ -482,7 +482,9 @@ fn reduce_into(g: &Arc<Gpu>, op: ReduceOp, s: &CudaStorage, l: &Layout, dims: &[
     let wide_columns = op == ReduceOp::Sum && split && ks.len() == 1 && kst[0] == [1] && rs.len() == 1 && rows >= 256;
     if wide_columns && out.dtype == s.dtype && s.dtype.is_float() && rows * red >= COLUMN_SUMS_MIN {
         let view = Layout { shape: vec![red, rows], strides: vec![rst[0][0], 1], offset: l.offset };
-        return column_sums(g, (s, &view), 0, out, 0);
+        if column_sums_fit(&view, 0) {
+            return column_sums(g, (s, &view), 0, out, 0);
+        }
     }
     let inner_contiguous = rs.is_empty() || (rs.len() == 1 && rst[0][0] == 1);
     let threads_wanted = g.sms as usize * 2048;
