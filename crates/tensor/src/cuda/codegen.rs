@@ -2652,19 +2652,30 @@ pub fn flash_supported(dtype: DType, d: usize) -> bool {
 /// Each kernel body sees `KS` (the MMA's depth), `AW` (words of one A fragment) and `EXP`.
 fn flash_helpers(dtype: DType) -> String {
     let mut s = format!("#define SD (D + {})\n#define VEC {}\n", flash_vec(dtype), flash_vec(dtype));
-    s += "__device__ __forceinline__ unsigned smem(const void* p) {\n  unsigned a;\n";
-    s += "  asm(\"{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\" : \"=r\"(a) : \"l\"(p));\n  return a;\n}\n";
+    s += "__device__ __forceinline__ unsigned smem(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }\n";
     // One [T, D] matrix of a batch: row t of matrix n at `(n / nh) * b + (n % nh) * h + t * t`
     // elements (a head of a fused projection is read where it lies, with no copy).
     s += MAT;
-    // Rows row0..row0+64 of a [T, D] matrix with row stride st into a shared tile, copied by
-    // the async copy engine 16 bytes at a time (zeros past T), so that a block loads the next
-    // tile while it computes on this one; `async_wait<N>` waits for all but the last N groups.
+    // Rows row0..row0+64 (row0 < T) of a [T, D] matrix with row stride st into a shared tile,
+    // copied by the async copy engine 16 bytes at a time (zeros past T), so that a block loads
+    // the next tile while it computes on this one; `async_wait<N>` waits for all but the last N
+    // groups. Where a row's CPR pieces divide the block's 128 threads, each thread copies one
+    // column of pieces, its addresses stepped (the general loop's divisions and 64-bit index
+    // products were about 40 instructions a piece, a third of the 16-bit forward's). Not for
+    // F32: its kernels then spilled (the forward at D = 64 by 440 bytes, unrolled or not).
+    s += &format!("#define CPR (D / VEC)\n#define F32_TILES {}\n", (dtype == DType::F32) as i32);
     s += "__device__ __forceinline__ void load_tile_async(T (*tile)[SD], const T* p, long long st, long long row0, long long Tn) {\n";
-    s +=
-        "  for (int e = threadIdx.x; e < 64 * (D / VEC); e += blockDim.x) {\n    const int r = e / (D / VEC), c = (e % (D / VEC)) * VEC;\n";
+    s += "#if 128 % CPR == 0 && CPR >= 2 && !F32_TILES\n";
+    s += "  constexpr int RS = 128 / CPR;\n  const int r = threadIdx.x / CPR, c = (threadIdx.x % CPR) * VEC;\n";
+    s += "  const long long rows = Tn - row0;\n  const int left = rows < 64 ? (int)rows : 64;\n";
+    s += "  const T* src = p + (row0 + r) * st + c;\n  const long long step = RS * st;\n  const unsigned dst = smem(&tile[r][c]);\n";
+    s += "#pragma unroll\n  for (int i = 0; i < 64 / RS; ++i, src += step) {\n    const bool in = r + i * RS < left;\n";
+    s += "    asm volatile(\"cp.async.cg.shared.global [%0], [%1], 16, %2;\" :: \"r\"(dst + i * RS * SD * (unsigned)sizeof(T)), \"l\"(in ? src : p), \"r\"(in ? 16 : 0));\n  }\n";
+    s += "#else\n";
+    s += "  for (int e = threadIdx.x; e < 64 * CPR; e += blockDim.x) {\n    const int r = e / CPR, c = (e % CPR) * VEC;\n";
     s += "    const bool in = row0 + r < Tn;\n    const T* src = in ? p + (row0 + r) * st + c : p;\n";
-    s += "    asm volatile(\"cp.async.cg.shared.global [%0], [%1], 16, %2;\" :: \"r\"(smem(&tile[r][c])), \"l\"(src), \"r\"(in ? 16 : 0));\n  }\n}\n";
+    s += "    asm volatile(\"cp.async.cg.shared.global [%0], [%1], 16, %2;\" :: \"r\"(smem(&tile[r][c])), \"l\"(src), \"r\"(in ? 16 : 0));\n  }\n";
+    s += "#endif\n}\n";
     s += "__device__ __forceinline__ void async_commit() { asm volatile(\"cp.async.commit_group;\" ::); }\n";
     s += "template <int N> __device__ __forceinline__ void async_wait() { asm volatile(\"cp.async.wait_group %0;\" :: \"n\"(N)); }\n";
     // Sum and max over the 4 threads that share a row.
@@ -2707,10 +2718,11 @@ fn flash_frags_16(dtype: DType) -> String {
     s += "    : \"+f\"(c[0]), \"+f\"(c[1]), \"+f\"(c[2]), \"+f\"(c[3]) : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"r\"(b[0]), \"r\"(b[1]));\n}\n";
     s += "__device__ __forceinline__ unsigned pack(float lo, float hi) {\n  unsigned r;\n";
     s += &format!("  asm(\"cvt.rn.{ty}x2.f32 %0, %1, %2;\" : \"=r\"(r) : \"f\"(hi), \"f\"(lo));\n  return r;\n}}\n");
-    s += "__device__ __forceinline__ void ldsm4(unsigned* r, const T* p) {\n";
-    s += "  asm volatile(\"ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\" : \"=r\"(r[0]), \"=r\"(r[1]), \"=r\"(r[2]), \"=r\"(r[3]) : \"r\"(smem(p)));\n}\n";
-    s += "__device__ __forceinline__ void ldsm4t(unsigned* r, const T* p) {\n";
-    s += "  asm volatile(\"ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\" : \"=r\"(r[0]), \"=r\"(r[1]), \"=r\"(r[2]), \"=r\"(r[3]) : \"r\"(smem(p)));\n}\n";
+    // Loads by 32-bit shared addresses: a row's base found once, the rest constant offsets.
+    s += "__device__ __forceinline__ void ldsm4(unsigned* r, unsigned at) {\n";
+    s += "  asm volatile(\"ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\" : \"=r\"(r[0]), \"=r\"(r[1]), \"=r\"(r[2]), \"=r\"(r[3]) : \"r\"(at));\n}\n";
+    s += "__device__ __forceinline__ void ldsm4t(unsigned* r, unsigned at) {\n";
+    s += "  asm volatile(\"ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\" : \"=r\"(r[0]), \"=r\"(r[1]), \"=r\"(r[2]), \"=r\"(r[3]) : \"r\"(at));\n}\n";
     // Two neighbouring columns c, c+1 of row `row` (0 past the last row).
     s += "__device__ __forceinline__ unsigned ld2(const T* p, long long st, long long row, int c, long long Tn) {\n";
     s += "  return row < Tn ? *(const unsigned*)(p + row * st + c) : 0u;\n}\n";
@@ -2724,14 +2736,16 @@ fn flash_frags_16(dtype: DType) -> String {
     s += "__device__ __forceinline__ void scores(float (*s)[4], const unsigned (*a)[AW], T (*tile)[SD], int sub, int lane) {\n";
     s += "#pragma unroll\n  for (int nt = 0; nt < 2; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;\n";
     s += "  const int mi = lane >> 3, row = sub + (mi >> 1) * 8 + (lane & 7), col = (mi & 1) * 8;\n";
-    s += "#pragma unroll\n  for (int ks = 0; ks < D / 16; ++ks) {\n    unsigned b[4];\n    ldsm4(b, &tile[row][ks * 16 + col]);\n";
+    s += "  const unsigned at = smem(&tile[row][col]);\n";
+    s += "#pragma unroll\n  for (int ks = 0; ks < D / 16; ++ks) {\n    unsigned b[4];\n    ldsm4(b, at + ks * 32);\n";
     s += "    mma(s[0], a[ks], b);\n    mma(s[1], a[ks], b + 2);\n  }\n}\n";
     // acc (16 x D) += P (16 x 16, as score accumulators) times tile rows sub..sub+16 (B along
     // the tile's rows: ldmatrix.trans, two 8-column tiles per load).
     s += "__device__ __forceinline__ void accumulate(float (*acc)[4], const float (*pr)[4], T (*tile)[SD], int sub, int lane) {\n";
     s += "  const unsigned a[4] = {pack(pr[0][0], pr[0][1]), pack(pr[0][2], pr[0][3]), pack(pr[1][0], pr[1][1]), pack(pr[1][2], pr[1][3])};\n";
     s += "  const int mi = lane >> 3, row = sub + (mi & 1) * 8 + (lane & 7), col = (mi >> 1) * 8;\n";
-    s += "#pragma unroll\n  for (int j = 0; j < D / 8; j += 2) {\n    unsigned b[4];\n    ldsm4t(b, &tile[row][j * 8 + col]);\n";
+    s += "  const unsigned at = smem(&tile[row][col]);\n";
+    s += "#pragma unroll\n  for (int j = 0; j < D / 8; j += 2) {\n    unsigned b[4];\n    ldsm4t(b, at + j * 16);\n";
     s += "    mma(acc[j], a, b);\n    mma(acc[j + 1], a, b + 2);\n  }\n}\n";
     // Two neighbouring values of a row, stored as one 32-bit word.
     s += "__device__ __forceinline__ void put2(T* p, float lo, float hi) { *(unsigned*)p = pack(lo, hi); }\n";
@@ -2900,13 +2914,17 @@ pub fn flash_source(kind: AttnKernel, dtype: DType, d: usize, causal: bool) -> (
     // 57 us against 51 at the GPT's shape with three), and so would the F32 ones, whose A
     // fragments take twice the registers (split). The F32 forward fits three blocks' 168
     // registers with no spill up to D = 64 (three blocks' shared memory fits there): 100 us
-    // against 116 at two (GPT shapes, `ncu`).
-    let wide = if dtype == DType::F32 { 2 } else { 4 };
+    // against 116 at two (GPT shapes, `ncu`). No bound asks for more blocks than an SM's
+    // shared memory (227 KiB a block at most, 228 an SM) holds: at D = 128 three 16-bit blocks
+    // or one F32 block fit, and registers held down for a fourth or second only spilled.
+    let fit = (228 * 1024 / (flash_smem_bytes(dtype, d) + 1024)).max(1);
+    let wide = (if dtype == DType::F32 { 2 } else { 4 }).min(fit);
     let fwd = match dtype {
         DType::F32 if d <= 64 => 3,
         DType::F32 => 2,
         _ => 4,
-    };
+    }
+    .min(fit);
     let (sig, body, min_blocks) = match kind {
         AttnKernel::Fwd => (
             format!("{t}* __restrict__ o, float* __restrict__ lse, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, Mat mq, Mat mk, Mat mv, Mat mo"),
@@ -2958,6 +2976,23 @@ template <int NT> __device__ __forceinline__ void scale_mask(float (*s)[4], long
 #pragma unroll
     for (int e = 0; e < 4; ++e) s[nt][e] *= scale;
 }
+// g.o over quarter tq of a row (a quad's four threads sum the row): by 16-byte pieces where a
+// quarter is whole pieces (rows are aligned to them), else a column in four.
+__device__ __forceinline__ float quarter_dot(const T* g, const T* o, int tq) {
+  float acc = 0.f;
+#if (D / 4) % VEC == 0
+  struct alignas(16) V { T v[VEC]; };
+#pragma unroll
+  for (int c = tq * (D / 4); c < (tq + 1) * (D / 4); c += VEC) {
+    const V a = *(const V*)(g + c), b = *(const V*)(o + c);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) acc += ld(a.v[e]) * ld(b.v[e]);
+  }
+#else
+  for (int c = tq; c < D; c += 4) acc += ld(g[c]) * ld(o[c]);
+#endif
+  return acc;
+}
 // The kernels' four shared tiles (two matrices, two buffers each), in dynamic shared memory:
 // `flash_smem_bytes`.
 __device__ __forceinline__ T (*tiles())[64][SD] {
@@ -2985,17 +3020,13 @@ __device__ __forceinline__ void stream_next(T (*a)[64][SD], const T* pa, long lo
   __syncthreads();
 }
 // The scores of a warp's 16 rows (A fragments a) against the 64 rows of a shared tile whose
-// first is row c0: sub-tiles from `end` on are not computed (-inf).
+// first is row c0: sub-tiles from `end` on are not computed and keep what s held. Every caller
+// masks next, and a sub-tile past `end` (past T, or causal keys after all the warp's queries)
+// is wholly masked there: writing -inf here too cost a move per score.
 __device__ __forceinline__ void tile_scores(float (*s)[4], const unsigned (*a)[AW], T (*tile)[SD], long long c0, long long end, int lane) {
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if (c0 + 16 * i < end) {
-      scores(s + 2 * i, a, tile, 16 * i, lane);
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) s[2 * i + e / 4][e % 4] = NEG_INF;
-    }
-  }
+  for (int i = 0; i < 4; ++i)
+    if (c0 + 16 * i < end) scores(s + 2 * i, a, tile, 16 * i, lane);
 }
 // The scaled and masked scores of a warp's 16 query rows (from r0) against a 64-key tile from
 // kt; and this thread's maximum over one row half h (rows gq, gq + 8) of such a tile.
@@ -3037,11 +3068,11 @@ const FLASH_FWD: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
   float acc[D / 8][4];
   ZERO(acc);
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+  float sc[8][4] = {};  // scores; zeroed once, as sub-tiles that `tile_scores` skips keep theirs
   int buf = 0;
   for (long long kt = 0; kt < kend; kt += 64, buf ^= 1) {
     stream_next(ks, k, mk.t, vs, v, mv.t, buf, kt + 64, kend, Tn);
     if (kt < mine) {
-      float sc[8][4];
       key_tile_scores(sc, qa, ks[buf], r0, kt, mine, gq, tq, Tn, sl, lane);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -3085,10 +3116,10 @@ const FLASH_DQ: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
   int buf = 0;
   if (!lse) stream_start(ks, k, mk.t, nullptr, nullptr, 0, 0, Tn);
   load_a(qa, q, mq.t, r0, gq, tq, Tn);
+  float sc[8][4] = {};  // as in the forward
   for (long long kt = 0; !lse && kt < kend; kt += 64, buf ^= 1) {
     stream_next(ks, k, mk.t, nullptr, nullptr, 0, buf, kt + 64, kend, Tn);
     if (kt < mine) {
-      float sc[8][4];
       key_tile_scores(sc, qa, ks[buf], r0, kt, mine, gq, tq, Tn, sl, lane);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -3113,9 +3144,7 @@ const FLASH_DQ: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
       const float mx = quad_max(m[h]), ms = mx == NEG_INF ? 0.f : mx;
       L[h] = ms + log2f(quad_sum(l[h] * EXP2(m[h] - ms)));
     }
-    float acc = 0.f;
-    if (r < Tn) for (int c = tq; c < D; c += 4) acc += ld(g[r * mg.t + c]) * ld(o[r * mo.t + c]);
-    Ds[h] = quad_sum(acc);
+    Ds[h] = quad_sum(r < Tn ? quarter_dot(g + r * mg.t, o + r * mo.t, tq) : 0.f);
     if (r < Tn && tq == 0) { const long long at = ((long long)blockIdx.x * Tn + r) * 2; stats[at] = L[h]; stats[at + 1] = Ds[h]; }
   }
   unsigned ga[D / KS][AW];
