@@ -2916,7 +2916,7 @@ pub fn flash_source(kind: AttnKernel, dtype: DType, d: usize, causal: bool) -> (
     s += FLASH_COMMON;
     // Registers bound occupancy: four blocks per SM measured faster for the 16-bit forward and
     // dq kernels (128 registers, no spills); the dk/dv kernel spills at four (and measured
-    // 57 us against 51 at the GPT's shape with three), and so would the F32 ones, whose A
+    // 57 us against 51 at the GPT's shape with three, which it is held to), and so would the F32 ones, whose A
     // fragments take twice the registers (split). The F32 forward fits three blocks' 168
     // registers with no spill up to D = 64 (three blocks' shared memory fits there): 100 us
     // against 116 at two (GPT shapes, `ncu`). No bound asks for more blocks than an SM's
@@ -2944,7 +2944,7 @@ pub fn flash_source(kind: AttnKernel, dtype: DType, d: usize, causal: bool) -> (
         AttnKernel::Dkv => (
             format!("{t}* __restrict__ dk, {t}* __restrict__ dv, const float* __restrict__ stats, const {t}* __restrict__ q, const {t}* __restrict__ k, const {t}* __restrict__ v, const {t}* __restrict__ g, Mat mq, Mat mk, Mat mv, Mat mg, Mat mout"),
             FLASH_DKV,
-            1,
+            if dtype != DType::F32 && d <= 64 { 3 } else { 1 },
         ),
     };
     s += &format!("extern \"C\" __global__ void __launch_bounds__(128, {min_blocks}) {name}({sig}, long long Tn, float scale) {{\n{FLASH_HEAD}{body}}}\n");
@@ -3180,16 +3180,21 @@ const FLASH_DQ: &str = r#"  T (*ks)[64][SD] = tiles(), (*vs)[64][SD] = ks + 2;
 
 // dk and dv: here a warp's rows (from r0) are keys and a score tile's columns are queries.
 const FLASH_DKV: &str = r#"  T (*qs)[64][SD] = tiles(), (*gs)[64][SD] = qs + 2;
-  __shared__ float Ls[2][64], Dl[2][64];
+  __shared__ float2 LD[2][64];  // each query row's log-sum-exp and Dsum
   q += mat_base(mq); k += mat_base(mk); v += mat_base(mv); g += mat_base(mg); dk += mat_base(mout); dv += mat_base(mout);
   stats += (long long)blockIdx.x * Tn * 2;
   const long long q0 = CAUSAL ? rb : 0;
-  // Each query tile's log-sum-exp and Dsum rows go with it, by plain loads into the same buffer.
+  // Each query tile's (log-sum-exp, Dsum) pairs go with it, an 8-byte async copy a row in the
+  // tile's group (zeros past T). Plain loads stalled two warps, and so the block's barrier, on
+  // a trip to memory every tile.
   auto load_stats = [&](int b, long long qt) {
-    for (int r = threadIdx.x; r < 64; r += blockDim.x) { const bool in = qt + r < Tn; Ls[b][r] = in ? stats[(qt + r) * 2] : 0.f; Dl[b][r] = in ? stats[(qt + r) * 2 + 1] : 0.f; }
+    if (threadIdx.x < 64) {
+      const bool in = qt + threadIdx.x < Tn;
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" :: "r"(smem(&LD[b][threadIdx.x])), "l"(in ? stats + (qt + threadIdx.x) * 2 : stats), "r"(in ? 8 : 0));
+    }
   };
-  stream_start(qs, q, mq.t, gs, g, mg.t, q0, Tn);
   load_stats(0, q0);
+  stream_start(qs, q, mq.t, gs, g, mg.t, q0, Tn);
   unsigned ka[D / KS][AW], va[D / KS][AW];
   load_a(ka, k, mk.t, r0, gq, tq, Tn);
   load_a(va, v, mv.t, r0, gq, tq, Tn);
@@ -3214,8 +3219,9 @@ const FLASH_DKV: &str = r#"  T (*qs)[64][SD] = tiles(), (*gs)[64][SD] = qs + 2;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int qi = sub + nt * 8 + tq * 2 + (e & 1);
-          pt[nt][e] = EXP2(pt[nt][e] - Ls[buf][qi]);
-          dpt[nt][e] = pt[nt][e] * (dpt[nt][e] - Dl[buf][qi]);
+          const float2 ld = LD[buf][qi];
+          pt[nt][e] = EXP2(pt[nt][e] - ld.x);
+          dpt[nt][e] = pt[nt][e] * (dpt[nt][e] - ld.y);
         }
       accumulate(gv, pt, gs[buf], sub, lane);
       accumulate(gk, dpt, qs[buf], sub, lane);
