@@ -286,9 +286,10 @@ fn matmul_matches_the_cpu_with_transposes_and_batches() {
     }
 }
 
-/// Layer norms' shapes for the GPU tests: from a few rows to many, up to the kernels' longest
-/// row (`LN_GRADS_MAX_N`) and past it, and no rows at all.
-const LN_SHAPES: [&[usize]; 6] = [&[3, 5, 24], &[300, 384], &[2, 3], &[70, 1024], &[4, 1030], &[0, 8]];
+/// Layer norms' shapes for the GPU tests: from a few rows to many (6000: several rows a warp
+/// in the backward's one-pass kernel, so its staged form refills both row slots), up to the
+/// kernels' longest row (`LN_GRADS_MAX_N`) and past it, and no rows at all.
+const LN_SHAPES: [&[usize]; 7] = [&[3, 5, 24], &[300, 384], &[2, 3], &[70, 1024], &[4, 1030], &[0, 8], &[6000, 136]];
 
 /// Layer norm's parameter gradients (one pass over x and g, then a fold of per-block
 /// partials) against the CPU's composite, from a few rows to many, up to the kernel's longest

@@ -224,12 +224,17 @@ fn every_reduction_and_index_kernel_compiles() {
             check(&s, &n, &mut fails);
         }
         for (tiles, dx) in [(1, false), (12, false), (32, false), (1, true), (12, true), (32, true)] {
-            let (s, n) = kiln_tensor::cuda::codegen::layer_norm_param_grads_source(d, tiles, dx, d);
+            let (s, n) = kiln_tensor::cuda::codegen::layer_norm_param_grads_source(d, tiles, dx, d, false);
             check(&s, &n, &mut fails);
         }
         // g in BF16 (a product's gradient under autocast) for an F32 layer norm.
-        let (s, n) = kiln_tensor::cuda::codegen::layer_norm_param_grads_source(DType::F32, 12, true, DType::BF16);
-        check(&s, &n, &mut fails);
+        // And staged through shared memory, with and without dx, g in F32 and BF16.
+        for (dx, gdt, staged) in
+            [(true, DType::BF16, false), (true, DType::BF16, true), (false, DType::F32, true), (true, DType::F32, true)]
+        {
+            let (s, n) = kiln_tensor::cuda::codegen::layer_norm_param_grads_source(DType::F32, 12, dx, gdt, staged);
+            check(&s, &n, &mut fails);
+        }
     }
     use kiln_tensor::cuda::codegen::{flash_source, tiled_source, AttnKernel};
     for kind in [AttnKernel::Fwd, AttnKernel::Dq, AttnKernel::Dkv] {

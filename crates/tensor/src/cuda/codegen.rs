@@ -1508,24 +1508,37 @@ pub fn column_sums_fold_source(dtype: DType) -> (String, String) {
 /// The longest row `layer_norm_param_grads_source` takes (32 values per lane).
 pub const LN_GRADS_MAX_N: usize = 1024;
 
+/// Warps a block of `layer_norm_param_grads_source`'s kernel has (two blocks an SM).
+pub const LN_GRADS_WARPS: usize = 8;
+
+/// Dynamic shared memory of a staged `layer_norm_param_grads_source` kernel over rows of `n`
+/// values: two row slots (x and g) a warp.
+pub fn ln_grads_stage_bytes(n: usize, dtype: DType, gdt: DType) -> usize {
+    LN_GRADS_WARPS * 2 * n * (dtype.size_in_bytes() + gdt.size_in_bytes())
+}
+
 /// Layer norm's parameter gradients, first pass: block `b` folds rows `b * chunk ..` into
 /// `part[b] = [sum g * xhat | sum g]` (`2 n` values of the compute type). Each warp takes a
 /// row at a time (mean and variance as `normalize_source` computes them), each lane keeps its
 /// `tiles` columns' sums in registers, and the warps add theirs in a fixed order, so the
 /// result does not depend on scheduling. With `dx`, the same pass also writes the input's
 /// gradient (`normalize_source`'s backward with the weight `w`) from the row it holds, so the
-/// layer norm's whole backward reads x and g once.
-pub fn layer_norm_param_grads_source(dtype: DType, tiles: usize, dx: bool, gdt: DType) -> (String, String) {
+/// layer norm's whole backward reads x and g once. `staged` (rows of whole 16-byte pieces,
+/// 16-byte aligned, `ln_grads_stage_bytes` of dynamic shared memory): each warp copies its
+/// next row into shared memory asynchronously while it works on this one; loaded straight into
+/// registers, a warp's row waited on memory between its reductions (2.55 TB/s, session 32).
+pub fn layer_norm_param_grads_source(dtype: DType, tiles: usize, dx: bool, gdt: DType, staged: bool) -> (String, String) {
     // g may be in another float dtype (a BF16 product's gradient under autocast), read as C.
     let name = format!(
-        "k_ln_{}grads_{}_{tiles}{}",
+        "k_ln_{}grads_{}_{tiles}{}{}",
         if dx { "" } else { "param_" },
         storage_type(dtype).replace(' ', "_"),
-        other_dtype("g", dtype, gdt)
+        other_dtype("g", dtype, gdt),
+        if staged { "_staged" } else { "" }
     );
     let (t, c, gt) = (storage_type(dtype), compute_type(dtype), storage_type(gdt));
-    let mut s = format!("{PRELUDE}\ntypedef {c} C;\nstruct NArgs {{ long long rows, red; double eps; }};\n#define TILES {tiles}\n");
-    s += &format!("extern \"C\" __global__ void {name}(C* __restrict__ part, const {t}* __restrict__ x, const {gt}* __restrict__ g, NArgs a, long long chunk, {t}* __restrict__ dx, const {t}* __restrict__ w) {{\n");
+    let mut s = format!("{PRELUDE}\ntypedef {c} C;\ntypedef {t} X;\ntypedef {gt} G;\nstruct NArgs {{ long long rows, red; double eps; }};\n#define TILES {tiles}\n");
+    s += &format!("extern \"C\" __global__ void __launch_bounds__({}) {name}(C* __restrict__ part, const X* __restrict__ x, const G* __restrict__ g, NArgs a, long long chunk, X* __restrict__ dx, const X* __restrict__ w) {{\n", LN_GRADS_WARPS * 32);
     s += "  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;\n";
     s += "  const long long r1 = min(a.rows, (blockIdx.x + 1) * chunk); const C n = (C)a.red;\n";
     s += "  C dw[TILES], db[TILES];\n#pragma unroll\n  for (int t = 0; t < TILES; ++t) { dw[t] = (C)0; db[t] = (C)0; }\n";
@@ -1533,12 +1546,32 @@ pub fn layer_norm_param_grads_source(dtype: DType, tiles: usize, dx: bool, gdt: 
         // The lane's columns are the same in every row: their weights are loaded once.
         s += "  C wr[TILES];\n#pragma unroll\n  for (int t = 0; t < TILES; ++t) wr[t] = lane + 32LL * t < a.red ? (C)ld(w[lane + 32LL * t]) : (C)0;\n";
     }
-    s += "  for (long long row = blockIdx.x * chunk + warp; row < r1; row += nw) {\n";
+    let (xrow, grow) = if staged {
+        // Slot s of this warp: the row's x, then its g. A fetch always commits a group (empty
+        // past the warp's rows), so that waiting for all but the newest is this row's.
+        s += "  extern __shared__ __align__(16) unsigned char dyn[];\n";
+        s += "  const int slot_bytes = (int)a.red * (int)(sizeof(X) + sizeof(G)), x_bytes = (int)a.red * (int)sizeof(X);\n";
+        s += "  unsigned char* mine = dyn + warp * 2 * slot_bytes;\n";
+        s += "  auto fetch = [&](long long row, int slot) {\n    if (row < r1) {\n";
+        s += "      const unsigned dst = (unsigned)__cvta_generic_to_shared(mine + slot * slot_bytes);\n";
+        s += "      const char* xs = (const char*)(x + row * a.red); const char* gs = (const char*)(g + row * a.red);\n";
+        s += "      for (int o = lane * 16; o < x_bytes; o += 512) asm volatile(\"cp.async.cg.shared.global [%0], [%1], 16;\" :: \"r\"(dst + o), \"l\"(xs + o));\n";
+        s += "      for (int o = lane * 16; o < slot_bytes - x_bytes; o += 512) asm volatile(\"cp.async.cg.shared.global [%0], [%1], 16;\" :: \"r\"(dst + x_bytes + o), \"l\"(gs + o));\n";
+        s += "    }\n    asm volatile(\"cp.async.commit_group;\" ::);\n  };\n";
+        s += "  int slot = 0;\n  fetch(blockIdx.x * chunk + warp, 0);\n";
+        s += "  for (long long row = blockIdx.x * chunk + warp; row < r1; row += nw, slot ^= 1) {\n";
+        s += "    fetch(row + nw, slot ^ 1);\n    asm volatile(\"cp.async.wait_group 1;\" ::: \"memory\");\n    __syncwarp();\n";
+        s += "    const X* xs = (const X*)(mine + slot * slot_bytes); const G* gs = (const G*)(mine + slot * slot_bytes + x_bytes);\n";
+        ("xs[j]", "gs[j]")
+    } else {
+        s += "  for (long long row = blockIdx.x * chunk + warp; row < r1; row += nw) {\n";
+        ("x[base + j]", "g[base + j]")
+    };
     // The row's x and g are loaded once into registers (all loads in flight together); the
     // mean and variance sum them in `normalize_source`'s order (warp sums).
     s += "    const long long base = row * a.red; C xr[TILES], gr[TILES], acc = (C)0;\n";
     s += "#pragma unroll\n    for (int t = 0; t < TILES; ++t) {\n      const long long j = lane + 32LL * t;\n";
-    s += "      xr[t] = j < a.red ? (C)ld(x[base + j]) : (C)0; gr[t] = j < a.red ? (C)ld(g[base + j]) : (C)0;\n    }\n";
+    s += &format!("      xr[t] = j < a.red ? (C)ld({xrow}) : (C)0; gr[t] = j < a.red ? (C)ld({grow}) : (C)0;\n    }}\n");
     s += "#pragma unroll\n    for (int t = 0; t < TILES; ++t) if (lane + 32LL * t < a.red) acc += xr[t];\n";
     s += &row_allreduce(false, false);
     s += "    const C mean = acc / n; acc = (C)0;\n";
@@ -1556,6 +1589,10 @@ pub fn layer_norm_param_grads_source(dtype: DType, tiles: usize, dx: bool, gdt: 
         s += "    const C mgx = acc / n;\n";
         s += "#pragma unroll\n    for (int t = 0; t < TILES; ++t) {\n      const long long j = lane + 32LL * t;\n";
         s += "      if (j < a.red) st(&dx[base + j], rstd * (gr[t] * wr[t] - mg - xr[t] * mgx));\n    }\n";
+    }
+    if staged {
+        // Every lane has read the slot before the next iteration's fetch refills it.
+        s += "    __syncwarp();\n";
     }
     s += "  }\n";
     s += "  __shared__ C sh[2 * 32 * TILES];\n";

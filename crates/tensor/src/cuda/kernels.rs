@@ -954,11 +954,19 @@ fn layer_norm_param_grads(
     let part = CudaStorage::alloc(g, accumulator(dtype), blocks * 2 * n)?;
     let with_dx = wd.is_some();
     let gdt = grad.0.dtype;
-    let k = g.kernel(super::spec_key("ln_param_grads", &(dtype, tiles, with_dx, gdt)), || {
-        super::codegen::layer_norm_param_grads_source(dtype, tiles, with_dx, gdt)
-    })?;
+    let (mut px, mut pg) = (xd.get().buf.ptr, gd.get().buf.ptr);
+    // Staged (each warp's next row copied to shared memory while it works on this one) where
+    // F32 rows of x and g are whole, aligned 16-byte pieces, and two blocks' slots fit an SM.
+    let most = super::codegen::ln_grads_stage_bytes(32 * tiles, dtype, gdt);
+    let staged = dtype == DType::F32 && gdt.is_float() && (n * gdt.size_in_bytes()) % 16 == 0 && (px | pg) % 16 == 0 && most <= 96 * 1024;
+    let shared = if staged { super::codegen::ln_grads_stage_bytes(n, dtype, gdt) } else { 0 };
+    let k = g.kernel_shared(
+        super::spec_key("ln_param_grads", &(dtype, tiles, with_dx, gdt, staged)),
+        if staged { most as u32 } else { 0 },
+        || super::codegen::layer_norm_param_grads_source(dtype, tiles, with_dx, gdt, staged),
+    )?;
     let mut a = RowArgs { rows: rows as i64, red: n as i64, value: eps };
-    let (mut o, mut px, mut pg, mut ch) = (part.buf.ptr, xd.get().buf.ptr, gd.get().buf.ptr, chunk as i64);
+    let (mut o, mut ch) = (part.buf.ptr, chunk as i64);
     let (mut pdx, mut pw) = match &wd {
         Some(w) => (out.ptr_at(dx_at), w.get().buf.ptr),
         None => (0, 0),
@@ -967,8 +975,9 @@ fn layer_norm_param_grads(
     // SAFETY: (part, x, g, NArgs, chunk, dx, w) matches the generated signature; x and g are
     // dense `rows * n` buffers, `part` holds `blocks * 2 n` partials of the compute type, and
     // with the weight (dense, `n`) `out` holds `rows * n` more elements from `dx_at`; without
-    // it the kernel reads neither dx nor w.
-    unsafe { g.launch(k, (blocks as u32, 1), 256, 0, &mut params)? };
+    // it the kernel reads neither dx nor w. Staged, `shared` bytes hold the warps' row slots
+    // (the kernel loaded with room for `most`), and x's and g's rows are 16-byte aligned.
+    unsafe { g.launch(k, (blocks as u32, 1), (super::codegen::LN_GRADS_WARPS * 32) as u32, shared as u32, &mut params)? };
     reduce_into(g, ReduceOp::Sum, &part, &Layout::contiguous(&[blocks, 2 * n]), &[0], &out, false)?;
     Ok(out)
 }
