@@ -67,6 +67,8 @@ static inline float kdiv_f(float a, float b) { return a / b; }
 static inline double kdiv_d(double a, double b) { return a / b; }
 #define G1(name, x) _Generic((x), float: name##_f, default: name##_d)(x)
 #define kexp(x) G1(kexp, x)
+// The CUDA prelude's one-instruction exp for GELU's density: here the exact one, as eager's.
+#define kexp_small(x) G1(kexp, x)
 #define klog(x) G1(klog, x)
 #define ksqrt(x) G1(ksqrt, x)
 #define krsqrt(x) G1(krsqrt, x)

@@ -280,14 +280,14 @@ impl UnaryOp {
             UnaryOp::Tanh => format!("ktanh({x})"),
             UnaryOp::Sigmoid => format!("(K(1)/(K(1)+kexp(-{x})))"),
             UnaryOp::Relu => format!("({x} > K(0) ? {x} : ({x} != {x} ? {x} : K(0)))"),
-            // h + h erf, not h (1 + erf): one rounding fewer, and two instructions where three.
-            UnaryOp::Gelu => format!("({h}*{x}+{h}*{x}*kerf({x}*{s2}))"),
+            UnaryOp::Gelu => format!("({h}*{x}*(K(1)+kerf({x}*{s2})))"),
             UnaryOp::GeluTanh => format!("({h}*{x}*(K(1)+ktanh({s2pi}*({x}+{a}*{x}*{x}*{x}))))"),
             UnaryOp::Silu => format!("({x}/(K(1)+kexp(-{x})))"),
             UnaryOp::Erf => format!("kerf({x})"),
             UnaryOp::Square => format!("({x}*{x})"),
             UnaryOp::Sign => format!("({x} > K(0) ? K(1) : ({x} < K(0) ? K(-1) : {x}))"),
             UnaryOp::Step => format!("({x} > K(0) ? K(1) : K(0))"),
+            // h + h erf is h (1 + erf) exactly (h = 1/2), one FMA on a GPU where two ops.
             UnaryOp::GeluGrad => format!("({h}+{h}*kerf({x}*{s2}) + {x}*K({INV_SQRT_2PI})*kexp_small(K(-0.5)*{x}*{x}))"),
             UnaryOp::GeluTanhGrad => format!("kgelu_tanh_grad({x})"),
             UnaryOp::SiluGrad => format!("ksilu_grad({x})"),

@@ -958,7 +958,12 @@ fn layer_norm_param_grads(
     // Staged (each warp's next row copied to shared memory while it works on this one) where
     // F32 rows of x and g are whole, aligned 16-byte pieces, and two blocks' slots fit an SM.
     let most = super::codegen::ln_grads_stage_bytes(32 * tiles, dtype, gdt);
-    let staged = dtype == DType::F32 && gdt.is_float() && (n * gdt.size_in_bytes()) % 16 == 0 && (px | pg) % 16 == 0 && most <= 96 * 1024;
+    let staged = dtype == DType::F32
+        && gdt.is_float()
+        && n % 4 == 0
+        && (n * gdt.size_in_bytes()) % 16 == 0
+        && (px | pg) % 16 == 0
+        && most <= 96 * 1024;
     let shared = if staged { super::codegen::ln_grads_stage_bytes(n, dtype, gdt) } else { 0 };
     let k = g.kernel_shared(
         super::spec_key("ln_param_grads", &(dtype, tiles, with_dx, gdt, staged)),
