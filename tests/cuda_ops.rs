@@ -869,8 +869,8 @@ fn steady_state_ops_make_no_driver_allocation() {
 }
 
 /// Fused attention (`Tensor::attention` and its backward kernels) against the CPU's f64
-/// reference: every float dtype the kernels take, causal and not, T not a multiple of the
-/// kernels' tiles or short (at most 32: the short-sequence forward), head dims for every kernel family (F32's D = 20 takes the FMA kernels, the
+/// reference: every float dtype the kernels take, causal and not, T a multiple of the
+/// kernels' tiles or not, or short (at most 32: the short-sequence forward), head dims for every kernel family (F32's D = 20 takes the FMA kernels, the
 /// others the tensor-core ones), inputs through a transposed view (split heads), and the
 /// gradients through autograd.
 #[test]
@@ -887,6 +887,10 @@ fn fused_attention_matches_the_cpu_forward_and_backward() {
             (1, 2, 200, 24, true),
             (1, 1, 100, 96, false),
             (1, 2, 50, 20, true),
+            // T a whole number of tiles; D = 48 (16-bit tiles by the general copy loop) and
+            // D = 16 (two 16-byte pieces a row; dq's g.o a column in four).
+            (1, 2, 128, 48, true),
+            (2, 2, 64, 16, false),
             // Short sequences (the CUDA cores' kernel, a lane per key).
             (2, 3, 10, 64, false),
             (2, 2, 17, 20, true),
