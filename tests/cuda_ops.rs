@@ -680,6 +680,16 @@ fn indexing_cat_and_in_place_updates_match_the_cpu() {
         both(&format!("index_select wide rows, dim 1 {dt:?}"), &[randn(&[3, 10, 40], 34, dt), ids], 0.0, |v| {
             v[0].index_select(1, &v[1].reshape(&[9000])?.narrow(0, 0, 3000)?)
         });
+        // index_add a warp a source row too: 9000 rows of 40 into 3000 (three adds a row: the
+        // CPU rounds F16/BF16 at each add, the GPU once).
+        let spread: Vec<i64> = (0..9000).map(|i| (i * 7919) % 3000).collect();
+        let spread = Tensor::from_slice(&spread, &[9000], Device::Cpu).unwrap();
+        both(
+            &format!("index_add wide rows {dt:?}"),
+            &[randn(&[3000, 40], 35, dt), spread, randn(&[9000, 40], 36, dt)],
+            tol(dt) * 4.0,
+            |v| v[0].index_add(0, &v[1], &v[2]),
+        );
         let idx3 = Tensor::from_slice(&[1i64, 1, 0, 4], &[4], Device::Cpu).unwrap();
         both(&format!("index_add dense source {dt:?}"), &[x.clone(), idx3, randn(&[4, 4, 3], 33, dt)], tol(dt) * 2.0, |v| {
             v[0].index_add(0, &v[1], &v[2])
@@ -838,6 +848,10 @@ fn cuda_errors_are_clear() {
     let ids = Tensor::from_slice(&many, &[9000], dev).unwrap();
     let e = wide.embedding(&ids).unwrap().to_vec::<f32>().unwrap_err().to_string();
     assert!(e.contains("index_select") && e.contains("12") && e.contains("size 10"), "{e}");
+    // And index_add's warp-a-row path: the bad row adds nothing, the error names it.
+    let src = Tensor::ones(&[9000, 40], DType::F32, dev).unwrap();
+    let e = wide.index_add(0, &ids, &src).unwrap().to_vec::<f32>().unwrap_err().to_string();
+    assert!(e.contains("index_add") && e.contains("12") && e.contains("size 10"), "{e}");
     // A cross-entropy target beyond the classes: the same path.
     let targets = Tensor::from_slice(&[1i64, 4], &[2], dev).unwrap();
     let e = cross_entropy(&table.narrow(0, 0, 2).unwrap(), &targets).unwrap().item().unwrap_err().to_string();

@@ -541,14 +541,15 @@ impl Reduce {
 pub struct Index {
     pub kind: IndexKind,
     pub dtype: DType,
-    /// `Select` a warp a row, its lanes along the row (`select_by_rows`), so the 64-bit
-    /// divisions come once a row rather than three times an element (GPT's token embedding,
-    /// 16384 rows of 384, took 32 us element by element).
+    /// `Select` or `Add` a warp a row, its lanes along the row (`select_by_rows`), so the
+    /// 64-bit divisions come once a row rather than three times an element (GPT's token
+    /// embedding, 16384 rows of 384, took 32 us element by element, and its gradient 33).
     pub rows: bool,
 }
 
-/// Whether `Index::rows` suits a select of `rows` rows of `inner` elements: rows at least a
-/// warp wide, and enough of them to give every warp of a full GPU (`sms` multiprocessors) one.
+/// Whether `Index::rows` suits a select (or index_add) of `rows` rows of `inner` elements:
+/// rows at least a warp wide, and enough of them to give every warp of a full GPU (`sms`
+/// multiprocessors) one.
 pub fn select_by_rows(rows: usize, inner: usize, sms: usize) -> bool {
     inner >= 32 && rows >= sms * 64
 }
@@ -585,20 +586,30 @@ impl Index {
         s += &format!(
             "extern \"C\" __global__ void {name}({t}* __restrict__ o, const {t}* __restrict__ src, const long long* __restrict__ idx, long long* err, IArgs a) {{\n"
         );
-        if self.kind == IndexKind::Select && self.rows {
+        if matches!(self.kind, IndexKind::Select | IndexKind::Add) && self.rows {
+            // Row `row` of [outer, nidx, inner]: the output's (select) or the source's (add).
             s += r#"  {
     const long long rows = a.outer * a.nidx, warps = ((long long)gridDim.x * blockDim.x) / 32;
     const int lane = threadIdx.x % 32;
     for (long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) / 32; row < rows; row += warps) {
       const long long j = row % a.nidx, ou = row / a.nidx, v = idx[j];
       const bool ok = check_index(err, a.code, v, a.size);
-      const T* from = src + (ok ? (ou * a.size + v) * a.inner : 0);
+"#;
+            s += if self.kind == IndexKind::Select {
+                r#"      const T* from = src + (ok ? (ou * a.size + v) * a.inner : 0);
       T* to = o + row * a.inner;
       for (long long e = lane; e < a.inner; e += 32) to[e] = ok ? from[e] : T();
-    }
+"#
+            } else {
+                r#"      const T* from = src + row * a.inner;
+      T* to = o + (ou * a.size + v) * a.inner;
+      if (ok) for (long long e = lane; e < a.inner; e += 32) atomicAdd(&to[e], from[e]);
+"#
+            };
+            s += "    }
   }
 }
-"#;
+";
             return (s, name);
         }
         s += "  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < a.n; i += (long long)gridDim.x * blockDim.x) {\n";

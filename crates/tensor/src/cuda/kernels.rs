@@ -1423,7 +1423,8 @@ fn index_code(kind: IndexKind) -> i64 {
 
 /// Launches an index kernel: `o` written from `src` at `idx` (all dense).
 fn launch_index(g: &Arc<Gpu>, kind: IndexKind, o: &CudaStorage, src: &CudaStorage, idx: &CudaStorage, mut a: IArgs) -> Result<()> {
-    let rows = kind == IndexKind::Select && super::codegen::select_by_rows((a.outer * a.nidx) as usize, a.inner as usize, g.sms as usize);
+    let rows = matches!(kind, IndexKind::Select | IndexKind::Add)
+        && super::codegen::select_by_rows((a.outer * a.nidx) as usize, a.inner as usize, g.sms as usize);
     if a.n == 0 {
         return Ok(());
     }
