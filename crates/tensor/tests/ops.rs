@@ -481,6 +481,28 @@ fn matmul_small_batched_broadcast_and_transposed() -> Result<()> {
     Ok(())
 }
 
+/// 16-bit index_add and scatter_add accumulate in F32 and round once: a thousand BF16 0.01s
+/// into one row sum to 10 (bf16 of 10.0098); rounded at every add, the sum stalled at 4, where
+/// 0.01 is under half a BF16 step.
+#[test]
+fn half_index_adds_accumulate_in_f32() -> Result<()> {
+    let hundredth = bf16::from_f32(0.01).to_f32();
+    let src = Tensor::full(hundredth as f64, &[1000, 2], DType::F32, CPU)?.to_dtype(DType::BF16)?;
+    let ids = Tensor::zeros(&[1000], DType::I64, CPU)?;
+    let want = bf16::from_f32(1000.0 * hundredth).to_f32();
+    assert_eq!(want, 10.0);
+    for dt in [DType::BF16, DType::F16] {
+        let base = Tensor::zeros(&[2, 2], dt, CPU)?;
+        let summed = base.index_add(0, &ids, &src.to_dtype(dt)?)?;
+        assert_eq!(summed.dtype(), dt);
+        let expect = if dt == DType::BF16 { want } else { f16::from_f32(1000.0 * f16::from_f32(hundredth).to_f32()).to_f32() };
+        assert_eq!(v(&summed.to_dtype(DType::F32)?), vec![expect, expect, 0.0, 0.0], "{dt:?}");
+        let scattered = base.scatter_add(0, &Tensor::zeros(&[1000, 2], DType::I64, CPU)?, &src.to_dtype(dt)?)?;
+        assert_eq!(v(&scattered.to_dtype(DType::F32)?), vec![expect, expect, 0.0, 0.0], "{dt:?} scatter_add");
+    }
+    Ok(())
+}
+
 #[test]
 fn indexing_ops() -> Result<()> {
     let w = t(&[0., 1., 10., 11., 20., 21.], &[3, 2]);

@@ -436,6 +436,17 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             let idx = contig(typed::<i64>(si, name)?, li);
             with_cpu!(s, v => index::gather(&contig(v, l), &l.shape, *dim, &idx, &li.shape)?.into_storage())
         }
+        Op::IndexAdd { .. } | Op::ScatterAdd { .. } if matches!(ins[0].0.dtype(), DType::F16 | DType::BF16) => {
+            // Accumulated in F32 and rounded once, as the CUDA kernels do: rounding to 16 bits
+            // at every add lost the small terms of long sums (an embedding's gradient).
+            let wide = |(s, l): (&CpuStorage, &Layout)| {
+                run(&Op::Cast(DType::F32), &[(s, l)], &OutMeta { shape: l.shape.clone(), dtype: DType::F32 })
+            };
+            let (base, src) = (wide(ins[0])?, wide(ins[2])?);
+            let (lb, ls) = (Layout::contiguous(&ins[0].1.shape), Layout::contiguous(&ins[2].1.shape));
+            let sum = run(op, &[(&base, &lb), ins[1], (&src, &ls)], &OutMeta { shape: meta.shape.clone(), dtype: DType::F32 })?;
+            run(&Op::Cast(meta.dtype), &[(&sum, &Layout::contiguous(&meta.shape))], meta)?
+        }
         Op::IndexAdd { dim } | Op::ScatterAdd { dim } => {
             let ((s, l), (si, li), (ss, ls)) = (ins[0], ins[1], ins[2]);
             let idx = contig(typed::<i64>(si, name)?, li);
