@@ -177,26 +177,40 @@ fn fed_input(g: &Graph, read: &Arg, (a, b): (&Arg, Option<&Arg>)) -> FusedInput 
     FusedInput { dtype: g.nodes[read.node].dtype, offset: a.layout.offset, strided: None, lead: None, fed: Some(fed) }
 }
 
+/// The fused kernels of a plan for the GPU, and for each group the kernel that runs it (set
+/// on each launch's first group). Identical launches (the same layer repeated) share one.
+fn fused_kernels(g: &Graph, plan: &Plan, capture: bool) -> Result<(Vec<FusedKernel>, Vec<Option<usize>>)> {
+    let mut specs = Vec::new();
+    let mut kernel_of = vec![None; plan.groups.len()];
+    let mut seen: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    let folds = if capture { copying_step(g, plan) } else { None };
+    for step in &plan.steps {
+        let Step::Groups(gs) = step else { continue };
+        let lead = plan.groups[gs[0]].lead.then(|| &plan.groups[gs[0]]);
+        let groups: Vec<FusedGroup> = gs.iter().map(|&k| fused_group(g, plan, k, lead.filter(|_| k != gs[0]))).collect::<Result<_>>()?;
+        let copies = if folds.is_some_and(|f| std::ptr::eq(f, step)) { g.outputs.len() } else { 0 };
+        let key = format!("{}{copies}{groups:?}", lead.is_some());
+        let k = *seen.entry(key).or_insert_with(|| {
+            specs.push(FusedKernel { name: kernel_name(g, plan, gs), groups, lead: lead.is_some(), copies });
+            specs.len() - 1
+        });
+        kernel_of[gs[0]] = Some(k);
+    }
+    Ok((specs, kernel_of))
+}
+
+/// The CUDA source a GPU would compile for this graph's fusion groups (`KILN_GPU_SOURCES`,
+/// `exec::Program::new`): planned as on a GPU, from a graph traced anywhere.
+pub fn gpu_sources(g: &Graph, capture: bool) -> Result<String> {
+    let mut plan = crate::fusion::batch_groups(g, crate::fusion::plan(g, true));
+    crate::fusion::feed_gpu_products(g, &mut plan);
+    let (specs, _) = fused_kernels(g, &plan, capture)?;
+    cuda::codegen::fused_module(&specs).map_err(Error::Msg)
+}
+
 impl GpuParts {
     pub fn new(g: &Graph, plan: &Plan, device: Device, capture: bool, tune: bool) -> Result<GpuParts> {
-        let mut specs = Vec::new();
-        let mut kernel_of = vec![None; plan.groups.len()];
-        // Identical groups (the same layer repeated) share one kernel.
-        let mut seen: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
-        let folds = if capture { copying_step(g, plan) } else { None };
-        for step in &plan.steps {
-            let Step::Groups(gs) = step else { continue };
-            let lead = plan.groups[gs[0]].lead.then(|| &plan.groups[gs[0]]);
-            let groups: Vec<FusedGroup> =
-                gs.iter().map(|&k| fused_group(g, plan, k, lead.filter(|_| k != gs[0]))).collect::<Result<_>>()?;
-            let copies = if folds.is_some_and(|f| std::ptr::eq(f, step)) { g.outputs.len() } else { 0 };
-            let key = format!("{}{copies}{groups:?}", lead.is_some());
-            let k = *seen.entry(key).or_insert_with(|| {
-                specs.push(FusedKernel { name: kernel_name(g, plan, gs), groups, lead: lead.is_some(), copies });
-                specs.len() - 1
-            });
-            kernel_of[gs[0]] = Some(k);
-        }
+        let (specs, kernel_of) = fused_kernels(g, plan, capture)?;
         let module = FusedModule::load(device, specs)?;
         let draws = g.nodes.iter().any(|n| matches!(n.kind, Kind::Rand { .. }));
         let rng = if draws { Some(cc::alloc_cell(device, DType::I64, 2)?) } else { None };

@@ -80,6 +80,12 @@ impl Program {
                 fusion::feed_gpu_products(&graph, &mut plan);
             }
         }
+        #[cfg(feature = "cuda")]
+        if let (Device::Cpu, Some(path)) = (device, crate::gpu_sources_path()) {
+            // For reading a GPU step's kernels (their SASS) on a machine without one.
+            let src = crate::cuda_exec::gpu_sources(&graph, capture)?;
+            std::fs::write(&path, src).map_err(|e| Error::Msg(format!("KILN_GPU_SOURCES: writing {path}: {e}")))?;
+        }
         let native = if device == Device::Cpu && opts.native_cpu { cpu_codegen::build(&graph, &plan) } else { None };
         let fed = match &native {
             Some(nat) if opts.fuse && opts.feed_products => fusion::feed_products(&graph, &mut plan, &|k| nat.groups[k].is_some()),

@@ -378,6 +378,7 @@ where
         let mut mark = Instant::now();
         let target = match device {
             Device::Cuda(i) => passes::Target::Gpu { clusters: kiln_tensor::cuda::has_clusters(i) },
+            _ if gpu_sources_path().is_some() => passes::Target::Gpu { clusters: true },
             _ => passes::Target::Cpu,
         };
         let graph = passes::optimise(lowered.graph, target, |name, g| {
@@ -517,6 +518,18 @@ fn debug_verify(g: &Graph) -> Result<()> {
         g.verify().map_err(|e| Error::Msg(format!("compile: graph verifier: {e}")))?;
     }
     Ok(())
+}
+
+/// `KILN_GPU_SOURCES=path` (a build with the `cuda` feature): a step compiled for the CPU is
+/// optimised as for a Hopper GPU, and the CUDA source of its fused kernels is written to
+/// `path`, so that their instructions can be read where no GPU is (NVRTC needs none). The
+/// step then runs on the CPU as usual.
+pub(crate) fn gpu_sources_path() -> Option<String> {
+    if cfg!(feature = "cuda") {
+        std::env::var("KILN_GPU_SOURCES").ok().filter(|p| !p.is_empty())
+    } else {
+        None
+    }
 }
 
 /// Whether a traced step holds a product that cuBLAS likely runs (every side over 32: the
