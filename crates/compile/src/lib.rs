@@ -523,7 +523,8 @@ fn debug_verify(g: &Graph) -> Result<()> {
 /// `KILN_GPU_SOURCES=path` (a build with the `cuda` feature): a step compiled for the CPU is
 /// optimised as for a Hopper GPU, and the CUDA source of its fused kernels is written to
 /// `path`, so that their instructions can be read where no GPU is (NVRTC needs none). The
-/// step then runs on the CPU as usual.
+/// step then runs on the CPU as usual. What the model itself picks by device is traced as on
+/// the CPU (`nn`'s attention: there as products and a softmax, where a GPU takes the fused op).
 pub(crate) fn gpu_sources_path() -> Option<String> {
     if cfg!(feature = "cuda") {
         std::env::var("KILN_GPU_SOURCES").ok().filter(|p| !p.is_empty())
