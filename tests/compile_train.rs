@@ -479,6 +479,42 @@ fn autocast_multiplies_in_bf16_and_keeps_f32_parameters() -> Result<()> {
     Ok(())
 }
 
+/// Autocast casts a weight read transposed (`x w^T`, nn.Linear) as it is stored and reads the
+/// copy through the transpose (PyTorch's `to` keeps strides), so the product's backward makes
+/// the weight's gradient in the weight's own layout: a compiled MLP step under autocast has
+/// no transposing copy left (the optimizer reads each gradient in order), and the gradient
+/// has the hand-computed values.
+#[test]
+fn autocast_hands_a_transposed_weight_its_gradient_in_its_own_layout() -> Result<()> {
+    kiln::tensor::rng::manual_seed(0);
+    let model = mlp(&[20, 32, 5], Device::Cpu)?;
+    let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig::adamw())?);
+    let mut step = compile(Mode::Default, mlp_step(&model, &opt));
+    let (xb, yb) = data(0, 16, 20, 5);
+    {
+        let _ac = kiln::tensor::Autocast::new(DType::BF16)?;
+        step.call(&[&xb, &yb])?;
+    }
+    let ir = step.dump().unwrap_or_default();
+    assert!(ir.contains("BF16[") && !ir.contains("= contiguous"), "a weight's gradient was transposed by a copy:\n{ir}");
+    let x = Tensor::from_slice(&[1.0f32, 1.001, -2.0, 0.5, 3.0, 1.0 / 3.0], &[2, 3], Device::Cpu)?;
+    let w = Tensor::from_slice(&[0.1f32, 0.2, 0.3, -1.0, 1.0 / 7.0, 2.5], &[2, 3], Device::Cpu)?;
+    w.set_requires_grad(true);
+    let y = {
+        let _ac = kiln::tensor::Autocast::new(DType::BF16)?;
+        x.matmul(&w.t()?)?
+    };
+    y.sum_all()?.backward()?;
+    let g = w.grad().expect("w has a gradient");
+    assert!(g.is_contiguous() && g.shape() == [2, 3] && g.dtype() == DType::F32, "{:?} {:?}", g.shape(), g.layout());
+    // d(sum)/dw[j][k] = sum_i x[i][k], x rounded to BF16 and the sum too.
+    let bf = |v: f32| half::bf16::from_f32(v).to_f32();
+    let xv = x.to_vec::<f32>()?;
+    let gw: Vec<f32> = (0..6).map(|jk| bf(bf(xv[jk % 3]) + bf(xv[3 + jk % 3]))).collect();
+    assert_close("transposed weight's gradient", &g.to_vec::<f32>()?, &gw, 1e-6);
+    Ok(())
+}
+
 /// A step traced under autocast matches the eager autocast step, and leaving autocast
 /// recompiles (the setting is part of the guard) instead of replaying BF16 products.
 #[test]

@@ -645,84 +645,7 @@ pub fn optimise(g: Graph, target: Target, mut log: impl FnMut(&str, &Graph)) -> 
     log("attention_heads_last", &g);
     g = fold_layer_norm_casts(&g, gpu);
     log("fold_layer_norm_casts", &g);
-    g = cast_weights_in_order(&g, gpu);
-    log("cast_weights_in_order", &g);
     g
-}
-
-/// On a GPU, a cast of a whole matrix read transposed (autocast's BF16 copy of a Linear's
-/// weight `[out, in]`, read as `w^T` for `x w^T`) whose readers are all products reads it
-/// in order and writes `[out, in]`; the products read that through the transpose (cuBLAS
-/// takes either). Read column by column, the cast fetched a sector a value and could not
-/// take the vector path: 3.4-6.5 us a weight in GPT BF16's layers (session 32).
-pub fn cast_weights_in_order(g: &Graph, gpu: bool) -> Graph {
-    let mut out = g.clone();
-    if !gpu {
-        return out;
-    }
-    let n = g.nodes.len();
-    let (_, escapes) = pinned_and_escaping(g);
-    let mut readers: Vec<Vec<NodeId>> = vec![Vec::new(); n];
-    for (i, x) in g.nodes.iter().enumerate() {
-        match &x.kind {
-            Kind::Op(_, args) => args.iter().for_each(|a| readers[a.node].push(i)),
-            Kind::WriteView { value, .. } => readers[value.node].push(i),
-            Kind::Input(_) | Kind::State(_) | Kind::Rand { .. } => {}
-        }
-    }
-    // The moved casts: (rows, cols) of the old `[in, out]` buffer.
-    let mut moved: Vec<Option<(usize, usize)>> = vec![None; n];
-    for (i, node) in g.nodes.iter().enumerate() {
-        let Kind::Op(Op::Cast(to), args) = &node.kind else { continue };
-        // The weight as read: `[r, c]` over a row-major `[c, r]` from its offset (parameters
-        // and state may live in one flat buffer).
-        let (src, l) = (args[0].node, &args[0].layout);
-        let &[r, c] = &l.shape[..] else { continue };
-        let stored = Layout { shape: vec![c, r], strides: vec![r, 1], offset: l.offset };
-        let transposed = r > 1 && c > 1 && l.strides == [1, r] && node.shape == [r, c];
-        let products_only = !readers[i].is_empty()
-            && readers[i].iter().all(|&u| match &g.nodes[u].kind {
-                Kind::Op(Op::Matmul | Op::MatmulFused(_), args) => {
-                    args.iter().enumerate().all(|(k, a)| a.node != i || (k < 2 && swap_layout(&a.layout, r, c).is_some()))
-                }
-                _ => false,
-            });
-        if escapes[i] || !transposed || !products_only {
-            continue;
-        }
-        out.nodes[i].kind = Kind::Op(Op::Cast(*to), vec![Arg { node: src, layout: stored }]);
-        out.nodes[i].shape = vec![c, r];
-        moved[i] = Some((r, c));
-    }
-    each_read(&mut out, |x| {
-        if let Some((r, c)) = moved[x.node] {
-            x.layout = swap_layout(&x.layout, r, c).expect("checked above");
-        }
-    });
-    out
-}
-
-/// A view `l` of a row-major `[rows, cols]` buffer as the same elements of its transpose,
-/// the row-major `[cols, rows]` buffer; None where a dim steps across both indices.
-fn swap_layout(l: &Layout, rows: usize, cols: usize) -> Option<Layout> {
-    let (i0, j0) = (l.offset / cols, l.offset % cols);
-    let (mut i_end, mut j_end) = (i0, j0);
-    let mut strides = Vec::with_capacity(l.rank());
-    for (&size, &st) in l.shape.iter().zip(&l.strides) {
-        let span = size.saturating_sub(1);
-        if size <= 1 || st == 0 {
-            strides.push(0);
-        } else if st % cols == 0 {
-            i_end += span * (st / cols);
-            strides.push(st / cols);
-        } else if st < cols {
-            j_end += span * st;
-            strides.push(st * rows);
-        } else {
-            return None;
-        }
-    }
-    (i_end < rows && j_end < cols).then(|| Layout { shape: l.shape.clone(), strides, offset: j0 * rows + i0 })
 }
 
 /// On a GPU, autocast's casts beside an F32 layer norm go into its kernels: a layer norm read
@@ -910,41 +833,6 @@ mod tests {
         assert!(permuted_operands(&ab, &[1, 0, 2]).is_none());
         let same = permuted_operands(&ab, &[0, 1, 2]).unwrap_or_default();
         assert_eq!(same, ab);
-    }
-
-    /// A weight `[out, in]` cast to BF16 through its transpose (`x w^T` under autocast) is
-    /// cast in order on a GPU; the forward product reads the copy transposed, the backward's
-    /// `g w` (the copy's transpose read back) reads it as stored. A cast with another reader
-    /// stays.
-    #[test]
-    fn weights_read_transposed_are_cast_in_order_on_a_gpu() {
-        let (o, i) = (6, 4);
-        let mut g = Graph::default();
-        // The weight at an offset in a flat state buffer, as compile keeps parameters.
-        let w = g.push(Kind::State(0), vec![7 + o * i], DType::F32);
-        let x = g.push(Kind::Input(0), vec![3, i], DType::BF16);
-        let gr = g.push(Kind::Input(1), vec![3, o], DType::BF16);
-        let wt = Arg { node: w, layout: Layout { shape: vec![i, o], strides: vec![1, i], offset: 7 } };
-        let c = g.push(Kind::Op(Op::Cast(DType::BF16), vec![wt.clone()]), vec![i, o], DType::BF16);
-        let y = g.push(Kind::Op(Op::Matmul, vec![whole(&g, x), whole(&g, c)]), vec![3, o], DType::BF16);
-        let back = Arg { node: c, layout: Layout::contiguous(&[i, o]).permuted(&[1, 0]) };
-        let dx = g.push(Kind::Op(Op::Matmul, vec![whole(&g, gr), back]), vec![3, i], DType::BF16);
-        g.outputs = vec![whole(&g, y), whole(&g, dx)];
-        assert_eq!(cast_weights_in_order(&g, false), g);
-        let f = cast_weights_in_order(&g, true);
-        let Kind::Op(Op::Cast(DType::BF16), args) = &f.nodes[c].kind else { panic!("{f}") };
-        assert_eq!((&f.nodes[c].shape[..], &args[0].layout), (&[o, i][..], &Layout { shape: vec![o, i], strides: vec![i, 1], offset: 7 }));
-        let (Kind::Op(_, fwd), Kind::Op(_, bwd)) = (&f.nodes[y].kind, &f.nodes[dx].kind) else { panic!("{f}") };
-        assert_eq!(fwd[1].layout, Layout::contiguous(&[o, i]).permuted(&[1, 0]));
-        assert_eq!(bwd[1].layout, Layout::contiguous(&[o, i]));
-        // Read by an elementwise op too: left as it was.
-        let mut h = g.clone();
-        let neg = h.push(Kind::Op(Op::Unary(UnaryOp::Neg), vec![whole(&h, c)]), vec![i, o], DType::BF16);
-        h.outputs.push(whole(&h, neg));
-        assert_eq!(cast_weights_in_order(&h, true), h);
-        // Views that step across a row of the old buffer have no transposed form.
-        assert!(swap_layout(&Layout { shape: vec![8], strides: vec![3], offset: 0 }, i, o).is_none());
-        assert_eq!(swap_layout(&Layout { shape: vec![2, 3], strides: vec![o, 1], offset: o + 1 }, i, o).unwrap().offset, i + 1);
     }
 
     #[test]

@@ -443,7 +443,19 @@ impl Tensor {
         let device = ins[0].device();
         match crate::autocast_dtype() {
             Some(low) if ins.iter().all(|t| t.dtype() == DType::F32 || t.dtype() == low) => {
-                let low_ins: Vec<Tensor> = ins.iter().map(|t| t.to_dtype(low)).collect::<Result<_>>()?;
+                // A weight read transposed (`x w^T`) is cast as it is stored and read through
+                // the transpose, as PyTorch's `to` keeps a dense tensor's strides: the
+                // product's backward then hands the weight a gradient in its own layout
+                // (`matmul_rule`), which the optimizer reads in order (vector loads), and the
+                // cast reads the weight in order too.
+                let lower = |t: &Tensor| -> Result<Tensor> {
+                    if t.dtype() != low && t.rank() == 2 && !t.is_contiguous() && t.t()?.is_contiguous() {
+                        t.t()?.to_dtype(low)?.t()
+                    } else {
+                        t.to_dtype(low)
+                    }
+                };
+                let low_ins: Vec<Tensor> = ins.iter().map(|t| lower(t)).collect::<Result<_>>()?;
                 Tensor::apply(op, &low_ins.iter().collect::<Vec<_>>(), device)
             }
             _ => Tensor::apply(op, ins, device),
