@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# One device call's checks on the lent GPU machine. Here: `../shared/gpu/pack tests` and
-# `../shared/gpu/pack examples` (or the whole pack); then `run` with carry [".gpu"]:
+# One device call's checks on the lent GPU machine. Here, one pack holding the tests and the
+# examples (each pack replaces .gpu/): `../shared/gpu/pack`, or faster without the criterion
+# benches, a copy made by
+#   sed 's/\[\[ \$what == all || \$what == benches \]\]/[[ $what == benches ]]/' ../shared/gpu/pack > /tmp/pack
+# then `bash /tmp/pack`; then `run` with carry [".gpu"]:
 #
 #   bash benches/cuda/gpu_session.sh [tests] [bench] [ncu]      (no argument: all three)
 #
