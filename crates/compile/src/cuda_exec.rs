@@ -199,27 +199,12 @@ fn fused_kernels(g: &Graph, plan: &Plan, capture: bool) -> Result<(Vec<FusedKern
     Ok((specs, kernel_of))
 }
 
-/// The CUDA source a GPU would compile for this graph's fusion groups (`KILN_GPU_SOURCES`,
-/// `exec::Program::new`): planned as on a GPU, from a graph traced anywhere.
-pub fn gpu_sources(g: &Graph, capture: bool) -> Result<String> {
-    let mut plan = crate::fusion::batch_groups(g, crate::fusion::plan(g, true));
-    crate::fusion::feed_gpu_products(g, &mut plan);
-    let (specs, _) = fused_kernels(g, &plan, capture)?;
-    // Each group's members and reads by node (as `KILN_LOG=graph` prints the graph).
-    let mut s = String::new();
-    for (k, gr) in plan.groups.iter().enumerate().filter(|(_, gr)| !gr.members.is_empty()) {
-        let ops: Vec<String> = gr
-            .members
-            .iter()
-            .map(|&m| match &g.nodes[m].kind {
-                Kind::Op(op, _) => format!("%{m} {}", crate::graph::op_label(op)),
-                _ => format!("%{m}"),
-            })
-            .collect();
-        let reads: Vec<String> = gr.externals.iter().map(|a| format!("%{} {:?}", a.node, a.layout.shape)).collect();
-        s += &format!("// group {k} {:?}: [{}] reads [{}]\n", gr.shape, ops.join(", "), reads.join(", "));
-    }
-    Ok(s + &cuda::codegen::fused_module(&specs).map_err(Error::Msg)?)
+/// The CUDA source a GPU would compile for `plan`'s fusion groups (`KILN_GPU_SOURCES`,
+/// `exec::Program::new`), after the groups as `KILN_LOG=fusion` lists them.
+pub fn gpu_sources(g: &Graph, plan: &Plan, capture: bool) -> Result<String> {
+    let (specs, _) = fused_kernels(g, plan, capture)?;
+    let report: String = crate::groups_report(g, plan).lines().filter(|l| !l.is_empty()).map(|l| format!("//{l}\n")).collect();
+    Ok(report + &cuda::codegen::fused_module(&specs).map_err(Error::Msg)?)
 }
 
 impl GpuParts {

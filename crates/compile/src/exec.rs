@@ -63,27 +63,33 @@ fn new_cell(s: CpuStorage) -> Arc<StorageCell> {
 /// From this many multiply-adds a fed product's tiles spread over the threads.
 const PAR_FED_FLOPS: usize = 1 << 20;
 
+/// The fusion plan of `graph`, for a GPU (`gpu`) or the CPU.
+fn plan_for(graph: &Graph, opts: &crate::CompileOptions, gpu: bool) -> Plan {
+    let mut plan = if opts.fuse {
+        fusion::plan(graph, gpu)
+    } else {
+        Plan { steps: (0..graph.nodes.len()).map(Step::Node).collect(), groups: vec![], fed: vec![] }
+    };
+    if gpu {
+        // One launch for independent groups (each parameter's optimizer update, ...).
+        plan = fusion::batch_groups(graph, plan);
+        if opts.fuse && opts.feed_products {
+            fusion::feed_gpu_products(graph, &mut plan);
+        }
+    }
+    plan
+}
+
 impl Program {
     /// Plans `graph` for `device`; in `Mode::ReduceOverhead` a GPU step is captured as one CUDA
     /// graph, and on the CPU fusion groups are built to native code unless `native_cpu` is off.
     pub fn new(graph: Graph, cells: Vec<Arc<StorageCell>>, opts: &crate::CompileOptions, device: Device) -> Result<Program> {
         let capture = matches!(opts.mode, crate::Mode::ReduceOverhead | crate::Mode::MaxAutotune);
-        let mut plan = if opts.fuse {
-            fusion::plan(&graph, device.is_cuda())
-        } else {
-            Plan { steps: (0..graph.nodes.len()).map(Step::Node).collect(), groups: vec![], fed: vec![] }
-        };
-        if device.is_cuda() {
-            // One launch for independent groups (each parameter's optimizer update, ...).
-            plan = fusion::batch_groups(&graph, plan);
-            if opts.fuse && opts.feed_products {
-                fusion::feed_gpu_products(&graph, &mut plan);
-            }
-        }
+        let mut plan = plan_for(&graph, opts, device.is_cuda());
         #[cfg(feature = "cuda")]
         if let (Device::Cpu, Some(path)) = (device, crate::gpu_sources_path()) {
             // For reading a GPU step's kernels (their SASS) on a machine without one.
-            let src = crate::cuda_exec::gpu_sources(&graph, capture)?;
+            let src = crate::cuda_exec::gpu_sources(&graph, &plan_for(&graph, opts, true), capture)?;
             std::fs::write(&path, src).map_err(|e| Error::Msg(format!("KILN_GPU_SOURCES: writing {path}: {e}")))?;
         }
         let native = if device == Device::Cpu && opts.native_cpu { cpu_codegen::build(&graph, &plan) } else { None };

@@ -491,21 +491,27 @@ fn contiguous_cell(t: &Tensor) -> Result<std::sync::Arc<kiln_tensor::storage::St
 
 /// The fusion groups, one line each: members, shape, what they store and write in place.
 fn fusion_report(p: &exec::Program) -> String {
-    let mut s = format!("{} groups, {} kernels per step", p.plan.groups.iter().filter(|g| !g.members.is_empty()).count(), p.kernels());
-    for (k, gr) in p.plan.groups.iter().enumerate().filter(|(_, g)| !g.members.is_empty()) {
+    let groups = p.plan.groups.iter().filter(|g| !g.members.is_empty()).count();
+    format!("{groups} groups, {} kernels per step{}", p.kernels(), groups_report(&p.graph, &p.plan))
+}
+
+/// A line per fusion group: its shape, members, the nodes it reads, stores and updates.
+pub(crate) fn groups_report(g: &Graph, plan: &fusion::Plan) -> String {
+    let mut s = String::new();
+    for (k, gr) in plan.groups.iter().enumerate().filter(|(_, g)| !g.members.is_empty()) {
         let ops: Vec<String> = gr
             .members
             .iter()
-            .map(|&m| match &p.graph.nodes[m].kind {
+            .map(|&m| match &g.nodes[m].kind {
                 graph::Kind::Op(op, _) => graph::op_label(op),
                 _ => "?".into(),
             })
             .collect();
+        let reads: Vec<graph::NodeId> = gr.externals.iter().map(|a| a.node).collect();
         s += &format!(
-            "\n  group {k} {:?}: [{}] reads {} stores {:?} in place {:?}",
+            "\n  group {k} {:?}: [{}] reads {reads:?} stores {:?} in place {:?}",
             gr.shape,
             ops.join(", "),
-            gr.externals.len(),
             gr.materialize,
             gr.inplace
         );

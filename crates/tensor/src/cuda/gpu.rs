@@ -469,8 +469,8 @@ impl Gpu {
         self.kernel_shared(key, 0, source)
     }
 
-    /// `kernel`, for a kernel launched with `shared` bytes of dynamic shared memory: above
-    /// the default 48 KiB, the limit is raised once, when the kernel is loaded.
+    /// `kernel`, for a kernel launched with up to `shared` bytes of dynamic shared memory: the
+    /// limit is raised once, when the kernel is loaded.
     pub fn kernel_shared(&self, key: u64, shared: u32, source: impl FnOnce() -> (String, String)) -> Result<Kernel> {
         self.kernels_ready([key], || vec![Wanted::one(key, shared, source())]).map(|[k]| k)
     }
@@ -570,7 +570,9 @@ impl Gpu {
             let names: Vec<&str> = w.names.iter().map(String::as_str).collect();
             let loaded = cubin.and_then(|c| self.load_cubin(&c, &w.job.1, &names)).and_then(|ks| {
                 for (k, &bytes) in ks.iter().zip(&w.shared) {
-                    if bytes > 48 * 1024 {
+                    // Any request: a kernel's static shared memory counts toward the 48 KiB it
+                    // has without the opt-in (the staged layer-norm backward: 48 + 3 KiB).
+                    if bytes > 0 {
                         self.allow_shared(*k, bytes)?;
                     }
                     if self.has_clusters() {
@@ -603,7 +605,8 @@ impl Gpu {
             .collect()
     }
 
-    /// Lets `k` take `bytes` of dynamic shared memory (above the default 48 KiB).
+    /// Lets `k` take `bytes` of dynamic shared memory beside its static shared memory, past
+    /// the default 48 KiB for both.
     fn allow_shared(&self, k: Kernel, bytes: u32) -> Result<()> {
         self.bind()?;
         let attr = ds::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;

@@ -960,8 +960,7 @@ fn layer_norm_param_grads(
     let most = super::codegen::ln_grads_stage_bytes(32 * tiles, dtype, gdt);
     let staged = dtype == DType::F32
         && gdt.is_float()
-        && n % 4 == 0
-        && (n * gdt.size_in_bytes()) % 16 == 0
+        && [dtype, gdt].iter().all(|d| (n * d.size_in_bytes()) % 16 == 0)
         && (px | pg) % 16 == 0
         && most <= 96 * 1024;
     let shared = if staged { super::codegen::ln_grads_stage_bytes(n, dtype, gdt) } else { 0 };
