@@ -495,7 +495,8 @@ fn fusion_report(p: &exec::Program) -> String {
     format!("{groups} groups, {} kernels per step{}", p.kernels(), groups_report(&p.graph, &p.plan))
 }
 
-/// A line per fusion group: its shape, members, the nodes it reads, stores and updates.
+/// A line per fusion group: its shape, members, how many nodes it reads, what it stores and
+/// updates in place.
 pub(crate) fn groups_report(g: &Graph, plan: &fusion::Plan) -> String {
     let mut s = String::new();
     for (k, gr) in plan.groups.iter().enumerate().filter(|(_, g)| !g.members.is_empty()) {
@@ -507,11 +508,11 @@ pub(crate) fn groups_report(g: &Graph, plan: &fusion::Plan) -> String {
                 _ => "?".into(),
             })
             .collect();
-        let reads: Vec<graph::NodeId> = gr.externals.iter().map(|a| a.node).collect();
         s += &format!(
-            "\n  group {k} {:?}: [{}] reads {reads:?} stores {:?} in place {:?}",
+            "\n  group {k} {:?}: [{}] reads {} stores {:?} in place {:?}",
             gr.shape,
             ops.join(", "),
+            gr.externals.len(),
             gr.materialize,
             gr.inplace
         );
