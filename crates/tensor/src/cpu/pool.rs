@@ -52,10 +52,15 @@ impl Pool {
 
     fn take<T: Element>(&mut self, len: usize) -> Option<Vec<T>> {
         self.tick += 1;
-        let class = self.free.get_mut(&(TypeId::of::<T>(), len))?;
+        let key = (TypeId::of::<T>(), len);
+        let class = self.free.get_mut(&key)?;
         class.used = self.tick;
         let buf = class.bufs.pop()?;
         self.bytes -= class.bytes_each;
+        if class.bufs.is_empty() {
+            // An empty class holds nothing: dropping it keeps eviction's scan to held sizes.
+            self.free.remove(&key);
+        }
         buf.downcast::<Vec<T>>().ok().map(|v| *v)
     }
 
@@ -68,11 +73,14 @@ impl Pool {
             return;
         }
         while self.bytes + bytes > self.cap {
-            let oldest = self.free.iter().filter(|(k, c)| **k != key && !c.bufs.is_empty()).min_by_key(|(_, c)| c.used).map(|(k, _)| *k);
+            let oldest = self.free.iter().filter(|(k, _)| **k != key).min_by_key(|(_, c)| c.used).map(|(k, _)| *k);
             let Some(k) = oldest else { return };
             let class = self.free.get_mut(&k).expect("a class just found");
             class.bufs.pop();
             self.bytes -= class.bytes_each;
+            if class.bufs.is_empty() {
+                self.free.remove(&k);
+            }
         }
         let class = self.free.entry(key).or_insert_with(|| Class { bufs: Vec::new(), bytes_each: bytes, used: 0 });
         class.used = self.tick;
@@ -135,6 +143,8 @@ mod tests {
         assert!(p.take::<f32>(1024 + 1).is_none());
         assert_eq!(p.take::<f32>(2048).expect("kept"), vec![2f32; 2048]);
         assert!(p.take::<f32>(1024).is_some() && p.take::<f32>(1024).is_some() && p.take::<f32>(1024).is_none());
+        // Emptied sizes are dropped, so eviction scans only the sizes held.
+        assert!(p.free.is_empty() && p.bytes == 0);
         // A buffer larger than the cap is not kept, and evicts nothing it cannot replace.
         p.give(vec![0f32; 1024]);
         p.give(vec![0f64; 4096]);
