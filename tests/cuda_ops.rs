@@ -335,6 +335,37 @@ fn layer_norm_grads_in_one_pass_match_the_cpu() {
     }
 }
 
+/// Compile's fold of a residual gradient into layer norm's backward
+/// (`passes::fold_residual_into_ln_grads`: `NormalizeParamGrads` with a fourth input r adds it
+/// to x's gradient as it stores it): against the CPU, and on the GPU bit for bit the
+/// three-input result plus r (dx rounded as stored, then one add: no FMA), with the
+/// parameter gradients unchanged, F32 x with F32 or BF16 g (staged or not) and F64.
+#[test]
+fn layer_norm_grads_with_a_residual_match_the_separate_add() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let grads = |v: &[&Tensor]| Tensor::apply(kiln::tensor::Op::NormalizeParamGrads { eps: 1e-5 }, v, v[0].device());
+    for (i, shape) in LN_SHAPES.into_iter().enumerate() {
+        let n = shape[shape.len() - 1];
+        if n > cuda::codegen::LN_GRADS_MAX_N {
+            continue;
+        }
+        for (xd, gd) in [(DType::F32, DType::F32), (DType::F32, DType::BF16), (DType::F64, DType::F64)] {
+            let seed = 110 + 10 * i as u64;
+            let ins = [randn(shape, seed, xd), randn(shape, seed + 1, gd), randn(&[n], seed + 2, xd), randn(shape, seed + 3, xd)];
+            let what = format!("layer_norm_grads + r {shape:?} {xd:?} g {gd:?}");
+            both(&what, &ins, tol(xd) * 100.0, |v| grads(&[&v[0], &v[1], &v[2], &v[3]]));
+            let on: Vec<Tensor> = ins.iter().map(|t| t.to_device(gpu()).unwrap()).collect();
+            let (four, three) = (grads(&[&on[0], &on[1], &on[2], &on[3]]).unwrap(), grads(&[&on[0], &on[1], &on[2]]).unwrap());
+            let (at, numel) = (kiln::tensor::op::ln_grads_dx_at(n), on[0].numel());
+            let dx = |t: &Tensor| t.narrow(0, at, numel).unwrap().reshape(shape).unwrap();
+            let want = dx(&three).add(&on[3]).unwrap();
+            assert_eq!(dx(&four).to_vec_f64().unwrap(), want.to_vec_f64().unwrap(), "{what}: dx + r");
+            let params = |t: &Tensor| t.narrow(0, 0, 2 * n).unwrap().to_vec_f64().unwrap();
+            assert_eq!(params(&four), params(&three), "{what}: parameter gradients");
+        }
+    }
+}
+
 /// Compile's folds of autocast's casts into layer norm (`passes::fold_layer_norm_casts`): the
 /// forward writing F16/BF16 (the register-resident kernel at 384 and 1024, the loop at 24 and
 /// 1030), and the backward reading a BF16 gradient for F32 x (rows up to its one-pass kernel's

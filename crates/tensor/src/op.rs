@@ -607,7 +607,9 @@ pub enum Op {
     /// `g * normalize(x)` (the weight's) and of `g` (the bias's). On CUDA one pass reads x and g once, with no normalised copy.
     /// With the weight `w` (`[n]`) as a third input, the whole backward in that pass: one flat
     /// buffer, the `[2, n]` then, from `ln_grads_dx_at(n)`, x's gradient (as
-    /// `NormalizeBackward` with `w` computes it).
+    /// `NormalizeBackward` with `w` computes it). With a fourth input `r` (x's shape and
+    /// dtype), x's gradient plus `r`: a residual connection's gradient added as it is stored
+    /// (folded in by compile on a GPU, for F32 and F64).
     NormalizeParamGrads {
         eps: f64,
     },
@@ -791,6 +793,7 @@ impl Op {
             Op::Unary(_) | Op::Scalar { .. } | Op::Cast(_) | Op::Reduce { .. } | Op::UpdateScalar(..) | Op::Softmax { .. } => 1,
             Op::Normalize { .. } if inputs.len() == 3 => 3,
             Op::Normalize { .. } => 1,
+            Op::NormalizeParamGrads { .. } if inputs.len() == 4 => 4,
             Op::NormalizeBackward { .. } | Op::NormalizeParamGrads { .. } if inputs.len() == 3 => 3,
             Op::NormalizeBackward { .. } | Op::SoftmaxBackward { .. } | Op::NormalizeParamGrads { .. } => 2,
             Op::Attention { .. } => 3,
@@ -903,6 +906,12 @@ impl Op {
                 let Some(&n) = inputs[0].shape.last() else {
                     return Err(Error::shape(name, "needs rank >= 1, got a scalar".to_string()));
                 };
+                if let Some(r) = inputs.get(3).filter(|r| r.shape != inputs[0].shape) {
+                    return Err(Error::shape(
+                        name,
+                        format!("the residual gradient must be x's shape {:?}, got {:?}", inputs[0].shape, r.shape),
+                    ));
+                }
                 match inputs.get(2) {
                     None => meta(vec![2, n], inputs[0].dtype),
                     Some(w) if w.shape == [n] => meta(vec![ln_grads_dx_at(n) + inputs[0].shape.iter().product::<usize>()], inputs[0].dtype),

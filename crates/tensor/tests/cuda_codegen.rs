@@ -224,15 +224,22 @@ fn every_reduction_and_index_kernel_compiles() {
             let (s, n) = kiln_tensor::cuda::codegen::adam_source(d, ams);
             check(&s, &n, &mut fails);
         }
-        for (tiles, dx) in [(1, false), (12, false), (32, false), (1, true), (12, true), (32, true)] {
+        // Without dx, with it, and with dx plus a residual gradient.
+        for (tiles, dx) in
+            [(1, (false, false)), (12, (false, false)), (32, (false, false)), (1, (true, false)), (12, (true, true)), (32, (true, false))]
+        {
             let (s, n) = kiln_tensor::cuda::codegen::layer_norm_param_grads_source(d, tiles, dx, d, false);
             check(&s, &n, &mut fails);
         }
         // g in BF16 (a product's gradient under autocast) for an F32 layer norm.
         // And staged through shared memory, with and without dx, g in F32 and BF16.
-        for (dx, gdt, staged) in
-            [(true, DType::BF16, false), (true, DType::BF16, true), (false, DType::F32, true), (true, DType::F32, true)]
-        {
+        for (dx, gdt, staged) in [
+            ((true, false), DType::BF16, false),
+            ((true, false), DType::BF16, true),
+            ((true, true), DType::BF16, true),
+            ((false, false), DType::F32, true),
+            ((true, false), DType::F32, true),
+        ] {
             let (s, n) = kiln_tensor::cuda::codegen::layer_norm_param_grads_source(DType::F32, 12, dx, gdt, staged);
             check(&s, &n, &mut fails);
         }

@@ -341,6 +341,18 @@ fn layer_norm_param_grads_match_the_composite() -> Result<()> {
     assert_eq!(v(&one), vec![-2., 5., 2., 5.]);
     let err = x.layer_norm_param_grads(&g.narrow(2, 0, 4)?, 1e-5).unwrap_err().to_string();
     assert!(err.contains("[2, 3, 5]") && err.contains("[2, 3, 4]"), "{err}");
+    // With the weight and a residual gradient r: x's gradient plus r (compile's fold on a
+    // GPU), the parameter gradients as without r; r must be x's shape.
+    use kiln_tensor::Op;
+    let (w, r) = (t(&[0.5, -1., 2., 1.5, 3.], &[5]), Tensor::rand_at(&[2, 3, 5], Distribution::Normal, 9, 0, DType::F32, CPU)?);
+    let grads = |ins: &[&Tensor]| Tensor::apply(Op::NormalizeParamGrads { eps: 1e-5 }, ins, CPU);
+    let (three, four) = (grads(&[&x, &g, &w])?, grads(&[&x, &g, &w, &r])?);
+    let at = kiln_tensor::op::ln_grads_dx_at(5);
+    assert_eq!(v(&four.narrow(0, 0, at)?), v(&three.narrow(0, 0, at)?));
+    let dx = x.layer_norm_backward(&g, &w, 1e-5)?;
+    assert_eq!(v(&four.narrow(0, at, 30)?), v(&dx.add(&r)?.reshape(&[30])?));
+    let err = grads(&[&x, &g, &w, &r.narrow(2, 0, 4)?]).unwrap_err().to_string();
+    assert!(err.contains("residual") && err.contains("[2, 3, 4]"), "{err}");
     Ok(())
 }
 

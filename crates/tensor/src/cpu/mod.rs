@@ -318,6 +318,19 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             with_g[1] = (&g, &gl);
             run(op, &with_g, meta)?
         }
+        Op::NormalizeParamGrads { eps } if ins.len() == 4 => {
+            // With a residual gradient r: the three-input result, then r added to x's gradient.
+            let flat = run(op, &ins[..3], meta)?;
+            let at = crate::op::ln_grads_dx_at(ins[0].1.shape[ins[0].1.rank() - 1]);
+            let (r, len) = (ins[3], meta.shape[0]);
+            let dx = Layout { shape: r.1.shape.clone(), strides: Layout::contiguous(&r.1.shape).strides, offset: at };
+            let sum = run(&Op::Binary(crate::BinaryOp::Add), &[(&flat, &dx), r], &OutMeta { shape: r.1.shape.clone(), dtype: meta.dtype })?;
+            with_cpu!(&flat, f => {
+                let mut v = f.to_vec();
+                v[at..len].copy_from_slice(typed(&sum, name)?);
+                v.into_storage()
+            })
+        }
         Op::NormalizeParamGrads { eps } if ins.len() == 3 => {
             // With the weight: the parameter gradients, then x's gradient from `ln_grads_dx_at`.
             let x = ins[0];

@@ -1545,18 +1545,23 @@ pub fn ln_grads_stage_bytes(n: usize, dtype: DType, gdt: DType) -> usize {
 /// 16-byte aligned, `ln_grads_stage_bytes` of dynamic shared memory): each warp copies its
 /// next row into shared memory asynchronously while it works on this one; loaded straight into
 /// registers, a warp's row waited on memory between its reductions (2.55 TB/s, session 32).
-pub fn layer_norm_param_grads_source(dtype: DType, tiles: usize, dx: bool, gdt: DType, staged: bool) -> (String, String) {
+pub fn layer_norm_param_grads_source(dtype: DType, tiles: usize, (dx, resid): (bool, bool), gdt: DType, staged: bool) -> (String, String) {
     // g may be in another float dtype (a BF16 product's gradient under autocast), read as C.
     let name = format!(
-        "k_ln_{}grads_{}_{tiles}{}{}",
+        "k_ln_{}grads_{}_{tiles}{}{}{}",
         if dx { "" } else { "param_" },
         storage_type(dtype).replace(' ', "_"),
         other_dtype("g", dtype, gdt),
-        if staged { "_staged" } else { "" }
+        if staged { "_staged" } else { "" },
+        if resid { "_residual" } else { "" }
     );
     let (t, c, gt) = (storage_type(dtype), compute_type(dtype), storage_type(gdt));
     let mut s = format!("{PRELUDE}\ntypedef {c} C;\ntypedef {t} X;\ntypedef {gt} G;\nstruct NArgs {{ long long rows, red; double eps; }};\n#define TILES {tiles}\n");
-    s += &format!("extern \"C\" __global__ void __launch_bounds__({}) {name}(C* __restrict__ part, const X* __restrict__ x, const G* __restrict__ g, NArgs a, long long chunk, X* __restrict__ dx, const X* __restrict__ w) {{\n", LN_GRADS_WARPS * 32);
+    if resid {
+        s += "__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }\n";
+        s += "__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }\n";
+    }
+    s += &format!("extern \"C\" __global__ void __launch_bounds__({}) {name}(C* __restrict__ part, const X* __restrict__ x, const G* __restrict__ g, NArgs a, long long chunk, X* __restrict__ dx, const X* __restrict__ w, const X* __restrict__ r) {{\n", LN_GRADS_WARPS * 32);
     s += "  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;\n";
     s += "  const long long r1 = min(a.rows, (blockIdx.x + 1) * chunk); const C n = (C)a.red;\n";
     s += "  C dw[TILES], db[TILES];\n#pragma unroll\n  for (int t = 0; t < TILES; ++t) { dw[t] = (C)0; db[t] = (C)0; }\n";
@@ -1606,7 +1611,12 @@ pub fn layer_norm_param_grads_source(dtype: DType, tiles: usize, dx: bool, gdt: 
         s += &row_allreduce(false, false);
         s += "    const C mgx = acc / n;\n";
         s += "#pragma unroll\n    for (int t = 0; t < TILES; ++t) {\n      const long long j = lane + 32LL * t;\n";
-        s += "      if (j < a.red) st(&dx[base + j], rstd * (gr[t] * wr[t] - mg - xr[t] * mgx));\n    }\n";
+        // With a residual gradient, added after dx is rounded as eager stores it (no FMA).
+        s += if resid {
+            "      if (j < a.red) { X d; st(&d, rstd * (gr[t] * wr[t] - mg - xr[t] * mgx)); st(&dx[base + j], add_rn(ld(d), ld(r[base + j]))); }\n    }\n"
+        } else {
+            "      if (j < a.red) st(&dx[base + j], rstd * (gr[t] * wr[t] - mg - xr[t] * mgx));\n    }\n"
+        };
     }
     if staged {
         // Every lane has read the slot before the next iteration's fetch refills it.

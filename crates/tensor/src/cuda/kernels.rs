@@ -375,7 +375,7 @@ pub fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, devic
         Op::Softmax { log, scale, causal } => softmax(&g, x[0], (*log, *scale, *causal))?,
         Op::Normalize { eps, to } => normalize(&g, x[0], None, &x[1..], (*eps, *to))?,
         Op::NormalizeBackward { eps } => normalize(&g, x[0], Some(x[1]), &x[2..], (*eps, None))?,
-        Op::NormalizeParamGrads { eps } => layer_norm_param_grads(&g, x[0], x[1], x.get(2).copied(), *eps)?,
+        Op::NormalizeParamGrads { eps } => layer_norm_param_grads(&g, x[0], x[1], (x.get(2).copied(), x.get(3).copied()), *eps)?,
         Op::SoftmaxBackward { log, scale } => softmax_backward(&g, x[0], x[1], *log, *scale)?,
         Op::Attention { scale, causal, heads_last } => attention(&g, &x, (*scale, *causal), false, *heads_last)?,
         Op::AttentionBackward { scale, causal } => attention(&g, &x, (*scale, *causal), true, false)?,
@@ -930,7 +930,7 @@ fn layer_norm_param_grads(
     g: &Arc<Gpu>,
     x: (&CudaStorage, &Layout),
     grad: (&CudaStorage, &Layout),
-    w: Option<(&CudaStorage, &Layout)>,
+    (w, r): (Option<(&CudaStorage, &Layout)>, Option<(&CudaStorage, &Layout)>),
     eps: f64,
 ) -> Result<CudaStorage> {
     let (dtype, n) = (x.0.dtype, x.1.shape[x.1.rank() - 1]);
@@ -947,6 +947,8 @@ fn layer_norm_param_grads(
     }
     let (xd, gd) = (dense(g, x.0, x.1)?, dense(g, grad.0, grad.1)?);
     let wd = w.map(|(s, l)| dense(g, s, l)).transpose()?;
+    // The residual gradient added to x's (only with the weight: the op's shape rule).
+    let rd = r.filter(|_| w.is_some()).map(|(s, l)| dense(g, s, l)).transpose()?;
     // About two blocks of 8 warps per SM, each folding a run of rows. (Four blocks of 16
     // warps measured no faster, and F64's 32 tiles need more registers than 16 warps have.)
     let chunk = rows.div_ceil(rows.min(g.sms as usize * 2));
@@ -965,9 +967,9 @@ fn layer_norm_param_grads(
         && most <= 96 * 1024;
     let shared = if staged { super::codegen::ln_grads_stage_bytes(n, dtype, gdt) } else { 0 };
     let k = g.kernel_shared(
-        super::spec_key("ln_param_grads", &(dtype, tiles, with_dx, gdt, staged)),
+        super::spec_key("ln_param_grads", &(dtype, tiles, with_dx, gdt, staged, rd.is_some())),
         if staged { most as u32 } else { 0 },
-        || super::codegen::layer_norm_param_grads_source(dtype, tiles, with_dx, gdt, staged),
+        || super::codegen::layer_norm_param_grads_source(dtype, tiles, (with_dx, rd.is_some()), gdt, staged),
     )?;
     let mut a = RowArgs { rows: rows as i64, red: n as i64, value: eps };
     let (mut o, mut ch) = (part.buf.ptr, chunk as i64);
@@ -975,11 +977,13 @@ fn layer_norm_param_grads(
         Some(w) => (out.ptr_at(dx_at), w.get().buf.ptr),
         None => (0, 0),
     };
-    let mut params = kernel_params![o, px, pg, a, ch, pdx, pw];
-    // SAFETY: (part, x, g, NArgs, chunk, dx, w) matches the generated signature; x and g are
-    // dense `rows * n` buffers, `part` holds `blocks * 2 n` partials of the compute type, and
-    // with the weight (dense, `n`) `out` holds `rows * n` more elements from `dx_at`; without
-    // it the kernel reads neither dx nor w. Staged, `shared` bytes hold the warps' row slots
+    let mut pr = rd.as_ref().map_or(0, |r| r.get().buf.ptr);
+    let mut params = kernel_params![o, px, pg, a, ch, pdx, pw, pr];
+    // SAFETY: (part, x, g, NArgs, chunk, dx, w, r) matches the generated signature; x and g
+    // are dense `rows * n` buffers, `part` holds `blocks * 2 n` partials of the compute type,
+    // and with the weight (dense, `n`) `out` holds `rows * n` more elements from `dx_at`;
+    // without it the kernel reads neither dx nor w; r (dense, x's shape and dtype) is read only
+    // by the kernel made for it. Staged, `shared` bytes hold the warps' row slots
     // (the kernel loaded with room for `most`), and x's and g's rows are 16-byte aligned.
     unsafe { g.launch(k, (blocks as u32, 1), (super::codegen::LN_GRADS_WARPS * 32) as u32, shared as u32, &mut params)? };
     reduce_into(g, ReduceOp::Sum, &part, &Layout::contiguous(&[blocks, 2 * n]), &[0], &out, false)?;
