@@ -54,7 +54,7 @@ head = rows[0]
 name, unit, value = head.index("Kernel Name"), head.index("Metric Unit"), head.index("Metric Value")
 total, count = collections.defaultdict(float), collections.Counter()
 for r in rows[1:]:
-    scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(r[unit], 1.0)
+    scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}[r[unit]]
     total[r[name][:90]] += float(r[value].replace(",", "")) * scale
     count[r[name][:90]] += 1
 print(f"{sum(total.values()):.1f} us in {sum(count.values())} kernels")
