@@ -287,6 +287,22 @@ fn matmul_matches_the_cpu_with_transposes_and_batches() {
         both(&format!("mm k=0 + bias {dt:?}"), &[randn(&[3, 0], 21, dt), randn(&[0, 3], 22, dt), bias.clone()], 0.0, |x| {
             x[0].matmul_bias(&x[1], &x[2])
         });
+        // Large products with rows of 65 (GPT's vocabulary): operands and output copied with
+        // rows padded to 16 bytes for cuBLASLt's fast kernels (`blas::padded`): a head's
+        // logits `h w^T`, and its backward's `g w` and `g^T h` (4096 deep). Against the CPU
+        // in F32 (F64 for F64), rounded once.
+        let ins = [randn(&[8, 512, 384], 29, dt), randn(&[65, 384], 30, dt), randn(&[4096, 65], 31, dt)];
+        let head: [(&str, fn(&[Tensor]) -> Result<Tensor>); 3] = [
+            ("h w^T", |x| x[0].matmul(&x[1].t()?)),
+            ("g w", |x| x[2].matmul(&x[1])),
+            ("g^T h", |x| x[2].t()?.matmul(&x[0].reshape(&[4096, 384])?)),
+        ];
+        let wide = if dt == DType::F64 { DType::F64 } else { DType::F32 };
+        for (what, f) in head {
+            let cpu = f(&ins.iter().map(|t| t.to_dtype(wide).unwrap()).collect::<Vec<_>>()).unwrap().to_dtype(dt).unwrap();
+            let gpu = f(&ins.iter().map(|t| t.to_device(gpu()).unwrap()).collect::<Vec<_>>()).unwrap();
+            close(&format!("{what}, rows of 65, {dt:?}"), &cpu, &gpu, t * 4.0);
+        }
     }
 }
 
