@@ -292,7 +292,8 @@ fn matmul_matches_the_cpu_with_transposes_and_batches() {
         // logits `h w^T`, and its backward's `g w` and `g^T h` (4096 deep). Against the CPU
         // in F32 (F64 for F64), rounded once.
         let ins = [randn(&[8, 512, 384], 29, dt), randn(&[65, 384], 30, dt), randn(&[4096, 65], 31, dt)];
-        let head: [(&str, fn(&[Tensor]) -> Result<Tensor>); 3] = [
+        type Product = fn(&[Tensor]) -> Result<Tensor>;
+        let head: [(&str, Product); 3] = [
             ("h w^T", |x| x[0].matmul(&x[1].t()?)),
             ("g w", |x| x[2].matmul(&x[1])),
             ("g^T h", |x| x[2].t()?.matmul(&x[0].reshape(&[4096, 384])?)),

@@ -747,7 +747,7 @@ pub fn fold_residual_into_ln_grads(g: &Graph, gpu: bool) -> Graph {
                 && !pinned[p]
                 && alias[i].is_none();
             if ok {
-                out.nodes[p].kind = Kind::Op(op.clone(), [&pargs[..], &[r.clone()]].concat());
+                out.nodes[p].kind = Kind::Op(op.clone(), [&pargs[..], std::slice::from_ref(r)].concat());
                 alias[i] = Some((p, from));
                 break;
             }

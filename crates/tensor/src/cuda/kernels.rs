@@ -932,11 +932,14 @@ pub(super) fn zero(g: &Arc<Gpu>, s: &CudaStorage) -> Result<()> {
 /// partial sums in one pass over both (`codegen::layer_norm_param_grads_source`), then one
 /// column sum of the partials. With the weight `w`, the same pass writes the input's gradient
 /// too, after the `[2, n]` from `op::ln_grads_dx_at(n)` (`Op::NormalizeParamGrads`'s flat form).
+/// A buffer read through a layout.
+type View<'a> = (&'a CudaStorage, &'a Layout);
+
 fn layer_norm_param_grads(
     g: &Arc<Gpu>,
     x: (&CudaStorage, &Layout),
     grad: (&CudaStorage, &Layout),
-    (w, r): (Option<(&CudaStorage, &Layout)>, Option<(&CudaStorage, &Layout)>),
+    (w, r): (Option<View>, Option<View>),
     eps: f64,
 ) -> Result<CudaStorage> {
     let (dtype, n) = (x.0.dtype, x.1.shape[x.1.rank() - 1]);
