@@ -287,10 +287,10 @@ fn matmul_matches_the_cpu_with_transposes_and_batches() {
         both(&format!("mm k=0 + bias {dt:?}"), &[randn(&[3, 0], 21, dt), randn(&[0, 3], 22, dt), bias.clone()], 0.0, |x| {
             x[0].matmul_bias(&x[1], &x[2])
         });
-        // Large products with rows of 65 (GPT's vocabulary): operands and output copied with
-        // rows padded to 16 bytes for cuBLASLt's fast kernels (`blas::padded`): a head's
-        // logits `h w^T`, and its backward's `g w` and `g^T h` (4096 deep). Against the CPU
-        // in F32 (F64 for F64), rounded once.
+        // Large products with rows of 65 (GPT's vocabulary; rows that are not whole 16-byte
+        // pieces take cuBLASLt's align-1 kernels): a head's logits `h w^T`, and its
+        // backward's `g w` and `g^T h` (4096 deep). Against the CPU in F32 (F64 for F64),
+        // rounded once.
         let ins = [randn(&[8, 512, 384], 29, dt), randn(&[65, 384], 30, dt), randn(&[4096, 65], 31, dt)];
         type Product = fn(&[Tensor]) -> Result<Tensor>;
         let head: [(&str, Product); 3] = [

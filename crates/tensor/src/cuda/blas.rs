@@ -354,21 +354,9 @@ pub fn matmul_fused(
         }
         return Ok(out);
     }
-    // One large product whose rows are not whole 16-byte pieces takes padded copies.
-    let big = batch == 1 && m * n * k >= PAD_MIN_WORK;
-    let pa = if big { padded(g, sa, &la)? } else { None };
-    let pb = if big { padded(g, sb, &lb)? } else { None };
-    let (sa, la) = pa.as_ref().map_or((sa, la), |(s, l)| (s, l.clone()));
-    let (sb, lb) = pb.as_ref().map_or((sb, lb), |(s, l)| (s, l.clone()));
     let a = operand(g, sa, &la)?;
     let b = operand(g, sb, &lb)?;
     let b = if batch == 1 { Operand { batch_stride: 0, ..b } } else { b };
-    // And writes its output with padded rows, then copies it out (no aux matrix, whose rows
-    // would be the output's).
-    let per = 16 / meta.dtype.size_in_bytes();
-    let ldc = if big && n % per != 0 && m > 1 && rest.gelu.is_none() && rest.dact.is_none() { n.next_multiple_of(per) } else { n };
-    let wide_out = if ldc != n { Some(CudaStorage::alloc(g, meta.dtype, m * ldc)?) } else { None };
-    let c_ptr = wide_out.as_ref().map_or(out.buf.ptr, |w| w.buf.ptr);
     let (dt, compute) = data_type(meta.dtype)?;
     let op = |t: bool| if t { bs::cublasOperation_t::CUBLAS_OP_T } else { bs::cublasOperation_t::CUBLAS_OP_N };
     let (alpha, beta) = one_and_zero(meta.dtype == DType::F64);
@@ -390,13 +378,13 @@ pub fn matmul_fused(
             tf32: allow_tf32(),
             trans: (b.trans, a.trans),
             mnk: (n as u64, m as u64, k as u64),
-            ld: (b.ld, a.ld, ldc as i64),
+            ld: (b.ld, a.ld, n as i64),
             batch: batch as i32,
-            strides: (b.batch_stride, a.batch_stride, (m * ldc) as i64),
-            align: (alignment(b.ptr), alignment(a.ptr), alignment(c_ptr)),
+            strides: (b.batch_stride, a.batch_stride, (m * n) as i64),
+            align: (alignment(b.ptr), alignment(a.ptr), alignment(out.buf.ptr)),
             epilogue,
         };
-        let ptrs = [b.ptr, a.ptr, c_ptr, vector, aux];
+        let ptrs = [b.ptr, a.ptr, out.buf.ptr, vector, aux];
         let ws = (blas.ws.ptr, WORKSPACE);
         // One lookup per call; a problem cuBLASLt refuses is remembered as None (cuBLAS).
         let slot = match blas.plans.entry(gemm) {
@@ -416,10 +404,6 @@ pub fn matmul_fused(
         if let Some(plan) = slot {
             if plan.run(lt, g, ptrs, ws).is_ok() {
                 drop(guard);
-                if let Some(w) = &wide_out {
-                    let rows = Layout { shape: vec![m, n], strides: vec![ldc, 1], offset: 0 };
-                    super::kernels::copy_into(g, (&out, &Layout::contiguous(&[m, n])), (w, &rows))?;
-                }
                 rest.done_by(epilogue);
                 return finish(g, out, rest, &shape);
             }
@@ -698,37 +682,6 @@ const NARROW_MAX_K: usize = 8192;
 /// The most elements of A the few-rows kernel's clusters read in all (each cluster of 16
 /// columns reads all of A, so a wide product reads A many times; cuBLAS's tiles share it better).
 const FEW_MAX_READS: usize = 1 << 22;
-
-/// The least work (`m n k`) of a product whose operands and output `padded` pads.
-const PAD_MIN_WORK: usize = 1 << 22;
-
-/// A copy of one matrix (the last two dims of `l`, any others of size 1 or repeated) whose
-/// rows (or columns, as it lies in memory) are padded to whole 16-byte pieces, and its
-/// layout; None where they already are and it starts aligned. cuBLASLt's fast kernels need
-/// 16-byte leading dims: an odd one (GPT's 65-symbol vocabulary, 130-byte rows) sent its
-/// head's products to align-1 kernels of 23-25 us each.
-fn padded(g: &Arc<Gpu>, s: &CudaStorage, l: &Layout) -> Result<Option<(CudaStorage, Layout)>> {
-    let r = l.rank();
-    let (rows, cols) = (l.shape[r - 2], l.shape[r - 1]);
-    let per = 16 / s.dtype.size_in_bytes();
-    let one = (0..r - 2).all(|d| l.shape[d] == 1 || l.strides[d] == 0);
-    let v = view2(l, rows, cols);
-    // The leading dim as `operand` reads it: rows apart (row-major) or columns apart.
-    let (row_major, ld) = match (v.strides[0], v.strides[1]) {
-        (rs, 1) if rows > 1 && rs >= cols => (true, rs),
-        (1, cs) if cols > 1 && cs >= rows => (false, cs),
-        _ => return Ok(None),
-    };
-    if !one || (ld % per == 0 && alignment(s.ptr_at(l.offset)) >= 16) {
-        return Ok(None);
-    }
-    let (inner, outer) = if row_major { (cols, rows) } else { (rows, cols) };
-    let p = inner.next_multiple_of(per);
-    let buf = CudaStorage::alloc(g, s.dtype, outer * p)?;
-    let to = Layout { shape: vec![rows, cols], strides: if row_major { vec![p, 1] } else { vec![1, p] }, offset: 0 };
-    super::kernels::copy_into(g, (&buf, &to), (s, &v))?;
-    Ok(Some((buf, to)))
-}
 
 /// The last two dims of a layout as a 2-D view `[rows, cols]`.
 fn view2(l: &Layout, rows: usize, cols: usize) -> Layout {

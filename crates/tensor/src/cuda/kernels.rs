@@ -230,12 +230,6 @@ pub fn dense_copy(g: &Arc<Gpu>, s: &CudaStorage, l: &Layout) -> Result<CudaStora
     ew_with(g, "copy", "v0".into(), compute_type(s.dtype), &[(s, l)], &meta, NO_EXTRA)
 }
 
-/// `dst` through `dl` = `src` through `sl` (one shape): a strided copy.
-pub(super) fn copy_into(g: &Arc<Gpu>, (d, dl): (&CudaStorage, &Layout), (s, sl): (&CudaStorage, &Layout)) -> Result<()> {
-    let (prefix, expr, c) = elementwise_expr(&Op::Assign, &[d.dtype]).ok_or_else(|| Error::Msg("copy_into: no kernel".into()))?;
-    launch_ew(g, prefix, expr, c, &[(d, dl), (s, sl)], &dl.shape, d, true, NO_EXTRA)
-}
-
 /// `out += x` over a dense `out` of `shape`, `x` broadcast to it: a matmul's bias (`[n]`) or
 /// residual where no epilogue added it.
 pub(super) fn add_into(g: &Arc<Gpu>, out: &CudaStorage, shape: &[usize], bias: (&CudaStorage, &Layout)) -> Result<()> {
