@@ -1435,35 +1435,26 @@ pub fn softmax_backward_source(dtype: DType, log: bool, block: bool) -> (String,
 /// Warps a `column_sums_source` block: each takes every `COLSUM_WARPS`-th row of its chunk.
 pub const COLSUM_WARPS: usize = 8;
 
-/// Column tiles one `column_sums_source` launch takes at most (its tickets); wider sums take
-/// several launches.
-pub const COLSUM_MAX_TILES: usize = 4096;
-
-/// Sums over the rows of `x [rows, n]` (columns contiguous, rows `stride` apart) into `o`
-/// (`O`), one launch: block (x, y) folds chunk y's rows of tile `tile0 + x` (`32 * v`
-/// columns; `v` neighbours a lane, one 16-byte load where `v` is 16 bytes of T) into
-/// `part[y * n + c]`, F32 (F64 for F64), adding its warps' sums in a fixed order; the tile's
-/// last block to finish (its ticket, reset by that block) adds the chunks: warp w chunks w,
-/// w + WARPS, .., then the warps in order, so the bits never change. A bias's gradient
-/// `sum(g)` beside the weight's `g^T x`: cuBLASLt's BGRAD epilogue ran it as a kernel of its
-/// own at 1.1-2.2 TB/s (session 32), and a second launch for the chunks cost 3-4 us a sum.
-pub fn column_sums_source(dtype: DType, v: usize, out: DType) -> (String, String) {
-    let name = format!("k_column_sums_{}_v{v}{}", format!("{dtype:?}").to_lowercase(), other_dtype("to_", dtype, out));
+/// Sums over the rows of `x [rows, n]` (columns contiguous, rows `stride` apart), first pass:
+/// block (x, y) folds chunk y's rows of a tile of `32 * v` columns (`v` neighbours a lane,
+/// one 16-byte load where `v` is 16 bytes of T) into `part[y * n + c]`, F32 (F64 for F64),
+/// adding its warps' sums in a fixed order. A bias's gradient `sum(g)` beside the weight's
+/// `g^T x`: cuBLASLt's BGRAD epilogue ran it as a kernel of its own at 1.1-2.2 TB/s
+/// (session 32). `column_sums_fold_source` adds the chunks.
+pub fn column_sums_source(dtype: DType, v: usize) -> (String, String) {
+    let name = format!("k_column_sums_{}_v{v}", format!("{dtype:?}").to_lowercase());
     let mut s = format!(
-        "{PRELUDE}\ntypedef {} T;\ntypedef {} O;\ntypedef {} A;\n#define V {v}\n#define WARPS {COLSUM_WARPS}\n",
+        "{PRELUDE}\ntypedef {} T;\ntypedef {} A;\n#define V {v}\n#define WARPS {COLSUM_WARPS}\n",
         storage_type(dtype),
-        storage_type(out),
         compute_type(dtype)
     );
-    s += &format!("__device__ unsigned int tickets[{COLSUM_MAX_TILES}];\n");
     s += "struct alignas(V * sizeof(T)) VT { T v[V]; };\n";
     s += &format!(
-        "extern \"C\" __global__ void __launch_bounds__(WARPS * 32) {name}(O* __restrict__ o, A* __restrict__ part, const T* __restrict__ x, long long rows, long long n, long long stride, long long chunk, long long tile0) {{\n"
+        "extern \"C\" __global__ void __launch_bounds__(WARPS * 32) {name}(A* __restrict__ part, const T* __restrict__ x, long long rows, long long n, long long stride, long long chunk) {{\n"
     );
     s += r#"  __shared__ A sums[WARPS][32 * V];
-  __shared__ bool last;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const long long tile = tile0 + blockIdx.x, c = (tile * 32 + lane) * V;
+  const long long c = ((long long)blockIdx.x * 32 + lane) * V;
   const long long r0 = blockIdx.y * chunk, r1 = min(rows, r0 + chunk);
   A acc[V];
 #pragma unroll
@@ -1480,7 +1471,7 @@ pub fn column_sums_source(dtype: DType, v: usize, out: DType) -> (String, String
   for (int j = 0; j < V; ++j) sums[warp][lane * V + j] = acc[j];
   __syncthreads();
   for (int t = threadIdx.x; t < 32 * V; t += WARPS * 32) {
-    const long long col = tile * 32 * V + t;
+    const long long col = (long long)blockIdx.x * 32 * V + t;
     if (col < n) {
       A u = (A)0;
 #pragma unroll
@@ -1488,36 +1479,38 @@ pub fn column_sums_source(dtype: DType, v: usize, out: DType) -> (String, String
       part[blockIdx.y * n + col] = u;
     }
   }
-  // Every block's partials are visible before its ticket; the tile's last block adds them.
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(&tickets[blockIdx.x], 1u) == gridDim.y - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-#pragma unroll
-  for (int j = 0; j < V; ++j) acc[j] = (A)0;
+}
+"#;
+    (s, name)
+}
+
+/// Sums over the rows, second pass: `o[c] = sum_y part[y * n + c]` over the `chunks`, stored
+/// as T. A block takes 32 columns: warp w adds chunks w, w + WARPS, .. (eight loads in flight),
+/// then the warps' sums are added in order, so the bits never change; a thread a column
+/// walking every chunk waited on 512 loads in turn for GPT's 384 bias columns.
+pub fn column_sums_fold_source(dtype: DType) -> (String, String) {
+    let name = format!("k_column_sums_fold_{}", format!("{dtype:?}").to_lowercase());
+    let mut s =
+        format!("{PRELUDE}\ntypedef {} T;\ntypedef {} A;\n#define WARPS {COLSUM_WARPS}\n", storage_type(dtype), compute_type(dtype));
+    s += &format!(
+        "extern \"C\" __global__ void __launch_bounds__(WARPS * 32) {name}(T* __restrict__ o, const A* __restrict__ part, long long n, long long chunks) {{\n"
+    );
+    s += r#"  __shared__ A sums[WARPS][32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const long long c = (long long)blockIdx.x * 32 + lane;
+  A u = (A)0;
   if (c < n) {
-#pragma unroll 4
-    for (long long y = warp; y < gridDim.y; y += WARPS) {
-#pragma unroll
-      for (int j = 0; j < V; ++j) acc[j] += __ldcg(&part[y * n + c + j]);
-    }
+#pragma unroll 8
+    for (long long y = warp; y < chunks; y += WARPS) u += part[y * n + c];
   }
+  sums[warp][lane] = u;
   __syncthreads();
+  if (warp == 0 && c < n) {
+    A t = (A)0;
 #pragma unroll
-  for (int j = 0; j < V; ++j) sums[warp][lane * V + j] = acc[j];
-  __syncthreads();
-  for (int t = threadIdx.x; t < 32 * V; t += WARPS * 32) {
-    const long long col = tile * 32 * V + t;
-    if (col < n) {
-      A u = (A)0;
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) u += sums[w][t];
-      st(&o[col], u);
-    }
+    for (int w = 0; w < WARPS; ++w) t += sums[w][lane];
+    st(&o[c], t);
   }
-  if (threadIdx.x == 0) tickets[blockIdx.x] = 0u;
 }
 "#;
     (s, name)

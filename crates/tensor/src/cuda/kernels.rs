@@ -277,10 +277,10 @@ pub(super) fn column_sums_fit(l: &Layout, dim: usize) -> bool {
 }
 
 /// `out[at..at + n]` = the sums over dim `dim` of the 2-D view `(s, l)` (`n` the other dim's
-/// length; `column_sums_fit`): chunks of rows into F32 partials, which each column tile's last
-/// block adds in order (`codegen::column_sums_source`: one launch, the same bits every run).
+/// length; `column_sums_fit`): chunks of rows into F32 partials, then the chunks added in
+/// order (`codegen::column_sums_source`: the same bits every run).
 pub(super) fn column_sums(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), dim: usize, out: &CudaStorage, at: usize) -> Result<()> {
-    use super::codegen::{column_sums_source, COLSUM_MAX_TILES, COLSUM_WARPS};
+    use super::codegen::{column_sums_fold_source, column_sums_source, COLSUM_WARPS};
     let (rows, n, ld) = (l.shape[dim], l.shape[1 - dim], l.strides[dim]);
     if n == 0 {
         return Ok(());
@@ -290,27 +290,27 @@ pub(super) fn column_sums(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), dim: us
     let v = if n % wide == 0 && ld % wide == 0 && l.offset % wide == 0 { wide } else { 1 };
     debug_assert!(v == 1 || n % v == 0, "the kernel reads whole vectors of columns");
     let tiles = n.div_ceil(32 * v);
-    // About four blocks an SM, each chunk at least a row a warp, and at most 128 chunks: the
-    // last block of a tile adds them all (a warp sixteen chunks, loads in flight together).
-    let chunks = (g.sms as usize * 4 / tiles).clamp(1, rows.div_ceil(COLSUM_WARPS).clamp(1, 128));
+    // About one resident wave of blocks, each chunk at least a row a warp.
+    let chunks = (g.sms as usize * 8 / tiles).clamp(1, rows.div_ceil(COLSUM_WARPS).max(1));
     let chunk = rows.div_ceil(chunks).max(1);
     let chunks = rows.div_ceil(chunk).max(1);
     let part = CudaStorage::alloc(g, accumulator(s.dtype), chunks * n)?;
-    let kf = g.kernel(super::spec_key("column_sums", &(s.dtype, v, out.dtype)), || column_sums_source(s.dtype, v, out.dtype))?;
-    for tile0 in (0..tiles).step_by(COLSUM_MAX_TILES) {
-        let (mut po, mut pp, mut px) = (out.ptr_at(at), part.buf.ptr, s.ptr_at(l.offset));
-        let (mut r, mut nn, mut lda, mut ch, mut t0) = (rows as i64, n as i64, ld as i64, chunk as i64, tile0 as i64);
-        let mut params = kernel_params![po, pp, px, r, nn, lda, ch, t0];
-        let grid = (COLSUM_MAX_TILES.min(tiles - tile0) as u32, chunks as u32);
-        // SAFETY: (o, part, x, rows, n, ld, chunk, tile0) matches the generated signature; the
-        // view lies in `s` (the caller's shape rule), its kept dim contiguous, and with `v` > 1
-        // every row's columns start 16-byte aligned (buffers are 256-byte aligned; offset and
-        // ld multiples of v); `out` holds `at + n` values and `part` chunks x n; the grid
-        // covers every chunk and at most COLSUM_MAX_TILES tiles (the kernel's tickets), and
-        // launches on one stream never overlap, so each tile's ticket counts one launch.
-        unsafe { g.launch(kf, grid, (COLSUM_WARPS * 32) as u32, 0, &mut params)? };
-    }
-    Ok(())
+    let kf = g.kernel(super::spec_key("column_sums", &(s.dtype, v)), || column_sums_source(s.dtype, v))?;
+    let (mut pp, mut px) = (part.buf.ptr, s.ptr_at(l.offset));
+    let (mut r, mut nn, mut lda, mut ch) = (rows as i64, n as i64, ld as i64, chunk as i64);
+    let mut params = kernel_params![pp, px, r, nn, lda, ch];
+    // SAFETY: (part, x, rows, n, ld, chunk) matches the generated signature; the view lies in
+    // `s` (the caller's shape rule), its kept dim contiguous, and with `v` > 1 every row's
+    // columns start 16-byte aligned (buffers are 256-byte aligned; offset and ld multiples of
+    // v); `part` holds chunks x n values; the grid covers every tile and chunk.
+    unsafe { g.launch(kf, (tiles as u32, chunks as u32), (COLSUM_WARPS * 32) as u32, 0, &mut params)? };
+    let kf = g.kernel(super::spec_key("column_sums_fold", &out.dtype), || column_sums_fold_source(out.dtype))?;
+    let (mut po, mut pp, mut nn, mut ch) = (out.ptr_at(at), part.buf.ptr, n as i64, chunks as i64);
+    let mut params = kernel_params![po, pp, nn, ch];
+    // SAFETY: (o, part, n, chunks) matches the generated signature; `out` holds `at + n`
+    // values (the caller's shape rule) and `part` chunks x n, live until the stream has run
+    // this (freed buffers are reused only in stream order); a block covers 32 columns.
+    unsafe { g.launch(kf, (n.div_ceil(32) as u32, 1), (COLSUM_WARPS * 32) as u32, 0, &mut params) }
 }
 
 /// `s` through `l` as a dense buffer: the same memory when already dense from offset 0.
