@@ -313,22 +313,27 @@ pub(super) fn column_sums(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), dim: us
     unsafe { g.launch(kf, (n.div_ceil(32) as u32, 1), (COLSUM_WARPS * 32) as u32, 0, &mut params) }
 }
 
-/// `s` through `l` as a dense buffer: the same memory when already dense from offset 0.
+/// `s` through `l` as a dense buffer: the same memory where the view is dense and starts on
+/// 16 bytes (a part of a flat output, such as layer norm's dx, is read where it lies), else a
+/// dense copy.
 enum Dense<'a> {
-    Borrowed(&'a CudaStorage),
+    /// The first element's address in memory the caller's storage keeps.
+    Borrowed(u64, std::marker::PhantomData<&'a CudaStorage>),
     Owned(CudaStorage),
 }
 impl Dense<'_> {
-    fn get(&self) -> &CudaStorage {
+    /// The address of the first element.
+    fn ptr(&self) -> u64 {
         match self {
-            Dense::Borrowed(s) => s,
-            Dense::Owned(s) => s,
+            Dense::Borrowed(p, _) => *p,
+            Dense::Owned(s) => s.buf.ptr,
         }
     }
 }
 fn dense<'a>(g: &Arc<Gpu>, s: &'a CudaStorage, l: &Layout) -> Result<Dense<'a>> {
-    if l.is_contiguous() && l.offset == 0 {
-        Ok(Dense::Borrowed(s))
+    let p = s.ptr_at(l.offset);
+    if l.is_contiguous() && p % 16 == 0 {
+        Ok(Dense::Borrowed(p, std::marker::PhantomData))
     } else {
         Ok(Dense::Owned(dense_copy(g, s, l)?))
     }
@@ -659,7 +664,7 @@ fn attention_inputs<'a>(
             Some(m) => ins.push((s.ptr_at(l.offset), m)),
             None => {
                 let c = dense(g, s, l)?;
-                ins.push((c.get().buf.ptr, Mat::dense(t, d)));
+                ins.push((c.ptr(), Mat::dense(t, d)));
                 copies.push(c);
             }
         }
@@ -897,8 +902,8 @@ fn row_pair(
     let x = dense(g, s, l)?;
     let gd = grad.map(|(sg, lg)| dense(g, sg, lg)).transpose()?;
     let (block, grid, threads) = row_launch(rows, n);
-    let (mut o, mut px) = (out.buf.ptr, x.get().buf.ptr);
-    let mut pg = gd.as_ref().map_or(0, |d| d.get().buf.ptr);
+    let (mut o, mut px) = (out.buf.ptr, x.ptr());
+    let mut pg = gd.as_ref().map_or(0, |d| d.ptr());
     let k = kernel(block, [o, px, pg, extra[0], extra[1]].iter().all(|p| p % 16 == 0))?;
     let mut a = RowArgs { rows: rows as i64, red: n as i64, value };
     let [mut e0, mut e1] = extra;
@@ -959,7 +964,7 @@ fn layer_norm_param_grads(
     let part = CudaStorage::alloc(g, accumulator(dtype), blocks * 2 * n)?;
     let with_dx = wd.is_some();
     let gdt = grad.0.dtype;
-    let (mut px, mut pg) = (xd.get().buf.ptr, gd.get().buf.ptr);
+    let (mut px, mut pg) = (xd.ptr(), gd.ptr());
     // Staged (each warp's next row copied to shared memory while it works on this one) where
     // F32 rows of x and g are whole, aligned 16-byte pieces, and two blocks' slots fit an SM.
     let most = super::codegen::ln_grads_stage_bytes(32 * tiles, dtype, gdt);
@@ -977,10 +982,10 @@ fn layer_norm_param_grads(
     let mut a = RowArgs { rows: rows as i64, red: n as i64, value: eps };
     let (mut o, mut ch) = (part.buf.ptr, chunk as i64);
     let (mut pdx, mut pw) = match &wd {
-        Some(w) => (out.ptr_at(dx_at), w.get().buf.ptr),
+        Some(w) => (out.ptr_at(dx_at), w.ptr()),
         None => (0, 0),
     };
-    let mut pr = rd.as_ref().map_or(0, |r| r.get().buf.ptr);
+    let mut pr = rd.as_ref().map_or(0, |r| r.ptr());
     let mut params = kernel_params![o, px, pg, a, ch, pdx, pw, pr];
     // SAFETY: (part, x, g, NArgs, chunk, dx, w, r) matches the generated signature; x and g
     // are dense `rows * n` buffers, `part` holds `blocks * 2 n` partials of the compute type,
@@ -1007,8 +1012,8 @@ fn normalize(
     let out = to.unwrap_or(dtype);
     let wb: Vec<Dense> = affine.iter().map(|(s, l)| dense(g, s, l)).collect::<Result<_>>()?;
     let extra = match &wb[..] {
-        [w, b] => [w.get().buf.ptr, b.get().buf.ptr],
-        [w] => [w.get().buf.ptr, 0],
+        [w, b] => [w.ptr(), b.ptr()],
+        [w] => [w.ptr(), 0],
         _ => [0, 0],
     };
     let has = extra[0] != 0;
@@ -1070,7 +1075,7 @@ fn cross_entropy(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], ignore: Option<i64
     let (mut pg, gst) =
         x.get(2).map_or((0, 0), |(sg, lg)| (sg.buf.ptr + (lg.offset * sg.dtype.size_in_bytes()) as u64, lg.strides[0] as i64));
     let mut a = XArgs::new(rows, n, ignore, smoothing, gst);
-    let (mut o, mut px, mut pt, mut pe) = (out.buf.ptr, logits.get().buf.ptr, targets.get().buf.ptr, g.err);
+    let (mut o, mut px, mut pt, mut pe) = (out.buf.ptr, logits.ptr(), targets.ptr(), g.err);
     let mut params = kernel_params![o, px, pt, pg, pe, a];
     // SAFETY: (out, logits, targets, grad, err, XArgs) matches the generated signature; logits
     // are dense [rows, n], targets dense [rows]; the gradient (backward only; null and unread in
@@ -1108,7 +1113,7 @@ fn cross_entropy_mean(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], ignore: Optio
     }
     let k = g.kernel(super::spec_key("cross_entropy_mean", &(s.dtype, tpr)), || super::codegen::cross_entropy_mean_source(s.dtype, tpr))?;
     let mut a = XArgs::new(rows, n, ignore, smoothing, 0);
-    let (mut o, mut px, mut pt, mut pe) = (out.buf.ptr, logits.get().buf.ptr, targets.get().buf.ptr, g.err);
+    let (mut o, mut px, mut pt, mut pe) = (out.buf.ptr, logits.ptr(), targets.ptr(), g.err);
     let mut params = kernel_params![o, px, pt, pe, a];
     // SAFETY: (out, logits, targets, err, XArgs) matches the generated signature; logits are
     // dense [rows, n], targets dense [rows], `out` holds the loss and, from XENT_GRAD_AT,
@@ -1189,7 +1194,7 @@ fn linear_cross_entropy_mean(
     };
     let mut a = XArgs::new(n, c, ignore, smoothing, 0);
     let (mut o, mut ph, mut pw, mut pb) = (out.buf.ptr, sh.ptr_at(lh.offset), sw.ptr_at(lw.offset), sb.ptr_at(lb.offset));
-    let (mut pt, mut pe) = (targets.get().buf.ptr, g.err);
+    let (mut pt, mut pe) = (targets.ptr(), g.err);
     let mut params = kernel_params![o, ph, pw, pb, pt, pe, a, l];
     let smem = linear_xent_smem_bytes(n, c, f, cluster) as u32;
     let (threads, z) = (LINEAR_XENT_THREADS as u32, blocks as u32);
@@ -1428,7 +1433,7 @@ fn index_code(kind: IndexKind) -> i64 {
 }
 
 /// Launches an index kernel: `o` written from `src` at `idx` (all dense).
-fn launch_index(g: &Arc<Gpu>, kind: IndexKind, o: &CudaStorage, src: &CudaStorage, idx: &CudaStorage, mut a: IArgs) -> Result<()> {
+fn launch_index(g: &Arc<Gpu>, kind: IndexKind, o: &CudaStorage, src: u64, idx: u64, mut a: IArgs) -> Result<()> {
     let rows = matches!(kind, IndexKind::Select | IndexKind::Add)
         && super::codegen::select_by_rows((a.outer * a.nidx) as usize, a.inner as usize, g.sms as usize);
     if a.n == 0 {
@@ -1440,7 +1445,7 @@ fn launch_index(g: &Arc<Gpu>, kind: IndexKind, o: &CudaStorage, src: &CudaStorag
     a.code = index_code(kind);
     let spec = Index { kind, dtype: o.dtype, rows };
     let k = g.kernel(super::spec_key("index", &spec), || spec.source())?;
-    let (mut po, mut ps, mut pi, mut pe) = (o.buf.ptr, src.buf.ptr, idx.buf.ptr, g.err);
+    let (mut po, mut ps, mut pi, mut pe) = (o.buf.ptr, src, idx, g.err);
     let mut params = kernel_params![po, ps, pi, pe, a];
     // SAFETY: (out, src, idx, err, IArgs) matches the generated signature; the buffers are
     // dense and sized by the shape rule; `err` is the GPU's error word.
@@ -1476,7 +1481,7 @@ fn index_read(
     } else {
         shapes_args(&li.shape, &l.shape, dim, out.len)
     };
-    launch_index(g, kind, &out, src.get(), idx.get(), a)?;
+    launch_index(g, kind, &out, src.ptr(), idx.ptr(), a)?;
     Ok(out)
 }
 
@@ -1505,7 +1510,7 @@ fn index_add(
     } else {
         (IndexKind::ScatterAdd, shapes_args(&li.shape, &lb.shape, dim, ls.numel()))
     };
-    launch_index(g, kind, &out, src.get(), idx.get(), a)?;
+    launch_index(g, kind, &out, src.ptr(), idx.ptr(), a)?;
     if wide == sb.dtype {
         return Ok(out);
     }
