@@ -376,7 +376,8 @@ fn layer_norm_grads_with_a_residual_match_the_separate_add() {
             let (four, three) = (grads(&[&on[0], &on[1], &on[2], &on[3]]).unwrap(), grads(&[&on[0], &on[1], &on[2]]).unwrap());
             let dx = |t: &Tensor| t.narrow(0, at, numel).unwrap().reshape(shape).unwrap();
             let want = dx(&three).add(&on[3]).unwrap();
-            assert_eq!(dx(&four).to_vec_f64().unwrap(), want.to_vec_f64().unwrap(), "{what}: dx + r");
+            // (Not bit for bit: NVRTC contracts the two kernels' dx expressions differently.)
+            close(&format!("{what}: dx + r"), &want, &dx(&four), tol(xd) * 4.0);
             let params = |t: &Tensor| t.narrow(0, 0, 2 * n).unwrap().to_vec_f64().unwrap();
             assert_eq!(params(&four), params(&three), "{what}: parameter gradients");
         }
