@@ -350,7 +350,7 @@ fn layer_norm_grads_in_one_pass_match_the_cpu() {
 
 /// Compile's fold of a residual gradient into layer norm's backward
 /// (`passes::fold_residual_into_ln_grads`: `NormalizeParamGrads` with a fourth input r adds it
-/// to x's gradient as it stores it): against the CPU, and on the GPU bit for bit the
+/// to x's gradient as it stores it): against the CPU, and on the GPU within F32 rounding of the
 /// three-input result plus r (dx rounded as stored, then one add: no FMA), with the
 /// parameter gradients unchanged, F32 x with F32 or BF16 g (staged or not) and F64.
 #[test]
