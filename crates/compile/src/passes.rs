@@ -744,8 +744,7 @@ pub fn fold_residual_into_ln_grads(g: &Graph, gpu: bool) -> Graph {
                 && r.node < p
                 && !bases.contains(&r.node)
                 && !pinned[i]
-                && !pinned[p]
-                && alias[i].is_none();
+                && !pinned[p];
             if ok {
                 out.nodes[p].kind = Kind::Op(op.clone(), [&pargs[..], std::slice::from_ref(r)].concat());
                 alias[i] = Some((p, from));
