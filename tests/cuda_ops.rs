@@ -520,6 +520,18 @@ fn fused_epilogue_cases(dt: DType, t: f64, k: usize, n: usize) {
     both(&format!("matmul_residual, r transposed {dt:?}, k {k} n {n}"), &[a.clone(), b.clone(), randn(&[n, 37], 55, dt)], t, |x| {
         fused(E::Residual)(&[x[0].clone(), x[1].clone(), x[2].t()?])
     });
+    // A 16-bit product summed into an F32 residual (autocast's residual stream): cuBLASLt's
+    // C of its own with an F32 D (the product unrounded, where the CPU rounds it first).
+    if dt.size_in_bytes() == 2 {
+        let r32 = randn(&[37, n], 54, DType::F32);
+        both(&format!("matmul_residual into F32 {dt:?}, k {k} n {n}"), &[a.clone(), b.clone(), r32.clone()], t, fused(E::Residual));
+        both(
+            &format!("matmul_residual + bias into F32 {dt:?}, k {k} n {n}"),
+            &[a.clone(), b.clone(), r32, bias.clone()],
+            t,
+            fused(E::Residual),
+        );
+    }
 }
 
 /// Products at the MLP's shapes, F32 and F64, against the CPU: the weight gradients at batch

@@ -256,7 +256,10 @@ fn readers(g: &Graph) -> Vec<usize> {
 ///   the contraction is short enough for Kiln's thin-product kernel, which multiplies as it
 ///   stores (`codegen::matmul_thin_source`; elsewhere the separate multiply is as fast);
 /// - the sum of a 2-D product's operand over the contraction, the bias gradient `sum(g)`
-///   beside the weight gradient `g^T x`: one GEMM writes both, the sums after the product.
+///   beside the weight gradient `g^T x`: one GEMM writes both, the sums after the product;
+/// - on a GPU, a residual add `r + a @ b`, also through a cast widening a 16-bit product to
+///   an F32 `r` (autocast's residual stream: cuBLASLt's C, with an F32 D, adds the product
+///   before any rounding to 16 bits).
 pub fn fuse_matmuls(g: &Graph, gpu: bool) -> Graph {
     let mut out = g.clone();
     let uses = readers(g);
@@ -279,13 +282,32 @@ pub fn fuse_matmuls(g: &Graph, gpu: bool) -> Graph {
             // residual): its operands are then read through the same permutation.
             Op::Binary(BinaryOp::Add) if gpu && !written.contains(&i) && !bases.contains(&i) => {
                 let residual = |x: &Arg, y: &Arg| -> Option<(NodeId, Vec<Arg>)> {
-                    let (p, node) = (x.node, &out.nodes[i]);
+                    let node = &out.nodes[i];
+                    // Through a widening cast, read whole and only here (autocast's 16-bit
+                    // product added to the F32 residual stream): the epilogue adds the
+                    // product before it is rounded to 16 bits.
+                    let p = match &out.nodes[x.node].kind {
+                        Kind::Op(Op::Cast(to), c)
+                            if widened_residuals() && *to == node.dtype && uses[x.node] == 1 && whole(&c[0], &out.nodes[c[0].node]) =>
+                        {
+                            let from = out.nodes[c[0].node].dtype;
+                            let widens = matches!(from, DType::BF16 | DType::F16) && *to == DType::F32;
+                            let alone = !written.contains(&x.node) && !bases.contains(&x.node) && y.node != x.node;
+                            if !(widens && alone) {
+                                return None;
+                            }
+                            c[0].node
+                        }
+                        _ => x.node,
+                    };
                     let Kind::Op(Op::Matmul, margs) = &out.nodes[p].kind else { return None };
                     // (The product's operands are read at i now, later than at p: none may be a
                     // buffer written in place in between.)
                     let alone = uses[p] == 1 && !written.contains(&p) && !bases.contains(&p) && y.node != p;
                     let stable = margs.iter().all(|a| !bases.contains(&a.node));
-                    let same = out.nodes[p].dtype == node.dtype && out.nodes[y.node].dtype == node.dtype && y.layout.shape == node.shape;
+                    let same = (p != x.node || out.nodes[p].dtype == node.dtype)
+                        && out.nodes[y.node].dtype == node.dtype
+                        && y.layout.shape == node.shape;
                     let perm = read_permutation(&x.layout, &out.nodes[p].shape).filter(|_| alone && same && stable)?;
                     let mut fused = permuted_operands(&margs[..2], &perm)?;
                     fused.push(y.clone());
@@ -373,6 +395,12 @@ pub fn fuse_matmuls(g: &Graph, gpu: bool) -> Graph {
     }
     redirect(&mut out, &alias);
     dce(&out)
+}
+
+/// Whether `fuse_matmuls` folds a widened 16-bit product's residual add into the product
+/// (`KILN_WIDE_RESIDUAL=0` keeps the cast and the add apart: the A/B switch for measuring it).
+fn widened_residuals() -> bool {
+    std::env::var("KILN_WIDE_RESIDUAL").map_or(true, |v| v != "0")
 }
 
 /// `perm` (view dim `d` is dim `perm[d]` of `shape`) when `view` reads a contiguous buffer of
@@ -863,6 +891,38 @@ mod tests {
             g.outputs.push(whole(&g, p));
         }
         (g, sum)
+    }
+
+    /// Autocast's residual connection: `r + to_f32(x @ w^T + b)` with x, w and b in BF16 and
+    /// r in F32; with `twice`, the widened product is read again.
+    fn widened_residual_add(twice: bool) -> Graph {
+        let (rows, c) = (12, 8);
+        let mut g = Graph::default();
+        let x = g.push(Kind::Input(0), vec![rows, c], DType::BF16);
+        let w = g.push(Kind::Input(1), vec![c, c], DType::BF16);
+        let b = g.push(Kind::Input(2), vec![c], DType::BF16);
+        let r = g.push(Kind::Input(3), vec![rows, c], DType::F32);
+        let p = g.push(Kind::Op(Op::Matmul, vec![whole(&g, x), whole(&g, w), whole(&g, b)]), vec![rows, c], DType::BF16);
+        let wide = g.push(Kind::Op(Op::Cast(DType::F32), vec![whole(&g, p)]), vec![rows, c], DType::F32);
+        let sum = g.push(Kind::Op(Op::Binary(BinaryOp::Add), vec![whole(&g, wide), whole(&g, r)]), vec![rows, c], DType::F32);
+        g.outputs = vec![whole(&g, sum)];
+        if twice {
+            g.outputs.push(whole(&g, wide));
+        }
+        g
+    }
+
+    #[test]
+    fn a_widened_product_joins_its_f32_residual_on_a_gpu() {
+        let f = dce(&fuse_matmuls(&widened_residual_add(false), true));
+        assert_eq!(ops(&f), ["matmul_residual"], "{f}");
+        let n = f.nodes.last().expect("a node");
+        let Kind::Op(_, args) = &n.kind else { panic!("{f}") };
+        // x, w, the F32 residual, the BF16 bias; the sum stays F32.
+        assert_eq!((args.iter().map(|a| a.node).collect::<Vec<_>>(), n.dtype), (vec![0, 1, 3, 2], DType::F32));
+        // The CPU, and a widened product read elsewhere too, keep the cast and the add.
+        assert_eq!(ops(&dce(&fuse_matmuls(&widened_residual_add(false), false))), ["matmul", "to_dtype", "add"]);
+        assert_eq!(ops(&dce(&fuse_matmuls(&widened_residual_add(true), true))), ["matmul", "to_dtype", "add"]);
     }
 
     #[test]

@@ -1044,12 +1044,16 @@ impl Op {
                         return Ok(product);
                     }
                     MatmulEpilogue::Residual => {
-                        same_dtype(product.dtype, inputs[2].dtype)?;
+                        // A 16-bit product may join an F32 residual (autocast): the sum is F32.
+                        let widened = matches!(product.dtype, DType::BF16 | DType::F16) && inputs[2].dtype == DType::F32;
+                        if !widened {
+                            same_dtype(product.dtype, inputs[2].dtype)?;
+                        }
                         if inputs[2].shape != product.shape {
                             let r = inputs[2].shape;
                             return Err(Error::shape(name, format!("the residual {r:?} must match the product {:?}", product.shape)));
                         }
-                        return Ok(product);
+                        return meta(product.shape, inputs[2].dtype);
                     }
                     MatmulEpilogue::SumLeft | MatmulEpilogue::SumRight => {}
                 }

@@ -403,6 +403,15 @@ fn fused_matmuls_apply_relu_or_append_the_operand_sums() -> Result<()> {
     assert_eq!(v(&fused(E::Residual, &[&a, &b, &r, &bias])?), vec![11.5, 11., 27., 43.5, 41., 53.]);
     let err = fused(E::Residual, &[&a, &b, &a]).unwrap_err().to_string();
     assert!(err.contains("matmul_residual") && err.contains("[2, 2]") && err.contains("[2, 3]"), "{err}");
+    // A BF16 product joining an F32 residual (autocast's): F32 out, the product rounded first
+    // on the CPU as eager rounds it; an F64 residual under a BF16 product is refused.
+    let (ah, bh, biash) = (a.to_dtype(DType::BF16)?, b.mul_scalar(1.01)?.to_dtype(DType::BF16)?, bias.to_dtype(DType::BF16)?);
+    let wide = fused(E::Residual, &[&ah, &bh, &r, &biash])?;
+    assert_eq!(wide.dtype(), DType::F32);
+    assert_eq!(v(&wide), v(&ah.matmul_bias(&bh, &biash)?.to_dtype(DType::F32)?.add(&r)?));
+    assert_ne!(v(&wide), v(&fused(E::Residual, &[&a, &b.mul_scalar(1.01)?, &r, &bias])?), "the product is rounded to BF16");
+    let err = fused(E::Residual, &[&ah, &bh, &r.to_dtype(DType::F64)?]).unwrap_err().to_string();
+    assert!(err.contains("BF16") && err.contains("F64"), "{err}");
     Ok(())
 }
 

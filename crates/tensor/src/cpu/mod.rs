@@ -595,9 +595,13 @@ fn matmul_fused(e: MatmulEpilogue, ins: &[(&CpuStorage, &Layout)], meta: &OutMet
             run(&Op::Binary(crate::BinaryOp::Mul), &[(&product, &l), (&grad, &l)], meta)
         }
         MatmulEpilogue::Residual => {
+            // (A 16-bit product joining an F32 residual is rounded, then widened: the CPU
+            // keeps eager's bits; a GPU epilogue adds the unrounded product.)
             let ab: Vec<(&CpuStorage, &Layout)> = [&ins[..2], &ins[3..]].concat();
-            let product = run(&Op::Matmul, &ab, meta)?;
-            run(&Op::Binary(crate::BinaryOp::Add), &[(&product, &dense(&meta.shape)), ins[2]], meta)
+            let product = run(&Op::Matmul, &ab, &OutMeta { shape: meta.shape.clone(), dtype: ins[0].0.dtype() })?;
+            let l = dense(&meta.shape);
+            let product = if product.dtype() == meta.dtype { product } else { run(&Op::Cast(meta.dtype), &[(&product, &l)], meta)? };
+            run(&Op::Binary(crate::BinaryOp::Add), &[(&product, &l), ins[2]], meta)
         }
         MatmulEpilogue::SumLeft | MatmulEpilogue::SumRight => {
             let s = matmul::MatmulShape { batch: &[], m: ins[0].1.shape[0], k: ins[0].1.shape[1], n: ins[1].1.shape[1] };

@@ -60,6 +60,7 @@ fn start_lt(g: &Arc<Gpu>, started: std::time::Instant) -> Option<cudarc::cublasl
     let made = started.elapsed();
     let gemm = Gemm {
         dtype: DType::F32,
+        out: DType::F32,
         tf32: false,
         trans: (false, false),
         mnk: (256, 256, 256),
@@ -68,8 +69,10 @@ fn start_lt(g: &Arc<Gpu>, started: std::time::Instant) -> Option<cudarc::cublasl
         strides: (0, 0, 0),
         align: (256, 256, 256),
         epilogue: super::lt::Epilogue::NONE,
+        vector_dtype: None,
+        c: None,
     };
-    let _ = Plan::new(lt, g, &gemm, [0; 5], (0, WORKSPACE));
+    let _ = Plan::new(lt, g, &gemm, [0; 6], (0, WORKSPACE));
     if super::log_on("time") {
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
         eprintln!("[kiln time] cuBLAS started in {:.1} ms, cuBLASLt's first heuristic {:.1} ms", ms(made), ms(started.elapsed() - made));
@@ -253,6 +256,8 @@ pub fn matmul_fused(
     let (m, n, k) = (shape[r - 2], shape[r - 1], la.shape[la.rank() - 1]);
     let batch: usize = shape[..r - 2].iter().product();
     let out = CudaStorage::alloc(g, meta.dtype, meta.shape.iter().product())?;
+    // The operands' dtype: the output's, or 16 bits under an F32 residual's sum (`Residual`).
+    let dtype = sa.dtype;
     let tail = crate::op::matmul_tail_offset(shape.iter().product());
     // A `D*` epilogue's third input is the activation's, a residual's the residual (the bias
     // after it); else the third is the bias.
@@ -302,7 +307,7 @@ pub fn matmul_fused(
     if batch > 1 && lb.strides[..r - 2].iter().all(|&s| s == 0) {
         let folded = match la.reshaped(&[batch * m, k]) {
             Some(f) => f,
-            None => match mapped_rows(g, meta.dtype, (sa, &la), (sb, &lb), &rest) {
+            None => match mapped_rows(g, dtype, (sa, &la), (sb, &lb), &rest) {
                 Some(own) => {
                     a_rows = Some((m, la.strides[0]));
                     let a = own.a.clone();
@@ -319,7 +324,7 @@ pub fn matmul_fused(
     }
     let sa = dense_a.as_ref().unwrap_or(sa);
     // (Only the Hopper GEMM reads a row map: `mapped` is its product.)
-    let own = mapped.or_else(|| own_product(g, meta.dtype, batch, (sa, &la), (sb, &lb), &rest));
+    let own = mapped.or_else(|| own_product(g, dtype, batch, (sa, &la), (sb, &lb), &rest));
     if let Some(own) = own {
         // Kiln's kernel does all that is left of the fused op.
         let (a, b) = ((sa, &own.a), (sb, &own.b));
@@ -357,7 +362,8 @@ pub fn matmul_fused(
     let a = operand(g, sa, &la)?;
     let b = operand(g, sb, &lb)?;
     let b = if batch == 1 { Operand { batch_stride: 0, ..b } } else { b };
-    let (dt, compute) = data_type(meta.dtype)?;
+    let (dt, compute) = data_type(dtype)?;
+    let dt_out = data_type(meta.dtype)?.0;
     let op = |t: bool| if t { bs::cublasOperation_t::CUBLAS_OP_T } else { bs::cublasOperation_t::CUBLAS_OP_N };
     let (alpha, beta) = one_and_zero(meta.dtype == DType::F64);
     // A dry run does not wait for cuBLAS to start: it starts it on another thread (once),
@@ -370,11 +376,19 @@ pub fn matmul_fused(
     let blas = get(&mut guard, g)?;
     g.bind()?;
     let (epilogue, vector, aux) = lt_epilogue(&rest, batch, n, &out);
+    // The residual as C (beta 1) where it is dense rows of the output's and aligned.
+    let c = rest.residual.filter(|_| batch == 1).and_then(|(s, l)| match aux_rows(l, m, n) {
+        // (Not D itself: `MaxAutotune` runs a plan many times, and D = A B + D would grow.)
+        Some((at, ld)) if ld == n && alignment(s.ptr_at(at)) >= 16 && s.ptr_at(at) != out.buf.ptr => Some(s.ptr_at(at)),
+        _ => None,
+    });
+    let vector_dtype = rest.bias.filter(|_| vector != 0).map(|(s, _)| s.dtype).filter(|&d| d != meta.dtype);
     // cuBLASLt, with a cached plan, when it can express the batch (it cannot repeat an
     // operand with batch stride 0).
     if let Some(lt) = blas.lt.filter(|_| batch == 1 || (a.batch_stride != 0 && b.batch_stride != 0)) {
         let gemm = Gemm {
-            dtype: meta.dtype,
+            dtype,
+            out: meta.dtype,
             tf32: allow_tf32(),
             trans: (b.trans, a.trans),
             mnk: (n as u64, m as u64, k as u64),
@@ -383,8 +397,10 @@ pub fn matmul_fused(
             strides: (b.batch_stride, a.batch_stride, (m * n) as i64),
             align: (alignment(b.ptr), alignment(a.ptr), alignment(out.buf.ptr)),
             epilogue,
+            vector_dtype,
+            c: c.map(alignment),
         };
-        let ptrs = [b.ptr, a.ptr, out.buf.ptr, vector, aux];
+        let ptrs = [b.ptr, a.ptr, out.buf.ptr, vector, aux, c.unwrap_or(0)];
         let ws = (blas.ws.ptr, WORKSPACE);
         // One lookup per call; a problem cuBLASLt refuses is remembered as None (cuBLAS).
         let slot = match blas.plans.entry(gemm) {
@@ -405,6 +421,9 @@ pub fn matmul_fused(
             if plan.run(lt, g, ptrs, ws).is_ok() {
                 drop(guard);
                 rest.done_by(epilogue);
+                if c.is_some() {
+                    rest.residual = None;
+                }
                 return finish(g, out, rest, &shape);
             }
             // An algorithm that fails to launch is dropped; cuBLAS computes this one.
@@ -438,7 +457,7 @@ pub fn matmul_fused(
             a.batch_stride,
             beta,
             out.buf.ptr as *mut c_void,
-            dt,
+            dt_out,
             n as i32,
             (m * n) as i64,
             batch as i32,

@@ -18,7 +18,10 @@ use std::time::Instant;
 /// A column-major GEMM `D[m, n] = op(A)[m, k] op(B)[k, n]`, batched with strides.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Gemm {
+    /// The operands' dtype.
     pub dtype: DType,
+    /// D's (and C's) dtype: the operands', or F32 for 16-bit operands summed into an F32 C.
+    pub out: DType,
     pub tf32: bool,
     pub trans: (bool, bool),
     pub mnk: (u64, u64, u64),
@@ -31,6 +34,10 @@ pub struct Gemm {
     pub align: (u32, u32, u32),
     /// The epilogue (`cublasLtEpilogue_t`; `Epilogue::NONE` for none).
     pub epilogue: Epilogue,
+    /// The epilogue vector's dtype where it is not D's (a 16-bit bias of an F32 D).
+    pub vector_dtype: Option<DType>,
+    /// `D = A B + C` with C a matrix of D's layout (a residual), and C's pointer alignment.
+    pub c: Option<u32>,
 }
 
 /// A cuBLASLt epilogue and the alignment of its vector: the bias it adds (one value per
@@ -48,6 +55,9 @@ impl Epilogue {
     pub const NONE: Epilogue = Epilogue { kind: ls::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT as u32, vector: None, aux: None };
 }
 
+/// A GEMM's device pointers: A, B, D, the epilogue's vector and aux matrix, C (0 if none).
+pub type Ptrs = [u64; 6];
+
 /// Descriptors and the chosen algorithm of one `Gemm`.
 pub struct Plan {
     desc: ls::cublasLtMatmulDesc_t,
@@ -59,6 +69,8 @@ pub struct Plan {
     vector: bool,
     /// The epilogue reads or writes an aux matrix (its pointer is set per call).
     aux: bool,
+    /// C is a matrix of its own (`Gemm::c`), added with beta 1.
+    c: bool,
     /// Whether the algorithm was timed (here or in an earlier process), not just the heuristic's.
     pub tuned: bool,
 }
@@ -139,8 +151,8 @@ const CANDIDATES: usize = 16;
 
 impl Plan {
     /// Descriptors for `g` and its algorithm: heuristic, from the disk cache, or timed on
-    /// `ptrs` (A, B, D, the epilogue's vector and aux matrix) when autotuning.
-    pub(crate) fn new(lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, g: &Gemm, ptrs: [u64; 5], ws: (u64, usize)) -> Result<Plan> {
+    /// `ptrs` (A, B, D, the epilogue's vector and aux matrix, C) when autotuning.
+    pub(crate) fn new(lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, g: &Gemm, ptrs: Ptrs, ws: (u64, usize)) -> Result<Plan> {
         let (t, mut compute, scale) = cuda_type(g.dtype)?;
         if g.tf32 && g.dtype == DType::F32 {
             compute = ls::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32;
@@ -153,6 +165,7 @@ impl Plan {
             f64: g.dtype == DType::F64,
             vector: g.epilogue.vector.is_some(),
             aux: g.epilogue.aux.is_some(),
+            c: g.c.is_some(),
             tuned: false,
         };
         // cublasOperation_t: CUBLAS_OP_N = 0, CUBLAS_OP_T = 1.
@@ -172,6 +185,11 @@ impl Plan {
                 lr::set_matmul_desc_attribute(desc, D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld as *const i64 as _, 8)
                     .map_err(lt_err("aux ld"))?;
             }
+            if let Some(v) = g.vector_dtype {
+                let vt = cuda_type(v)?.0 as i32;
+                lr::set_matmul_desc_attribute(desc, D::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &vt as *const i32 as _, 4)
+                    .map_err(lt_err("bias dtype"))?;
+            }
         }
         let (m, n, k) = g.mnk;
         let (ar, ac) = if g.trans.0 { (k, m) } else { (m, k) };
@@ -179,7 +197,7 @@ impl Plan {
         plan.layouts = [
             layout(t, ar, ac, g.ld.0, g.batch, g.strides.0)?,
             layout(t, br, bc, g.ld.1, g.batch, g.strides.1)?,
-            layout(t, m, n, g.ld.2, g.batch, g.strides.2)?,
+            layout(cuda_type(g.out)?.0, m, n, g.ld.2, g.batch, g.strides.2)?,
         ];
         let key = disk_key(gpu, g, ws.1);
         if let Some(algo) = key.as_ref().and_then(|p| read_algo(p)) {
@@ -238,7 +256,7 @@ impl Plan {
             let aligns = [
                 (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, g.align.0),
                 (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, g.align.1),
-                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, g.align.2),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, g.c.unwrap_or(g.align.2)),
                 (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, g.align.2),
             ];
             for (a, v) in aligns {
@@ -281,7 +299,7 @@ impl Plan {
     /// captured into one CUDA graph, best of three replays. Timed from the host one call at a
     /// time, a small product's launch cost (several microseconds, which a graph replay does not
     /// pay) would hide the differences between its kernels.
-    fn time(&self, lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, ptrs: [u64; 5], ws: (u64, usize)) -> Result<f64> {
+    fn time(&self, lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, ptrs: Ptrs, ws: (u64, usize)) -> Result<f64> {
         const RUNS: u32 = 10;
         self.run(lt, gpu, ptrs, ws)?;
         gpu.sync()?;
@@ -298,13 +316,15 @@ impl Plan {
         Ok(best / RUNS as f64)
     }
 
-    /// `D = A B` and the epilogue on the GPU's stream: `ptrs` are A, B, D, the epilogue's
-    /// vector and its aux matrix (0 if none).
-    pub(crate) fn run(&self, lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, ptrs: [u64; 5], ws: (u64, usize)) -> Result<()> {
+    /// `D = A B (+ C)` and the epilogue on the GPU's stream: `ptrs` are A, B, D, the
+    /// epilogue's vector, its aux matrix and C (0 if none).
+    pub(crate) fn run(&self, lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, ptrs: Ptrs, ws: (u64, usize)) -> Result<()> {
         if super::gpu::is_dry() {
             return Ok(());
         }
-        let (alpha, beta) = super::blas::one_and_zero(self.f64);
+        let (alpha, zero) = super::blas::one_and_zero(self.f64);
+        // C of its own is added (beta 1); else C is D and beta 0.
+        let (beta, c) = if self.c { (alpha, ptrs[5]) } else { (zero, ptrs[2]) };
         let l = self.layouts;
         if self.vector {
             use ls::cublasLtMatmulDescAttributes_t as D;
@@ -336,7 +356,7 @@ impl Plan {
                 l[0],
                 ptrs[1] as *const c_void,
                 l[1],
-                ptrs[2] as *const c_void,
+                c as *const c_void,
                 l[2],
                 ptrs[2] as *mut c_void,
                 l[2],
