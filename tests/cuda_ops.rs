@@ -534,6 +534,37 @@ fn fused_epilogue_cases(dt: DType, t: f64, k: usize, n: usize) {
     }
 }
 
+/// Column sums under `MaxAutotune`'s flag (`lt::set_autotune`): the chunk count is timed once
+/// per problem (a row count of this process's own, so that no earlier run's disk cache holds
+/// the answer), the sums still match the CPU's, and the next call takes the kept choice (no
+/// timing, the same bits).
+#[test]
+fn column_sums_tuned_under_autotune_match_the_cpu() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    let rows = 4100 + std::process::id() as usize % 997;
+    for dt in [DType::F32, DType::BF16] {
+        let x = randn(&[rows, 392], 60, dt);
+        let wide = if dt == DType::F32 { x.clone() } else { x.to_dtype(DType::F32).unwrap() };
+        let cpu = wide.sum(&[0], false).unwrap().to_dtype(dt).unwrap();
+        let xg = x.to_device(dev).unwrap();
+        let tuned = |x: &Tensor| {
+            cuda::lt::set_autotune(true);
+            let s = x.sum(&[0], false);
+            cuda::lt::set_autotune(false);
+            s.unwrap()
+        };
+        let before = cuda::tune::tuning_stats().0;
+        let first = tuned(&xg);
+        let timed = cuda::tune::tuning_stats().0;
+        assert_eq!(timed, before + 1, "{dt:?}: one column-sum problem timed");
+        close(&format!("tuned column sums {dt:?}, {rows} rows"), &cpu, &first, if dt == DType::F32 { 1e-4 } else { 1.6e-2 });
+        let again = tuned(&xg);
+        assert_eq!(cuda::tune::tuning_stats().0, timed, "{dt:?}: the kept choice, not timed again");
+        assert_eq!(first.to_vec_f64().unwrap(), again.to_vec_f64().unwrap(), "{dt:?}: the same chunking, the same bits");
+    }
+}
+
 /// Products at the MLP's shapes, F32 and F64, against the CPU: the weight gradients at batch
 /// 32 with their bias gradients (the operand sums), a product by a narrow layer's weight
 /// transposed, the classifier head with bias and ReLU, the weight gradients at batch 4096

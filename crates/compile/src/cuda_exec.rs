@@ -313,15 +313,17 @@ impl GpuParts {
             cc::prepare(p.device, || (p.execute(inputs, gen, false), capture.then(|| cc::want_output_copies(p.device))))?;
         }
         if self.tune.swap(false, Ordering::Relaxed) {
-            let before = kiln_tensor::cuda::lt::tuning_stats();
-            kiln_tensor::cuda::lt::set_autotune(true);
+            use kiln_tensor::cuda::{lt, tune};
+            let (before, own_before) = (lt::tuning_stats(), tune::tuning_stats());
+            lt::set_autotune(true);
             let out = p.execute(inputs, gen, true);
-            kiln_tensor::cuda::lt::set_autotune(false);
-            let after = kiln_tensor::cuda::lt::tuning_stats();
+            lt::set_autotune(false);
+            let (after, own_after) = (lt::tuning_stats(), tune::tuning_stats());
             eprintln!(
-                "kiln compile: max-autotune timed cuBLASLt candidates for {} matmul shapes in {:.1} ms (others came from the disk cache)",
+                "kiln compile: max-autotune timed cuBLASLt candidates for {} matmul shapes and Kiln's launch choices for {} kernels in {:.1} ms (others came from the disk cache)",
                 after.0 - before.0,
-                (after.1 - before.1).as_secs_f64() * 1e3
+                own_after.0 - own_before.0,
+                ((after.1 - before.1) + (own_after.1 - own_before.1)).as_secs_f64() * 1e3
             );
             return out;
         }

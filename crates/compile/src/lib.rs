@@ -50,8 +50,9 @@ pub enum Mode {
     Default,
     /// The whole step as one CUDA graph (CPU: as Default).
     ReduceOverhead,
-    /// `ReduceOverhead`, with each matmul shape's cuBLASLt candidates timed on the first run
-    /// and the fastest kept (on disk too). CPU: as Default.
+    /// `ReduceOverhead`, with each matmul shape's cuBLASLt candidates (and Kiln's own launch
+    /// choices, `kiln_tensor::cuda::tune`) timed on the first run and the fastest kept (on
+    /// disk too). CPU: as Default.
     MaxAutotune,
 }
 

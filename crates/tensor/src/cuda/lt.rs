@@ -295,25 +295,9 @@ impl Plan {
         Ok(ok)
     }
 
-    /// Seconds per run of the current algorithm as a replayed step sees it: `RUNS` runs
-    /// captured into one CUDA graph, best of three replays. Timed from the host one call at a
-    /// time, a small product's launch cost (several microseconds, which a graph replay does not
-    /// pay) would hide the differences between its kernels.
+    /// Seconds per run of the current algorithm as a replayed step sees it (`tune::time_graph`).
     fn time(&self, lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, ptrs: Ptrs, ws: (u64, usize)) -> Result<f64> {
-        const RUNS: u32 = 10;
-        self.run(lt, gpu, ptrs, ws)?;
-        gpu.sync()?;
-        // (The pool outlives the graph, as `capture` asks, though the runs allocate nothing.)
-        let pool = gpu.new_pool();
-        let (graph, ()) = gpu.capture(&pool, || (0..RUNS).try_for_each(|_| self.run(lt, gpu, ptrs, ws)))?;
-        let mut best = f64::INFINITY;
-        for _ in 0..3 {
-            let start = Instant::now();
-            graph.launch().map_err(super::gpu::cuda_err("graph launch"))?;
-            gpu.sync()?;
-            best = best.min(start.elapsed().as_secs_f64());
-        }
-        Ok(best / RUNS as f64)
+        super::tune::time_graph(gpu, || self.run(lt, gpu, ptrs, ws))
     }
 
     /// `D = A B (+ C)` and the epilogue on the GPU's stream: `ptrs` are A, B, D, the

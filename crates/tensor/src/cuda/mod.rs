@@ -21,6 +21,8 @@ pub(crate) mod kernels;
 pub mod lt;
 #[cfg(feature = "cuda")]
 pub mod nvrtc;
+#[cfg(feature = "cuda")]
+pub mod tune;
 pub mod wgmma;
 
 use crate::op::{Op, OutMeta};

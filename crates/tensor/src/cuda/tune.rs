@@ -1,0 +1,87 @@
+//! `MaxAutotune` for Kiln's own kernels: a launch parameter (so far a column sum's chunk
+//! count) chosen by timing a bounded set of candidates on the real operands, once per problem
+//! and GPU, then kept in memory and on disk (`cache_dir("tuned")`), as `lt.rs` keeps
+//! cuBLASLt's algorithms. Without a tuned choice a kernel takes its default.
+
+use super::gpu::Gpu;
+use crate::Result;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// Choices per problem key: `Some` once tuned (here or on disk), `None` once the disk was
+/// found to hold none (so a step's every call does not read it again).
+fn chosen() -> &'static Mutex<HashMap<String, Option<usize>>> {
+    static CHOSEN: OnceLock<Mutex<HashMap<String, Option<usize>>>> = OnceLock::new();
+    CHOSEN.get_or_init(Mutex::default)
+}
+
+static TUNED: AtomicU64 = AtomicU64::new(0);
+static TUNE_NANOS: AtomicU64 = AtomicU64::new(0);
+
+/// Problems tuned so far in this process, and the time spent timing them.
+pub fn tuning_stats() -> (u64, Duration) {
+    (TUNED.load(Ordering::Relaxed), Duration::from_nanos(TUNE_NANOS.load(Ordering::Relaxed)))
+}
+
+/// The choice for problem `key` on `g`: tuned earlier (in this process or on disk); else,
+/// while autotuning (`lt::set_autotune`, not in a dry run or a capture), the fastest of
+/// `candidates` by `time` (seconds per run; a candidate whose timing fails is skipped); else
+/// `default`.
+pub(crate) fn choice(g: &Arc<Gpu>, key: &str, default: usize, candidates: &[usize], time: impl Fn(usize) -> Result<f64>) -> usize {
+    let key = format!("{key} sm_{}{} {} SMs", g.arch.0, g.arch.1, g.sms);
+    let path = || crate::cache_dir("tuned").map(|d| d.join(format!("{:016x}.choice", super::codegen::fnv1a(key.as_bytes()))));
+    let known = chosen().lock().unwrap_or_else(|e| e.into_inner()).get(&key).copied();
+    let known = known.unwrap_or_else(|| {
+        let disk = path().and_then(|p| std::fs::read_to_string(p).ok()).and_then(|s| s.trim().parse().ok());
+        chosen().lock().unwrap_or_else(|e| e.into_inner()).insert(key.clone(), disk);
+        disk
+    });
+    if let Some(c) = known {
+        return c;
+    }
+    if !super::lt::autotune() || super::gpu::is_dry() || g.capturing() {
+        return default;
+    }
+    let start = Instant::now();
+    let mut best = (f64::INFINITY, default);
+    for &c in candidates {
+        if let Ok(secs) = time(c) {
+            if secs < best.0 {
+                best = (secs, c);
+            }
+        }
+    }
+    TUNED.fetch_add(1, Ordering::Relaxed);
+    TUNE_NANOS.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    chosen().lock().unwrap_or_else(|e| e.into_inner()).insert(key.clone(), Some(best.1));
+    if let Some(p) = path() {
+        crate::cache_put(&p, best.1.to_string().as_bytes());
+    }
+    if super::log_on("kernels") {
+        eprintln!("kiln: tuned {key}: {} ({:.2} us)", best.1, best.0 * 1e6);
+    }
+    best.1
+}
+
+/// Seconds per run of `f` as a replayed step sees it: `RUNS` runs captured into one CUDA
+/// graph, best of three replays. Timed from the host one call at a time, a small kernel's
+/// launch cost (several microseconds, which a graph replay does not pay) would hide the
+/// differences between candidates. `f` must allocate nothing.
+pub(crate) fn time_graph(g: &Arc<Gpu>, f: impl Fn() -> Result<()>) -> Result<f64> {
+    const RUNS: u32 = 10;
+    f()?;
+    g.sync()?;
+    // (The pool outlives the graph, as `capture` asks, though the runs allocate nothing.)
+    let pool = g.new_pool();
+    let (graph, ()) = g.capture(&pool, || (0..RUNS).try_for_each(|_| f()))?;
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let start = Instant::now();
+        graph.launch().map_err(super::gpu::cuda_err("graph launch"))?;
+        g.sync()?;
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    Ok(best / RUNS as f64)
+}
