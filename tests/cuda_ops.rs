@@ -534,12 +534,12 @@ fn fused_epilogue_cases(dt: DType, t: f64, k: usize, n: usize) {
     }
 }
 
-/// Column sums under `MaxAutotune`'s flag (`lt::set_autotune`): the chunk count is timed once
-/// per problem (a row count of this process's own, so that no earlier run's disk cache holds
+/// Column sums and layer norm's backward under `MaxAutotune`'s flag (`lt::set_autotune`): the
+/// chunk (block) count is timed once per problem (a row count of this process's own, so that no earlier run's disk cache holds
 /// the answer), the sums still match the CPU's, and the next call takes the kept choice (no
 /// timing, the same bits).
 #[test]
-fn column_sums_tuned_under_autotune_match_the_cpu() {
+fn column_sums_and_layer_norm_grads_tuned_under_autotune_match_the_cpu() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dev = gpu();
     let rows = 4100 + std::process::id() as usize % 997;
@@ -563,6 +563,19 @@ fn column_sums_tuned_under_autotune_match_the_cpu() {
         assert_eq!(cuda::tune::tuning_stats().0, timed, "{dt:?}: the kept choice, not timed again");
         assert_eq!(first.to_vec_f64().unwrap(), again.to_vec_f64().unwrap(), "{dt:?}: the same chunking, the same bits");
     }
+    // Layer norm's one-pass backward: its blocks an SM timed the same way.
+    let ins = [randn(&[rows, 384], 61, DType::F32), randn(&[rows, 384], 62, DType::F32), randn(&[384], 63, DType::F32)];
+    let grads = |v: &[Tensor]| -> Tensor {
+        let (dx, dw, db) = v[0].layer_norm_grads(&v[1], &v[2], 1e-5).unwrap();
+        Tensor::cat(&[&dx.reshape(&[dx.numel()]).unwrap(), &dw, &db], 0).unwrap()
+    };
+    let on_gpu: Vec<Tensor> = ins.iter().map(|t| t.to_device(dev).unwrap()).collect();
+    let before = cuda::tune::tuning_stats().0;
+    cuda::lt::set_autotune(true);
+    let tuned = grads(&on_gpu);
+    cuda::lt::set_autotune(false);
+    assert_eq!(cuda::tune::tuning_stats().0, before + 1, "layer norm's backward timed");
+    close(&format!("tuned layer_norm_grads, {rows} rows"), &grads(&ins), &tuned, tol(DType::F32) * 100.0);
 }
 
 /// Products at the MLP's shapes, F32 and F64, against the CPU: the weight gradients at batch

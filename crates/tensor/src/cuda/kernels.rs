@@ -993,14 +993,9 @@ fn layer_norm_param_grads(
     let wd = w.map(|(s, l)| dense(g, s, l)).transpose()?;
     // The residual gradient added to x's (only with the weight: the op's shape rule).
     let rd = r.filter(|_| w.is_some()).map(|(s, l)| dense(g, s, l)).transpose()?;
-    // About two blocks of 8 warps per SM, each folding a run of rows. (Four blocks of 16
-    // warps measured no faster, and F64's 32 tiles need more registers than 16 warps have.)
-    let chunk = rows.div_ceil(rows.min(g.sms as usize * 2));
-    let blocks = rows.div_ceil(chunk);
-    let part = CudaStorage::alloc(g, accumulator(dtype), blocks * 2 * n)?;
     let with_dx = wd.is_some();
     let gdt = grad.0.dtype;
-    let (mut px, mut pg) = (xd.ptr(), gd.ptr());
+    let (px, pg) = (xd.ptr(), gd.ptr());
     // Staged (each warp's next row copied to shared memory while it works on this one) where
     // F32 rows of x and g are whole, aligned 16-byte pieces, and two blocks' slots fit an SM.
     let most = super::codegen::ln_grads_stage_bytes(32 * tiles, dtype, gdt);
@@ -1015,22 +1010,42 @@ fn layer_norm_param_grads(
         if staged { most as u32 } else { 0 },
         || super::codegen::layer_norm_param_grads_source(dtype, tiles, (with_dx, rd.is_some()), gdt, staged),
     )?;
-    let mut a = RowArgs { rows: rows as i64, red: n as i64, value: eps };
-    let (mut o, mut ch) = (part.buf.ptr, chunk as i64);
-    let (mut pdx, mut pw) = match &wd {
+    let (pdx, pw) = match &wd {
         Some(w) => (out.ptr_at(dx_at), w.ptr()),
         None => (0, 0),
     };
-    let mut pr = rd.as_ref().map_or(0, |r| r.ptr());
-    let mut params = kernel_params![o, px, pg, a, ch, pdx, pw, pr];
-    // SAFETY: (part, x, g, NArgs, chunk, dx, w, r) matches the generated signature; x and g
-    // are dense `rows * n` buffers, `part` holds `blocks * 2 n` partials of the compute type,
-    // and with the weight (dense, `n`) `out` holds `rows * n` more elements from `dx_at`;
-    // without it the kernel reads neither dx nor w; r (dense, x's shape and dtype) is read only
-    // by the kernel made for it. Staged, `shared` bytes hold the warps' row slots
-    // (the kernel loaded with room for `most`), and x's and g's rows are 16-byte aligned.
-    unsafe { g.launch(k, (blocks as u32, 1), (super::codegen::LN_GRADS_WARPS * 32) as u32, shared as u32, &mut params)? };
-    reduce_into(g, ReduceOp::Sum, &part, &Layout::contiguous(&[blocks, 2 * n]), &[0], &out, false)?;
+    let pr = rd.as_ref().map_or(0, |r| r.ptr());
+    // The kernel on about `want` blocks, each folding a run of rows into `part` (room for
+    // `want x 2n` partials), then the partials added in order into `out`.
+    let run = |want: usize, part: &CudaStorage| -> Result<()> {
+        let chunk = rows.div_ceil(want.clamp(1, rows));
+        let blocks = rows.div_ceil(chunk);
+        let mut a = RowArgs { rows: rows as i64, red: n as i64, value: eps };
+        let (mut o, mut ch, mut px, mut pg, mut pdx, mut pw, mut pr) = (part.buf.ptr, chunk as i64, px, pg, pdx, pw, pr);
+        let mut params = kernel_params![o, px, pg, a, ch, pdx, pw, pr];
+        // SAFETY: (part, x, g, NArgs, chunk, dx, w, r) matches the generated signature; x and g
+        // are dense `rows * n` buffers, `part` holds `blocks * 2 n` partials of the compute type
+        // (blocks at most `want`), and with the weight (dense, `n`) `out` holds `rows * n` more
+        // elements from `dx_at`; without it the kernel reads neither dx nor w; r (dense, x's
+        // shape and dtype) is read only by the kernel made for it. Staged, `shared` bytes hold
+        // the warps' row slots (the kernel loaded with room for `most`), and x's and g's rows
+        // are 16-byte aligned.
+        unsafe { g.launch(k, (blocks as u32, 1), (super::codegen::LN_GRADS_WARPS * 32) as u32, shared as u32, &mut params)? };
+        reduce_into(g, ReduceOp::Sum, part, &Layout::contiguous(&[blocks, 2 * n]), &[0], &out, false)
+    };
+    // About two blocks of 8 warps per SM by default. (Four blocks of 16 warps measured no
+    // faster, and F64's 32 tiles need more registers than 16 warps have.) `MaxAutotune` times
+    // one to six blocks an SM.
+    let sms = g.sms as usize;
+    let default = rows.min(sms * 2);
+    let candidates: Vec<usize> = [2, 1, 3, 4, 6].iter().map(|b| (b * sms).min(rows)).collect();
+    let key = format!("ln_param_grads {dtype:?} g {gdt:?} rows {rows} n {n} dx {with_dx} r {} staged {staged}", rd.is_some());
+    let want = super::tune::choice(g, &key, default, &candidates, |b| {
+        let part = CudaStorage::alloc(g, accumulator(dtype), b * 2 * n)?;
+        super::tune::time_graph(g, || run(b, &part))
+    });
+    let part = CudaStorage::alloc(g, accumulator(dtype), want * 2 * n)?;
+    run(want, &part)?;
     Ok(out)
 }
 
