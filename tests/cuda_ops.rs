@@ -534,12 +534,12 @@ fn fused_epilogue_cases(dt: DType, t: f64, k: usize, n: usize) {
     }
 }
 
-/// Column sums and layer norm's backward under `MaxAutotune`'s flag (`lt::set_autotune`): the
-/// chunk (block) count is timed once per problem (a row count of this process's own, so that no earlier run's disk cache holds
+/// Column sums, layer norm's backward and Kiln's F32 GEMM under `MaxAutotune`'s flag
+/// (`lt::set_autotune`): the chunk, block or part count is timed once per problem (a row count of this process's own, so that no earlier run's disk cache holds
 /// the answer), the sums still match the CPU's, and the next call takes the kept choice (no
 /// timing, the same bits).
 #[test]
-fn column_sums_and_layer_norm_grads_tuned_under_autotune_match_the_cpu() {
+fn kiln_kernels_tuned_under_autotune_match_the_cpu() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dev = gpu();
     let rows = 4100 + std::process::id() as usize % 997;
@@ -576,6 +576,19 @@ fn column_sums_and_layer_norm_grads_tuned_under_autotune_match_the_cpu() {
     cuda::lt::set_autotune(false);
     assert_eq!(cuda::tune::tuning_stats().0, before + 1, "layer norm's backward timed");
     close(&format!("tuned layer_norm_grads, {rows} rows"), &grads(&ins), &tuned, tol(DType::F32) * 100.0);
+    // Kiln's F32 GEMM (a few rows through a Linear, the Transformer's shape): the contraction's
+    // parts timed, each count adding the same terms in another grouping.
+    let m = 300 + std::process::id() as usize % 97;
+    let ins = [randn(&[m, 512], 64, DType::F32), randn(&[512, 512], 65, DType::F32), randn(&[512], 66, DType::F32)];
+    let linear = |v: &[Tensor]| v[0].matmul_bias(&v[1].t().unwrap(), &v[2]).unwrap();
+    let on_gpu: Vec<Tensor> = ins.iter().map(|t| t.to_device(dev).unwrap()).collect();
+    let (before, launches) = (cuda::tune::tuning_stats().0, cuda::kiln_gemm_launches());
+    cuda::lt::set_autotune(true);
+    let tuned = linear(&on_gpu);
+    cuda::lt::set_autotune(false);
+    assert!(cuda::kiln_gemm_launches() > launches, "the product took Kiln's GEMM");
+    assert_eq!(cuda::tune::tuning_stats().0, before + 1, "the GEMM's parts timed");
+    close(&format!("tuned [{m}, 512] x [512, 512]^T + bias"), &linear(&ins), &tuned, tol(DType::F32) * 10.0);
 }
 
 /// Products at the MLP's shapes, F32 and F64, against the CPU: the weight gradients at batch

@@ -298,8 +298,8 @@ pub(super) fn column_sums(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), dim: us
     let kfold = g.kernel(super::spec_key("column_sums_fold", &out.dtype), || column_sums_fold_source(out.dtype))?;
     let sums = ColumnSums { kf, kfold, x: s.ptr_at(l.offset), rows, n, ld, v, out: out.ptr_at(at) };
     let key = format!("column_sums {:?} v{v} rows {rows} n {n} ld {ld}", s.dtype);
-    let candidates: Vec<usize> = [default, 32, 64, 128, 256, 512, 1024].into_iter().filter(|&c| c <= most).collect();
-    let chunks = super::tune::choice(g, &key, default, &candidates, |c| {
+    let candidates = || [default, 32, 64, 128, 256, 512, 1024].into_iter().filter(|&c| c <= most).collect();
+    let chunks = super::tune::choice(g, &key, default, candidates, |c| {
         let part = CudaStorage::alloc(g, accumulator(s.dtype), c * n)?;
         super::tune::time_graph(g, || sums.launch(g, c, part.buf.ptr))
     });
@@ -1038,9 +1038,9 @@ fn layer_norm_param_grads(
     // one to six blocks an SM.
     let sms = g.sms as usize;
     let default = rows.min(sms * 2);
-    let candidates: Vec<usize> = [2, 1, 3, 4, 6].iter().map(|b| (b * sms).min(rows)).collect();
+    let candidates = || [2, 1, 3, 4, 6].iter().map(|b| (b * sms).min(rows)).collect();
     let key = format!("ln_param_grads {dtype:?} g {gdt:?} rows {rows} n {n} dx {with_dx} r {} staged {staged}", rd.is_some());
-    let want = super::tune::choice(g, &key, default, &candidates, |b| {
+    let want = super::tune::choice(g, &key, default, candidates, |b| {
         let part = CudaStorage::alloc(g, accumulator(dtype), b * 2 * n)?;
         super::tune::time_graph(g, || run(b, &part))
     });
@@ -1720,34 +1720,47 @@ pub(super) fn matmul_wgmma(
     let (m, k, n) = (la.shape[0], la.shape[1], lb.shape[1]);
     let shared = spec.shared_bytes() as u32;
     let gemm = g.kernel_shared(super::spec_key("matmul_wgmma", &spec), shared, || spec.source())?;
-    let (splits, depth) = super::wgmma::splits(m, n, k, g.sms as usize);
-    let mut a = GArgs {
-        lda: la.strides[spec.ta as usize] as i64,
-        ldb: lb.strides[spec.tb as usize] as i64,
-        ldc: n as i64,
-        ldx: aux.map_or(0, |(_, ld)| ld as i64),
-        a_outer: a_rows.map_or(0, |(_, outer)| outer as i64),
-        m: m as i32,
-        n: n as i32,
-        k: k as i32,
-        kc: depth as i32,
-        splits: splits as i32,
-        a_inner: a_rows.map_or(m, |(inner, _)| inner) as i32,
-    };
-    let (mut pa, mut pb, mut pc) = (sa.ptr_at(la.offset), sb.ptr_at(lb.offset), out.buf.ptr);
-    let (mut pbias, mut paux, mut pres) = (bias.unwrap_or(0), aux.map_or(0, |(p, _)| p), residual.unwrap_or(0));
-    let mut params = kernel_params![pa, pb, pc, pbias, paux, pres, a];
-    let grid = (n.div_ceil(BN) as u32, m.div_ceil(BM) as u32, splits as u32);
-    // SAFETY: (a, b, c, bias, aux, residual, GArgs) matches the generated signature; the views
-    // lie inside their buffers with the strides given (the caller's checks; with `a_rows`,
-    // every row the map names), `out` and the residual hold m x n values, bias n, aux m rows of
-    // ldx (each read or written only when the spec says so); a block per 128 x 128 tile and
-    // part of the contraction, with the shared memory the spec asks for, a tile's parts one
-    // cluster (at most 8).
-    unsafe {
-        match splits {
-            1 => g.launch3(gemm, grid, THREADS as u32, shared, &mut params),
-            _ => g.launch_cluster(gemm, grid, splits as u32, THREADS as u32, shared, &mut params),
+    let (pa, pb, pc) = (sa.ptr_at(la.offset), sb.ptr_at(lb.offset), out.buf.ptr);
+    let (pbias, paux, pres) = (bias.unwrap_or(0), aux.map_or(0, |(p, _)| p), residual.unwrap_or(0));
+    // The product with its contraction in `parts` parts (`wgmma::split_into`).
+    let run = |parts: usize| -> Result<()> {
+        let (splits, depth) = super::wgmma::split_into(k, parts);
+        let mut a = GArgs {
+            lda: la.strides[spec.ta as usize] as i64,
+            ldb: lb.strides[spec.tb as usize] as i64,
+            ldc: n as i64,
+            ldx: aux.map_or(0, |(_, ld)| ld as i64),
+            a_outer: a_rows.map_or(0, |(_, outer)| outer as i64),
+            m: m as i32,
+            n: n as i32,
+            k: k as i32,
+            kc: depth as i32,
+            splits: splits as i32,
+            a_inner: a_rows.map_or(m, |(inner, _)| inner) as i32,
+        };
+        let (mut pa, mut pb, mut pc, mut pbias, mut paux, mut pres) = (pa, pb, pc, pbias, paux, pres);
+        let mut params = kernel_params![pa, pb, pc, pbias, paux, pres, a];
+        let grid = (n.div_ceil(BN) as u32, m.div_ceil(BM) as u32, splits as u32);
+        // SAFETY: (a, b, c, bias, aux, residual, GArgs) matches the generated signature; the
+        // views lie inside their buffers with the strides given (the caller's checks; with
+        // `a_rows`, every row the map names), `out` and the residual hold m x n values, bias n,
+        // aux m rows of ldx (each read or written only when the spec says so); a block per
+        // 128 x 128 tile and part of the contraction, with the shared memory the spec asks
+        // for, a tile's parts one cluster (at most 8).
+        unsafe {
+            match splits {
+                1 => g.launch3(gemm, grid, THREADS as u32, shared, &mut params),
+                _ => g.launch_cluster(gemm, grid, splits as u32, THREADS as u32, shared, &mut params),
+            }
         }
-    }
+    };
+    // The parts that fill about a wave of blocks, or under `MaxAutotune` the fastest of each
+    // count within a wave. (Every run writes the same output: the product is read-only input
+    // to nothing it writes; `out` is fresh, never the residual.)
+    let sms = g.sms as usize;
+    let default = super::wgmma::splits(m, n, k, sms).0;
+    let key = format!("wgmma {} m {m} n {n} k {k} rows {a_rows:?}", spec.name());
+    let candidates = || super::wgmma::split_candidates(m, n, k, sms);
+    let parts = super::tune::choice(g, &key, default, candidates, |p| super::tune::time_graph(g, || run(p)));
+    run(parts)
 }

@@ -1,5 +1,5 @@
-//! `MaxAutotune` for Kiln's own kernels: a launch parameter (so far a column sum's chunk
-//! count) chosen by timing a bounded set of candidates on the real operands, once per problem
+//! `MaxAutotune` for Kiln's own kernels: a launch parameter (a column sum's chunk count, layer
+//! norm's backward's blocks, the F32 GEMM's contraction parts) chosen by timing a bounded set of candidates on the real operands, once per problem
 //! and GPU, then kept in memory and on disk (`cache_dir("tuned")`), as `lt.rs` keeps
 //! cuBLASLt's algorithms. Without a tuned choice a kernel takes its default.
 
@@ -27,9 +27,15 @@ pub fn tuning_stats() -> (u64, Duration) {
 
 /// The choice for problem `key` on `g`: tuned earlier (in this process or on disk); else,
 /// while autotuning (`lt::set_autotune`, not in a dry run or a capture), the fastest of
-/// `candidates` by `time` (seconds per run; a candidate whose timing fails is skipped); else
+/// `candidates()` by `time` (seconds per run; a candidate whose timing fails is skipped); else
 /// `default`.
-pub(crate) fn choice(g: &Arc<Gpu>, key: &str, default: usize, candidates: &[usize], time: impl Fn(usize) -> Result<f64>) -> usize {
+pub(crate) fn choice(
+    g: &Arc<Gpu>,
+    key: &str,
+    default: usize,
+    candidates: impl FnOnce() -> Vec<usize>,
+    time: impl Fn(usize) -> Result<f64>,
+) -> usize {
     let key = format!("{key} sm_{}{} {} SMs", g.arch.0, g.arch.1, g.sms);
     let path = || crate::cache_dir("tuned").map(|d| d.join(format!("{:016x}.choice", super::codegen::fnv1a(key.as_bytes()))));
     let known = chosen().lock().unwrap_or_else(|e| e.into_inner()).get(&key).copied();
@@ -46,7 +52,7 @@ pub(crate) fn choice(g: &Arc<Gpu>, key: &str, default: usize, candidates: &[usiz
     }
     let start = Instant::now();
     let mut best = (f64::INFINITY, default);
-    for &c in candidates {
+    for c in candidates() {
         if let Ok(secs) = time(c) {
             if secs < best.0 {
                 best = (secs, c);

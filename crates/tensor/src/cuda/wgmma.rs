@@ -35,10 +35,25 @@ pub const THREADS: usize = 256;
 /// slices deep. Returns (parts, depth of a part).
 pub fn splits(m: usize, n: usize, k: usize, sms: usize) -> (usize, usize) {
     let tiles = m.div_ceil(BM) * n.div_ceil(BN);
+    split_into(k, sms / tiles.max(1))
+}
+
+/// The contraction `k` in about `want` parts (at most `MAX_PARTS`, each at least
+/// `MIN_SPLIT_SLICES` slices deep): (parts, depth of a part).
+pub fn split_into(k: usize, want: usize) -> (usize, usize) {
     let slices = k.div_ceil(BK);
-    let want = (sms / tiles.max(1)).clamp(1, (slices / MIN_SPLIT_SLICES).clamp(1, MAX_PARTS));
+    let want = want.clamp(1, (slices / MIN_SPLIT_SLICES).clamp(1, MAX_PARTS));
     let depth = slices.div_ceil(want) * BK;
     (k.div_ceil(depth).max(1), depth)
+}
+
+/// The part counts `MaxAutotune` times for a product: one, and each count up to `MAX_PARTS`
+/// that `split_into` keeps distinct and within a wave of `sms` blocks.
+pub fn split_candidates(m: usize, n: usize, k: usize, sms: usize) -> Vec<usize> {
+    let tiles = m.div_ceil(BM) * n.div_ceil(BN);
+    let mut parts: Vec<usize> = (1..=MAX_PARTS).map(|w| split_into(k, w).0).filter(|&p| p == 1 || tiles * p <= sms).collect();
+    parts.dedup();
+    parts
 }
 
 /// The shallowest part of a split contraction, in slices of `BK`.
@@ -381,6 +396,16 @@ mod tests {
         assert_eq!(splits(64, 64, 100_000, 132), (MAX_PARTS, 12512));
         // A full wave of tiles is not split.
         assert_eq!(splits(16384, 1536, 384, 132), (1, 384));
+        // What `MaxAutotune` times: every distinct part count within a wave.
+        assert_eq!(split_candidates(320, 512, 512, 132), [1, 2, 3, 4, 6, 8]);
+        assert_eq!(split_candidates(320, 2048, 512, 132), [1, 2]);
+        assert_eq!(split_candidates(320, 512, 64, 132), [1]);
+        for (m, n, k) in [(320, 512, 512), (320, 512, 2048), (64, 64, 100_000), (4, 4, 100)] {
+            for p in split_candidates(m, n, k, 132) {
+                let (parts, depth) = split_into(k, p);
+                assert!(parts == p && parts * depth >= k && (parts - 1) * depth < k, "{m} {n} {k}: {p} -> {parts} x {depth}");
+            }
+        }
     }
 
     /// `cluster_fold`'s tile (rows of `BN + 8` floats, `FOLD_LD`) fits in the stages it reuses.
