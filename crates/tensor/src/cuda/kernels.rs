@@ -278,10 +278,11 @@ pub(super) fn column_sums_fit(l: &Layout, dim: usize) -> bool {
 
 /// `out[at..at + n]` = the sums over dim `dim` of the 2-D view `(s, l)` (`n` the other dim's
 /// length; `column_sums_fit`): chunks of rows into F32 partials, then the chunks added in
-/// order (`codegen::column_sums_source`: the same bits every run of one chunking). The chunk
-/// count is tuned under `MaxAutotune` (`tune::choice`), else about one resident wave of blocks.
+/// order (`codegen::column_sums_source`: the same bits every run of one chunking). By
+/// default 16-byte loads where the columns allow and about one resident wave of blocks;
+/// `MaxAutotune` times half-width loads too and other chunk counts (`tune::choice`).
 pub(super) fn column_sums(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), dim: usize, out: &CudaStorage, at: usize) -> Result<()> {
-    use super::codegen::{column_sums_fold_source, column_sums_source, COLSUM_WARPS};
+    use super::codegen::COLSUM_WARPS;
     let (rows, n, ld) = (l.shape[dim], l.shape[1 - dim], l.strides[dim]);
     if n == 0 {
         return Ok(());
@@ -289,63 +290,68 @@ pub(super) fn column_sums(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), dim: us
     // 16 bytes a lane where every row's columns are aligned vectors.
     let wide = 16 / s.dtype.size_in_bytes();
     let v = if n % wide == 0 && ld % wide == 0 && l.offset % wide == 0 { wide } else { 1 };
-    debug_assert!(v == 1 || n % v == 0, "the kernel reads whole vectors of columns");
-    let tiles = n.div_ceil(32 * v);
     // Each chunk at least a row a warp.
     let most = rows.div_ceil(COLSUM_WARPS).max(1);
-    let default = (g.sms as usize * 8 / tiles).clamp(1, most);
-    let kf = g.kernel(super::spec_key("column_sums", &(s.dtype, v)), || column_sums_source(s.dtype, v))?;
-    let kfold = g.kernel(super::spec_key("column_sums_fold", &out.dtype), || column_sums_fold_source(out.dtype))?;
-    let sums = ColumnSums { kf, kfold, x: s.ptr_at(l.offset), rows, n, ld, v, out: out.ptr_at(at) };
-    let key = format!("column_sums {:?} v{v} rows {rows} n {n} ld {ld}", s.dtype);
-    let candidates = || [default, 32, 64, 128, 256, 512, 1024].into_iter().filter(|&c| c <= most).collect();
-    let chunks = super::tune::choice(g, &key, default, candidates, |c| {
-        let part = CudaStorage::alloc(g, accumulator(s.dtype), c * n)?;
-        super::tune::time_graph(g, || sums.launch(g, c, part.buf.ptr))
+    let chunks_for = |v: usize| (g.sms as usize * 8 / n.div_ceil(32 * v)).clamp(1, most);
+    let sums = ColumnSums { x: (s, s.ptr_at(l.offset)), rows, n, ld, out: (out.dtype, out.ptr_at(at)) };
+    // A choice is `chunks * 32 + v` (v at most 16).
+    let (pack, unpack) = (|chunks: usize, v: usize| chunks * 32 + v, |c: usize| (c / 32, c % 32));
+    let key = format!("column_sums {:?} rows {rows} n {n} ld {ld} v{v}", s.dtype);
+    let candidates = || {
+        let widths = if v > 1 { vec![v, v / 2] } else { vec![1] };
+        let counts = |w: usize| [chunks_for(w), 32, 64, 128, 256, 512, 1024].into_iter().filter(|&c| c <= most).map(move |c| pack(c, w));
+        widths.into_iter().flat_map(counts).collect()
+    };
+    let choice = super::tune::choice(g, &key, pack(chunks_for(v), v), candidates, |c| {
+        let (chunks, v) = unpack(c);
+        let part = CudaStorage::alloc(g, accumulator(s.dtype), chunks * n)?;
+        super::tune::time_graph(g, || sums.launch(g, v, chunks, part.buf.ptr))
     });
+    let (chunks, v) = unpack(choice);
     let part = CudaStorage::alloc(g, accumulator(s.dtype), chunks * n)?;
-    sums.launch(g, chunks, part.buf.ptr)
+    sums.launch(g, v, chunks, part.buf.ptr)
 }
 
-/// One column-sum problem's kernels and operands (`column_sums`).
-struct ColumnSums {
-    kf: Kernel,
-    kfold: Kernel,
-    /// The first row's address, rows `ld` apart.
-    x: u64,
+/// One column-sum problem's operands (`column_sums`).
+struct ColumnSums<'a> {
+    /// The summed storage and its first row's address, rows `ld` apart.
+    x: (&'a CudaStorage, u64),
     rows: usize,
     n: usize,
     ld: usize,
-    /// Columns a lane reads at once.
-    v: usize,
-    /// Where the `n` sums go.
-    out: u64,
+    /// The sums' dtype and where the `n` of them go.
+    out: (DType, u64),
 }
 
-impl ColumnSums {
-    /// Both launches with about `chunks` chunks of rows, partials in `part` (room for
-    /// `chunks x n` accumulators).
-    fn launch(&self, g: &Arc<Gpu>, chunks: usize, part: u64) -> Result<()> {
-        use super::codegen::COLSUM_WARPS;
+impl ColumnSums<'_> {
+    /// Both launches, reading `v` columns a lane (a vector width the columns allow), with
+    /// about `chunks` chunks of rows, partials in `part` (room for `chunks x n` accumulators).
+    fn launch(&self, g: &Arc<Gpu>, v: usize, chunks: usize, part: u64) -> Result<()> {
+        use super::codegen::{column_sums_fold_source, column_sums_source, COLSUM_WARPS};
+        debug_assert!(v == 1 || self.n % v == 0, "the kernel reads whole vectors of columns");
+        let (dtype, out_dtype) = (self.x.0.dtype, self.out.0);
+        let kf = g.kernel(super::spec_key("column_sums", &(dtype, v)), || column_sums_source(dtype, v))?;
+        let kfold = g.kernel(super::spec_key("column_sums_fold", &out_dtype), || column_sums_fold_source(out_dtype))?;
         let chunk = self.rows.div_ceil(chunks.max(1)).max(1);
         let chunks = self.rows.div_ceil(chunk).max(1);
-        let tiles = self.n.div_ceil(32 * self.v);
-        let (mut pp, mut px) = (part, self.x);
+        let tiles = self.n.div_ceil(32 * v);
+        let (mut pp, mut px) = (part, self.x.1);
         let (mut r, mut nn, mut lda, mut ch) = (self.rows as i64, self.n as i64, self.ld as i64, chunk as i64);
         let mut params = kernel_params![pp, px, r, nn, lda, ch];
         // SAFETY: (part, x, rows, n, ld, chunk) matches the generated signature; the view lies
-        // in its storage (the caller's shape rule), its kept dim contiguous, and with 16-byte
-        // vectors every row's columns start 16-byte aligned (buffers are 256-byte aligned;
-        // offset and ld multiples of the vector); `part` holds chunks x n values (chunks
-        // rounded down by the chunk length, never up); the grid covers every tile and chunk.
-        unsafe { g.launch(self.kf, (tiles as u32, chunks as u32), (COLSUM_WARPS * 32) as u32, 0, &mut params)? };
-        let (mut po, mut pp, mut nn, mut ch) = (self.out, part, self.n as i64, chunks as i64);
+        // in its storage (the caller's shape rule), its kept dim contiguous, and with vectors
+        // every row's columns start aligned to them (buffers are 256-byte aligned; offset and
+        // ld multiples of the widest vector, and so of half of it); `part` holds chunks x n
+        // values (chunks rounded down by the chunk length, never up); the grid covers every
+        // tile and chunk.
+        unsafe { g.launch(kf, (tiles as u32, chunks as u32), (COLSUM_WARPS * 32) as u32, 0, &mut params)? };
+        let (mut po, mut pp, mut nn, mut ch) = (self.out.1, part, self.n as i64, chunks as i64);
         let mut params = kernel_params![po, pp, nn, ch];
         // SAFETY: (o, part, n, chunks) matches the generated signature; `out` holds the n sums
         // from its address (the caller's shape rule) and `part` chunks x n, live until the
         // stream has run this (freed buffers are reused only in stream order); a block covers
         // 32 columns.
-        unsafe { g.launch(self.kfold, (self.n.div_ceil(32) as u32, 1), (COLSUM_WARPS * 32) as u32, 0, &mut params) }
+        unsafe { g.launch(kfold, (self.n.div_ceil(32) as u32, 1), (COLSUM_WARPS * 32) as u32, 0, &mut params) }
     }
 }
 
