@@ -522,27 +522,51 @@ fn fused_epilogue_cases(dt: DType, t: f64, k: usize, n: usize) {
     });
     // A 16-bit product summed into an F32 residual (autocast's residual stream): cuBLASLt's
     // C of its own with an F32 D (the product unrounded, where the CPU rounds it first).
+    // Also with an F32 bias (compile reads autocast's parameter in F32), and where C cannot be
+    // the residual (read transposed) or the epilogue the bias (unaligned): kernels after it.
     if dt.size_in_bytes() == 2 {
         let r32 = randn(&[37, n], 54, DType::F32);
+        let b32 = randn(&[n], 42, DType::F32);
         both(&format!("matmul_residual into F32 {dt:?}, k {k} n {n}"), &[a.clone(), b.clone(), r32.clone()], t, fused(E::Residual));
         both(
             &format!("matmul_residual + bias into F32 {dt:?}, k {k} n {n}"),
-            &[a.clone(), b.clone(), r32, bias.clone()],
+            &[a.clone(), b.clone(), r32.clone(), bias.clone()],
             t,
             fused(E::Residual),
+        );
+        both(
+            &format!("matmul_residual + F32 bias into F32 {dt:?}, k {k} n {n}"),
+            &[a.clone(), b.clone(), r32.clone(), b32.clone()],
+            t,
+            fused(E::Residual),
+        );
+        both(
+            &format!("matmul_residual into F32, r transposed {dt:?}, k {k} n {n}"),
+            &[a.clone(), b.clone(), randn(&[n, 37], 55, DType::F32), b32],
+            t,
+            |x| fused(E::Residual)(&[x[0].clone(), x[1].clone(), x[2].t()?, x[3].clone()]),
+        );
+        both(
+            &format!("matmul_residual + unaligned bias into F32 {dt:?}, k {k} n {n}"),
+            &[a.clone(), b.clone(), r32, randn(&[n + 1], 45, dt)],
+            t,
+            |x| fused(E::Residual)(&[x[0].clone(), x[1].clone(), x[2].clone(), x[3].narrow(0, 1, n)?]),
         );
     }
 }
 
 /// Column sums, layer norm's backward and Kiln's F32 GEMM under `MaxAutotune`'s flag
-/// (`lt::set_autotune`): the chunk, block or part count is timed once per problem (a row count of this process's own, so that no earlier run's disk cache holds
-/// the answer), the sums still match the CPU's, and the next call takes the kept choice (no
-/// timing, the same bits).
+/// (`lt::set_autotune`): the chunk, block or part count is timed once per problem (in a cache
+/// folder of the test's own, which then holds each choice), the results still match the CPU's,
+/// and the next call takes the kept choice (no timing, the same bits).
 #[test]
 fn kiln_kernels_tuned_under_autotune_match_the_cpu() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dev = gpu();
-    let rows = 4100 + std::process::id() as usize % 997;
+    // A cache folder of this run's own, so that no earlier run's choices answer.
+    let dir = std::env::temp_dir().join(format!("kiln-tune-test-{}", std::process::id()));
+    std::env::set_var("KILN_CACHE_DIR", &dir);
+    let rows = 4111;
     for dt in [DType::F32, DType::BF16] {
         let x = randn(&[rows, 392], 60, dt);
         let wide = if dt == DType::F32 { x.clone() } else { x.to_dtype(DType::F32).unwrap() };
@@ -578,7 +602,7 @@ fn kiln_kernels_tuned_under_autotune_match_the_cpu() {
     close(&format!("tuned layer_norm_grads, {rows} rows"), &grads(&ins), &tuned, tol(DType::F32) * 100.0);
     // Kiln's F32 GEMM (a few rows through a Linear, the Transformer's shape): the contraction's
     // parts timed, each count adding the same terms in another grouping.
-    let m = 300 + std::process::id() as usize % 97;
+    let m = 333;
     let ins = [randn(&[m, 512], 64, DType::F32), randn(&[512, 512], 65, DType::F32), randn(&[512], 66, DType::F32)];
     let linear = |v: &[Tensor]| v[0].matmul_bias(&v[1].t().unwrap(), &v[2]).unwrap();
     let on_gpu: Vec<Tensor> = ins.iter().map(|t| t.to_device(dev).unwrap()).collect();
@@ -589,6 +613,10 @@ fn kiln_kernels_tuned_under_autotune_match_the_cpu() {
     assert!(cuda::kiln_gemm_launches() > launches, "the product took Kiln's GEMM");
     assert_eq!(cuda::tune::tuning_stats().0, before + 1, "the GEMM's parts timed");
     close(&format!("tuned [{m}, 512] x [512, 512]^T + bias"), &linear(&ins), &tuned, tol(DType::F32) * 10.0);
+    std::env::remove_var("KILN_CACHE_DIR");
+    let files = std::fs::read_dir(dir.join("tuned")).map(|d| d.count()).unwrap_or(0);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(files, 4, "each tuned choice is kept on disk (two column sums, layer norm, the GEMM)");
 }
 
 /// Products at the MLP's shapes, F32 and F64, against the CPU: the weight gradients at batch

@@ -311,7 +311,21 @@ pub fn fuse_matmuls(g: &Graph, gpu: bool) -> Graph {
                     let perm = read_permutation(&x.layout, &out.nodes[p].shape).filter(|_| alone && same && stable)?;
                     let mut fused = permuted_operands(&margs[..2], &perm)?;
                     fused.push(y.clone());
-                    fused.extend(margs.get(2).cloned());
+                    // A widened product's bias cast from F32 is read in F32, the sum's dtype
+                    // (cuBLASLt's bias takes D's dtype outside FP8 and integer GEMMs).
+                    let bias = margs.get(2).map(|b| match &out.nodes[b.node].kind {
+                        Kind::Op(Op::Cast(_), bc)
+                            if p != x.node
+                                && out.nodes[bc[0].node].dtype == node.dtype
+                                && whole(b, &out.nodes[b.node])
+                                && whole(&bc[0], &out.nodes[bc[0].node])
+                                && !bases.contains(&bc[0].node) =>
+                        {
+                            bc[0].clone()
+                        }
+                        _ => b.clone(),
+                    });
+                    fused.extend(bias);
                     Some((p, fused))
                 };
                 if let Some((p, fused)) = residual(&args[0], &args[1]).or_else(|| residual(&args[1], &args[0])) {
@@ -893,15 +907,16 @@ mod tests {
         (g, sum)
     }
 
-    /// Autocast's residual connection: `r + to_f32(x @ w^T + b)` with x, w and b in BF16 and
-    /// r in F32; with `twice`, the widened product is read again.
+    /// Autocast's residual connection: `r + to_f32(x @ w + to_bf16(b))` with x and w in BF16,
+    /// b and r in F32; with `twice`, the widened product is read again.
     fn widened_residual_add(twice: bool) -> Graph {
         let (rows, c) = (12, 8);
         let mut g = Graph::default();
         let x = g.push(Kind::Input(0), vec![rows, c], DType::BF16);
         let w = g.push(Kind::Input(1), vec![c, c], DType::BF16);
-        let b = g.push(Kind::Input(2), vec![c], DType::BF16);
+        let b32 = g.push(Kind::Input(2), vec![c], DType::F32);
         let r = g.push(Kind::Input(3), vec![rows, c], DType::F32);
+        let b = g.push(Kind::Op(Op::Cast(DType::BF16), vec![whole(&g, b32)]), vec![c], DType::BF16);
         let p = g.push(Kind::Op(Op::Matmul, vec![whole(&g, x), whole(&g, w), whole(&g, b)]), vec![rows, c], DType::BF16);
         let wide = g.push(Kind::Op(Op::Cast(DType::F32), vec![whole(&g, p)]), vec![rows, c], DType::F32);
         let sum = g.push(Kind::Op(Op::Binary(BinaryOp::Add), vec![whole(&g, wide), whole(&g, r)]), vec![rows, c], DType::F32);
@@ -918,11 +933,11 @@ mod tests {
         assert_eq!(ops(&f), ["matmul_residual"], "{f}");
         let n = f.nodes.last().expect("a node");
         let Kind::Op(_, args) = &n.kind else { panic!("{f}") };
-        // x, w, the F32 residual, the BF16 bias; the sum stays F32.
+        // x, w, the F32 residual, the bias in F32 (its cast to BF16 dropped); the sum stays F32.
         assert_eq!((args.iter().map(|a| a.node).collect::<Vec<_>>(), n.dtype), (vec![0, 1, 3, 2], DType::F32));
-        // The CPU, and a widened product read elsewhere too, keep the cast and the add.
-        assert_eq!(ops(&dce(&fuse_matmuls(&widened_residual_add(false), false))), ["matmul", "to_dtype", "add"]);
-        assert_eq!(ops(&dce(&fuse_matmuls(&widened_residual_add(true), true))), ["matmul", "to_dtype", "add"]);
+        // The CPU, and a widened product read elsewhere too, keep the casts and the add.
+        assert_eq!(ops(&dce(&fuse_matmuls(&widened_residual_add(false), false))), ["to_dtype", "matmul", "to_dtype", "add"]);
+        assert_eq!(ops(&dce(&fuse_matmuls(&widened_residual_add(true), true))), ["to_dtype", "matmul", "to_dtype", "add"]);
     }
 
     #[test]

@@ -517,6 +517,27 @@ pub fn linear_xent_parts(n: usize, c: usize, h: usize) -> (usize, usize, usize, 
     (dw, db, dh, dh + n * h)
 }
 
+/// `MatmulEpilogue::Residual`'s product (inputs a, b, r, then the bias): the product of a and
+/// b with the bias's shape checked; the bias is of the operands' dtype, or of r's when a
+/// 16-bit product joins an F32 r (autocast's bias read in F32, as cuBLASLt's epilogue takes it).
+fn residual_product(name: &'static str, inputs: &[InMeta]) -> Result<OutMeta> {
+    let product = Op::Matmul.infer(&inputs[..2])?;
+    if let (Some(r), Some(bias)) = (inputs.get(2), inputs.get(3)) {
+        let n = product.shape[product.shape.len() - 1];
+        if bias.shape != [n] {
+            return Err(Error::shape(
+                name,
+                format!("the bias of {:?} x {:?} must be [{n}], got {:?}", inputs[0].shape, inputs[1].shape, bias.shape),
+            ));
+        }
+        let widened = matches!(product.dtype, DType::BF16 | DType::F16) && r.dtype == DType::F32;
+        if bias.dtype != product.dtype && !(widened && bias.dtype == r.dtype) {
+            return Err(Error::dtype_mismatch(name, product.dtype, bias.dtype));
+        }
+    }
+    Ok(product)
+}
+
 /// Where the second part of `Op::MatmulFused`'s output (sums, or GELU's pre-activation)
 /// starts: after the product's `numel` elements, rounded up to 64 so it stays aligned for
 /// cuBLASLt. The padding between is unspecified (zeros on the CPU).
@@ -1027,7 +1048,7 @@ impl Op {
             Op::MatmulFused(e) => {
                 // (A residual's operands: a, b and the bias after r.)
                 let product = match e {
-                    MatmulEpilogue::Residual => Op::Matmul.infer(&[&inputs[..2], &inputs[3..]].concat())?,
+                    MatmulEpilogue::Residual => residual_product(name, inputs)?,
                     e if e.activation_grad().is_some() => Op::Matmul.infer(&inputs[..2])?,
                     _ => Op::Matmul.infer(inputs)?,
                 };

@@ -409,8 +409,15 @@ fn fused_matmuls_apply_relu_or_append_the_operand_sums() -> Result<()> {
     let wide = fused(E::Residual, &[&ah, &bh, &r, &biash])?;
     assert_eq!(wide.dtype(), DType::F32);
     assert_eq!(v(&wide), v(&ah.matmul_bias(&bh, &biash)?.to_dtype(DType::F32)?.add(&r)?));
-    assert_ne!(v(&wide), v(&fused(E::Residual, &[&a, &b.mul_scalar(1.01)?, &r, &bias])?), "the product is rounded to BF16");
+    let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+    let unrounded = fused(E::Residual, &[&f32(&ah)?, &f32(&bh)?, &r, &f32(&biash)?])?;
+    assert_ne!(v(&wide), v(&unrounded), "the product is rounded to BF16");
+    // An F32 bias (autocast's parameter, as compile's fusion reads it) is added after the widening.
+    let late = fused(E::Residual, &[&ah, &bh, &r, &bias])?;
+    assert_eq!(v(&late), v(&ah.matmul(&bh)?.to_dtype(DType::F32)?.add(&bias)?.add(&r)?));
     let err = fused(E::Residual, &[&ah, &bh, &r.to_dtype(DType::F64)?]).unwrap_err().to_string();
+    assert!(err.contains("BF16") && err.contains("F64"), "{err}");
+    let err = fused(E::Residual, &[&ah, &bh, &r, &bias.to_dtype(DType::F64)?]).unwrap_err().to_string();
     assert!(err.contains("BF16") && err.contains("F64"), "{err}");
     Ok(())
 }

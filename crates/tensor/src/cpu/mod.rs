@@ -596,12 +596,19 @@ fn matmul_fused(e: MatmulEpilogue, ins: &[(&CpuStorage, &Layout)], meta: &OutMet
         }
         MatmulEpilogue::Residual => {
             // (A 16-bit product joining an F32 residual is rounded, then widened: the CPU
-            // keeps eager's bits; a GPU epilogue adds the unrounded product.)
-            let ab: Vec<(&CpuStorage, &Layout)> = [&ins[..2], &ins[3..]].concat();
-            let product = run(&Op::Matmul, &ab, &OutMeta { shape: meta.shape.clone(), dtype: ins[0].0.dtype() })?;
-            let l = dense(&meta.shape);
-            let product = if product.dtype() == meta.dtype { product } else { run(&Op::Cast(meta.dtype), &[(&product, &l)], meta)? };
-            run(&Op::Binary(crate::BinaryOp::Add), &[(&product, &l), ins[2]], meta)
+            // keeps eager's bits; a GPU epilogue adds the unrounded product. A bias of r's
+            // dtype, not the operands', is added after the widening.)
+            let (dtype, l) = (ins[0].0.dtype(), dense(&meta.shape));
+            let late_bias = ins.get(3).filter(|b| b.0.dtype() != dtype);
+            let ab: Vec<(&CpuStorage, &Layout)> = if late_bias.is_some() { ins[..2].to_vec() } else { [&ins[..2], &ins[3..]].concat() };
+            let mut sum = run(&Op::Matmul, &ab, &OutMeta { shape: meta.shape.clone(), dtype })?;
+            if dtype != meta.dtype {
+                sum = run(&Op::Cast(meta.dtype), &[(&sum, &l)], meta)?;
+            }
+            if let Some(&bias) = late_bias {
+                sum = run(&Op::Binary(crate::BinaryOp::Add), &[(&sum, &l), bias], meta)?;
+            }
+            run(&Op::Binary(crate::BinaryOp::Add), &[(&sum, &l), ins[2]], meta)
         }
         MatmulEpilogue::SumLeft | MatmulEpilogue::SumRight => {
             let s = matmul::MatmulShape { batch: &[], m: ins[0].1.shape[0], k: ins[0].1.shape[1], n: ins[1].1.shape[1] };

@@ -25,22 +25,24 @@ pub fn tuning_stats() -> (u64, Duration) {
     (TUNED.load(Ordering::Relaxed), Duration::from_nanos(TUNE_NANOS.load(Ordering::Relaxed)))
 }
 
-/// The choice for problem `key` on `g`: tuned earlier (in this process or on disk); else,
-/// while autotuning (`lt::set_autotune`, not in a dry run or a capture), the fastest of
-/// `candidates()` by `time` (seconds per run; a candidate whose timing fails is skipped); else
-/// `default`.
+/// The choice for problem `key` on `g`: tuned earlier (in this process or on disk, and still
+/// one of `candidates()`, so a stale or damaged file can never pick a launch the caller did
+/// not offer); else, while autotuning (`lt::set_autotune`, not in a dry run or a capture),
+/// the fastest of `candidates()` by `time` (seconds per run; a candidate whose timing fails
+/// is skipped; a single distinct candidate is taken untimed); else `default`.
 pub(crate) fn choice(
     g: &Arc<Gpu>,
     key: &str,
     default: usize,
-    candidates: impl FnOnce() -> Vec<usize>,
+    candidates: impl Fn() -> Vec<usize>,
     time: impl Fn(usize) -> Result<f64>,
 ) -> usize {
     let key = format!("{key} sm_{}{} {} SMs", g.arch.0, g.arch.1, g.sms);
     let path = || crate::cache_dir("tuned").map(|d| d.join(format!("{:016x}.choice", super::codegen::fnv1a(key.as_bytes()))));
     let known = chosen().lock().unwrap_or_else(|e| e.into_inner()).get(&key).copied();
     let known = known.unwrap_or_else(|| {
-        let disk = path().and_then(|p| std::fs::read_to_string(p).ok()).and_then(|s| s.trim().parse().ok());
+        let disk: Option<usize> = path().and_then(|p| std::fs::read_to_string(p).ok()).and_then(|s| s.trim().parse().ok());
+        let disk = disk.filter(|c| candidates().contains(c));
         chosen().lock().unwrap_or_else(|e| e.into_inner()).insert(key.clone(), disk);
         disk
     });
@@ -50,9 +52,15 @@ pub(crate) fn choice(
     if !super::lt::autotune() || super::gpu::is_dry() || g.capturing() {
         return default;
     }
+    let mut offered = candidates();
+    offered.sort_unstable();
+    offered.dedup();
+    if offered.len() < 2 {
+        return offered.first().copied().unwrap_or(default);
+    }
     let start = Instant::now();
     let mut best = (f64::INFINITY, default);
-    for c in candidates() {
+    for c in offered {
         if let Ok(secs) = time(c) {
             if secs < best.0 {
                 best = (secs, c);
