@@ -5,11 +5,14 @@
 #   sed 's/\[\[ \$what == all || \$what == benches \]\]/[[ $what == benches ]]/' ../shared/gpu/pack > /tmp/pack
 # then `bash /tmp/pack`; then `run` with carry [".gpu"]:
 #
-#   bash benches/cuda/gpu_session.sh [tests] [bench] [ncu]      (no argument: all three)
+#   bash benches/cuda/gpu_session.sh [tests] [bench] [ab] [ncu]   (no argument: tests bench ncu)
 #
 # tests: the four GPU suites, their result lines in $OUT/tests.log (full output beside it);
 # bench: bench_gpu's GPT BF16 and FP32, MLP b32 and Transformer steps, ReduceOverhead and
 #        MaxAutotune, two rounds, JSON lines in $OUT/bench.jsonl;
+# ab:    GPT BF16 with and without the widened residual epilogue (`KILN_WIDE_RESIDUAL`),
+#        alternating, two rounds, then `MaxAutotune` in a fresh cache folder with the tuned
+#        choices of Kiln's own kernels printed (`KILN_LOG=kernels`): $OUT/ab.log;
 # ncu:   per-kernel device times of GPT BF16 `ReduceOverhead` steps, graph nodes profiled as
 #        replayed (caches and clocks untouched): $OUT/ncu.csv, summed by kernel in $OUT/ncu_top.txt.
 # Each part prints what it ran; a failing suite does not stop the others.
@@ -39,6 +42,19 @@ if [[ $parts == *bench* ]]; then
       "$b" --only "$w" --modes reduce-overhead,max-autotune --steps 20 2> "$out/bench_$w.err" | tee -a "$out/bench.jsonl"
     done
     echo "round $round done"
+  done
+fi
+
+if [[ $parts == *ab* ]]; then
+  b=$bin/examples/bench_gpu
+  for round in 1 2; do
+    for wide in 1 0; do
+      echo "round $round, KILN_WIDE_RESIDUAL=$wide: $(KILN_WIDE_RESIDUAL=$wide "$b" --only gpt_bf16 --modes reduce-overhead --steps 20 2>/dev/null | grep -o '"median_ms": [0-9.]*')" | tee -a "$out/ab.log"
+    done
+  done
+  for w in gpt_bf16 transformer_fwd mlp_b32; do
+    KILN_CACHE_DIR=$(mktemp -d) KILN_LOG=kernels "$b" --only "$w" --modes max-autotune --steps 20 2> "$out/tuned_$w.err" | tee -a "$out/ab.log"
+    grep -E "tuned|max-autotune timed" "$out/tuned_$w.err" | tee -a "$out/ab.log"
   done
 fi
 

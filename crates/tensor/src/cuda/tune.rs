@@ -1,7 +1,10 @@
-//! `MaxAutotune` for Kiln's own kernels: a launch parameter (a column sum's vector width and chunk
-//! count, layer norm's backward's blocks, the F32 GEMM's contraction parts) chosen by timing a bounded set of candidates on the real operands, once per problem
-//! and GPU, then kept in memory and on disk (`cache_dir("tuned")`), as `lt.rs` keeps
-//! cuBLASLt's algorithms. Without a tuned choice a kernel takes its default.
+//! `MaxAutotune` for Kiln's own kernels: a launch parameter (a column sum's vector width and
+//! chunk count, layer norm's backward's blocks, the F32 GEMM's contraction parts) chosen by
+//! timing a bounded set of candidates on the real operands, once per problem and GPU, then
+//! kept in memory and on disk (`cache_dir("tuned")`), as `lt.rs` keeps cuBLASLt's algorithms.
+//! Without a tuned choice a kernel takes its default. As with cuBLASLt's, a choice tuned by
+//! an earlier `MaxAutotune` run on this machine applies in every mode, eager too: a
+//! reduction's last bits may then differ from an untuned machine's.
 
 use super::gpu::Gpu;
 use crate::Result;
