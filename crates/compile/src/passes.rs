@@ -411,6 +411,157 @@ pub fn fuse_matmuls(g: &Graph, gpu: bool) -> Graph {
     dce(&out)
 }
 
+/// On a GPU, 16-bit products with a dim that is not a multiple of 8 (a classifier head over a
+/// 65-letter vocabulary) run on cuBLASLt's align-1 kernels (24 us each for GPT BF16's three
+/// head products, against about 5 at the bandwidth). Zero padding to the next multiple of 8
+/// changes no value and aligns them: a weight `w [n, k]` read as `w^T` grows zero rows (the
+/// product's extra columns, zeros, are never read: its readers see the first `n`), and a
+/// contraction of `k` grows zero columns in the left operand and zero rows in `w`, so each
+/// of the head's three products (`h w^T`, `g w`, `g^T h`) reads a padded copy. Only where
+/// every reader of a padded product reads whole rows of it, and each padded operand is a
+/// dense node read as rows (or their transpose). `KILN_PAD_PRODUCTS=0` turns it off (the
+/// A/B switch for measuring it).
+pub fn pad_unaligned_products(g: &Graph, gpu: bool) -> Graph {
+    if !gpu || std::env::var("KILN_PAD_PRODUCTS").is_ok_and(|v| v == "0") {
+        return g.clone();
+    }
+    let mut out = g.clone();
+    let users = g.users();
+    let held: Vec<NodeId> = g.outputs.iter().map(|a| a.node).chain(g.writes.iter().map(|w| w.1)).chain(view_bases(g)).collect();
+    // Padded copies made so far: (node, dim) -> the copy (appended; moved into order below).
+    let mut padded: HashMap<(NodeId, usize), NodeId> = HashMap::new();
+    let original = g.nodes.len();
+    for (i, node) in g.nodes.iter().enumerate() {
+        let Kind::Op(Op::Matmul, args) = &node.kind else { continue };
+        let [a, b] = &args[..] else { continue };
+        if !matches!(node.dtype, DType::BF16 | DType::F16) || b.layout.rank() != 2 {
+            continue;
+        }
+        let r = a.layout.rank();
+        if r < 2 {
+            continue;
+        }
+        let (rows, k, n) = (a.layout.shape[..r - 1].iter().product::<usize>(), a.layout.shape[r - 1], b.layout.shape[1]);
+        if rows.max(k) < PAD_MIN_ROWS {
+            continue;
+        }
+        let mut pad =
+            |out: &mut Graph, x: NodeId, dim: usize| -> NodeId { *padded.entry((x, dim)).or_insert_with(|| pad_node(out, x, dim)) };
+        let (mut na, mut nb, mut shape) = (a.clone(), b.clone(), node.shape.clone());
+        if n % 8 != 0 && is_transposed_whole(b, &g.nodes[b.node]) {
+            // `x w^T` with w `[n, k]`: w gets zero rows, the product zero columns its readers
+            // skip (so it may not be an output, state or written in place: its shape changes).
+            let readers_ok = !held.contains(&i) && users[i].iter().all(|&u| reads_rows(&g.nodes[u], i, n));
+            if !readers_ok {
+                continue;
+            }
+            let w = pad(&mut out, b.node, 0);
+            let n8 = n.next_multiple_of(8);
+            nb = Arg { node: w, layout: Layout { shape: vec![k, n8], strides: vec![1, k], offset: 0 } };
+            *shape.last_mut().expect("a product has dims") = n8;
+            for &u in &users[i] {
+                each_arg_of(&mut out.nodes[u], i, |l| *l = widen_rows(l, n, n8));
+            }
+        } else if k % 8 != 0 && rows_of(&a.layout, k) && dense_node(&g.nodes[a.node], k) && whole(b, &g.nodes[b.node]) {
+            // `g w` over a contraction of k: g gets zero columns, w zero rows.
+            let (ga, w) = (pad(&mut out, a.node, g.nodes[a.node].shape.len() - 1), pad(&mut out, b.node, 0));
+            let k8 = k.next_multiple_of(8);
+            let mut l = widen_rows(&a.layout, k, k8);
+            *l.shape.last_mut().expect("a has dims") = k8;
+            na = Arg { node: ga, layout: l };
+            nb = Arg { node: w, layout: Layout::contiguous(&[k8, n]) };
+        } else if r == 2 && a.layout.shape[0] % 8 != 0 && is_transposed_whole(a, &g.nodes[a.node]) {
+            // `g^T h` with g `[rows, m]`: g read from its padded copy (aligned columns).
+            let m = a.layout.shape[0];
+            let ga = pad(&mut out, a.node, 1);
+            na = Arg { node: ga, layout: Layout { shape: vec![m, k], strides: vec![1, m.next_multiple_of(8)], offset: 0 } };
+        } else {
+            continue;
+        }
+        out.nodes[i].kind = Kind::Op(Op::Matmul, vec![na, nb]);
+        out.nodes[i].shape = shape;
+    }
+    if out.nodes.len() == original {
+        return out;
+    }
+    // Each padded copy (two nodes: the zeros, then the cat) goes right after what it pads.
+    let mut after: Vec<Vec<NodeId>> = vec![vec![]; original];
+    for (&(x, _), &c) in &padded {
+        after[x].extend([c - 1, c]);
+    }
+    let mut order: Vec<NodeId> = Vec::with_capacity(out.nodes.len());
+    for (x, extra) in after.iter_mut().enumerate() {
+        order.push(x);
+        extra.sort_unstable();
+        order.extend(extra.iter());
+    }
+    let mut map = vec![usize::MAX; out.nodes.len()];
+    order.iter().enumerate().for_each(|(to, &from)| map[from] = to);
+    let nodes = order.iter().map(|&from| out.nodes[from].clone()).collect();
+    out.nodes = nodes;
+    remap(&mut out, &map);
+    out
+}
+
+/// The fewest rows of the product, or terms of the contraction, for which
+/// `pad_unaligned_products` pads: below it the copies cost more than the aligned kernels save.
+const PAD_MIN_ROWS: usize = 1024;
+
+/// Appends `x` padded with zeros along `dim` to the next multiple of 8 (a zeros node, then a
+/// cat of the two) and returns the cat.
+fn pad_node(g: &mut Graph, x: NodeId, dim: usize) -> NodeId {
+    let (mut zeros, dtype) = (g.nodes[x].shape.clone(), g.nodes[x].dtype);
+    let d = zeros[dim];
+    zeros[dim] = d.next_multiple_of(8) - d;
+    let mut full = g.nodes[x].shape.clone();
+    full[dim] = d.next_multiple_of(8);
+    let z = g.push(Kind::Op(Op::Full { shape: zeros.clone(), value: 0.0, dtype }, vec![]), zeros, dtype);
+    let xa = Arg { node: x, layout: Layout::contiguous(&g.nodes[x].shape) };
+    let za = Arg { node: z, layout: Layout::contiguous(&g.nodes[z].shape) };
+    g.push(Kind::Op(Op::Cat { dim }, vec![xa, za]), full, dtype)
+}
+
+/// Whether `a` reads node `x` (`[n, k]`, dense) whole as its transpose `[k, n]`.
+fn is_transposed_whole(a: &Arg, x: &crate::graph::Node) -> bool {
+    let l = &a.layout;
+    x.shape.len() == 2 && l.offset == 0 && l.shape == [x.shape[1], x.shape[0]] && l.strides == [1, x.shape[1]]
+}
+
+/// Whether node `x` is laid out as dense rows of `k` (its last dim).
+fn dense_node(x: &crate::graph::Node, k: usize) -> bool {
+    x.shape.last() == Some(&k)
+}
+
+/// Whether a view reads whole rows of `k` contiguous elements from offset 0: its last dim is
+/// `k` with stride 1 and every other stride a multiple of `k`.
+fn rows_of(l: &Layout, k: usize) -> bool {
+    let r = l.rank();
+    r >= 1 && l.offset == 0 && l.shape[r - 1] == k && (l.strides[r - 1] == 1 || k == 1) && l.strides[..r - 1].iter().all(|s| s % k == 0)
+}
+
+/// The same rows read from a copy whose rows are `k8` long instead of `k`.
+fn widen_rows(l: &Layout, k: usize, k8: usize) -> Layout {
+    let r = l.rank();
+    let strides = l.strides.iter().enumerate().map(|(d, &s)| if d + 1 == r { s } else { s / k * k8 }).collect();
+    Layout { shape: l.shape.clone(), strides, offset: 0 }
+}
+
+/// Whether every argument of `reader` that reads node `p` reads whole rows of `n` (and
+/// `reader` is an op, the only kind whose arguments can move to a padded product).
+fn reads_rows(reader: &crate::graph::Node, p: NodeId, n: usize) -> bool {
+    match &reader.kind {
+        Kind::Op(_, args) => args.iter().filter(|a| a.node == p).all(|a| rows_of(&a.layout, n)),
+        _ => false,
+    }
+}
+
+/// Applies `f` to the layout of each argument of `node` that reads `p`.
+fn each_arg_of(node: &mut crate::graph::Node, p: NodeId, mut f: impl FnMut(&mut Layout)) {
+    if let Kind::Op(_, args) = &mut node.kind {
+        args.iter_mut().filter(|a| a.node == p).for_each(|a| f(&mut a.layout));
+    }
+}
+
 /// Whether `fuse_matmuls` folds a widened 16-bit product's residual add into the product
 /// (`KILN_WIDE_RESIDUAL=0` keeps the cast and the add apart: the A/B switch for measuring it).
 fn widened_residuals() -> bool {
@@ -689,6 +840,8 @@ pub fn optimise(g: Graph, target: Target, mut log: impl FnMut(&str, &Graph)) -> 
     log("fold_layer_norm_casts", &g);
     g = fold_residual_into_ln_grads(&g, gpu);
     log("fold_residual_into_ln_grads", &g);
+    g = pad_unaligned_products(&g, gpu);
+    log("pad_unaligned_products", &g);
     g
 }
 
@@ -938,6 +1091,74 @@ mod tests {
         // The CPU, and a widened product read elsewhere too, keep the casts and the add.
         assert_eq!(ops(&dce(&fuse_matmuls(&widened_residual_add(false), false))), ["to_dtype", "matmul", "to_dtype", "add"]);
         assert_eq!(ops(&dce(&fuse_matmuls(&widened_residual_add(true), true))), ["to_dtype", "matmul", "to_dtype", "add"]);
+    }
+
+    /// A classifier head over 13 classes in BF16: the logits `h w^T` (widened to F32), the
+    /// input gradient `g w` and the weight gradient `g^T h`, each an output.
+    fn unaligned_head(rows: usize) -> Graph {
+        let (c, k) = (13, 16);
+        let mut g = Graph::default();
+        let h = g.push(Kind::Input(0), vec![rows, k], DType::BF16);
+        let w = g.push(Kind::Input(1), vec![c, k], DType::BF16);
+        let gl = g.push(Kind::Input(2), vec![rows, c], DType::BF16);
+        let wt = Arg { node: w, layout: Layout { shape: vec![k, c], strides: vec![1, k], offset: 0 } };
+        let p = g.push(Kind::Op(Op::Matmul, vec![whole(&g, h), wt]), vec![rows, c], DType::BF16);
+        let logits = g.push(Kind::Op(Op::Cast(DType::F32), vec![whole(&g, p)]), vec![rows, c], DType::F32);
+        let dh = g.push(Kind::Op(Op::Matmul, vec![whole(&g, gl), whole(&g, w)]), vec![rows, k], DType::BF16);
+        let gt = Arg { node: gl, layout: Layout { shape: vec![c, rows], strides: vec![1, c], offset: 0 } };
+        let dw = g.push(Kind::Op(Op::Matmul, vec![gt, whole(&g, h)]), vec![c, k], DType::BF16);
+        g.outputs = vec![whole(&g, logits), whole(&g, dh), whole(&g, dw)];
+        g
+    }
+
+    #[test]
+    fn unaligned_16_bit_products_read_zero_padded_copies_on_a_gpu() -> kiln_tensor::Result<()> {
+        use kiln_tensor::{Device, Distribution, Tensor};
+        let g = unaligned_head(1024);
+        let f = pad_unaligned_products(&g, true);
+        assert_eq!(ops(&f), ["full", "cat", "full", "cat", "matmul", "to_dtype", "matmul", "matmul"], "{f}");
+        let args = |i: usize| match &f.nodes[i].kind {
+            Kind::Op(_, a) => a.iter().map(|a| (a.node, a.layout.shape.clone(), a.layout.strides.clone())).collect::<Vec<_>>(),
+            _ => vec![],
+        };
+        // w padded to [16, 16] (read as w^T for the logits, whole for g w); g to [1024, 16].
+        // Each copy right after what it pads: w (%1) as %3, g (%4) as %6.
+        assert_eq!((&f.nodes[3].shape, &f.nodes[6].shape), (&vec![16, 16], &vec![1024, 16]));
+        assert_eq!(args(7), [(0, vec![1024, 16], vec![16, 1]), (3, vec![16, 16], vec![1, 16])]);
+        assert_eq!(f.nodes[7].shape, [1024, 16], "the logits' product has three zero columns");
+        assert_eq!(args(8), [(7, vec![1024, 13], vec![16, 1])], "the cast reads the first 13 of each row");
+        assert_eq!(args(9), [(6, vec![1024, 16], vec![16, 1]), (3, vec![16, 16], vec![16, 1])]);
+        assert_eq!(args(10), [(6, vec![13, 1024], vec![1, 16]), (0, vec![1024, 16], vec![16, 1])]);
+        // The same values as the unpadded graph (the padding adds zero terms only).
+        let t = |shape: &[usize], seed: u64| {
+            Tensor::rand_at(shape, Distribution::Normal, seed, 0, DType::F32, Device::Cpu)?.to_dtype(DType::BF16)
+        };
+        let ins = [t(&[1024, 16], 1)?, t(&[13, 16], 2)?, t(&[1024, 13], 3)?];
+        let cells = ins.iter().map(crate::contiguous_cell).collect::<kiln_tensor::Result<Vec<_>>>()?;
+        let run = |g: Graph| -> kiln_tensor::Result<Vec<Vec<f64>>> {
+            let p = crate::exec::Program::new(g, vec![], &crate::CompileOptions::default(), Device::Cpu)?;
+            p.run(&cells, kiln_tensor::rng::GeneratorState { seed: 0, offset: 0 })?.iter().map(|t| t.to_vec_f64()).collect()
+        };
+        f.verify().map_err(|e| kiln_tensor::Error::Msg(format!("verifier: {e}")))?;
+        let (want, got) = (run(g)?, run(f)?);
+        assert_eq!((want.len(), got.len()), (3, 3));
+        for (o, (w, v)) in want.iter().zip(&got).enumerate() {
+            assert_eq!(w.len(), v.len(), "output {o}");
+            let worst = w.iter().zip(v).map(|(a, b)| (a - b).abs() / (1.0 + a.abs())).fold(0.0, f64::max);
+            assert!(worst <= 1e-2, "output {o}: {worst}");
+        }
+        // Too few rows, the CPU, and a padded product read in a way that skips its rows: untouched.
+        assert_eq!(ops(&pad_unaligned_products(&unaligned_head(512), true)), ["matmul", "to_dtype", "matmul", "matmul"]);
+        assert_eq!(ops(&pad_unaligned_products(&unaligned_head(1024), false)), ["matmul", "to_dtype", "matmul", "matmul"]);
+        let mut h = unaligned_head(1024);
+        h.outputs.push(Arg { node: 3, layout: Layout::contiguous(&[1024, 13]) });
+        let hf = pad_unaligned_products(&h, true);
+        assert_eq!(ops(&hf).iter().filter(|&&o| o == "cat").count(), 2, "g and w still padded for the backward: {hf}");
+        assert!(
+            hf.nodes.iter().any(|n| matches!(n.kind, Kind::Op(Op::Matmul, _)) && n.shape == [1024, 13]),
+            "the logits stay unpadded: {hf}"
+        );
+        Ok(())
     }
 
     #[test]
