@@ -431,7 +431,9 @@ pub fn pad_unaligned_products(g: &Graph, gpu: bool) -> Graph {
     // Padded copies made so far: (node, dim) -> the copy (appended; moved into order below).
     let mut padded: HashMap<(NodeId, usize), NodeId> = HashMap::new();
     let original = g.nodes.len();
-    for (i, node) in g.nodes.iter().enumerate() {
+    // (Read from `out`: a product's readers see its padded layout by the time they come up.)
+    for (i, readers) in users.iter().enumerate() {
+        let node = out.nodes[i].clone();
         let Kind::Op(Op::Matmul, args) = &node.kind else { continue };
         let [a, b] = &args[..] else { continue };
         if !matches!(node.dtype, DType::BF16 | DType::F16) || b.layout.rank() != 2 {
@@ -448,10 +450,10 @@ pub fn pad_unaligned_products(g: &Graph, gpu: bool) -> Graph {
         let mut pad =
             |out: &mut Graph, x: NodeId, dim: usize| -> NodeId { *padded.entry((x, dim)).or_insert_with(|| pad_node(out, x, dim)) };
         let (mut na, mut nb, mut shape) = (a.clone(), b.clone(), node.shape.clone());
-        if n % 8 != 0 && is_transposed_whole(b, &g.nodes[b.node]) {
+        if n % 8 != 0 && is_transposed_whole(b, &out.nodes[b.node]) {
             // `x w^T` with w `[n, k]`: w gets zero rows, the product zero columns its readers
             // skip (so it may not be an output, state or written in place: its shape changes).
-            let readers_ok = !held.contains(&i) && users[i].iter().all(|&u| reads_rows(&g.nodes[u], i, n));
+            let readers_ok = !held.contains(&i) && readers.iter().all(|&u| reads_rows(&out.nodes[u], i, n));
             if !readers_ok {
                 continue;
             }
@@ -459,18 +461,19 @@ pub fn pad_unaligned_products(g: &Graph, gpu: bool) -> Graph {
             let n8 = n.next_multiple_of(8);
             nb = Arg { node: w, layout: Layout { shape: vec![k, n8], strides: vec![1, k], offset: 0 } };
             *shape.last_mut().expect("a product has dims") = n8;
-            for &u in &users[i] {
+            for &u in readers {
                 each_arg_of(&mut out.nodes[u], i, |l| *l = widen_rows(l, n, n8));
             }
-        } else if k % 8 != 0 && rows_of(&a.layout, k) && dense_node(&g.nodes[a.node], k) && whole(b, &g.nodes[b.node]) {
+        } else if k % 8 != 0 && rows_of(&a.layout, k) && dense_node(&out.nodes[a.node], k) && whole(b, &out.nodes[b.node]) {
             // `g w` over a contraction of k: g gets zero columns, w zero rows.
-            let (ga, w) = (pad(&mut out, a.node, g.nodes[a.node].shape.len() - 1), pad(&mut out, b.node, 0));
+            let last = out.nodes[a.node].shape.len() - 1;
+            let (ga, w) = (pad(&mut out, a.node, last), pad(&mut out, b.node, 0));
             let k8 = k.next_multiple_of(8);
             let mut l = widen_rows(&a.layout, k, k8);
             *l.shape.last_mut().expect("a has dims") = k8;
             na = Arg { node: ga, layout: l };
             nb = Arg { node: w, layout: Layout::contiguous(&[k8, n]) };
-        } else if r == 2 && a.layout.shape[0] % 8 != 0 && is_transposed_whole(a, &g.nodes[a.node]) {
+        } else if r == 2 && a.layout.shape[0] % 8 != 0 && is_transposed_whole(a, &out.nodes[a.node]) {
             // `g^T h` with g `[rows, m]`: g read from its padded copy (aligned columns).
             let m = a.layout.shape[0];
             let ga = pad(&mut out, a.node, 1);
@@ -1134,19 +1137,36 @@ mod tests {
             Tensor::rand_at(shape, Distribution::Normal, seed, 0, DType::F32, Device::Cpu)?.to_dtype(DType::BF16)
         };
         let ins = [t(&[1024, 16], 1)?, t(&[13, 16], 2)?, t(&[1024, 13], 3)?];
-        let cells = ins.iter().map(crate::contiguous_cell).collect::<kiln_tensor::Result<Vec<_>>>()?;
-        let run = |g: Graph| -> kiln_tensor::Result<Vec<Vec<f64>>> {
+        let mut cells = ins.iter().map(crate::contiguous_cell).collect::<kiln_tensor::Result<Vec<_>>>()?;
+        type Cells = [std::sync::Arc<kiln_tensor::storage::StorageCell>];
+        let run = |g: Graph, cells: &Cells| -> kiln_tensor::Result<Vec<Vec<f64>>> {
             let p = crate::exec::Program::new(g, vec![], &crate::CompileOptions::default(), Device::Cpu)?;
-            p.run(&cells, kiln_tensor::rng::GeneratorState { seed: 0, offset: 0 })?.iter().map(|t| t.to_vec_f64()).collect()
+            p.run(cells, kiln_tensor::rng::GeneratorState { seed: 0, offset: 0 })?.iter().map(|t| t.to_vec_f64()).collect()
         };
         f.verify().map_err(|e| kiln_tensor::Error::Msg(format!("verifier: {e}")))?;
-        let (want, got) = (run(g)?, run(f)?);
-        assert_eq!((want.len(), got.len()), (3, 3));
-        for (o, (w, v)) in want.iter().zip(&got).enumerate() {
-            assert_eq!(w.len(), v.len(), "output {o}");
-            let worst = w.iter().zip(v).map(|(a, b)| (a - b).abs() / (1.0 + a.abs())).fold(0.0, f64::max);
-            assert!(worst <= 1e-2, "output {o}: {worst}");
-        }
+        let same = |g: Graph, f: Graph, cells: &Cells, outputs: usize| -> kiln_tensor::Result<()> {
+            let (want, got) = (run(g, cells)?, run(f, cells)?);
+            assert_eq!((want.len(), got.len()), (outputs, outputs));
+            for (o, (w, v)) in want.iter().zip(&got).enumerate() {
+                assert_eq!(w.len(), v.len(), "output {o}");
+                let worst = w.iter().zip(v).map(|(a, b)| (a - b).abs() / (1.0 + a.abs())).fold(0.0, f64::max);
+                assert!(worst <= 1e-2, "output {o}: {worst}");
+            }
+            Ok(())
+        };
+        same(g, f, &cells, 3)?;
+        // A padded product read by another product: that one reads the padded rows as they lie.
+        let mut q = unaligned_head(1024);
+        let v = q.push(Kind::Input(3), vec![13, 8], DType::BF16);
+        let p = Arg { node: 3, layout: Layout::contiguous(&[1024, 13]) };
+        let pv = q.push(Kind::Op(Op::Matmul, vec![p, whole(&q, v)]), vec![1024, 8], DType::BF16);
+        q.outputs.push(whole(&q, pv));
+        let qf = pad_unaligned_products(&q, true);
+        qf.verify().map_err(|e| kiln_tensor::Error::Msg(format!("verifier: {e}")))?;
+        let Some(Kind::Op(_, pargs)) = qf.nodes.iter().find(|n| n.shape == [1024, 8]).map(|n| &n.kind) else { panic!("{qf}") };
+        assert_eq!((&pargs[0].layout.shape[..], &pargs[0].layout.strides[..]), (&[1024, 13][..], &[16, 1][..]), "{qf}");
+        cells.push(crate::contiguous_cell(&t(&[13, 8], 4)?)?);
+        same(q, qf, &cells, 4)?;
         // Too few rows, the CPU, and a padded product read in a way that skips its rows: untouched.
         assert_eq!(ops(&pad_unaligned_products(&unaligned_head(512), true)), ["matmul", "to_dtype", "matmul", "matmul"]);
         assert_eq!(ops(&pad_unaligned_products(&unaligned_head(1024), false)), ["matmul", "to_dtype", "matmul", "matmul"]);
