@@ -217,19 +217,25 @@ fn compiled_gpt_under_bf16_autocast_matches_eager_cuda_in_every_mode() {
 /// A classifier head over 13 classes under BF16 autocast at 2048 rows: compiled, its three
 /// products read zero-padded copies aligned for cuBLASLt (`passes::pad_unaligned_products`:
 /// the weight grows three zero rows, the logits' gradient three zero columns). 20 AdamW steps
-/// in every mode against eager CUDA, and the padding's copies in the compiled graph.
+/// in every mode against eager CUDA (a layer before the head, so all three of its products
+/// are made), and the padding's copies in the compiled graph.
 #[test]
 fn an_unaligned_bf16_head_compiled_with_zero_padding_matches_eager_cuda() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dev = gpu();
     let train = |mode: Option<Mode>| -> (Run, String) {
         kiln::tensor::rng::manual_seed(3);
-        let w = Tensor::rand_at(&[13, 32], Distribution::Normal, 5, 0, DType::F32, dev).unwrap().mul_scalar(0.2).unwrap();
-        w.set_requires_grad(true);
-        let opt = RefCell::new(AdamW::new(vec![w.clone()], AdamConfig { lr: 1e-2, ..AdamConfig::adamw() }).unwrap());
+        let param = |shape: &[usize], seed: u64| {
+            let p = Tensor::rand_at(shape, Distribution::Normal, seed, 0, DType::F32, dev).unwrap().mul_scalar(0.2).unwrap();
+            p.set_requires_grad(true);
+            p
+        };
+        // A layer before the head, so that the head's input gradient `g w` is made too.
+        let (u, w) = (param(&[32, 32], 4), param(&[13, 32], 5));
+        let opt = RefCell::new(AdamW::new(vec![u.clone(), w.clone()], AdamConfig { lr: 1e-2, ..AdamConfig::adamw() }).unwrap());
         let step_fn = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
             let _ac = kiln::tensor::Autocast::new(DType::BF16)?;
-            let loss = kiln::nn::cross_entropy(&xs[0].matmul(&w.t()?)?, &xs[1])?;
+            let loss = kiln::nn::cross_entropy(&xs[0].matmul(&u)?.matmul(&w.t()?)?, &xs[1])?;
             loss.backward()?;
             opt.borrow_mut().step()?;
             opt.borrow_mut().zero_grad()?;
@@ -245,12 +251,17 @@ fn an_unaligned_bf16_head_compiled_with_zero_padding_matches_eager_cuda() {
             losses.push(out[0].item().unwrap() as f32);
         }
         let graph = if mode.is_some() { step.dump().unwrap_or_default() } else { String::new() };
-        (Run { losses, params: vec![w.to_vec::<f32>().unwrap()] }, graph)
+        (Run { losses, params: vec![u.to_vec::<f32>().unwrap(), w.to_vec::<f32>().unwrap()] }, graph)
     };
     let (eager, _) = train(None);
     for mode in MODES {
         let (run, graph) = train(Some(mode));
-        assert!(graph.contains("BF16[16, 32] = cat") && graph.contains("BF16[2048, 16] = cat"), "{mode:?}: no padded copies\n{graph}");
+        // w and g padded; `g w` reads the padded g whole, `g^T h` transposed.
+        let node = |pattern: &str| graph.lines().find(|l| l.contains(pattern)).and_then(|l| l.split(':').next()).map(str::to_string);
+        let (pw, pg) = (node("BF16[16, 32] = cat"), node("BF16[2048, 16] = cat"));
+        let (Some(pw), Some(pg)) = (pw, pg) else { panic!("{mode:?}: padded copies missing\n{graph}") };
+        assert!(graph.contains(&format!("= matmul {pg}, {pw}")), "{mode:?}: g w on the padded copies\n{graph}");
+        assert!(graph.contains(&format!("matmul {pg}[13, 2048]@[1, 16]")), "{mode:?}: g^T h on the padded g\n{graph}");
         assert_runs_agree(&format!("{mode:?} padded head vs eager"), &run, &eager, (2e-3, 2e-2));
     }
 }

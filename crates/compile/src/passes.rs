@@ -461,7 +461,11 @@ pub fn pad_unaligned_products(g: &Graph, gpu: bool) -> Graph {
             let n8 = n.next_multiple_of(8);
             nb = Arg { node: w, layout: Layout { shape: vec![k, n8], strides: vec![1, k], offset: 0 } };
             *shape.last_mut().expect("a product has dims") = n8;
-            for &u in readers {
+            // (A reader is listed once per argument; each of its arguments is widened once.)
+            let mut once = readers.clone();
+            once.sort_unstable();
+            once.dedup();
+            for u in once {
                 each_arg_of(&mut out.nodes[u], i, |l| *l = widen_rows(l, n, n8));
             }
         } else if k % 8 != 0 && rows_of(&a.layout, k) && dense_node(&out.nodes[a.node], k) && whole(b, &out.nodes[b.node]) {
@@ -469,8 +473,10 @@ pub fn pad_unaligned_products(g: &Graph, gpu: bool) -> Graph {
             let last = out.nodes[a.node].shape.len() - 1;
             let (ga, w) = (pad(&mut out, a.node, last), pad(&mut out, b.node, 0));
             let k8 = k.next_multiple_of(8);
+            // (The copy's rows are dense: unit stride along them, whatever a k of 1 had.)
             let mut l = widen_rows(&a.layout, k, k8);
             *l.shape.last_mut().expect("a has dims") = k8;
+            *l.strides.last_mut().expect("a has dims") = 1;
             na = Arg { node: ga, layout: l };
             nb = Arg { node: w, layout: Layout::contiguous(&[k8, n]) };
         } else if r == 2 && a.layout.shape[0] % 8 != 0 && is_transposed_whole(a, &out.nodes[a.node]) {
@@ -1167,6 +1173,17 @@ mod tests {
         assert_eq!((&pargs[0].layout.shape[..], &pargs[0].layout.strides[..]), (&[1024, 13][..], &[16, 1][..]), "{qf}");
         cells.push(crate::contiguous_cell(&t(&[13, 8], 4)?)?);
         same(q, qf, &cells, 4)?;
+        // Logits read as `[B, T, 13]` twice by one node: each argument widened once.
+        let mut b = unaligned_head(1024);
+        let l3 = Arg { node: 3, layout: Layout::contiguous(&[16, 64, 13]) };
+        let sq = b.push(Kind::Op(Op::Binary(BinaryOp::Mul), vec![l3.clone(), l3]), vec![16, 64, 13], DType::BF16);
+        b.outputs.push(whole(&b, sq));
+        let bf = pad_unaligned_products(&b, true);
+        let Some(Kind::Op(_, margs)) = bf.nodes.iter().find(|n| matches!(n.kind, Kind::Op(Op::Binary(_), _))).map(|n| &n.kind) else {
+            panic!("{bf}")
+        };
+        assert!(margs.iter().all(|a| a.layout.strides == [1024, 16, 1]), "{bf}");
+        same(b, bf, &cells[..3], 4)?;
         // Too few rows, the CPU, and a padded product read in a way that skips its rows: untouched.
         assert_eq!(ops(&pad_unaligned_products(&unaligned_head(512), true)), ["matmul", "to_dtype", "matmul", "matmul"]);
         assert_eq!(ops(&pad_unaligned_products(&unaligned_head(1024), false)), ["matmul", "to_dtype", "matmul", "matmul"]);
