@@ -327,7 +327,7 @@ impl ColumnSums<'_> {
     /// Both launches, reading `v` columns a lane (a vector width the columns allow), with
     /// about `chunks` chunks of rows, partials in `part` (room for `chunks x n` accumulators).
     fn launch(&self, g: &Arc<Gpu>, v: usize, chunks: usize, part: u64) -> Result<()> {
-        use super::codegen::{column_sums_fold_source, column_sums_source, COLSUM_WARPS};
+        use super::codegen::{column_sums_fold_source, column_sums_source, COLSUM_FOLD_WARPS, COLSUM_WARPS};
         debug_assert!(v == 1 || self.n % v == 0, "the kernel reads whole vectors of columns");
         let (dtype, out_dtype) = (self.x.0.dtype, self.out.0);
         let kf = g.kernel(super::spec_key("column_sums", &(dtype, v)), || column_sums_source(dtype, v))?;
@@ -351,7 +351,7 @@ impl ColumnSums<'_> {
         // from its address (the caller's shape rule) and `part` chunks x n, live until the
         // stream has run this (freed buffers are reused only in stream order); a block covers
         // 32 columns.
-        unsafe { g.launch(kfold, (self.n.div_ceil(32) as u32, 1), (COLSUM_WARPS * 32) as u32, 0, &mut params) }
+        unsafe { g.launch(kfold, (self.n.div_ceil(32) as u32, 1), (COLSUM_FOLD_WARPS * 32) as u32, 0, &mut params) }
     }
 }
 
