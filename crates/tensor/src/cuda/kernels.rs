@@ -296,13 +296,13 @@ pub(super) fn column_sums(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), dim: us
     let sums = ColumnSums { x: (s, s.ptr_at(l.offset)), rows, n, ld, out: (out.dtype, out.ptr_at(at)) };
     // A choice is `chunks * 32 + v` (v at most 16).
     let (pack, unpack) = (|chunks: usize, v: usize| chunks * 32 + v, |c: usize| (c / 32, c % 32));
-    let key = format!("column_sums {:?} rows {rows} n {n} ld {ld} v{v}", s.dtype);
+    let problem = (s.dtype, rows, n, ld, v);
     let candidates = || {
         let widths = if v > 1 { vec![v, v / 2] } else { vec![1] };
         let counts = |w: usize| [chunks_for(w), 32, 64, 128, 256, 512, 1024].into_iter().filter(|&c| c <= most).map(move |c| pack(c, w));
         widths.into_iter().flat_map(counts).collect()
     };
-    let choice = super::tune::choice(g, &key, pack(chunks_for(v), v), candidates, |c| {
+    let choice = super::tune::choice(g, ("column_sums", &problem), pack(chunks_for(v), v), candidates, |c| {
         let (chunks, v) = unpack(c);
         let part = CudaStorage::alloc(g, accumulator(s.dtype), chunks * n)?;
         super::tune::time_graph(g, || sums.launch(g, v, chunks, part.buf.ptr))
@@ -1045,8 +1045,8 @@ fn layer_norm_param_grads(
     let sms = g.sms as usize;
     let default = rows.min(sms * 2);
     let candidates = || [2, 1, 3, 4, 6].iter().map(|b| (b * sms).min(rows)).collect();
-    let key = format!("ln_param_grads {dtype:?} g {gdt:?} rows {rows} n {n} dx {with_dx} r {} staged {staged}", rd.is_some());
-    let want = super::tune::choice(g, &key, default, candidates, |b| {
+    let problem = (dtype, gdt, rows, n, with_dx, rd.is_some(), staged);
+    let want = super::tune::choice(g, ("ln_param_grads", &problem), default, candidates, |b| {
         let part = CudaStorage::alloc(g, accumulator(dtype), b * 2 * n)?;
         super::tune::time_graph(g, || run(b, &part))
     });
@@ -1765,8 +1765,8 @@ pub(super) fn matmul_wgmma(
     // to nothing it writes; `out` is fresh, never the residual.)
     let sms = g.sms as usize;
     let default = super::wgmma::splits(m, n, k, sms).0;
-    let key = format!("wgmma {} m {m} n {n} k {k} rows {a_rows:?}", spec.name());
     let candidates = || super::wgmma::split_candidates(m, n, k, sms);
-    let parts = super::tune::choice(g, &key, default, candidates, |p| super::tune::time_graph(g, || run(p)));
+    let problem = (spec, m, n, k, a_rows);
+    let parts = super::tune::choice(g, ("matmul_wgmma", &problem), default, candidates, |p| super::tune::time_graph(g, || run(p)));
     run(parts)
 }

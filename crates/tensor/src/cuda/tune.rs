@@ -9,14 +9,18 @@
 use super::gpu::Gpu;
 use crate::Result;
 use std::collections::HashMap;
+use std::fmt::Debug;
+use std::hash::Hash;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-/// Choices per problem key: `Some` once tuned (here or on disk), `None` once the disk was
-/// found to hold none (so a step's every call does not read it again).
-fn chosen() -> &'static Mutex<HashMap<String, Option<usize>>> {
-    static CHOSEN: OnceLock<Mutex<HashMap<String, Option<usize>>>> = OnceLock::new();
+type Choices = HashMap<(usize, u64), Option<usize>>;
+
+/// Choices per (GPU ordinal, problem hash): `Some` once tuned (here or on disk), `None` once
+/// the disk was found to hold none (so a step's every call does not read it again).
+fn chosen() -> &'static Mutex<Choices> {
+    static CHOSEN: OnceLock<Mutex<Choices>> = OnceLock::new();
     CHOSEN.get_or_init(Mutex::default)
 }
 
@@ -28,25 +32,30 @@ pub fn tuning_stats() -> (u64, Duration) {
     (TUNED.load(Ordering::Relaxed), Duration::from_nanos(TUNE_NANOS.load(Ordering::Relaxed)))
 }
 
-/// The choice for problem `key` on `g`: tuned earlier (in this process or on disk, and still
-/// one of `candidates()`, so a stale or damaged file can never pick a launch the caller did
-/// not offer); else, while autotuning (`lt::set_autotune`, not in a dry run or a capture),
-/// the fastest of `candidates()` by `time` (seconds per run; a candidate whose timing fails
-/// is skipped; a single distinct candidate is taken untimed); else `default`.
-pub(crate) fn choice(
+/// The choice for `problem` (a kernel's `kind` and what sizes its launch) on `g`: tuned
+/// earlier (in this process or on disk, and still one of `candidates()`, so a stale or damaged
+/// file can never pick a launch the caller did not offer); else, while autotuning
+/// (`lt::set_autotune`, not in a dry run or a capture), the fastest of `candidates()` by
+/// `time` (seconds per run; a candidate whose timing fails is skipped; a single distinct
+/// candidate is taken untimed); else `default`. A call that finds its choice in memory only
+/// hashes `problem` (it runs at every launch of an eager op or an uncaptured step).
+pub(crate) fn choice<P: Hash + Debug>(
     g: &Arc<Gpu>,
-    key: &str,
+    (kind, problem): (&'static str, &P),
     default: usize,
     candidates: impl Fn() -> Vec<usize>,
     time: impl Fn(usize) -> Result<f64>,
 ) -> usize {
-    let key = format!("{key} sm_{}{} {} SMs", g.arch.0, g.arch.1, g.sms);
-    let path = || crate::cache_dir("tuned").map(|d| d.join(format!("{:016x}.choice", super::codegen::fnv1a(key.as_bytes()))));
+    let key = (g.ordinal, super::spec_key(kind, problem));
+    let path = || {
+        let name = format!("{kind} {problem:?} sm_{}{} {} SMs", g.arch.0, g.arch.1, g.sms);
+        crate::cache_dir("tuned").map(|d| d.join(format!("{:016x}.choice", super::codegen::fnv1a(name.as_bytes()))))
+    };
     let known = chosen().lock().unwrap_or_else(|e| e.into_inner()).get(&key).copied();
     let known = known.unwrap_or_else(|| {
         let disk: Option<usize> = path().and_then(|p| std::fs::read_to_string(p).ok()).and_then(|s| s.trim().parse().ok());
         let disk = disk.filter(|c| candidates().contains(c));
-        chosen().lock().unwrap_or_else(|e| e.into_inner()).insert(key.clone(), disk);
+        chosen().lock().unwrap_or_else(|e| e.into_inner()).insert(key, disk);
         disk
     });
     if let Some(c) = known {
@@ -72,12 +81,12 @@ pub(crate) fn choice(
     }
     TUNED.fetch_add(1, Ordering::Relaxed);
     TUNE_NANOS.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-    chosen().lock().unwrap_or_else(|e| e.into_inner()).insert(key.clone(), Some(best.1));
+    chosen().lock().unwrap_or_else(|e| e.into_inner()).insert(key, Some(best.1));
     if let Some(p) = path() {
         crate::cache_put(&p, best.1.to_string().as_bytes());
     }
     if super::log_on("kernels") {
-        eprintln!("kiln: tuned {key}: {} ({:.2} us)", best.1, best.0 * 1e6);
+        eprintln!("kiln: tuned {kind} {problem:?}: {} ({:.2} us)", best.1, best.0 * 1e6);
     }
     best.1
 }
