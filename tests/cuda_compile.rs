@@ -4,7 +4,7 @@
 //! batch recompiling, and a replayed CUDA graph making no driver allocation. Built only with
 //! `--features cuda`; without a GPU each test fails saying so.
 
-use common::{assert_close, assert_runs_agree, mlp_step, mlp_step_unclipped, train_gpt, Run};
+use common::{assert_close, assert_runs_agree, drop_key_bias, mlp_step, mlp_step_unclipped, train_gpt, Run};
 use kiln::compile::{compile, compile_with, CompileOptions, Mode};
 use kiln::models::mlp;
 use kiln::optim::{AdamConfig, AdamW, LrScheduler, WarmupCosine};
@@ -264,14 +264,6 @@ fn an_unaligned_bf16_head_compiled_with_zero_padding_matches_eager_cuda() {
         assert!(graph.contains(&format!("matmul {pg}[13, 2048]@[1, 16]")), "{mode:?}: g^T h on the padded g\n{graph}");
         assert_runs_agree(&format!("{mode:?} padded head vs eager"), &run, &eager, (2e-3, 2e-2));
     }
-}
-
-/// `r` without the key third of each qkv bias (the parameters of `3 * d_model` values): its
-/// gradient is zero in exact arithmetic (softmax ignores a shift shared by all keys), so its
-/// Adam steps follow rounding noise, which BF16 roundings change from run to run.
-fn drop_key_bias(r: &Run, d_model: usize) -> Run {
-    let params = r.params.iter().map(|p| if p.len() == 3 * d_model { [&p[..d_model], &p[2 * d_model..]].concat() } else { p.clone() });
-    Run { losses: r.losses.clone(), params: params.collect() }
 }
 
 /// Under BF16 autocast with no dropout and a head dim of 16, attention takes the tensor-core

@@ -1,0 +1,78 @@
+//! The GPU's compile passes checked without a GPU: with `KILN_GPU_SOURCES` set, a step
+//! compiled on the CPU goes through the passes a Hopper GPU gets (cuBLASLt epilogues, the
+//! folds into layer norm's backward, zero-padded products, ...) and then runs on the CPU.
+//! A GPT under BF16 autocast, trained that way, must match eager CPU training under the same
+//! autocast, and its graph must show the GPU's rewrites. (The CUDA kernels themselves are
+//! checked on the GPU by `cuda_compile` and `cuda_ops`.) Built only with `--features cuda`.
+#![cfg(feature = "cuda")]
+
+use common::{assert_runs_agree, drop_key_bias, Run};
+use kiln::compile::{compile, Mode};
+use kiln::models::{Gpt, GptConfig};
+use kiln::optim::{clip_grad_norm, AdamConfig, AdamW, Optimizer};
+use kiln::prelude::*;
+use kiln::tensor::Distribution;
+use std::cell::RefCell;
+
+mod common;
+
+/// `steps` AdamW steps of a small GPT under BF16 autocast on the CPU, 1024 rows a batch (so
+/// that the head's 11-letter products are padded): eager, or compiled for a GPU's passes
+/// (`gpu`). Returns the run and, compiled, the optimised graph.
+fn train(gpu: bool, steps: u64) -> (Run, String) {
+    kiln::tensor::rng::manual_seed(11);
+    let cfg = GptConfig { vocab: 11, context: 8, d_model: 16, n_layer: 2, n_head: 2, dropout: 0.0, tied_head: false };
+    let model = Gpt::new(cfg, Device::Cpu).unwrap();
+    let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr: 3e-3, ..AdamConfig::adamw() }).unwrap());
+    let step_fn = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+        let _ac = kiln::tensor::Autocast::new(DType::BF16)?;
+        let loss = model.loss(&xs[0], &xs[1])?;
+        loss.backward()?;
+        let mut o = opt.borrow_mut();
+        clip_grad_norm(o.params(), 0.5)?;
+        o.step()?;
+        o.zero_grad()?;
+        Ok(vec![loss])
+    };
+    let mut step = compile(Mode::Default, step_fn);
+    let mut losses = Vec::new();
+    for i in 0..steps {
+        let tok = |s: u64| {
+            let t = Tensor::rand_at(&[128, 8], Distribution::Uniform, s, i * 1024, DType::F32, Device::Cpu).unwrap();
+            t.mul_scalar(11.0).unwrap().to_dtype(DType::I64).unwrap()
+        };
+        let (x, y) = (tok(1), tok(2));
+        let out = if gpu { step.call(&[&x, &y]).unwrap() } else { step_fn(&[x, y]).unwrap() };
+        losses.push(out[0].item().unwrap() as f32);
+    }
+    let graph = if gpu { step.dump().unwrap_or_default() } else { String::new() };
+    (Run { losses, params: model.parameters().iter().map(|p| p.to_vec::<f32>().unwrap()).collect() }, graph)
+}
+
+#[test]
+fn a_bf16_gpt_compiled_with_the_gpu_passes_matches_eager_on_the_cpu() {
+    let dir = std::env::temp_dir().join(format!("kiln-gpu-plan-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::env::set_var("KILN_GPU_SOURCES", dir.join("step.cu"));
+    let (eager, _) = train(false, 12);
+    let (compiled, graph) = train(true, 12);
+    let sources = std::fs::read_to_string(dir.join("step.cu")).unwrap_or_default();
+    std::env::remove_var("KILN_GPU_SOURCES");
+    std::fs::remove_dir_all(&dir).ok();
+    assert!(sources.contains("extern \"C\" __global__"), "the GPU's kernel sources were written");
+    // The GPU's rewrites are in the graph that ran.
+    for (what, pattern) in [
+        ("autocast's residual adds in the products' epilogue", "= matmul_residual"),
+        ("the head's weight padded to 16 rows", "BF16[16, 16] = cat"),
+        ("the logits' gradient padded to 16 columns", "BF16[1024, 16] = cat"),
+        ("layer norm's backward with the residual gradient", "= layer_norm_param_grads"),
+    ] {
+        assert!(graph.contains(pattern), "{what}: no `{pattern}` in\n{graph}");
+    }
+    assert_runs_agree(
+        "GPU passes vs eager, BF16 autocast on the CPU",
+        &drop_key_bias(&compiled, 16),
+        &drop_key_bias(&eager, 16),
+        (5e-4, 2e-2),
+    );
+}
