@@ -352,11 +352,12 @@ fn layer_norm_grads_in_one_pass_match_the_cpu() {
 /// (`passes::fold_residual_into_ln_grads`: `NormalizeParamGrads` with a fourth input r adds it
 /// to x's gradient as it stores it): against the CPU, and on the GPU within F32 rounding of the
 /// three-input result plus r (dx rounded as stored, then one add: no FMA), with the
-/// parameter gradients unchanged, F32 x with F32 or BF16 g (staged or not) and F64.
+/// parameter gradients unchanged, F32 x with F32 or BF16 g (staged or not) and F64. Then the
+/// same with the bias sums row (`passes::ln_bias_sums`).
 #[test]
 fn layer_norm_grads_with_a_residual_match_the_separate_add() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let grads = |v: &[&Tensor]| Tensor::apply(kiln::tensor::Op::NormalizeParamGrads { eps: 1e-5 }, v, v[0].device());
+    let grads = |v: &[&Tensor]| Tensor::apply(kiln::tensor::Op::NormalizeParamGrads { eps: 1e-5, sums: None }, v, v[0].device());
     for (i, shape) in LN_SHAPES.into_iter().enumerate() {
         let n = shape[shape.len() - 1];
         if n > cuda::codegen::LN_GRADS_MAX_N {
@@ -366,7 +367,7 @@ fn layer_norm_grads_with_a_residual_match_the_separate_add() {
             let seed = 110 + 10 * i as u64;
             let ins = [randn(shape, seed, xd), randn(shape, seed + 1, gd), randn(&[n], seed + 2, xd), randn(shape, seed + 3, xd)];
             let what = format!("layer_norm_grads + r {shape:?} {xd:?} g {gd:?}");
-            let (at, numel) = (kiln::tensor::op::ln_grads_dx_at(n), ins[0].numel());
+            let (at, numel) = (kiln::tensor::op::ln_grads_dx_at(n, false), ins[0].numel());
             // The parameter gradients and dx (the padding between is unspecified).
             both(&what, &ins, tol(xd) * 100.0, |v| {
                 let f = grads(&[&v[0], &v[1], &v[2], &v[3]])?;
@@ -380,6 +381,22 @@ fn layer_norm_grads_with_a_residual_match_the_separate_add() {
             close(&format!("{what}: dx + r"), &want, &dx(&four), tol(xd) * 4.0);
             let params = |t: &Tensor| t.narrow(0, 0, 2 * n).unwrap().to_vec_f64().unwrap();
             assert_eq!(params(&four), params(&three), "{what}: parameter gradients");
+            // With the sums row (`passes::ln_bias_sums`): dx (+ r) rounded to BF16 or in x's
+            // dtype, summed over the rows, with r and without; the rest as without the row.
+            let to = kiln::tensor::op::ln_grads_dx_at(n, true);
+            for (sums, k) in [(DType::BF16, 4), (xd, 4), (DType::BF16, 3)] {
+                let op = kiln::tensor::Op::NormalizeParamGrads { eps: 1e-5, sums: Some(sums) };
+                let with = |v: &[Tensor]| Tensor::apply(op.clone(), &v.iter().take(k).collect::<Vec<_>>(), v[0].device());
+                let what = format!("{what}: {k} inputs, sums in {sums:?}");
+                both(&what, &ins, tol(xd) * 100.0, |v| {
+                    let f = with(v)?;
+                    Tensor::cat(&[&f.narrow(0, 0, 3 * n)?, &f.narrow(0, to, numel)?], 0)
+                });
+                let (f, plain) = (with(&on).unwrap(), if k == 4 { &four } else { &three });
+                close(&format!("{what}: dw, db"), &plain.narrow(0, 0, 2 * n).unwrap(), &f.narrow(0, 0, 2 * n).unwrap(), tol(xd));
+                let moved = f.narrow(0, to, numel).unwrap().reshape(shape).unwrap();
+                close(&format!("{what}: dx"), &dx(plain), &moved, tol(xd) * 4.0);
+            }
         }
     }
 }
@@ -408,9 +425,10 @@ fn layer_norm_with_folded_casts_matches_the_cpu() {
         }
         let g = randn(shape, 140 + i as u64, DType::BF16);
         both(&format!("layer norm grads {shape:?}, g in BF16"), &[x.clone(), g, w.clone()], tol(DType::F32) * 100.0, |v| {
-            let flat = Tensor::apply(kiln::tensor::Op::NormalizeParamGrads { eps: 1e-5 }, &[&v[0], &v[1], &v[2]], v[0].device())?;
+            let flat =
+                Tensor::apply(kiln::tensor::Op::NormalizeParamGrads { eps: 1e-5, sums: None }, &[&v[0], &v[1], &v[2]], v[0].device())?;
             // The parameter gradients, then x's (the padding between them is not part of it).
-            let dx = flat.narrow(0, kiln::tensor::op::ln_grads_dx_at(n), v[0].numel())?;
+            let dx = flat.narrow(0, kiln::tensor::op::ln_grads_dx_at(n, false), v[0].numel())?;
             Tensor::cat(&[&flat.narrow(0, 0, 2 * n)?, &dx], 0)
         });
     }

@@ -1,8 +1,8 @@
 //! The GPU's compile passes checked without a GPU: with `KILN_GPU_SOURCES` set, a step
 //! compiled on the CPU goes through the passes a Hopper GPU gets (cuBLASLt epilogues, the
 //! folds into layer norm's backward, zero-padded products, ...) and then runs on the CPU.
-//! A GPT under BF16 autocast, trained that way, must match eager CPU training under the same
-//! autocast, and its graph must show the GPU's rewrites. (The CUDA kernels themselves are
+//! A GPT under BF16 autocast and in F32, trained that way, must match eager CPU training in
+//! the same precision, and its graph must show the GPU's rewrites. (The CUDA kernels themselves are
 //! checked on the GPU by `cuda_compile` and `cuda_ops`.) Built only with `--features cuda`.
 #![cfg(feature = "cuda")]
 
@@ -16,16 +16,16 @@ use std::cell::RefCell;
 
 mod common;
 
-/// `steps` AdamW steps of a small GPT under BF16 autocast on the CPU, 1024 rows a batch (so
-/// that the head's 11-letter products are padded): eager, or compiled for a GPU's passes
-/// (`gpu`). Returns the run and, compiled, the optimised graph.
-fn train(gpu: bool, steps: u64) -> (Run, String) {
+/// `steps` AdamW steps of a small GPT on the CPU, under autocast to `low` or in F32, 1024 rows
+/// a batch (so that the head's 11-letter products are padded): eager, or compiled for a GPU's
+/// passes (`gpu`). Returns the run and, compiled, the optimised graph.
+fn train(gpu: bool, steps: u64, low: Option<DType>) -> (Run, String) {
     kiln::tensor::rng::manual_seed(11);
-    let cfg = GptConfig { vocab: 11, context: 8, d_model: 16, n_layer: 2, n_head: 2, dropout: 0.0, tied_head: false };
+    let cfg = GptConfig { vocab: 11, context: 8, d_model: 32, n_layer: 2, n_head: 2, dropout: 0.0, tied_head: false };
     let model = Gpt::new(cfg, Device::Cpu).unwrap();
     let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr: 3e-3, ..AdamConfig::adamw() }).unwrap());
     let step_fn = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
-        let _ac = kiln::tensor::Autocast::new(DType::BF16)?;
+        let _ac = low.map(kiln::tensor::Autocast::new).transpose()?;
         let loss = model.loss(&xs[0], &xs[1])?;
         loss.backward()?;
         let mut o = opt.borrow_mut();
@@ -50,12 +50,14 @@ fn train(gpu: bool, steps: u64) -> (Run, String) {
 }
 
 #[test]
-fn a_bf16_gpt_compiled_with_the_gpu_passes_matches_eager_on_the_cpu() {
+fn a_gpt_compiled_with_the_gpu_passes_matches_eager_on_the_cpu_in_bf16_and_f32() {
     let dir = std::env::temp_dir().join(format!("kiln-gpu-plan-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     std::env::set_var("KILN_GPU_SOURCES", dir.join("step.cu"));
-    let (eager, _) = train(false, 12);
-    let (compiled, graph) = train(true, 12);
+    let (eager, _) = train(false, 12, Some(DType::BF16));
+    let (compiled, graph) = train(true, 12, Some(DType::BF16));
+    let (eager32, _) = train(false, 12, None);
+    let (compiled32, graph32) = train(true, 12, None);
     let sources = std::fs::read_to_string(dir.join("step.cu")).unwrap_or_default();
     std::env::remove_var("KILN_GPU_SOURCES");
     std::fs::remove_dir_all(&dir).ok();
@@ -63,16 +65,22 @@ fn a_bf16_gpt_compiled_with_the_gpu_passes_matches_eager_on_the_cpu() {
     // The GPU's rewrites are in the graph that ran.
     for (what, pattern) in [
         ("autocast's residual adds in the products' epilogue", "= matmul_residual"),
-        ("the head's weight padded to 16 rows", "BF16[16, 16] = cat"),
+        ("the head's weight padded to 16 rows", "BF16[16, 32] = cat"),
         ("the logits' gradient padded to 16 columns", "BF16[1024, 16] = cat"),
         ("layer norm's backward with the residual gradient", "= layer_norm_param_grads"),
+        ("the proj and fc2 bias sums from layer norm's backward", "= layer_norm_param_grads sums BF16"),
     ] {
         assert!(graph.contains(pattern), "{what}: no `{pattern}` in\n{graph}");
     }
+    // Each layer's proj and fc2 biases (fc2's from the next layer norm's backward, the last
+    // one's from the final layer norm's); x's gradient then moves from 64 to 128.
+    assert_eq!(graph.matches("= layer_norm_param_grads sums BF16").count(), 4, "{graph}");
+    assert_eq!(graph32.matches("= layer_norm_param_grads sums F32").count(), 4, "{graph32}");
     assert_runs_agree(
         "GPU passes vs eager, BF16 autocast on the CPU",
-        &drop_key_bias(&compiled, 16),
-        &drop_key_bias(&eager, 16),
+        &drop_key_bias(&compiled, 32),
+        &drop_key_bias(&eager, 32),
         (5e-4, 2e-2),
     );
+    assert_runs_agree("GPU passes vs eager, F32 on the CPU", &compiled32, &eager32, (1e-5, 1e-4));
 }

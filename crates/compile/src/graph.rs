@@ -221,6 +221,7 @@ pub fn op_label(op: &Op) -> String {
         Op::Reduce { op, dims, keepdim } => format!("{}{dims:?}{}", op.name(), if *keepdim { " keepdim" } else { "" }),
         Op::Cast(d) => format!("cast {d:?}"),
         Op::Normalize { to: Some(d), .. } => format!("normalize to {d:?}"),
+        Op::NormalizeParamGrads { sums: Some(d), .. } => format!("{} sums {d:?}", op.name()),
         Op::Full { value, .. } => format!("full {value}"),
         other => other.name().to_string(),
     }

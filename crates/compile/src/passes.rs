@@ -837,6 +837,11 @@ pub fn optimise(g: Graph, target: Target, mut log: impl FnMut(&str, &Graph)) -> 
     log("merge_zero_writes", &g);
     g = cse(&g);
     log("cse", &g);
+    // (Before `fuse_matmuls`, which would otherwise take the bias sums into the products.)
+    g = fold_residual_into_ln_grads(&g, gpu);
+    log("fold_residual_into_ln_grads", &g);
+    g = ln_bias_sums(&g, gpu);
+    log("ln_bias_sums", &g);
     g = fuse_matmuls(&g, gpu);
     log("fuse_matmuls", &g);
     g = fuse_mean_cross_entropy(&g, gpu);
@@ -847,8 +852,6 @@ pub fn optimise(g: Graph, target: Target, mut log: impl FnMut(&str, &Graph)) -> 
     log("attention_heads_last", &g);
     g = fold_layer_norm_casts(&g, gpu);
     log("fold_layer_norm_casts", &g);
-    g = fold_residual_into_ln_grads(&g, gpu);
-    log("fold_residual_into_ln_grads", &g);
     g = pad_unaligned_products(&g, gpu);
     log("pad_unaligned_products", &g);
     g
@@ -911,8 +914,8 @@ pub fn fold_residual_into_ln_grads(g: &Graph, gpu: bool) -> Graph {
     let bases = view_bases(g);
     // Every read of each node's region from `ln_grads_dx_at` on (a layer norm's dx).
     let at = |p: NodeId| match &g.nodes[p].kind {
-        Kind::Op(Op::NormalizeParamGrads { .. }, a) if a.len() == 3 => {
-            a[0].layout.shape.last().map(|&n| kiln_tensor::op::ln_grads_dx_at(n))
+        Kind::Op(Op::NormalizeParamGrads { sums, .. }, a) if a.len() == 3 => {
+            a[0].layout.shape.last().map(|&n| kiln_tensor::op::ln_grads_dx_at(n, sums.is_some()))
         }
         _ => None,
     };
@@ -957,6 +960,78 @@ pub fn fold_residual_into_ln_grads(g: &Graph, gpu: bool) -> Graph {
         }
     }
     redirect(&mut out, &alias);
+    dce(&out)
+}
+
+/// On a GPU, the bias gradient of a product fed by a layer norm's input gradient (the sum over
+/// rows of dx, with the residual gradient folded in, or of autocast's 16-bit copy of it) is
+/// summed by the layer norm's backward as it stores dx (`NormalizeParamGrads`'s `sums` row,
+/// the values rounded to the copy's dtype first): the sum becomes a cast of that row, and no
+/// column sums read the copy again (GPT: the `proj` and `fc2` biases, 12.6 MB each in BF16).
+/// Readers of dx move with it to `ln_grads_dx_at(n, true)`. `KILN_LN_SUMS=0` turns it off
+/// (the A/B switch for measuring it).
+pub fn ln_bias_sums(g: &Graph, gpu: bool) -> Graph {
+    let mut out = g.clone();
+    if !gpu || std::env::var("KILN_LN_SUMS").is_ok_and(|v| v == "0") {
+        return out;
+    }
+    let (pinned, _) = pinned_and_escaping(g);
+    let bases = view_bases(g);
+    let dx_from = |l: NodeId| match &g.nodes[l].kind {
+        Kind::Op(Op::NormalizeParamGrads { sums: None, .. }, a) if a.len() >= 3 => {
+            a[0].layout.shape.last().map(|&n| (n, kiln_tensor::op::ln_grads_dx_at(n, false)))
+        }
+        _ => None,
+    };
+    // A layer norm with a read across the end of its parameter gradients keeps its layout.
+    let mut straddled = vec![false; g.nodes.len()];
+    each_read(&mut out, |a| {
+        if let Some((_, from)) = dx_from(a.node) {
+            straddled[a.node] |= a.layout.numel() > 0 && a.layout.offset < from && a.layout.last_index() >= from;
+        }
+    });
+    // Per layer norm taken: (where dx was, how far it moves); per sum: the row's cast.
+    let mut moved: Vec<Option<(usize, usize)>> = vec![None; g.nodes.len()];
+    let mut casts = Vec::new();
+    for (i, node) in g.nodes.iter().enumerate() {
+        let Kind::Op(Op::Reduce { op: ReduceOp::Sum, dims, .. }, args) = &node.kind else { continue };
+        let a = &args[0];
+        let (d, t) = match &g.nodes[a.node].kind {
+            Kind::Op(Op::Cast(t), c) if whole(a, &g.nodes[a.node]) => (&c[0], *t),
+            _ => (a, g.nodes[a.node].dtype),
+        };
+        let l = d.node;
+        let Some((n, from)) = dx_from(l) else { continue };
+        let rank = a.layout.rank();
+        let ok = moved[l].is_none()
+            && !straddled[l]
+            && d.layout.is_contiguous()
+            && d.layout.offset == from
+            && d.layout.shape == a.layout.shape
+            && a.layout.numel() == g.nodes[l].numel() - from
+            && a.layout.shape.last() == Some(&n)
+            && dims.iter().copied().eq(0..rank - 1)
+            && node.numel() == n
+            && node.dtype == t
+            && t.is_float()
+            && ![i, l].iter().any(|x| pinned[*x] || bases.contains(x));
+        if !ok {
+            continue;
+        }
+        let Kind::Op(Op::NormalizeParamGrads { eps, .. }, largs) = &g.nodes[l].kind else { continue };
+        let to = kiln_tensor::op::ln_grads_dx_at(n, true);
+        out.nodes[l].kind = Kind::Op(Op::NormalizeParamGrads { eps: *eps, sums: Some(t) }, largs.clone());
+        out.nodes[l].shape = vec![to + a.layout.numel()];
+        moved[l] = Some((from, to - from));
+        casts.push((i, t, Arg { node: l, layout: Layout { offset: 2 * n, ..Layout::contiguous(&node.shape) } }));
+    }
+    each_read(&mut out, |a| match moved[a.node] {
+        Some((from, by)) if a.layout.offset >= from => a.layout.offset += by,
+        _ => {}
+    });
+    for (i, t, row) in casts {
+        out.nodes[i].kind = Kind::Op(Op::Cast(t), vec![row]);
+    }
     dce(&out)
 }
 
@@ -1014,6 +1089,26 @@ pub fn attention_heads_last(g: &Graph, gpu: bool) -> Graph {
 mod tests {
     use super::*;
     use crate::graph::testing::{mean_loss, whole};
+
+    type Cells = [std::sync::Arc<kiln_tensor::storage::StorageCell>];
+
+    /// Runs `g` and `f` on the CPU over the same inputs: `outputs` outputs each, every value
+    /// within `tol` (relative to 1 + |value|).
+    fn same_values(g: Graph, f: Graph, cells: &Cells, outputs: usize, tol: f64) -> kiln_tensor::Result<()> {
+        f.verify().map_err(|e| kiln_tensor::Error::Msg(format!("verifier: {e}\n{f}")))?;
+        let run = |g: Graph| -> kiln_tensor::Result<Vec<Vec<f64>>> {
+            let p = crate::exec::Program::new(g, vec![], &crate::CompileOptions::default(), kiln_tensor::Device::Cpu)?;
+            p.run(cells, kiln_tensor::rng::GeneratorState { seed: 0, offset: 0 })?.iter().map(|t| t.to_vec_f64()).collect()
+        };
+        let (want, got) = (run(g)?, run(f)?);
+        assert_eq!((want.len(), got.len()), (outputs, outputs));
+        for (o, (w, v)) in want.iter().zip(&got).enumerate() {
+            assert_eq!(w.len(), v.len(), "output {o}");
+            let worst = w.iter().zip(v).map(|(a, b)| (a - b).abs() / (1.0 + a.abs())).fold(0.0, f64::max);
+            assert!(worst <= tol, "output {o}: {worst}");
+        }
+        Ok(())
+    }
 
     /// The op nodes of `g`, by name.
     fn ops(g: &Graph) -> Vec<&'static str> {
@@ -1144,22 +1239,8 @@ mod tests {
         };
         let ins = [t(&[1024, 16], 1)?, t(&[13, 16], 2)?, t(&[1024, 13], 3)?];
         let mut cells = ins.iter().map(crate::contiguous_cell).collect::<kiln_tensor::Result<Vec<_>>>()?;
-        type Cells = [std::sync::Arc<kiln_tensor::storage::StorageCell>];
-        let run = |g: Graph, cells: &Cells| -> kiln_tensor::Result<Vec<Vec<f64>>> {
-            let p = crate::exec::Program::new(g, vec![], &crate::CompileOptions::default(), Device::Cpu)?;
-            p.run(cells, kiln_tensor::rng::GeneratorState { seed: 0, offset: 0 })?.iter().map(|t| t.to_vec_f64()).collect()
-        };
         f.verify().map_err(|e| kiln_tensor::Error::Msg(format!("verifier: {e}")))?;
-        let same = |g: Graph, f: Graph, cells: &Cells, outputs: usize| -> kiln_tensor::Result<()> {
-            let (want, got) = (run(g, cells)?, run(f, cells)?);
-            assert_eq!((want.len(), got.len()), (outputs, outputs));
-            for (o, (w, v)) in want.iter().zip(&got).enumerate() {
-                assert_eq!(w.len(), v.len(), "output {o}");
-                let worst = w.iter().zip(v).map(|(a, b)| (a - b).abs() / (1.0 + a.abs())).fold(0.0, f64::max);
-                assert!(worst <= 1e-2, "output {o}: {worst}");
-            }
-            Ok(())
-        };
+        let same = |g: Graph, f: Graph, cells: &Cells, outputs: usize| same_values(g, f, cells, outputs, 1e-2);
         same(g, f, &cells, 3)?;
         // A padded product read by another product: that one reads the padded rows as they lie.
         let mut q = unaligned_head(1024);
@@ -1268,8 +1349,8 @@ mod tests {
         let y = g.push(Kind::Op(ln, vec![whole(&g, x), whole(&g, w), whole(&g, w)]), vec![r, n], DType::F32);
         let yb = g.push(Kind::Op(Op::Cast(DType::BF16), vec![whole(&g, y)]), vec![r, n], DType::BF16);
         let gf = g.push(Kind::Op(Op::Cast(DType::F32), vec![whole(&g, gb)]), vec![r, n], DType::F32);
-        let grads = Op::NormalizeParamGrads { eps: 1e-5 };
-        let len = kiln_tensor::op::ln_grads_dx_at(n) + r * n;
+        let grads = Op::NormalizeParamGrads { eps: 1e-5, sums: None };
+        let len = kiln_tensor::op::ln_grads_dx_at(n, false) + r * n;
         let pg = g.push(Kind::Op(grads, vec![whole(&g, x), whole(&g, gf), whole(&g, w)]), vec![len], DType::F32);
         g.outputs = vec![whole(&g, yb), whole(&g, pg)];
         assert_eq!(ops(&fold_layer_norm_casts(&g, false)), ["normalize", "to_dtype", "to_dtype", "layer_norm_param_grads"]);
@@ -1286,6 +1367,69 @@ mod tests {
         assert_eq!(ops(&fold_layer_norm_casts(&h, true)), ["normalize", "to_dtype", "layer_norm_param_grads", "neg"]);
     }
 
+    /// A layer norm's backward with a residual gradient, its dx + r read as a BF16 copy by
+    /// the bias sum and the weight gradient of the product before it (GPT's proj under
+    /// autocast), rows of 32: the flat output's dx starts at 64 without the sums row, 128 with.
+    fn ln_then_bias(sum_dims: Vec<usize>) -> Graph {
+        let (r, n, m) = (6, 32, 8);
+        let mut g = Graph::default();
+        let x = g.push(Kind::Input(0), vec![r, n], DType::F32);
+        let w = g.push(Kind::Input(1), vec![n], DType::F32);
+        let gy = g.push(Kind::Input(2), vec![r, n], DType::BF16);
+        let res = g.push(Kind::Input(3), vec![r, n], DType::F32);
+        let h = g.push(Kind::Input(4), vec![r, m], DType::BF16);
+        let at = kiln_tensor::op::ln_grads_dx_at(n, false);
+        let grads = Op::NormalizeParamGrads { eps: 1e-5, sums: None };
+        let args = vec![whole(&g, x), whole(&g, gy), whole(&g, w), whole(&g, res)];
+        let pg = g.push(Kind::Op(grads, args), vec![at + r * n], DType::F32);
+        let dx = Arg { node: pg, layout: Layout { offset: at, ..Layout::contiguous(&[r, n]) } };
+        let low = g.push(Kind::Op(Op::Cast(DType::BF16), vec![dx.clone()]), vec![r, n], DType::BF16);
+        let shape: Vec<usize> = (0..2).filter(|d| !sum_dims.contains(d)).map(|d| [r, n][d]).collect();
+        let sum =
+            g.push(Kind::Op(Op::Reduce { op: ReduceOp::Sum, dims: sum_dims, keepdim: false }, vec![whole(&g, low)]), shape, DType::BF16);
+        let lt = Arg { node: low, layout: Layout { shape: vec![n, r], strides: vec![1, n], offset: 0 } };
+        let wg = g.push(Kind::Op(Op::Matmul, vec![lt, whole(&g, h)]), vec![n, m], DType::BF16);
+        let params = Arg { node: pg, layout: Layout::contiguous(&[2, n]) };
+        g.outputs = vec![whole(&g, sum), whole(&g, wg), dx, params];
+        g
+    }
+
+    #[test]
+    fn a_bias_gradient_of_a_layer_norms_dx_is_summed_by_its_backward_on_a_gpu() -> kiln_tensor::Result<()> {
+        use kiln_tensor::{Device, Distribution, Tensor};
+        let g = ln_then_bias(vec![0]);
+        let f = ln_bias_sums(&g, true);
+        assert_eq!(ops(&f), ["layer_norm_param_grads", "to_dtype", "to_dtype", "matmul"], "{f}");
+        let Kind::Op(Op::NormalizeParamGrads { sums: Some(DType::BF16), .. }, _) = &f.nodes[5].kind else { panic!("{f}") };
+        assert_eq!(f.nodes[5].shape, [128 + 6 * 32]);
+        // The sum is a cast of the row after dw and db (at 64, where dx was); dx moved to 128.
+        let Kind::Op(Op::Cast(DType::BF16), row) = &f.nodes[f.outputs[0].node].kind else { panic!("{f}") };
+        assert_eq!((row[0].node, row[0].layout.offset, &row[0].layout.shape[..]), (5, 64, &[32][..]));
+        let Kind::Op(Op::Cast(DType::BF16), copy) = &f.nodes[6].kind else { panic!("{f}") };
+        assert_eq!((copy[0].layout.offset, f.outputs[2].layout.offset, f.outputs[3].layout.offset), (128, 128, 0));
+        // The same values as the unfused graph on the CPU.
+        let t = |shape: &[usize], seed: u64, dtype: DType| {
+            Tensor::rand_at(shape, Distribution::Normal, seed, 0, DType::F32, Device::Cpu)?.to_dtype(dtype)
+        };
+        let ins = [
+            t(&[6, 32], 1, DType::F32)?,
+            t(&[32], 2, DType::F32)?,
+            t(&[6, 32], 3, DType::BF16)?,
+            t(&[6, 32], 4, DType::F32)?,
+            t(&[6, 8], 5, DType::BF16)?,
+        ];
+        let cells = ins.iter().map(crate::contiguous_cell).collect::<kiln_tensor::Result<Vec<_>>>()?;
+        same_values(g.clone(), f, &cells, 4, 1e-2)?;
+        // Not on the CPU; not a sum over dx's columns.
+        assert_eq!(ops(&ln_bias_sums(&g, false)), ops(&g));
+        let h = ln_then_bias(vec![1]);
+        assert_eq!(
+            ln_bias_sums(&h, true).nodes.iter().map(|n| n.shape.clone()).collect::<Vec<_>>(),
+            h.nodes.iter().map(|n| n.shape.clone()).collect::<Vec<_>>()
+        );
+        Ok(())
+    }
+
     #[test]
     fn a_residual_gradient_is_added_by_the_layer_norm_backward_on_a_gpu() {
         let (r, n) = (6, 8);
@@ -1294,8 +1438,8 @@ mod tests {
         let w = g.push(Kind::Input(1), vec![n], DType::F32);
         let gy = g.push(Kind::Input(2), vec![r, n], DType::BF16);
         let res = g.push(Kind::Input(3), vec![r, n], DType::F32);
-        let at = kiln_tensor::op::ln_grads_dx_at(n);
-        let grads = Op::NormalizeParamGrads { eps: 1e-5 };
+        let at = kiln_tensor::op::ln_grads_dx_at(n, false);
+        let grads = Op::NormalizeParamGrads { eps: 1e-5, sums: None };
         let pg = g.push(Kind::Op(grads, vec![whole(&g, x), whole(&g, gy), whole(&g, w)]), vec![at + r * n], DType::F32);
         let dx = Arg { node: pg, layout: Layout { offset: at, ..Layout::contiguous(&[r, n]) } };
         let params = Arg { node: pg, layout: Layout::contiguous(&[2, n]) };

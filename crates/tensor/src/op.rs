@@ -546,10 +546,10 @@ pub fn matmul_tail_offset(numel: usize) -> usize {
 }
 
 /// Where x's gradient starts in `Op::NormalizeParamGrads`'s flat output (with the weight):
-/// after the `[2, n]` parameter gradients, rounded up to 64 elements so that it stays
-/// aligned for vector loads.
-pub fn ln_grads_dx_at(n: usize) -> usize {
-    (2 * n).next_multiple_of(64)
+/// after the `[2, n]` parameter gradients (`[3, n]` with its `sums` row), rounded up to 64
+/// elements so that it stays aligned for vector loads.
+pub fn ln_grads_dx_at(n: usize, sums: bool) -> usize {
+    ((2 + sums as usize) * n).next_multiple_of(64)
 }
 
 /// A primitive op. Inputs are passed separately; parameters that shape the result live here.
@@ -627,12 +627,16 @@ pub enum Op {
     /// shape, last dim `n`; g in any float dtype, read as x's): `[2, n]`, the sums over rows of
     /// `g * normalize(x)` (the weight's) and of `g` (the bias's). On CUDA one pass reads x and g once, with no normalised copy.
     /// With the weight `w` (`[n]`) as a third input, the whole backward in that pass: one flat
-    /// buffer, the `[2, n]` then, from `ln_grads_dx_at(n)`, x's gradient (as
+    /// buffer, the `[2, n]` then, from `ln_grads_dx_at(n, false)`, x's gradient (as
     /// `NormalizeBackward` with `w` computes it). With a fourth input `r` (x's shape and
     /// dtype), x's gradient plus `r`: a residual connection's gradient added as it is stored
-    /// (folded in by compile on a GPU, for F32 and F64).
+    /// (folded in by compile on a GPU, for F32 and F64). With the weight and `sums: Some(t)`,
+    /// a third row after the two: the sums over rows of that gradient (plus r) as rounded to
+    /// `t` (the bias gradient of the product it feeds, read by compile on a GPU from here
+    /// instead of summing a copy); x's gradient then starts at `ln_grads_dx_at(n, true)`.
     NormalizeParamGrads {
         eps: f64,
+        sums: Option<DType>,
     },
     /// Scaled dot-product attention without storing the scores (flash-style): inputs q, k, v
     /// of one shape `[.., T, D]`; `out = softmax(scale * q k^T) v`, where with `causal` key `j`
@@ -933,9 +937,18 @@ impl Op {
                         format!("the residual gradient must be x's shape {:?}, got {:?}", inputs[0].shape, r.shape),
                     ));
                 }
+                let sums = match self {
+                    Op::NormalizeParamGrads { sums: Some(t), .. } if inputs.len() < 3 || !t.is_float() => {
+                        return Err(Error::Msg(format!("{name}: the sums row needs the weight and a float dtype, got {t:?}")));
+                    }
+                    Op::NormalizeParamGrads { sums, .. } => sums.is_some(),
+                    _ => false,
+                };
                 match inputs.get(2) {
                     None => meta(vec![2, n], inputs[0].dtype),
-                    Some(w) if w.shape == [n] => meta(vec![ln_grads_dx_at(n) + inputs[0].shape.iter().product::<usize>()], inputs[0].dtype),
+                    Some(w) if w.shape == [n] => {
+                        meta(vec![ln_grads_dx_at(n, sums) + inputs[0].shape.iter().product::<usize>()], inputs[0].dtype)
+                    }
                     Some(w) => Err(Error::shape(name, format!("the weight must be [{n}] for x {:?}, got {:?}", inputs[0].shape, w.shape))),
                 }
             }

@@ -224,21 +224,31 @@ fn every_reduction_and_index_kernel_compiles() {
             let (s, n) = kiln_tensor::cuda::codegen::adam_source(d, ams);
             check(&s, &n, &mut fails);
         }
-        // Without dx, with it, and with dx plus a residual gradient.
-        for (tiles, dx) in
-            [(1, (false, false)), (12, (false, false)), (32, (false, false)), (1, (true, false)), (12, (true, true)), (32, (true, false))]
-        {
+        // Without dx, with it, with dx plus a residual gradient, and with the sums row (in
+        // BF16 and in x's dtype).
+        for (tiles, dx) in [
+            (1, (false, false, None)),
+            (12, (false, false, None)),
+            (32, (false, false, None)),
+            (1, (true, false, None)),
+            (12, (true, true, None)),
+            (32, (true, false, None)),
+            (12, (true, true, Some(DType::BF16))),
+            (32, (true, false, Some(d))),
+        ] {
             let (s, n) = kiln_tensor::cuda::codegen::layer_norm_param_grads_source(d, tiles, dx, d, false);
             check(&s, &n, &mut fails);
         }
         // g in BF16 (a product's gradient under autocast) for an F32 layer norm.
         // And staged through shared memory, with and without dx, g in F32 and BF16.
         for (dx, gdt, staged) in [
-            ((true, false), DType::BF16, false),
-            ((true, false), DType::BF16, true),
-            ((true, true), DType::BF16, true),
-            ((false, false), DType::F32, true),
-            ((true, false), DType::F32, true),
+            ((true, false, None), DType::BF16, false),
+            ((true, false, None), DType::BF16, true),
+            ((true, true, None), DType::BF16, true),
+            ((false, false, None), DType::F32, true),
+            ((true, false, None), DType::F32, true),
+            ((true, true, Some(DType::BF16)), DType::BF16, true),
+            ((true, true, Some(DType::F32)), DType::F32, true),
         ] {
             let (s, n) = kiln_tensor::cuda::codegen::layer_norm_param_grads_source(DType::F32, 12, dx, gdt, staged);
             check(&s, &n, &mut fails);

@@ -309,6 +309,32 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             }
             with_cpu!(s, v => with_grad(v, l, g, name, |x, g| RowKernels::normalize_rows(x, Some(g), (None, None), n, *eps))?.into_storage())
         }
+        Op::NormalizeParamGrads { eps, sums: Some(t) } => {
+            // The flat result without the sums row, then the row spliced in before x's gradient.
+            let (x, n) = (ins[0], ins[0].1.shape[ins[0].1.rank() - 1]);
+            let (from, to) = (crate::op::ln_grads_dx_at(n, false), crate::op::ln_grads_dx_at(n, true));
+            let plain = run(
+                &Op::NormalizeParamGrads { eps: *eps, sums: None },
+                ins,
+                &OutMeta { shape: vec![from + x.1.numel()], dtype: meta.dtype },
+            )?;
+            let dx = Layout { offset: from, ..Layout::contiguous(&[x.1.numel() / n.max(1), n]) };
+            let low = run(&Op::Cast(*t), &[(&plain, &dx)], &OutMeta { shape: dx.shape.clone(), dtype: *t })?;
+            let back = run(
+                &Op::Cast(meta.dtype),
+                &[(&low, &Layout::contiguous(&dx.shape))],
+                &OutMeta { shape: dx.shape.clone(), dtype: meta.dtype },
+            )?;
+            let sum = Op::Reduce { op: crate::ReduceOp::Sum, dims: vec![0], keepdim: false };
+            let row = run(&sum, &[(&back, &Layout::contiguous(&dx.shape))], &OutMeta { shape: vec![n], dtype: meta.dtype })?;
+            with_cpu!(&plain, v => {
+                let mut out = v[..2 * n].to_vec();
+                out.extend_from_slice(typed(&row, name)?);
+                out.resize(to, Default::default());
+                out.extend_from_slice(&v[from..]);
+                out.into_storage()
+            })
+        }
         Op::NormalizeParamGrads { .. } if ins[1].0.dtype() != ins[0].0.dtype() => {
             // g in another float dtype: read as x's.
             let (x, (gs, gl)) = (ins[0], ins[1]);
@@ -318,10 +344,10 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             with_g[1] = (&g, &gl);
             run(op, &with_g, meta)?
         }
-        Op::NormalizeParamGrads { eps } if ins.len() == 4 => {
+        Op::NormalizeParamGrads { .. } if ins.len() == 4 => {
             // With a residual gradient r: the three-input result, then r added to x's gradient.
             let flat = run(op, &ins[..3], meta)?;
-            let at = crate::op::ln_grads_dx_at(ins[0].1.shape[ins[0].1.rank() - 1]);
+            let at = crate::op::ln_grads_dx_at(ins[0].1.shape[ins[0].1.rank() - 1], false);
             let (r, len) = (ins[3], meta.shape[0]);
             let dx = Layout { shape: r.1.shape.clone(), strides: Layout::contiguous(&r.1.shape).strides, offset: at };
             let sum = run(&Op::Binary(crate::BinaryOp::Add), &[(&flat, &dx), r], &OutMeta { shape: r.1.shape.clone(), dtype: meta.dtype })?;
@@ -331,20 +357,21 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
                 v.into_storage()
             })
         }
-        Op::NormalizeParamGrads { eps } if ins.len() == 3 => {
+        Op::NormalizeParamGrads { eps, .. } if ins.len() == 3 => {
             // With the weight: the parameter gradients, then x's gradient from `ln_grads_dx_at`.
             let x = ins[0];
             let n = x.1.shape[x.1.rank() - 1];
-            let both = run(&Op::NormalizeParamGrads { eps: *eps }, &ins[..2], &OutMeta { shape: vec![2, n], dtype: meta.dtype })?;
+            let both =
+                run(&Op::NormalizeParamGrads { eps: *eps, sums: None }, &ins[..2], &OutMeta { shape: vec![2, n], dtype: meta.dtype })?;
             let dx = run(&Op::NormalizeBackward { eps: *eps }, ins, &OutMeta { shape: x.1.shape.clone(), dtype: meta.dtype })?;
             with_cpu!(&both, p => {
                 let mut v = p.to_vec();
-                v.resize(crate::op::ln_grads_dx_at(n), Default::default());
+                v.resize(crate::op::ln_grads_dx_at(n, false), Default::default());
                 v.extend_from_slice(typed(&dx, name)?);
                 v.into_storage()
             })
         }
-        Op::NormalizeParamGrads { eps } => {
+        Op::NormalizeParamGrads { eps, .. } => {
             let (x, g) = (ins[0], ins[1]);
             if let CpuStorage::F32(v) = x.0 {
                 let n = meta.shape[1];

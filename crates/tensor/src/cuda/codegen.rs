@@ -1542,18 +1542,33 @@ pub fn ln_grads_stage_bytes(n: usize, dtype: DType, gdt: DType) -> usize {
 /// 16-byte aligned, `ln_grads_stage_bytes` of dynamic shared memory): each warp copies its
 /// next row into shared memory asynchronously while it works on this one; loaded straight into
 /// registers, a warp's row waited on memory between its reductions (2.55 TB/s, session 32).
-pub fn layer_norm_param_grads_source(dtype: DType, tiles: usize, (dx, resid): (bool, bool), gdt: DType, staged: bool) -> (String, String) {
+/// `sums` (with dx): a third row of partials, the column sums of dx (plus r) as rounded to
+/// that dtype (`Op::NormalizeParamGrads`'s `sums`); the weight is then read from shared
+/// memory, so that the row's accumulators take the registers it held.
+pub fn layer_norm_param_grads_source(
+    dtype: DType,
+    tiles: usize,
+    (dx, resid, sums): (bool, bool, Option<DType>),
+    gdt: DType,
+    staged: bool,
+) -> (String, String) {
     // g may be in another float dtype (a BF16 product's gradient under autocast), read as C.
+    let sums = sums.filter(|_| dx);
     let name = format!(
-        "k_ln_{}grads_{}_{tiles}{}{}{}",
+        "k_ln_{}grads_{}_{tiles}{}{}{}{}",
         if dx { "" } else { "param_" },
         storage_type(dtype).replace(' ', "_"),
         other_dtype("g", dtype, gdt),
         if staged { "_staged" } else { "" },
-        if resid { "_residual" } else { "" }
+        if resid { "_residual" } else { "" },
+        sums.map_or(String::new(), |t| format!("_sums_{}", storage_type(t).replace(' ', "_")))
     );
     let (t, c, gt) = (storage_type(dtype), compute_type(dtype), storage_type(gdt));
-    let mut s = format!("{PRELUDE}\ntypedef {c} C;\ntypedef {t} X;\ntypedef {gt} G;\nstruct NArgs {{ long long rows, red; double eps; }};\n#define TILES {tiles}\n");
+    let rows = 2 + sums.is_some() as usize;
+    let mut s = format!("{PRELUDE}\ntypedef {c} C;\ntypedef {t} X;\ntypedef {gt} G;\nstruct NArgs {{ long long rows, red; double eps; }};\n#define TILES {tiles}\n#define PROWS {rows}\n");
+    if let Some(st) = sums {
+        s += &format!("typedef {} S;\n", storage_type(st));
+    }
     if resid {
         s += "__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }\n";
         s += "__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }\n";
@@ -1562,9 +1577,15 @@ pub fn layer_norm_param_grads_source(dtype: DType, tiles: usize, (dx, resid): (b
     s += "  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;\n";
     s += "  const long long r1 = min(a.rows, (blockIdx.x + 1) * chunk); const C n = (C)a.red;\n";
     s += "  C dw[TILES], db[TILES];\n#pragma unroll\n  for (int t = 0; t < TILES; ++t) { dw[t] = (C)0; db[t] = (C)0; }\n";
-    if dx {
+    if sums.is_some() {
+        // The weights in shared memory (registers go to the sums), zeros past the row.
+        s += "  C ds[TILES];\n#pragma unroll\n  for (int t = 0; t < TILES; ++t) ds[t] = (C)0;\n";
+        s += "  __shared__ C wsh[32 * TILES];\n  for (int j = threadIdx.x; j < 32 * TILES; j += blockDim.x) wsh[j] = j < a.red ? (C)ld(w[j]) : (C)0;\n";
+        s += "  __syncthreads();\n#define WR(t) wsh[lane + 32 * (t)]\n";
+    } else if dx {
         // The lane's columns are the same in every row: their weights are loaded once.
         s += "  C wr[TILES];\n#pragma unroll\n  for (int t = 0; t < TILES; ++t) wr[t] = lane + 32LL * t < a.red ? (C)ld(w[lane + 32LL * t]) : (C)0;\n";
+        s += "#define WR(t) wr[t]\n";
     }
     let (xrow, grow) = if staged {
         // Slot s of this warp: the row's x, then its g. A fetch always commits a group (empty
@@ -1601,30 +1622,36 @@ pub fn layer_norm_param_grads_source(dtype: DType, tiles: usize, (dx, resid): (b
     s += "#pragma unroll\n    for (int t = 0; t < TILES; ++t) { xr[t] = (xr[t] - mean) * rstd; dw[t] += gr[t] * xr[t]; db[t] += gr[t]; }\n";
     if dx {
         // dx = rstd (gw - mean(gw) - xhat mean(gw xhat)), xr now holding xhat.
-        s += "    acc = (C)0;\n#pragma unroll\n    for (int t = 0; t < TILES; ++t) acc += gr[t] * wr[t];\n";
+        s += "    acc = (C)0;\n#pragma unroll\n    for (int t = 0; t < TILES; ++t) acc += gr[t] * WR(t);\n";
         s += &row_allreduce(false, false);
         s += "    const C mg = acc / n; acc = (C)0;\n";
-        s += "#pragma unroll\n    for (int t = 0; t < TILES; ++t) acc += gr[t] * wr[t] * xr[t];\n";
+        s += "#pragma unroll\n    for (int t = 0; t < TILES; ++t) acc += gr[t] * WR(t) * xr[t];\n";
         s += &row_allreduce(false, false);
         s += "    const C mgx = acc / n;\n";
         s += "#pragma unroll\n    for (int t = 0; t < TILES; ++t) {\n      const long long j = lane + 32LL * t;\n";
         // With a residual gradient, added after dx is rounded as eager stores it (no FMA).
-        s += if resid {
-            "      if (j < a.red) { X d; st(&d, rstd * (gr[t] * wr[t] - mg - xr[t] * mgx)); st(&dx[base + j], add_rn(ld(d), ld(r[base + j]))); }\n    }\n"
-        } else {
-            "      if (j < a.red) st(&dx[base + j], rstd * (gr[t] * wr[t] - mg - xr[t] * mgx));\n    }\n"
-        };
+        s += "      if (j < a.red) {\n        X v; st(&v, rstd * (gr[t] * WR(t) - mg - xr[t] * mgx));\n";
+        if resid {
+            s += "        st(&v, add_rn(ld(v), ld(r[base + j])));\n";
+        }
+        s += "        dx[base + j] = v;\n";
+        if sums.is_some() {
+            // Summed as the product's operand holds it: rounded to S.
+            s += "        S q; st(&q, ld(v)); ds[t] += (C)ld(q);\n";
+        }
+        s += "      }\n    }\n";
     }
     if staged {
         // Every lane has read the slot before the next iteration's fetch refills it.
         s += "    __syncwarp();\n";
     }
     s += "  }\n";
-    s += "  __shared__ C sh[2 * 32 * TILES];\n";
+    s += "  __shared__ C sh[PROWS * 32 * TILES];\n";
     s += "  for (int w = 0; w < nw; ++w) {\n    if (warp == w) {\n#pragma unroll\n      for (int t = 0; t < TILES; ++t) {\n";
-    s += "        const long long j = lane + 32LL * t;\n        if (j < a.red) { sh[j] = (w ? sh[j] : (C)0) + dw[t]; sh[a.red + j] = (w ? sh[a.red + j] : (C)0) + db[t]; }\n";
+    s += "        const long long j = lane + 32LL * t;\n        if (j < a.red) { sh[j] = (w ? sh[j] : (C)0) + dw[t]; sh[a.red + j] = (w ? sh[a.red + j] : (C)0) + db[t];";
+    s += if sums.is_some() { " sh[2 * a.red + j] = (w ? sh[2 * a.red + j] : (C)0) + ds[t]; }\n" } else { " }\n" };
     s += "      }\n    }\n    __syncthreads();\n  }\n";
-    s += "  for (long long j = threadIdx.x; j < 2 * a.red; j += blockDim.x) part[blockIdx.x * 2 * a.red + j] = sh[j];\n}\n";
+    s += "  for (long long j = threadIdx.x; j < PROWS * a.red; j += blockDim.x) part[blockIdx.x * PROWS * a.red + j] = sh[j];\n}\n";
     (s, name)
 }
 

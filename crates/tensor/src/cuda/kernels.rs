@@ -422,7 +422,9 @@ pub fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, devic
         Op::Softmax { log, scale, causal } => softmax(&g, x[0], (*log, *scale, *causal))?,
         Op::Normalize { eps, to } => normalize(&g, x[0], None, &x[1..], (*eps, *to))?,
         Op::NormalizeBackward { eps } => normalize(&g, x[0], Some(x[1]), &x[2..], (*eps, None))?,
-        Op::NormalizeParamGrads { eps } => layer_norm_param_grads(&g, x[0], x[1], (x.get(2).copied(), x.get(3).copied()), *eps)?,
+        Op::NormalizeParamGrads { eps, sums } => {
+            layer_norm_param_grads(&g, x[0], x[1], (x.get(2).copied(), x.get(3).copied()), (*eps, *sums))?
+        }
         Op::SoftmaxBackward { log, scale } => softmax_backward(&g, x[0], x[1], *log, *scale)?,
         Op::Attention { scale, causal, heads_last } => attention(&g, &x, (*scale, *causal), false, *heads_last)?,
         Op::AttentionBackward { scale, causal } => attention(&g, &x, (*scale, *causal), true, false)?,
@@ -969,23 +971,27 @@ pub(super) fn zero(g: &Arc<Gpu>, s: &CudaStorage) -> Result<()> {
         .map_err(|e| Error::Cuda(format!("memset: {e}")))
 }
 
-/// Layer norm's parameter gradients `[2, n]` from x and the output gradient: per-block
-/// partial sums in one pass over both (`codegen::layer_norm_param_grads_source`), then one
-/// column sum of the partials. With the weight `w`, the same pass writes the input's gradient
-/// too, after the `[2, n]` from `op::ln_grads_dx_at(n)` (`Op::NormalizeParamGrads`'s flat form).
 /// A buffer read through a layout.
 type View<'a> = (&'a CudaStorage, &'a Layout);
 
+/// Layer norm's parameter gradients `[2, n]` from x and the output gradient: per-block
+/// partial sums in one pass over both (`codegen::layer_norm_param_grads_source`), then one
+/// column sum of the partials. With the weight `w`, the same pass writes the input's gradient
+/// too, after the `[2, n]` (`[3, n]` with `sums`: dx's column sums as rounded to that dtype)
+/// from `op::ln_grads_dx_at` (`Op::NormalizeParamGrads`'s flat form).
 fn layer_norm_param_grads(
     g: &Arc<Gpu>,
     x: (&CudaStorage, &Layout),
     grad: (&CudaStorage, &Layout),
     (w, r): (Option<View>, Option<View>),
-    eps: f64,
+    (eps, sums): (f64, Option<DType>),
 ) -> Result<CudaStorage> {
     let (dtype, n) = (x.0.dtype, x.1.shape[x.1.rank() - 1]);
     let rows = x.1.numel().checked_div(n).unwrap_or(0);
-    let dx_at = crate::op::ln_grads_dx_at(n);
+    let sums = sums.filter(|_| w.is_some());
+    let dx_at = crate::op::ln_grads_dx_at(n, sums.is_some());
+    // Rows of partials each block writes: dw, db (and the sums).
+    let rows_k = 2 + sums.is_some() as usize;
     let out = CudaStorage::alloc(g, dtype, if w.is_some() { dx_at + x.1.numel() } else { 2 * n })?;
     let tiles = n.div_ceil(32);
     if n > super::codegen::LN_GRADS_MAX_N {
@@ -1012,9 +1018,9 @@ fn layer_norm_param_grads(
         && most <= 96 * 1024;
     let shared = if staged { super::codegen::ln_grads_stage_bytes(n, dtype, gdt) } else { 0 };
     let k = g.kernel_shared(
-        super::spec_key("ln_param_grads", &(dtype, tiles, with_dx, gdt, staged, rd.is_some())),
+        super::spec_key("ln_param_grads", &(dtype, tiles, with_dx, gdt, staged, rd.is_some(), sums)),
         if staged { most as u32 } else { 0 },
-        || super::codegen::layer_norm_param_grads_source(dtype, tiles, (with_dx, rd.is_some()), gdt, staged),
+        || super::codegen::layer_norm_param_grads_source(dtype, tiles, (with_dx, rd.is_some(), sums), gdt, staged),
     )?;
     let (pdx, pw) = match &wd {
         Some(w) => (out.ptr_at(dx_at), w.ptr()),
@@ -1022,7 +1028,7 @@ fn layer_norm_param_grads(
     };
     let pr = rd.as_ref().map_or(0, |r| r.ptr());
     // The kernel on about `want` blocks, each folding a run of rows into `part` (room for
-    // `want x 2n` partials), then the partials added in order into `out`.
+    // `want x rows_k n` partials), then the partials added in order into `out`.
     let run = |want: usize, part: &CudaStorage| -> Result<()> {
         let chunk = rows.div_ceil(want.clamp(1, rows));
         let blocks = rows.div_ceil(chunk);
@@ -1030,14 +1036,14 @@ fn layer_norm_param_grads(
         let (mut o, mut ch, mut px, mut pg, mut pdx, mut pw, mut pr) = (part.buf.ptr, chunk as i64, px, pg, pdx, pw, pr);
         let mut params = kernel_params![o, px, pg, a, ch, pdx, pw, pr];
         // SAFETY: (part, x, g, NArgs, chunk, dx, w, r) matches the generated signature; x and g
-        // are dense `rows * n` buffers, `part` holds `blocks * 2 n` partials of the compute type
+        // are dense `rows * n` buffers, `part` holds `blocks * rows_k n` partials of the compute type
         // (blocks at most `want`), and with the weight (dense, `n`) `out` holds `rows * n` more
         // elements from `dx_at`; without it the kernel reads neither dx nor w; r (dense, x's
         // shape and dtype) is read only by the kernel made for it. Staged, `shared` bytes hold
         // the warps' row slots (the kernel loaded with room for `most`), and x's and g's rows
         // are 16-byte aligned.
         unsafe { g.launch(k, (blocks as u32, 1), (super::codegen::LN_GRADS_WARPS * 32) as u32, shared as u32, &mut params)? };
-        reduce_into(g, ReduceOp::Sum, part, &Layout::contiguous(&[blocks, 2 * n]), &[0], &out, false)
+        reduce_into(g, ReduceOp::Sum, part, &Layout::contiguous(&[blocks, rows_k * n]), &[0], &out, false)
     };
     // About two blocks of 8 warps per SM by default. (Four blocks of 16 warps measured no
     // faster, and F64's 32 tiles need more registers than 16 warps have.) `MaxAutotune` times
@@ -1045,12 +1051,12 @@ fn layer_norm_param_grads(
     let sms = g.sms as usize;
     let default = rows.min(sms * 2);
     let candidates = || [2, 1, 3, 4, 6].iter().map(|b| (b * sms).min(rows)).collect();
-    let problem = (dtype, gdt, rows, n, with_dx, rd.is_some(), staged);
+    let problem = (dtype, gdt, rows, n, with_dx, rd.is_some(), staged, sums);
     let want = super::tune::choice(g, ("ln_param_grads", &problem), default, candidates, |b| {
-        let part = CudaStorage::alloc(g, accumulator(dtype), b * 2 * n)?;
+        let part = CudaStorage::alloc(g, accumulator(dtype), b * rows_k * n)?;
         super::tune::time_graph(g, || run(b, &part))
     });
-    let part = CudaStorage::alloc(g, accumulator(dtype), want * 2 * n)?;
+    let part = CudaStorage::alloc(g, accumulator(dtype), want * rows_k * n)?;
     run(want, &part)?;
     Ok(out)
 }
