@@ -401,6 +401,34 @@ fn layer_norm_grads_with_a_residual_match_the_separate_add() {
     }
 }
 
+/// `Op::GatedSums` (compile's `fuse_gated_sums`: an activation's gradient made, stored and
+/// summed over the rows by the column-sum kernel): GELU's and SiLU's, every float dtype, rows
+/// of 16-byte vectors (GPT's fc1 width, many chunks) and of single values, and no rows,
+/// against the CPU.
+#[test]
+fn gated_sums_match_the_cpu() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for dt in FLOATS {
+        let t = match dt {
+            DType::F16 => 4e-3,
+            DType::BF16 => 3e-2,
+            d => tol(d) * 10.0,
+        };
+        for (i, shape) in [&[300, 384][..], &[4, 1024, 1536], &[5, 7], &[0, 8]].into_iter().enumerate() {
+            for gate in [kiln::tensor::UnaryOp::GeluGrad, kiln::tensor::UnaryOp::SiluGrad] {
+                let ins = [randn(shape, 300 + i as u64, dt), randn(shape, 310 + i as u64, dt)];
+                let (numel, n) = (ins[0].numel(), shape[shape.len() - 1]);
+                let tail = kiln::tensor::op::matmul_tail_offset(numel);
+                // y, then the sums (the padding between is unspecified).
+                both(&format!("gated sums {gate:?} {shape:?} {dt:?}"), &ins, t, |v| {
+                    let f = Tensor::apply(kiln::tensor::Op::GatedSums { gate }, &[&v[0], &v[1]], v[0].device())?;
+                    Tensor::cat(&[&f.narrow(0, 0, numel)?, &f.narrow(0, tail, n)?], 0)
+                });
+            }
+        }
+    }
+}
+
 /// Compile's folds of autocast's casts into layer norm (`passes::fold_layer_norm_casts`): the
 /// forward writing F16/BF16 (the register-resident kernel at 384 and 1024, the loop at 24 and
 /// 1030), and the backward reading a BF16 gradient for F32 x (rows up to its one-pass kernel's

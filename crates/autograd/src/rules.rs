@@ -202,6 +202,7 @@ pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Te
         Op::NormalizeBackward { .. } | Op::NormalizeParamGrads { .. } => {
             return Err(Error::Msg("backward: second derivatives through normalize are not supported".into()));
         }
+        Op::GatedSums { .. } => return Err(Error::Msg("backward: gated sums are made by compile, after autograd".into())),
         Op::Attention { heads_last: true, .. } => {
             return Err(Error::Msg("backward: attention with the heads last is made by compile, after autograd".into()));
         }

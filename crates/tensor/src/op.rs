@@ -638,6 +638,15 @@ pub enum Op {
         eps: f64,
         sums: Option<DType>,
     },
+    /// An activation's backward with its bias gradient (made by compile on a GPU): inputs
+    /// `a` and `h` of one float shape `[.., n]` and dtype; one flat output of that dtype,
+    /// `y = a * gate(h)` (the gate's value stored in the dtype first, as the two ops store
+    /// it), then from `matmul_tail_offset(numel)` the `n` sums of y over its rows (the bias
+    /// gradient of the product y feeds). GPT's `fc1` under autocast: the GELU's gradient
+    /// and its bias sums in one pass over a and h.
+    GatedSums {
+        gate: UnaryOp,
+    },
     /// Scaled dot-product attention without storing the scores (flash-style): inputs q, k, v
     /// of one shape `[.., T, D]`; `out = softmax(scale * q k^T) v`, where with `causal` key `j`
     /// is left out of query `i`'s softmax when `j > i`. With `heads_last` (made by compile's
@@ -770,6 +779,7 @@ impl Op {
             Op::Normalize { .. } => "normalize",
             Op::NormalizeBackward { .. } => "normalize_backward",
             Op::NormalizeParamGrads { .. } => "layer_norm_param_grads",
+            Op::GatedSums { .. } => "gated_sums",
             Op::SoftmaxBackward { .. } => "softmax_backward",
             Op::Attention { .. } => "attention",
             Op::AttentionBackward { .. } => "attention_backward",
@@ -818,6 +828,7 @@ impl Op {
             Op::Unary(_) | Op::Scalar { .. } | Op::Cast(_) | Op::Reduce { .. } | Op::UpdateScalar(..) | Op::Softmax { .. } => 1,
             Op::Normalize { .. } if inputs.len() == 3 => 3,
             Op::Normalize { .. } => 1,
+            Op::GatedSums { .. } => 2,
             Op::NormalizeParamGrads { .. } if inputs.len() == 4 => 4,
             Op::NormalizeBackward { .. } | Op::NormalizeParamGrads { .. } if inputs.len() == 3 => 3,
             Op::NormalizeBackward { .. } | Op::SoftmaxBackward { .. } | Op::NormalizeParamGrads { .. } => 2,
@@ -923,6 +934,18 @@ impl Op {
             Op::Softmax { log: true, causal: true, .. } => Err(Error::Msg(format!("{name}: the causal mask is for softmax only"))),
             Op::Softmax { causal: true, .. } if inputs[0].shape.len() < 2 => {
                 Err(Error::shape(name, format!("a causal softmax needs rank >= 2, got {:?}", inputs[0].shape)))
+            }
+            Op::GatedSums { .. } => {
+                float_only(inputs[0].dtype)?;
+                same_dtype(inputs[0].dtype, inputs[1].dtype)?;
+                let Some(&n) = inputs[0].shape.last().filter(|_| inputs[0].shape == inputs[1].shape) else {
+                    return Err(Error::shape(
+                        name,
+                        format!("a {:?} and h {:?} must have one shape of rank >= 1", inputs[0].shape, inputs[1].shape),
+                    ));
+                };
+                let numel: usize = inputs[0].shape.iter().product();
+                meta(vec![matmul_tail_offset(numel) + n], inputs[0].dtype)
             }
             Op::NormalizeParamGrads { .. } => {
                 float_only(inputs[0].dtype)?;

@@ -165,11 +165,16 @@ fn every_reduction_and_index_kernel_compiles() {
         }
     }
     // A bias gradient's sums over rows: 16 or 8 bytes a lane (what `MaxAutotune` also times)
-    // or one value, then the chunks added.
+    // or one value, then the chunks added; and with a gate.
     for d in [DType::F32, DType::F64, DType::F16, DType::BF16] {
         for v in [1, 8 / d.size_in_bytes(), 16 / d.size_in_bytes()] {
-            let (s, n) = kiln_tensor::cuda::codegen::column_sums_source(d, v);
+            let (s, n) = kiln_tensor::cuda::codegen::column_sums_source(d, v, None);
             check(&s, &n, &mut fails);
+            // `Op::GatedSums`: an activation's gradient made, stored and summed.
+            for gate in [UnaryOp::GeluGrad, UnaryOp::SiluGrad] {
+                let (s, n) = kiln_tensor::cuda::codegen::column_sums_source(d, v, Some(gate));
+                check(&s, &n, &mut fails);
+            }
         }
         let (s, n) = kiln_tensor::cuda::codegen::column_sums_fold_source(d);
         check(&s, &n, &mut fails);

@@ -376,6 +376,32 @@ fn layer_norm_param_grads_match_the_composite() -> Result<()> {
 }
 
 #[test]
+fn gated_sums_make_an_activation_gradient_and_its_row_sums() -> Result<()> {
+    use kiln_tensor::Op;
+    let gated = |ins: &[&Tensor]| Tensor::apply(Op::GatedSums { gate: UnaryOp::SiluGrad }, ins, CPU);
+    // By hand at h = 0 (SiLU's gradient 1/2) and h = 2 (sigmoid(2) (1 + 2 (1 - sigmoid(2))) = 1.0907842).
+    let (a, h) = (t(&[2., -4., 6., 8.], &[2, 2]), t(&[0., 2., 0., 2.], &[2, 2]));
+    let out = v(&gated(&[&a, &h])?);
+    assert_eq!(out.len(), 64 + 2);
+    close(&out[..4], &[1., -4.363137, 3., 8.726274], 1e-6);
+    close(&out[64..], &[4., 4.363137], 1e-6);
+    // BF16 as the two ops and the sum store it, [2, 3, 5] rows.
+    let a = Tensor::rand_at(&[2, 3, 5], Distribution::Normal, 1, 0, DType::F32, CPU)?.to_dtype(DType::BF16)?;
+    let h = Tensor::rand_at(&[2, 3, 5], Distribution::Normal, 2, 0, DType::F32, CPU)?.to_dtype(DType::BF16)?;
+    let f = Tensor::apply(Op::GatedSums { gate: UnaryOp::GeluGrad }, &[&a, &h], CPU)?;
+    assert_eq!((f.shape(), f.dtype()), (&[64 + 5][..], DType::BF16));
+    let y = a.mul(&h.unary(UnaryOp::GeluGrad)?)?;
+    assert_eq!(v(&f.narrow(0, 0, 30)?), v(&y.reshape(&[30])?));
+    assert_eq!(v(&f.narrow(0, 64, 5)?), v(&y.sum(&[0, 1], false)?));
+    // No rows: zero sums.
+    let none = Tensor::zeros(&[0, 3], DType::F32, CPU)?;
+    assert_eq!(v(&gated(&[&none, &none])?), vec![0.; 3]);
+    let err = gated(&[&a, &h.narrow(2, 0, 4)?]).unwrap_err().to_string();
+    assert!(err.contains("[2, 3, 5]") && err.contains("[2, 3, 4]"), "{err}");
+    Ok(())
+}
+
+#[test]
 fn fused_matmuls_apply_relu_or_append_the_operand_sums() -> Result<()> {
     use kiln_tensor::{MatmulEpilogue as E, Op};
     let fused = |e: E, ins: &[&Tensor]| Tensor::apply(Op::MatmulFused(e), ins, CPU);

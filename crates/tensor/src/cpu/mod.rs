@@ -309,6 +309,24 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             }
             with_cpu!(s, v => with_grad(v, l, g, name, |x, g| RowKernels::normalize_rows(x, Some(g), (None, None), n, *eps))?.into_storage())
         }
+        Op::GatedSums { gate } => {
+            // The two ops as eager runs them, then y's sums over its rows after the tail offset.
+            let ((a, h), dtype) = ((ins[0], ins[1]), meta.dtype);
+            let (shape, n) = (a.1.shape.clone(), a.1.shape[a.1.rank() - 1]);
+            let numel = a.1.numel();
+            let like = OutMeta { shape: shape.clone(), dtype };
+            let gated = run(&Op::Unary(*gate), &[h], &like)?;
+            let y = run(&Op::Binary(crate::BinaryOp::Mul), &[a, (&gated, &Layout::contiguous(&shape))], &like)?;
+            let sum = Op::Reduce { op: crate::ReduceOp::Sum, dims: vec![0], keepdim: false };
+            let rows = Layout::contiguous(&[numel.checked_div(n).unwrap_or(0), n]);
+            let sums = run(&sum, &[(&y, &rows)], &OutMeta { shape: vec![n], dtype })?;
+            with_cpu!(&y, v => {
+                let mut out = v.to_vec();
+                out.resize(crate::op::matmul_tail_offset(numel), Default::default());
+                out.extend_from_slice(typed(&sums, name)?);
+                out.into_storage()
+            })
+        }
         Op::NormalizeParamGrads { eps, sums: Some(t) } => {
             // The flat result without the sums row, then the row spliced in before x's gradient.
             let (x, n) = (ins[0], ins[0].1.shape[ins[0].1.rank() - 1]);

@@ -7,7 +7,7 @@
 //! headers needed), loads to a compute type (float, double or long long), the `k*` math
 //! overloads and warp reductions.
 
-use crate::op::{Distribution, Op, ReduceOp};
+use crate::op::{Distribution, Op, ReduceOp, UnaryOp};
 use crate::DType;
 
 /// Kernel arguments for elementwise kernels, shared by every family. Mirrors `struct Args`.
@@ -1440,17 +1440,21 @@ pub const COLSUM_WARPS: usize = 8;
 /// one 16-byte load where `v` is 16 bytes of T) into `part[y * n + c]`, F32 (F64 for F64),
 /// adding its warps' sums in a fixed order. A bias's gradient `sum(g)` beside the weight's
 /// `g^T x`: cuBLASLt's BGRAD epilogue ran it as a kernel of its own at 1.1-2.2 TB/s
-/// (session 32). `column_sums_fold_source` adds the chunks.
-pub fn column_sums_source(dtype: DType, v: usize) -> (String, String) {
-    let name = format!("k_column_sums_{}_v{v}", format!("{dtype:?}").to_lowercase());
+/// (session 32). `column_sums_fold_source` adds the chunks. With `gate` (`Op::GatedSums`, x
+/// dense): the summed values are made here, `y = x * gate(h)` with the gate's value stored
+/// as T first, and stored to `y` as they are summed.
+pub fn column_sums_source(dtype: DType, v: usize, gate: Option<UnaryOp>) -> (String, String) {
+    let name =
+        format!("k_column_sums_{}_v{v}{}", format!("{dtype:?}").to_lowercase(), gate.map_or(String::new(), |u| format!("_{}", u.name())));
     let mut s = format!(
-        "{PRELUDE}\ntypedef {} T;\ntypedef {} A;\n#define V {v}\n#define WARPS {COLSUM_WARPS}\n",
+        "{PRELUDE}\ntypedef {} T;\ntypedef {} A;\ntypedef {} C;\n#define K(v) ((C)(v))\n#define V {v}\n#define WARPS {COLSUM_WARPS}\n",
         storage_type(dtype),
+        compute_type(dtype),
         compute_type(dtype)
     );
     s += "struct alignas(V * sizeof(T)) VT { T v[V]; };\n";
     s += &format!(
-        "extern \"C\" __global__ void __launch_bounds__(WARPS * 32) {name}(A* __restrict__ part, const T* __restrict__ x, long long rows, long long n, long long stride, long long chunk) {{\n"
+        "extern \"C\" __global__ void __launch_bounds__(WARPS * 32) {name}(A* __restrict__ part, const T* __restrict__ x, long long rows, long long n, long long stride, long long chunk, const T* __restrict__ h, T* __restrict__ y) {{\n"
     );
     s += r#"  __shared__ A sums[WARPS][32 * V];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -1462,10 +1466,24 @@ pub fn column_sums_source(dtype: DType, v: usize) -> (String, String) {
   if (c < n) {
 #pragma unroll 4
     for (long long r = r0 + warp; r < r1; r += WARPS) {
-      const VT y = *reinterpret_cast<const VT*>(x + r * stride + c);
-#pragma unroll
-      for (int j = 0; j < V; ++j) acc[j] += (A)ld(y.v[j]);
+"#;
+    match gate {
+        None => {
+            s += "      const VT xv = *reinterpret_cast<const VT*>(x + r * stride + c);\n";
+            s += "#pragma unroll\n      for (int j = 0; j < V; ++j) acc[j] += (A)ld(xv.v[j]);\n";
+        }
+        Some(u) => {
+            s += "      const VT xv = *reinterpret_cast<const VT*>(x + r * stride + c);\n";
+            s += "      const VT hv = *reinterpret_cast<const VT*>(h + r * stride + c);\n      VT yv;\n";
+            s += &format!(
+                "#pragma unroll\n      for (int j = 0; j < V; ++j) {{\n        const C v0 = (C)ld(hv.v[j]); T q; st(&q, {});\n",
+                u.c_expr("v0")
+            );
+            s += "        st(&yv.v[j], (C)ld(xv.v[j]) * (C)ld(q)); acc[j] += (A)ld(yv.v[j]);\n      }\n";
+            s += "      *reinterpret_cast<VT*>(y + r * stride + c) = yv;\n";
+        }
     }
+    s += r#"    }
   }
 #pragma unroll
   for (int j = 0; j < V; ++j) sums[warp][lane * V + j] = acc[j];

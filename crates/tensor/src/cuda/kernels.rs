@@ -282,7 +282,6 @@ pub(super) fn column_sums_fit(l: &Layout, dim: usize) -> bool {
 /// default 16-byte loads where the columns allow and about one resident wave of blocks;
 /// `MaxAutotune` times half-width loads too and other chunk counts (`tune::choice`).
 pub(super) fn column_sums(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), dim: usize, out: &CudaStorage, at: usize) -> Result<()> {
-    use super::codegen::COLSUM_WARPS;
     let (rows, n, ld) = (l.shape[dim], l.shape[1 - dim], l.strides[dim]);
     if n == 0 {
         return Ok(());
@@ -290,26 +289,57 @@ pub(super) fn column_sums(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), dim: us
     // 16 bytes a lane where every row's columns are aligned vectors.
     let wide = 16 / s.dtype.size_in_bytes();
     let v = if n % wide == 0 && ld % wide == 0 && l.offset % wide == 0 { wide } else { 1 };
-    // Each chunk at least a row a warp.
-    let most = rows.div_ceil(COLSUM_WARPS).max(1);
-    let chunks_for = |v: usize| (g.sms as usize * 8 / n.div_ceil(32 * v)).clamp(1, most);
-    let sums = ColumnSums { x: (s, s.ptr_at(l.offset)), rows, n, ld, out: (out.dtype, out.ptr_at(at)) };
-    // A choice is `chunks * 32 + v` (v at most 16).
-    let (pack, unpack) = (|chunks: usize, v: usize| chunks * 32 + v, |c: usize| (c / 32, c % 32));
-    let problem = (s.dtype, rows, n, ld, v);
-    let candidates = || {
-        let widths = if v > 1 { vec![v, v / 2] } else { vec![1] };
-        let counts = |w: usize| [chunks_for(w), 32, 64, 128, 256, 512, 1024].into_iter().filter(|&c| c <= most).map(move |c| pack(c, w));
-        widths.into_iter().flat_map(counts).collect()
-    };
-    let choice = super::tune::choice(g, ("column_sums", &problem), pack(chunks_for(v), v), candidates, |c| {
-        let (chunks, v) = unpack(c);
-        let part = CudaStorage::alloc(g, accumulator(s.dtype), chunks * n)?;
-        super::tune::time_graph(g, || sums.launch(g, v, chunks, part.buf.ptr))
-    });
-    let (chunks, v) = unpack(choice);
-    let part = CudaStorage::alloc(g, accumulator(s.dtype), chunks * n)?;
-    sums.launch(g, v, chunks, part.buf.ptr)
+    let sums = ColumnSums { x: (s, s.ptr_at(l.offset)), rows, n, ld, out: (out.dtype, out.ptr_at(at)), gate: None };
+    sums.tuned(g, v)
+}
+
+/// `Op::GatedSums`: `y = a * gate(h)` and its sums over the rows in one pass over a and h
+/// (`column_sums` reading a and h and storing y), the sums after `op::matmul_tail_offset`.
+fn gated_sums(g: &Arc<Gpu>, a: View, h: View, gate: crate::op::UnaryOp) -> Result<CudaStorage> {
+    let (dtype, numel) = (a.0.dtype, a.1.numel());
+    let n = a.1.shape[a.1.rank() - 1];
+    let at = crate::op::matmul_tail_offset(numel);
+    let out = CudaStorage::alloc(g, dtype, at + n)?;
+    let rows = numel.checked_div(n).unwrap_or(0);
+    if rows == 0 || n == 0 {
+        return zero(g, &out).map(|_| out);
+    }
+    let (ad, hd) = (dense(g, a.0, a.1)?, dense(g, h.0, h.1)?);
+    let wide = 16 / dtype.size_in_bytes();
+    let aligned = n % wide == 0 && [ad.ptr(), hd.ptr()].iter().all(|p| p % 16 == 0);
+    let sums = ColumnSums { x: (a.0, ad.ptr()), rows, n, ld: n, out: (dtype, out.ptr_at(at)), gate: Some((gate, hd.ptr(), out.buf.ptr)) };
+    sums.tuned(g, if aligned { wide } else { 1 })?;
+    Ok(out)
+}
+
+impl ColumnSums<'_> {
+    /// Both launches, with the vector width and chunk count `tune::choice` keeps (by default
+    /// `v` columns a lane and about one resident wave of blocks).
+    fn tuned(&self, g: &Arc<Gpu>, v: usize) -> Result<()> {
+        use super::codegen::COLSUM_WARPS;
+        let (rows, n, ld) = (self.rows, self.n, self.ld);
+        // Each chunk at least a row a warp.
+        let most = rows.div_ceil(COLSUM_WARPS).max(1);
+        let chunks_for = |v: usize| (g.sms as usize * 8 / n.div_ceil(32 * v)).clamp(1, most);
+        // A choice is `chunks * 32 + v` (v at most 16).
+        let (pack, unpack) = (|chunks: usize, v: usize| chunks * 32 + v, |c: usize| (c / 32, c % 32));
+        let problem = (self.x.0.dtype, rows, n, ld, v, self.gate.map(|(u, _, _)| u));
+        let candidates = || {
+            let widths = if v > 1 { vec![v, v / 2] } else { vec![1] };
+            let counts =
+                |w: usize| [chunks_for(w), 32, 64, 128, 256, 512, 1024].into_iter().filter(|&c| c <= most).map(move |c| pack(c, w));
+            widths.into_iter().flat_map(counts).collect()
+        };
+        let acc = accumulator(self.x.0.dtype);
+        let choice = super::tune::choice(g, ("column_sums", &problem), pack(chunks_for(v), v), candidates, |c| {
+            let (chunks, v) = unpack(c);
+            let part = CudaStorage::alloc(g, acc, chunks * n)?;
+            super::tune::time_graph(g, || self.launch(g, v, chunks, part.buf.ptr))
+        });
+        let (chunks, v) = unpack(choice);
+        let part = CudaStorage::alloc(g, acc, chunks * n)?;
+        self.launch(g, v, chunks, part.buf.ptr)
+    }
 }
 
 /// One column-sum problem's operands (`column_sums`).
@@ -321,6 +351,9 @@ struct ColumnSums<'a> {
     ld: usize,
     /// The sums' dtype and where the `n` of them go.
     out: (DType, u64),
+    /// `Op::GatedSums`: the gate, h's address and y's (dense, x's shape): x * gate(h) is
+    /// summed and stored to y.
+    gate: Option<(crate::op::UnaryOp, u64, u64)>,
 }
 
 impl ColumnSums<'_> {
@@ -330,20 +363,23 @@ impl ColumnSums<'_> {
         use super::codegen::{column_sums_fold_source, column_sums_source, COLSUM_FOLD_WARPS, COLSUM_WARPS};
         debug_assert!(v == 1 || self.n % v == 0, "the kernel reads whole vectors of columns");
         let (dtype, out_dtype) = (self.x.0.dtype, self.out.0);
-        let kf = g.kernel(super::spec_key("column_sums", &(dtype, v)), || column_sums_source(dtype, v))?;
+        let gate = self.gate.map(|(u, _, _)| u);
+        let kf = g.kernel(super::spec_key("column_sums", &(dtype, v, gate)), || column_sums_source(dtype, v, gate))?;
         let kfold = g.kernel(super::spec_key("column_sums_fold", &out_dtype), || column_sums_fold_source(out_dtype))?;
         let chunk = self.rows.div_ceil(chunks.max(1)).max(1);
         let chunks = self.rows.div_ceil(chunk).max(1);
         let tiles = self.n.div_ceil(32 * v);
         let (mut pp, mut px) = (part, self.x.1);
         let (mut r, mut nn, mut lda, mut ch) = (self.rows as i64, self.n as i64, self.ld as i64, chunk as i64);
-        let mut params = kernel_params![pp, px, r, nn, lda, ch];
-        // SAFETY: (part, x, rows, n, ld, chunk) matches the generated signature; the view lies
-        // in its storage (the caller's shape rule), its kept dim contiguous, and with vectors
-        // every row's columns start aligned to them (buffers are 256-byte aligned; offset and
-        // ld multiples of the widest vector, and so of half of it); `part` holds chunks x n
-        // values (chunks rounded down by the chunk length, never up); the grid covers every
-        // tile and chunk.
+        let (mut ph, mut py) = self.gate.map_or((0, 0), |(_, h, y)| (h, y));
+        let mut params = kernel_params![pp, px, r, nn, lda, ch, ph, py];
+        // SAFETY: (part, x, rows, n, ld, chunk, h, y) matches the generated signature; the view
+        // lies in its storage (the caller's shape rule), its kept dim contiguous, and with
+        // vectors every row's columns start aligned to them (buffers are 256-byte aligned;
+        // offset and ld multiples of the widest vector, and so of half of it); with a gate, h
+        // and y are dense `rows x n` buffers of x's dtype (aligned likewise), read only by the
+        // gated kernel; `part` holds chunks x n values (chunks rounded down by the chunk
+        // length, never up); the grid covers every tile and chunk.
         unsafe { g.launch(kf, (tiles as u32, chunks as u32), (COLSUM_WARPS * 32) as u32, 0, &mut params)? };
         let (mut po, mut pp, mut nn, mut ch) = (self.out.1, part, self.n as i64, chunks as i64);
         let mut params = kernel_params![po, pp, nn, ch];
@@ -422,6 +458,7 @@ pub fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, devic
         Op::Softmax { log, scale, causal } => softmax(&g, x[0], (*log, *scale, *causal))?,
         Op::Normalize { eps, to } => normalize(&g, x[0], None, &x[1..], (*eps, *to))?,
         Op::NormalizeBackward { eps } => normalize(&g, x[0], Some(x[1]), &x[2..], (*eps, None))?,
+        Op::GatedSums { gate } => gated_sums(&g, x[0], x[1], *gate)?,
         Op::NormalizeParamGrads { eps, sums } => {
             layer_norm_param_grads(&g, x[0], x[1], (x.get(2).copied(), x.get(3).copied()), (*eps, *sums))?
         }
