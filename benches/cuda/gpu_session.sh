@@ -49,7 +49,7 @@ fi
 if [[ $parts == *ab* ]]; then
   b=$bin/examples/bench_gpu
   for round in 1 2; do
-    for off in none KILN_WIDE_RESIDUAL KILN_PAD_PRODUCTS KILN_LN_SUMS KILN_GATED_SUMS; do
+    for off in KILN_NONE KILN_WIDE_RESIDUAL KILN_PAD_PRODUCTS KILN_LN_SUMS KILN_GATED_SUMS; do
       echo "round $round, $off=0: $(env "$off=0" "$b" --only gpt_bf16 --modes reduce-overhead --steps 20 2>/dev/null | grep -o '"median_ms": [0-9.]*')" | tee -a "$out/ab.log"
     done
   done

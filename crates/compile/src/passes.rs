@@ -985,11 +985,12 @@ pub fn ln_bias_sums(g: &Graph, gpu: bool) -> Graph {
         }
         _ => None,
     };
-    // A layer norm with a read across the end of its parameter gradients keeps its layout.
+    // A layer norm with a read past its parameter gradients that is not a read of dx (into
+    // the padding before it, or across its start) keeps its layout.
     let mut straddled = vec![false; g.nodes.len()];
     each_read(&mut out, |a| {
-        if let Some((_, from)) = dx_from(a.node) {
-            straddled[a.node] |= a.layout.numel() > 0 && a.layout.offset < from && a.layout.last_index() >= from;
+        if let Some((n, from)) = dx_from(a.node) {
+            straddled[a.node] |= a.layout.numel() > 0 && a.layout.offset < from && a.layout.last_index() >= 2 * n;
         }
     });
     // Per layer norm taken: (where dx was, how far it moves); per sum: the row's cast.
@@ -1016,6 +1017,9 @@ pub fn ln_bias_sums(g: &Graph, gpu: bool) -> Graph {
             && node.numel() == n
             && node.dtype == t
             && t.is_float()
+            // The row is kept in the layer norm's dtype: no wider sums (nor F64's registers).
+            && t.size_in_bytes() <= g.nodes[l].dtype.size_in_bytes()
+            && g.nodes[l].dtype != DType::F64
             && ![i, l].iter().any(|x| pinned[*x] || bases.contains(x));
         if !ok {
             continue;
@@ -1433,25 +1437,24 @@ mod tests {
     /// A layer norm's backward with a residual gradient, its dx + r read as a BF16 copy by
     /// the bias sum and the weight gradient of the product before it (GPT's proj under
     /// autocast), rows of 32: the flat output's dx starts at 64 without the sums row, 128 with.
-    fn ln_then_bias(sum_dims: Vec<usize>) -> Graph {
-        let (r, n, m) = (6, 32, 8);
+    fn ln_then_bias(sum_dims: Vec<usize>, to: DType, n: usize) -> Graph {
+        let (r, m) = (6, 8);
         let mut g = Graph::default();
         let x = g.push(Kind::Input(0), vec![r, n], DType::F32);
         let w = g.push(Kind::Input(1), vec![n], DType::F32);
         let gy = g.push(Kind::Input(2), vec![r, n], DType::BF16);
         let res = g.push(Kind::Input(3), vec![r, n], DType::F32);
-        let h = g.push(Kind::Input(4), vec![r, m], DType::BF16);
+        let h = g.push(Kind::Input(4), vec![r, m], to);
         let at = kiln_tensor::op::ln_grads_dx_at(n, false);
         let grads = Op::NormalizeParamGrads { eps: 1e-5, sums: None };
         let args = vec![whole(&g, x), whole(&g, gy), whole(&g, w), whole(&g, res)];
         let pg = g.push(Kind::Op(grads, args), vec![at + r * n], DType::F32);
         let dx = Arg { node: pg, layout: Layout { offset: at, ..Layout::contiguous(&[r, n]) } };
-        let low = g.push(Kind::Op(Op::Cast(DType::BF16), vec![dx.clone()]), vec![r, n], DType::BF16);
+        let low = g.push(Kind::Op(Op::Cast(to), vec![dx.clone()]), vec![r, n], to);
         let shape: Vec<usize> = (0..2).filter(|d| !sum_dims.contains(d)).map(|d| [r, n][d]).collect();
-        let sum =
-            g.push(Kind::Op(Op::Reduce { op: ReduceOp::Sum, dims: sum_dims, keepdim: false }, vec![whole(&g, low)]), shape, DType::BF16);
+        let sum = g.push(Kind::Op(Op::Reduce { op: ReduceOp::Sum, dims: sum_dims, keepdim: false }, vec![whole(&g, low)]), shape, to);
         let lt = Arg { node: low, layout: Layout { shape: vec![n, r], strides: vec![1, n], offset: 0 } };
-        let wg = g.push(Kind::Op(Op::Matmul, vec![lt, whole(&g, h)]), vec![n, m], DType::BF16);
+        let wg = g.push(Kind::Op(Op::Matmul, vec![lt, whole(&g, h)]), vec![n, m], to);
         let params = Arg { node: pg, layout: Layout::contiguous(&[2, n]) };
         g.outputs = vec![whole(&g, sum), whole(&g, wg), dx, params];
         g
@@ -1460,7 +1463,7 @@ mod tests {
     #[test]
     fn a_bias_gradient_of_a_layer_norms_dx_is_summed_by_its_backward_on_a_gpu() -> kiln_tensor::Result<()> {
         use kiln_tensor::{Device, Distribution, Tensor};
-        let g = ln_then_bias(vec![0]);
+        let g = ln_then_bias(vec![0], DType::BF16, 32);
         let f = ln_bias_sums(&g, true);
         assert_eq!(ops(&f), ["layer_norm_param_grads", "to_dtype", "to_dtype", "matmul"], "{f}");
         let Kind::Op(Op::NormalizeParamGrads { sums: Some(DType::BF16), .. }, _) = &f.nodes[5].kind else { panic!("{f}") };
@@ -1483,13 +1486,19 @@ mod tests {
         ];
         let cells = ins.iter().map(crate::contiguous_cell).collect::<kiln_tensor::Result<Vec<_>>>()?;
         same_values(g.clone(), f, &cells, 4, 1e-2)?;
-        // Not on the CPU; not a sum over dx's columns.
+        // Not on the CPU, nor a sum over dx's columns, nor one in a wider dtype than the
+        // row's (F64 from F32).
         assert_eq!(ops(&ln_bias_sums(&g, false)), ops(&g));
-        let h = ln_then_bias(vec![1]);
-        assert_eq!(
-            ln_bias_sums(&h, true).nodes.iter().map(|n| n.shape.clone()).collect::<Vec<_>>(),
-            h.nodes.iter().map(|n| n.shape.clone()).collect::<Vec<_>>()
-        );
+        let shapes = |g: &Graph| g.nodes.iter().map(|n| n.shape.clone()).collect::<Vec<_>>();
+        for h in [ln_then_bias(vec![1], DType::BF16, 32), ln_then_bias(vec![0], DType::F64, 32)] {
+            assert_eq!(shapes(&ln_bias_sums(&h, true)), shapes(&h), "{h}");
+        }
+        // Rows of 24: a read into the padding between the parameter gradients (48) and dx
+        // (64) leaves the layer norm alone.
+        let mut p = ln_then_bias(vec![0], DType::BF16, 24);
+        assert_eq!(ops(&ln_bias_sums(&p, true)), ["layer_norm_param_grads", "to_dtype", "to_dtype", "matmul"]);
+        p.outputs.push(Arg { node: 5, layout: Layout { offset: 50, ..Layout::contiguous(&[1]) } });
+        assert_eq!(shapes(&ln_bias_sums(&p, true)), shapes(&p));
         Ok(())
     }
 

@@ -362,6 +362,7 @@ impl ColumnSums<'_> {
     fn launch(&self, g: &Arc<Gpu>, v: usize, chunks: usize, part: u64) -> Result<()> {
         use super::codegen::{column_sums_fold_source, column_sums_source, COLSUM_FOLD_WARPS, COLSUM_WARPS};
         debug_assert!(v == 1 || self.n % v == 0, "the kernel reads whole vectors of columns");
+        debug_assert!(self.gate.is_none() || self.ld == self.n, "a gated kernel's x, h and y are dense");
         let (dtype, out_dtype) = (self.x.0.dtype, self.out.0);
         let gate = self.gate.map(|(u, _, _)| u);
         let kf = g.kernel(super::spec_key("column_sums", &(dtype, v, gate)), || column_sums_source(dtype, v, gate))?;
@@ -376,8 +377,9 @@ impl ColumnSums<'_> {
         // SAFETY: (part, x, rows, n, ld, chunk, h, y) matches the generated signature; the view
         // lies in its storage (the caller's shape rule), its kept dim contiguous, and with
         // vectors every row's columns start aligned to them (buffers are 256-byte aligned;
-        // offset and ld multiples of the widest vector, and so of half of it); with a gate, h
-        // and y are dense `rows x n` buffers of x's dtype (aligned likewise), read only by the
+        // offset and ld multiples of the widest vector, and so of half of it); with a gate, x,
+        // h and y are dense `rows x n` buffers of one dtype (ld = n), their addresses checked
+        // 16-byte aligned by `gated_sums` before it picks vectors, h and y read only by the
         // gated kernel; `part` holds chunks x n values (chunks rounded down by the chunk
         // length, never up); the grid covers every tile and chunk.
         unsafe { g.launch(kf, (tiles as u32, chunks as u32), (COLSUM_WARPS * 32) as u32, 0, &mut params)? };
