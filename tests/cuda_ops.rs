@@ -42,6 +42,16 @@ fn close(what: &str, cpu: &Tensor, gpu: &Tensor, tol: f64) {
     }
 }
 
+/// The tolerance of products and sums over many terms, whose order differs between devices
+/// (16-bit results rounded once more).
+fn product_tol(d: DType) -> f64 {
+    match d {
+        DType::F16 => 4e-3,
+        DType::BF16 => 3e-2,
+        d => tol(d) * 10.0,
+    }
+}
+
 fn randn(shape: &[usize], seed: u64, dt: DType) -> Tensor {
     Tensor::rand_at(shape, Distribution::Normal, seed, 0, DType::F32, Device::Cpu).unwrap().to_dtype(dt).unwrap()
 }
@@ -244,11 +254,7 @@ fn reductions_match_the_cpu() {
 fn matmul_matches_the_cpu_with_transposes_and_batches() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     for dt in FLOATS {
-        let t = match dt {
-            DType::F16 => 4e-3,
-            DType::BF16 => 3e-2,
-            d => tol(d) * 10.0,
-        };
+        let t = product_tol(dt);
         let a = randn(&[7, 5], 10, dt);
         let b = randn(&[5, 3], 11, dt);
         both(&format!("mm {dt:?}"), &[a.clone(), b.clone()], t, |x| x[0].matmul(&x[1]));
@@ -409,11 +415,7 @@ fn layer_norm_grads_with_a_residual_match_the_separate_add() {
 fn gated_sums_match_the_cpu() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     for dt in FLOATS {
-        let t = match dt {
-            DType::F16 => 4e-3,
-            DType::BF16 => 3e-2,
-            d => tol(d) * 10.0,
-        };
+        let t = product_tol(dt);
         for (i, shape) in [&[300, 384][..], &[4, 1024, 1536], &[5, 7], &[0, 8]].into_iter().enumerate() {
             for gate in [kiln::tensor::UnaryOp::GeluGrad, kiln::tensor::UnaryOp::SiluGrad] {
                 let ins = [randn(shape, 300 + i as u64, dt), randn(shape, 310 + i as u64, dt)];
@@ -470,11 +472,7 @@ fn layer_norm_with_folded_casts_matches_the_cpu() {
 fn fused_matmul_epilogues_match_the_cpu() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     for dt in FLOATS {
-        let t = match dt {
-            DType::F16 => 4e-3,
-            DType::BF16 => 3e-2,
-            d => tol(d) * 10.0,
-        };
+        let t = product_tol(dt);
         // A small shape and a wider one (other cuBLASLt kernels and epilogue paths).
         for (k, n) in [(24, 16), (64, 48)] {
             fused_epilogue_cases(dt, t, k, n);

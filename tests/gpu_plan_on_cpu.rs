@@ -6,10 +6,10 @@
 //! checked on the GPU by `cuda_compile` and `cuda_ops`.) Built only with `--features cuda`.
 #![cfg(feature = "cuda")]
 
-use common::{assert_runs_agree, drop_key_bias, Run};
+use common::{assert_runs_agree, drop_key_bias, gpt_step, Run};
 use kiln::compile::{compile, Mode};
 use kiln::models::{Gpt, GptConfig};
-use kiln::optim::{clip_grad_norm, AdamConfig, AdamW, Optimizer};
+use kiln::optim::{AdamConfig, AdamW};
 use kiln::prelude::*;
 use kiln::tensor::Distribution;
 use std::cell::RefCell;
@@ -24,16 +24,7 @@ fn train(gpu: bool, steps: u64, low: Option<DType>) -> (Run, String) {
     let cfg = GptConfig { vocab: 11, context: 8, d_model: 32, n_layer: 2, n_head: 2, dropout: 0.0, tied_head: false };
     let model = Gpt::new(cfg, Device::Cpu).unwrap();
     let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr: 3e-3, ..AdamConfig::adamw() }).unwrap());
-    let step_fn = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
-        let _ac = low.map(kiln::tensor::Autocast::new).transpose()?;
-        let loss = model.loss(&xs[0], &xs[1])?;
-        loss.backward()?;
-        let mut o = opt.borrow_mut();
-        clip_grad_norm(o.params(), 0.5)?;
-        o.step()?;
-        o.zero_grad()?;
-        Ok(vec![loss])
-    };
+    let step_fn = gpt_step(&model, &opt, low);
     let mut step = compile(Mode::Default, step_fn);
     let mut losses = Vec::new();
     for i in 0..steps {

@@ -67,6 +67,21 @@ pub fn drop_key_bias(r: &Run, d_model: usize) -> Run {
     Run { losses: r.losses.clone(), params: params.collect() }
 }
 
+/// One GPT step (forward, backward, clipping at 0.5, AdamW, zero_grad), under autocast to
+/// `low` if given: a `Copy` closure, so that one step function runs both compiled and eagerly.
+pub fn gpt_step<'a>(model: &'a Gpt, opt: &'a RefCell<AdamW>, low: Option<DType>) -> impl Fn(&[Tensor]) -> Result<Vec<Tensor>> + Copy + 'a {
+    move |xs: &[Tensor]| {
+        let _ac = low.map(kiln::tensor::Autocast::new).transpose()?;
+        let loss = model.loss(&xs[0], &xs[1])?;
+        loss.backward()?;
+        let mut o = opt.borrow_mut();
+        clip_grad_norm(o.params(), 0.5)?;
+        o.step()?;
+        o.zero_grad()?;
+        Ok(vec![loss])
+    }
+}
+
 /// `steps` steps of a small GPT with dropout 0.1 on `dev`: eager (`mode` None) or compiled.
 pub fn train_gpt(dev: Device, mode: Option<Mode>, steps: u64) -> Run {
     train_gpt_with(dev, mode, steps, 0.1)
@@ -84,15 +99,7 @@ pub fn train_gpt_cfg(dev: Device, mode: Option<Mode>, steps: u64, cfg: GptConfig
     let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr: 3e-3, betas: (0.9, 0.95), ..AdamConfig::adamw() }).unwrap());
     let mut sched = WarmupCosine::new(3e-3, 10, steps as usize, 3e-4).unwrap();
     sched.apply(&mut *opt.borrow_mut()).unwrap();
-    let step_fn = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
-        let loss = model.loss(&xs[0], &xs[1])?;
-        loss.backward()?;
-        let mut o = opt.borrow_mut();
-        clip_grad_norm(o.params(), 0.5)?;
-        o.step()?;
-        o.zero_grad()?;
-        Ok(vec![loss])
-    };
+    let step_fn = gpt_step(&model, &opt, None);
     let eager = step_fn;
     let mut step = compile(mode.unwrap_or(Mode::Default), step_fn);
     let mut losses = Vec::new();
