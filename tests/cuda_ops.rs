@@ -363,7 +363,8 @@ fn layer_norm_grads_in_one_pass_match_the_cpu() {
 #[test]
 fn layer_norm_grads_with_a_residual_match_the_separate_add() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let grads = |v: &[&Tensor]| Tensor::apply(kiln::tensor::Op::NormalizeParamGrads { eps: 1e-5, sums: None }, v, v[0].device());
+    let grads =
+        |v: &[&Tensor]| Tensor::apply(kiln::tensor::Op::NormalizeParamGrads { eps: 1e-5, sums: None, copy: None }, v, v[0].device());
     for (i, shape) in LN_SHAPES.into_iter().enumerate() {
         let n = shape[shape.len() - 1];
         if n > cuda::codegen::LN_GRADS_MAX_N {
@@ -391,7 +392,7 @@ fn layer_norm_grads_with_a_residual_match_the_separate_add() {
             // dtype, summed over the rows, with r and without; the rest as without the row.
             let to = kiln::tensor::op::ln_grads_dx_at(n, true);
             for (sums, k) in [(DType::BF16, 4), (xd, 4), (DType::BF16, 3)] {
-                let op = kiln::tensor::Op::NormalizeParamGrads { eps: 1e-5, sums: Some(sums) };
+                let op = kiln::tensor::Op::NormalizeParamGrads { eps: 1e-5, sums: Some(sums), copy: None };
                 let with = |v: &[Tensor]| Tensor::apply(op.clone(), &v.iter().take(k).collect::<Vec<_>>(), v[0].device());
                 let what = format!("{what}: {k} inputs, sums in {sums:?}");
                 both(&what, &ins, tol(xd) * 100.0, |v| {
@@ -455,8 +456,11 @@ fn layer_norm_with_folded_casts_matches_the_cpu() {
         }
         let g = randn(shape, 140 + i as u64, DType::BF16);
         both(&format!("layer norm grads {shape:?}, g in BF16"), &[x.clone(), g, w.clone()], tol(DType::F32) * 100.0, |v| {
-            let flat =
-                Tensor::apply(kiln::tensor::Op::NormalizeParamGrads { eps: 1e-5, sums: None }, &[&v[0], &v[1], &v[2]], v[0].device())?;
+            let flat = Tensor::apply(
+                kiln::tensor::Op::NormalizeParamGrads { eps: 1e-5, sums: None, copy: None },
+                &[&v[0], &v[1], &v[2]],
+                v[0].device(),
+            )?;
             // The parameter gradients, then x's (the padding between them is not part of it).
             let dx = flat.narrow(0, kiln::tensor::op::ln_grads_dx_at(n, false), v[0].numel())?;
             Tensor::cat(&[&flat.narrow(0, 0, 2 * n)?, &dx], 0)

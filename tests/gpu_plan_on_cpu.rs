@@ -67,6 +67,8 @@ fn a_gpt_compiled_with_the_gpu_passes_matches_eager_on_the_cpu_in_bf16_and_f32()
     // one's from the final layer norm's); x's gradient then moves from 64 to 128.
     assert_eq!(graph.matches("= layer_norm_param_grads sums BF16").count(), 4, "{graph}");
     assert_eq!(graph32.matches("= layer_norm_param_grads sums F32").count(), 4, "{graph32}");
+    // The BF16 copies of the same four layer norms' dx, made by their backward.
+    assert_eq!(graph.matches("= layer_norm_param_grads sums BF16 copy BF16").count(), 4, "{graph}");
     // Each layer's GELU gradient with fc1's bias sums.
     assert_eq!((graph.matches("= gated_sums").count(), graph32.matches("= gated_sums").count()), (2, 2), "{graph}");
     assert_runs_agree(

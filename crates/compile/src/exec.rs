@@ -33,6 +33,10 @@ pub struct Program {
     pub(crate) native: Option<cpu_codegen::NativeGroups>,
     /// Per step: a product made tile by tile for the next step's group (`feed_products`).
     fed: Vec<bool>,
+    /// Per node: for a layer norm's backward with a `copy`, the cast node its kernel also
+    /// makes (`passes::ln_dx_copies`); that node's own step then does nothing.
+    copies: Vec<Option<NodeId>>,
+    made_with: Vec<bool>,
 }
 
 /// Locks each distinct cell once and hands out `(storage, layout)` pairs.
@@ -122,9 +126,14 @@ impl Program {
             let _ = capture;
             return Err(Error::Device { device, msg: "compile: Kiln was built without the `cuda` feature".into() });
         }
+        let copies = crate::passes::dx_copies(&graph);
+        let mut made_with = vec![false; graph.nodes.len()];
+        copies.iter().flatten().for_each(|&c| made_with[c] = true);
         let mut p = Program {
             native,
             fed,
+            copies,
+            made_with,
             graph,
             cells,
             plan,
@@ -206,6 +215,16 @@ impl Program {
                 copy.storage().clone()
             }
         })
+    }
+
+    /// Layer norm's backward `i` with its `copy`: the flat output and the copy, from one kernel
+    /// on a GPU (`Tensor::normalize_param_grads_with_copy`).
+    fn run_with_copy(&self, i: NodeId, vals: &[Option<Arc<StorageCell>>]) -> Result<(Arc<StorageCell>, Arc<StorageCell>)> {
+        let Kind::Op(op, args) = &self.graph.nodes[i].kind else { return Err(Error::Msg(format!("compile: node {i} is no op"))) };
+        let val = |n: NodeId| vals[n].as_ref().ok_or_else(|| Error::Msg(format!("compile: node {n} used before it was computed")));
+        let ts: Vec<Tensor> = args.iter().map(|a| Ok(Tensor::from_cell(val(a.node)?.clone(), a.layout.clone()))).collect::<Result<_>>()?;
+        let (flat, copy) = Tensor::normalize_param_grads_with_copy(op, &ts.iter().collect::<Vec<_>>())?;
+        Ok((flat.storage().clone(), copy.storage().clone()))
     }
 
     /// Product `p` (step `k`) made tile by tile for the group of step `k + 1`, which consumes
@@ -294,15 +313,23 @@ impl Program {
                         vals[m] = Some(c);
                     }
                 }
-                Step::Node(i) => {
-                    vals[*i] = Some(match &self.consts[*i] {
-                        Some(c) => c.clone(),
-                        None => match self.write_in_place(*i, k, &vals)? {
-                            Some(c) => c,
-                            None => self.run_node(*i, &vals, inputs, gen)?,
-                        },
-                    })
-                }
+                // Made by its layer norm's step.
+                Step::Node(i) if self.made_with[*i] => {}
+                Step::Node(i) => match self.copies[*i] {
+                    Some(c) => {
+                        let (flat, copy) = self.run_with_copy(*i, &vals)?;
+                        (vals[*i], vals[c]) = (Some(flat), Some(copy));
+                    }
+                    None => {
+                        vals[*i] = Some(match &self.consts[*i] {
+                            Some(c) => c.clone(),
+                            None => match self.write_in_place(*i, k, &vals)? {
+                                Some(c) => c,
+                                None => self.run_node(*i, &vals, inputs, gen)?,
+                            },
+                        })
+                    }
+                },
                 Step::Groups(gs) => {
                     let cell_of =
                         |x: NodeId| vals[x].clone().ok_or_else(|| Error::Msg(format!("compile: node {x} used before it was computed")));

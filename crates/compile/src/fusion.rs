@@ -152,6 +152,9 @@ pub fn plan(g: &Graph, gpu: bool) -> Plan {
     let mut open: Vec<bool> = Vec::new();
     // Values a folding group computes after its sums (the sums and scalar ops on them).
     let mut after_fold: Vec<bool> = vec![false; n];
+    // Casts a layer norm's backward makes beside its output (`passes::ln_dx_copies`): no group.
+    let mut made_with = vec![false; n];
+    crate::passes::dx_copies(g).into_iter().flatten().for_each(|c| made_with[c] = true);
     for i in 0..n {
         let args: Vec<&Arg> = match &g.nodes[i].kind {
             Kind::Op(_, a) => a.iter().collect(),
@@ -161,7 +164,7 @@ pub fn plan(g: &Graph, gpu: bool) -> Plan {
         let all_args = g.nodes[i].args();
         if gpu && fold(g, i, &mut groups, &mut group_of, &mut open, &mut after_fold) {
             // Joined (or started) a folding group.
-        } else if let Some(class) = compute_class(g, i, gpu) {
+        } else if let Some(class) = compute_class(g, i, gpu).filter(|_| !made_with[i]) {
             let shape = &g.nodes[i].shape;
             // Join the latest open group that feeds this node through whole, in-order reads.
             let joinable = |k: usize| {

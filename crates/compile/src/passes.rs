@@ -842,6 +842,8 @@ pub fn optimise(g: Graph, target: Target, mut log: impl FnMut(&str, &Graph)) -> 
     log("fold_residual_into_ln_grads", &g);
     g = ln_bias_sums(&g, gpu);
     log("ln_bias_sums", &g);
+    g = ln_dx_copies(&g, gpu);
+    log("ln_dx_copies", &g);
     g = fuse_gated_sums(&g, gpu);
     log("fuse_gated_sums", &g);
     g = fuse_matmuls(&g, gpu);
@@ -1026,7 +1028,7 @@ pub fn ln_bias_sums(g: &Graph, gpu: bool) -> Graph {
         }
         let Kind::Op(Op::NormalizeParamGrads { eps, .. }, largs) = &g.nodes[l].kind else { continue };
         let to = kiln_tensor::op::ln_grads_dx_at(n, true);
-        out.nodes[l].kind = Kind::Op(Op::NormalizeParamGrads { eps: *eps, sums: Some(t) }, largs.clone());
+        out.nodes[l].kind = Kind::Op(Op::NormalizeParamGrads { eps: *eps, sums: Some(t), copy: None }, largs.clone());
         out.nodes[l].shape = vec![to + a.layout.numel()];
         moved[l] = Some((from, to - from));
         casts.push((i, t, Arg { node: l, layout: Layout { offset: 2 * n, ..Layout::contiguous(&node.shape) } }));
@@ -1039,6 +1041,60 @@ pub fn ln_bias_sums(g: &Graph, gpu: bool) -> Graph {
         out.nodes[i].kind = Kind::Op(Op::Cast(t), vec![row]);
     }
     dce(&out)
+}
+
+/// On a GPU, autocast's 16-bit copy of a layer norm's input gradient (the cast of dx, with
+/// the residual gradient folded in, that the products read) is written by the layer norm's
+/// backward as it stores dx: its op gets `copy`, and the executor takes both from one kernel
+/// (`dx_copies`), the cast's own step doing nothing (GPT: twelve 9.5 us casts of 25 MB).
+/// `KILN_LN_COPIES=0` turns it off (the A/B switch for measuring it).
+pub fn ln_dx_copies(g: &Graph, gpu: bool) -> Graph {
+    let mut out = g.clone();
+    if !gpu || std::env::var("KILN_LN_COPIES").is_ok_and(|v| v == "0") {
+        return out;
+    }
+    let (pinned, _) = pinned_and_escaping(g);
+    let bases = view_bases(g);
+    for i in 0..g.nodes.len() {
+        let Some((l, t)) = dx_copy_source(g, i) else { continue };
+        if pinned[i] || bases.contains(&i) {
+            continue;
+        }
+        if let Kind::Op(Op::NormalizeParamGrads { copy: copy @ None, .. }, _) = &mut out.nodes[l].kind {
+            *copy = Some(t);
+        }
+    }
+    out
+}
+
+/// The layer norm's backward whose whole dx (plus r) node `i` casts to 16 bits, and that
+/// dtype.
+fn dx_copy_source(g: &Graph, i: NodeId) -> Option<(NodeId, DType)> {
+    let Kind::Op(Op::Cast(t @ (DType::BF16 | DType::F16)), args) = &g.nodes[i].kind else { return None };
+    let a = &args[0];
+    let l = &g.nodes[a.node];
+    let Kind::Op(Op::NormalizeParamGrads { sums, .. }, largs) = &l.kind else { return None };
+    let x = &largs[0].layout;
+    let n = *x.shape.last()?;
+    let ok = largs.len() >= 3
+        && a.layout.is_contiguous()
+        && a.layout.offset == kiln_tensor::op::ln_grads_dx_at(n, sums.is_some())
+        && a.layout.numel() == x.numel()
+        && t.size_in_bytes() < l.dtype.size_in_bytes();
+    ok.then_some((a.node, *t))
+}
+
+/// Per node, for a layer norm's backward with a `copy` (`ln_dx_copies`), the first cast node
+/// that reads its dx whole in that dtype: the executor makes both in one step.
+pub fn dx_copies(g: &Graph) -> Vec<Option<NodeId>> {
+    let mut copies = vec![None; g.nodes.len()];
+    for i in 0..g.nodes.len() {
+        let Some((l, t)) = dx_copy_source(g, i) else { continue };
+        if matches!(g.nodes[l].kind, Kind::Op(Op::NormalizeParamGrads { copy: Some(c), .. }, _) if c == t) && copies[l].is_none() {
+            copies[l] = Some(i);
+        }
+    }
+    copies
 }
 
 /// On a GPU, an activation's backward `y = a * gate(h)` (GELU's or SiLU's gradient) whose
@@ -1416,7 +1472,7 @@ mod tests {
         let y = g.push(Kind::Op(ln, vec![whole(&g, x), whole(&g, w), whole(&g, w)]), vec![r, n], DType::F32);
         let yb = g.push(Kind::Op(Op::Cast(DType::BF16), vec![whole(&g, y)]), vec![r, n], DType::BF16);
         let gf = g.push(Kind::Op(Op::Cast(DType::F32), vec![whole(&g, gb)]), vec![r, n], DType::F32);
-        let grads = Op::NormalizeParamGrads { eps: 1e-5, sums: None };
+        let grads = Op::NormalizeParamGrads { eps: 1e-5, sums: None, copy: None };
         let len = kiln_tensor::op::ln_grads_dx_at(n, false) + r * n;
         let pg = g.push(Kind::Op(grads, vec![whole(&g, x), whole(&g, gf), whole(&g, w)]), vec![len], DType::F32);
         g.outputs = vec![whole(&g, yb), whole(&g, pg)];
@@ -1446,7 +1502,7 @@ mod tests {
         let res = g.push(Kind::Input(3), vec![r, n], DType::F32);
         let h = g.push(Kind::Input(4), vec![r, m], to);
         let at = kiln_tensor::op::ln_grads_dx_at(n, false);
-        let grads = Op::NormalizeParamGrads { eps: 1e-5, sums: None };
+        let grads = Op::NormalizeParamGrads { eps: 1e-5, sums: None, copy: None };
         let args = vec![whole(&g, x), whole(&g, gy), whole(&g, w), whole(&g, res)];
         let pg = g.push(Kind::Op(grads, args), vec![at + r * n], DType::F32);
         let dx = Arg { node: pg, layout: Layout { offset: at, ..Layout::contiguous(&[r, n]) } };
@@ -1503,6 +1559,39 @@ mod tests {
     }
 
     #[test]
+    fn a_layer_norms_16_bit_copy_of_dx_is_written_by_its_backward_on_a_gpu() -> kiln_tensor::Result<()> {
+        use kiln_tensor::{Device, Distribution, Tensor};
+        let g = ln_then_bias(vec![0], DType::BF16, 32);
+        let f = ln_dx_copies(&g, true);
+        assert_eq!(ops(&f), ops(&g), "no node added or removed: {f}");
+        let Kind::Op(Op::NormalizeParamGrads { copy: Some(DType::BF16), .. }, _) = &f.nodes[5].kind else { panic!("{f}") };
+        assert_eq!(dx_copies(&f)[5], Some(6), "the cast of dx is made with it");
+        assert!(dx_copies(&g).iter().all(Option::is_none));
+        // The executor makes the cast in the layer norm's step (the CPU casts after the op);
+        // with the sums row too, x's gradient moved.
+        let both = ln_dx_copies(&ln_bias_sums(&g, true), true);
+        assert_eq!(dx_copies(&both)[5], Some(6), "{both}");
+        let t = |shape: &[usize], seed: u64, dtype: DType| {
+            Tensor::rand_at(shape, Distribution::Normal, seed, 0, DType::F32, Device::Cpu)?.to_dtype(dtype)
+        };
+        let ins = [
+            t(&[6, 32], 1, DType::F32)?,
+            t(&[32], 2, DType::F32)?,
+            t(&[6, 32], 3, DType::BF16)?,
+            t(&[6, 32], 4, DType::F32)?,
+            t(&[6, 8], 5, DType::BF16)?,
+        ];
+        let cells = ins.iter().map(crate::contiguous_cell).collect::<kiln_tensor::Result<Vec<_>>>()?;
+        same_values(g.clone(), f, &cells, 4, 0.0)?;
+        same_values(g.clone(), both, &cells, 4, 1e-2)?;
+        // Not on the CPU, nor a cast to F64 (no narrower copy).
+        assert_eq!(ln_dx_copies(&g, false).nodes[5].kind, g.nodes[5].kind);
+        let wide = ln_then_bias(vec![0], DType::F64, 32);
+        assert_eq!(ln_dx_copies(&wide, true).nodes[5].kind, wide.nodes[5].kind);
+        Ok(())
+    }
+
+    #[test]
     fn a_gelu_gradient_and_its_bias_sums_take_one_pass_on_a_gpu() -> kiln_tensor::Result<()> {
         use kiln_tensor::{Device, Distribution, Tensor};
         let (r, n, m) = (40, 24, 8);
@@ -1548,7 +1637,7 @@ mod tests {
         let gy = g.push(Kind::Input(2), vec![r, n], DType::BF16);
         let res = g.push(Kind::Input(3), vec![r, n], DType::F32);
         let at = kiln_tensor::op::ln_grads_dx_at(n, false);
-        let grads = Op::NormalizeParamGrads { eps: 1e-5, sums: None };
+        let grads = Op::NormalizeParamGrads { eps: 1e-5, sums: None, copy: None };
         let pg = g.push(Kind::Op(grads, vec![whole(&g, x), whole(&g, gy), whole(&g, w)]), vec![at + r * n], DType::F32);
         let dx = Arg { node: pg, layout: Layout { offset: at, ..Layout::contiguous(&[r, n]) } };
         let params = Arg { node: pg, layout: Layout::contiguous(&[2, n]) };

@@ -634,9 +634,13 @@ pub enum Op {
     /// a third row after the two: the sums over rows of that gradient (plus r) as rounded to
     /// `t` (the bias gradient of the product it feeds, read by compile on a GPU from here
     /// instead of summing a copy); x's gradient then starts at `ln_grads_dx_at(n, true)`.
+    /// `copy: Some(t)` leaves the output as it is: it tells a caller of
+    /// `Tensor::normalize_param_grads_with_copy` (compile, on a GPU) that x's gradient (plus
+    /// r) is also wanted cast to `t`, which the CUDA kernel then writes in the same pass.
     NormalizeParamGrads {
         eps: f64,
         sums: Option<DType>,
+        copy: Option<DType>,
     },
     /// An activation's backward with its bias gradient (made by compile on a GPU): inputs
     /// `a` and `h` of one float shape `[.., n]` and dtype; one flat output of that dtype,
@@ -963,6 +967,9 @@ impl Op {
                 let sums = match self {
                     Op::NormalizeParamGrads { sums: Some(t), .. } if inputs.len() < 3 || !t.is_float() => {
                         return Err(Error::Msg(format!("{name}: the sums row needs the weight and a float dtype, got {t:?}")));
+                    }
+                    Op::NormalizeParamGrads { copy: Some(t), .. } if inputs.len() < 3 || !t.is_float() => {
+                        return Err(Error::Msg(format!("{name}: the copy of x's gradient needs the weight and a float dtype, got {t:?}")));
                     }
                     Op::NormalizeParamGrads { sums, .. } => sums.is_some(),
                     _ => false,

@@ -355,7 +355,7 @@ impl Tensor {
             let dw = g.mul(&self.normalize(eps)?)?.sum(&rows, false)?;
             return Tensor::cat(&[&dw.unsqueeze(0)?, &g.sum(&rows, false)?.unsqueeze(0)?], 0);
         }
-        Tensor::apply(Op::NormalizeParamGrads { eps, sums: None }, &[self, g], self.device())
+        Tensor::apply(Op::NormalizeParamGrads { eps, sums: None, copy: None }, &[self, g], self.device())
     }
     /// Layer norm's whole backward for its weight `w` and the output gradient `g`: x's, the
     /// weight's and the bias's gradients, from one pass over x and g on CUDA
@@ -367,7 +367,7 @@ impl Tensor {
             let both = self.layer_norm_param_grads(g, eps)?;
             return Ok((self.layer_norm_backward(g, w, eps)?, both.narrow(0, 0, 1)?.reshape(&[n])?, both.narrow(0, 1, 1)?.reshape(&[n])?));
         }
-        let flat = Tensor::apply(Op::NormalizeParamGrads { eps, sums: None }, &[self, g, w], self.device())?;
+        let flat = Tensor::apply(Op::NormalizeParamGrads { eps, sums: None, copy: None }, &[self, g, w], self.device())?;
         let at = crate::op::ln_grads_dx_at(n, false);
         // The parameter gradients get their own small buffer: as views they would keep the
         // whole flat buffer (x's size) alive for as long as the parameters hold them.

@@ -537,8 +537,9 @@ fn profiled<R>(op: &Op, meta: &OutMeta, device: Device, f: impl FnOnce() -> Resu
     Ok(r)
 }
 
-/// Locks each distinct input storage once (two inputs may share one) and runs the kernel.
-pub(crate) fn run_kernel(op: &Op, inputs: &[&Tensor], meta: &OutMeta, device: Device) -> Result<Storage> {
+/// Locks each distinct input storage once (two inputs may share one) and calls `f` with one
+/// storage per input.
+fn with_storages<R>(inputs: &[&Tensor], f: impl FnOnce(&[&Storage]) -> Result<R>) -> Result<R> {
     let mut cells: Vec<&Arc<StorageCell>> = Vec::new();
     let slot: Vec<usize> = inputs
         .iter()
@@ -551,11 +552,18 @@ pub(crate) fn run_kernel(op: &Op, inputs: &[&Tensor], meta: &OutMeta, device: De
         })
         .collect();
     let guards: Vec<_> = cells.iter().map(|c| c.read()).collect();
-    match device {
+    let storages: Vec<&Storage> = slot.iter().map(|&i| &*guards[i]).collect();
+    f(&storages)
+}
+
+/// Runs the kernel of `op` on `inputs` (each distinct storage locked once).
+pub(crate) fn run_kernel(op: &Op, inputs: &[&Tensor], meta: &OutMeta, device: Device) -> Result<Storage> {
+    let layouts: Vec<&Layout> = inputs.iter().map(|t| t.layout()).collect();
+    with_storages(inputs, |storages| match device {
         Device::Cpu => {
             let mut ins = Vec::with_capacity(inputs.len());
-            for (t, &i) in inputs.iter().zip(&slot) {
-                match &*guards[i] {
+            for (t, s) in inputs.iter().zip(storages) {
+                match s {
                     Storage::Cpu(s) => ins.push((s, t.layout())),
                     #[cfg(feature = "cuda")]
                     Storage::Cuda(_) => return Err(Error::DeviceMismatch { op: op.name(), lhs: Device::Cpu, rhs: t.device() }),
@@ -563,11 +571,34 @@ pub(crate) fn run_kernel(op: &Op, inputs: &[&Tensor], meta: &OutMeta, device: De
             }
             Ok(Storage::Cpu(cpu::run(op, &ins, meta)?))
         }
-        Device::Cuda(_) => {
-            let storages: Vec<&Storage> = slot.iter().map(|&i| &*guards[i]).collect();
-            let layouts: Vec<&Layout> = inputs.iter().map(|t| t.layout()).collect();
-            crate::cuda::run(op, &storages, &layouts, meta, device)
+        Device::Cuda(_) => crate::cuda::run(op, storages, &layouts, meta, device),
+    })
+}
+
+impl Tensor {
+    /// `op`, an `Op::NormalizeParamGrads` with `copy: Some(t)`, on `ins` (x, g, w and maybe
+    /// r): its flat output, and x's gradient (plus r) cast to `t` in x's shape. On CUDA one
+    /// kernel writes both (compile's `passes::ln_dx_copies`); elsewhere the cast follows the
+    /// op. Records no autograd history (compile runs it after autograd).
+    pub fn normalize_param_grads_with_copy(op: &Op, ins: &[&Tensor]) -> Result<(Tensor, Tensor)> {
+        let (Op::NormalizeParamGrads { sums, copy: Some(t), .. }, Some(x)) = (op, ins.first()) else {
+            return Err(Error::Msg(format!("normalize_param_grads_with_copy: needs layer norm's grads with a copy, got {op:?}")));
+        };
+        let device = x.device();
+        if let Some(other) = ins.iter().find(|i| i.device() != device) {
+            return Err(Error::DeviceMismatch { op: op.name(), lhs: device, rhs: other.device() });
         }
+        let metas: Vec<InMeta> = ins.iter().map(|t| InMeta { shape: t.shape(), dtype: t.dtype() }).collect();
+        let meta = op.infer(&metas)?;
+        if device.is_cuda() {
+            let layouts: Vec<&Layout> = ins.iter().map(|t| t.layout()).collect();
+            let (flat, copy) = with_storages(ins, |storages| crate::cuda::layer_norm_grads_with_copy(op, storages, &layouts, device))?;
+            return Ok((Tensor::from_storage(flat, &meta.shape), Tensor::from_storage(copy, x.shape())));
+        }
+        let flat = Tensor::apply(op.clone(), ins, device)?;
+        let at = crate::op::ln_grads_dx_at(x.shape().last().copied().unwrap_or(0), sums.is_some());
+        let copy = flat.narrow(0, at, x.numel())?.reshape(x.shape())?.to_dtype(*t)?;
+        Ok((flat, copy))
     }
 }
 

@@ -4,7 +4,7 @@
 //! before anything reaches a GPU. Without NVRTC the test fails saying so; it never passes
 //! vacuously.
 
-use kiln_tensor::cuda::codegen::{elementwise_expr, waiting_for_prior, Elementwise, Index, IndexKind, Reduce, ReduceMode};
+use kiln_tensor::cuda::codegen::{elementwise_expr, waiting_for_prior, Elementwise, Index, IndexKind, LnGradsParts, Reduce, ReduceMode};
 use kiln_tensor::cuda::nvrtc;
 use kiln_tensor::{BinaryOp, DType, Distribution, Op, ReduceOp, UnaryOp};
 
@@ -231,31 +231,36 @@ fn every_reduction_and_index_kernel_compiles() {
         }
         // Without dx, with it, with dx plus a residual gradient, and with the sums row (in
         // BF16 and in x's dtype).
-        for (tiles, dx) in [
-            (1, (false, false, None)),
-            (12, (false, false, None)),
-            (32, (false, false, None)),
-            (1, (true, false, None)),
-            (12, (true, true, None)),
-            (32, (true, false, None)),
-            (12, (true, true, Some(DType::BF16))),
-            (32, (true, false, Some(d))),
+        for (tiles, (dx, resid, sums, copy)) in [
+            (1, (false, false, None, None)),
+            (12, (false, false, None, None)),
+            (32, (false, false, None, None)),
+            (1, (true, false, None, None)),
+            (12, (true, true, None, None)),
+            (32, (true, false, None, None)),
+            (12, (true, true, Some(DType::BF16), None)),
+            (32, (true, false, Some(d), None)),
+            (12, (true, true, Some(DType::BF16), Some(DType::BF16))),
+            (12, (true, false, None, Some(DType::F16))),
         ] {
-            let (s, n) = kiln_tensor::cuda::codegen::layer_norm_param_grads_source(d, tiles, dx, d, false);
+            let parts = LnGradsParts { dx, resid, sums, copy };
+            let (s, n) = kiln_tensor::cuda::codegen::layer_norm_param_grads_source(d, tiles, parts, d, false);
             check(&s, &n, &mut fails);
         }
         // g in BF16 (a product's gradient under autocast) for an F32 layer norm.
         // And staged through shared memory, with and without dx, g in F32 and BF16.
-        for (dx, gdt, staged) in [
-            ((true, false, None), DType::BF16, false),
-            ((true, false, None), DType::BF16, true),
-            ((true, true, None), DType::BF16, true),
-            ((false, false, None), DType::F32, true),
-            ((true, false, None), DType::F32, true),
-            ((true, true, Some(DType::BF16)), DType::BF16, true),
-            ((true, true, Some(DType::F32)), DType::F32, true),
+        for ((dx, resid, sums, copy), gdt, staged) in [
+            ((true, false, None, None), DType::BF16, false),
+            ((true, false, None, None), DType::BF16, true),
+            ((true, true, None, None), DType::BF16, true),
+            ((false, false, None, None), DType::F32, true),
+            ((true, false, None, None), DType::F32, true),
+            ((true, true, Some(DType::BF16), None), DType::BF16, true),
+            ((true, true, Some(DType::F32), None), DType::F32, true),
+            ((true, true, Some(DType::BF16), Some(DType::BF16)), DType::BF16, true),
         ] {
-            let (s, n) = kiln_tensor::cuda::codegen::layer_norm_param_grads_source(DType::F32, 12, dx, gdt, staged);
+            let parts = LnGradsParts { dx, resid, sums, copy };
+            let (s, n) = kiln_tensor::cuda::codegen::layer_norm_param_grads_source(DType::F32, 12, parts, gdt, staged);
             check(&s, &n, &mut fails);
         }
     }

@@ -327,12 +327,12 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
                 out.into_storage()
             })
         }
-        Op::NormalizeParamGrads { eps, sums: Some(t) } => {
+        Op::NormalizeParamGrads { eps, sums: Some(t), .. } => {
             // The flat result without the sums row, then the row spliced in before x's gradient.
             let (x, n) = (ins[0], ins[0].1.shape[ins[0].1.rank() - 1]);
             let (from, to) = (crate::op::ln_grads_dx_at(n, false), crate::op::ln_grads_dx_at(n, true));
             let plain = run(
-                &Op::NormalizeParamGrads { eps: *eps, sums: None },
+                &Op::NormalizeParamGrads { eps: *eps, sums: None, copy: None },
                 ins,
                 &OutMeta { shape: vec![from + x.1.numel()], dtype: meta.dtype },
             )?;
@@ -379,8 +379,11 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             // With the weight: the parameter gradients, then x's gradient from `ln_grads_dx_at`.
             let x = ins[0];
             let n = x.1.shape[x.1.rank() - 1];
-            let both =
-                run(&Op::NormalizeParamGrads { eps: *eps, sums: None }, &ins[..2], &OutMeta { shape: vec![2, n], dtype: meta.dtype })?;
+            let both = run(
+                &Op::NormalizeParamGrads { eps: *eps, sums: None, copy: None },
+                &ins[..2],
+                &OutMeta { shape: vec![2, n], dtype: meta.dtype },
+            )?;
             let dx = run(&Op::NormalizeBackward { eps: *eps }, ins, &OutMeta { shape: x.1.shape.clone(), dtype: meta.dtype })?;
             with_cpu!(&both, p => {
                 let mut v = p.to_vec();

@@ -1538,6 +1538,20 @@ pub fn column_sums_fold_source(dtype: DType) -> (String, String) {
     (s, name)
 }
 
+/// What `layer_norm_param_grads_source`'s kernel writes beside the parameter gradients'
+/// partials.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct LnGradsParts {
+    /// x's gradient (with the weight `w`).
+    pub dx: bool,
+    /// A residual gradient `r` added to dx as it is stored.
+    pub resid: bool,
+    /// A third row of partials: dx's column sums, each value rounded to this dtype first.
+    pub sums: Option<DType>,
+    /// dx also stored in this dtype.
+    pub copy: Option<DType>,
+}
+
 /// The longest row `layer_norm_param_grads_source` takes (32 values per lane).
 pub const LN_GRADS_MAX_N: usize = 1024;
 
@@ -1560,26 +1574,24 @@ pub fn ln_grads_stage_bytes(n: usize, dtype: DType, gdt: DType) -> usize {
 /// 16-byte aligned, `ln_grads_stage_bytes` of dynamic shared memory): each warp copies its
 /// next row into shared memory asynchronously while it works on this one; loaded straight into
 /// registers, a warp's row waited on memory between its reductions (2.55 TB/s, session 32).
-/// `sums` (with dx): a third row of partials, the column sums of dx (plus r) as rounded to
-/// that dtype (`Op::NormalizeParamGrads`'s `sums`); the weight is then read from shared
-/// memory, so that the row's accumulators take the registers it held.
-pub fn layer_norm_param_grads_source(
-    dtype: DType,
-    tiles: usize,
-    (dx, resid, sums): (bool, bool, Option<DType>),
-    gdt: DType,
-    staged: bool,
-) -> (String, String) {
+/// `parts.sums` (with dx): a third row of partials, the column sums of dx (plus r) as
+/// rounded to that dtype (`Op::NormalizeParamGrads`'s `sums`); the weight is then read from
+/// shared memory, so that the row's accumulators take the registers it held. `parts.copy`
+/// (with dx): dx (plus r) also stored in that dtype to `cp` (the op's `copy`).
+pub fn layer_norm_param_grads_source(dtype: DType, tiles: usize, parts: LnGradsParts, gdt: DType, staged: bool) -> (String, String) {
     // g may be in another float dtype (a BF16 product's gradient under autocast), read as C.
-    let sums = sums.filter(|_| dx);
+    let LnGradsParts { dx, resid, sums, copy } = parts;
+    let (sums, copy) = (sums.filter(|_| dx), copy.filter(|_| dx));
+    let tag = |what: &str, t: Option<DType>| t.map_or(String::new(), |t| format!("_{what}_{}", storage_type(t).replace(' ', "_")));
     let name = format!(
-        "k_ln_{}grads_{}_{tiles}{}{}{}{}",
+        "k_ln_{}grads_{}_{tiles}{}{}{}{}{}",
         if dx { "" } else { "param_" },
         storage_type(dtype).replace(' ', "_"),
         other_dtype("g", dtype, gdt),
         if staged { "_staged" } else { "" },
         if resid { "_residual" } else { "" },
-        sums.map_or(String::new(), |t| format!("_sums_{}", storage_type(t).replace(' ', "_")))
+        tag("sums", sums),
+        tag("copy", copy)
     );
     let (t, c, gt) = (storage_type(dtype), compute_type(dtype), storage_type(gdt));
     let rows = 2 + sums.is_some() as usize;
@@ -1587,11 +1599,12 @@ pub fn layer_norm_param_grads_source(
     if let Some(st) = sums {
         s += &format!("typedef {} S;\n", storage_type(st));
     }
+    s += &format!("typedef {} Q;\n", storage_type(copy.unwrap_or(dtype)));
     if resid {
         s += "__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }\n";
         s += "__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }\n";
     }
-    s += &format!("extern \"C\" __global__ void __launch_bounds__({}) {name}(C* __restrict__ part, const X* __restrict__ x, const G* __restrict__ g, NArgs a, long long chunk, X* __restrict__ dx, const X* __restrict__ w, const X* __restrict__ r) {{\n", LN_GRADS_WARPS * 32);
+    s += &format!("extern \"C\" __global__ void __launch_bounds__({}) {name}(C* __restrict__ part, const X* __restrict__ x, const G* __restrict__ g, NArgs a, long long chunk, X* __restrict__ dx, const X* __restrict__ w, const X* __restrict__ r, Q* __restrict__ cp) {{\n", LN_GRADS_WARPS * 32);
     s += "  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;\n";
     s += "  const long long r1 = min(a.rows, (blockIdx.x + 1) * chunk); const C n = (C)a.red;\n";
     s += "  C dw[TILES], db[TILES];\n#pragma unroll\n  for (int t = 0; t < TILES; ++t) { dw[t] = (C)0; db[t] = (C)0; }\n";
@@ -1656,6 +1669,9 @@ pub fn layer_norm_param_grads_source(
         if sums.is_some() {
             // Summed as the product's operand holds it: rounded to S.
             s += "        S q; st(&q, ld(v)); ds[t] += (C)ld(q);\n";
+        }
+        if copy.is_some() {
+            s += "        { Q c; st(&c, ld(v)); cp[base + j] = c; }\n";
         }
         s += "      }\n    }\n";
     }

@@ -461,8 +461,8 @@ pub fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, devic
         Op::Normalize { eps, to } => normalize(&g, x[0], None, &x[1..], (*eps, *to))?,
         Op::NormalizeBackward { eps } => normalize(&g, x[0], Some(x[1]), &x[2..], (*eps, None))?,
         Op::GatedSums { gate } => gated_sums(&g, x[0], x[1], *gate)?,
-        Op::NormalizeParamGrads { eps, sums } => {
-            layer_norm_param_grads(&g, x[0], x[1], (x.get(2).copied(), x.get(3).copied()), (*eps, *sums))?
+        Op::NormalizeParamGrads { eps, sums, .. } => {
+            layer_norm_param_grads(&g, x[0], x[1], (x.get(2).copied(), x.get(3).copied()), (*eps, *sums), None)?
         }
         Op::SoftmaxBackward { log, scale } => softmax_backward(&g, x[0], x[1], *log, *scale)?,
         Op::Attention { scale, causal, heads_last } => attention(&g, &x, (*scale, *causal), false, *heads_last)?,
@@ -1013,17 +1013,36 @@ pub(super) fn zero(g: &Arc<Gpu>, s: &CudaStorage) -> Result<()> {
 /// A buffer read through a layout.
 type View<'a> = (&'a CudaStorage, &'a Layout);
 
+/// `Op::NormalizeParamGrads` with `copy: Some(t)`: the flat output, and x's gradient (plus r)
+/// stored in `t` by the same kernel.
+pub(crate) fn layer_norm_grads_with_copy(op: &Op, ins: &[&Storage], layouts: &[&Layout], device: Device) -> Result<(Storage, Storage)> {
+    let (Device::Cuda(ordinal), Op::NormalizeParamGrads { eps, sums, copy: Some(t) }) = (device, op) else {
+        return Err(Error::Msg(format!("layer_norm_grads_with_copy: {op:?} on {device:?}")));
+    };
+    let g = super::gpu::gpu(ordinal)?;
+    let cs = storages(ins)?;
+    let x: Vec<View> = cs.iter().copied().zip(layouts.iter().copied()).collect();
+    if x.len() < 3 {
+        return Err(Error::Msg("layer_norm_grads_with_copy: the copy needs the weight".into()));
+    }
+    let copy = CudaStorage::alloc(&g, *t, x[0].1.numel())?;
+    let flat = layer_norm_param_grads(&g, x[0], x[1], (x.get(2).copied(), x.get(3).copied()), (*eps, *sums), Some(&copy))?;
+    Ok((Storage::Cuda(flat), Storage::Cuda(copy)))
+}
+
 /// Layer norm's parameter gradients `[2, n]` from x and the output gradient: per-block
 /// partial sums in one pass over both (`codegen::layer_norm_param_grads_source`), then one
 /// column sum of the partials. With the weight `w`, the same pass writes the input's gradient
 /// too, after the `[2, n]` (`[3, n]` with `sums`: dx's column sums as rounded to that dtype)
-/// from `op::ln_grads_dx_at` (`Op::NormalizeParamGrads`'s flat form).
+/// from `op::ln_grads_dx_at` (`Op::NormalizeParamGrads`'s flat form). With `copy` (dense,
+/// x's shape) and the weight, the pass also stores dx (plus r) to it in its dtype.
 fn layer_norm_param_grads(
     g: &Arc<Gpu>,
     x: (&CudaStorage, &Layout),
     grad: (&CudaStorage, &Layout),
     (w, r): (Option<View>, Option<View>),
     (eps, sums): (f64, Option<DType>),
+    copy: Option<&CudaStorage>,
 ) -> Result<CudaStorage> {
     let (dtype, n) = (x.0.dtype, x.1.shape[x.1.rank() - 1]);
     let rows = x.1.numel().checked_div(n).unwrap_or(0);
@@ -1056,11 +1075,14 @@ fn layer_norm_param_grads(
         && (px | pg) % 16 == 0
         && most <= 96 * 1024;
     let shared = if staged { super::codegen::ln_grads_stage_bytes(n, dtype, gdt) } else { 0 };
+    let copy = copy.filter(|_| with_dx);
+    let parts = super::codegen::LnGradsParts { dx: with_dx, resid: rd.is_some(), sums, copy: copy.map(|c| c.dtype) };
     let k = g.kernel_shared(
-        super::spec_key("ln_param_grads", &(dtype, tiles, with_dx, gdt, staged, rd.is_some(), sums)),
+        super::spec_key("ln_param_grads", &(dtype, tiles, gdt, staged, parts)),
         if staged { most as u32 } else { 0 },
-        || super::codegen::layer_norm_param_grads_source(dtype, tiles, (with_dx, rd.is_some(), sums), gdt, staged),
+        || super::codegen::layer_norm_param_grads_source(dtype, tiles, parts, gdt, staged),
     )?;
+    let pc = copy.map_or(0, |c| c.buf.ptr);
     let (pdx, pw) = match &wd {
         Some(w) => (out.ptr_at(dx_at), w.ptr()),
         None => (0, 0),
@@ -1073,14 +1095,16 @@ fn layer_norm_param_grads(
         let blocks = rows.div_ceil(chunk);
         let mut a = RowArgs { rows: rows as i64, red: n as i64, value: eps };
         let (mut o, mut ch, mut px, mut pg, mut pdx, mut pw, mut pr) = (part.buf.ptr, chunk as i64, px, pg, pdx, pw, pr);
-        let mut params = kernel_params![o, px, pg, a, ch, pdx, pw, pr];
-        // SAFETY: (part, x, g, NArgs, chunk, dx, w, r) matches the generated signature; x and g
-        // are dense `rows * n` buffers, `part` holds `blocks * rows_k n` partials of the compute type
-        // (blocks at most `want`), and with the weight (dense, `n`) `out` holds `rows * n` more
-        // elements from `dx_at`; without it the kernel reads neither dx nor w; r (dense, x's
-        // shape and dtype) is read only by the kernel made for it. Staged, `shared` bytes hold
-        // the warps' row slots (the kernel loaded with room for `most`), and x's and g's rows
-        // are 16-byte aligned.
+        let mut pc = pc;
+        let mut params = kernel_params![o, px, pg, a, ch, pdx, pw, pr, pc];
+        // SAFETY: (part, x, g, NArgs, chunk, dx, w, r, cp) matches the generated signature; x
+        // and g are dense `rows * n` buffers, `part` holds `blocks * rows_k n` partials of the
+        // compute type (blocks at most `want`), and with the weight (dense, `n`) `out` holds
+        // `rows * n` more elements from `dx_at`; without it the kernel reads neither dx nor w;
+        // r (dense, x's shape and dtype) is read only by the kernel made for it, and cp (the
+        // caller's dense `rows * n` copy of its dtype) written only by the kernel made for it.
+        // Staged, `shared` bytes hold the warps' row slots (the kernel loaded with room for
+        // `most`), and x's and g's rows are 16-byte aligned.
         unsafe { g.launch(k, (blocks as u32, 1), (super::codegen::LN_GRADS_WARPS * 32) as u32, shared as u32, &mut params)? };
         reduce_into(g, ReduceOp::Sum, part, &Layout::contiguous(&[blocks, rows_k * n]), &[0], &out, false)
     };
@@ -1090,7 +1114,7 @@ fn layer_norm_param_grads(
     let sms = g.sms as usize;
     let default = rows.min(sms * 2);
     let candidates = || [2, 1, 3, 4, 6].iter().map(|b| (b * sms).min(rows)).collect();
-    let problem = (dtype, gdt, rows, n, with_dx, rd.is_some(), staged, sums);
+    let problem = (dtype, gdt, rows, n, staged, parts);
     let want = super::tune::choice(g, ("ln_param_grads", &problem), default, candidates, |b| {
         let part = CudaStorage::alloc(g, accumulator(dtype), b * rows_k * n)?;
         super::tune::time_graph(g, || run(b, &part))
