@@ -403,6 +403,19 @@ fn layer_norm_grads_with_a_residual_match_the_separate_add() {
                 close(&format!("{what}: dw, db"), &plain.narrow(0, 0, 2 * n).unwrap(), &f.narrow(0, 0, 2 * n).unwrap(), tol(xd));
                 let moved = f.narrow(0, to, numel).unwrap().reshape(shape).unwrap();
                 close(&format!("{what}: dx"), &dx(plain), &moved, tol(xd) * 4.0);
+                // With the copy (`passes::ln_dx_copies`, F32 layer norms): the same flat
+                // output, and dx (plus r) in BF16 from the same kernel, as the cast of that dx
+                // stores it.
+                if xd != DType::F32 {
+                    continue;
+                }
+                let op = kiln::tensor::Op::NormalizeParamGrads { eps: 1e-5, sums: Some(sums), copy: Some(DType::BF16) };
+                let refs: Vec<&Tensor> = on.iter().take(k).collect();
+                let (flat, copy) = Tensor::normalize_param_grads_with_copy(&op, &refs).unwrap();
+                assert_eq!(flat.narrow(0, 0, 3 * n).unwrap().to_vec_f64().unwrap(), f.narrow(0, 0, 3 * n).unwrap().to_vec_f64().unwrap());
+                let stored = flat.narrow(0, to, numel).unwrap().reshape(shape).unwrap();
+                assert_eq!(stored.to_vec_f64().unwrap(), moved.to_vec_f64().unwrap(), "{what}: dx beside the copy");
+                assert_eq!(copy.to_vec_f64().unwrap(), stored.to_dtype(DType::BF16).unwrap().to_vec_f64().unwrap(), "{what}: the copy");
             }
         }
     }
