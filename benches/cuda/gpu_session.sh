@@ -12,7 +12,7 @@
 #        MaxAutotune, two rounds, JSON lines in $OUT/bench.jsonl;
 # ab:    GPT BF16 with sessions 35-36's changes, then with each turned off in turn
 #        (`KILN_WIDE_RESIDUAL=0`, `KILN_PAD_PRODUCTS=0`, `KILN_LN_SUMS=0`,
-#        `KILN_GATED_SUMS=0`), two rounds, then `MaxAutotune` in a fresh cache folder with
+#        `KILN_LN_COPIES=0`, `KILN_GATED_SUMS=0`), two rounds, then `MaxAutotune` in a fresh cache folder with
 #        the tuned choices of Kiln's own kernels printed (`KILN_LOG=kernels`): $OUT/ab.log;
 # ncu:   per-kernel device times of GPT BF16 `ReduceOverhead` steps, graph nodes profiled as
 #        replayed (caches and clocks untouched): $OUT/ncu.csv, summed by kernel in $OUT/ncu_top.txt.
@@ -49,7 +49,7 @@ fi
 if [[ $parts == *ab* ]]; then
   b=$bin/examples/bench_gpu
   for round in 1 2; do
-    for off in KILN_NONE KILN_WIDE_RESIDUAL KILN_PAD_PRODUCTS KILN_LN_SUMS KILN_GATED_SUMS; do
+    for off in KILN_NONE KILN_WIDE_RESIDUAL KILN_PAD_PRODUCTS KILN_LN_SUMS KILN_LN_COPIES KILN_GATED_SUMS; do
       echo "round $round, $off=0: $(env "$off=0" "$b" --only gpt_bf16 --modes reduce-overhead --steps 20 2>/dev/null | grep -o '"median_ms": [0-9.]*')" | tee -a "$out/ab.log"
     done
   done
