@@ -172,7 +172,11 @@ impl Program {
             .iter()
             .filter(|s| match s {
                 Step::Groups(_) => true,
-                Step::Node(i) => !matches!(self.graph.nodes[*i].kind, Kind::Input(_) | Kind::State(_)) && self.consts[*i].is_none(),
+                Step::Node(i) => {
+                    !matches!(self.graph.nodes[*i].kind, Kind::Input(_) | Kind::State(_))
+                        && self.consts[*i].is_none()
+                        && !self.made_with[*i]
+                }
             })
             .count()
     }
@@ -446,6 +450,8 @@ impl Program {
             .iter()
             .map(|s| match s {
                 Step::Node(i) if self.consts[*i].is_some() => 0,
+                // A copy written by its layer norm's kernel: only the write.
+                Step::Node(i) if self.made_with[*i] => g.node_bytes(*i),
                 Step::Node(i) => match &g.nodes[*i].kind {
                     Kind::Op(_, args) => args.iter().map(arg_bytes).sum::<usize>() + g.node_bytes(*i),
                     Kind::Rand { .. } | Kind::WriteView { .. } => 2 * g.node_bytes(*i),

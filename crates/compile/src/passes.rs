@@ -1053,18 +1053,19 @@ pub fn ln_dx_copies(g: &Graph, gpu: bool) -> Graph {
     if !gpu || std::env::var("KILN_LN_COPIES").is_ok_and(|v| v == "0") {
         return out;
     }
-    let (pinned, _) = pinned_and_escaping(g);
-    let bases = view_bases(g);
-    for i in 0..g.nodes.len() {
-        let Some((l, t)) = dx_copy_source(g, i) else { continue };
-        if pinned[i] || bases.contains(&i) {
-            continue;
-        }
+    for (i, alone) in unpinned(g).into_iter().enumerate() {
+        let Some((l, t)) = dx_copy_source(g, i).filter(|_| alone) else { continue };
         if let Kind::Op(Op::NormalizeParamGrads { copy: copy @ None, .. }, _) = &mut out.nodes[l].kind {
             *copy = Some(t);
         }
     }
     out
+}
+
+/// Per node: neither a state buffer's value nor a base written into in place.
+fn unpinned(g: &Graph) -> Vec<bool> {
+    let (pinned, _) = pinned_and_escaping(g);
+    pinned.iter().map(|p| !p).collect()
 }
 
 /// The layer norm's backward whose whole dx (plus r) node `i` casts to 16 bits, and that
@@ -1088,8 +1089,8 @@ fn dx_copy_source(g: &Graph, i: NodeId) -> Option<(NodeId, DType)> {
 /// that reads its dx whole in that dtype: the executor makes both in one step.
 pub fn dx_copies(g: &Graph) -> Vec<Option<NodeId>> {
     let mut copies = vec![None; g.nodes.len()];
-    for i in 0..g.nodes.len() {
-        let Some((l, t)) = dx_copy_source(g, i) else { continue };
+    for (i, alone) in unpinned(g).into_iter().enumerate() {
+        let Some((l, t)) = dx_copy_source(g, i).filter(|_| alone) else { continue };
         if matches!(g.nodes[l].kind, Kind::Op(Op::NormalizeParamGrads { copy: Some(c), .. }, _) if c == t) && copies[l].is_none() {
             copies[l] = Some(i);
         }

@@ -968,8 +968,11 @@ impl Op {
                     Op::NormalizeParamGrads { sums: Some(t), .. } if inputs.len() < 3 || !t.is_float() => {
                         return Err(Error::Msg(format!("{name}: the sums row needs the weight and a float dtype, got {t:?}")));
                     }
-                    Op::NormalizeParamGrads { copy: Some(t), .. } if inputs.len() < 3 || !t.is_float() => {
-                        return Err(Error::Msg(format!("{name}: the copy of x's gradient needs the weight and a float dtype, got {t:?}")));
+                    Op::NormalizeParamGrads { copy: Some(t), .. } if inputs.len() < 3 || !t.is_float() || *t == inputs[0].dtype => {
+                        return Err(Error::Msg(format!(
+                            "{name}: the copy of x's gradient needs the weight and a float dtype other than x's {:?}, got {t:?}",
+                            inputs[0].dtype
+                        )));
                     }
                     Op::NormalizeParamGrads { sums, .. } => sums.is_some(),
                     _ => false,

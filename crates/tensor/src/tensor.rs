@@ -579,7 +579,8 @@ impl Tensor {
     /// `op`, an `Op::NormalizeParamGrads` with `copy: Some(t)`, on `ins` (x, g, w and maybe
     /// r): its flat output, and x's gradient (plus r) cast to `t` in x's shape. On CUDA one
     /// kernel writes both (compile's `passes::ln_dx_copies`); elsewhere the cast follows the
-    /// op. Records no autograd history (compile runs it after autograd).
+    /// op. Records no autograd history and is not deferred by a lazy trace: compile runs it
+    /// after autograd, on computed buffers.
     pub fn normalize_param_grads_with_copy(op: &Op, ins: &[&Tensor]) -> Result<(Tensor, Tensor)> {
         let (Op::NormalizeParamGrads { sums, copy: Some(t), .. }, Some(x)) = (op, ins.first()) else {
             return Err(Error::Msg(format!("normalize_param_grads_with_copy: needs layer norm's grads with a copy, got {op:?}")));
@@ -592,7 +593,9 @@ impl Tensor {
         let meta = op.infer(&metas)?;
         if device.is_cuda() {
             let layouts: Vec<&Layout> = ins.iter().map(|t| t.layout()).collect();
-            let (flat, copy) = with_storages(ins, |storages| crate::cuda::layer_norm_grads_with_copy(op, storages, &layouts, device))?;
+            let (flat, copy) = profiled(op, &meta, device, || {
+                with_storages(ins, |storages| crate::cuda::layer_norm_grads_with_copy(op, storages, &layouts, device))
+            })?;
             return Ok((Tensor::from_storage(flat, &meta.shape), Tensor::from_storage(copy, x.shape())));
         }
         let flat = Tensor::apply(op.clone(), ins, device)?;

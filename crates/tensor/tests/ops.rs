@@ -377,6 +377,7 @@ fn layer_norm_param_grads_match_the_composite() -> Result<()> {
     assert!(err.contains("copy"), "{err}");
     for bad in [
         Tensor::apply(Op::NormalizeParamGrads { eps: 1e-5, sums: None, copy: Some(DType::BF16) }, &[&x, &g], CPU),
+        Tensor::apply(Op::NormalizeParamGrads { eps: 1e-5, sums: None, copy: Some(DType::F32) }, &[&x, &g, &w], CPU),
         Tensor::apply(Op::NormalizeParamGrads { eps: 1e-5, sums: Some(DType::BF16), copy: None }, &[&x, &g], CPU),
         Tensor::apply(Op::NormalizeParamGrads { eps: 1e-5, sums: Some(DType::I64), copy: None }, &[&x, &g, &w], CPU),
     ] {
