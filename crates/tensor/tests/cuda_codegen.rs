@@ -667,3 +667,38 @@ fn groups_computing_their_fed_products_compile() {
     }
     assert!(fails.is_empty(), "{}", fails.join("\n"));
 }
+
+/// The register budgets the launches count on, from ptxas's report (NVRTC, no GPU needed):
+/// layer norm's backward at GPT's rows of 384 (12 tiles), in each form compile makes of it,
+/// holds at most 128 registers a thread and spills nothing, so that two blocks of 256 threads
+/// fit an SM; the gated column sums spill nothing.
+#[test]
+fn layer_norm_grads_and_gated_sums_keep_their_register_budgets() {
+    need_nvrtc();
+    let mut fails = Vec::new();
+    let mut budget = |(src, name): (String, String), most: u32| {
+        let src = waiting_for_prior(&src);
+        match nvrtc::resources(&src, &name, &nvrtc::target(&src, (9, 0))) {
+            Ok(r) if r.registers <= most && r.spill_bytes == 0 => println!("{name}: {r:?}"),
+            Ok(r) => fails.push(format!("{name}: {r:?} (at most {most} registers, no spills)")),
+            Err(e) => fails.push(format!("{name}: {e}")),
+        }
+    };
+    let bf16 = Some(DType::BF16);
+    for (gdt, sums, copy) in
+        [(DType::F32, None, None), (DType::F32, Some(DType::F32), None), (DType::BF16, None, None), (DType::BF16, bf16, bf16)]
+    {
+        for staged in [false, true] {
+            for resid in [false, true] {
+                let parts = LnGradsParts { dx: true, resid, sums, copy };
+                budget(kiln_tensor::cuda::codegen::layer_norm_param_grads_source(DType::F32, 12, parts, gdt, staged), 128);
+            }
+        }
+    }
+    for d in [DType::F32, DType::BF16] {
+        for v in [1, 16 / d.size_in_bytes()] {
+            budget(kiln_tensor::cuda::codegen::column_sums_source(d, v, Some(UnaryOp::GeluGrad)), 255);
+        }
+    }
+    assert!(fails.is_empty(), "{} kernels over their budget:\n{}", fails.len(), fails.join("\n"));
+}

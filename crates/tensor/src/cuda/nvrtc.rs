@@ -90,19 +90,44 @@ pub fn cubins(jobs: &[(String, String)], cc: (i32, i32)) -> Vec<Result<Vec<u8>>>
 /// Compiles `src` for `arch` (e.g. "sm_90"): a CUBIN when `binary`, else PTX text bytes.
 /// Errors carry NVRTC's log.
 pub fn compile(src: &str, name: &str, arch: &str, binary: bool) -> Result<Vec<u8>> {
+    compile_with(src, name, arch, binary, &[]).map(|(out, _)| out)
+}
+
+/// What a compiled kernel holds per thread (ptxas's report, for a real `sm_XX` arch).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Resources {
+    pub registers: u32,
+    /// Bytes spilled to local memory (stores).
+    pub spill_bytes: u32,
+}
+
+/// The registers and spills of `src`'s one kernel for `arch`, from ptxas's verbose report: a
+/// check on the register budget of a kernel that no GPU is needed for.
+pub fn resources(src: &str, name: &str, arch: &str) -> Result<Resources> {
+    let (_, log) = compile_with(src, name, arch, true, &["--ptxas-options=-v".to_string()])?;
+    let number_before = |what: &str| -> Option<u32> {
+        let at = log.find(what)?;
+        log[..at].split_whitespace().last()?.parse().ok()
+    };
+    match (number_before(" registers"), number_before(" bytes spill stores")) {
+        (Some(registers), Some(spill_bytes)) => Ok(Resources { registers, spill_bytes }),
+        _ => Err(Error::Cuda(format!("ptxas gave no register report for {name}:\n{log}"))),
+    }
+}
+
+/// `compile` with more NVRTC options; also hands back the program's log.
+fn compile_with(src: &str, name: &str, arch: &str, binary: bool, more: &[String]) -> Result<(Vec<u8>, String)> {
     let csrc = CString::new(src).map_err(|_| Error::Msg("kernel source has a NUL".into()))?;
     let cname = CString::new(format!("{name}.cu")).map_err(|_| Error::Msg("kernel name has a NUL".into()))?;
     let prog = nr::create_program(&csrc, Some(&cname)).map_err(|e| Error::Cuda(format!("nvrtc create_program: {e:?}")))?;
-    let opts = [format!("--gpu-architecture={arch}"), "--std=c++17".to_string()];
+    let opts: Vec<String> =
+        [format!("--gpu-architecture={arch}"), "--std=c++17".to_string()].into_iter().chain(more.iter().cloned()).collect();
     // SAFETY: `prog` is live until destroy_program below.
     let compiled = unsafe { nr::compile_program(prog, &opts) };
+    // SAFETY: as above.
+    let log = unsafe { nr::get_program_log(prog) }.map(|l| l.iter().map(|&c| c as u8 as char).collect::<String>()).unwrap_or_default();
     let out = match compiled {
-        Err(e) => {
-            // SAFETY: as above.
-            let log =
-                unsafe { nr::get_program_log(prog) }.map(|l| l.iter().map(|&c| c as u8 as char).collect::<String>()).unwrap_or_default();
-            Err(Error::Cuda(format!("nvrtc could not compile {name} for {arch}: {e:?}\n{log}")))
-        }
+        Err(e) => Err(Error::Cuda(format!("nvrtc could not compile {name} for {arch}: {e:?}\n{log}"))),
         Ok(()) if binary => {
             let mut size = 0usize;
             // SAFETY: as above; `buf` is sized from NVRTC's own answer. No early return: the
@@ -123,5 +148,5 @@ pub fn compile(src: &str, name: &str, arch: &str, binary: bool) -> Result<Vec<u8
     };
     // SAFETY: `prog` was created above and is not used after this.
     let _ = unsafe { nr::destroy_program(prog) };
-    out
+    out.map(|o| (o, log))
 }
