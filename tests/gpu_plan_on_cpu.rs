@@ -2,8 +2,10 @@
 //! compiled on the CPU goes through the passes a Hopper GPU gets (cuBLASLt epilogues, the
 //! folds into layer norm's backward, zero-padded products, ...) and then runs on the CPU.
 //! A GPT under BF16 autocast and in F32, trained that way, must match eager CPU training in
-//! the same precision, and its graph must show the GPU's rewrites. (The CUDA kernels themselves are
-//! checked on the GPU by `cuda_compile` and `cuda_ops`.) Built only with `--features cuda`.
+//! the same precision, and its graph must show the GPU's rewrites; where NVRTC is found, the
+//! fused kernels the GPU would launch for both steps must compile. (What the CUDA kernels
+//! compute is checked on the GPU by `cuda_compile` and `cuda_ops`.) Built only with
+//! `--features cuda`.
 #![cfg(feature = "cuda")]
 
 use common::{assert_runs_agree, drop_key_bias, gpt_step, Run};
@@ -45,14 +47,30 @@ fn a_gpt_compiled_with_the_gpu_passes_matches_eager_on_the_cpu_in_bf16_and_f32()
     let dir = std::env::temp_dir().join(format!("kiln-gpu-plan-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     std::env::set_var("KILN_GPU_SOURCES", dir.join("step.cu"));
+    let sources = || std::fs::read_to_string(dir.join("step.cu")).unwrap_or_default();
     let (eager, _) = train(false, 12, Some(DType::BF16));
     let (compiled, graph) = train(true, 12, Some(DType::BF16));
+    let bf16_sources = sources();
     let (eager32, _) = train(false, 12, None);
     let (compiled32, graph32) = train(true, 12, None);
-    let sources = std::fs::read_to_string(dir.join("step.cu")).unwrap_or_default();
+    let f32_sources = sources();
     std::env::remove_var("KILN_GPU_SOURCES");
     std::fs::remove_dir_all(&dir).ok();
-    assert!(sources.contains("extern \"C\" __global__"), "the GPU's kernel sources were written");
+    // The GPU's fused kernels for both steps, written, and compiled where NVRTC is (CI
+    // installs it from pip for this test and `cuda_codegen`).
+    for (what, src) in [("BF16", &bf16_sources), ("F32", &f32_sources)] {
+        assert!(src.contains("extern \"C\" __global__"), "the GPU's kernel sources for the {what} step were written");
+        if kiln::tensor::cuda::nvrtc::available() {
+            let src = kiln::tensor::cuda::codegen::waiting_for_prior(src);
+            let arch = kiln::tensor::cuda::nvrtc::target(&src, (9, 0));
+            if let Err(e) = kiln::tensor::cuda::nvrtc::compile(&src, "kiln_fused", &arch, true) {
+                panic!("the {what} step's fused kernels do not compile: {e}");
+            }
+            println!("the {what} step's fused kernels compiled with NVRTC for {arch}");
+        } else {
+            println!("SKIPPED: no NVRTC here (libnvrtc.so.13), so the {what} step's fused kernels were not compiled");
+        }
+    }
     // The GPU's rewrites are in the graph that ran.
     for (what, pattern) in [
         ("autocast's residual adds in the products' epilogue", "= matmul_residual"),
