@@ -1517,9 +1517,19 @@ mod tests {
         g
     }
 
+    /// Random inputs for `ln_then_bias(_, BF16, 32)`: x, w, the output's BF16 gradient, r, h.
+    fn ln_then_bias_inputs() -> kiln_tensor::Result<Vec<std::sync::Arc<kiln_tensor::storage::StorageCell>>> {
+        use kiln_tensor::{Device, Distribution, Tensor};
+        let t = |shape: &[usize], seed: u64, dtype: DType| {
+            Tensor::rand_at(shape, Distribution::Normal, seed, 0, DType::F32, Device::Cpu)?.to_dtype(dtype)
+        };
+        let shapes: [(&[usize], DType); 5] =
+            [(&[6, 32], DType::F32), (&[32], DType::F32), (&[6, 32], DType::BF16), (&[6, 32], DType::F32), (&[6, 8], DType::BF16)];
+        shapes.iter().zip(1..).map(|(&(shape, dtype), seed)| crate::contiguous_cell(&t(shape, seed, dtype)?)).collect()
+    }
+
     #[test]
     fn a_bias_gradient_of_a_layer_norms_dx_is_summed_by_its_backward_on_a_gpu() -> kiln_tensor::Result<()> {
-        use kiln_tensor::{Device, Distribution, Tensor};
         let g = ln_then_bias(vec![0], DType::BF16, 32);
         let f = ln_bias_sums(&g, true);
         assert_eq!(ops(&f), ["layer_norm_param_grads", "to_dtype", "to_dtype", "matmul"], "{f}");
@@ -1531,17 +1541,7 @@ mod tests {
         let Kind::Op(Op::Cast(DType::BF16), copy) = &f.nodes[6].kind else { panic!("{f}") };
         assert_eq!((copy[0].layout.offset, f.outputs[2].layout.offset, f.outputs[3].layout.offset), (128, 128, 0));
         // The same values as the unfused graph on the CPU.
-        let t = |shape: &[usize], seed: u64, dtype: DType| {
-            Tensor::rand_at(shape, Distribution::Normal, seed, 0, DType::F32, Device::Cpu)?.to_dtype(dtype)
-        };
-        let ins = [
-            t(&[6, 32], 1, DType::F32)?,
-            t(&[32], 2, DType::F32)?,
-            t(&[6, 32], 3, DType::BF16)?,
-            t(&[6, 32], 4, DType::F32)?,
-            t(&[6, 8], 5, DType::BF16)?,
-        ];
-        let cells = ins.iter().map(crate::contiguous_cell).collect::<kiln_tensor::Result<Vec<_>>>()?;
+        let cells = ln_then_bias_inputs()?;
         same_values(g.clone(), f, &cells, 4, 1e-2)?;
         // Not on the CPU, nor a sum over dx's columns, nor one in a wider dtype than the
         // row's (F64 from F32).
@@ -1561,7 +1561,6 @@ mod tests {
 
     #[test]
     fn a_layer_norms_16_bit_copy_of_dx_is_written_by_its_backward_on_a_gpu() -> kiln_tensor::Result<()> {
-        use kiln_tensor::{Device, Distribution, Tensor};
         let g = ln_then_bias(vec![0], DType::BF16, 32);
         let f = ln_dx_copies(&g, true);
         assert_eq!(ops(&f), ops(&g), "no node added or removed: {f}");
@@ -1572,17 +1571,7 @@ mod tests {
         // with the sums row too, x's gradient moved.
         let both = ln_dx_copies(&ln_bias_sums(&g, true), true);
         assert_eq!(dx_copies(&both)[5], Some(6), "{both}");
-        let t = |shape: &[usize], seed: u64, dtype: DType| {
-            Tensor::rand_at(shape, Distribution::Normal, seed, 0, DType::F32, Device::Cpu)?.to_dtype(dtype)
-        };
-        let ins = [
-            t(&[6, 32], 1, DType::F32)?,
-            t(&[32], 2, DType::F32)?,
-            t(&[6, 32], 3, DType::BF16)?,
-            t(&[6, 32], 4, DType::F32)?,
-            t(&[6, 8], 5, DType::BF16)?,
-        ];
-        let cells = ins.iter().map(crate::contiguous_cell).collect::<kiln_tensor::Result<Vec<_>>>()?;
+        let cells = ln_then_bias_inputs()?;
         same_values(g.clone(), f, &cells, 4, 0.0)?;
         same_values(g.clone(), both, &cells, 4, 1e-2)?;
         // Not on the CPU, nor a cast to F64 (only 16-bit copies).
