@@ -60,6 +60,12 @@ fn with_args<R>(cells: &[(&Arc<StorageCell>, &Layout)], f: impl FnOnce(&[(&CpuSt
     f(&ins)
 }
 
+/// An op's arguments as tensors over the computed values (views, no autograd history).
+fn arg_tensors(args: &[crate::graph::Arg], vals: &[Option<Arc<StorageCell>>]) -> Result<Vec<Tensor>> {
+    let val = |n: NodeId| vals[n].as_ref().ok_or_else(|| Error::Msg(format!("compile: node {n} used before it was computed")));
+    args.iter().map(|a| Ok(Tensor::from_cell(val(a.node)?.clone(), a.layout.clone()))).collect()
+}
+
 fn new_cell(s: CpuStorage) -> Arc<StorageCell> {
     Arc::new(StorageCell::new(Storage::Cpu(s)))
 }
@@ -196,8 +202,7 @@ impl Program {
             Kind::State(s) => self.cells[*s].clone(),
             Kind::Op(op, args) if self.device.is_cuda() => {
                 // The eager kernels, through the one dispatch point (no tracer, no grad here).
-                let ts: Vec<Tensor> =
-                    args.iter().map(|a| Ok(Tensor::from_cell(val(a.node)?.clone(), a.layout.clone()))).collect::<Result<_>>()?;
+                let ts = arg_tensors(args, vals)?;
                 let refs: Vec<&Tensor> = ts.iter().collect();
                 Tensor::apply(op.clone(), &refs, self.device)?.storage().clone()
             }
@@ -225,8 +230,7 @@ impl Program {
     /// on a GPU (`Tensor::normalize_param_grads_with_copy`).
     fn run_with_copy(&self, i: NodeId, vals: &[Option<Arc<StorageCell>>]) -> Result<(Arc<StorageCell>, Arc<StorageCell>)> {
         let Kind::Op(op, args) = &self.graph.nodes[i].kind else { return Err(Error::Msg(format!("compile: node {i} is no op"))) };
-        let val = |n: NodeId| vals[n].as_ref().ok_or_else(|| Error::Msg(format!("compile: node {n} used before it was computed")));
-        let ts: Vec<Tensor> = args.iter().map(|a| Ok(Tensor::from_cell(val(a.node)?.clone(), a.layout.clone()))).collect::<Result<_>>()?;
+        let ts = arg_tensors(args, vals)?;
         let (flat, copy) = Tensor::normalize_param_grads_with_copy(op, &ts.iter().collect::<Vec<_>>())?;
         Ok((flat.storage().clone(), copy.storage().clone()))
     }
