@@ -858,7 +858,40 @@ pub fn optimise(g: Graph, target: Target, mut log: impl FnMut(&str, &Graph)) -> 
     log("fold_layer_norm_casts", &g);
     g = pad_unaligned_products(&g, gpu);
     log("pad_unaligned_products", &g);
+    g = read_dense_copies_in_place(&g);
+    log("read_dense_copies_in_place", &g);
     g
+}
+
+/// A copy of a dense range of an op's buffer (`contiguous` of a row-major view at any offset,
+/// as autograd leaves a parameter's slice of a flat gradient) is read in place: its readers
+/// read the source at the shifted offset, and the copy goes. `simplify` catches only copies of
+/// whole buffers. Copies written into, kept as state or returned stay.
+pub fn read_dense_copies_in_place(g: &Graph) -> Graph {
+    let mut out = g.clone();
+    let (pinned, escapes) = pinned_and_escaping(g);
+    // For each dropped copy: the source node and the copy's offset in it.
+    let mut source: Vec<Option<(NodeId, usize)>> = vec![None; g.nodes.len()];
+    for (i, node) in g.nodes.iter().enumerate() {
+        let Kind::Op(Op::Contiguous, args) = &node.kind else { continue };
+        let a = &args[0];
+        let dense = a.layout.is_contiguous() && g.nodes[a.node].dtype == node.dtype;
+        if !dense || pinned[i] || escapes[i] {
+            continue;
+        }
+        source[i] = match source[a.node] {
+            Some((s, offset)) => Some((s, offset + a.layout.offset)),
+            None if matches!(g.nodes[a.node].kind, Kind::Op(..)) => Some((a.node, a.layout.offset)),
+            None => None,
+        };
+    }
+    each_read(&mut out, |x| {
+        if let Some((s, offset)) = source[x.node] {
+            x.node = s;
+            x.layout.offset += offset;
+        }
+    });
+    dce(&out)
 }
 
 /// On a GPU, autocast's casts beside an F32 layer norm go into its kernels: a layer norm read
@@ -1745,5 +1778,29 @@ mod tests {
             }
         }
         assert!(!ops(&fuse_mean_cross_entropy(&g, true)).contains(&"cross_entropy_mean"));
+    }
+
+    #[test]
+    fn copies_of_dense_ranges_are_read_in_place() -> kiln_tensor::Result<()> {
+        use kiln_tensor::{Device, Distribution, Tensor};
+        let mut g = Graph::default();
+        let x = g.push(Kind::Input(0), vec![4, 6], DType::F32);
+        let y = g.push(Kind::Op(Op::Unary(UnaryOp::Exp), vec![whole(&g, x)]), vec![4, 6], DType::F32);
+        let range = |node: NodeId, len: usize, offset: usize| Arg { node, layout: Layout { shape: vec![len], strides: vec![1], offset } };
+        // Rows 1..3 of y, then the last 6 of those: a chain of copies.
+        let c = g.push(Kind::Op(Op::Contiguous, vec![range(y, 12, 6)]), vec![12], DType::F32);
+        let d = g.push(Kind::Op(Op::Contiguous, vec![range(c, 6, 6)]), vec![6], DType::F32);
+        let e = g.push(Kind::Op(Op::Scalar { op: BinaryOp::Mul, value: 3.0, scalar_lhs: false }, vec![whole(&g, d)]), vec![6], DType::F32);
+        // A transposing copy and a returned copy stay.
+        let t = Arg { node: y, layout: Layout { shape: vec![6, 4], strides: vec![1, 6], offset: 0 } };
+        let transposed = g.push(Kind::Op(Op::Contiguous, vec![t]), vec![6, 4], DType::F32);
+        let kept = g.push(Kind::Op(Op::Contiguous, vec![range(y, 6, 0)]), vec![6], DType::F32);
+        g.outputs = vec![whole(&g, e), whole(&g, transposed), whole(&g, kept)];
+        let f = read_dense_copies_in_place(&g);
+        assert_eq!(ops(&f), ["exp", "mul", "contiguous", "contiguous"]);
+        let Kind::Op(_, args) = &f.nodes[2].kind else { panic!("node 2 is not an op") };
+        assert_eq!((args[0].node, args[0].layout.offset), (1, 12));
+        let cells = [crate::contiguous_cell(&Tensor::rand_at(&[4, 6], Distribution::Normal, 5, 0, DType::F32, Device::Cpu)?)?];
+        same_values(g, f, &cells, 3, 0.0)
     }
 }
