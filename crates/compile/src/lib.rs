@@ -304,6 +304,14 @@ where
         let queue = lazy.stop();
         let host_reads = !recorder.rec.borrow().host_reads.is_empty();
         let lazy_first = !(result.is_err() || host_reads || queue.flushed);
+        log::log(
+            "time",
+            &format!(
+                "traced in {:.1} ms, {}",
+                start.elapsed().as_secs_f64() * 1e3,
+                if lazy_first { "kernels queued" } else { "run eagerly" }
+            ),
+        );
         if lazy_first {
             queue.run_fills()?;
         } else {
@@ -354,6 +362,7 @@ where
         first_new: u64,
         start: Instant,
     ) -> Result<Program> {
+        let traced_at = start.elapsed();
         let lowered = lower::lower(rec, owned, outputs, gens, first_new)?;
         if !lowered.baked.is_empty() && !self.warned {
             eprintln!("kiln compile: {} tensor(s) made from host data inside the step are baked in as constants ({}); pass them as inputs if they change", lowered.baked.len(), lowered.baked.join(", "));
@@ -393,8 +402,9 @@ where
         log::log(
             "time",
             &format!(
-                "trace and lowering {:.1} ms, passes {:.1} ms, plan and kernels {:.1} ms",
-                traced.as_secs_f64() * 1e3,
+                "trace {:.1} ms, lowering {:.1} ms, passes {:.1} ms, plan and kernels {:.1} ms",
+                traced_at.as_secs_f64() * 1e3,
+                (traced - traced_at).as_secs_f64() * 1e3,
                 (planned - start - traced).as_secs_f64() * 1e3,
                 planned.elapsed().as_secs_f64() * 1e3
             ),

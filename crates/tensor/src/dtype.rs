@@ -65,7 +65,7 @@ pub fn set_default_dtype(d: DType) {
 
 /// A scalar type a CPU buffer can hold. Arithmetic goes through `Acc`, the type kernels
 /// compute in: f32 for f16/bf16/f32 (like PyTorch's CPU kernels), f64 for f64 and i64.
-pub trait Element: Copy + Send + Sync + 'static + std::fmt::Debug + PartialOrd {
+pub trait Element: Copy + Send + Sync + 'static + std::fmt::Debug + PartialOrd + bytemuck::Zeroable {
     const DTYPE: DType;
     fn to_f64(self) -> f64;
     fn from_f64(v: f64) -> Self;

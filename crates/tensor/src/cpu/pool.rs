@@ -100,7 +100,10 @@ pub fn take<T: Element>(len: usize) -> Vec<T> {
             return v;
         }
     }
-    vec![T::zero(); len]
+    // Zeroed by the allocator: large buffers come as fresh zero pages, touched only where
+    // written (`vec![bf16::ZERO; n]` would write every byte first; a lazy trace's outputs are
+    // never written).
+    bytemuck::zeroed_vec(len)
 }
 
 /// Return a buffer for reuse.
