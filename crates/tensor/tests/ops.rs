@@ -282,6 +282,23 @@ fn naive_matmul(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> 
 }
 
 #[test]
+fn bf16_products_of_views_at_an_offset_match_f32() -> Result<()> {
+    // Small integers are exact in BF16, so the products must equal F32's exactly: q and k are
+    // column slices of one packed buffer (as attention's from qkv), k read transposed.
+    let data: Vec<f32> = (0..2 * 5 * 12).map(|i| (i % 7) as f32 - 3.0).collect();
+    let packed = t(&data, &[2, 5, 12]);
+    let q = packed.narrow(2, 4, 4)?;
+    let k = packed.narrow(2, 8, 4)?.transpose(1, 2)?;
+    let want = q.matmul(&k)?;
+    let got = q.to_dtype(DType::BF16)?.matmul(&k.to_dtype(DType::BF16)?)?;
+    assert_eq!(v(&got.to_dtype(DType::F32)?), v(&want));
+    let pb = packed.to_dtype(DType::BF16)?;
+    let got = pb.narrow(2, 4, 4)?.matmul(&pb.narrow(2, 8, 4)?.transpose(1, 2)?)?;
+    assert_eq!(v(&got.to_dtype(DType::F32)?), v(&want));
+    Ok(())
+}
+
+#[test]
 fn matmul_with_bias_adds_it_to_every_row() -> Result<()> {
     let a = t(&[1., 2., 3., 4., 5., 6.], &[2, 3]);
     let b = t(&[7., 8., 9., 10., 11., 12.], &[3, 2]);

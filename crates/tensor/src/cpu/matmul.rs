@@ -266,15 +266,33 @@ pub fn by_tiles<T: GemmElem>(
     }
 }
 
-/// bf16 through f32.
+/// bf16 through f32: the range each operand's view reads is widened (in parallel, into
+/// pooled buffers), multiplied, and the product narrowed.
 pub fn matmul_bf16(
     (a, la): (&[half::bf16], &Layout),
     (b, lb): (&[half::bf16], &Layout),
     bias: Option<&[half::bf16]>,
     s: MatmulShape,
 ) -> Vec<half::bf16> {
-    let widen = |v: &[half::bf16]| -> Vec<f32> { v.iter().map(|x| x.to_f32()).collect() };
-    let bias = bias.map(widen);
-    let out = matmul((&widen(a), la), (&widen(b), lb), bias.as_deref(), s);
-    out.iter().map(|&x| half::bf16::from_f32(x)).collect()
+    let (wa, la) = widen_read_range(a, la);
+    let (wb, lb) = widen_read_range(b, lb);
+    let wbias = bias.map(|v| convert(v, |x: half::bf16| x.to_f32()));
+    let wide = matmul((&wa, &la), (&wb, &lb), wbias.as_deref(), s);
+    let out = convert(&wide, half::bf16::from_f32);
+    [wa, wb, wide].into_iter().chain(wbias).for_each(pool::give);
+    out
+}
+
+/// The part of `v` that `l` reads, widened to f32, and `l` moved onto it.
+fn widen_read_range(v: &[half::bf16], l: &Layout) -> (Vec<f32>, Layout) {
+    let (lo, hi) = if l.numel() == 0 { (0, 0) } else { (l.offset, l.last_index() + 1) };
+    (convert(&v[lo..hi], |x: half::bf16| x.to_f32()), Layout { offset: l.offset - lo, ..l.clone() })
+}
+
+/// `f` over `v` into a pooled buffer, in parallel chunks.
+fn convert<S: Copy + Sync, T: Element>(v: &[S], f: impl Fn(S) -> T + Sync) -> Vec<T> {
+    const CHUNK: usize = 1 << 16;
+    let mut out = pool::take::<T>(v.len());
+    out.par_chunks_mut(CHUNK).zip(v.par_chunks(CHUNK)).for_each(|(o, i)| o.iter_mut().zip(i).for_each(|(o, &x)| *o = f(x)));
+    out
 }
