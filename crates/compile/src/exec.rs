@@ -60,10 +60,14 @@ fn with_args<R>(cells: &[(&Arc<StorageCell>, &Layout)], f: impl FnOnce(&[(&CpuSt
     f(&ins)
 }
 
+/// Node `n`'s computed value.
+fn computed(vals: &[Option<Arc<StorageCell>>], n: NodeId) -> Result<&Arc<StorageCell>> {
+    vals[n].as_ref().ok_or_else(|| Error::Msg(format!("compile: node {n} used before it was computed")))
+}
+
 /// An op's arguments as tensors over the computed values (views, no autograd history).
 fn arg_tensors(args: &[crate::graph::Arg], vals: &[Option<Arc<StorageCell>>]) -> Result<Vec<Tensor>> {
-    let val = |n: NodeId| vals[n].as_ref().ok_or_else(|| Error::Msg(format!("compile: node {n} used before it was computed")));
-    args.iter().map(|a| Ok(Tensor::from_cell(val(a.node)?.clone(), a.layout.clone()))).collect()
+    args.iter().map(|a| Ok(Tensor::from_cell(computed(vals, a.node)?.clone(), a.layout.clone()))).collect()
 }
 
 fn new_cell(s: CpuStorage) -> Arc<StorageCell> {
@@ -196,7 +200,7 @@ impl Program {
     ) -> Result<Arc<StorageCell>> {
         let node = &self.graph.nodes[i];
         let meta = OutMeta { shape: node.shape.clone(), dtype: node.dtype };
-        let val = |n: NodeId| vals[n].as_ref().ok_or_else(|| Error::Msg(format!("compile: node {n} used before it was computed")));
+        let val = |n: NodeId| computed(vals, n);
         Ok(match &node.kind {
             Kind::Input(k) => inputs[*k].clone(),
             Kind::State(s) => self.cells[*s].clone(),
@@ -242,7 +246,7 @@ impl Program {
         let (Kind::Op(op, args), Some(Step::Groups(gs))) = (&node.kind, self.plan.steps.get(k + 1)) else {
             return Err(Error::Msg(format!("compile: step {k} is not a product before a group")));
         };
-        let val = |n: NodeId| vals[n].clone().ok_or_else(|| Error::Msg(format!("compile: node {n} used before it was computed")));
+        let val = |n: NodeId| computed(vals, n).cloned();
         let arg_cells: Vec<Arc<StorageCell>> = args.iter().map(|a| val(a.node)).collect::<Result<_>>()?;
         let cells: Vec<(&Arc<StorageCell>, &Layout)> = arg_cells.iter().zip(args).map(|(c, a)| (c, &a.layout)).collect();
         let meta = OutMeta { shape: node.shape.clone(), dtype: node.dtype };
@@ -339,8 +343,7 @@ impl Program {
                     }
                 },
                 Step::Groups(gs) => {
-                    let cell_of =
-                        |x: NodeId| vals[x].clone().ok_or_else(|| Error::Msg(format!("compile: node {x} used before it was computed")));
+                    let cell_of = |x: NodeId| computed(&vals, x).cloned();
                     let made = match self.device {
                         #[cfg(feature = "cuda")]
                         Device::Cuda(_) => self.gpu()?.run_groups(self, gs, &cell_of)?,

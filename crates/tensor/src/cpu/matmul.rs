@@ -1,6 +1,7 @@
 //! Batched matrix products through the `gemm` crate, which takes arbitrary strides: transposed
 //! and broadcast inputs need no copy. bf16 goes through f32 (gemm has no bf16 kernel).
 
+use super::elementwise::map1;
 use super::pool;
 use crate::shape::Layout;
 use crate::Element;
@@ -266,8 +267,8 @@ pub fn by_tiles<T: GemmElem>(
     }
 }
 
-/// bf16 through f32: the range each operand's view reads is widened (in parallel, into
-/// pooled buffers), multiplied, and the product narrowed.
+/// bf16 through f32: the range each operand's view reads is widened (`map1`: in parallel,
+/// into pooled buffers), multiplied, and the product narrowed.
 pub fn matmul_bf16(
     (a, la): (&[half::bf16], &Layout),
     (b, lb): (&[half::bf16], &Layout),
@@ -276,9 +277,9 @@ pub fn matmul_bf16(
 ) -> Vec<half::bf16> {
     let (wa, la) = widen_read_range(a, la);
     let (wb, lb) = widen_read_range(b, lb);
-    let wbias = bias.map(|v| convert(v, |x: half::bf16| x.to_f32()));
+    let wbias = bias.map(|v| widen_read_range(v, &Layout::contiguous(&[v.len()])).0);
     let wide = matmul((&wa, &la), (&wb, &lb), wbias.as_deref(), s);
-    let out = convert(&wide, half::bf16::from_f32);
+    let out = map1(&wide, &Layout::contiguous(&[wide.len()]), half::bf16::from_f32);
     [wa, wb, wide].into_iter().chain(wbias).for_each(pool::give);
     out
 }
@@ -286,13 +287,6 @@ pub fn matmul_bf16(
 /// The part of `v` that `l` reads, widened to f32, and `l` moved onto it.
 fn widen_read_range(v: &[half::bf16], l: &Layout) -> (Vec<f32>, Layout) {
     let (lo, hi) = if l.numel() == 0 { (0, 0) } else { (l.offset, l.last_index() + 1) };
-    (convert(&v[lo..hi], |x: half::bf16| x.to_f32()), Layout { offset: l.offset - lo, ..l.clone() })
-}
-
-/// `f` over `v` into a pooled buffer, in parallel chunks.
-fn convert<S: Copy + Sync, T: Element>(v: &[S], f: impl Fn(S) -> T + Sync) -> Vec<T> {
-    const CHUNK: usize = 1 << 16;
-    let mut out = pool::take::<T>(v.len());
-    out.par_chunks_mut(CHUNK).zip(v.par_chunks(CHUNK)).for_each(|(o, i)| o.iter_mut().zip(i).for_each(|(o, &x)| *o = f(x)));
-    out
+    let range = Layout { offset: lo, ..Layout::contiguous(&[hi - lo]) };
+    (map1(v, &range, |x: half::bf16| x.to_f32()), Layout { offset: l.offset - lo, ..l.clone() })
 }
