@@ -87,11 +87,16 @@ impl Stopped {
         self.jobs.into_iter().try_for_each(|j| run(&j))
     }
 
-    /// Runs only the fills (`Full`, `Arange`), for buffers the step creates and keeps, such
-    /// as optimizer moments made on the first step, and drops the rest.
+    /// Runs only the fills (`Full`, `Arange`) of buffers the step creates and keeps, such as
+    /// optimizer moments made on the first step, and drops the rest. A fill whose buffer
+    /// nothing but its own job holds once the other jobs are dropped made a temporary: the
+    /// compiled program computes it, so it is dropped too.
     pub fn run_fills(self) -> Result<()> {
-        let fill = |p: &&Pending| matches!(p, Pending::Out { op: Op::Full { .. } | Op::Arange { .. }, .. });
-        self.jobs.iter().filter(fill).try_for_each(run)
+        let fill = |p: &Pending| matches!(p, Pending::Out { op: Op::Full { .. } | Op::Arange { .. }, .. });
+        let (fills, rest): (Vec<Pending>, Vec<Pending>) = self.jobs.into_iter().partition(fill);
+        drop(rest);
+        let kept = |p: &&Pending| matches!(p, Pending::Out { out, .. } if Arc::strong_count(out) > 1);
+        fills.iter().filter(kept).try_for_each(run)
     }
 }
 

@@ -35,7 +35,9 @@ fn ending_with_sources_drops_updates_but_keeps_fills() -> Result<()> {
     let queue = lazy::begin()?;
     let m = Tensor::full(3.0, &[2], DType::F32, Device::Cpu)?; // a buffer the step creates and keeps
     m.add_scalar_(1.0)?;
-    p.assign(&m)?;
+    let t = Tensor::full(5.0, &[2], DType::F32, Device::Cpu)?; // a temporary: its fill is dropped
+    p.assign(&m.add(&t)?)?;
+    drop(t);
     let stopped = queue.stop();
     assert!(!stopped.flushed);
     stopped.run_fills()?;
