@@ -304,19 +304,18 @@ where
         let queue = lazy.stop();
         let host_reads = !recorder.rec.borrow().host_reads.is_empty();
         let lazy_first = !(result.is_err() || host_reads || queue.flushed);
-        log::log(
-            "time",
-            &format!(
-                "traced in {:.1} ms, {}",
-                start.elapsed().as_secs_f64() * 1e3,
-                if lazy_first { "kernels queued" } else { "run eagerly" }
-            ),
-        );
-        if lazy_first {
-            queue.run_fills()?;
+        let traced = start.elapsed();
+        let ran = if lazy_first {
+            let (ran, fills) = queue.run_fills()?;
+            format!("kernels queued, {ran} of {fills} fills run")
         } else {
             queue.run_all()?;
-        }
+            "run eagerly".to_string()
+        };
+        log::log(
+            "time",
+            &format!("traced in {:.1} ms, {ran} in {:.1} ms", traced.as_secs_f64() * 1e3, (start.elapsed() - traced).as_secs_f64() * 1e3),
+        );
         let outputs = result?;
         let gen1 = rng::state();
         let rec = recorder.rec.borrow();

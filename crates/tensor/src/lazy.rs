@@ -91,12 +91,14 @@ impl Stopped {
     /// optimizer moments made on the first step, and drops the rest. A fill whose buffer
     /// nothing but its own job holds once the other jobs are dropped made a temporary: the
     /// compiled program computes it, so it is dropped too.
-    pub fn run_fills(self) -> Result<()> {
+    /// Returns how many fills ran, of how many queued.
+    pub fn run_fills(self) -> Result<(usize, usize)> {
         let fill = |p: &Pending| matches!(p, Pending::Out { op: Op::Full { .. } | Op::Arange { .. }, .. });
         let (fills, rest): (Vec<Pending>, Vec<Pending>) = self.jobs.into_iter().partition(fill);
         drop(rest);
         let kept = |p: &&Pending| matches!(p, Pending::Out { out, .. } if Arc::strong_count(out) > 1);
-        fills.iter().filter(kept).try_for_each(run)
+        let ran = fills.iter().filter(kept).map(run).collect::<Result<Vec<()>>>()?.len();
+        Ok((ran, fills.len()))
     }
 }
 

@@ -40,7 +40,7 @@ fn ending_with_sources_drops_updates_but_keeps_fills() -> Result<()> {
     drop(t);
     let stopped = queue.stop();
     assert!(!stopped.flushed);
-    stopped.run_fills()?;
+    assert_eq!(stopped.run_fills()?, (1, 2), "m's fill ran; t's, a temporary's, was dropped");
     assert_eq!(v(&p)?, vec![1.0, 2.0], "the queued write into p was dropped");
     assert_eq!(v(&m)?, vec![3.0, 3.0], "the fill ran, the update after it did not");
     Ok(())
