@@ -209,8 +209,12 @@ pub fn gpu_sources(g: &Graph, plan: &Plan, capture: bool) -> Result<String> {
 
 impl GpuParts {
     pub fn new(g: &Graph, plan: &Plan, device: Device, capture: bool, tune: bool) -> Result<GpuParts> {
+        let start = std::time::Instant::now();
         let (specs, kernel_of) = fused_kernels(g, plan, capture)?;
+        let generated = start.elapsed();
         let module = FusedModule::load(device, specs)?;
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        crate::log::log("time", &format!("fused kernels generated in {:.1} ms, compiled or loaded in {:.1} ms", ms(generated), ms(start.elapsed() - generated)));
         let draws = g.nodes.iter().any(|n| matches!(n.kind, Kind::Rand { .. }));
         let rng = if draws { Some(cc::alloc_cell(device, DType::I64, 2)?) } else { None };
         Ok(GpuParts {
@@ -309,8 +313,9 @@ impl GpuParts {
         // then compiles them all at once on threads instead of one by one as each is reached.
         // (Not in anomaly mode: its host checks would read the dry run's unwritten buffers.)
         if !self.prepared.swap(true, Ordering::Relaxed) && !kiln_tensor::is_anomaly_detection() {
-            let capture = self.capture.load(Ordering::Relaxed);
+            let (capture, start) = (self.capture.load(Ordering::Relaxed), std::time::Instant::now());
             cc::prepare(p.device, || (p.execute(inputs, gen, false), capture.then(|| cc::want_output_copies(p.device))))?;
+            crate::log::log("time", &format!("per-op kernels found or compiled in {:.1} ms", start.elapsed().as_secs_f64() * 1e3));
         }
         if self.tune.swap(false, Ordering::Relaxed) {
             use kiln_tensor::cuda::{lt, tune};
