@@ -627,3 +627,53 @@ fn a_flush_inside_the_trace_applies_the_first_step_once() -> Result<()> {
     }
     Ok(())
 }
+
+/// F16 autocast with dynamic loss scaling: the forward and the scaled backward compiled, the
+/// scaler's step and update outside. The first scale (2^24) overflows F16's gradients, so
+/// the first steps are skipped and the scale backs off, then grows every four clean steps:
+/// the compiled step must read each new scale (a baked one would keep every step skipped).
+#[test]
+fn compiled_f16_steps_read_the_grad_scalers_current_scale() -> Result<()> {
+    use kiln::optim::{GradScaler, GradScalerConfig};
+    let run = |compiled: bool| -> Result<(common::Run, Vec<bool>, f64, usize)> {
+        kiln::tensor::rng::manual_seed(7);
+        let model = mlp(&[20, 32, 5], Device::Cpu)?;
+        let mut opt = AdamW::new(model.parameters(), AdamConfig { lr: 1e-2, ..AdamConfig::adamw() })?;
+        let cfg = GradScalerConfig { init_scale: 16777216.0, growth_interval: 4, ..GradScalerConfig::default() };
+        let scaler = RefCell::new(GradScaler::new(Device::Cpu, cfg)?);
+        let fwd_bwd = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+            let loss = {
+                let _f16 = kiln::tensor::Autocast::new(DType::F16)?;
+                cross_entropy(&model.forward(&xs[0])?, &xs[1])?
+            };
+            scaler.borrow().scale(&loss)?.backward()?;
+            Ok(vec![loss])
+        };
+        let mut step = compile(Mode::Default, fwd_bwd);
+        let (mut losses, mut taken) = (Vec::new(), Vec::new());
+        for i in 0..24 {
+            let (x, y) = data(i % 8, 16, 20, 5);
+            let out = if compiled { step.call(&[&x, &y])? } else { fwd_bwd(&[x, y])? };
+            losses.push(out[0].item()? as f32);
+            taken.push(scaler.borrow_mut().step(&mut opt)?);
+            scaler.borrow_mut().update()?;
+            opt.zero_grad()?;
+        }
+        let params = model.parameters().iter().map(|p| p.to_vec::<f32>()).collect::<Result<_>>()?;
+        let e = step.explain();
+        assert!(e.graph_breaks.is_empty() && e.recompiles == 0, "one graph, no breaks: {e:?}");
+        let scale = scaler.borrow().current_scale();
+        Ok((common::Run { losses, params }, taken, scale, if compiled { e.graphs } else { 1 }))
+    };
+    let (eager, eager_taken, eager_scale, _) = run(false)?;
+    let (compiled, taken, scale, graphs) = run(true)?;
+    assert_eq!(graphs, 1);
+    assert_eq!(taken, eager_taken, "the same steps skipped");
+    assert!(!taken[0] && taken.iter().filter(|&&t| t).count() >= 10, "skipped at first, then taken: {taken:?}");
+    assert_eq!(scale, eager_scale);
+    assert_close("F16 losses", &compiled.losses, &eager.losses, 1e-3);
+    for (i, (c, e)) in compiled.params.iter().zip(&eager.params).enumerate() {
+        assert_close(&format!("param {i}"), c, e, 1e-3);
+    }
+    Ok(())
+}

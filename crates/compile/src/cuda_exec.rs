@@ -214,7 +214,10 @@ impl GpuParts {
         let generated = start.elapsed();
         let module = FusedModule::load(device, specs)?;
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-        crate::log::log("time", &format!("fused kernels generated in {:.1} ms, compiled or loaded in {:.1} ms", ms(generated), ms(start.elapsed() - generated)));
+        crate::log::log(
+            "time",
+            &format!("fused kernels generated in {:.1} ms, compiled or loaded in {:.1} ms", ms(generated), ms(start.elapsed() - generated)),
+        );
         let draws = g.nodes.iter().any(|n| matches!(n.kind, Kind::Rand { .. }));
         let rng = if draws { Some(cc::alloc_cell(device, DType::I64, 2)?) } else { None };
         Ok(GpuParts {

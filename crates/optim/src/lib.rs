@@ -1,5 +1,6 @@
 //! kiln-optim: PyTorch's optimizers (`SGD`, `Adam`, `AdamW`), learning-rate schedulers,
-//! gradient clipping and optimizer checkpoints, with `torch.optim`'s semantics.
+//! gradient clipping, F16's dynamic loss scaling (`GradScaler`) and optimizer checkpoints,
+//! with `torch.optim`'s semantics.
 //!
 //! Built so `kiln-compile` can trace a whole optimizer step and replay it:
 //! - every update is an in-place tensor op run under `no_grad`, so parameters, gradients and
@@ -11,12 +12,14 @@
 mod adam;
 mod clip;
 mod common;
+mod scaler;
 mod scheduler;
 mod sgd;
 mod state;
 
 pub use adam::{Adam, AdamConfig, AdamW};
 pub use clip::{clip_grad_norm, clip_grad_value};
+pub use scaler::{GradScaler, GradScalerConfig};
 pub use scheduler::{CosineAnnealingLR, LrScheduler, OneCycleLR, StepLR, WarmupCosine};
 pub use sgd::{SgdConfig, SGD};
 pub use state::{load_state, save_state};
