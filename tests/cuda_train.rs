@@ -1,7 +1,8 @@
 //! Training on CUDA against the CPU: 200 steps of the MLP and of the GPT with dropout, AdamW,
 //! a warmup-cosine schedule and gradient clipping, from the same seed; a checkpoint written
-//! from the GPU resumes on the CPU; a steady-state step makes no driver allocation. Built only
-//! with `--features cuda`; without a GPU each test fails saying so.
+//! from the GPU resumes on the CPU; a steady-state step makes no driver allocation; F16 with
+//! `GradScaler` skips the same steps. Built only with `--features cuda`; without a GPU each
+//! test fails saying so.
 
 use kiln::models::{mlp, Gpt, GptConfig};
 use kiln::nn::cross_entropy;
@@ -152,5 +153,41 @@ fn adam_with_l2_and_amsgrad_updates_the_same_on_both_devices() {
         for (i, (g, c)) in run(dev, decoupled).iter().zip(run(Device::Cpu, decoupled)).enumerate() {
             assert_close(&format!("param {i} (decoupled {decoupled})"), g, &c, 1e-4);
         }
+    }
+}
+
+/// F16 autocast with `GradScaler` on the GPU against the CPU: the same steps skipped (the
+/// first scale, 2^24, overflows F16's gradients), the same scale at the end, parameters close.
+#[test]
+fn f16_training_with_a_grad_scaler_skips_the_same_steps_on_both_devices() {
+    use kiln::optim::{GradScaler, GradScalerConfig};
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    let run = |dev: Device| -> (Vec<bool>, f64, Vec<Vec<f32>>) {
+        kiln::tensor::rng::manual_seed(7);
+        let model = mlp(&[20, 32, 5], dev).unwrap();
+        let mut opt = AdamW::new(model.parameters(), AdamConfig { lr: 1e-2, ..AdamConfig::adamw() }).unwrap();
+        let cfg = GradScalerConfig { init_scale: 16777216.0, growth_interval: 4, ..GradScalerConfig::default() };
+        let mut scaler = GradScaler::new(dev, cfg).unwrap();
+        let mut taken = Vec::new();
+        for i in 0..24 {
+            let (x, y) = batch(i, dev);
+            let loss = {
+                let _f16 = kiln::tensor::Autocast::new(DType::F16).unwrap();
+                cross_entropy(&model.forward(&x).unwrap(), &y).unwrap()
+            };
+            scaler.scale(&loss).unwrap().backward().unwrap();
+            taken.push(scaler.step(&mut opt).unwrap());
+            scaler.update().unwrap();
+            opt.zero_grad().unwrap();
+        }
+        (taken, scaler.current_scale(), model.parameters().iter().map(|p| p.to_vec::<f32>().unwrap()).collect())
+    };
+    let ((gt, gs, gp), (ct, cs, cp)) = (run(dev), run(Device::Cpu));
+    assert_eq!(gt, ct, "the same steps skipped");
+    assert!(!gt[0] && gt.iter().filter(|&&t| t).count() >= 10, "skipped at first, then taken: {gt:?}");
+    assert_eq!(gs, cs);
+    for (i, (g, c)) in gp.iter().zip(&cp).enumerate() {
+        assert_close(&format!("param {i}"), g, c, 2e-3);
     }
 }
