@@ -29,6 +29,18 @@ pub trait LrScheduler {
     }
 }
 
+/// `last_step` and `set_last_step` over a `last_step` field.
+macro_rules! last_step_field {
+    () => {
+        fn last_step(&self) -> usize {
+            self.last_step
+        }
+        fn set_last_step(&mut self, s: usize) {
+            self.last_step = s;
+        }
+    };
+}
+
 /// `base_lr * gamma^(t / step_size)` (`torch.optim.lr_scheduler.StepLR`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepLR {
@@ -49,12 +61,7 @@ impl LrScheduler for StepLR {
     fn lr_at(&self, step: usize) -> f64 {
         self.base_lr * self.gamma.powf((step / self.step_size) as f64)
     }
-    fn last_step(&self) -> usize {
-        self.last_step
-    }
-    fn set_last_step(&mut self, s: usize) {
-        self.last_step = s;
-    }
+    last_step_field!();
 }
 
 /// `eta_min + (base_lr - eta_min) * (1 + cos(pi * t / t_max)) / 2`
@@ -79,12 +86,7 @@ impl LrScheduler for CosineAnnealingLR {
     fn lr_at(&self, step: usize) -> f64 {
         cosine(self.base_lr, self.eta_min, step as f64, self.t_max as f64)
     }
-    fn last_step(&self) -> usize {
-        self.last_step
-    }
-    fn set_last_step(&mut self, s: usize) {
-        self.last_step = s;
-    }
+    last_step_field!();
 }
 
 /// Linear warmup `base_lr * (t + 1) / warmup_steps` for `t < warmup_steps`, then a cosine
@@ -115,12 +117,7 @@ impl LrScheduler for WarmupCosine {
         let done = step.min(self.total_steps) - self.warmup_steps;
         cosine(self.base_lr, self.min_lr, done as f64, (self.total_steps - self.warmup_steps) as f64)
     }
-    fn last_step(&self) -> usize {
-        self.last_step
-    }
-    fn set_last_step(&mut self, s: usize) {
-        self.last_step = s;
-    }
+    last_step_field!();
 }
 
 /// The 1cycle policy (`torch.optim.lr_scheduler.OneCycleLR`, two phases, cosine annealing):
@@ -189,12 +186,7 @@ impl LrScheduler for OneCycleLR {
             anneal_cos(self.max_lr, min, (t - up) / (end - up))
         }
     }
-    fn last_step(&self) -> usize {
-        self.last_step
-    }
-    fn set_last_step(&mut self, s: usize) {
-        self.last_step = s;
-    }
+    last_step_field!();
 }
 
 /// `lo + (hi - lo) * (1 + cos(pi * t / len)) / 2`: `hi` at 0, `lo` at `len` (PyTorch's
@@ -206,4 +198,82 @@ fn cosine(hi: f64, lo: f64, t: f64, len: f64) -> f64 {
 /// PyTorch's `_annealing_cos`: from `start` at 0 to `end` at 1 (its exact arithmetic).
 fn anneal_cos(start: f64, end: f64, pct: f64) -> f64 {
     end + (start - end) / 2.0 * ((PI * pct).cos() + 1.0)
+}
+
+/// `base_lr * gamma^t` (`torch.optim.lr_scheduler.ExponentialLR`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExponentialLR {
+    base_lr: f64,
+    gamma: f64,
+    last_step: usize,
+}
+
+impl ExponentialLR {
+    pub fn new(base_lr: f64, gamma: f64) -> Result<ExponentialLR> {
+        ensure(gamma > 0.0, "ExponentialLR", || format!("gamma {gamma} must be positive"))?;
+        Ok(ExponentialLR { base_lr, gamma, last_step: 0 })
+    }
+}
+
+impl LrScheduler for ExponentialLR {
+    fn lr_at(&self, step: usize) -> f64 {
+        self.base_lr * self.gamma.powf(step as f64)
+    }
+    last_step_field!();
+}
+
+/// `base_lr * gamma^k`, `k` the milestones at or before `t` (`MultiStepLR`; a milestone given
+/// twice counts twice, as there).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MultiStepLR {
+    base_lr: f64,
+    milestones: Vec<usize>,
+    gamma: f64,
+    last_step: usize,
+}
+
+impl MultiStepLR {
+    pub fn new(base_lr: f64, milestones: &[usize], gamma: f64) -> Result<MultiStepLR> {
+        let mut milestones = milestones.to_vec();
+        milestones.sort_unstable();
+        Ok(MultiStepLR { base_lr, milestones, gamma, last_step: 0 })
+    }
+}
+
+impl LrScheduler for MultiStepLR {
+    fn lr_at(&self, step: usize) -> f64 {
+        let passed = self.milestones.partition_point(|&m| m <= step);
+        self.base_lr * self.gamma.powi(passed as i32)
+    }
+    last_step_field!();
+}
+
+/// `base_lr` times a factor going linearly from `start_factor` to `end_factor` over
+/// `total_iters` steps, then held (`torch.optim.lr_scheduler.LinearLR`, whose defaults are
+/// 1/3, 1 and 5): the usual linear warmup.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LinearLR {
+    base_lr: f64,
+    start_factor: f64,
+    end_factor: f64,
+    total_iters: usize,
+    last_step: usize,
+}
+
+impl LinearLR {
+    pub fn new(base_lr: f64, start_factor: f64, end_factor: f64, total_iters: usize) -> Result<LinearLR> {
+        let what = "LinearLR";
+        ensure(start_factor > 0.0 && start_factor <= 1.0, what, || format!("start_factor {start_factor} must be in (0, 1]"))?;
+        ensure((0.0..=1.0).contains(&end_factor), what, || format!("end_factor {end_factor} must be in [0, 1]"))?;
+        ensure(total_iters > 0, what, || "total_iters must be positive".into())?;
+        Ok(LinearLR { base_lr, start_factor, end_factor, total_iters, last_step: 0 })
+    }
+}
+
+impl LrScheduler for LinearLR {
+    fn lr_at(&self, step: usize) -> f64 {
+        let done = step.min(self.total_iters) as f64 / self.total_iters as f64;
+        self.base_lr * (self.start_factor + (self.end_factor - self.start_factor) * done)
+    }
+    last_step_field!();
 }

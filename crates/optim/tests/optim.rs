@@ -417,6 +417,22 @@ fn warmup_cosine_sequence() {
 }
 
 #[test]
+fn exponential_multistep_and_linear_sequences() {
+    let got = lr_sequence(&mut ExponentialLR::new(0.1, 0.5).unwrap(), 4);
+    assert_close(&got, &[0.1, 0.05, 0.025, 0.0125], 1e-15);
+    assert!(ExponentialLR::new(0.1, 0.0).is_err());
+    // Milestones unsorted, 4 given twice: gamma once from step 2, three times from step 4.
+    let got = lr_sequence(&mut MultiStepLR::new(1.0, &[4, 2, 4], 0.1).unwrap(), 6);
+    assert_close(&got, &[1.0, 1.0, 0.1, 0.1, 1e-3, 1e-3], 1e-15);
+    // Factor 0.25 to 1 over three steps, then held.
+    let got = lr_sequence(&mut LinearLR::new(0.5, 0.25, 1.0, 3).unwrap(), 6);
+    assert_close(&got, &[0.125, 0.25, 0.375, 0.5, 0.5, 0.5], 1e-15);
+    assert!(LinearLR::new(0.5, 0.0, 1.0, 3).is_err());
+    assert!(LinearLR::new(0.5, 0.5, 1.5, 3).is_err());
+    assert!(LinearLR::new(0.5, 0.5, 1.0, 0).is_err());
+}
+
+#[test]
 fn one_cycle_sequence() {
     // max_lr 1, 10 steps: starts at 1/25, peaks at step 0.3*10 - 1 = 2, ends at 1/25/1e4 at 9.
     let mut s = OneCycleLR::new(1.0, 10).unwrap();
