@@ -677,3 +677,14 @@ fn compiled_f16_steps_read_the_grad_scalers_current_scale() -> Result<()> {
     }
     Ok(())
 }
+
+/// A small CNN (convolution with padding, ReLU, max pooling, a strided convolution, average
+/// pooling, a linear head) trained with AdamW: the compiled step against eager.
+#[test]
+fn a_compiled_cnn_matches_eager() {
+    let (eager, compiled) = (common::train_cnn(Device::Cpu, None, 12), common::train_cnn(Device::Cpu, Some(Mode::Default), 12));
+    // Four batches in turn: their mean loss two rounds later is lower.
+    let round = |r: usize| eager.losses[4 * r..4 * r + 4].iter().sum::<f32>();
+    assert!(round(2) < round(0), "it trains: {:?}", eager.losses);
+    common::assert_runs_agree("CNN", &compiled, &eager, (1e-5, 1e-5));
+}

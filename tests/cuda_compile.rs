@@ -1,10 +1,10 @@
 //! Compiled training steps on CUDA against eager CUDA and the CPU: 200 steps of the MLP and
 //! of the GPT (dropout, AdamW, warmup-cosine outside the step, gradient clipping) in every
 //! mode, the caller's returned losses never overwritten by later replays, a smaller last
-//! batch recompiling, and a replayed CUDA graph making no driver allocation. Built only with
-//! `--features cuda`; without a GPU each test fails saying so.
+//! batch recompiling, a replayed CUDA graph making no driver allocation, and a small CNN.
+//! Built only with `--features cuda`; without a GPU each test fails saying so.
 
-use common::{assert_close, assert_runs_agree, drop_key_bias, mlp_step, mlp_step_unclipped, train_gpt, Run};
+use common::{assert_close, assert_runs_agree, drop_key_bias, mlp_step, mlp_step_unclipped, train_cnn, train_gpt, Run};
 use kiln::compile::{compile, compile_with, CompileOptions, Mode};
 use kiln::models::mlp;
 use kiln::optim::{AdamConfig, AdamW, LrScheduler, WarmupCosine};
@@ -466,4 +466,18 @@ fn compiled_sequence_first_transformer_on_cuda_matches_eager_and_the_cpu() {
         }
     }
     cuda::set_f32_gemm(cuda::F32Gemm::Auto);
+}
+
+/// The small CNN (`common::train_cnn`: convolutions as views, a stack and a product; max and
+/// average pooling) eagerly on CUDA and compiled in every mode, against the CPU.
+#[test]
+fn a_cnn_trains_the_same_compiled_on_cuda_in_every_mode() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    let (cpu, eager) = (train_cnn(Device::Cpu, None, 12), train_cnn(dev, None, 12));
+    assert_runs_agree("eager CUDA vs CPU", &eager, &cpu, (1e-4, 2e-4));
+    for mode in [Mode::Default, Mode::ReduceOverhead, Mode::MaxAutotune] {
+        let run = train_cnn(dev, Some(mode), 12);
+        assert_runs_agree(&format!("{mode:?} vs eager CUDA"), &run, &eager, (1e-4, 2e-4));
+    }
 }

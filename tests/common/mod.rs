@@ -1,5 +1,6 @@
-//! Training loops the compile tests share (CPU and CUDA): an MLP step closure and 200 GPT
-//! steps with dropout, AdamW, warmup-cosine outside the step and gradient clipping.
+//! Training loops the compile tests share (CPU and CUDA): an MLP step closure, 200 GPT
+//! steps with dropout, AdamW, warmup-cosine outside the step and gradient clipping, and a
+//! small CNN.
 #![allow(dead_code)]
 
 use kiln::compile::{compile, Mode};
@@ -116,6 +117,38 @@ pub fn train_gpt_cfg(dev: Device, mode: Option<Mode>, steps: u64, cfg: GptConfig
     if mode.is_some() {
         assert_eq!(step.counts(), (steps as usize, steps as usize - 1), "one trace, then replays");
     }
+    let losses = losses.iter().map(|l| l.item().unwrap() as f32).collect();
+    Run { losses, params: model.parameters().iter().map(|p| p.to_vec::<f32>().unwrap()).collect() }
+}
+
+/// A small CNN (a padded convolution, ReLU, max pooling, a strided convolution, average
+/// pooling, a linear head) trained with AdamW on 8x8 images, eagerly (`mode` None) or
+/// compiled; four batches in turn.
+pub fn train_cnn(dev: Device, mode: Option<Mode>, steps: u64) -> Run {
+    use kiln::nn::{AvgPool2d, Conv2d, Flatten, Linear, MaxPool2d, Relu, Window};
+    kiln::tensor::rng::manual_seed(11);
+    let model = Sequential::new()
+        .add(Conv2d::new(1, 4, Window::new((3, 3)).padding((1, 1)), true, dev).unwrap())
+        .add(Relu)
+        .add(MaxPool2d(Window::new((2, 2)).stride((2, 2))))
+        .add(Conv2d::new(4, 6, Window::new((3, 3)).stride((2, 2)).padding((1, 1)), true, dev).unwrap())
+        .add(Relu)
+        .add(AvgPool2d(Window::new((2, 2)).stride((2, 2))))
+        .add(Flatten)
+        .add(Linear::new(6, 3, true, dev).unwrap());
+    let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr: 1e-2, ..AdamConfig::adamw() }).unwrap());
+    let f = mlp_step_unclipped(&model, &opt);
+    let mut step = compile(mode.unwrap_or(Mode::Default), f);
+    let mut losses = Vec::new();
+    for i in 0..steps {
+        let x = Tensor::rand_at(&[8, 1, 8, 8], Distribution::Normal, 300, (i % 4) * 512, DType::F32, Device::Cpu).unwrap();
+        let y = Tensor::rand_at(&[8], Distribution::Uniform, 400, (i % 4) * 8, DType::F32, Device::Cpu).unwrap();
+        let (x, y) = (x.to_device(dev).unwrap(), y.mul_scalar(3.0).unwrap().to_dtype(DType::I64).unwrap().to_device(dev).unwrap());
+        let out = if mode.is_some() { step.call(&[&x, &y]).unwrap() } else { f(&[x, y]).unwrap() };
+        losses.push(out[0].clone());
+    }
+    let e = step.explain();
+    assert!(e.graph_breaks.is_empty() && e.graphs == mode.is_some() as usize, "{e:?}");
     let losses = losses.iter().map(|l| l.item().unwrap() as f32).collect();
     Run { losses, params: model.parameters().iter().map(|p| p.to_vec::<f32>().unwrap()).collect() }
 }

@@ -1,12 +1,13 @@
-//! kiln-nn: the `Module` trait, layers (Linear, Embedding, LayerNorm, RMSNorm, Dropout,
-//! activations, Sequential, MultiheadAttention, Transformer), losses, PyTorch-default
-//! initialisation and safetensors state dicts.
+//! kiln-nn: the `Module` trait, layers (Linear, Conv2d and pooling, Embedding, LayerNorm,
+//! RMSNorm, Dropout, activations, Sequential, MultiheadAttention, Transformer), losses,
+//! PyTorch-default initialisation and safetensors state dicts.
 //!
 //! Parameters are tensor leaves with `requires_grad` set; a module lists them under PyTorch's
 //! state-dict names (`layers.0.weight`) through `Module::visit`.
 
 pub mod activation;
 pub mod attention;
+pub mod conv;
 pub mod init;
 pub mod layers;
 pub mod loss;
@@ -15,6 +16,7 @@ pub mod transformer;
 
 pub use activation::{Activation, Gelu, Relu, Silu, Tanh};
 pub use attention::{causal_mask, scaled_dot_product_attention, set_fused_attention, AttnMasks, MultiheadAttention};
+pub use conv::{avg_pool2d, conv2d, max_pool2d, unfold, AvgPool2d, Conv2d, Flatten, MaxPool2d, Window};
 pub use layers::{dropout, Dropout, Embedding, Layer, LayerNorm, Linear, RmsNorm, Sequential};
 pub use loss::{cross_entropy, cross_entropy_with, mse_loss, nll_loss, CrossEntropyConfig, Reduction};
 pub use state_dict::{load_state_dict, load_state_dict_from_bytes, save_state_dict, state_dict_to_bytes};

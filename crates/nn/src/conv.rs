@@ -1,0 +1,229 @@
+//! 2-D convolution and pooling (`nn.Conv2d`, `nn.MaxPool2d`, `nn.AvgPool2d`, `F.unfold`) on
+//! NCHW tensors, built from views, one copy and a matrix product: each kernel offset's
+//! window is a strided view of the padded input (a stride `s` is a reshape to `[.., n, s]`
+//! and the first of each `s`), the views are stacked into columns (im2col), and a
+//! convolution is one batched product with the weight. Autograd, CUDA and `compile` need
+//! nothing of their own: the backward is the views' and the product's.
+
+use crate::init::{linear_bound, param, uniform};
+use crate::{join, Forward, Module};
+use kiln_tensor::{default_dtype, Device, Error, Result, Tensor};
+
+/// A pair of sizes for (height, width).
+pub type Pair = (usize, usize);
+
+/// Where a kernel of size `kernel` (dilated by `dilation`) lands on the input: the stride and
+/// the zero (or -inf for max pooling) padding added on each side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window {
+    pub kernel: Pair,
+    pub stride: Pair,
+    pub padding: Pair,
+    pub dilation: Pair,
+}
+
+impl Window {
+    /// A `kernel` window with stride 1, no padding, no dilation.
+    pub fn new(kernel: Pair) -> Window {
+        Window { kernel, stride: (1, 1), padding: (0, 0), dilation: (1, 1) }
+    }
+    pub fn stride(self, stride: Pair) -> Window {
+        Window { stride, ..self }
+    }
+    pub fn padding(self, padding: Pair) -> Window {
+        Window { padding, ..self }
+    }
+    pub fn dilation(self, dilation: Pair) -> Window {
+        Window { dilation, ..self }
+    }
+
+    /// The output's (height, width) for an input of `(h, w)`.
+    fn output(&self, op: &'static str, (h, w): Pair) -> Result<Pair> {
+        let out = |size: usize, k: usize, s: usize, p: usize, d: usize| -> Option<usize> {
+            let span = d * (k - 1) + 1;
+            (size + 2 * p).checked_sub(span).map(|r| r / s + 1)
+        };
+        let (k, s, p, d) = (self.kernel, self.stride, self.padding, self.dilation);
+        if [k.0, k.1, s.0, s.1, d.0, d.1].contains(&0) {
+            return Err(Error::Msg(format!("{op}: kernel, stride and dilation must be positive, got {self:?}")));
+        }
+        match (out(h, k.0, s.0, p.0, d.0), out(w, k.1, s.1, p.1, d.1)) {
+            (Some(oh), Some(ow)) => Ok((oh, ow)),
+            _ => Err(Error::shape(op, format!("input {h}x{w} (padded by {p:?}) is smaller than the kernel {k:?} dilated by {d:?}"))),
+        }
+    }
+}
+
+/// `x`'s windows as `[N, C, kh * kw, Ho, Wo]`: the value under kernel offset `(i, j)` for each
+/// output position, padding filled with `pad`.
+fn windows(op: &'static str, x: &Tensor, win: &Window, pad: f64) -> Result<(Tensor, Pair)> {
+    let [_, _, h, w] = *x.shape() else {
+        return Err(Error::shape(op, format!("needs an NCHW input of rank 4, got {:?}", x.shape())));
+    };
+    let (oh, ow) = win.output(op, (h, w))?;
+    let (k, s, p, d) = (win.kernel, win.stride, win.padding, win.dilation);
+    // Room for a whole last stride at every offset: `d * (k - 1) + s * o` rows.
+    let (rows, cols) = (d.0 * (k.0 - 1) + s.0 * oh, d.1 * (k.1 - 1) + s.1 * ow);
+    let x = pad_dim(x, 2, p.0, rows.saturating_sub(h + p.0).max(p.0), pad)?;
+    let x = pad_dim(&x, 3, p.1, cols.saturating_sub(w + p.1).max(p.1), pad)?;
+    let mut taken = Vec::with_capacity(k.0 * k.1);
+    for i in 0..k.0 {
+        let r = every(&x.narrow(2usize, i * d.0, s.0 * oh)?, 2, oh, s.0)?;
+        for j in 0..k.1 {
+            taken.push(every(&r.narrow(3usize, j * d.1, s.1 * ow)?, 3, ow, s.1)?);
+        }
+    }
+    let refs: Vec<&Tensor> = taken.iter().collect();
+    Ok((Tensor::stack(&refs, 2usize)?, (oh, ow)))
+}
+
+/// `x` with `before` and `after` entries of `value` added along `dim`.
+fn pad_dim(x: &Tensor, dim: usize, before: usize, after: usize, value: f64) -> Result<Tensor> {
+    if before == 0 && after == 0 {
+        return Ok(x.clone());
+    }
+    let fill = |len: usize| -> Result<Tensor> {
+        let mut shape = x.shape().to_vec();
+        shape[dim] = len;
+        Tensor::full(value, &shape, x.dtype(), x.device())
+    };
+    let (b, a) = (fill(before)?, fill(after)?);
+    let parts: Vec<&Tensor> = [(&b, before), (x, 1), (&a, after)].into_iter().filter(|(_, len)| *len > 0).map(|(t, _)| t).collect();
+    Tensor::cat(&parts, dim)
+}
+
+/// Every `step`-th entry of `x` along `dim` (whose length is `n * step`): a view.
+fn every(x: &Tensor, dim: usize, n: usize, step: usize) -> Result<Tensor> {
+    if step == 1 {
+        return Ok(x.clone());
+    }
+    let mut shape = x.shape().to_vec();
+    shape.splice(dim..=dim, [n, step]);
+    x.reshape(&shape)?.narrow(dim + 1, 0, 1)?.squeeze(dim + 1)
+}
+
+/// `F.unfold`: `[N, C, H, W]` to columns `[N, C * kh * kw, L]`, `L = Ho * Wo`, zero padded.
+pub fn unfold(x: &Tensor, win: &Window) -> Result<Tensor> {
+    let (cols, (oh, ow)) = windows("unfold", x, win, 0.0)?;
+    let s = cols.shape();
+    cols.reshape(&[s[0], s[1] * s[2], oh * ow])
+}
+
+/// `F.conv2d` (groups 1): `x [N, C, H, W]`, `weight [O, C, kh, kw]`, optional `bias [O]`, to
+/// `[N, O, Ho, Wo]`. The kernel size is the weight's.
+pub fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, win: &Window) -> Result<Tensor> {
+    let [o, c, kh, kw] = *weight.shape() else {
+        return Err(Error::shape("conv2d", format!("needs a weight [out, in, kh, kw], got {:?}", weight.shape())));
+    };
+    if x.rank() != 4 || x.shape()[1] != c || (kh, kw) != win.kernel {
+        return Err(Error::shape(
+            "conv2d",
+            format!(
+                "input {:?} against weight {:?} (kernel {:?}): needs an NCHW input with {c} channels",
+                x.shape(),
+                weight.shape(),
+                win.kernel
+            ),
+        ));
+    }
+    if let Some(b) = bias.filter(|b| b.shape() != [o]) {
+        return Err(Error::shape("conv2d", format!("bias {:?} for {o} output channels", b.shape())));
+    }
+    let cols = unfold(x, win)?;
+    let n = x.shape()[0];
+    let (oh, ow) = win.output("conv2d", (x.shape()[2], x.shape()[3]))?;
+    let y = weight.reshape(&[o, c * kh * kw])?.matmul(&cols)?;
+    let y = match bias {
+        Some(b) => y.add(&b.reshape(&[o, 1])?)?,
+        None => y,
+    };
+    y.reshape(&[n, o, oh, ow])
+}
+
+/// `F.max_pool2d`: the largest value of each window (padding counts as -inf).
+pub fn max_pool2d(x: &Tensor, win: &Window) -> Result<Tensor> {
+    windows("max_pool2d", x, win, f64::NEG_INFINITY)?.0.max(&[2], false)
+}
+
+/// `F.avg_pool2d` (PyTorch's default `count_include_pad=True`: padding counts as zeros).
+pub fn avg_pool2d(x: &Tensor, win: &Window) -> Result<Tensor> {
+    windows("avg_pool2d", x, win, 0.0)?.0.mean(&[2], false)
+}
+
+/// `nn.Conv2d` (groups 1): weight `[out, in, kh, kw]` and bias `[out]`, initialised as
+/// PyTorch does (both U(-1/sqrt(fan_in), 1/sqrt(fan_in)), `fan_in = in * kh * kw`).
+#[derive(Debug, Clone)]
+pub struct Conv2d {
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+    pub window: Window,
+}
+
+impl Conv2d {
+    pub fn new(inp: usize, out: usize, window: Window, bias: bool, device: Device) -> Result<Conv2d> {
+        let (kh, kw) = window.kernel;
+        let b = linear_bound(inp * kh * kw);
+        Ok(Conv2d {
+            weight: param(uniform(&[out, inp, kh, kw], b, default_dtype(), device)?),
+            bias: if bias { Some(param(uniform(&[out], b, default_dtype(), device)?)) } else { None },
+            window,
+        })
+    }
+}
+
+impl Forward for Conv2d {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        conv2d(x, &self.weight, self.bias.as_ref(), &self.window)
+    }
+}
+
+impl Module for Conv2d {
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
+        f(join(prefix, "weight"), &self.weight);
+        if let Some(b) = &self.bias {
+            f(join(prefix, "bias"), b);
+        }
+    }
+}
+
+/// `nn.MaxPool2d` (PyTorch's default stride is the kernel size: `Window::new(k).stride(k)`).
+#[derive(Debug, Clone, Copy)]
+pub struct MaxPool2d(pub Window);
+
+impl Forward for MaxPool2d {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        max_pool2d(x, &self.0)
+    }
+}
+
+impl Module for MaxPool2d {
+    fn visit(&self, _: &str, _: &mut dyn FnMut(String, &Tensor)) {}
+}
+
+/// `nn.AvgPool2d`.
+#[derive(Debug, Clone, Copy)]
+pub struct AvgPool2d(pub Window);
+
+impl Forward for AvgPool2d {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        avg_pool2d(x, &self.0)
+    }
+}
+
+impl Module for AvgPool2d {
+    fn visit(&self, _: &str, _: &mut dyn FnMut(String, &Tensor)) {}
+}
+
+/// `nn.Flatten`: every dim from the second on into one (`[N, C, H, W]` to `[N, C * H * W]`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Flatten;
+
+impl Forward for Flatten {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        x.flatten(1i64, -1)
+    }
+}
+
+impl Module for Flatten {
+    fn visit(&self, _: &str, _: &mut dyn FnMut(String, &Tensor)) {}
+}

@@ -1,0 +1,190 @@
+//! Convolution and pooling against hand-computed values and direct loops (strides, padding,
+//! dilation), their gradients against finite differences, and the layers' init and errors.
+
+use kiln_autograd::{gradcheck, Backward, GradcheckConfig};
+use kiln_nn::{avg_pool2d, conv2d, max_pool2d, unfold, Conv2d, Flatten, Forward, MaxPool2d, Module, Window};
+use kiln_tensor::{DType, Device, Distribution, Result, Tensor};
+
+fn randn(shape: &[usize], seed: u64) -> Tensor {
+    Tensor::rand_at(shape, Distribution::Normal, seed, 0, DType::F64, Device::Cpu).unwrap()
+}
+
+fn f64s(t: &Tensor) -> Vec<f64> {
+    t.to_vec::<f64>().unwrap()
+}
+
+/// `x[n][c][r][s]` of an NCHW buffer, 0 outside (the padding).
+fn at(x: &[f64], shape: [usize; 4], n: usize, c: usize, r: isize, s: isize) -> Option<f64> {
+    let [_, cs, h, w] = shape;
+    (r >= 0 && s >= 0 && (r as usize) < h && (s as usize) < w).then(|| x[((n * cs + c) * h + r as usize) * w + s as usize])
+}
+
+/// Each output position's window in order, by direct loops: `f(values)`, padding as None.
+fn each_window(shape: [usize; 4], x: &[f64], win: &Window, mut f: impl FnMut(Vec<Option<f64>>)) -> (usize, usize) {
+    let [n, c, h, w] = shape;
+    let (k, s, p, d) = (win.kernel, win.stride, win.padding, win.dilation);
+    let oh = (h + 2 * p.0 - d.0 * (k.0 - 1) - 1) / s.0 + 1;
+    let ow = (w + 2 * p.1 - d.1 * (k.1 - 1) - 1) / s.1 + 1;
+    for b in 0..n {
+        for ch in 0..c {
+            for i in 0..oh {
+                for j in 0..ow {
+                    let mut vals = Vec::new();
+                    for a in 0..k.0 {
+                        for e in 0..k.1 {
+                            let r = (i * s.0 + a * d.0) as isize - p.0 as isize;
+                            let q = (j * s.1 + e * d.1) as isize - p.1 as isize;
+                            vals.push(at(x, shape, b, ch, r, q));
+                        }
+                    }
+                    f(vals);
+                }
+            }
+        }
+    }
+    (oh, ow)
+}
+
+fn assert_close(got: &[f64], want: &[f64], tol: f64) {
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() <= tol, "element {i}: got {g}, want {w}");
+    }
+}
+
+#[test]
+fn a_small_convolution_by_hand() -> Result<()> {
+    // x = 1..9 in a 3x3 image; the kernel [[1, 0], [0, -1]] takes x[r][s] - x[r+1][s+1] = -4.
+    let x = Tensor::from_vec((1..=9).map(f64::from).collect(), &[1, 1, 3, 3], Device::Cpu)?;
+    let w = Tensor::from_vec(vec![1.0, 0.0, 0.0, -1.0], &[1, 1, 2, 2], Device::Cpu)?;
+    let b = Tensor::from_vec(vec![0.5], &[1], Device::Cpu)?;
+    let y = conv2d(&x, &w, Some(&b), &Window::new((2, 2)))?;
+    assert_eq!(y.shape(), &[1, 1, 2, 2]);
+    assert_eq!(f64s(&y), vec![-3.5; 4]);
+    // Padding 1, stride 2: windows at rows and columns (-1, 0) and (1, 2) of x; each output is
+    // x[r][s] - x[r+1][s+1] with zeros outside: 0 - 1, 0 - 3, 0 - 7, 5 - 9.
+    let y = conv2d(&x, &w, None, &Window::new((2, 2)).stride((2, 2)).padding((1, 1)))?;
+    assert_eq!(f64s(&y), vec![-1.0, -3.0, -7.0, -4.0]);
+    Ok(())
+}
+
+/// `bias[o] + sum over (c, a, e) of w[o][c][a][e] * x[n][c][i s + a d - p][j s + e d - p]`.
+fn conv_by_loops(x: &[f64], xs: [usize; 4], w: &[f64], ws: [usize; 4], b: &[f64], win: &Window) -> (Vec<f64>, usize, usize) {
+    let ([n, c, h, wd], [o, _, kh, kw]) = (xs, ws);
+    let (s, p, d) = (win.stride, win.padding, win.dilation);
+    let oh = (h + 2 * p.0 - d.0 * (kh - 1) - 1) / s.0 + 1;
+    let ow = (wd + 2 * p.1 - d.1 * (kw - 1) - 1) / s.1 + 1;
+    let mut out = Vec::new();
+    for bn in 0..n {
+        for oc in 0..o {
+            for i in 0..oh {
+                for j in 0..ow {
+                    let mut acc = b[oc];
+                    for ch in 0..c {
+                        for a in 0..kh {
+                            for e in 0..kw {
+                                let r = (i * s.0 + a * d.0) as isize - p.0 as isize;
+                                let q = (j * s.1 + e * d.1) as isize - p.1 as isize;
+                                acc += w[((oc * c + ch) * kh + a) * kw + e] * at(x, xs, bn, ch, r, q).unwrap_or(0.0);
+                            }
+                        }
+                    }
+                    out.push(acc);
+                }
+            }
+        }
+    }
+    (out, oh, ow)
+}
+
+#[test]
+fn convolution_matches_direct_loops_with_stride_padding_and_dilation() -> Result<()> {
+    let (x, w, b) = (randn(&[2, 3, 7, 6], 1), randn(&[4, 3, 3, 2], 2), randn(&[4], 3));
+    for win in [
+        Window::new((3, 2)),
+        Window::new((3, 2)).stride((2, 3)).padding((1, 2)),
+        Window::new((3, 2)).dilation((2, 1)).padding((2, 0)).stride((1, 2)),
+    ] {
+        let y = conv2d(&x, &w, Some(&b), &win)?;
+        let (want, oh, ow) = conv_by_loops(&f64s(&x), [2, 3, 7, 6], &f64s(&w), [4, 3, 3, 2], &f64s(&b), &win);
+        assert_eq!(y.shape(), &[2, 4, oh, ow], "{win:?}");
+        assert_close(&f64s(&y), &want, 1e-12);
+    }
+    Ok(())
+}
+
+#[test]
+fn pooling_matches_direct_loops() -> Result<()> {
+    let x = randn(&[2, 3, 7, 5], 4);
+    let xs = f64s(&x);
+    for win in [Window::new((2, 2)).stride((2, 2)), Window::new((3, 2)).stride((2, 1)).padding((1, 1))] {
+        let (mut max, mut avg) = (Vec::new(), Vec::new());
+        let (oh, ow) = each_window([2, 3, 7, 5], &xs, &win, |vals| {
+            max.push(vals.iter().flatten().copied().fold(f64::NEG_INFINITY, f64::max));
+            avg.push(vals.iter().map(|v| v.unwrap_or(0.0)).sum::<f64>() / vals.len() as f64);
+        });
+        let (m, a) = (max_pool2d(&x, &win)?, kiln_nn::avg_pool2d(&x, &win)?);
+        assert_eq!(m.shape(), &[2, 3, oh, ow]);
+        assert_close(&f64s(&m), &max, 0.0);
+        assert_close(&f64s(&a), &avg, 1e-14);
+    }
+    Ok(())
+}
+
+#[test]
+fn gradients_match_finite_differences() -> Result<()> {
+    let cfg = GradcheckConfig { atol: 1e-6, rtol: 1e-5, ..GradcheckConfig::default() };
+    let win = Window::new((3, 2)).stride((2, 1)).padding((1, 1)).dilation((1, 2));
+    let inputs = [randn(&[2, 2, 5, 6], 5), randn(&[3, 2, 3, 2], 6), randn(&[3], 7)];
+    gradcheck(|t| conv2d(&t[0], &t[1], Some(&t[2]), &win), &inputs, cfg)?;
+    let pool = Window::new((2, 3)).stride((2, 2)).padding((1, 1));
+    gradcheck(|t| avg_pool2d(&t[0], &pool), &inputs[..1], cfg)?;
+    // Max pooling's gradient goes to each window's largest value (distinct values: no ties).
+    let x = Tensor::from_vec(
+        vec![1.0, 5.0, 2.0, 0.0, 3.0, 4.0, 7.0, 6.0, 9.0, 8.0, -1.0, 10.0, 11.0, 12.0, 13.0, 14.0],
+        &[1, 1, 4, 4],
+        Device::Cpu,
+    )?;
+    x.set_requires_grad(true);
+    let y = max_pool2d(&x, &Window::new((2, 2)).stride((2, 2)))?;
+    assert_eq!(f64s(&y), vec![5.0, 7.0, 12.0, 14.0]);
+    y.sum_all()?.backward()?;
+    let g = f64s(&x.grad().unwrap());
+    assert_eq!(g, vec![0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0]);
+    Ok(())
+}
+
+#[test]
+fn unfold_lays_out_channel_then_kernel_offset() -> Result<()> {
+    // One 2-channel 2x2 image, a 2x2 kernel: one column holding channel 0's four values, then
+    // channel 1's.
+    let x = Tensor::from_vec((0..8).map(f64::from).collect(), &[1, 2, 2, 2], Device::Cpu)?;
+    let cols = unfold(&x, &Window::new((2, 2)))?;
+    assert_eq!(cols.shape(), &[1, 8, 1]);
+    assert_eq!(f64s(&cols), (0..8).map(f64::from).collect::<Vec<_>>());
+    Ok(())
+}
+
+#[test]
+fn layers_init_like_pytorch_and_bad_shapes_are_errors() -> Result<()> {
+    let conv = Conv2d::new(3, 8, Window::new((3, 3)).padding((1, 1)), true, Device::Cpu)?;
+    let mut names = Vec::new();
+    conv.visit("conv", &mut |n, t| names.push((n, t.shape().to_vec())));
+    assert_eq!(names, vec![("conv.weight".into(), vec![8, 3, 3, 3]), ("conv.bias".into(), vec![8])]);
+    let bound = 1.0 / (27f64).sqrt();
+    let w = conv.weight.to_vec::<f32>()?;
+    assert!(w.iter().all(|v| (v.abs() as f64) <= bound) && w.iter().any(|v| (v.abs() as f64) > bound / 2.0), "U(-1/sqrt(27), 1/sqrt(27))");
+    let x = Tensor::rand(&[2, 3, 8, 8], DType::F32, Device::Cpu)?;
+    let y = MaxPool2d(Window::new((2, 2)).stride((2, 2))).forward(&conv.forward(&x)?.relu()?)?;
+    assert_eq!(Flatten.forward(&y)?.shape(), &[2, 8 * 4 * 4]);
+
+    let e = conv.forward(&Tensor::rand(&[2, 4, 8, 8], DType::F32, Device::Cpu)?).unwrap_err().to_string();
+    assert!(e.contains("[2, 4, 8, 8]") && e.contains("3 channels"), "{e}");
+    let e = conv.forward(&Tensor::rand(&[3, 8, 8], DType::F32, Device::Cpu)?).unwrap_err().to_string();
+    assert!(e.contains("[3, 8, 8]"), "{e}");
+    let e = max_pool2d(&Tensor::rand(&[1, 1, 2, 2], DType::F32, Device::Cpu)?, &Window::new((3, 3))).unwrap_err().to_string();
+    assert!(e.contains("smaller than the kernel"), "{e}");
+    let e = max_pool2d(&x, &Window::new((2, 2)).stride((0, 1))).unwrap_err().to_string();
+    assert!(e.contains("must be positive"), "{e}");
+    Ok(())
+}
