@@ -1,9 +1,9 @@
-//! Train a 784-256-10 MLP classifier with AdamW, eagerly and compiled from the same seed, and
-//! compare them.
+//! Train a 784-256-10 MLP classifier (or with `--model cnn` a small CNN) with AdamW, eagerly
+//! and compiled from the same seed, and compare them.
 //!
 //!   cargo run --release --example mlp                    # embedded digits: eager vs compiled
 //!   cargo run --release --example mlp -- --mnist DIR     # MNIST in its IDX format
-//!   options: --mode eager|compiled|both (both) --epochs 2 --batch 32 --lr 1e-3
+//!   options: --mode eager|compiled|both (both) --epochs 2 --batch 32 --lr 1e-3 --model mlp|cnn
 //!            --device cpu|cuda --compile-mode default|reduce-overhead|max-autotune
 //!            --train 60000 --seed 0
 //!            --checkpoint-every N --checkpoint-dir DIR (checkpoints/mlp) --resume
@@ -61,7 +61,7 @@ struct Report {
 #[allow(clippy::too_many_arguments)]
 fn train(compiled: bool, device: Device, train: &Dataset, test: &Dataset, epochs: usize, bs: usize, lr: f64, seed: u64) -> Result<Report> {
     kiln::tensor::rng::manual_seed(seed);
-    let model: Sequential = kiln::models::mlp(&[train.rows * train.cols, 256, 10], device)?;
+    let model: Sequential = make_model(train, device)?;
     let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr, ..AdamConfig::adamw() })?);
     // One training step: forward, backward, optimizer, zero_grad. Compiled, it is one graph.
     let step_fn = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
@@ -143,6 +143,15 @@ fn train(compiled: bool, device: Device, train: &Dataset, test: &Dataset, epochs
     })
 }
 
+/// `--model mlp` (784-256-10) or `cnn` (`kiln::models::cnn`).
+fn make_model(d: &Dataset, device: Device) -> Result<Sequential> {
+    match common::opt("--model").as_deref() {
+        None | Some("mlp") => kiln::models::mlp(&[d.rows * d.cols, 256, 10], device),
+        Some("cnn") => kiln::models::cnn(d.rows, d.cols, 10, device),
+        Some(other) => Err(Error::Msg(format!("--model {other}: expected mlp or cnn"))),
+    }
+}
+
 fn main() -> Result<()> {
     let (epochs, bs, lr, seed) =
         (common::flag("--epochs", 2usize), common::flag("--batch", 32usize), common::flag("--lr", 1e-3f64), common::flag("--seed", 0u64));
@@ -153,7 +162,9 @@ fn main() -> Result<()> {
         None => (synthetic_digits(common::flag("--train", 60_000usize), seed + 1), synthetic_digits(5_000, seed + 2)),
     };
     println!("data: {} train / {} test images of {}x{}", train_set.len(), test_set.len(), train_set.rows, train_set.cols);
-    println!("model: MLP 784-256-10 (203,530 parameters), AdamW lr {lr}, batch {bs}, {epochs} epochs, on {device}");
+    let name = if common::opt("--model").as_deref() == Some("cnn") { "CNN conv8-pool-conv16-pool-linear" } else { "MLP 784-256-10" };
+    let params: usize = make_model(&train_set, device)?.parameters().iter().map(Tensor::numel).sum();
+    println!("model: {name} ({params} parameters), AdamW lr {lr}, batch {bs}, {epochs} epochs, on {device}");
     let mut reports = Vec::new();
     for compiled in [false, true] {
         if mode == "both" || (mode == "compiled") == compiled {

@@ -4,8 +4,8 @@ pub mod gpt;
 
 pub use gpt::{Gpt, GptConfig};
 
-use kiln_nn::{Linear, Relu, Sequential};
-use kiln_tensor::{Device, Result};
+use kiln_nn::{Conv2d, Flatten, Forward, Linear, MaxPool2d, Module, Relu, Sequential, Window};
+use kiln_tensor::{Device, Error, Result, Tensor};
 
 /// A ReLU MLP with the given layer sizes, e.g. `[784, 256, 10]`.
 pub fn mlp(sizes: &[usize], device: Device) -> Result<Sequential> {
@@ -17,4 +17,43 @@ pub fn mlp(sizes: &[usize], device: Device) -> Result<Sequential> {
         }
     }
     Ok(s)
+}
+
+/// A small LeNet-style CNN for `rows x cols` grey images given as flat rows `[N, rows * cols]`:
+/// two 3x3 convolutions (8 and 16 channels, padded) each with ReLU and 2x2 max pooling, then
+/// a linear layer to `classes`.
+pub fn cnn(rows: usize, cols: usize, classes: usize, device: Device) -> Result<Sequential> {
+    let (conv, pool) = (Window::new((3, 3)).padding((1, 1)), Window::new((2, 2)).stride((2, 2)));
+    Ok(Sequential::new()
+        .add(Image { rows, cols })
+        .add(Conv2d::new(1, 8, conv, true, device)?)
+        .add(Relu)
+        .add(MaxPool2d(pool))
+        .add(Conv2d::new(8, 16, conv, true, device)?)
+        .add(Relu)
+        .add(MaxPool2d(pool))
+        .add(Flatten)
+        .add(Linear::new(16 * (rows / 4) * (cols / 4), classes, true, device)?))
+}
+
+/// Flat image rows `[N, rows * cols]` viewed as `[N, 1, rows, cols]`.
+struct Image {
+    rows: usize,
+    cols: usize,
+}
+
+impl Forward for Image {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if x.rank() != 2 || x.shape()[1] != self.rows * self.cols {
+            return Err(Error::shape(
+                "cnn",
+                format!("needs flat {}x{} images [N, {}], got {:?}", self.rows, self.cols, self.rows * self.cols, x.shape()),
+            ));
+        }
+        x.reshape(&[x.shape()[0], 1, self.rows, self.cols])
+    }
+}
+
+impl Module for Image {
+    fn visit(&self, _: &str, _: &mut dyn FnMut(String, &Tensor)) {}
 }
