@@ -116,7 +116,7 @@ pub fn reduce<T: Element>(op: ReduceOp, src: &[T], l: &Layout, dims: &[usize], o
             if !column_sum(src, l, dims, &mut acc) && !permuted_column_sum(src, l, dims, &mut acc) {
                 fold(src, l, dims, 0.0f64, |a, x, _| a + x.to_f64(), &mut acc);
             }
-            let out = acc.iter().map(|&a| T::from_f64(a)).collect();
+            let out = pooled(&acc, |&a| T::from_f64(a));
             pool::give(acc);
             super::Out::Same(out)
         }
@@ -135,7 +135,7 @@ pub fn reduce<T: Element>(op: ReduceOp, src: &[T], l: &Layout, dims: &[usize], o
                 },
                 &mut acc,
             );
-            super::Out::Same(acc.into_iter().map(|(a, _)| a).collect())
+            super::Out::Same(pooled(&acc, |&(a, _)| a))
         }
         ReduceOp::ArgMax | ReduceOp::ArgMin => {
             let max = op == ReduceOp::ArgMax;
@@ -156,9 +156,17 @@ pub fn reduce<T: Element>(op: ReduceOp, src: &[T], l: &Layout, dims: &[usize], o
                 },
                 &mut acc,
             );
-            super::Out::Index(acc.into_iter().map(|(_, i)| i as i64).collect())
+            super::Out::Index(pooled(&acc, |&(_, i)| i as i64))
         }
     }
+}
+
+/// `f` of each accumulator, into a pooled buffer (a fresh one is page-faulted and zeroed by
+/// the kernel at every step).
+fn pooled<A, U: Element>(acc: &[A], f: impl Fn(&A) -> U) -> Vec<U> {
+    let mut out = pool::take::<U>(acc.len());
+    out.iter_mut().zip(acc).for_each(|(o, a)| *o = f(a));
+    out
 }
 
 /// Calls `f(row, out_row)` for each row of `n` elements of `out`, in parallel when large.

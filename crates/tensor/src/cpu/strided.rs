@@ -54,7 +54,14 @@ impl<const N: usize> Strided<N> {
         }
         let rank = self.shape.len();
         let last = self.shape[rank - 1];
-        let mut idx = vec![0usize; rank];
+        // On the stack for the usual ranks: reductions call this once per output element.
+        let (mut small, mut big) = ([0usize; 8], Vec::new());
+        let idx: &mut [usize] = if rank <= small.len() {
+            &mut small[..rank]
+        } else {
+            big.resize(rank, 0);
+            &mut big
+        };
         let mut rem = start;
         for d in (0..rank).rev() {
             idx[d] = rem % self.shape[d];
