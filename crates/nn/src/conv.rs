@@ -54,14 +54,21 @@ impl Window {
     }
 }
 
-/// `x`'s windows as `[N, C, kh * kw, Ho, Wo]`: the value under kernel offset `(i, j)` for each
-/// output position, padding filled with `pad`.
-fn windows(op: &'static str, x: &Tensor, win: &Window, pad: f64) -> Result<(Tensor, Pair)> {
-    let [_, _, h, w] = *x.shape() else {
+/// `x`'s windows (padding filled with `pad`) and the dims that run over one window. When the
+/// windows tile the input (stride = kernel, no dilation: most pooling), a view
+/// `[N, C, Ho, kh, Wo, kw]` over dims 3 and 5; else `[N, C, kh * kw, Ho, Wo]` over dim 2,
+/// each kernel offset `(i, j)` a strided view of the padded input, stacked.
+fn windows(op: &'static str, x: &Tensor, win: &Window, pad: f64) -> Result<(Tensor, Vec<usize>)> {
+    let [n, c, h, w] = *x.shape() else {
         return Err(Error::shape(op, format!("needs an NCHW input of rank 4, got {:?}", x.shape())));
     };
     let (oh, ow) = win.output(op, (h, w))?;
     let (k, s, p, d) = (win.kernel, win.stride, win.padding, win.dilation);
+    if s == k && d == (1, 1) {
+        let x = pad_dim(&pad_dim(x, 2, p.0, p.0, pad)?, 3, p.1, p.1, pad)?;
+        let tiled = x.narrow(2usize, 0, k.0 * oh)?.narrow(3usize, 0, k.1 * ow)?;
+        return Ok((tiled.reshape(&[n, c, oh, k.0, ow, k.1])?, vec![3, 5]));
+    }
     // Room for a whole last stride at every offset: `d * (k - 1) + s * o` rows.
     let (rows, cols) = (d.0 * (k.0 - 1) + s.0 * oh, d.1 * (k.1 - 1) + s.1 * ow);
     let x = pad_dim(x, 2, p.0, rows.saturating_sub(h + p.0).max(p.0), pad)?;
@@ -74,7 +81,7 @@ fn windows(op: &'static str, x: &Tensor, win: &Window, pad: f64) -> Result<(Tens
         }
     }
     let refs: Vec<&Tensor> = taken.iter().collect();
-    Ok((Tensor::stack(&refs, 2usize)?, (oh, ow)))
+    Ok((Tensor::stack(&refs, 2usize)?, vec![2]))
 }
 
 /// `x` with `before` and `after` entries of `value` added along `dim`.
@@ -104,9 +111,11 @@ fn every(x: &Tensor, dim: usize, n: usize, step: usize) -> Result<Tensor> {
 
 /// `F.unfold`: `[N, C, H, W]` to columns `[N, C * kh * kw, L]`, `L = Ho * Wo`, zero padded.
 pub fn unfold(x: &Tensor, win: &Window) -> Result<Tensor> {
-    let (cols, (oh, ow)) = windows("unfold", x, win, 0.0)?;
-    let s = cols.shape();
-    cols.reshape(&[s[0], s[1] * s[2], oh * ow])
+    let (t, dims) = windows("unfold", x, win, 0.0)?;
+    // Channel, then kernel offset, then output position.
+    let t = if dims == [3, 5] { t.permute(&[0, 1, 3, 5, 2, 4])? } else { t };
+    let (s, r) = (t.shape(), t.rank());
+    t.reshape(&[s[0], s[1..r - 2].iter().product(), s[r - 2] * s[r - 1]])
 }
 
 /// `F.conv2d` (groups 1): `x [N, C, H, W]`, `weight [O, C, kh, kw]`, optional `bias [O]`, to
@@ -142,12 +151,14 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, win: &Window) 
 
 /// `F.max_pool2d`: the largest value of each window (padding counts as -inf).
 pub fn max_pool2d(x: &Tensor, win: &Window) -> Result<Tensor> {
-    windows("max_pool2d", x, win, f64::NEG_INFINITY)?.0.max(&[2], false)
+    let (t, dims) = windows("max_pool2d", x, win, f64::NEG_INFINITY)?;
+    t.max(&dims[..], false)
 }
 
 /// `F.avg_pool2d` (PyTorch's default `count_include_pad=True`: padding counts as zeros).
 pub fn avg_pool2d(x: &Tensor, win: &Window) -> Result<Tensor> {
-    windows("avg_pool2d", x, win, 0.0)?.0.mean(&[2], false)
+    let (t, dims) = windows("avg_pool2d", x, win, 0.0)?;
+    t.mean(&dims[..], false)
 }
 
 /// `nn.Conv2d` (groups 1): weight `[out, in, kh, kw]` and bias `[out]`, initialised as

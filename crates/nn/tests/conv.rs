@@ -104,6 +104,8 @@ fn convolution_matches_direct_loops_with_stride_padding_and_dilation() -> Result
         Window::new((3, 2)),
         Window::new((3, 2)).stride((2, 3)).padding((1, 2)),
         Window::new((3, 2)).dilation((2, 1)).padding((2, 0)).stride((1, 2)),
+        // Windows that tile the input (stride = kernel): the reshaped view, not the stack.
+        Window::new((3, 2)).stride((3, 2)).padding((1, 0)),
     ] {
         let y = conv2d(&x, &w, Some(&b), &win)?;
         let (want, oh, ow) = conv_by_loops(&f64s(&x), [2, 3, 7, 6], &f64s(&w), [4, 3, 3, 2], &f64s(&b), &win);
@@ -137,6 +139,9 @@ fn gradients_match_finite_differences() -> Result<()> {
     let win = Window::new((3, 2)).stride((2, 1)).padding((1, 1)).dilation((1, 2));
     let inputs = [randn(&[2, 2, 5, 6], 5), randn(&[3, 2, 3, 2], 6), randn(&[3], 7)];
     gradcheck(|t| conv2d(&t[0], &t[1], Some(&t[2]), &win), &inputs, cfg)?;
+    let tiles = Window::new((3, 2)).stride((3, 2)).padding((1, 1));
+    gradcheck(|t| conv2d(&t[0], &t[1], Some(&t[2]), &tiles), &inputs, cfg)?;
+    gradcheck(|t| avg_pool2d(&t[0], &Window::new((2, 2)).stride((2, 2))), &inputs[..1], cfg)?;
     let pool = Window::new((2, 3)).stride((2, 2)).padding((1, 1));
     gradcheck(|t| avg_pool2d(&t[0], &pool), &inputs[..1], cfg)?;
     // Max pooling's gradient goes to each window's largest value (distinct values: no ties).
