@@ -40,17 +40,30 @@ impl Window {
     /// The output's (height, width) for an input of `(h, w)`.
     fn output(&self, op: &'static str, (h, w): Pair) -> Result<Pair> {
         let out = |size: usize, k: usize, s: usize, p: usize, d: usize| -> Option<usize> {
-            let span = d * (k - 1) + 1;
-            (size + 2 * p).checked_sub(span).map(|r| r / s + 1)
+            let span = d.checked_mul(k - 1)?.checked_add(1)?;
+            p.checked_mul(2)?.checked_add(size)?.checked_sub(span).map(|r| r / s + 1)
         };
         let (k, s, p, d) = (self.kernel, self.stride, self.padding, self.dilation);
         if [k.0, k.1, s.0, s.1, d.0, d.1].contains(&0) {
             return Err(Error::Msg(format!("{op}: kernel, stride and dilation must be positive, got {self:?}")));
         }
+        if h == 0 || w == 0 {
+            return Err(Error::shape(op, format!("an input of {h}x{w} has nothing to slide a window over")));
+        }
         match (out(h, k.0, s.0, p.0, d.0), out(w, k.1, s.1, p.1, d.1)) {
             (Some(oh), Some(ow)) => Ok((oh, ow)),
             _ => Err(Error::shape(op, format!("input {h}x{w} (padded by {p:?}) is smaller than the kernel {k:?} dilated by {d:?}"))),
         }
+    }
+
+    /// Pooling's rule (PyTorch's): padding at most half the kernel, so that every window
+    /// holds an input value.
+    fn check_pool_padding(&self, op: &'static str) -> Result<()> {
+        let (k, p) = (self.kernel, self.padding);
+        if p.0 > k.0 / 2 || p.1 > k.1 / 2 {
+            return Err(Error::Msg(format!("{op}: padding {p:?} must be at most half the kernel {k:?}")));
+        }
+        Ok(())
     }
 }
 
@@ -69,7 +82,10 @@ fn windows(op: &'static str, x: &Tensor, win: &Window, pad: f64) -> Result<(Tens
         let tiled = x.narrow(2usize, 0, k.0 * oh)?.narrow(3usize, 0, k.1 * ow)?;
         return Ok((tiled.reshape(&[n, c, oh, k.0, ow, k.1])?, vec![3, 5]));
     }
-    // Room for a whole last stride at every offset: `d * (k - 1) + s * o` rows.
+    // A single output needs no stride (and a huge stride must not pad a huge input).
+    let s = (if oh == 1 { 1 } else { s.0 }, if ow == 1 { 1 } else { s.1 });
+    // Room for a whole last stride at every offset: `d * (k - 1) + s * o` rows (under
+    // `2 * (h + 2 * p)` once `o >= 2`).
     let (rows, cols) = (d.0 * (k.0 - 1) + s.0 * oh, d.1 * (k.1 - 1) + s.1 * ow);
     let x = pad_dim(x, 2, p.0, rows.saturating_sub(h + p.0).max(p.0), pad)?;
     let x = pad_dim(&x, 3, p.1, cols.saturating_sub(w + p.1).max(p.1), pad)?;
@@ -124,15 +140,13 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, win: &Window) 
     let [o, c, kh, kw] = *weight.shape() else {
         return Err(Error::shape("conv2d", format!("needs a weight [out, in, kh, kw], got {:?}", weight.shape())));
     };
-    if x.rank() != 4 || x.shape()[1] != c || (kh, kw) != win.kernel {
+    if (kh, kw) != win.kernel {
+        return Err(Error::shape("conv2d", format!("weight {:?} against the window's kernel {:?}", weight.shape(), win.kernel)));
+    }
+    if x.rank() != 4 || x.shape()[1] != c {
         return Err(Error::shape(
             "conv2d",
-            format!(
-                "input {:?} against weight {:?} (kernel {:?}): needs an NCHW input with {c} channels",
-                x.shape(),
-                weight.shape(),
-                win.kernel
-            ),
+            format!("input {:?} against weight {:?}: needs an NCHW input with {c} channels", x.shape(), weight.shape()),
         ));
     }
     if let Some(b) = bias.filter(|b| b.shape() != [o]) {
@@ -142,21 +156,29 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, win: &Window) 
     let n = x.shape()[0];
     let (oh, ow) = win.output("conv2d", (x.shape()[2], x.shape()[3]))?;
     let y = weight.reshape(&[o, c * kh * kw])?.matmul(&cols)?;
+    // The bias in the product's dtype (autocast's 16-bit product stays 16-bit, as in PyTorch).
     let y = match bias {
-        Some(b) => y.add(&b.reshape(&[o, 1])?)?,
+        Some(b) => y.add(&b.to_dtype(y.dtype())?.reshape(&[o, 1])?)?,
         None => y,
     };
     y.reshape(&[n, o, oh, ow])
 }
 
-/// `F.max_pool2d`: the largest value of each window (padding counts as -inf).
+/// `F.max_pool2d`: the largest value of each window (padding counts as -inf). As in PyTorch,
+/// the gradient goes to one element of a window, its first largest (ties do not share it).
 pub fn max_pool2d(x: &Tensor, win: &Window) -> Result<Tensor> {
+    win.check_pool_padding("max_pool2d")?;
     let (t, dims) = windows("max_pool2d", x, win, f64::NEG_INFINITY)?;
-    t.max(&dims[..], false)
+    // Each window's values along one last dim: `[N, C, Ho, Wo, kh * kw]`.
+    let t = if dims == [3, 5] { t.permute(&[0, 1, 2, 4, 3, 5])? } else { t.permute(&[0, 1, 3, 4, 2])? };
+    let s = t.shape().to_vec();
+    let t = t.reshape(&[s[0], s[1], s[2], s[3], s[4..].iter().product()])?;
+    t.gather(4usize, &t.argmax(4usize, true)?)?.squeeze(4usize)
 }
 
 /// `F.avg_pool2d` (PyTorch's default `count_include_pad=True`: padding counts as zeros).
 pub fn avg_pool2d(x: &Tensor, win: &Window) -> Result<Tensor> {
+    win.check_pool_padding("avg_pool2d")?;
     let (t, dims) = windows("avg_pool2d", x, win, 0.0)?;
     t.mean(&dims[..], false)
 }
@@ -197,9 +219,15 @@ impl Module for Conv2d {
     }
 }
 
-/// `nn.MaxPool2d` (PyTorch's default stride is the kernel size: `Window::new(k).stride(k)`).
+/// `nn.MaxPool2d`; `MaxPool2d::new(k)` strides by the kernel, PyTorch's default.
 #[derive(Debug, Clone, Copy)]
 pub struct MaxPool2d(pub Window);
+
+impl MaxPool2d {
+    pub fn new(kernel: Pair) -> MaxPool2d {
+        MaxPool2d(Window::new(kernel).stride(kernel))
+    }
+}
 
 impl Forward for MaxPool2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -211,9 +239,15 @@ impl Module for MaxPool2d {
     fn visit(&self, _: &str, _: &mut dyn FnMut(String, &Tensor)) {}
 }
 
-/// `nn.AvgPool2d`.
+/// `nn.AvgPool2d`; `AvgPool2d::new(k)` strides by the kernel, PyTorch's default.
 #[derive(Debug, Clone, Copy)]
 pub struct AvgPool2d(pub Window);
+
+impl AvgPool2d {
+    pub fn new(kernel: Pair) -> AvgPool2d {
+        AvgPool2d(Window::new(kernel).stride(kernel))
+    }
+}
 
 impl Forward for AvgPool2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {

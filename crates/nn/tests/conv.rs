@@ -3,7 +3,7 @@
 
 use kiln_autograd::{gradcheck, Backward, GradcheckConfig};
 use kiln_nn::{avg_pool2d, conv2d, max_pool2d, unfold, Conv2d, Flatten, Forward, MaxPool2d, Module, Window};
-use kiln_tensor::{DType, Device, Distribution, Result, Tensor};
+use kiln_tensor::{Autocast, DType, Device, Distribution, Result, Tensor};
 
 fn randn(shape: &[usize], seed: u64) -> Tensor {
     Tensor::rand_at(shape, Distribution::Normal, seed, 0, DType::F64, Device::Cpu).unwrap()
@@ -191,5 +191,53 @@ fn layers_init_like_pytorch_and_bad_shapes_are_errors() -> Result<()> {
     assert!(e.contains("smaller than the kernel"), "{e}");
     let e = max_pool2d(&x, &Window::new((2, 2)).stride((0, 1))).unwrap_err().to_string();
     assert!(e.contains("must be positive"), "{e}");
+    Ok(())
+}
+
+#[test]
+fn max_pooling_sends_a_tied_windows_gradient_to_its_first_largest() -> Result<()> {
+    // Two windows of ties (all 2; a 1 and two 3s), tiled and, with stride 1, stacked.
+    let x = Tensor::from_vec(vec![2.0, 2.0, 1.0, 3.0, 2.0, 2.0, 3.0, 0.0], &[1, 1, 2, 4], Device::Cpu)?;
+    x.set_requires_grad(true);
+    let y = max_pool2d(&x, &Window::new((2, 2)).stride((2, 2)))?;
+    assert_eq!(f64s(&y), vec![2.0, 3.0]);
+    y.sum_all()?.backward()?;
+    assert_eq!(f64s(&x.grad().unwrap()), vec![1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]);
+    x.set_grad(None);
+    // Windows at columns 0, 1 and 2, read row by row: the third's first 3 is x[0][3].
+    let y = max_pool2d(&x, &Window::new((2, 2)))?;
+    assert_eq!(f64s(&y), vec![2.0, 3.0, 3.0]);
+    y.sum_all()?.backward()?;
+    assert_eq!(f64s(&x.grad().unwrap()), vec![1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0]);
+    Ok(())
+}
+
+#[test]
+fn pooling_rules_and_edge_cases() -> Result<()> {
+    let x = randn(&[1, 2, 4, 4], 8);
+    let e = max_pool2d(&x, &Window::new((2, 2)).stride((2, 2)).padding((2, 0))).unwrap_err().to_string();
+    assert!(e.contains("at most half the kernel"), "{e}");
+    assert!(avg_pool2d(&x, &Window::new((3, 3)).padding((1, 2))).is_err());
+    let e = max_pool2d(&Tensor::zeros(&[1, 1, 0, 4], DType::F64, Device::Cpu)?, &Window::new((1, 1))).unwrap_err().to_string();
+    assert!(e.contains("0x4"), "{e}");
+    // A stride far beyond the input: one output, no padding to the stride's size.
+    let y = conv2d(&x, &randn(&[3, 2, 1, 1], 9), None, &Window::new((1, 1)).stride((1_000_000, 1_000_000)))?;
+    assert_eq!(y.shape(), &[1, 3, 1, 1]);
+    assert_eq!(MaxPool2d::new((2, 2)).forward(&x)?.shape(), &[1, 2, 2, 2], "stride = kernel by default");
+    Ok(())
+}
+
+#[test]
+fn autocast_convolution_stays_in_f16_with_its_bias() -> Result<()> {
+    let (x, w, b) = (randn(&[2, 3, 5, 5], 10), randn(&[4, 3, 3, 3], 11), randn(&[4], 12));
+    let (x, w, b) = (x.to_dtype(DType::F32)?, w.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?);
+    let full = conv2d(&x, &w, Some(&b), &Window::new((3, 3)).padding((1, 1)))?;
+    let half = {
+        let _f16 = Autocast::new(DType::F16)?;
+        conv2d(&x, &w, Some(&b), &Window::new((3, 3)).padding((1, 1)))?
+    };
+    assert_eq!(half.dtype(), DType::F16, "the product and its bias in F16, as PyTorch's autocast");
+    let (a, c) = (half.to_dtype(DType::F32)?.to_vec::<f32>()?, full.to_vec::<f32>()?);
+    assert!(a.iter().zip(&c).all(|(a, c)| (a - c).abs() <= 2e-2 * (1.0 + c.abs())), "F16 close to F32");
     Ok(())
 }

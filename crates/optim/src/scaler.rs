@@ -54,8 +54,7 @@ pub struct GradScaler {
 impl GradScaler {
     /// A scaler for losses on `device` (`torch.amp.GradScaler(device)`).
     pub fn new(device: Device, cfg: GradScalerConfig) -> Result<GradScaler> {
-        let ok = cfg.init_scale.is_finite()
-            && cfg.init_scale > 0.0
+        let ok = f32_scale(cfg.init_scale).is_some()
             && cfg.growth_factor > 1.0
             && cfg.backoff_factor > 0.0
             && cfg.backoff_factor < 1.0
@@ -65,8 +64,9 @@ impl GradScaler {
                 "GradScaler: needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 and growth_interval > 0; got {cfg:?}"
             )));
         }
-        let scale_t = Tensor::scalar(cfg.init_scale, DType::F32, device)?;
-        Ok(GradScaler { cfg, scale: cfg.init_scale, growth_tracker: 0, scale_t, stages: HashMap::new() })
+        let scale = f32_scale(cfg.init_scale).unwrap_or(1.0);
+        let scale_t = Tensor::scalar(scale, DType::F32, device)?;
+        Ok(GradScaler { cfg, scale, growth_tracker: 0, scale_t, stages: HashMap::new() })
     }
 
     /// The loss times the current scale (the loss itself when disabled).
@@ -94,8 +94,19 @@ impl GradScaler {
             return Ok(());
         }
         let key = optimizer_key(opt)?;
-        if self.stages.contains_key(&key) {
-            return Err(Error::Msg("GradScaler: unscale_() was already called on this optimizer since the last update()".into()));
+        match self.stages.get(&key) {
+            Some(Stage { stepped: true, .. }) => return Err(Error::Msg("GradScaler: unscale_() is being called after step()".into())),
+            Some(_) => {
+                return Err(Error::Msg("GradScaler: unscale_() was already called on this optimizer since the last update()".into()))
+            }
+            None => {}
+        }
+        // PyTorch refuses too: F16 gradients unscaled in F16 flush to zero again.
+        if let Some((i, _)) = opt.params().iter().enumerate().find(|(_, p)| p.grad().is_some_and(|g| g.dtype() == DType::F16)) {
+            return Err(Error::dtype(
+                "GradScaler",
+                format!("parameter {i} has an F16 gradient; keep parameters in F32 (autocast computes in F16) to unscale their gradients"),
+            ));
         }
         let found_inf = no_grad(|| unscale_grads(opt.params(), 1.0 / self.scale))?;
         self.stages.insert(key, Stage { found_inf, stepped: false });
@@ -113,16 +124,16 @@ impl GradScaler {
         if !self.stages.contains_key(&key) {
             self.unscale_(opt)?;
         }
-        let stage = self.stages.get_mut(&key).expect("unscaled just above");
+        let stage = self.stages[&key];
         if stage.stepped {
             return Err(Error::Msg("GradScaler: step() was already called on this optimizer since the last update()".into()));
         }
-        stage.stepped = true;
-        if stage.found_inf {
-            return Ok(false);
+        let taken = !stage.found_inf;
+        if taken {
+            opt.step()?;
         }
-        opt.step()?;
-        Ok(true)
+        self.stages.insert(key, Stage { stepped: true, ..stage });
+        Ok(taken)
     }
 
     /// Backs the scale off if any optimizer met a non-finite gradient this step, else counts a
@@ -156,13 +167,19 @@ impl GradScaler {
 
     /// Restores what `state` returned.
     pub fn set_state(&mut self, scale: f64, growth_tracker: usize) -> Result<()> {
-        if !(scale.is_finite() && scale > 0.0) {
-            return Err(Error::Msg(format!("GradScaler: a scale must be finite and positive, got {scale}")));
-        }
+        let Some(scale) = f32_scale(scale) else {
+            return Err(Error::Msg(format!("GradScaler: a scale must be positive and finite in F32, got {scale}")));
+        };
         self.scale = scale;
         self.growth_tracker = growth_tracker;
         self.scale_t.fill_(scale)
     }
+}
+
+/// `scale` as the F32 the loss is multiplied by, if it is positive and finite there.
+fn f32_scale(scale: f64) -> Option<f64> {
+    let f = scale as f32;
+    (f.is_finite() && f > 0.0).then_some(f as f64)
 }
 
 /// Steps are keyed by an optimizer's first parameter (an optimizer without any has nothing
@@ -195,10 +212,11 @@ fn next_scale(cfg: &GradScalerConfig, scale: f64, tracker: usize, found_inf: boo
     if found_inf {
         return (scale * cfg.backoff_factor, 0);
     }
-    if tracker + 1 == cfg.growth_interval {
+    // `>=`: a tracker restored from a run with a longer interval still grows.
+    if tracker + 1 >= cfg.growth_interval {
         // PyTorch keeps the old scale when growing would overflow F32.
         let grown = scale * cfg.growth_factor;
-        return (if (grown as f32).is_finite() { grown } else { scale }, 0);
+        return (f32_scale(grown).unwrap_or(scale), 0);
     }
     (scale, tracker + 1)
 }

@@ -137,3 +137,31 @@ fn f16_gradients_that_underflow_unscaled_survive_scaling() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn f16_gradients_a_long_tracker_and_out_of_range_scales() -> Result<()> {
+    // F16 parameters: unscaling in F16 would flush small gradients again (PyTorch refuses too).
+    let p16 = Tensor::full(1.0, &[1], DType::F16, Device::Cpu)?;
+    p16.set_requires_grad(true);
+    p16.set_grad(Some(Tensor::full(1.0, &[1], DType::F16, Device::Cpu)?));
+    let mut opt16 = SGD::new(vec![p16.clone()], SgdConfig::default())?;
+    let e = scaler(2000)?.step(&mut opt16).unwrap_err().to_string();
+    assert!(e.contains("F16 gradient"), "{e}");
+
+    // A tracker restored from a run with a longer interval grows at the next clean step.
+    let p = param(&[1.0], &[1])?;
+    let mut opt = sgd(&p, 0.1)?;
+    let mut s = scaler(3)?;
+    s.set_state(1024.0, 7)?;
+    p.set_grad(Some(Tensor::from_vec(vec![64.0f32], &[1], Device::Cpu)?));
+    s.step(&mut opt)?;
+    assert!(s.unscale_(&mut opt).unwrap_err().to_string().contains("after step()"));
+    s.update()?;
+    assert_eq!(s.state(), (2048.0, 0));
+
+    // Scales are F32's: beyond its range (or flushed to zero by it) is an error.
+    assert!(s.set_state(1e39, 0).is_err() && s.set_state(1e-50, 0).is_err());
+    let big = GradScalerConfig { init_scale: 1e39, ..GradScalerConfig::default() };
+    assert!(GradScaler::new(Device::Cpu, big).is_err());
+    Ok(())
+}
