@@ -8,7 +8,7 @@
 //! `--features cuda`.
 #![cfg(feature = "cuda")]
 
-use common::{assert_runs_agree, drop_key_bias, gpt_step, Run};
+use common::{assert_runs_agree, drop_key_bias, gpt_step, train_cnn, Run};
 use kiln::compile::{compile, Mode};
 use kiln::models::{Gpt, GptConfig};
 use kiln::optim::{AdamConfig, AdamW};
@@ -17,6 +17,25 @@ use kiln::tensor::Distribution;
 use std::cell::RefCell;
 
 mod common;
+
+/// `KILN_GPU_SOURCES` is the process's: one test at a time sets it.
+static SOURCES_VAR: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Compiles a step's fused GPU kernels (`src`, as `KILN_GPU_SOURCES` wrote them) with NVRTC
+/// for sm_90, or says it skipped where NVRTC is missing.
+fn nvrtc_compiles(what: &str, src: &str) {
+    assert!(src.contains("extern \"C\" __global__"), "the GPU's kernel sources for the {what} step were written");
+    if kiln::tensor::cuda::nvrtc::available() {
+        let src = kiln::tensor::cuda::codegen::waiting_for_prior(src);
+        let arch = kiln::tensor::cuda::nvrtc::target(&src, (9, 0));
+        if let Err(e) = kiln::tensor::cuda::nvrtc::compile(&src, "kiln_fused", &arch, true) {
+            panic!("the {what} step's fused kernels do not compile: {e}");
+        }
+        println!("the {what} step's fused kernels compiled with NVRTC for {arch}");
+    } else {
+        println!("SKIPPED: no NVRTC here (libnvrtc.so.13), so the {what} step's fused kernels were not compiled");
+    }
+}
 
 /// `steps` AdamW steps of a small GPT on the CPU, under autocast to `low` or in F32, 1024 rows
 /// a batch (so that the head's 11-letter products are padded): eager, or compiled for a GPU's
@@ -44,6 +63,7 @@ fn train(gpu: bool, steps: u64, low: Option<DType>) -> (Run, String) {
 
 #[test]
 fn a_gpt_compiled_with_the_gpu_passes_matches_eager_on_the_cpu_in_bf16_and_f32() {
+    let _var = SOURCES_VAR.lock().unwrap_or_else(|e| e.into_inner());
     let dir = std::env::temp_dir().join(format!("kiln-gpu-plan-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     std::env::set_var("KILN_GPU_SOURCES", dir.join("step.cu"));
@@ -59,17 +79,7 @@ fn a_gpt_compiled_with_the_gpu_passes_matches_eager_on_the_cpu_in_bf16_and_f32()
     // The GPU's fused kernels for both steps, written, and compiled where NVRTC is (CI
     // installs it from pip for this test and `cuda_codegen`).
     for (what, src) in [("BF16", &bf16_sources), ("F32", &f32_sources)] {
-        assert!(src.contains("extern \"C\" __global__"), "the GPU's kernel sources for the {what} step were written");
-        if kiln::tensor::cuda::nvrtc::available() {
-            let src = kiln::tensor::cuda::codegen::waiting_for_prior(src);
-            let arch = kiln::tensor::cuda::nvrtc::target(&src, (9, 0));
-            if let Err(e) = kiln::tensor::cuda::nvrtc::compile(&src, "kiln_fused", &arch, true) {
-                panic!("the {what} step's fused kernels do not compile: {e}");
-            }
-            println!("the {what} step's fused kernels compiled with NVRTC for {arch}");
-        } else {
-            println!("SKIPPED: no NVRTC here (libnvrtc.so.13), so the {what} step's fused kernels were not compiled");
-        }
+        nvrtc_compiles(what, src);
     }
     // The GPU's rewrites are in the graph that ran.
     for (what, pattern) in [
@@ -96,4 +106,19 @@ fn a_gpt_compiled_with_the_gpu_passes_matches_eager_on_the_cpu_in_bf16_and_f32()
         (5e-4, 2e-2),
     );
     assert_runs_agree("GPU passes vs eager, F32 on the CPU", &compiled32, &eager32, (1e-5, 1e-4));
+}
+
+/// The small CNN (`common::train_cnn`: windows as views, max pooling by argmax and gather)
+/// compiled with the GPU's passes matches eager on the CPU, and its fused kernels compile.
+#[test]
+fn a_cnn_compiled_with_the_gpu_passes_matches_eager_on_the_cpu() {
+    let _var = SOURCES_VAR.lock().unwrap_or_else(|e| e.into_inner());
+    let path = std::env::temp_dir().join(format!("kiln-gpu-plan-cnn-{}.cu", std::process::id()));
+    std::env::set_var("KILN_GPU_SOURCES", &path);
+    let compiled = train_cnn(Device::Cpu, Some(Mode::Default), 12);
+    std::env::remove_var("KILN_GPU_SOURCES");
+    let src = std::fs::read_to_string(&path).unwrap_or_default();
+    std::fs::remove_file(&path).ok();
+    nvrtc_compiles("CNN", &src);
+    assert_runs_agree("GPU passes vs eager, the CNN on the CPU", &compiled, &train_cnn(Device::Cpu, None, 12), (1e-5, 1e-5));
 }
