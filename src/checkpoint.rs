@@ -26,7 +26,7 @@ pub struct Resume {
 
 /// The checkpoint's bytes: tensors of the model and optimizer, and the metadata.
 pub fn to_bytes(model: &dyn Module, opt: &dyn Optimizer, sched: Option<&dyn LrScheduler>, step: u64) -> Result<Vec<u8>> {
-    let mut tensors: Vec<(String, Tensor)> = model.named_parameters().into_iter().map(|(n, t)| (format!("model.{n}"), t)).collect();
+    let mut tensors: Vec<(String, Tensor)> = model.named_state().into_iter().map(|(n, t)| (format!("model.{n}"), t)).collect();
     tensors.extend(opt.state_tensors().into_iter().map(|(n, t)| (format!("optim.{n}"), t)));
     let g = rng::state();
     let mut meta = HashMap::from([

@@ -1,8 +1,8 @@
-//! Basic layers: Linear, Embedding, LayerNorm, RMSNorm, Dropout, Sequential.
+//! Basic layers: Linear, Embedding, LayerNorm, RMSNorm, BatchNorm, Dropout, Sequential.
 
 use crate::init::{linear_bound, normal, param, uniform};
 use crate::{join, Forward, Module};
-use kiln_tensor::{default_dtype, Device, Error, Result, Tensor};
+use kiln_tensor::{default_dtype, no_grad, DType, Device, Error, Result, Tensor};
 
 /// `y = x W^T + b`, weight `[out, in]` like PyTorch.
 #[derive(Debug, Clone)]
@@ -132,6 +132,100 @@ impl Module for RmsNorm {
     }
 }
 
+/// Batch normalisation over dim 1 (`nn.BatchNorm1d` for `[N, C]` or `[N, C, L]`,
+/// `nn.BatchNorm2d` for `[N, C, H, W]`): in training each channel is normalised by its batch
+/// mean and biased variance, and the running statistics move by `momentum` (the variance's
+/// unbiased); in eval the running statistics are used. Buffers `running_mean`,
+/// `running_var`, `num_batches_tracked` as in PyTorch's state dict.
+#[derive(Debug, Clone)]
+pub struct BatchNorm {
+    pub weight: Tensor,
+    pub bias: Tensor,
+    pub running_mean: Tensor,
+    pub running_var: Tensor,
+    pub num_batches_tracked: Tensor,
+    pub eps: f64,
+    pub momentum: f64,
+    pub training: bool,
+}
+
+impl BatchNorm {
+    /// PyTorch's defaults: eps 1e-5, momentum 0.1, weight 1, bias 0.
+    pub fn new(channels: usize, device: Device) -> Result<BatchNorm> {
+        let dtype = default_dtype();
+        Ok(BatchNorm {
+            weight: param(Tensor::ones(&[channels], dtype, device)?),
+            bias: param(Tensor::zeros(&[channels], dtype, device)?),
+            running_mean: Tensor::zeros(&[channels], dtype, device)?,
+            running_var: Tensor::ones(&[channels], dtype, device)?,
+            num_batches_tracked: Tensor::zeros(&[], DType::I64, device)?,
+            eps: 1e-5,
+            momentum: 0.1,
+            training: true,
+        })
+    }
+
+    /// Moves the running statistics towards this batch's (no gradient flows into them).
+    fn track(&self, mean: &Tensor, var: &Tensor, n: usize) -> Result<()> {
+        let m = self.momentum;
+        no_grad(|| {
+            let c = self.running_mean.shape()[0];
+            let (mean, var) =
+                (mean.reshape(&[c])?.to_dtype(self.running_mean.dtype())?, var.reshape(&[c])?.to_dtype(self.running_var.dtype())?);
+            self.running_mean.assign(&self.running_mean.mul_scalar(1.0 - m)?.add(&mean.mul_scalar(m)?)?)?;
+            let unbiased = var.mul_scalar(n as f64 / (n - 1) as f64)?;
+            self.running_var.assign(&self.running_var.mul_scalar(1.0 - m)?.add(&unbiased.mul_scalar(m)?)?)?;
+            self.num_batches_tracked.add_scalar_(1.0)
+        })
+    }
+}
+
+impl Forward for BatchNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let c = self.weight.shape()[0];
+        if !(2..=4).contains(&x.rank()) || x.shape()[1] != c {
+            return Err(Error::shape("batch_norm", format!("needs [N, {c}], [N, {c}, L] or [N, {c}, H, W]; got {:?}", x.shape())));
+        }
+        // Per-channel values broadcast over the other dims: `[1, C, 1, ..]`.
+        let mut shape = vec![1; x.rank()];
+        shape[1] = c;
+        let dims: Vec<usize> = (0..x.rank()).filter(|&d| d != 1).collect();
+        let (centred, var) = if self.training {
+            let n = x.numel() / c.max(1);
+            if n < 2 {
+                return Err(Error::shape(
+                    "batch_norm",
+                    format!("needs more than one value per channel in training, got input {:?}", x.shape()),
+                ));
+            }
+            let mean = x.mean(&dims[..], true)?;
+            let centred = x.sub(&mean)?;
+            let var = centred.square()?.mean(&dims[..], true)?;
+            self.track(&mean, &var, n)?;
+            (centred, var)
+        } else {
+            (x.sub(&self.running_mean.reshape(&shape)?)?, self.running_var.reshape(&shape)?)
+        };
+        let scale = var.add_scalar(self.eps)?.rsqrt()?.mul(&self.weight.reshape(&shape)?)?;
+        centred.mul(&scale)?.add(&self.bias.reshape(&shape)?)
+    }
+}
+
+impl Module for BatchNorm {
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
+        f(join(prefix, "weight"), &self.weight);
+        f(join(prefix, "bias"), &self.bias);
+    }
+    fn visit_buffers(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
+        f(join(prefix, "running_mean"), &self.running_mean);
+        f(join(prefix, "running_var"), &self.running_var);
+        f(join(prefix, "num_batches_tracked"), &self.num_batches_tracked);
+    }
+    fn set_training(&mut self, training: bool) {
+        self.training = training;
+    }
+}
+
 /// Zeroes each element with probability `p` in training and scales the rest by 1/(1-p).
 /// Masks come from the counter-based generator, so they can be reproduced on any device.
 #[derive(Debug, Clone)]
@@ -206,6 +300,11 @@ impl Module for Sequential {
     fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
         for (i, l) in self.layers.iter().enumerate() {
             l.visit(&join(prefix, &i.to_string()), f);
+        }
+    }
+    fn visit_buffers(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
+        for (i, l) in self.layers.iter().enumerate() {
+            l.visit_buffers(&join(prefix, &i.to_string()), f);
         }
     }
     fn set_training(&mut self, training: bool) {

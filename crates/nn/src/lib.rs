@@ -1,5 +1,5 @@
 //! kiln-nn: the `Module` trait, layers (Linear, Conv2d and pooling, Embedding, LayerNorm,
-//! RMSNorm, Dropout, activations, Sequential, MultiheadAttention, Transformer), losses,
+//! RMSNorm, BatchNorm, Dropout, activations, Sequential, MultiheadAttention, Transformer), losses,
 //! PyTorch-default initialisation and safetensors state dicts.
 //!
 //! Parameters are tensor leaves with `requires_grad` set; a module lists them under PyTorch's
@@ -17,7 +17,7 @@ pub mod transformer;
 pub use activation::{Activation, Gelu, Relu, Silu, Tanh};
 pub use attention::{causal_mask, scaled_dot_product_attention, set_fused_attention, AttnMasks, MultiheadAttention};
 pub use conv::{avg_pool2d, conv2d, max_pool2d, unfold, AvgPool2d, Conv2d, Flatten, MaxPool2d, Window};
-pub use layers::{dropout, Dropout, Embedding, Layer, LayerNorm, Linear, RmsNorm, Sequential};
+pub use layers::{dropout, BatchNorm, Dropout, Embedding, Layer, LayerNorm, Linear, RmsNorm, Sequential};
 pub use loss::{cross_entropy, cross_entropy_with, mse_loss, nll_loss, CrossEntropyConfig, Reduction};
 pub use state_dict::{load_state_dict, load_state_dict_from_bytes, save_state_dict, state_dict_to_bytes};
 pub use transformer::{Transformer, TransformerConfig, TransformerDecoderLayer, TransformerEncoderLayer, TransformerMasks};
@@ -28,12 +28,26 @@ use kiln_tensor::{Result, Tensor};
 pub trait Module {
     /// Calls `f(name, param)` for every parameter, names prefixed with `prefix`.
     fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor));
-    /// Switches train/eval behaviour (dropout) for this module and its children.
+    /// Calls `f(name, buffer)` for every buffer: state that is not trained but saved beside
+    /// the parameters (batch norm's running statistics), as PyTorch's `named_buffers`.
+    fn visit_buffers(&self, _prefix: &str, _f: &mut dyn FnMut(String, &Tensor)) {}
+    /// Switches train/eval behaviour (dropout, batch norm) for this module and its children.
     fn set_training(&mut self, _training: bool) {}
 
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
         let mut out = Vec::new();
         self.visit("", &mut |n, t| out.push((n, t.clone())));
+        out
+    }
+    fn named_buffers(&self) -> Vec<(String, Tensor)> {
+        let mut out = Vec::new();
+        self.visit_buffers("", &mut |n, t| out.push((n, t.clone())));
+        out
+    }
+    /// What a state dict holds: the parameters, then the buffers.
+    fn named_state(&self) -> Vec<(String, Tensor)> {
+        let mut out = self.named_parameters();
+        out.extend(self.named_buffers());
         out
     }
     fn parameters(&self) -> Vec<Tensor> {

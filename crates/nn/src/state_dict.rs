@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 pub fn state_dict_to_bytes(m: &dyn Module) -> Result<Vec<u8>> {
-    save_tensors(&m.named_parameters(), None)
+    save_tensors(&m.named_state(), None)
 }
 
 pub fn save_state_dict(m: &dyn Module, path: &Path) -> Result<()> {
@@ -17,12 +17,12 @@ pub fn save_state_dict(m: &dyn Module, path: &Path) -> Result<()> {
 }
 
 /// Loads a state dict into `m` in place. `strict`: the file must hold exactly the module's
-/// parameters (extra entries are errors too, as in PyTorch). Values of another float dtype
+/// parameters and buffers (extra entries are errors too, as in PyTorch). Values of another float dtype
 /// are converted; shapes must match.
 pub fn load_state_dict_from_bytes(m: &dyn Module, bytes: &[u8], strict: bool) -> Result<()> {
     let (tensors, _) = load_tensors(bytes)?;
     let file: BTreeMap<String, Tensor> = tensors.into_iter().collect();
-    let params = m.named_parameters();
+    let params = m.named_state();
     let mut plan = Vec::with_capacity(params.len());
     for (name, p) in &params {
         let Some(t) = file.get(name) else {
