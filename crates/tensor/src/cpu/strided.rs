@@ -41,6 +41,11 @@ impl<const N: usize> Strided<N> {
         Strided { shape: sh, strides: st, offsets }
     }
 
+    /// Whether the whole layout is one run (a single merged dim).
+    pub fn is_one_run(&self) -> bool {
+        self.shape.len() == 1
+    }
+
     /// Strides of the innermost (merged) dim, per input.
     pub fn inner_strides(&self) -> [usize; N] {
         std::array::from_fn(|k| *self.strides[k].last().unwrap_or(&0))
