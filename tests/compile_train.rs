@@ -688,3 +688,30 @@ fn a_compiled_cnn_matches_eager() {
     assert!(round(2) < round(0), "it trains: {:?}", eager.losses);
     common::assert_runs_agree("CNN", &compiled, &eager, (1e-5, 1e-5));
 }
+
+/// AdamW with weight-decay groups (matrices decayed, biases not): the compiled step against
+/// eager.
+#[test]
+fn compiled_adamw_with_weight_decay_groups_matches_eager() -> Result<()> {
+    use kiln::optim::split_for_weight_decay;
+    let run = |compiled: bool| -> Result<common::Run> {
+        kiln::tensor::rng::manual_seed(3);
+        let model = mlp(&[20, 32, 5], Device::Cpu)?;
+        let (decayed, rest) = split_for_weight_decay(model.parameters());
+        let cfg = AdamConfig { lr: 1e-2, ..AdamConfig::adamw() };
+        let opt = RefCell::new(AdamW::with_groups(vec![(decayed, 0.5), (rest, 0.0)], cfg)?);
+        let f = mlp_step_unclipped(&model, &opt);
+        let mut step = compile(Mode::Default, f);
+        let mut losses = Vec::new();
+        for i in 0..20 {
+            let (x, y) = data(i % 4, 16, 20, 5);
+            let out = if compiled { step.call(&[&x, &y])? } else { f(&[x, y])? };
+            losses.push(out[0].item()? as f32);
+        }
+        let params = model.parameters().iter().map(|p| p.to_vec::<f32>()).collect::<Result<_>>()?;
+        Ok(common::Run { losses, params })
+    };
+    let (eager, compiled) = (run(false)?, run(true)?);
+    common::assert_runs_agree("AdamW groups", &compiled, &eager, (1e-5, 1e-5));
+    Ok(())
+}

@@ -191,3 +191,29 @@ fn f16_training_with_a_grad_scaler_skips_the_same_steps_on_both_devices() {
         assert_close(&format!("param {i}"), g, c, 2e-3);
     }
 }
+
+/// AdamW with weight-decay groups (the device's fused update launched once a group) against
+/// the CPU.
+#[test]
+fn adamw_weight_decay_groups_update_the_same_on_both_devices() {
+    use kiln::optim::split_for_weight_decay;
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    let run = |dev: Device| -> Vec<Vec<f32>> {
+        kiln::tensor::rng::manual_seed(5);
+        let model = mlp(&[20, 16, 5], dev).unwrap();
+        let (decayed, rest) = split_for_weight_decay(model.parameters());
+        let cfg = AdamConfig { lr: 5e-3, ..AdamConfig::adamw() };
+        let mut opt = AdamW::with_groups(vec![(decayed, 0.5), (rest, 0.0)], cfg).unwrap();
+        for i in 0..20 {
+            let (x, y) = batch(i, dev);
+            cross_entropy(&model.forward(&x).unwrap(), &y).unwrap().backward().unwrap();
+            opt.step().unwrap();
+            opt.zero_grad().unwrap();
+        }
+        model.parameters().iter().map(|p| p.to_vec::<f32>().unwrap()).collect()
+    };
+    for (i, (g, c)) in run(dev).iter().zip(run(Device::Cpu)).enumerate() {
+        assert_close(&format!("param {i}"), g, &c, 1e-4);
+    }
+}

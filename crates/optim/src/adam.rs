@@ -33,36 +33,70 @@ impl AdamConfig {
 pub struct Adam {
     core: Core,
     cfg: AdamConfig,
+    /// Each parameter's weight decay (`cfg`'s, or its group's).
+    decay: Vec<f64>,
 }
 
 /// AdamW: `p *= 1 - lr * wd`, then the moment update below, with the raw gradient.
 pub struct AdamW {
     core: Core,
     cfg: AdamConfig,
+    /// Each parameter's weight decay (`cfg`'s, or its group's).
+    decay: Vec<f64>,
 }
 
 impl Adam {
     pub fn new(params: Vec<Tensor>, cfg: AdamConfig) -> Result<Adam> {
-        Ok(Adam { core: new_core("Adam", params, &cfg)?, cfg })
+        Adam::with_groups(vec![(params, cfg.weight_decay)], cfg)
+    }
+    /// Parameter groups with a weight decay each (PyTorch's `[{"params": .., "weight_decay":
+    /// ..}, ..]`); the rest of `cfg` is shared. Parameters are numbered across the groups in
+    /// order, as PyTorch numbers their state.
+    pub fn with_groups(groups: Vec<(Vec<Tensor>, f64)>, cfg: AdamConfig) -> Result<Adam> {
+        let (params, decay) = flatten_groups("Adam", groups)?;
+        Ok(Adam { core: new_core("Adam", params, &cfg)?, cfg, decay })
     }
     pub fn config(&self) -> &AdamConfig {
         &self.cfg
     }
     fn update(&mut self) -> Result<()> {
-        update(&mut self.core, &self.cfg, false)
+        update(&mut self.core, &self.cfg, &self.decay, false)
     }
 }
 
 impl AdamW {
     pub fn new(params: Vec<Tensor>, cfg: AdamConfig) -> Result<AdamW> {
-        Ok(AdamW { core: new_core("AdamW", params, &cfg)?, cfg })
+        AdamW::with_groups(vec![(params, cfg.weight_decay)], cfg)
+    }
+    /// Parameter groups with a weight decay each, as `Adam::with_groups`: typically
+    /// `split_for_weight_decay`'s matrices with a decay and the rest with none.
+    pub fn with_groups(groups: Vec<(Vec<Tensor>, f64)>, cfg: AdamConfig) -> Result<AdamW> {
+        let (params, decay) = flatten_groups("AdamW", groups)?;
+        Ok(AdamW { core: new_core("AdamW", params, &cfg)?, cfg, decay })
     }
     pub fn config(&self) -> &AdamConfig {
         &self.cfg
     }
     fn update(&mut self) -> Result<()> {
-        update(&mut self.core, &self.cfg, true)
+        update(&mut self.core, &self.cfg, &self.decay, true)
     }
+}
+
+/// The groups' parameters in order, and each one's weight decay (checked as PyTorch does).
+fn flatten_groups(what: &'static str, groups: Vec<(Vec<Tensor>, f64)>) -> Result<(Vec<Tensor>, Vec<f64>)> {
+    let (mut params, mut decay) = (Vec::new(), Vec::new());
+    for (ps, wd) in groups {
+        ensure(wd >= 0.0, what, || format!("invalid weight_decay {wd}: must be >= 0"))?;
+        decay.extend(std::iter::repeat_n(wd, ps.len()));
+        params.extend(ps);
+    }
+    Ok((params, decay))
+}
+
+/// nanoGPT's rule: parameters of two or more dims (the weights of products and embeddings)
+/// take weight decay; the rest (biases, norms' scales) do not. Returns (decayed, not).
+pub fn split_for_weight_decay(params: Vec<Tensor>) -> (Vec<Tensor>, Vec<Tensor>) {
+    params.into_iter().partition(|p| p.rank() >= 2)
 }
 
 impl_optimizer!(Adam);
@@ -93,8 +127,19 @@ struct Factors {
     decay: Option<Tensor>,
 }
 
-fn update(core: &mut Core, cfg: &AdamConfig, decoupled: bool) -> Result<()> {
-    let grads = core.begin_step()?;
+/// One step: the gradients, then each weight decay's parameters as a group of their own.
+fn update(core: &mut Core, cfg: &AdamConfig, decay: &[f64], decoupled: bool) -> Result<()> {
+    let mut grads = core.begin_step()?;
+    while let Some(&(first, _)) = grads.first() {
+        let wd = decay[first];
+        let (group, rest): (Vec<_>, Vec<_>) = grads.into_iter().partition(|(i, _)| decay[*i] == wd);
+        update_group(core, &AdamConfig { weight_decay: wd, ..*cfg }, group, decoupled)?;
+        grads = rest;
+    }
+    Ok(())
+}
+
+fn update_group(core: &mut Core, cfg: &AdamConfig, grads: Vec<(usize, Tensor)>, decoupled: bool) -> Result<()> {
     let fused = fused_scalars(core, cfg, decoupled)?;
     let mut rest = Vec::new();
     for (i, g) in grads {

@@ -17,7 +17,7 @@ mod scheduler;
 mod sgd;
 mod state;
 
-pub use adam::{Adam, AdamConfig, AdamW};
+pub use adam::{split_for_weight_decay, Adam, AdamConfig, AdamW};
 pub use clip::{clip_grad_norm, clip_grad_value};
 pub use scaler::{GradScaler, GradScalerConfig};
 pub use scheduler::{CosineAnnealingLR, ExponentialLR, LinearLR, LrScheduler, MultiStepLR, OneCycleLR, StepLR, WarmupCosine};

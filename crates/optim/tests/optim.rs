@@ -662,3 +662,42 @@ fn run_initial() -> Vec<f32> {
         .to_vec::<f32>()
         .unwrap()
 }
+
+/// Weight-decay groups update each parameter exactly as an optimizer of its group's decay
+/// alone would (the step count and lr are shared, as in PyTorch's one optimizer).
+#[test]
+fn weight_decay_groups_match_one_optimizer_per_group() {
+    let grads = [[0.5, -1.0, 0.25, 2.0], [1.5, 0.5, -0.5, 1.0]];
+    for decoupled in [false, true] {
+        let make = |params: Vec<(Vec<Tensor>, f64)>| -> Box<dyn Optimizer> {
+            let cfg = AdamConfig { lr: 0.1, ..AdamConfig::default() };
+            if decoupled {
+                Box::new(AdamW::with_groups(params, cfg).unwrap())
+            } else {
+                Box::new(Adam::with_groups(params, cfg).unwrap())
+            }
+        };
+        let (w, b) = (param(&[1.0, -2.0, 0.5, 3.0]), param(&[0.25, -0.75]));
+        let (w1, b1) = (param(&[1.0, -2.0, 0.5, 3.0]), param(&[0.25, -0.75]));
+        let mut grouped = make(vec![(vec![w.clone()], 0.3), (vec![b.clone()], 0.0)]);
+        let (mut only_w, mut only_b) = (make(vec![(vec![w1.clone()], 0.3)]), make(vec![(vec![b1.clone()], 0.0)]));
+        for g in grads {
+            for (p, q) in [(&w, &w1), (&b, &b1)] {
+                let n = p.numel();
+                set_grad(p, &g[..n]);
+                set_grad(q, &g[..n]);
+            }
+            grouped.step().unwrap();
+            only_w.step().unwrap();
+            only_b.step().unwrap();
+        }
+        assert_eq!(values(&w), values(&w1), "decoupled {decoupled}: the decayed group");
+        assert_eq!(values(&b), values(&b1), "decoupled {decoupled}: the group without decay");
+        assert_ne!(values(&w), values(&param(&[1.0, -2.0, 0.5, 3.0])));
+    }
+    let (decayed, rest) =
+        split_for_weight_decay(vec![param(&[1.0]), Tensor::zeros(&[2, 2], kiln_tensor::DType::F64, Device::Cpu).unwrap()]);
+    assert_eq!((decayed.len(), rest.len()), (1, 1));
+    assert_eq!(decayed[0].shape(), &[2, 2]);
+    assert!(AdamW::with_groups(vec![(vec![param(&[1.0])], -0.1)], AdamConfig::adamw()).is_err());
+}
