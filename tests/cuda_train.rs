@@ -128,18 +128,24 @@ fn a_checkpoint_written_on_the_gpu_resumes_on_the_cpu() {
     }
 }
 
+/// Adam (L2), AdamW, both with AMSGrad, and AdamW with weight-decay groups (the device's
+/// fused update launched once a group): the GPU against the CPU.
 #[test]
-fn adam_with_l2_and_amsgrad_updates_the_same_on_both_devices() {
+fn adam_with_l2_amsgrad_and_decay_groups_updates_the_same_on_both_devices() {
+    use kiln::optim::split_for_weight_decay;
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dev = gpu();
-    let run = |dev: Device, decoupled: bool| -> Vec<Vec<f32>> {
+    let run = |dev: Device, kind: &str| -> Vec<Vec<f32>> {
         kiln::tensor::rng::manual_seed(5);
         let model = mlp(&[20, 16, 5], dev).unwrap();
         let cfg = AdamConfig { lr: 5e-3, weight_decay: 0.1, amsgrad: true, ..AdamConfig::default() };
-        let mut opt: Box<dyn Optimizer> = if decoupled {
-            Box::new(AdamW::new(model.parameters(), cfg).unwrap())
-        } else {
-            Box::new(Adam::new(model.parameters(), cfg).unwrap())
+        let mut opt: Box<dyn Optimizer> = match kind {
+            "Adam" => Box::new(Adam::new(model.parameters(), cfg).unwrap()),
+            "AdamW" => Box::new(AdamW::new(model.parameters(), cfg).unwrap()),
+            _ => {
+                let (decayed, rest) = split_for_weight_decay(model.parameters());
+                Box::new(AdamW::with_groups(vec![(decayed, 0.5), (rest, 0.0)], AdamConfig { amsgrad: false, ..cfg }).unwrap())
+            }
         };
         for i in 0..20 {
             let (x, y) = batch(i, dev);
@@ -149,9 +155,9 @@ fn adam_with_l2_and_amsgrad_updates_the_same_on_both_devices() {
         }
         model.parameters().iter().map(|p| p.to_vec::<f32>().unwrap()).collect()
     };
-    for decoupled in [false, true] {
-        for (i, (g, c)) in run(dev, decoupled).iter().zip(run(Device::Cpu, decoupled)).enumerate() {
-            assert_close(&format!("param {i} (decoupled {decoupled})"), g, &c, 1e-4);
+    for kind in ["Adam", "AdamW", "AdamW groups"] {
+        for (i, (g, c)) in run(dev, kind).iter().zip(run(Device::Cpu, kind)).enumerate() {
+            assert_close(&format!("param {i} ({kind})"), g, &c, 1e-4);
         }
     }
 }
@@ -189,31 +195,5 @@ fn f16_training_with_a_grad_scaler_skips_the_same_steps_on_both_devices() {
     assert_eq!(gs, cs);
     for (i, (g, c)) in gp.iter().zip(&cp).enumerate() {
         assert_close(&format!("param {i}"), g, c, 2e-3);
-    }
-}
-
-/// AdamW with weight-decay groups (the device's fused update launched once a group) against
-/// the CPU.
-#[test]
-fn adamw_weight_decay_groups_update_the_same_on_both_devices() {
-    use kiln::optim::split_for_weight_decay;
-    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let dev = gpu();
-    let run = |dev: Device| -> Vec<Vec<f32>> {
-        kiln::tensor::rng::manual_seed(5);
-        let model = mlp(&[20, 16, 5], dev).unwrap();
-        let (decayed, rest) = split_for_weight_decay(model.parameters());
-        let cfg = AdamConfig { lr: 5e-3, ..AdamConfig::adamw() };
-        let mut opt = AdamW::with_groups(vec![(decayed, 0.5), (rest, 0.0)], cfg).unwrap();
-        for i in 0..20 {
-            let (x, y) = batch(i, dev);
-            cross_entropy(&model.forward(&x).unwrap(), &y).unwrap().backward().unwrap();
-            opt.step().unwrap();
-            opt.zero_grad().unwrap();
-        }
-        model.parameters().iter().map(|p| p.to_vec::<f32>().unwrap()).collect()
-    };
-    for (i, (g, c)) in run(dev).iter().zip(run(Device::Cpu)).enumerate() {
-        assert_close(&format!("param {i}"), g, &c, 1e-4);
     }
 }
