@@ -20,7 +20,9 @@ mod state;
 pub use adam::{split_for_weight_decay, Adam, AdamConfig, AdamW};
 pub use clip::{clip_grad_norm, clip_grad_value};
 pub use scaler::{GradScaler, GradScalerConfig};
-pub use scheduler::{CosineAnnealingLR, ExponentialLR, LinearLR, LrScheduler, MultiStepLR, OneCycleLR, StepLR, WarmupCosine};
+pub use scheduler::{
+    CosineAnnealingLR, ExponentialLR, LinearLR, LrScheduler, MultiStepLR, OneCycleLR, PlateauMode, ReduceLROnPlateau, StepLR, WarmupCosine,
+};
 pub use sgd::{SgdConfig, SGD};
 pub use state::{load_state, save_state};
 

@@ -277,3 +277,67 @@ impl LrScheduler for LinearLR {
     }
     last_step_field!();
 }
+
+/// Whether a smaller or a larger metric is better (`ReduceLROnPlateau`'s `mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlateauMode {
+    Min,
+    Max,
+}
+
+/// `torch.optim.lr_scheduler.ReduceLROnPlateau` (relative threshold): after more than
+/// `patience` calls without a metric better than the best by `threshold` (relative), the lr
+/// is multiplied by `factor` (not below `min_lr`), then `cooldown` calls pass before bad calls
+/// count again. It reads a metric, so it steps with `step_with(metric, opt)`, not through
+/// `LrScheduler`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReduceLROnPlateau {
+    pub mode: PlateauMode,
+    pub factor: f64,
+    pub patience: usize,
+    pub threshold: f64,
+    pub cooldown: usize,
+    pub min_lr: f64,
+    best: f64,
+    bad: usize,
+    cooling: usize,
+}
+
+impl ReduceLROnPlateau {
+    /// PyTorch's defaults: factor 0.1, patience 10, threshold 1e-4, cooldown 0, min_lr 0.
+    pub fn new(mode: PlateauMode) -> ReduceLROnPlateau {
+        let best = if mode == PlateauMode::Min { f64::INFINITY } else { f64::NEG_INFINITY };
+        ReduceLROnPlateau { mode, factor: 0.1, patience: 10, threshold: 1e-4, cooldown: 0, min_lr: 0.0, best, bad: 0, cooling: 0 }
+    }
+
+    /// Takes this epoch's metric and lowers `opt`'s lr on a plateau; returns whether it did.
+    pub fn step_with(&mut self, metric: f64, opt: &mut dyn Optimizer) -> Result<bool> {
+        ensure(self.factor < 1.0 && self.factor >= 0.0, "ReduceLROnPlateau", || format!("factor {} must be in [0, 1)", self.factor))?;
+        let better = match self.mode {
+            PlateauMode::Min => metric < self.best * (1.0 - self.threshold),
+            PlateauMode::Max => metric > self.best * (1.0 + self.threshold),
+        };
+        if better {
+            self.best = metric;
+            self.bad = 0;
+        } else {
+            self.bad += 1;
+        }
+        if self.cooling > 0 {
+            self.cooling -= 1;
+            self.bad = 0;
+        }
+        if self.bad <= self.patience {
+            return Ok(false);
+        }
+        self.cooling = self.cooldown;
+        self.bad = 0;
+        let (old, new) = (opt.lr(), (opt.lr() * self.factor).max(self.min_lr));
+        // PyTorch skips changes smaller than its eps (1e-8).
+        if old - new <= 1e-8 {
+            return Ok(false);
+        }
+        opt.set_lr(new)?;
+        Ok(true)
+    }
+}

@@ -701,3 +701,27 @@ fn weight_decay_groups_match_one_optimizer_per_group() {
     assert_eq!(decayed[0].shape(), &[2, 2]);
     assert!(AdamW::with_groups(vec![(vec![param(&[1.0])], -0.1)], AdamConfig::adamw()).is_err());
 }
+
+/// `ReduceLROnPlateau` traced by hand (patience 2, cooldown 1, factor 0.5, min_lr 0.3): losses
+/// 1.0 (best), 0.99995 (within the 1e-4 threshold: bad), 1.2, 1.1 (three bad: cut to 0.5 and
+/// cool down), 1.3 (cooling: counts nothing), 1.3, 1.3, 1.3 (three bad: 0.5 to the floor 0.3),
+/// then 0.5 (better), and more bad calls at the floor change nothing.
+#[test]
+fn reduce_lr_on_plateau_by_hand() {
+    let mut opt = SGD::new(vec![param(&[0.0])], SgdConfig { lr: 1.0, ..Default::default() }).unwrap();
+    let mut s = ReduceLROnPlateau::new(PlateauMode::Min);
+    (s.factor, s.patience, s.cooldown, s.min_lr) = (0.5, 2, 1, 0.3);
+    let losses = [1.0, 0.99995, 1.2, 1.1, 1.3, 1.3, 1.3, 1.3, 0.5, 0.9, 0.9, 0.9, 0.9];
+    let mut lrs = Vec::new();
+    let mut cuts = Vec::new();
+    for l in losses {
+        cuts.push(s.step_with(l, &mut opt).unwrap());
+        lrs.push(opt.lr());
+    }
+    assert_eq!(lrs, [1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.5, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3]);
+    assert_eq!(cuts.iter().filter(|&&c| c).count(), 2);
+    let mut up = ReduceLROnPlateau::new(PlateauMode::Max);
+    up.patience = 0;
+    assert!(!up.step_with(0.5, &mut opt).unwrap() && up.step_with(0.4, &mut opt).unwrap(), "accuracy falling: cut at once");
+    assert!((opt.lr() - 0.03).abs() < 1e-12);
+}
