@@ -13,6 +13,7 @@
 
 pub mod checkpoint;
 pub mod data;
+pub mod loader;
 pub mod models;
 
 pub use kiln_autograd as autograd;
