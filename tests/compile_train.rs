@@ -689,29 +689,45 @@ fn a_compiled_cnn_matches_eager() {
     common::assert_runs_agree("CNN", &compiled, &eager, (1e-5, 1e-5));
 }
 
+/// 20 MLP steps (four batches in turn) with the optimizer `make` builds, eagerly or compiled.
+fn mlp_run_with<O: Optimizer>(compiled: bool, seed: u64, make: impl Fn(Vec<Tensor>) -> Result<O>) -> Result<common::Run> {
+    kiln::tensor::rng::manual_seed(seed);
+    let model = mlp(&[20, 32, 5], Device::Cpu)?;
+    let opt = RefCell::new(make(model.parameters())?);
+    let f = mlp_step_unclipped(&model, &opt);
+    let mut step = compile(Mode::Default, f);
+    let mut losses = Vec::new();
+    for i in 0..20 {
+        let (x, y) = data(i % 4, 16, 20, 5);
+        let out = if compiled { step.call(&[&x, &y])? } else { f(&[x, y])? };
+        losses.push(out[0].item()? as f32);
+    }
+    let params = model.parameters().iter().map(|p| p.to_vec::<f32>()).collect::<Result<_>>()?;
+    Ok(common::Run { losses, params })
+}
+
 /// AdamW with weight-decay groups (matrices decayed, biases not): the compiled step against
 /// eager.
 #[test]
 fn compiled_adamw_with_weight_decay_groups_matches_eager() -> Result<()> {
     use kiln::optim::split_for_weight_decay;
-    let run = |compiled: bool| -> Result<common::Run> {
-        kiln::tensor::rng::manual_seed(3);
-        let model = mlp(&[20, 32, 5], Device::Cpu)?;
-        let (decayed, rest) = split_for_weight_decay(model.parameters());
-        let cfg = AdamConfig { lr: 1e-2, ..AdamConfig::adamw() };
-        let opt = RefCell::new(AdamW::with_groups(vec![(decayed, 0.5), (rest, 0.0)], cfg)?);
-        let f = mlp_step_unclipped(&model, &opt);
-        let mut step = compile(Mode::Default, f);
-        let mut losses = Vec::new();
-        for i in 0..20 {
-            let (x, y) = data(i % 4, 16, 20, 5);
-            let out = if compiled { step.call(&[&x, &y])? } else { f(&[x, y])? };
-            losses.push(out[0].item()? as f32);
-        }
-        let params = model.parameters().iter().map(|p| p.to_vec::<f32>()).collect::<Result<_>>()?;
-        Ok(common::Run { losses, params })
+    let make = |params: Vec<Tensor>| {
+        let (decayed, rest) = split_for_weight_decay(params);
+        AdamW::with_groups(vec![(decayed, 0.5), (rest, 0.0)], AdamConfig { lr: 1e-2, ..AdamConfig::adamw() })
     };
-    let (eager, compiled) = (run(false)?, run(true)?);
+    let (eager, compiled) = (mlp_run_with(false, 3, make)?, mlp_run_with(true, 3, make)?);
     common::assert_runs_agree("AdamW groups", &compiled, &eager, (1e-5, 1e-5));
+    Ok(())
+}
+
+/// RMSprop (centred, with momentum and weight decay) compiled against eager.
+#[test]
+fn compiled_rmsprop_matches_eager() -> Result<()> {
+    use kiln::optim::{RmsProp, RmsPropConfig};
+    let cfg = RmsPropConfig { lr: 1e-3, momentum: 0.9, centered: true, weight_decay: 1e-2, ..RmsPropConfig::default() };
+    let make = |params: Vec<Tensor>| RmsProp::new(params, cfg);
+    let (eager, compiled) = (mlp_run_with(false, 4, make)?, mlp_run_with(true, 4, make)?);
+    assert!(eager.losses[16..].iter().sum::<f32>() < eager.losses[..4].iter().sum::<f32>(), "it trains: {:?}", eager.losses);
+    common::assert_runs_agree("RMSprop", &compiled, &eager, (1e-5, 1e-5));
     Ok(())
 }

@@ -1,6 +1,6 @@
-//! kiln-optim: PyTorch's optimizers (`SGD`, `Adam`, `AdamW`), learning-rate schedulers,
-//! gradient clipping, F16's dynamic loss scaling (`GradScaler`) and optimizer checkpoints,
-//! with `torch.optim`'s semantics.
+//! kiln-optim: PyTorch's optimizers (`SGD`, `Adam`, `AdamW`, `RmsProp`), learning-rate
+//! schedulers, gradient clipping, F16's dynamic loss scaling (`GradScaler`) and optimizer
+//! checkpoints, with `torch.optim`'s semantics.
 //!
 //! Built so `kiln-compile` can trace a whole optimizer step and replay it:
 //! - every update is an in-place tensor op run under `no_grad`, so parameters, gradients and
@@ -12,6 +12,7 @@
 mod adam;
 mod clip;
 mod common;
+mod rmsprop;
 mod scaler;
 mod scheduler;
 mod sgd;
@@ -19,6 +20,7 @@ mod state;
 
 pub use adam::{split_for_weight_decay, Adam, AdamConfig, AdamW};
 pub use clip::{clip_grad_norm, clip_grad_value};
+pub use rmsprop::{RmsProp, RmsPropConfig};
 pub use scaler::{GradScaler, GradScalerConfig};
 pub use scheduler::{
     CosineAnnealingLR, ExponentialLR, LinearLR, LrScheduler, MultiStepLR, OneCycleLR, PlateauMode, ReduceLROnPlateau, StepLR, WarmupCosine,

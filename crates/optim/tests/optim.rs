@@ -725,3 +725,47 @@ fn reduce_lr_on_plateau_by_hand() {
     assert!(!up.step_with(0.5, &mut opt).unwrap() && up.step_with(0.4, &mut opt).unwrap(), "accuracy falling: cut at once");
     assert!((opt.lr() - 0.03).abs() < 1e-12);
 }
+
+/// RMSprop against a scalar f64 re-implementation of `torch.optim.RMSprop`'s formula, plain
+/// and with weight decay, momentum and centring together, three steps of changing gradients.
+#[test]
+fn rmsprop_matches_pytorchs_formula() {
+    let reference = |cfg: RmsPropConfig, p0: f64, grads: &[f64]| -> f64 {
+        let (mut p, mut s, mut a, mut buf) = (p0, 0.0, 0.0, 0.0);
+        for &g in grads {
+            let g = g + cfg.weight_decay * p;
+            s = cfg.alpha * s + (1.0 - cfg.alpha) * g * g;
+            let var = if cfg.centered {
+                a = cfg.alpha * a + (1.0 - cfg.alpha) * g;
+                s - a * a
+            } else {
+                s
+            };
+            let d = g / (var.sqrt() + cfg.eps);
+            let d = if cfg.momentum > 0.0 {
+                buf = cfg.momentum * buf + d;
+                buf
+            } else {
+                d
+            };
+            p -= cfg.lr * d;
+        }
+        p
+    };
+    let grads = [[0.5, -2.0], [0.25, 1.0], [-1.0, 0.5]];
+    let full = RmsPropConfig { lr: 0.05, alpha: 0.9, eps: 1e-6, weight_decay: 0.1, momentum: 0.5, centered: true };
+    for cfg in [RmsPropConfig::default(), full] {
+        let p = param(&[1.0, -3.0]);
+        let mut opt = RmsProp::new(vec![p.clone()], cfg).unwrap();
+        for g in grads {
+            set_grad(&p, &g);
+            opt.step().unwrap();
+        }
+        let want: Vec<f64> = (0..2).map(|k| reference(cfg, [1.0, -3.0][k], &grads.map(|g| g[k]))).collect();
+        assert_close(&values(&p), &want, 1e-12);
+        let names: Vec<String> = opt.state_tensors().into_iter().map(|(n, _)| n).collect();
+        assert!(names.contains(&"state.0.square_avg".to_string()), "{names:?}");
+        assert_eq!(names.contains(&"state.0.grad_avg".to_string()), cfg.centered);
+    }
+    assert!(RmsProp::new(vec![param(&[1.0])], RmsPropConfig { alpha: -0.5, ..RmsPropConfig::default() }).is_err());
+}
