@@ -137,25 +137,35 @@ pub fn unfold(x: &Tensor, win: &Window) -> Result<Tensor> {
 /// `F.conv2d` (groups 1): `x [N, C, H, W]`, `weight [O, C, kh, kw]`, optional `bias [O]`, to
 /// `[N, O, Ho, Wo]`. The kernel size is the weight's.
 pub fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, win: &Window) -> Result<Tensor> {
-    let [o, c, kh, kw] = *weight.shape() else {
-        return Err(Error::shape("conv2d", format!("needs a weight [out, in, kh, kw], got {:?}", weight.shape())));
+    conv2d_groups(x, weight, bias, win, 1)
+}
+
+/// `F.conv2d` with `groups`: the channels split into `groups` runs, each convolved with its
+/// own `O / groups` filters over `C / groups` channels (`weight [O, C / groups, kh, kw]`;
+/// `groups = C` is a depthwise convolution). One batched product over the groups.
+pub fn conv2d_groups(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, win: &Window, groups: usize) -> Result<Tensor> {
+    let [o, cg, kh, kw] = *weight.shape() else {
+        return Err(Error::shape("conv2d", format!("needs a weight [out, in / groups, kh, kw], got {:?}", weight.shape())));
     };
     if (kh, kw) != win.kernel {
         return Err(Error::shape("conv2d", format!("weight {:?} against the window's kernel {:?}", weight.shape(), win.kernel)));
     }
-    if x.rank() != 4 || x.shape()[1] != c {
+    let c = cg * groups;
+    if groups == 0 || o % groups != 0 || x.rank() != 4 || x.shape()[1] != c {
         return Err(Error::shape(
             "conv2d",
-            format!("input {:?} against weight {:?}: needs an NCHW input with {c} channels", x.shape(), weight.shape()),
+            format!("input {:?} against weight {:?} in {groups} group(s): needs an NCHW input with {c} channels and out channels divisible by the groups", x.shape(), weight.shape()),
         ));
     }
     if let Some(b) = bias.filter(|b| b.shape() != [o]) {
         return Err(Error::shape("conv2d", format!("bias {:?} for {o} output channels", b.shape())));
     }
-    let cols = unfold(x, win)?;
     let n = x.shape()[0];
     let (oh, ow) = win.output("conv2d", (x.shape()[2], x.shape()[3]))?;
-    let y = weight.reshape(&[o, c * kh * kw])?.matmul(&cols)?;
+    let k = cg * kh * kw;
+    // [G, O/G, K] @ [N, G, K, L]: the columns are grouped by channel already.
+    let cols = unfold(x, win)?.reshape(&[n, groups, k, oh * ow])?;
+    let y = weight.reshape(&[groups, o / groups, k])?.matmul(&cols)?.reshape(&[n, o, oh * ow])?;
     // The bias in the product's dtype (autocast's 16-bit product stays 16-bit, as in PyTorch).
     let y = match bias {
         Some(b) => y.add(&b.to_dtype(y.dtype())?.reshape(&[o, 1])?)?,
@@ -183,30 +193,41 @@ pub fn avg_pool2d(x: &Tensor, win: &Window) -> Result<Tensor> {
     t.mean(&dims[..], false)
 }
 
-/// `nn.Conv2d` (groups 1): weight `[out, in, kh, kw]` and bias `[out]`, initialised as
-/// PyTorch does (both U(-1/sqrt(fan_in), 1/sqrt(fan_in)), `fan_in = in * kh * kw`).
+/// `nn.Conv2d`: weight `[out, in / groups, kh, kw]` and bias `[out]`, initialised as PyTorch
+/// does (both U(-1/sqrt(fan_in), 1/sqrt(fan_in)), `fan_in = in / groups * kh * kw`).
 #[derive(Debug, Clone)]
 pub struct Conv2d {
     pub weight: Tensor,
     pub bias: Option<Tensor>,
     pub window: Window,
+    pub groups: usize,
 }
 
 impl Conv2d {
     pub fn new(inp: usize, out: usize, window: Window, bias: bool, device: Device) -> Result<Conv2d> {
+        Conv2d::with_groups(inp, out, window, 1, bias, device)
+    }
+
+    /// `nn.Conv2d(.., groups=groups)`: weight `[out, inp / groups, kh, kw]`, fan-in
+    /// `inp / groups * kh * kw`.
+    pub fn with_groups(inp: usize, out: usize, window: Window, groups: usize, bias: bool, device: Device) -> Result<Conv2d> {
+        if groups == 0 || inp % groups != 0 || out % groups != 0 {
+            return Err(Error::Msg(format!("Conv2d: {inp} in and {out} out channels must both divide into {groups} groups")));
+        }
         let (kh, kw) = window.kernel;
-        let b = linear_bound(inp * kh * kw);
+        let b = linear_bound(inp / groups * kh * kw);
         Ok(Conv2d {
-            weight: param(uniform(&[out, inp, kh, kw], b, default_dtype(), device)?),
+            weight: param(uniform(&[out, inp / groups, kh, kw], b, default_dtype(), device)?),
             bias: if bias { Some(param(uniform(&[out], b, default_dtype(), device)?)) } else { None },
             window,
+            groups,
         })
     }
 }
 
 impl Forward for Conv2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        conv2d(x, &self.weight, self.bias.as_ref(), &self.window)
+        conv2d_groups(x, &self.weight, self.bias.as_ref(), &self.window, self.groups)
     }
 }
 

@@ -16,7 +16,7 @@ pub mod transformer;
 
 pub use activation::{Activation, Gelu, Relu, Silu, Tanh};
 pub use attention::{causal_mask, scaled_dot_product_attention, set_fused_attention, AttnMasks, MultiheadAttention};
-pub use conv::{avg_pool2d, conv2d, max_pool2d, unfold, AvgPool2d, Conv2d, Flatten, MaxPool2d, Window};
+pub use conv::{avg_pool2d, conv2d, conv2d_groups, max_pool2d, unfold, AvgPool2d, Conv2d, Flatten, MaxPool2d, Window};
 pub use layers::{dropout, BatchNorm, Dropout, Embedding, Layer, LayerNorm, Linear, RmsNorm, Sequential};
 pub use loss::{cross_entropy, cross_entropy_with, mse_loss, nll_loss, CrossEntropyConfig, Reduction};
 pub use state_dict::{load_state_dict, load_state_dict_from_bytes, save_state_dict, state_dict_to_bytes};

@@ -2,7 +2,7 @@
 //! dilation), their gradients against finite differences, and the layers' init and errors.
 
 use kiln_autograd::{gradcheck, Backward, GradcheckConfig};
-use kiln_nn::{avg_pool2d, conv2d, max_pool2d, unfold, Conv2d, Flatten, Forward, MaxPool2d, Module, Window};
+use kiln_nn::{avg_pool2d, conv2d, conv2d_groups, max_pool2d, unfold, Conv2d, Flatten, Forward, MaxPool2d, Module, Window};
 use kiln_tensor::{Autocast, DType, Device, Distribution, Result, Tensor};
 
 fn randn(shape: &[usize], seed: u64) -> Tensor {
@@ -239,5 +239,34 @@ fn autocast_convolution_stays_in_f16_with_its_bias() -> Result<()> {
     assert_eq!(half.dtype(), DType::F16, "the product and its bias in F16, as PyTorch's autocast");
     let (a, c) = (half.to_dtype(DType::F32)?.to_vec::<f32>()?, full.to_vec::<f32>()?);
     assert!(a.iter().zip(&c).all(|(a, c)| (a - c).abs() <= 2e-2 * (1.0 + c.abs())), "F16 close to F32");
+    Ok(())
+}
+
+#[test]
+fn grouped_convolution_is_one_convolution_per_group() -> Result<()> {
+    // 4 channels in 2 groups, 6 filters (3 a group); and depthwise (4 groups, one filter each).
+    let win = Window::new((3, 3)).padding((1, 1)).stride((2, 1));
+    let x = randn(&[2, 4, 5, 6], 20);
+    for (groups, o) in [(2usize, 6usize), (4, 4)] {
+        let (w, b) = (randn(&[o, 4 / groups, 3, 3], 21), randn(&[o], 22));
+        let y = conv2d_groups(&x, &w, Some(&b), &win, groups)?;
+        let per = |g: usize| -> Result<Tensor> {
+            let (og, cg) = (o / groups, 4 / groups);
+            conv2d(&x.narrow(1usize, g * cg, cg)?, &w.narrow(0usize, g * og, og)?, Some(&b.narrow(0usize, g * og, og)?), &win)
+        };
+        let parts: Vec<Tensor> = (0..groups).map(per).collect::<Result<_>>()?;
+        let want = Tensor::cat(&parts.iter().collect::<Vec<_>>(), 1usize)?;
+        assert_eq!(y.shape(), want.shape());
+        assert_close(&f64s(&y), &f64s(&want), 1e-12);
+    }
+    let inputs = [randn(&[2, 4, 4, 5], 23), randn(&[6, 2, 3, 3], 24), randn(&[6], 25)];
+    let cfg = GradcheckConfig { atol: 1e-6, rtol: 1e-5, ..GradcheckConfig::default() };
+    gradcheck(|t| conv2d_groups(&t[0], &t[1], Some(&t[2]), &win, 2), &inputs, cfg)?;
+    let e = Conv2d::with_groups(4, 6, win, 4, true, Device::Cpu).unwrap_err().to_string();
+    assert!(e.contains("4 groups"), "{e}");
+    let depthwise = Conv2d::with_groups(4, 8, win, 4, false, Device::Cpu)?;
+    assert_eq!(depthwise.weight.shape(), &[8, 1, 3, 3]);
+    assert_eq!(depthwise.forward(&x.to_dtype(DType::F32)?)?.shape(), &[2, 8, 3, 6]);
+    assert!(conv2d_groups(&x, &randn(&[6, 2, 3, 3], 26), None, &win, 3).is_err(), "4 channels are not 3 groups of 2");
     Ok(())
 }
