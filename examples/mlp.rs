@@ -61,7 +61,7 @@ struct Report {
 #[allow(clippy::too_many_arguments)]
 fn train(compiled: bool, device: Device, train: &Dataset, test: &Dataset, epochs: usize, bs: usize, lr: f64, seed: u64) -> Result<Report> {
     kiln::tensor::rng::manual_seed(seed);
-    let model: Sequential = make_model(train, device)?;
+    let (_, model) = make_model(train, device)?;
     let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr, ..AdamConfig::adamw() })?);
     // One training step: forward, backward, optimizer, zero_grad. Compiled, it is one graph.
     let step_fn = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
@@ -143,11 +143,11 @@ fn train(compiled: bool, device: Device, train: &Dataset, test: &Dataset, epochs
     })
 }
 
-/// `--model mlp` (784-256-10) or `cnn` (`kiln::models::cnn`).
-fn make_model(d: &Dataset, device: Device) -> Result<Sequential> {
+/// `--model mlp` (784-256-10) or `cnn` (`kiln::models::cnn`), and its name.
+fn make_model(d: &Dataset, device: Device) -> Result<(&'static str, Sequential)> {
     match common::opt("--model").as_deref() {
-        None | Some("mlp") => kiln::models::mlp(&[d.rows * d.cols, 256, 10], device),
-        Some("cnn") => kiln::models::cnn(d.rows, d.cols, 10, device),
+        None | Some("mlp") => Ok(("MLP 784-256-10", kiln::models::mlp(&[d.rows * d.cols, 256, 10], device)?)),
+        Some("cnn") => Ok(("CNN conv8-pool-conv16-pool-linear", kiln::models::cnn(d.rows, d.cols, 10, device)?)),
         Some(other) => Err(Error::Msg(format!("--model {other}: expected mlp or cnn"))),
     }
 }
@@ -162,9 +162,8 @@ fn main() -> Result<()> {
         None => (synthetic_digits(common::flag("--train", 60_000usize), seed + 1), synthetic_digits(5_000, seed + 2)),
     };
     println!("data: {} train / {} test images of {}x{}", train_set.len(), test_set.len(), train_set.rows, train_set.cols);
-    let name = if common::opt("--model").as_deref() == Some("cnn") { "CNN conv8-pool-conv16-pool-linear" } else { "MLP 784-256-10" };
-    let params: usize = make_model(&train_set, device)?.parameters().iter().map(Tensor::numel).sum();
-    println!("model: {name} ({params} parameters), AdamW lr {lr}, batch {bs}, {epochs} epochs, on {device}");
+    let (name, model) = make_model(&train_set, device)?;
+    println!("model: {name} ({} parameters), AdamW lr {lr}, batch {bs}, {epochs} epochs, on {device}", model.num_parameters());
     let mut reports = Vec::new();
     for compiled in [false, true] {
         if mode == "both" || (mode == "compiled") == compiled {

@@ -67,11 +67,46 @@ impl Window {
     }
 }
 
-/// `x`'s windows (padding filled with `pad`) and the dims that run over one window. When the
-/// windows tile the input (stride = kernel, no dilation: most pooling), a view
-/// `[N, C, Ho, kh, Wo, kw]` over dims 3 and 5; else `[N, C, kh * kw, Ho, Wo]` over dim 2,
-/// each kernel offset `(i, j)` a strided view of the padded input, stacked.
-fn windows(op: &'static str, x: &Tensor, win: &Window, pad: f64) -> Result<(Tensor, Vec<usize>)> {
+/// An input's windows, in one of two layouts.
+enum Windows {
+    /// Windows that tile the input (stride = kernel, no dilation: most pooling): a view
+    /// `[N, C, Ho, kh, Wo, kw]` of the padded input.
+    Tiled(Tensor),
+    /// Each kernel offset `(i, j)` a strided view of the padded input, stacked:
+    /// `[N, C, kh * kw, Ho, Wo]`.
+    Stacked(Tensor),
+}
+
+impl Windows {
+    /// `[N, C, kh, kw, Ho, Wo]` or `[N, C, kh * kw, Ho, Wo]`: channel, offset, position.
+    fn by_offset(self) -> Result<Tensor> {
+        match self {
+            Windows::Tiled(t) => t.permute(&[0, 1, 3, 5, 2, 4]),
+            Windows::Stacked(t) => Ok(t),
+        }
+    }
+
+    /// `[N, C, Ho, Wo, kh * kw]`: each window's values along the last dim (copied).
+    fn by_position(self) -> Result<Tensor> {
+        let t = match self {
+            Windows::Tiled(t) => t.permute(&[0, 1, 2, 4, 3, 5])?,
+            Windows::Stacked(t) => t.permute(&[0, 1, 3, 4, 2])?,
+        };
+        let s = t.shape().to_vec();
+        t.reshape(&[s[0], s[1], s[2], s[3], s[4..].iter().product()])
+    }
+
+    /// Each window's mean, `[N, C, Ho, Wo]`, without moving the values.
+    fn mean(self) -> Result<Tensor> {
+        match self {
+            Windows::Tiled(t) => t.mean(&[3usize, 5][..], false),
+            Windows::Stacked(t) => t.mean(&[2usize][..], false),
+        }
+    }
+}
+
+/// `x`'s windows under `win`, padding filled with `pad`.
+fn windows(op: &'static str, x: &Tensor, win: &Window, pad: f64) -> Result<Windows> {
     let [n, c, h, w] = *x.shape() else {
         return Err(Error::shape(op, format!("needs an NCHW input of rank 4, got {:?}", x.shape())));
     };
@@ -80,7 +115,7 @@ fn windows(op: &'static str, x: &Tensor, win: &Window, pad: f64) -> Result<(Tens
     if s == k && d == (1, 1) {
         let x = pad_dim(&pad_dim(x, 2, p.0, p.0, pad)?, 3, p.1, p.1, pad)?;
         let tiled = x.narrow(2usize, 0, k.0 * oh)?.narrow(3usize, 0, k.1 * ow)?;
-        return Ok((tiled.reshape(&[n, c, oh, k.0, ow, k.1])?, vec![3, 5]));
+        return Ok(Windows::Tiled(tiled.reshape(&[n, c, oh, k.0, ow, k.1])?));
     }
     // A single output needs no stride (and a huge stride must not pad a huge input).
     let s = (if oh == 1 { 1 } else { s.0 }, if ow == 1 { 1 } else { s.1 });
@@ -97,7 +132,7 @@ fn windows(op: &'static str, x: &Tensor, win: &Window, pad: f64) -> Result<(Tens
         }
     }
     let refs: Vec<&Tensor> = taken.iter().collect();
-    Ok((Tensor::stack(&refs, 2usize)?, vec![2]))
+    Ok(Windows::Stacked(Tensor::stack(&refs, 2usize)?))
 }
 
 /// `x` with `before` and `after` entries of `value` added along `dim`.
@@ -127,9 +162,7 @@ fn every(x: &Tensor, dim: usize, n: usize, step: usize) -> Result<Tensor> {
 
 /// `F.unfold`: `[N, C, H, W]` to columns `[N, C * kh * kw, L]`, `L = Ho * Wo`, zero padded.
 pub fn unfold(x: &Tensor, win: &Window) -> Result<Tensor> {
-    let (t, dims) = windows("unfold", x, win, 0.0)?;
-    // Channel, then kernel offset, then output position.
-    let t = if dims == [3, 5] { t.permute(&[0, 1, 3, 5, 2, 4])? } else { t };
+    let t = windows("unfold", x, win, 0.0)?.by_offset()?;
     let (s, r) = (t.shape(), t.rank());
     t.reshape(&[s[0], s[1..r - 2].iter().product(), s[r - 2] * s[r - 1]])
 }
@@ -178,19 +211,14 @@ pub fn conv2d_groups(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, win: &W
 /// the gradient goes to one element of a window, its first largest (ties do not share it).
 pub fn max_pool2d(x: &Tensor, win: &Window) -> Result<Tensor> {
     win.check_pool_padding("max_pool2d")?;
-    let (t, dims) = windows("max_pool2d", x, win, f64::NEG_INFINITY)?;
-    // Each window's values along one last dim: `[N, C, Ho, Wo, kh * kw]`.
-    let t = if dims == [3, 5] { t.permute(&[0, 1, 2, 4, 3, 5])? } else { t.permute(&[0, 1, 3, 4, 2])? };
-    let s = t.shape().to_vec();
-    let t = t.reshape(&[s[0], s[1], s[2], s[3], s[4..].iter().product()])?;
+    let t = windows("max_pool2d", x, win, f64::NEG_INFINITY)?.by_position()?;
     t.gather(4usize, &t.argmax(4usize, true)?)?.squeeze(4usize)
 }
 
 /// `F.avg_pool2d` (PyTorch's default `count_include_pad=True`: padding counts as zeros).
 pub fn avg_pool2d(x: &Tensor, win: &Window) -> Result<Tensor> {
     win.check_pool_padding("avg_pool2d")?;
-    let (t, dims) = windows("avg_pool2d", x, win, 0.0)?;
-    t.mean(&dims[..], false)
+    windows("avg_pool2d", x, win, 0.0)?.mean()
 }
 
 /// `nn.Conv2d`: weight `[out, in / groups, kh, kw]` and bias `[out]`, initialised as PyTorch
@@ -240,45 +268,33 @@ impl Module for Conv2d {
     }
 }
 
-/// `nn.MaxPool2d`; `MaxPool2d::new(k)` strides by the kernel, PyTorch's default.
-#[derive(Debug, Clone, Copy)]
-pub struct MaxPool2d(pub Window);
+/// A pooling layer over a `Window`: `new(k)` strides by the kernel, PyTorch's default.
+macro_rules! pool_layer {
+    ($name:ident, $f:ident, $doc:literal) => {
+        #[doc = $doc]
+        #[derive(Debug, Clone, Copy)]
+        pub struct $name(pub Window);
 
-impl MaxPool2d {
-    pub fn new(kernel: Pair) -> MaxPool2d {
-        MaxPool2d(Window::new(kernel).stride(kernel))
-    }
+        impl $name {
+            pub fn new(kernel: Pair) -> $name {
+                $name(Window::new(kernel).stride(kernel))
+            }
+        }
+
+        impl Forward for $name {
+            fn forward(&self, x: &Tensor) -> Result<Tensor> {
+                $f(x, &self.0)
+            }
+        }
+
+        impl Module for $name {
+            fn visit(&self, _: &str, _: &mut dyn FnMut(String, &Tensor)) {}
+        }
+    };
 }
 
-impl Forward for MaxPool2d {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        max_pool2d(x, &self.0)
-    }
-}
-
-impl Module for MaxPool2d {
-    fn visit(&self, _: &str, _: &mut dyn FnMut(String, &Tensor)) {}
-}
-
-/// `nn.AvgPool2d`; `AvgPool2d::new(k)` strides by the kernel, PyTorch's default.
-#[derive(Debug, Clone, Copy)]
-pub struct AvgPool2d(pub Window);
-
-impl AvgPool2d {
-    pub fn new(kernel: Pair) -> AvgPool2d {
-        AvgPool2d(Window::new(kernel).stride(kernel))
-    }
-}
-
-impl Forward for AvgPool2d {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        avg_pool2d(x, &self.0)
-    }
-}
-
-impl Module for AvgPool2d {
-    fn visit(&self, _: &str, _: &mut dyn FnMut(String, &Tensor)) {}
-}
+pool_layer!(MaxPool2d, max_pool2d, "`nn.MaxPool2d`; `MaxPool2d::new(k)` strides by the kernel, PyTorch's default.");
+pool_layer!(AvgPool2d, avg_pool2d, "`nn.AvgPool2d`; `AvgPool2d::new(k)` strides by the kernel, PyTorch's default.");
 
 /// `nn.Flatten`: every dim from the second on into one (`[N, C, H, W]` to `[N, C * H * W]`).
 #[derive(Debug, Clone, Copy, Default)]

@@ -54,17 +54,12 @@ pub struct GradScaler {
 impl GradScaler {
     /// A scaler for losses on `device` (`torch.amp.GradScaler(device)`).
     pub fn new(device: Device, cfg: GradScalerConfig) -> Result<GradScaler> {
-        let ok = f32_scale(cfg.init_scale).is_some()
-            && cfg.growth_factor > 1.0
-            && cfg.backoff_factor > 0.0
-            && cfg.backoff_factor < 1.0
-            && cfg.growth_interval > 0;
-        if !ok {
+        let ok = cfg.growth_factor > 1.0 && cfg.backoff_factor > 0.0 && cfg.backoff_factor < 1.0 && cfg.growth_interval > 0;
+        let Some(scale) = f32_scale(cfg.init_scale).filter(|_| ok) else {
             return Err(Error::Msg(format!(
                 "GradScaler: needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 and growth_interval > 0; got {cfg:?}"
             )));
-        }
-        let scale = f32_scale(cfg.init_scale).unwrap_or(1.0);
+        };
         let scale_t = Tensor::scalar(scale, DType::F32, device)?;
         Ok(GradScaler { cfg, scale, growth_tracker: 0, scale_t, stages: HashMap::new() })
     }

@@ -46,25 +46,16 @@ fn fold<T: Element, A: Copy + Send + Sync>(
     let red_n: usize = sp.red_shape.iter().product();
     let red_it = Strided::new(&sp.red_shape, [&sp.red_strides], [0]);
     let [rs] = red_it.inner_strides();
-    // A reduced sub-tensor that is one run (a window, a row) is walked directly: setting up
-    // `runs` for each output costs more than a short reduction itself.
-    let one_run = red_it.is_one_run();
     par_chunks(out, |start, chunk| {
         kept_it.runs(start, start + chunk.len(), |pos, [base], len| {
             for j in 0..len {
                 let b = base + j * ks;
                 let mut acc = init;
-                if one_run {
-                    for r in 0..red_n {
-                        acc = step(acc, src[b + r * rs], r);
+                red_it.runs(0, red_n, |rpos, [ro], rlen| {
+                    for r in 0..rlen {
+                        acc = step(acc, src[b + ro + r * rs], rpos + r);
                     }
-                } else {
-                    red_it.runs(0, red_n, |rpos, [ro], rlen| {
-                        for r in 0..rlen {
-                            acc = step(acc, src[b + ro + r * rs], rpos + r);
-                        }
-                    });
-                }
+                });
                 chunk[pos - start + j] = acc;
             }
         });

@@ -41,11 +41,6 @@ impl<const N: usize> Strided<N> {
         Strided { shape: sh, strides: st, offsets }
     }
 
-    /// Whether the whole layout is one run (a single merged dim).
-    pub fn is_one_run(&self) -> bool {
-        self.shape.len() == 1
-    }
-
     /// Strides of the innermost (merged) dim, per input.
     pub fn inner_strides(&self) -> [usize; N] {
         std::array::from_fn(|k| *self.strides[k].last().unwrap_or(&0))
@@ -58,6 +53,12 @@ impl<const N: usize> Strided<N> {
             return;
         }
         let rank = self.shape.len();
+        if rank == 1 {
+            // One merged dim: a single run, no index to keep (reductions call this once per
+            // output element, where the set-up below would cost more than a short run).
+            f(start, std::array::from_fn(|k| self.offsets[k] + start * self.strides[k][0]), end - start);
+            return;
+        }
         let last = self.shape[rank - 1];
         // On the stack for the usual ranks: reductions call this once per output element.
         let (mut small, mut big) = ([0usize; 8], Vec::new());
