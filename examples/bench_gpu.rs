@@ -233,7 +233,7 @@ fn mlp_workload(dev: Device, batch: usize) -> Result<Workload> {
 
 fn transformer_workload(dev: Device) -> Result<Workload> {
     kiln::tensor::rng::manual_seed(0);
-    let mut model = Transformer::new(TransformerConfig { d_model: 512, nhead: 8, ..TransformerConfig::default() }, dev)?;
+    let model = Transformer::new(TransformerConfig { d_model: 512, nhead: 8, ..TransformerConfig::default() }, dev)?;
     model.set_training(false);
     let x = Tensor::rand_at(&[10, 32, 512], Distribution::Normal, 3, 0, DType::F32, dev)?;
     let step = move |xs: &[Tensor]| {

@@ -90,7 +90,7 @@ fn main() -> Result<()> {
     };
     kiln::tensor::rng::manual_seed(seed);
     let device = common::device();
-    let mut model = Gpt::new(config, device)?;
+    let model = Gpt::new(config, device)?;
     let lr = common::flag("--lr", 3e-3f64);
     let opt =
         RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr, betas: (0.9, 0.95), weight_decay: 0.1, ..AdamConfig::adamw() })?);

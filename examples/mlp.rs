@@ -30,13 +30,16 @@ fn batch(d: &Dataset, idx: &[usize], device: Device) -> Result<(Tensor, Tensor)>
     Ok((Tensor::from_vec(x, &[idx.len(), px], device)?, Tensor::from_vec(y, &[idx.len()], device)?))
 }
 
-fn accuracy(model: &dyn Forward, d: &Dataset, device: Device) -> Result<f64> {
+/// Test accuracy in eval mode (batch norm's running statistics), the model left training.
+fn accuracy(model: &Sequential, d: &Dataset, device: Device) -> Result<f64> {
+    model.eval();
     let mut correct = 0usize;
     for chunk in (0..d.len()).collect::<Vec<_>>().chunks(1000) {
         let (x, y) = batch(d, chunk, device)?;
         let pred = no_grad(|| model.forward(&x))?.argmax(1, false)?;
         correct += pred.eq(&y)?.to_dtype(DType::I64)?.sum_all()?.item()? as usize;
     }
+    model.train();
     Ok(correct as f64 / d.len() as f64)
 }
 
@@ -147,7 +150,7 @@ fn train(compiled: bool, device: Device, train: &Dataset, test: &Dataset, epochs
 fn make_model(d: &Dataset, device: Device) -> Result<(&'static str, Sequential)> {
     match common::opt("--model").as_deref() {
         None | Some("mlp") => Ok(("MLP 784-256-10", kiln::models::mlp(&[d.rows * d.cols, 256, 10], device)?)),
-        Some("cnn") => Ok(("CNN conv8-pool-conv16-pool-linear", kiln::models::cnn(d.rows, d.cols, 10, device)?)),
+        Some("cnn") => Ok(("CNN conv8-bn-pool-conv16-bn-pool-linear", kiln::models::cnn(d.rows, d.cols, 10, device)?)),
         Some(other) => Err(Error::Msg(format!("--model {other}: expected mlp or cnn"))),
     }
 }

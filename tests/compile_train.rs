@@ -731,3 +731,30 @@ fn compiled_rmsprop_matches_eager() -> Result<()> {
     common::assert_runs_agree("RMSprop", &compiled, &eager, (1e-5, 1e-5));
     Ok(())
 }
+
+/// `model.eval()` through a shared borrow while a compiled step holds the model: the step
+/// traces again (dropout off, the eager eval output exactly), switching back replays the
+/// training graph (no third trace), and grad mode keys the cache too.
+#[test]
+fn train_eval_switches_and_grad_mode_pick_their_own_compiled_graph() -> Result<()> {
+    kiln::tensor::rng::manual_seed(3);
+    let model = kiln::nn::Sequential::new().add(kiln::nn::Linear::new(6, 64, true, Device::Cpu)?).add(kiln::nn::Dropout::new(0.5));
+    let x = Tensor::randn(&[4, 6], DType::F32, Device::Cpu)?;
+    let mut step = compile(Mode::Default, |xs: &[Tensor]| Ok(vec![model.forward(&xs[0])?]));
+    let plain = kiln::autograd::no_grad(|| model.layers[0].forward(&x))?.to_vec::<f32>()?;
+    let zeros = |v: &[f32]| v.iter().filter(|&&a| a == 0.0).count();
+    for _ in 0..2 {
+        let train = step.call(&[&x])?[0].to_vec::<f32>()?;
+        assert!((64..192).contains(&zeros(&train)), "dropout 0.5 zeroes about half of 256: {}", zeros(&train));
+        for (t, p) in train.iter().zip(&plain).filter(|(t, _)| **t != 0.0) {
+            assert!((t - 2.0 * p).abs() < 1e-5, "kept values are scaled by 2: {t} vs {p}");
+        }
+        model.eval();
+        assert_eq!(step.call(&[&x])?[0].to_vec::<f32>()?, plain, "eval: no dropout");
+        model.train();
+    }
+    assert_eq!(step.explain().graphs, 2, "train and eval graphs, each traced once");
+    kiln::autograd::no_grad(|| step.call(&[&x]))?;
+    assert_eq!(step.explain().graphs, 3, "no_grad traces its own graph");
+    Ok(())
+}

@@ -438,7 +438,7 @@ fn compiled_sequence_first_transformer_on_cuda_matches_eager_and_the_cpu() {
     };
     let forward = |dev: Device, mode: Option<Mode>| -> Vec<f32> {
         kiln::tensor::rng::manual_seed(0);
-        let mut model = Transformer::new(cfg, dev).unwrap();
+        let model = Transformer::new(cfg, dev).unwrap();
         model.set_training(false);
         let x = Tensor::rand_at(&[10, 6, 64], Distribution::Normal, 3, 0, DType::F32, dev).unwrap();
         let f = move |xs: &[Tensor]| -> Result<Vec<Tensor>> {

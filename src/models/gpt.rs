@@ -4,7 +4,7 @@
 //! V vocab. Parameter names match scripts/make_golden.py's PyTorch model.
 
 use kiln_nn::{cross_entropy, dropout, join, scaled_dot_product_attention, AttnMasks, Embedding, Forward, LayerNorm, Linear, Module};
-use kiln_tensor::{DType, Device, Error, Result, Tensor};
+use kiln_tensor::{DType, Device, Error, Flag, Result, Tensor};
 
 #[derive(Debug, Clone, Copy)]
 pub struct GptConfig {
@@ -36,7 +36,7 @@ pub struct Gpt {
     pub blocks: Vec<Block>,
     pub ln_f: LayerNorm,
     pub head: Option<Linear>,
-    pub training: bool,
+    pub training: Flag,
 }
 
 impl Block {
@@ -88,7 +88,7 @@ impl Gpt {
             blocks: (0..c.n_layer).map(|_| Block::new(&c, device)).collect::<Result<_>>()?,
             ln_f: LayerNorm::new(c.d_model, 1e-5, device)?,
             head: if c.tied_head { None } else { Some(Linear::new(c.d_model, c.vocab, false, device)?) },
-            training: true,
+            training: Flag::new(true),
         })
     }
 
@@ -108,9 +108,9 @@ impl Gpt {
         }
         let pos = Tensor::arange(t, DType::I64, tokens.device())?;
         let mut x = self.tok_emb.forward(tokens)?.add(&self.pos_emb.forward(&pos)?)?;
-        x = dropout(&x, self.config.dropout, self.training)?;
+        x = dropout(&x, self.config.dropout, self.training.get())?;
         for blk in &self.blocks {
-            x = blk.forward(&x, &self.config, self.training)?;
+            x = blk.forward(&x, &self.config, self.training.get())?;
         }
         let x = self.ln_f.forward(&x)?;
         match &self.head {
@@ -139,7 +139,7 @@ impl Module for Gpt {
             h.visit(&join(prefix, "head"), f);
         }
     }
-    fn set_training(&mut self, training: bool) {
-        self.training = training;
+    fn set_training(&self, training: bool) {
+        self.training.set(training);
     }
 }

@@ -4,7 +4,7 @@ pub mod gpt;
 
 pub use gpt::{Gpt, GptConfig};
 
-use kiln_nn::{Conv2d, Flatten, Forward, Linear, MaxPool2d, Module, Relu, Sequential, Window};
+use kiln_nn::{BatchNorm, Conv2d, Flatten, Forward, Linear, MaxPool2d, Module, Relu, Sequential, Window};
 use kiln_tensor::{Device, Error, Result, Tensor};
 
 /// A ReLU MLP with the given layer sizes, e.g. `[784, 256, 10]`.
@@ -20,16 +20,19 @@ pub fn mlp(sizes: &[usize], device: Device) -> Result<Sequential> {
 }
 
 /// A small LeNet-style CNN for `rows x cols` grey images given as flat rows `[N, rows * cols]`:
-/// two 3x3 convolutions (8 and 16 channels, padded) each with ReLU and 2x2 max pooling, then
-/// a linear layer to `classes`.
+/// two 3x3 convolutions (8 and 16 channels, padded) each with batch norm, ReLU and 2x2 max
+/// pooling, then a linear layer to `classes`. Batch norm uses batch statistics in training
+/// and its running ones after `eval()`.
 pub fn cnn(rows: usize, cols: usize, classes: usize, device: Device) -> Result<Sequential> {
     let (conv, pool) = (Window::new((3, 3)).padding((1, 1)), Window::new((2, 2)).stride((2, 2)));
     Ok(Sequential::new()
         .add(Image { rows, cols })
-        .add(Conv2d::new(1, 8, conv, true, device)?)
+        .add(Conv2d::new(1, 8, conv, false, device)?)
+        .add(BatchNorm::new(8, device)?)
         .add(Relu)
         .add(MaxPool2d(pool))
-        .add(Conv2d::new(8, 16, conv, true, device)?)
+        .add(Conv2d::new(8, 16, conv, false, device)?)
+        .add(BatchNorm::new(16, device)?)
         .add(Relu)
         .add(MaxPool2d(pool))
         .add(Flatten)

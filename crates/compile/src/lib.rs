@@ -100,6 +100,8 @@ struct Signature {
     mode: Mode,
     /// `kiln_tensor::Autocast` at the call: a trace records its casts.
     autocast: Option<DType>,
+    /// Grad mode at the call: under `no_grad` a trace records no backward.
+    grad_enabled: bool,
 }
 
 enum Entry {
@@ -111,6 +113,8 @@ enum Entry {
 struct Program {
     exec: exec::Program,
     leaf_grads: Vec<lower::LeafGrad>,
+    /// The flags the trace read (train/eval modes) and their values then.
+    flags: Vec<(kiln_tensor::Flag, bool)>,
     compile_time: Duration,
     nodes_traced: usize,
 }
@@ -204,6 +208,7 @@ where
             inputs: inputs.iter().map(|t| (t.shape().to_vec(), t.dtype(), t.device())).collect(),
             mode: self.opts.mode,
             autocast: kiln_tensor::autocast_dtype(),
+            grad_enabled: kiln_tensor::is_grad_enabled(),
         };
         let found = self.cache.iter().position(|(s, e)| *s == sig && guards_hold(e));
         match found {
@@ -411,7 +416,8 @@ where
         log::log("fusion", &fusion_report(&exec));
         let compile_time = start.elapsed();
         log::log("time", &format!("compiled in {:.1} ms", compile_time.as_secs_f64() * 1e3));
-        Ok(Program { exec, leaf_grads: lowered.leaf_grads, compile_time, nodes_traced })
+        let flags = rec.flags.iter().map(|(f, v)| (f.share(), *v)).collect();
+        Ok(Program { exec, leaf_grads: lowered.leaf_grads, flags, compile_time, nodes_traced })
     }
 
     /// How many graphs were compiled, graph breaks, kernels, memory and bytes moved.
@@ -472,15 +478,18 @@ fn run_program(p: &Program, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
 }
 
 /// A cached graph stays valid while every parameter's gradient is present exactly when it
-/// was at trace time, in the same buffer.
+/// was at trace time, in the same buffer, and every flag it read (train/eval) reads the same.
 fn guards_hold(e: &Entry) -> bool {
     match e {
         Entry::Eager(_) => true,
-        Entry::Graph(p) => p.leaf_grads.iter().all(|lg| match (lg.leaf.grad(), lg.had_grad) {
-            (None, false) => true,
-            (Some(g), true) => lg.start_storage.is_none_or(|s| g.storage().id() == s),
-            _ => false,
-        }),
+        Entry::Graph(p) => {
+            let grads = p.leaf_grads.iter().all(|lg| match (lg.leaf.grad(), lg.had_grad) {
+                (None, false) => true,
+                (Some(g), true) => lg.start_storage.is_none_or(|s| g.storage().id() == s),
+                _ => false,
+            });
+            grads && p.flags.iter().all(|(f, v)| f.get() == *v)
+        }
     }
 }
 

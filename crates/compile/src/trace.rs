@@ -4,7 +4,7 @@
 //! (parameters) it saw, and any host read.
 
 use kiln_tensor::storage::StorageCell;
-use kiln_tensor::{DType, Layout, Op, Result, Tensor, Tracer};
+use kiln_tensor::{DType, Flag, Layout, Op, Result, Tensor, Tracer};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
@@ -40,6 +40,8 @@ pub struct Recording {
     /// Leaves that require grad (parameters), with whether they had a gradient when first seen.
     pub leaves: Vec<(Tensor, bool)>,
     pub host_reads: Vec<String>,
+    /// Flags read (train/eval modes), each once, with the value first read.
+    pub flags: Vec<(Flag, bool)>,
 }
 
 pub struct Recorder {
@@ -81,5 +83,12 @@ impl Tracer for Recorder {
             )));
         }
         Ok(())
+    }
+
+    fn flag_read(&self, flag: &Flag, value: bool) {
+        let mut rec = self.rec.borrow_mut();
+        if !rec.flags.iter().any(|(f, _)| f.same(flag)) {
+            rec.flags.push((flag.share(), value));
+        }
     }
 }

@@ -4,7 +4,7 @@
 use crate::init::{param, xavier_uniform};
 use crate::layers::{dropout, Linear};
 use crate::{join, Forward, Module};
-use kiln_tensor::{default_dtype, DType, Device, Error, Result, Tensor};
+use kiln_tensor::{default_dtype, DType, Device, Error, Flag, Result, Tensor};
 
 /// Masks for one attention call. U8 masks mark positions to hide with 1 (PyTorch's bool
 /// True); a float `attn_mask` is added to the scores instead.
@@ -34,7 +34,7 @@ pub struct MultiheadAttention {
     pub num_heads: usize,
     pub dropout: f64,
     pub batch_first: bool,
-    pub training: bool,
+    pub training: Flag,
 }
 
 impl MultiheadAttention {
@@ -53,7 +53,7 @@ impl MultiheadAttention {
             num_heads,
             dropout,
             batch_first,
-            training: true,
+            training: Flag::new(true),
         })
     }
 
@@ -106,7 +106,7 @@ impl MultiheadAttention {
             &self.split_heads(&k)?,
             &self.split_heads(&v)?,
             masks,
-            if self.training { self.dropout } else { 0.0 },
+            if self.training.get() { self.dropout } else { 0.0 },
         )?;
         let (b, t) = (q_in.shape()[0], q_in.shape()[1]);
         let merged = out.transpose(1, 2)?.reshape(&[b, t, e])?;
@@ -218,7 +218,7 @@ impl Module for MultiheadAttention {
         f(join(prefix, "in_proj_bias"), &self.in_proj_bias);
         self.out_proj.visit(&join(prefix, "out_proj"), f);
     }
-    fn set_training(&mut self, training: bool) {
-        self.training = training;
+    fn set_training(&self, training: bool) {
+        self.training.set(training);
     }
 }

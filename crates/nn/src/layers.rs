@@ -2,7 +2,7 @@
 
 use crate::init::{linear_bound, normal, param, uniform};
 use crate::{join, Forward, Module};
-use kiln_tensor::{default_dtype, no_grad, DType, Device, Error, Result, Tensor};
+use kiln_tensor::{default_dtype, no_grad, DType, Device, Error, Flag, Result, Tensor};
 
 /// `y = x W^T + b`, weight `[out, in]` like PyTorch.
 #[derive(Debug, Clone)]
@@ -146,7 +146,7 @@ pub struct BatchNorm {
     pub num_batches_tracked: Tensor,
     pub eps: f64,
     pub momentum: f64,
-    pub training: bool,
+    pub training: Flag,
 }
 
 impl BatchNorm {
@@ -161,7 +161,7 @@ impl BatchNorm {
             num_batches_tracked: Tensor::zeros(&[], DType::I64, device)?,
             eps: 1e-5,
             momentum: 0.1,
-            training: true,
+            training: Flag::new(true),
         })
     }
 
@@ -190,7 +190,7 @@ impl Forward for BatchNorm {
         let mut shape = vec![1; x.rank()];
         shape[1] = c;
         let dims: Vec<usize> = (0..x.rank()).filter(|&d| d != 1).collect();
-        let (centred, var) = if self.training {
+        let (centred, var) = if self.training.get() {
             let n = x.numel() / c.max(1);
             if n < 2 {
                 return Err(Error::shape(
@@ -221,8 +221,8 @@ impl Module for BatchNorm {
         f(join(prefix, "running_var"), &self.running_var);
         f(join(prefix, "num_batches_tracked"), &self.num_batches_tracked);
     }
-    fn set_training(&mut self, training: bool) {
-        self.training = training;
+    fn set_training(&self, training: bool) {
+        self.training.set(training);
     }
 }
 
@@ -231,12 +231,12 @@ impl Module for BatchNorm {
 #[derive(Debug, Clone)]
 pub struct Dropout {
     pub p: f64,
-    pub training: bool,
+    pub training: Flag,
 }
 
 impl Dropout {
     pub fn new(p: f64) -> Dropout {
-        Dropout { p, training: true }
+        Dropout { p, training: Flag::new(true) }
     }
 }
 
@@ -254,14 +254,14 @@ pub fn dropout(x: &Tensor, p: f64, training: bool) -> Result<Tensor> {
 
 impl Forward for Dropout {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        dropout(x, self.p, self.training)
+        dropout(x, self.p, self.training.get())
     }
 }
 
 impl Module for Dropout {
     fn visit(&self, _prefix: &str, _f: &mut dyn FnMut(String, &Tensor)) {}
-    fn set_training(&mut self, training: bool) {
-        self.training = training;
+    fn set_training(&self, training: bool) {
+        self.training.set(training);
     }
 }
 
@@ -307,8 +307,8 @@ impl Module for Sequential {
             l.visit_buffers(&join(prefix, &i.to_string()), f);
         }
     }
-    fn set_training(&mut self, training: bool) {
-        for l in &mut self.layers {
+    fn set_training(&self, training: bool) {
+        for l in &self.layers {
             l.set_training(training);
         }
     }

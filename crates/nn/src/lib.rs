@@ -32,7 +32,7 @@ pub trait Module {
     /// the parameters (batch norm's running statistics), as PyTorch's `named_buffers`.
     fn visit_buffers(&self, _prefix: &str, _f: &mut dyn FnMut(String, &Tensor)) {}
     /// Switches train/eval behaviour (dropout, batch norm) for this module and its children.
-    fn set_training(&mut self, _training: bool) {}
+    fn set_training(&self, _training: bool) {}
 
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
         let mut out = Vec::new();
@@ -56,10 +56,10 @@ pub trait Module {
     fn num_parameters(&self) -> usize {
         self.parameters().iter().map(|p| p.numel()).sum()
     }
-    fn train(&mut self) {
+    fn train(&self) {
         self.set_training(true)
     }
-    fn eval(&mut self) {
+    fn eval(&self) {
         self.set_training(false)
     }
 }

@@ -6,7 +6,7 @@ use crate::attention::{AttnMasks, MultiheadAttention};
 use crate::init::xavier_uniform;
 use crate::layers::{dropout, LayerNorm, Linear};
 use crate::{join, Forward, Module};
-use kiln_tensor::{no_grad, Device, Result, Tensor};
+use kiln_tensor::{no_grad, Device, Flag, Result, Tensor};
 
 #[derive(Debug, Clone, Copy)]
 pub struct TransformerConfig {
@@ -67,7 +67,7 @@ pub struct TransformerEncoderLayer {
     pub norm1: LayerNorm,
     pub norm2: LayerNorm,
     pub config: TransformerConfig,
-    pub training: bool,
+    pub training: Flag,
 }
 
 impl TransformerEncoderLayer {
@@ -78,18 +78,18 @@ impl TransformerEncoderLayer {
             norm1: LayerNorm::new(c.d_model, c.layer_norm_eps, device)?,
             norm2: LayerNorm::new(c.d_model, c.layer_norm_eps, device)?,
             config: c,
-            training: true,
+            training: Flag::new(true),
         })
     }
 
     fn drop(&self, x: &Tensor) -> Result<Tensor> {
-        dropout(x, self.config.dropout, self.training)
+        dropout(x, self.config.dropout, self.training.get())
     }
 
     pub fn forward(&self, src: &Tensor, masks: &AttnMasks) -> Result<Tensor> {
         let c = &self.config;
         let sa = |x: &Tensor| self.drop(&self.self_attn.forward(x, x, x, masks)?);
-        let ff = |x: &Tensor| self.drop(&self.linear.forward(x, c.activation, c.dropout, self.training)?);
+        let ff = |x: &Tensor| self.drop(&self.linear.forward(x, c.activation, c.dropout, self.training.get())?);
         if c.norm_first {
             let x = src.add(&sa(&self.norm1.forward(src)?)?)?;
             x.add(&ff(&self.norm2.forward(&x)?)?)
@@ -108,8 +108,8 @@ impl Module for TransformerEncoderLayer {
         self.norm1.visit(&join(prefix, "norm1"), f);
         self.norm2.visit(&join(prefix, "norm2"), f);
     }
-    fn set_training(&mut self, training: bool) {
-        self.training = training;
+    fn set_training(&self, training: bool) {
+        self.training.set(training);
         self.self_attn.set_training(training);
     }
 }
@@ -123,7 +123,7 @@ pub struct TransformerDecoderLayer {
     pub norm2: LayerNorm,
     pub norm3: LayerNorm,
     pub config: TransformerConfig,
-    pub training: bool,
+    pub training: Flag,
 }
 
 impl TransformerDecoderLayer {
@@ -136,19 +136,19 @@ impl TransformerDecoderLayer {
             norm2: LayerNorm::new(c.d_model, c.layer_norm_eps, device)?,
             norm3: LayerNorm::new(c.d_model, c.layer_norm_eps, device)?,
             config: c,
-            training: true,
+            training: Flag::new(true),
         })
     }
 
     fn drop(&self, x: &Tensor) -> Result<Tensor> {
-        dropout(x, self.config.dropout, self.training)
+        dropout(x, self.config.dropout, self.training.get())
     }
 
     pub fn forward(&self, tgt: &Tensor, memory: &Tensor, tgt_masks: &AttnMasks, memory_masks: &AttnMasks) -> Result<Tensor> {
         let c = &self.config;
         let sa = |x: &Tensor| self.drop(&self.self_attn.forward(x, x, x, tgt_masks)?);
         let ca = |x: &Tensor| self.drop(&self.multihead_attn.forward(x, memory, memory, memory_masks)?);
-        let ff = |x: &Tensor| self.drop(&self.linear.forward(x, c.activation, c.dropout, self.training)?);
+        let ff = |x: &Tensor| self.drop(&self.linear.forward(x, c.activation, c.dropout, self.training.get())?);
         if c.norm_first {
             let x = tgt.add(&sa(&self.norm1.forward(tgt)?)?)?;
             let x = x.add(&ca(&self.norm2.forward(&x)?)?)?;
@@ -171,8 +171,8 @@ impl Module for TransformerDecoderLayer {
         self.norm2.visit(&join(prefix, "norm2"), f);
         self.norm3.visit(&join(prefix, "norm3"), f);
     }
-    fn set_training(&mut self, training: bool) {
-        self.training = training;
+    fn set_training(&self, training: bool) {
+        self.training.set(training);
         self.self_attn.set_training(training);
         self.multihead_attn.set_training(training);
     }
@@ -245,8 +245,8 @@ impl Module for Transformer {
         }
         self.decoder_norm.visit(&join(prefix, "decoder.norm"), f);
     }
-    fn set_training(&mut self, training: bool) {
-        self.encoder_layers.iter_mut().for_each(|l| l.set_training(training));
-        self.decoder_layers.iter_mut().for_each(|l| l.set_training(training));
+    fn set_training(&self, training: bool) {
+        self.encoder_layers.iter().for_each(|l| l.set_training(training));
+        self.decoder_layers.iter().for_each(|l| l.set_training(training));
     }
 }

@@ -35,7 +35,6 @@ fn training_normalises_each_channel_and_tracks_running_statistics() -> Result<()
     assert_eq!(bn.num_batches_tracked.to_vec::<i64>()?, vec![1]);
 
     // Eval: the running statistics, no update.
-    let mut bn = bn;
     bn.eval();
     let y = bn.forward(&x)?;
     let (m, v) = (f64s(&bn.running_mean), f64s(&bn.running_var));

@@ -30,7 +30,7 @@ fn dropout_zeroes_about_p_and_rescales_in_training_only() -> Result<()> {
     let kept = y.iter().filter(|&&v| v != 0.0).count() as f64 / y.len() as f64;
     assert!((kept - 0.7).abs() < 0.01, "kept {kept}");
     assert!(y.iter().all(|&v| v == 0.0 || (v - 1.0 / 0.7).abs() < 1e-6));
-    let mut d = Dropout::new(0.3);
+    let d = Dropout::new(0.3);
     d.eval();
     assert_eq!(d.forward(&x)?.to_vec::<f32>()?, x.to_vec::<f32>()?);
     // Two draws differ; reseeding reproduces the first.

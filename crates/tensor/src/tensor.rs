@@ -65,6 +65,47 @@ pub trait Tracer {
     /// Called when values are read on the host (`to_vec`, `item`, printing): an error stops the
     /// read (fullgraph), `Ok` lets it happen (the tracer then marks a graph break).
     fn host_read(&self, what: &'static str, t: &Tensor) -> Result<()>;
+    /// Called when a `Flag` is read: a compiled step keeps the value as a guard.
+    fn flag_read(&self, _flag: &Flag, _value: bool) {}
+}
+
+/// A switch that changes what a step computes (a module's train/eval mode), set through
+/// `&self`. Reading it under a tracer records its value: a compiled step replays only while
+/// its flags read as they did at trace time, and traces again otherwise (as torch.compile
+/// guards on `module.training`). Cloning makes an independent flag (a cloned model has its
+/// own mode); `share` makes a handle to the same one.
+#[derive(Debug)]
+pub struct Flag(Arc<AtomicBool>);
+
+impl Flag {
+    pub fn new(value: bool) -> Flag {
+        Flag(Arc::new(AtomicBool::new(value)))
+    }
+
+    pub fn get(&self) -> bool {
+        let value = self.0.load(Ordering::Relaxed);
+        with_tracer(|t| t.flag_read(self, value));
+        value
+    }
+
+    pub fn set(&self, value: bool) {
+        self.0.store(value, Ordering::Relaxed)
+    }
+
+    /// A handle to this same flag (what a trace keeps to check it later).
+    pub fn share(&self) -> Flag {
+        Flag(self.0.clone())
+    }
+
+    pub fn same(&self, other: &Flag) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Clone for Flag {
+    fn clone(&self) -> Flag {
+        Flag::new(self.0.load(Ordering::Relaxed))
+    }
 }
 
 thread_local! {
