@@ -14,11 +14,14 @@ pub mod loss;
 pub mod state_dict;
 pub mod transformer;
 
-pub use activation::{Activation, Gelu, Relu, Silu, Tanh};
+pub use activation::{leaky_relu, Activation, Gelu, LeakyRelu, Relu, Sigmoid, Silu, Tanh};
 pub use attention::{causal_mask, scaled_dot_product_attention, set_fused_attention, AttnMasks, MultiheadAttention};
 pub use conv::{avg_pool2d, conv2d, conv2d_groups, max_pool2d, unfold, AvgPool2d, Conv2d, Flatten, MaxPool2d, Window};
 pub use layers::{dropout, BatchNorm, Dropout, Embedding, Layer, LayerNorm, Linear, RmsNorm, Sequential};
-pub use loss::{cross_entropy, cross_entropy_with, mse_loss, nll_loss, CrossEntropyConfig, Reduction};
+pub use loss::{
+    binary_cross_entropy, binary_cross_entropy_with_logits, cross_entropy, cross_entropy_with, huber_loss, kl_div, l1_loss, mse_loss,
+    nll_loss, smooth_l1_loss, CrossEntropyConfig, Reduction,
+};
 pub use state_dict::{load_state_dict, load_state_dict_from_bytes, save_state_dict, state_dict_to_bytes};
 pub use transformer::{Transformer, TransformerConfig, TransformerDecoderLayer, TransformerEncoderLayer, TransformerMasks};
 

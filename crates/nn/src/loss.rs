@@ -53,15 +53,122 @@ pub fn nll_loss(logp: &Tensor, targets: &Tensor, ignore_index: Option<i64>, redu
     reduce(&picked.neg()?.mul(&valid)?, &valid, reduction)
 }
 
+/// Mean squared error between same-shaped tensors (`nn.MSELoss`).
 pub fn mse_loss(pred: &Tensor, target: &Tensor, reduction: Reduction) -> Result<Tensor> {
-    if pred.shape() != target.shape() {
-        return Err(Error::shape("mse_loss", format!("prediction {:?} and target {:?} differ", pred.shape(), target.shape())));
+    same_shape("mse_loss", pred, target)?;
+    elementwise(pred.sub(target)?.square()?, reduction)
+}
+
+/// Mean absolute error (`nn.L1Loss`).
+pub fn l1_loss(pred: &Tensor, target: &Tensor, reduction: Reduction) -> Result<Tensor> {
+    same_shape("l1_loss", pred, target)?;
+    elementwise(pred.sub(target)?.abs()?, reduction)
+}
+
+/// `nn.HuberLoss`: `0.5 d²` where `|d| < delta`, else `delta (|d| - 0.5 delta)`.
+pub fn huber_loss(pred: &Tensor, target: &Tensor, delta: f64, reduction: Reduction) -> Result<Tensor> {
+    elementwise(piecewise_quadratic("huber_loss", "delta", pred, target, delta)?.mul_scalar(delta)?, reduction)
+}
+
+/// `nn.SmoothL1Loss`: `0.5 d² / beta` where `|d| < beta`, else `|d| - 0.5 beta` (Huber / beta);
+/// `beta = 0` is the L1 loss.
+pub fn smooth_l1_loss(pred: &Tensor, target: &Tensor, beta: f64, reduction: Reduction) -> Result<Tensor> {
+    if beta == 0.0 {
+        return l1_loss(pred, target, reduction);
     }
-    let sq = pred.sub(target)?.square()?;
+    elementwise(piecewise_quadratic("smooth_l1_loss", "beta", pred, target, beta)?, reduction)
+}
+
+/// `0.5 d² / k` where `|d| < k`, else `|d| - 0.5 k`, per element (`k` named `what`).
+fn piecewise_quadratic(op: &'static str, what: &str, pred: &Tensor, target: &Tensor, k: f64) -> Result<Tensor> {
+    same_shape(op, pred, target)?;
+    if !(k > 0.0 && k.is_finite()) {
+        return Err(Error::Msg(format!("{op}: {what} must be positive and finite, got {k}")));
+    }
+    let d = pred.sub(target)?;
+    let a = d.abs()?;
+    let quadratic = d.square()?.mul_scalar(0.5 / k)?;
+    Tensor::where_cond(&a.lt_scalar(k)?, &quadratic, &a.sub_scalar(0.5 * k)?)
+}
+
+/// `nn.BCEWithLogitsLoss`: binary cross-entropy of `sigmoid(logits)` against targets in
+/// [0, 1], in the stable form `(1 - y) x + w (log(1 + exp(-|x|)) + max(-x, 0))` with
+/// `w = 1 + (pos_weight - 1) y` (`w = 1` without `pos_weight`, which broadcasts over the
+/// last dim as PyTorch's does).
+pub fn binary_cross_entropy_with_logits(
+    logits: &Tensor,
+    target: &Tensor,
+    pos_weight: Option<&Tensor>,
+    reduction: Reduction,
+) -> Result<Tensor> {
+    same_shape("binary_cross_entropy_with_logits", logits, target)?;
+    // log(1 + e^-x) = log(1 + e^-|x|) + max(-x, 0), with both parts chosen by one `x > 0` mask
+    // (not abs and relu, whose zero derivative at 0 would give a wrong gradient at x = 0).
+    let (pos, neg) = (logits.gt_scalar(0.0)?, logits.neg()?);
+    let minus_abs = Tensor::where_cond(&pos, &neg, logits)?;
+    let softplus_neg = minus_abs.exp()?.add_scalar(1.0)?.log()?.add(&Tensor::where_cond(&pos, &logits.zeros_like()?, &neg)?)?;
+    let rest = target.rsub_scalar(1.0)?.mul(logits)?;
+    let per = match pos_weight {
+        None => rest.add(&softplus_neg)?,
+        Some(pw) => {
+            let w = pw.sub_scalar(1.0)?.mul(target)?.add_scalar(1.0)?;
+            rest.add(&w.mul(&softplus_neg)?)?
+        }
+    };
+    elementwise(per, reduction)
+}
+
+/// `nn.BCELoss`: binary cross-entropy of probabilities in [0, 1]; each log is clamped at -100
+/// as PyTorch's is, so a probability of exactly 0 or 1 gives a finite loss (and gradient).
+pub fn binary_cross_entropy(probs: &Tensor, target: &Tensor, reduction: Reduction) -> Result<Tensor> {
+    same_shape("binary_cross_entropy", probs, target)?;
+    let log_p = log_or(probs, -100.0)?.maximum_scalar(-100.0)?;
+    let log_q = log_or(&probs.rsub_scalar(1.0)?, -100.0)?.maximum_scalar(-100.0)?;
+    let per = target.mul(&log_p)?.add(&target.rsub_scalar(1.0)?.mul(&log_q)?)?.neg()?;
+    elementwise(per, reduction)
+}
+
+/// `nn.KLDivLoss`: `target (log target - input)` per element for log-probabilities `input`
+/// (zero where the target is zero); with `log_target` the target is given as log-probabilities.
+/// PyTorch's `reduction="batchmean"` is `Reduction::Sum` divided by the batch size.
+pub fn kl_div(input: &Tensor, target: &Tensor, log_target: bool, reduction: Reduction) -> Result<Tensor> {
+    same_shape("kl_div", input, target)?;
+    let per = if log_target {
+        target.exp()?.mul(&target.sub(input)?)?
+    } else {
+        // xlogy: 0 log 0 = 0.
+        target.mul(&log_or(target, 0.0)?.sub(input)?)?
+    };
+    elementwise(per, reduction)
+}
+
+/// `log(x)` where `x > 0`, else `zero_value`; the log reads `x` floored at the dtype's smallest
+/// normal number, so neither branch's gradient is infinite or NaN at `x = 0`.
+fn log_or(x: &Tensor, zero_value: f64) -> Result<Tensor> {
+    let tiny = match x.dtype() {
+        DType::F64 => f64::MIN_POSITIVE,
+        DType::F16 => 6.103515625e-5,
+        _ => f32::MIN_POSITIVE as f64,
+    };
+    Tensor::where_cond(&x.gt_scalar(0.0)?, &x.maximum_scalar(tiny)?.log()?, &x.full_like(zero_value)?)
+}
+
+fn same_shape(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
+    if a.shape() != b.shape() {
+        return Err(Error::shape(op, format!("input {:?} and target {:?} differ", a.shape(), b.shape())));
+    }
+    if a.dtype() != b.dtype() {
+        return Err(Error::dtype(op, format!("input is {:?} but target is {:?}", a.dtype(), b.dtype())));
+    }
+    Ok(())
+}
+
+/// A per-element loss reduced as asked.
+fn elementwise(per: Tensor, reduction: Reduction) -> Result<Tensor> {
     match reduction {
-        Reduction::Mean => sq.mean_all(),
-        Reduction::Sum => sq.sum_all(),
-        Reduction::None => Ok(sq),
+        Reduction::Mean => per.mean_all(),
+        Reduction::Sum => per.sum_all(),
+        Reduction::None => Ok(per),
     }
 }
 
