@@ -13,45 +13,25 @@ mod common;
 use kiln::checkpoint::Checkpoints;
 use kiln::compile::compile;
 use kiln::data::{load_mnist, synthetic_digits, Dataset};
+use kiln::loader::DataLoader;
 use kiln::nn::{cross_entropy, Sequential};
 use kiln::optim::{AdamConfig, AdamW};
 use kiln::prelude::*;
 use std::cell::RefCell;
 use std::time::{Duration, Instant};
 
-/// Images `[n, rows*cols]` and labels `[n]` of the samples `idx`.
-fn batch(d: &Dataset, idx: &[usize], device: Device) -> Result<(Tensor, Tensor)> {
-    let px = d.rows * d.cols;
-    let mut x = Vec::with_capacity(idx.len() * px);
-    for &i in idx {
-        x.extend_from_slice(d.image(i));
-    }
-    let y: Vec<i64> = idx.iter().map(|&i| d.labels[i] as i64).collect();
-    Ok((Tensor::from_vec(x, &[idx.len(), px], device)?, Tensor::from_vec(y, &[idx.len()], device)?))
-}
-
 /// Test accuracy in eval mode (batch norm's running statistics), the model left training.
 fn accuracy(model: &Sequential, d: &Dataset, device: Device) -> Result<f64> {
     model.eval();
+    let (x, y) = d.to_tensors()?;
     let mut correct = 0usize;
-    for chunk in (0..d.len()).collect::<Vec<_>>().chunks(1000) {
-        let (x, y) = batch(d, chunk, device)?;
-        let pred = no_grad(|| model.forward(&x))?.argmax(1, false)?;
-        correct += pred.eq(&y)?.to_dtype(DType::I64)?.sum_all()?.item()? as usize;
+    for b in DataLoader::new(vec![x, y], 1000)?.to_device(device).epoch() {
+        let b = b?;
+        let pred = no_grad(|| model.forward(&b[0]))?.argmax(1, false)?;
+        correct += pred.eq(&b[1])?.to_dtype(DType::I64)?.sum_all()?.item()? as usize;
     }
     model.train();
     Ok(correct as f64 / d.len() as f64)
-}
-
-/// A shuffled order per epoch from a simple LCG over the seed.
-fn shuffled(n: usize, seed: u64) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..n).collect();
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
-    for i in (1..n).rev() {
-        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        order.swap(i, (s >> 33) as usize % (i + 1));
-    }
-    order
 }
 
 struct Report {
@@ -76,10 +56,14 @@ fn train(compiled: bool, device: Device, train: &Dataset, test: &Dataset, epochs
     };
     let eager = step_fn;
     let mut step = compile(common::compile_mode(device), step_fn);
-    let steps_per_epoch = train.len() / bs;
+    // A new order every epoch from the seed; full batches only, so the compiled step keeps
+    // one shape.
+    let (xs, ys) = train.to_tensors()?;
+    let mut loader = DataLoader::new(vec![xs, ys], bs)?.shuffle(seed).drop_last(true).to_device(device);
+    let steps_per_epoch = loader.len();
     let what = if compiled { "compiled" } else { "eager" };
     // Checkpoints per mode; a resumed run skips the steps it already took (the data order
-    // depends only on the epoch, so it sees the same batches).
+    // depends only on the seed and the epoch, so it sees the same batches).
     let ckpts = Checkpoints {
         dir: std::path::PathBuf::from(common::opt("--checkpoint-dir").unwrap_or_else(|| "checkpoints/mlp".into())).join(what),
         keep: 3,
@@ -95,19 +79,19 @@ fn train(compiled: bool, device: Device, train: &Dataset, test: &Dataset, epochs
     let (mut last_loss, mut first_step, mut steady) = (f64::NAN, Duration::ZERO, Duration::ZERO);
     for epoch in 0..epochs {
         let pb = common::bar(steps_per_epoch as u64, &format!("{what} {}", epoch + 1));
-        let order = shuffled(train.len(), seed.wrapping_add(epoch as u64));
-        for i in 0..steps_per_epoch {
+        for (i, b) in loader.epoch().enumerate() {
             let global = epoch * steps_per_epoch + i;
             if global < done {
                 pb.inc(1);
                 continue;
             }
-            let (x, y) = batch(train, &order[i * bs..(i + 1) * bs], device)?;
+            let b = b?;
+            let (x, y) = (&b[0], &b[1]);
             // On a GPU each step is timed to its end on the device (work is queued
             // asynchronously), as the benchmarks do.
             kiln::tensor::cuda::synchronize(device)?;
             let t = Instant::now();
-            let out = if compiled { step.call(&[&x, &y])? } else { eager(&[x, y])? };
+            let out = if compiled { step.call(&[x, y])? } else { eager(&b)? };
             kiln::tensor::cuda::synchronize(device)?;
             let dt = t.elapsed();
             if global == done {

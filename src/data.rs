@@ -12,6 +12,7 @@
 //!
 //! Std only; everything random comes from an inline SplitMix64, so a seed fixes the data.
 
+use kiln_tensor::{Device, Tensor};
 use std::f32::consts::{PI, TAU};
 use std::io::Read;
 use std::path::Path;
@@ -40,6 +41,16 @@ impl Dataset {
     pub fn image(&self, i: usize) -> &[f32] {
         let px = self.rows * self.cols;
         &self.images[i * px..(i + 1) * px]
+    }
+
+    /// Images `[len, rows * cols]` (F32) and labels `[len]` (I64) on the CPU, what a
+    /// `DataLoader` batches.
+    pub fn to_tensors(&self) -> kiln_tensor::Result<(Tensor, Tensor)> {
+        let labels: Vec<i64> = self.labels.iter().map(|&l| l as i64).collect();
+        Ok((
+            Tensor::from_slice(&self.images, &[self.len(), self.rows * self.cols], Device::Cpu)?,
+            Tensor::from_vec(labels, &[self.len()], Device::Cpu)?,
+        ))
     }
 }
 
