@@ -758,3 +758,27 @@ fn train_eval_switches_and_grad_mode_pick_their_own_compiled_graph() -> Result<(
     assert_eq!(step.explain().graphs, 3, "no_grad traces its own graph");
     Ok(())
 }
+
+/// The composite ops (logsumexp, std, tril, flip, repeat, masked_fill) trace into a graph
+/// (no graph break, no baked constants) that gives eager's values.
+#[test]
+fn composite_ops_compile_to_the_eager_values() -> Result<()> {
+    let f = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+        let x = &xs[0];
+        let m = x.tril(0)?.flip(&[1usize])?.repeat(&[1, 2])?;
+        Ok(vec![x.logsumexp(&[1usize], false)?, x.std(&[0usize], true, 1)?, m.masked_fill(&m.lt_scalar(0.0)?, -1.0)?])
+    };
+    let mut step = compile(Mode::Default, f);
+    for seed in 0..3 {
+        let x = Tensor::rand_at(&[5, 6], Distribution::Normal, seed, 0, DType::F32, Device::Cpu)?;
+        let (got, want) = (step.call(&[&x])?, f(&[x])?);
+        for (g, w) in got.iter().zip(&want) {
+            assert_eq!(g.shape(), w.shape());
+            assert_close("composite", &g.to_vec::<f32>()?, &w.to_vec::<f32>()?, 1e-6);
+        }
+    }
+    let e = step.explain();
+    assert_eq!(e.graphs, 1);
+    assert!(e.graph_breaks.is_empty(), "{:?}", e.graph_breaks);
+    Ok(())
+}

@@ -325,3 +325,60 @@ fn fused_attention_matches_finite_differences_and_the_unfused_ops() -> Result<()
     }
     Ok(())
 }
+
+/// The composite ops (std, logsumexp, masked_fill, tril/triu, flip, repeat) against direct
+/// loops, and their gradients against finite differences.
+#[test]
+fn composite_ops_match_loops_and_finite_differences() -> Result<()> {
+    let x = randn(&[3, 4], 40);
+    let v = x.to_vec::<f64>()?;
+    let at = |r: usize, c: usize| v[r * 4 + c];
+    // std over dim 1, unbiased; logsumexp over dim 1.
+    let std = x.std(&[1usize], false, 1)?.to_vec::<f64>()?;
+    let lse = x.logsumexp(&[1usize], false)?.to_vec::<f64>()?;
+    assert_eq!(x.logsumexp(&[1usize], true)?.shape(), &[3, 1]);
+    for r in 0..3 {
+        let mean = (0..4).map(|c| at(r, c)).sum::<f64>() / 4.0;
+        let want_std = ((0..4).map(|c| (at(r, c) - mean).powi(2)).sum::<f64>() / 3.0).sqrt();
+        let want_lse = (0..4).map(|c| at(r, c).exp()).sum::<f64>().ln();
+        assert!((std[r] - want_std).abs() < 1e-12 && (lse[r] - want_lse).abs() < 1e-12, "row {r}");
+    }
+    // Large values do not overflow; an all -inf row gives -inf.
+    let big = Tensor::from_vec(vec![1000.0, 1000.0, f64::NEG_INFINITY, f64::NEG_INFINITY], &[2, 2], Device::Cpu)?;
+    let got = big.logsumexp(&[1usize], false)?.to_vec::<f64>()?;
+    assert!((got[0] - (1000.0 + 2f64.ln())).abs() < 1e-9 && got[1] == f64::NEG_INFINITY, "{got:?}");
+    // tril/triu with offsets, masked_fill, flip, repeat.
+    let tril = x.tril(0)?.to_vec::<f64>()?;
+    let triu = x.triu(1)?.to_vec::<f64>()?;
+    let mask = x.gt_scalar(0.0)?;
+    let filled = x.masked_fill(&mask, -7.0)?.to_vec::<f64>()?;
+    let flipped = x.flip(&[0usize, 1])?.to_vec::<f64>()?;
+    for r in 0..3 {
+        for c in 0..4 {
+            let k = r * 4 + c;
+            assert_eq!(tril[k], if c <= r { at(r, c) } else { 0.0 });
+            assert_eq!(triu[k], if c > r { at(r, c) } else { 0.0 });
+            assert_eq!(filled[k], if at(r, c) > 0.0 { -7.0 } else { at(r, c) });
+            assert_eq!(flipped[k], at(2 - r, 3 - c));
+        }
+    }
+    let small = Tensor::from_vec(vec![1.0, 2.0, 3.0], &[3], Device::Cpu)?;
+    assert_eq!(small.repeat(&[2, 2])?.to_vec::<f64>()?, vec![1.0, 2.0, 3.0, 1.0, 2.0, 3.0, 1.0, 2.0, 3.0, 1.0, 2.0, 3.0]);
+    assert_eq!(small.repeat(&[2, 2])?.shape(), &[2, 6]);
+    assert!(small.repeat(&[]).unwrap_err().to_string().contains("[3]"));
+    assert!(small.tril(0).unwrap_err().to_string().contains("at least 2 dims"));
+    let cfg = GradcheckConfig { atol: 1e-6, rtol: 1e-5, ..GradcheckConfig::default() };
+    let inputs = [randn(&[2, 3, 4], 41)];
+    gradcheck(|t| t[0].std(&[2usize], false, 1), &inputs, cfg)?;
+    gradcheck(|t| t[0].logsumexp(&[0usize, 2], true), &inputs, cfg)?;
+    gradcheck(|t| t[0].triu(-1)?.mul(&t[0].tril(1)?), &inputs, cfg)?;
+    gradcheck(
+        |t| {
+            let r = t[0].flip(&[1usize])?.repeat(&[2, 1, 1, 2])?;
+            r.masked_fill(&r.lt_scalar(0.0)?, 0.5)
+        },
+        &inputs,
+        cfg,
+    )?;
+    Ok(())
+}

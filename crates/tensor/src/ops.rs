@@ -322,6 +322,69 @@ impl Tensor {
         let denom = n.saturating_sub(correction).max(1) as f64;
         centered.square()?.sum(&idx, keepdim)?.mul_scalar(1.0 / denom)
     }
+    /// Standard deviation: the square root of `var` with the same arguments.
+    pub fn std<D: Dims + ?Sized>(&self, dims: &D, keepdim: bool, correction: usize) -> Result<Tensor> {
+        self.var(dims, keepdim, correction)?.sqrt()
+    }
+    /// `log(sum(exp(x)))` over `dims`, computed from `x - max` so it never overflows; rows of
+    /// all `-inf` give `-inf` (as PyTorch's).
+    pub fn logsumexp<D: Dims + ?Sized>(&self, dims: &D, keepdim: bool) -> Result<Tensor> {
+        let idx = dims.to_indices("logsumexp", self.shape())?;
+        // The shift cancels in value and gradient: detached, and 0 where the max is infinite.
+        let m = self.max(&idx, true)?.detach();
+        let m = Tensor::where_cond(&m.abs()?.eq_scalar(f64::INFINITY)?, &m.zeros_like()?, &m)?;
+        let log_sum = self.sub(&m)?.exp()?.sum(&idx, keepdim)?.log()?;
+        log_sum.add(&m.reshape(log_sum.shape())?)
+    }
+
+    // ---- masks and rearrangements built from other ops ----
+
+    /// `value` where `mask` (Bool, broadcast to `self`) is true, `self` elsewhere.
+    pub fn masked_fill(&self, mask: &Tensor, value: f64) -> Result<Tensor> {
+        Tensor::where_cond(mask, &Tensor::scalar(value, self.dtype(), self.device())?, self)
+    }
+    /// The lower triangle of the last two dims: elements with `col - row <= diagonal`, 0 above.
+    pub fn tril(&self, diagonal: i64) -> Result<Tensor> {
+        Tensor::where_cond(&self.triangle("tril")?.le_scalar(diagonal as f64)?, self, &self.zeros_like()?)
+    }
+    /// The upper triangle of the last two dims: elements with `col - row >= diagonal`, 0 below.
+    pub fn triu(&self, diagonal: i64) -> Result<Tensor> {
+        Tensor::where_cond(&self.triangle("triu")?.ge_scalar(diagonal as f64)?, self, &self.zeros_like()?)
+    }
+    /// `col - row` over the last two dims, `[rows, cols]` (I64).
+    fn triangle(&self, op: &'static str) -> Result<Tensor> {
+        let [.., r, c] = self.shape() else {
+            return Err(Error::shape(op, format!("needs at least 2 dims, got {:?}", self.shape())));
+        };
+        let rows = Tensor::arange(*r, DType::I64, self.device())?.reshape(&[*r, 1])?;
+        Tensor::arange(*c, DType::I64, self.device())?.reshape(&[1, *c])?.sub(&rows)
+    }
+    /// The elements in reverse order along each of `dims`.
+    pub fn flip<D: Dims + ?Sized>(&self, dims: &D) -> Result<Tensor> {
+        let mut out = self.clone();
+        for d in dims.to_indices("flip", self.shape())? {
+            let n = self.shape()[d] as f64;
+            out = out.index_select(d, &Tensor::arange_step(n - 1.0, -1.0, -1.0, DType::I64, self.device())?)?;
+        }
+        Ok(out)
+    }
+    /// Tiles `self` `reps[i]` times along dim `i` (`torch.Tensor.repeat`); more `reps` than
+    /// dims adds leading dims.
+    pub fn repeat(&self, reps: &[usize]) -> Result<Tensor> {
+        if reps.len() < self.rank() {
+            return Err(Error::shape(
+                "repeat",
+                format!("needs at least {} repeats for shape {:?}, got {reps:?}", self.rank(), self.shape()),
+            ));
+        }
+        let mut shape = vec![1; reps.len() - self.rank()];
+        shape.extend_from_slice(self.shape());
+        // [s0, s1, ..] viewed as [1, s0, 1, s1, ..], expanded to [r0, s0, r1, s1, ..].
+        let interleaved: Vec<usize> = shape.iter().flat_map(|&s| [1, s]).collect();
+        let expanded: Vec<usize> = reps.iter().zip(&shape).flat_map(|(&r, &s)| [r, s]).collect();
+        let tiled: Vec<usize> = reps.iter().zip(&shape).map(|(&r, &s)| r * s).collect();
+        self.reshape(&interleaved)?.expand(&expanded)?.contiguous()?.reshape(&tiled)
+    }
     /// Softmax along `dim`: one fused primitive over the last dim (other dims are moved
     /// there and back as views).
     pub fn softmax<D: Dim>(&self, dim: D) -> Result<Tensor> {
