@@ -207,6 +207,23 @@ pub fn conv2d_groups(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, win: &W
     y.reshape(&[n, o, oh, ow])
 }
 
+/// `F.conv1d`: `x [N, C, L]`, `weight [O, C / groups, k]`, optional `bias [O]`, to `[N, O, Lo]`;
+/// the window's second numbers (`Window::new((1, k)).stride((1, s))`, ..) apply along `L`.
+/// A convolution over a `[N, C, 1, L]` image.
+pub fn conv1d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, win: &Window, groups: usize) -> Result<Tensor> {
+    if x.rank() != 3 || weight.rank() != 3 || win.kernel.0 != 1 || win.padding.0 != 0 {
+        return Err(Error::shape(
+            "conv1d",
+            format!(
+                "needs x [N, C, L], weight [O, C / groups, k] and a (1, k) window without row padding; got {:?}, {:?}, {win:?}",
+                x.shape(),
+                weight.shape()
+            ),
+        ));
+    }
+    conv2d_groups(&x.unsqueeze(2usize)?, &weight.unsqueeze(2usize)?, bias, win, groups)?.squeeze(2usize)
+}
+
 /// `F.max_pool2d`: the largest value of each window (padding counts as -inf). As in PyTorch,
 /// the gradient goes to one element of a window, its first largest (ties do not share it).
 pub fn max_pool2d(x: &Tensor, win: &Window) -> Result<Tensor> {
@@ -219,6 +236,44 @@ pub fn max_pool2d(x: &Tensor, win: &Window) -> Result<Tensor> {
 pub fn avg_pool2d(x: &Tensor, win: &Window) -> Result<Tensor> {
     win.check_pool_padding("avg_pool2d")?;
     windows("avg_pool2d", x, win, 0.0)?.mean()
+}
+
+/// `nn.Conv1d`: weight `[out, in / groups, k]` and bias `[out]`, initialised as PyTorch does.
+#[derive(Debug, Clone)]
+pub struct Conv1d {
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+    /// A `(1, k)` window: `Window::new((1, k)).stride((1, s)).padding((0, p))`.
+    pub window: Window,
+    pub groups: usize,
+}
+
+impl Conv1d {
+    /// `kernel`, `stride`, `padding` and `dilation` along the length.
+    pub fn new(inp: usize, out: usize, kernel: usize, stride: usize, padding: usize, bias: bool, device: Device) -> Result<Conv1d> {
+        let b = linear_bound(inp * kernel);
+        Ok(Conv1d {
+            weight: param(uniform(&[out, inp, kernel], b, default_dtype(), device)?),
+            bias: if bias { Some(param(uniform(&[out], b, default_dtype(), device)?)) } else { None },
+            window: Window::new((1, kernel)).stride((1, stride)).padding((0, padding)),
+            groups: 1,
+        })
+    }
+}
+
+impl Forward for Conv1d {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        conv1d(x, &self.weight, self.bias.as_ref(), &self.window, self.groups)
+    }
+}
+
+impl Module for Conv1d {
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
+        f(join(prefix, "weight"), &self.weight);
+        if let Some(b) = &self.bias {
+            f(join(prefix, "bias"), b);
+        }
+    }
 }
 
 /// `nn.Conv2d`: weight `[out, in / groups, kh, kw]` and bias `[out]`, initialised as PyTorch

@@ -132,6 +132,53 @@ impl Module for RmsNorm {
     }
 }
 
+/// `nn.GroupNorm`: the channels (dim 1) of `[N, C, ..]` split into `groups` runs, each run of
+/// each sample normalised over its channels and positions (one fused row pass), then a
+/// per-channel affine `weight [C]`, `bias [C]`. Train and eval behave the same.
+#[derive(Debug, Clone)]
+pub struct GroupNorm {
+    pub groups: usize,
+    pub weight: Tensor,
+    pub bias: Tensor,
+    pub eps: f64,
+}
+
+impl GroupNorm {
+    /// PyTorch's defaults: eps 1e-5, weight 1, bias 0.
+    pub fn new(groups: usize, channels: usize, device: Device) -> Result<GroupNorm> {
+        if groups == 0 || channels % groups != 0 {
+            return Err(Error::Msg(format!("GroupNorm: {channels} channels do not split into {groups} groups")));
+        }
+        Ok(GroupNorm {
+            groups,
+            weight: param(Tensor::ones(&[channels], default_dtype(), device)?),
+            bias: param(Tensor::zeros(&[channels], default_dtype(), device)?),
+            eps: 1e-5,
+        })
+    }
+}
+
+impl Forward for GroupNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let c = self.weight.shape()[0];
+        if x.rank() < 2 || x.shape()[1] != c {
+            return Err(Error::shape("group_norm", format!("needs [N, {c}, ..], got {:?}", x.shape())));
+        }
+        let n = x.shape()[0];
+        let normed = x.reshape(&[n * self.groups, x.numel() / (n * self.groups).max(1)])?.normalize(self.eps)?.reshape(x.shape())?;
+        let mut shape = vec![1; x.rank()];
+        shape[1] = c;
+        normed.mul(&self.weight.reshape(&shape)?)?.add(&self.bias.reshape(&shape)?)
+    }
+}
+
+impl Module for GroupNorm {
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
+        f(join(prefix, "weight"), &self.weight);
+        f(join(prefix, "bias"), &self.bias);
+    }
+}
+
 /// Batch normalisation over dim 1 (`nn.BatchNorm1d` for `[N, C]` or `[N, C, L]`,
 /// `nn.BatchNorm2d` for `[N, C, H, W]`): in training each channel is normalised by its batch
 /// mean and biased variance, and the running statistics move by `momentum` (the variance's

@@ -1,8 +1,9 @@
 //! Batch normalisation against hand-computed statistics (training and eval), its gradient
-//! against finite differences, and its buffers in state dicts under PyTorch's names.
+//! against finite differences, and its buffers in state dicts under PyTorch's names; group
+//! normalisation against per-group statistics.
 
 use kiln_autograd::{gradcheck, GradcheckConfig};
-use kiln_nn::{load_state_dict_from_bytes, state_dict_to_bytes, BatchNorm, Forward, Module, Sequential};
+use kiln_nn::{load_state_dict_from_bytes, state_dict_to_bytes, BatchNorm, Forward, GroupNorm, Module, Sequential};
 use kiln_tensor::{DType, Device, Distribution, Result, Tensor};
 
 fn f64s(t: &Tensor) -> Vec<f64> {
@@ -76,5 +77,42 @@ fn state_dicts_hold_the_buffers_under_pytorchs_names() -> Result<()> {
     for ((n, a), (_, b)) in model.named_buffers().iter().zip(fresh.named_buffers()) {
         assert_eq!(f64s(a), f64s(&b), "{n} restored");
     }
+    Ok(())
+}
+
+/// GroupNorm against per-(sample, group) statistics computed in a loop, with an affine part;
+/// its gradients against finite differences; a bad channel count is an error.
+#[test]
+fn group_norm_normalises_each_group_of_each_sample() -> Result<()> {
+    let x = Tensor::rand_at(&[2, 6, 5], Distribution::Normal, 11, 0, DType::F64, Device::Cpu)?;
+    let gn = GroupNorm::new(3, 6, Device::Cpu)?;
+    let (w, b): (Vec<f64>, Vec<f64>) = ((0..6).map(|c| 0.5 + c as f64).collect(), (0..6).map(|c| c as f64 - 2.0).collect());
+    kiln_tensor::no_grad(|| {
+        gn.weight.assign(&Tensor::from_vec(w.clone(), &[6], Device::Cpu)?.to_dtype(gn.weight.dtype())?)?;
+        gn.bias.assign(&Tensor::from_vec(b.clone(), &[6], Device::Cpu)?.to_dtype(gn.bias.dtype())?)
+    })?;
+    let got = f64s(&gn.forward(&x.to_dtype(DType::F32)?)?);
+    let xv = f64s(&x);
+    let mut want = vec![0.0; xv.len()];
+    for n in 0..2 {
+        for g in 0..3 {
+            // Channels 2g, 2g+1 of sample n: 10 values in a row.
+            let start = (n * 6 + 2 * g) * 5;
+            let run = &xv[start..start + 10];
+            let mean = run.iter().sum::<f64>() / 10.0;
+            let var = run.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / 10.0;
+            for (k, v) in run.iter().enumerate() {
+                let c = 2 * g + k / 5;
+                want[start + k] = (v - mean) / (var + 1e-5).sqrt() * w[c] + b[c];
+            }
+        }
+    }
+    close(&got, &want, 1e-5);
+    let cfg = GradcheckConfig { atol: 1e-6, rtol: 1e-5, ..GradcheckConfig::default() };
+    let wide = GroupNorm { weight: Tensor::from_vec(w, &[6], Device::Cpu)?, bias: Tensor::from_vec(b, &[6], Device::Cpu)?, ..gn.clone() };
+    gradcheck(|t| wide.forward(&t[0]), &[x], cfg)?;
+    assert!(GroupNorm::new(4, 6, Device::Cpu).unwrap_err().to_string().contains("6 channels"));
+    let e = gn.forward(&Tensor::zeros(&[2, 4, 3], DType::F32, Device::Cpu)?).unwrap_err().to_string();
+    assert!(e.contains("[2, 4, 3]"), "{e}");
     Ok(())
 }

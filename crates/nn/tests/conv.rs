@@ -2,7 +2,7 @@
 //! dilation), their gradients against finite differences, and the layers' init and errors.
 
 use kiln_autograd::{gradcheck, Backward, GradcheckConfig};
-use kiln_nn::{avg_pool2d, conv2d, conv2d_groups, max_pool2d, unfold, Conv2d, Flatten, Forward, MaxPool2d, Module, Window};
+use kiln_nn::{avg_pool2d, conv1d, conv2d, conv2d_groups, max_pool2d, unfold, Conv1d, Conv2d, Flatten, Forward, MaxPool2d, Module, Window};
 use kiln_tensor::{Autocast, DType, Device, Distribution, Result, Tensor};
 
 fn randn(shape: &[usize], seed: u64) -> Tensor {
@@ -268,5 +268,43 @@ fn grouped_convolution_is_one_convolution_per_group() -> Result<()> {
     assert_eq!(depthwise.weight.shape(), &[8, 1, 3, 3]);
     assert_eq!(depthwise.forward(&x.to_dtype(DType::F32)?)?.shape(), &[2, 8, 3, 6]);
     assert!(conv2d_groups(&x, &randn(&[6, 2, 3, 3], 26), None, &win, 3).is_err(), "4 channels are not 3 groups of 2");
+    Ok(())
+}
+
+/// conv1d against a direct loop (stride, padding, dilation), its gradients against finite
+/// differences, and the layer's shapes.
+#[test]
+fn conv1d_matches_a_loop_and_finite_differences() -> Result<()> {
+    let (x, w, b) = (randn(&[2, 3, 9], 30), randn(&[4, 3, 3], 31), randn(&[4], 32));
+    let win = Window::new((1, 3)).stride((1, 2)).padding((0, 1)).dilation((1, 2));
+    let y = conv1d(&x, &w, Some(&b), &win, 1)?;
+    let (xv, wv, bv) = (f64s(&x), f64s(&w), f64s(&b));
+    let lo = (9 + 2 - 2 * 2 - 1) / 2 + 1;
+    assert_eq!(y.shape(), &[2, 4, lo]);
+    let mut want = Vec::new();
+    for n in 0..2 {
+        for o in 0..4 {
+            for i in 0..lo {
+                let mut acc = bv[o];
+                for c in 0..3 {
+                    for k in 0..3 {
+                        let pos = (i * 2 + k * 2) as isize - 1;
+                        if (0..9).contains(&pos) {
+                            acc += xv[(n * 3 + c) * 9 + pos as usize] * wv[(o * 3 + c) * 3 + k];
+                        }
+                    }
+                }
+                want.push(acc);
+            }
+        }
+    }
+    assert_close(&f64s(&y), &want, 1e-12);
+    let cfg = GradcheckConfig { atol: 1e-6, rtol: 1e-5, ..GradcheckConfig::default() };
+    gradcheck(|t| conv1d(&t[0], &t[1], Some(&t[2]), &win, 1), &[x.clone(), w, b], cfg)?;
+    let layer = Conv1d::new(3, 5, 4, 1, 0, true, Device::Cpu)?;
+    assert_eq!(layer.weight.shape(), &[5, 3, 4]);
+    assert_eq!(layer.forward(&x.to_dtype(DType::F32)?)?.shape(), &[2, 5, 6]);
+    let e = conv1d(&x, &randn(&[4, 3, 3, 1], 33), None, &win, 1).unwrap_err().to_string();
+    assert!(e.contains("[2, 3, 9]") && e.contains("[4, 3, 3, 1]"), "{e}");
     Ok(())
 }
