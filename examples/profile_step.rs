@@ -1,6 +1,6 @@
-//! Where an eager MLP training step spends its time: per phase, and per op through a timing
-//! tracer (the time between consecutive ops is charged to the later one).
-//! `cargo run --release --example profile_step -- [BATCH]`
+//! Where an eager training step (the MLP, or the example CNN) spends its time: per phase, and
+//! per op through a timing tracer (the time between consecutive ops is charged to the later one).
+//! `cargo run --release --example profile_step -- [BATCH] [mlp|cnn]`
 use kiln::models::mlp;
 use kiln::nn::cross_entropy;
 use kiln::optim::{AdamConfig, AdamW};
@@ -36,7 +36,11 @@ impl Tracer for Timer {
 
 fn main() -> Result<()> {
     let batch: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(32);
-    let model = mlp(&[784, 256, 10], Device::Cpu)?;
+    let model = match std::env::args().nth(2).as_deref() {
+        None | Some("mlp") => mlp(&[784, 256, 10], Device::Cpu)?,
+        Some("cnn") => kiln::models::cnn(28, 28, 10, Device::Cpu)?,
+        Some(other) => return Err(Error::Msg(format!("model {other}: expected mlp or cnn"))),
+    };
     let mut opt = AdamW::new(model.parameters(), AdamConfig::adamw())?;
     let x = Tensor::rand_at(&[batch, 784], Distribution::Uniform, 1, 0, DType::F32, Device::Cpu)?;
     let y = Tensor::rand_at(&[batch], Distribution::Uniform, 2, 0, DType::F32, Device::Cpu)?.mul_scalar(10.0)?.to_dtype(DType::I64)?;
@@ -50,7 +54,7 @@ fn main() -> Result<()> {
         opt.zero_grad()?;
         Ok([t0, t1, t2, Instant::now()])
     };
-    let n = 1000;
+    let n = if std::env::args().nth(2).as_deref() == Some("cnn") { 50 } else { 1000 };
     let mut phase = [0.0; 3];
     for i in 0..n + 100 {
         let t = step()?;

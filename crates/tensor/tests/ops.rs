@@ -764,3 +764,19 @@ fn f32_row_kernels_match_the_f64_kernels() -> Result<()> {
     }
     Ok(())
 }
+
+/// Sums over contiguous runs (batch norm's `[N, C, H, W]` over N, H, W; runs of H * W summed
+/// in lanes) against f64 sums by hand, runs of a length not a multiple of the lanes included.
+#[test]
+fn run_sums_match_hand_sums() -> Result<()> {
+    for (h, w) in [(8, 8), (7, 9)] {
+        let x = Tensor::rand_at(&[3, 4, h, w], Distribution::Normal, 9, 0, DType::F64, CPU)?;
+        let xv = x.to_vec::<f64>()?;
+        let got = x.sum(&[0usize, 2, 3][..], false)?.to_vec::<f64>()?;
+        for (c, g) in got.iter().enumerate() {
+            let want: f64 = (0..3).flat_map(|n| xv[(n * 4 + c) * h * w..(n * 4 + c + 1) * h * w].iter()).sum();
+            assert!((g - want).abs() < 1e-12 * (1.0 + want.abs()), "channel {c} of {h}x{w}: {g} vs {want}");
+        }
+    }
+    Ok(())
+}

@@ -62,6 +62,46 @@ fn fold<T: Element, A: Copy + Send + Sync>(
     });
 }
 
+/// A sum whose reduced elements lie in contiguous runs (batch norm's `[N, C, H, W]` summed over
+/// N, H and W: runs of H * W per sample): each run summed in four f64 lanes, which the
+/// compiler keeps in registers and overlaps (a single accumulator waits on every add's
+/// latency). Returns false (nothing written) when the reduced dims' inner stride is not 1 or
+/// the runs are short.
+fn run_sum<T: Element>(src: &[T], l: &Layout, dims: &[usize], out: &mut [f64]) -> bool {
+    let sp = split(l, dims);
+    let red_it = Strided::new(&sp.red_shape, [&sp.red_strides], [0]);
+    let red_n: usize = sp.red_shape.iter().product();
+    if red_it.inner_strides() != [1] || red_it.inner_len() < 32 {
+        return false;
+    }
+    let kept_it = Strided::new(&sp.kept.shape, [&sp.kept.strides], [sp.kept.offset]);
+    let [ks] = kept_it.inner_strides();
+    par_chunks(out, |start, chunk| {
+        kept_it.runs(start, start + chunk.len(), |pos, [base], len| {
+            for j in 0..len {
+                let b = base + j * ks;
+                let mut acc = 0.0f64;
+                red_it.runs(0, red_n, |_, [ro], rlen| acc += lanes_sum(&src[b + ro..b + ro + rlen]));
+                chunk[pos - start + j] = acc;
+            }
+        });
+    });
+    true
+}
+
+/// The sum of a run in four interleaved f64 lanes.
+fn lanes_sum<T: Element>(run: &[T]) -> f64 {
+    let mut lanes = [0.0f64; 4];
+    let mut quads = run.chunks_exact(4);
+    for q in &mut quads {
+        for (acc, x) in lanes.iter_mut().zip(q) {
+            *acc += x.to_f64();
+        }
+    }
+    let tail: f64 = quads.remainder().iter().map(|x| x.to_f64()).sum();
+    (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]) + tail
+}
+
 /// A sum over the leading dims of a dense tensor (a bias gradient: `[rows, cols]` summed over
 /// rows) as row-by-row adds into the output, so memory is read in order and the adds
 /// vectorise; each output still sums its column top to bottom, as `fold` does. Returns
@@ -113,7 +153,7 @@ pub fn reduce<T: Element>(op: ReduceOp, src: &[T], l: &Layout, dims: &[usize], o
     match op {
         ReduceOp::Sum => {
             let mut acc = pool::take::<f64>(out_numel);
-            if !column_sum(src, l, dims, &mut acc) && !permuted_column_sum(src, l, dims, &mut acc) {
+            if !column_sum(src, l, dims, &mut acc) && !permuted_column_sum(src, l, dims, &mut acc) && !run_sum(src, l, dims, &mut acc) {
                 fold(src, l, dims, 0.0f64, |a, x, _| a + x.to_f64(), &mut acc);
             }
             let out = pooled(&acc, |&a| T::from_f64(a));

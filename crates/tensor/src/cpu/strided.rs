@@ -41,6 +41,11 @@ impl<const N: usize> Strided<N> {
         Strided { shape: sh, strides: st, offsets }
     }
 
+    /// The length of a run: the innermost merged dim.
+    pub fn inner_len(&self) -> usize {
+        *self.shape.last().unwrap_or(&1)
+    }
+
     /// Strides of the innermost (merged) dim, per input.
     pub fn inner_strides(&self) -> [usize; N] {
         std::array::from_fn(|k| *self.strides[k].last().unwrap_or(&0))
