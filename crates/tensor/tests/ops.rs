@@ -780,3 +780,25 @@ fn run_sums_match_hand_sums() -> Result<()> {
     }
     Ok(())
 }
+
+/// argmax/argmin over the last dim of a dense tensor (the branch-free row loop) against the
+/// general strided walk on the same values (a transposed copy reduced over dim 0), with ties
+/// (the first wins) and NaNs (the first NaN wins) in the rows.
+#[test]
+fn dense_row_argmax_matches_the_general_path_with_ties_and_nans() -> Result<()> {
+    let mut vals: Vec<f32> = (0..4000).map(|i| ((i * 7919) % 13) as f32).collect();
+    vals[5] = f32::NAN;
+    vals[6] = f32::NAN;
+    vals[401] = f32::NAN;
+    let x = t(&vals, &[1000, 4]);
+    let xt = x.t()?.contiguous()?.t()?; // the same values, strided: the general path
+    for (dense, general) in [(x.argmax(1, false)?, xt.argmax(1, false)?), (x.argmin(1, false)?, xt.argmin(1, false)?)] {
+        assert_eq!(dense.to_vec::<i64>()?, general.to_vec::<i64>()?);
+    }
+    let row = |r: usize| x.narrow(0, r, 1).unwrap().argmax(1, false).unwrap().to_vec::<i64>().unwrap()[0];
+    assert_eq!((row(1), row(100)), (1, 1), "rows 1 and 100 hold NaN at index 1 (and 2): the first NaN wins");
+    let tie = t(&[3.0, 7.0, 7.0, 1.0], &[1, 4]);
+    assert_eq!(tie.argmax(1, false)?.to_vec::<i64>()?, vec![1]);
+    assert_eq!(tie.argmin(1, false)?.to_vec::<i64>()?, vec![3]);
+    Ok(())
+}

@@ -41,6 +41,11 @@ impl<const N: usize> Strided<N> {
         Strided { shape: sh, strides: st, offsets }
     }
 
+    /// The merged shape and each input's strides over it.
+    pub fn merged(&self) -> (&[usize], &[Vec<usize>; N]) {
+        (&self.shape, &self.strides)
+    }
+
     /// The length of a run: the innermost merged dim.
     pub fn inner_len(&self) -> usize {
         *self.shape.last().unwrap_or(&1)
