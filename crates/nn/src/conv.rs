@@ -238,6 +238,41 @@ pub fn avg_pool2d(x: &Tensor, win: &Window) -> Result<Tensor> {
     windows("avg_pool2d", x, win, 0.0)?.mean()
 }
 
+/// `F.adaptive_avg_pool2d`: `[N, C, H, W]` to `[N, C, oh, ow]`, output cell `(i, j)` the mean
+/// of rows `floor(i H / oh)..ceil((i + 1) H / oh)` and the columns likewise (PyTorch's
+/// windows). `(1, 1)` is a mean; sizes that divide the input are average pooling; others
+/// are products with averaging matrices.
+pub fn adaptive_avg_pool2d(x: &Tensor, (oh, ow): Pair) -> Result<Tensor> {
+    let [_, _, h, w] = *x.shape() else {
+        return Err(Error::shape("adaptive_avg_pool2d", format!("needs an NCHW input, got {:?}", x.shape())));
+    };
+    if oh == 0 || ow == 0 || h == 0 || w == 0 {
+        return Err(Error::shape(
+            "adaptive_avg_pool2d",
+            format!("output {:?} from input {:?}: sizes must be positive", (oh, ow), x.shape()),
+        ));
+    }
+    if (oh, ow) == (1, 1) {
+        return x.mean(&[2usize, 3][..], true);
+    }
+    if h % oh == 0 && w % ow == 0 {
+        let k = (h / oh, w / ow);
+        return avg_pool2d(x, &Window::new(k).stride(k));
+    }
+    // [oh, H] and [W, ow] averaging matrices: out = A_h x A_w^T per image.
+    let averaging = |n: usize, out: usize| -> Vec<f64> {
+        let mut a = vec![0.0; out * n];
+        for i in 0..out {
+            let (lo, hi) = (i * n / out, ((i + 1) * n).div_ceil(out));
+            (lo..hi).for_each(|r| a[i * n + r] = 1.0 / (hi - lo) as f64);
+        }
+        a
+    };
+    let ah = Tensor::from_vec(averaging(h, oh), &[oh, h], x.device())?.to_dtype(x.dtype())?;
+    let aw = Tensor::from_vec(averaging(w, ow), &[ow, w], x.device())?.to_dtype(x.dtype())?;
+    ah.matmul(&x.matmul(&aw.t()?)?)
+}
+
 /// `nn.Conv1d`: weight `[out, in / groups, k]` and bias `[out]`, initialised as PyTorch does.
 #[derive(Debug, Clone)]
 pub struct Conv1d {
@@ -321,6 +356,20 @@ impl Module for Conv2d {
             f(join(prefix, "bias"), b);
         }
     }
+}
+
+/// `nn.AdaptiveAvgPool2d`: average pooling to a fixed output size (`(1, 1)`: global pooling).
+#[derive(Debug, Clone, Copy)]
+pub struct AdaptiveAvgPool2d(pub Pair);
+
+impl Forward for AdaptiveAvgPool2d {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        adaptive_avg_pool2d(x, self.0)
+    }
+}
+
+impl Module for AdaptiveAvgPool2d {
+    fn visit(&self, _: &str, _: &mut dyn FnMut(String, &Tensor)) {}
 }
 
 /// A pooling layer over a `Window`: `new(k)` strides by the kernel, PyTorch's default.

@@ -16,7 +16,10 @@ pub mod transformer;
 
 pub use activation::{leaky_relu, Activation, Gelu, LeakyRelu, Relu, Sigmoid, Silu, Tanh};
 pub use attention::{causal_mask, scaled_dot_product_attention, set_fused_attention, AttnMasks, MultiheadAttention};
-pub use conv::{avg_pool2d, conv1d, conv2d, conv2d_groups, max_pool2d, unfold, AvgPool2d, Conv1d, Conv2d, Flatten, MaxPool2d, Window};
+pub use conv::{
+    adaptive_avg_pool2d, avg_pool2d, conv1d, conv2d, conv2d_groups, max_pool2d, unfold, AdaptiveAvgPool2d, AvgPool2d, Conv1d, Conv2d,
+    Flatten, MaxPool2d, Window,
+};
 pub use layers::{dropout, BatchNorm, Dropout, Embedding, GroupNorm, Layer, LayerNorm, Linear, RmsNorm, Sequential};
 pub use loss::{
     binary_cross_entropy, binary_cross_entropy_with_logits, cross_entropy, cross_entropy_with, huber_loss, kl_div, l1_loss, mse_loss,

@@ -2,7 +2,10 @@
 //! dilation), their gradients against finite differences, and the layers' init and errors.
 
 use kiln_autograd::{gradcheck, Backward, GradcheckConfig};
-use kiln_nn::{avg_pool2d, conv1d, conv2d, conv2d_groups, max_pool2d, unfold, Conv1d, Conv2d, Flatten, Forward, MaxPool2d, Module, Window};
+use kiln_nn::{
+    adaptive_avg_pool2d, avg_pool2d, conv1d, conv2d, conv2d_groups, max_pool2d, unfold, AdaptiveAvgPool2d, Conv1d, Conv2d, Flatten,
+    Forward, MaxPool2d, Module, Window,
+};
 use kiln_tensor::{Autocast, DType, Device, Distribution, Result, Tensor};
 
 fn randn(shape: &[usize], seed: u64) -> Tensor {
@@ -306,5 +309,36 @@ fn conv1d_matches_a_loop_and_finite_differences() -> Result<()> {
     assert_eq!(layer.forward(&x.to_dtype(DType::F32)?)?.shape(), &[2, 5, 6]);
     let e = conv1d(&x, &randn(&[4, 3, 3, 1], 33), None, &win, 1).unwrap_err().to_string();
     assert!(e.contains("[2, 3, 9]") && e.contains("[4, 3, 3, 1]"), "{e}");
+    Ok(())
+}
+
+/// Adaptive average pooling against PyTorch's windows by loops (sizes that divide the input
+/// and sizes that do not, global pooling), and its gradient against finite differences.
+#[test]
+fn adaptive_average_pooling_uses_pytorchs_windows() -> Result<()> {
+    let x = randn(&[2, 3, 7, 5], 40);
+    let xv = f64s(&x);
+    for (oh, ow) in [(3, 2), (7, 5), (1, 1), (7, 1), (4, 4)] {
+        let y = adaptive_avg_pool2d(&x, (oh, ow))?;
+        assert_eq!(y.shape(), &[2, 3, oh, ow]);
+        let mut want = Vec::new();
+        for nc in 0..6 {
+            for i in 0..oh {
+                for j in 0..ow {
+                    let (r0, r1) = (i * 7 / oh, ((i + 1) * 7).div_ceil(oh));
+                    let (c0, c1) = (j * 5 / ow, ((j + 1) * 5).div_ceil(ow));
+                    let sum: f64 = (r0..r1).flat_map(|r| (c0..c1).map(move |c| (r, c))).map(|(r, c)| xv[(nc * 7 + r) * 5 + c]).sum();
+                    want.push(sum / ((r1 - r0) * (c1 - c0)) as f64);
+                }
+            }
+        }
+        assert_close(&f64s(&y), &want, 1e-12);
+    }
+    let x2 = randn(&[1, 2, 6, 4], 41);
+    assert_close(&f64s(&adaptive_avg_pool2d(&x2, (3, 2))?), &f64s(&avg_pool2d(&x2, &Window::new((2, 2)).stride((2, 2)))?), 1e-15);
+    let cfg = GradcheckConfig { atol: 1e-6, rtol: 1e-5, ..GradcheckConfig::default() };
+    gradcheck(|t| adaptive_avg_pool2d(&t[0], (3, 2)), &[x.clone()], cfg)?;
+    assert_eq!(AdaptiveAvgPool2d((1, 1)).forward(&x)?.shape(), &[2, 3, 1, 1]);
+    assert!(adaptive_avg_pool2d(&x, (0, 2)).unwrap_err().to_string().contains("[2, 3, 7, 5]"));
     Ok(())
 }

@@ -23,7 +23,8 @@ pub use clip::{clip_grad_norm, clip_grad_value};
 pub use rmsprop::{RmsProp, RmsPropConfig};
 pub use scaler::{GradScaler, GradScalerConfig};
 pub use scheduler::{
-    CosineAnnealingLR, ExponentialLR, LinearLR, LrScheduler, MultiStepLR, OneCycleLR, PlateauMode, ReduceLROnPlateau, StepLR, WarmupCosine,
+    CosineAnnealingLR, CosineAnnealingWarmRestarts, ExponentialLR, LambdaLR, LinearLR, LrScheduler, MultiStepLR, OneCycleLR, PlateauMode,
+    PolynomialLR, ReduceLROnPlateau, StepLR, WarmupCosine,
 };
 pub use sgd::{SgdConfig, SGD};
 pub use state::{load_state, save_state};

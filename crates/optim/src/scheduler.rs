@@ -341,3 +341,81 @@ impl ReduceLROnPlateau {
         Ok(true)
     }
 }
+
+/// `base_lr * f(t)` for any `f` (`torch.optim.lr_scheduler.LambdaLR`).
+pub struct LambdaLR {
+    base_lr: f64,
+    f: Box<dyn Fn(usize) -> f64>,
+    last_step: usize,
+}
+
+impl LambdaLR {
+    pub fn new(base_lr: f64, f: impl Fn(usize) -> f64 + 'static) -> LambdaLR {
+        LambdaLR { base_lr, f: Box::new(f), last_step: 0 }
+    }
+}
+
+impl LrScheduler for LambdaLR {
+    fn lr_at(&self, step: usize) -> f64 {
+        self.base_lr * (self.f)(step)
+    }
+    last_step_field!();
+}
+
+/// `base_lr * (1 - min(t, total_iters) / total_iters)^power`
+/// (`torch.optim.lr_scheduler.PolynomialLR`): 0 from `total_iters` on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolynomialLR {
+    base_lr: f64,
+    total_iters: usize,
+    power: f64,
+    last_step: usize,
+}
+
+impl PolynomialLR {
+    pub fn new(base_lr: f64, total_iters: usize, power: f64) -> Result<PolynomialLR> {
+        ensure(total_iters > 0, "PolynomialLR", || "total_iters must be positive".into())?;
+        ensure(power >= 0.0, "PolynomialLR", || format!("power {power} must be non-negative"))?;
+        Ok(PolynomialLR { base_lr, total_iters, power, last_step: 0 })
+    }
+}
+
+impl LrScheduler for PolynomialLR {
+    fn lr_at(&self, step: usize) -> f64 {
+        let left = 1.0 - step.min(self.total_iters) as f64 / self.total_iters as f64;
+        self.base_lr * left.powf(self.power)
+    }
+    last_step_field!();
+}
+
+/// Cosine annealing from `base_lr` to `eta_min` over cycles of `t_0`, `t_0 * t_mult`, ...
+/// steps, restarting at `base_lr` after each (SGDR;
+/// `torch.optim.lr_scheduler.CosineAnnealingWarmRestarts`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CosineAnnealingWarmRestarts {
+    base_lr: f64,
+    t_0: usize,
+    t_mult: usize,
+    eta_min: f64,
+    last_step: usize,
+}
+
+impl CosineAnnealingWarmRestarts {
+    pub fn new(base_lr: f64, t_0: usize, t_mult: usize, eta_min: f64) -> Result<CosineAnnealingWarmRestarts> {
+        ensure(t_0 > 0 && t_mult > 0, "CosineAnnealingWarmRestarts", || format!("t_0 {t_0} and t_mult {t_mult} must be positive"))?;
+        Ok(CosineAnnealingWarmRestarts { base_lr, t_0, t_mult, eta_min, last_step: 0 })
+    }
+}
+
+impl LrScheduler for CosineAnnealingWarmRestarts {
+    fn lr_at(&self, step: usize) -> f64 {
+        // The step within its cycle, cycles counted off exactly (no float logarithm).
+        let (mut t_cur, mut t_i) = (if self.t_mult == 1 { step % self.t_0 } else { step }, self.t_0);
+        while t_cur >= t_i {
+            t_cur -= t_i;
+            t_i = t_i.saturating_mul(self.t_mult);
+        }
+        self.eta_min + (self.base_lr - self.eta_min) * (1.0 + (PI * t_cur as f64 / t_i as f64).cos()) / 2.0
+    }
+    last_step_field!();
+}

@@ -433,6 +433,26 @@ fn exponential_multistep_and_linear_sequences() {
 }
 
 #[test]
+fn lambda_polynomial_and_warm_restart_sequences() {
+    // LambdaLR: a linear warmup over 3 steps.
+    let got = lr_sequence(&mut LambdaLR::new(0.3, |t| ((t + 1) as f64 / 3.0).min(1.0)), 5);
+    assert_close(&got, &[0.1, 0.2, 0.3, 0.3, 0.3], 1e-15);
+    // PolynomialLR: (1 - t/4)^2, then 0.
+    let got = lr_sequence(&mut PolynomialLR::new(1.0, 4, 2.0).unwrap(), 6);
+    assert_close(&got, &[1.0, 0.5625, 0.25, 0.0625, 0.0, 0.0], 1e-15);
+    assert!(PolynomialLR::new(1.0, 0, 1.0).is_err());
+    // Warm restarts, t_0 2, t_mult 2: cycles of 2 then 4 steps, each from base_lr down.
+    let cos = |tc: f64, ti: f64| 0.1 + 0.9 * (1.0 + (std::f64::consts::PI * tc / ti).cos()) / 2.0;
+    let got = lr_sequence(&mut CosineAnnealingWarmRestarts::new(1.0, 2, 2, 0.1).unwrap(), 7);
+    let want = [cos(0.0, 2.0), cos(1.0, 2.0), cos(0.0, 4.0), cos(1.0, 4.0), cos(2.0, 4.0), cos(3.0, 4.0), cos(0.0, 8.0)];
+    assert_close(&got, &want, 1e-15);
+    assert_close(&got[..3], &[1.0, 0.55, 1.0], 1e-15);
+    let fixed = CosineAnnealingWarmRestarts::new(1.0, 3, 1, 0.0).unwrap();
+    assert_close(&[fixed.lr_at(3), fixed.lr_at(3_000_001)], &[1.0, fixed.lr_at(1)], 1e-15);
+    assert!(CosineAnnealingWarmRestarts::new(1.0, 0, 1, 0.0).is_err());
+}
+
+#[test]
 fn one_cycle_sequence() {
     // max_lr 1, 10 steps: starts at 1/25, peaks at step 0.3*10 - 1 = 2, ends at 1/25/1e4 at 9.
     let mut s = OneCycleLR::new(1.0, 10).unwrap();
