@@ -44,22 +44,39 @@ impl Module for Linear {
     }
 }
 
-/// A lookup table `[num_embeddings, dim]`, N(0, 1) initialised like PyTorch.
+/// A lookup table `[num_embeddings, dim]`, N(0, 1) initialised like PyTorch. With
+/// `padding_idx`, that row starts at zero and gets no gradient (`nn.Embedding(padding_idx=)`).
 #[derive(Debug, Clone)]
 pub struct Embedding {
     pub weight: Tensor,
+    pub padding_idx: Option<usize>,
 }
 
 impl Embedding {
     pub fn new(num: usize, dim: usize, device: Device) -> Result<Embedding> {
-        Ok(Embedding { weight: param(normal(&[num, dim], 1.0, default_dtype(), device)?) })
+        Ok(Embedding { weight: param(normal(&[num, dim], 1.0, default_dtype(), device)?), padding_idx: None })
+    }
+
+    /// `new` with row `padding_idx` zeroed and left out of the gradient.
+    pub fn with_padding_idx(num: usize, dim: usize, padding_idx: usize, device: Device) -> Result<Embedding> {
+        if padding_idx >= num {
+            return Err(Error::Msg(format!("Embedding: padding_idx {padding_idx} is not a row of {num}")));
+        }
+        let e = Embedding { padding_idx: Some(padding_idx), ..Embedding::new(num, dim, device)? };
+        no_grad(|| e.weight.narrow(0usize, padding_idx, 1)?.zero_())?;
+        Ok(e)
     }
 }
 
 impl Forward for Embedding {
     /// `ids` of any shape (I64) to `[..ids, dim]`.
     fn forward(&self, ids: &Tensor) -> Result<Tensor> {
-        self.weight.embedding(ids)
+        let out = self.weight.embedding(ids)?;
+        match self.padding_idx {
+            // The padding row's value as it is, its gradient cut.
+            Some(p) => Tensor::where_cond(&ids.ne_scalar(p as f64)?.unsqueeze(-1)?, &out, &out.detach()),
+            None => Ok(out),
+        }
     }
 }
 

@@ -1,7 +1,8 @@
 //! Layers without a PyTorch fixture, checked against their formulas and finite differences.
 
+use kiln_autograd::Backward;
 use kiln_autograd::{gradcheck, GradcheckConfig};
-use kiln_nn::{dropout, Dropout, Forward, Module, RmsNorm, Transformer, TransformerConfig, TransformerMasks};
+use kiln_nn::{dropout, Dropout, Embedding, Forward, Module, RmsNorm, Transformer, TransformerConfig, TransformerMasks};
 use kiln_tensor::{DType, Device, Distribution, Result, Tensor};
 
 #[test]
@@ -107,5 +108,21 @@ fn the_fused_classifier_head_matches_autograd() -> Result<()> {
         close("bias grad", &out[db..db + c], &b.grad().expect("b.grad"));
         close("input grad", &out[dh..], &pre.grad().expect("pre.grad"));
     }
+    Ok(())
+}
+
+/// `padding_idx`: the row starts at zero, lookups of it give that row, and its gradient stays
+/// zero while the other rows' gradients count their lookups.
+#[test]
+fn embedding_padding_row_gets_no_gradient() -> Result<()> {
+    let e = Embedding::with_padding_idx(4, 3, 2, Device::Cpu)?;
+    assert_eq!(e.weight.narrow(0usize, 2, 1)?.to_vec::<f32>()?, vec![0.0; 3]);
+    let ids = Tensor::from_vec(vec![2i64, 0, 2, 1, 0], &[5], Device::Cpu)?;
+    let out = e.forward(&ids)?;
+    assert_eq!(out.narrow(0usize, 0, 1)?.to_vec::<f32>()?, vec![0.0; 3]);
+    out.sum_all()?.backward()?;
+    let g = e.weight.grad().unwrap().to_vec::<f32>()?;
+    assert_eq!(g, vec![2.0, 2.0, 2.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
+    assert!(Embedding::with_padding_idx(4, 3, 4, Device::Cpu).unwrap_err().to_string().contains("padding_idx 4"));
     Ok(())
 }
