@@ -326,7 +326,11 @@ fn fused_attention_matches_finite_differences_and_the_unfused_ops() -> Result<()
     Ok(())
 }
 
-/// The composite ops (std, logsumexp, masked_fill, tril/triu, flip, repeat) against direct
+fn small_cumsum() -> Result<Vec<f64>> {
+    Tensor::from_vec(vec![1.0, 2.0, 3.0], &[3], Device::Cpu)?.cumsum(0usize)?.to_vec::<f64>()
+}
+
+/// The composite ops (cumsum, std, logsumexp, masked_fill, tril/triu, flip, repeat) against direct
 /// loops, and their gradients against finite differences.
 #[test]
 fn composite_ops_match_loops_and_finite_differences() -> Result<()> {
@@ -367,8 +371,19 @@ fn composite_ops_match_loops_and_finite_differences() -> Result<()> {
     assert_eq!(small.repeat(&[2, 2])?.shape(), &[2, 6]);
     assert!(small.repeat(&[]).unwrap_err().to_string().contains("[3]"));
     assert!(small.tril(0).unwrap_err().to_string().contains("at least 2 dims"));
+    // cumsum along each dim, and of a vector.
+    let c0 = x.cumsum(0usize)?.to_vec::<f64>()?;
+    let c1 = x.cumsum(1usize)?.to_vec::<f64>()?;
+    for r in 0..3 {
+        for c in 0..4 {
+            let (down, across) = ((0..=r).map(|k| at(k, c)).sum::<f64>(), (0..=c).map(|k| at(r, k)).sum::<f64>());
+            assert!((c0[r * 4 + c] - down).abs() < 1e-12 && (c1[r * 4 + c] - across).abs() < 1e-12, "({r}, {c})");
+        }
+    }
+    assert_eq!(small_cumsum()?, vec![1.0, 3.0, 6.0]);
     let cfg = GradcheckConfig { atol: 1e-6, rtol: 1e-5, ..GradcheckConfig::default() };
     let inputs = [randn(&[2, 3, 4], 41)];
+    gradcheck(|t| t[0].cumsum(1usize)?.square(), &inputs, cfg)?;
     gradcheck(|t| t[0].std(&[2usize], false, 1), &inputs, cfg)?;
     gradcheck(|t| t[0].logsumexp(&[0usize, 2], true), &inputs, cfg)?;
     gradcheck(|t| t[0].triu(-1)?.mul(&t[0].tril(1)?), &inputs, cfg)?;

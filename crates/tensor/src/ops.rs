@@ -359,6 +359,19 @@ impl Tensor {
         let rows = Tensor::arange(*r, DType::I64, self.device())?.reshape(&[*r, 1])?;
         Tensor::arange(*c, DType::I64, self.device())?.reshape(&[1, *c])?.sub(&rows)
     }
+    /// Running sums along `dim` (`torch.cumsum`, float dtypes): a product with an upper
+    /// triangle of ones, so autograd, CUDA and compile need nothing new (O(n²) in the dim's
+    /// length: for the short dims of sampling and masks).
+    pub fn cumsum<D: Dim>(&self, dim: D) -> Result<Tensor> {
+        let d = dim.to_index("cumsum", self.shape())?;
+        if self.rank() == 1 {
+            return self.unsqueeze(0usize)?.cumsum(1usize)?.squeeze(0usize);
+        }
+        let last = self.rank() - 1;
+        let n = self.shape()[d];
+        let ones = Tensor::ones(&[n, n], self.dtype(), self.device())?.triu(0)?;
+        self.transpose(d, last)?.matmul(&ones)?.transpose(d, last)
+    }
     /// The elements in reverse order along each of `dims`.
     pub fn flip<D: Dims + ?Sized>(&self, dims: &D) -> Result<Tensor> {
         let mut out = self.clone();
