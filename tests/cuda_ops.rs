@@ -1335,3 +1335,41 @@ fn hopper_f32_gemm_matches_the_cpu_in_every_layout_and_epilogue() {
     let worst = o.iter().zip(&c).map(|(p, q)| (p - q).abs() / (1.0 + q.abs())).fold(0.0, f64::max);
     assert!(worst < 1e-5, "Kiln's GEMM against cuBLAS's: {worst}");
 }
+
+/// The composite ops and the losses and layers built from them (session 39) on CUDA against
+/// the CPU, forward and the input's gradient, in F32.
+#[test]
+fn composites_losses_and_group_norm_match_the_cpu() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dt = DType::F32;
+    let (x, y) = (randn(&[6, 10], 40, dt), randn(&[6, 10], 41, dt));
+    let p = randn(&[6, 10], 42, dt).sigmoid().unwrap();
+    let grad_of = |f: &dyn Fn(&Tensor) -> Result<Tensor>, t: &Tensor| -> Result<Tensor> {
+        let leaf = t.copy()?;
+        leaf.set_requires_grad(true);
+        f(&leaf)?.sum_all()?.backward()?;
+        Ok(leaf.grad().unwrap())
+    };
+    type Case = (&'static str, Box<dyn Fn(&Tensor, &Tensor) -> Result<Tensor>>);
+    let cases: Vec<Case> = vec![
+        ("logsumexp", Box::new(|a, _| a.logsumexp(&[1usize][..], false))),
+        ("std", Box::new(|a, _| a.std(&[0usize][..], true, 1))),
+        ("cumsum", Box::new(|a, _| a.cumsum(1usize))),
+        ("tril flip repeat", Box::new(|a, _| a.tril(1)?.flip(&[0usize][..])?.repeat(&[2, 1]))),
+        ("masked_fill", Box::new(|a, b| a.masked_fill(&b.gt_scalar(0.0)?, -2.0))),
+        ("huber", Box::new(|a, b| kiln::nn::huber_loss(a, b, 0.5, Reduction::Mean))),
+        ("smooth_l1", Box::new(|a, b| kiln::nn::smooth_l1_loss(a, b, 0.5, Reduction::Sum))),
+        ("bce_with_logits", Box::new(|a, b| kiln::nn::binary_cross_entropy_with_logits(a, &b.sigmoid()?, None, Reduction::Mean))),
+        ("kl_div", Box::new(|a, b| kiln::nn::kl_div(&a.log_softmax(1)?, &b.softmax(1)?, false, Reduction::Sum))),
+        ("leaky_relu", Box::new(|a, _| kiln::nn::leaky_relu(a, 0.1))),
+    ];
+    for (name, f) in &cases {
+        both(name, &[x.clone(), y.clone()], product_tol(dt), |t| f(&t[0], &t[1]));
+        both(&format!("{name} grad"), &[x.clone(), y.clone()], product_tol(dt), |t| grad_of(&|a| f(a, &t[1]), &t[0]));
+    }
+    both("bce", &[p.clone(), y.sigmoid().unwrap()], product_tol(dt), |t| kiln::nn::binary_cross_entropy(&t[0], &t[1], Reduction::Mean));
+    // GroupNorm's affine part starts at ones and zeros on either device.
+    both("group norm + adaptive pooling", &[randn(&[2, 6, 5, 4], 43, dt)], product_tol(dt), |t| {
+        kiln::nn::adaptive_avg_pool2d(&kiln::nn::GroupNorm::new(3, 6, t[0].device())?.forward(&t[0])?, (3, 3))
+    });
+}
