@@ -153,12 +153,11 @@ fn log_or(x: &Tensor, zero_value: f64) -> Result<Tensor> {
     Tensor::where_cond(&x.gt_scalar(0.0)?, &x.maximum_scalar(tiny)?.log()?, &x.full_like(zero_value)?)
 }
 
+/// Input and target shapes must match (no broadcasting, as PyTorch warns); dtypes follow the
+/// ops' type promotion (an autocast BF16 prediction against an F32 target).
 fn same_shape(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
     if a.shape() != b.shape() {
         return Err(Error::shape(op, format!("input {:?} and target {:?} differ", a.shape(), b.shape())));
-    }
-    if a.dtype() != b.dtype() {
-        return Err(Error::dtype(op, format!("input is {:?} but target is {:?}", a.dtype(), b.dtype())));
     }
     Ok(())
 }

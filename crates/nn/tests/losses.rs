@@ -1,6 +1,6 @@
 //! The regression and binary losses and the new activations against PyTorch's formulas
 //! written out per element, their gradients against finite differences, edge values (0 and 1
-//! probabilities, zero KL targets) and errors naming the shapes.
+//! probabilities, zero KL targets), errors naming the shapes, and mixed dtypes promoted.
 
 use kiln_autograd::{gradcheck, Backward, GradcheckConfig};
 use kiln_nn::{
@@ -131,12 +131,13 @@ fn sigmoid_and_leaky_relu_modules() -> Result<()> {
 }
 
 #[test]
-fn losses_name_mismatched_shapes_dtypes_and_bad_parameters() {
+fn losses_name_mismatched_shapes_and_bad_parameters_and_promote_dtypes() {
     let (a, b) = (randn(&[2, 3], 9), randn(&[3, 2], 10));
     let e = mse_loss(&a, &b, Reduction::Mean).unwrap_err().to_string();
     assert!(e.contains("mse_loss") && e.contains("[2, 3]") && e.contains("[3, 2]"), "{e}");
-    let e = l1_loss(&a, &a.to_dtype(DType::F32).unwrap(), Reduction::Mean).unwrap_err().to_string();
-    assert!(e.contains("F64") && e.contains("F32"), "{e}");
+    // Mixed float dtypes promote (an autocast prediction against an F32 target).
+    let mixed = l1_loss(&a.to_dtype(DType::BF16).unwrap(), &a.to_dtype(DType::F32).unwrap(), Reduction::Sum).unwrap();
+    assert_eq!(mixed.dtype(), DType::F32);
     let e = huber_loss(&a, &a, -1.0, Reduction::Mean).unwrap_err().to_string();
     assert!(e.contains("delta") && e.contains("-1"), "{e}");
     let e = smooth_l1_loss(&a, &a, f64::NAN, Reduction::Mean).unwrap_err().to_string();
