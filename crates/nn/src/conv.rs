@@ -5,9 +5,9 @@
 //! convolution is one batched product with the weight. Autograd, CUDA and `compile` need
 //! nothing of their own: the backward is the views' and the product's.
 
-use crate::init::{linear_bound, param, uniform};
-use crate::{join, Forward, Module};
-use kiln_tensor::{default_dtype, Device, Error, Result, Tensor};
+use crate::init::weight_and_bias;
+use crate::{visit_weight_bias, Forward, Module};
+use kiln_tensor::{Device, Error, Result, Tensor};
 
 /// A pair of sizes for (height, width).
 pub type Pair = (usize, usize);
@@ -284,15 +284,10 @@ pub struct Conv1d {
 }
 
 impl Conv1d {
-    /// `kernel`, `stride`, `padding` and `dilation` along the length.
+    /// `kernel`, `stride` and `padding` along the length (fan-in `inp * kernel`).
     pub fn new(inp: usize, out: usize, kernel: usize, stride: usize, padding: usize, bias: bool, device: Device) -> Result<Conv1d> {
-        let b = linear_bound(inp * kernel);
-        Ok(Conv1d {
-            weight: param(uniform(&[out, inp, kernel], b, default_dtype(), device)?),
-            bias: if bias { Some(param(uniform(&[out], b, default_dtype(), device)?)) } else { None },
-            window: Window::new((1, kernel)).stride((1, stride)).padding((0, padding)),
-            groups: 1,
-        })
+        let (weight, bias) = weight_and_bias(&[out, inp, kernel], inp * kernel, bias, device)?;
+        Ok(Conv1d { weight, bias, window: Window::new((1, kernel)).stride((1, stride)).padding((0, padding)), groups: 1 })
     }
 }
 
@@ -304,10 +299,7 @@ impl Forward for Conv1d {
 
 impl Module for Conv1d {
     fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
-        f(join(prefix, "weight"), &self.weight);
-        if let Some(b) = &self.bias {
-            f(join(prefix, "bias"), b);
-        }
+        visit_weight_bias(prefix, f, &self.weight, self.bias.as_ref());
     }
 }
 
@@ -333,13 +325,8 @@ impl Conv2d {
             return Err(Error::Msg(format!("Conv2d: {inp} in and {out} out channels must both divide into {groups} groups")));
         }
         let (kh, kw) = window.kernel;
-        let b = linear_bound(inp / groups * kh * kw);
-        Ok(Conv2d {
-            weight: param(uniform(&[out, inp / groups, kh, kw], b, default_dtype(), device)?),
-            bias: if bias { Some(param(uniform(&[out], b, default_dtype(), device)?)) } else { None },
-            window,
-            groups,
-        })
+        let (weight, bias) = weight_and_bias(&[out, inp / groups, kh, kw], inp / groups * kh * kw, bias, device)?;
+        Ok(Conv2d { weight, bias, window, groups })
     }
 }
 
@@ -351,10 +338,7 @@ impl Forward for Conv2d {
 
 impl Module for Conv2d {
     fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
-        f(join(prefix, "weight"), &self.weight);
-        if let Some(b) = &self.bias {
-            f(join(prefix, "bias"), b);
-        }
+        visit_weight_bias(prefix, f, &self.weight, self.bias.as_ref());
     }
 }
 

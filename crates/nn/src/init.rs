@@ -1,6 +1,6 @@
 //! PyTorch's default initialisations, drawn from Kiln's counter-based generator.
 
-use kiln_tensor::{DType, Device, Result, Tensor};
+use kiln_tensor::{default_dtype, DType, Device, Result, Tensor};
 
 /// A fresh parameter leaf (requires grad).
 pub fn param(t: Tensor) -> Tensor {
@@ -21,6 +21,15 @@ pub fn linear_bound(fan_in: usize) -> f64 {
     } else {
         1.0 / (fan_in as f64).sqrt()
     }
+}
+
+/// PyTorch's default init of a Linear or Conv layer: weight `weight_shape` and, with `bias`, a
+/// bias `[weight_shape[0]]`, both U(-1/sqrt(fan_in), 1/sqrt(fan_in)), as parameters.
+pub fn weight_and_bias(weight_shape: &[usize], fan_in: usize, bias: bool, device: Device) -> Result<(Tensor, Option<Tensor>)> {
+    let b = linear_bound(fan_in);
+    let weight = param(uniform(weight_shape, b, default_dtype(), device)?);
+    let bias = if bias { Some(param(uniform(&weight_shape[..1], b, default_dtype(), device)?)) } else { None };
+    Ok((weight, bias))
 }
 
 /// Standard normal (nn.Embedding's default).

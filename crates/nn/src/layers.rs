@@ -1,7 +1,7 @@
 //! Basic layers: Linear, Embedding, LayerNorm, RMSNorm, BatchNorm, Dropout, Sequential.
 
-use crate::init::{linear_bound, normal, param, uniform};
-use crate::{join, Forward, Module};
+use crate::init::{normal, param, weight_and_bias};
+use crate::{join, visit_weight_bias, Forward, Module};
 use kiln_tensor::{default_dtype, no_grad, DType, Device, Error, Flag, Result, Tensor};
 
 /// `y = x W^T + b`, weight `[out, in]` like PyTorch.
@@ -14,11 +14,8 @@ pub struct Linear {
 impl Linear {
     /// PyTorch's default init: U(-1/sqrt(in), 1/sqrt(in)) for weight and bias.
     pub fn new(inp: usize, out: usize, bias: bool, device: Device) -> Result<Linear> {
-        let b = linear_bound(inp);
-        Ok(Linear {
-            weight: param(uniform(&[out, inp], b, default_dtype(), device)?),
-            bias: if bias { Some(param(uniform(&[out], b, default_dtype(), device)?)) } else { None },
-        })
+        let (weight, bias) = weight_and_bias(&[out, inp], inp, bias, device)?;
+        Ok(Linear { weight, bias })
     }
 }
 
@@ -37,10 +34,7 @@ impl Forward for Linear {
 
 impl Module for Linear {
     fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
-        f(join(prefix, "weight"), &self.weight);
-        if let Some(b) = &self.bias {
-            f(join(prefix, "bias"), b);
-        }
+        visit_weight_bias(prefix, f, &self.weight, self.bias.as_ref());
     }
 }
 

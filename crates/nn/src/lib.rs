@@ -76,6 +76,14 @@ pub trait Forward {
 }
 
 /// `prefix.name`, or `name` at the top.
+/// Visits a layer's `weight` and, when it has one, its `bias` (Linear and the convolutions).
+fn visit_weight_bias(prefix: &str, f: &mut dyn FnMut(String, &Tensor), weight: &Tensor, bias: Option<&Tensor>) {
+    f(join(prefix, "weight"), weight);
+    if let Some(b) = bias {
+        f(join(prefix, "bias"), b);
+    }
+}
+
 pub fn join(prefix: &str, name: &str) -> String {
     if prefix.is_empty() {
         name.to_string()

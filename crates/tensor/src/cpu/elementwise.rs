@@ -66,6 +66,9 @@ fn tiled_map1<T: Element, U: Element>(src: &[T], it: &Strided<1>, offset: usize,
         let (n, st) = (shape[split], strides[split]);
         table = (0..n).flat_map(|i| table.iter().map(move |t| t + i * st)).collect();
     }
+    if table.len() < 16 {
+        return false;
+    }
     // Row-major within the tile: the loop above put the outer tile dim's index outermost.
     let (outer, outer_strides) = (&shape[..split], &strides[..split]);
     let tile = |t: usize, dst: &mut [U]| {
@@ -78,9 +81,6 @@ fn tiled_map1<T: Element, U: Element>(src: &[T], it: &Strided<1>, offset: usize,
             *d = f(src[base + o]);
         }
     };
-    if table.len() < 16 {
-        return false;
-    }
     if out.len() < super::PAR_THRESHOLD {
         out.chunks_mut(table.len()).enumerate().for_each(|(t, d)| tile(t, d));
     } else {
