@@ -689,6 +689,18 @@ fn a_compiled_cnn_matches_eager() {
     common::assert_runs_agree("CNN", &compiled, &eager, (1e-5, 1e-5));
 }
 
+/// An LSTM (two layers, both directions, batch first) and a GRU classifier: the time loop
+/// unrolls into one compiled graph whose training run matches eager, and the model learns.
+#[test]
+fn compiled_lstm_and_gru_classifiers_match_eager() {
+    for lstm in [true, false] {
+        let (eager, compiled) = (common::train_recurrent(Device::Cpu, None, 16, lstm), common::train_recurrent(Device::Cpu, Some(Mode::Default), 16, lstm));
+        let round = |r: usize| eager.losses[4 * r..4 * r + 4].iter().sum::<f32>();
+        assert!(round(3) < 0.95 * round(0), "it trains: {:?}", eager.losses);
+        common::assert_runs_agree(if lstm { "LSTM" } else { "GRU" }, &compiled, &eager, (1e-5, 1e-5));
+    }
+}
+
 /// 20 MLP steps (four batches in turn) with the optimizer `make` builds, eagerly or compiled.
 fn mlp_run_with<O: Optimizer>(compiled: bool, seed: u64, make: impl Fn(Vec<Tensor>) -> Result<O>) -> Result<common::Run> {
     kiln::tensor::rng::manual_seed(seed);

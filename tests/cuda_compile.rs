@@ -481,3 +481,19 @@ fn a_cnn_trains_the_same_compiled_on_cuda_in_every_mode() {
         assert_runs_agree(&format!("{mode:?} vs eager CUDA"), &run, &eager, (1e-4, 2e-4));
     }
 }
+
+/// The LSTM and GRU classifiers (`common::train_recurrent`: the time loop unrolled into one
+/// graph) eagerly on CUDA and compiled in every mode, against the CPU.
+#[test]
+fn lstm_and_gru_train_the_same_compiled_on_cuda_in_every_mode() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    for lstm in [true, false] {
+        let (cpu, eager) = (common::train_recurrent(Device::Cpu, None, 8, lstm), common::train_recurrent(dev, None, 8, lstm));
+        assert_runs_agree(&format!("lstm {lstm}: eager CUDA vs CPU"), &eager, &cpu, (1e-4, 2e-4));
+        for mode in [Mode::Default, Mode::ReduceOverhead, Mode::MaxAutotune] {
+            let run = common::train_recurrent(dev, Some(mode), 8, lstm);
+            assert_runs_agree(&format!("lstm {lstm}: {mode:?} vs eager CUDA"), &run, &eager, (1e-4, 2e-4));
+        }
+    }
+}

@@ -122,3 +122,20 @@ fn a_cnn_compiled_with_the_gpu_passes_matches_eager_on_the_cpu() {
     nvrtc_compiles("CNN", &src);
     assert_runs_agree("GPU passes vs eager, the CNN on the CPU", &compiled, &train_cnn(Device::Cpu, None, 12), (1e-5, 1e-5));
 }
+
+/// The LSTM and GRU classifiers compiled with the GPU's passes match eager on the CPU, and
+/// their fused kernels compile.
+#[test]
+fn recurrent_classifiers_compiled_with_the_gpu_passes_match_eager_on_the_cpu() {
+    let _var = SOURCES_VAR.lock().unwrap_or_else(|e| e.into_inner());
+    for lstm in [true, false] {
+        let path = std::env::temp_dir().join(format!("kiln-gpu-plan-rnn{lstm}-{}.cu", std::process::id()));
+        std::env::set_var("KILN_GPU_SOURCES", &path);
+        let compiled = common::train_recurrent(Device::Cpu, Some(Mode::Default), 8, lstm);
+        std::env::remove_var("KILN_GPU_SOURCES");
+        let src = std::fs::read_to_string(&path).unwrap_or_default();
+        std::fs::remove_file(&path).ok();
+        nvrtc_compiles(if lstm { "LSTM" } else { "GRU" }, &src);
+        assert_runs_agree("GPU passes vs eager, recurrent on the CPU", &compiled, &common::train_recurrent(Device::Cpu, None, 8, lstm), (1e-5, 1e-5));
+    }
+}

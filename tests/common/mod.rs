@@ -26,8 +26,8 @@ pub fn mlp_step<'a>(model: &'a Sequential, opt: &'a RefCell<AdamW>) -> impl FnMu
 
 /// One MLP step without clipping (forward, backward, the optimizer's step, zero_grad): a
 /// `Copy` closure, so that one step function runs both compiled and eagerly.
-pub fn mlp_step_unclipped<'a, O: Optimizer>(
-    model: &'a Sequential,
+pub fn mlp_step_unclipped<'a, O: Optimizer, M: Forward>(
+    model: &'a M,
     opt: &'a RefCell<O>,
 ) -> impl Fn(&[Tensor]) -> Result<Vec<Tensor>> + Copy + 'a {
     move |xs: &[Tensor]| {
@@ -157,4 +157,56 @@ pub fn train_cnn(dev: Device, mode: Option<Mode>, steps: u64) -> Run {
     let losses = losses.iter().map(|l| l.item().unwrap() as f32).collect();
     let state = model.named_state().into_iter().map(|(_, t)| t.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap());
     Run { losses, params: state.collect() }
+}
+
+/// A sequence classifier: a two-layer bidirectional LSTM (batch first) or a two-layer GRU,
+/// its last step through a linear head.
+struct Recurrent {
+    lstm: Option<kiln::nn::Lstm>,
+    gru: Option<kiln::nn::Gru>,
+    head: kiln::nn::Linear,
+}
+
+impl Forward for Recurrent {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = match (&self.lstm, &self.gru) {
+            (Some(l), _) => l.forward(x)?,
+            (_, Some(g)) => g.forward(&x.transpose(0usize, 1usize)?)?.transpose(0usize, 1usize)?,
+            _ => unreachable!("one of the two"),
+        };
+        let t = y.shape()[1];
+        self.head.forward(&y.narrow(1usize, t - 1, 1)?.squeeze(1usize)?)
+    }
+}
+
+/// The sequence classifier (`lstm` or a GRU) trained with AdamW on `[8, 6, 5]` sequences,
+/// eagerly (`mode` None) or compiled; four batches in turn.
+pub fn train_recurrent(dev: Device, mode: Option<Mode>, steps: u64, lstm: bool) -> Run {
+    use kiln::nn::{Gru, Linear, Lstm, RnnConfig};
+    kiln::tensor::rng::manual_seed(12);
+    let cfg = RnnConfig::new(5, 8).num_layers(2);
+    let model = if lstm {
+        Recurrent { lstm: Some(Lstm::new(cfg.bidirectional(true).batch_first(true), dev).unwrap()), gru: None, head: Linear::new(16, 3, true, dev).unwrap() }
+    } else {
+        Recurrent { lstm: None, gru: Some(Gru::new(cfg, dev).unwrap()), head: Linear::new(8, 3, true, dev).unwrap() }
+    };
+    let mut params: Vec<Tensor> = model.lstm.as_ref().map(|l| l.parameters()).or(model.gru.as_ref().map(|g| g.parameters())).unwrap();
+    params.extend(model.head.parameters());
+    let opt = RefCell::new(AdamW::new(params.clone(), AdamConfig { lr: 1e-2, ..AdamConfig::adamw() }).unwrap());
+    let f = mlp_step_unclipped(&model, &opt);
+    let mut step = compile(mode.unwrap_or(Mode::Default), f);
+    let mut losses = Vec::new();
+    for i in 0..steps {
+        let x = Tensor::rand_at(&[8, 6, 5], Distribution::Normal, 500, (i % 4) * 512, DType::F32, Device::Cpu).unwrap();
+        // The class is the sign pattern of the first feature's sum: learnable from the sequence.
+        let sums = x.narrow(2usize, 0, 1).unwrap().sum(&[1usize, 2], false).unwrap().to_vec::<f32>().unwrap();
+        let y: Vec<i64> = sums.iter().map(|s| if *s < -1.0 { 0 } else if *s < 1.0 { 1 } else { 2 }).collect();
+        let (x, y) = (x.to_device(dev).unwrap(), Tensor::from_vec(y, &[8], dev).unwrap());
+        let out = if mode.is_some() { step.call(&[&x, &y]).unwrap() } else { f(&[x, y]).unwrap() };
+        losses.push(out[0].clone());
+    }
+    let e = step.explain();
+    assert!(e.graph_breaks.is_empty() && e.graphs == mode.is_some() as usize, "{e:?}");
+    let losses = losses.iter().map(|l| l.item().unwrap() as f32).collect();
+    Run { losses, params: params.iter().map(|t| t.to_vec::<f32>().unwrap()).collect() }
 }

@@ -25,7 +25,8 @@ pub fn gradcheck(f: impl Fn(&[Tensor]) -> Result<Tensor>, inputs: &[Tensor], cfg
             return Err(Error::dtype("gradcheck", format!("input {i} is {:?}; use F64", x.dtype())));
         }
     }
-    let leaves: Vec<Tensor> = inputs.iter().map(|x| x.copy()).collect::<Result<_>>()?;
+    // Fresh leaves even for inputs that are parameters (a copy of one would carry history).
+    let leaves: Vec<Tensor> = inputs.iter().map(|x| x.detach().copy()).collect::<Result<_>>()?;
     for l in &leaves {
         l.set_requires_grad(true);
     }

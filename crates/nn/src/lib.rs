@@ -11,6 +11,7 @@ pub mod conv;
 pub mod init;
 pub mod layers;
 pub mod loss;
+pub mod rnn;
 pub mod state_dict;
 pub mod transformer;
 
@@ -25,6 +26,7 @@ pub use loss::{
     binary_cross_entropy, binary_cross_entropy_with_logits, cross_entropy, cross_entropy_with, huber_loss, kl_div, l1_loss, mse_loss,
     nll_loss, smooth_l1_loss, CrossEntropyConfig, Reduction,
 };
+pub use rnn::{Gates, Gru, GruCell, Lstm, LstmCell, RnnConfig};
 pub use state_dict::{load_state_dict, load_state_dict_from_bytes, save_state_dict, state_dict_to_bytes};
 pub use transformer::{Transformer, TransformerConfig, TransformerDecoderLayer, TransformerEncoderLayer, TransformerMasks};
 
