@@ -1,13 +1,14 @@
-//! 2-D convolution and pooling (`nn.Conv2d`, `nn.MaxPool2d`, `nn.AvgPool2d`, `F.unfold`) on
-//! NCHW tensors, built from views, one copy and a matrix product: each kernel offset's
+//! 2-D convolution, pooling and resampling (`nn.Conv2d`, `nn.ConvTranspose2d`, `nn.MaxPool2d`,
+//! `nn.AvgPool2d`, `F.unfold`, `F.interpolate`) on NCHW tensors, built from views, one copy
+//! and a matrix product: each kernel offset's
 //! window is a strided view of the padded input (a stride `s` is a reshape to `[.., n, s]`
 //! and the first of each `s`), the views are stacked into columns (im2col), and a
 //! convolution is one batched product with the weight. Autograd, CUDA and `compile` need
 //! nothing of their own: the backward is the views' and the product's.
 
-use crate::init::weight_and_bias;
+use crate::init::{linear_bound, param, uniform, weight_and_bias};
 use crate::{visit_weight_bias, Forward, Module};
-use kiln_tensor::{Device, Error, Result, Tensor};
+use kiln_tensor::{default_dtype, Device, Error, Result, Tensor};
 
 /// A pair of sizes for (height, width).
 pub type Pair = (usize, usize);
@@ -224,6 +225,122 @@ pub fn conv1d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, win: &Window, 
     conv2d_groups(&x.unsqueeze(2usize)?, &weight.unsqueeze(2usize)?, bias, win, groups)?.squeeze(2usize)
 }
 
+/// `F.conv_transpose2d`: `x [N, C, H, W]`, `weight [C, O / groups, kh, kw]` (PyTorch's
+/// layout), optional `bias [O]`, to `[N, O, Ho, Wo]` with `Ho = (H - 1) s - 2 p + d (kh - 1)
+/// + output_padding + 1`: the gradient of `conv2d` with respect to its input. Computed as a
+/// convolution, stride 1, of the input with `s - 1` zeros between its values, padded by
+/// `d (k - 1) - p` (cropped where that is negative), with the flipped, transposed kernel.
+pub fn conv_transpose2d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, win: &Window, output_padding: Pair, groups: usize) -> Result<Tensor> {
+    let [c, og, kh, kw] = *weight.shape() else {
+        return Err(Error::shape("conv_transpose2d", format!("needs a weight [in, out / groups, kh, kw], got {:?}", weight.shape())));
+    };
+    let (s, p, d) = (win.stride, win.padding, win.dilation);
+    if (kh, kw) != win.kernel || [s.0, s.1, d.0, d.1, groups].contains(&0) {
+        return Err(Error::Msg(format!("conv_transpose2d: weight {:?} against window {win:?} in {groups} group(s)", weight.shape())));
+    }
+    if groups == 0 || c % groups != 0 || x.rank() != 4 || x.shape()[1] != c {
+        return Err(Error::shape(
+            "conv_transpose2d",
+            format!("input {:?} against weight {:?} in {groups} group(s): needs an NCHW input with {c} channels", x.shape(), weight.shape()),
+        ));
+    }
+    // PyTorch's rule: the extra rows must be less than the stride or the dilation.
+    if output_padding.0 >= s.0.max(d.0) || output_padding.1 >= s.1.max(d.1) {
+        return Err(Error::Msg(format!("conv_transpose2d: output_padding {output_padding:?} must be smaller than the stride {s:?} or the dilation {d:?}")));
+    }
+    let mut y = x.clone();
+    for (dim, k, s, p, d, extra) in [(2, kh, s.0, p.0, d.0, output_padding.0), (3, kw, s.1, p.1, d.1, output_padding.1)] {
+        let n = y.shape()[dim];
+        if s > 1 {
+            // [.., n, ..] to [.., n, s, ..] (the value, then s - 1 zeros), flattened, the
+            // trailing zeros dropped.
+            let spread = pad_dim(&y.unsqueeze(dim + 1)?, dim + 1, 0, s - 1, 0.0)?;
+            let mut shape = y.shape().to_vec();
+            shape[dim] = n * s;
+            y = spread.reshape(&shape)?.narrow(dim, 0, (n - 1) * s + 1)?;
+        }
+        let edge = (d * (k - 1)) as isize - p as isize;
+        y = pad_or_crop("conv_transpose2d", &y, dim, edge, edge + extra as isize)?;
+    }
+    // [C, O/G, kh, kw] to [O, C/G, kh, kw], flipped in space.
+    let w = weight.reshape(&[groups, c / groups, og, kh, kw])?.transpose(1usize, 2usize)?.reshape(&[groups * og, c / groups, kh, kw])?;
+    let w = w.flip(&[2usize, 3])?;
+    conv2d_groups(&y, &w, bias, &Window::new((kh, kw)).dilation(d), groups)
+}
+
+/// `x` with `before` and `after` zeros added along `dim`, or as many entries cut where they
+/// are negative; an error when nothing would be left.
+fn pad_or_crop(op: &'static str, x: &Tensor, dim: usize, before: isize, after: isize) -> Result<Tensor> {
+    let n = x.shape()[dim] as isize;
+    let cut = before.min(0).abs() + after.min(0).abs();
+    if cut >= n {
+        return Err(Error::shape(op, format!("padding crops all {n} rows of dim {dim} of {:?}", x.shape())));
+    }
+    let x = x.narrow(dim, before.min(0).unsigned_abs(), (n - cut) as usize)?;
+    pad_dim(&x, dim, before.max(0) as usize, after.max(0) as usize, 0.0)
+}
+
+/// How `interpolate` fills in values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Interpolation {
+    /// The value at `floor(dst * in / out)` (PyTorch's `mode='nearest'`).
+    Nearest,
+    /// Linear along each axis (`mode='bilinear'`), pixel centres aligned unless
+    /// `align_corners`, which maps the corner pixels onto each other.
+    Bilinear { align_corners: bool },
+}
+
+/// `F.interpolate` of `[N, C, H, W]` to `[N, C, size.0, size.1]`. Nearest picks rows and
+/// columns (an exact copy whose gradient adds back); bilinear multiplies by `[out, in]`
+/// interpolation matrices on each side.
+pub fn interpolate(x: &Tensor, size: Pair, mode: Interpolation) -> Result<Tensor> {
+    let [_, _, h, w] = *x.shape() else {
+        return Err(Error::shape("interpolate", format!("needs an NCHW input, got {:?}", x.shape())));
+    };
+    if size.0 == 0 || size.1 == 0 || h == 0 || w == 0 {
+        return Err(Error::shape("interpolate", format!("to {size:?} from {:?}: sizes must be positive", x.shape())));
+    }
+    match mode {
+        Interpolation::Nearest => {
+            // PyTorch computes the source index in single precision.
+            let pick = |n: usize, out: usize| -> Result<Tensor> {
+                let scale = n as f32 / out as f32;
+                let idx: Vec<i64> = (0..out).map(|i| ((i as f32 * scale).floor() as usize).min(n - 1) as i64).collect();
+                Tensor::from_vec(idx, &[out], x.device())
+            };
+            x.index_select(2usize, &pick(h, size.0)?)?.index_select(3usize, &pick(w, size.1)?)
+        }
+        Interpolation::Bilinear { align_corners } => {
+            let ah = linear_weights(h, size.0, align_corners, x)?;
+            let aw = linear_weights(w, size.1, align_corners, x)?;
+            ah.matmul(&x.matmul(&aw.t()?)?)
+        }
+    }
+}
+
+/// The `[out, n]` matrix of linear interpolation from `n` points to `out` (PyTorch's source
+/// coordinates), in `like`'s dtype and device.
+fn linear_weights(n: usize, out: usize, align_corners: bool, like: &Tensor) -> Result<Tensor> {
+    let mut a = vec![0.0f64; out * n];
+    for i in 0..out {
+        let src = if align_corners {
+            if out > 1 {
+                i as f64 * (n - 1) as f64 / (out - 1) as f64
+            } else {
+                0.0
+            }
+        } else {
+            ((i as f64 + 0.5) * n as f64 / out as f64 - 0.5).max(0.0)
+        };
+        let lo = (src.floor() as usize).min(n - 1);
+        let hi = (lo + 1).min(n - 1);
+        let t = src - lo as f64;
+        a[i * n + lo] += 1.0 - t;
+        a[i * n + hi] += t;
+    }
+    Tensor::from_vec(a, &[out, n], like.device())?.to_dtype(like.dtype())
+}
+
 /// `F.max_pool2d`: the largest value of each window (padding counts as -inf). As in PyTorch,
 /// the gradient goes to one element of a window, its first largest (ties do not share it).
 pub fn max_pool2d(x: &Tensor, win: &Window) -> Result<Tensor> {
@@ -340,6 +457,63 @@ impl Module for Conv2d {
     fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
         visit_weight_bias(prefix, f, &self.weight, self.bias.as_ref());
     }
+}
+
+/// `nn.ConvTranspose2d`: weight `[in, out / groups, kh, kw]` and bias `[out]`, initialised
+/// as PyTorch does (its fan-in is `out / groups * kh * kw`, the weight's second dim on).
+#[derive(Debug, Clone)]
+pub struct ConvTranspose2d {
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+    pub window: Window,
+    pub output_padding: Pair,
+    pub groups: usize,
+}
+
+impl ConvTranspose2d {
+    pub fn new(inp: usize, out: usize, window: Window, bias: bool, device: Device) -> Result<ConvTranspose2d> {
+        let (kh, kw) = window.kernel;
+        let bound = linear_bound(out * kh * kw);
+        let (weight, _) = weight_and_bias(&[inp, out, kh, kw], out * kh * kw, false, device)?;
+        let bias = if bias { Some(param(uniform(&[out], bound, default_dtype(), device)?)) } else { None };
+        Ok(ConvTranspose2d { weight, bias, window, output_padding: (0, 0), groups: 1 })
+    }
+    pub fn output_padding(self, output_padding: Pair) -> ConvTranspose2d {
+        ConvTranspose2d { output_padding, ..self }
+    }
+}
+
+impl Forward for ConvTranspose2d {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        conv_transpose2d(x, &self.weight, self.bias.as_ref(), &self.window, self.output_padding, self.groups)
+    }
+}
+
+impl Module for ConvTranspose2d {
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
+        visit_weight_bias(prefix, f, &self.weight, self.bias.as_ref());
+    }
+}
+
+/// `nn.Upsample(scale_factor=(sh, sw), mode=..)`: each image `sh` times taller and `sw`
+/// times wider.
+#[derive(Debug, Clone, Copy)]
+pub struct Upsample {
+    pub scale: Pair,
+    pub mode: Interpolation,
+}
+
+impl Forward for Upsample {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if x.rank() != 4 {
+            return Err(Error::shape("Upsample", format!("needs an NCHW input, got {:?}", x.shape())));
+        }
+        interpolate(x, (x.shape()[2] * self.scale.0, x.shape()[3] * self.scale.1), self.mode)
+    }
+}
+
+impl Module for Upsample {
+    fn visit(&self, _: &str, _: &mut dyn FnMut(String, &Tensor)) {}
 }
 
 /// `nn.AdaptiveAvgPool2d`: average pooling to a fixed output size (`(1, 1)`: global pooling).

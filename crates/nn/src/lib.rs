@@ -18,8 +18,8 @@ pub mod transformer;
 pub use activation::{leaky_relu, Activation, Gelu, LeakyRelu, Relu, Sigmoid, Silu, Tanh};
 pub use attention::{causal_mask, scaled_dot_product_attention, set_fused_attention, AttnMasks, MultiheadAttention};
 pub use conv::{
-    adaptive_avg_pool2d, avg_pool2d, conv1d, conv2d, conv2d_groups, max_pool2d, unfold, AdaptiveAvgPool2d, AvgPool2d, Conv1d, Conv2d,
-    Flatten, MaxPool2d, Window,
+    adaptive_avg_pool2d, avg_pool2d, conv1d, conv2d, conv2d_groups, conv_transpose2d, interpolate, max_pool2d, unfold, AdaptiveAvgPool2d,
+    AvgPool2d, Conv1d, Conv2d, ConvTranspose2d, Flatten, Interpolation, MaxPool2d, Upsample, Window,
 };
 pub use layers::{dropout, BatchNorm, Dropout, Embedding, GroupNorm, Layer, LayerNorm, Linear, RmsNorm, Sequential};
 pub use loss::{

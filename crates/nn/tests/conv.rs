@@ -3,8 +3,8 @@
 
 use kiln_autograd::{gradcheck, Backward, GradcheckConfig};
 use kiln_nn::{
-    adaptive_avg_pool2d, avg_pool2d, conv1d, conv2d, conv2d_groups, max_pool2d, unfold, AdaptiveAvgPool2d, Conv1d, Conv2d, Flatten,
-    Forward, MaxPool2d, Module, Window,
+    adaptive_avg_pool2d, avg_pool2d, conv1d, conv2d, conv2d_groups, conv_transpose2d, interpolate, max_pool2d, unfold, AdaptiveAvgPool2d,
+    Conv1d, Conv2d, ConvTranspose2d, Flatten, Forward, Interpolation, MaxPool2d, Module, Upsample, Window,
 };
 use kiln_tensor::{Autocast, DType, Device, Distribution, Result, Tensor};
 
@@ -340,5 +340,110 @@ fn adaptive_average_pooling_uses_pytorchs_windows() -> Result<()> {
     gradcheck(|t| adaptive_avg_pool2d(&t[0], (3, 2)), std::slice::from_ref(&x), cfg)?;
     assert_eq!(AdaptiveAvgPool2d((1, 1)).forward(&x)?.shape(), &[2, 3, 1, 1]);
     assert!(adaptive_avg_pool2d(&x, (0, 2)).unwrap_err().to_string().contains("[2, 3, 7, 5]"));
+    Ok(())
+}
+
+/// The transposed convolution by its definition: each input value scatters `x * w` onto the
+/// output at `i s - p + a d` (grouped, output padding on the far side).
+fn conv_transpose_by_loops(x: &Tensor, w: &Tensor, b: &[f64], win: &Window, op: (usize, usize), groups: usize) -> Vec<f64> {
+    let ([n, c, h, wd], [_, og, kh, kw]) = (<[usize; 4]>::try_from(x.shape()).unwrap(), <[usize; 4]>::try_from(w.shape()).unwrap());
+    let (s, p, d) = (win.stride, win.padding, win.dilation);
+    let oh = (h - 1) * s.0 + d.0 * (kh - 1) + op.0 + 1 - 2 * p.0;
+    let ow = (wd - 1) * s.1 + d.1 * (kw - 1) + op.1 + 1 - 2 * p.1;
+    let (xv, wv, o) = (f64s(x), f64s(w), og * groups);
+    let mut y: Vec<f64> = (0..n * o * oh * ow).map(|i| b[(i / (oh * ow)) % o]).collect();
+    for bn in 0..n {
+        for ci in 0..c {
+            let g = ci / (c / groups);
+            for i in 0..h {
+                for j in 0..wd {
+                    for (oc, a, e) in (0..og).flat_map(|oc| (0..kh).flat_map(move |a| (0..kw).map(move |e| (oc, a, e)))) {
+                        let r = (i * s.0 + a * d.0) as isize - p.0 as isize;
+                        let q = (j * s.1 + e * d.1) as isize - p.1 as isize;
+                        if r >= 0 && q >= 0 && (r as usize) < oh && (q as usize) < ow {
+                            let out = ((bn * o + g * og + oc) * oh + r as usize) * ow + q as usize;
+                            y[out] += xv[((bn * c + ci) * h + i) * wd + j] * wv[((ci * og + oc) * kh + a) * kw + e];
+                        }
+                    }
+                }
+            }
+        }
+    }
+    y
+}
+
+#[test]
+fn transposed_convolution_matches_its_definition_and_is_conv2ds_adjoint() -> Result<()> {
+    // (window, output padding, groups, in, out per group); the fourth pads more than
+    // d (k - 1), so the spread input is cropped.
+    let cases = [
+        (Window::new((3, 3)).stride((2, 2)).padding((1, 1)), (1, 1), 1, 3, 2),
+        (Window::new((2, 3)).stride((1, 2)).dilation((2, 1)), (0, 1), 1, 2, 3),
+        (Window::new((3, 3)).stride((2, 1)).padding((0, 1)), (1, 0), 2, 4, 1),
+        (Window::new((1, 1)).stride((3, 3)).padding((1, 1)), (2, 0), 1, 2, 2),
+    ];
+    for (k, (win, op, groups, c, og)) in cases.into_iter().enumerate() {
+        let x = randn(&[2, c, 3, 4], 10 + k as u64);
+        let w = randn(&[c, og, win.kernel.0, win.kernel.1], 20 + k as u64);
+        let b = randn(&[og * groups], 30 + k as u64);
+        let y = conv_transpose2d(&x, &w, Some(&b), &win, op, groups)?;
+        assert_close(&f64s(&y), &conv_transpose_by_loops(&x, &w, &f64s(&b), &win, op, groups), 1e-12);
+        // <conv2d(z, w), x> = <z, conv_transpose2d(x, w)> (no bias, no output padding).
+        let yt = conv_transpose2d(&x, &w, None, &win, (0, 0), groups)?;
+        let z = randn(yt.shape(), 40 + k as u64);
+        let lhs = conv2d_groups(&z, &w, None, &win, groups)?.mul(&x)?.sum_all()?.item()?;
+        let rhs = z.mul(&yt)?.sum_all()?.item()?;
+        assert!((lhs - rhs).abs() < 1e-9 * (1.0 + lhs.abs()), "case {k}: adjoint {lhs} vs {rhs}");
+    }
+    let win = Window::new((3, 3)).stride((2, 2)).padding((1, 1));
+    let inputs = [randn(&[1, 2, 3, 3], 1), randn(&[2, 2, 3, 3], 2), randn(&[2], 3)];
+    let cfg = GradcheckConfig { atol: 1e-6, rtol: 1e-5, ..GradcheckConfig::default() };
+    gradcheck(|t| conv_transpose2d(&t[0], &t[1], Some(&t[2]), &win, (1, 1), 1), &inputs, cfg)?;
+
+    // The layer: PyTorch's weight layout and init bound 1/sqrt(out * kh * kw), stride 2
+    // doubling the size with output padding 1.
+    let layer = ConvTranspose2d::new(4, 3, win, true, Device::Cpu)?.output_padding((1, 1));
+    assert_eq!(layer.weight.shape(), [4, 3, 3, 3]);
+    let bound = 1.0 / 27f64.sqrt();
+    for p in layer.parameters() {
+        assert!(p.to_dtype(DType::F64)?.to_vec::<f64>()?.iter().all(|v| v.abs() <= bound), "init within {bound}");
+    }
+    assert_eq!(layer.forward(&Tensor::zeros(&[1, 4, 5, 6], DType::F32, Device::Cpu)?)?.shape(), [1, 3, 10, 12]);
+    let e = conv_transpose2d(&x_small(), &randn(&[2, 1, 3, 3], 1), None, &win, (2, 0), 1).unwrap_err().to_string();
+    assert!(e.contains("output_padding (2, 0)"), "{e}");
+    let e = conv_transpose2d(&x_small(), &randn(&[3, 1, 3, 3], 1), None, &win, (0, 0), 1).unwrap_err().to_string();
+    assert!(e.contains("[1, 2, 3, 3]") && e.contains("[3, 1, 3, 3]"), "{e}");
+    Ok(())
+}
+
+fn x_small() -> Tensor {
+    randn(&[1, 2, 3, 3], 5)
+}
+
+#[test]
+fn interpolation_gives_pytorchs_values() -> Result<()> {
+    let x = Tensor::from_vec(vec![1.0f64, 2.0, 3.0, 4.0], &[1, 1, 2, 2], Device::Cpu)?;
+    // PyTorch's documented outputs for this input upsampled by 2.
+    let nearest = [1.0, 1.0, 2.0, 2.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 4.0, 4.0, 3.0, 3.0, 4.0, 4.0];
+    let bilinear = [1.0, 1.25, 1.75, 2.0, 1.5, 1.75, 2.25, 2.5, 2.5, 2.75, 3.25, 3.5, 3.0, 3.25, 3.75, 4.0];
+    let t = 1.0 / 3.0;
+    let corners = [1.0, 1.0 + t, 2.0 - t, 2.0, 1.0 + 2.0 * t, 2.0, 2.0 + t, 3.0 - t, 2.0 + t, 3.0 - t, 3.0, 3.0 + t, 3.0, 3.0 + t, 4.0 - t, 4.0];
+    let up = |mode| Upsample { scale: (2, 2), mode }.forward(&x);
+    assert_close(&f64s(&up(Interpolation::Nearest)?), &nearest, 0.0);
+    assert_close(&f64s(&up(Interpolation::Bilinear { align_corners: false })?), &bilinear, 1e-12);
+    assert_close(&f64s(&up(Interpolation::Bilinear { align_corners: true })?), &corners, 1e-12);
+
+    // Shrinking 5 to 2 (nearest: rows 0 and 2; bilinear: source 0.75 and 3.25).
+    let col = Tensor::from_vec(vec![0.0f64, 10.0, 20.0, 30.0, 40.0], &[1, 1, 5, 1], Device::Cpu)?;
+    assert_close(&f64s(&interpolate(&col, (2, 1), Interpolation::Nearest)?), &[0.0, 20.0], 0.0);
+    assert_close(&f64s(&interpolate(&col, (2, 1), Interpolation::Bilinear { align_corners: false })?), &[7.5, 32.5], 1e-12);
+
+    // Gradients: nearest adds each copy's gradient back, bilinear is linear.
+    let z = randn(&[2, 3, 3, 4], 7);
+    let cfg = GradcheckConfig { atol: 1e-6, rtol: 1e-5, ..GradcheckConfig::default() };
+    gradcheck(|t| interpolate(&t[0], (5, 7), Interpolation::Nearest)?.square(), std::slice::from_ref(&z), cfg)?;
+    gradcheck(|t| interpolate(&t[0], (2, 6), Interpolation::Bilinear { align_corners: false })?.square(), &[z], cfg)?;
+    let e = interpolate(&randn(&[2, 3], 1), (2, 2), Interpolation::Nearest).unwrap_err().to_string();
+    assert!(e.contains("[2, 3]"), "{e}");
     Ok(())
 }
