@@ -744,6 +744,23 @@ fn compiled_rmsprop_matches_eager() -> Result<()> {
     Ok(())
 }
 
+/// Adagrad (lr decay, a starting accumulator, weight decay) and Lion (decoupled weight decay)
+/// compiled against eager: their step-count and lr tensors are read in the graph.
+#[test]
+fn compiled_adagrad_and_lion_match_eager() -> Result<()> {
+    use kiln::optim::{Adagrad, AdagradConfig, Lion, LionConfig};
+    let cfg = AdagradConfig { lr: 0.05, lr_decay: 0.1, weight_decay: 1e-2, initial_accumulator_value: 0.1, eps: 1e-10 };
+    let make = |params: Vec<Tensor>| Adagrad::new(params, cfg);
+    let (eager, compiled) = (mlp_run_with(false, 5, make)?, mlp_run_with(true, 5, make)?);
+    assert!(eager.losses[16..].iter().sum::<f32>() < eager.losses[..4].iter().sum::<f32>(), "it trains: {:?}", eager.losses);
+    common::assert_runs_agree("Adagrad", &compiled, &eager, (1e-5, 1e-5));
+    let make = |params: Vec<Tensor>| Lion::new(params, LionConfig { lr: 3e-3, weight_decay: 0.1, ..LionConfig::default() });
+    let (eager, compiled) = (mlp_run_with(false, 6, make)?, mlp_run_with(true, 6, make)?);
+    assert!(eager.losses[16..].iter().sum::<f32>() < eager.losses[..4].iter().sum::<f32>(), "it trains: {:?}", eager.losses);
+    common::assert_runs_agree("Lion", &compiled, &eager, (1e-5, 1e-5));
+    Ok(())
+}
+
 /// `model.eval()` through a shared borrow while a compiled step holds the model: the step
 /// traces again (dropout off, the eager eval output exactly), switching back replays the
 /// training graph (no third trace), and grad mode keys the cache too.

@@ -20,6 +20,10 @@ pub(crate) struct Core {
     /// Per parameter, its buffers in `keys` order; None until its first update (PyTorch
     /// creates state lazily, so frozen parameters cost no memory).
     pub state: Vec<Option<Vec<Tensor>>>,
+    /// The value new buffers start from (Adagrad's `initial_accumulator_value`). A buffer is
+    /// made with it rather than filled after: a compiled step runs a creating fill once but
+    /// replays an in-place fill every step.
+    pub init: f64,
 }
 
 impl Core {
@@ -30,7 +34,7 @@ impl Core {
         let lr_t = Tensor::scalar(lr, DType::F64, device)?;
         let step = Tensor::scalar(0.0, DType::F64, device)?;
         let state = vec![None; params.len()];
-        Ok(Core { what, params, lr: lr_t, lr_value: lr, step, keys, state })
+        Ok(Core { what, params, lr: lr_t, lr_value: lr, step, keys, state, init: 0.0 })
     }
 
     /// The gradients to apply, as `(param index, grad)`, and the step count bumped when
@@ -58,14 +62,14 @@ impl Core {
         Ok(grads)
     }
 
-    /// Parameter `i`'s buffers, created (zeros like the parameter) on first use; the flag says
+    /// Parameter `i`'s buffers, created (`init` like the parameter) on first use; the flag says
     /// whether they were just created.
     pub fn buffers(&mut self, i: usize) -> Result<(Vec<Tensor>, bool)> {
         if let Some(b) = &self.state[i] {
             return Ok((b.clone(), false));
         }
         let p = &self.params[i];
-        let bufs: Vec<Tensor> = self.keys.iter().map(|_| p.zeros_like()).collect::<Result<_>>()?;
+        let bufs: Vec<Tensor> = self.keys.iter().map(|_| p.full_like(self.init)).collect::<Result<_>>()?;
         self.state[i] = Some(bufs.clone());
         Ok((bufs, true))
     }

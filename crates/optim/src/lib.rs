@@ -1,4 +1,4 @@
-//! kiln-optim: PyTorch's optimizers (`SGD`, `Adam`, `AdamW`, `RmsProp`), learning-rate
+//! kiln-optim: PyTorch's optimizers (`SGD`, `Adam`, `AdamW`, `RmsProp`, `Adagrad`, and `Lion`), learning-rate
 //! schedulers, gradient clipping, F16's dynamic loss scaling (`GradScaler`) and optimizer
 //! checkpoints, with `torch.optim`'s semantics.
 //!
@@ -9,6 +9,7 @@
 //!   step does not bake them in as constants (a scheduler changes them in place);
 //! - gradient clipping stays on the device (no host read of the norm).
 
+mod adagrad;
 mod adam;
 mod clip;
 mod common;
@@ -18,6 +19,7 @@ mod scheduler;
 mod sgd;
 mod state;
 
+pub use adagrad::{Adagrad, AdagradConfig, Lion, LionConfig};
 pub use adam::{split_for_weight_decay, Adam, AdamConfig, AdamW};
 pub use clip::{clip_grad_norm, clip_grad_value};
 pub use rmsprop::{RmsProp, RmsPropConfig};
