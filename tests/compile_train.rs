@@ -788,6 +788,33 @@ fn train_eval_switches_and_grad_mode_pick_their_own_compiled_graph() -> Result<(
     Ok(())
 }
 
+/// sort and topk inside a compiled step: one graph whose values, positions and gradients
+/// are eager's.
+#[test]
+fn sort_and_topk_compile_to_the_eager_values() -> Result<()> {
+    let w = Tensor::rand_at(&[4, 9], Distribution::Normal, 29, 0, DType::F32, Device::Cpu)?;
+    w.set_requires_grad(true);
+    let f = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+        let x = xs[0].mul(&w)?;
+        let (top, idx) = x.topk(3, 1usize, true)?;
+        let (sorted, _) = x.sort(0usize, false)?;
+        top.square()?.sum_all()?.add(&sorted.narrow(0usize, 0, 1)?.sum_all()?)?.backward()?;
+        let g = w.grad().unwrap();
+        w.set_grad(None);
+        Ok(vec![top, idx, g])
+    };
+    let mut step = compile(Mode::Default, f);
+    for seed in 0..3 {
+        let x = Tensor::rand_at(&[4, 9], Distribution::Normal, 30 + seed, 0, DType::F32, Device::Cpu)?;
+        let (got, want) = (step.call(&[&x])?, f(&[x])?);
+        assert_eq!(got[1].to_vec::<i64>()?, want[1].to_vec::<i64>()?);
+        assert_close("topk values", &got[0].to_vec::<f32>()?, &want[0].to_vec::<f32>()?, 1e-7);
+        assert_close("gradient", &got[2].to_vec::<f32>()?, &want[2].to_vec::<f32>()?, 1e-6);
+    }
+    assert_eq!(step.explain().graphs, 1, "{:?}", step.explain());
+    Ok(())
+}
+
 /// The composite ops (logsumexp, std, tril, flip, repeat, masked_fill) trace into a graph
 /// (no graph break, no baked constants) that gives eager's values.
 #[test]

@@ -1373,3 +1373,31 @@ fn composites_losses_and_group_norm_match_the_cpu() {
         kiln::nn::adaptive_avg_pool2d(&kiln::nn::GroupNorm::new(3, 6, t[0].device())?.forward(&t[0])?, (3, 3))
     });
 }
+
+/// argsort, sort and topk on CUDA (a bitonic sort over padded rows) against the CPU: rows of
+/// every length class (1, odd, a power of two, past one block), ties and NaN, every dtype.
+#[test]
+fn sort_and_topk_match_the_cpu() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    for n in [1, 7, 64, 1000, 5000] {
+        // Whole numbers: many ties, which must keep their order.
+        let x = randn(&[3, n], 50 + n as u64, DType::F32).mul_scalar(4.0).unwrap().to_dtype(DType::I64).unwrap().to_dtype(DType::F32).unwrap();
+        for dt in [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I64, DType::U8] {
+            let xt = x.to_dtype(dt).unwrap();
+            for descending in [false, true] {
+                let want = xt.argsort(1usize, descending).unwrap().to_vec::<i64>().unwrap();
+                let got = xt.to_device(dev).unwrap().argsort(1usize, descending).unwrap().to_vec::<i64>().unwrap();
+                assert_eq!(got, want, "argsort n {n} {dt:?} descending {descending}");
+            }
+        }
+    }
+    let nan = Tensor::from_slice(&[2.0f32, f32::NAN, -1.0, 2.0, f32::NAN], &[5], Device::Cpu).unwrap();
+    for descending in [false, true] {
+        let want = nan.argsort(0usize, descending).unwrap().to_vec::<i64>().unwrap();
+        assert_eq!(nan.to_device(dev).unwrap().argsort(0usize, descending).unwrap().to_vec::<i64>().unwrap(), want);
+    }
+    let x = randn(&[5, 40], 60, DType::F32);
+    both("topk values", &[x.clone()], 0.0, |t| Ok(t[0].topk(5, 1usize, true)?.0));
+    both("sort dim 0 values", &[x], 0.0, |t| Ok(t[0].sort(0usize, false)?.0));
+}

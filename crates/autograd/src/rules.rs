@@ -267,6 +267,8 @@ pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Te
             vec![Some(x.zeros_like()?.scatter_add(*dim, &inputs[1], g)?), None]
         }
         Op::ScatterAdd { dim } => vec![Some(g.clone()), None, Some(g.gather(*dim, &inputs[1])?)],
+        // Positions carry no gradient; `sort`'s values get theirs through `gather`.
+        Op::ArgSort { .. } => vec![None],
         Op::Cat { dim } => {
             let mut at = 0;
             let mut out = Vec::with_capacity(inputs.len());

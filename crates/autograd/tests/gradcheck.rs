@@ -397,3 +397,11 @@ fn composite_ops_match_loops_and_finite_differences() -> Result<()> {
     )?;
     Ok(())
 }
+
+#[test]
+fn sort_and_topk_values_send_their_gradient_back_to_where_they_came_from() {
+    // Distinct random values: the order does not change under the finite differences.
+    let w = randn(&[4, 9], 8);
+    check("sort", |t| t[0].sort(1usize, false)?.0.mul(&w), &[randn(&[4, 9], 7)]);
+    check("topk", |t| t[0].topk(3, 0usize, true)?.0.square(), &[randn(&[4, 9], 9)]);
+}

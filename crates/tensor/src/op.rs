@@ -739,6 +739,11 @@ pub enum Op {
     ScatterAdd {
         dim: usize,
     },
+    /// The I64 positions that sort each row of the last dim (stable: ties keep their order;
+    /// NaN counts as the largest value, as in PyTorch).
+    ArgSort {
+        descending: bool,
+    },
     /// Concatenation along `dim` of any number of inputs.
     Cat {
         dim: usize,
@@ -807,6 +812,7 @@ impl Op {
             Op::IndexAdd { .. } => "index_add",
             Op::Gather { .. } => "gather",
             Op::ScatterAdd { .. } => "scatter_add",
+            Op::ArgSort { .. } => "argsort",
             Op::Cat { .. } => "cat",
             Op::Assign => "assign",
             Op::UpdateBinary(_) => "update",
@@ -841,7 +847,7 @@ impl Op {
             Op::CrossEntropy { .. } | Op::CrossEntropyMean { .. } => 2,
             Op::LinearCrossEntropyMean { .. } => 4,
             Op::CrossEntropyBackward { .. } => 3,
-            Op::Reshape(_) | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_) | Op::Contiguous => 1,
+            Op::Reshape(_) | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_) | Op::Contiguous | Op::ArgSort { .. } => 1,
             Op::Matmul | Op::MatmulFused(MatmulEpilogue::Relu | MatmulEpilogue::GeluTanh) if inputs.len() == 3 => 3,
             Op::MatmulFused(MatmulEpilogue::DGeluTanh | MatmulEpilogue::DRelu) => 3,
             Op::MatmulFused(MatmulEpilogue::Residual) => inputs.len().clamp(3, 4),
@@ -1218,6 +1224,12 @@ impl Op {
                     ));
                 }
                 meta(base.to_vec(), inputs[0].dtype)
+            }
+            Op::ArgSort { .. } => {
+                if inputs[0].shape.is_empty() {
+                    return Err(Error::shape(name, "needs a tensor of rank 1 or more, got a scalar".to_string()));
+                }
+                meta(inputs[0].shape.to_vec(), DType::I64)
             }
             Op::Cat { dim } => {
                 let first = inputs[0].shape;

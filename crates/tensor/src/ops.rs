@@ -381,6 +381,44 @@ impl Tensor {
         }
         Ok(out)
     }
+    /// The positions that sort `self` along `dim` (`torch.argsort(stable=True)`): ties keep
+    /// their order, NaN counts as the largest value. A scalar sorts to position 0.
+    pub fn argsort<D: Dim>(&self, dim: D, descending: bool) -> Result<Tensor> {
+        if self.rank() == 0 {
+            return self.unsqueeze(0usize)?.argsort(0usize, descending)?.squeeze(0usize);
+        }
+        let (d, last) = (dim.to_index("argsort", self.shape())?, self.rank() - 1);
+        let rows = if d == last { self.clone() } else { self.transpose(d, last)? };
+        let idx = Tensor::apply(Op::ArgSort { descending }, &[&rows], self.device())?;
+        if d == last {
+            Ok(idx)
+        } else {
+            idx.transpose(d, last)
+        }
+    }
+    /// `torch.sort(stable=True)`: the values along `dim` in order and their positions; the
+    /// values' gradient goes back to where each came from.
+    pub fn sort<D: Dim>(&self, dim: D, descending: bool) -> Result<(Tensor, Tensor)> {
+        let idx = self.argsort(dim, descending)?;
+        if self.rank() == 0 {
+            return Ok((self.clone(), idx));
+        }
+        Ok((self.gather(dim, &idx)?, idx))
+    }
+    /// `torch.topk(sorted=True)`: the `k` largest (or, with `largest` false, smallest) values
+    /// along `dim` in order, and their positions.
+    pub fn topk<D: Dim>(&self, k: usize, dim: D, largest: bool) -> Result<(Tensor, Tensor)> {
+        let d = if self.rank() == 0 { 0 } else { dim.to_index("topk", self.shape())? };
+        let size = self.shape().get(d).copied().unwrap_or(1);
+        if k > size {
+            return Err(Error::shape("topk", format!("k = {k} is more than the {size} values along dim {d} of {:?}", self.shape())));
+        }
+        let (values, idx) = self.sort(d, largest)?;
+        if self.rank() == 0 {
+            return Ok((values, idx));
+        }
+        Ok((values.narrow(d, 0, k)?, idx.narrow(d, 0, k)?))
+    }
     /// Tiles `self` `reps[i]` times along dim `i` (`torch.Tensor.repeat`); more `reps` than
     /// dims adds leading dims.
     pub fn repeat(&self, reps: &[usize]) -> Result<Tensor> {

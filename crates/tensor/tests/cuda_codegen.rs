@@ -179,6 +179,12 @@ fn every_reduction_and_index_kernel_compiles() {
         let (s, n) = kiln_tensor::cuda::codegen::column_sums_fold_source(d);
         check(&s, &n, &mut fails);
     }
+    for d in ALL {
+        for descending in [false, true] {
+            let (s, n) = kiln_tensor::cuda::codegen::argsort_source(d, descending);
+            check(&s, &n, &mut fails);
+        }
+    }
     for d in FLOATS {
         for (log, block) in [(false, false), (true, false), (false, true), (true, true)] {
             for causal in [false, true] {

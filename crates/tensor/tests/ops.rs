@@ -802,3 +802,49 @@ fn dense_row_argmax_matches_the_general_path_with_ties_and_nans() -> Result<()> 
     assert_eq!(tie.argmin(1, false)?.to_vec::<i64>()?, vec![3]);
     Ok(())
 }
+
+#[test]
+fn sort_argsort_and_topk_follow_pytorch() -> Result<()> {
+    // Ties keep their order (stable); NaN is the largest value.
+    let x = t(&[3.0, 1.0, f32::NAN, 1.0, -2.0, 3.0], &[6]);
+    let (vals, idx) = x.sort(0usize, false)?;
+    assert_eq!(idx.to_vec::<i64>()?, [4, 1, 3, 0, 5, 2]);
+    close(&v(&vals), &[-2.0, 1.0, 1.0, 3.0, 3.0, f32::NAN], 0.0);
+    let (vals, idx) = x.sort(0usize, true)?;
+    assert_eq!(idx.to_vec::<i64>()?, [2, 0, 5, 1, 3, 4]);
+    close(&v(&vals), &[f32::NAN, 3.0, 3.0, 1.0, 1.0, -2.0], 0.0);
+
+    // Along dim 0 of a [3, 2] (each column sorted), and of a transposed view.
+    let m = t(&[5.0, 0.0, 1.0, 9.0, 3.0, 4.0], &[3, 2]);
+    assert_eq!(m.argsort(0usize, false)?.to_vec::<i64>()?, [1, 0, 2, 2, 0, 1]);
+    assert_eq!(m.t()?.argsort(1usize, true)?.to_vec::<i64>()?, [0, 2, 1, 1, 2, 0]);
+    let (vals, idx) = m.topk(2, -1, true)?;
+    assert_eq!((vals.shape(), idx.to_vec::<i64>()?), (&[3, 2][..], vec![0, 1, 1, 0, 1, 0]));
+    let (vals, idx) = m.topk(1, 0usize, false)?;
+    close(&v(&vals), &[1.0, 0.0], 0.0);
+    assert_eq!(idx.to_vec::<i64>()?, [1, 0]);
+
+    // Integers (beyond f64's exact range, so no rounding through floats), 16-bit floats, empty
+    // rows and a scalar.
+    let big = Tensor::from_slice(&[i64::MAX, i64::MAX - 1, -7, 0], &[4], CPU)?;
+    assert_eq!(big.argsort(0usize, false)?.to_vec::<i64>()?, [2, 3, 1, 0]);
+    let h = t(&[0.5, -1.0, 2.0], &[3]).to_dtype(DType::BF16)?;
+    assert_eq!(h.argsort(0usize, true)?.to_vec::<i64>()?, [2, 0, 1]);
+    assert_eq!(Tensor::zeros(&[2, 0], DType::F32, CPU)?.argsort(1usize, false)?.shape(), [2, 0]);
+    let s = Tensor::scalar(4.0, DType::F32, CPU)?;
+    assert_eq!(s.sort(0usize, false)?.1.to_vec::<i64>()?, [0]);
+
+    // Random rows against a sort of each row by hand.
+    let r = Tensor::rand_at(&[7, 33], Distribution::Normal, 5, 0, DType::F32, CPU)?;
+    let (vals, idx) = r.sort(1usize, true)?;
+    let (rv, sv, si) = (v(&r), v(&vals), idx.to_vec::<i64>()?);
+    for row in 0..7 {
+        let mut want = rv[row * 33..(row + 1) * 33].to_vec();
+        want.sort_by(|a, b| b.partial_cmp(a).unwrap());
+        assert_eq!(&sv[row * 33..(row + 1) * 33], &want[..]);
+        assert!(si[row * 33..(row + 1) * 33].iter().zip(&want).all(|(&i, w)| rv[row * 33 + i as usize] == *w));
+    }
+    let e = m.topk(4, 0usize, true).unwrap_err().to_string();
+    assert!(e.contains("k = 4") && e.contains("[3, 2]"), "{e}");
+    Ok(())
+}

@@ -122,3 +122,24 @@ pub fn cat<T: Element>(parts: &[(&[T], &[usize])], dim: usize, out_shape: &[usiz
     }
     out
 }
+
+/// The positions that sort each row of `n` values (row-major rows), stably; NaN is the
+/// largest value (last ascending, first descending), as in PyTorch.
+pub fn argsort<T: Element>(src: &[T], n: usize, descending: bool) -> Vec<i64> {
+    let mut out = pool::take::<i64>(src.len());
+    if n == 0 {
+        return out;
+    }
+    #[allow(clippy::eq_op)] // x != x is the NaN test of a generic PartialOrd type
+    let nan = |x: &T| x != x;
+    let order = |a: &T, b: &T| a.partial_cmp(b).unwrap_or_else(|| nan(a).cmp(&nan(b)));
+    out.par_chunks_mut(n).zip(src.par_chunks(n)).with_min_len(16).for_each(|(o, row)| {
+        o.iter_mut().enumerate().for_each(|(i, v)| *v = i as i64);
+        if descending {
+            o.sort_by(|&i, &j| order(&row[j as usize], &row[i as usize]));
+        } else {
+            o.sort_by(|&i, &j| order(&row[i as usize], &row[j as usize]));
+        }
+    });
+    out
+}

@@ -492,6 +492,11 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             let idx = contig(typed::<i64>(si, name)?, li);
             with_cpu!(s, v => index::index_select(&contig(v, l), &l.shape, *dim, &idx)?.into_storage())
         }
+        Op::ArgSort { descending } => {
+            let (s, l) = ins[0];
+            let n = l.shape[l.rank() - 1];
+            CpuStorage::I64(with_cpu!(s, v => index::argsort(&contig(v, l), n, *descending)))
+        }
         Op::Gather { dim } => {
             let ((s, l), (si, li)) = (ins[0], ins[1]);
             let idx = contig(typed::<i64>(si, name)?, li);

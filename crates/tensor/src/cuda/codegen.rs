@@ -730,6 +730,60 @@ fn row_prologue(block: bool) -> &'static str {
 /// write); the row is read through strides (`RArgs`: kept dims, and the last dim's stride in
 /// `rst[0]`), the output is contiguous. `causal`: row `i` of each `[qlen, S]` matrix keeps only
 /// entries `j <= i` (the rest are written as 0).
+/// The dtype argsort compares keys in: floats in F32 (F64 for F64), integers as they are.
+pub fn sort_key_dtype(d: DType) -> DType {
+    match d {
+        DType::F64 => DType::F64,
+        DType::I64 | DType::U8 => DType::I64,
+        _ => DType::F32,
+    }
+}
+
+/// argsort's kernel (see `kernels::argsort`): `phase` 0 loads each row's keys and positions
+/// into `[rows, p]` scratch (positions `>= n` pad the row and sort last), 1 is the bitonic
+/// compare-exchange of step `(j, k)`, 2 writes each row's first `n` positions. `before(a, b)`
+/// is the strict order: padding last, NaN as the largest value, ties by position.
+pub fn argsort_source(dtype: DType, descending: bool) -> (String, String) {
+    let name = format!("k_argsort_{}{}", format!("{dtype:?}").to_lowercase(), if descending { "_desc" } else { "" });
+    let (t, kt) = (storage_type(dtype), storage_type(sort_key_dtype(dtype)));
+    let mut s = format!("{PRELUDE}\ntypedef {kt} K;\n");
+    s += "__device__ __forceinline__ bool is_nan(K v) { return v != v; }\n";
+    s += "__device__ __forceinline__ bool before(K ka, long long ia, K kb, long long ib, long long n) {\n";
+    s += "  if ((ia >= n) != (ib >= n)) return ib >= n;\n  if (ia >= n) return ia < ib;\n";
+    s += "  const bool na = is_nan(ka), nb = is_nan(kb);\n";
+    s += if descending {
+        "  if (na != nb) return na;\n  if (!na && ka != kb) return ka > kb;\n"
+    } else {
+        "  if (na != nb) return nb;\n  if (!na && ka != kb) return ka < kb;\n"
+    };
+    s += "  return ia < ib;\n}\n";
+    s += &format!(
+        "extern \"C\" __global__ void {name}(long long* o, const {t}* __restrict__ x, K* keys, long long* pos, long long total, long long n, long long p, long long j, long long k, int phase) {{\n"
+    );
+    s += r#"  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+    const long long row = i / p, c = i % p;
+    if (phase == 0) {
+      pos[i] = c;
+      keys[i] = c < n ? (K)ld(x[row * n + c]) : (K)0;
+    } else if (phase == 2) {
+      if (c < n) o[row * n + c] = pos[i];
+    } else {
+      const long long partner = c ^ j;
+      if (partner <= c) continue;
+      const long long a = i, b = row * p + partner;
+      const bool up = (c & k) == 0;
+      const bool swap = up ? before(keys[b], pos[b], keys[a], pos[a], n) : before(keys[a], pos[a], keys[b], pos[b], n);
+      if (swap) {
+        const K tk = keys[a]; keys[a] = keys[b]; keys[b] = tk;
+        const long long tp = pos[a]; pos[a] = pos[b]; pos[b] = tp;
+      }
+    }
+  }
+}
+"#;
+    (s, name)
+}
+
 pub fn softmax_source(dtype: DType, log: bool, block: bool, causal: bool) -> (String, String) {
     let stem = if log { "log_softmax" } else { "softmax" };
     let name = format!("{}{}", row_kernel_name(stem, dtype, block), if causal { "_causal" } else { "" });

@@ -478,6 +478,7 @@ pub fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, devic
         Op::IndexSelect { dim } => index_read(&g, IndexKind::Select, x[0], x[1], *dim, meta)?,
         Op::Gather { dim } => index_read(&g, IndexKind::Gather, x[0], x[1], *dim, meta)?,
         Op::IndexAdd { dim } | Op::ScatterAdd { dim } => index_add(&g, op, x[0], x[1], x[2], *dim)?,
+        Op::ArgSort { descending } => argsort(&g, x[0], *descending)?,
         Op::Cat { dim } => cat(&g, &x, *dim, meta)?,
         Op::Reshape(_) | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_) => {
             return Err(Error::Msg(format!("{}: a view runs no kernel", op.name())))
@@ -1838,4 +1839,43 @@ pub(super) fn matmul_wgmma(
     let problem = (spec, m, n, k, a_rows);
     let parts = super::tune::choice(g, ("matmul_wgmma", &problem), default, candidates, |p| super::tune::time_graph(g, || run(p)));
     run(parts)
+}
+
+/// argsort of the rows of the last dim: a bitonic sort of (key, position) pairs over each row
+/// padded to a power of two `p` in scratch buffers, one launch per merge step (the kernel's
+/// phases: 0 fills the scratch, 1 is a compare-exchange step, 2 writes the first `n`
+/// positions of each row). Ties are ordered by position, so the result is the stable order.
+fn argsort(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), descending: bool) -> Result<CudaStorage> {
+    let n = l.shape[l.rank() - 1];
+    let rows = if n == 0 { 0 } else { l.numel() / n };
+    let out = CudaStorage::alloc(g, DType::I64, rows * n)?;
+    if rows == 0 {
+        return Ok(out);
+    }
+    let p = n.next_power_of_two();
+    let key_dtype = super::codegen::sort_key_dtype(s.dtype);
+    let src = dense(g, s, l)?;
+    let (keys, pos) = (CudaStorage::alloc(g, key_dtype, rows * p)?, CudaStorage::alloc(g, DType::I64, rows * p)?);
+    let k = g.kernel(super::spec_key("argsort", &(s.dtype, descending)), || super::codegen::argsort_source(s.dtype, descending))?;
+    let run = |phase: i32, (j, kk): (i64, i64)| -> Result<()> {
+        let (mut po, mut px, mut pk, mut pp) = (out.buf.ptr, src.ptr(), keys.buf.ptr, pos.buf.ptr);
+        let (mut total, mut nn, mut pw, mut jj, mut kkk, mut ph) = ((rows * p) as i64, n as i64, p as i64, j, kk, phase);
+        let mut params = kernel_params![po, px, pk, pp, total, nn, pw, jj, kkk, ph];
+        // SAFETY: (out, x, keys, pos, total, n, p, j, k, phase) matches the generated
+        // signature; x holds rows x n dense values, keys and pos rows x p, out rows x n; every
+        // thread's index stays below total = rows x p.
+        unsafe { g.launch(k, (g.grid_for(rows * p), 1), 256, 0, &mut params) }
+    };
+    run(0, (0, 0))?;
+    let mut kk = 2;
+    while kk <= p {
+        let mut j = kk / 2;
+        while j > 0 {
+            run(1, (j as i64, kk as i64))?;
+            j /= 2;
+        }
+        kk *= 2;
+    }
+    run(2, (0, 0))?;
+    Ok(out)
 }
