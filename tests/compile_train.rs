@@ -694,7 +694,8 @@ fn a_compiled_cnn_matches_eager() {
 #[test]
 fn compiled_lstm_and_gru_classifiers_match_eager() {
     for lstm in [true, false] {
-        let (eager, compiled) = (common::train_recurrent(Device::Cpu, None, 16, lstm), common::train_recurrent(Device::Cpu, Some(Mode::Default), 16, lstm));
+        let (eager, compiled) =
+            (common::train_recurrent(Device::Cpu, None, 16, lstm), common::train_recurrent(Device::Cpu, Some(Mode::Default), 16, lstm));
         let round = |r: usize| eager.losses[4 * r..4 * r + 4].iter().sum::<f32>();
         assert!(round(3) < 0.95 * round(0), "it trains: {:?}", eager.losses);
         common::assert_runs_agree(if lstm { "LSTM" } else { "GRU" }, &compiled, &eager, (1e-5, 1e-5));

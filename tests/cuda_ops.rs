@@ -1382,7 +1382,8 @@ fn sort_and_topk_match_the_cpu() {
     let dev = gpu();
     for n in [1, 7, 64, 1000, 5000] {
         // Whole numbers: many ties, which must keep their order.
-        let x = randn(&[3, n], 50 + n as u64, DType::F32).mul_scalar(4.0).unwrap().to_dtype(DType::I64).unwrap().to_dtype(DType::F32).unwrap();
+        let x =
+            randn(&[3, n], 50 + n as u64, DType::F32).mul_scalar(4.0).unwrap().to_dtype(DType::I64).unwrap().to_dtype(DType::F32).unwrap();
         for dt in [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I64, DType::U8] {
             let xt = x.to_dtype(dt).unwrap();
             for descending in [false, true] {

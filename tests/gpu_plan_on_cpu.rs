@@ -136,6 +136,11 @@ fn recurrent_classifiers_compiled_with_the_gpu_passes_match_eager_on_the_cpu() {
         let src = std::fs::read_to_string(&path).unwrap_or_default();
         std::fs::remove_file(&path).ok();
         nvrtc_compiles(if lstm { "LSTM" } else { "GRU" }, &src);
-        assert_runs_agree("GPU passes vs eager, recurrent on the CPU", &compiled, &common::train_recurrent(Device::Cpu, None, 8, lstm), (1e-5, 1e-5));
+        assert_runs_agree(
+            "GPU passes vs eager, recurrent on the CPU",
+            &compiled,
+            &common::train_recurrent(Device::Cpu, None, 8, lstm),
+            (1e-5, 1e-5),
+        );
     }
 }

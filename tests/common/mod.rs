@@ -186,7 +186,11 @@ pub fn train_recurrent(dev: Device, mode: Option<Mode>, steps: u64, lstm: bool) 
     kiln::tensor::rng::manual_seed(12);
     let cfg = RnnConfig::new(5, 8).num_layers(2);
     let model = if lstm {
-        Recurrent { lstm: Some(Lstm::new(cfg.bidirectional(true).batch_first(true), dev).unwrap()), gru: None, head: Linear::new(16, 3, true, dev).unwrap() }
+        Recurrent {
+            lstm: Some(Lstm::new(cfg.bidirectional(true).batch_first(true), dev).unwrap()),
+            gru: None,
+            head: Linear::new(16, 3, true, dev).unwrap(),
+        }
     } else {
         Recurrent { lstm: None, gru: Some(Gru::new(cfg, dev).unwrap()), head: Linear::new(8, 3, true, dev).unwrap() }
     };
@@ -200,7 +204,18 @@ pub fn train_recurrent(dev: Device, mode: Option<Mode>, steps: u64, lstm: bool) 
         let x = Tensor::rand_at(&[8, 6, 5], Distribution::Normal, 500, (i % 4) * 512, DType::F32, Device::Cpu).unwrap();
         // The class is the sign pattern of the first feature's sum: learnable from the sequence.
         let sums = x.narrow(2usize, 0, 1).unwrap().sum(&[1usize, 2], false).unwrap().to_vec::<f32>().unwrap();
-        let y: Vec<i64> = sums.iter().map(|s| if *s < -1.0 { 0 } else if *s < 1.0 { 1 } else { 2 }).collect();
+        let y: Vec<i64> = sums
+            .iter()
+            .map(|s| {
+                if *s < -1.0 {
+                    0
+                } else if *s < 1.0 {
+                    1
+                } else {
+                    2
+                }
+            })
+            .collect();
         let (x, y) = (x.to_device(dev).unwrap(), Tensor::from_vec(y, &[8], dev).unwrap());
         let out = if mode.is_some() { step.call(&[&x, &y]).unwrap() } else { f(&[x, y]).unwrap() };
         losses.push(out[0].clone());

@@ -230,7 +230,14 @@ pub fn conv1d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, win: &Window, 
 /// + output_padding + 1`: the gradient of `conv2d` with respect to its input. Computed as a
 /// convolution, stride 1, of the input with `s - 1` zeros between its values, padded by
 /// `d (k - 1) - p` (cropped where that is negative), with the flipped, transposed kernel.
-pub fn conv_transpose2d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, win: &Window, output_padding: Pair, groups: usize) -> Result<Tensor> {
+pub fn conv_transpose2d(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    win: &Window,
+    output_padding: Pair,
+    groups: usize,
+) -> Result<Tensor> {
     let [c, og, kh, kw] = *weight.shape() else {
         return Err(Error::shape("conv_transpose2d", format!("needs a weight [in, out / groups, kh, kw], got {:?}", weight.shape())));
     };
@@ -241,12 +248,18 @@ pub fn conv_transpose2d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, win:
     if groups == 0 || c % groups != 0 || x.rank() != 4 || x.shape()[1] != c {
         return Err(Error::shape(
             "conv_transpose2d",
-            format!("input {:?} against weight {:?} in {groups} group(s): needs an NCHW input with {c} channels", x.shape(), weight.shape()),
+            format!(
+                "input {:?} against weight {:?} in {groups} group(s): needs an NCHW input with {c} channels",
+                x.shape(),
+                weight.shape()
+            ),
         ));
     }
     // PyTorch's rule: the extra rows must be less than the stride or the dilation.
     if output_padding.0 >= s.0.max(d.0) || output_padding.1 >= s.1.max(d.1) {
-        return Err(Error::Msg(format!("conv_transpose2d: output_padding {output_padding:?} must be smaller than the stride {s:?} or the dilation {d:?}")));
+        return Err(Error::Msg(format!(
+            "conv_transpose2d: output_padding {output_padding:?} must be smaller than the stride {s:?} or the dilation {d:?}"
+        )));
     }
     let mut y = x.clone();
     for (dim, k, s, p, d, extra) in [(2, kh, s.0, p.0, d.0, output_padding.0), (3, kw, s.1, p.1, d.1, output_padding.1)] {

@@ -56,7 +56,14 @@ impl Gates {
         if ok {
             return Ok(());
         }
-        Err(Error::shape(op, format!("input {:?} and state {:?} for input size {input}, hidden size {hidden}: need [B, {input}] and [B, {hidden}]", x.shape(), h.shape())))
+        Err(Error::shape(
+            op,
+            format!(
+                "input {:?} and state {:?} for input size {input}, hidden size {hidden}: need [B, {input}] and [B, {hidden}]",
+                x.shape(),
+                h.shape()
+            ),
+        ))
     }
 }
 
@@ -133,7 +140,7 @@ impl GruCell {
     /// One step: `x [B, I]`, `h [B, H]`, to the next `h`.
     pub fn forward(&self, x: &Tensor, h: &Tensor) -> Result<Tensor> {
         self.gates.check_step("GRUCell", x, h)?;
-        let [h] = self.step_from(&self.gates.input_part(x)?, &[h.clone()])?;
+        let [h] = self.step_from(&self.gates.input_part(x)?, std::array::from_ref(h))?;
         Ok(h)
     }
 }

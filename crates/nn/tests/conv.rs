@@ -427,7 +427,8 @@ fn interpolation_gives_pytorchs_values() -> Result<()> {
     let nearest = [1.0, 1.0, 2.0, 2.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 4.0, 4.0, 3.0, 3.0, 4.0, 4.0];
     let bilinear = [1.0, 1.25, 1.75, 2.0, 1.5, 1.75, 2.25, 2.5, 2.5, 2.75, 3.25, 3.5, 3.0, 3.25, 3.75, 4.0];
     let t = 1.0 / 3.0;
-    let corners = [1.0, 1.0 + t, 2.0 - t, 2.0, 1.0 + 2.0 * t, 2.0, 2.0 + t, 3.0 - t, 2.0 + t, 3.0 - t, 3.0, 3.0 + t, 3.0, 3.0 + t, 4.0 - t, 4.0];
+    let corners =
+        [1.0, 1.0 + t, 2.0 - t, 2.0, 1.0 + 2.0 * t, 2.0, 2.0 + t, 3.0 - t, 2.0 + t, 3.0 - t, 3.0, 3.0 + t, 3.0, 3.0 + t, 4.0 - t, 4.0];
     let up = |mode| Upsample { scale: (2, 2), mode }.forward(&x);
     assert_close(&f64s(&up(Interpolation::Nearest)?), &nearest, 0.0);
     assert_close(&f64s(&up(Interpolation::Bilinear { align_corners: false })?), &bilinear, 1e-12);

@@ -124,7 +124,8 @@ fn a_two_layer_bidirectional_lstm_follows_pytorchs_equations() -> Result<()> {
     let (y, (hn, cn)) = lstm.forward_with(&x, Some((&h0, &c0)))?;
     assert_eq!((y.shape(), hn.shape(), cn.shape()), (&[b, t, 8][..], &[4, b, 4][..], &[4, b, 4][..]));
 
-    let cells: Vec<RefGates> = (0..2).flat_map(|l| (0..2).map(move |d| (l, d))).map(|(l, d)| RefGates::of(&lstm.cell(l, d).unwrap().gates)).collect();
+    let cells: Vec<RefGates> =
+        (0..2).flat_map(|l| (0..2).map(move |d| (l, d))).map(|(l, d)| RefGates::of(&lstm.cell(l, d).unwrap().gates)).collect();
     let xs = nest(&x.transpose(0usize, 1usize)?.contiguous()?);
     let (out, h, c) = reference(&cells, 2, &xs, &nest(&h0), Some(&nest(&c0)));
     close("output", &f64s(&y.transpose(0usize, 1usize)?.contiguous()?), &flat(&out), 1e-12);
@@ -213,7 +214,9 @@ fn gradients_match_finite_differences() -> Result<()> {
     let params = [g.weight_ih, g.weight_hh, g.bias_ih.unwrap(), g.bias_hh.unwrap(), normal(&[3, 2, 2], 43)];
     gradcheck(
         |t| {
-            let c = GruCell { gates: Gates { weight_ih: t[0].clone(), weight_hh: t[1].clone(), bias_ih: Some(t[2].clone()), bias_hh: Some(t[3].clone()) } };
+            let c = GruCell {
+                gates: Gates { weight_ih: t[0].clone(), weight_hh: t[1].clone(), bias_ih: Some(t[2].clone()), bias_hh: Some(t[3].clone()) },
+            };
             let mut h = Tensor::zeros(&[2, 3], DType::F64, Device::Cpu)?;
             for s in 0..3 {
                 h = c.forward(&t[4].narrow(0usize, s, 1)?.squeeze(0usize)?, &h)?;

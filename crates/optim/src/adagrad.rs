@@ -31,7 +31,9 @@ impl Adagrad {
         let what = "Adagrad";
         ensure(cfg.lr_decay >= 0.0, what, || format!("invalid lr_decay value: {}", cfg.lr_decay))?;
         ensure(cfg.weight_decay >= 0.0, what, || format!("invalid weight_decay value: {}", cfg.weight_decay))?;
-        ensure(cfg.initial_accumulator_value >= 0.0, what, || format!("invalid initial_accumulator_value value: {}", cfg.initial_accumulator_value))?;
+        ensure(cfg.initial_accumulator_value >= 0.0, what, || {
+            format!("invalid initial_accumulator_value value: {}", cfg.initial_accumulator_value)
+        })?;
         ensure(cfg.eps >= 0.0, what, || format!("invalid epsilon value: {}", cfg.eps))?;
         let core = Core { init: cfg.initial_accumulator_value, ..Core::new(what, params, cfg.lr, vec!["sum"])? };
         Ok(Adagrad { core, cfg })

@@ -831,7 +831,14 @@ fn lion_matches_its_published_update() {
         for &g in grads {
             p *= 1.0 - cfg.lr * cfg.weight_decay;
             let c = cfg.betas.0 * m + (1.0 - cfg.betas.0) * g;
-            p -= cfg.lr * if c > 0.0 { 1.0 } else if c < 0.0 { -1.0 } else { 0.0 };
+            p -= cfg.lr
+                * if c > 0.0 {
+                    1.0
+                } else if c < 0.0 {
+                    -1.0
+                } else {
+                    0.0
+                };
             m = cfg.betas.1 * m + (1.0 - cfg.betas.1) * g;
         }
         p

@@ -1847,7 +1847,7 @@ pub(super) fn matmul_wgmma(
 /// positions of each row). Ties are ordered by position, so the result is the stable order.
 fn argsort(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), descending: bool) -> Result<CudaStorage> {
     let n = l.shape[l.rank() - 1];
-    let rows = if n == 0 { 0 } else { l.numel() / n };
+    let rows = l.numel().checked_div(n).unwrap_or(0);
     let out = CudaStorage::alloc(g, DType::I64, rows * n)?;
     if rows == 0 {
         return Ok(out);
