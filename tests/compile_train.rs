@@ -789,6 +789,43 @@ fn train_eval_switches_and_grad_mode_pick_their_own_compiled_graph() -> Result<(
     Ok(())
 }
 
+/// Adversarial training (FGSM): the input detached inside the step takes a gradient, which
+/// perturbs it, and the model trains on the result. That leaf is the step's own: the graph is
+/// traced once (it was retraced every call, its stale gradient failing the guard) and
+/// matches eager.
+#[test]
+fn an_fgsm_step_with_an_input_gradient_compiles_once_and_matches_eager() -> Result<()> {
+    let run = |compiled: bool| -> Result<common::Run> {
+        kiln::tensor::rng::manual_seed(8);
+        let model = mlp(&[20, 16, 5], Device::Cpu)?;
+        let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr: 1e-2, ..AdamConfig::adamw() })?);
+        let f = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+            let x = xs[0].detach();
+            x.set_requires_grad(true);
+            cross_entropy(&model.forward(&x)?, &xs[1])?.backward()?;
+            let adv = x.add(&x.grad().unwrap().sign()?.mul_scalar(0.05)?)?.detach();
+            opt.borrow_mut().zero_grad()?;
+            let loss = cross_entropy(&model.forward(&adv)?, &xs[1])?;
+            loss.backward()?;
+            opt.borrow_mut().step()?;
+            opt.borrow_mut().zero_grad()?;
+            Ok(vec![loss])
+        };
+        let mut step = compile(Mode::Default, f);
+        let mut losses = Vec::new();
+        for i in 0..8 {
+            let (x, y) = data(i % 4, 16, 20, 5);
+            losses.push(if compiled { step.call(&[&x, &y])? } else { f(&[x, y])? }[0].item()? as f32);
+        }
+        if compiled {
+            assert_eq!(step.explain().graphs, 1, "{:?}", step.explain());
+        }
+        Ok(common::Run { losses, params: model.parameters().iter().map(|p| p.to_vec::<f32>()).collect::<Result<_>>()? })
+    };
+    common::assert_runs_agree("FGSM", &run(true)?, &run(false)?, (1e-5, 1e-5));
+    Ok(())
+}
+
 /// sort and topk inside a compiled step: one graph whose values, positions and gradients
 /// are eager's.
 #[test]

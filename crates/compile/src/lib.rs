@@ -294,7 +294,8 @@ where
         let start = Instant::now();
         // Inputs become fresh buffers so the trace can tell them from state.
         let owned: Vec<Tensor> = inputs.iter().map(|t| t.copy()).collect::<Result<_>>()?;
-        let recorder = Rc::new(trace::Recorder { rec: Default::default(), fullgraph: self.opts.fullgraph });
+        let first_tensor = kiln_tensor::next_tensor_id();
+        let recorder = Rc::new(trace::Recorder { rec: Default::default(), fullgraph: self.opts.fullgraph, first_tensor });
         let (gen0, first_new) = (rng::state(), kiln_tensor::storage::next_storage_id());
         let lazy = lazy::begin()?;
         let prev = set_tracer(Some(recorder.clone()));

@@ -47,6 +47,10 @@ pub struct Recording {
 pub struct Recorder {
     pub rec: RefCell<Recording>,
     pub fullgraph: bool,
+    /// Tensors with this id or more were made inside the step: a leaf among them (an input
+    /// detached to take its gradient, as adversarial training does) is a temporary of the
+    /// step, not a parameter whose gradient outlives it and guards the graph.
+    pub first_tensor: u64,
 }
 
 impl Recorder {
@@ -59,7 +63,8 @@ impl Recorder {
             dtype: t.dtype(),
             created_by,
         });
-        if t.is_leaf() && t.requires_grad() && !rec.leaves.iter().any(|(l, _)| l.id() == t.id()) {
+        let parameter = t.is_leaf() && t.requires_grad() && t.id().0 < self.first_tensor;
+        if parameter && !rec.leaves.iter().any(|(l, _)| l.id() == t.id()) {
             rec.leaves.push((t.clone(), t.grad().is_some()));
         }
         TRef { storage: id, layout: t.layout().clone(), dtype: t.dtype() }

@@ -55,3 +55,4 @@ pub use tensor::{
     autocast_dtype, is_anomaly_detection, is_grad_enabled, is_tracing, set_detect_anomaly, set_grad_enabled, set_tracer, Autocast, Flag,
     GradFn, Tensor, TensorId, Tracer,
 };
+pub use tensor::next_tensor_id;

@@ -16,6 +16,12 @@ pub struct TensorId(pub u64);
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
+/// The id the next tensor made will get (ids only grow): tensors with a smaller id existed
+/// before this call.
+pub fn next_tensor_id() -> u64 {
+    NEXT_ID.load(Ordering::Relaxed)
+}
+
 /// What autograd needs to differentiate an op's output: the op and its inputs (with the
 /// storage versions they had, to catch in-place writes that would make backward wrong).
 /// The output itself is not saved (that would be a cycle); backward receives it.
