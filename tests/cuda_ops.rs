@@ -395,7 +395,11 @@ fn layer_norm_grads_with_a_residual_match_the_separate_add() {
                 let op = kiln::tensor::Op::NormalizeParamGrads { eps: 1e-5, sums: Some(sums), copy: None };
                 let with = |v: &[Tensor]| Tensor::apply(op.clone(), &v.iter().take(k).collect::<Vec<_>>(), v[0].device());
                 let what = format!("{what}: {k} inputs, sums in {sums:?}");
-                both(&what, &ins, tol(xd) * 100.0, |v| {
+                // Summing dx rounded to BF16: a last-bit difference in an F64 dx can round it
+                // the other way, a BF16 step of that element in the sum (H100, session 40:
+                // -10.1751 against -10.1712 in a row of 300).
+                let t = if sums == DType::BF16 { tol(DType::BF16) / 4.0 } else { tol(xd) * 100.0 };
+                both(&what, &ins, t, |v| {
                     let f = with(v)?;
                     Tensor::cat(&[&f.narrow(0, 0, 3 * n)?, &f.narrow(0, to, numel)?], 0)
                 });

@@ -10,10 +10,11 @@
 # tests: the four GPU suites, their result lines in $OUT/tests.log (full output beside it);
 # bench: bench_gpu's GPT BF16 and FP32, MLP b32 and Transformer steps, ReduceOverhead and
 #        MaxAutotune, two rounds, JSON lines in $OUT/bench.jsonl;
-# ab:    GPT BF16 with sessions 35-36's changes, then with each turned off in turn
-#        (`KILN_WIDE_RESIDUAL=0`, `KILN_PAD_PRODUCTS=0`, `KILN_LN_SUMS=0`,
-#        `KILN_LN_COPIES=0`, `KILN_GATED_SUMS=0`), two rounds, then `MaxAutotune` in a fresh cache folder with
-#        the tuned choices of Kiln's own kernels printed (`KILN_LOG=kernels`): $OUT/ab.log;
+# ab:    GPT BF16 `ReduceOverhead`, two rounds, once per setting in $AB (space-separated
+#        `VAR=value` switches of a change being measured; none left since session 40, when
+#        the five of sessions 35-36 measured faster on and were removed), then `MaxAutotune` in
+#        a fresh cache folder with the tuned choices of Kiln's own kernels printed
+#        (`KILN_LOG=kernels`): $OUT/ab.log;
 # ncu:   per-kernel device times of GPT BF16 `ReduceOverhead` steps, graph nodes profiled as
 #        replayed (caches and clocks untouched): $OUT/ncu.csv, summed by kernel in $OUT/ncu_top.txt.
 # Each part prints what it ran; a failing suite does not stop the others.
@@ -49,8 +50,8 @@ fi
 if [[ $parts == *ab* ]]; then
   b=$bin/examples/bench_gpu
   for round in 1 2; do
-    for off in KILN_NONE KILN_WIDE_RESIDUAL KILN_PAD_PRODUCTS KILN_LN_SUMS KILN_LN_COPIES KILN_GATED_SUMS; do
-      echo "round $round, $off=0: $(env "$off=0" "$b" --only gpt_bf16 --modes reduce-overhead --steps 20 2>/dev/null | grep -o '"median_ms": [0-9.]*')" | tee -a "$out/ab.log"
+    for setting in KILN_NONE=0 ${AB:-}; do
+      echo "round $round, $setting: $(env "$setting" "$b" --only gpt_bf16 --modes reduce-overhead --steps 20 2>/dev/null | grep -o '"median_ms": [0-9.]*')" | tee -a "$out/ab.log"
     done
   done
   for w in gpt_bf16 transformer_fwd mlp_b32; do

@@ -285,11 +285,10 @@ pub fn fuse_matmuls(g: &Graph, gpu: bool) -> Graph {
                     let node = &out.nodes[i];
                     // Through a widening cast, read whole and only here (autocast's 16-bit
                     // product added to the F32 residual stream): the epilogue adds the
-                    // product before it is rounded to 16 bits.
+                    // product before it is rounded to 16 bits. (GPT BF16 on an H100, session
+                    // 40: 4.59-4.61 ms a step with it, 4.69-4.71 without.)
                     let p = match &out.nodes[x.node].kind {
-                        Kind::Op(Op::Cast(to), c)
-                            if widened_residuals() && *to == node.dtype && uses[x.node] == 1 && whole(&c[0], &out.nodes[c[0].node]) =>
-                        {
+                        Kind::Op(Op::Cast(to), c) if *to == node.dtype && uses[x.node] == 1 && whole(&c[0], &out.nodes[c[0].node]) => {
                             let from = out.nodes[c[0].node].dtype;
                             let widens = matches!(from, DType::BF16 | DType::F16) && *to == DType::F32;
                             let alone = !written.contains(&x.node) && !bases.contains(&x.node) && y.node != x.node;
@@ -419,10 +418,10 @@ pub fn fuse_matmuls(g: &Graph, gpu: bool) -> Graph {
 /// contraction of `k` grows zero columns in the left operand and zero rows in `w`, so each
 /// of the head's three products (`h w^T`, `g w`, `g^T h`) reads a padded copy. Only where
 /// every reader of a padded product reads whole rows of it, and each padded operand is a
-/// dense node read as rows (or their transpose). `KILN_PAD_PRODUCTS=0` turns it off (the
-/// A/B switch for measuring it).
+/// dense node read as rows (or their transpose). GPT BF16 on an H100 (session 40): 4.59-4.61
+/// ms a step with it, 4.65 without.
 pub fn pad_unaligned_products(g: &Graph, gpu: bool) -> Graph {
-    if !gpu || std::env::var("KILN_PAD_PRODUCTS").is_ok_and(|v| v == "0") {
+    if !gpu {
         return g.clone();
     }
     let mut out = g.clone();
@@ -569,12 +568,6 @@ fn each_arg_of(node: &mut crate::graph::Node, p: NodeId, mut f: impl FnMut(&mut 
     if let Kind::Op(_, args) = &mut node.kind {
         args.iter_mut().filter(|a| a.node == p).for_each(|a| f(&mut a.layout));
     }
-}
-
-/// Whether `fuse_matmuls` folds a widened 16-bit product's residual add into the product
-/// (`KILN_WIDE_RESIDUAL=0` keeps the cast and the add apart: the A/B switch for measuring it).
-fn widened_residuals() -> bool {
-    std::env::var("KILN_WIDE_RESIDUAL").map_or(true, |v| v != "0")
 }
 
 /// `perm` (view dim `d` is dim `perm[d]` of `shape`) when `view` reads a contiguous buffer of
@@ -1005,11 +998,11 @@ pub fn fold_residual_into_ln_grads(g: &Graph, gpu: bool) -> Graph {
 /// summed by the layer norm's backward as it stores dx (`NormalizeParamGrads`'s `sums` row,
 /// the values rounded to the copy's dtype first): the sum becomes a cast of that row, and no
 /// column sums read the copy again (GPT: the `proj` and `fc2` biases, 12.6 MB each in BF16).
-/// Readers of dx move with it to `ln_grads_dx_at(n, true)`. `KILN_LN_SUMS=0` turns it off
-/// (the A/B switch for measuring it).
+/// Readers of dx move with it to `ln_grads_dx_at(n, true)`. GPT BF16 on an H100 (session 40):
+/// 4.59-4.61 ms a step with it, 4.65-4.66 without.
 pub fn ln_bias_sums(g: &Graph, gpu: bool) -> Graph {
     let mut out = g.clone();
-    if !gpu || std::env::var("KILN_LN_SUMS").is_ok_and(|v| v == "0") {
+    if !gpu {
         return out;
     }
     let (pinned, _) = pinned_and_escaping(g);
@@ -1080,10 +1073,10 @@ pub fn ln_bias_sums(g: &Graph, gpu: bool) -> Graph {
 /// the residual gradient folded in, that the products read) is written by the layer norm's
 /// backward as it stores dx: its op gets `copy`, and the executor takes both from one kernel
 /// (`dx_copies`), the cast's own step doing nothing (GPT: twelve 9.5 us casts of 25 MB).
-/// `KILN_LN_COPIES=0` turns it off (the A/B switch for measuring it).
+/// GPT BF16 on an H100 (session 40): 4.59-4.61 ms a step with it, 4.75-4.77 without.
 pub fn ln_dx_copies(g: &Graph, gpu: bool) -> Graph {
     let mut out = g.clone();
-    if !gpu || std::env::var("KILN_LN_COPIES").is_ok_and(|v| v == "0") {
+    if !gpu {
         return out;
     }
     for (i, alone) in unpinned(g).into_iter().enumerate() {
@@ -1136,10 +1129,11 @@ pub fn dx_copies(g: &Graph) -> Vec<Option<NodeId>> {
 /// `Op::GatedSums`: the column-sum kernel makes y as it sums it, so that y is not read again
 /// (GPT's `fc1` under autocast: 50 MB a layer). The sum's readers read the op's tail, y's
 /// its head. (cuBLASLt's DGELU epilogue keeps the tanh form's gradient, and the thin product
-/// ReLU's.) `KILN_GATED_SUMS=0` turns it off (the A/B switch for measuring it).
+/// ReLU's.) GPT BF16 on an H100 (session 40): 4.59-4.61 ms a step with it, 4.65-4.66
+/// without.
 pub fn fuse_gated_sums(g: &Graph, gpu: bool) -> Graph {
     let mut out = g.clone();
-    if !gpu || std::env::var("KILN_GATED_SUMS").is_ok_and(|v| v == "0") {
+    if !gpu {
         return out;
     }
     let uses = readers(g);
