@@ -270,6 +270,11 @@ impl<C: Cell> Stack<C> {
         Ok((input, finals))
     }
 
+    fn cell(&self, layer: usize, direction: usize) -> Option<&C> {
+        let d = self.cfg.directions();
+        self.cells.get(layer * d + direction).filter(|_| direction < d)
+    }
+
     /// `[T, B, H]` back to the caller's layout.
     fn output(&self, y: Tensor) -> Result<Tensor> {
         if self.cfg.batch_first {
@@ -338,7 +343,7 @@ impl Lstm {
     }
     /// The cell of `layer` (0 first) and `direction` (1 the reverse).
     pub fn cell(&self, layer: usize, direction: usize) -> Option<&LstmCell> {
-        self.0.cells.get(layer * self.0.cfg.directions() + direction).filter(|_| direction < self.0.cfg.directions())
+        self.0.cell(layer, direction)
     }
 
     pub fn forward_with(&self, x: &Tensor, state: Option<(&Tensor, &Tensor)>) -> Result<(Tensor, (Tensor, Tensor))> {
@@ -384,7 +389,7 @@ impl Gru {
     }
     /// The cell of `layer` (0 first) and `direction` (1 the reverse).
     pub fn cell(&self, layer: usize, direction: usize) -> Option<&GruCell> {
-        self.0.cells.get(layer * self.0.cfg.directions() + direction).filter(|_| direction < self.0.cfg.directions())
+        self.0.cell(layer, direction)
     }
 
     pub fn forward_with(&self, x: &Tensor, h0: Option<&Tensor>) -> Result<(Tensor, Tensor)> {

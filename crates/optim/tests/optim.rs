@@ -746,6 +746,25 @@ fn reduce_lr_on_plateau_by_hand() {
     assert!((opt.lr() - 0.03).abs() < 1e-12);
 }
 
+/// Runs an optimizer `make` builds over one parameter starting at [1, -3] through `grads`,
+/// checks each element against `reference(start, its gradients)`, and returns the names of
+/// the optimizer's state.
+fn check_two_weights<O: Optimizer>(
+    make: impl FnOnce(Vec<Tensor>) -> O,
+    grads: &[[f64; 2]],
+    reference: impl Fn(f64, &[f64]) -> f64,
+) -> Vec<String> {
+    let p = param(&[1.0, -3.0]);
+    let mut opt = make(vec![p.clone()]);
+    for g in grads {
+        set_grad(&p, g);
+        opt.step().unwrap();
+    }
+    let want: Vec<f64> = (0..2).map(|k| reference([1.0, -3.0][k], &grads.iter().map(|g| g[k]).collect::<Vec<_>>())).collect();
+    assert_close(&values(&p), &want, 1e-12);
+    opt.state_tensors().into_iter().map(|(n, _)| n).collect()
+}
+
 /// RMSprop against a scalar f64 re-implementation of `torch.optim.RMSprop`'s formula, plain
 /// and with weight decay, momentum and centring together, three steps of changing gradients.
 #[test]
@@ -775,15 +794,7 @@ fn rmsprop_matches_pytorchs_formula() {
     let grads = [[0.5, -2.0], [0.25, 1.0], [-1.0, 0.5]];
     let full = RmsPropConfig { lr: 0.05, alpha: 0.9, eps: 1e-6, weight_decay: 0.1, momentum: 0.5, centered: true };
     for cfg in [RmsPropConfig::default(), full] {
-        let p = param(&[1.0, -3.0]);
-        let mut opt = RmsProp::new(vec![p.clone()], cfg).unwrap();
-        for g in grads {
-            set_grad(&p, &g);
-            opt.step().unwrap();
-        }
-        let want: Vec<f64> = (0..2).map(|k| reference(cfg, [1.0, -3.0][k], &grads.map(|g| g[k]))).collect();
-        assert_close(&values(&p), &want, 1e-12);
-        let names: Vec<String> = opt.state_tensors().into_iter().map(|(n, _)| n).collect();
+        let names = check_two_weights(|p| RmsProp::new(p, cfg).unwrap(), &grads, |p0, g| reference(cfg, p0, g));
         assert!(names.contains(&"state.0.square_avg".to_string()), "{names:?}");
         assert_eq!(names.contains(&"state.0.grad_avg".to_string()), cfg.centered);
     }
@@ -807,15 +818,7 @@ fn adagrad_matches_pytorchs_formula() {
     let grads = [[0.5, -2.0], [0.25, 1.0], [-1.0, 0.5]];
     let full = AdagradConfig { lr: 0.1, lr_decay: 0.5, weight_decay: 0.1, initial_accumulator_value: 0.25, eps: 1e-6 };
     for cfg in [AdagradConfig::default(), full] {
-        let p = param(&[1.0, -3.0]);
-        let mut opt = Adagrad::new(vec![p.clone()], cfg).unwrap();
-        for g in grads {
-            set_grad(&p, &g);
-            opt.step().unwrap();
-        }
-        let want: Vec<f64> = (0..2).map(|k| reference(cfg, [1.0, -3.0][k], &grads.map(|g| g[k]))).collect();
-        assert_close(&values(&p), &want, 1e-12);
-        let names: Vec<String> = opt.state_tensors().into_iter().map(|(n, _)| n).collect();
+        let names = check_two_weights(|p| Adagrad::new(p, cfg).unwrap(), &grads, |p0, g| reference(cfg, p0, g));
         assert!(names.contains(&"state.0.sum".to_string()), "{names:?}");
     }
     let e = Adagrad::new(vec![param(&[1.0])], AdagradConfig { lr_decay: -1.0, ..AdagradConfig::default() }).err().unwrap().to_string();
@@ -845,14 +848,8 @@ fn lion_matches_its_published_update() {
     };
     let grads = [[0.5, -2.0], [0.25, 1.0], [-10.0, 0.5], [0.0, 0.0]];
     for cfg in [LionConfig { lr: 0.1, ..LionConfig::default() }, LionConfig { lr: 0.01, betas: (0.5, 0.9), weight_decay: 2.0 }] {
-        let p = param(&[1.0, -3.0]);
-        let mut opt = Lion::new(vec![p.clone()], cfg).unwrap();
-        for g in grads {
-            set_grad(&p, &g);
-            opt.step().unwrap();
-        }
-        let want: Vec<f64> = (0..2).map(|k| reference(cfg, [1.0, -3.0][k], &grads.map(|g| g[k]))).collect();
-        assert_close(&values(&p), &want, 1e-12);
+        let names = check_two_weights(|p| Lion::new(p, cfg).unwrap(), &grads, |p0, g| reference(cfg, p0, g));
+        assert_eq!(names, ["step", "lr", "state.0.exp_avg"]);
     }
     // Plain Lion moves by exactly lr a step: 1 - 0.1 - 0.1 + 0.1 + 0.1 (the last gradient is
     // zero, but momentum remembers the third).
