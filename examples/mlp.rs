@@ -1,9 +1,10 @@
-//! Train a 784-256-10 MLP classifier (or with `--model cnn` a small CNN) with AdamW, eagerly
+//! Train a 784-256-10 MLP classifier (or with `--model cnn` a small CNN, `--model lstm` an LSTM
+//! reading each image row by row) with AdamW, eagerly
 //! and compiled from the same seed, and compare them.
 //!
 //!   cargo run --release --example mlp                    # embedded digits: eager vs compiled
 //!   cargo run --release --example mlp -- --mnist DIR     # MNIST in its IDX format
-//!   options: --mode eager|compiled|both (both) --epochs 2 --batch 32 --lr 1e-3 --model mlp|cnn
+//!   options: --mode eager|compiled|both (both) --epochs 2 --batch 32 --lr 1e-3 --model mlp|cnn|lstm
 //!            --device cpu|cuda --compile-mode default|reduce-overhead|max-autotune
 //!            --train 60000 --seed 0
 //!            --checkpoint-every N --checkpoint-dir DIR (checkpoints/mlp) --resume
@@ -130,12 +131,14 @@ fn train(compiled: bool, device: Device, train: &Dataset, test: &Dataset, epochs
     })
 }
 
-/// `--model mlp` (784-256-10) or `cnn` (`kiln::models::cnn`), and its name.
+/// `--model mlp` (784-256-10), `cnn` (`kiln::models::cnn`) or `lstm`
+/// (`kiln::models::lstm_classifier`), and its name.
 fn make_model(d: &Dataset, device: Device) -> Result<(&'static str, Sequential)> {
     match common::opt("--model").as_deref() {
         None | Some("mlp") => Ok(("MLP 784-256-10", kiln::models::mlp(&[d.rows * d.cols, 256, 10], device)?)),
         Some("cnn") => Ok(("CNN conv8-bn-pool-conv16-bn-pool-linear", kiln::models::cnn(d.rows, d.cols, 10, device)?)),
-        Some(other) => Err(Error::Msg(format!("--model {other}: expected mlp or cnn"))),
+        Some("lstm") => Ok(("LSTM over image rows (128 units) + linear", kiln::models::lstm_classifier(d.rows, d.cols, 128, 10, device)?)),
+        Some(other) => Err(Error::Msg(format!("--model {other}: expected mlp, cnn or lstm"))),
     }
 }
 

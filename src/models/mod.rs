@@ -4,7 +4,7 @@ pub mod gpt;
 
 pub use gpt::{Gpt, GptConfig};
 
-use kiln_nn::{BatchNorm, Conv2d, Flatten, Forward, Linear, MaxPool2d, Module, Relu, Sequential, Window};
+use kiln_nn::{BatchNorm, Conv2d, Flatten, Forward, Linear, Lstm, MaxPool2d, Module, Relu, RnnConfig, Sequential, Window};
 use kiln_tensor::{Device, Error, Result, Tensor};
 
 /// A ReLU MLP with the given layer sizes, e.g. `[784, 256, 10]`.
@@ -26,7 +26,7 @@ pub fn mlp(sizes: &[usize], device: Device) -> Result<Sequential> {
 pub fn cnn(rows: usize, cols: usize, classes: usize, device: Device) -> Result<Sequential> {
     let (conv, pool) = (Window::new((3, 3)).padding((1, 1)), Window::new((2, 2)).stride((2, 2)));
     Ok(Sequential::new()
-        .add(Image { rows, cols })
+        .add(Image { rows, cols, channel: true })
         .add(Conv2d::new(1, 8, conv, false, device)?)
         .add(BatchNorm::new(8, device)?)
         .add(Relu)
@@ -39,22 +39,55 @@ pub fn cnn(rows: usize, cols: usize, classes: usize, device: Device) -> Result<S
         .add(Linear::new(16 * (rows / 4) * (cols / 4), classes, true, device)?))
 }
 
-/// Flat image rows `[N, rows * cols]` viewed as `[N, 1, rows, cols]`.
+/// The classic sequence view of images: each image's `rows` rows read in order by a
+/// batch-first LSTM of `hidden` units (`cols` inputs a step), its last output through a
+/// linear layer to `classes`.
+pub fn lstm_classifier(rows: usize, cols: usize, hidden: usize, classes: usize, device: Device) -> Result<Sequential> {
+    Ok(Sequential::new()
+        .add(Image { rows, cols, channel: false })
+        .add(Lstm::new(RnnConfig::new(cols, hidden).batch_first(true), device)?)
+        .add(LastStep)
+        .add(Linear::new(hidden, classes, true, device)?))
+}
+
+/// Flat image rows `[N, rows * cols]` viewed as `[N, 1, rows, cols]` (`channel`) or as a
+/// sequence of rows `[N, rows, cols]`.
 struct Image {
     rows: usize,
     cols: usize,
+    channel: bool,
 }
 
 impl Forward for Image {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if x.rank() != 2 || x.shape()[1] != self.rows * self.cols {
             return Err(Error::shape(
-                "cnn",
+                "image model",
                 format!("needs flat {}x{} images [N, {}], got {:?}", self.rows, self.cols, self.rows * self.cols, x.shape()),
             ));
         }
-        x.reshape(&[x.shape()[0], 1, self.rows, self.cols])
+        if self.channel {
+            x.reshape(&[x.shape()[0], 1, self.rows, self.cols])
+        } else {
+            x.reshape(&[x.shape()[0], self.rows, self.cols])
+        }
     }
+}
+
+/// `[N, T, H]` to the last step's `[N, H]`.
+struct LastStep;
+
+impl Forward for LastStep {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match x.dim(1usize)? {
+            0 => Err(Error::shape("last step", format!("an empty sequence {:?}", x.shape()))),
+            t => x.narrow(1usize, t - 1, 1)?.squeeze(1usize),
+        }
+    }
+}
+
+impl Module for LastStep {
+    fn visit(&self, _: &str, _: &mut dyn FnMut(String, &Tensor)) {}
 }
 
 impl Module for Image {
