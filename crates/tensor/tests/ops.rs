@@ -848,3 +848,27 @@ fn sort_argsort_and_topk_follow_pytorch() -> Result<()> {
     assert!(e.contains("k = 4") && e.contains("[3, 2]"), "{e}");
     Ok(())
 }
+
+#[test]
+fn gather_and_scatter_add_with_full_and_smaller_indices() -> Result<()> {
+    // src [3, 4] = 0..12.
+    let src = Tensor::arange(12, DType::F32, CPU)?.reshape(&[3, 4])?;
+    // Full outside dim 1 (the direct walk): rows 0, 1, 2 pick columns (3, 0), (1, 1), (2, 3).
+    let full = Tensor::from_slice(&[3i64, 0, 1, 1, 2, 3], &[3, 2], CPU)?;
+    assert_eq!(v(&src.gather(1, &full)?), [3.0, 0.0, 5.0, 5.0, 10.0, 11.0]);
+    // Smaller outside the dim (the remapped walk): an index [2, 2] reads rows 0 and 1 only.
+    let small = Tensor::from_slice(&[3i64, 0, 1, 1], &[2, 2], CPU)?;
+    assert_eq!(v(&src.gather(1, &small)?), [3.0, 0.0, 5.0, 5.0]);
+    // Along dim 0, full: column j picks row index[.., j].
+    let rows = Tensor::from_slice(&[2i64, 0, 1, 2], &[1, 4], CPU)?;
+    assert_eq!(v(&src.gather(0, &rows)?), [8.0, 1.0, 6.0, 11.0]);
+    // scatter_add sends each value back; repeated positions add up.
+    let ones = Tensor::ones(&[3, 2], DType::F32, CPU)?;
+    let back = Tensor::zeros(&[3, 4], DType::F32, CPU)?.scatter_add(1, &full, &ones)?;
+    assert_eq!(v(&back), [1.0, 0.0, 0.0, 1.0, 0.0, 2.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0]);
+    let back = Tensor::zeros(&[3, 4], DType::F32, CPU)?.scatter_add(1, &small, &Tensor::ones(&[2, 2], DType::F32, CPU)?)?;
+    assert_eq!(v(&back), [1.0, 0.0, 0.0, 1.0, 0.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
+    let e = src.gather(1, &Tensor::from_slice(&[4i64, 0, 0, 0, 0, 0], &[3, 2], CPU)?).unwrap_err().to_string();
+    assert!(e.contains('4'), "{e}");
+    Ok(())
+}

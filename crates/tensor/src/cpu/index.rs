@@ -64,6 +64,39 @@ fn each_index(idx_shape: &[usize], dim: usize, mut f: impl FnMut(usize, usize, u
     Ok(())
 }
 
+/// Where each index element lands: `f(position, offset in the tensor of shape, index value)`.
+/// An index that matches `shape` outside `dim` (the usual case: argmax's positions, a max
+/// pool's windows) walks its offsets directly; a smaller one goes through `remap`.
+fn each_target(
+    op: &'static str,
+    idx_shape: &[usize],
+    shape: &[usize],
+    dim: usize,
+    index: &[i64],
+    mut f: impl FnMut(usize, usize),
+) -> Result<()> {
+    let same = idx_shape.len() == shape.len() && (0..shape.len()).all(|d| d == dim || idx_shape[d] == shape[d]);
+    if !same {
+        return each_index(idx_shape, dim, |p, o, _, i| {
+            let t = check(op, index[p], dim, shape[dim])?;
+            f(p, remap(idx_shape, shape, dim, o, t, i));
+            Ok(())
+        });
+    }
+    let (outer, size, inner) = split3(idx_shape, dim);
+    let full = shape[dim];
+    let mut p = 0;
+    for o in 0..outer {
+        for _ in 0..size {
+            for i in 0..inner {
+                f(p, (o * full + check(op, index[p], dim, full)?) * inner + i);
+                p += 1;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Position of `(o, i)` of an index shape inside a tensor of `shape` whose outer and inner
 /// extents may be larger (index shapes may be smaller than the input outside `dim`).
 fn remap(idx_shape: &[usize], shape: &[usize], dim: usize, o: usize, t: usize, i: usize) -> usize {
@@ -89,22 +122,13 @@ fn remap(idx_shape: &[usize], shape: &[usize], dim: usize, o: usize, t: usize, i
 
 pub fn gather<T: Element>(src: &[T], shape: &[usize], dim: usize, index: &[i64], idx_shape: &[usize]) -> Result<Vec<T>> {
     let mut out = pool::take::<T>(index.len());
-    each_index(idx_shape, dim, |p, o, _, i| {
-        let t = check("gather", index[p], dim, shape[dim])?;
-        out[p] = src[remap(idx_shape, shape, dim, o, t, i)];
-        Ok(())
-    })?;
+    each_target("gather", idx_shape, shape, dim, index, |p, at| out[p] = src[at])?;
     Ok(out)
 }
 
 /// In place on `base` (row-major `shape`).
 pub fn scatter_add<T: Element>(base: &mut [T], shape: &[usize], dim: usize, index: &[i64], idx_shape: &[usize], src: &[T]) -> Result<()> {
-    each_index(idx_shape, dim, |p, o, _, i| {
-        let t = check("scatter_add", index[p], dim, shape[dim])?;
-        let d = remap(idx_shape, shape, dim, o, t, i);
-        base[d] = T::from_f64(base[d].to_f64() + src[p].to_f64());
-        Ok(())
-    })
+    each_target("scatter_add", idx_shape, shape, dim, index, |p, d| base[d] = T::from_f64(base[d].to_f64() + src[p].to_f64()))
 }
 
 /// Concatenate row-major parts along `dim`.
