@@ -2,7 +2,8 @@
 //! index_add, gather, scatter_add, cat. Every index is checked; a bad one is an error.
 
 use super::pool;
-use crate::{Element, Error, Result};
+use super::strided::Strided;
+use crate::{Element, Error, Layout, Result};
 use rayon::prelude::*;
 
 /// `[outer, size_of_dim, inner]` for a dim of a shape.
@@ -131,19 +132,33 @@ pub fn scatter_add<T: Element>(base: &mut [T], shape: &[usize], dim: usize, inde
     each_target("scatter_add", idx_shape, shape, dim, index, |p, d| base[d] = T::from_f64(base[d].to_f64() + src[p].to_f64()))
 }
 
-/// Concatenate row-major parts along `dim`.
-pub fn cat<T: Element>(parts: &[(&[T], &[usize])], dim: usize, out_shape: &[usize]) -> Vec<T> {
+/// Concatenates parts along `dim`, each read through its own layout straight into its
+/// slice of each output row (a strided part is not first copied out): output row `o` (the
+/// dims before `dim`) holds part `p`'s elements `o * w_p .. (o + 1) * w_p` in its order.
+pub fn cat<T: Element>(parts: &[(&[T], &Layout)], dim: usize, out_shape: &[usize]) -> Vec<T> {
     let (outer, total, inner) = split3(out_shape, dim);
     let mut out = pool::take::<T>(outer * total * inner);
-    let mut at = 0;
-    for (data, shape) in parts {
-        let w = shape[dim] * inner;
-        for o in 0..outer {
-            let d = o * total * inner + at;
-            out[d..d + w].copy_from_slice(&data[o * w..o * w + w]);
-        }
-        at += w;
+    let row = total * inner;
+    if row == 0 {
+        return out;
     }
+    let walks: Vec<(&[T], Strided<1>, usize)> =
+        parts.iter().map(|(data, l)| (*data, Strided::new(&l.shape, [&l.strides], [l.offset]), l.shape[dim] * inner)).collect();
+    out.par_chunks_mut(row).with_min_len(8).enumerate().for_each(|(o, dst)| {
+        let mut at = 0;
+        for (data, it, w) in &walks {
+            let [st] = it.inner_strides();
+            it.runs(o * w, (o + 1) * w, |pos, [from], len| {
+                let d = &mut dst[at + pos - o * w..at + pos - o * w + len];
+                if st == 1 {
+                    d.copy_from_slice(&data[from..from + len]);
+                } else {
+                    d.iter_mut().enumerate().for_each(|(j, x)| *x = data[from + j * st]);
+                }
+            });
+            at += w;
+        }
+    });
     out
 }
 

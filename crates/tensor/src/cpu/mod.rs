@@ -539,9 +539,8 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
         }
         Op::Cat { dim } => {
             fn go<T: CpuSlice>(ins: &[(&CpuStorage, &Layout)], dim: usize, shape: &[usize]) -> Result<Vec<T>> {
-                let parts: Vec<Cow<[T]>> = ins.iter().map(|(s, l)| Ok(contig(typed::<T>(s, "cat")?, l))).collect::<Result<_>>()?;
-                let refs: Vec<(&[T], &[usize])> = parts.iter().zip(ins).map(|(p, (_, l))| (&p[..], &l.shape[..])).collect();
-                Ok(index::cat(&refs, dim, shape))
+                let parts: Vec<(&[T], &Layout)> = ins.iter().map(|(s, l)| Ok((typed::<T>(s, "cat")?, *l))).collect::<Result<_>>()?;
+                Ok(index::cat(&parts, dim, shape))
             }
             match ins[0].0.dtype() {
                 DType::F32 => CpuStorage::F32(go(ins, *dim, &meta.shape)?),
