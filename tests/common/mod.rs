@@ -161,18 +161,21 @@ pub fn train_cnn(dev: Device, mode: Option<Mode>, steps: u64) -> Run {
 
 /// A sequence classifier: a two-layer bidirectional LSTM (batch first) or a two-layer GRU,
 /// its last step through a linear head.
+enum Cells {
+    Lstm(kiln::nn::Lstm),
+    Gru(kiln::nn::Gru),
+}
+
 struct Recurrent {
-    lstm: Option<kiln::nn::Lstm>,
-    gru: Option<kiln::nn::Gru>,
+    cells: Cells,
     head: kiln::nn::Linear,
 }
 
 impl Forward for Recurrent {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = match (&self.lstm, &self.gru) {
-            (Some(l), _) => l.forward(x)?,
-            (_, Some(g)) => g.forward(&x.transpose(0usize, 1usize)?)?.transpose(0usize, 1usize)?,
-            _ => unreachable!("one of the two"),
+        let y = match &self.cells {
+            Cells::Lstm(l) => l.forward(x)?,
+            Cells::Gru(g) => g.forward(&x.transpose(0usize, 1usize)?)?.transpose(0usize, 1usize)?,
         };
         let t = y.shape()[1];
         self.head.forward(&y.narrow(1usize, t - 1, 1)?.squeeze(1usize)?)
@@ -185,16 +188,16 @@ pub fn train_recurrent(dev: Device, mode: Option<Mode>, steps: u64, lstm: bool) 
     use kiln::nn::{Gru, Linear, Lstm, RnnConfig};
     kiln::tensor::rng::manual_seed(12);
     let cfg = RnnConfig::new(5, 8).num_layers(2);
-    let model = if lstm {
-        Recurrent {
-            lstm: Some(Lstm::new(cfg.bidirectional(true).batch_first(true), dev).unwrap()),
-            gru: None,
-            head: Linear::new(16, 3, true, dev).unwrap(),
-        }
+    let (cells, width) = if lstm {
+        (Cells::Lstm(Lstm::new(cfg.bidirectional(true).batch_first(true), dev).unwrap()), 16)
     } else {
-        Recurrent { lstm: None, gru: Some(Gru::new(cfg, dev).unwrap()), head: Linear::new(8, 3, true, dev).unwrap() }
+        (Cells::Gru(Gru::new(cfg, dev).unwrap()), 8)
     };
-    let mut params: Vec<Tensor> = model.lstm.as_ref().map(|l| l.parameters()).or(model.gru.as_ref().map(|g| g.parameters())).unwrap();
+    let model = Recurrent { cells, head: Linear::new(width, 3, true, dev).unwrap() };
+    let mut params: Vec<Tensor> = match &model.cells {
+        Cells::Lstm(l) => l.parameters(),
+        Cells::Gru(g) => g.parameters(),
+    };
     params.extend(model.head.parameters());
     let opt = RefCell::new(AdamW::new(params.clone(), AdamConfig { lr: 1e-2, ..AdamConfig::adamw() }).unwrap());
     let f = mlp_step_unclipped(&model, &opt);

@@ -6,9 +6,9 @@
 //! convolution is one batched product with the weight. Autograd, CUDA and `compile` need
 //! nothing of their own: the backward is the views' and the product's.
 
-use crate::init::{linear_bound, param, uniform, weight_and_bias};
+use crate::init::weight_and_bias;
 use crate::{visit_weight_bias, Forward, Module};
-use kiln_tensor::{default_dtype, Device, Error, Result, Tensor};
+use kiln_tensor::{Device, Error, Result, Tensor};
 
 /// A pair of sizes for (height, width).
 pub type Pair = (usize, usize);
@@ -245,7 +245,7 @@ pub fn conv_transpose2d(
     if (kh, kw) != win.kernel || [s.0, s.1, d.0, d.1, groups].contains(&0) {
         return Err(Error::Msg(format!("conv_transpose2d: weight {:?} against window {win:?} in {groups} group(s)", weight.shape())));
     }
-    if groups == 0 || c % groups != 0 || x.rank() != 4 || x.shape()[1] != c {
+    if c % groups != 0 || x.rank() != 4 || x.shape()[1] != c {
         return Err(Error::shape(
             "conv_transpose2d",
             format!(
@@ -416,7 +416,7 @@ pub struct Conv1d {
 impl Conv1d {
     /// `kernel`, `stride` and `padding` along the length (fan-in `inp * kernel`).
     pub fn new(inp: usize, out: usize, kernel: usize, stride: usize, padding: usize, bias: bool, device: Device) -> Result<Conv1d> {
-        let (weight, bias) = weight_and_bias(&[out, inp, kernel], inp * kernel, bias, device)?;
+        let (weight, bias) = weight_and_bias(&[out, inp, kernel], inp * kernel, bias.then_some(out), device)?;
         Ok(Conv1d { weight, bias, window: Window::new((1, kernel)).stride((1, stride)).padding((0, padding)), groups: 1 })
     }
 }
@@ -455,7 +455,7 @@ impl Conv2d {
             return Err(Error::Msg(format!("Conv2d: {inp} in and {out} out channels must both divide into {groups} groups")));
         }
         let (kh, kw) = window.kernel;
-        let (weight, bias) = weight_and_bias(&[out, inp / groups, kh, kw], inp / groups * kh * kw, bias, device)?;
+        let (weight, bias) = weight_and_bias(&[out, inp / groups, kh, kw], inp / groups * kh * kw, bias.then_some(out), device)?;
         Ok(Conv2d { weight, bias, window, groups })
     }
 }
@@ -486,9 +486,7 @@ pub struct ConvTranspose2d {
 impl ConvTranspose2d {
     pub fn new(inp: usize, out: usize, window: Window, bias: bool, device: Device) -> Result<ConvTranspose2d> {
         let (kh, kw) = window.kernel;
-        let bound = linear_bound(out * kh * kw);
-        let (weight, _) = weight_and_bias(&[inp, out, kh, kw], out * kh * kw, false, device)?;
-        let bias = if bias { Some(param(uniform(&[out], bound, default_dtype(), device)?)) } else { None };
+        let (weight, bias) = weight_and_bias(&[inp, out, kh, kw], out * kh * kw, bias.then_some(out), device)?;
         Ok(ConvTranspose2d { weight, bias, window, output_padding: (0, 0), groups: 1 })
     }
     pub fn output_padding(self, output_padding: Pair) -> ConvTranspose2d {

@@ -23,12 +23,13 @@ pub fn linear_bound(fan_in: usize) -> f64 {
     }
 }
 
-/// PyTorch's default init of a Linear or Conv layer: weight `weight_shape` and, with `bias`, a
-/// bias `[weight_shape[0]]`, both U(-1/sqrt(fan_in), 1/sqrt(fan_in)), as parameters.
-pub fn weight_and_bias(weight_shape: &[usize], fan_in: usize, bias: bool, device: Device) -> Result<(Tensor, Option<Tensor>)> {
+/// PyTorch's default init of a Linear or (transposed) Conv layer: weight `weight_shape` and,
+/// with `bias` `Some(len)`, a bias `[len]`, both U(-1/sqrt(fan_in), 1/sqrt(fan_in)), as
+/// parameters.
+pub fn weight_and_bias(weight_shape: &[usize], fan_in: usize, bias: Option<usize>, device: Device) -> Result<(Tensor, Option<Tensor>)> {
     let b = linear_bound(fan_in);
     let weight = param(uniform(weight_shape, b, default_dtype(), device)?);
-    let bias = if bias { Some(param(uniform(&weight_shape[..1], b, default_dtype(), device)?)) } else { None };
+    let bias = bias.map(|len| uniform(&[len], b, default_dtype(), device).map(param)).transpose()?;
     Ok((weight, bias))
 }
 

@@ -14,7 +14,7 @@ pub struct Linear {
 impl Linear {
     /// PyTorch's default init: U(-1/sqrt(in), 1/sqrt(in)) for weight and bias.
     pub fn new(inp: usize, out: usize, bias: bool, device: Device) -> Result<Linear> {
-        let (weight, bias) = weight_and_bias(&[out, inp], inp, bias, device)?;
+        let (weight, bias) = weight_and_bias(&[out, inp], inp, bias.then_some(out), device)?;
         Ok(Linear { weight, bias })
     }
 }

@@ -3,10 +3,10 @@
 //! PyTorch state dict loads as it is. Built from existing ops: autograd, CUDA and compile
 //! (which unrolls the time loop into one graph) come with them.
 
-use crate::init::{linear_bound, param, uniform};
+use crate::init::weight_and_bias;
 use crate::layers::dropout;
 use crate::{join, Forward, Module};
-use kiln_tensor::{default_dtype, Device, Error, Flag, Result, Tensor};
+use kiln_tensor::{Device, Error, Flag, Result, Tensor};
 
 /// The gates of one cell: `weight_ih [G*H, I]`, `weight_hh [G*H, H]` and their biases
 /// `[G*H]` (G = 4 for an LSTM, 3 for a GRU), all U(-1/sqrt(H), 1/sqrt(H)) as in PyTorch.
@@ -20,11 +20,11 @@ pub struct Gates {
 
 impl Gates {
     fn new(gates: usize, input: usize, hidden: usize, bias: bool, device: Device) -> Result<Gates> {
-        let b = linear_bound(hidden);
-        let u = |shape: &[usize]| -> Result<Tensor> { Ok(param(uniform(shape, b, default_dtype(), device)?)) };
+        // Every parameter's bound is 1/sqrt(hidden): a fan-in of `hidden` for both.
         let g = gates * hidden;
-        let (bias_ih, bias_hh) = if bias { (Some(u(&[g])?), Some(u(&[g])?)) } else { (None, None) };
-        Ok(Gates { weight_ih: u(&[g, input])?, weight_hh: u(&[g, hidden])?, bias_ih, bias_hh })
+        let (weight_ih, bias_ih) = weight_and_bias(&[g, input], hidden, bias.then_some(g), device)?;
+        let (weight_hh, bias_hh) = weight_and_bias(&[g, hidden], hidden, bias.then_some(g), device)?;
+        Ok(Gates { weight_ih, weight_hh, bias_ih, bias_hh })
     }
 
     fn hidden(&self) -> usize {

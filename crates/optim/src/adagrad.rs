@@ -1,8 +1,8 @@
 //! Adagrad (`torch.optim.Adagrad`) and Lion (Chen et al. 2023, "Symbolic Discovery of
 //! Optimization Algorithms"; the form of the `lion-pytorch` package).
 
-use crate::common::{cast, ensure, impl_optimizer, with_l2, Core, PerGroup};
-use kiln_tensor::{DType, Result, Tensor};
+use crate::common::{cast, ensure, factor_dtype, impl_optimizer, with_l2, Core, PerGroup};
+use kiln_tensor::{Result, Tensor};
 
 /// `torch.optim.Adagrad`'s hyperparameters (its defaults in `Default`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -51,7 +51,7 @@ impl Adagrad {
             let p = self.core.params[i].clone();
             // The decayed lr from the step and lr tensors (a traced step keeps reading them).
             let clr = clrs.get(&p, |dtype, device| {
-                let math = if dtype == DType::F64 { DType::F64 } else { DType::F32 };
+                let math = factor_dtype(dtype);
                 let decay = cast(&self.core.step, math, device)?.sub_scalar(1.0)?.mul_scalar(c.lr_decay)?.add_scalar(1.0)?;
                 cast(&self.core.lr, math, device)?.div(&decay)?.to_dtype(dtype)
             })?;
@@ -111,11 +111,16 @@ impl Lion {
         let mut lrs = PerGroup::new();
         for (i, g) in grads {
             let p = self.core.params[i].clone();
-            let lr = lrs.get(&p, |dtype, device| cast(&self.core.lr, dtype, device))?;
+            // The lr and the decoupled decay `1 - lr wd`, once per dtype and device.
+            let (lr, decay) = lrs.get(&p, |dtype, device| {
+                let lr = cast(&self.core.lr, dtype, device)?;
+                let decay = if wd != 0.0 { Some(lr.mul_scalar(-wd)?.add_scalar(1.0)?) } else { None };
+                Ok((lr, decay))
+            })?;
             let (bufs, _) = self.core.buffers(i)?;
             let m = &bufs[0];
-            if wd != 0.0 {
-                p.mul_(&lr.mul_scalar(-wd)?.add_scalar(1.0)?)?;
+            if let Some(decay) = &decay {
+                p.mul_(decay)?;
             }
             let dir = m.mul_scalar(b1)?.add(&g.mul_scalar(1.0 - b1)?)?.sign()?;
             p.sub_(&dir.mul(&lr)?)?;

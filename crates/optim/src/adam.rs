@@ -1,7 +1,7 @@
 //! Adam (L2 weight decay added to the gradient) and AdamW (decoupled weight decay), with the
 //! AMSGrad option: `torch.optim.Adam` / `AdamW`, single-tensor path.
 
-use crate::common::{cast, ensure, impl_optimizer, with_l2, Core, PerGroup};
+use crate::common::{cast, ensure, factor_dtype, impl_optimizer, with_l2, Core, PerGroup};
 use kiln_tensor::fused::{AdamHyper, AdamStep, AdamTensors};
 use kiln_tensor::{BinaryOp, DType, Device, Result, Tensor};
 
@@ -192,7 +192,7 @@ fn fused_scalars(core: &Core, cfg: &AdamConfig, decoupled: bool) -> Result<Optio
 /// parameters and f32 otherwise (so half-precision parameters do not round them early), then
 /// cast to the parameters' dtype.
 fn factors(core: &Core, cfg: &AdamConfig, decoupled: bool, dtype: DType, device: Device) -> Result<Factors> {
-    let math = if dtype == DType::F64 { DType::F64 } else { DType::F32 };
+    let math = factor_dtype(dtype);
     let step = cast(&core.step, math, device)?;
     let lr = cast(&core.lr, math, device)?;
     let (b1, b2) = cfg.betas;

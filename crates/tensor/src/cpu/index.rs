@@ -65,7 +65,7 @@ fn each_index(idx_shape: &[usize], dim: usize, mut f: impl FnMut(usize, usize, u
     Ok(())
 }
 
-/// Where each index element lands: `f(position, offset in the tensor of shape, index value)`.
+/// Where each index element lands: `f(position in the index, offset in the tensor of shape)`.
 /// An index that matches `shape` outside `dim` (the usual case: argmax's positions, a max
 /// pool's windows) walks its offsets directly; a smaller one goes through `remap`.
 fn each_target(
@@ -144,7 +144,7 @@ pub fn cat<T: Element>(parts: &[(&[T], &Layout)], dim: usize, out_shape: &[usize
     }
     let walks: Vec<(&[T], Strided<1>, usize)> =
         parts.iter().map(|(data, l)| (*data, Strided::new(&l.shape, [&l.strides], [l.offset]), l.shape[dim] * inner)).collect();
-    out.par_chunks_mut(row).with_min_len(8).enumerate().for_each(|(o, dst)| {
+    let fill = |(o, dst): (usize, &mut [T])| {
         let mut at = 0;
         for (data, it, w) in &walks {
             let [st] = it.inner_strides();
@@ -158,7 +158,12 @@ pub fn cat<T: Element>(parts: &[(&[T], &Layout)], dim: usize, out_shape: &[usize
             });
             at += w;
         }
-    });
+    };
+    if out.len() < super::PAR_THRESHOLD {
+        out.chunks_mut(row).enumerate().for_each(fill);
+    } else {
+        out.par_chunks_mut(row).enumerate().for_each(fill);
+    }
     out
 }
 
@@ -172,13 +177,18 @@ pub fn argsort<T: Element>(src: &[T], n: usize, descending: bool) -> Vec<i64> {
     #[allow(clippy::eq_op)] // x != x is the NaN test of a generic PartialOrd type
     let nan = |x: &T| x != x;
     let order = |a: &T, b: &T| a.partial_cmp(b).unwrap_or_else(|| nan(a).cmp(&nan(b)));
-    out.par_chunks_mut(n).zip(src.par_chunks(n)).with_min_len(16).for_each(|(o, row)| {
+    let sort_row = |(o, row): (&mut [i64], &[T])| {
         o.iter_mut().enumerate().for_each(|(i, v)| *v = i as i64);
         if descending {
             o.sort_by(|&i, &j| order(&row[j as usize], &row[i as usize]));
         } else {
             o.sort_by(|&i, &j| order(&row[i as usize], &row[j as usize]));
         }
-    });
+    };
+    if src.len() < super::PAR_THRESHOLD {
+        out.chunks_mut(n).zip(src.chunks(n)).for_each(sort_row);
+    } else {
+        out.par_chunks_mut(n).zip(src.par_chunks(n)).for_each(sort_row);
+    }
     out
 }

@@ -725,11 +725,6 @@ fn row_prologue(block: bool) -> &'static str {
     }
 }
 
-/// Softmax (or log-softmax) of `scale * x` over the last dim: one warp per row (`block ==
-/// false`) or one block per long row. Three sweeps of the row (max, sum of exponentials,
-/// write); the row is read through strides (`RArgs`: kept dims, and the last dim's stride in
-/// `rst[0]`), the output is contiguous. `causal`: row `i` of each `[qlen, S]` matrix keeps only
-/// entries `j <= i` (the rest are written as 0).
 /// The dtype argsort compares keys in: floats in F32 (F64 for F64), integers as they are.
 pub fn sort_key_dtype(d: DType) -> DType {
     match d {
@@ -784,6 +779,11 @@ pub fn argsort_source(dtype: DType, descending: bool) -> (String, String) {
     (s, name)
 }
 
+/// Softmax (or log-softmax) of `scale * x` over the last dim: one warp per row (`block ==
+/// false`) or one block per long row. Three sweeps of the row (max, sum of exponentials,
+/// write); the row is read through strides (`RArgs`: kept dims, and the last dim's stride in
+/// `rst[0]`), the output is contiguous. `causal`: row `i` of each `[qlen, S]` matrix keeps only
+/// entries `j <= i` (the rest are written as 0).
 pub fn softmax_source(dtype: DType, log: bool, block: bool, causal: bool) -> (String, String) {
     let stem = if log { "log_softmax" } else { "softmax" };
     let name = format!("{}{}", row_kernel_name(stem, dtype, block), if causal { "_causal" } else { "" });
