@@ -4,7 +4,9 @@
 //! before anything reaches a GPU. Without NVRTC the test fails saying so; it never passes
 //! vacuously.
 
-use kiln_tensor::cuda::codegen::{elementwise_expr, waiting_for_prior, Elementwise, Index, IndexKind, LnGradsParts, Reduce, ReduceMode};
+use kiln_tensor::cuda::codegen::{
+    elementwise_expr, waiting_for_prior, Elementwise, Index, IndexKind, LnGradsParts, LnStage, Reduce, ReduceMode,
+};
 use kiln_tensor::cuda::nvrtc;
 use kiln_tensor::{BinaryOp, DType, Distribution, Op, ReduceOp, UnaryOp};
 
@@ -250,20 +252,24 @@ fn every_reduction_and_index_kernel_compiles() {
             (12, (true, false, None, Some(DType::F16))),
         ] {
             let parts = LnGradsParts { dx, resid, sums, copy };
-            let (s, n) = kiln_tensor::cuda::codegen::layer_norm_param_grads_source(d, tiles, parts, d, false);
+            let (s, n) = kiln_tensor::cuda::codegen::layer_norm_param_grads_source(d, tiles, parts, d, LnStage::Off);
             check(&s, &n, &mut fails);
         }
         // g in BF16 (a product's gradient under autocast) for an F32 layer norm.
-        // And staged through shared memory, with and without dx, g in F32 and BF16.
+        // And staged through shared memory (r's rows too), with and without dx, g in F32 and BF16.
+        let (off, rows, with_r) = (LnStage::Off, LnStage::Rows, LnStage::RowsAndResidual);
         for ((dx, resid, sums, copy), gdt, staged) in [
-            ((true, false, None, None), DType::BF16, false),
-            ((true, false, None, None), DType::BF16, true),
-            ((true, true, None, None), DType::BF16, true),
-            ((false, false, None, None), DType::F32, true),
-            ((true, false, None, None), DType::F32, true),
-            ((true, true, Some(DType::BF16), None), DType::BF16, true),
-            ((true, true, Some(DType::F32), None), DType::F32, true),
-            ((true, true, Some(DType::BF16), Some(DType::BF16)), DType::BF16, true),
+            ((true, false, None, None), DType::BF16, off),
+            ((true, false, None, None), DType::BF16, rows),
+            ((true, true, None, None), DType::BF16, rows),
+            ((true, true, None, None), DType::BF16, with_r),
+            ((false, false, None, None), DType::F32, rows),
+            ((true, false, None, None), DType::F32, rows),
+            ((true, true, Some(DType::BF16), None), DType::BF16, with_r),
+            ((true, true, Some(DType::F32), None), DType::F32, rows),
+            ((true, true, Some(DType::F32), None), DType::F32, with_r),
+            ((true, true, Some(DType::BF16), Some(DType::BF16)), DType::BF16, rows),
+            ((true, true, Some(DType::BF16), Some(DType::BF16)), DType::BF16, with_r),
         ] {
             let parts = LnGradsParts { dx, resid, sums, copy };
             let (s, n) = kiln_tensor::cuda::codegen::layer_norm_param_grads_source(DType::F32, 12, parts, gdt, staged);
@@ -694,7 +700,7 @@ fn layer_norm_grads_and_gated_sums_keep_their_register_budgets() {
     for (gdt, sums, copy) in
         [(DType::F32, None, None), (DType::F32, Some(DType::F32), None), (DType::BF16, None, None), (DType::BF16, bf16, bf16)]
     {
-        for staged in [false, true] {
+        for staged in [LnStage::Off, LnStage::Rows, LnStage::RowsAndResidual] {
             for resid in [false, true] {
                 let parts = LnGradsParts { dx: true, resid, sums, copy };
                 budget(kiln_tensor::cuda::codegen::layer_norm_param_grads_source(DType::F32, 12, parts, gdt, staged), 128);

@@ -1613,9 +1613,25 @@ pub const LN_GRADS_MAX_N: usize = 1024;
 pub const LN_GRADS_WARPS: usize = 8;
 
 /// Dynamic shared memory of a staged `layer_norm_param_grads_source` kernel over rows of `n`
-/// values: two row slots (x and g) a warp.
-pub fn ln_grads_stage_bytes(n: usize, dtype: DType, gdt: DType) -> usize {
-    LN_GRADS_WARPS * 2 * n * (dtype.size_in_bytes() + gdt.size_in_bytes())
+/// values: two row slots a warp, each x's and g's row (and with `resid`, r's).
+pub fn ln_grads_stage_bytes(n: usize, dtype: DType, gdt: DType, stage: LnStage) -> usize {
+    let xs = match stage {
+        LnStage::Off => return 0,
+        LnStage::Rows => 1,
+        LnStage::RowsAndResidual => 2,
+    };
+    LN_GRADS_WARPS * 2 * n * (xs * dtype.size_in_bytes() + gdt.size_in_bytes())
+}
+
+/// What a `layer_norm_param_grads_source` kernel copies ahead into shared memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LnStage {
+    /// Nothing: rows are loaded straight into registers.
+    Off,
+    /// x's and g's rows.
+    Rows,
+    /// x's, g's and the residual gradient r's rows (with `LnGradsParts::resid`).
+    RowsAndResidual,
 }
 
 /// Layer norm's parameter gradients, first pass: block `b` folds rows `b * chunk ..` into
@@ -1624,25 +1640,33 @@ pub fn ln_grads_stage_bytes(n: usize, dtype: DType, gdt: DType) -> usize {
 /// `tiles` columns' sums in registers, and the warps add theirs in a fixed order, so the
 /// result does not depend on scheduling. With `dx`, the same pass also writes the input's
 /// gradient (`normalize_source`'s backward with the weight `w`) from the row it holds, so the
-/// layer norm's whole backward reads x and g once. `staged` (rows of whole 16-byte pieces,
+/// layer norm's whole backward reads x and g once. Staged (`stage`; rows of whole 16-byte pieces,
 /// 16-byte aligned, `ln_grads_stage_bytes` of dynamic shared memory): each warp copies its
 /// next row into shared memory asynchronously while it works on this one; loaded straight into
 /// registers, a warp's row waited on memory between its reductions (2.55 TB/s, session 32).
-/// `parts.sums` (with dx): a third row of partials, the column sums of dx (plus r) as
+/// `LnStage::RowsAndResidual`: r's next row comes with them (read at the store, it was a wait on
+/// memory at the end of every row). `parts.sums` (with dx): a third row of partials, the column sums of dx (plus r) as
 /// rounded to that dtype (`Op::NormalizeParamGrads`'s `sums`); the weight is then read from
 /// shared memory, so that the row's accumulators take the registers it held. `parts.copy`
 /// (with dx): dx (plus r) also stored in that dtype to `cp` (the op's `copy`).
-pub fn layer_norm_param_grads_source(dtype: DType, tiles: usize, parts: LnGradsParts, gdt: DType, staged: bool) -> (String, String) {
+pub fn layer_norm_param_grads_source(dtype: DType, tiles: usize, parts: LnGradsParts, gdt: DType, stage: LnStage) -> (String, String) {
     // g may be in another float dtype (a BF16 product's gradient under autocast), read as C.
     let LnGradsParts { dx, resid, sums, copy } = parts;
     let (sums, copy) = (sums.filter(|_| dx), copy.filter(|_| dx));
+    let (staged, stage_r) = (stage != LnStage::Off, stage == LnStage::RowsAndResidual && dx && resid);
     let tag = |what: &str, t: Option<DType>| t.map_or(String::new(), |t| format!("_{what}_{}", storage_type(t).replace(' ', "_")));
     let name = format!(
         "k_ln_{}grads_{}_{tiles}{}{}{}{}{}",
         if dx { "" } else { "param_" },
         storage_type(dtype).replace(' ', "_"),
         other_dtype("g", dtype, gdt),
-        if staged { "_staged" } else { "" },
+        if stage_r {
+            "_staged_r"
+        } else if staged {
+            "_staged"
+        } else {
+            ""
+        },
         if resid { "_residual" } else { "" },
         tag("sums", sums),
         tag("copy", copy)
@@ -1673,21 +1697,28 @@ pub fn layer_norm_param_grads_source(dtype: DType, tiles: usize, parts: LnGradsP
         s += "#define WR(t) wr[t]\n";
     }
     let (xrow, grow) = if staged {
-        // Slot s of this warp: the row's x, then its g. A fetch always commits a group (empty
-        // past the warp's rows), so that waiting for all but the newest is this row's.
+        // Slot s of this warp: the row's x, then its g (then its r). A fetch always commits a
+        // group (empty past the warp's rows), so that waiting for all but the newest is this row's.
         s += "  extern __shared__ __align__(16) unsigned char dyn[];\n";
-        s += "  const int slot_bytes = (int)a.red * (int)(sizeof(X) + sizeof(G)), x_bytes = (int)a.red * (int)sizeof(X);\n";
+        s += &format!("  const int x_bytes = (int)a.red * (int)sizeof(X), g_bytes = (int)a.red * (int)sizeof(G), slot_bytes = {} * x_bytes + g_bytes;\n", 1 + stage_r as u8);
         s += "  unsigned char* mine = dyn + warp * 2 * slot_bytes;\n";
         s += "  auto fetch = [&](long long row, int slot) {\n    if (row < r1) {\n";
         s += "      const unsigned dst = (unsigned)__cvta_generic_to_shared(mine + slot * slot_bytes);\n";
         s += "      const char* xs = (const char*)(x + row * a.red); const char* gs = (const char*)(g + row * a.red);\n";
         s += "      for (int o = lane * 16; o < x_bytes; o += 512) asm volatile(\"cp.async.cg.shared.global [%0], [%1], 16;\" :: \"r\"(dst + o), \"l\"(xs + o));\n";
-        s += "      for (int o = lane * 16; o < slot_bytes - x_bytes; o += 512) asm volatile(\"cp.async.cg.shared.global [%0], [%1], 16;\" :: \"r\"(dst + x_bytes + o), \"l\"(gs + o));\n";
+        s += "      for (int o = lane * 16; o < g_bytes; o += 512) asm volatile(\"cp.async.cg.shared.global [%0], [%1], 16;\" :: \"r\"(dst + x_bytes + o), \"l\"(gs + o));\n";
+        if stage_r {
+            s += "      const char* rs = (const char*)(r + row * a.red);\n";
+            s += "      for (int o = lane * 16; o < x_bytes; o += 512) asm volatile(\"cp.async.cg.shared.global [%0], [%1], 16;\" :: \"r\"(dst + x_bytes + g_bytes + o), \"l\"(rs + o));\n";
+        }
         s += "    }\n    asm volatile(\"cp.async.commit_group;\" ::);\n  };\n";
         s += "  int slot = 0;\n  fetch(blockIdx.x * chunk + warp, 0);\n";
         s += "  for (long long row = blockIdx.x * chunk + warp; row < r1; row += nw, slot ^= 1) {\n";
         s += "    fetch(row + nw, slot ^ 1);\n    asm volatile(\"cp.async.wait_group 1;\" ::: \"memory\");\n    __syncwarp();\n";
         s += "    const X* xs = (const X*)(mine + slot * slot_bytes); const G* gs = (const G*)(mine + slot * slot_bytes + x_bytes);\n";
+        if stage_r {
+            s += "    const X* rs = (const X*)(mine + slot * slot_bytes + x_bytes + g_bytes);\n";
+        }
         ("xs[j]", "gs[j]")
     } else {
         s += "  for (long long row = blockIdx.x * chunk + warp; row < r1; row += nw) {\n";
@@ -1717,7 +1748,7 @@ pub fn layer_norm_param_grads_source(dtype: DType, tiles: usize, parts: LnGradsP
         // With a residual gradient, added after dx is rounded as eager stores it (no FMA).
         s += "      if (j < a.red) {\n        X v; st(&v, rstd * (gr[t] * WR(t) - mg - xr[t] * mgx));\n";
         if resid {
-            s += "        st(&v, add_rn(ld(v), ld(r[base + j])));\n";
+            s += &format!("        st(&v, add_rn(ld(v), ld({})));\n", if stage_r { "rs[j]" } else { "r[base + j]" });
         }
         s += "        dx[base + j] = v;\n";
         if sums.is_some() {

@@ -1066,29 +1066,31 @@ fn layer_norm_param_grads(
     let rd = r.filter(|_| w.is_some()).map(|(s, l)| dense(g, s, l)).transpose()?;
     let with_dx = wd.is_some();
     let gdt = grad.0.dtype;
-    let (px, pg) = (xd.ptr(), gd.ptr());
-    // Staged (each warp's next row copied to shared memory while it works on this one) where
-    // F32 rows of x and g are whole, aligned 16-byte pieces, and two blocks' slots fit an SM.
-    let most = super::codegen::ln_grads_stage_bytes(32 * tiles, dtype, gdt);
-    let staged = dtype == DType::F32
-        && gdt.is_float()
-        && [dtype, gdt].iter().all(|d| (n * d.size_in_bytes()) % 16 == 0)
-        && (px | pg) % 16 == 0
-        && most <= 96 * 1024;
-    let shared = if staged { super::codegen::ln_grads_stage_bytes(n, dtype, gdt) } else { 0 };
+    let (px, pg, pr) = (xd.ptr(), gd.ptr(), rd.as_ref().map_or(0, |r| r.ptr()));
+    // Staged (each warp's next rows copied to shared memory while it works on this one) where
+    // F32 rows of x, g (and r) are whole, aligned 16-byte pieces, and two blocks' slots fit an SM.
+    // (`KILN_LN_STAGE_R=0`: r read at the store, the A/B switch while it is measured.)
+    use super::codegen::{ln_grads_stage_bytes, LnStage};
+    let resid = rd.is_some();
+    let pieces = dtype == DType::F32 && gdt.is_float() && [dtype, gdt].iter().all(|d| (n * d.size_in_bytes()) % 16 == 0);
+    let fits = |s: LnStage| ln_grads_stage_bytes(32 * tiles, dtype, gdt, s) <= 96 * 1024;
+    let stage_r = resid && pr % 16 == 0 && std::env::var("KILN_LN_STAGE_R").map_or(true, |v| v != "0");
+    let stage = match (pieces && (px | pg) % 16 == 0, stage_r) {
+        (true, true) if fits(LnStage::RowsAndResidual) => LnStage::RowsAndResidual,
+        (true, _) if fits(LnStage::Rows) => LnStage::Rows,
+        _ => LnStage::Off,
+    };
+    let (most, shared) = (ln_grads_stage_bytes(32 * tiles, dtype, gdt, stage), ln_grads_stage_bytes(n, dtype, gdt, stage));
     let copy = copy.filter(|_| with_dx);
-    let parts = super::codegen::LnGradsParts { dx: with_dx, resid: rd.is_some(), sums, copy: copy.map(|c| c.dtype) };
-    let k = g.kernel_shared(
-        super::spec_key("ln_param_grads", &(dtype, tiles, gdt, staged, parts)),
-        if staged { most as u32 } else { 0 },
-        || super::codegen::layer_norm_param_grads_source(dtype, tiles, parts, gdt, staged),
-    )?;
+    let parts = super::codegen::LnGradsParts { dx: with_dx, resid, sums, copy: copy.map(|c| c.dtype) };
+    let k = g.kernel_shared(super::spec_key("ln_param_grads", &(dtype, tiles, gdt, stage, parts)), most as u32, || {
+        super::codegen::layer_norm_param_grads_source(dtype, tiles, parts, gdt, stage)
+    })?;
     let pc = copy.map_or(0, |c| c.buf.ptr);
     let (pdx, pw) = match &wd {
         Some(w) => (out.ptr_at(dx_at), w.ptr()),
         None => (0, 0),
     };
-    let pr = rd.as_ref().map_or(0, |r| r.ptr());
     // The kernel on about `want` blocks, each folding a run of rows into `part` (room for
     // `want x rows_k n` partials), then the partials added in order into `out`.
     let run = |want: usize, part: &CudaStorage| -> Result<()> {
@@ -1105,7 +1107,7 @@ fn layer_norm_param_grads(
         // r (dense, x's shape and dtype) is read only by the kernel made for it, and cp (the
         // caller's dense `rows * n` copy of its dtype) written only by the kernel made for it.
         // Staged, `shared` bytes hold the warps' row slots (the kernel loaded with room for
-        // `most`), and x's and g's rows are 16-byte aligned.
+        // `most`), and x's, g's and r's rows are 16-byte aligned.
         unsafe { g.launch(k, (blocks as u32, 1), (super::codegen::LN_GRADS_WARPS * 32) as u32, shared as u32, &mut params)? };
         reduce_into(g, ReduceOp::Sum, part, &Layout::contiguous(&[blocks, rows_k * n]), &[0], &out, false)
     };
@@ -1115,7 +1117,7 @@ fn layer_norm_param_grads(
     let sms = g.sms as usize;
     let default = rows.min(sms * 2);
     let candidates = || [2, 1, 3, 4, 6].iter().map(|b| (b * sms).min(rows)).collect();
-    let problem = (dtype, gdt, rows, n, staged, parts);
+    let problem = (dtype, gdt, rows, n, stage, parts);
     let want = super::tune::choice(g, ("ln_param_grads", &problem), default, candidates, |b| {
         let part = CudaStorage::alloc(g, accumulator(dtype), b * rows_k * n)?;
         super::tune::time_graph(g, || run(b, &part))
