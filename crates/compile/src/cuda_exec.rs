@@ -368,9 +368,9 @@ impl GpuParts {
             };
         }
         // The first run loads every kernel (and cuBLAS) outside the capture.
-        let start = std::time::Instant::now();
+        let (start, planned) = (std::time::Instant::now(), cuda::lt::planning_stats());
         let out = p.execute(inputs, gen, true)?;
-        let ran = start.elapsed();
+        let (ran, (plans, plan_time, launch_time)) = (start.elapsed(), cuda::lt::planning_stats());
         let pool = cc::new_pool(p.device)?;
         // The graph's outputs stay its own buffers; each call copies them for the caller.
         let addresses = inputs.iter().map(|c| cc::address(c)).collect::<Result<Vec<u64>>>()?;
@@ -382,7 +382,17 @@ impl GpuParts {
             Err(e) => self.capture_failed(e),
         }
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-        crate::log::log("time", &format!("first run {:.1} ms, capture {:.1} ms", ms(ran), ms(start.elapsed() - ran)));
+        crate::log::log(
+            "time",
+            &format!(
+                "first run {:.1} ms (cuBLASLt: {} plans made in {:.1} ms, first launches {:.1} ms), capture {:.1} ms",
+                ms(ran),
+                plans - planned.0,
+                ms(plan_time - planned.1),
+                ms(launch_time - planned.2),
+                ms(start.elapsed() - ran)
+            ),
+        );
         Ok(out)
     }
 

@@ -48,9 +48,9 @@ impl Blas {
     }
 }
 
-/// cuBLASLt's handle, after one heuristic query so that the library's own first-use set-up
-/// (about 0.1 s) is done too; None when libcublasLt is missing, fails to start or
-/// `KILN_CUBLASLT=0` (plain cuBLAS then runs every GEMM).
+/// cuBLASLt's handle; None when libcublasLt is missing, fails to start or `KILN_CUBLASLT=0`
+/// (plain cuBLAS then runs every GEMM). (`KILN_PLAN_AHEAD=0`, the A/B switch while measured:
+/// after one heuristic query, so that the library's own first-use set-up is done too.)
 fn start_lt(g: &Arc<Gpu>, started: std::time::Instant) -> Option<cudarc::cublaslt::sys::cublasLtHandle_t> {
     let wanted = std::env::var("KILN_CUBLASLT").map_or(true, |v| v != "0");
     if !wanted || !super::gpu::held_open(&cudarc::get_lib_name_candidates("cublasLt")) || g.bind().is_err() {
@@ -58,24 +58,26 @@ fn start_lt(g: &Arc<Gpu>, started: std::time::Instant) -> Option<cudarc::cublasl
     }
     let lt = cudarc::cublaslt::result::create_handle().ok()?;
     let made = started.elapsed();
-    let gemm = Gemm {
-        dtype: DType::F32,
-        out: DType::F32,
-        tf32: false,
-        trans: (false, false),
-        mnk: (256, 256, 256),
-        ld: (256, 256, 256),
-        batch: 1,
-        strides: (0, 0, 0),
-        align: (256, 256, 256),
-        epilogue: super::lt::Epilogue::NONE,
-        vector_dtype: None,
-        c: None,
-    };
-    let _ = Plan::new(lt, g, &gemm, [0; 6], (0, WORKSPACE));
+    if std::env::var("KILN_PLAN_AHEAD").is_ok_and(|v| v == "0") {
+        let gemm = Gemm {
+            dtype: DType::F32,
+            out: DType::F32,
+            tf32: false,
+            trans: (false, false),
+            mnk: (256, 256, 256),
+            ld: (256, 256, 256),
+            batch: 1,
+            strides: (0, 0, 0),
+            align: (256, 256, 256),
+            epilogue: super::lt::Epilogue::NONE,
+            vector_dtype: None,
+            c: None,
+        };
+        let _ = Plan::new(lt, g, &gemm, [0; 6], (0, WORKSPACE));
+    }
     if super::log_on("time") {
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-        eprintln!("[kiln time] cuBLAS started in {:.1} ms, cuBLASLt's first heuristic {:.1} ms", ms(made), ms(started.elapsed() - made));
+        eprintln!("[kiln time] cuBLAS started in {:.1} ms, cuBLASLt in {:.1} ms more", ms(made), ms(started.elapsed() - made));
     }
     Some(lt)
 }
@@ -85,7 +87,30 @@ fn start_lt(g: &Arc<Gpu>, started: std::time::Instant) -> Option<cudarc::cublasl
 /// the rest of the dry run and NVRTC.
 pub(crate) fn start(g: &Arc<Gpu>) -> Result<()> {
     let mut guard = g.blas.lock().unwrap_or_else(|e| e.into_inner());
-    get(&mut guard, g).map(|_| ())
+    plan_ahead(g, get(&mut guard, g)?);
+    Ok(())
+}
+
+/// Plans the cuBLASLt problems a dry run noted (`Gpu::note_lt_problem`) on the thread that
+/// started cuBLAS, beside the step's NVRTC programs loading: made in the first real run, a
+/// GPT BF16 step's 15 plans (heuristic queries, or the disk cache's algorithm checked) were
+/// most of its 0.14-0.2 s. Here the heuristic's choice only: tuning times real operands, and
+/// `MaxAutotune`'s run re-plans what was not tuned.
+fn plan_ahead(g: &Arc<Gpu>, blas: &mut Blas) {
+    let (problems, start) = (g.take_lt_problems(), std::time::Instant::now());
+    let Some(lt) = blas.lt else { return };
+    let mut made = 0;
+    for gemm in problems {
+        if let Entry::Vacant(v) = blas.plans.entry(gemm) {
+            // (Autotuning is per thread and off on this one: the pointers are not read.)
+            let plan = Plan::new(lt, g, v.key(), [0; 6], (blas.ws.ptr, WORKSPACE));
+            v.insert(plan_or_log(plan));
+            made += 1;
+        }
+    }
+    if made > 0 && super::log_on("time") {
+        eprintln!("[kiln time] {made} cuBLASLt plans made ahead in {:.1} ms", start.elapsed().as_secs_f64() * 1e3);
+    }
 }
 
 /// The GPU's `Blas` in `slot`, made on first use.
@@ -366,15 +391,6 @@ pub fn matmul_fused(
     let dt_out = data_type(meta.dtype)?.0;
     let op = |t: bool| if t { bs::cublasOperation_t::CUBLAS_OP_T } else { bs::cublasOperation_t::CUBLAS_OP_N };
     let (alpha, beta) = one_and_zero(meta.dtype == DType::F64);
-    // A dry run does not wait for cuBLAS to start: it starts it on another thread (once),
-    // asks for the kernels the cuBLAS path could need and is done.
-    if super::gpu::is_dry() && !g.blas.try_lock().is_ok_and(|b| b.is_some()) {
-        g.start_blas();
-        return finish(g, out, rest, &shape);
-    }
-    let mut guard = g.blas.lock().unwrap_or_else(|e| e.into_inner());
-    let blas = get(&mut guard, g)?;
-    g.bind()?;
     let (epilogue, vector, aux) = lt_epilogue(&rest, batch, n, &out);
     // The residual as C (beta 1) where it is dense rows of the output's and aligned.
     let c = rest.residual.filter(|_| batch == 1).and_then(|(s, l)| match aux_rows(l, m, n) {
@@ -383,10 +399,9 @@ pub fn matmul_fused(
         _ => None,
     });
     let vector_dtype = rest.bias.filter(|_| vector != 0).map(|(s, _)| s.dtype).filter(|&d| d != meta.dtype);
-    // cuBLASLt, with a cached plan, when it can express the batch (it cannot repeat an
-    // operand with batch stride 0).
-    if let Some(lt) = blas.lt.filter(|_| batch == 1 || (a.batch_stride != 0 && b.batch_stride != 0)) {
-        let gemm = Gemm {
+    // cuBLASLt's problem, when it can express the batch (it cannot repeat an operand with
+    // batch stride 0).
+    let gemm = (batch == 1 || (a.batch_stride != 0 && b.batch_stride != 0)).then(|| Gemm {
             dtype,
             out: meta.dtype,
             tf32: allow_tf32(),
@@ -396,10 +411,26 @@ pub fn matmul_fused(
             batch: batch as i32,
             strides: (b.batch_stride, a.batch_stride, (m * n) as i64),
             align: (alignment(b.ptr), alignment(a.ptr), alignment(out.buf.ptr)),
-            epilogue,
-            vector_dtype,
-            c: c.map(alignment),
-        };
+        epilogue,
+        vector_dtype,
+        c: c.map(alignment),
+    });
+    // A dry run does not wait for cuBLAS to start: it starts it on another thread (once),
+    // which then plans the problems the run noted (`plan_ahead`), asks for the kernels the
+    // cuBLAS path could need and is done.
+    if super::gpu::is_dry() && !g.blas.try_lock().is_ok_and(|b| b.is_some()) {
+        // (`KILN_PLAN_AHEAD=0`: planned in the first real run, the A/B switch while measured.)
+        if let Some(gemm) = gemm.filter(|_| std::env::var("KILN_PLAN_AHEAD").map_or(true, |v| v != "0")) {
+            g.note_lt_problem(gemm);
+        }
+        g.start_blas();
+        return finish(g, out, rest, &shape);
+    }
+    let mut guard = g.blas.lock().unwrap_or_else(|e| e.into_inner());
+    let blas = get(&mut guard, g)?;
+    g.bind()?;
+    // cuBLASLt, with a cached plan.
+    if let (Some(lt), Some(gemm)) = (blas.lt, gemm) {
         let ptrs = [b.ptr, a.ptr, out.buf.ptr, vector, aux, c.unwrap_or(0)];
         let ws = (blas.ws.ptr, WORKSPACE);
         // One lookup per call; a problem cuBLASLt refuses is remembered as None (cuBLAS).

@@ -126,6 +126,8 @@ pub struct Gpu {
     pub(crate) blas: Mutex<Option<super::blas::Blas>>,
     /// The thread starting cuBLAS (`start_blas`) until `started_blas` waits for it.
     blas_start: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// cuBLASLt problems a dry run met before cuBLAS had started, for that thread to plan.
+    lt_problems: Mutex<Vec<super::lt::Gemm>>,
     /// Whether kernels are launched with programmatic stream serialization (`launch_ex`):
     /// on Hopper and later, unless `KILN_EARLY_LAUNCH=0` (to measure what it saves).
     early_launch: bool,
@@ -230,6 +232,7 @@ pub fn gpu(ordinal: usize) -> Result<Arc<Gpu>> {
         err,
         blas: Mutex::new(None),
         blas_start: Mutex::new(None),
+        lt_problems: Mutex::default(),
         early_launch: arch.0 >= 9 && std::env::var("KILN_EARLY_LAUNCH").as_deref() != Ok("0"),
     });
     map.insert(ordinal, g.clone());
@@ -347,6 +350,19 @@ impl Gpu {
         let g = self.clone();
         // (Its error, if any, comes back at the first product of the real run.)
         *slot = Some(std::thread::spawn(move || drop(super::blas::start(&g))));
+    }
+
+    /// Notes a cuBLASLt problem for the thread starting cuBLAS to plan (`blas::plan_ahead`).
+    pub(crate) fn note_lt_problem(&self, gemm: super::lt::Gemm) {
+        let mut list = self.lt_problems.lock().unwrap_or_else(|e| e.into_inner());
+        if !list.contains(&gemm) {
+            list.push(gemm);
+        }
+    }
+
+    /// The problems noted so far, taken.
+    pub(crate) fn take_lt_problems(&self) -> Vec<super::lt::Gemm> {
+        std::mem::take(&mut *self.lt_problems.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// Waits for `start_blas`'s thread, if one runs.

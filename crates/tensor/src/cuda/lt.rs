@@ -4,7 +4,8 @@
 //!
 //! The algorithm is cuBLASLt's first heuristic choice, or, while autotuning is on
 //! (`Mode::MaxAutotune`'s first run), the fastest of its top candidates timed on the real
-//! operands; tuned choices are kept on disk (`cache_dir("cublaslt")`) per GPU and library.
+//! operands; both kinds of choice are kept on disk (`cache_dir("cublaslt")`) per GPU and
+//! library, so that a later process neither queries nor times them again.
 
 use super::gpu::Gpu;
 use crate::{DType, Error, Result};
@@ -73,6 +74,8 @@ pub struct Plan {
     c: bool,
     /// Whether the algorithm was timed (here or in an earlier process), not just the heuristic's.
     pub tuned: bool,
+    /// Whether `run` has launched it (its first launch's host time is counted).
+    launched: Cell<bool>,
 }
 
 // SAFETY: the descriptors are plain host objects, used only under the GPU's `blas` mutex.
@@ -95,6 +98,9 @@ thread_local! {
 }
 static TUNED: AtomicU64 = AtomicU64::new(0);
 static TUNE_NANOS: AtomicU64 = AtomicU64::new(0);
+static PLANS: AtomicU64 = AtomicU64::new(0);
+static PLAN_NANOS: AtomicU64 = AtomicU64::new(0);
+static FIRST_LAUNCH_NANOS: AtomicU64 = AtomicU64::new(0);
 
 /// While on (this thread), new GEMM shapes time cuBLASLt's top candidates and keep the fastest.
 pub fn set_autotune(on: bool) {
@@ -108,6 +114,18 @@ pub fn autotune() -> bool {
 /// Shapes tuned so far in this process, and the time spent timing them.
 pub fn tuning_stats() -> (u64, std::time::Duration) {
     (TUNED.load(Ordering::Relaxed), std::time::Duration::from_nanos(TUNE_NANOS.load(Ordering::Relaxed)))
+}
+
+/// Plans made so far in this process (on any thread), the host time making them took, and the
+/// host time of each plan's first launch (`KILN_LOG=time` reports them for a first run).
+pub fn planning_stats() -> (u64, std::time::Duration, std::time::Duration) {
+    let d = |a: &AtomicU64| std::time::Duration::from_nanos(a.load(Ordering::Relaxed));
+    (PLANS.load(Ordering::Relaxed), d(&PLAN_NANOS), d(&FIRST_LAUNCH_NANOS))
+}
+
+/// Adds the time since `start` to `counter`.
+fn count_since(counter: &AtomicU64, start: Instant) {
+    counter.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
 }
 
 fn lt_err(what: &'static str) -> impl Fn(cudarc::cublaslt::result::CublasError) -> Error {
@@ -153,6 +171,14 @@ impl Plan {
     /// Descriptors for `g` and its algorithm: heuristic, from the disk cache, or timed on
     /// `ptrs` (A, B, D, the epilogue's vector and aux matrix, C) when autotuning.
     pub(crate) fn new(lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, g: &Gemm, ptrs: Ptrs, ws: (u64, usize)) -> Result<Plan> {
+        let start = Instant::now();
+        let plan = Plan::make(lt, gpu, g, ptrs, ws);
+        PLANS.fetch_add(1, Ordering::Relaxed);
+        count_since(&PLAN_NANOS, start);
+        plan
+    }
+
+    fn make(lt: ls::cublasLtHandle_t, gpu: &Arc<Gpu>, g: &Gemm, ptrs: Ptrs, ws: (u64, usize)) -> Result<Plan> {
         let (t, mut compute, scale) = cuda_type(g.dtype)?;
         if g.tf32 && g.dtype == DType::F32 {
             compute = ls::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32;
@@ -167,6 +193,7 @@ impl Plan {
             aux: g.epilogue.aux.is_some(),
             c: g.c.is_some(),
             tuned: false,
+            launched: Cell::new(false),
         };
         // cublasOperation_t: CUBLAS_OP_N = 0, CUBLAS_OP_T = 1.
         let op = |tr: bool| tr as i32;
@@ -199,16 +226,21 @@ impl Plan {
             layout(t, br, bc, g.ld.1, g.batch, g.strides.1)?,
             layout(cuda_type(g.out)?.0, m, n, g.ld.2, g.batch, g.strides.2)?,
         ];
-        let key = disk_key(gpu, g, ws.1);
-        if let Some(algo) = key.as_ref().and_then(|p| read_algo(p)) {
-            // A stale or damaged file falls through to the heuristic.
-            if plan.accepts(lt, &algo, ws.1) {
-                (plan.algo, plan.tuned) = (algo, true);
-                return Ok(plan);
-            }
-        }
         // (A dry run launches nothing, so it has nothing to time.)
         let tune = autotune() && !super::gpu::is_dry();
+        // The tuned algorithm an earlier process kept, else (not tuning) the heuristic's
+        // choice one kept: a warm cache needs no heuristic query, whose library set-up alone
+        // took 70-100 ms. A stale or damaged file falls through to the heuristic.
+        let key = disk_key(gpu, g, ws.1);
+        let heuristic_key = key.as_ref().map(|p| p.with_extension("heuristic"));
+        for (file, tuned) in [(&key, true), (&heuristic_key, false)] {
+            if let Some(algo) = file.as_ref().filter(|_| tuned || !tune).and_then(|p| read_algo(p)) {
+                if plan.accepts(lt, &algo, ws.1) {
+                    (plan.algo, plan.tuned) = (algo, tuned);
+                    return Ok(plan);
+                }
+            }
+        }
         let candidates = plan.heuristics(lt, g, ws.1, if tune { CANDIDATES } else { 1 })?;
         plan.algo = candidates[0];
         if tune {
@@ -224,10 +256,12 @@ impl Plan {
             }
             (plan.algo, plan.tuned) = (best.1, true);
             TUNED.fetch_add(1, Ordering::Relaxed);
-            TUNE_NANOS.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            count_since(&TUNE_NANOS, start);
             if let Some(p) = key {
                 write_algo(&p, &plan.algo);
             }
+        } else if let Some(p) = heuristic_key {
+            write_algo(&p, &plan.algo);
         }
         Ok(plan)
     }
@@ -306,6 +340,7 @@ impl Plan {
         if super::gpu::is_dry() {
             return Ok(());
         }
+        let first = (!self.launched.replace(true)).then(Instant::now);
         let (alpha, zero) = super::blas::one_and_zero(self.f64);
         // C of its own is added (beta 1); else C is D and beta 0.
         let (beta, c) = if self.c { (alpha, ptrs[5]) } else { (zero, ptrs[2]) };
@@ -330,7 +365,7 @@ impl Plan {
         // SAFETY: the pointers are live device buffers of this GPU sized for the layouts
         // (checked by the caller's shape rule); `ws` is the handle's workspace; alpha/beta
         // are host scalars of the scale type.
-        unsafe {
+        let launched = unsafe {
             lr::matmul(
                 lt,
                 self.desc,
@@ -350,7 +385,11 @@ impl Plan {
                 gpu.stream.cu_stream() as _,
             )
         }
-        .map_err(lt_err("matmul"))
+        .map_err(lt_err("matmul"));
+        if let Some(t) = first {
+            count_since(&FIRST_LAUNCH_NANOS, t);
+        }
+        launched
     }
 }
 
