@@ -49,35 +49,16 @@ impl Blas {
 }
 
 /// cuBLASLt's handle; None when libcublasLt is missing, fails to start or `KILN_CUBLASLT=0`
-/// (plain cuBLAS then runs every GEMM). (`KILN_PLAN_AHEAD=0`, the A/B switch while measured:
-/// after one heuristic query, so that the library's own first-use set-up is done too.)
+/// (plain cuBLAS then runs every GEMM). Its own first-use set-up (70-100 ms) comes with the
+/// first plan: `plan_ahead`'s, beside the rest of a step's first call.
 fn start_lt(g: &Arc<Gpu>, started: std::time::Instant) -> Option<cudarc::cublaslt::sys::cublasLtHandle_t> {
     let wanted = std::env::var("KILN_CUBLASLT").map_or(true, |v| v != "0");
     if !wanted || !super::gpu::held_open(&cudarc::get_lib_name_candidates("cublasLt")) || g.bind().is_err() {
         return None;
     }
     let lt = cudarc::cublaslt::result::create_handle().ok()?;
-    let made = started.elapsed();
-    if std::env::var("KILN_PLAN_AHEAD").is_ok_and(|v| v == "0") {
-        let gemm = Gemm {
-            dtype: DType::F32,
-            out: DType::F32,
-            tf32: false,
-            trans: (false, false),
-            mnk: (256, 256, 256),
-            ld: (256, 256, 256),
-            batch: 1,
-            strides: (0, 0, 0),
-            align: (256, 256, 256),
-            epilogue: super::lt::Epilogue::NONE,
-            vector_dtype: None,
-            c: None,
-        };
-        let _ = Plan::new(lt, g, &gemm, [0; 6], (0, WORKSPACE));
-    }
     if super::log_on("time") {
-        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-        eprintln!("[kiln time] cuBLAS started in {:.1} ms, cuBLASLt in {:.1} ms more", ms(made), ms(started.elapsed() - made));
+        eprintln!("[kiln time] cuBLAS started in {:.1} ms", started.elapsed().as_secs_f64() * 1e3);
     }
     Some(lt)
 }
@@ -92,10 +73,11 @@ pub(crate) fn start(g: &Arc<Gpu>) -> Result<()> {
 }
 
 /// Plans the cuBLASLt problems a dry run noted (`Gpu::note_lt_problem`) on the thread that
-/// started cuBLAS, beside the step's NVRTC programs loading: made in the first real run, a
-/// GPT BF16 step's 15 plans (heuristic queries, or the disk cache's algorithm checked) were
-/// most of its 0.14-0.2 s. Here the heuristic's choice only: tuning times real operands, and
-/// `MaxAutotune`'s run re-plans what was not tuned.
+/// started cuBLAS, beside the step's NVRTC programs loading. Made in the first real run, a GPT
+/// BF16 step's 15 plans took 151-154 ms of it (the library's set-up with the first, then a
+/// few ms each, disk-cached algorithms or not); made here, the warm-cache first call went from
+/// 0.39-0.46 to 0.26-0.29 s (H100, session 41). The heuristic's choice only: tuning times real
+/// operands, and `MaxAutotune`'s run re-plans what was not tuned.
 fn plan_ahead(g: &Arc<Gpu>, blas: &mut Blas) {
     let (problems, start) = (g.take_lt_problems(), std::time::Instant::now());
     let Some(lt) = blas.lt else { return };
@@ -402,15 +384,15 @@ pub fn matmul_fused(
     // cuBLASLt's problem, when it can express the batch (it cannot repeat an operand with
     // batch stride 0).
     let gemm = (batch == 1 || (a.batch_stride != 0 && b.batch_stride != 0)).then(|| Gemm {
-            dtype,
-            out: meta.dtype,
-            tf32: allow_tf32(),
-            trans: (b.trans, a.trans),
-            mnk: (n as u64, m as u64, k as u64),
-            ld: (b.ld, a.ld, n as i64),
-            batch: batch as i32,
-            strides: (b.batch_stride, a.batch_stride, (m * n) as i64),
-            align: (alignment(b.ptr), alignment(a.ptr), alignment(out.buf.ptr)),
+        dtype,
+        out: meta.dtype,
+        tf32: allow_tf32(),
+        trans: (b.trans, a.trans),
+        mnk: (n as u64, m as u64, k as u64),
+        ld: (b.ld, a.ld, n as i64),
+        batch: batch as i32,
+        strides: (b.batch_stride, a.batch_stride, (m * n) as i64),
+        align: (alignment(b.ptr), alignment(a.ptr), alignment(out.buf.ptr)),
         epilogue,
         vector_dtype,
         c: c.map(alignment),
@@ -419,8 +401,7 @@ pub fn matmul_fused(
     // which then plans the problems the run noted (`plan_ahead`), asks for the kernels the
     // cuBLAS path could need and is done.
     if super::gpu::is_dry() && !g.blas.try_lock().is_ok_and(|b| b.is_some()) {
-        // (`KILN_PLAN_AHEAD=0`: planned in the first real run, the A/B switch while measured.)
-        if let Some(gemm) = gemm.filter(|_| std::env::var("KILN_PLAN_AHEAD").map_or(true, |v| v != "0")) {
+        if let Some(gemm) = gemm {
             g.note_lt_problem(gemm);
         }
         g.start_blas();

@@ -1069,12 +1069,11 @@ fn layer_norm_param_grads(
     let (px, pg, pr) = (xd.ptr(), gd.ptr(), rd.as_ref().map_or(0, |r| r.ptr()));
     // Staged (each warp's next rows copied to shared memory while it works on this one) where
     // F32 rows of x, g (and r) are whole, aligned 16-byte pieces, and two blocks' slots fit an SM.
-    // (`KILN_LN_STAGE_R=0`: r read at the store, the A/B switch while it is measured.)
     use super::codegen::{ln_grads_stage_bytes, LnStage};
     let resid = rd.is_some();
     let pieces = dtype == DType::F32 && gdt.is_float() && [dtype, gdt].iter().all(|d| (n * d.size_in_bytes()) % 16 == 0);
     let fits = |s: LnStage| ln_grads_stage_bytes(32 * tiles, dtype, gdt, s) <= 96 * 1024;
-    let stage_r = resid && pr % 16 == 0 && std::env::var("KILN_LN_STAGE_R").map_or(true, |v| v != "0");
+    let stage_r = resid && pr % 16 == 0;
     let stage = match (pieces && (px | pg) % 16 == 0, stage_r) {
         (true, true) if fits(LnStage::RowsAndResidual) => LnStage::RowsAndResidual,
         (true, _) if fits(LnStage::Rows) => LnStage::Rows,
