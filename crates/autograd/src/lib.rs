@@ -6,9 +6,11 @@
 //! sees the backward pass like any other code. Gradients accumulate in place into the
 //! leaves' `.grad()`.
 
+mod checkpoint;
 mod gradcheck;
 mod rules;
 
+pub use checkpoint::checkpoint;
 pub use gradcheck::{gradcheck, GradcheckConfig};
 pub use kiln_tensor::no_grad;
 use kiln_tensor::{Error, Layout, Op, Result, Tensor, TensorId};
@@ -28,6 +30,24 @@ impl NoGradGuard {
 }
 
 impl Drop for NoGradGuard {
+    fn drop(&mut self) {
+        kiln_tensor::set_grad_enabled(self.prev);
+    }
+}
+
+/// Turns recording on while alive, inside a `no_grad` region (like `torch.enable_grad()`).
+pub struct EnableGradGuard {
+    prev: bool,
+}
+
+impl EnableGradGuard {
+    #[allow(clippy::new_without_default)]
+    pub fn new() -> EnableGradGuard {
+        EnableGradGuard { prev: kiln_tensor::set_grad_enabled(true) }
+    }
+}
+
+impl Drop for EnableGradGuard {
     fn drop(&mut self) {
         kiln_tensor::set_grad_enabled(self.prev);
     }
@@ -134,7 +154,7 @@ fn run(root: &Tensor, seed: &Tensor, wanted: Option<&HashSet<TensorId>>) -> Resu
             if inp.storage().version() != ver {
                 return Err(Error::Msg(format!(
                     "backward: input {i} of {} (shape {:?}) was modified in place after it was used; autograd needs its old value",
-                    f.op.name(),
+                    f.name(),
                     inp.shape()
                 )));
             }
@@ -148,7 +168,16 @@ fn run(root: &Tensor, seed: &Tensor, wanted: Option<&HashSet<TensorId>>) -> Resu
             continue;
         }
         let needs: Vec<bool> = f.inputs.iter().map(|i| i.requires_grad()).collect();
-        let dins = rules::backward(&f.op, &f.inputs, &needs, t, &g)?;
+        let dins = match &f.custom {
+            Some(c) => {
+                let d = (c.backward)(&g, wanted.is_none())?;
+                if d.len() != f.inputs.len() {
+                    return Err(Error::Msg(format!("backward: {} returned {} gradients for {} inputs", c.name, d.len(), f.inputs.len())));
+                }
+                d
+            }
+            None => rules::backward(&f.op, &f.inputs, &needs, t, &g)?,
+        };
         for (inp, d) in f.inputs.iter().zip(dins) {
             let Some(d) = d else { continue };
             if !inp.requires_grad() {

@@ -53,6 +53,6 @@ pub use ops::{no_grad, ShapeSpec};
 pub use shape::{AllDims, Dim, Dims, Layout};
 pub use tensor::next_tensor_id;
 pub use tensor::{
-    autocast_dtype, is_anomaly_detection, is_grad_enabled, is_tracing, set_detect_anomaly, set_grad_enabled, set_tracer, Autocast, Flag,
-    GradFn, Tensor, TensorId, Tracer,
+    autocast_dtype, is_anomaly_detection, is_grad_enabled, is_tracing, set_detect_anomaly, set_grad_enabled, set_tracer, Autocast,
+    CustomBackward, Flag, GradFn, Tensor, TensorId, Tracer,
 };

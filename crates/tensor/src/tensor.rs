@@ -25,12 +25,38 @@ pub fn next_tensor_id() -> u64 {
 /// What autograd needs to differentiate an op's output: the op and its inputs (with the
 /// storage versions they had, to catch in-place writes that would make backward wrong).
 /// The output itself is not saved (that would be a cycle); backward receives it.
-#[derive(Debug)]
 pub struct GradFn {
     pub op: Op,
     pub inputs: Vec<Tensor>,
     pub versions: Vec<u64>,
+    /// A backward of the caller's own in place of `op`'s rule (`Tensor::with_backward`).
+    pub custom: Option<CustomBackward>,
 }
+
+impl GradFn {
+    /// The op's name, or the custom backward's.
+    pub fn name(&self) -> &str {
+        self.custom.as_ref().map_or(self.op.name(), |c| c.name)
+    }
+}
+
+impl std::fmt::Debug for GradFn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GradFn").field("op", &self.name()).field("inputs", &self.inputs.len()).finish()
+    }
+}
+
+/// A backward written by the caller (like a `torch.autograd.Function`'s): given the output's
+/// gradient and whether the walk accumulates into leaves (`backward`, true) or only returns
+/// the gradients asked for (`grad`, false), one gradient per input.
+#[derive(Clone)]
+pub struct CustomBackward {
+    pub name: &'static str,
+    pub backward: Arc<BackwardFn>,
+}
+
+/// `CustomBackward`'s function: (the output's gradient, accumulating) to the inputs' gradients.
+pub type BackwardFn = dyn Fn(&Tensor, bool) -> Result<Vec<Option<Tensor>>> + Send + Sync;
 
 /// An n-dimensional array on a device. Cloning is cheap (an `Arc`); views share storage.
 #[derive(Clone)]
@@ -157,6 +183,14 @@ impl Autocast {
             return Err(Error::Msg(format!("autocast: computes in BF16 or F16, not {dtype:?}")));
         }
         Ok(Autocast { prev: AUTOCAST.with(|a| a.replace(Some(dtype))), _not_send: std::marker::PhantomData })
+    }
+
+    /// The setting `dtype` while the guard lives: autocast to it, or (`None`) off.
+    pub fn setting(dtype: Option<DType>) -> Result<Autocast> {
+        match dtype {
+            Some(d) => Autocast::new(d),
+            None => Ok(Autocast { prev: AUTOCAST.with(|a| a.replace(None)), _not_send: std::marker::PhantomData }),
+        }
     }
 }
 
@@ -329,6 +363,25 @@ impl Tensor {
         view.unwrap_or_else(|_| Tensor::make(self.0.storage.clone(), self.0.layout.clone(), self.0.dtype, self.0.device, None))
     }
 
+    /// `value` (shared, not copied) recorded as the output of `inputs` with a backward of the
+    /// caller's own, when grad mode is on and some input requires grad; else `value` itself.
+    /// Nothing is traced: under a tracer, record the ops themselves instead.
+    pub fn with_backward(value: &Tensor, inputs: &[&Tensor], backward: CustomBackward) -> Result<Tensor> {
+        if is_tracing() {
+            return Err(Error::Msg(format!("{}: a custom backward cannot be traced; run its ops plainly under a tracer", backward.name)));
+        }
+        if !is_grad_enabled() || !inputs.iter().any(|t| t.requires_grad()) {
+            return Ok(value.clone());
+        }
+        let f = GradFn {
+            op: Op::Contiguous,
+            inputs: inputs.iter().map(|t| (*t).clone()).collect(),
+            versions: inputs.iter().map(|t| t.0.storage.version()).collect(),
+            custom: Some(backward),
+        };
+        Ok(Tensor::make(value.0.storage.clone(), value.0.layout.clone(), value.0.dtype, value.0.device, Some(Arc::new(f))))
+    }
+
     // ---- dispatch ----
 
     /// Runs one primitive op. Every tensor op ends here: check devices, apply the shape rule,
@@ -362,6 +415,7 @@ impl Tensor {
                 op: op.clone(),
                 inputs: inputs.iter().map(|t| (*t).clone()).collect(),
                 versions: inputs.iter().map(|t| t.0.storage.version()).collect(),
+                custom: None,
             })
         });
         let out = Tensor::make(storage, layout, meta.dtype, device, grad_fn);
