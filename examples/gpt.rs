@@ -5,6 +5,7 @@
 //!   options: --steps 300 --batch 16 --context 64 --layers 4 --heads 4 --d-model 128
 //!            --lr 3e-3 --dropout 0.0 --seed 0 --compile [--compile-mode reduce-overhead]
 //!            --checkpoint-every N --checkpoint-dir DIR (checkpoints/gpt) --resume
+//!            --grad-checkpoint (recompute each block's activations in backward)
 //!
 //! On the default corpus (lines like `123+456=579`) it reports exact-match accuracy of
 //! greedy completions of held-out `a+b=` prompts.
@@ -130,6 +131,7 @@ fn main() -> Result<()> {
         Ok(vec![loss])
     };
     let compiled = common::has("--compile");
+    model.checkpointing.set(common::has("--grad-checkpoint"));
     let cmode = common::compile_mode(device);
     println!("training on {device}{}", if compiled { format!(", compiled ({cmode:?})") } else { String::new() });
     let eager = step_fn;
@@ -160,6 +162,11 @@ fn main() -> Result<()> {
     let secs = start.elapsed().as_secs_f64();
     let done = steps.saturating_sub(start_step as usize).max(1);
     println!("trained {done} steps in {secs:.1} s: {:.0} tokens/s, {:.1} ms/step", (done * b * t) as f64 / secs, 1e3 * secs / done as f64);
+    println!(
+        "peak memory {:.1} MiB{}",
+        kiln::tensor::storage::peak_bytes() as f64 / (1 << 20) as f64,
+        if model.checkpointing.get() { " (activation checkpointing)" } else { "" }
+    );
     if compiled {
         println!("{}", cstep.explain());
     }

@@ -161,3 +161,37 @@ fn a_compiled_step_with_checkpoints_matches_eager() {
         assert!((c - e).abs() <= 1e-5 * e.abs(), "step {i}: compiled {c} against eager {e}");
     }
 }
+
+#[test]
+fn a_gpt_with_checkpointing_trains_the_same_with_less_memory() {
+    use kiln::models::{Gpt, GptConfig};
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    rng::manual_seed(4);
+    let cfg = GptConfig { vocab: 11, context: 32, d_model: 32, n_layer: 3, n_head: 2, dropout: 0.2, tied_head: false };
+    let model = Gpt::new(cfg, Device::Cpu).unwrap();
+    let tok = |s: u64| {
+        let t = Tensor::rand_at(&[16, 32], Distribution::Uniform, s, 0, DType::F32, Device::Cpu).unwrap();
+        t.mul_scalar(11.0).unwrap().to_dtype(DType::I64).unwrap()
+    };
+    let (x, y) = (tok(1), tok(2));
+    let mut runs = Vec::new();
+    for on in [false, true] {
+        model.checkpointing.set(on);
+        model.parameters().iter().for_each(|p| p.set_grad(None));
+        rng::manual_seed(7);
+        storage::reset_peak_bytes();
+        let base = storage::live_bytes();
+        let loss = model.loss(&x, &y).unwrap();
+        loss.backward().unwrap();
+        let peak = storage::peak_bytes() - base;
+        let grads: Vec<Vec<f32>> = model.parameters().iter().map(|p| p.grad().unwrap().to_vec::<f32>().unwrap()).collect();
+        runs.push((loss.item().unwrap(), grads, peak));
+    }
+    let ((loss, grads, peak), (c_loss, c_grads, c_peak)) = (&runs[0], &runs[1]);
+    assert_eq!(loss, c_loss);
+    for (i, (a, b)) in grads.iter().zip(c_grads).enumerate() {
+        let worst = a.iter().zip(b).map(|(u, v)| (u - v).abs()).fold(0.0f32, f32::max);
+        assert!(worst <= 1e-6, "parameter {i}: gradients differ by {worst}");
+    }
+    assert!(c_peak * 3 < peak * 2, "checkpointed peak {c_peak} B against {peak} B");
+}

@@ -1,7 +1,7 @@
 //! Training on CUDA against the CPU: 200 steps of the MLP and of the GPT with dropout, AdamW,
 //! a warmup-cosine schedule and gradient clipping, from the same seed; a checkpoint written
 //! from the GPU resumes on the CPU; a steady-state step makes no driver allocation; F16 with
-//! `GradScaler` skips the same steps. Built only with `--features cuda`; without a GPU each
+//! `GradScaler` skips the same steps; activation checkpointing on CUDA matches. Built only with `--features cuda`; without a GPU each
 //! test fails saying so.
 
 use kiln::models::{mlp, Gpt, GptConfig};
@@ -69,10 +69,12 @@ fn mlp_trains_the_same_on_cuda_as_on_the_cpu_for_200_steps() {
     assert_eq!(allocs, 0, "steps 3..200 on the GPU asked the driver for memory");
 }
 
-fn train_gpt(dev: Device, steps: u64) -> (Vec<f32>, Vec<Vec<f32>>) {
+/// Losses and final parameters; `checkpointing`: each block recomputed in backward.
+fn train_gpt(dev: Device, steps: u64, checkpointing: bool) -> (Vec<f32>, Vec<Vec<f32>>) {
     kiln::tensor::rng::manual_seed(7);
     let cfg = GptConfig { vocab: 11, context: 8, d_model: 16, n_layer: 2, n_head: 2, dropout: 0.1, tied_head: false };
     let model = Gpt::new(cfg, dev).unwrap();
+    model.checkpointing.set(checkpointing);
     let mut opt = AdamW::new(model.parameters(), AdamConfig { lr: 3e-3, betas: (0.9, 0.95), ..AdamConfig::adamw() }).unwrap();
     let mut sched = WarmupCosine::new(3e-3, 10, steps as usize, 3e-4).unwrap();
     sched.apply(&mut opt).unwrap();
@@ -97,8 +99,22 @@ fn train_gpt(dev: Device, steps: u64) -> (Vec<f32>, Vec<Vec<f32>>) {
 fn gpt_with_dropout_trains_the_same_on_cuda_as_on_the_cpu_for_200_steps() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dev = gpu();
-    let (lc, pc) = train_gpt(Device::Cpu, 200);
-    let (lg, pg) = train_gpt(dev, 200);
+    let (lc, pc) = train_gpt(Device::Cpu, 200, false);
+    let (lg, pg) = train_gpt(dev, 200, false);
+    assert_close("losses", &lg, &lc, 2e-3);
+    for (i, (g, c)) in pg.iter().zip(&pc).enumerate() {
+        assert_close(&format!("param {i}"), g, c, 5e-3);
+    }
+}
+
+/// Activation checkpointing on CUDA: the recomputed blocks draw the same dropout masks on the
+/// device, so 50 steps match the plain run on the CPU.
+#[test]
+fn gpt_with_activation_checkpointing_trains_the_same_on_cuda_as_plain_on_the_cpu() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    let (lc, pc) = train_gpt(Device::Cpu, 50, false);
+    let (lg, pg) = train_gpt(dev, 50, true);
     assert_close("losses", &lg, &lc, 2e-3);
     for (i, (g, c)) in pg.iter().zip(&pc).enumerate() {
         assert_close(&format!("param {i}"), g, c, 5e-3);

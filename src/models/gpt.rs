@@ -37,6 +37,10 @@ pub struct Gpt {
     pub ln_f: LayerNorm,
     pub head: Option<Linear>,
     pub training: Flag,
+    /// Activation checkpointing: each block's activations are recomputed in backward instead
+    /// of kept (`kiln_autograd::checkpoint`; Hugging Face's `gradient_checkpointing_enable`).
+    /// Off by default.
+    pub checkpointing: Flag,
 }
 
 impl Block {
@@ -89,6 +93,7 @@ impl Gpt {
             ln_f: LayerNorm::new(c.d_model, 1e-5, device)?,
             head: if c.tied_head { None } else { Some(Linear::new(c.d_model, c.vocab, false, device)?) },
             training: Flag::new(true),
+            checkpointing: Flag::new(false),
         })
     }
 
@@ -109,8 +114,14 @@ impl Gpt {
         let pos = Tensor::arange(t, DType::I64, tokens.device())?;
         let mut x = self.tok_emb.forward(tokens)?.add(&self.pos_emb.forward(&pos)?)?;
         x = dropout(&x, self.config.dropout, self.training.get())?;
+        let (c, training) = (self.config, self.training.get());
         for blk in &self.blocks {
-            x = blk.forward(&x, &self.config, self.training.get())?;
+            x = if self.checkpointing.get() {
+                let blk = blk.clone();
+                kiln_autograd::checkpoint(move |v| blk.forward(&v[0], &c, training), &[&x])?
+            } else {
+                blk.forward(&x, &c, training)?
+            };
         }
         let x = self.ln_f.forward(&x)?;
         match &self.head {
