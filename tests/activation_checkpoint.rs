@@ -112,17 +112,43 @@ fn gradients_through_a_checkpoint_pass_gradcheck() {
 }
 
 #[test]
-fn autograd_grad_through_a_checkpoint_is_a_clear_error() {
+fn autograd_grad_through_a_checkpoint_gives_its_inputs_and_refuses_what_is_inside() {
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let x = Tensor::rand_at(&[3], Distribution::Normal, 1, 0, DType::F32, Device::Cpu).unwrap();
+    let w = Tensor::rand_at(&[3], Distribution::Normal, 2, 0, DType::F32, Device::Cpu).unwrap();
     x.set_requires_grad(true);
-    let y = checkpoint(|v| v[0].square(), &[&x]).unwrap().sum_all().unwrap();
-    let err = kiln::autograd::grad(&y, &[&x]).unwrap_err().to_string();
-    assert!(err.contains("checkpoint") && err.contains("backward()"), "{err}");
-    // backward() works: d/dx sum(x^2) = 2x.
+    w.set_requires_grad(true);
+    let inner = w.clone();
+    let y = checkpoint(move |v| v[0].square()?.mul(&inner), &[&x]).unwrap().sum_all().unwrap();
+    let (xv, wv) = (x.to_vec::<f32>().unwrap(), w.to_vec::<f32>().unwrap());
+    // d/dx sum(x^2 w) = 2 x w, and nothing accumulated into w's .grad().
+    let g = kiln::autograd::grad(&y, &[&x]).unwrap()[0].clone().unwrap().to_vec::<f32>().unwrap();
+    assert_eq!(g, xv.iter().zip(&wv).map(|(a, b)| 2.0 * a * b).collect::<Vec<_>>());
+    assert!(w.grad().is_none(), "grad() accumulated into a parameter");
+    // w is used inside the checkpoint: grad() cannot return it, and says so.
+    let err = kiln::autograd::grad(&y, &[&w]).unwrap_err().to_string();
+    assert!(err.contains("checkpoint") && err.contains("backward()") && err.contains("[3]"), "{err}");
+    // backward() gives both: x^2 for w.
     y.backward().unwrap();
-    let (g, v) = (x.grad().unwrap().to_vec::<f32>().unwrap(), x.to_vec::<f32>().unwrap());
-    assert_eq!(g, v.iter().map(|a| 2.0 * a).collect::<Vec<_>>());
+    assert_eq!(w.grad().unwrap().to_vec::<f32>().unwrap(), xv.iter().map(|a| a * a).collect::<Vec<_>>());
+}
+
+#[test]
+fn a_checkpointed_function_that_writes_to_its_input_is_an_error() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let x = Tensor::rand_at(&[4], Distribution::Normal, 1, 0, DType::F32, Device::Cpu).unwrap();
+    let h = x.mul_scalar(1.0).unwrap();
+    x.set_requires_grad(true);
+    let err = checkpoint(
+        |v| {
+            v[1].assign(&v[1].mul_scalar(2.0)?)?;
+            v[0].mul(&v[1])
+        },
+        &[&x, &h],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("in place") && err.contains("input 1"), "{err}");
 }
 
 #[test]

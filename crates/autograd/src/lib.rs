@@ -124,7 +124,7 @@ fn topo_order(root: &Tensor) -> Vec<Tensor> {
 
 /// Walks the graph; returns the gradient of every leaf that requires grad (or, with `wanted`,
 /// of those tensors whether leaves or not).
-fn run(root: &Tensor, seed: &Tensor, wanted: Option<&HashSet<TensorId>>) -> Result<Vec<(Tensor, Tensor)>> {
+pub(crate) fn run(root: &Tensor, seed: &Tensor, wanted: Option<&HashSet<TensorId>>) -> Result<Vec<(Tensor, Tensor)>> {
     if !root.requires_grad() {
         return Err(Error::Msg(format!(
             "backward: the tensor (shape {:?}) does not require grad: no parameter it depends on has requires_grad set",
@@ -170,7 +170,7 @@ fn run(root: &Tensor, seed: &Tensor, wanted: Option<&HashSet<TensorId>>) -> Resu
         let needs: Vec<bool> = f.inputs.iter().map(|i| i.requires_grad()).collect();
         let dins = match &f.custom {
             Some(c) => {
-                let d = (c.backward)(&g, wanted.is_none())?;
+                let d = (c.backward)(&g, wanted)?;
                 if d.len() != f.inputs.len() {
                     return Err(Error::Msg(format!("backward: {} returned {} gradients for {} inputs", c.name, d.len(), f.inputs.len())));
                 }

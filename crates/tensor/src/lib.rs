@@ -41,7 +41,10 @@ pub fn cache_dir(kind: &str) -> Option<std::path::PathBuf> {
 /// Writes a cache file whole or not at all (a temporary renamed into place), best effort: a
 /// cache that cannot be written only costs the work again next time.
 pub fn cache_put(path: &std::path::Path, bytes: &[u8]) {
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    // (Beside the file's own name: `x.algo` and `x.heuristic` must not share one.)
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".tmp{}", std::process::id()));
+    let tmp = std::path::PathBuf::from(tmp);
     if path.parent().map(std::fs::create_dir_all).transpose().is_ok() && std::fs::write(&tmp, bytes).is_ok() {
         let _ = std::fs::rename(&tmp, path);
     }

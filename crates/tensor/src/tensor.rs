@@ -6,6 +6,7 @@ use crate::shape::Layout;
 use crate::storage::{CpuSlice, CpuStorage, IntoCpuStorage, Storage, StorageCell};
 use crate::{cpu, DType, Device, Element, Error, Result};
 use std::cell::{Cell, RefCell};
+use std::collections::HashSet;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -47,16 +48,16 @@ impl std::fmt::Debug for GradFn {
 }
 
 /// A backward written by the caller (like a `torch.autograd.Function`'s): given the output's
-/// gradient and whether the walk accumulates into leaves (`backward`, true) or only returns
-/// the gradients asked for (`grad`, false), one gradient per input.
+/// gradient and, when the walk only returns the gradients of some tensors (`grad`), their ids
+/// (`None`: it accumulates into the leaves, `backward`), one gradient per input.
 #[derive(Clone)]
 pub struct CustomBackward {
     pub name: &'static str,
     pub backward: Arc<BackwardFn>,
 }
 
-/// `CustomBackward`'s function: (the output's gradient, accumulating) to the inputs' gradients.
-pub type BackwardFn = dyn Fn(&Tensor, bool) -> Result<Vec<Option<Tensor>>> + Send + Sync;
+/// `CustomBackward`'s function: (the output's gradient, the wanted ids) to the inputs' gradients.
+pub type BackwardFn = dyn Fn(&Tensor, Option<&HashSet<TensorId>>) -> Result<Vec<Option<Tensor>>> + Send + Sync;
 
 /// An n-dimensional array on a device. Cloning is cheap (an `Arc`); views share storage.
 #[derive(Clone)]
@@ -364,13 +365,13 @@ impl Tensor {
     }
 
     /// `value` (shared, not copied) recorded as the output of `inputs` with a backward of the
-    /// caller's own, when grad mode is on and some input requires grad; else `value` itself.
-    /// Nothing is traced: under a tracer, record the ops themselves instead.
+    /// caller's own, when grad mode is on, `value` is a float and some input requires grad;
+    /// else `value` itself. Nothing is traced: under a tracer, record the ops themselves instead.
     pub fn with_backward(value: &Tensor, inputs: &[&Tensor], backward: CustomBackward) -> Result<Tensor> {
         if is_tracing() {
             return Err(Error::Msg(format!("{}: a custom backward cannot be traced; run its ops plainly under a tracer", backward.name)));
         }
-        if !is_grad_enabled() || !inputs.iter().any(|t| t.requires_grad()) {
+        if !is_grad_enabled() || !value.dtype().is_float() || !inputs.iter().any(|t| t.requires_grad()) {
             return Ok(value.clone());
         }
         let f = GradFn {

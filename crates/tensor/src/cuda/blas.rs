@@ -72,6 +72,14 @@ pub(crate) fn start(g: &Arc<Gpu>) -> Result<()> {
     Ok(())
 }
 
+/// Plans problems still noted (`Gpu::started_blas`), if cuBLAS has started.
+pub(crate) fn plan_noted(g: &Arc<Gpu>) {
+    let mut guard = g.blas.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(blas) = guard.as_mut() {
+        plan_ahead(g, blas);
+    }
+}
+
 /// Plans the cuBLASLt problems a dry run noted (`Gpu::note_lt_problem`) on the thread that
 /// started cuBLAS, beside the step's NVRTC programs loading. Made in the first real run, a GPT
 /// BF16 step's 15 plans took 151-154 ms of it (the library's set-up with the first, then a

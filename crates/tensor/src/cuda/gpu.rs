@@ -365,12 +365,14 @@ impl Gpu {
         std::mem::take(&mut *self.lt_problems.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
-    /// Waits for `start_blas`'s thread, if one runs.
-    pub(crate) fn started_blas(&self) {
+    /// Waits for `start_blas`'s thread, if one runs, then plans what the dry run noted after
+    /// that thread took its list.
+    pub(crate) fn started_blas(self: &Arc<Self>) {
         let handle = self.blas_start.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(h) = handle {
             let _ = h.join();
         }
+        super::blas::plan_noted(self);
     }
 
     /// A new private pool for a graph capture (see `Pool`).

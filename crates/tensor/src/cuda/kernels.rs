@@ -1072,7 +1072,10 @@ fn layer_norm_param_grads(
     use super::codegen::{ln_grads_stage_bytes, LnStage};
     let resid = rd.is_some();
     let pieces = dtype == DType::F32 && gdt.is_float() && [dtype, gdt].iter().all(|d| (n * d.size_in_bytes()) % 16 == 0);
-    let fits = |s: LnStage| ln_grads_stage_bytes(32 * tiles, dtype, gdt, s) <= 96 * 1024;
+    // With the kernel's static arrays (the partials' rows, and with sums the weights), within
+    // 96 KiB: two blocks an SM on Hopper, and under the 99 KiB a block of sm_86/89 may take.
+    let fixed = (rows_k + sums.is_some() as usize) * 32 * tiles * accumulator(dtype).size_in_bytes();
+    let fits = |s: LnStage| ln_grads_stage_bytes(32 * tiles, dtype, gdt, s) + fixed <= 96 * 1024;
     let stage_r = resid && pr % 16 == 0;
     let stage = match (pieces && (px | pg) % 16 == 0, stage_r) {
         (true, true) if fits(LnStage::RowsAndResidual) => LnStage::RowsAndResidual,
