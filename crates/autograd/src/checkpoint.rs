@@ -1,7 +1,7 @@
 //! Activation checkpointing (`torch.utils.checkpoint`): a function's intermediate values are
 //! not kept for backward but recomputed from its inputs when backward reaches its output.
 
-use crate::{backward_with, run, EnableGradGuard};
+use crate::{backward_with, run, GradModeGuard};
 use kiln_tensor::{no_grad, rng, Autocast, CustomBackward, Error, Result, Tensor, TensorId};
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -44,7 +44,7 @@ pub fn checkpoint(f: impl Fn(&[Tensor]) -> Result<Tensor> + Send + Sync + 'stati
             })
             .collect();
         let out = {
-            let (_grad, _cast) = (EnableGradGuard::new(), Autocast::setting(autocast)?);
+            let (_grad, _cast) = (GradModeGuard::new(true), Autocast::setting(autocast)?);
             let now = rng::state();
             rng::set_state(generator);
             let out = f(&leaves);

@@ -17,39 +17,33 @@ use kiln_tensor::{Error, Layout, Op, Result, Tensor, TensorId};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
+/// Sets grad mode while alive and puts back the previous mode after: `GradModeGuard::new(true)`
+/// is `torch.enable_grad()` (recording inside a `no_grad` region).
+pub struct GradModeGuard {
+    prev: bool,
+}
+
+impl GradModeGuard {
+    pub fn new(on: bool) -> GradModeGuard {
+        GradModeGuard { prev: kiln_tensor::set_grad_enabled(on) }
+    }
+}
+
+impl Drop for GradModeGuard {
+    fn drop(&mut self) {
+        kiln_tensor::set_grad_enabled(self.prev);
+    }
+}
+
 /// Turns recording off while alive (like `torch.no_grad()` used as a context manager).
 pub struct NoGradGuard {
-    prev: bool,
+    _mode: GradModeGuard,
 }
 
 impl NoGradGuard {
     #[allow(clippy::new_without_default)]
     pub fn new() -> NoGradGuard {
-        NoGradGuard { prev: kiln_tensor::set_grad_enabled(false) }
-    }
-}
-
-impl Drop for NoGradGuard {
-    fn drop(&mut self) {
-        kiln_tensor::set_grad_enabled(self.prev);
-    }
-}
-
-/// Turns recording on while alive, inside a `no_grad` region (like `torch.enable_grad()`).
-pub struct EnableGradGuard {
-    prev: bool,
-}
-
-impl EnableGradGuard {
-    #[allow(clippy::new_without_default)]
-    pub fn new() -> EnableGradGuard {
-        EnableGradGuard { prev: kiln_tensor::set_grad_enabled(true) }
-    }
-}
-
-impl Drop for EnableGradGuard {
-    fn drop(&mut self) {
-        kiln_tensor::set_grad_enabled(self.prev);
+        NoGradGuard { _mode: GradModeGuard::new(false) }
     }
 }
 

@@ -35,6 +35,13 @@ pub struct GradFn {
 }
 
 impl GradFn {
+    /// The record of `op` (or, with `custom`, the caller's backward) over `inputs`, with the
+    /// storage versions they have now.
+    fn new(op: Op, inputs: &[&Tensor], custom: Option<CustomBackward>) -> GradFn {
+        let versions = inputs.iter().map(|t| t.0.storage.version()).collect();
+        GradFn { op, inputs: inputs.iter().map(|t| (*t).clone()).collect(), versions, custom }
+    }
+
     /// The op's name, or the custom backward's.
     pub fn name(&self) -> &str {
         self.custom.as_ref().map_or(self.op.name(), |c| c.name)
@@ -374,13 +381,9 @@ impl Tensor {
         if !is_grad_enabled() || !value.dtype().is_float() || !inputs.iter().any(|t| t.requires_grad()) {
             return Ok(value.clone());
         }
-        let f = GradFn {
-            op: Op::Contiguous,
-            inputs: inputs.iter().map(|t| (*t).clone()).collect(),
-            versions: inputs.iter().map(|t| t.0.storage.version()).collect(),
-            custom: Some(backward),
-        };
-        Ok(Tensor::make(value.0.storage.clone(), value.0.layout.clone(), value.0.dtype, value.0.device, Some(Arc::new(f))))
+        // (The op is a placeholder: the walk runs `backward` instead of its rule.)
+        let f = Arc::new(GradFn::new(Op::Contiguous, inputs, Some(backward)));
+        Ok(Tensor::make(value.0.storage.clone(), value.0.layout.clone(), value.0.dtype, value.0.device, Some(f)))
     }
 
     // ---- dispatch ----
@@ -411,14 +414,7 @@ impl Tensor {
             }
         };
         let differentiable = meta.dtype.is_float() && is_grad_enabled() && inputs.iter().any(|t| t.requires_grad());
-        let grad_fn = differentiable.then(|| {
-            Arc::new(GradFn {
-                op: op.clone(),
-                inputs: inputs.iter().map(|t| (*t).clone()).collect(),
-                versions: inputs.iter().map(|t| t.0.storage.version()).collect(),
-                custom: None,
-            })
-        });
+        let grad_fn = differentiable.then(|| Arc::new(GradFn::new(op.clone(), inputs, None)));
         let out = Tensor::make(storage, layout, meta.dtype, device, grad_fn);
         if is_anomaly_detection() && !op.is_view() {
             check_finite(&op, inputs, &out)?;

@@ -1613,7 +1613,7 @@ pub const LN_GRADS_MAX_N: usize = 1024;
 pub const LN_GRADS_WARPS: usize = 8;
 
 /// Dynamic shared memory of a staged `layer_norm_param_grads_source` kernel over rows of `n`
-/// values: two row slots a warp, each x's and g's row (and with `resid`, r's).
+/// values: two row slots a warp, each x's and g's row (and with `LnStage::RowsAndResidual`, r's).
 pub fn ln_grads_stage_bytes(n: usize, dtype: DType, gdt: DType, stage: LnStage) -> usize {
     let xs = match stage {
         LnStage::Off => return 0,
