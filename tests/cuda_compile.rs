@@ -497,3 +497,25 @@ fn lstm_and_gru_train_the_same_compiled_on_cuda_in_every_mode() {
         }
     }
 }
+
+/// Every optimizer's F32 steps on CUDA, eager and compiled, against the same steps in f64
+/// on the CPU (the per-step scalars worked out in f64 in both modes).
+#[test]
+fn optimizers_f32_steps_on_cuda_track_f64() {
+    use common::assert_f32_steps_track_f64;
+    use kiln::optim::{Adagrad, AdagradConfig, Adam, Lion, LionConfig, RmsProp, RmsPropConfig, SgdConfig, SGD};
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    let sgd = SgdConfig { lr: 0.05, momentum: 0.9, weight_decay: 1e-2, ..SgdConfig::default() };
+    assert_f32_steps_track_f64("SGD momentum", dev, |p| SGD::new(p, sgd));
+    assert_f32_steps_track_f64("SGD Nesterov", dev, |p| SGD::new(p, SgdConfig { nesterov: true, ..sgd }));
+    let adam = AdamConfig { lr: 1e-2, ..AdamConfig::default() };
+    assert_f32_steps_track_f64("Adam", dev, |p| Adam::new(p, adam));
+    assert_f32_steps_track_f64("AdamW", dev, |p| AdamW::new(p, AdamConfig { lr: 1e-2, ..AdamConfig::adamw() }));
+    assert_f32_steps_track_f64("AMSGrad", dev, |p| Adam::new(p, AdamConfig { amsgrad: true, ..adam }));
+    let rms = RmsPropConfig { lr: 1e-2, momentum: 0.9, centered: true, weight_decay: 1e-2, ..RmsPropConfig::default() };
+    assert_f32_steps_track_f64("RMSprop", dev, |p| RmsProp::new(p, rms));
+    let ada = AdagradConfig { lr: 0.05, lr_decay: 0.1, weight_decay: 1e-2, initial_accumulator_value: 0.1, eps: 1e-10 };
+    assert_f32_steps_track_f64("Adagrad", dev, |p| Adagrad::new(p, ada));
+    assert_f32_steps_track_f64("Lion", dev, |p| Lion::new(p, LionConfig { lr: 1e-2, weight_decay: 0.1, ..LionConfig::default() }));
+}

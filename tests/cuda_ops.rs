@@ -396,8 +396,8 @@ fn layer_norm_grads_with_a_residual_match_the_separate_add() {
                 let with = |v: &[Tensor]| Tensor::apply(op.clone(), &v.iter().take(k).collect::<Vec<_>>(), v[0].device());
                 let what = format!("{what}: {k} inputs, sums in {sums:?}");
                 // Summing dx rounded to BF16: a last-bit difference in an F64 dx can round it
-                // the other way, a BF16 step of that element in the sum (H100, session 40:
-                // -10.1751 against -10.1712 in a row of 300).
+                // the other way, a BF16 step of that element in the sum (e.g. -10.1751 against
+                // -10.1712 in a row of 300).
                 let t = if sums == DType::BF16 { tol(DType::BF16) / 4.0 } else { tol(xd) * 100.0 };
                 both(&what, &ins, t, |v| {
                     let f = with(v)?;
@@ -501,7 +501,7 @@ fn fused_matmul_epilogues_match_the_cpu() {
         // Bias gradients over many rows (`kernels::column_sums`: chunks of rows, added in
         // order): 16-byte vectors where the columns allow (392), one value a lane where not.
         // 16-bit against the CPU in F32, rounded once: its 16-bit product rounds each of the 4100
-        // partial sums (5 % off on the H200's first run), where the GPU accumulates in F32.
+        // partial sums (5 % off on an H200), where the GPU accumulates in F32.
         for n in [392, 390] {
             let (g, x) = (randn(&[4100, n], 58, dt), randn(&[4100, 8], 59, dt));
             for (what, side, a, b) in
@@ -511,7 +511,7 @@ fn fused_matmul_epilogues_match_the_cpu() {
                 let wide = |t: &Tensor| if t.dtype().size_in_bytes() == 2 { t.to_dtype(DType::F32).unwrap() } else { t.clone() };
                 let dev = gpu();
                 // The sums, the flat output's last n: the 4100-deep product is cuBLAS's (its
-                // split-K partials in F16 were 14 % off the F32 reference at n = 390).
+                // split-K partials in F16 are 14 % off the F32 reference at n = 390).
                 let sums = |t: Tensor| t.narrow(0, t.numel() - n, n).unwrap();
                 let cpu = sums(f(&wide(a), &wide(b)).unwrap().to_dtype(dt).unwrap());
                 let gpu = sums(f(&a.to_device(dev).unwrap(), &b.to_device(dev).unwrap()).unwrap());
@@ -671,11 +671,11 @@ fn kiln_kernels_tuned_under_autotune_match_the_cpu() {
     let ins = [randn(&[m, 512], 64, DType::F32), randn(&[512, 512], 65, DType::F32), randn(&[512], 66, DType::F32)];
     let linear = |v: &[Tensor]| v[0].matmul_bias(&v[1].t().unwrap(), &v[2]).unwrap();
     let on_gpu: Vec<Tensor> = ins.iter().map(|t| t.to_device(dev).unwrap()).collect();
-    let (before, launches) = (cuda::tune::tuning_stats().0, cuda::kiln_gemm_launches());
+    let (before, launches) = (cuda::tune::tuning_stats().0, cuda::wgmma_launches());
     cuda::lt::set_autotune(true);
     let tuned = linear(&on_gpu);
     cuda::lt::set_autotune(false);
-    assert!(cuda::kiln_gemm_launches() > launches, "the product took Kiln's GEMM");
+    assert!(cuda::wgmma_launches() > launches, "the product took Kiln's GEMM");
     assert_eq!(cuda::tune::tuning_stats().0, before + 1, "the GEMM's parts timed");
     close(&format!("tuned [{m}, 512] x [512, 512]^T + bias"), &linear(&ins), &tuned, tol(DType::F32) * 10.0);
     std::env::remove_var("KILN_CACHE_DIR");
@@ -1300,9 +1300,9 @@ fn hopper_f32_gemm_matches_the_cpu_in_every_layout_and_epilogue() {
         // first.)
         for (what, ins, f) in cases {
             let what = format!("{what}, m {m} k {k} n {n}");
-            let before = cuda::kiln_gemm_launches();
+            let before = cuda::wgmma_launches();
             both(&what, &ins, t, f);
-            if cuda::kiln_gemm_launches() == before {
+            if cuda::wgmma_launches() == before {
                 missed.push(what);
             }
         }
@@ -1313,18 +1313,18 @@ fn hopper_f32_gemm_matches_the_cpu_in_every_layout_and_epilogue() {
     for (tl, bl, c, n) in [(10, 32, 512, 512), (7, 5, 36, 260)] {
         let ins = vec![randn(&[tl, bl, c], 68, dt), randn(&[n, c], 69, dt), randn(&[n], 70, dt)];
         let what = format!("[{tl}, {bl}, {c}] read batch-first @ w^T + bias, relu, n {n}");
-        let before = cuda::kiln_gemm_launches();
+        let before = cuda::wgmma_launches();
         both(&what, &ins, t, |v| fused(E::Relu)(&[v[0].transpose(0, 1)?, v[1].t()?, v[2].clone()]));
-        if cuda::kiln_gemm_launches() == before {
+        if cuda::wgmma_launches() == before {
             missed.push(what);
         }
         // A batch-first product added to a sequence-first residual (a Transformer's attention
         // output projection and its residual connection), in the product's epilogue.
         let ins = vec![randn(&[bl, tl, c], 71, dt), randn(&[n, c], 72, dt), randn(&[tl, bl, n], 73, dt), randn(&[n], 74, dt)];
         let what = format!("[{bl}, {tl}, {c}] read sequence-first @ w^T + bias + residual, n {n}");
-        let before = cuda::kiln_gemm_launches();
+        let before = cuda::wgmma_launches();
         both(&what, &ins, t, |v| fused(E::Residual)(&[v[0].transpose(0, 1)?, v[1].t()?, v[2].clone(), v[3].clone()]));
-        if cuda::kiln_gemm_launches() == before {
+        if cuda::wgmma_launches() == before {
             missed.push(what);
         }
     }
@@ -1340,7 +1340,7 @@ fn hopper_f32_gemm_matches_the_cpu_in_every_layout_and_epilogue() {
     assert!(worst < 1e-5, "Kiln's GEMM against cuBLAS's: {worst}");
 }
 
-/// The composite ops and the losses and layers built from them (session 39) on CUDA against
+/// The composite ops and the losses and layers built from them on CUDA against
 /// the CPU, forward and the input's gradient, in F32.
 #[test]
 fn composites_losses_and_group_norm_match_the_cpu() {

@@ -228,3 +228,78 @@ pub fn train_recurrent(dev: Device, mode: Option<Mode>, steps: u64, lstm: bool) 
     let losses = losses.iter().map(|l| l.item().unwrap() as f32).collect();
     Run { losses, params: params.iter().map(|t| t.to_vec::<f32>().unwrap()).collect() }
 }
+
+/// Two parameters made from a fixed formula in `dtype` on `dev`: a `[3, 4]` matrix read through
+/// `tanh` and a `[4]` vector squared (every gradient nonzero, none a constant).
+fn precision_params(dtype: DType, dev: Device) -> Result<Vec<Tensor>> {
+    let w: Vec<f32> = (0..12).map(|i| ((i as f32) * 0.7).sin() * 0.5).collect();
+    let b: Vec<f32> = (0..4).map(|i| 0.25 - 0.2 * i as f32).collect();
+    let make = |v: Vec<f32>, shape: &[usize]| -> Result<Tensor> {
+        let t = Tensor::from_vec(v, shape, Device::Cpu)?.to_dtype(dtype)?.to_device(dev)?;
+        t.set_requires_grad(true);
+        Ok(t)
+    };
+    Ok(vec![make(w, &[3, 4])?, make(b, &[4])?])
+}
+
+/// `sum(tanh(w) * c) + sum(b^2 * d)`, with `c` and `d` fixed.
+fn precision_loss(ps: &[Tensor]) -> Result<Tensor> {
+    let (dtype, dev) = (ps[0].dtype(), ps[0].device());
+    let c: Vec<f32> = (0..12).map(|i| ((i as f32) * 1.3).cos() + 0.1).collect();
+    let c = Tensor::from_vec(c, &[3, 4], Device::Cpu)?.to_dtype(dtype)?.to_device(dev)?;
+    let d = Tensor::from_vec(vec![0.3f32, -1.2, 2.5, 0.01], &[4], Device::Cpu)?.to_dtype(dtype)?.to_device(dev)?;
+    ps[0].tanh()?.mul(&c)?.sum_all()?.add(&ps[1].square()?.mul(&d)?.sum_all()?)
+}
+
+/// The parameters after `steps` steps of `make`'s optimizer on `precision_loss`, eagerly or
+/// as one compiled step (`Mode::Default`) replayed, in `dtype` on `dev`.
+fn precision_run<O: Optimizer>(
+    dev: Device,
+    dtype: DType,
+    compiled: bool,
+    steps: usize,
+    make: &dyn Fn(Vec<Tensor>) -> Result<O>,
+) -> Result<Vec<f64>> {
+    let ps = precision_params(dtype, dev)?;
+    let opt = RefCell::new(make(ps.clone())?);
+    let f = |_: &[Tensor]| -> Result<Vec<Tensor>> {
+        let loss = precision_loss(&ps)?;
+        loss.backward()?;
+        opt.borrow_mut().step()?;
+        opt.borrow_mut().zero_grad()?;
+        Ok(vec![loss])
+    };
+    let mut step = compile(Mode::Default, f);
+    for _ in 0..steps {
+        if compiled {
+            step.call(&[])?;
+        } else {
+            f(&[])?;
+        }
+    }
+    Ok(ps.iter().map(|p| p.to_vec_f64()).collect::<Result<Vec<_>>>()?.concat())
+}
+
+/// Ten steps with F32 parameters on `dev`, eagerly and compiled, against the same ten steps
+/// with F64 parameters on the CPU: each run's largest difference over the largest F64
+/// parameter must stay within 3e-7 (F32 rounding, nothing narrower).
+pub fn assert_f32_steps_track_f64<O: Optimizer>(what: &str, dev: Device, make: impl Fn(Vec<Tensor>) -> Result<O>) {
+    let exact = precision_run(Device::Cpu, DType::F64, false, 10, &make).unwrap();
+    let start = precision_run(Device::Cpu, DType::F64, false, 0, &make).unwrap();
+    let moved = exact.iter().zip(&start).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+    assert!(moved > 1e-3, "{what}: the f64 run barely moves ({moved:e}): the comparison would be vacuous");
+    let scale = exact.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+    for compiled in [false, true] {
+        let got = precision_run(dev, DType::F32, compiled, 10, &make).unwrap();
+        let (at, worst) =
+            got.iter().zip(&exact).map(|(a, b)| (a - b).abs()).enumerate().fold((0, 0.0), |m, (i, d)| if d > m.1 { (i, d) } else { m });
+        let rel = worst / scale;
+        let mode = if compiled { "compiled" } else { "eager" };
+        assert!(
+            rel <= 3e-7,
+            "{what} {mode} on {dev:?}: 10 F32 steps land {rel:.2e} of the largest parameter from the f64 run (at {at}: {} vs {})",
+            got[at],
+            exact[at]
+        );
+    }
+}

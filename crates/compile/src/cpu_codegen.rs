@@ -35,7 +35,7 @@ pub struct NativeGroups {
 
 /// `-ffp-contract=off`: no FMA, so results match eager's bit for bit. `-fno-trapping-math`:
 /// without it GCC 12 will not if-convert the selects of `kerf_f` and `ktanh_f`, and a group
-/// holding them stays scalar (the GPT's GELU gradient 7.0 ms a layer, not vectorised); it
+/// holding them stays scalar (not vectorised, which slows the GPT's GELU gradient); it
 /// only lets the compiler ignore floating-point exception flags, never changes a value.
 const FLAGS: [&str; 7] = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"];
 
@@ -183,6 +183,8 @@ fn group_source(g: &Graph, gr: &Group, name: &str) -> Option<String> {
         let Kind::Op(op, args) = &g.nodes[m].kind else { return None };
         let dtypes: Vec<DType> = args.iter().map(|a| g.nodes[a.node].dtype).collect();
         let (_, expr, _) = elementwise_expr(op, &dtypes)?;
+        // An f64 group's cast to F32 rounds as the eager cast does.
+        let expr = if gr.f64 && matches!(op, Op::Cast(DType::F32)) { "(C)(float)v0".to_string() } else { expr };
         let scalar = match op {
             Op::Scalar { value, .. } => *value,
             _ => 0.0,

@@ -10,7 +10,6 @@
 //! its inputs where the first call's lay while calls pass tensors there, else from static
 //! buffers that each call copies the caller's inputs into.
 
-use crate::exec::Program;
 use crate::fusion::{Group, Plan, Step};
 use crate::graph::{Arg, Graph, Kind, NodeId};
 use kiln_tensor::cuda;
@@ -22,6 +21,17 @@ use kiln_tensor::storage::StorageCell;
 use kiln_tensor::{DType, Device, Distribution, Error, Layout, Result, Tensor};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+
+/// What the GPU side reads of the program it runs (`exec::Program`, which owns it): the
+/// graph, the plan, the state cells, the device, and the step run kernel by kernel.
+pub(crate) trait Host {
+    fn graph(&self) -> &Graph;
+    fn plan(&self) -> &Plan;
+    fn cells(&self) -> &[Arc<StorageCell>];
+    fn device(&self) -> Device;
+    /// One step kernel by kernel; `copy_outputs` as `exec::Program::execute`.
+    fn execute(&self, inputs: &[Arc<StorageCell>], gen: GeneratorState, copy_outputs: bool) -> Result<Vec<Tensor>>;
+}
 
 /// A captured step. Field order is drop order: the graph goes before the buffers it uses.
 struct Captured {
@@ -234,23 +244,23 @@ impl GpuParts {
     /// Runs the fusion groups `gs` (one kernel): returns the cells of their materialised members.
     pub fn run_groups(
         &self,
-        p: &Program,
+        p: &dyn Host,
         gs: &[usize],
         cell_of: &dyn Fn(NodeId) -> Result<Arc<StorageCell>>,
     ) -> Result<Vec<(NodeId, Arc<StorageCell>)>> {
         let k = self.kernel_of[gs[0]].ok_or_else(|| Error::Msg(format!("compile: group {} has no kernel", gs[0])))?;
-        let led = p.plan.groups[gs[0]].lead;
+        let led = p.plan().groups[gs[0]].lead;
         let (mut made, mut outs, mut ins): (Vec<(NodeId, Arc<StorageCell>)>, _, _) = (Vec::new(), Vec::new(), Vec::new());
         for (q, &gi) in gs.iter().enumerate() {
-            let gr = &p.plan.groups[gi];
+            let gr = &p.plan().groups[gi];
             let o: Vec<(NodeId, Arc<StorageCell>)> = gr
                 .materialize
                 .iter()
                 .map(|&m| match gr.inplace.iter().find(|x| x.0 == m) {
-                    Some(&(_, slot)) => Ok((m, p.cells[slot].clone())),
+                    Some(&(_, slot)) => Ok((m, p.cells()[slot].clone())),
                     None => {
-                        let node = &p.graph.nodes[m];
-                        Ok((m, cc::alloc_cell(p.device, node.dtype, node.numel())?))
+                        let node = &p.graph().nodes[m];
+                        Ok((m, cc::alloc_cell(p.device(), node.dtype, node.numel())?))
                     }
                 })
                 .collect::<Result<_>>()?;
@@ -260,7 +270,7 @@ impl GpuParts {
             let from_lead = |x: NodeId| (led && q > 0).then(|| made.iter().find(|(m, _)| *m == x).map(|(_, c)| c.clone())).flatten();
             let mut cells: Vec<Arc<StorageCell>> = Vec::with_capacity(gr.externals.len());
             for a in &gr.externals {
-                match p.plan.fed_operands(&p.graph, a) {
+                match p.plan().fed_operands(p.graph(), a) {
                     // A fed product's operands, as `fed_input` passes them.
                     Some((x, y)) => {
                         cells.push(cell_of(x.node)?);
@@ -278,7 +288,7 @@ impl GpuParts {
         let copies = match self.module.copies(k) {
             0 => Vec::new(),
             _ => p
-                .graph
+                .graph()
                 .outputs
                 .iter()
                 .map(|a| {
@@ -288,10 +298,10 @@ impl GpuParts {
                 .collect::<Result<Vec<_>>>()?,
         };
         if kiln_tensor::profile::enabled() {
-            cuda::synchronize(p.device)?;
+            cuda::synchronize(p.device())?;
             let t = std::time::Instant::now();
             self.module.launch(k, &outs, &ins, &copies)?;
-            cuda::synchronize(p.device)?;
+            cuda::synchronize(p.device())?;
             kiln_tensor::profile::record(format!("fused {}", self.module.name(k)), t.elapsed().as_secs_f64());
         } else {
             self.module.launch(k, &outs, &ins, &copies)?;
@@ -308,7 +318,7 @@ impl GpuParts {
     /// One step. With `capture`, the first call runs the step and then captures it; later
     /// calls replay the graph (copying the inputs in first unless they lie where the graph
     /// reads them) and copy the outputs out.
-    pub fn run(&self, p: &Program, inputs: &[Arc<StorageCell>], gen: GeneratorState) -> Result<Vec<Tensor>> {
+    pub fn run(&self, p: &dyn Host, inputs: &[Arc<StorageCell>], gen: GeneratorState) -> Result<Vec<Tensor>> {
         if let Some(state) = &self.rng {
             cc::write_i64(state, &[gen.seed as i64, gen.offset as i64])?;
         }
@@ -317,7 +327,7 @@ impl GpuParts {
         // (Not in anomaly mode: its host checks would read the dry run's unwritten buffers.)
         if !self.prepared.swap(true, Ordering::Relaxed) && !kiln_tensor::is_anomaly_detection() {
             let (capture, start) = (self.capture.load(Ordering::Relaxed), std::time::Instant::now());
-            cc::prepare(p.device, || (p.execute(inputs, gen, false), capture.then(|| cc::want_output_copies(p.device))))?;
+            cc::prepare(p.device(), || (p.execute(inputs, gen, false), capture.then(|| cc::want_output_copies(p.device()))))?;
             crate::log::log("time", &format!("per-op kernels found or compiled in {:.1} ms", start.elapsed().as_secs_f64() * 1e3));
         }
         if self.tune.swap(false, Ordering::Relaxed) {
@@ -363,7 +373,7 @@ impl GpuParts {
             }
             cc::launch_graph(&c.graph)?;
             return match &mut c.copies {
-                Some(copies) => copies.aim(&c.graph, &c.outputs, p.device),
+                Some(copies) => copies.aim(&c.graph, &c.outputs, p.device()),
                 None => c.outputs.iter().map(|t| t.copy()).collect(),
             };
         }
@@ -371,12 +381,12 @@ impl GpuParts {
         let (start, planned) = (std::time::Instant::now(), cuda::lt::planning_stats());
         let out = p.execute(inputs, gen, true)?;
         let (ran, (plans, plan_time, launch_time)) = (start.elapsed(), cuda::lt::planning_stats());
-        let pool = cc::new_pool(p.device)?;
+        let pool = cc::new_pool(p.device())?;
         // The graph's outputs stay its own buffers; each call copies them for the caller.
         let addresses = inputs.iter().map(|c| cc::address(c)).collect::<Result<Vec<u64>>>()?;
-        match cc::capture(p.device, &pool, || captured_step(p, inputs, gen)) {
+        match cc::capture(p.device(), &pool, || self.captured_step(p, inputs, gen)) {
             Ok((graph, (outputs, nodes))) => {
-                let copies = nodes.map(|n| Copies::new(n, &graph, &outputs, p.device)).transpose()?;
+                let copies = nodes.map(|n| Copies::new(n, &graph, &outputs, p.device())).transpose()?;
                 *slot = Some(Captured { graph, inputs: Inputs::Direct(addresses), outputs, copies, _pool: pool })
             }
             Err(e) => self.capture_failed(e),
@@ -398,18 +408,18 @@ impl GpuParts {
 
     /// The step captured reading static buffers like `inputs` (each call copies its inputs
     /// into them); `None` if the capture failed (later calls then run without a graph).
-    fn capture_copied(&self, p: &Program, inputs: &[Arc<StorageCell>], gen: GeneratorState) -> Result<Option<Captured>> {
-        let pool = cc::new_pool(p.device)?;
+    fn capture_copied(&self, p: &dyn Host, inputs: &[Arc<StorageCell>], gen: GeneratorState) -> Result<Option<Captured>> {
+        let pool = cc::new_pool(p.device())?;
         let statics: Vec<Arc<StorageCell>> = inputs
             .iter()
             .map(|c| {
                 let dtype = c.read().dtype();
-                cc::alloc_cell(p.device, dtype, c.len())
+                cc::alloc_cell(p.device(), dtype, c.len())
             })
             .collect::<Result<_>>()?;
-        match cc::capture(p.device, &pool, || captured_step(p, &statics, gen)) {
+        match cc::capture(p.device(), &pool, || self.captured_step(p, &statics, gen)) {
             Ok((graph, (outputs, nodes))) => {
-                let copies = nodes.map(|n| Copies::new(n, &graph, &outputs, p.device)).transpose()?;
+                let copies = nodes.map(|n| Copies::new(n, &graph, &outputs, p.device())).transpose()?;
                 Ok(Some(Captured { graph, inputs: Inputs::Copied(statics), outputs, copies, _pool: pool }))
             }
             Err(e) => {
@@ -424,21 +434,21 @@ impl GpuParts {
         eprintln!("kiln compile: capturing the step as a CUDA graph failed ({e}); running it without a graph");
         self.capture.store(false, Ordering::Relaxed);
     }
-}
 
-/// The step as captured: its outputs, and (when every output is dense) their copies into
-/// the caller's tensors: by its last kernel when that was made to copy them and is the
-/// graph's last node, else as nodes of their own after it.
-fn captured_step(p: &Program, inputs: &[Arc<StorageCell>], gen: GeneratorState) -> Result<(Vec<Tensor>, Option<OutputCopies>)> {
-    let outputs = p.execute(inputs, gen, false)?;
-    if let Some(f) = p.gpu()?.module.folded_copies()? {
-        return Ok((outputs, Some(OutputCopies::Folded(f))));
+    /// The step as captured: its outputs, and (when every output is dense) their copies into
+    /// the caller's tensors: by its last kernel when that was made to copy them and is the
+    /// graph's last node, else as nodes of their own after it.
+    fn captured_step(&self, p: &dyn Host, inputs: &[Arc<StorageCell>], gen: GeneratorState) -> Result<(Vec<Tensor>, Option<OutputCopies>)> {
+        let outputs = p.execute(inputs, gen, false)?;
+        if let Some(f) = self.module.folded_copies()? {
+            return Ok((outputs, Some(OutputCopies::Folded(f))));
+        }
+        if !outputs.iter().all(|t| t.layout().is_contiguous()) {
+            return Ok((outputs, None));
+        }
+        let copies = outputs.iter().map(|t| cc::capture_output_copy(t.storage(), t.layout().offset, t.numel())).collect::<Result<_>>()?;
+        Ok((outputs, Some(OutputCopies::Nodes(copies))))
     }
-    if !outputs.iter().all(|t| t.layout().is_contiguous()) {
-        return Ok((outputs, None));
-    }
-    let copies = outputs.iter().map(|t| cc::capture_output_copy(t.storage(), t.layout().offset, t.numel())).collect::<Result<_>>()?;
-    Ok((outputs, Some(OutputCopies::Nodes(copies))))
 }
 
 /// The most bytes of outputs a step's last kernel copies in its last block (one block, so

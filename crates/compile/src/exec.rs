@@ -298,8 +298,8 @@ impl Program {
             return gpu.run(self, inputs, gen);
         }
         // The whole step runs on a pool worker: its parallel kernels then start at once on the
-        // awake team (on 2 vCPUs, 8-20 us a region) instead of each handing work from the
-        // caller's thread to sleeping workers and waiting (27-40 us a region, measured).
+        // awake team instead of each handing work from the caller's thread to sleeping workers
+        // and waiting, which takes longer a region (on 2 vCPUs; BENCHMARKS.md).
         // Not in the diagnostic modes: profiling and anomaly detection are the caller thread's.
         let diagnosing = kiln_tensor::profile::enabled() || kiln_tensor::is_anomaly_detection();
         match rayon::current_thread_index().is_none() && !diagnosing {
@@ -506,5 +506,24 @@ impl Program {
             }
         }
         peak
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl crate::cuda_exec::Host for Program {
+    fn graph(&self) -> &Graph {
+        &self.graph
+    }
+    fn plan(&self) -> &Plan {
+        &self.plan
+    }
+    fn cells(&self) -> &[Arc<StorageCell>] {
+        &self.cells
+    }
+    fn device(&self) -> Device {
+        self.device
+    }
+    fn execute(&self, inputs: &[Arc<StorageCell>], gen: GeneratorState, copy_outputs: bool) -> Result<Vec<Tensor>> {
+        Program::execute(self, inputs, gen, copy_outputs)
     }
 }

@@ -8,7 +8,7 @@ use kiln_tensor::cpu::elementwise::{binary_into, load_into, scalar_into, unary_i
 use kiln_tensor::cpu::matmul::TileFn;
 use kiln_tensor::op::Float;
 use kiln_tensor::storage::{CpuStorage, StorageCell};
-use kiln_tensor::{with_cpu, Element, Error, Layout, Op, Result};
+use kiln_tensor::{with_cpu, DType, Element, Error, Layout, Op, Result};
 use rayon::prelude::*;
 use std::sync::Arc;
 
@@ -326,6 +326,8 @@ impl Ctx<'_> {
                     Kind::Op(Op::Binary(b), _) => binary_into(*b, arg(0), arg(1), o),
                     Kind::Op(Op::Scalar { op, value, scalar_lhs }, _) => scalar_into(*op, F::c(*value), *scalar_lhs, arg(0), o),
                     Kind::Op(Op::Where, _) => where_into(arg(0), arg(1), arg(2), o),
+                    // An f64 group's cast to F32 rounds as the eager cast does.
+                    Kind::Op(Op::Cast(DType::F32), _) => o.iter_mut().zip(arg(0)).for_each(|(d, &v)| *d = F::c(v.to_f64() as f32 as f64)),
                     Kind::Op(Op::Cast(_), _) => o.copy_from_slice(arg(0)),
                     _ => {}
                 }

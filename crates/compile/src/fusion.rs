@@ -108,6 +108,9 @@ fn compute_class(g: &Graph, i: NodeId, gpu: bool) -> Option<DType> {
     let floats: Vec<DType> = args.iter().filter_map(|a| float_of(g.nodes[a.node].dtype)).collect();
     let others_ok = args.iter().all(|a| matches!(g.nodes[a.node].dtype, DType::F32 | DType::F64 | DType::U8));
     let class = match n.dtype {
+        // A cast of an f64 value to F32 computes in f64 and rounds (an optimizer's f64
+        // scalars end in the kernel that makes them, with their casts).
+        DType::F32 if matches!(op, Op::Cast(_)) && floats == [DType::F64] => Some(DType::F64),
         DType::F32 | DType::F64 => Some(n.dtype),
         DType::U8 if matches!(op, Op::Binary(b) | Op::Scalar { op: b, .. } if b.is_comparison()) => floats.first().copied(),
         _ => None,
@@ -272,7 +275,7 @@ fn fold(
 fn finish(g: &Graph, mut groups: Vec<Group>, mut group_of: Vec<Option<usize>>, gpu: bool) -> Plan {
     // Singletons gain nothing from the group path on the CPU: they run as plain kernels,
     // except ops built on `exp`/`erf`/`tanh`, whose native code runs wider vectors (`-march=native`)
-    // than eager's AVX2 loops (GELU over the GPT's [1024, 512]: 0.66-0.70 against 0.92 ms).
+    // than eager's AVX2 loops (as for GELU over the GPT's [1024, 512]).
     // On a GPU they stay groups: the generated kernel knows the shapes (index arithmetic by
     // constants) and independent ones share a launch (`batch_groups`).
     for gr in &mut groups {
@@ -349,8 +352,8 @@ fn finish(g: &Graph, mut groups: Vec<Group>, mut group_of: Vec<Option<usize>>, g
 }
 
 /// Groups one launch runs at most: NVRTC's time grows faster than linearly with a kernel's
-/// size (8 AdamW updates compile in 0.2 s, 32 in 1.7 s, 77 in 16 s), and the batches of one
-/// graph compile in parallel.
+/// size (a batch of 32 AdamW updates compiles far slower than four of 8; BENCHMARKS.md), and
+/// the batches of one graph compile in parallel.
 const MAX_BATCH: usize = 8;
 
 /// Horizontal fusion: a run of fused groups separated only by steps that compute nothing
@@ -459,7 +462,7 @@ fn lead_scalar_groups(g: &Graph, mut plan: Plan) -> Plan {
 /// - scalar groups that write in place only state that nothing else reads (the optimizer's
 ///   step count and bias corrections), at most `MAX_BATCH - 1` of them;
 /// - groups that write nothing in place: autocast's casts of the weights to BF16, one small
-///   launch each in every layer's forward (3.4-6.5 us each for GPT BF16's 24, session 32),
+///   launch each in every layer's forward (GPT BF16 has 24),
 ///   which `batch_groups` then runs `MAX_BATCH` to a launch. Only in a step that writes
 ///   state (training), where those values were alive from each layer's forward through its
 ///   backward already; in a forward alone they would all be alive at once.

@@ -285,8 +285,8 @@ pub fn fuse_matmuls(g: &Graph, gpu: bool) -> Graph {
                     let node = &out.nodes[i];
                     // Through a widening cast, read whole and only here (autocast's 16-bit
                     // product added to the F32 residual stream): the epilogue adds the
-                    // product before it is rounded to 16 bits. (GPT BF16 on an H100, session
-                    // 40: 4.59-4.61 ms a step with it, 4.69-4.71 without.)
+                    // product before it is rounded to 16 bits. (It shortens GPT BF16's step;
+                    // BENCHMARKS.md.)
                     let p = match &out.nodes[x.node].kind {
                         Kind::Op(Op::Cast(to), c) if *to == node.dtype && uses[x.node] == 1 && whole(&c[0], &out.nodes[c[0].node]) => {
                             let from = out.nodes[c[0].node].dtype;
@@ -411,15 +411,14 @@ pub fn fuse_matmuls(g: &Graph, gpu: bool) -> Graph {
 }
 
 /// On a GPU, 16-bit products with a dim that is not a multiple of 8 (a classifier head over a
-/// 65-letter vocabulary) run on cuBLASLt's align-1 kernels (24 us each for GPT BF16's three
-/// head products, against about 5 at the bandwidth). Zero padding to the next multiple of 8
+/// 65-letter vocabulary) run on cuBLASLt's align-1 kernels, far below the bandwidth (as GPT
+/// BF16's three head products do). Zero padding to the next multiple of 8
 /// changes no value and aligns them: a weight `w [n, k]` read as `w^T` grows zero rows (the
 /// product's extra columns, zeros, are never read: its readers see the first `n`), and a
 /// contraction of `k` grows zero columns in the left operand and zero rows in `w`, so each
 /// of the head's three products (`h w^T`, `g w`, `g^T h`) reads a padded copy. Only where
 /// every reader of a padded product reads whole rows of it, and each padded operand is a
-/// dense node read as rows (or their transpose). GPT BF16 on an H100 (session 40): 4.59-4.61
-/// ms a step with it, 4.65 without.
+/// dense node read as rows (or their transpose). It shortens GPT BF16's step (BENCHMARKS.md).
 pub fn pad_unaligned_products(g: &Graph, gpu: bool) -> Graph {
     if !gpu {
         return g.clone();
@@ -648,7 +647,7 @@ fn pinned_and_escaping(g: &Graph) -> (Vec<bool>, Vec<bool>) {
 /// On a GPU, a small mean cross-entropy and its gradient as `nn::cross_entropy` and autograd
 /// record them (the rows' losses summed over the count of targets that are not ignored; the
 /// backward with every row's gradient `1 / count`) become one `Op::CrossEntropyMean`: one
-/// launch where there were three (the rows, the loss chain folded in one block, the
+/// launch in place of three (the rows, the loss chain folded in one block, the
 /// backward). The loss reads its element 0, the gradient the rest.
 pub fn fuse_mean_cross_entropy(g: &Graph, gpu: bool) -> Graph {
     let mut out = g.clone();
@@ -998,8 +997,8 @@ pub fn fold_residual_into_ln_grads(g: &Graph, gpu: bool) -> Graph {
 /// summed by the layer norm's backward as it stores dx (`NormalizeParamGrads`'s `sums` row,
 /// the values rounded to the copy's dtype first): the sum becomes a cast of that row, and no
 /// column sums read the copy again (GPT: the `proj` and `fc2` biases, 12.6 MB each in BF16).
-/// Readers of dx move with it to `ln_grads_dx_at(n, true)`. GPT BF16 on an H100 (session 40):
-/// 4.59-4.61 ms a step with it, 4.65-4.66 without.
+/// Readers of dx move with it to `ln_grads_dx_at(n, true)`. It shortens GPT BF16's step
+/// (BENCHMARKS.md).
 pub fn ln_bias_sums(g: &Graph, gpu: bool) -> Graph {
     let mut out = g.clone();
     if !gpu {
@@ -1072,8 +1071,8 @@ pub fn ln_bias_sums(g: &Graph, gpu: bool) -> Graph {
 /// On a GPU, autocast's 16-bit copy of an F32 layer norm's input gradient (the cast of dx, with
 /// the residual gradient folded in, that the products read) is written by the layer norm's
 /// backward as it stores dx: its op gets `copy`, and the executor takes both from one kernel
-/// (`dx_copies`), the cast's own step doing nothing (GPT: twelve 9.5 us casts of 25 MB).
-/// GPT BF16 on an H100 (session 40): 4.59-4.61 ms a step with it, 4.75-4.77 without.
+/// (`dx_copies`), the cast's own step doing nothing (GPT: twelve casts of 25 MB). It shortens
+/// GPT BF16's step (BENCHMARKS.md).
 pub fn ln_dx_copies(g: &Graph, gpu: bool) -> Graph {
     let mut out = g.clone();
     if !gpu {
@@ -1129,8 +1128,7 @@ pub fn dx_copies(g: &Graph) -> Vec<Option<NodeId>> {
 /// `Op::GatedSums`: the column-sum kernel makes y as it sums it, so that y is not read again
 /// (GPT's `fc1` under autocast: 50 MB a layer). The sum's readers read the op's tail, y's
 /// its head. (cuBLASLt's DGELU epilogue keeps the tanh form's gradient, and the thin product
-/// ReLU's.) GPT BF16 on an H100 (session 40): 4.59-4.61 ms a step with it, 4.65-4.66
-/// without.
+/// ReLU's.) It shortens GPT BF16's step (BENCHMARKS.md).
 pub fn fuse_gated_sums(g: &Graph, gpu: bool) -> Graph {
     let mut out = g.clone();
     if !gpu {

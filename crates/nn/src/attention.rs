@@ -129,7 +129,7 @@ static FUSED_ATTENTION: std::sync::LazyLock<std::sync::atomic::AtomicU8> = std::
 });
 /// The largest head dim F32 attention is fused for by default: F32's kernels hold twice the
 /// registers (split fragments), past 64 they spill (NVRTC: about 1 KB a thread at D = 128),
-/// and no larger head dim was measured against the unfused ops.
+/// and larger head dims are not measured against the unfused ops.
 const F32_FUSED_MAX_D: usize = 64;
 const AUTO: u8 = 0;
 const ON: u8 = 1;

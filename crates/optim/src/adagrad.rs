@@ -1,8 +1,8 @@
 //! Adagrad (`torch.optim.Adagrad`) and Lion (Chen et al. 2023, "Symbolic Discovery of
 //! Optimization Algorithms"; the form of the `lion-pytorch` package).
 
-use crate::common::{cast, ensure, factor_dtype, impl_optimizer, with_l2, Core, PerGroup};
-use kiln_tensor::{Result, Tensor};
+use crate::common::{cast, ensure, impl_optimizer, with_l2, Core, PerGroup};
+use kiln_tensor::{DType, Result, Tensor};
 
 /// `torch.optim.Adagrad`'s hyperparameters (its defaults in `Default`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -49,11 +49,11 @@ impl Adagrad {
         let mut clrs = PerGroup::new();
         for (i, g) in grads {
             let p = self.core.params[i].clone();
-            // The decayed lr from the step and lr tensors (a traced step keeps reading them).
+            // The decayed lr from the step and lr tensors (a traced step keeps reading them),
+            // in f64 and cast where it meets the parameter.
             let clr = clrs.get(&p, |dtype, device| {
-                let math = factor_dtype(dtype);
-                let decay = cast(&self.core.step, math, device)?.sub_scalar(1.0)?.mul_scalar(c.lr_decay)?.add_scalar(1.0)?;
-                cast(&self.core.lr, math, device)?.div(&decay)?.to_dtype(dtype)
+                let decay = cast(&self.core.step, DType::F64, device)?.sub_scalar(1.0)?.mul_scalar(c.lr_decay)?.add_scalar(1.0)?;
+                cast(&self.core.lr, DType::F64, device)?.div(&decay)?.to_dtype(dtype)
             })?;
             let g = if c.weight_decay != 0.0 { with_l2(&p, &g, c.weight_decay)? } else { g };
             let (bufs, _) = self.core.buffers(i)?;
@@ -111,11 +111,12 @@ impl Lion {
         let mut lrs = PerGroup::new();
         for (i, g) in grads {
             let p = self.core.params[i].clone();
-            // The lr and the decoupled decay `1 - lr wd`, once per dtype and device.
+            // The lr and the decoupled decay `1 - lr wd` (worked out in f64), once per dtype
+            // and device.
             let (lr, decay) = lrs.get(&p, |dtype, device| {
-                let lr = cast(&self.core.lr, dtype, device)?;
-                let decay = if wd != 0.0 { Some(lr.mul_scalar(-wd)?.add_scalar(1.0)?) } else { None };
-                Ok((lr, decay))
+                let lr64 = cast(&self.core.lr, DType::F64, device)?;
+                let decay = if wd != 0.0 { Some(lr64.mul_scalar(-wd)?.add_scalar(1.0)?.to_dtype(dtype)?) } else { None };
+                Ok((lr64.to_dtype(dtype)?, decay))
             })?;
             let (bufs, _) = self.core.buffers(i)?;
             let m = &bufs[0];

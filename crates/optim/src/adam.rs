@@ -1,7 +1,7 @@
 //! Adam (L2 weight decay added to the gradient) and AdamW (decoupled weight decay), with the
 //! AMSGrad option: `torch.optim.Adam` / `AdamW`, single-tensor path.
 
-use crate::common::{cast, ensure, factor_dtype, impl_optimizer, with_l2, Core, PerGroup};
+use crate::common::{cast, ensure, impl_optimizer, with_l2, Core, PerGroup};
 use kiln_tensor::fused::{AdamHyper, AdamStep, AdamTensors};
 use kiln_tensor::{BinaryOp, DType, Device, Result, Tensor};
 
@@ -188,13 +188,12 @@ fn fused_scalars(core: &Core, cfg: &AdamConfig, decoupled: bool) -> Result<Optio
     }))
 }
 
-/// The bias corrections from the step and lr tensors. They are computed in f64 for f64
-/// parameters and f32 otherwise (so half-precision parameters do not round them early), then
-/// cast to the parameters' dtype.
+/// The bias corrections from the step and lr tensors, in f64 (as the eager kernels compute
+/// them on the host or on the device), cast to the parameters' dtype where they meet them:
+/// `1 - 0.999^t` in f32 would carry a relative error near 1e-5.
 fn factors(core: &Core, cfg: &AdamConfig, decoupled: bool, dtype: DType, device: Device) -> Result<Factors> {
-    let math = factor_dtype(dtype);
-    let step = cast(&core.step, math, device)?;
-    let lr = cast(&core.lr, math, device)?;
+    let step = cast(&core.step, DType::F64, device)?;
+    let lr = cast(&core.lr, DType::F64, device)?;
     let (b1, b2) = cfg.betas;
     let bc1 = step.scalar_op(BinaryOp::Pow, b1, true)?.rsub_scalar(1.0)?;
     let bc2 = step.scalar_op(BinaryOp::Pow, b2, true)?.rsub_scalar(1.0)?;

@@ -229,16 +229,6 @@ impl<T: Clone> PerGroup<T> {
     }
 }
 
-/// The dtype an update's 0-dim factors are worked out in for parameters of `dtype`: F64 for
-/// F64, else F32 (so half-precision parameters do not round them early).
-pub(crate) fn factor_dtype(dtype: DType) -> DType {
-    if dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
-}
-
 /// A 0-dim tensor moved to `device` and cast to `dtype` (no-ops when already so).
 pub(crate) fn cast(t: &Tensor, dtype: DType, device: Device) -> Result<Tensor> {
     t.to_device(device)?.to_dtype(dtype)

@@ -26,11 +26,11 @@ pub trait GemmElem: Element {
     unsafe fn product(p: &Product<Self>);
 }
 
-/// f32 and f64 go through `matrixmultiply`: 2-3x `gemm`'s speed on this 2-vCPU machine (one
-/// thread: 240 against 83 GFLOP/s at 1024 x 784 x 256), as its AVX2/FMA kernels run here
-/// while `gemm`'s AVX-512 ones need a nightly compiler. With `m < n` the transposed product
-/// `dst^T = b^T a^T` is faster (the long side in the kernel's row panels): 162 against 227 us
-/// for the MLP's 32 x 784 x 256 forward, 73 against 100 us for its weight gradient.
+/// f32 and f64 go through `matrixmultiply`: faster than `gemm` on a 2-vCPU machine (one
+/// thread, 1024 x 784 x 256; BENCHMARKS.md), as its AVX2/FMA kernels run here while `gemm`'s
+/// AVX-512 ones need a nightly compiler. With `m < n` the transposed product
+/// `dst^T = b^T a^T` is faster (the long side in the kernel's row panels), as for the MLP's
+/// 32 x 784 x 256 forward and its weight gradient.
 macro_rules! matrixmultiply_elem {
     ($t:ty, $f:path) => {
         impl GemmElem for $t {
@@ -146,11 +146,10 @@ fn matrix_strides(l: &Layout) -> [isize; 2] {
 /// From this many multiply-adds in all, a batch of products spreads over the threads.
 const PAR_BATCH_FLOPS: usize = 1 << 18;
 
-/// From this many multiply-adds a single product's rows are split over the threads. Measured
-/// in the MLP steps (criterion, same hour): at batch 1024 (200M multiply-adds a product) eager
-/// took 5.8-6.6 ms split, 8.4-10.3 ms on one thread and 10.5-10.9 ms with `gemm`'s own
-/// threading; at batch 32 (6.4M) splitting its 32 rows made the compiled step slower (0.66-0.72
-/// against 0.53-0.59 ms: both threads packed all of `b`), so smaller products split their
+/// From this many multiply-adds a single product's rows are split over the threads. In the
+/// MLP steps, at batch 1024 (200M multiply-adds a product) eager is faster split than on one
+/// thread or with `gemm`'s own threading; at batch 32 (6.4M) splitting its 32 rows makes the
+/// compiled step slower (both threads pack all of `b`), so smaller products split their
 /// columns instead when short and wide (`split_cols`), else stay on one thread.
 const PAR_FLOPS: usize = 1 << 25;
 

@@ -20,7 +20,7 @@ use reduce::RowKernels;
 use std::borrow::Cow;
 
 /// Below this many elements a kernel stays on the calling thread.
-/// NOTE: waking rayon's workers costs tens of microseconds on a 2-core machine; below about
+/// NOTE: waking rayon's workers is costly on a 2-core machine; below about
 /// 128K elements one thread finishes first.
 pub const PAR_THRESHOLD: usize = 1 << 17;
 
@@ -55,8 +55,8 @@ pub fn wide<R>(f: impl FnOnce() -> R) -> R {
 /// Flushes subnormal floats to zero in CPU arithmetic (results and inputs: x86's FTZ and DAZ
 /// bits), on the calling thread and every rayon worker, as `torch.set_flush_denormal` does.
 /// Training that drives gradients or Adam's second moment towards zero makes subnormals,
-/// and each costs a microcode assist of ~100 cycles: a 32-sample MLP step repeated 5000
-/// times went from 0.73 to 1.39 ms. Returns whether the CPU supports it (false: nothing set).
+/// and each costs a microcode assist of ~100 cycles, which slows a long run of 32-sample MLP
+/// steps markedly (BENCHMARKS.md). Returns whether the CPU supports it (false: nothing set).
 pub fn set_flush_denormal(on: bool) -> bool {
     #[cfg(target_arch = "x86_64")]
     {

@@ -195,7 +195,7 @@ pub fn reduce<T: Element>(op: ReduceOp, src: &[T], l: &Layout, dims: &[usize], o
                 let rows = &src[l.offset..l.offset + l.numel()];
                 let mut out = pool::take::<i64>(out_numel);
                 // Selects, not branches: which element wins is data, and mispredicted
-                // branches cost more than the compares (random 2x2 windows: 4x slower).
+                // branches cost more than the compares (as on random 2x2 windows).
                 for_rows(&mut out, 1, |r, o| {
                     let row = &rows[r * k..(r + 1) * k];
                     let mut at = 0usize;
@@ -324,7 +324,7 @@ fn sum_f64(v: &[f32], f: impl Fn(usize, f32) -> f64) -> f64 {
 /// `softmax` for f32, as PyTorch computes it: each `exp` once, in f32 (`math::exp_f32`, 8
 /// lanes at a time through `wide`), written into the output and summed in f64; then one
 /// scaling pass. The generic path computes in f64 with the C library's `exp`, twice per
-/// element, which made the GPT's attention softmax 4x slower.
+/// element, which is far slower for the GPT's attention softmax.
 fn softmax_f32(src: &[f32], k: SoftmaxSpec) -> Vec<f32> {
     let n = k.n;
     let mut out = pool::take::<f32>(src.len());
@@ -380,8 +380,8 @@ fn row_stats(x: &[f32], eps: f64) -> (f32, f32) {
 }
 
 /// `normalize` for f32: row statistics summed in f64, the elementwise work in f32 and 8
-/// lanes at a time (`wide`), as PyTorch computes layer norm. About 4x faster than the f64
-/// path at the GPT's rows of 128.
+/// lanes at a time (`wide`), as PyTorch computes layer norm. Faster than the f64 path at
+/// the GPT's rows of 128.
 fn normalize_f32(src: &[f32], g: Option<&[f32]>, (w, b): (Option<&[f32]>, Option<&[f32]>), n: usize, eps: f64) -> Vec<f32> {
     let mut out = pool::take::<f32>(src.len());
     for_rows(&mut out, n, |r, o| {

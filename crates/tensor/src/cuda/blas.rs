@@ -20,7 +20,7 @@ use std::sync::Arc;
 /// the cuBLASLt plans made so far.
 pub struct Blas {
     h: bs::cublasHandle_t,
-    /// None when libcublasLt is missing or `KILN_CUBLASLT=0`: plain cuBLAS runs every GEMM.
+    /// None when libcublasLt is missing: plain cuBLAS runs every GEMM.
     lt: Option<cudarc::cublaslt::sys::cublasLtHandle_t>,
     ws: super::gpu::DeviceBuffer,
     /// A plan per problem; None where cuBLASLt had none (plain cuBLAS runs it).
@@ -41,19 +41,18 @@ impl Blas {
         let ws = g.alloc(WORKSPACE)?;
         // SAFETY: `ws` is a live buffer of WORKSPACE bytes owned by the handle's `Blas`.
         unsafe { bs::cublasSetWorkspace_v2(h, ws.ptr as *mut c_void, WORKSPACE) }.result().map_err(blas_err)?;
-        // (On a thread of its own beside cuBLAS's handle it measured no faster: the two
+        // (On a thread of its own beside cuBLAS's handle it is no faster: the two
         // libraries load one after the other.)
         let lt = start_lt(g, started);
         Ok(Blas { h, lt, ws, plans: Default::default() })
     }
 }
 
-/// cuBLASLt's handle; None when libcublasLt is missing, fails to start or `KILN_CUBLASLT=0`
-/// (plain cuBLAS then runs every GEMM). Its own first-use set-up (70-100 ms) comes with the
+/// cuBLASLt's handle; None when libcublasLt is missing or fails to start (plain cuBLAS then
+/// runs every GEMM). Its own slow first-use set-up comes with the
 /// first plan: `plan_ahead`'s, beside the rest of a step's first call.
 fn start_lt(g: &Arc<Gpu>, started: std::time::Instant) -> Option<cudarc::cublaslt::sys::cublasLtHandle_t> {
-    let wanted = std::env::var("KILN_CUBLASLT").map_or(true, |v| v != "0");
-    if !wanted || !super::gpu::held_open(&cudarc::get_lib_name_candidates("cublasLt")) || g.bind().is_err() {
+    if !super::gpu::held_open(&cudarc::get_lib_name_candidates("cublasLt")) || g.bind().is_err() {
         return None;
     }
     let lt = cudarc::cublaslt::result::create_handle().ok()?;
@@ -63,8 +62,8 @@ fn start_lt(g: &Arc<Gpu>, started: std::time::Instant) -> Option<cudarc::cublasl
     Some(lt)
 }
 
-/// Starts cuBLAS and cuBLASLt on `g` (loading the libraries and making the handles takes
-/// about 0.15 s): a compiled step's dry run does it on a thread (`Gpu::start_blas`) beside
+/// Starts cuBLAS and cuBLASLt on `g` (loading the libraries and making the handles is a long
+/// set-up): a compiled step's dry run does it on a thread (`Gpu::start_blas`) beside
 /// the rest of the dry run and NVRTC.
 pub(crate) fn start(g: &Arc<Gpu>) -> Result<()> {
     let mut guard = g.blas.lock().unwrap_or_else(|e| e.into_inner());
@@ -82,9 +81,9 @@ pub(crate) fn plan_noted(g: &Arc<Gpu>) {
 
 /// Plans the cuBLASLt problems a dry run noted (`Gpu::note_lt_problem`) on the thread that
 /// started cuBLAS, beside the step's NVRTC programs loading. Made in the first real run, a GPT
-/// BF16 step's 15 plans took 151-154 ms of it (the library's set-up with the first, then a
-/// few ms each, disk-cached algorithms or not); made here, the warm-cache first call went from
-/// 0.39-0.46 to 0.26-0.29 s (H100, session 41). The heuristic's choice only: tuning times real
+/// BF16 step's 15 plans would take a large part of it (the library's set-up with the first,
+/// then a few milliseconds each, disk-cached algorithms or not); made here, they shorten the
+/// warm-cache first call (BENCHMARKS.md). The heuristic's choice only: tuning times real
 /// operands, and `MaxAutotune`'s run re-plans what was not tuned.
 fn plan_ahead(g: &Arc<Gpu>, blas: &mut Blas) {
     let (problems, start) = (g.take_lt_problems(), std::time::Instant::now());
@@ -608,9 +607,9 @@ fn aux_rows(l: &Layout, m: usize, n: usize) -> Option<(usize, usize)> {
 /// Which F32 GEMM runs products on a Hopper GPU (`set_f32_gemm`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum F32Gemm {
-    /// Kiln's (`wgmma.rs`) where it measured faster than cuBLAS (1.2-1.8x, session 19): at
-    /// least half a wave of blocks (tiles times the contraction's parts), and not `a^T b`
-    /// with B's rows contiguous (0.82-0.99x).
+    /// Kiln's (`wgmma.rs`) where it is faster than cuBLAS (BENCHMARKS.md): at least half a
+    /// wave of blocks (tiles times the contraction's parts), and not `a^T b` with B's rows
+    /// contiguous (there it is slower).
     Auto,
     /// Kiln's wherever its layout rules allow (for tests).
     Kiln,
@@ -680,7 +679,7 @@ fn hopper_spec(
     };
     let (ta, tb) = (unit(sa, a)?, unit(sb, b)?);
     // B with its rows contiguous (`g @ w`, a Linear's input gradient) is turned first where
-    // it is small beside the product: the kernel reads K-contiguous operands 1.2-1.5x faster.
+    // it is small beside the product: the kernel reads K-contiguous operands faster.
     let turn_b = !tb && k % 4 == 0 && m >= TURN_B_MIN_M;
     let tb = tb || turn_b;
     let bias = match rest.bias {

@@ -25,9 +25,9 @@ pub const SLOTS: usize = 4;
 const PRIOR_WAIT: &str = "\n#if __CUDA_ARCH__ >= 900\n  asm volatile(\"griddepcontrol.wait;\" ::: \"memory\");\n#ifndef LATE_NEXT\n  \
                           asm volatile(\"griddepcontrol.launch_dependents;\" ::: \"memory\");\n#endif\n#endif\n";
 /// Defined by the long compute-bound kernels (the Hopper GEMM, attention): they let the next
-/// kernel launch only as their blocks finish. The next kernel's blocks waiting beside theirs
-/// on the SMs made the Transformer forward 4-6 % slower (H200), while the small kernels of a
-/// step like MLP b32's gain 1.5-2 us over the step from launching the next early.
+/// kernel launch only as their blocks finish: the next kernel's blocks waiting beside theirs
+/// on the SMs slow the Transformer forward, while the small kernels of a step like MLP b32's
+/// gain from launching the next early (BENCHMARKS.md).
 pub const LATE_NEXT: &str = "#define LATE_NEXT\n";
 
 /// `src` with `PRIOR_WAIT` as the first statements of every kernel (after
@@ -542,8 +542,8 @@ pub struct Index {
     pub kind: IndexKind,
     pub dtype: DType,
     /// `Select` or `Add` a warp a row, its lanes along the row (`select_by_rows`), so the
-    /// 64-bit divisions come once a row rather than three times an element (GPT's token
-    /// embedding, 16384 rows of 384, took 32 us element by element, and its gradient 33).
+    /// 64-bit divisions come once a row rather than three times an element (element by
+    /// element, GPT's token embedding, 16384 rows of 384, and its gradient are slow).
     pub rows: bool,
 }
 
@@ -881,9 +881,8 @@ pub const NARROW_MAX_N: usize = 16;
 /// `o [m, n] = a [m, k] b [k, n] (+ bias) (ReLU)` for a narrow output (`n`, compiled in, at
 /// most `NARROW_MAX_N`: a classifier head), A's rows contiguous: a warp per row, its lanes
 /// striding along the row (coalesced) and keeping `n` partial sums, then a butterfly sum per
-/// column. cuBLAS's tiles for such a product leave most of the GPU idle: MLP b4096's head
-/// `[4096, 256] x [256, 10]` took 11.7 us there (session 18). The ReLU maps NaN to 0, as
-/// cuBLASLt's epilogue does.
+/// column. cuBLAS's tiles for such a product (MLP b4096's head, `[4096, 256] x [256, 10]`)
+/// leave most of the GPU idle. The ReLU maps NaN to 0, as cuBLASLt's epilogue does.
 pub fn matmul_narrow_source(dtype: DType, n: usize) -> (String, String) {
     let name = format!("k_matmul_narrow_{}_n{n}", format!("{dtype:?}").to_lowercase());
     let (t, c) = (storage_type(dtype), compute_type(dtype));
@@ -936,9 +935,9 @@ pub const SHORT_THREADS: usize = 256;
 /// (a thread each) over the contraction's chunk y, the chunk of A staged in shared memory, and
 /// writes its `m` partial sums per column to `part [chunks, m, ldp]`; with `sums`, block x = 0
 /// also writes A's row sums over the chunk to column `n` (a bias gradient, `SumLeft`).
-/// `..._fold`: a warp per output adds the chunks' partials in a fixed order. cuBLAS split the
-/// contraction for MLP b4096's `[10, 4096] x [4096, 256]` too, then ran its reduction and the
-/// bias gradient as two more kernels (session 18).
+/// `..._fold`: a warp per output adds the chunks' partials in a fixed order. cuBLAS splits the
+/// contraction for MLP b4096's `[10, 4096] x [4096, 256]` too, then runs its reduction and the
+/// bias gradient as two more kernels.
 pub fn matmul_short_source(dtype: DType, m: usize, sums: bool) -> (String, String) {
     let name = format!("k_matmul_short_{}_m{m}{}", format!("{dtype:?}").to_lowercase(), if sums { "_sums" } else { "" });
     let (t, c) = (storage_type(dtype), compute_type(dtype));
@@ -1003,7 +1002,8 @@ pub fn matmul_short_source(dtype: DType, m: usize, sums: bool) -> (String, Strin
 }
 
 /// The contraction's chunk a `matmul_short_source` block takes: short, so that many blocks
-/// share the work and each walks few rows (64 took 7.7 us for MLP b4096's weight gradient).
+/// share the work and each walks few rows (a chunk of 64 is slower for MLP b4096's weight
+/// gradient).
 pub const SHORT_CHUNK: usize = 16;
 
 /// The longest contraction `matmul_thin_source` takes (MLP b32's weight gradients, `g^T x`
@@ -1024,7 +1024,7 @@ pub fn thin_takes(dtype: DType, k: usize, b_rows_contiguous: bool) -> bool {
 /// the output read and written as aligned vectors: `n`, their row strides and offsets
 /// multiples of 4, B and h contiguous along rows). Consecutive threads walk a row, so a warp
 /// reads B's rows and h along memory and A's row as broadcast values. It replaces a cuBLAS
-/// product (5.6 us at MLP b4096) and the gradient's elementwise kernel (5.2 us; session 18).
+/// product and the gradient's elementwise kernel.
 /// With `sums` (`MatmulEpilogue::SumLeft`: a weight gradient `g^T x` and its bias's `sum(g)`)
 /// the thread of a row's first column also writes the row's sum of A at `o[at + r]`, which
 /// cuBLASLt runs as a kernel of its own.
@@ -1080,8 +1080,8 @@ pub fn matmul_thin_source(dtype: DType, k: usize, drelu: bool, vec4: bool, sums:
 pub const FEW_MAX_M: usize = 32;
 pub const FEW_COLS: usize = 16;
 pub const FEW_THREADS: usize = 256;
-/// 16 blocks a cluster (Hopper's most, `Gpu::allow_big_clusters`), not 8: MLP b32's first
-/// layer 5.9-6.6 us against 6.6-7.3 (`ncu`), its step 25.2-25.9 us against 26.5-26.8.
+/// 16 blocks a cluster (Hopper's most, `Gpu::allow_big_clusters`), not 8: the thinner slices
+/// of the contraction make MLP b32's first layer and its step faster (BENCHMARKS.md).
 pub const FEW_SPLIT: usize = 16;
 /// The most of its slice of the contraction a `matmul_few_source` block stages at a time.
 const FEW_CHUNK: usize = 128;
@@ -1089,19 +1089,18 @@ const FEW_CHUNK: usize = 128;
 /// `o [m, n] = a [m, k] b [k, n] (+ bias) (ReLU)`, F32, for a few rows (at most `FEW_MAX_M`:
 /// a small batch through a Linear layer) in one launch of thread block clusters (Hopper),
 /// where cuBLAS splits the contraction over blocks and adds the parts in a second kernel
-/// (MLP b32's `[32, 784] x [784, 256]`: 5.3 + 4.5 us, session 25). Cluster x takes
+/// (as for MLP b32's `[32, 784] x [784, 256]`). Cluster x takes
 /// `FEW_COLS` columns; its `FEW_SPLIT` blocks each a slice of the contraction, staged in
 /// shared memory as rows along k (`stage_k`: float4 loads along k where they are aligned, else
 /// loads along whichever of an operand's dims is contiguous, every load in flight at once). A
 /// thread keeps `RPT` rows of one column, reading float4s along k (A's broadcast to the lanes
 /// of one row group; B's rows padded so that a quarter-warp's float4s fall in distinct banks). After the cluster's barrier, block z adds its share of the
 /// outputs over the blocks' partial sums in order (the same bits every run) and applies the
-/// bias and ReLU (NaN to 0, as cuBLASLt's epilogue). Session 26 measured a block walking the
-/// whole contraction chunk by chunk at 8.2 us (a wait on memory each chunk) and this cluster
-/// with loads across rows (32 sectors a request) at 12.3 us, and with 32 columns a cluster
-/// (64 blocks) and scalar loads along k at 11.3 us (issue-bound: 36 instructions a staged
-/// element, 8 warps an SM); 512 threads a block (one row a thread) took 7.8 us against
-/// 256's 7.2.
+/// bias and ReLU (NaN to 0, as cuBLASLt's epilogue). These measure slower (BENCHMARKS.md): a
+/// block walking the whole contraction chunk by chunk (a wait on memory each chunk), this
+/// cluster with loads across rows (32 sectors a request), 32 columns a cluster (64 blocks)
+/// with scalar loads along k (issue-bound: 36 instructions a staged element, 8 warps an SM),
+/// and 512 threads a block (one row a thread) rather than 256.
 pub fn matmul_few_source() -> (String, String) {
     let name = "k_matmul_few_f32".to_string();
     let mut s = format!("{PRELUDE}{CLUSTER}\n#define NT {FEW_COLS}\n#define KC {FEW_CHUNK}\n#define S {FEW_SPLIT}\n");
@@ -1212,7 +1211,7 @@ pub const NARROW_THREADS: usize = 256;
 
 /// Threads `Op::CrossEntropyMean`'s kernel gives a row of `classes` logits: about four logits
 /// each, a power of two up to a warp. (A thread per row of 10 logits left most SMs idle and
-/// each thread a long serial chain: 10.3 us for MLP b4096's 4096 rows; session 18.)
+/// each thread a long serial chain, as in MLP b4096's 4096 rows.)
 pub fn xent_mean_threads_per_row(classes: usize) -> usize {
     classes.div_ceil(4).next_power_of_two().min(32)
 }
@@ -1269,19 +1268,17 @@ pub fn cross_entropy_mean_source(dtype: DType, tpr: usize) -> (String, String) {
 }
 
 /// Threads of each of `linear_xent_source`'s blocks: 16 warps hide more of each other's
-/// latency than 8 (MLP b32's head 12.5-12.8 us against 13.4-13.6, `ncu` on the H200;
-/// 32 warps 13.2-13.4).
+/// latency than 8, and MLP b32's head runs faster on 16 than on 8 or 32 (BENCHMARKS.md).
 pub const LINEAR_XENT_THREADS: usize = 512;
 /// The most blocks (one cluster: 16, the largest Hopper runs once a kernel allows more than
 /// the portable 8, `Gpu::allow_big_clusters`) `linear_xent_source` spreads a head over. MLP
-/// b32's head on 16 blocks of 2 rows: 9.6-9.7 us against 10.8 on 8 of 4 (`ncu`, H200).
+/// b32's head runs faster on 16 blocks of 2 rows than on 8 of 4.
 pub const LINEAR_XENT_MAX_BLOCKS: usize = 16;
 /// The most shared memory a block of `linear_xent_source` stages (the weight and its rows of h,
 /// rows padded by one, its logits and every row's gradient), and the most multiply-adds a
 /// block does (its rows' logits and h-gradients, its share of `g^T h`). A single block that
-/// did all three products of MLP b32's `[32, 256] x [256, 10]` head (246K multiply-adds) took
-/// 21.8 us (`ncu`, H200; one SM reads shared memory 32 values a cycle), more than the five
-/// launches it replaces (18 us).
+/// does all three products of MLP b32's `[32, 256] x [256, 10]` head (246K multiply-adds) is
+/// slower than the five launches it replaces (one SM reads shared memory 32 values a cycle).
 pub const LINEAR_XENT_MAX_SMEM: usize = 96 * 1024;
 pub const LINEAR_XENT_MAX_MACS: usize = 1 << 16;
 
@@ -1313,7 +1310,7 @@ pub fn linear_xent_fits(dtype: DType, n: usize, c: usize, f: usize) -> bool {
 /// (`linear_xent_blocks`; block z takes rows `z * per ..` and columns `z * ceil(F / blocks) ..`).
 /// Each block first stages, all loads in flight at once, the weight `[C, F]`, its rows of h
 /// (rows padded by one float: no bank conflicts), its columns of h, the bias and the targets
-/// (read later, they cost a second trip to memory: about 1 us); computes
+/// (read later, they would cost a second trip to memory); computes
 /// its logits `h w^T + b` (a warp per logit), counts every real target, and takes each of its
 /// rows' loss and gradient (`xent_row`, a warp a row, the gradient over the logits in place).
 /// After the cluster's barrier each block copies every row's gradient from the blocks' shared
@@ -1493,8 +1490,8 @@ pub const COLSUM_WARPS: usize = 8;
 /// block (x, y) folds chunk y's rows of a tile of `32 * v` columns (`v` neighbours a lane,
 /// one 16-byte load where `v` is 16 bytes of T) into `part[y * n + c]`, F32 (F64 for F64),
 /// adding its warps' sums in a fixed order. A bias's gradient `sum(g)` beside the weight's
-/// `g^T x`: cuBLASLt's BGRAD epilogue ran it as a kernel of its own at 1.1-2.2 TB/s
-/// (session 32). `column_sums_fold_source` adds the chunks. With `gate` (`Op::GatedSums`, x
+/// `g^T x`: cuBLASLt's BGRAD epilogue runs it as a kernel of its own, slower than this one
+/// (BENCHMARKS.md). `column_sums_fold_source` adds the chunks. With `gate` (`Op::GatedSums`, x
 /// dense): the summed values are made here, `y = x * gate(h)` with the gate's value stored
 /// as T first, and stored to `y` as they are summed.
 pub fn column_sums_source(dtype: DType, v: usize, gate: Option<UnaryOp>) -> (String, String) {
@@ -1556,14 +1553,14 @@ pub fn column_sums_source(dtype: DType, v: usize, gate: Option<UnaryOp>) -> (Str
     (s, name)
 }
 
-/// Warps a `column_sums_fold_source` block: 32, so that each thread walks few chunks (GPT's
-/// 384 bias columns were 12 blocks of 8 warps walking 66 chunks each, 3.8 us).
+/// Warps a `column_sums_fold_source` block: 32, so that each thread walks few chunks (with 8,
+/// GPT's 384 bias columns take 12 blocks of 8 warps walking 66 chunks each, which is slower).
 pub const COLSUM_FOLD_WARPS: usize = 32;
 
 /// Sums over the rows, second pass: `o[c] = sum_y part[y * n + c]` over the `chunks`, stored
 /// as T. A block takes 32 columns: warp w adds chunks w, w + WARPS, .. (eight loads in flight),
 /// then the warps' sums are added in order, so the bits never change; a thread a column
-/// walking every chunk waited on 512 loads in turn for GPT's 384 bias columns.
+/// walking every chunk would wait on 512 loads in turn for GPT's 384 bias columns.
 pub fn column_sums_fold_source(dtype: DType) -> (String, String) {
     let name = format!("k_column_sums_fold_{}", format!("{dtype:?}").to_lowercase());
     let mut s =
@@ -1643,9 +1640,9 @@ pub enum LnStage {
 /// layer norm's whole backward reads x and g once. Staged (`stage`; rows of whole 16-byte pieces,
 /// 16-byte aligned, `ln_grads_stage_bytes` of dynamic shared memory): each warp copies its
 /// next row into shared memory asynchronously while it works on this one; loaded straight into
-/// registers, a warp's row waited on memory between its reductions (2.55 TB/s, session 32).
-/// `LnStage::RowsAndResidual`: r's next row comes with them (read at the store, it was a wait on
-/// memory at the end of every row: GPT BF16's 43.3 to 41.2 us, 0.02 ms a step on an H100). `parts.sums` (with dx): a third row of partials, the column sums of dx (plus r) as
+/// registers, a warp's row would wait on memory between its reductions (BENCHMARKS.md).
+/// `LnStage::RowsAndResidual`: r's next row comes with them (read at the store, it would be a
+/// wait on memory at the end of every row, which slows GPT BF16's step). `parts.sums` (with dx): a third row of partials, the column sums of dx (plus r) as
 /// rounded to that dtype (`Op::NormalizeParamGrads`'s `sums`); the weight is then read from
 /// shared memory, so that the row's accumulators take the registers it held. `parts.copy`
 /// (with dx): dx (plus r) also stored in that dtype to `cp` (the op's `copy`).
@@ -1825,8 +1822,8 @@ pub const LN_ROWS_MAX_N: usize = 1024;
 
 /// Layer norm's forward for F32 rows of `32 * 4 * tiles` values (`tiles <= 8`), a warp per row
 /// held in registers: each lane loads its `tiles` float4s at once, so the row costs one trip to
-/// memory where `normalize_source`'s loop made one a value (5.5 us against about 2 for the
-/// Transformer's 320 rows of 512). Same arguments; all pointers 16-byte aligned. The output is
+/// memory where `normalize_source`'s loop makes one a value (faster for rows such as the
+/// Transformer's 320 of 512). Same arguments; all pointers 16-byte aligned. The output is
 /// written in `out`: F32, or F16/BF16 (a folded cast, four values as one 8-byte store).
 pub fn normalize_rows_source(tiles: usize, affine: bool, out: DType) -> (String, String) {
     let name = format!("k_layer_norm_rows{tiles}_f32{}{}", if affine { "" } else { "_plain" }, other_dtype("to_", DType::F32, out));
@@ -2533,8 +2530,8 @@ pub const ATTN_MAX_D: usize = 128;
 pub const ATTN_FMA_MAX_MATRICES: usize = 65535;
 
 /// Rows of a score tile each thread of a tiled attention kernel owns (4 columns each), and
-/// the block size that covers a 64 x 64 tile. (8 rows on 128 threads measured slower at the
-/// GPT shapes: fewer warps to hide the tile loads.)
+/// the block size that covers a 64 x 64 tile. (8 rows on 128 threads are slower at the GPT
+/// shapes: fewer warps to hide the tile loads.)
 pub const TILED_ROWS: usize = 4;
 pub const TILED_THREADS: usize = 64 * 64 / (TILED_ROWS * 4);
 
@@ -2874,8 +2871,8 @@ fn flash_helpers(dtype: DType) -> String {
     // the next tile while it computes on this one; `async_wait<N>` waits for all but the last N
     // groups. Where a row's CPR pieces divide the block's 128 threads, each thread copies one
     // column of pieces, its addresses stepped (the general loop's divisions and 64-bit index
-    // products were about 40 instructions a piece, a third of the 16-bit forward's). Not for
-    // F32: its kernels then spilled (the forward at D = 64 by 440 bytes, unrolled or not).
+    // products take about 40 instructions a piece, a third of the 16-bit forward's). Not for
+    // F32: its kernels then spill (the forward at D = 64 by 440 bytes, unrolled or not).
     s += &format!("#define CPR (D / VEC)\n#define F32_TILES {}\n", (dtype == DType::F32) as i32);
     s += "__device__ __forceinline__ void load_tile_async(T (*tile)[SD], const T* p, long long st, long long row0, long long Tn) {\n";
     s += "#if 128 % CPR == 0 && CPR >= 2 && !F32_TILES\n";
@@ -2901,7 +2898,7 @@ fn flash_helpers(dtype: DType) -> String {
     };
     // Stores a warp's 16 x D accumulator tile (rows gq and gq + 8 times mul0 / mul1) at rows
     // r0.. of o: through the warp's 16 rows of a free shared tile, so that each row goes out
-    // in 16-byte pieces (straight from the fragments, a 16-bit row took 16 stores of 4 bytes).
+    // in 16-byte pieces (straight from the fragments, a 16-bit row takes 16 stores of 4 bytes).
     s += "__device__ __forceinline__ void store(T* o, long long st, const float (*acc)[4], long long r0, int gq, int tq, long long Tn, float mul0, float mul1, T (*stage)[SD], int lane) {\n";
     s += "#pragma unroll\n  for (int j = 0; j < D / 8; ++j) {\n    const int c = j * 8 + tq * 2;\n";
     s += "    put2(&stage[gq][c], acc[j][0] * mul0, acc[j][1] * mul0);\n    put2(&stage[gq + 8][c], acc[j][2] * mul1, acc[j][3] * mul1);\n  }\n";
@@ -2923,7 +2920,7 @@ fn flash_frags_16(dtype: DType) -> String {
     let ty = if dtype == DType::F16 { "f16" } else { "bf16" };
     // Exponentials use the fast `__expf` (ex2.approx): their arguments are scores minus a row
     // maximum or log-sum-exp, so at most about 0, and the results are rounded to 16 bits; it
-    // measured 4-6 % faster per kernel than `expf`, with the same error against the f64 reference.
+    // is faster per kernel than `expf`, with the same error against the f64 reference.
     let mut s = String::from("#define KS 16\n#define AW 4\n");
     s += "__device__ __forceinline__ float EXP2(float x) { float y; asm(\"ex2.approx.ftz.f32 %0, %1;\" : \"=f\"(y) : \"f\"(x)); return y; }\n";
     s += "__device__ __forceinline__ void mma(float* c, const unsigned* a, const unsigned* b) {\n";
@@ -2973,7 +2970,7 @@ pub const ATTN_SHORT_MAX_T: usize = 32;
 /// item) with a warp per query row, q, k and v in shared memory (k's rows padded a float, so
 /// that lanes reading one column of it hit 32 banks); lane `j` scores key `j`, the warp's
 /// shuffles take the softmax, and the lanes sum the output's columns. The tensor-core kernels'
-/// 64-row tiles would be mostly padding (a 10-token sequence took 7.3 us there). Inputs and the
+/// 64-row tiles would be mostly padding (as for a 10-token sequence). Inputs and the
 /// output are addressed through `Mat` (heads cut from a fused projection; the output with the
 /// heads last). Kernel `k_attn_short_{dtype}_d{d}[_causal](o, q, k, v, mq, mk, mv, mo, T,
 /// scale)`, 32 T threads, `attention_short_smem(T, D)` bytes of dynamic shared memory.
@@ -3047,8 +3044,8 @@ pub fn attention_short_smem(t: usize, d: usize) -> usize {
 /// `cvt.rna` takes four with its inf/NaN test; an infinity keeps its bits, a NaN stays one in
 /// the small part). `tf32_small(x, big)`: `x - big`, exact in F32 and passed whole: the tensor
 /// cores read a TF32 operand's top 19 bits and truncate the rest, which costs it 2^-11 of its
-/// own size (2^-23 of x's), as CUTLASS's fast F32 products do. (Measured, session 23: the
-/// GEMM's slice 567 to 404 instructions, 4096^3 81 to 89 TFLOP/s, the same error.)
+/// own size (2^-23 of x's), as CUTLASS's fast F32 products do. (This cuts the instructions
+/// of the GEMM's slice and raises its throughput, with the same error; BENCHMARKS.md.)
 pub const TF32: &str = "__device__ __forceinline__ unsigned tf32_big(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
 __device__ __forceinline__ unsigned tf32_small(float x, unsigned big) { return __float_as_uint(x - __uint_as_float(big)); }
 ";
@@ -3060,9 +3057,9 @@ __device__ __forceinline__ unsigned tf32_small(float x, unsigned big) { return _
 /// parts, 4-7 the small); B values are split as they are read from the shared tile, with no
 /// `ldmatrix`. The score accumulators hold columns `2 tq, 2 tq + 1` where the next product's A
 /// wants `tq, tq + 4`: that product's depth is taken in that permuted order, on both sides.
-/// (Measured at the GPT shapes against variants: A fragments kept raw and split per use,
-/// products grouped so that neighbours feed other accumulators, a whole 64-key score tile at
-/// once, three or four blocks per SM; each was 2-20 % slower. BENCHMARKS.md.)
+/// (Faster at the GPT shapes than each of these variants: A fragments kept raw and split per
+/// use, products grouped so that neighbours feed other accumulators, a whole 64-key score tile
+/// at once, three or four blocks per SM. BENCHMARKS.md.)
 fn flash_frags_f32() -> String {
     let mut s = String::from("#define KS 8\n#define AW 8\n#define EXP2 exp2f\n");
     s += TF32;
@@ -3122,12 +3119,12 @@ pub fn flash_source(kind: AttnKernel, dtype: DType, d: usize, causal: bool) -> (
     s += &format!("#define NEG_INF __int_as_float(0xff800000)\n#define HEAVY_LAST {}\n", (kind != AttnKernel::Dkv) as i32);
     s += &flash_helpers(dtype);
     s += FLASH_COMMON;
-    // Registers bound occupancy: four blocks per SM measured faster for the 16-bit forward and
-    // dq kernels (128 registers, no spills); the dk/dv kernel spills at four (and measured
-    // 57 us against 51 at the GPT's shape with three, which it is held to), and so would the F32 ones, whose A
+    // Registers bound occupancy: four blocks per SM are faster for the 16-bit forward and
+    // dq kernels (128 registers, no spills); the dk/dv kernel spills at four (and is slower
+    // there at the GPT's shape than with three, which it is held to), and so would the F32 ones, whose A
     // fragments take twice the registers (split). The F32 forward fits three blocks' 168
-    // registers with no spill up to D = 64 (three blocks' shared memory fits there): 100 us
-    // against 116 at two (GPT shapes, `ncu`). No bound asks for more blocks than an SM's
+    // registers with no spill up to D = 64 (three blocks' shared memory fits there), faster
+    // than two at the GPT shapes. No bound asks for more blocks than an SM's
     // shared memory (227 KiB a block at most, 228 an SM) holds: at D = 128 three 16-bit blocks
     // or one F32 block fit, and registers held down for a fourth or second only spilled.
     let fit = (228 * 1024 / (flash_smem_bytes(dtype, d) + 1024)).max(1);

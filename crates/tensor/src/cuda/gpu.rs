@@ -129,7 +129,7 @@ pub struct Gpu {
     /// cuBLASLt problems a dry run met before cuBLAS had started, for that thread to plan.
     lt_problems: Mutex<Vec<super::lt::Gemm>>,
     /// Whether kernels are launched with programmatic stream serialization (`launch_ex`):
-    /// on Hopper and later, unless `KILN_EARLY_LAUNCH=0` (to measure what it saves).
+    /// on Hopper and later.
     early_launch: bool,
 }
 
@@ -176,7 +176,7 @@ fn driver_present() -> bool {
 
 /// Whether one of the library file `names` loads; the first that does stays loaded for the
 /// process. (cudarc's own probes open and close a library, and its loader opens it again:
-/// cuBLASLt's 550 MB were loaded twice, 60 ms each time.)
+/// cuBLASLt's 550 MB would load twice.)
 pub(crate) fn held_open<S: AsRef<str>>(names: &[S]) -> bool {
     names.iter().any(|name| {
         // SAFETY: loading a CUDA library runs its initialisers, as cudarc's loader does with
@@ -233,7 +233,7 @@ pub fn gpu(ordinal: usize) -> Result<Arc<Gpu>> {
         blas: Mutex::new(None),
         blas_start: Mutex::new(None),
         lt_problems: Mutex::default(),
-        early_launch: arch.0 >= 9 && std::env::var("KILN_EARLY_LAUNCH").as_deref() != Ok("0"),
+        early_launch: arch.0 >= 9,
     });
     map.insert(ordinal, g.clone());
     g.bind()?;
@@ -339,7 +339,7 @@ impl Gpu {
         Ok(DeviceBuffer { ptr, bytes: class, gpu: self.clone(), pool })
     }
 
-    /// Starts cuBLAS on a thread (`blas::start`: 135-170 ms on the H200) unless it has
+    /// Starts cuBLAS on a thread (`blas::start`, a long set-up) unless it has
     /// started or is starting: a dry run calls it at its first product that needs cuBLAS,
     /// so that the start overlaps the rest of the dry run and NVRTC.
     pub(crate) fn start_blas(self: &Arc<Self>) {

@@ -566,7 +566,7 @@ fn reduce_into(g: &Arc<Gpu>, op: ReduceOp, s: &CudaStorage, l: &Layout, dims: &[
     }
     let is_arg = matches!(op, ReduceOp::ArgMax | ReduceOp::ArgMin);
     // A large sum over leading dims of contiguous columns (an eager bias gradient, GPT's
-    // position-embedding gradient: 26.7 us for 25 MB as a column reduction): 16-byte loads.
+    // position-embedding gradient, 25 MB, slow as a column reduction): 16-byte loads.
     // (Columns enough for whole warps: a few columns over many rows stay with `Block` below.)
     let wide_columns = op == ReduceOp::Sum && split && ks.len() == 1 && kst[0] == [1] && rs.len() == 1 && rows >= 256;
     if wide_columns && out.dtype == s.dtype && s.dtype.is_float() && rows * red >= COLUMN_SUMS_MIN {
@@ -825,8 +825,8 @@ impl Mat {
 fn attention_kernel(g: &Arc<Gpu>, kind: AttnKernel, dtype: DType, d: usize, causal: bool) -> Result<(Kernel, u32, u32)> {
     use super::codegen::{flash_smem_bytes, flash_source, flash_supported, tiled_smem_floats, tiled_source, TILED_THREADS};
     if flash_supported(dtype, d) {
-        // A training step needs all three, so a cold cache compiles them at once (F32's take
-        // 1-1.4 s each on a small machine; an inference-only process builds the backward
+        // A training step needs all three, so a cold cache compiles them at once (F32's are
+        // slow to compile on a small machine; an inference-only process builds the backward
         // two for nothing, once, into the disk cache).
         const KINDS: [AttnKernel; 3] = [AttnKernel::Fwd, AttnKernel::Dq, AttnKernel::Dkv];
         let bytes = flash_smem_bytes(dtype, d) as u32;
@@ -1113,7 +1113,7 @@ fn layer_norm_param_grads(
         unsafe { g.launch(k, (blocks as u32, 1), (super::codegen::LN_GRADS_WARPS * 32) as u32, shared as u32, &mut params)? };
         reduce_into(g, ReduceOp::Sum, part, &Layout::contiguous(&[blocks, rows_k * n]), &[0], &out, false)
     };
-    // About two blocks of 8 warps per SM by default. (Four blocks of 16 warps measured no
+    // About two blocks of 8 warps per SM by default. (Four blocks of 16 warps are no
     // faster, and F64's 32 tiles need more registers than 16 warps have.) `MaxAutotune` times
     // one to six blocks an SM.
     let sms = g.sms as usize;
@@ -1631,8 +1631,8 @@ fn index_add(
         _ => DType::F64,
     };
     let out = cast(g, sb, lb, wide)?;
-    // (A dense source already wide is read where it lies: GPT's embedding gradient copied
-    // its 25 MB for nothing, 11.6 us a step.)
+    // (A dense source already wide is read where it lies: a copy would move GPT's 25 MB
+    // embedding gradient for nothing every step.)
     let src = if ss.dtype == wide { dense(g, ss, ls)? } else { Dense::Owned(cast(g, ss, ls, wide)?) };
     let idx = dense(g, si, li)?;
     let (kind, a) = if matches!(op, Op::IndexAdd { .. }) {
@@ -1756,8 +1756,8 @@ fn adam_launch(
     unsafe { gpu.launch(k, (gpu.grid_for(most), batch.len() as u32), 256, 0, &mut params) }
 }
 
-/// Products run by `matmul_wgmma` in this process (`cuda::kiln_gemm_launches`).
-pub(super) static KILN_GEMM_LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// Products run by `matmul_wgmma` in this process (`cuda::wgmma_launches`).
+pub(super) static WGMMA_LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Mirrors `struct GArgs` (`wgmma.rs`).
 #[repr(C)]
@@ -1796,7 +1796,7 @@ pub(super) fn matmul_wgmma(
 ) -> Result<()> {
     use super::wgmma::{BM, BN, THREADS};
     let spec = super::wgmma::Spec { map_a: a_rows.is_some(), ..spec };
-    KILN_GEMM_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    WGMMA_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let (m, k, n) = (la.shape[0], la.shape[1], lb.shape[1]);
     let shared = spec.shared_bytes() as u32;
     let gemm = g.kernel_shared(super::spec_key("matmul_wgmma", &spec), shared, || spec.source())?;

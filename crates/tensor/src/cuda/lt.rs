@@ -1,6 +1,6 @@
 //! cuBLASLt plans for `blas::matmul`: each GEMM problem (dtype, transposes, sizes, strides,
 //! pointer alignment) gets its descriptors and algorithm once, then every call reuses them
-//! (cudarc's safe cuBLASLt API rebuilds them per call, about 15 µs of host time).
+//! (cudarc's safe cuBLASLt API rebuilds them per call, which costs host time).
 //!
 //! The algorithm is cuBLASLt's first heuristic choice, or, while autotuning is on
 //! (`Mode::MaxAutotune`'s first run), the fastest of its top candidates timed on the real
@@ -230,7 +230,7 @@ impl Plan {
         let tune = autotune() && !super::gpu::is_dry();
         // The tuned algorithm an earlier process kept, else (not tuning) the heuristic's
         // choice one kept: a warm cache needs no heuristic query, whose library set-up alone
-        // took 70-100 ms. A stale or damaged file falls through to the heuristic.
+        // is slow. A stale or damaged file falls through to the heuristic.
         let key = disk_key(gpu, g, ws.1);
         let heuristic_key = key.as_ref().map(|p| p.with_extension("heuristic"));
         for (file, tuned) in [(&key, true), (&heuristic_key, false)] {

@@ -78,7 +78,7 @@ pub fn is_available(ordinal: usize) -> bool {
     }
 }
 
-/// Starts cuBLAS for `Device::Cuda(ordinal)` on a thread (0.15-0.2 s), unless it has
+/// Starts cuBLAS for `Device::Cuda(ordinal)` on a thread (a long set-up), unless it has
 /// started: for a compiled step that will need it, as soon as its trace shows so. Does
 /// nothing without the `cuda` feature or the device.
 pub fn start_blas(ordinal: usize) {
@@ -111,8 +111,8 @@ pub fn compute_capability(ordinal: usize) -> Result<(i32, i32)> {
 /// How many products Kiln's Hopper F32 GEMM (`wgmma.rs`) has run in this process (the rest
 /// ran on cuBLAS or Kiln's small-product kernels; a compiled step's replays are not counted).
 #[cfg(feature = "cuda")]
-pub fn kiln_gemm_launches() -> u64 {
-    kernels::KILN_GEMM_LAUNCHES.load(std::sync::atomic::Ordering::Relaxed)
+pub fn wgmma_launches() -> u64 {
+    kernels::WGMMA_LAUNCHES.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// How many attention backwards in this process read the per-row log-sum-exp their flash

@@ -1,5 +1,5 @@
 //! NVRTC: CUDA C++ source to a CUBIN for one architecture, cached on disk by source hash,
-//! architecture and NVRTC version (a CUBIN loads in ~0.1 ms; PTX would cost a driver JIT).
+//! architecture and NVRTC version (a CUBIN loads quickly; PTX would cost a driver JIT).
 
 use super::codegen::fnv1a;
 use crate::{Error, Result};

@@ -1,9 +1,8 @@
 //! Kiln's F32 GEMM for Hopper (`sm_90a`): each F32 operand split into two TF32 parts
 //! (`x = big + small`), three `wgmma` products a step (`a_big b_big + a_big b_small +
 //! a_small b_big`, F32 accumulation), which keeps F32's accuracy to about 2^-21 at the tensor
-//! cores' rate. cuBLAS's true-FP32 SGEMM runs on the CUDA cores at about 51 TFLOP/s on the
-//! H200; `mma.sync` TF32 issues at about 130 TFLOP/s, so three of them cap near 44 (measured,
-//! session 18): only `wgmma` leaves room.
+//! cores' rate. cuBLAS's true-FP32 SGEMM runs on the CUDA cores, and three `mma.sync` TF32
+//! products a step cap below its rate: only `wgmma` leaves room (figures in BENCHMARKS.md).
 //!
 //! A block of two warpgroups computes a `128 x 128` tile of `c = a @ b` and its epilogue.
 //! Every thread loads its share of a 32-deep slice of A and B into registers (16-byte loads,
