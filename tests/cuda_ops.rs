@@ -367,7 +367,7 @@ fn layer_norm_grads_with_a_residual_match_the_separate_add() {
         |v: &[&Tensor]| Tensor::apply(kiln::tensor::Op::NormalizeParamGrads { eps: 1e-5, sums: None, copy: None }, v, v[0].device());
     for (i, shape) in LN_SHAPES.into_iter().enumerate() {
         let n = shape[shape.len() - 1];
-        if n > cuda::codegen::LN_GRADS_MAX_N {
+        if n > cuda::kernels::rows::LN_GRADS_MAX_N {
             continue;
         }
         for (xd, gd) in [(DType::F32, DType::F32), (DType::F32, DType::BF16), (DType::F64, DType::F64)] {
@@ -468,7 +468,7 @@ fn layer_norm_with_folded_casts_matches_the_cpu() {
                 y.to_dtype(DType::F32)
             });
         }
-        if n > kiln::tensor::cuda::codegen::LN_GRADS_MAX_N {
+        if n > kiln::tensor::cuda::kernels::rows::LN_GRADS_MAX_N {
             continue; // the one-pass backward's limit (autograd takes other ops past it)
         }
         let g = randn(shape, 140 + i as u64, DType::BF16);
@@ -498,7 +498,7 @@ fn fused_matmul_epilogues_match_the_cpu() {
         for (k, n) in [(24, 16), (64, 48)] {
             fused_epilogue_cases(dt, t, k, n);
         }
-        // Bias gradients over many rows (`kernels::column_sums`: chunks of rows, added in
+        // Bias gradients over many rows (`kiln_tensor::cuda::kernels::reduce::column_sums`: chunks of rows, added in
         // order): 16-byte vectors where the columns allow (392), one value a lane where not.
         // 16-bit against the CPU in F32, rounded once: its 16-bit product rounds each of the 4100
         // partial sums (5 % off on an H200), where the GPU accumulates in F32.
@@ -900,7 +900,7 @@ fn indexing_cat_and_in_place_updates_match_the_cpu() {
             0.0,
             |v| v[0].embedding(&v[1]),
         );
-        // Many rows of a warp's width or more (a warp a row: `codegen::select_by_rows`), from
+        // Many rows of a warp's width or more (a warp a row: `kiln_tensor::cuda::kernels::index::select_by_rows`), from
         // dim 0 and from dim 1 of three matrices; and an index_add reading a whole, dense
         // source where it lies.
         let many: Vec<i64> = (0..9000).map(|i| (i * 7 + i / 13) % 10).collect();

@@ -26,7 +26,7 @@ static SOURCES_VAR: std::sync::Mutex<()> = std::sync::Mutex::new(());
 fn nvrtc_compiles(what: &str, src: &str) {
     assert!(src.contains("extern \"C\" __global__"), "the GPU's kernel sources for the {what} step were written");
     if kiln::tensor::cuda::nvrtc::available() {
-        let src = kiln::tensor::cuda::codegen::waiting_for_prior(src);
+        let src = kiln::tensor::cuda::kernels::prelude::waiting_for_prior(src);
         let arch = kiln::tensor::cuda::nvrtc::target(&src, (9, 0));
         if let Err(e) = kiln::tensor::cuda::nvrtc::compile(&src, "kiln_fused", &arch, true) {
             panic!("the {what} step's fused kernels do not compile: {e}");

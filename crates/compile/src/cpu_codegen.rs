@@ -11,7 +11,9 @@
 
 use crate::fusion::{Group, Plan};
 use crate::graph::{Graph, Kind};
-use kiln_tensor::cuda::codegen::{elementwise_expr, fnv1a, strided_index};
+use kiln_tensor::codegen::elementwise_expr;
+use kiln_tensor::codegen::fnv1a;
+use kiln_tensor::codegen::strided_index;
 use kiln_tensor::{DType, Op};
 use std::path::{Path, PathBuf};
 use std::sync::Once;

@@ -13,8 +13,13 @@
 use crate::fusion::{Group, Plan, Step};
 use crate::graph::{Arg, Graph, Kind, NodeId};
 use kiln_tensor::cuda;
-use kiln_tensor::cuda::codegen::{Fed, FusedGroup, FusedInput, FusedKernel, FusedMember, FusedSrc};
 use kiln_tensor::cuda::compiled::{self as cc, CudaGraph, FusedModule, OutputCopies, Pool};
+use kiln_tensor::cuda::kernels::fused::Fed;
+use kiln_tensor::cuda::kernels::fused::FusedGroup;
+use kiln_tensor::cuda::kernels::fused::FusedInput;
+use kiln_tensor::cuda::kernels::fused::FusedKernel;
+use kiln_tensor::cuda::kernels::fused::FusedMember;
+use kiln_tensor::cuda::kernels::fused::FusedSrc;
 use kiln_tensor::op::OutMeta;
 use kiln_tensor::rng::GeneratorState;
 use kiln_tensor::storage::StorageCell;
@@ -214,7 +219,7 @@ fn fused_kernels(g: &Graph, plan: &Plan, capture: bool) -> Result<(Vec<FusedKern
 pub fn gpu_sources(g: &Graph, plan: &Plan, capture: bool) -> Result<String> {
     let (specs, _) = fused_kernels(g, plan, capture)?;
     let report: String = crate::groups_report(g, plan).lines().filter(|l| !l.is_empty()).map(|l| format!("//{l}\n")).collect();
-    Ok(report + &cuda::codegen::fused_module(&specs).map_err(Error::Msg)?)
+    Ok(report + &cuda::kernels::fused::fused_module(&specs).map_err(Error::Msg)?)
 }
 
 impl GpuParts {

@@ -589,13 +589,13 @@ pub fn feed_products(g: &Graph, plan: &mut Plan, native: &dyn Fn(usize) -> bool)
 }
 
 /// The longest contraction a group computes a product over itself (`feed_gpu_products`; the
-/// CUDA back end's thin-product kernel takes the same, `codegen::THIN_MAX_K`).
+/// CUDA back end's thin-product kernel takes the same, `kiln_tensor::cuda::kernels::products::THIN_MAX_K`).
 const GPU_FEED_MAX_K: usize = 32;
 
 /// GPU: a product with a short contraction (a weight gradient `g^T x` at a small batch, with
 /// `SumLeft` its bias's gradient) that only one later launch reads, each of its groups
 /// reading the product whole or the sums whole, is made by those groups where they read it
-/// (`codegen::Fed`) instead of by a kernel of its own: one launch fewer, and the gradient is
+/// (`kiln_tensor::cuda::kernels::fused::Fed`) instead of by a kernel of its own: one launch fewer, and the gradient is
 /// never written out and read back. Not where a group in between overwrites in place a state
 /// buffer the product reads, nor for a step's outputs or state writes.
 pub fn feed_gpu_products(g: &Graph, plan: &mut Plan) {

@@ -254,7 +254,7 @@ fn readers(g: &Graph) -> Vec<usize> {
 /// - a ReLU that is a product's only reader, or a GELU (tanh form) of a product;
 /// - the product of a matmul by a GELU's gradient, and on a GPU by a ReLU's (`step`) where
 ///   the contraction is short enough for Kiln's thin-product kernel, which multiplies as it
-///   stores (`codegen::matmul_thin_source`; elsewhere the separate multiply is as fast);
+///   stores (`kiln_tensor::cuda::kernels::products::matmul_thin_source`; elsewhere the separate multiply is as fast);
 /// - the sum of a 2-D product's operand over the contraction, the bias gradient `sum(g)`
 ///   beside the weight gradient `g^T x`: one GEMM writes both, the sums after the product;
 /// - on a GPU, a residual add `r + a @ b`, also through a cast widening a 16-bit product to
@@ -727,7 +727,7 @@ struct Head {
 
 /// On a GPU with thread block clusters (`clusters`; one block would take up to eight times
 /// the work it is sized for), a linear classifier head small enough for one cluster of blocks
-/// (`codegen::linear_xent_fits`: a small batch), its fused mean cross-entropy and the head's
+/// (`kiln_tensor::cuda::kernels::products::linear_xent_fits`: a small batch), its fused mean cross-entropy and the head's
 /// backward become one `Op::LinearCrossEntropyMean`: the head's product, the loss, the weight and bias gradients
 /// (`g^T h` with `sum(g)`) and h's gradient (`g w`, through a ReLU or not) in one launch. The
 /// gradients' readers read them inside the new node's output.
@@ -764,7 +764,7 @@ fn linear_head(g: &Graph, users: &[Vec<NodeId>], (escapes, pinned): (&[bool], &[
     let (Op::CrossEntropyMean { .. }, [x, t]) = op(ce)? else { return None };
     let p = x.node;
     let (Op::Matmul, [h, wt, bias]) = op(p)? else { return None };
-    let fits = |n, c, f| kiln_tensor::cuda::codegen::linear_xent_fits(g.nodes[ce].dtype, n, c, f);
+    let fits = |n, c, f| kiln_tensor::cuda::kernels::products::linear_xent_fits(g.nodes[ce].dtype, n, c, f);
     let (&[n, f], &[_, c]) = (&h.layout.shape[..], &wt.layout.shape[..]) else { return None };
     if users[p] != [ce] || escapes[p] || !whole(x, &g.nodes[p]) || !fits(n, c, f) || pinned[ce] {
         return None;
@@ -796,13 +796,13 @@ fn linear_head(g: &Graph, users: &[Vec<NodeId>], (escapes, pinned): (&[bool], &[
 }
 
 /// Whether a product of two 2-D operands is one the CUDA back end's thin-product kernel takes
-/// (`codegen::thin_takes`).
+/// (`kiln_tensor::cuda::kernels::products::thin_takes`).
 fn thin_product(margs: &[Arg], dtype: DType) -> bool {
     let [a, b] = margs else { return false };
     let (la, lb) = (&a.layout, &b.layout);
     la.shape.len() == 2
         && lb.shape.len() == 2
-        && kiln_tensor::cuda::codegen::thin_takes(dtype, la.shape[1], lb.strides[1] == 1 || lb.shape[1] == 1)
+        && kiln_tensor::cuda::kernels::products::thin_takes(dtype, la.shape[1], lb.strides[1] == 1 || lb.shape[1] == 1)
 }
 
 /// What a graph is optimised for.

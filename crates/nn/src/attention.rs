@@ -163,7 +163,8 @@ fn fused_attention_on(q: &Tensor) -> bool {
         (DType::F32, Some(low)) => low,
         (dt, _) => dt,
     };
-    use kiln_tensor::cuda::codegen::{flash_supported, ATTN_FMA_MAX_MATRICES};
+    use kiln_tensor::cuda::kernels::attention::flash_supported;
+    use kiln_tensor::cuda::kernels::attention::ATTN_FMA_MAX_MATRICES;
     let fits = d <= 128 && (matrices <= ATTN_FMA_MAX_MATRICES || flash_supported(low, d));
     match FUSED_ATTENTION.load(std::sync::atomic::Ordering::Relaxed) {
         ON => fits,

@@ -2,7 +2,8 @@
 //! as `fwd.cu`, `dq.cu` and `dkv.cu` into a folder, for `benches/cuda/attn_bench.cpp`, which
 //! times variants of them on a GPU machine without a Rust toolchain.
 //! `cargo run --release -p kiln-tensor --example flash_sources -- DIR [bf16|f32]`
-use kiln_tensor::cuda::codegen::{flash_source, AttnKernel};
+use kiln_tensor::cuda::kernels::attention::flash_source;
+use kiln_tensor::cuda::kernels::attention::AttnKernel;
 use kiln_tensor::DType;
 
 fn main() -> std::io::Result<()> {

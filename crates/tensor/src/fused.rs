@@ -76,7 +76,7 @@ pub fn adam_step_device_(items: &[AdamTensors<'_>], (lr, step): (&Tensor, &Tenso
             return Ok(ok);
         }
         chosen.iter().flat_map(|it| it.tensors()).chain([lr, step]).try_for_each(crate::lazy::check_computed)?;
-        crate::cuda::kernels::adam_step(&chosen, lr, step, h)?;
+        crate::cuda::kernels::adam::adam_step(&chosen, lr, step, h)?;
         Ok(ok)
     }
     #[cfg(not(feature = "cuda"))]

@@ -5,6 +5,7 @@
 //! Every op goes through `Tensor::apply` (or `apply_inplace`): the shape rule in `op.rs`,
 //! the kernel, the autograd record (`GradFn`) and the tracer, in that order.
 
+pub mod codegen;
 pub mod cpu;
 pub mod cuda;
 mod device;

@@ -464,7 +464,7 @@ impl Tensor {
     /// go through the composite ops.
     pub fn layer_norm_param_grads(&self, g: &Tensor, eps: f64) -> Result<Tensor> {
         let n = self.shape().last().copied().unwrap_or(0);
-        if self.device().is_cuda() && n > crate::cuda::codegen::LN_GRADS_MAX_N {
+        if self.device().is_cuda() && n > crate::cuda::kernels::rows::LN_GRADS_MAX_N {
             let rows: Vec<usize> = (0..self.rank() - 1).collect();
             let dw = g.mul(&self.normalize(eps)?)?.sum(&rows, false)?;
             return Tensor::cat(&[&dw.unsqueeze(0)?, &g.sum(&rows, false)?.unsqueeze(0)?], 0);
@@ -477,7 +477,7 @@ impl Tensor {
     /// two ops).
     pub fn layer_norm_grads(&self, g: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor, Tensor)> {
         let n = self.shape().last().copied().unwrap_or(0);
-        if self.device().is_cuda() && n > crate::cuda::codegen::LN_GRADS_MAX_N {
+        if self.device().is_cuda() && n > crate::cuda::kernels::rows::LN_GRADS_MAX_N {
             let both = self.layer_norm_param_grads(g, eps)?;
             return Ok((self.layer_norm_backward(g, w, eps)?, both.narrow(0, 0, 1)?.reshape(&[n])?, both.narrow(0, 1, 1)?.reshape(&[n])?));
         }

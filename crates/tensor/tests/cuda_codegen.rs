@@ -4,9 +4,15 @@
 //! before anything reaches a GPU. Without NVRTC the test fails saying so; it never passes
 //! vacuously.
 
-use kiln_tensor::cuda::codegen::{
-    elementwise_expr, waiting_for_prior, Elementwise, Index, IndexKind, LnGradsParts, LnStage, Reduce, ReduceMode,
-};
+use kiln_tensor::codegen::elementwise_expr;
+use kiln_tensor::cuda::kernels::elementwise::Elementwise;
+use kiln_tensor::cuda::kernels::index::Index;
+use kiln_tensor::cuda::kernels::index::IndexKind;
+use kiln_tensor::cuda::kernels::prelude::waiting_for_prior;
+use kiln_tensor::cuda::kernels::reduce::Reduce;
+use kiln_tensor::cuda::kernels::reduce::ReduceMode;
+use kiln_tensor::cuda::kernels::rows::LnGradsParts;
+use kiln_tensor::cuda::kernels::rows::LnStage;
 use kiln_tensor::cuda::nvrtc;
 use kiln_tensor::{BinaryOp, DType, Distribution, Op, ReduceOp, UnaryOp};
 
@@ -170,71 +176,71 @@ fn every_reduction_and_index_kernel_compiles() {
     // or one value, then the chunks added; and with a gate.
     for d in [DType::F32, DType::F64, DType::F16, DType::BF16] {
         for v in [1, 8 / d.size_in_bytes(), 16 / d.size_in_bytes()] {
-            let (s, n) = kiln_tensor::cuda::codegen::column_sums_source(d, v, None);
+            let (s, n) = kiln_tensor::cuda::kernels::reduce::column_sums_source(d, v, None);
             check(&s, &n, &mut fails);
             // `Op::GatedSums`: an activation's gradient made, stored and summed.
             for gate in [UnaryOp::GeluGrad, UnaryOp::SiluGrad] {
-                let (s, n) = kiln_tensor::cuda::codegen::column_sums_source(d, v, Some(gate));
+                let (s, n) = kiln_tensor::cuda::kernels::reduce::column_sums_source(d, v, Some(gate));
                 check(&s, &n, &mut fails);
             }
         }
-        let (s, n) = kiln_tensor::cuda::codegen::column_sums_fold_source(d);
+        let (s, n) = kiln_tensor::cuda::kernels::reduce::column_sums_fold_source(d);
         check(&s, &n, &mut fails);
     }
     for d in ALL {
         for descending in [false, true] {
-            let (s, n) = kiln_tensor::cuda::codegen::argsort_source(d, descending);
+            let (s, n) = kiln_tensor::cuda::kernels::index::argsort_source(d, descending);
             check(&s, &n, &mut fails);
         }
     }
     for d in FLOATS {
         for (log, block) in [(false, false), (true, false), (false, true), (true, true)] {
             for causal in [false, true] {
-                let (s, n) = kiln_tensor::cuda::codegen::softmax_source(d, log, block, causal);
+                let (s, n) = kiln_tensor::cuda::kernels::rows::softmax_source(d, log, block, causal);
                 check(&s, &n, &mut fails);
             }
             for affine in [false, true] {
-                let (s, n) = kiln_tensor::cuda::codegen::normalize_source(d, log, affine, block, d);
+                let (s, n) = kiln_tensor::cuda::kernels::rows::normalize_source(d, log, affine, block, d);
                 check(&s, &n, &mut fails);
             }
             // The forward writing a folded cast's dtype.
-            let (s, n) = kiln_tensor::cuda::codegen::normalize_source(d, false, true, block, DType::BF16);
+            let (s, n) = kiln_tensor::cuda::kernels::rows::normalize_source(d, false, true, block, DType::BF16);
             check(&s, &n, &mut fails);
-            let (s, n) = kiln_tensor::cuda::codegen::softmax_backward_source(d, log, block);
+            let (s, n) = kiln_tensor::cuda::kernels::rows::softmax_backward_source(d, log, block);
             check(&s, &n, &mut fails);
-            let (s, n) = kiln_tensor::cuda::codegen::cross_entropy_source(d, log, block);
+            let (s, n) = kiln_tensor::cuda::kernels::rows::cross_entropy_source(d, log, block);
             check(&s, &n, &mut fails);
         }
-        for n in [1, 10, kiln_tensor::cuda::codegen::NARROW_MAX_N] {
-            let (s, name) = kiln_tensor::cuda::codegen::matmul_narrow_source(d, n);
+        for n in [1, 10, kiln_tensor::cuda::kernels::products::NARROW_MAX_N] {
+            let (s, name) = kiln_tensor::cuda::kernels::products::matmul_narrow_source(d, n);
             check(&s, &name, &mut fails);
         }
         if d == DType::F32 {
-            let (s, name) = kiln_tensor::cuda::codegen::matmul_few_source();
+            let (s, name) = kiln_tensor::cuda::kernels::products::matmul_few_source();
             check(&s, &name, &mut fails);
         }
-        for (m, sums) in [(1, false), (10, true), (kiln_tensor::cuda::codegen::SHORT_MAX_M, false)] {
-            let (s, name) = kiln_tensor::cuda::codegen::matmul_short_source(d, m, sums);
+        for (m, sums) in [(1, false), (10, true), (kiln_tensor::cuda::kernels::products::SHORT_MAX_M, false)] {
+            let (s, name) = kiln_tensor::cuda::kernels::products::matmul_short_source(d, m, sums);
             check(&s, &name, &mut fails);
         }
         for (k, drelu, vec4) in
-            [(1, false, false), (10, true, true), (kiln_tensor::cuda::codegen::THIN_MAX_K, true, false), (3, false, true)]
+            [(1, false, false), (10, true, true), (kiln_tensor::cuda::kernels::products::THIN_MAX_K, true, false), (3, false, true)]
         {
-            let (s, name) = kiln_tensor::cuda::codegen::matmul_thin_source(d, k, drelu, vec4, k == 10);
+            let (s, name) = kiln_tensor::cuda::kernels::products::matmul_thin_source(d, k, drelu, vec4, k == 10);
             check(&s, &name, &mut fails);
         }
         for tpr in [1, 4, 32] {
-            let (s, n) = kiln_tensor::cuda::codegen::cross_entropy_mean_source(d, tpr);
+            let (s, n) = kiln_tensor::cuda::kernels::rows::cross_entropy_mean_source(d, tpr);
             check(&s, &n, &mut fails);
         }
         if d == DType::F32 {
             for cluster in [false, true] {
-                let (s, n) = kiln_tensor::cuda::codegen::linear_xent_source(d, cluster);
+                let (s, n) = kiln_tensor::cuda::kernels::products::linear_xent_source(d, cluster);
                 check(&s, &n, &mut fails);
             }
         }
         for ams in [false, true] {
-            let (s, n) = kiln_tensor::cuda::codegen::adam_source(d, ams);
+            let (s, n) = kiln_tensor::cuda::kernels::adam::adam_source(d, ams);
             check(&s, &n, &mut fails);
         }
         // Without dx, with it, with dx plus a residual gradient, and with the sums row (in
@@ -252,7 +258,7 @@ fn every_reduction_and_index_kernel_compiles() {
             (12, (true, false, None, Some(DType::F16))),
         ] {
             let parts = LnGradsParts { dx, resid, sums, copy };
-            let (s, n) = kiln_tensor::cuda::codegen::layer_norm_param_grads_source(d, tiles, parts, d, LnStage::Off);
+            let (s, n) = kiln_tensor::cuda::kernels::rows::layer_norm_param_grads_source(d, tiles, parts, d, LnStage::Off);
             check(&s, &n, &mut fails);
         }
         // g in BF16 (a product's gradient under autocast) for an F32 layer norm.
@@ -272,11 +278,13 @@ fn every_reduction_and_index_kernel_compiles() {
             ((true, true, Some(DType::BF16), Some(DType::BF16)), DType::BF16, with_r),
         ] {
             let parts = LnGradsParts { dx, resid, sums, copy };
-            let (s, n) = kiln_tensor::cuda::codegen::layer_norm_param_grads_source(DType::F32, 12, parts, gdt, staged);
+            let (s, n) = kiln_tensor::cuda::kernels::rows::layer_norm_param_grads_source(DType::F32, 12, parts, gdt, staged);
             check(&s, &n, &mut fails);
         }
     }
-    use kiln_tensor::cuda::codegen::{flash_source, tiled_source, AttnKernel};
+    use kiln_tensor::cuda::kernels::attention::flash_source;
+    use kiln_tensor::cuda::kernels::attention::tiled_source;
+    use kiln_tensor::cuda::kernels::attention::AttnKernel;
     for kind in [AttnKernel::Fwd, AttnKernel::Dq, AttnKernel::Dkv] {
         for d in [DType::F32, DType::F16, DType::BF16] {
             // 48: a row's 16-byte pieces do not divide the block (the tile loader's general loop).
@@ -307,7 +315,12 @@ fn every_reduction_and_index_kernel_compiles() {
 /// vector path (eight elements a thread where every input is 16-bit); one kernel runs them all.
 #[test]
 fn a_module_of_fused_group_kernels_compiles() {
-    use kiln_tensor::cuda::codegen::{fused_module, FusedGroup, FusedInput, FusedKernel, FusedMember, FusedSrc};
+    use kiln_tensor::cuda::kernels::fused::fused_module;
+    use kiln_tensor::cuda::kernels::fused::FusedGroup;
+    use kiln_tensor::cuda::kernels::fused::FusedInput;
+    use kiln_tensor::cuda::kernels::fused::FusedKernel;
+    use kiln_tensor::cuda::kernels::fused::FusedMember;
+    use kiln_tensor::cuda::kernels::fused::FusedSrc;
     need_nvrtc();
     let shape = vec![4usize, 6];
     let inputs = |d: DType| {
@@ -413,7 +426,12 @@ fn a_module_of_fused_group_kernels_compiles() {
 /// group in one kernel.
 #[test]
 fn a_group_folding_its_sums_in_one_block_compiles() {
-    use kiln_tensor::cuda::codegen::{fused_module, FusedGroup, FusedInput, FusedKernel, FusedMember, FusedSrc};
+    use kiln_tensor::cuda::kernels::fused::fused_module;
+    use kiln_tensor::cuda::kernels::fused::FusedGroup;
+    use kiln_tensor::cuda::kernels::fused::FusedInput;
+    use kiln_tensor::cuda::kernels::fused::FusedKernel;
+    use kiln_tensor::cuda::kernels::fused::FusedMember;
+    use kiln_tensor::cuda::kernels::fused::FusedSrc;
     need_nvrtc();
     let n = 300;
     let inputs = vec![
@@ -461,7 +479,12 @@ fn a_group_folding_its_sums_in_one_block_compiles() {
 /// from registers, and the last block stores them (the step count in place) after a ticket.
 #[test]
 fn a_kernel_led_by_a_scalar_group_compiles() {
-    use kiln_tensor::cuda::codegen::{fused_module, FusedGroup, FusedInput, FusedKernel, FusedMember, FusedSrc};
+    use kiln_tensor::cuda::kernels::fused::fused_module;
+    use kiln_tensor::cuda::kernels::fused::FusedGroup;
+    use kiln_tensor::cuda::kernels::fused::FusedInput;
+    use kiln_tensor::cuda::kernels::fused::FusedKernel;
+    use kiln_tensor::cuda::kernels::fused::FusedMember;
+    use kiln_tensor::cuda::kernels::fused::FusedSrc;
     need_nvrtc();
     let m = |op: Op, args: Vec<FusedSrc>, dtype: DType| FusedMember { op, args, dtype };
     let dense = |dtype: DType| FusedInput { dtype, offset: 0, strided: None, lead: None, fed: None };
@@ -533,7 +556,7 @@ fn a_kernel_led_by_a_scalar_group_compiles() {
     check(&src, "kiln_led", &mut fails);
     check(&src2, "kiln_led_copying", &mut fails);
     // The output-copy node's kernel shares the fused kernels' copy.
-    let (copy, name) = kiln_tensor::cuda::codegen::copy_out_source();
+    let (copy, name) = kiln_tensor::cuda::kernels::fused::copy_out_source();
     check(&copy, &name, &mut fails);
     assert!(fails.is_empty(), "{}", fails.join("\n"));
 }
@@ -578,7 +601,7 @@ fn short_attention_kernels_compile() {
     let mut fails = Vec::new();
     for dt in [DType::F32, DType::F16, DType::BF16] {
         for (d, causal) in [(20, true), (64, false), (128, true)] {
-            let (s, n) = kiln_tensor::cuda::codegen::attention_short_source(dt, d, causal);
+            let (s, n) = kiln_tensor::cuda::kernels::attention::attention_short_source(dt, d, causal);
             check(&s, &n, &mut fails);
         }
     }
@@ -591,9 +614,9 @@ fn short_attention_kernels_compile() {
 fn layer_norm_rows_kernels_compile() {
     need_nvrtc();
     let mut fails = Vec::new();
-    for tiles in 1..=kiln_tensor::cuda::codegen::LN_ROWS_MAX_N / 128 {
+    for tiles in 1..=kiln_tensor::cuda::kernels::rows::LN_ROWS_MAX_N / 128 {
         for (affine, out) in [(false, DType::F32), (true, DType::F32), (true, DType::BF16), (false, DType::F16)] {
-            let (s, n) = kiln_tensor::cuda::codegen::normalize_rows_source(tiles, affine, out);
+            let (s, n) = kiln_tensor::cuda::kernels::rows::normalize_rows_source(tiles, affine, out);
             check(&s, &n, &mut fails);
         }
     }
@@ -606,8 +629,10 @@ fn layer_norm_rows_kernels_compile() {
 #[test]
 fn kernels_compiled_together_come_back_in_order() {
     need_nvrtc();
-    let mut jobs: Vec<(String, String)> =
-        [1, 7, 30].iter().map(|&k| kiln_tensor::cuda::codegen::matmul_thin_source(DType::F32, k, k == 7, false, k == 30)).collect();
+    let mut jobs: Vec<(String, String)> = [1, 7, 30]
+        .iter()
+        .map(|&k| kiln_tensor::cuda::kernels::products::matmul_thin_source(DType::F32, k, k == 7, false, k == 30))
+        .collect();
     jobs.insert(1, ("extern \"C\" __global__ void k_broken() { not_a_function(); }".to_string(), "k_broken".to_string()));
     let together = nvrtc::cubins(&jobs, (9, 0));
     assert_eq!(together.len(), 4);
@@ -647,7 +672,13 @@ fn every_kernel_waits_for_the_one_before_it_first() {
 /// products (`Fed`), four at a time and one at a time, F32 and F64.
 #[test]
 fn groups_computing_their_fed_products_compile() {
-    use kiln_tensor::cuda::codegen::{fused_module, Fed, FusedGroup, FusedInput, FusedKernel, FusedMember, FusedSrc};
+    use kiln_tensor::cuda::kernels::fused::fused_module;
+    use kiln_tensor::cuda::kernels::fused::Fed;
+    use kiln_tensor::cuda::kernels::fused::FusedGroup;
+    use kiln_tensor::cuda::kernels::fused::FusedInput;
+    use kiln_tensor::cuda::kernels::fused::FusedKernel;
+    use kiln_tensor::cuda::kernels::fused::FusedMember;
+    use kiln_tensor::cuda::kernels::fused::FusedSrc;
     need_nvrtc();
     let mut fails = Vec::new();
     for d in [DType::F32, DType::F64] {
@@ -703,13 +734,13 @@ fn layer_norm_grads_and_gated_sums_keep_their_register_budgets() {
         for staged in [LnStage::Off, LnStage::Rows, LnStage::RowsAndResidual] {
             for resid in [false, true] {
                 let parts = LnGradsParts { dx: true, resid, sums, copy };
-                budget(kiln_tensor::cuda::codegen::layer_norm_param_grads_source(DType::F32, 12, parts, gdt, staged), 128);
+                budget(kiln_tensor::cuda::kernels::rows::layer_norm_param_grads_source(DType::F32, 12, parts, gdt, staged), 128);
             }
         }
     }
     for d in [DType::F32, DType::BF16] {
         for v in [1, 16 / d.size_in_bytes()] {
-            budget(kiln_tensor::cuda::codegen::column_sums_source(d, v, Some(UnaryOp::GeluGrad)), 255);
+            budget(kiln_tensor::cuda::kernels::reduce::column_sums_source(d, v, Some(UnaryOp::GeluGrad)), 255);
         }
     }
     assert!(fails.is_empty(), "{} kernels over their budget:\n{}", fails.len(), fails.join("\n"));

@@ -3,7 +3,8 @@
 //! is switched on (as in PyTorch), F16/BF16 on tensor cores with F32 accumulation.
 
 use super::gpu::Gpu;
-use super::kernels::{dense_copy, CudaStorage};
+use super::kernels::elementwise::dense_copy;
+use super::kernels::prelude::CudaStorage;
 use super::lt::{alignment, Epilogue, Gemm, Plan};
 use crate::op::OutMeta;
 use crate::op::{InMeta, MatmulEpilogue};
@@ -299,7 +300,7 @@ pub fn matmul_fused(
     // No contraction (a zero product) or no product at all (only a fused op's sums or
     // pre-activation remain): no GEMM to run.
     if k == 0 || m * n * batch == 0 {
-        super::kernels::zero(g, &out)?;
+        super::kernels::prelude::zero(g, &out)?;
         return finish(g, out, rest, &shape);
     }
     // Broadcast both operands to the output's batch dims (stride 0 where they repeat).
@@ -361,15 +362,15 @@ pub fn matmul_fused(
                     _ => None,
                 };
                 let residual = rest.residual.and_then(|(s, l)| aux_rows(l, m, n).map(|(at, _)| s.ptr_at(at)));
-                super::kernels::matmul_wgmma(g, spec, (a.0, a.1, a_rows), b, (bias, aux, residual), &out)?
+                super::kernels::products::matmul_wgmma(g, spec, (a.0, a.1, a_rows), b, (bias, aux, residual), &out)?
             }
             Own::Thin => {
                 let h = rest.dact.map(|(_, (s, l))| (s, view2(l, m, n)));
-                super::kernels::matmul_thin(g, a, b, h.as_ref().map(|(s, l)| (*s, l)), rest.sums.map(|(_, _, at)| at), &out)?
+                super::kernels::products::matmul_thin(g, a, b, h.as_ref().map(|(s, l)| (*s, l)), rest.sums.map(|(_, _, at)| at), &out)?
             }
-            Own::Short => super::kernels::matmul_short(g, a, b, rest.sums.map(|(_, _, at)| at), &out)?,
-            Own::Narrow => super::kernels::matmul_small(g, false, a, b, rest.bias, rest.relu, &out)?,
-            Own::Few => super::kernels::matmul_small(g, true, a, b, rest.bias, rest.relu, &out)?,
+            Own::Short => super::kernels::products::matmul_short(g, a, b, rest.sums.map(|(_, _, at)| at), &out)?,
+            Own::Narrow => super::kernels::products::matmul_small(g, false, a, b, rest.bias, rest.relu, &out)?,
+            Own::Few => super::kernels::products::matmul_small(g, true, a, b, rest.bias, rest.relu, &out)?,
         }
         return Ok(out);
     }
@@ -495,7 +496,7 @@ enum Own {
     /// F32 on the tensor cores, three TF32 products a step (`wgmma.rs`), with the fused op's
     /// bias, activation or activation gradient; with `true`, B is copied transposed first.
     Hopper(super::wgmma::Spec, bool),
-    /// A contraction of at most 32, with `DRelu`'s mask or `SumLeft`'s sums (`kernels::matmul_thin`).
+    /// A contraction of at most 32, with `DRelu`'s mask or `SumLeft`'s sums (`super::kernels::products::matmul_thin`).
     Thin,
     /// At most 16 rows over a long contraction, with `SumLeft`'s sums at most (`matmul_short`).
     Short,
@@ -522,7 +523,13 @@ fn own_product(
     (sb, lb): (&CudaStorage, &Layout),
     rest: &Rest,
 ) -> Option<OwnProduct> {
-    use super::codegen::{FEW_COLS, FEW_MAX_M, NARROW_MAX_N, SHORT_CHUNK, SHORT_MAX_M, SHORT_MIN_K, THIN_MAX_K};
+    use super::kernels::products::FEW_COLS;
+    use super::kernels::products::FEW_MAX_M;
+    use super::kernels::products::NARROW_MAX_N;
+    use super::kernels::products::SHORT_CHUNK;
+    use super::kernels::products::SHORT_MAX_M;
+    use super::kernels::products::SHORT_MIN_K;
+    use super::kernels::products::THIN_MAX_K;
     if !matches!(dtype, DType::F32 | DType::F64) || batch != 1 {
         return None;
     }
@@ -543,42 +550,43 @@ fn own_product(
         Some((u, (_, l))) => (u == crate::UnaryOp::Step && l.rank() >= 2 && l.shape[l.rank() - 2..] == [m, n]).then_some(false),
     };
     // (Its sums ride on each row's first column: a product of no columns leaves them to `finish`.)
-    let kind = if mask.is_some() && !bias_relu && sums.is_none_or(|d| d == 1 && n > 0) && super::codegen::thin_takes(dtype, k, b_rows) {
-        Own::Thin
-    } else if mask == Some(true)
-        && !bias_relu
-        && sums.is_none_or(|d| d == 1)
-        && (1..=SHORT_MAX_M).contains(&m)
-        && k >= SHORT_MIN_K
-        && k.div_ceil(SHORT_CHUNK) * m * (n + 1) <= SHORT_MAX_PARTIALS
-        && b_rows
-    {
-        Own::Short
-    } else if mask == Some(true)
-        && sums.is_none()
-        && (1..=NARROW_MAX_N).contains(&n)
-        && (1..=NARROW_MAX_K).contains(&k)
-        && (la.strides[r - 1] == 1 || k == 1)
-    {
-        Own::Narrow
-    } else if mask == Some(true)
-        && dtype == DType::F32
-        && g.has_clusters()
-        && sums.is_none()
-        && (1..=FEW_MAX_M).contains(&m)
-        && k > THIN_MAX_K
-        && n.div_ceil(FEW_COLS) * m * k <= FEW_MAX_READS
-    {
-        Own::Few
-    } else {
-        return None;
-    };
+    let kind =
+        if mask.is_some() && !bias_relu && sums.is_none_or(|d| d == 1 && n > 0) && super::kernels::products::thin_takes(dtype, k, b_rows) {
+            Own::Thin
+        } else if mask == Some(true)
+            && !bias_relu
+            && sums.is_none_or(|d| d == 1)
+            && (1..=SHORT_MAX_M).contains(&m)
+            && k >= SHORT_MIN_K
+            && k.div_ceil(SHORT_CHUNK) * m * (n + 1) <= SHORT_MAX_PARTIALS
+            && b_rows
+        {
+            Own::Short
+        } else if mask == Some(true)
+            && sums.is_none()
+            && (1..=NARROW_MAX_N).contains(&n)
+            && (1..=NARROW_MAX_K).contains(&k)
+            && (la.strides[r - 1] == 1 || k == 1)
+        {
+            Own::Narrow
+        } else if mask == Some(true)
+            && dtype == DType::F32
+            && g.has_clusters()
+            && sums.is_none()
+            && (1..=FEW_MAX_M).contains(&m)
+            && k > THIN_MAX_K
+            && n.div_ceil(FEW_COLS) * m * k <= FEW_MAX_READS
+        {
+            Own::Few
+        } else {
+            return None;
+        };
     Some(OwnProduct { kind, a, b })
 }
 
 /// A `[batch, m, k]` A whose batch does not fold into its rows (a sequence-first view read
 /// batch-first), as Kiln's Hopper GEMM's product of the `[batch m, k]` view it reads through
-/// its row map (`kernels::matmul_wgmma`'s `a_rows`: the rows' stride is the inner one), if
+/// its row map (`super::kernels::products::matmul_wgmma`'s `a_rows`: the rows' stride is the inner one), if
 /// that GEMM takes it with A K-contiguous.
 fn mapped_rows(
     g: &Gpu,
@@ -755,9 +763,9 @@ fn lt_epilogue(rest: &Rest, batch: usize, n: usize, out: &CudaStorage) -> (Epilo
             None => return (Epilogue::NONE, 0, 0),
         },
         // cuBLASLt's A is Kiln's right operand (it computes the column-major transpose). Its
-        // BGRAD epilogue is a kernel of its own, slower than `kernels::column_sums`, which
+        // BGRAD epilogue is a kernel of its own, slower than `super::kernels::reduce::column_sums`, which
         // `finish` runs where it fits.
-        (None, _, _, _, _, Some(((_, l), dim, _))) if super::kernels::column_sums_fit(l, dim) => return (Epilogue::NONE, 0, 0),
+        (None, _, _, _, _, Some(((_, l), dim, _))) if super::kernels::reduce::column_sums_fit(l, dim) => return (Epilogue::NONE, 0, 0),
         (None, _, _, _, _, Some((_, dim, at))) => match aligned(out.ptr_at(at)) {
             Some(p) => (if dim == 1 { E::CUBLASLT_EPILOGUE_BGRADB } else { E::CUBLASLT_EPILOGUE_BGRADA }, p, 0),
             None => return (Epilogue::NONE, 0, 0),
@@ -785,29 +793,31 @@ impl Rest<'_> {
 /// after the product.
 fn finish(g: &Arc<Gpu>, out: CudaStorage, rest: Rest, shape: &[usize]) -> Result<CudaStorage> {
     if let Some(b) = rest.bias {
-        super::kernels::add_into(g, &out, shape, b)?;
+        super::kernels::elementwise::add_into(g, &out, shape, b)?;
     }
     if rest.relu {
-        super::kernels::unary_in_place(g, &out, shape, crate::UnaryOp::Relu)?;
+        super::kernels::elementwise::unary_in_place(g, &out, shape, crate::UnaryOp::Relu)?;
     }
     let bytes = shape.iter().product::<usize>() * out.dtype.size_in_bytes();
     if let Some(at) = rest.gelu {
         // SAFETY: `out` holds the product and, from `at`, room for a copy of it (the shape
         // rule); the stream runs the copy before the GELU below overwrites the product.
         unsafe { g.copy_d2d(out.ptr_at(at), out.buf.ptr, bytes)? };
-        super::kernels::unary_in_place(g, &out, shape, crate::UnaryOp::GeluTanh)?;
+        super::kernels::elementwise::unary_in_place(g, &out, shape, crate::UnaryOp::GeluTanh)?;
     }
     if let Some((u, h)) = rest.dact {
-        super::kernels::mul_by_unary(g, &out, shape, u, h)?;
+        super::kernels::elementwise::mul_by_unary(g, &out, shape, u, h)?;
     }
     if let Some(r) = rest.residual {
-        super::kernels::add_into(g, &out, shape, r)?;
+        super::kernels::elementwise::add_into(g, &out, shape, r)?;
     }
     match rest.sums {
-        Some(((s, l), dim, at)) if super::kernels::column_sums_fit(l, dim) => super::kernels::column_sums(g, (s, l), dim, &out, at)?,
+        Some(((s, l), dim, at)) if super::kernels::reduce::column_sums_fit(l, dim) => {
+            super::kernels::reduce::column_sums(g, (s, l), dim, &out, at)?
+        }
         Some(((s, l), dim, at)) => {
             let len = l.shape[1 - dim];
-            let sums = super::kernels::sum_dim(g, s, l, dim)?;
+            let sums = super::kernels::reduce::sum_dim(g, s, l, dim)?;
             // SAFETY: `out` holds `at + len` elements (the shape rule) and `sums` `len`, both live
             // until the stream has run the copy (the caller keeps `out`; freed buffers are reused
             // only in stream order).

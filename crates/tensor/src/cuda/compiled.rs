@@ -3,9 +3,12 @@
 //! kernels at once, random draws whose seed and offset live on the device, raw copies, and
 //! graph capture with a private memory pool.
 
-use super::codegen::{fused_module, FusedGroup, FusedKernel, FUSED_BLOCK};
 use super::gpu::{gpu, Gpu, Kernel};
-use super::kernels::CudaStorage;
+use super::kernels::fused::fused_module;
+use super::kernels::fused::FusedGroup;
+use super::kernels::fused::FusedKernel;
+use super::kernels::fused::FUSED_BLOCK;
+use super::kernels::prelude::CudaStorage;
 use crate::op::{Distribution, OutMeta};
 use crate::shape::Layout;
 use crate::storage::{Storage, StorageCell};
@@ -103,7 +106,7 @@ pub fn rand_from_state(state: &Arc<StorageCell>, dist: Distribution, offset: u64
     };
     let expr = format!("{f}((unsigned long long)p0[0], (unsigned long long)p0[1] + a.roff, i)");
     let one = Layout::contiguous(&[1]);
-    let out = super::kernels::ew_with(s.gpu(), "rand_dev", expr, "float", &[(s, &one)], meta, (0.0, 0, offset))?;
+    let out = super::kernels::elementwise::ew_with(s.gpu(), "rand_dev", expr, "float", &[(s, &one)], meta, (0.0, 0, offset))?;
     Ok(Arc::new(StorageCell::new(Storage::Cuda(out))))
 }
 
@@ -177,7 +180,7 @@ impl FusedModule {
             .map(|(_, members)| {
                 let part: Vec<FusedKernel> = members.iter().map(|&i| specs[i].clone()).collect();
                 let src = fused(&part)?;
-                let base = super::codegen::fnv1a(src.as_bytes());
+                let base = crate::codegen::fnv1a(src.as_bytes());
                 for (j, &i) in members.iter().enumerate() {
                     keys[i] = base.wrapping_add(j as u64);
                 }
@@ -187,7 +190,7 @@ impl FusedModule {
             .collect::<Result<_>>()?;
         // (Eight bytes a kernel: I64, the narrowest dtype with four-byte alignment.)
         let tickets = CudaStorage::alloc(&g, DType::I64, specs.len().max(1))?;
-        super::kernels::zero(&g, &tickets)?;
+        super::kernels::prelude::zero(&g, &tickets)?;
         let grids = specs.iter().map(|k| k.blocks() as u32).collect();
         Ok(FusedModule { gpu: g, specs, programs, keys, grids, kernels: OnceLock::new(), tickets, folded: Mutex::new(None) })
     }
@@ -340,8 +343,8 @@ const COPY_OUT_BLOCK: u32 = 256;
 const COPY_OUT_MAX_BLOCKS: u64 = 1024;
 
 fn copy_out_kernel(g: &Gpu) -> Result<Kernel> {
-    let (src, name) = super::codegen::copy_out_source();
-    g.kernel(super::codegen::fnv1a(src.as_bytes()), || (src, name))
+    let (src, name) = super::kernels::fused::copy_out_source();
+    g.kernel(crate::codegen::fnv1a(src.as_bytes()), || (src, name))
 }
 
 /// Loads the output-copy kernel (a dry run notes it, to compile with the step's kernels).

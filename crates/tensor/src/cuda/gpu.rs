@@ -39,7 +39,7 @@ pub struct Wanted {
 impl Wanted {
     /// One program of kernels `names`, kept under `keys`, launched with `shared` bytes each.
     pub fn new(keys: Vec<u64>, shared: Vec<u32>, src: String, module: String, names: Vec<String>) -> Wanted {
-        Wanted { keys, shared, job: (super::codegen::waiting_for_prior(&src), module), names }
+        Wanted { keys, shared, job: (super::kernels::prelude::waiting_for_prior(&src), module), names }
     }
 
     /// A program of one kernel, named as the program.
@@ -472,7 +472,7 @@ impl Gpu {
         }
         // SAFETY: as above.
         unsafe { dr::memset_d8_sync(self.err, 0, 32) }.map_err(cuda_err("clearing the error word"))?;
-        let op = super::kernels::index_op_name(w[0]);
+        let op = super::kernels::prelude::index_op_name(w[0]);
         Err(Error::Msg(format!(
             "{op} on {}: index {} is out of range for a dim of size {} (found by the kernel; reported at this host read)",
             self.device(),
@@ -691,7 +691,7 @@ impl Gpu {
 
     /// Every launch: on Hopper with programmatic stream serialization, so the kernel may be
     /// launched before the one ahead of it on the stream has finished (each kernel waits for
-    /// it first: `codegen::waiting_for_prior`), hiding the launch latency between kernels.
+    /// it first: `super::kernels::prelude::waiting_for_prior`), hiding the launch latency between kernels.
     ///
     /// # Safety
     /// As for `launch`.

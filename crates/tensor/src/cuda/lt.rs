@@ -397,7 +397,7 @@ impl Plan {
 fn disk_key(gpu: &Arc<Gpu>, g: &Gemm, ws: usize) -> Option<std::path::PathBuf> {
     // SAFETY: a plain version query.
     let version = unsafe { ls::cublasLtGetVersion() };
-    let key = super::codegen::fnv1a(format!("{g:?} sm_{}{} {} SMs {version} ws {ws}", gpu.arch.0, gpu.arch.1, gpu.sms).as_bytes());
+    let key = crate::codegen::fnv1a(format!("{g:?} sm_{}{} {} SMs {version} ws {ws}", gpu.arch.0, gpu.arch.1, gpu.sms).as_bytes());
     crate::cache_dir("cublaslt").map(|d| d.join(format!("{key:016x}.algo")))
 }
 

@@ -10,13 +10,11 @@
 
 #[cfg(feature = "cuda")]
 mod blas;
-pub mod codegen;
 #[cfg(feature = "cuda")]
 pub mod compiled;
 #[cfg(feature = "cuda")]
 mod gpu;
-#[cfg(feature = "cuda")]
-pub(crate) mod kernels;
+pub mod kernels;
 #[cfg(feature = "cuda")]
 pub mod lt;
 #[cfg(feature = "cuda")]
@@ -37,7 +35,7 @@ pub use blas::{allow_tf32, f32_gemm, set_allow_tf32, set_f32_gemm, F32Gemm};
 #[cfg(feature = "cuda")]
 pub use gpu::driver_allocations;
 #[cfg(feature = "cuda")]
-pub use kernels::CudaStorage;
+pub use kernels::prelude::CudaStorage;
 
 /// Whether `KILN_LOG` asks for `kernels`: each generated CUDA source is printed when compiled.
 pub fn log_kernels() -> bool {
@@ -112,14 +110,14 @@ pub fn compute_capability(ordinal: usize) -> Result<(i32, i32)> {
 /// ran on cuBLAS or Kiln's small-product kernels; a compiled step's replays are not counted).
 #[cfg(feature = "cuda")]
 pub fn wgmma_launches() -> u64 {
-    kernels::WGMMA_LAUNCHES.load(std::sync::atomic::Ordering::Relaxed)
+    kernels::products::WGMMA_LAUNCHES.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// How many attention backwards in this process read the per-row log-sum-exp their flash
 /// forward kept with its output, instead of recomputing it (outside a compiled step's replays).
 #[cfg(feature = "cuda")]
 pub fn attention_lse_reuses() -> u64 {
-    kernels::ATTN_LSE_REUSED.load(std::sync::atomic::Ordering::Relaxed)
+    kernels::attention::ATTN_LSE_REUSED.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Waits until all work queued on the GPU has run (for timing; ops never need it).
@@ -162,7 +160,7 @@ pub(crate) fn placeholder(device: Device, dtype: crate::DType, len: usize) -> Re
     #[cfg(feature = "cuda")]
     {
         let Device::Cuda(n) = device else { return Err(crate::Error::Msg(format!("cuda::placeholder: {device} is not a GPU"))) };
-        Ok(Storage::Cuda(kernels::CudaStorage { buf: gpu::DeviceBuffer::placeholder(gpu::gpu(n)?), dtype, len, lse: None }))
+        Ok(Storage::Cuda(kernels::prelude::CudaStorage { buf: gpu::DeviceBuffer::placeholder(gpu::gpu(n)?), dtype, len, lse: None }))
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -176,7 +174,7 @@ pub(crate) fn materialized(s: &Storage) -> Result<Option<Storage>> {
     #[cfg(feature = "cuda")]
     if let Storage::Cuda(c) = s {
         if c.buf.is_placeholder() && c.len > 0 {
-            return Ok(Some(Storage::Cuda(kernels::CudaStorage::alloc(c.gpu(), c.dtype, c.len)?)));
+            return Ok(Some(Storage::Cuda(kernels::prelude::CudaStorage::alloc(c.gpu(), c.dtype, c.len)?)));
         }
     }
     let _ = s;
@@ -215,7 +213,7 @@ pub(crate) fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta
 pub(crate) fn layer_norm_grads_with_copy(op: &Op, ins: &[&Storage], layouts: &[&Layout], device: Device) -> Result<(Storage, Storage)> {
     ins.iter().try_for_each(|s| check_computed(s))?;
     #[cfg(feature = "cuda")]
-    return kernels::layer_norm_grads_with_copy(op, ins, layouts, device);
+    return kernels::rows::layer_norm_grads_with_copy(op, ins, layouts, device);
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (op, ins, layouts);
@@ -233,7 +231,8 @@ pub(crate) fn run_inplace(op: &Op, dst: &mut Storage, l: &Layout, src: Option<(&
 #[cfg(feature = "cuda")]
 mod copies {
     use super::gpu::gpu;
-    use super::kernels::{dense_copy, CudaStorage};
+    use super::kernels::elementwise::dense_copy;
+    use super::kernels::prelude::CudaStorage;
     use crate::storage::{CpuStorage, IntoCpuStorage, Storage};
     use crate::{DType, Device, Error, Result, Tensor};
 

@@ -1,7 +1,7 @@
 //! NVRTC: CUDA C++ source to a CUBIN for one architecture, cached on disk by source hash,
 //! architecture and NVRTC version (a CUBIN loads quickly; PTX would cost a driver JIT).
 
-use super::codegen::fnv1a;
+use crate::codegen::fnv1a;
 use crate::{Error, Result};
 use cudarc::nvrtc::{result as nr, sys as ns};
 use std::ffi::CString;

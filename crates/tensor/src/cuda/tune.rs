@@ -49,7 +49,7 @@ pub(crate) fn choice<P: Hash + Debug>(
     let key = (g.ordinal, super::spec_key(kind, problem));
     let path = || {
         let name = format!("{kind} {problem:?} sm_{}{} {} SMs", g.arch.0, g.arch.1, g.sms);
-        crate::cache_dir("tuned").map(|d| d.join(format!("{:016x}.choice", super::codegen::fnv1a(name.as_bytes()))))
+        crate::cache_dir("tuned").map(|d| d.join(format!("{:016x}.choice", crate::codegen::fnv1a(name.as_bytes()))))
     };
     let known = chosen().lock().unwrap_or_else(|e| e.into_inner()).get(&key).copied();
     let known = known.unwrap_or_else(|| {

@@ -1,0 +1,137 @@
+//! Every CUDA kernel family in a file of its own, holding its source generator, its
+//! argument struct and its launcher (the launchers need feature `cuda`; the sources are pure
+//! text, built and tested without a GPU). `run` and `run_inplace` map each primitive op to
+//! its family's launch.
+
+pub mod adam;
+pub mod attention;
+pub mod elementwise;
+pub mod fused;
+pub mod index;
+pub mod prelude;
+pub mod products;
+pub mod reduce;
+pub mod rows;
+
+#[cfg(feature = "cuda")]
+pub use dispatch::*;
+
+/// Op to launch (feature `cuda`).
+#[cfg(feature = "cuda")]
+mod dispatch {
+    use crate::codegen::elementwise_expr;
+    use crate::cuda::kernels::attention::attention;
+    use crate::cuda::kernels::elementwise::dense_copy;
+    use crate::cuda::kernels::elementwise::ew_with;
+    use crate::cuda::kernels::elementwise::launch_ew;
+    use crate::cuda::kernels::elementwise::NO_EXTRA;
+    use crate::cuda::kernels::index::argsort;
+    use crate::cuda::kernels::index::cat;
+    use crate::cuda::kernels::index::index_add;
+    use crate::cuda::kernels::index::index_read;
+    use crate::cuda::kernels::index::IndexKind;
+    use crate::cuda::kernels::prelude::storages;
+    use crate::cuda::kernels::prelude::zero;
+    use crate::cuda::kernels::prelude::CudaStorage;
+    use crate::cuda::kernels::products::linear_cross_entropy_mean;
+    use crate::cuda::kernels::reduce::gated_sums;
+    use crate::cuda::kernels::reduce::reduce;
+    use crate::cuda::kernels::rows::cross_entropy;
+    use crate::cuda::kernels::rows::cross_entropy_mean;
+    use crate::cuda::kernels::rows::layer_norm_param_grads;
+    use crate::cuda::kernels::rows::normalize;
+    use crate::cuda::kernels::rows::softmax;
+    use crate::cuda::kernels::rows::softmax_backward;
+    use crate::op::{Op, OutMeta};
+    use crate::shape::Layout;
+    use crate::storage::Storage;
+    use crate::{DType, Device, Error, Result};
+
+    /// Runs an op that makes a new tensor on `device`.
+    pub fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta, device: Device) -> Result<Storage> {
+        let Device::Cuda(ordinal) = device else { return Err(Error::Msg("cuda::run on a CPU device".into())) };
+        let g = crate::cuda::gpu::gpu(ordinal)?;
+        let cs = storages(ins)?;
+        let x: Vec<(&CudaStorage, &Layout)> = cs.iter().copied().zip(layouts.iter().copied()).collect();
+        let dtypes: Vec<DType> = x.iter().map(|(s, _)| s.dtype).collect();
+        let extra = match op {
+            Op::Full { value, .. } | Op::Scalar { value, .. } => (*value, 0, 0),
+            Op::Rand { seed, offset, .. } => (0.0, *seed, *offset),
+            _ => NO_EXTRA,
+        };
+        let out = match op {
+            // Also a reshape the strides cannot express: the copy is read back in the new shape.
+            Op::Contiguous => dense_copy(&g, x[0].0, x[0].1)?,
+            // Zeros (every dtype's zero is all zero bytes) need no kernel: a memset.
+            Op::Full { value, .. } if value.to_bits() == 0 => {
+                let out = CudaStorage::alloc(&g, meta.dtype, meta.shape.iter().product())?;
+                zero(&g, &out)?;
+                out
+            }
+            Op::Full { .. }
+            | Op::Arange { .. }
+            | Op::Rand { .. }
+            | Op::Unary(_)
+            | Op::Binary(_)
+            | Op::Scalar { .. }
+            | Op::Where
+            | Op::Cast(_) => {
+                let (prefix, expr, compute) =
+                    elementwise_expr(op, &dtypes).ok_or_else(|| Error::Msg(format!("{}: no kernel", op.name())))?;
+                ew_with(&g, prefix, expr, compute, &x, meta, extra)?
+            }
+            Op::Reduce { op: r, dims, .. } => reduce(&g, *r, x[0], dims, meta)?,
+            Op::Softmax { log, scale, causal } => softmax(&g, x[0], (*log, *scale, *causal))?,
+            Op::Normalize { eps, to } => normalize(&g, x[0], None, &x[1..], (*eps, *to))?,
+            Op::NormalizeBackward { eps } => normalize(&g, x[0], Some(x[1]), &x[2..], (*eps, None))?,
+            Op::GatedSums { gate } => gated_sums(&g, x[0], x[1], *gate)?,
+            Op::NormalizeParamGrads { eps, sums, .. } => {
+                layer_norm_param_grads(&g, x[0], x[1], (x.get(2).copied(), x.get(3).copied()), (*eps, *sums), None)?
+            }
+            Op::SoftmaxBackward { log, scale } => softmax_backward(&g, x[0], x[1], *log, *scale)?,
+            Op::Attention { scale, causal, heads_last } => attention(&g, &x, (*scale, *causal), false, *heads_last)?,
+            Op::AttentionBackward { scale, causal } => attention(&g, &x, (*scale, *causal), true, false)?,
+            Op::CrossEntropy { ignore_index, smoothing } => cross_entropy(&g, &x, *ignore_index, *smoothing)?,
+            Op::CrossEntropyBackward { ignore_index, smoothing } => cross_entropy(&g, &x, *ignore_index, *smoothing)?,
+            Op::CrossEntropyMean { ignore_index, smoothing } => cross_entropy_mean(&g, &x, *ignore_index, *smoothing)?,
+            Op::LinearCrossEntropyMean { ignore_index, smoothing, drelu } => {
+                linear_cross_entropy_mean(&g, &x, *ignore_index, *smoothing, *drelu)?
+            }
+            Op::Matmul => crate::cuda::blas::matmul(&g, x[0], x[1], x.get(2).copied(), meta)?,
+            Op::MatmulFused(e) => crate::cuda::blas::matmul_fused(&g, x[0], x[1], &x[2..], Some(*e), meta)?,
+            Op::IndexSelect { dim } => index_read(&g, IndexKind::Select, x[0], x[1], *dim, meta)?,
+            Op::Gather { dim } => index_read(&g, IndexKind::Gather, x[0], x[1], *dim, meta)?,
+            Op::IndexAdd { dim } | Op::ScatterAdd { dim } => index_add(&g, op, x[0], x[1], x[2], *dim)?,
+            Op::ArgSort { descending } => argsort(&g, x[0], *descending)?,
+            Op::Cat { dim } => cat(&g, &x, *dim, meta)?,
+            Op::Reshape(_) | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_) => {
+                return Err(Error::Msg(format!("{}: a view runs no kernel", op.name())))
+            }
+            Op::Assign | Op::UpdateBinary(_) | Op::UpdateScalar(..) => {
+                return Err(Error::Msg(format!("{}: in-place ops go through run_inplace", op.name())))
+            }
+        };
+        Ok(Storage::Cuda(out))
+    }
+
+    /// Runs an in-place op on `dst` (read and written through `ld`).
+    pub fn run_inplace(op: &Op, dst: &mut Storage, ld: &Layout, src: Option<(&Storage, &Layout)>) -> Result<()> {
+        let Storage::Cuda(d) = dst else { return Err(Error::Msg("cuda::run_inplace on a CPU buffer".into())) };
+        let g = crate::cuda::gpu::gpu(d.gpu().ordinal)?;
+        let source = || -> Result<(&CudaStorage, &Layout)> {
+            match src {
+                Some((Storage::Cuda(s), l)) => Ok((s, l)),
+                _ => Err(Error::Msg(format!("{}: needs a CUDA source tensor", op.name()))),
+            }
+        };
+        let (second, extra) = match op {
+            Op::Assign | Op::UpdateBinary(_) => (Some(source()?), 0.0),
+            Op::UpdateScalar(_, v) => (None, *v),
+            _ => return Err(Error::Msg(format!("{}: not an in-place op", op.name()))),
+        };
+        let (prefix, expr, c) = elementwise_expr(op, &[d.dtype]).ok_or_else(|| Error::Msg(format!("{}: no kernel", op.name())))?;
+        let mut ins: Vec<(&CudaStorage, &Layout)> = vec![(&*d, ld)];
+        ins.extend(second);
+        launch_ew(&g, prefix, expr, c, &ins, &ld.shape, d, true, (extra, 0, 0))
+    }
+}
