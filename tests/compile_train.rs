@@ -876,3 +876,36 @@ fn composite_ops_compile_to_the_eager_values() -> Result<()> {
     assert!(e.graph_breaks.is_empty(), "{:?}", e.graph_breaks);
     Ok(())
 }
+
+/// The seed's `nn.Transformer` forward on sequence-first input (`[T, B, E]`, whose products
+/// fold the batch into the rows of one product or pack a permuted operand once), compiled
+/// against eager, in eval mode, with and without masks' causal flag.
+#[test]
+fn compiled_sequence_first_transformer_forward_matches_eager() -> Result<()> {
+    use kiln::nn::{Transformer, TransformerConfig, TransformerMasks};
+    kiln::tensor::rng::manual_seed(11);
+    let cfg = TransformerConfig {
+        d_model: 32,
+        nhead: 4,
+        num_encoder_layers: 2,
+        num_decoder_layers: 2,
+        dim_feedforward: 64,
+        ..TransformerConfig::default()
+    };
+    let model = Transformer::new(cfg, Device::Cpu)?;
+    model.set_training(false);
+    let src = Tensor::randn(&[10, 6, 32], DType::F32, Device::Cpu)?;
+    let tgt = Tensor::randn(&[7, 6, 32], DType::F32, Device::Cpu)?;
+    let f = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+        let _no_grad = NoGradGuard::new();
+        Ok(vec![model.forward(&xs[0], &xs[1], &TransformerMasks::default())?])
+    };
+    let eager = f(&[src.clone(), tgt.clone()])?.remove(0);
+    assert_eq!(eager.shape(), &[7, 6, 32]);
+    let mut step = compile(Mode::Default, f);
+    for _ in 0..2 {
+        let got = step.call(&[&src, &tgt])?.remove(0);
+        assert_close("transformer forward", &got.to_vec::<f32>()?, &eager.to_vec::<f32>()?, 1e-5);
+    }
+    Ok(())
+}

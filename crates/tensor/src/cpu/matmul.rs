@@ -137,6 +137,40 @@ pub fn split_cols(s: MatmulShape) -> usize {
 /// From this many multiply-adds a short, wide product's columns are split over the threads.
 const PAR_COLS_FLOPS: usize = 1 << 21;
 
+/// Whether every batch entry of a product reads the same matrix of `l` (its batch dims,
+/// broadcast to `batch`, all of stride 0).
+fn shared_across_batch(l: &Layout, batch: &[usize]) -> bool {
+    let r = l.rank();
+    let bl = Layout { shape: l.shape[..r - 2].to_vec(), strides: l.strides[..r - 2].to_vec(), offset: l.offset };
+    bl.broadcast_strides(batch).iter().all(|&st| st == 0)
+}
+
+/// `l`'s last two dims as a 2-D layout (the matrix every batch entry reads).
+fn matrix_layout(l: &Layout) -> Layout {
+    let r = l.rank();
+    Layout { shape: l.shape[r - 2..].to_vec(), strides: l.strides[r - 2..].to_vec(), offset: l.offset }
+}
+
+/// `[..batch, m, k]` read through `l` as one `[batch * m, k]` matrix, when its batch and row
+/// dims walk as one stride (dims of size 1 skipped); None otherwise.
+fn folded_rows(l: &Layout, batch: &[usize], m: usize) -> Option<Layout> {
+    let r = l.rank();
+    let full: Vec<usize> = [batch, &[m, l.shape[r - 1]]].concat();
+    let st = l.broadcast_strides(&full);
+    let rows = full.len() - 1;
+    let row_stride = (0..rows).rev().find(|&d| full[d] > 1).map_or(st[rows - 1], |d| st[d]);
+    let mut want = row_stride;
+    for d in (0..rows).rev() {
+        if full[d] > 1 {
+            if st[d] != want {
+                return None;
+            }
+            want *= full[d];
+        }
+    }
+    Some(Layout { shape: vec![batch.iter().product::<usize>() * m, full[rows]], strides: vec![row_stride, st[rows]], offset: l.offset })
+}
+
 /// The strides of a layout's last two dims, as a matrix's (row, column) strides.
 fn matrix_strides(l: &Layout) -> [isize; 2] {
     let r = l.rank();
@@ -185,6 +219,28 @@ pub fn matmul<T: GemmElem>((a, la): (&[T], &Layout), (b, lb): (&[T], &Layout), b
     if nb == 1 {
         // One product: its rows split over the threads when large (`split_rows`).
         by_tiles((a, la), (b, lb), bias, s, out, split_rows(s), &|_, _, _| {});
+        return buf;
+    }
+    if shared_across_batch(lb, batch) {
+        // Every batch entry multiplies the same b (a weight read by a `[.., m, k]`
+        // activation): the batch folds into the rows of one product, which packs b once
+        // instead of once per entry. A's rows are read where they lie when its batch and row
+        // dims walk as one stride, else from one dense copy.
+        let rows = MatmulShape { batch: &[], m: nb * m, k, n };
+        let b2 = matrix_layout(lb);
+        match folded_rows(la, batch, m) {
+            Some(la2) => by_tiles((a, &la2), (b, &b2), bias, rows, out, split_rows(rows), &|_, _, _| {}),
+            None => {
+                let view = Layout {
+                    shape: [batch, &[m, k]].concat(),
+                    strides: la.broadcast_strides(&[batch, &[m, k]].concat()),
+                    offset: la.offset,
+                };
+                let dense = map1(a, &view, |x: T| x);
+                by_tiles((&dense, &Layout::contiguous(&[nb * m, k])), (b, &b2), bias, rows, out, split_rows(rows), &|_, _, _| {});
+                pool::give(dense);
+            }
+        }
         return buf;
     }
     let (a_s, b_s) = (matrix_strides(la), matrix_strides(lb));
