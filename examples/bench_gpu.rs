@@ -4,7 +4,8 @@
 //! one JSON line per workload; benches/pytorch/compare.py joins them with PyTorch's table.
 //!
 //!   cargo run --release --features cuda --example bench_gpu -- [--device cuda|cpu] [--only NAME] [--steps N]
-//!       (`--only op_overhead` prints the host time per eager op)
+//!       (`--only op_overhead` prints the host time per eager op; `--only transformer_step`
+//!        the seed Transformer's training step, run on request only)
 //!       [--modes eager,default,reduce-overhead,max-autotune]
 //!       [--interleave]  (eager and the first compiled mode alternately, step by step; prints
 //!                        the per-pair eager / compiled ratio: the fair comparison on a noisy host)
@@ -21,7 +22,7 @@ mod common;
 use common::{flag, has, opt};
 use kiln::compile::{compile, Mode};
 use kiln::models::{mlp, Gpt, GptConfig};
-use kiln::nn::{cross_entropy, Transformer, TransformerConfig, TransformerMasks};
+use kiln::nn::{cross_entropy, mse_loss, Reduction, Transformer, TransformerConfig, TransformerMasks};
 use kiln::optim::{AdamConfig, AdamW};
 use kiln::prelude::*;
 use kiln::tensor::{cuda, set_default_dtype, Distribution};
@@ -243,6 +244,24 @@ fn transformer_workload(dev: Device) -> Result<Workload> {
     Ok((vec![x], Box::new(step)))
 }
 
+/// The seed's Transformer as a training step (dropout off): MSE of its output against a
+/// target, backward, AdamW, as `benches/pytorch/cpu_train_step.py`'s `transformer_step`.
+fn transformer_step_workload(dev: Device) -> Result<Workload> {
+    kiln::tensor::rng::manual_seed(0);
+    let model = Transformer::new(TransformerConfig { d_model: 512, nhead: 8, dropout: 0.0, ..TransformerConfig::default() }, dev)?;
+    let opt = std::cell::RefCell::new(AdamW::new(model.parameters(), AdamConfig::adamw())?);
+    let x = Tensor::rand_at(&[10, 32, 512], Distribution::Normal, 3, 0, DType::F32, dev)?;
+    let y = Tensor::rand_at(&[10, 32, 512], Distribution::Normal, 4, 0, DType::F32, dev)?;
+    let step = move |xs: &[Tensor]| {
+        let loss = mse_loss(&model.forward(&xs[0], &xs[0], &TransformerMasks::default())?, &xs[1], Reduction::Mean)?;
+        loss.backward()?;
+        opt.borrow_mut().step()?;
+        opt.borrow_mut().zero_grad()?;
+        Ok(vec![loss])
+    };
+    Ok((vec![x, y], Box::new(step)))
+}
+
 /// The GPT step: the GPU benchmark's model (batch 64), or with `small` the CPU criterion
 /// bench's (`benches/train_step.rs`: context 64, 4 layers, d_model 128, batch 16).
 fn gpt_workload(dev: Device, dtype: DType, small: bool) -> Result<Workload> {
@@ -392,6 +411,9 @@ fn main() -> Result<()> {
         }
         if want("transformer_fwd") {
             report("transformer_fwd", "fp32", mode, run(transformer_workload(dev), 3, steps)?, dev);
+        }
+        if asked("transformer_step") {
+            report("transformer_step", "fp32", mode, run(transformer_step_workload(dev), 2, steps.min(10))?, dev);
         }
         if want("gpt_fp32") {
             report("gpt_fp32", "fp32", mode, run(gpt_workload(dev, DType::F32, false), 3, steps.min(20))?, dev);

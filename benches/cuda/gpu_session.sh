@@ -11,8 +11,8 @@
 # bench: bench_gpu's GPT BF16 and FP32, MLP b32 and Transformer steps, ReduceOverhead and
 #        MaxAutotune, two rounds, JSON lines in $OUT/bench.jsonl;
 # ab:    GPT BF16 `ReduceOverhead`, two rounds, once per setting in $AB (space-separated
-#        `VAR=value` switches of a change being measured, removed once measured: none left
-#        since session 41's `KILN_LN_STAGE_R`), then `MaxAutotune` in
+#        `VAR=value` switches of a change being measured, removed once measured; none is
+#        left now), then `MaxAutotune` in
 #        a fresh cache folder with the tuned choices of Kiln's own kernels printed
 #        (`KILN_LOG=kernels`): $OUT/ab.log;
 # ncu:   per-kernel device times of GPT BF16 `ReduceOverhead` steps, graph nodes profiled as

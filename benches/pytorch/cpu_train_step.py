@@ -51,6 +51,20 @@ class Gpt(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
+def transformer_forward(steps, warmup=3):
+    """The seed's `nn.Transformer(d_model=512, nhead=8)` forward on (10, 32, 512), eval, no grad."""
+    model = nn.Transformer(d_model=512, nhead=8).eval()
+    x = torch.randn(10, 32, 512)
+    times = []
+    with torch.no_grad():
+        for i in range(warmup + steps):
+            t0 = time.perf_counter()
+            model(x, x)
+            if i >= warmup:
+                times.append((time.perf_counter() - t0) * 1e3)
+    print(f"{'transformer_fwd':28s} {'-':8s} median {statistics.median(times):8.3f} ms")
+
+
 def bench(name, model, loss_fn, fused, steps, warmup=20):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
     times = []
@@ -84,6 +98,11 @@ def main():
         g = Gpt()
         idx, tgt = torch.randint(0, 65, (16, 64)), torch.randint(0, 65, (16, 64))
         bench("gpt_small_b16", g, lambda: g(idx, tgt), fused, max(20, args.steps // 10))
+        # The seed's Transformer as a training step: MSE of its output against a target.
+        t = nn.Transformer(d_model=512, nhead=8, dropout=0.0)
+        src, out = torch.randn(10, 32, 512), torch.randn(10, 32, 512)
+        bench("transformer_step", t, lambda: F.mse_loss(t(src, src), out), fused, max(5, args.steps // 40), warmup=2)
+    transformer_forward(max(5, args.steps // 20))
 
 
 if __name__ == "__main__":

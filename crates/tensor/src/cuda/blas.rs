@@ -523,13 +523,7 @@ fn own_product(
     (sb, lb): (&CudaStorage, &Layout),
     rest: &Rest,
 ) -> Option<OwnProduct> {
-    use super::kernels::products::FEW_COLS;
-    use super::kernels::products::FEW_MAX_M;
-    use super::kernels::products::NARROW_MAX_N;
-    use super::kernels::products::SHORT_CHUNK;
-    use super::kernels::products::SHORT_MAX_M;
-    use super::kernels::products::SHORT_MIN_K;
-    use super::kernels::products::THIN_MAX_K;
+    use super::kernels::products::{FEW_COLS, FEW_MAX_M, NARROW_MAX_N, SHORT_CHUNK, SHORT_MAX_M, SHORT_MIN_K, THIN_MAX_K};
     if !matches!(dtype, DType::F32 | DType::F64) || batch != 1 {
         return None;
     }

@@ -4,10 +4,7 @@
 //! graph capture with a private memory pool.
 
 use super::gpu::{gpu, Gpu, Kernel};
-use super::kernels::fused::fused_module;
-use super::kernels::fused::FusedGroup;
-use super::kernels::fused::FusedKernel;
-use super::kernels::fused::FUSED_BLOCK;
+use super::kernels::fused::{fused_module, FusedGroup, FusedKernel, FUSED_BLOCK};
 use super::kernels::prelude::CudaStorage;
 use crate::op::{Distribution, OutMeta};
 use crate::shape::Layout;

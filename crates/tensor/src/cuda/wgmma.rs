@@ -14,10 +14,7 @@
 //! the error stays below SGEMM's (4096^3: 3.1e-7 relative against cuBLAS's 1.2e-6; 2.9e-5
 //! with one accumulator, growing with k).
 
-use super::kernels::prelude::CLUSTER;
-use super::kernels::prelude::LATE_NEXT;
-use super::kernels::prelude::PRELUDE;
-use super::kernels::prelude::TF32;
+use super::kernels::prelude::{CLUSTER, LATE_NEXT, PRELUDE, TF32};
 use crate::UnaryOp;
 
 /// Rows of a block's tile (two warpgroups of 64).

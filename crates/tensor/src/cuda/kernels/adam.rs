@@ -2,8 +2,7 @@
 //! reading lr and step on the device.
 
 use crate::codegen::compute_type;
-use crate::cuda::kernels::prelude::storage_type;
-use crate::cuda::kernels::prelude::PRELUDE;
+use crate::cuda::kernels::prelude::{storage_type, PRELUDE};
 use crate::DType;
 
 /// Parameters one fused Adam launch updates (`blockIdx.y` picks one).
@@ -45,7 +44,6 @@ pub use launch::*;
 /// The launches (feature `cuda`).
 #[cfg(feature = "cuda")]
 mod launch {
-    use super::ADAM_MAX_TENSORS;
     use super::*;
     use crate::cuda::kernels::prelude::kernel_params;
     use crate::storage::Storage;

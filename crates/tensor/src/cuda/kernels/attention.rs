@@ -1,10 +1,7 @@
 //! Fused attention: flash attention on tensor cores (`mma.sync`), the tiled FMA kernels for
 //! other head dims, the short-sequence kernel, forward and backward, with their launches.
 
-use crate::cuda::kernels::prelude::storage_type;
-use crate::cuda::kernels::prelude::LATE_NEXT;
-use crate::cuda::kernels::prelude::PRELUDE;
-use crate::cuda::kernels::prelude::TF32;
+use crate::cuda::kernels::prelude::{storage_type, LATE_NEXT, PRELUDE, TF32};
 use crate::DType;
 
 /// The kernels of fused attention over dense `[n, T, D]` buffers (`Op::Attention` and its
@@ -928,16 +925,10 @@ pub(crate) use launch::*;
 /// The launches (feature `cuda`).
 #[cfg(feature = "cuda")]
 mod launch {
-    use super::AttnKernel;
     use super::*;
     use crate::cuda::gpu::{Gpu, Kernel};
-    use crate::cuda::kernels::elementwise::dense;
-    use crate::cuda::kernels::elementwise::dense_copy;
-    use crate::cuda::kernels::elementwise::Dense;
-    use crate::cuda::kernels::prelude::coalesce;
-    use crate::cuda::kernels::prelude::kernel_params;
-    use crate::cuda::kernels::prelude::CudaStorage;
-    use crate::cuda::kernels::prelude::RowLse;
+    use crate::cuda::kernels::elementwise::{dense, dense_copy, Dense};
+    use crate::cuda::kernels::prelude::{coalesce, kernel_params, CudaStorage, RowLse};
     use crate::shape::Layout;
     use crate::{DType, Error, Result};
     use std::ffi::c_void;

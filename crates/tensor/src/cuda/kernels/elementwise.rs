@@ -2,8 +2,7 @@
 //! any strided layout (the expression from the op table), the Philox draws, and their launches.
 
 use crate::codegen::fnv1a;
-use crate::cuda::kernels::prelude::storage_type;
-use crate::cuda::kernels::prelude::PRELUDE;
+use crate::cuda::kernels::prelude::{storage_type, PRELUDE};
 use crate::DType;
 
 /// One elementwise kernel: `out[i] = expr(v0, v1, v2)` over the output's elements, where `vk`
@@ -216,14 +215,9 @@ pub(crate) use launch::*;
 #[cfg(feature = "cuda")]
 mod launch {
     use super::Elementwise;
-    use crate::codegen::compute_type;
-    use crate::codegen::elementwise_expr;
+    use crate::codegen::{compute_type, elementwise_expr};
     use crate::cuda::gpu::Gpu;
-    use crate::cuda::kernels::prelude::coalesce;
-    use crate::cuda::kernels::prelude::too_many_dims;
-    use crate::cuda::kernels::prelude::CudaStorage;
-    use crate::cuda::kernels::prelude::MAX_RANK;
-    use crate::cuda::kernels::prelude::SLOTS;
+    use crate::cuda::kernels::prelude::{coalesce, too_many_dims, CudaStorage, MAX_RANK, SLOTS};
     use crate::op::{Op, OutMeta};
     use crate::shape::Layout;
     use crate::{DType, Error, Result};

@@ -1,12 +1,8 @@
 //! Compile's fused kernels: a fusion group (pointwise members, folded sums, a fed product)
 //! as one generated kernel, and the copy of a captured step's outputs.
 
-use crate::codegen::compute_type;
-use crate::codegen::double_literal;
-use crate::codegen::elementwise_expr;
-use crate::codegen::strided_index;
-use crate::cuda::kernels::prelude::storage_type;
-use crate::cuda::kernels::prelude::PRELUDE;
+use crate::codegen::{compute_type, double_literal, elementwise_expr, strided_index};
+use crate::cuda::kernels::prelude::{storage_type, PRELUDE};
 use crate::op::{Op, ReduceOp};
 use crate::DType;
 

@@ -2,9 +2,7 @@
 //! bitonic row sort behind `argsort`, with their launches.
 
 use crate::codegen::fnv1a;
-use crate::cuda::kernels::prelude::storage_type;
-use crate::cuda::kernels::prelude::INDEX_ARGS;
-use crate::cuda::kernels::prelude::PRELUDE;
+use crate::cuda::kernels::prelude::{storage_type, INDEX_ARGS, PRELUDE};
 use crate::DType;
 
 /// Index kernels (index_select, gather, index_add, scatter_add) over contiguous operands seen
@@ -165,20 +163,11 @@ pub(crate) use launch::*;
 /// The launches (feature `cuda`).
 #[cfg(feature = "cuda")]
 mod launch {
-    use super::Index;
-    use super::IndexKind;
     use super::*;
     use crate::codegen::compute_type;
     use crate::cuda::gpu::Gpu;
-    use crate::cuda::kernels::elementwise::cast;
-    use crate::cuda::kernels::elementwise::dense;
-    use crate::cuda::kernels::elementwise::launch_ew;
-    use crate::cuda::kernels::elementwise::Dense;
-    use crate::cuda::kernels::elementwise::NO_EXTRA;
-    use crate::cuda::kernels::prelude::kernel_params;
-    use crate::cuda::kernels::prelude::too_many_dims;
-    use crate::cuda::kernels::prelude::CudaStorage;
-    use crate::cuda::kernels::prelude::MAX_RANK;
+    use crate::cuda::kernels::elementwise::{cast, dense, launch_ew, Dense, NO_EXTRA};
+    use crate::cuda::kernels::prelude::{kernel_params, too_many_dims, CudaStorage, MAX_RANK};
     use crate::op::{Op, OutMeta};
     use crate::shape::Layout;
     use crate::{DType, Result};

@@ -3,16 +3,8 @@
 //! of those and of the Hopper F32 GEMM (`wgmma.rs`).
 
 use crate::codegen::compute_type;
-use crate::cuda::kernels::prelude::lanes_allreduce;
-use crate::cuda::kernels::prelude::storage_type;
-use crate::cuda::kernels::prelude::CLUSTER;
-use crate::cuda::kernels::prelude::INDEX_ARGS;
-use crate::cuda::kernels::prelude::PRELUDE;
-use crate::cuda::kernels::prelude::WALK;
-use crate::cuda::kernels::rows::xent_grad_loop;
-use crate::cuda::kernels::rows::xent_row;
-use crate::cuda::kernels::rows::XENT_ARGS;
-use crate::cuda::kernels::rows::XENT_SMOOTHING_SUM;
+use crate::cuda::kernels::prelude::{lanes_allreduce, storage_type, CLUSTER, INDEX_ARGS, PRELUDE, WALK};
+use crate::cuda::kernels::rows::{xent_grad_loop, xent_row, XENT_ARGS, XENT_SMOOTHING_SUM};
 use crate::DType;
 
 /// The arguments of the narrow and few-rows product kernels (mirrored by `PArgs`):
@@ -524,8 +516,7 @@ mod launch {
     use super::*;
     use crate::cuda::gpu::Gpu;
     use crate::cuda::kernels::elementwise::dense;
-    use crate::cuda::kernels::prelude::kernel_params;
-    use crate::cuda::kernels::prelude::CudaStorage;
+    use crate::cuda::kernels::prelude::{kernel_params, CudaStorage};
     use crate::cuda::kernels::rows::XArgs;
     use crate::shape::Layout;
     use crate::{Error, Result};

@@ -1,10 +1,8 @@
 //! Reductions: sums, means, maxima and arg-maxima along any dims, and the column sums of a
 //! matrix (a bias gradient, optionally gated by an activation's gradient), with their launches.
 
-use crate::codegen::compute_type;
-use crate::codegen::fnv1a;
-use crate::cuda::kernels::prelude::storage_type;
-use crate::cuda::kernels::prelude::PRELUDE;
+use crate::codegen::{compute_type, fnv1a};
+use crate::cuda::kernels::prelude::{storage_type, PRELUDE};
 use crate::op::{ReduceOp, UnaryOp};
 use crate::DType;
 
@@ -247,18 +245,10 @@ pub(crate) use launch::*;
 /// The launches (feature `cuda`).
 #[cfg(feature = "cuda")]
 mod launch {
-    use super::Reduce;
-    use super::ReduceMode;
     use super::*;
     use crate::cuda::gpu::Gpu;
     use crate::cuda::kernels::elementwise::dense;
-    use crate::cuda::kernels::prelude::coalesce;
-    use crate::cuda::kernels::prelude::kernel_params;
-    use crate::cuda::kernels::prelude::too_many_dims;
-    use crate::cuda::kernels::prelude::zero;
-    use crate::cuda::kernels::prelude::CudaStorage;
-    use crate::cuda::kernels::prelude::View;
-    use crate::cuda::kernels::prelude::MAX_RANK;
+    use crate::cuda::kernels::prelude::{coalesce, kernel_params, too_many_dims, zero, CudaStorage, View, MAX_RANK};
     use crate::op::{OutMeta, ReduceOp};
     use crate::shape::Layout;
     use crate::{DType, Result};

@@ -2,14 +2,9 @@
 //! parameter gradients and dx in one pass), cross-entropy and its mean, with their launches.
 
 use crate::codegen::compute_type;
-use crate::cuda::kernels::prelude::lanes_allreduce;
-use crate::cuda::kernels::prelude::other_dtype;
-use crate::cuda::kernels::prelude::row_allreduce;
-use crate::cuda::kernels::prelude::row_kernel_name;
-use crate::cuda::kernels::prelude::row_prologue;
-use crate::cuda::kernels::prelude::storage_type;
-use crate::cuda::kernels::prelude::INDEX_ARGS;
-use crate::cuda::kernels::prelude::PRELUDE;
+use crate::cuda::kernels::prelude::{
+    lanes_allreduce, other_dtype, row_allreduce, row_kernel_name, row_prologue, storage_type, INDEX_ARGS, PRELUDE,
+};
 use crate::cuda::kernels::reduce::REDUCE_ARGS;
 use crate::DType;
 
@@ -469,20 +464,9 @@ pub(crate) use launch::*;
 mod launch {
     use super::*;
     use crate::cuda::gpu::Gpu;
-    use crate::cuda::kernels::elementwise::dense;
-    use crate::cuda::kernels::elementwise::Dense;
-    use crate::cuda::kernels::prelude::coalesce;
-    use crate::cuda::kernels::prelude::kernel_params;
-    use crate::cuda::kernels::prelude::storages;
-    use crate::cuda::kernels::prelude::too_many_dims;
-    use crate::cuda::kernels::prelude::zero;
-    use crate::cuda::kernels::prelude::CudaStorage;
-    use crate::cuda::kernels::prelude::View;
-    use crate::cuda::kernels::prelude::MAX_RANK;
-    use crate::cuda::kernels::prelude::XENT_CODE;
-    use crate::cuda::kernels::reduce::accumulator;
-    use crate::cuda::kernels::reduce::reduce_into;
-    use crate::cuda::kernels::reduce::RArgs;
+    use crate::cuda::kernels::elementwise::{dense, Dense};
+    use crate::cuda::kernels::prelude::{coalesce, kernel_params, storages, too_many_dims, zero, CudaStorage, View, MAX_RANK, XENT_CODE};
+    use crate::cuda::kernels::reduce::{accumulator, reduce_into, RArgs};
     use crate::op::{Op, ReduceOp};
     use crate::shape::Layout;
     use crate::storage::Storage;
