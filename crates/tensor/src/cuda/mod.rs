@@ -26,8 +26,8 @@ pub mod wgmma;
 use crate::op::{Op, OutMeta};
 use crate::shape::Layout;
 use crate::storage::Storage;
-use crate::Error;
 #[cfg(not(feature = "cuda"))]
+use crate::Error;
 use crate::{Device, Result, Tensor};
 
 #[cfg(feature = "cuda")]

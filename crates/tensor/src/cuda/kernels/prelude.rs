@@ -60,8 +60,8 @@ __device__ __forceinline__ float h2f(unsigned short h) { float f; asm("cvt.f32.f
 __device__ __forceinline__ unsigned short f2h(float f) { unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
 __device__ __forceinline__ float b2f(unsigned short b) { return __uint_as_float(((unsigned int)b) << 16); }
 // Round to nearest even: one instruction from sm_80 (a NaN becomes the canonical one), else
-// in integer steps (a NaN keeps its sign and payload, quieted). The software form cost about
-// a tenth of the instructions of an instruction-bound BF16 GELU gradient (session 32).
+// in integer steps (a NaN keeps its sign and payload, quieted). The software form costs about
+// a tenth of the instructions of an instruction-bound BF16 GELU gradient.
 __device__ __forceinline__ unsigned short f2b(float f) {
 #if __CUDA_ARCH__ >= 800
   unsigned short b;
