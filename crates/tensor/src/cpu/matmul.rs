@@ -137,18 +137,12 @@ pub fn split_cols(s: MatmulShape) -> usize {
 /// From this many multiply-adds a short, wide product's columns are split over the threads.
 const PAR_COLS_FLOPS: usize = 1 << 21;
 
-/// Whether every batch entry of a product reads the same matrix of `l` (its batch dims,
-/// broadcast to `batch`, all of stride 0).
-fn shared_across_batch(l: &Layout, batch: &[usize]) -> bool {
+/// The strides of `l`'s batch dims (all but its last two) broadcast to `batch` (0 where a
+/// dim is broadcast).
+fn batch_strides(l: &Layout, batch: &[usize]) -> Vec<usize> {
     let r = l.rank();
     let bl = Layout { shape: l.shape[..r - 2].to_vec(), strides: l.strides[..r - 2].to_vec(), offset: l.offset };
-    bl.broadcast_strides(batch).iter().all(|&st| st == 0)
-}
-
-/// `l`'s last two dims as a 2-D layout (the matrix every batch entry reads).
-fn matrix_layout(l: &Layout) -> Layout {
-    let r = l.rank();
-    Layout { shape: l.shape[r - 2..].to_vec(), strides: l.strides[r - 2..].to_vec(), offset: l.offset }
+    bl.broadcast_strides(batch)
 }
 
 /// `[..batch, m, k]` read through `l` as one `[batch * m, k]` matrix, when its batch and row
@@ -221,23 +215,20 @@ pub fn matmul<T: GemmElem>((a, la): (&[T], &Layout), (b, lb): (&[T], &Layout), b
         by_tiles((a, la), (b, lb), bias, s, out, split_rows(s), &|_, _, _| {});
         return buf;
     }
-    if shared_across_batch(lb, batch) {
+    if batch_strides(lb, batch).iter().all(|&st| st == 0) {
         // Every batch entry multiplies the same b (a weight read by a `[.., m, k]`
         // activation): the batch folds into the rows of one product, which packs b once
         // instead of once per entry. A's rows are read where they lie when its batch and row
         // dims walk as one stride, else from one dense copy.
+        // (`by_tiles` reads only b's last two dims and its offset.)
         let rows = MatmulShape { batch: &[], m: nb * m, k, n };
-        let b2 = matrix_layout(lb);
         match folded_rows(la, batch, m) {
-            Some(la2) => by_tiles((a, &la2), (b, &b2), bias, rows, out, split_rows(rows), &|_, _, _| {}),
+            Some(la2) => by_tiles((a, &la2), (b, lb), bias, rows, out, split_rows(rows), &|_, _, _| {}),
             None => {
-                let view = Layout {
-                    shape: [batch, &[m, k]].concat(),
-                    strides: la.broadcast_strides(&[batch, &[m, k]].concat()),
-                    offset: la.offset,
-                };
+                let shape = [batch, &[m, k]].concat();
+                let view = Layout { strides: la.broadcast_strides(&shape), shape, offset: la.offset };
                 let dense = map1(a, &view, |x: T| x);
-                by_tiles((&dense, &Layout::contiguous(&[nb * m, k])), (b, &b2), bias, rows, out, split_rows(rows), &|_, _, _| {});
+                by_tiles((&dense, &Layout::contiguous(&[nb * m, k])), (b, lb), bias, rows, out, split_rows(rows), &|_, _, _| {});
                 pool::give(dense);
             }
         }
@@ -246,8 +237,7 @@ pub fn matmul<T: GemmElem>((a, la): (&[T], &Layout), (b, lb): (&[T], &Layout), b
     let (a_s, b_s) = (matrix_strides(la), matrix_strides(lb));
     // Offsets of each batch's matrix in a and b (broadcast batch dims have stride 0).
     let batch_offsets = |l: &Layout| -> Vec<usize> {
-        let bl = Layout { shape: l.shape[..l.rank() - 2].to_vec(), strides: l.strides[..l.rank() - 2].to_vec(), offset: l.offset };
-        let s = bl.broadcast_strides(batch);
+        let s = batch_strides(l, batch);
         let mut offs = Vec::with_capacity(nb);
         let mut idx = vec![0usize; batch.len()];
         for _ in 0..nb {
