@@ -621,7 +621,7 @@ fn fused_epilogue_cases(dt: DType, t: f64, k: usize, n: usize) {
 }
 
 /// Column sums, layer norm's backward and Kiln's F32 GEMM under `MaxAutotune`'s flag
-/// (`lt::set_autotune`): the chunk, block or part count is timed once per problem (in a cache
+/// (`tune::set_autotune`): the chunk, block or part count is timed once per problem (in a cache
 /// folder of the test's own, which then holds each choice), the results still match the CPU's,
 /// and the next call takes the kept choice (no timing, the same bits).
 #[test]
@@ -638,9 +638,9 @@ fn kiln_kernels_tuned_under_autotune_match_the_cpu() {
         let cpu = wide.sum(&[0], false).unwrap().to_dtype(dt).unwrap();
         let xg = x.to_device(dev).unwrap();
         let tuned = |x: &Tensor| {
-            cuda::lt::set_autotune(true);
+            cuda::tune::set_autotune(true);
             let s = x.sum(&[0], false);
-            cuda::lt::set_autotune(false);
+            cuda::tune::set_autotune(false);
             s.unwrap()
         };
         let before = cuda::tune::tuning_stats().0;
@@ -660,9 +660,9 @@ fn kiln_kernels_tuned_under_autotune_match_the_cpu() {
     };
     let on_gpu: Vec<Tensor> = ins.iter().map(|t| t.to_device(dev).unwrap()).collect();
     let before = cuda::tune::tuning_stats().0;
-    cuda::lt::set_autotune(true);
+    cuda::tune::set_autotune(true);
     let tuned = grads(&on_gpu);
-    cuda::lt::set_autotune(false);
+    cuda::tune::set_autotune(false);
     assert_eq!(cuda::tune::tuning_stats().0, before + 1, "layer norm's backward timed");
     close(&format!("tuned layer_norm_grads, {rows} rows"), &grads(&ins), &tuned, tol(DType::F32) * 100.0);
     // Kiln's F32 GEMM (a few rows through a Linear, the Transformer's shape): the contraction's
@@ -672,9 +672,9 @@ fn kiln_kernels_tuned_under_autotune_match_the_cpu() {
     let linear = |v: &[Tensor]| v[0].matmul_bias(&v[1].t().unwrap(), &v[2]).unwrap();
     let on_gpu: Vec<Tensor> = ins.iter().map(|t| t.to_device(dev).unwrap()).collect();
     let (before, launches) = (cuda::tune::tuning_stats().0, cuda::wgmma_launches());
-    cuda::lt::set_autotune(true);
+    cuda::tune::set_autotune(true);
     let tuned = linear(&on_gpu);
-    cuda::lt::set_autotune(false);
+    cuda::tune::set_autotune(false);
     assert!(cuda::wgmma_launches() > launches, "the product took Kiln's GEMM");
     assert_eq!(cuda::tune::tuning_stats().0, before + 1, "the GEMM's parts timed");
     close(&format!("tuned [{m}, 512] x [512, 512]^T + bias"), &linear(&ins), &tuned, tol(DType::F32) * 10.0);
@@ -1234,7 +1234,7 @@ fn autotuned_matmuls_match_the_cpu_and_are_kept_on_disk() {
     let dir = std::env::temp_dir().join(format!("kiln-lt-test-{}", std::process::id()));
     std::env::set_var("KILN_CACHE_DIR", &dir);
     let (before, _) = cuda::lt::tuning_stats();
-    cuda::lt::set_autotune(true);
+    cuda::tune::set_autotune(true);
     // Shapes no other test uses (plans are cached per shape): plain, transposed, batched.
     for dt in [DType::F32, DType::BF16] {
         let (a, b) = (randn(&[131, 77], 90, dt), randn(&[77, 45], 91, dt));
@@ -1244,7 +1244,7 @@ fn autotuned_matmuls_match_the_cpu_and_are_kept_on_disk() {
         let (a, b) = (randn(&[3, 29, 77], 94, dt), randn(&[3, 77, 45], 95, dt));
         both(&format!("tuned batched matmul {dt:?}"), &[a, b], tol(dt), |x| x[0].matmul(&x[1]));
     }
-    cuda::lt::set_autotune(false);
+    cuda::tune::set_autotune(false);
     let (after, took) = cuda::lt::tuning_stats();
     std::env::remove_var("KILN_CACHE_DIR");
     let files = std::fs::read_dir(dir.join("cublaslt")).map(|d| d.count()).unwrap_or(0);

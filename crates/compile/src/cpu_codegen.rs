@@ -337,7 +337,7 @@ pub fn build(g: &Graph, plan: &Plan) -> Option<NativeGroups> {
             Some(name)
         })
         .collect();
-    crate::log::log("kernels", &format!("generated C for {} CPU groups:\n{src}", seen.len()));
+    kiln_tensor::log::log("kernels", &format!("generated C for {} CPU groups:\n{src}", seen.len()));
     let loaded = build_library(&src).and_then(|(path, temporary)| {
         let n = load(&path, &names, g, plan);
         if temporary {

@@ -229,7 +229,7 @@ impl GpuParts {
         let generated = start.elapsed();
         let module = FusedModule::load(device, specs)?;
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-        crate::log::log(
+        kiln_tensor::log::log(
             "time",
             &format!("fused kernels generated in {:.1} ms, compiled or loaded in {:.1} ms", ms(generated), ms(start.elapsed() - generated)),
         );
@@ -333,14 +333,14 @@ impl GpuParts {
         if !self.prepared.swap(true, Ordering::Relaxed) && !kiln_tensor::is_anomaly_detection() {
             let (capture, start) = (self.capture.load(Ordering::Relaxed), std::time::Instant::now());
             cc::prepare(p.device(), || (p.execute(inputs, gen, false), capture.then(|| cc::want_output_copies(p.device()))))?;
-            crate::log::log("time", &format!("per-op kernels found or compiled in {:.1} ms", start.elapsed().as_secs_f64() * 1e3));
+            kiln_tensor::log::log("time", &format!("per-op kernels found or compiled in {:.1} ms", start.elapsed().as_secs_f64() * 1e3));
         }
         if self.tune.swap(false, Ordering::Relaxed) {
             use kiln_tensor::cuda::{lt, tune};
             let (before, own_before) = (lt::tuning_stats(), tune::tuning_stats());
-            lt::set_autotune(true);
+            tune::set_autotune(true);
             let out = p.execute(inputs, gen, true);
-            lt::set_autotune(false);
+            tune::set_autotune(false);
             let (after, own_after) = (lt::tuning_stats(), tune::tuning_stats());
             eprintln!(
                 "kiln compile: max-autotune timed cuBLASLt candidates for {} matmul shapes and Kiln's launch choices for {} kernels in {:.1} ms (others came from the disk cache)",
@@ -397,7 +397,7 @@ impl GpuParts {
             Err(e) => self.capture_failed(e),
         }
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-        crate::log::log(
+        kiln_tensor::log::log(
             "time",
             &format!(
                 "first run {:.1} ms (cuBLASLt: {} plans made in {:.1} ms, first launches {:.1} ms), capture {:.1} ms",

@@ -32,7 +32,7 @@ mod exec;
 mod fused_exec;
 pub mod fusion;
 pub mod graph;
-mod log;
+use kiln_tensor::log;
 mod lower;
 pub mod passes;
 mod trace;
@@ -502,7 +502,7 @@ fn step_device(inputs: &[&Tensor], cells: &[std::sync::Arc<kiln_tensor::storage:
 
 /// The input's buffer when it is contiguous and whole, else a contiguous copy's.
 fn contiguous_cell(t: &Tensor) -> Result<std::sync::Arc<kiln_tensor::storage::StorageCell>> {
-    lazy::check_computed(t)?;
+    lazy::check_cell(t.storage())?;
     if t.is_contiguous() && t.layout().offset == 0 && t.storage().len() == t.numel() {
         return Ok(t.storage().clone());
     }

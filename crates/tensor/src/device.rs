@@ -8,14 +8,6 @@ pub enum Device {
 }
 
 impl Device {
-    /// `Cuda(ordinal)` when the `cuda` feature is built and a GPU answers, else `Cpu`.
-    pub fn cuda_if_available(ordinal: usize) -> Device {
-        if crate::cuda::is_available(ordinal) {
-            Device::Cuda(ordinal)
-        } else {
-            Device::Cpu
-        }
-    }
     pub fn is_cuda(self) -> bool {
         matches!(self, Device::Cuda(_))
     }

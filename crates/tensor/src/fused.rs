@@ -35,16 +35,7 @@ fn fusable(ts: &[&Tensor], cuda: bool) -> bool {
         && ts.iter().enumerate().all(|(i, a)| ts[i + 1..].iter().all(|b| !a.same_storage(b)))
 }
 
-/// Adam's hyper-parameters for the device-side update (lr and the step count stay tensors).
-#[derive(Debug, Clone, Copy)]
-pub struct AdamHyper {
-    pub beta1: f64,
-    pub beta2: f64,
-    pub eps: f64,
-    pub weight_decay: f64,
-    /// AdamW's decoupled decay (else Adam's L2 term).
-    pub decoupled: bool,
-}
+pub use crate::cuda::kernels::adam::AdamHyper;
 
 /// One parameter's tensors for the fused Adam update.
 pub struct AdamTensors<'a> {
@@ -75,8 +66,8 @@ pub fn adam_step_device_(items: &[AdamTensors<'_>], (lr, step): (&Tensor, &Tenso
         if chosen.is_empty() {
             return Ok(ok);
         }
-        chosen.iter().flat_map(|it| it.tensors()).chain([lr, step]).try_for_each(crate::lazy::check_computed)?;
-        crate::cuda::kernels::adam::adam_step(&chosen, lr, step, h)?;
+        chosen.iter().flat_map(|it| it.tensors()).chain([lr, step]).try_for_each(|t| crate::lazy::check_cell(t.storage()))?;
+        adam_device_batches(&chosen, (lr, step), h)?;
         Ok(ok)
     }
     #[cfg(not(feature = "cuda"))]
@@ -84,6 +75,58 @@ pub fn adam_step_device_(items: &[AdamTensors<'_>], (lr, step): (&Tensor, &Tenso
         let _ = h;
         Ok(vec![false; ok.len()])
     }
+}
+
+/// The fused Adam update of every parameter in `items` (checked by the caller: contiguous,
+/// one dtype, shape and GPU per parameter), in launches of up to `ADAM_MAX_TENSORS`
+/// parameters of one dtype and AMSGrad setting whose storages are all distinct (each launch
+/// holds every buffer's lock).
+#[cfg(feature = "cuda")]
+fn adam_device_batches(items: &[&AdamTensors<'_>], scalars: (&Tensor, &Tensor), h: AdamHyper) -> Result<()> {
+    use crate::cuda::kernels::adam::ADAM_MAX_TENSORS;
+    let mut batch: Vec<&AdamTensors<'_>> = Vec::new();
+    for &it in items {
+        let fits = batch.first().is_none_or(|b| b.p.dtype() == it.p.dtype() && b.vmax.is_some() == it.vmax.is_some())
+            && batch.len() < ADAM_MAX_TENSORS
+            && batch.iter().all(|b| b.tensors().all(|x| it.tensors().all(|y| !x.same_storage(y))));
+        if !fits {
+            adam_device_launch(&batch, scalars, h)?;
+            batch.clear();
+        }
+        batch.push(it);
+    }
+    adam_device_launch(&batch, scalars, h)
+}
+
+/// One launch over `batch` (distinct storages, one dtype and AMSGrad setting), every buffer
+/// locked until the launch is queued.
+#[cfg(feature = "cuda")]
+fn adam_device_launch(batch: &[&AdamTensors<'_>], (lr, step): (&Tensor, &Tensor), h: AdamHyper) -> Result<()> {
+    use crate::cuda::kernels::adam::{adam_launch, AdamBuffers};
+    let Some(first) = batch.first() else { return Ok(()) };
+    let Device::Cuda(ordinal) = first.p.device() else { return Err(crate::Error::Msg("adam_step: expected CUDA tensors".into())) };
+    let address = |s: &Storage, t: &Tensor| match s {
+        Storage::Cuda(c) => Ok(c.ptr_at(t.layout().offset)),
+        Storage::Cpu(_) => Err(crate::Error::Msg("adam_step: expected CUDA tensors".into())),
+    };
+    let (mut writes, mut reads, mut parts) = (Vec::new(), Vec::new(), Vec::new());
+    for it in batch {
+        let (ps, ms, vs) = (it.p.storage().write(), it.m.storage().write(), it.v.storage().write());
+        let gs = it.g.storage().read();
+        let mut b = AdamBuffers { n: it.p.numel() as i64, p: address(&ps, it.p)?, g: address(&gs, it.g)?, m: 0, v: 0, vmax: 0 };
+        (b.m, b.v) = (address(&ms, it.m)?, address(&vs, it.v)?);
+        if let Some(x) = it.vmax {
+            let xs = x.storage().write();
+            b.vmax = address(&xs, x)?;
+            writes.push(xs);
+        }
+        writes.extend([ps, ms, vs]);
+        reads.push(gs);
+        parts.push(b);
+    }
+    let (ls, ss) = (lr.storage().read(), step.storage().read());
+    let scalars = (address(&ls, lr)?, address(&ss, step)?);
+    adam_launch(ordinal, (first.p.dtype(), first.vmax.is_some()), &parts, scalars, h)
 }
 
 /// `p, m, v (, vmax)` updated in one pass from `g`. Returns `Ok(false)` (nothing written) when

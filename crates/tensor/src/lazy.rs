@@ -12,16 +12,29 @@
 //! from those values when the compiled program first runs), `run_all` everything (the step
 //! then behaves as if it had run eagerly); what is not run is dropped.
 
+use crate::backend::{self, View};
 use crate::op::{Op, OutMeta};
+use crate::shape::Layout;
 use crate::storage::{Storage, StorageCell};
-use crate::{Device, Error, Result, Tensor};
+use crate::{Device, Error, Result};
 use std::cell::RefCell;
 use std::sync::Arc;
 
+/// A buffer read through a layout, held alive.
+type Held = (Arc<StorageCell>, Layout);
+
 /// A kernel waiting to run, holding its inputs alive.
 enum Pending {
-    Out { op: Op, inputs: Vec<Tensor>, meta: OutMeta, device: Device, out: Arc<StorageCell> },
-    InPlace { op: Op, dst: Tensor, src: Option<Tensor> },
+    Out { op: Op, inputs: Vec<Held>, meta: OutMeta, device: Device, out: Arc<StorageCell> },
+    InPlace { op: Op, dst: Held, src: Option<Held> },
+}
+
+fn held(v: View) -> Held {
+    (v.0.clone(), v.1.clone())
+}
+
+fn view(h: &Held) -> View<'_> {
+    (&h.0, &h.1)
 }
 
 /// The queue, and whether a flush ran part of it (the step then has eager effects).
@@ -113,12 +126,7 @@ pub fn flush() -> Result<()> {
     jobs.unwrap_or_default().iter().try_for_each(run)
 }
 
-/// An error when `t` is a trace's output that was never computed (on a GPU).
-pub fn check_computed(t: &Tensor) -> Result<()> {
-    check_cell(t.storage())
-}
-
-/// `check_computed` for a buffer.
+/// An error when `cell` is a trace's output that was never computed (on a GPU).
 pub fn check_cell(cell: &StorageCell) -> Result<()> {
     crate::cuda::check_computed(&cell.read())
 }
@@ -133,7 +141,7 @@ pub fn materialize(cell: &StorageCell) -> Result<()> {
 }
 
 /// Queues `op` when lazy: returns the output's (not yet written) buffer.
-pub(crate) fn defer(op: &Op, inputs: &[&Tensor], meta: &OutMeta, device: Device) -> Result<Option<Arc<StorageCell>>> {
+pub(crate) fn defer(op: &Op, inputs: &[View], meta: &OutMeta, device: Device) -> Result<Option<Arc<StorageCell>>> {
     if !active() {
         return Ok(None);
     }
@@ -144,24 +152,19 @@ pub(crate) fn defer(op: &Op, inputs: &[&Tensor], meta: &OutMeta, device: Device)
         Device::Cuda(_) => crate::cuda::placeholder(device, meta.dtype, len)?,
     };
     let out = Arc::new(StorageCell::new(storage));
-    let job = Pending::Out {
-        op: op.clone(),
-        inputs: inputs.iter().map(|t| (*t).clone()).collect(),
-        meta: meta.clone(),
-        device,
-        out: out.clone(),
-    };
+    let job =
+        Pending::Out { op: op.clone(), inputs: inputs.iter().copied().map(held).collect(), meta: meta.clone(), device, out: out.clone() };
     push(job);
     Ok(Some(out))
 }
 
 /// Queues an in-place update when lazy; returns whether it was queued.
-pub(crate) fn defer_inplace(op: &Op, dst: &Tensor, src: Option<&Tensor>) -> bool {
+pub(crate) fn defer_inplace(op: &Op, dst: View, src: Option<View>) -> bool {
     if !active() {
         return false;
     }
-    dst.storage().count_write(); // autograd's saved-version checks see the write now, as in eager
-    push(Pending::InPlace { op: op.clone(), dst: dst.clone(), src: src.cloned() });
+    dst.0.count_write(); // autograd's saved-version checks see the write now, as in eager
+    push(Pending::InPlace { op: op.clone(), dst: held(dst), src: src.map(held) });
     true
 }
 
@@ -172,11 +175,10 @@ fn push(job: Pending) {
 fn run(job: &Pending) -> Result<()> {
     match job {
         Pending::Out { op, inputs, meta, device, out } => {
-            let refs: Vec<&Tensor> = inputs.iter().collect();
-            let s = crate::tensor::run_kernel(op, &refs, meta, *device)?;
-            out.replace(s);
+            let views: Vec<View> = inputs.iter().map(view).collect();
+            out.replace(backend::run(op, &views, meta, *device)?);
             Ok(())
         }
-        Pending::InPlace { op, dst, src } => dst.run_inplace_kernel(op, src.as_ref(), false),
+        Pending::InPlace { op, dst, src } => backend::run_inplace(op, view(dst), src.as_ref().map(view), false),
     }
 }

@@ -5,6 +5,7 @@
 //! Every op goes through `Tensor::apply` (or `apply_inplace`): the shape rule in `op.rs`,
 //! the kernel, the autograd record (`GradFn`) and the tracer, in that order.
 
+mod backend;
 pub mod codegen;
 pub mod cpu;
 pub mod cuda;
@@ -15,7 +16,9 @@ mod error;
 pub mod fused;
 pub mod io;
 pub mod lazy;
+pub mod log;
 pub mod math;
+mod mode;
 pub mod op;
 mod ops;
 pub mod profile;
@@ -52,11 +55,9 @@ pub fn cache_put(path: &std::path::Path, bytes: &[u8]) {
 }
 pub use dtype::{default_dtype, set_default_dtype, DType, Element};
 pub use error::{Error, Result};
+pub use mode::{autocast_dtype, is_anomaly_detection, is_grad_enabled, no_grad, set_detect_anomaly, set_grad_enabled, Autocast};
 pub use op::{BinaryOp, Distribution, MatmulEpilogue, Op, ReduceOp, UnaryOp};
-pub use ops::{no_grad, ShapeSpec};
+pub use ops::ShapeSpec;
 pub use shape::{AllDims, Dim, Dims, Layout};
 pub use tensor::next_tensor_id;
-pub use tensor::{
-    autocast_dtype, is_anomaly_detection, is_grad_enabled, is_tracing, set_detect_anomaly, set_grad_enabled, set_tracer, Autocast,
-    CustomBackward, Flag, GradFn, Tensor, TensorId, Tracer,
-};
+pub use tensor::{is_tracing, set_tracer, CustomBackward, Flag, GradFn, Tensor, TensorId, Tracer};

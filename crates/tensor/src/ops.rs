@@ -58,14 +58,6 @@ macro_rules! shape_spec {
 }
 shape_spec!(usize, i32, i64, isize);
 
-/// Runs `f` with autograd recording off on this thread (ops still reach the tracer).
-pub fn no_grad<R>(f: impl FnOnce() -> R) -> R {
-    let prev = crate::tensor::set_grad_enabled(false);
-    let r = f();
-    crate::tensor::set_grad_enabled(prev);
-    r
-}
-
 impl Tensor {
     // ---- creation ----
 

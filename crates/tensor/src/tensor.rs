@@ -1,11 +1,13 @@
 //! The `Tensor` type and the one dispatch point every op goes through: shape rule, kernel,
 //! autograd record, trace hook.
 
+use crate::backend::{self, View};
+use crate::mode::{is_anomaly_detection, is_grad_enabled};
 use crate::op::{InMeta, Op, OutMeta};
 use crate::shape::Layout;
 use crate::storage::{CpuSlice, CpuStorage, IntoCpuStorage, Storage, StorageCell};
 use crate::{cpu, DType, Device, Element, Error, Result};
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::collections::HashSet;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -149,84 +151,12 @@ impl Clone for Flag {
 }
 
 thread_local! {
-    static GRAD_ENABLED: Cell<bool> = const { Cell::new(true) };
     static TRACER: RefCell<Option<Rc<dyn Tracer>>> = const { RefCell::new(None) };
-}
-
-/// Whether ops on tensors that require grad record what backward needs (on this thread).
-pub fn is_grad_enabled() -> bool {
-    GRAD_ENABLED.with(|g| g.get())
-}
-
-/// Sets grad mode on this thread and returns the previous mode (see `kiln_autograd::no_grad`).
-pub fn set_grad_enabled(on: bool) -> bool {
-    GRAD_ENABLED.with(|g| g.replace(on))
-}
-
-thread_local! {
-    static AUTOCAST: Cell<Option<DType>> = const { Cell::new(None) };
-}
-
-/// The dtype matrix products compute in on this thread (`Autocast`), if any.
-pub fn autocast_dtype() -> Option<DType> {
-    AUTOCAST.with(|a| a.get())
-}
-
-/// Mixed precision in the manner of `torch.autocast`, while the guard lives (on this thread):
-/// matrix products and attention cast F32 inputs to `dtype` (BF16 or F16), multiply on the
-/// tensor cores with F32 accumulation and return `dtype`; softmax, layer norm and
-/// cross-entropy cast F16/BF16 inputs up and compute in F32; binary ops of mixed float dtypes
-/// compute in the wider one. Parameters and their gradients stay F32 (the casts' backward
-/// returns F32 gradients).
-/// A compiled step traced under autocast records the casts, and is keyed by the setting.
-pub struct Autocast {
-    prev: Option<DType>,
-    /// The setting is per thread: the guard stays on the thread that made it.
-    _not_send: std::marker::PhantomData<*const ()>,
-}
-
-impl Autocast {
-    pub fn new(dtype: DType) -> Result<Autocast> {
-        if !matches!(dtype, DType::BF16 | DType::F16) {
-            return Err(Error::Msg(format!("autocast: computes in BF16 or F16, not {dtype:?}")));
-        }
-        Ok(Autocast { prev: AUTOCAST.with(|a| a.replace(Some(dtype))), _not_send: std::marker::PhantomData })
-    }
-
-    /// The setting `dtype` while the guard lives: autocast to it, or (`None`) off.
-    pub fn setting(dtype: Option<DType>) -> Result<Autocast> {
-        match dtype {
-            Some(d) => Autocast::new(d),
-            None => Ok(Autocast { prev: AUTOCAST.with(|a| a.replace(None)), _not_send: std::marker::PhantomData }),
-        }
-    }
-}
-
-impl Drop for Autocast {
-    fn drop(&mut self) {
-        AUTOCAST.with(|a| a.set(self.prev));
-    }
 }
 
 /// Installs (or with `None` removes) this thread's tracer; returns the previous one.
 pub fn set_tracer(t: Option<Rc<dyn Tracer>>) -> Option<Rc<dyn Tracer>> {
     TRACER.with(|c| c.replace(t))
-}
-
-thread_local! {
-    static DETECT_ANOMALY: Cell<bool> = const { Cell::new(false) };
-}
-
-/// Anomaly mode on this thread (like `torch.autograd.set_detect_anomaly`): every op's float
-/// output is checked, and the first op that makes NaN from inputs without NaN (or infinity
-/// from finite inputs, masks excepted) returns an error naming it and its input shapes.
-/// Costs a pass over every output; for debugging.
-pub fn set_detect_anomaly(on: bool) {
-    DETECT_ANOMALY.with(|c| c.set(on));
-}
-
-pub fn is_anomaly_detection() -> bool {
-    DETECT_ANOMALY.with(|c| c.get())
 }
 
 /// Whether a tracer is installed on this thread (hand-fused eager kernels then step aside,
@@ -367,7 +297,7 @@ impl Tensor {
     /// The same data with no autograd history (shares storage, like torch's `detach`).
     /// An identity view made with grad mode off, so a tracer still sees where it came from.
     pub fn detach(&self) -> Tensor {
-        let view = crate::no_grad(|| Tensor::apply(Op::Reshape(self.shape().to_vec()), &[self], self.device()));
+        let view = crate::mode::no_grad(|| Tensor::apply(Op::Reshape(self.shape().to_vec()), &[self], self.device()));
         view.unwrap_or_else(|_| Tensor::make(self.0.storage.clone(), self.0.layout.clone(), self.0.dtype, self.0.device, None))
     }
 
@@ -404,10 +334,11 @@ impl Tensor {
                     Op::Reshape(_) => Op::Contiguous, // a reshape the strides cannot express copies
                     other => other.clone(),
                 };
-                let cell = match crate::lazy::defer(&kernel_op, inputs, &meta, device)? {
+                let views = views(inputs);
+                let cell = match crate::lazy::defer(&kernel_op, &views, &meta, device)? {
                     Some(cell) => cell,
                     None => {
-                        Arc::new(StorageCell::new(profiled(&kernel_op, &meta, device, || run_kernel(&kernel_op, inputs, &meta, device))?))
+                        Arc::new(StorageCell::new(profiled(&kernel_op, &meta, device, || backend::run(&kernel_op, &views, &meta, device))?))
                     }
                 };
                 (cell, Layout::contiguous(&meta.shape))
@@ -456,30 +387,16 @@ impl Tensor {
             }
             other => other,
         };
-        if !crate::lazy::defer_inplace(&op, self, src) {
+        let (dst, src_view) = ((&self.0.storage, &self.0.layout), src.map(|t| (&t.0.storage, &t.0.layout)));
+        if !crate::lazy::defer_inplace(&op, dst, src_view) {
             let meta = OutMeta { shape: self.shape().to_vec(), dtype: self.dtype() };
-            profiled(&op, &meta, self.device(), || self.run_inplace_kernel(&op, src, true))?;
+            profiled(&op, &meta, self.device(), || backend::run_inplace(&op, dst, src_view, true))?;
         }
         if is_anomaly_detection() {
             check_finite(&op, &inputs, self)?;
         }
         with_tracer(|t| t.record(&op, &inputs, self));
         Ok(())
-    }
-
-    /// The kernel of an in-place op writing into `self` (checked by `apply_inplace`).
-    /// `counted`: whether this is the write's in-place count (lazy tracing counts when queueing).
-    pub(crate) fn run_inplace_kernel(&self, op: &Op, src: Option<&Tensor>, counted: bool) -> Result<()> {
-        let src_guard = src.map(|s| s.0.storage.read());
-        let mut dst_guard = if counted { self.0.storage.write() } else { self.0.storage.write_uncounted() };
-        match (&mut *dst_guard, src_guard.as_deref()) {
-            (Storage::Cpu(d), None) => cpu::run_inplace(op, d, &self.0.layout, None),
-            (Storage::Cpu(d), Some(Storage::Cpu(s))) => {
-                cpu::run_inplace(op, d, &self.0.layout, Some((s, src.map(|t| t.layout()).unwrap_or(&self.0.layout))))
-            }
-            #[cfg(feature = "cuda")]
-            (dst, s) => crate::cuda::run_inplace(op, dst, &self.0.layout, s.zip(src.map(|t| t.layout()))),
-        }
     }
 
     /// How many elements are NaN, and how many infinite (no host-read hook: a debugging aid).
@@ -544,7 +461,10 @@ impl Tensor {
             return Ok(self.clone());
         }
         crate::lazy::flush()?;
-        crate::cuda::to_device(self, device)
+        // A strided CPU view uploads its own elements only, made dense here first.
+        let src = if self.device() == Device::Cpu { self.contiguous()? } else { self.clone() };
+        let storage = crate::cuda::to_device(&src.0.storage.read(), &src.0.layout, device)?;
+        Ok(Tensor::from_storage(storage, self.shape()))
     }
 
     /// Runs `f` with the CPU storage of a tensor on the CPU (for loaders and savers).
@@ -635,42 +555,9 @@ fn profiled<R>(op: &Op, meta: &OutMeta, device: Device, f: impl FnOnce() -> Resu
     Ok(r)
 }
 
-/// Locks each distinct input storage once (two inputs may share one) and calls `f` with one
-/// storage per input.
-fn with_storages<R>(inputs: &[&Tensor], f: impl FnOnce(&[&Storage]) -> Result<R>) -> Result<R> {
-    let mut cells: Vec<&Arc<StorageCell>> = Vec::new();
-    let slot: Vec<usize> = inputs
-        .iter()
-        .map(|t| match cells.iter().position(|c| Arc::ptr_eq(c, &t.0.storage)) {
-            Some(i) => i,
-            None => {
-                cells.push(&t.0.storage);
-                cells.len() - 1
-            }
-        })
-        .collect();
-    let guards: Vec<_> = cells.iter().map(|c| c.read()).collect();
-    let storages: Vec<&Storage> = slot.iter().map(|&i| &*guards[i]).collect();
-    f(&storages)
-}
-
-/// Runs the kernel of `op` on `inputs` (each distinct storage locked once).
-pub(crate) fn run_kernel(op: &Op, inputs: &[&Tensor], meta: &OutMeta, device: Device) -> Result<Storage> {
-    let layouts: Vec<&Layout> = inputs.iter().map(|t| t.layout()).collect();
-    with_storages(inputs, |storages| match device {
-        Device::Cpu => {
-            let mut ins = Vec::with_capacity(inputs.len());
-            for (t, s) in inputs.iter().zip(storages) {
-                match s {
-                    Storage::Cpu(s) => ins.push((s, t.layout())),
-                    #[cfg(feature = "cuda")]
-                    Storage::Cuda(_) => return Err(Error::DeviceMismatch { op: op.name(), lhs: Device::Cpu, rhs: t.device() }),
-                }
-            }
-            Ok(Storage::Cpu(cpu::run(op, &ins, meta)?))
-        }
-        Device::Cuda(_) => crate::cuda::run(op, storages, &layouts, meta, device),
-    })
+/// `inputs` as the back end reads them: each one's buffer and layout.
+fn views<'a>(inputs: &[&'a Tensor]) -> Vec<View<'a>> {
+    inputs.iter().map(|t| (&t.0.storage, &t.0.layout)).collect()
 }
 
 impl Tensor {
@@ -692,7 +579,8 @@ impl Tensor {
         if device.is_cuda() {
             let layouts: Vec<&Layout> = ins.iter().map(|t| t.layout()).collect();
             let (flat, copy) = profiled(op, &meta, device, || {
-                with_storages(ins, |storages| crate::cuda::layer_norm_grads_with_copy(op, storages, &layouts, device))
+                let cells: Vec<&Arc<StorageCell>> = ins.iter().map(|t| &t.0.storage).collect();
+                backend::with_storages(&cells, |storages| crate::cuda::layer_norm_grads_with_copy(op, storages, &layouts, device))
             })?;
             return Ok((Tensor::from_storage(flat, &meta.shape), Tensor::from_storage(copy, x.shape())));
         }

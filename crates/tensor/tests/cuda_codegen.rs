@@ -565,7 +565,7 @@ fn a_kernel_led_by_a_scalar_group_compiles() {
 /// and without A's row map.
 #[test]
 fn every_hopper_gemm_variant_compiles() {
-    use kiln_tensor::cuda::wgmma::Spec;
+    use kiln_tensor::cuda::kernels::wgmma::Spec;
     need_nvrtc();
     let mut fails = Vec::new();
     let epilogues = [

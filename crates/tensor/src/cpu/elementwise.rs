@@ -1,10 +1,11 @@
 //! Elementwise CPU kernels: unary, binary with broadcasting, where, cast, copy, in-place
 //! updates. Contiguous inputs take a flat loop the compiler vectorises; others walk runs.
 
+use super::base::{par_chunks, wide, Out, PAR_THRESHOLD};
 use super::strided::Strided;
-use super::{par_chunks, pool, wide};
 use crate::op::{BinaryOp, Float, UnaryOp};
 use crate::shape::Layout;
+use crate::storage::pool;
 use crate::Element;
 use rayon::prelude::*;
 
@@ -81,7 +82,7 @@ fn tiled_map1<T: Element, U: Element>(src: &[T], it: &Strided<1>, offset: usize,
             *d = f(src[base + o]);
         }
     };
-    if out.len() < super::PAR_THRESHOLD {
+    if out.len() < PAR_THRESHOLD {
         out.chunks_mut(table.len()).enumerate().for_each(|(t, d)| tile(t, d));
     } else {
         out.par_chunks_mut(table.len()).with_min_len(8).enumerate().for_each(|(t, d)| tile(t, d));
@@ -321,32 +322,32 @@ pub fn unary_int(op: UnaryOp, src: &[i64], l: &Layout) -> Vec<i64> {
 }
 
 /// Floats: arithmetic keeps T, comparisons give u8 masks.
-pub fn binary<T: Compute>(op: BinaryOp, a: &[T], la: &Layout, b: &[T], lb: &Layout, shape: &[usize]) -> super::Out<T> {
+pub fn binary<T: Compute>(op: BinaryOp, a: &[T], la: &Layout, b: &[T], lb: &Layout, shape: &[usize]) -> Out<T> {
     if op.is_comparison() {
-        super::Out::Mask(per_binary!(op, OP => map2(a, la, b, lb, shape, |x: T, y: T| (OP.eval(x.up(), y.up()) != T::F::c(0.0)) as u8)))
+        Out::Mask(per_binary!(op, OP => map2(a, la, b, lb, shape, |x: T, y: T| (OP.eval(x.up(), y.up()) != T::F::c(0.0)) as u8)))
     } else {
-        super::Out::Same(per_binary!(op, OP => map2(a, la, b, lb, shape, |x: T, y: T| T::down(OP.eval(x.up(), y.up())))))
+        Out::Same(per_binary!(op, OP => map2(a, la, b, lb, shape, |x: T, y: T| T::down(OP.eval(x.up(), y.up())))))
     }
 }
 
 /// Integers (I64, U8) compute in i64.
-pub fn binary_int<T: Element>(op: BinaryOp, a: &[T], la: &Layout, b: &[T], lb: &Layout, shape: &[usize]) -> super::Out<T> {
+pub fn binary_int<T: Element>(op: BinaryOp, a: &[T], la: &Layout, b: &[T], lb: &Layout, shape: &[usize]) -> Out<T> {
     let f = |x: T, y: T| op.eval_int(x.to_f64() as i64, y.to_f64() as i64);
     if op.is_comparison() {
-        super::Out::Mask(map2(a, la, b, lb, shape, |x, y| f(x, y) as u8))
+        Out::Mask(map2(a, la, b, lb, shape, |x, y| f(x, y) as u8))
     } else {
-        super::Out::Same(map2(a, la, b, lb, shape, |x, y| T::from_f64(f(x, y) as f64)))
+        Out::Same(map2(a, la, b, lb, shape, |x, y| T::from_f64(f(x, y) as f64)))
     }
 }
 
 /// `x op s` or `s op x` for a scalar `s`.
-pub fn scalar<T: Compute>(op: BinaryOp, s: f64, lhs: bool, src: &[T], l: &Layout) -> super::Out<T> {
+pub fn scalar<T: Compute>(op: BinaryOp, s: f64, lhs: bool, src: &[T], l: &Layout) -> Out<T> {
     let s = T::F::c(s);
     if op.is_comparison() {
         let f = move |x: T| if lhs { op.eval(s, x.up()) } else { op.eval(x.up(), s) };
-        return super::Out::Mask(map1(src, l, |x: T| (f(x) != T::F::c(0.0)) as u8));
+        return Out::Mask(map1(src, l, |x: T| (f(x) != T::F::c(0.0)) as u8));
     }
-    super::Out::Same(per_binary!(op, OP => {
+    Out::Same(per_binary!(op, OP => {
         if lhs {
             map1(src, l, |x: T| T::down(OP.eval(s, x.up())))
         } else {
@@ -355,7 +356,7 @@ pub fn scalar<T: Compute>(op: BinaryOp, s: f64, lhs: bool, src: &[T], l: &Layout
     }))
 }
 
-pub fn scalar_int<T: Element>(op: BinaryOp, s: f64, lhs: bool, src: &[T], l: &Layout) -> super::Out<T> {
+pub fn scalar_int<T: Element>(op: BinaryOp, s: f64, lhs: bool, src: &[T], l: &Layout) -> Out<T> {
     let s = s as i64;
     let f = move |x: T| {
         let x = x.to_f64() as i64;
@@ -366,9 +367,9 @@ pub fn scalar_int<T: Element>(op: BinaryOp, s: f64, lhs: bool, src: &[T], l: &La
         }
     };
     if op.is_comparison() {
-        super::Out::Mask(map1(src, l, |x| f(x) as u8))
+        Out::Mask(map1(src, l, |x| f(x) as u8))
     } else {
-        super::Out::Same(map1(src, l, |x| T::from_f64(f(x) as f64)))
+        Out::Same(map1(src, l, |x| T::from_f64(f(x) as f64)))
     }
 }
 

@@ -1,8 +1,9 @@
 //! Indexing kernels on row-major data viewed as `[outer, dim, inner]`: index_select,
 //! index_add, gather, scatter_add, cat. Every index is checked; a bad one is an error.
 
-use super::pool;
+use super::base::PAR_THRESHOLD;
 use super::strided::Strided;
+use crate::storage::pool;
 use crate::{Element, Error, Layout, Result};
 use rayon::prelude::*;
 
@@ -159,7 +160,7 @@ pub fn cat<T: Element>(parts: &[(&[T], &Layout)], dim: usize, out_shape: &[usize
             at += w;
         }
     };
-    if out.len() < super::PAR_THRESHOLD {
+    if out.len() < PAR_THRESHOLD {
         out.chunks_mut(row).enumerate().for_each(fill);
     } else {
         out.par_chunks_mut(row).enumerate().for_each(fill);
@@ -185,7 +186,7 @@ pub fn argsort<T: Element>(src: &[T], n: usize, descending: bool) -> Vec<i64> {
             o.sort_by(|&i, &j| order(&row[i as usize], &row[j as usize]));
         }
     };
-    if src.len() < super::PAR_THRESHOLD {
+    if src.len() < PAR_THRESHOLD {
         out.chunks_mut(n).zip(src.chunks(n)).for_each(sort_row);
     } else {
         out.par_chunks_mut(n).zip(src.par_chunks(n)).for_each(sort_row);

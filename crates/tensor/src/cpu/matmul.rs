@@ -2,8 +2,8 @@
 //! and broadcast inputs need no copy. bf16 goes through f32 (gemm has no bf16 kernel).
 
 use super::elementwise::map1;
-use super::pool;
 use crate::shape::Layout;
+use crate::storage::pool;
 use crate::Element;
 use rayon::prelude::*;
 

@@ -1,10 +1,11 @@
 //! Reductions over any set of dims, without copying strided inputs: each output element walks
 //! its reduced sub-tensor in runs.
 
+use super::base::{par_chunks, wide, Out, PAR_THRESHOLD};
 use super::strided::Strided;
-use super::{par_chunks, pool};
 use crate::op::ReduceOp;
 use crate::shape::Layout;
+use crate::storage::pool;
 use crate::Element;
 use rayon::prelude::*;
 
@@ -119,7 +120,7 @@ fn column_sum<T: Element>(src: &[T], l: &Layout, dims: &[usize], acc: &mut [f64]
     let data = &src[l.offset..l.offset + rows * cols];
     acc.iter_mut().for_each(|a| *a = 0.0);
     // Columns split across workers; every worker walks all rows of its columns.
-    let per = if rows * cols >= super::PAR_THRESHOLD { cols.div_ceil(rayon::current_num_threads()).max(64) } else { cols };
+    let per = if rows * cols >= PAR_THRESHOLD { cols.div_ceil(rayon::current_num_threads()).max(64) } else { cols };
     acc.par_chunks_mut(per).enumerate().for_each(|(c, out)| {
         let (c0, n) = (c * per, out.len());
         for row in data.chunks_exact(cols) {
@@ -149,7 +150,7 @@ fn permuted_column_sum<T: Element>(src: &[T], l: &Layout, dims: &[usize], acc: &
 }
 
 /// Sum, max and min keep the dtype (sums accumulate in f64); argmax/argmin give I64.
-pub fn reduce<T: Element>(op: ReduceOp, src: &[T], l: &Layout, dims: &[usize], out_numel: usize) -> super::Out<T> {
+pub fn reduce<T: Element>(op: ReduceOp, src: &[T], l: &Layout, dims: &[usize], out_numel: usize) -> Out<T> {
     match op {
         ReduceOp::Sum => {
             let mut acc = pool::take::<f64>(out_numel);
@@ -158,7 +159,7 @@ pub fn reduce<T: Element>(op: ReduceOp, src: &[T], l: &Layout, dims: &[usize], o
             }
             let out = pooled(&acc, |&a| T::from_f64(a));
             pool::give(acc);
-            super::Out::Same(out)
+            Out::Same(out)
         }
         ReduceOp::Max | ReduceOp::Min => {
             let max = op == ReduceOp::Max;
@@ -175,7 +176,7 @@ pub fn reduce<T: Element>(op: ReduceOp, src: &[T], l: &Layout, dims: &[usize], o
                 },
                 &mut acc,
             );
-            super::Out::Same(pooled(&acc, |&(a, _)| a))
+            Out::Same(pooled(&acc, |&(a, _)| a))
         }
         ReduceOp::ArgMax | ReduceOp::ArgMin => {
             let max = op == ReduceOp::ArgMax;
@@ -211,11 +212,11 @@ pub fn reduce<T: Element>(op: ReduceOp, src: &[T], l: &Layout, dims: &[usize], o
                     }
                     o[0] = at as i64;
                 });
-                return super::Out::Index(out);
+                return Out::Index(out);
             }
             let mut acc = vec![(T::zero(), usize::MAX); out_numel];
             fold(src, l, dims, (T::zero(), usize::MAX), step, &mut acc);
-            super::Out::Index(pooled(&acc, |&(_, i)| i as i64))
+            Out::Index(pooled(&acc, |&(_, i)| i as i64))
         }
     }
 }
@@ -234,10 +235,10 @@ fn for_rows<T: Send>(out: &mut [T], n: usize, f: impl Fn(usize, &mut [T]) + Sync
     if n == 0 {
         return;
     }
-    if out.len() < super::PAR_THRESHOLD {
+    if out.len() < PAR_THRESHOLD {
         out.chunks_mut(n).enumerate().for_each(|(r, o)| f(r, o));
     } else {
-        out.par_chunks_mut(n).with_min_len((super::PAR_THRESHOLD / 4 / n).max(1)).enumerate().for_each(|(r, o)| f(r, o));
+        out.par_chunks_mut(n).with_min_len((PAR_THRESHOLD / 4 / n).max(1)).enumerate().for_each(|(r, o)| f(r, o));
     }
 }
 
@@ -335,7 +336,7 @@ fn softmax_f32(src: &[f32], k: SoftmaxSpec) -> Vec<f32> {
         let m = x.iter().map(|&v| scale * v).fold(f32::NEG_INFINITY, |a, b| if b.is_nan() || b > a { b } else { a });
         let (o, masked) = o.split_at_mut(keep);
         masked.fill(0.0);
-        let sum = super::wide(
+        let sum = wide(
             #[inline(always)]
             || {
                 o.iter_mut().zip(x).for_each(|(o, &v)| *o = crate::math::exp_f32(scale * v - m));
@@ -386,7 +387,7 @@ fn normalize_f32(src: &[f32], g: Option<&[f32]>, (w, b): (Option<&[f32]>, Option
     let mut out = pool::take::<f32>(src.len());
     for_rows(&mut out, n, |r, o| {
         let x = &src[r * n..(r + 1) * n];
-        super::wide(
+        wide(
             #[inline(always)]
             || {
                 let (mean, rstd) = row_stats(x, eps);
@@ -426,11 +427,11 @@ pub fn normalize_param_grads_f32(x: &[f32], g: &[f32], n: usize, eps: f64) -> Ve
     if n == 0 {
         return Vec::new();
     }
-    let block = (super::PAR_THRESHOLD / 4 / n).max(1) * n;
+    let block = (PAR_THRESHOLD / 4 / n).max(1) * n;
     let partial = |(x, g): (&[f32], &[f32])| -> Vec<f64> {
         let mut acc = vec![0.0f64; 2 * n];
         let (dw, db) = acc.split_at_mut(n);
-        super::wide(
+        wide(
             #[inline(always)]
             || {
                 for (x, g) in x.chunks(n).zip(g.chunks(n)) {
@@ -444,11 +445,8 @@ pub fn normalize_param_grads_f32(x: &[f32], g: &[f32], n: usize, eps: f64) -> Ve
         );
         acc
     };
-    let sums: Vec<Vec<f64>> = if x.len() < super::PAR_THRESHOLD {
-        vec![partial((x, g))]
-    } else {
-        x.par_chunks(block).zip(g.par_chunks(block)).map(partial).collect()
-    };
+    let sums: Vec<Vec<f64>> =
+        if x.len() < PAR_THRESHOLD { vec![partial((x, g))] } else { x.par_chunks(block).zip(g.par_chunks(block)).map(partial).collect() };
     (0..2 * n).map(|j| sums.iter().map(|s| s[j]).sum::<f64>() as f32).collect()
 }
 

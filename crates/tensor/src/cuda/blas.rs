@@ -12,9 +12,10 @@ use crate::shape::Layout;
 use crate::{DType, Error, Result};
 use cudarc::cublas::{result as br, sys as bs};
 use std::collections::hash_map::Entry;
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// cuBLAS and cuBLASLt handles bound to the GPU's stream, with one workspace (so that neither
 /// allocates while a CUDA graph is being captured; calls on one stream never overlap), and
@@ -32,7 +33,7 @@ impl Blas {
     /// The GPU's cuBLAS handle (on its stream, with its own workspace) and cuBLASLt's.
     fn new(g: &Arc<Gpu>) -> Result<Blas> {
         let started = std::time::Instant::now();
-        if !super::gpu::held_open(&cudarc::get_lib_name_candidates("cublas")) {
+        if !super::library::held_open(&cudarc::get_lib_name_candidates("cublas")) {
             return Err(Error::Cuda("cuBLAS (libcublas.so) not found; it runs Kiln's CUDA matmuls".into()));
         }
         g.bind()?;
@@ -53,41 +54,85 @@ impl Blas {
 /// runs every GEMM). Its own slow first-use set-up comes with the
 /// first plan: `plan_ahead`'s, beside the rest of a step's first call.
 fn start_lt(g: &Arc<Gpu>, started: std::time::Instant) -> Option<cudarc::cublaslt::sys::cublasLtHandle_t> {
-    if !super::gpu::held_open(&cudarc::get_lib_name_candidates("cublasLt")) || g.bind().is_err() {
+    if !super::library::held_open(&cudarc::get_lib_name_candidates("cublasLt")) || g.bind().is_err() {
         return None;
     }
     let lt = cudarc::cublaslt::result::create_handle().ok()?;
-    if super::log_on("time") {
+    if crate::log::enabled("time") {
         eprintln!("[kiln time] cuBLAS started in {:.1} ms", started.elapsed().as_secs_f64() * 1e3);
     }
     Some(lt)
 }
 
-/// Starts cuBLAS and cuBLASLt on `g` (loading the libraries and making the handles is a long
-/// set-up): a compiled step's dry run does it on a thread (`Gpu::start_blas`) beside
-/// the rest of the dry run and NVRTC.
-pub(crate) fn start(g: &Arc<Gpu>) -> Result<()> {
-    let mut guard = g.blas.lock().unwrap_or_else(|e| e.into_inner());
-    plan_ahead(g, get(&mut guard, g)?);
-    Ok(())
+/// cuBLAS on one GPU: its handles once started, the thread starting them (`start_on_thread`)
+/// until `wait_started` joins it, and the cuBLASLt problems a dry run met before they had
+/// started, for that thread to plan.
+#[derive(Default)]
+struct OnGpu {
+    blas: Mutex<Option<Blas>>,
+    starting: Mutex<Option<std::thread::JoinHandle<()>>>,
+    noted: Mutex<Vec<Gemm>>,
 }
 
-/// Plans problems still noted (`Gpu::started_blas`), if cuBLAS has started.
-pub(crate) fn plan_noted(g: &Arc<Gpu>) {
-    let mut guard = g.blas.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(blas) = guard.as_mut() {
+/// The cuBLAS state of `g` (made on first use, kept for the process, as the GPU is).
+fn on(g: &Gpu) -> &'static OnGpu {
+    static ALL: OnceLock<Mutex<HashMap<usize, &'static OnGpu>>> = OnceLock::new();
+    let mut all = lock(ALL.get_or_init(Default::default));
+    all.entry(g.ordinal).or_insert_with(|| Box::leak(Box::default()))
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Starts cuBLAS and cuBLASLt on `g` (loading the libraries and making the handles is a long
+/// set-up) on a thread, unless they have started or are starting: a dry run calls it at its
+/// first product that needs cuBLAS, so that the start overlaps the rest of the dry run and
+/// NVRTC. Its error, if any, comes back at the first product of the real run.
+pub(crate) fn start_on_thread(g: &Arc<Gpu>) {
+    let state = on(g);
+    let mut slot = lock(&state.starting);
+    if slot.is_some() || state.blas.try_lock().is_ok_and(|b| b.is_some()) {
+        return;
+    }
+    let g = g.clone();
+    *slot = Some(std::thread::spawn(move || {
+        let mut guard = lock(&on(&g).blas);
+        if let Ok(blas) = get(&mut guard, &g) {
+            plan_ahead(&g, blas);
+        }
+    }));
+}
+
+/// Waits for `start_on_thread`'s thread, if one runs, then plans the problems noted after
+/// that thread took its list (if cuBLAS has started).
+pub(crate) fn wait_started(g: &Arc<Gpu>) {
+    let state = on(g);
+    let handle = lock(&state.starting).take();
+    if let Some(h) = handle {
+        let _ = h.join();
+    }
+    if let Some(blas) = lock(&state.blas).as_mut() {
         plan_ahead(g, blas);
     }
 }
 
-/// Plans the cuBLASLt problems a dry run noted (`Gpu::note_lt_problem`) on the thread that
+/// Notes a cuBLASLt problem for the thread starting cuBLAS to plan (`plan_ahead`).
+fn note(g: &Gpu, gemm: Gemm) {
+    let mut list = lock(&on(g).noted);
+    if !list.contains(&gemm) {
+        list.push(gemm);
+    }
+}
+
+/// Plans the cuBLASLt problems a dry run noted (`note`) on the thread that
 /// started cuBLAS, beside the step's NVRTC programs loading. Made in the first real run, a GPT
 /// BF16 step's 15 plans would take a large part of it (the library's set-up with the first,
 /// then a few milliseconds each, disk-cached algorithms or not); made here, they shorten the
 /// warm-cache first call (BENCHMARKS.md). The heuristic's choice only: tuning times real
 /// operands, and `MaxAutotune`'s run re-plans what was not tuned.
 fn plan_ahead(g: &Arc<Gpu>, blas: &mut Blas) {
-    let (problems, start) = (g.take_lt_problems(), std::time::Instant::now());
+    let (problems, start) = (std::mem::take(&mut *lock(&on(g).noted)), std::time::Instant::now());
     let Some(lt) = blas.lt else { return };
     let mut made = 0;
     for gemm in problems {
@@ -98,7 +143,7 @@ fn plan_ahead(g: &Arc<Gpu>, blas: &mut Blas) {
             made += 1;
         }
     }
-    if made > 0 && super::log_on("time") {
+    if made > 0 && crate::log::enabled("time") {
         eprintln!("[kiln time] {made} cuBLASLt plans made ahead in {:.1} ms", start.elapsed().as_secs_f64() * 1e3);
     }
 }
@@ -187,22 +232,10 @@ fn operand(g: &Arc<Gpu>, s: &CudaStorage, l: &Layout) -> Result<Operand> {
     Ok(Operand { ptr, trans: false, ld: cols.max(1) as i64, batch_stride: bst, _owned: Some(owned) })
 }
 
-/// Host pointers to alpha = 1 and beta = 0 in the GEMM's scale type (F64 for F64 GEMMs,
-/// else F32): `D = A B`, nothing accumulated.
-pub(super) fn one_and_zero(f64: bool) -> (*const c_void, *const c_void) {
-    static ONE_ZERO_F32: [f32; 2] = [1.0, 0.0];
-    static ONE_ZERO_F64: [f64; 2] = [1.0, 0.0];
-    if f64 {
-        (&ONE_ZERO_F64[0] as *const f64 as _, &ONE_ZERO_F64[1] as *const f64 as _)
-    } else {
-        (&ONE_ZERO_F32[0] as *const f32 as _, &ONE_ZERO_F32[1] as *const f32 as _)
-    }
-}
-
 /// The plan, or None (plain cuBLAS) with the reason under `KILN_LOG=kernels`.
 fn plan_or_log(plan: Result<Plan>) -> Option<Plan> {
     plan.map_err(|e| {
-        if super::log_kernels() {
+        if crate::log::enabled("kernels") {
             eprintln!("kiln: cuBLASLt has no plan ({e}); using cuBLAS");
         }
     })
@@ -270,7 +303,7 @@ pub fn matmul_fused(
     let r = shape.len();
     let (m, n, k) = (shape[r - 2], shape[r - 1], la.shape[la.rank() - 1]);
     let batch: usize = shape[..r - 2].iter().product();
-    let out = CudaStorage::alloc(g, meta.dtype, meta.shape.iter().product())?;
+    let out = CudaStorage::alloc(&g.mem, meta.dtype, meta.shape.iter().product())?;
     // The operands' dtype: the output's, or 16 bits under an F32 residual's sum (`Residual`).
     let dtype = sa.dtype;
     let tail = crate::op::matmul_tail_offset(shape.iter().product());
@@ -300,7 +333,7 @@ pub fn matmul_fused(
     // No contraction (a zero product) or no product at all (only a fused op's sums or
     // pre-activation remain): no GEMM to run.
     if k == 0 || m * n * batch == 0 {
-        super::kernels::prelude::zero(g, &out)?;
+        g.zero(&out)?;
         return finish(g, out, rest, &shape);
     }
     // Broadcast both operands to the output's batch dims (stride 0 where they repeat).
@@ -380,7 +413,7 @@ pub fn matmul_fused(
     let (dt, compute) = data_type(dtype)?;
     let dt_out = data_type(meta.dtype)?.0;
     let op = |t: bool| if t { bs::cublasOperation_t::CUBLAS_OP_T } else { bs::cublasOperation_t::CUBLAS_OP_N };
-    let (alpha, beta) = one_and_zero(meta.dtype == DType::F64);
+    let (alpha, beta) = super::lt::one_and_zero(meta.dtype == DType::F64);
     let (epilogue, vector, aux) = lt_epilogue(&rest, batch, n, &out);
     // The residual as C (beta 1) where it is dense rows of the output's and aligned.
     let c = rest.residual.filter(|_| batch == 1).and_then(|(s, l)| match aux_rows(l, m, n) {
@@ -408,14 +441,15 @@ pub fn matmul_fused(
     // A dry run does not wait for cuBLAS to start: it starts it on another thread (once),
     // which then plans the problems the run noted (`plan_ahead`), asks for the kernels the
     // cuBLAS path could need and is done.
-    if super::gpu::is_dry() && !g.blas.try_lock().is_ok_and(|b| b.is_some()) {
+    let state = on(g);
+    if super::gpu::is_dry() && !state.blas.try_lock().is_ok_and(|b| b.is_some()) {
         if let Some(gemm) = gemm {
-            g.note_lt_problem(gemm);
+            note(g, gemm);
         }
-        g.start_blas();
+        start_on_thread(g);
         return finish(g, out, rest, &shape);
     }
-    let mut guard = g.blas.lock().unwrap_or_else(|e| e.into_inner());
+    let mut guard = lock(&state.blas);
     let blas = get(&mut guard, g)?;
     g.bind()?;
     // cuBLASLt, with a cached plan.
@@ -426,7 +460,7 @@ pub fn matmul_fused(
         let slot = match blas.plans.entry(gemm) {
             Entry::Occupied(mut o) => {
                 // Autotuning re-plans a shape whose algorithm was only the heuristic's.
-                if super::lt::autotune() && o.get().as_ref().is_some_and(|p| !p.tuned) {
+                if super::tune::autotune() && o.get().as_ref().is_some_and(|p| !p.tuned) {
                     let plan = Plan::new(lt, g, o.key(), ptrs, ws);
                     o.insert(plan_or_log(plan));
                 }
@@ -495,7 +529,7 @@ pub fn matmul_fused(
 enum Own {
     /// F32 on the tensor cores, three TF32 products a step (`wgmma.rs`), with the fused op's
     /// bias, activation or activation gradient; with `true`, B is copied transposed first.
-    Hopper(super::wgmma::Spec, bool),
+    Hopper(super::kernels::wgmma::Spec, bool),
     /// A contraction of at most 32, with `DRelu`'s mask or `SumLeft`'s sums (`super::kernels::products::matmul_thin`).
     Thin,
     /// At most 16 rows over a long contraction, with `SumLeft`'s sums at most (`matmul_short`).
@@ -653,7 +687,7 @@ fn hopper_spec(
     (sa, a): (&CudaStorage, &Layout),
     (sb, b): (&CudaStorage, &Layout),
     rest: &Rest,
-) -> Option<(super::wgmma::Spec, bool)> {
+) -> Option<(super::kernels::wgmma::Spec, bool)> {
     if dtype != DType::F32 || g.arch != (9, 0) || allow_tf32() {
         return None;
     }
@@ -702,9 +736,11 @@ fn hopper_spec(
         Some((_, l)) if aux_rows(l, m, n).is_none_or(|(_, ld)| ld != n) => return None,
         r => r.is_some(),
     };
-    let spec = super::wgmma::Spec { ta, tb, bias, keep: rest.gelu.is_some(), act, dact, residual, map_a: false };
+    let spec = super::kernels::wgmma::Spec { ta, tb, bias, keep: rest.gelu.is_some(), act, dact, residual, map_a: false };
     // Blocks: tiles times the contraction's parts.
-    let blocks = m.div_ceil(super::wgmma::BM) * n.div_ceil(super::wgmma::BN) * super::wgmma::splits(m, n, k, g.sms as usize).0;
+    let blocks = m.div_ceil(super::kernels::wgmma::BM)
+        * n.div_ceil(super::kernels::wgmma::BN)
+        * super::kernels::wgmma::splits(m, n, k, g.sms as usize).0;
     let fast = 2 * blocks >= g.sms as usize && (tb || !ta);
     (choice == F32Gemm::Kiln || fast).then_some((spec, turn_b))
 }

@@ -55,7 +55,7 @@ pub fn address(cell: &StorageCell) -> Result<u64> {
 /// An uninitialised buffer of `len` elements on `device`.
 pub fn alloc_cell(device: Device, dtype: DType, len: usize) -> Result<Arc<StorageCell>> {
     let g = gpu(ordinal(device)?)?;
-    Ok(Arc::new(StorageCell::new(Storage::Cuda(CudaStorage::alloc(&g, dtype, len)?))))
+    Ok(Arc::new(StorageCell::new(Storage::Cuda(CudaStorage::alloc(&g.mem, dtype, len)?))))
 }
 
 /// Copies all of `src` into `dst` (same dtype and length) on the stream.
@@ -72,7 +72,7 @@ pub fn copy_cell(dst: &StorageCell, src: &StorageCell) -> Result<()> {
 
 fn gpu_of(cell: &StorageCell) -> Result<Arc<Gpu>> {
     match &*cell.read() {
-        Storage::Cuda(c) => Ok(c.gpu().clone()),
+        Storage::Cuda(c) => gpu(c.ordinal()),
         Storage::Cpu(_) => Err(Error::Msg("compiled CUDA step: a buffer is on the CPU".into())),
     }
 }
@@ -103,13 +103,13 @@ pub fn rand_from_state(state: &Arc<StorageCell>, dist: Distribution, offset: u64
     };
     let expr = format!("{f}((unsigned long long)p0[0], (unsigned long long)p0[1] + a.roff, i)");
     let one = Layout::contiguous(&[1]);
-    let out = super::kernels::elementwise::ew_with(s.gpu(), "rand_dev", expr, "float", &[(s, &one)], meta, (0.0, 0, offset))?;
+    let out = super::kernels::elementwise::ew_with(&gpu(s.ordinal())?, "rand_dev", expr, "float", &[(s, &one)], meta, (0.0, 0, offset))?;
     Ok(Arc::new(StorageCell::new(Storage::Cuda(out))))
 }
 
 /// Runs `f`, work for `device`, dry (`dry_run`: nothing reaches the device), then compiles
 /// every kernel it asked for at once, on threads, so that its real run finds them loaded;
-/// cuBLAS starts on a thread beside them if a product of `f` needs it (`Gpu::start_blas`).
+/// cuBLAS starts on a thread beside them if a product of `f` needs it (`blas::start_on_thread`).
 /// Returns how many NVRTC programs were compiled (or found in the disk cache); one that
 /// fails is left to its first real use, which reports the error.
 pub fn prepare<R>(device: Device, f: impl FnOnce() -> R) -> Result<usize> {
@@ -119,8 +119,8 @@ pub fn prepare<R>(device: Device, f: impl FnOnce() -> R) -> Result<usize> {
     let dry = start.elapsed();
     let noted = wanted.len();
     let compiled = g.compile(wanted);
-    g.started_blas();
-    if super::log_on("time") {
+    super::blas::wait_started(&g);
+    if crate::log::enabled("time") {
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
         eprintln!(
             "[kiln time] dry run {:.1} ms, then {noted} CUDA programs compiled at once in {:.1} ms",
@@ -186,8 +186,8 @@ impl FusedModule {
             })
             .collect::<Result<_>>()?;
         // (Eight bytes a kernel: I64, the narrowest dtype with four-byte alignment.)
-        let tickets = CudaStorage::alloc(&g, DType::I64, specs.len().max(1))?;
-        super::kernels::prelude::zero(&g, &tickets)?;
+        let tickets = CudaStorage::alloc(&g.mem, DType::I64, specs.len().max(1))?;
+        g.zero(&tickets)?;
         let grids = specs.iter().map(|k| k.blocks() as u32).collect();
         Ok(FusedModule { gpu: g, specs, programs, keys, grids, kernels: OnceLock::new(), tickets, folded: Mutex::new(None) })
     }

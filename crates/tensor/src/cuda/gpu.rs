@@ -2,12 +2,34 @@
 //! cache (NVRTC to CUBIN, in memory and on disk), raw launches, and the device error word
 //! that index kernels set instead of crashing.
 
+use crate::storage::cuda::CudaStorage;
+pub use crate::storage::cuda::{DeviceBuffer, DeviceMemory, Pool};
 use crate::{Device, Error, Result};
 use cudarc::driver::{result as dr, sys as ds, CudaContext, CudaStream};
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+
+/// The kernels that set the device error word, in code order (code = position + 1; 0
+/// means no error): the index kernels, then cross-entropy's target check.
+const ERROR_SOURCES: [&str; 5] = ["index_select", "index_add", "gather", "scatter_add", "cross_entropy (a target class)"];
+
+/// The error code of a cross-entropy target out of range.
+pub const XENT_CODE: i64 = ERROR_SOURCES.len() as i64;
+
+/// The op an error code in the device error word stands for.
+pub fn index_op_name(code: i64) -> &'static str {
+    ERROR_SOURCES.get((code - 1).max(0) as usize).copied().unwrap_or("an index kernel")
+}
+
+/// A hash of a kernel spec: the in-memory kernel cache's key.
+pub fn spec_key<T: std::hash::Hash>(kind: &str, spec: &T) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    kind.hash(&mut h);
+    spec.hash(&mut h);
+    h.finish()
+}
 
 /// A compiled kernel (its module stays loaded for the life of the process).
 #[derive(Clone, Copy)]
@@ -110,57 +132,17 @@ fn noted(key: u64) -> bool {
 
 pub struct Gpu {
     pub ordinal: usize,
-    pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     pub sms: u32,
     pub arch: (i32, i32),
+    /// Its memory: the caching allocator every buffer on this GPU comes from.
+    pub mem: Arc<DeviceMemory>,
     kernels: Mutex<HashMap<u64, Kernel>>,
-    /// Free device buffers by rounded size: an eager step reuses them, no driver call.
-    free: Mutex<FreeList>,
-    /// While a CUDA graph is captured, allocations come from (and return to) this pool.
-    capture_pool: Mutex<Option<Arc<Pool>>>,
-    /// Bytes held from the driver (in use or cached).
-    held: AtomicU64,
     /// Three i64 on the device: op code, bad index, dim size (0 when no error).
     pub err: u64,
-    pub(crate) blas: Mutex<Option<super::blas::Blas>>,
-    /// The thread starting cuBLAS (`start_blas`) until `started_blas` waits for it.
-    blas_start: Mutex<Option<std::thread::JoinHandle<()>>>,
-    /// cuBLASLt problems a dry run met before cuBLAS had started, for that thread to plan.
-    lt_problems: Mutex<Vec<super::lt::Gemm>>,
     /// Whether kernels are launched with programmatic stream serialization (`launch_ex`):
     /// on Hopper and later.
     early_launch: bool,
-}
-
-/// Free buffers by size class.
-type FreeList = HashMap<usize, Vec<u64>>;
-
-/// A private memory pool, as PyTorch gives each CUDA graph: buffers allocated while a graph is
-/// captured belong to the pool and go back to it when freed, so the addresses baked into the
-/// graph are never handed to other code. Dropping the pool returns its free buffers to the
-/// GPU's cache (buffers still alive keep the pool alive).
-pub struct Pool {
-    free: Mutex<FreeList>,
-    gpu: Arc<Gpu>,
-}
-
-impl Drop for Pool {
-    fn drop(&mut self) {
-        let mut pool = self.free.lock().unwrap_or_else(|e| e.into_inner());
-        let mut free = self.gpu.free.lock().unwrap_or_else(|e| e.into_inner());
-        for (class, ptrs) in pool.drain() {
-            free.entry(class).or_default().extend(ptrs);
-        }
-    }
-}
-
-static DRIVER_ALLOCS: AtomicU64 = AtomicU64::new(0);
-
-/// How many times Kiln has asked the driver for memory (all GPUs): after a warm-up step an
-/// eager training step should add none.
-pub fn driver_allocations() -> u64 {
-    DRIVER_ALLOCS.load(Ordering::Relaxed)
 }
 
 pub(crate) fn cuda_err(what: impl std::fmt::Display) -> impl Fn(dr::DriverError) -> Error {
@@ -168,28 +150,11 @@ pub(crate) fn cuda_err(what: impl std::fmt::Display) -> impl Fn(dr::DriverError)
     move |e| Error::Cuda(format!("{what}: {e}"))
 }
 
-/// Whether the NVIDIA driver library can be loaded at all (cudarc would panic on first use).
-fn driver_present() -> bool {
-    static PRESENT: OnceLock<bool> = OnceLock::new();
-    *PRESENT.get_or_init(|| held_open(&["libcuda.so.1", "libcuda.so"]))
-}
-
-/// Whether one of the library file `names` loads; the first that does stays loaded for the
-/// process. (cudarc's own probes open and close a library, and its loader opens it again:
-/// cuBLASLt's 550 MB would load twice.)
-pub(crate) fn held_open<S: AsRef<str>>(names: &[S]) -> bool {
-    names.iter().any(|name| {
-        // SAFETY: loading a CUDA library runs its initialisers, as cudarc's loader does with
-        // the same file; it is never unloaded, as cudarc never unloads its own.
-        unsafe { libloading::Library::new(name.as_ref()) }.map(std::mem::forget).is_ok()
-    })
-}
-
 /// The GPU `ordinal`, opened on first use.
 pub fn gpu(ordinal: usize) -> Result<Arc<Gpu>> {
     static GPUS: OnceLock<Mutex<HashMap<usize, Arc<Gpu>>>> = OnceLock::new();
     let device = Device::Cuda(ordinal);
-    if !driver_present() {
+    if !super::library::driver_present() {
         return Err(Error::Device { device, msg: "no NVIDIA driver on this machine (libcuda.so.1 not found)".into() });
     }
     thread_local! {
@@ -221,18 +186,12 @@ pub fn gpu(ordinal: usize) -> Result<Arc<Gpu>> {
     };
     let g = Arc::new(Gpu {
         ordinal,
-        ctx,
-        stream,
+        stream: stream.clone(),
         sms,
         arch,
+        mem: Arc::new(DeviceMemory::new(ordinal, ctx, stream.clone())),
         kernels: Mutex::default(),
-        free: Mutex::default(),
-        capture_pool: Mutex::new(None),
-        held: AtomicU64::new(0),
         err,
-        blas: Mutex::new(None),
-        blas_start: Mutex::new(None),
-        lt_problems: Mutex::default(),
         early_launch: arch.0 >= 9,
     });
     map.insert(ordinal, g.clone());
@@ -241,143 +200,34 @@ pub fn gpu(ordinal: usize) -> Result<Arc<Gpu>> {
     Ok(g)
 }
 
-/// A device allocation; dropping it returns it to its GPU's cache.
-pub struct DeviceBuffer {
-    pub ptr: u64,
-    pub bytes: usize,
-    pub gpu: Arc<Gpu>,
-    /// The private pool it came from (a captured graph's), if any.
-    pool: Option<Arc<Pool>>,
-}
-
-impl std::fmt::Debug for DeviceBuffer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "DeviceBuffer({:#x}, {} bytes, cuda:{})", self.ptr, self.bytes, self.gpu.ordinal)
-    }
-}
-
-impl DeviceBuffer {
-    /// No memory: stands for a buffer lazy tracing has not computed (`kiln_tensor::lazy`).
-    pub fn placeholder(gpu: Arc<Gpu>) -> DeviceBuffer {
-        DeviceBuffer { ptr: 0, bytes: 0, gpu, pool: None }
-    }
-    /// Real buffers are at least one 512-byte size class.
-    pub fn is_placeholder(&self) -> bool {
-        self.bytes == 0
-    }
-}
-
-impl Drop for DeviceBuffer {
-    fn drop(&mut self) {
-        if self.is_placeholder() {
-            return;
-        }
-        // Work on the one stream is ordered, so a later kernel may reuse this memory at once.
-        let list = self.pool.as_ref().map_or(&self.gpu.free, |p| &p.free);
-        list.lock().unwrap_or_else(|e| e.into_inner()).entry(self.bytes).or_default().push(self.ptr);
-    }
-}
-
-/// Sizes are rounded (512 B granules below 4 KiB, else an eighth of the next power of two) so
-/// that buffers of nearby sizes share a cache bucket.
-fn size_class(bytes: usize) -> usize {
-    let g = (bytes.max(1).next_power_of_two() / 8).max(512);
-    bytes.max(1).div_ceil(g) * g
-}
-
 impl Gpu {
     pub fn device(&self) -> Device {
         Device::Cuda(self.ordinal)
     }
 
-    /// Makes this GPU's context current on the calling thread (a thread-local check first:
-    /// every op calls this, and the driver call is only needed when the thread switches).
+    /// Makes this GPU's context current on the calling thread (`DeviceMemory::bind`).
     pub fn bind(&self) -> Result<()> {
-        thread_local! {
-            static BOUND: std::cell::Cell<usize> = const { std::cell::Cell::new(usize::MAX) };
-        }
-        if BOUND.with(|b| b.get()) == self.ordinal {
+        self.mem.bind()
+    }
+
+    /// `bytes` of device memory (`DeviceMemory::alloc`).
+    pub fn alloc(&self, bytes: usize) -> Result<DeviceBuffer> {
+        self.mem.alloc(bytes)
+    }
+
+    /// Zeros all of `s` (on the stream).
+    pub fn zero(&self, s: &CudaStorage) -> Result<()> {
+        if is_dry() {
             return Ok(());
         }
-        self.ctx.bind_to_thread().map_err(cuda_err("binding the context"))?;
-        BOUND.with(|b| b.set(self.ordinal));
-        Ok(())
-    }
-
-    /// `bytes` of device memory, from the cache or the driver. Out of memory is an error
-    /// naming the request (after the cache has been given back and the request retried).
-    pub fn alloc(self: &Arc<Self>, bytes: usize) -> Result<DeviceBuffer> {
-        let class = size_class(bytes);
-        let pool = self.capture_pool.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let pooled = pool.as_ref().and_then(|p| p.free.lock().unwrap_or_else(|e| e.into_inner()).get_mut(&class).and_then(|v| v.pop()));
-        if let Some(ptr) = pooled {
-            return Ok(DeviceBuffer { ptr, bytes: class, gpu: self.clone(), pool });
-        }
-        if let Some(ptr) = self.free.lock().unwrap_or_else(|e| e.into_inner()).get_mut(&class).and_then(|v| v.pop()) {
-            return Ok(DeviceBuffer { ptr, bytes: class, gpu: self.clone(), pool });
-        }
         self.bind()?;
-        // SAFETY: plain driver allocation in the bound context; the pointer is owned by the
-        // returned DeviceBuffer (and then by the cache).
-        let ptr = match unsafe { dr::malloc_sync(class) } {
-            Ok(p) => p,
-            Err(_) => {
-                self.empty_cache()?;
-                // SAFETY: as above.
-                unsafe { dr::malloc_sync(class) }.map_err(|e| Error::Device {
-                    device: self.device(),
-                    msg: format!(
-                        "out of memory: cannot allocate {bytes} bytes ({:.1} MiB; {:.1} MiB already held by Kiln): {e}",
-                        bytes as f64 / 1048576.0,
-                        self.held.load(Ordering::Relaxed) as f64 / 1048576.0
-                    ),
-                })?
-            }
-        };
-        DRIVER_ALLOCS.fetch_add(1, Ordering::Relaxed);
-        self.held.fetch_add(class as u64, Ordering::Relaxed);
-        Ok(DeviceBuffer { ptr, bytes: class, gpu: self.clone(), pool })
-    }
-
-    /// Starts cuBLAS on a thread (`blas::start`, a long set-up) unless it has
-    /// started or is starting: a dry run calls it at its first product that needs cuBLAS,
-    /// so that the start overlaps the rest of the dry run and NVRTC.
-    pub(crate) fn start_blas(self: &Arc<Self>) {
-        let mut slot = self.blas_start.lock().unwrap_or_else(|e| e.into_inner());
-        if slot.is_some() || self.blas.try_lock().is_ok_and(|b| b.is_some()) {
-            return;
-        }
-        let g = self.clone();
-        // (Its error, if any, comes back at the first product of the real run.)
-        *slot = Some(std::thread::spawn(move || drop(super::blas::start(&g))));
-    }
-
-    /// Notes a cuBLASLt problem for the thread starting cuBLAS to plan (`blas::plan_ahead`).
-    pub(crate) fn note_lt_problem(&self, gemm: super::lt::Gemm) {
-        let mut list = self.lt_problems.lock().unwrap_or_else(|e| e.into_inner());
-        if !list.contains(&gemm) {
-            list.push(gemm);
-        }
-    }
-
-    /// The problems noted so far, taken.
-    pub(crate) fn take_lt_problems(&self) -> Vec<super::lt::Gemm> {
-        std::mem::take(&mut *self.lt_problems.lock().unwrap_or_else(|e| e.into_inner()))
-    }
-
-    /// Waits for `start_blas`'s thread, if one runs, then plans what the dry run noted after
-    /// that thread took its list.
-    pub(crate) fn started_blas(self: &Arc<Self>) {
-        let handle = self.blas_start.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(h) = handle {
-            let _ = h.join();
-        }
-        super::blas::plan_noted(self);
+        // SAFETY: `s` owns `len` elements of its dtype on this GPU.
+        unsafe { dr::memset_d8_async(s.buf.ptr, 0, s.len * s.dtype.size_in_bytes(), self.stream.cu_stream()) }.map_err(cuda_err("memset"))
     }
 
     /// A new private pool for a graph capture (see `Pool`).
-    pub fn new_pool(self: &Arc<Self>) -> Arc<Pool> {
-        Arc::new(Pool { free: Mutex::default(), gpu: self.clone() })
+    pub fn new_pool(&self) -> Arc<Pool> {
+        self.mem.new_pool()
     }
 
     /// Runs `f` with this GPU's stream captured into a CUDA graph, allocating from `pool`.
@@ -386,9 +236,9 @@ impl Gpu {
     pub fn capture<R>(&self, pool: &Arc<Pool>, f: impl FnOnce() -> Result<R>) -> Result<(cudarc::driver::CudaGraph, R)> {
         self.bind()?;
         self.stream.begin_capture(ds::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(cuda_err("begin graph capture"))?;
-        *self.capture_pool.lock().unwrap_or_else(|e| e.into_inner()) = Some(pool.clone());
+        self.mem.set_capture_pool(Some(pool.clone()));
         let r = f();
-        *self.capture_pool.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        self.mem.set_capture_pool(None);
         let graph = self.stream.end_capture(ds::CUgraphInstantiate_flags(0)).map_err(cuda_err("end graph capture"));
         let (r, graph) = (r?, graph?);
         let graph = graph.ok_or_else(|| Error::Cuda("graph capture recorded nothing".into()))?;
@@ -421,16 +271,7 @@ impl Gpu {
 
     /// Gives every cached (unused) buffer back to the driver.
     pub fn empty_cache(&self) -> Result<()> {
-        self.sync()?;
-        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
-        for (class, ptrs) in free.drain() {
-            for p in ptrs {
-                // SAFETY: the pointer came from malloc_sync and no live buffer refers to it.
-                unsafe { dr::free_sync(p) }.map_err(cuda_err("freeing device memory"))?;
-                self.held.fetch_sub(class as u64, Ordering::Relaxed);
-            }
-        }
-        Ok(())
+        self.mem.empty_cache()
     }
 
     pub fn sync(&self) -> Result<()> {
@@ -438,7 +279,7 @@ impl Gpu {
     }
 
     /// Host to device (the host slice may be dropped on return: pageable copies are staged).
-    pub fn upload<T>(self: &Arc<Self>, data: &[T]) -> Result<DeviceBuffer> {
+    pub fn upload<T>(&self, data: &[T]) -> Result<DeviceBuffer> {
         let buf = self.alloc(std::mem::size_of_val(data))?;
         if !data.is_empty() {
             // SAFETY: `buf` holds at least `size_of_val(data)` bytes; pageable sources are
@@ -472,7 +313,7 @@ impl Gpu {
         }
         // SAFETY: as above.
         unsafe { dr::memset_d8_sync(self.err, 0, 32) }.map_err(cuda_err("clearing the error word"))?;
-        let op = super::kernels::prelude::index_op_name(w[0]);
+        let op = index_op_name(w[0]);
         Err(Error::Msg(format!(
             "{op} on {}: index {} is out of range for a dim of size {} (found by the kernel; reported at this host read)",
             self.device(),
@@ -578,8 +419,8 @@ impl Gpu {
             wanted.into_iter().filter(|w| w.keys.iter().any(|k| !map.contains_key(k))).collect()
         };
         let jobs: Vec<(String, String)> = todo.iter().map(|w| w.job.clone()).collect();
-        for (src, name) in &jobs {
-            super::log_source(name, src);
+        if crate::log::enabled("kernels") {
+            jobs.iter().for_each(|(src, name)| crate::log::log("kernels", &format!("{name}:\n{src}")));
         }
         let cubins = super::nvrtc::cubins(&jobs, self.arch);
         let mut map = self.kernels.lock().unwrap_or_else(|e| e.into_inner());
@@ -691,7 +532,7 @@ impl Gpu {
 
     /// Every launch: on Hopper with programmatic stream serialization, so the kernel may be
     /// launched before the one ahead of it on the stream has finished (each kernel waits for
-    /// it first: `super::kernels::prelude::waiting_for_prior`), hiding the launch latency between kernels.
+    /// it first: `waiting_for_prior`), hiding the launch latency between kernels.
     ///
     /// # Safety
     /// As for `launch`.
@@ -758,7 +599,7 @@ unsafe impl Sync for GraphNode {}
 impl Gpu {
     /// Whether this GPU's stream is being captured into a graph (`capture`).
     pub(crate) fn capturing(&self) -> bool {
-        self.capture_pool.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+        self.mem.capturing()
     }
 
     /// While the stream is being captured: the node its last queued work became.

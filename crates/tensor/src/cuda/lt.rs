@@ -93,23 +93,11 @@ impl Drop for Plan {
     }
 }
 
-thread_local! {
-    static AUTOTUNE: Cell<bool> = const { Cell::new(false) };
-}
 static TUNED: AtomicU64 = AtomicU64::new(0);
 static TUNE_NANOS: AtomicU64 = AtomicU64::new(0);
 static PLANS: AtomicU64 = AtomicU64::new(0);
 static PLAN_NANOS: AtomicU64 = AtomicU64::new(0);
 static FIRST_LAUNCH_NANOS: AtomicU64 = AtomicU64::new(0);
-
-/// While on (this thread), new GEMM shapes time cuBLASLt's top candidates and keep the fastest.
-pub fn set_autotune(on: bool) {
-    AUTOTUNE.with(|a| a.set(on));
-}
-
-pub fn autotune() -> bool {
-    AUTOTUNE.with(|a| a.get())
-}
 
 /// Shapes tuned so far in this process, and the time spent timing them.
 pub fn tuning_stats() -> (u64, std::time::Duration) {
@@ -227,7 +215,7 @@ impl Plan {
             layout(cuda_type(g.out)?.0, m, n, g.ld.2, g.batch, g.strides.2)?,
         ];
         // (A dry run launches nothing, so it has nothing to time.)
-        let tune = autotune() && !super::gpu::is_dry();
+        let tune = super::tune::autotune() && !super::gpu::is_dry();
         // The tuned algorithm an earlier process kept, else (not tuning) the heuristic's
         // choice one kept: a warm cache needs no heuristic query, whose library set-up alone
         // is slow. A stale or damaged file falls through to the heuristic.
@@ -341,7 +329,7 @@ impl Plan {
             return Ok(());
         }
         let first = (!self.launched.replace(true)).then(Instant::now);
-        let (alpha, zero) = super::blas::one_and_zero(self.f64);
+        let (alpha, zero) = one_and_zero(self.f64);
         // C of its own is added (beta 1); else C is D and beta 0.
         let (beta, c) = if self.c { (alpha, ptrs[5]) } else { (zero, ptrs[2]) };
         let l = self.layouts;
@@ -410,4 +398,16 @@ fn read_algo(p: &std::path::Path) -> Option<ls::cublasLtMatmulAlgo_t> {
 fn write_algo(p: &std::path::Path, algo: &ls::cublasLtMatmulAlgo_t) {
     let bytes: Vec<u8> = algo.data.iter().flat_map(|w| w.to_le_bytes()).collect();
     crate::cache_put(p, &bytes);
+}
+
+/// Host pointers to alpha = 1 and beta = 0 in the GEMM's scale type (F64 for F64 GEMMs,
+/// else F32): `D = A B`, nothing accumulated.
+pub(super) fn one_and_zero(f64: bool) -> (*const c_void, *const c_void) {
+    static ONE_ZERO_F32: [f32; 2] = [1.0, 0.0];
+    static ONE_ZERO_F64: [f64; 2] = [1.0, 0.0];
+    if f64 {
+        (&ONE_ZERO_F64[0] as *const f64 as _, &ONE_ZERO_F64[1] as *const f64 as _)
+    } else {
+        (&ONE_ZERO_F32[0] as *const f32 as _, &ONE_ZERO_F32[1] as *const f32 as _)
+    }
 }

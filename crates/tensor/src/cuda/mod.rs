@@ -16,53 +16,37 @@ pub mod compiled;
 mod gpu;
 pub mod kernels;
 #[cfg(feature = "cuda")]
+mod library;
+#[cfg(feature = "cuda")]
 pub mod lt;
 #[cfg(feature = "cuda")]
 pub mod nvrtc;
 #[cfg(feature = "cuda")]
 pub mod tune;
-pub mod wgmma;
 
 use crate::op::{Op, OutMeta};
 use crate::shape::Layout;
 use crate::storage::Storage;
 #[cfg(not(feature = "cuda"))]
 use crate::Error;
-use crate::{Device, Result, Tensor};
+use crate::{Device, Result};
 
+#[cfg(feature = "cuda")]
+pub use crate::storage::cuda::driver_allocations;
+#[cfg(feature = "cuda")]
+pub use crate::storage::cuda::CudaStorage;
 #[cfg(feature = "cuda")]
 pub use blas::{allow_tf32, f32_gemm, set_allow_tf32, set_f32_gemm, F32Gemm};
-#[cfg(feature = "cuda")]
-pub use gpu::driver_allocations;
-#[cfg(feature = "cuda")]
-pub use kernels::prelude::CudaStorage;
 
-/// Whether `KILN_LOG` asks for `kernels`: each generated CUDA source is printed when compiled.
-pub fn log_kernels() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| log_on("kernels"))
-}
-
-/// Whether `KILN_LOG` names `topic` (or `all`); read afresh (for rare events only).
-pub fn log_on(topic: &str) -> bool {
-    std::env::var("KILN_LOG").is_ok_and(|v| v.split(',').any(|w| w.trim() == topic || w.trim() == "all"))
-}
-
-/// Prints a generated source about to be compiled, under `KILN_LOG=kernels`.
-#[cfg(feature = "cuda")]
-pub(crate) fn log_source(name: &str, src: &str) {
-    if log_kernels() {
-        eprintln!("[kiln kernels] {name}:\n{src}");
+impl Device {
+    /// `Cuda(ordinal)` when the `cuda` feature is built and a GPU answers, else `Cpu`.
+    pub fn cuda_if_available(ordinal: usize) -> Device {
+        if is_available(ordinal) {
+            Device::Cuda(ordinal)
+        } else {
+            Device::Cpu
+        }
     }
-}
-
-/// A hash of a kernel spec: the in-memory kernel cache's key.
-pub fn spec_key<T: std::hash::Hash>(kind: &str, spec: &T) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    kind.hash(&mut h);
-    spec.hash(&mut h);
-    h.finish()
 }
 
 /// Whether `Device::Cuda(ordinal)` can be used.
@@ -82,7 +66,7 @@ pub fn is_available(ordinal: usize) -> bool {
 pub fn start_blas(ordinal: usize) {
     #[cfg(feature = "cuda")]
     if let Ok(g) = gpu::gpu(ordinal) {
-        g.start_blas();
+        blas::start_on_thread(&g);
     }
     #[cfg(not(feature = "cuda"))]
     let _ = ordinal;
@@ -147,11 +131,16 @@ fn unavailable(device: Device) -> Error {
     Error::Device { device, msg: "Kiln was built without the `cuda` feature; rebuild with `--features cuda`".into() }
 }
 
-pub(crate) fn to_device(t: &Tensor, device: Device) -> Result<Tensor> {
+/// The elements of a view (`s` read through `l`) as a dense buffer on `device`, another
+/// device than `s`'s. A CPU view must be contiguous.
+pub(crate) fn to_device(s: &Storage, l: &Layout, device: Device) -> Result<Storage> {
     #[cfg(feature = "cuda")]
-    return copies::to_device(t, device);
+    return copies::to_device(s, l, device);
     #[cfg(not(feature = "cuda"))]
-    Err(unavailable(if device.is_cuda() { device } else { t.device() }))
+    {
+        let _ = l;
+        Err(unavailable(if device.is_cuda() { device } else { s.device() }))
+    }
 }
 
 /// A storage of `len` elements on `device` holding no memory yet: lazy tracing's outputs,
@@ -160,7 +149,12 @@ pub(crate) fn placeholder(device: Device, dtype: crate::DType, len: usize) -> Re
     #[cfg(feature = "cuda")]
     {
         let Device::Cuda(n) = device else { return Err(crate::Error::Msg(format!("cuda::placeholder: {device} is not a GPU"))) };
-        Ok(Storage::Cuda(kernels::prelude::CudaStorage { buf: gpu::DeviceBuffer::placeholder(gpu::gpu(n)?), dtype, len, lse: None }))
+        Ok(Storage::Cuda(kernels::prelude::CudaStorage {
+            buf: gpu::DeviceBuffer::placeholder(gpu::gpu(n)?.mem.clone()),
+            dtype,
+            len,
+            lse: None,
+        }))
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -174,7 +168,7 @@ pub(crate) fn materialized(s: &Storage) -> Result<Option<Storage>> {
     #[cfg(feature = "cuda")]
     if let Storage::Cuda(c) = s {
         if c.buf.is_placeholder() && c.len > 0 {
-            return Ok(Some(Storage::Cuda(kernels::prelude::CudaStorage::alloc(c.gpu(), c.dtype, c.len)?)));
+            return Ok(Some(Storage::Cuda(kernels::prelude::CudaStorage::alloc(c.memory(), c.dtype, c.len)?)));
         }
     }
     let _ = s;
@@ -232,54 +226,51 @@ pub(crate) fn run_inplace(op: &Op, dst: &mut Storage, l: &Layout, src: Option<(&
 mod copies {
     use super::gpu::gpu;
     use super::kernels::elementwise::dense_copy;
-    use super::kernels::prelude::CudaStorage;
+    use crate::shape::Layout;
+    use crate::storage::cuda::CudaStorage;
     use crate::storage::{CpuStorage, IntoCpuStorage, Storage};
-    use crate::{DType, Device, Error, Result, Tensor};
+    use crate::{DType, Device, Error, Result};
 
-    fn upload(t: &Tensor, ordinal: usize) -> Result<Tensor> {
+    /// The elements of a contiguous view of a CPU buffer, on GPU `ordinal`.
+    fn upload(s: &CpuStorage, l: &Layout, ordinal: usize) -> Result<Storage> {
         let g = gpu(ordinal)?;
-        let c = t.contiguous()?;
-        let buf = c.with_cpu_storage(|st, l| {
-            let (a, b) = (l.offset, l.offset + l.numel());
-            crate::with_cpu!(st, v => g.upload(&v[a..b]))
-        })??;
-        let s = CudaStorage { buf, dtype: t.dtype(), len: t.numel(), lse: None };
-        Ok(Tensor::from_storage(Storage::Cuda(s), t.shape()))
+        let (a, b) = (l.offset, l.offset + l.numel());
+        let buf = crate::with_cpu!(s, v => g.upload(&v[a..b]))?;
+        Ok(Storage::Cuda(CudaStorage { buf, dtype: s.dtype(), len: l.numel(), lse: None }))
     }
 
-    /// The tensor's elements in row-major order on the host (a strided view is made dense on
+    /// The view's elements in row-major order on the host (a strided view is made dense on
     /// the device first, so only its own elements cross the bus).
-    fn download(t: &Tensor) -> Result<Tensor> {
-        let guard = t.storage().read();
-        let Storage::Cuda(c) = &*guard else { return Err(Error::Msg("download: not a CUDA tensor".into())) };
-        super::check_computed(&guard)?;
-        let l = t.layout();
+    fn download(c: &CudaStorage, l: &Layout) -> Result<CpuStorage> {
         let owned;
         let (src, off) = if l.is_contiguous() {
             (c, l.offset)
         } else {
-            owned = dense_copy(c.gpu(), c, l)?;
+            owned = dense_copy(&gpu(c.ordinal())?, c, l)?;
             (&owned, 0)
         };
-        let (g, n) = (src.gpu(), t.numel());
+        let (g, n) = (gpu(src.ordinal())?, l.numel());
         let ptr = src.ptr_at(off);
-        let host: CpuStorage = match src.dtype {
+        Ok(match src.dtype {
             DType::F32 => g.download::<f32>(ptr, n)?.into_storage(),
             DType::F64 => g.download::<f64>(ptr, n)?.into_storage(),
             DType::F16 => g.download::<half::f16>(ptr, n)?.into_storage(),
             DType::BF16 => g.download::<half::bf16>(ptr, n)?.into_storage(),
             DType::I64 => g.download::<i64>(ptr, n)?.into_storage(),
             DType::U8 => g.download::<u8>(ptr, n)?.into_storage(),
-        };
-        Ok(Tensor::from_storage(Storage::Cpu(host), t.shape()))
+        })
     }
 
-    pub fn to_device(t: &Tensor, device: Device) -> Result<Tensor> {
-        match (t.device(), device) {
-            (Device::Cpu, Device::Cuda(n)) => upload(t, n),
-            (Device::Cuda(_), Device::Cpu) => download(t),
-            (Device::Cuda(_), Device::Cuda(n)) => upload(&download(t)?, n),
-            (Device::Cpu, Device::Cpu) => Ok(t.clone()),
+    pub fn to_device(s: &Storage, l: &Layout, device: Device) -> Result<Storage> {
+        super::check_computed(s)?;
+        match (s, device) {
+            (Storage::Cpu(c), Device::Cuda(n)) if l.is_contiguous() => upload(c, l, n),
+            (Storage::Cpu(_), Device::Cuda(_)) => {
+                Err(Error::Msg(format!("to_device: a CPU view of strides {:?} (made dense first)", l.strides)))
+            }
+            (Storage::Cuda(c), Device::Cpu) => Ok(Storage::Cpu(download(c, l)?)),
+            (Storage::Cuda(c), Device::Cuda(n)) => upload(&download(c, l)?, &Layout::contiguous(&l.shape), n),
+            (Storage::Cpu(_), Device::Cpu) => Err(Error::Msg("to_device: a CPU buffer to the CPU".into())),
         }
     }
 }

@@ -8,10 +8,10 @@ use std::ffi::CString;
 use std::path::PathBuf;
 
 /// Whether libnvrtc can be loaded (cudarc panics on first use otherwise); it then stays
-/// loaded (`gpu::held_open`).
+/// loaded (`library::held_open`).
 pub fn available() -> bool {
     static PRESENT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *PRESENT.get_or_init(|| super::gpu::held_open(&cudarc::get_lib_name_candidates("nvrtc")))
+    *PRESENT.get_or_init(|| super::library::held_open(&cudarc::get_lib_name_candidates("nvrtc")))
 }
 
 fn version() -> (i32, i32) {
@@ -27,9 +27,9 @@ pub fn cache_dir() -> Option<PathBuf> {
 }
 
 /// The NVRTC target for `src` on a GPU of compute capability `cc`: `sm_90`, or `sm_90a` for a
-/// source that starts with `wgmma::ARCH_SPECIFIC` (`wgmma` exists only there).
+/// source that starts with `kernels::prelude::ARCH_SPECIFIC` (`wgmma` exists only there).
 pub fn target(src: &str, cc: (i32, i32)) -> String {
-    let suffix = if src.starts_with(super::wgmma::ARCH_SPECIFIC) { "a" } else { "" };
+    let suffix = if src.starts_with(super::kernels::prelude::ARCH_SPECIFIC) { "a" } else { "" };
     format!("sm_{}{}{suffix}", cc.0, cc.1)
 }
 
@@ -47,7 +47,7 @@ pub fn cubin(src: &str, name: &str, arch: &str) -> Result<Vec<u8>> {
     }
     let start = std::time::Instant::now();
     let bin = compile(src, name, arch, true)?;
-    if super::log_on("nvrtc") {
+    if crate::log::enabled("nvrtc") {
         eprintln!("[kiln nvrtc] {name} for {arch}: {:.0} ms", start.elapsed().as_secs_f64() * 1e3);
     }
     if let Some(p) = path {

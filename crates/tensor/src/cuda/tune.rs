@@ -17,6 +17,21 @@ use std::time::{Duration, Instant};
 
 type Choices = HashMap<(usize, u64), Option<usize>>;
 
+thread_local! {
+    static AUTOTUNE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// While on (this thread), new problems are tuned: cuBLASLt's top candidates for a GEMM
+/// (`lt.rs`) and the launch parameters of Kiln's own kernels (`choice`), keeping the fastest.
+pub fn set_autotune(on: bool) {
+    AUTOTUNE.with(|a| a.set(on));
+}
+
+/// Whether `set_autotune` is on for this thread.
+pub fn autotune() -> bool {
+    AUTOTUNE.with(|a| a.get())
+}
+
 /// Choices per (GPU ordinal, problem hash): `Some` once tuned (here or on disk), `None` once
 /// the disk was found to hold none (so a step's every call does not read it again).
 fn chosen() -> &'static Mutex<Choices> {
@@ -35,7 +50,7 @@ pub fn tuning_stats() -> (u64, Duration) {
 /// The choice for `problem` (a kernel's `kind` and what sizes its launch) on `g`: tuned
 /// earlier (in this process or on disk, and still one of `candidates()`, so a stale or damaged
 /// file can never pick a launch the caller did not offer); else, while autotuning
-/// (`lt::set_autotune`, not in a dry run or a capture), the fastest of `candidates()` by
+/// (`set_autotune`, not in a dry run or a capture), the fastest of `candidates()` by
 /// `time` (seconds per run; a candidate whose timing fails is skipped; a single distinct
 /// candidate is taken untimed); else `default`. A call that finds its choice in memory only
 /// hashes `problem` (it runs at every launch of an eager op or an uncaptured step).
@@ -46,7 +61,7 @@ pub(crate) fn choice<P: Hash + Debug>(
     candidates: impl Fn() -> Vec<usize>,
     time: impl Fn(usize) -> Result<f64>,
 ) -> usize {
-    let key = (g.ordinal, super::spec_key(kind, problem));
+    let key = (g.ordinal, super::gpu::spec_key(kind, problem));
     let path = || {
         let name = format!("{kind} {problem:?} sm_{}{} {} SMs", g.arch.0, g.arch.1, g.sms);
         crate::cache_dir("tuned").map(|d| d.join(format!("{:016x}.choice", crate::codegen::fnv1a(name.as_bytes()))))
@@ -61,7 +76,7 @@ pub(crate) fn choice<P: Hash + Debug>(
     if let Some(c) = known {
         return c;
     }
-    if !super::lt::autotune() || super::gpu::is_dry() || g.capturing() {
+    if !autotune() || super::gpu::is_dry() || g.capturing() {
         return default;
     }
     let mut offered = candidates();
@@ -85,7 +100,7 @@ pub(crate) fn choice<P: Hash + Debug>(
     if let Some(p) = path() {
         crate::cache_put(&p, best.1.to_string().as_bytes());
     }
-    if super::log_on("kernels") {
+    if crate::log::enabled("kernels") {
         eprintln!("kiln: tuned {kind} {problem:?}: {} ({:.2} us)", best.1, best.0 * 1e6);
     }
     best.1

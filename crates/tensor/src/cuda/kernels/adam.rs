@@ -5,6 +5,18 @@ use crate::codegen::compute_type;
 use crate::cuda::kernels::prelude::{storage_type, PRELUDE};
 use crate::DType;
 
+/// Adam's hyper-parameters for the device-side update (lr and the step count stay on the
+/// device).
+#[derive(Debug, Clone, Copy)]
+pub struct AdamHyper {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    /// AdamW's decoupled decay (else Adam's L2 term).
+    pub decoupled: bool,
+}
+
 /// Parameters one fused Adam launch updates (`blockIdx.y` picks one).
 pub const ADAM_MAX_TENSORS: usize = 16;
 
@@ -46,7 +58,6 @@ pub use launch::*;
 mod launch {
     use super::*;
     use crate::cuda::kernels::prelude::kernel_params;
-    use crate::storage::Storage;
     use crate::{Error, Result};
 
     /// Mirrors `struct AdamArgs`.
@@ -67,78 +78,47 @@ mod launch {
         pad: i32,
     }
 
-    /// The device address of a tensor's first element (its storage must be on a GPU).
-    fn address(s: &Storage, t: &crate::Tensor) -> Result<u64> {
-        match s {
-            Storage::Cuda(c) => Ok(c.ptr_at(t.layout().offset)),
-            Storage::Cpu(_) => Err(Error::Msg("expected a CUDA tensor".into())),
-        }
+    /// One parameter's part of a launch: its length and the device addresses of its first
+    /// elements in p, g, m, v (and AMSGrad's running maximum; 0 without).
+    #[derive(Debug, Clone, Copy)]
+    pub struct AdamBuffers {
+        pub n: i64,
+        pub p: u64,
+        pub g: u64,
+        pub m: u64,
+        pub v: u64,
+        pub vmax: u64,
     }
 
-    /// The fused Adam update of every parameter in `items` (checked by the caller: contiguous,
-    /// one dtype, shape and GPU per parameter), in launches of up to `ADAM_MAX_TENSORS`
-    /// parameters of one dtype and AMSGrad setting whose storages are all distinct (each launch
-    /// holds every buffer's lock).
-    pub fn adam_step(
-        items: &[&crate::fused::AdamTensors<'_>],
-        lr: &crate::Tensor,
-        step: &crate::Tensor,
-        h: crate::fused::AdamHyper,
+    /// One launch of the fused Adam update over `batch` (at most `ADAM_MAX_TENSORS`
+    /// parameters of one dtype and AMSGrad setting, in distinct live buffers of this GPU),
+    /// reading lr and the step count at device addresses `lr` and `step` (0-dim F64).
+    pub fn adam_launch(
+        ordinal: usize,
+        (dtype, amsgrad): (DType, bool),
+        batch: &[AdamBuffers],
+        (lr, step): (u64, u64),
+        h: AdamHyper,
     ) -> Result<()> {
-        let mut batch: Vec<&crate::fused::AdamTensors<'_>> = Vec::new();
-        for &it in items {
-            let fits = batch.first().is_none_or(|b| b.p.dtype() == it.p.dtype() && b.vmax.is_some() == it.vmax.is_some())
-                && batch.len() < ADAM_MAX_TENSORS
-                && batch.iter().all(|b| b.tensors().all(|x| it.tensors().all(|y| !x.same_storage(y))));
-            if !fits {
-                adam_launch(&batch, lr, step, h)?;
-                batch.clear();
-            }
-            batch.push(it);
+        if batch.len() > ADAM_MAX_TENSORS {
+            return Err(Error::Msg(format!("adam_launch: {} parameters, at most {ADAM_MAX_TENSORS} per launch", batch.len())));
         }
-        adam_launch(&batch, lr, step, h)
-    }
-
-    /// One launch over `batch` (distinct storages, one dtype and AMSGrad setting).
-    fn adam_launch(
-        batch: &[&crate::fused::AdamTensors<'_>],
-        lr: &crate::Tensor,
-        step: &crate::Tensor,
-        h: crate::fused::AdamHyper,
-    ) -> Result<()> {
-        let Some(first) = batch.first() else { return Ok(()) };
-        let mut a =
-            AdamArgs { b1: h.beta1, b2: h.beta2, eps: h.eps, wd: h.weight_decay, decoupled: h.decoupled as i32, ..AdamArgs::default() };
-        // Every buffer stays locked until the launch is queued.
-        let mut writes = Vec::new();
-        let mut reads = Vec::new();
-        for (j, it) in batch.iter().enumerate() {
-            let (ps, ms, vs) = (it.p.storage().write(), it.m.storage().write(), it.v.storage().write());
-            let gs = it.g.storage().read();
-            (a.n[j], a.p[j], a.g[j]) = (it.p.numel() as i64, address(&ps, it.p)?, address(&gs, it.g)?);
-            (a.m[j], a.v[j]) = (address(&ms, it.m)?, address(&vs, it.v)?);
-            if let Some(x) = it.vmax {
-                let xs = x.storage().write();
-                a.x[j] = address(&xs, x)?;
-                writes.push(xs);
-            }
-            writes.extend([ps, ms, vs]);
-            reads.push(gs);
-        }
-        let (ls, ss) = (lr.storage().read(), step.storage().read());
-        let (mut pl, mut pst) = (address(&ls, lr)?, address(&ss, step)?);
-        let Storage::Cuda(pc) = &*writes[0] else { return Err(Error::Msg("adam_step: expected CUDA tensors".into())) };
-        let gpu = crate::cuda::gpu::gpu(pc.gpu().ordinal)?;
-        let most = a.n[..batch.len()].iter().copied().max().unwrap_or(0) as usize;
+        let most = batch.iter().map(|b| b.n).max().unwrap_or(0) as usize;
         if most == 0 {
             return Ok(());
         }
-        let (dtype, ams) = (first.p.dtype(), first.vmax.is_some());
-        let k = gpu.kernel(crate::cuda::spec_key("adam", &(dtype, ams)), || adam_source(dtype, ams))?;
+        let mut a =
+            AdamArgs { b1: h.beta1, b2: h.beta2, eps: h.eps, wd: h.weight_decay, decoupled: h.decoupled as i32, ..AdamArgs::default() };
+        for (j, b) in batch.iter().enumerate() {
+            (a.n[j], a.p[j], a.g[j], a.m[j], a.v[j], a.x[j]) = (b.n, b.p, b.g, b.m, b.v, b.vmax);
+        }
+        let gpu = crate::cuda::gpu::gpu(ordinal)?;
+        let k = gpu.kernel(crate::cuda::gpu::spec_key("adam", &(dtype, amsgrad)), || adam_source(dtype, amsgrad))?;
+        let (mut pl, mut pst) = (lr, step);
         let mut params = kernel_params![pl, pst, a];
         // SAFETY: (lr, step, AdamArgs) as the generated signature; block row j updates parameter j,
-        // its `n` elements from its address in p, g, m, v (and x) on this GPU, locked until queued;
-        // threads past a parameter's length do nothing.
+        // its `n` elements from its addresses in p, g, m, v (and x), live buffers of this GPU
+        // (the caller's contract); threads past a parameter's length do nothing.
         unsafe { gpu.launch(k, (gpu.grid_for(most), batch.len() as u32), 256, 0, &mut params) }
     }
 }

@@ -959,7 +959,7 @@ mod launch {
         )));
         }
         let len = n * t * d;
-        let out = CudaStorage::alloc(g, dtype, if backward { 3 * len } else { len })?;
+        let out = CudaStorage::alloc(&g.mem, dtype, if backward { 3 * len } else { len })?;
         if len == 0 {
             return Ok(out);
         }
@@ -1076,8 +1076,9 @@ mod launch {
         (scale, causal): (f64, bool),
     ) -> Result<()> {
         let most = attention_short_smem(ATTN_SHORT_MAX_T, d) as u32;
-        let k =
-            g.kernel_shared(crate::cuda::spec_key("attn_short", &(dtype, d, causal)), most, || attention_short_source(dtype, d, causal))?;
+        let k = g.kernel_shared(crate::cuda::gpu::spec_key("attn_short", &(dtype, d, causal)), most, || {
+            attention_short_source(dtype, d, causal)
+        })?;
         let ([mut q, mut kp, mut v], [mut mq, mut mk, mut mv]) = ([ins[0].0, ins[1].0, ins[2].0], [ins[0].1, ins[1].1, ins[2].1]);
         let (mut o, mut mo, mut tt, mut sc) = (out, mout, t as i64, scale as f32);
         let mut params = kernel_params![o, q, kp, v, mq, mk, mv, mo, tt, sc];
@@ -1138,13 +1139,14 @@ mod launch {
             // two for nothing, once, into the disk cache).
             const KINDS: [AttnKernel; 3] = [AttnKernel::Fwd, AttnKernel::Dq, AttnKernel::Dkv];
             let bytes = flash_smem_bytes(dtype, d) as u32;
-            let keys = KINDS.map(|k| crate::cuda::spec_key("flash", &(k, dtype, d, causal)));
+            let keys = KINDS.map(|k| crate::cuda::gpu::spec_key("flash", &(k, dtype, d, causal)));
             let ks = g.kernels_together(keys, bytes, |i| flash_source(KINDS[i], dtype, d, causal))?;
             return Ok((ks[KINDS.iter().position(|&k| k == kind).unwrap_or(0)], 128, bytes));
         }
         let bytes = (tiled_smem_floats(kind, d) * 4) as u32;
-        let k =
-            g.kernel_shared(crate::cuda::spec_key("attention", &(kind, dtype, d, causal)), bytes, || tiled_source(kind, dtype, d, causal))?;
+        let k = g.kernel_shared(crate::cuda::gpu::spec_key("attention", &(kind, dtype, d, causal)), bytes, || {
+            tiled_source(kind, dtype, d, causal)
+        })?;
         Ok((k, TILED_THREADS as u32, bytes))
     }
 
@@ -1196,7 +1198,7 @@ mod launch {
         if ins.len() != 5 {
             return Err(Error::Msg("attention_backward: expected q, k, v, out, grad".into()));
         }
-        let stats = CudaStorage::alloc(g, DType::F32, n * t * 2)?;
+        let stats = CudaStorage::alloc(&g.mem, DType::F32, n * t * 2)?;
         let mut sp = stats.buf.ptr;
         let (kq, tq, mq) = attention_kernel(g, AttnKernel::Dq, dtype, d, causal)?;
         let (kkv, tkv, mkv) = attention_kernel(g, AttnKernel::Dkv, dtype, d, causal)?;

@@ -280,7 +280,7 @@ mod launch {
             strided4,
             narrow,
         };
-        let k = g.kernel(crate::cuda::spec_key(prefix, &spec), || spec.source(prefix))?;
+        let k = g.kernel(crate::cuda::gpu::spec_key(prefix, &spec), || spec.source(prefix))?;
         let mut a = Args { n: n as i64, rank: cs.len() as i32, s: extra.0, seed: extra.1, roff: extra.2, ..Args::default() };
         for (d, &x) in cs.iter().enumerate() {
             a.shape[d] = x as i64;
@@ -345,7 +345,7 @@ mod launch {
         meta: &OutMeta,
         extra: (f64, u64, u64),
     ) -> Result<CudaStorage> {
-        let out = CudaStorage::alloc(g, meta.dtype, meta.shape.iter().product())?;
+        let out = CudaStorage::alloc(&g.mem, meta.dtype, meta.shape.iter().product())?;
         launch_ew(g, prefix, expr, compute, ins, &meta.shape, &out, false, extra)?;
         Ok(out)
     }

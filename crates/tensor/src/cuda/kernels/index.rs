@@ -201,7 +201,7 @@ mod launch {
         }
         a.code = index_code(kind);
         let spec = Index { kind, dtype: o.dtype, rows };
-        let k = g.kernel(crate::cuda::spec_key("index", &spec), || spec.source())?;
+        let k = g.kernel(crate::cuda::gpu::spec_key("index", &spec), || spec.source())?;
         let (mut po, mut ps, mut pi, mut pe) = (o.buf.ptr, src, idx, g.err);
         let mut params = kernel_params![po, ps, pi, pe, a];
         // SAFETY: (out, src, idx, err, IArgs) matches the generated signature; the buffers are
@@ -231,7 +231,7 @@ mod launch {
         meta: &OutMeta,
     ) -> Result<CudaStorage> {
         let (src, idx) = (dense(g, s, l)?, dense(g, si, li)?);
-        let out = CudaStorage::alloc(g, meta.dtype, meta.shape.iter().product())?;
+        let out = CudaStorage::alloc(&g.mem, meta.dtype, meta.shape.iter().product())?;
         let a = if kind == IndexKind::Select {
             let (outer, size, inner) = split3(&l.shape, dim);
             IArgs { n: out.len as i64, outer, size, inner, nidx: li.shape[0] as i64, ..IArgs::default() }
@@ -276,7 +276,7 @@ mod launch {
 
     /// Each input copied into its slice of the output.
     pub(crate) fn cat(g: &Arc<Gpu>, x: &[(&CudaStorage, &Layout)], dim: usize, meta: &OutMeta) -> Result<CudaStorage> {
-        let out = CudaStorage::alloc(g, meta.dtype, meta.shape.iter().product())?;
+        let out = CudaStorage::alloc(&g.mem, meta.dtype, meta.shape.iter().product())?;
         let full = Layout::contiguous(&meta.shape);
         let mut start = 0;
         for (s, l) in x {
@@ -297,15 +297,15 @@ mod launch {
     pub(crate) fn argsort(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), descending: bool) -> Result<CudaStorage> {
         let n = l.shape[l.rank() - 1];
         let rows = l.numel().checked_div(n).unwrap_or(0);
-        let out = CudaStorage::alloc(g, DType::I64, rows * n)?;
+        let out = CudaStorage::alloc(&g.mem, DType::I64, rows * n)?;
         if rows == 0 {
             return Ok(out);
         }
         let p = n.next_power_of_two();
         let key_dtype = sort_key_dtype(s.dtype);
         let src = dense(g, s, l)?;
-        let (keys, pos) = (CudaStorage::alloc(g, key_dtype, rows * p)?, CudaStorage::alloc(g, DType::I64, rows * p)?);
-        let k = g.kernel(crate::cuda::spec_key("argsort", &(s.dtype, descending)), || argsort_source(s.dtype, descending))?;
+        let (keys, pos) = (CudaStorage::alloc(&g.mem, key_dtype, rows * p)?, CudaStorage::alloc(&g.mem, DType::I64, rows * p)?);
+        let k = g.kernel(crate::cuda::gpu::spec_key("argsort", &(s.dtype, descending)), || argsort_source(s.dtype, descending))?;
         let run = |phase: i32, (j, kk): (i64, i64)| -> Result<()> {
             let (mut po, mut px, mut pk, mut pp) = (out.buf.ptr, src.ptr(), keys.buf.ptr, pos.buf.ptr);
             let (mut total, mut nn, mut pw, mut jj, mut kkk, mut ph) = ((rows * p) as i64, n as i64, p as i64, j, kk, phase);
@@ -329,7 +329,7 @@ mod launch {
         Ok(out)
     }
 
-    /// The device error word's code for `kind` (`prelude::index_op_name` names it back).
+    /// The device error word's code for `kind` (`gpu::index_op_name` names it back).
     fn index_code(kind: IndexKind) -> i64 {
         match kind {
             IndexKind::Select => 1,

@@ -12,6 +12,7 @@ pub mod prelude;
 pub mod products;
 pub mod reduce;
 pub mod rows;
+pub mod wgmma;
 
 #[cfg(feature = "cuda")]
 pub use dispatch::*;
@@ -23,7 +24,7 @@ mod dispatch {
     use crate::cuda::kernels::attention::attention;
     use crate::cuda::kernels::elementwise::{dense_copy, ew_with, launch_ew, NO_EXTRA};
     use crate::cuda::kernels::index::{argsort, cat, index_add, index_read, IndexKind};
-    use crate::cuda::kernels::prelude::{storages, zero, CudaStorage};
+    use crate::cuda::kernels::prelude::{storages, CudaStorage};
     use crate::cuda::kernels::products::linear_cross_entropy_mean;
     use crate::cuda::kernels::reduce::{gated_sums, reduce};
     use crate::cuda::kernels::rows::{cross_entropy, cross_entropy_mean, layer_norm_param_grads, normalize, softmax, softmax_backward};
@@ -49,8 +50,8 @@ mod dispatch {
             Op::Contiguous => dense_copy(&g, x[0].0, x[0].1)?,
             // Zeros (every dtype's zero is all zero bytes) need no kernel: a memset.
             Op::Full { value, .. } if value.to_bits() == 0 => {
-                let out = CudaStorage::alloc(&g, meta.dtype, meta.shape.iter().product())?;
-                zero(&g, &out)?;
+                let out = CudaStorage::alloc(&g.mem, meta.dtype, meta.shape.iter().product())?;
+                g.zero(&out)?;
                 out
             }
             Op::Full { .. }
@@ -102,7 +103,7 @@ mod dispatch {
     /// Runs an in-place op on `dst` (read and written through `ld`).
     pub fn run_inplace(op: &Op, dst: &mut Storage, ld: &Layout, src: Option<(&Storage, &Layout)>) -> Result<()> {
         let Storage::Cuda(d) = dst else { return Err(Error::Msg("cuda::run_inplace on a CPU buffer".into())) };
-        let g = crate::cuda::gpu::gpu(d.gpu().ordinal)?;
+        let g = crate::cuda::gpu::gpu(d.ordinal())?;
         let source = || -> Result<(&CudaStorage, &Layout)> {
             match src {
                 Some((Storage::Cuda(s), l)) => Ok((s, l)),

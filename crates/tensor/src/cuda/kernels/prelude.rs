@@ -21,12 +21,6 @@ pub const SLOTS: usize = 4;
 const PRIOR_WAIT: &str = "\n#if __CUDA_ARCH__ >= 900\n  asm volatile(\"griddepcontrol.wait;\" ::: \"memory\");\n#ifndef LATE_NEXT\n  \
                           asm volatile(\"griddepcontrol.launch_dependents;\" ::: \"memory\");\n#endif\n#endif\n";
 
-/// Defined by the long compute-bound kernels (the Hopper GEMM, attention): they let the next
-/// kernel launch only as their blocks finish: the next kernel's blocks waiting beside theirs
-/// on the SMs slow the Transformer forward, while the small kernels of a step like MLP b32's
-/// gain from launching the next early (BENCHMARKS.md).
-pub const LATE_NEXT: &str = "#define LATE_NEXT\n";
-
 /// `src` with `PRIOR_WAIT` as the first statements of every kernel (after
 /// the opening brace of each `__global__` function's body: signatures hold no braces).
 pub fn waiting_for_prior(src: &str) -> String {
@@ -42,6 +36,16 @@ pub fn waiting_for_prior(src: &str) -> String {
     out.push_str(rest);
     out
 }
+
+/// Marks a source that must be compiled for the architecture-specific target (`sm_90a`):
+/// `wgmma` exists nowhere else. `nvrtc::target` reads it.
+pub const ARCH_SPECIFIC: &str = "// kiln: arch-specific (sm_90a)\n";
+
+/// Defined by the long compute-bound kernels (the Hopper GEMM, attention): they let the next
+/// kernel launch only as their blocks finish: the next kernel's blocks waiting beside theirs
+/// on the SMs slow the Transformer forward, while the small kernels of a step like MLP b32's
+/// gain from launching the next early (BENCHMARKS.md).
+pub const LATE_NEXT: &str = "#define LATE_NEXT\n";
 
 pub const PRELUDE: &str = r#"
 struct h16 { unsigned short x; };
@@ -282,49 +286,12 @@ pub use launch::*;
 /// The launches (feature `cuda`).
 #[cfg(feature = "cuda")]
 mod launch {
-    use crate::cuda::gpu::{DeviceBuffer, Gpu};
-
     use super::MAX_RANK;
 
     use crate::shape::Layout;
+    pub use crate::storage::cuda::{CudaStorage, RowLse};
     use crate::storage::Storage;
-    use crate::{DType, Device, Error, Result};
-    use std::sync::Arc;
-
-    /// A device buffer holding `len` elements of `dtype`.
-    #[derive(Debug)]
-    pub struct CudaStorage {
-        pub buf: DeviceBuffer,
-        pub dtype: DType,
-        pub len: usize,
-        /// With a flash attention forward's output: each row's log-sum-exp, for its backward.
-        pub lse: Option<RowLse>,
-    }
-
-    impl CudaStorage {
-        pub fn alloc(g: &Arc<Gpu>, dtype: DType, len: usize) -> Result<CudaStorage> {
-            Ok(CudaStorage { buf: g.alloc(len * dtype.size_in_bytes())?, dtype, len, lse: None })
-        }
-        pub fn device(&self) -> Device {
-            Device::Cuda(self.buf.gpu.ordinal)
-        }
-        pub fn dtype(&self) -> DType {
-            self.dtype
-        }
-        pub fn len(&self) -> usize {
-            self.len
-        }
-        pub fn is_empty(&self) -> bool {
-            self.len == 0
-        }
-        pub fn gpu(&self) -> &Arc<Gpu> {
-            &self.buf.gpu
-        }
-        /// The device address of element `offset`.
-        pub fn ptr_at(&self, offset: usize) -> u64 {
-            self.buf.ptr + (offset * self.dtype.size_in_bytes()) as u64
-        }
-    }
+    use crate::{Error, Result};
 
     /// A kernel's parameter array: the address of each argument, in order.
     macro_rules! kernel_params {
@@ -367,40 +334,6 @@ mod launch {
             .collect()
     }
 
-    /// Zeros all of `s` (on the stream).
-    pub(crate) fn zero(g: &Arc<Gpu>, s: &CudaStorage) -> Result<()> {
-        if crate::cuda::gpu::is_dry() {
-            return Ok(());
-        }
-        g.bind()?;
-        // SAFETY: `s` owns `len` elements of its dtype on this GPU.
-        unsafe { cudarc::driver::result::memset_d8_async(s.buf.ptr, 0, s.len * s.dtype.size_in_bytes(), g.stream.cu_stream()) }
-            .map_err(|e| Error::Cuda(format!("memset: {e}")))
-    }
-
     /// A buffer read through a layout.
     pub(crate) type View<'a> = (&'a CudaStorage, &'a Layout);
-
-    /// The per-row log-sum-exp (base 2, of the scaled scores) of the attention forward whose output
-    /// holds it: `rows` = matrices x T, for this scale and mask. Its backward reads it instead of
-    /// recomputing every row's scores once more.
-    #[derive(Debug)]
-    pub struct RowLse {
-        pub(crate) buf: DeviceBuffer,
-        pub(crate) rows: usize,
-        pub(crate) scale: f64,
-        pub(crate) causal: bool,
-    }
-
-    /// The kernels that set the device error word, in code order (code = position + 1; 0
-    /// means no error): the index kernels, then cross-entropy's target check.
-    const ERROR_SOURCES: [&str; 5] = ["index_select", "index_add", "gather", "scatter_add", "cross_entropy (a target class)"];
-
-    /// The error code of a cross-entropy target out of range.
-    pub(crate) const XENT_CODE: i64 = ERROR_SOURCES.len() as i64;
-
-    /// The op an error code in the device error word stands for.
-    pub fn index_op_name(code: i64) -> &'static str {
-        ERROR_SOURCES.get((code - 1).max(0) as usize).copied().unwrap_or("an index kernel")
-    }
 }

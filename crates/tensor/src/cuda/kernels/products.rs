@@ -566,9 +566,9 @@ mod launch {
         let cluster = g.has_clusters();
         let (per, blocks) = linear_xent_blocks(n, cluster);
         let (dw, db, dh, len) = crate::op::linear_xent_parts(n, c, f);
-        let out = CudaStorage::alloc(g, sh.dtype, len)?;
+        let out = CudaStorage::alloc(&g.mem, sh.dtype, len)?;
         let targets = dense(g, st, lt)?;
-        let k = g.kernel_shared(crate::cuda::spec_key("linear_xent", &(sh.dtype, cluster)), LINEAR_XENT_MAX_SMEM as u32, || {
+        let k = g.kernel_shared(crate::cuda::gpu::spec_key("linear_xent", &(sh.dtype, cluster)), LINEAR_XENT_MAX_SMEM as u32, || {
             linear_xent_source(sh.dtype, cluster)
         })?;
         let i = |v: usize| v as i64;
@@ -641,10 +641,10 @@ mod launch {
         // The kernel and its grid: a cluster of FEW_SPLIT blocks per FEW_COLS columns, each
         // block all of the m rows; or a warp per row of A, NARROW_THREADS / 32 rows a block.
         let (k_fn, grid, threads, cluster) = if few {
-            let k_fn = g.kernel(crate::cuda::spec_key("matmul_few", &()), matmul_few_source)?;
+            let k_fn = g.kernel(crate::cuda::gpu::spec_key("matmul_few", &()), matmul_few_source)?;
             (k_fn, (n.div_ceil(FEW_COLS) as u32, 1, FEW_SPLIT as u32), FEW_THREADS, Some(FEW_SPLIT as u32))
         } else {
-            let k_fn = g.kernel(crate::cuda::spec_key("matmul_narrow", &(out.dtype, n)), || matmul_narrow_source(out.dtype, n))?;
+            let k_fn = g.kernel(crate::cuda::gpu::spec_key("matmul_narrow", &(out.dtype, n)), || matmul_narrow_source(out.dtype, n))?;
             (k_fn, (m.div_ceil(NARROW_THREADS / 32) as u32, 1, 1), NARROW_THREADS, None)
         };
         let i = |v: usize| v as i64;
@@ -701,12 +701,12 @@ mod launch {
         out: &CudaStorage,
     ) -> Result<()> {
         let (m, k, n) = (la.shape[0], la.shape[1], lb.shape[1]);
-        let [part_k, fold_k] = g.kernel_set(crate::cuda::spec_key("matmul_short", &(out.dtype, m, sums.is_some())), || {
+        let [part_k, fold_k] = g.kernel_set(crate::cuda::gpu::spec_key("matmul_short", &(out.dtype, m, sums.is_some())), || {
             let (src, name) = matmul_short_source(out.dtype, m, sums.is_some());
             (src, name.clone(), [format!("{name}_part"), format!("{name}_fold")])
         })?;
         let (chunks, ldp) = (k.div_ceil(SHORT_CHUNK), n + sums.is_some() as usize);
-        let part = CudaStorage::alloc(g, out.dtype, chunks * m * ldp)?;
+        let part = CudaStorage::alloc(&g.mem, out.dtype, chunks * m * ldp)?;
         let mut a = SArgs {
             n: n as i64,
             k: k as i64,
@@ -762,7 +762,7 @@ mod launch {
         let rows4 = |l: &Layout| l.strides[1] == 1 && l.strides[0] % 4 == 0 && l.offset % 4 == 0;
         let vec4 = n % 4 == 0 && rows4(lb) && drelu.is_none_or(|(_, l)| rows4(l));
         let (dr, sums) = (drelu.is_some(), sums_at.is_some());
-        let key = crate::cuda::spec_key("matmul_thin", &(out.dtype, k, dr, vec4, sums));
+        let key = crate::cuda::gpu::spec_key("matmul_thin", &(out.dtype, k, dr, vec4, sums));
         let kf = g.kernel(key, || matmul_thin_source(out.dtype, k, dr, vec4, sums))?;
         let hs = |d: usize| drelu.map_or(0, |(_, l)| l.strides[d] as i64);
         let mut a = TArgs {
@@ -819,23 +819,23 @@ mod launch {
     /// them in order through its shared memory and applies the epilogue.
     pub(crate) fn matmul_wgmma(
         g: &Arc<Gpu>,
-        spec: crate::cuda::wgmma::Spec,
+        spec: crate::cuda::kernels::wgmma::Spec,
         (sa, la, a_rows): (&CudaStorage, &Layout, Option<(usize, usize)>),
         (sb, lb): (&CudaStorage, &Layout),
         (bias, aux, residual): (Option<u64>, Option<(u64, usize)>, Option<u64>),
         out: &CudaStorage,
     ) -> Result<()> {
-        use crate::cuda::wgmma::{BM, BN, THREADS};
-        let spec = crate::cuda::wgmma::Spec { map_a: a_rows.is_some(), ..spec };
+        use crate::cuda::kernels::wgmma::{BM, BN, THREADS};
+        let spec = crate::cuda::kernels::wgmma::Spec { map_a: a_rows.is_some(), ..spec };
         WGMMA_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let (m, k, n) = (la.shape[0], la.shape[1], lb.shape[1]);
         let shared = spec.shared_bytes() as u32;
-        let gemm = g.kernel_shared(crate::cuda::spec_key("matmul_wgmma", &spec), shared, || spec.source())?;
+        let gemm = g.kernel_shared(crate::cuda::gpu::spec_key("matmul_wgmma", &spec), shared, || spec.source())?;
         let (pa, pb, pc) = (sa.ptr_at(la.offset), sb.ptr_at(lb.offset), out.buf.ptr);
         let (pbias, paux, pres) = (bias.unwrap_or(0), aux.map_or(0, |(p, _)| p), residual.unwrap_or(0));
         // The product with its contraction in `parts` parts (`wgmma::split_into`).
         let run = |parts: usize| -> Result<()> {
-            let (splits, depth) = crate::cuda::wgmma::split_into(k, parts);
+            let (splits, depth) = crate::cuda::kernels::wgmma::split_into(k, parts);
             let mut a = GArgs {
                 lda: la.strides[spec.ta as usize] as i64,
                 ldb: lb.strides[spec.tb as usize] as i64,
@@ -869,8 +869,8 @@ mod launch {
         // count within a wave. (Every run writes the same output: the product is read-only input
         // to nothing it writes; `out` is fresh, never the residual.)
         let sms = g.sms as usize;
-        let default = crate::cuda::wgmma::splits(m, n, k, sms).0;
-        let candidates = || crate::cuda::wgmma::split_candidates(m, n, k, sms);
+        let default = crate::cuda::kernels::wgmma::splits(m, n, k, sms).0;
+        let candidates = || crate::cuda::kernels::wgmma::split_candidates(m, n, k, sms);
         let problem = (spec, m, n, k, a_rows);
         let parts =
             crate::cuda::tune::choice(g, ("matmul_wgmma", &problem), default, candidates, |p| crate::cuda::tune::time_graph(g, || run(p)));

@@ -248,7 +248,7 @@ mod launch {
     use super::*;
     use crate::cuda::gpu::Gpu;
     use crate::cuda::kernels::elementwise::dense;
-    use crate::cuda::kernels::prelude::{coalesce, kernel_params, too_many_dims, zero, CudaStorage, View, MAX_RANK};
+    use crate::cuda::kernels::prelude::{coalesce, kernel_params, too_many_dims, CudaStorage, View, MAX_RANK};
     use crate::op::{OutMeta, ReduceOp};
     use crate::shape::Layout;
     use crate::{DType, Result};
@@ -293,10 +293,10 @@ mod launch {
         let (dtype, numel) = (a.0.dtype, a.1.numel());
         let n = a.1.shape[a.1.rank() - 1];
         let at = crate::op::matmul_tail_offset(numel);
-        let out = CudaStorage::alloc(g, dtype, at + n)?;
+        let out = CudaStorage::alloc(&g.mem, dtype, at + n)?;
         let rows = numel.checked_div(n).unwrap_or(0);
         if rows == 0 || n == 0 {
-            return zero(g, &out).map(|_| out);
+            return g.zero(&out).map(|_| out);
         }
         let (ad, hd) = (dense(g, a.0, a.1)?, dense(g, h.0, h.1)?);
         let wide = 16 / dtype.size_in_bytes();
@@ -327,11 +327,11 @@ mod launch {
             let acc = accumulator(self.x.0.dtype);
             let choice = crate::cuda::tune::choice(g, ("column_sums", &problem), pack(chunks_for(v), v), candidates, |c| {
                 let (chunks, v) = unpack(c);
-                let part = CudaStorage::alloc(g, acc, chunks * n)?;
+                let part = CudaStorage::alloc(&g.mem, acc, chunks * n)?;
                 crate::cuda::tune::time_graph(g, || self.launch(g, v, chunks, part.buf.ptr))
             });
             let (chunks, v) = unpack(choice);
-            let part = CudaStorage::alloc(g, acc, chunks * n)?;
+            let part = CudaStorage::alloc(&g.mem, acc, chunks * n)?;
             self.launch(g, v, chunks, part.buf.ptr)
         }
     }
@@ -358,8 +358,8 @@ mod launch {
             debug_assert!(self.gate.is_none() || self.ld == self.n, "a gated kernel's x, h and y are dense");
             let (dtype, out_dtype) = (self.x.0.dtype, self.out.0);
             let gate = self.gate.map(|(u, _, _)| u);
-            let kf = g.kernel(crate::cuda::spec_key("column_sums", &(dtype, v, gate)), || column_sums_source(dtype, v, gate))?;
-            let kfold = g.kernel(crate::cuda::spec_key("column_sums_fold", &out_dtype), || column_sums_fold_source(out_dtype))?;
+            let kf = g.kernel(crate::cuda::gpu::spec_key("column_sums", &(dtype, v, gate)), || column_sums_source(dtype, v, gate))?;
+            let kfold = g.kernel(crate::cuda::gpu::spec_key("column_sums_fold", &out_dtype), || column_sums_fold_source(out_dtype))?;
             let chunk = self.rows.div_ceil(chunks.max(1)).max(1);
             let chunks = self.rows.div_ceil(chunk).max(1);
             let tiles = self.n.div_ceil(32 * v);
@@ -412,7 +412,7 @@ mod launch {
         dims: &[usize],
         meta: &OutMeta,
     ) -> Result<CudaStorage> {
-        let out = CudaStorage::alloc(g, meta.dtype, meta.shape.iter().product())?;
+        let out = CudaStorage::alloc(&g.mem, meta.dtype, meta.shape.iter().product())?;
         reduce_into(g, op, s, l, dims, &out, true)?;
         Ok(out)
     }
@@ -481,10 +481,10 @@ mod launch {
         } else {
             (ReduceMode::Warp, 1)
         };
-        let partial = if chunks > 1 { Some(CudaStorage::alloc(g, accumulator(s.dtype), rows * chunks)?) } else { None };
+        let partial = if chunks > 1 { Some(CudaStorage::alloc(&g.mem, accumulator(s.dtype), rows * chunks)?) } else { None };
         let dst = partial.as_ref().unwrap_or(out);
         let spec = Reduce { op, input: s.dtype, out: dst.dtype, one_dim: rs.len() <= 1, mode };
-        let k = g.kernel(crate::cuda::spec_key("reduce", &spec), || spec.source())?;
+        let k = g.kernel(crate::cuda::gpu::spec_key("reduce", &spec), || spec.source())?;
         let chunk_len = red.div_ceil(chunks).max(1);
         let mut a = RArgs {
             rows: rows as i64,

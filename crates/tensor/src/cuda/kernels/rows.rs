@@ -463,9 +463,9 @@ pub(crate) use launch::*;
 #[cfg(feature = "cuda")]
 mod launch {
     use super::*;
-    use crate::cuda::gpu::Gpu;
+    use crate::cuda::gpu::{Gpu, XENT_CODE};
     use crate::cuda::kernels::elementwise::{dense, Dense};
-    use crate::cuda::kernels::prelude::{coalesce, kernel_params, storages, too_many_dims, zero, CudaStorage, View, MAX_RANK, XENT_CODE};
+    use crate::cuda::kernels::prelude::{coalesce, kernel_params, storages, too_many_dims, CudaStorage, View, MAX_RANK};
     use crate::cuda::kernels::reduce::{accumulator, reduce_into, RArgs};
     use crate::op::{Op, ReduceOp};
     use crate::shape::Layout;
@@ -475,7 +475,7 @@ mod launch {
 
     /// Softmax over the last dim of `s` read through `l`, into a contiguous buffer.
     pub(crate) fn softmax(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), (log, scale, causal): (bool, f64, bool)) -> Result<CudaStorage> {
-        let out = CudaStorage::alloc(g, s.dtype, l.numel())?;
+        let out = CudaStorage::alloc(&g.mem, s.dtype, l.numel())?;
         let r = l.rank();
         let (ks, kst) = coalesce(&l.shape[..r - 1], &[l.strides[..r - 1].to_vec()]);
         if ks.len() > MAX_RANK {
@@ -486,8 +486,9 @@ mod launch {
             return Ok(out);
         }
         let (block, grid, threads) = row_launch(rows, n);
-        let k =
-            g.kernel(crate::cuda::spec_key("softmax", &(s.dtype, log, block, causal)), || softmax_source(s.dtype, log, block, causal))?;
+        let k = g.kernel(crate::cuda::gpu::spec_key("softmax", &(s.dtype, log, block, causal)), || {
+            softmax_source(s.dtype, log, block, causal)
+        })?;
         let qlen = if r >= 2 { l.shape[r - 2].max(1) as i64 } else { 1 };
         let mut a = RArgs {
             rows: rows as i64,
@@ -542,7 +543,7 @@ mod launch {
         out_dtype: DType,
         kernel: impl FnOnce(bool, bool) -> Result<crate::cuda::gpu::Kernel>,
     ) -> Result<CudaStorage> {
-        let out = CudaStorage::alloc(g, out_dtype, l.numel())?;
+        let out = CudaStorage::alloc(&g.mem, out_dtype, l.numel())?;
         let n = l.shape[l.rank() - 1];
         let rows = l.numel().checked_div(n).unwrap_or(0);
         if rows == 0 {
@@ -577,7 +578,7 @@ mod launch {
         if x.len() < 3 {
             return Err(Error::Msg("layer_norm_grads_with_copy: the copy needs the weight".into()));
         }
-        let copy = CudaStorage::alloc(&g, *t, x[0].1.numel())?;
+        let copy = CudaStorage::alloc(&g.mem, *t, x[0].1.numel())?;
         let flat = layer_norm_param_grads(&g, x[0], x[1], (x.get(2).copied(), x.get(3).copied()), (*eps, *sums), Some(&copy))?;
         Ok((Storage::Cuda(flat), Storage::Cuda(copy)))
     }
@@ -602,13 +603,13 @@ mod launch {
         let dx_at = crate::op::ln_grads_dx_at(n, sums.is_some());
         // Rows of partials each block writes: dw, db (and the sums).
         let rows_k = 2 + sums.is_some() as usize;
-        let out = CudaStorage::alloc(g, dtype, if w.is_some() { dx_at + x.1.numel() } else { 2 * n })?;
+        let out = CudaStorage::alloc(&g.mem, dtype, if w.is_some() { dx_at + x.1.numel() } else { 2 * n })?;
         let tiles = n.div_ceil(32);
         if n > LN_GRADS_MAX_N {
             return Err(Error::shape("layer_norm_param_grads", format!("rows of {n} exceed the kernel's {}", LN_GRADS_MAX_N)));
         }
         if rows == 0 || n == 0 {
-            zero(g, &out)?;
+            g.zero(&out)?;
             return Ok(out);
         }
         let (xd, gd) = (dense(g, x.0, x.1)?, dense(g, grad.0, grad.1)?);
@@ -636,7 +637,7 @@ mod launch {
         let (most, shared) = (ln_grads_stage_bytes(32 * tiles, dtype, gdt, stage), ln_grads_stage_bytes(n, dtype, gdt, stage));
         let copy = copy.filter(|_| with_dx);
         let parts = LnGradsParts { dx: with_dx, resid, sums, copy: copy.map(|c| c.dtype) };
-        let k = g.kernel_shared(crate::cuda::spec_key("ln_param_grads", &(dtype, tiles, gdt, stage, parts)), most as u32, || {
+        let k = g.kernel_shared(crate::cuda::gpu::spec_key("ln_param_grads", &(dtype, tiles, gdt, stage, parts)), most as u32, || {
             layer_norm_param_grads_source(dtype, tiles, parts, gdt, stage)
         })?;
         let pc = copy.map_or(0, |c| c.buf.ptr);
@@ -672,10 +673,10 @@ mod launch {
         let candidates = || [2, 1, 3, 4, 6].iter().map(|b| (b * sms).min(rows)).collect();
         let problem = (dtype, gdt, rows, n, stage, parts);
         let want = crate::cuda::tune::choice(g, ("ln_param_grads", &problem), default, candidates, |b| {
-            let part = CudaStorage::alloc(g, accumulator(dtype), b * rows_k * n)?;
+            let part = CudaStorage::alloc(&g.mem, accumulator(dtype), b * rows_k * n)?;
             crate::cuda::tune::time_graph(g, || run(b, &part))
         });
-        let part = CudaStorage::alloc(g, accumulator(dtype), want * rows_k * n)?;
+        let part = CudaStorage::alloc(&g.mem, accumulator(dtype), want * rows_k * n)?;
         run(want, &part)?;
         Ok(out)
     }
@@ -705,9 +706,9 @@ mod launch {
         let rows_kernel = dtype == DType::F32 && !backward && n % 128 == 0 && n <= LN_ROWS_MAX_N && (extra[1] != 0) == has;
         row_pair(g, x, grad, (eps, extra), out, |block, aligned| {
             if rows_kernel && !block && aligned {
-                return g.kernel(crate::cuda::spec_key("normalize_rows", &(n, has, out)), || normalize_rows_source(n / 128, has, out));
+                return g.kernel(crate::cuda::gpu::spec_key("normalize_rows", &(n, has, out)), || normalize_rows_source(n / 128, has, out));
             }
-            g.kernel(crate::cuda::spec_key("normalize", &(dtype, backward, has, block, out)), || {
+            g.kernel(crate::cuda::gpu::spec_key("normalize", &(dtype, backward, has, block, out)), || {
                 normalize_source(dtype, backward, has, block, out)
             })
         })
@@ -724,7 +725,7 @@ mod launch {
     ) -> Result<CudaStorage> {
         let dtype = y.0.dtype;
         row_pair(g, y, Some(grad), (scale, [0, 0]), dtype, |block, _| {
-            g.kernel(crate::cuda::spec_key("softmax_backward", &(dtype, log, block)), || softmax_backward_source(dtype, log, block))
+            g.kernel(crate::cuda::gpu::spec_key("softmax_backward", &(dtype, log, block)), || softmax_backward_source(dtype, log, block))
         })
     }
 
@@ -747,7 +748,7 @@ mod launch {
         let ((s, l), (st, lt)) = (x[0], x[1]);
         let (rows, n) = (l.shape[0], l.shape[1]);
         let backward = x.len() == 3;
-        let out = CudaStorage::alloc(g, s.dtype, if backward { rows * n } else { rows })?;
+        let out = CudaStorage::alloc(&g.mem, s.dtype, if backward { rows * n } else { rows })?;
         if rows == 0 {
             return Ok(out);
         }
@@ -756,7 +757,7 @@ mod launch {
         }
         let (logits, targets) = (dense(g, s, l)?, dense(g, st, lt)?);
         let (block, grid, threads) = row_launch(rows, n);
-        let k = g.kernel(crate::cuda::spec_key("cross_entropy", &(s.dtype, backward, block)), || {
+        let k = g.kernel(crate::cuda::gpu::spec_key("cross_entropy", &(s.dtype, backward, block)), || {
             cross_entropy_source(s.dtype, backward, block)
         })?;
         let (mut pg, gst) =
@@ -788,7 +789,7 @@ mod launch {
     ) -> Result<CudaStorage> {
         let ((s, l), (st, lt)) = (x[0], x[1]);
         let (rows, n) = (l.shape[0], l.shape[1]);
-        let out = CudaStorage::alloc(g, s.dtype, crate::op::XENT_GRAD_AT + rows * n)?;
+        let out = CudaStorage::alloc(&g.mem, s.dtype, crate::op::XENT_GRAD_AT + rows * n)?;
         if n == 0 && rows > 0 {
             return Err(Error::shape("cross_entropy_mean", format!("needs at least one class, got logits {:?}", l.shape)));
         }
@@ -803,7 +804,7 @@ mod launch {
                 format!("logits {:?} need {blocks} blocks, more than the kernel's {most}", l.shape),
             ));
         }
-        let k = g.kernel(crate::cuda::spec_key("cross_entropy_mean", &(s.dtype, tpr)), || cross_entropy_mean_source(s.dtype, tpr))?;
+        let k = g.kernel(crate::cuda::gpu::spec_key("cross_entropy_mean", &(s.dtype, tpr)), || cross_entropy_mean_source(s.dtype, tpr))?;
         let mut a = XArgs::new(rows, n, ignore, smoothing, 0);
         let (mut o, mut px, mut pt, mut pe) = (out.buf.ptr, logits.ptr(), targets.ptr(), g.err);
         let mut params = kernel_params![o, px, pt, pe, a];

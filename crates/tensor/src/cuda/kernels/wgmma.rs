@@ -6,7 +6,7 @@
 //!
 //! A block of two warpgroups computes a `128 x 128` tile of `c = a @ b` and its epilogue.
 //! Every thread loads its share of a 32-deep slice of A and B into registers (16-byte loads,
-//! whatever the operands' transposes), splits it (`super::kernels::prelude::TF32`) and stores both parts in
+//! whatever the operands' transposes), splits it (`super::prelude::TF32`) and stores both parts in
 //! shared memory in the K-major, 128-byte-swizzled layout `wgmma` reads (a transposed operand
 //! is turned on the way). Two stages, one barrier a slice: the next slice is stored and the one after loaded
 //! while the tensor cores run this one. The tensor cores' F32 accumulation truncates, so each
@@ -14,7 +14,7 @@
 //! the error stays below SGEMM's (4096^3: 3.1e-7 relative against cuBLAS's 1.2e-6; 2.9e-5
 //! with one accumulator, growing with k).
 
-use super::kernels::prelude::{CLUSTER, LATE_NEXT, PRELUDE, TF32};
+use super::prelude::{ARCH_SPECIFIC, CLUSTER, LATE_NEXT, PRELUDE, TF32};
 use crate::UnaryOp;
 
 /// Rows of a block's tile (two warpgroups of 64).
@@ -61,10 +61,6 @@ pub const MIN_SPLIT_SLICES: usize = 2;
 /// The most parts a contraction is split into: a tile's parts run as one thread block
 /// cluster, and 8 is the largest cluster every Hopper part schedules.
 pub const MAX_PARTS: usize = 8;
-
-/// Marks a source that must be compiled for the architecture-specific target (`sm_90a`):
-/// `wgmma` exists nowhere else. `nvrtc::target` reads it.
-pub const ARCH_SPECIFIC: &str = "// kiln: arch-specific (sm_90a)\n";
 
 /// One compiled variant of the GEMM: the operands' layouts and the epilogue, applied to each
 /// output `v` at row `r`, column `j` in this order: `v += bias[j]`; with `keep`, `aux[r, j] = v`

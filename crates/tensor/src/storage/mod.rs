@@ -1,7 +1,10 @@
 //! Where the numbers are: a CPU buffer or a CUDA buffer, shared between views and mutated
 //! only by in-place ops (which bump the version so autograd can catch stale saved tensors).
 
-use crate::cpu::pool;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod pool;
+
 use crate::{DType, Device, Element};
 use half::{bf16, f16};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -125,7 +128,7 @@ impl Drop for CpuStorage {
 pub enum Storage {
     Cpu(CpuStorage),
     #[cfg(feature = "cuda")]
-    Cuda(crate::cuda::CudaStorage),
+    Cuda(cuda::CudaStorage),
 }
 
 impl Storage {
