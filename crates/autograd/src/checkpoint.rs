@@ -1,7 +1,7 @@
 //! Activation checkpointing (`torch.utils.checkpoint`): a function's intermediate values are
 //! not kept for backward but recomputed from its inputs when backward reaches its output.
 
-use crate::{backward_with, run, GradModeGuard};
+use crate::engine::{backward_with, run, GradModeGuard};
 use kiln_tensor::{no_grad, rng, Autocast, CustomBackward, Error, Result, Tensor, TensorId};
 use std::collections::HashSet;
 use std::sync::Arc;

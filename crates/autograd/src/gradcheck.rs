@@ -1,7 +1,7 @@
 //! Finite-difference gradient checking: the analytic gradient of `sum(f(x) * r)` for a fixed
 //! random `r` against central differences, element by element, in f64.
 
-use crate::{backward, NoGradGuard};
+use crate::engine::{backward, NoGradGuard};
 use kiln_tensor::{DType, Device, Distribution, Error, Result, Tensor};
 
 #[derive(Debug, Clone, Copy)]

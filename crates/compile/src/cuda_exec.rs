@@ -218,7 +218,7 @@ fn fused_kernels(g: &Graph, plan: &Plan, capture: bool) -> Result<(Vec<FusedKern
 /// `exec::Program::new`), after the groups as `KILN_LOG=fusion` lists them.
 pub fn gpu_sources(g: &Graph, plan: &Plan, capture: bool) -> Result<String> {
     let (specs, _) = fused_kernels(g, plan, capture)?;
-    let report: String = crate::groups_report(g, plan).lines().filter(|l| !l.is_empty()).map(|l| format!("//{l}\n")).collect();
+    let report: String = crate::fusion::groups_report(g, plan).lines().filter(|l| !l.is_empty()).map(|l| format!("//{l}\n")).collect();
     Ok(report + &cuda::kernels::fused::fused_module(&specs).map_err(Error::Msg)?)
 }
 

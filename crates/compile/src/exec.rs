@@ -78,7 +78,7 @@ fn new_cell(s: CpuStorage) -> Arc<StorageCell> {
 const PAR_FED_FLOPS: usize = 1 << 20;
 
 /// The fusion plan of `graph`, for a GPU (`gpu`) or the CPU.
-fn plan_for(graph: &Graph, opts: &crate::CompileOptions, gpu: bool) -> Plan {
+fn plan_for(graph: &Graph, opts: &crate::options::CompileOptions, gpu: bool) -> Plan {
     let mut plan = if opts.fuse {
         fusion::plan(graph, gpu)
     } else {
@@ -97,11 +97,11 @@ fn plan_for(graph: &Graph, opts: &crate::CompileOptions, gpu: bool) -> Plan {
 impl Program {
     /// Plans `graph` for `device`; in `Mode::ReduceOverhead` a GPU step is captured as one CUDA
     /// graph, and on the CPU fusion groups are built to native code unless `native_cpu` is off.
-    pub fn new(graph: Graph, cells: Vec<Arc<StorageCell>>, opts: &crate::CompileOptions, device: Device) -> Result<Program> {
-        let capture = matches!(opts.mode, crate::Mode::ReduceOverhead | crate::Mode::MaxAutotune);
+    pub fn new(graph: Graph, cells: Vec<Arc<StorageCell>>, opts: &crate::options::CompileOptions, device: Device) -> Result<Program> {
+        let capture = matches!(opts.mode, crate::options::Mode::ReduceOverhead | crate::options::Mode::MaxAutotune);
         let mut plan = plan_for(&graph, opts, device.is_cuda());
         #[cfg(feature = "cuda")]
-        if let (Device::Cpu, Some(path)) = (device, crate::gpu_sources_path()) {
+        if let (Device::Cpu, Some(path)) = (device, crate::options::gpu_sources_path()) {
             // For reading a GPU step's kernels (their SASS) on a machine without one.
             let src = crate::cuda_exec::gpu_sources(&graph, &plan_for(&graph, opts, true), capture)?;
             std::fs::write(&path, src).map_err(|e| Error::Msg(format!("KILN_GPU_SOURCES: writing {path}: {e}")))?;
@@ -127,7 +127,7 @@ impl Program {
         #[cfg(feature = "cuda")]
         let gpu = match device {
             Device::Cuda(_) => {
-                Some(crate::cuda_exec::GpuParts::new(&graph, &plan, device, capture, opts.mode == crate::Mode::MaxAutotune)?)
+                Some(crate::cuda_exec::GpuParts::new(&graph, &plan, device, capture, opts.mode == crate::options::Mode::MaxAutotune)?)
             }
             Device::Cpu => None,
         };
@@ -526,4 +526,13 @@ impl crate::cuda_exec::Host for Program {
     fn execute(&self, inputs: &[Arc<StorageCell>], gen: GeneratorState, copy_outputs: bool) -> Result<Vec<Tensor>> {
         Program::execute(self, inputs, gen, copy_outputs)
     }
+}
+
+/// The input's buffer when it is contiguous and whole, else a contiguous copy's.
+pub(crate) fn contiguous_cell(t: &Tensor) -> Result<std::sync::Arc<kiln_tensor::storage::StorageCell>> {
+    kiln_tensor::lazy::check_cell(t.storage())?;
+    if t.is_contiguous() && t.layout().offset == 0 && t.storage().len() == t.numel() {
+        return Ok(t.storage().clone());
+    }
+    Ok(t.copy()?.storage().clone())
 }

@@ -660,6 +660,31 @@ fn gpu_fed_reads(g: &Graph, i: NodeId) -> Option<Vec<(usize, Vec<usize>)>> {
     (fits && same).then(|| vec![(0, vec![m, cols]), (kiln_tensor::op::matmul_tail_offset(m * cols), vec![m])])
 }
 
+/// A line per fusion group: its shape, members, how many nodes it reads, what it stores and
+/// updates in place.
+pub(crate) fn groups_report(g: &Graph, plan: &Plan) -> String {
+    let mut s = String::new();
+    for (k, gr) in plan.groups.iter().enumerate().filter(|(_, g)| !g.members.is_empty()) {
+        let ops: Vec<String> = gr
+            .members
+            .iter()
+            .map(|&m| match &g.nodes[m].kind {
+                Kind::Op(op, _) => crate::graph::op_label(op),
+                _ => "?".into(),
+            })
+            .collect();
+        s += &format!(
+            "\n  group {k} {:?}: [{}] reads {} stores {:?} in place {:?}",
+            gr.shape,
+            ops.join(", "),
+            gr.externals.len(),
+            gr.materialize,
+            gr.inplace
+        );
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

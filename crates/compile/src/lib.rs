@@ -34,64 +34,19 @@ pub mod fusion;
 pub mod graph;
 use kiln_tensor::log;
 mod lower;
+mod options;
 pub mod passes;
 mod trace;
 
 pub use graph::Graph;
+pub use options::{CompileOptions, Mode};
 
+use exec::contiguous_cell;
+use fusion::groups_report;
 use kiln_tensor::{lazy, rng, set_tracer, DType, Device, Error, Result, Tensor};
+use options::gpu_sources_path;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum Mode {
-    /// Fused kernels launched in order.
-    #[default]
-    Default,
-    /// The whole step as one CUDA graph (CPU: as Default).
-    ReduceOverhead,
-    /// `ReduceOverhead`, with each matmul shape's cuBLASLt candidates (and Kiln's own launch
-    /// choices, `kiln_tensor::cuda::tune`) timed on the first run and the fastest kept (on
-    /// disk too). CPU: as Default.
-    MaxAutotune,
-}
-
-#[derive(Debug, Clone, Copy)]
-pub struct CompileOptions {
-    pub mode: Mode,
-    /// Host reads inside the step are errors instead of an eager fallback.
-    pub fullgraph: bool,
-    /// How many distinct signatures may be compiled before `call` errors.
-    pub recompile_limit: usize,
-    /// Fuse pointwise chains (off: one kernel per node, for debugging).
-    pub fuse: bool,
-    /// Check mode: the first `check_steps` replays also run the closure eagerly from the same
-    /// state and record the largest difference in outputs and state (`check_report`); the
-    /// eager results are kept.
-    pub check_steps: usize,
-    /// On the CPU, build each fusion group into native code with the system C compiler
-    /// (`cpu_codegen`); off, or without a compiler, groups run in the chunked interpreter.
-    pub native_cpu: bool,
-    /// A product with a short contraction (a weight gradient `g^T x` at a small batch) is made
-    /// where its reader needs it: on a GPU inside the kernel of the one launch that reads it
-    /// (`fusion::feed_gpu_products`), on the CPU tile by tile for its group
-    /// (`fusion::feed_products`). Off: each such product is a kernel of its own.
-    pub feed_products: bool,
-}
-
-impl Default for CompileOptions {
-    fn default() -> Self {
-        CompileOptions {
-            mode: Mode::Default,
-            fullgraph: false,
-            recompile_limit: 8,
-            fuse: true,
-            check_steps: 0,
-            native_cpu: true,
-            feed_products: true,
-        }
-    }
-}
 
 /// What a compiled step is keyed by: each input's shape, dtype and device, the mode and autocast.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -500,44 +455,10 @@ fn step_device(inputs: &[&Tensor], cells: &[std::sync::Arc<kiln_tensor::storage:
     inputs.iter().map(|t| t.device()).find(|d| d.is_cuda()).or_else(from_cells).unwrap_or(Device::Cpu)
 }
 
-/// The input's buffer when it is contiguous and whole, else a contiguous copy's.
-fn contiguous_cell(t: &Tensor) -> Result<std::sync::Arc<kiln_tensor::storage::StorageCell>> {
-    lazy::check_cell(t.storage())?;
-    if t.is_contiguous() && t.layout().offset == 0 && t.storage().len() == t.numel() {
-        return Ok(t.storage().clone());
-    }
-    Ok(t.copy()?.storage().clone())
-}
-
 /// The fusion groups, one line each: members, shape, what they store and write in place.
 fn fusion_report(p: &exec::Program) -> String {
     let groups = p.plan.groups.iter().filter(|g| !g.members.is_empty()).count();
     format!("{groups} groups, {} kernels per step{}", p.kernels(), groups_report(&p.graph, &p.plan))
-}
-
-/// A line per fusion group: its shape, members, how many nodes it reads, what it stores and
-/// updates in place.
-pub(crate) fn groups_report(g: &Graph, plan: &fusion::Plan) -> String {
-    let mut s = String::new();
-    for (k, gr) in plan.groups.iter().enumerate().filter(|(_, g)| !g.members.is_empty()) {
-        let ops: Vec<String> = gr
-            .members
-            .iter()
-            .map(|&m| match &g.nodes[m].kind {
-                graph::Kind::Op(op, _) => graph::op_label(op),
-                _ => "?".into(),
-            })
-            .collect();
-        s += &format!(
-            "\n  group {k} {:?}: [{}] reads {} stores {:?} in place {:?}",
-            gr.shape,
-            ops.join(", "),
-            gr.externals.len(),
-            gr.materialize,
-            gr.inplace
-        );
-    }
-    s
 }
 
 fn debug_verify(g: &Graph) -> Result<()> {
@@ -545,19 +466,6 @@ fn debug_verify(g: &Graph) -> Result<()> {
         g.verify().map_err(|e| Error::Msg(format!("compile: graph verifier: {e}")))?;
     }
     Ok(())
-}
-
-/// `KILN_GPU_SOURCES=path` (a build with the `cuda` feature): a step compiled for the CPU is
-/// optimised as for a Hopper GPU, and the CUDA source of its fused kernels is written to
-/// `path`, so that their instructions can be read where no GPU is (NVRTC needs none). The
-/// step then runs on the CPU as usual. What the model itself picks by device is traced as on
-/// the CPU (`nn`'s attention: there as products and a softmax, where a GPU takes the fused op).
-pub(crate) fn gpu_sources_path() -> Option<String> {
-    if cfg!(feature = "cuda") {
-        std::env::var("KILN_GPU_SOURCES").ok().filter(|p| !p.is_empty())
-    } else {
-        None
-    }
 }
 
 /// Whether a traced step holds a product that cuBLAS likely runs (every side over 32: the

@@ -1,6 +1,6 @@
 //! Activation modules (no parameters).
 
-use crate::{Forward, Module};
+use crate::module::{Forward, Module};
 use kiln_tensor::{Result, Tensor};
 
 macro_rules! activation {

@@ -3,7 +3,7 @@
 
 use crate::init::{param, xavier_uniform};
 use crate::layers::{dropout, Linear};
-use crate::{join, Forward, Module};
+use crate::module::{join, Forward, Module};
 use kiln_tensor::{default_dtype, DType, Device, Error, Flag, Result, Tensor};
 
 /// Masks for one attention call. U8 masks mark positions to hide with 1 (PyTorch's bool

@@ -7,7 +7,7 @@
 //! nothing of their own: the backward is the views' and the product's.
 
 use crate::init::weight_and_bias;
-use crate::{visit_weight_bias, Forward, Module};
+use crate::module::{visit_weight_bias, Forward, Module};
 use kiln_tensor::{Device, Error, Result, Tensor};
 
 /// A pair of sizes for (height, width).

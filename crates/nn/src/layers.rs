@@ -1,7 +1,7 @@
 //! Basic layers: Linear, Embedding, LayerNorm, RMSNorm, BatchNorm, Dropout, Sequential.
 
 use crate::init::{normal, param, weight_and_bias};
-use crate::{join, visit_weight_bias, Forward, Module};
+use crate::module::{join, visit_weight_bias, Forward, Module};
 use kiln_tensor::{default_dtype, no_grad, DType, Device, Error, Flag, Result, Tensor};
 
 /// `y = x W^T + b`, weight `[out, in]` like PyTorch.

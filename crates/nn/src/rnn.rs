@@ -5,7 +5,7 @@
 
 use crate::init::weight_and_bias;
 use crate::layers::dropout;
-use crate::{join, Forward, Module};
+use crate::module::{join, Forward, Module};
 use kiln_tensor::{Device, Error, Flag, Result, Tensor};
 
 /// The gates of one cell: `weight_ih [G*H, I]`, `weight_hh [G*H, H]` and their biases

@@ -2,7 +2,7 @@
 //! `safetensors.torch.save_file(model.state_dict(), path)` loads into the matching module.
 //! Loading validates every name, shape and dtype first and writes nothing on any error.
 
-use crate::Module;
+use crate::module::Module;
 use kiln_tensor::io::{load_tensors, save_tensors};
 use kiln_tensor::{no_grad, Error, Result, Tensor};
 use std::collections::BTreeMap;

@@ -5,7 +5,7 @@ use crate::activation::Activation;
 use crate::attention::{AttnMasks, MultiheadAttention};
 use crate::init::xavier_uniform;
 use crate::layers::{dropout, LayerNorm, Linear};
-use crate::{join, Forward, Module};
+use crate::module::{join, Forward, Module};
 use kiln_tensor::{no_grad, Device, Flag, Result, Tensor};
 
 #[derive(Debug, Clone, Copy)]

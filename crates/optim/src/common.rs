@@ -274,7 +274,7 @@ fn check_params(what: &str, params: &[Tensor]) -> Result<()> {
 /// `fn update(&mut self) -> Result<()>` that does one step's math.
 macro_rules! impl_optimizer {
     ($t:ty) => {
-        impl $crate::Optimizer for $t {
+        impl $crate::optimizer::Optimizer for $t {
             fn step(&mut self) -> kiln_tensor::Result<()> {
                 kiln_tensor::no_grad(|| self.update())
             }

@@ -8,7 +8,7 @@
 //! a compiled step that calls it runs eagerly (a graph break). `scale` reads nothing: a
 //! compiled forward and backward may call it, with `step` and `update` outside.
 
-use crate::Optimizer;
+use crate::optimizer::Optimizer;
 use kiln_tensor::{no_grad, DType, Device, Error, Result, Tensor, TensorId};
 use std::collections::HashMap;
 

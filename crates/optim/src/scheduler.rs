@@ -4,7 +4,7 @@
 //! the scheduler (PyTorch's constructor does this), then `opt.step(); sched.step(&mut opt)`.
 
 use crate::common::ensure;
-use crate::Optimizer;
+use crate::optimizer::Optimizer;
 use kiln_tensor::{Error, Result};
 use std::f64::consts::PI;
 

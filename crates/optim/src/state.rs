@@ -1,7 +1,7 @@
 //! Optimizer checkpoints as safetensors files: the tensors of `Optimizer::state_tensors`
 //! (step, lr and per-parameter buffers) under their names.
 
-use crate::Optimizer;
+use crate::optimizer::Optimizer;
 use kiln_tensor::io::{load_tensors, save_tensors};
 use kiln_tensor::{Error, Result};
 use std::path::Path;

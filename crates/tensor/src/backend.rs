@@ -5,7 +5,7 @@ use crate::cpu;
 use crate::op::{Op, OutMeta};
 use crate::shape::Layout;
 use crate::storage::{Storage, StorageCell};
-use crate::{Device, Error, Result};
+use crate::{Device, Result};
 use std::sync::Arc;
 
 /// A buffer read through a layout.
@@ -40,7 +40,7 @@ pub(crate) fn run(op: &Op, inputs: &[View], meta: &OutMeta, device: Device) -> R
                 match s {
                     Storage::Cpu(s) => ins.push((s, *l)),
                     #[cfg(feature = "cuda")]
-                    Storage::Cuda(c) => return Err(Error::DeviceMismatch { op: op.name(), lhs: Device::Cpu, rhs: c.device() }),
+                    Storage::Cuda(c) => return Err(crate::Error::DeviceMismatch { op: op.name(), lhs: Device::Cpu, rhs: c.device() }),
                 }
             }
             Ok(Storage::Cpu(cpu::run(op, &ins, meta)?))

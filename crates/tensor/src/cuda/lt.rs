@@ -386,7 +386,7 @@ fn disk_key(gpu: &Arc<Gpu>, g: &Gemm, ws: usize) -> Option<std::path::PathBuf> {
     // SAFETY: a plain version query.
     let version = unsafe { ls::cublasLtGetVersion() };
     let key = crate::codegen::fnv1a(format!("{g:?} sm_{}{} {} SMs {version} ws {ws}", gpu.arch.0, gpu.arch.1, gpu.sms).as_bytes());
-    crate::cache_dir("cublaslt").map(|d| d.join(format!("{key:016x}.algo")))
+    crate::cache::cache_dir("cublaslt").map(|d| d.join(format!("{key:016x}.algo")))
 }
 
 fn read_algo(p: &std::path::Path) -> Option<ls::cublasLtMatmulAlgo_t> {
@@ -397,7 +397,7 @@ fn read_algo(p: &std::path::Path) -> Option<ls::cublasLtMatmulAlgo_t> {
 
 fn write_algo(p: &std::path::Path, algo: &ls::cublasLtMatmulAlgo_t) {
     let bytes: Vec<u8> = algo.data.iter().flat_map(|w| w.to_le_bytes()).collect();
-    crate::cache_put(p, &bytes);
+    crate::cache::cache_put(p, &bytes);
 }
 
 /// Host pointers to alpha = 1 and beta = 0 in the GEMM's scale type (F64 for F64 GEMMs,

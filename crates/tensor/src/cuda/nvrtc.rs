@@ -23,7 +23,7 @@ fn version() -> (i32, i32) {
 
 /// Where CUBINs are kept: the `cubin` folder of `kiln_tensor::cache_dir`.
 pub fn cache_dir() -> Option<PathBuf> {
-    crate::cache_dir("cubin")
+    crate::cache::cache_dir("cubin")
 }
 
 /// The NVRTC target for `src` on a GPU of compute capability `cc`: `sm_90`, or `sm_90a` for a
@@ -51,7 +51,7 @@ pub fn cubin(src: &str, name: &str, arch: &str) -> Result<Vec<u8>> {
         eprintln!("[kiln nvrtc] {name} for {arch}: {:.0} ms", start.elapsed().as_secs_f64() * 1e3);
     }
     if let Some(p) = path {
-        crate::cache_put(&p, &bin);
+        crate::cache::cache_put(&p, &bin);
     }
     Ok(bin)
 }

@@ -64,7 +64,7 @@ pub(crate) fn choice<P: Hash + Debug>(
     let key = (g.ordinal, super::gpu::spec_key(kind, problem));
     let path = || {
         let name = format!("{kind} {problem:?} sm_{}{} {} SMs", g.arch.0, g.arch.1, g.sms);
-        crate::cache_dir("tuned").map(|d| d.join(format!("{:016x}.choice", crate::codegen::fnv1a(name.as_bytes()))))
+        crate::cache::cache_dir("tuned").map(|d| d.join(format!("{:016x}.choice", crate::codegen::fnv1a(name.as_bytes()))))
     };
     let known = chosen().lock().unwrap_or_else(|e| e.into_inner()).get(&key).copied();
     let known = known.unwrap_or_else(|| {
@@ -98,7 +98,7 @@ pub(crate) fn choice<P: Hash + Debug>(
     TUNE_NANOS.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
     chosen().lock().unwrap_or_else(|e| e.into_inner()).insert(key, Some(best.1));
     if let Some(p) = path() {
-        crate::cache_put(&p, best.1.to_string().as_bytes());
+        crate::cache::cache_put(&p, best.1.to_string().as_bytes());
     }
     if crate::log::enabled("kernels") {
         eprintln!("kiln: tuned {kind} {problem:?}: {} ({:.2} us)", best.1, best.0 * 1e6);

@@ -1,0 +1,65 @@
+//! The `Module` trait (parameters and buffers by name) and `Forward`.
+
+use kiln_tensor::{Result, Tensor};
+
+/// Anything with parameters. `visit` is the one method to write: it names each parameter.
+pub trait Module {
+    /// Calls `f(name, param)` for every parameter, names prefixed with `prefix`.
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor));
+    /// Calls `f(name, buffer)` for every buffer: state that is not trained but saved beside
+    /// the parameters (batch norm's running statistics), as PyTorch's `named_buffers`.
+    fn visit_buffers(&self, _prefix: &str, _f: &mut dyn FnMut(String, &Tensor)) {}
+    /// Switches train/eval behaviour (dropout, batch norm) for this module and its children.
+    fn set_training(&self, _training: bool) {}
+
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut out = Vec::new();
+        self.visit("", &mut |n, t| out.push((n, t.clone())));
+        out
+    }
+    fn named_buffers(&self) -> Vec<(String, Tensor)> {
+        let mut out = Vec::new();
+        self.visit_buffers("", &mut |n, t| out.push((n, t.clone())));
+        out
+    }
+    /// What a state dict holds: the parameters, then the buffers.
+    fn named_state(&self) -> Vec<(String, Tensor)> {
+        let mut out = self.named_parameters();
+        out.extend(self.named_buffers());
+        out
+    }
+    fn parameters(&self) -> Vec<Tensor> {
+        self.named_parameters().into_iter().map(|(_, t)| t).collect()
+    }
+    fn num_parameters(&self) -> usize {
+        self.parameters().iter().map(|p| p.numel()).sum()
+    }
+    fn train(&self) {
+        self.set_training(true)
+    }
+    fn eval(&self) {
+        self.set_training(false)
+    }
+}
+
+/// A module with one input and one output (what `Sequential` chains).
+pub trait Forward {
+    fn forward(&self, x: &Tensor) -> Result<Tensor>;
+}
+
+/// `prefix.name`, or `name` at the top.
+/// Visits a layer's `weight` and, when it has one, its `bias` (Linear and the convolutions).
+pub(crate) fn visit_weight_bias(prefix: &str, f: &mut dyn FnMut(String, &Tensor), weight: &Tensor, bias: Option<&Tensor>) {
+    f(join(prefix, "weight"), weight);
+    if let Some(b) = bias {
+        f(join(prefix, "bias"), b);
+    }
+}
+
+pub fn join(prefix: &str, name: &str) -> String {
+    if prefix.is_empty() {
+        name.to_string()
+    } else {
+        format!("{prefix}.{name}")
+    }
+}
