@@ -5,6 +5,8 @@
 // Cases list their inputs as owned arrays (`&[x.clone()]`) so every call reads the same way.
 #![allow(clippy::cloned_ref_to_slice_refs)]
 
+use kiln_tensor::Fused;
+
 use kiln::nn::{cross_entropy, cross_entropy_with, CrossEntropyConfig, Forward, LayerNorm, Reduction};
 use kiln::prelude::*;
 use kiln::tensor::{cuda, BinaryOp, Distribution, ReduceOp, UnaryOp};
@@ -425,7 +427,7 @@ fn layer_norm_grads_with_a_residual_match_the_separate_add() {
     }
 }
 
-/// `Op::GatedSums` (compile's `fuse_gated_sums`: an activation's gradient made, stored and
+/// `Fused::GatedSums` (compile's `fuse_gated_sums`: an activation's gradient made, stored and
 /// summed over the rows by the column-sum kernel): GELU's and SiLU's, every float dtype, rows
 /// of 16-byte vectors (GPT's fc1 width, many chunks) and of single values, and no rows,
 /// against the CPU.
@@ -441,7 +443,7 @@ fn gated_sums_match_the_cpu() {
                 let tail = kiln::tensor::op::matmul_tail_offset(numel);
                 // y, then the sums (the padding between is unspecified).
                 both(&format!("gated sums {gate:?} {shape:?} {dt:?}"), &ins, t, |v| {
-                    let f = Tensor::apply(kiln::tensor::Op::GatedSums { gate }, &[&v[0], &v[1]], v[0].device())?;
+                    let f = Tensor::apply(kiln::tensor::Op::Fused(Fused::GatedSums { gate }), &[&v[0], &v[1]], v[0].device())?;
                     Tensor::cat(&[&f.narrow(0, 0, numel)?, &f.narrow(0, tail, n)?], 0)
                 });
             }
@@ -485,7 +487,7 @@ fn layer_norm_with_folded_casts_matches_the_cpu() {
     }
 }
 
-/// `Op::MatmulFused` (compile's matmul epilogues): cuBLASLt's RELU(_BIAS), GELU_AUX(_BIAS)
+/// `Fused::Matmul` (compile's matmul epilogues): cuBLASLt's RELU(_BIAS), GELU_AUX(_BIAS)
 /// and DGELU epilogues where they apply (BGRADA/BGRADB where Kiln's column sums do not fit),
 /// the product then kernels where not (a batch, an unaligned bias, F64 if cuBLASLt has no
 /// such epilogue), and the operand sums by `column_sums`, all against the CPU.
@@ -521,12 +523,12 @@ fn fused_matmul_epilogues_match_the_cpu() {
     }
 }
 
-/// `Op::MatmulFused(e)` as a test function: the product and the sums (the padding between
+/// `Op::Fused(Fused::Matmul(e))` as a test function: the product and the sums (the padding between
 /// them is left unwritten on CUDA).
 fn fused(e: kiln::tensor::MatmulEpilogue) -> impl Fn(&[Tensor]) -> Result<Tensor> {
     use kiln::tensor::{MatmulEpilogue as E, Op};
     move |x: &[Tensor]| {
-        let out = Tensor::apply(Op::MatmulFused(e), &x.iter().collect::<Vec<_>>(), x[0].device())?;
+        let out = Tensor::apply(Op::Fused(Fused::Matmul(e)), &x.iter().collect::<Vec<_>>(), x[0].device())?;
         if matches!(e, E::Relu | E::DGeluTanh | E::DRelu | E::Residual) {
             return Ok(out);
         }
@@ -789,7 +791,7 @@ fn products_at_the_mlp_shapes_match_the_cpu() {
     }
 }
 
-/// `Op::CrossEntropyMean` (compile's one-block mean loss and gradient) against the CPU, with
+/// `Fused::CrossEntropyMean` (compile's one-block mean loss and gradient) against the CPU, with
 /// ignored targets, label smoothing, more rows than the block has warps, and F64.
 #[test]
 fn fused_mean_cross_entropy_matches_the_cpu() {
@@ -811,7 +813,7 @@ fn fused_mean_cross_entropy_matches_the_cpu() {
         // Every seventh target ignored.
         let t: Vec<i64> = (0..rows as i64).map(|i| if i % 7 == 3 { -100 } else { (i * 5 + 1) % classes as i64 }).collect();
         let targets = Tensor::from_vec(t, &[rows], Device::Cpu).unwrap();
-        let op = Op::CrossEntropyMean { ignore_index: Some(-100), smoothing };
+        let op = Op::Fused(Fused::CrossEntropyMean { ignore_index: Some(-100), smoothing });
         let what = format!("cross_entropy_mean [{rows}, {classes}] {dt:?} smoothing {smoothing}");
         both(&what, &[logits, targets], tol(dt) * 10.0, |x| {
             let out = Tensor::apply(op.clone(), &[&x[0], &x[1]], x[0].device())?;
@@ -845,7 +847,7 @@ fn fused_classifier_head_matches_the_cpu() {
         let b = randn(&[c], 73, DType::F32);
         let t: Vec<i64> = (0..n as i64).map(|i| if i % 7 == 3 { -100 } else { (i * 5 + 1) % c as i64 }).collect();
         let targets = Tensor::from_vec(t, &[n], Device::Cpu).unwrap();
-        let op = Op::LinearCrossEntropyMean { ignore_index: Some(-100), smoothing, drelu };
+        let op = Op::Fused(Fused::LinearCrossEntropyMean { ignore_index: Some(-100), smoothing, drelu });
         let what = format!("linear_cross_entropy_mean [{n}, {f}] x [{c}, {f}] drelu {drelu} smoothing {smoothing}");
         both(&what, &[h, w, b, targets], 1e-4, |x| {
             let out = Tensor::apply(op.clone(), &[&x[0], &x[1], &x[2], &x[3]], x[0].device())?;
@@ -861,14 +863,14 @@ fn fused_classifier_head_matches_the_cpu() {
         .map(|x| x.to_device(dev).unwrap())
         .collect();
     let t256 = Tensor::zeros(&[256], DType::I64, dev).unwrap();
-    let op = Op::LinearCrossEntropyMean { ignore_index: Some(-100), smoothing: 0.0, drelu: false };
+    let op = Op::Fused(Fused::LinearCrossEntropyMean { ignore_index: Some(-100), smoothing: 0.0, drelu: false });
     let err = Tensor::apply(op, &[&big[0], &big[1], &big[2], &t256], dev).unwrap_err().to_string();
     assert!(err.contains("[256, 256]") && err.contains("[10, 256]"), "{err}");
     // A target outside the classes is an error at the next host read, as for cross_entropy.
     let ins = [randn(&[4, 8], 74, DType::F32), randn(&[3, 8], 75, DType::F32), randn(&[3], 76, DType::F32)];
     let ins: Vec<Tensor> = ins.iter().map(|x| x.to_device(dev).unwrap()).collect();
     let bad = Tensor::from_vec(vec![0i64, 1, 3, 2], &[4], Device::Cpu).unwrap().to_device(dev).unwrap();
-    let op = Op::LinearCrossEntropyMean { ignore_index: Some(-100), smoothing: 0.0, drelu: false };
+    let op = Op::Fused(Fused::LinearCrossEntropyMean { ignore_index: Some(-100), smoothing: 0.0, drelu: false });
     let err = Tensor::apply(op, &[&ins[0], &ins[1], &ins[2], &bad], dev).and_then(|o| o.to_vec_f64()).unwrap_err().to_string();
     assert!(err.contains("cross_entropy") && err.contains("out of range"), "{err}");
 }
@@ -1148,7 +1150,7 @@ fn fused_attention_matches_the_cpu_forward_and_backward() {
             });
             // Written with the heads after T (compile's `attention_heads_last`).
             both(&format!("{what}: forward, heads last"), &ins, tol(dt), |x| {
-                let op = kiln::tensor::Op::Attention { scale, causal, heads_last: true };
+                let op = kiln::tensor::Op::Fused(kiln::tensor::Fused::AttentionHeadsLast { scale, causal });
                 let qkv: Vec<Tensor> = x[..3].iter().map(|t| t.transpose(1, 2)).collect::<Result<_>>()?;
                 Tensor::apply(op, &qkv.iter().collect::<Vec<_>>(), x[0].device())
             });

@@ -202,11 +202,7 @@ pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Te
         Op::NormalizeBackward { .. } | Op::NormalizeParamGrads { .. } => {
             return Err(Error::Msg("backward: second derivatives through normalize are not supported".into()));
         }
-        Op::GatedSums { .. } => return Err(Error::Msg("backward: gated sums are made by compile, after autograd".into())),
-        Op::Attention { heads_last: true, .. } => {
-            return Err(Error::Msg("backward: attention with the heads last is made by compile, after autograd".into()));
-        }
-        Op::Attention { scale, causal, heads_last: false } => {
+        Op::Attention { scale, causal } => {
             // Packed as [B, T, 3, H.., D]: each gradient is a view, T moved back after H...
             let packed = inputs[0].attention_backward(&inputs[1], &inputs[2], out, g, *scale, *causal)?;
             let r = inputs[0].rank();
@@ -233,7 +229,7 @@ pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Te
             };
             [da, db, dbias].into_iter().take(inputs.len()).collect()
         }
-        Op::MatmulFused(_) | Op::CrossEntropyMean { .. } | Op::LinearCrossEntropyMean { .. } => {
+        Op::Fused(_) => {
             return Err(Error::Msg(format!(
                 "backward: {} is made by compile's fusion after the backward was traced; it has no backward rule",
                 op.name()

@@ -9,7 +9,7 @@
 //! reads one of its values, so every outside reader runs after the group has run.
 
 use crate::graph::{Arg, Graph, Kind, NodeId};
-use kiln_tensor::{DType, MatmulEpilogue, Op, ReduceOp};
+use kiln_tensor::{DType, Fused, MatmulEpilogue, Op, ReduceOp};
 
 #[derive(Debug, Clone)]
 pub struct Group {
@@ -520,7 +520,7 @@ const FEED_MAX_K: usize = 256;
 fn tiled_product(g: &Graph, i: NodeId) -> Option<[usize; 2]> {
     let n = &g.nodes[i];
     let Kind::Op(op, args) = &n.kind else { return None };
-    let product = matches!(op, Op::Matmul | Op::MatmulFused(MatmulEpilogue::SumLeft | MatmulEpilogue::SumRight));
+    let product = matches!(op, Op::Matmul | Op::Fused(Fused::Matmul(MatmulEpilogue::SumLeft | MatmulEpilogue::SumRight)));
     let two_d = args.len() >= 2 && args[0].layout.rank() == 2 && args[1].layout.rank() == 2;
     let fits = two_d && args[0].layout.shape[1] <= FEED_MAX_K && matches!(n.dtype, DType::F32 | DType::F64);
     (product && fits).then(|| [args[0].layout.shape[0], args[1].layout.shape[1]])
@@ -647,7 +647,7 @@ pub fn feed_gpu_products(g: &Graph, plan: &mut Plan) {
 /// GEMM, which reads b once for all rows where a group reads it once a row.)
 fn gpu_fed_reads(g: &Graph, i: NodeId) -> Option<Vec<(usize, Vec<usize>)>> {
     let n = &g.nodes[i];
-    let Kind::Op(Op::MatmulFused(MatmulEpilogue::SumLeft), args) = &n.kind else { return None };
+    let Kind::Op(Op::Fused(Fused::Matmul(MatmulEpilogue::SumLeft)), args) = &n.kind else { return None };
     let [a, b] = &args[..] else { return None };
     let (sa, sb) = (&a.layout.shape, &b.layout.shape);
     if sa.len() != 2 || sb.len() != 2 {
@@ -872,7 +872,7 @@ mod tests {
         let x = g.push(Kind::Input(1), vec![6, 8], DType::F32);
         let gt = Arg { node: grad, layout: Layout { shape: vec![4, 6], strides: vec![1, 4], offset: 0 } };
         let len = kiln_tensor::op::matmul_tail_offset(32) + 4;
-        let p = g.push(Kind::Op(Op::MatmulFused(MatmulEpilogue::SumLeft), vec![gt, whole(&g, x)]), vec![len], DType::F32);
+        let p = g.push(Kind::Op(Op::Fused(Fused::Matmul(MatmulEpilogue::SumLeft)), vec![gt, whole(&g, x)]), vec![len], DType::F32);
         let view = |shape: Vec<usize>, strides: Vec<usize>, offset: usize| Arg { node: p, layout: Layout { shape, strides, offset } };
         let (w, b) = (g.push(Kind::State(0), vec![4, 8], DType::F32), g.push(Kind::State(1), vec![4], DType::F32));
         let sub = Op::Binary(BinaryOp::Sub);

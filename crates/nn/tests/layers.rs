@@ -3,6 +3,7 @@
 use kiln_autograd::Backward;
 use kiln_autograd::{gradcheck, GradcheckConfig};
 use kiln_nn::{dropout, Dropout, Embedding, Forward, Module, RmsNorm, Transformer, TransformerConfig, TransformerMasks};
+use kiln_tensor::Fused;
 use kiln_tensor::{DType, Device, Distribution, Result, Tensor};
 
 #[test]
@@ -73,7 +74,7 @@ fn transformer_names_shapes_and_masks() -> Result<()> {
     Ok(())
 }
 
-/// Compile's fused classifier head (`Op::LinearCrossEntropyMean`, which a GPU step runs as one
+/// Compile's fused classifier head (`Fused::LinearCrossEntropyMean`, which a GPU step runs as one
 /// block) on the CPU against autograd through the ops it stands for: the loss, the weight and
 /// bias gradients and the gradient of the head's input (through a ReLU with `drelu`).
 #[test]
@@ -99,7 +100,7 @@ fn the_fused_classifier_head_matches_autograd() -> Result<()> {
         let cfg = CrossEntropyConfig { label_smoothing: smoothing, ..CrossEntropyConfig::default() };
         let loss = cross_entropy_with(&h.linear(&w, Some(&b))?, &targets, cfg)?;
         loss.backward()?;
-        let op = kiln_tensor::Op::LinearCrossEntropyMean { ignore_index: Some(-100), smoothing, drelu };
+        let op = kiln_tensor::Op::Fused(Fused::LinearCrossEntropyMean { ignore_index: Some(-100), smoothing, drelu });
         let out = Tensor::apply(op, &[&h.detach(), &w.detach(), &b.detach(), &targets], Device::Cpu)?.to_vec::<f64>()?;
         let (dw, db, dh, len) = kiln_tensor::op::linear_xent_parts(n, c, f);
         assert_eq!(out.len(), len);

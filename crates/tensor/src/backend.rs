@@ -8,18 +8,22 @@ use crate::storage::{Storage, StorageCell};
 use crate::{Device, Result};
 use std::sync::Arc;
 
-/// A buffer read through a layout.
-pub(crate) type View<'a> = (&'a Arc<StorageCell>, &'a Layout);
+/// A buffer read through a layout: what a kernel's input or output is to the back end
+/// (`Tensor`, and the lazy queue's held buffers).
+pub(crate) trait Buffer {
+    fn cell(&self) -> &Arc<StorageCell>;
+    fn layout(&self) -> &Layout;
+}
 
-/// Runs `f` on the storages of `cells`, each distinct storage locked once.
-pub(crate) fn with_storages<R>(cells: &[&Arc<StorageCell>], f: impl FnOnce(&[&Storage]) -> Result<R>) -> Result<R> {
-    let mut distinct: Vec<&Arc<StorageCell>> = Vec::new();
-    let slot: Vec<usize> = cells
+/// Runs `f` on the storages of `inputs`, each distinct storage locked once.
+pub(crate) fn with_storages<B: Buffer + ?Sized, R>(inputs: &[&B], f: impl FnOnce(&[&Storage]) -> Result<R>) -> Result<R> {
+    let mut distinct: Vec<&Arc<StorageCell>> = Vec::with_capacity(inputs.len());
+    let slot: Vec<usize> = inputs
         .iter()
-        .map(|c| match distinct.iter().position(|d| Arc::ptr_eq(d, c)) {
+        .map(|b| match distinct.iter().position(|d| Arc::ptr_eq(d, b.cell())) {
             Some(i) => i,
             None => {
-                distinct.push(c);
+                distinct.push(b.cell());
                 distinct.len() - 1
             }
         })
@@ -30,35 +34,36 @@ pub(crate) fn with_storages<R>(cells: &[&Arc<StorageCell>], f: impl FnOnce(&[&St
 }
 
 /// Runs the kernel of `op` on `inputs`, for an output on `device`.
-pub(crate) fn run(op: &Op, inputs: &[View], meta: &OutMeta, device: Device) -> Result<Storage> {
-    let cells: Vec<&Arc<StorageCell>> = inputs.iter().map(|v| v.0).collect();
-    let layouts: Vec<&Layout> = inputs.iter().map(|v| v.1).collect();
-    with_storages(&cells, |storages| match device {
+pub(crate) fn run<B: Buffer + ?Sized>(op: &Op, inputs: &[&B], meta: &OutMeta, device: Device) -> Result<Storage> {
+    with_storages(inputs, |storages| match device {
         Device::Cpu => {
             let mut ins = Vec::with_capacity(inputs.len());
-            for (s, l) in storages.iter().zip(&layouts) {
+            for (s, b) in storages.iter().zip(inputs) {
                 match s {
-                    Storage::Cpu(s) => ins.push((s, *l)),
+                    Storage::Cpu(s) => ins.push((s, b.layout())),
                     #[cfg(feature = "cuda")]
                     Storage::Cuda(c) => return Err(crate::Error::DeviceMismatch { op: op.name(), lhs: Device::Cpu, rhs: c.device() }),
                 }
             }
             Ok(Storage::Cpu(cpu::run(op, &ins, meta)?))
         }
-        Device::Cuda(_) => crate::cuda::run(op, storages, &layouts, meta, device),
+        Device::Cuda(_) => {
+            let layouts: Vec<&Layout> = inputs.iter().map(|b| b.layout()).collect();
+            crate::cuda::run(op, storages, &layouts, meta, device)
+        }
     })
 }
 
 /// The kernel of an in-place op writing into `dst` (read from `src`, if any); `counted`: the
 /// write bumps the storage's version (autograd's saved-tensor check).
-pub(crate) fn run_inplace(op: &Op, dst: View, src: Option<View>, counted: bool) -> Result<()> {
-    let src_guard = src.map(|s| s.0.read());
-    let mut dst_guard = if counted { dst.0.write() } else { dst.0.write_uncounted() };
-    let src_layout = src.map(|s| s.1);
+pub(crate) fn run_inplace<B: Buffer + ?Sized>(op: &Op, dst: &B, src: Option<&B>, counted: bool) -> Result<()> {
+    let src_guard = src.map(|s| s.cell().read());
+    let mut dst_guard = if counted { dst.cell().write() } else { dst.cell().write_uncounted() };
+    let src_layout = src.map(|s| s.layout());
     match (&mut *dst_guard, src_guard.as_deref()) {
-        (Storage::Cpu(d), None) => cpu::run_inplace(op, d, dst.1, None),
-        (Storage::Cpu(d), Some(Storage::Cpu(s))) => cpu::run_inplace(op, d, dst.1, Some((s, src_layout.unwrap_or(dst.1)))),
+        (Storage::Cpu(d), None) => cpu::run_inplace(op, d, dst.layout(), None),
+        (Storage::Cpu(d), Some(Storage::Cpu(s))) => cpu::run_inplace(op, d, dst.layout(), Some((s, src_layout.unwrap_or(dst.layout())))),
         #[cfg(feature = "cuda")]
-        (d, s) => crate::cuda::run_inplace(op, d, dst.1, s.zip(src_layout)),
+        (d, s) => crate::cuda::run_inplace(op, d, dst.layout(), s.zip(src_layout)),
     }
 }

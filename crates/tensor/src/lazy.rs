@@ -12,7 +12,7 @@
 //! from those values when the compiled program first runs), `run_all` everything (the step
 //! then behaves as if it had run eagerly); what is not run is dropped.
 
-use crate::backend::{self, View};
+use crate::backend::{self, Buffer};
 use crate::op::{Op, OutMeta};
 use crate::shape::Layout;
 use crate::storage::{Storage, StorageCell};
@@ -21,7 +21,19 @@ use std::cell::RefCell;
 use std::sync::Arc;
 
 /// A buffer read through a layout, held alive.
-type Held = (Arc<StorageCell>, Layout);
+struct Held {
+    cell: Arc<StorageCell>,
+    layout: Layout,
+}
+
+impl Buffer for Held {
+    fn cell(&self) -> &Arc<StorageCell> {
+        &self.cell
+    }
+    fn layout(&self) -> &Layout {
+        &self.layout
+    }
+}
 
 /// A kernel waiting to run, holding its inputs alive.
 enum Pending {
@@ -29,12 +41,8 @@ enum Pending {
     InPlace { op: Op, dst: Held, src: Option<Held> },
 }
 
-fn held(v: View) -> Held {
-    (v.0.clone(), v.1.clone())
-}
-
-fn view(h: &Held) -> View<'_> {
-    (&h.0, &h.1)
+fn held<B: Buffer + ?Sized>(b: &B) -> Held {
+    Held { cell: b.cell().clone(), layout: b.layout().clone() }
 }
 
 /// The queue, and whether a flush ran part of it (the step then has eager effects).
@@ -141,7 +149,7 @@ pub fn materialize(cell: &StorageCell) -> Result<()> {
 }
 
 /// Queues `op` when lazy: returns the output's (not yet written) buffer.
-pub(crate) fn defer(op: &Op, inputs: &[View], meta: &OutMeta, device: Device) -> Result<Option<Arc<StorageCell>>> {
+pub(crate) fn defer<B: Buffer>(op: &Op, inputs: &[&B], meta: &OutMeta, device: Device) -> Result<Option<Arc<StorageCell>>> {
     if !active() {
         return Ok(None);
     }
@@ -159,11 +167,11 @@ pub(crate) fn defer(op: &Op, inputs: &[View], meta: &OutMeta, device: Device) ->
 }
 
 /// Queues an in-place update when lazy; returns whether it was queued.
-pub(crate) fn defer_inplace(op: &Op, dst: View, src: Option<View>) -> bool {
+pub(crate) fn defer_inplace<B: Buffer>(op: &Op, dst: &B, src: Option<&B>) -> bool {
     if !active() {
         return false;
     }
-    dst.0.count_write(); // autograd's saved-version checks see the write now, as in eager
+    dst.cell().count_write(); // autograd's saved-version checks see the write now, as in eager
     push(Pending::InPlace { op: op.clone(), dst: held(dst), src: src.map(held) });
     true
 }
@@ -175,10 +183,10 @@ fn push(job: Pending) {
 fn run(job: &Pending) -> Result<()> {
     match job {
         Pending::Out { op, inputs, meta, device, out } => {
-            let views: Vec<View> = inputs.iter().map(view).collect();
-            out.replace(backend::run(op, &views, meta, *device)?);
+            let refs: Vec<&Held> = inputs.iter().collect();
+            out.replace(backend::run(op, &refs, meta, *device)?);
             Ok(())
         }
-        Pending::InPlace { op, dst, src } => backend::run_inplace(op, view(dst), src.as_ref().map(view), false),
+        Pending::InPlace { op, dst, src } => backend::run_inplace(op, dst, src.as_ref(), false),
     }
 }

@@ -35,7 +35,7 @@ pub use cache::{cache_dir, cache_put};
 pub use dtype::{default_dtype, set_default_dtype, DType, Element};
 pub use error::{Error, Result};
 pub use mode::{autocast_dtype, is_anomaly_detection, is_grad_enabled, no_grad, set_detect_anomaly, set_grad_enabled, Autocast};
-pub use op::{BinaryOp, Distribution, MatmulEpilogue, Op, ReduceOp, UnaryOp};
+pub use op::{BinaryOp, Distribution, Fused, MatmulEpilogue, Op, ReduceOp, UnaryOp};
 pub use ops::ShapeSpec;
 pub use shape::{AllDims, Dim, Dims, Layout};
 pub use tensor::next_tensor_id;

@@ -494,7 +494,7 @@ impl Tensor {
     /// `causal` leaving key `j` out of query `i` when `j > i`. Under `Autocast`, computed and
     /// returned in the low dtype, as for `matmul`.
     pub fn attention(&self, k: &Tensor, v: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
-        Tensor::autocast_apply(Op::Attention { scale, causal, heads_last: false }, &[self, k, v])
+        Tensor::autocast_apply(Op::Attention { scale, causal }, &[self, k, v])
     }
     /// The gradients of `attention` (q = self, then k, v, its output `o` and the output's
     /// gradient `g`), packed as `[B, T, 3, H.., D]` for q of shape `[B, H.., T, D]`

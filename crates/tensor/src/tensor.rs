@@ -1,7 +1,7 @@
 //! The `Tensor` type and the one dispatch point every op goes through: shape rule, kernel,
 //! autograd record, trace hook.
 
-use crate::backend::{self, View};
+use crate::backend::{self, Buffer};
 use crate::mode::{is_anomaly_detection, is_grad_enabled};
 use crate::op::{InMeta, Op, OutMeta};
 use crate::shape::Layout;
@@ -334,11 +334,10 @@ impl Tensor {
                     Op::Reshape(_) => Op::Contiguous, // a reshape the strides cannot express copies
                     other => other.clone(),
                 };
-                let views = views(inputs);
-                let cell = match crate::lazy::defer(&kernel_op, &views, &meta, device)? {
+                let cell = match crate::lazy::defer(&kernel_op, inputs, &meta, device)? {
                     Some(cell) => cell,
                     None => {
-                        Arc::new(StorageCell::new(profiled(&kernel_op, &meta, device, || backend::run(&kernel_op, &views, &meta, device))?))
+                        Arc::new(StorageCell::new(profiled(&kernel_op, &meta, device, || backend::run(&kernel_op, inputs, &meta, device))?))
                     }
                 };
                 (cell, Layout::contiguous(&meta.shape))
@@ -387,10 +386,9 @@ impl Tensor {
             }
             other => other,
         };
-        let (dst, src_view) = ((&self.0.storage, &self.0.layout), src.map(|t| (&t.0.storage, &t.0.layout)));
-        if !crate::lazy::defer_inplace(&op, dst, src_view) {
+        if !crate::lazy::defer_inplace(&op, self, src) {
             let meta = OutMeta { shape: self.shape().to_vec(), dtype: self.dtype() };
-            profiled(&op, &meta, self.device(), || backend::run_inplace(&op, dst, src_view, true))?;
+            profiled(&op, &meta, self.device(), || backend::run_inplace(&op, self, src, true))?;
         }
         if is_anomaly_detection() {
             check_finite(&op, &inputs, self)?;
@@ -555,9 +553,13 @@ fn profiled<R>(op: &Op, meta: &OutMeta, device: Device, f: impl FnOnce() -> Resu
     Ok(r)
 }
 
-/// `inputs` as the back end reads them: each one's buffer and layout.
-fn views<'a>(inputs: &[&'a Tensor]) -> Vec<View<'a>> {
-    inputs.iter().map(|t| (&t.0.storage, &t.0.layout)).collect()
+impl Buffer for Tensor {
+    fn cell(&self) -> &Arc<StorageCell> {
+        &self.0.storage
+    }
+    fn layout(&self) -> &Layout {
+        &self.0.layout
+    }
 }
 
 impl Tensor {
@@ -579,8 +581,7 @@ impl Tensor {
         if device.is_cuda() {
             let layouts: Vec<&Layout> = ins.iter().map(|t| t.layout()).collect();
             let (flat, copy) = profiled(op, &meta, device, || {
-                let cells: Vec<&Arc<StorageCell>> = ins.iter().map(|t| &t.0.storage).collect();
-                backend::with_storages(&cells, |storages| crate::cuda::layer_norm_grads_with_copy(op, storages, &layouts, device))
+                backend::with_storages(ins, |storages| crate::cuda::layer_norm_grads_with_copy(op, storages, &layouts, device))
             })?;
             return Ok((Tensor::from_storage(flat, &meta.shape), Tensor::from_storage(copy, x.shape())));
         }

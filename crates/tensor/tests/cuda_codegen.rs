@@ -178,7 +178,7 @@ fn every_reduction_and_index_kernel_compiles() {
         for v in [1, 8 / d.size_in_bytes(), 16 / d.size_in_bytes()] {
             let (s, n) = kiln_tensor::cuda::kernels::reduce::column_sums_source(d, v, None);
             check(&s, &n, &mut fails);
-            // `Op::GatedSums`: an activation's gradient made, stored and summed.
+            // `Fused::GatedSums`: an activation's gradient made, stored and summed.
             for gate in [UnaryOp::GeluGrad, UnaryOp::SiluGrad] {
                 let (s, n) = kiln_tensor::cuda::kernels::reduce::column_sums_source(d, v, Some(gate));
                 check(&s, &n, &mut fails);

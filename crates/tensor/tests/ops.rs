@@ -2,7 +2,7 @@
 //! size-1 dims, and f16/bf16 within their tolerances.
 
 use half::{bf16, f16};
-use kiln_tensor::{DType, Device, Distribution, Result, Tensor, UnaryOp};
+use kiln_tensor::{DType, Device, Distribution, Fused, Result, Tensor, UnaryOp};
 
 const CPU: Device = Device::Cpu;
 
@@ -343,7 +343,7 @@ fn short_wide_products_split_by_columns_match_the_naive_product() -> Result<()> 
     Ok(())
 }
 
-/// `Op::MatmulFused` (what compile's fusion makes) on hand-computed values.
+/// `Fused::Matmul` (what compile's fusion makes) on hand-computed values.
 /// Layer norm's weight and bias gradients in one op, against the ops it replaces.
 #[test]
 fn layer_norm_param_grads_match_the_composite() -> Result<()> {
@@ -407,7 +407,7 @@ fn layer_norm_param_grads_match_the_composite() -> Result<()> {
 #[test]
 fn gated_sums_make_an_activation_gradient_and_its_row_sums() -> Result<()> {
     use kiln_tensor::Op;
-    let gated = |ins: &[&Tensor]| Tensor::apply(Op::GatedSums { gate: UnaryOp::SiluGrad }, ins, CPU);
+    let gated = |ins: &[&Tensor]| Tensor::apply(Op::Fused(Fused::GatedSums { gate: UnaryOp::SiluGrad }), ins, CPU);
     // By hand at h = 0 (SiLU's gradient 1/2) and h = 2 (sigmoid(2) (1 + 2 (1 - sigmoid(2))) = 1.0907842).
     let (a, h) = (t(&[2., -4., 6., 8.], &[2, 2]), t(&[0., 2., 0., 2.], &[2, 2]));
     let out = v(&gated(&[&a, &h])?);
@@ -417,7 +417,7 @@ fn gated_sums_make_an_activation_gradient_and_its_row_sums() -> Result<()> {
     // BF16 as the two ops and the sum store it, [2, 3, 5] rows.
     let a = Tensor::rand_at(&[2, 3, 5], Distribution::Normal, 1, 0, DType::F32, CPU)?.to_dtype(DType::BF16)?;
     let h = Tensor::rand_at(&[2, 3, 5], Distribution::Normal, 2, 0, DType::F32, CPU)?.to_dtype(DType::BF16)?;
-    let f = Tensor::apply(Op::GatedSums { gate: UnaryOp::GeluGrad }, &[&a, &h], CPU)?;
+    let f = Tensor::apply(Op::Fused(Fused::GatedSums { gate: UnaryOp::GeluGrad }), &[&a, &h], CPU)?;
     assert_eq!((f.shape(), f.dtype()), (&[64 + 5][..], DType::BF16));
     let y = a.mul(&h.unary(UnaryOp::GeluGrad)?)?;
     assert_eq!(v(&f.narrow(0, 0, 30)?), v(&y.reshape(&[30])?));
@@ -433,7 +433,7 @@ fn gated_sums_make_an_activation_gradient_and_its_row_sums() -> Result<()> {
 #[test]
 fn fused_matmuls_apply_relu_or_append_the_operand_sums() -> Result<()> {
     use kiln_tensor::{MatmulEpilogue as E, Op};
-    let fused = |e: E, ins: &[&Tensor]| Tensor::apply(Op::MatmulFused(e), ins, CPU);
+    let fused = |e: E, ins: &[&Tensor]| Tensor::apply(Op::Fused(Fused::Matmul(e)), ins, CPU);
     let a = t(&[1., 2., 3., 4.], &[2, 2]);
     let b = t(&[1., -1., 0., 0., 1., -2.], &[2, 3]);
     let bias = t(&[0.5, -10., 1.], &[3]);
@@ -503,22 +503,22 @@ fn attention_with_the_heads_last_moves_them_after_t() -> Result<()> {
     use kiln_tensor::Op;
     let r = |s: u64| Tensor::rand_at(&[2, 3, 5, 4], Distribution::Normal, s, 0, DType::F32, CPU);
     let (q, k, w) = (r(1)?, r(2)?, r(3)?);
-    let last = Tensor::apply(Op::Attention { scale: 0.5, causal: true, heads_last: true }, &[&q, &k, &w], CPU)?;
+    let last = Tensor::apply(Op::Fused(Fused::AttentionHeadsLast { scale: 0.5, causal: true }), &[&q, &k, &w], CPU)?;
     assert_eq!(last.shape(), &[2, 5, 3, 4]);
     assert_eq!(v(&last), v(&q.attention(&k, &w, 0.5, true)?.transpose(1, 2)?.contiguous()?));
     let flat = q.reshape(&[6, 5, 4])?;
-    let err = Tensor::apply(Op::Attention { scale: 0.5, causal: true, heads_last: true }, &[&flat, &flat, &flat], CPU).unwrap_err();
+    let err = Tensor::apply(Op::Fused(Fused::AttentionHeadsLast { scale: 0.5, causal: true }), &[&flat, &flat, &flat], CPU).unwrap_err();
     assert!(err.to_string().contains("[6, 5, 4]"), "{err}");
     Ok(())
 }
 
-/// `Op::CrossEntropyMean` (compile's fused mean loss and gradient) on hand-computed values.
+/// `Fused::CrossEntropyMean` (compile's fused mean loss and gradient) on hand-computed values.
 #[test]
 fn fused_mean_cross_entropy_gives_the_loss_then_its_gradient() -> Result<()> {
     use kiln_tensor::Op;
     let logits = t(&[0., 0., 0., 0., 1., 2.], &[3, 2]);
     let targets = Tensor::from_vec(vec![0i64, -100, 1], &[3], CPU)?;
-    let op = Op::CrossEntropyMean { ignore_index: Some(-100), smoothing: 0.0 };
+    let op = Op::Fused(Fused::CrossEntropyMean { ignore_index: Some(-100), smoothing: 0.0 });
     let out = v(&Tensor::apply(op.clone(), &[&logits, &targets], CPU)?);
     assert_eq!(out.len(), 64 + 6);
     // Row 0: ln 2; row 1 ignored; row 2: ln(1 + 1/e). Two real targets.

@@ -3,7 +3,7 @@
 use super::edit::{each_read, pinned_and_escaping, redirect};
 use super::generic::dce;
 use crate::graph::{Arg, Graph, Kind, NodeId};
-use kiln_tensor::{Layout, Op};
+use kiln_tensor::{Fused, Layout, Op};
 
 /// `perm` (view dim `d` is dim `perm[d]` of `shape`) when `view` reads a contiguous buffer of
 /// `shape` with its dims permuted, the last one staying last (the identity when it reads it
@@ -43,7 +43,7 @@ pub(super) fn permuted_operands(ab: &[Arg], perm: &[usize]) -> Option<Vec<Arg>> 
 
 /// On a GPU, an attention output `[B, H, T, D]` copied with its heads moved after T (the
 /// `contiguous` before an output projection) is written that way by the attention kernel
-/// (`heads_last`): no copy. Its other readers, each reading it whole (the backward), read the
+/// (`Fused::AttentionHeadsLast`): no copy. Its other readers, each reading it whole (the backward), read the
 /// new buffer through the permutation; readers of the copy read the new buffer.
 pub fn attention_heads_last(g: &Graph) -> Graph {
     let mut out = g.clone();
@@ -64,7 +64,7 @@ pub fn attention_heads_last(g: &Graph) -> Graph {
     for (i, node) in g.nodes.iter().enumerate() {
         let Kind::Op(Op::Contiguous, args) = &node.kind else { continue };
         let a = args[0].node;
-        let Kind::Op(Op::Attention { scale, causal, heads_last: false }, qkv) = &g.nodes[a].kind else { continue };
+        let Kind::Op(Op::Attention { scale, causal }, qkv) = &g.nodes[a].kind else { continue };
         let &[b, h, t, d] = &g.nodes[a].shape[..] else { continue };
         // Swapping H and T either way: the copy's view of the old buffer, and the old
         // readers' view of the new one.
@@ -74,7 +74,7 @@ pub fn attention_heads_last(g: &Graph) -> Graph {
         if args[0].layout != whole.permuted(&SWAP) || !others_whole || moved[a].is_some() || pinned[a] || pinned[i] {
             continue;
         }
-        out.nodes[a].kind = Kind::Op(Op::Attention { scale: *scale, causal: *causal, heads_last: true }, qkv.clone());
+        out.nodes[a].kind = Kind::Op(Op::Fused(Fused::AttentionHeadsLast { scale: *scale, causal: *causal }), qkv.clone());
         out.nodes[a].shape = vec![b, t, h, d];
         moved[a] = Some(Layout::contiguous(&out.nodes[a].shape).permuted(&SWAP));
         alias[i] = Some((a, 0));

@@ -4,7 +4,7 @@
 use super::edit::{pinned_and_escaping, redirect, whole};
 use super::generic::dce;
 use crate::graph::{Arg, Graph, Kind, NodeId};
-use kiln_tensor::{BinaryOp, DType, MatmulEpilogue, Op, ReduceOp};
+use kiln_tensor::{BinaryOp, DType, Fused, MatmulEpilogue, Op, ReduceOp};
 
 /// The most logits, and the longest row, that a fused mean cross-entropy takes. Its kernel
 /// keeps a partial sum per block of 256 threads, room for 256 blocks, and gives a row at most
@@ -14,7 +14,7 @@ pub const XENT_MEAN_MAX: (usize, usize) = (1 << 16, 1024);
 
 /// On a GPU, a small mean cross-entropy and its gradient as `nn::cross_entropy` and autograd
 /// record them (the rows' losses summed over the count of targets that are not ignored; the
-/// backward with every row's gradient `1 / count`) become one `Op::CrossEntropyMean`: one
+/// backward with every row's gradient `1 / count`) become one `Fused::CrossEntropyMean`: one
 /// launch in place of three (the rows, the loss chain folded in one block, the
 /// backward). The loss reads its element 0, the gradient the rest.
 pub fn fuse_mean_cross_entropy(g: &Graph) -> Graph {
@@ -26,7 +26,7 @@ pub fn fuse_mean_cross_entropy(g: &Graph) -> Graph {
         let Some((loss, grad)) = mean_xent(g, &users, (&escapes, &pinned), ce) else { continue };
         if let Kind::Op(op, _) = &mut out.nodes[ce].kind {
             let Op::CrossEntropy { ignore_index, smoothing } = *op else { continue };
-            *op = Op::CrossEntropyMean { ignore_index, smoothing };
+            *op = Op::Fused(Fused::CrossEntropyMean { ignore_index, smoothing });
         }
         out.nodes[ce].shape = vec![kiln_tensor::op::XENT_GRAD_AT + g.nodes[grad].numel()];
         (alias[loss], alias[grad]) = (Some((ce, 0)), Some((ce, kiln_tensor::op::XENT_GRAD_AT)));
@@ -93,7 +93,7 @@ pub(super) struct Head {
 /// On a GPU with thread block clusters (`clusters`; one block would take up to eight times
 /// the work it is sized for), a linear classifier head small enough for one cluster of blocks
 /// (`kiln_tensor::cuda::kernels::products::linear_xent_fits`: a small batch), its fused mean cross-entropy and the head's
-/// backward become one `Op::LinearCrossEntropyMean`: the head's product, the loss, the weight and bias gradients
+/// backward become one `Fused::LinearCrossEntropyMean`: the head's product, the loss, the weight and bias gradients
 /// (`g^T h` with `sum(g)`) and h's gradient (`g w`, through a ReLU or not) in one launch. The
 /// gradients' readers read them inside the new node's output.
 pub fn fuse_linear_cross_entropy(g: &Graph) -> Graph {
@@ -103,10 +103,10 @@ pub fn fuse_linear_cross_entropy(g: &Graph) -> Graph {
     let mut alias: Vec<Option<(NodeId, usize)>> = vec![None; g.nodes.len()];
     for ce in 0..g.nodes.len() {
         let Some(head) = linear_head(g, &users, (&escapes, &pinned), ce) else { continue };
-        let Kind::Op(Op::CrossEntropyMean { ignore_index, smoothing }, _) = out.nodes[ce].kind else { continue };
+        let Kind::Op(Op::Fused(Fused::CrossEntropyMean { ignore_index, smoothing }), _) = out.nodes[ce].kind else { continue };
         let (n, c, f) = (head.args[0].layout.shape[0], head.args[1].layout.shape[0], head.args[0].layout.shape[1]);
         let (dw_at, _, dh_at, len) = kiln_tensor::op::linear_xent_parts(n, c, f);
-        let op = Op::LinearCrossEntropyMean { ignore_index, smoothing, drelu: head.drelu };
+        let op = Op::Fused(Fused::LinearCrossEntropyMean { ignore_index, smoothing, drelu: head.drelu });
         out.nodes[ce].kind = Kind::Op(op, head.args);
         out.nodes[ce].shape = vec![len];
         (alias[head.dw], alias[head.dh]) = (Some((ce, dw_at)), Some((ce, dh_at)));
@@ -123,7 +123,7 @@ pub(super) fn linear_head(g: &Graph, users: &[Vec<NodeId>], (escapes, pinned): (
         Kind::Op(op, args) => Some((op, args.as_slice())),
         _ => None,
     };
-    let (Op::CrossEntropyMean { .. }, [x, t]) = op(ce)? else { return None };
+    let (Op::Fused(Fused::CrossEntropyMean { .. }), [x, t]) = op(ce)? else { return None };
     let p = x.node;
     let (Op::Matmul, [h, wt, bias]) = op(p)? else { return None };
     let fits = |n, c, f| kiln_tensor::cuda::kernels::products::linear_xent_fits(g.nodes[ce].dtype, n, c, f);
@@ -144,8 +144,8 @@ pub(super) fn linear_head(g: &Graph, users: &[Vec<NodeId>], (escapes, pinned): (
     let (mut dw, mut dh) = (None, None);
     for &u in &users[ce] {
         match op(u)? {
-            (Op::MatmulFused(MatmulEpilogue::SumLeft), [a, b]) if of_grad(a, &grad_t) && b == h => dw = Some(u),
-            (Op::MatmulFused(MatmulEpilogue::DRelu), [a, b, r]) if of_grad(a, &grad) && *b == w && r == h => dh = Some((u, true)),
+            (Op::Fused(Fused::Matmul(MatmulEpilogue::SumLeft)), [a, b]) if of_grad(a, &grad_t) && b == h => dw = Some(u),
+            (Op::Fused(Fused::Matmul(MatmulEpilogue::DRelu)), [a, b, r]) if of_grad(a, &grad) && *b == w && r == h => dh = Some((u, true)),
             (Op::Matmul, [a, b]) if of_grad(a, &grad) && *b == w => dh = Some((u, false)),
             // Anything else reads the loss only.
             (_, args) if args.iter().all(|a| a.node != ce || (a.layout.offset == 0 && a.layout.numel() == 1)) => {}

@@ -5,7 +5,7 @@ use super::attention::{permuted_operands, read_permutation};
 use super::edit::{each_arg_of, pinned_and_escaping, readers, redirect, remap, view_bases, whole};
 use super::generic::dce;
 use crate::graph::{Arg, Graph, Kind, NodeId};
-use kiln_tensor::{BinaryOp, DType, Layout, MatmulEpilogue, Op, ReduceOp, UnaryOp};
+use kiln_tensor::{BinaryOp, DType, Fused, Layout, MatmulEpilogue, Op, ReduceOp, UnaryOp};
 use std::collections::HashMap;
 
 /// Collapses dims `(size, stride)` (outer first) into one, if they walk one arithmetic
@@ -31,7 +31,7 @@ pub(super) fn sums_operand(sum: &Arg, dims: &[usize], op: &kiln_tensor::Layout, 
     op.rank() == 2 && l.offset == op.offset && same(pick(true), over) && same(pick(false), 1 - over)
 }
 
-/// Work folded into matmuls (`Op::MatmulFused`, a cuBLASLt epilogue on CUDA):
+/// Work folded into matmuls (`Fused::Matmul`, a cuBLASLt epilogue on CUDA):
 /// - a ReLU that is a product's only reader, or a GELU (tanh form) of a product;
 /// - the product of a matmul by a GELU's gradient, and on a GPU by a ReLU's (`step`) where
 ///   the contraction is short enough for Kiln's thin-product kernel, which multiplies as it
@@ -109,7 +109,7 @@ pub fn fuse_matmuls(g: &Graph, gpu: bool) -> Graph {
                     Some((p, fused))
                 };
                 if let Some((p, fused)) = residual(&args[0], &args[1]).or_else(|| residual(&args[1], &args[0])) {
-                    out.nodes[i].kind = Kind::Op(Op::MatmulFused(MatmulEpilogue::Residual), fused);
+                    out.nodes[i].kind = Kind::Op(Op::Fused(Fused::Matmul(MatmulEpilogue::Residual)), fused);
                     taken[p] = true;
                 }
             }
@@ -128,10 +128,10 @@ pub fn fuse_matmuls(g: &Graph, gpu: bool) -> Graph {
                 let (margs, numel) = (margs.clone(), pn.numel());
                 alias[i] = Some((p, 0));
                 if u == UnaryOp::Relu {
-                    out.nodes[p].kind = Kind::Op(Op::MatmulFused(MatmulEpilogue::Relu), margs);
+                    out.nodes[p].kind = Kind::Op(Op::Fused(Fused::Matmul(MatmulEpilogue::Relu)), margs);
                 } else {
                     let tail = kiln_tensor::op::matmul_tail_offset(numel);
-                    out.nodes[p].kind = Kind::Op(Op::MatmulFused(MatmulEpilogue::GeluTanh), margs);
+                    out.nodes[p].kind = Kind::Op(Op::Fused(Fused::Matmul(MatmulEpilogue::GeluTanh)), margs);
                     out.nodes[p].shape = vec![tail + numel];
                     alias[p] = Some((p, tail));
                 }
@@ -155,7 +155,7 @@ pub fn fuse_matmuls(g: &Graph, gpu: bool) -> Graph {
                     ok.then(|| (x.node, vec![margs[0].clone(), margs[1].clone(), h[0].clone()], epi))
                 };
                 if let Some((p, margs, epi)) = dgelu(&args[0], &args[1]).or_else(|| dgelu(&args[1], &args[0])) {
-                    out.nodes[p].kind = Kind::Op(Op::MatmulFused(epi), margs);
+                    out.nodes[p].kind = Kind::Op(Op::Fused(Fused::Matmul(epi)), margs);
                     alias[i] = Some((p, 0));
                 }
             }
@@ -180,7 +180,7 @@ pub fn fuse_matmuls(g: &Graph, gpu: bool) -> Graph {
                 let epi = if side == 0 { MatmulEpilogue::SumLeft } else { MatmulEpilogue::SumRight };
                 let at = kiln_tensor::op::matmul_tail_offset(m * n);
                 let len = if side == 0 { m } else { n };
-                out.nodes[p].kind = Kind::Op(Op::MatmulFused(epi), margs);
+                out.nodes[p].kind = Kind::Op(Op::Fused(Fused::Matmul(epi)), margs);
                 out.nodes[p].shape = vec![at + len];
                 alias[i] = Some((p, at));
             }
@@ -352,7 +352,7 @@ pub(super) fn thin_product(margs: &[Arg], dtype: DType) -> bool {
 
 /// On a GPU, an activation's backward `y = a * gate(h)` (GELU's or SiLU's gradient) whose
 /// sums over the rows are taken (the bias gradient of the product y feeds) becomes one
-/// `Op::GatedSums`: the column-sum kernel makes y as it sums it, so that y is not read again
+/// `Fused::GatedSums`: the column-sum kernel makes y as it sums it, so that y is not read again
 /// (GPT's `fc1` under autocast: 50 MB a layer). The sum's readers read the op's tail, y's
 /// its head. (cuBLASLt's DGELU epilogue keeps the tanh form's gradient, and the thin product
 /// ReLU's.) It shortens GPT BF16's step (BENCHMARKS.md).
@@ -399,7 +399,7 @@ pub fn fuse_gated_sums(g: &Graph) -> Graph {
         }
         let (numel, n) = (yn.numel(), yn.shape[rank - 1]);
         let tail = kiln_tensor::op::matmul_tail_offset(numel);
-        out.nodes[y].kind = Kind::Op(Op::GatedSums { gate }, vec![a.clone(), h]);
+        out.nodes[y].kind = Kind::Op(Op::Fused(Fused::GatedSums { gate }), vec![a.clone(), h]);
         out.nodes[y].shape = vec![tail + n];
         alias[i] = Some((y, tail));
         taken[y] = true;

@@ -5,7 +5,7 @@ use super::*;
 use super::{attention::*, generic::*, layer_norm::*, loss::*, products::*};
 use crate::graph::testing::{mean_loss, whole};
 use crate::graph::{Arg, Graph, Kind, NodeId};
-use kiln_tensor::{BinaryOp, DType, Layout, MatmulEpilogue, Op, ReduceOp, UnaryOp};
+use kiln_tensor::{BinaryOp, DType, Fused, Layout, MatmulEpilogue, Op, ReduceOp, UnaryOp};
 
 type Cells = [std::sync::Arc<kiln_tensor::storage::StorageCell>];
 
@@ -233,7 +233,7 @@ fn attention_copied_with_its_heads_after_t_writes_them_there_on_a_gpu() {
     let (b, h, t, d) = (2, 3, 5, 4);
     let mut g = Graph::default();
     let q = g.push(Kind::Input(0), vec![b, h, t, d], DType::F32);
-    let op = Op::Attention { scale: 0.5, causal: true, heads_last: false };
+    let op = Op::Attention { scale: 0.5, causal: true };
     let a = g.push(Kind::Op(op, vec![whole(&g, q), whole(&g, q), whole(&g, q)]), vec![b, h, t, d], DType::F32);
     let moved = Arg { node: a, layout: Layout { shape: vec![b, t, h, d], strides: vec![h * t * d, d, t * d, 1], offset: 0 } };
     let c = g.push(Kind::Op(Op::Contiguous, vec![moved]), vec![b, t, h * d], DType::F32);
@@ -242,7 +242,7 @@ fn attention_copied_with_its_heads_after_t_writes_them_there_on_a_gpu() {
     assert_eq!(ops(&pass("attention_heads_last", &g, Target::Cpu)), ["attention", "contiguous", "neg"]);
     let f = attention_heads_last(&g);
     assert_eq!(ops(&f), ["attention", "neg"], "{f}");
-    assert!(matches!(f.nodes[1].kind, Kind::Op(Op::Attention { heads_last: true, .. }, _)));
+    assert!(matches!(f.nodes[1].kind, Kind::Op(Op::Fused(Fused::AttentionHeadsLast { .. }), _)));
     assert_eq!(f.nodes[1].shape, vec![b, t, h, d]);
     // The copy's reader reads the new buffer as it read the copy; the other reads it
     // through the permutation back to [B, H, T, D].
@@ -452,7 +452,7 @@ fn a_small_mean_cross_entropy_and_its_gradient_become_one_gpu_op() {
     assert_eq!(ops(&f), ["cross_entropy_mean"]);
     let ce = f.nodes.iter().position(|n| matches!(n.kind, Kind::Op(..))).unwrap_or(usize::MAX);
     assert_eq!(f.nodes[ce].shape, vec![64 + 12]);
-    assert!(matches!(f.nodes[ce].kind, Kind::Op(Op::CrossEntropyMean { ignore_index: Some(-100), .. }, _)));
+    assert!(matches!(f.nodes[ce].kind, Kind::Op(Op::Fused(Fused::CrossEntropyMean { ignore_index: Some(-100), .. }), _)));
     // The loss reads element 0, the gradient the 4 x 3 values from element 64.
     let outs: Vec<(NodeId, usize, &[usize])> = f.outputs.iter().map(|a| (a.node, a.layout.offset, &a.layout.shape[..])).collect();
     assert_eq!(outs, vec![(ce, 0, &[][..]), (ce, 64, &[4, 3][..])]);
@@ -473,12 +473,12 @@ fn classifier_head(n: usize) -> (Graph, [NodeId; 3]) {
     let t = g.push(Kind::Input(3), vec![n], DType::I64);
     let wt = Arg { node: w, layout: Layout { shape: vec![f, c], strides: vec![1, f], offset: 0 } };
     let p = g.push(Kind::Op(Op::Matmul, vec![whole(&g, h), wt, whole(&g, b)]), vec![n, c], DType::F32);
-    let xent = Op::CrossEntropyMean { ignore_index: Some(-100), smoothing: 0.0 };
+    let xent = Op::Fused(Fused::CrossEntropyMean { ignore_index: Some(-100), smoothing: 0.0 });
     let ce = g.push(Kind::Op(xent, vec![whole(&g, p), whole(&g, t)]), vec![XENT_GRAD_AT + n * c], DType::F32);
     let grad = |shape: Vec<usize>, strides: Vec<usize>| Arg { node: ce, layout: Layout { shape, strides, offset: XENT_GRAD_AT } };
-    let sums = Op::MatmulFused(MatmulEpilogue::SumLeft);
+    let sums = Op::Fused(Fused::Matmul(MatmulEpilogue::SumLeft));
     let dw = g.push(Kind::Op(sums, vec![grad(vec![c, n], vec![1, c]), whole(&g, h)]), vec![64 + c], DType::F32);
-    let drelu = Op::MatmulFused(MatmulEpilogue::DRelu);
+    let drelu = Op::Fused(Fused::Matmul(MatmulEpilogue::DRelu));
     let dh = g.push(Kind::Op(drelu, vec![grad(vec![n, c], vec![c, 1]), whole(&g, w), whole(&g, h)]), vec![n, f], DType::F32);
     let loss = Arg { node: ce, layout: Layout { shape: vec![], strides: vec![], offset: 0 } };
     g.outputs = vec![loss, whole(&g, dw), whole(&g, dh)];
@@ -491,7 +491,7 @@ fn a_small_classifier_head_its_loss_and_its_backward_become_one_gpu_op() {
     let f = fuse_linear_cross_entropy(&g);
     assert_eq!(ops(&f), ["linear_cross_entropy_mean"]);
     let fused = f.nodes.iter().position(|n| matches!(n.kind, Kind::Op(..))).unwrap_or(usize::MAX);
-    let Kind::Op(Op::LinearCrossEntropyMean { drelu: true, .. }, args) = &f.nodes[fused].kind else { panic!("{f}") };
+    let Kind::Op(Op::Fused(Fused::LinearCrossEntropyMean { drelu: true, .. }), args) = &f.nodes[fused].kind else { panic!("{f}") };
     // h, the weight read as [C, F], the bias, the targets.
     assert_eq!(args.iter().map(|a| a.node).collect::<Vec<_>>(), [0, 1, 2, 3]);
     assert_eq!((&args[1].layout.shape[..], &args[1].layout.strides[..]), (&[3, 6][..], &[6, 1][..]));

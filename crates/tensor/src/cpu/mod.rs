@@ -9,7 +9,7 @@ pub mod matmul;
 pub mod reduce;
 pub mod strided;
 
-use crate::op::{Distribution, MatmulEpilogue, Op, OutMeta};
+use crate::op::{Distribution, Fused, MatmulEpilogue, Op, OutMeta};
 use crate::shape::Layout;
 use crate::storage::{pool, CpuSlice, CpuStorage, IntoCpuStorage};
 use crate::{with_cpu, DType, Element, Error, Result};
@@ -76,6 +76,34 @@ fn cast<T: Element>(v: &[T], l: &Layout, to: DType) -> CpuStorage {
 
 /// Runs an op that makes a new tensor. `ins` are (storage, layout) per input.
 pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<CpuStorage> {
+    match op {
+        Op::Full { .. } | Op::Arange { .. } | Op::Rand { .. } => sources(op, meta),
+        Op::Unary(_) | Op::Binary(_) | Op::Scalar { .. } | Op::Where | Op::Cast(_) | Op::Contiguous => elementwise(op, ins, meta),
+        Op::Reduce { .. }
+        | Op::Softmax { .. }
+        | Op::Normalize { .. }
+        | Op::SoftmaxBackward { .. }
+        | Op::NormalizeBackward { .. }
+        | Op::CrossEntropy { .. }
+        | Op::CrossEntropyBackward { .. } => rows(op, ins, meta),
+        Op::NormalizeParamGrads { .. } => param_grads(op, ins, meta),
+        Op::Attention { .. } | Op::AttentionBackward { .. } => attention(op, ins),
+        Op::Matmul => matmul(op, ins, meta),
+        Op::IndexSelect { .. } | Op::ArgSort { .. } | Op::Gather { .. } | Op::IndexAdd { .. } | Op::ScatterAdd { .. } | Op::Cat { .. } => {
+            indexing(op, ins, meta)
+        }
+        Op::Fused(_) => fused(op, ins, meta),
+        Op::Reshape(_) | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_) => {
+            Err(Error::Msg(format!("{}: a view runs no kernel", op.name())))
+        }
+        Op::Assign | Op::UpdateBinary(_) | Op::UpdateScalar(..) => {
+            Err(Error::Msg(format!("{}: in-place ops go through run_inplace", op.name())))
+        }
+    }
+}
+
+/// Full, Arange and Rand.
+fn sources(op: &Op, meta: &OutMeta) -> Result<CpuStorage> {
     let name = op.name();
     let numel: usize = meta.shape.iter().product();
     Ok(match op {
@@ -111,6 +139,14 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
                 run(&Op::Cast(*dtype), &[(&f, &Layout::contiguous(&meta.shape))], meta)?
             }
         }
+        _ => return Err(Error::Msg(format!("{name}: not an op of the CPU's sources kernels"))),
+    })
+}
+
+/// Elementwise ops, casts and the dense copy.
+fn elementwise(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<CpuStorage> {
+    let name = op.name();
+    Ok(match op {
         Op::Unary(u) => {
             let (s, l) = ins[0];
             match s {
@@ -187,6 +223,15 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             let (s, l) = ins[0];
             with_cpu!(s, v => ew::map1(v, l, |x| x).into_storage())
         }
+        _ => return Err(Error::Msg(format!("{name}: not an op of the CPU's elementwise kernels"))),
+    })
+}
+
+/// Reductions and the row ops: softmax, layer norm and their backwards, cross-entropy.
+fn rows(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<CpuStorage> {
+    let name = op.name();
+    let numel: usize = meta.shape.iter().product();
+    Ok(match op {
         Op::Reduce { op: r, dims, .. } => {
             let (s, l) = ins[0];
             with_cpu!(s, v => reduce::reduce(*r, v, l, dims, numel).into_storage())
@@ -230,24 +275,31 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             }
             with_cpu!(s, v => with_grad(v, l, g, name, |x, g| RowKernels::normalize_rows(x, Some(g), (None, None), n, *eps))?.into_storage())
         }
-        Op::GatedSums { gate } => {
-            // The two ops as eager runs them, then y's sums over its rows after the tail offset.
-            let ((a, h), dtype) = ((ins[0], ins[1]), meta.dtype);
-            let (shape, n) = (a.1.shape.clone(), a.1.shape[a.1.rank() - 1]);
-            let numel = a.1.numel();
-            let like = OutMeta { shape: shape.clone(), dtype };
-            let gated = run(&Op::Unary(*gate), &[h], &like)?;
-            let y = run(&Op::Binary(crate::BinaryOp::Mul), &[a, (&gated, &Layout::contiguous(&shape))], &like)?;
-            let sum = Op::Reduce { op: crate::ReduceOp::Sum, dims: vec![0], keepdim: false };
-            let rows = Layout::contiguous(&[numel.checked_div(n).unwrap_or(0), n]);
-            let sums = run(&sum, &[(&y, &rows)], &OutMeta { shape: vec![n], dtype })?;
-            with_cpu!(&y, v => {
-                let mut out = v.to_vec();
-                out.resize(crate::op::matmul_tail_offset(numel), Default::default());
-                out.extend_from_slice(typed(&sums, name)?);
-                out.into_storage()
-            })
+        Op::CrossEntropy { ignore_index, smoothing } | Op::CrossEntropyBackward { ignore_index, smoothing } => {
+            let ((s, l), (st, lt)) = (ins[0], ins[1]);
+            let spec = reduce::XentSpec { n: l.shape[1], ignore: *ignore_index, smoothing: *smoothing };
+            let targets = contig(typed::<i64>(st, name)?, lt);
+            fn go<T: CpuSlice>(
+                x: &[T],
+                l: &Layout,
+                t: &[i64],
+                g: Option<&(&CpuStorage, &Layout)>,
+                spec: reduce::XentSpec,
+            ) -> Result<Vec<T>> {
+                let g = g.map(|(sg, lg)| Ok::<_, Error>(contig(typed::<T>(sg, "cross_entropy_backward")?, lg))).transpose()?;
+                reduce::cross_entropy(&contig(x, l), t, g.as_deref(), spec)
+            }
+            with_cpu!(s, v => go(v, l, &targets, ins.get(2), spec)?.into_storage())
         }
+        _ => return Err(Error::Msg(format!("{name}: not an op of the CPU's rows kernels"))),
+    })
+}
+
+/// Layer norm's parameter gradients (`NormalizeParamGrads`), with x's gradient when given the
+/// weight.
+fn param_grads(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<CpuStorage> {
+    let name = op.name();
+    Ok(match op {
         Op::NormalizeParamGrads { eps, sums: Some(t), .. } => {
             // The flat result without the sums row, then the row spliced in before x's gradient.
             let (x, n) = (ins[0], ins[0].1.shape[ins[0].1.rank() - 1]);
@@ -334,34 +386,15 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
                 v.into_storage()
             })
         }
-        Op::CrossEntropy { ignore_index, smoothing } | Op::CrossEntropyBackward { ignore_index, smoothing } => {
-            let ((s, l), (st, lt)) = (ins[0], ins[1]);
-            let spec = reduce::XentSpec { n: l.shape[1], ignore: *ignore_index, smoothing: *smoothing };
-            let targets = contig(typed::<i64>(st, name)?, lt);
-            fn go<T: CpuSlice>(
-                x: &[T],
-                l: &Layout,
-                t: &[i64],
-                g: Option<&(&CpuStorage, &Layout)>,
-                spec: reduce::XentSpec,
-            ) -> Result<Vec<T>> {
-                let g = g.map(|(sg, lg)| Ok::<_, Error>(contig(typed::<T>(sg, "cross_entropy_backward")?, lg))).transpose()?;
-                reduce::cross_entropy(&contig(x, l), t, g.as_deref(), spec)
-            }
-            with_cpu!(s, v => go(v, l, &targets, ins.get(2), spec)?.into_storage())
-        }
-        Op::CrossEntropyMean { ignore_index, smoothing } => cross_entropy_mean(ins, *ignore_index, *smoothing, meta.dtype)?,
-        Op::LinearCrossEntropyMean { ignore_index, smoothing, drelu } => {
-            linear_cross_entropy_mean(ins, *ignore_index, *smoothing, *drelu, meta)?
-        }
-        Op::Attention { scale, causal, heads_last: true } => {
-            // [B, H, T, D], then the heads moved after T.
-            let (b, h, t, d) = (ins[0].1.shape[0], ins[0].1.shape[1], ins[0].1.shape[2], ins[0].1.shape[3]);
-            let plain = OutMeta { shape: vec![b, h, t, d], dtype: meta.dtype };
-            let out = run(&Op::Attention { scale: *scale, causal: *causal, heads_last: false }, ins, &plain)?;
-            run(&Op::Contiguous, &[(&out, &Layout::contiguous(&plain.shape).permuted(&[0, 2, 1, 3]))], meta)?
-        }
-        Op::Attention { scale, causal, heads_last: false } | Op::AttentionBackward { scale, causal } => {
+        _ => return Err(Error::Msg(format!("{name}: not an op of the CPU's param_grads kernels"))),
+    })
+}
+
+/// Attention and its backward.
+fn attention(op: &Op, ins: &[(&CpuStorage, &Layout)]) -> Result<CpuStorage> {
+    let name = op.name();
+    Ok(match op {
+        Op::Attention { scale, causal } | Op::AttentionBackward { scale, causal } => {
             let (s0, l0) = ins[0];
             let r = l0.rank();
             let spec = attention::AttnSpec {
@@ -387,6 +420,14 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             }
             with_cpu!(s0, v => go(v, ins, spec, name)?.into_storage())
         }
+        _ => return Err(Error::Msg(format!("{name}: not an op of the CPU's attention kernels"))),
+    })
+}
+
+/// The product.
+fn matmul(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<CpuStorage> {
+    let name = op.name();
+    Ok(match op {
         Op::Matmul => {
             let ((sa, la), (sb, lb)) = (ins[0], ins[1]);
             let r = meta.shape.len();
@@ -407,7 +448,14 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
                 _ => return Err(Error::dtype(name, format!("not defined for {:?}", sa.dtype()))),
             }
         }
-        Op::MatmulFused(e) => matmul_fused(*e, ins, meta)?,
+        _ => return Err(Error::Msg(format!("{name}: not an op of the CPU's matmul kernels"))),
+    })
+}
+
+/// Indexing, argsort and concatenation.
+fn indexing(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<CpuStorage> {
+    let name = op.name();
+    Ok(match op {
         Op::IndexSelect { dim } => {
             let ((s, l), (si, li)) = (ins[0], ins[1]);
             let idx = contig(typed::<i64>(si, name)?, li);
@@ -472,16 +520,49 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
                 DType::U8 => CpuStorage::U8(go(ins, *dim, &meta.shape)?),
             }
         }
-        Op::Reshape(_) | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_) => {
-            return Err(Error::Msg(format!("{name}: a view runs no kernel")));
-        }
-        Op::Assign | Op::UpdateBinary(_) | Op::UpdateScalar(..) => {
-            return Err(Error::Msg(format!("{name}: in-place ops go through run_inplace")));
-        }
+        _ => return Err(Error::Msg(format!("{name}: not an op of the CPU's indexing kernels"))),
     })
 }
 
-/// `Op::CrossEntropyMean` through the unfused ops, as eager runs them: the rows' losses, their
+/// The fused ops (`Fused`): each a reference for its CUDA kernel, matching the unfused ops.
+fn fused(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<CpuStorage> {
+    let name = op.name();
+    Ok(match op {
+        Op::Fused(Fused::GatedSums { gate }) => {
+            // The two ops as eager runs them, then y's sums over its rows after the tail offset.
+            let ((a, h), dtype) = ((ins[0], ins[1]), meta.dtype);
+            let (shape, n) = (a.1.shape.clone(), a.1.shape[a.1.rank() - 1]);
+            let numel = a.1.numel();
+            let like = OutMeta { shape: shape.clone(), dtype };
+            let gated = run(&Op::Unary(*gate), &[h], &like)?;
+            let y = run(&Op::Binary(crate::BinaryOp::Mul), &[a, (&gated, &Layout::contiguous(&shape))], &like)?;
+            let sum = Op::Reduce { op: crate::ReduceOp::Sum, dims: vec![0], keepdim: false };
+            let rows = Layout::contiguous(&[numel.checked_div(n).unwrap_or(0), n]);
+            let sums = run(&sum, &[(&y, &rows)], &OutMeta { shape: vec![n], dtype })?;
+            with_cpu!(&y, v => {
+                let mut out = v.to_vec();
+                out.resize(crate::op::matmul_tail_offset(numel), Default::default());
+                out.extend_from_slice(typed(&sums, name)?);
+                out.into_storage()
+            })
+        }
+        Op::Fused(Fused::CrossEntropyMean { ignore_index, smoothing }) => cross_entropy_mean(ins, *ignore_index, *smoothing, meta.dtype)?,
+        Op::Fused(Fused::LinearCrossEntropyMean { ignore_index, smoothing, drelu }) => {
+            linear_cross_entropy_mean(ins, *ignore_index, *smoothing, *drelu, meta)?
+        }
+        Op::Fused(Fused::AttentionHeadsLast { scale, causal }) => {
+            // [B, H, T, D], then the heads moved after T.
+            let (b, h, t, d) = (ins[0].1.shape[0], ins[0].1.shape[1], ins[0].1.shape[2], ins[0].1.shape[3]);
+            let plain = OutMeta { shape: vec![b, h, t, d], dtype: meta.dtype };
+            let out = run(&Op::Attention { scale: *scale, causal: *causal }, ins, &plain)?;
+            run(&Op::Contiguous, &[(&out, &Layout::contiguous(&plain.shape).permuted(&[0, 2, 1, 3]))], meta)?
+        }
+        Op::Fused(Fused::Matmul(e)) => matmul_fused(*e, ins, meta)?,
+        _ => return Err(Error::Msg(format!("{name}: not an op of the CPU's fused kernels"))),
+    })
+}
+
+/// `Fused::CrossEntropyMean` through the unfused ops, as eager runs them: the rows' losses, their
 /// sum over the count of real targets, and the backward with every row's gradient `1 / count`.
 fn cross_entropy_mean(ins: &[(&CpuStorage, &Layout)], ignore_index: Option<i64>, smoothing: f64, dtype: DType) -> Result<CpuStorage> {
     let (rows, classes) = (ins[0].1.shape[0], ins[0].1.shape[1]);
@@ -506,7 +587,7 @@ fn cross_entropy_mean(ins: &[(&CpuStorage, &Layout)], ignore_index: Option<i64>,
     }))
 }
 
-/// `Op::LinearCrossEntropyMean` from the unfused ops it stands for: the head's product, the
+/// `Fused::LinearCrossEntropyMean` from the unfused ops it stands for: the head's product, the
 /// mean cross-entropy, the weight and bias gradients (`SumLeft`) and h's gradient.
 fn linear_cross_entropy_mean(
     ins: &[(&CpuStorage, &Layout)],
@@ -521,13 +602,17 @@ fn linear_cross_entropy_mean(
     let with_shape = |shape: Vec<usize>| OutMeta { shape, dtype: meta.dtype };
     let wt = Layout { shape: vec![f, c], strides: vec![w.1.strides[1], w.1.strides[0]], offset: w.1.offset };
     let logits = run(&Op::Matmul, &[h, (w.0, &wt), bias], &with_shape(vec![n, c]))?;
-    let xent = Op::CrossEntropyMean { ignore_index, smoothing };
+    let xent = Op::Fused(Fused::CrossEntropyMean { ignore_index, smoothing });
     let ce = run(&xent, &[(&logits, &Layout::contiguous(&[n, c])), targets], &with_shape(vec![XENT_GRAD_AT + n * c]))?;
     let g = Layout { shape: vec![n, c], strides: vec![c, 1], offset: XENT_GRAD_AT };
     let gt = Layout { shape: vec![c, n], strides: vec![1, c], offset: XENT_GRAD_AT };
-    let dw = run(&Op::MatmulFused(MatmulEpilogue::SumLeft), &[(&ce, &gt), h], &with_shape(vec![crate::op::matmul_tail_offset(c * f) + c]))?;
+    let dw = run(
+        &Op::Fused(Fused::Matmul(MatmulEpilogue::SumLeft)),
+        &[(&ce, &gt), h],
+        &with_shape(vec![crate::op::matmul_tail_offset(c * f) + c]),
+    )?;
     let dh = match drelu {
-        true => run(&Op::MatmulFused(MatmulEpilogue::DRelu), &[(&ce, &g), w, h], &with_shape(vec![n, f]))?,
+        true => run(&Op::Fused(Fused::Matmul(MatmulEpilogue::DRelu)), &[(&ce, &g), w, h], &with_shape(vec![n, f]))?,
         false => run(&Op::Matmul, &[(&ce, &g), w], &with_shape(vec![n, f]))?,
     };
     let (dw_at, _, dh_at, len) = crate::op::linear_xent_parts(n, c, f);
@@ -541,7 +626,7 @@ fn linear_cross_entropy_mean(
     }))
 }
 
-/// `Op::MatmulFused`: the product, then the rest through the same kernels as the unfused
+/// `Fused::Matmul`: the product, then the rest through the same kernels as the unfused
 /// ops, so compiled CPU steps match eager ones exactly.
 fn matmul_fused(e: MatmulEpilogue, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<CpuStorage> {
     use crate::UnaryOp;
@@ -585,7 +670,7 @@ fn matmul_fused(e: MatmulEpilogue, ins: &[(&CpuStorage, &Layout)], meta: &OutMet
         }
         MatmulEpilogue::SumLeft | MatmulEpilogue::SumRight => {
             let s = matmul::MatmulShape { batch: &[], m: ins[0].1.shape[0], k: ins[0].1.shape[1], n: ins[1].1.shape[1] };
-            match matmul_by_tiles(&Op::MatmulFused(e), ins, meta, matmul::split_rows(s), &|_, _, _| {})? {
+            match matmul_by_tiles(&Op::Fused(Fused::Matmul(e)), ins, meta, matmul::split_rows(s), &|_, _, _| {})? {
                 Some(out) => Ok(out),
                 // F16 and BF16 (rare here): the product, then a copy into the longer buffer.
                 None => {
@@ -605,7 +690,7 @@ fn operand_sums(e: MatmulEpilogue, ins: &[(&CpuStorage, &Layout)], dtype: DType)
     run(&Op::Reduce { op: crate::ReduceOp::Sum, dims: vec![dim], keepdim: false }, &[src], &OutMeta { shape: vec![len], dtype })
 }
 
-/// Compile's CPU back end: a 2-D `Matmul` (bias optional) or a `MatmulFused` with operand
+/// Compile's CPU back end: a 2-D `Matmul` (bias optional) or a `Fused::Matmul` with operand
 /// sums, in F32 or F64, computed `tile` rows at a time with `after` run on each tile of the
 /// product as soon as it is made (`matmul::by_tiles`). None (nothing run) for any other op,
 /// dtype or rank. The sums and padding of a fused output are written before the product.
@@ -618,7 +703,7 @@ pub fn matmul_by_tiles(
 ) -> Result<Option<CpuStorage>> {
     let fused_sums = match op {
         Op::Matmul => None,
-        Op::MatmulFused(e @ (MatmulEpilogue::SumLeft | MatmulEpilogue::SumRight)) => Some(*e),
+        Op::Fused(Fused::Matmul(e @ (MatmulEpilogue::SumLeft | MatmulEpilogue::SumRight))) => Some(*e),
         _ => return Ok(None),
     };
     if ins.len() < 2 || ins[0].1.rank() != 2 || ins[1].1.rank() != 2 || !matches!(meta.dtype, DType::F32 | DType::F64) {

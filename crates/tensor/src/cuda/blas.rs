@@ -75,10 +75,20 @@ struct OnGpu {
 }
 
 /// The cuBLAS state of `g` (made on first use, kept for the process, as the GPU is).
+/// (A thread-local note of the last one first: every product asks.)
 fn on(g: &Gpu) -> &'static OnGpu {
     static ALL: OnceLock<Mutex<HashMap<usize, &'static OnGpu>>> = OnceLock::new();
-    let mut all = lock(ALL.get_or_init(Default::default));
-    all.entry(g.ordinal).or_insert_with(|| Box::leak(Box::default()))
+    thread_local! {
+        static LAST: std::cell::Cell<Option<(usize, &'static OnGpu)>> = const { std::cell::Cell::new(None) };
+    }
+    if let Some((ordinal, state)) = LAST.with(|l| l.get()) {
+        if ordinal == g.ordinal {
+            return state;
+        }
+    }
+    let state: &'static OnGpu = lock(ALL.get_or_init(Default::default)).entry(g.ordinal).or_insert_with(|| Box::leak(Box::default()));
+    LAST.with(|l| l.set(Some((g.ordinal, state))));
+    state
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -281,7 +291,7 @@ struct Rest<'a> {
     residual: Option<(&'a CudaStorage, &'a Layout)>,
 }
 
-/// `Op::Matmul`, or with `epi` an `Op::MatmulFused`: one cuBLASLt call (or Kiln kernel) with
+/// `Op::Matmul`, or with `epi` an `Fused::Matmul`: one cuBLASLt call (or Kiln kernel) with
 /// the epilogue where it applies, else the plain product and the rest as kernels after it.
 /// `more`: the op's inputs after a and b.
 pub fn matmul_fused(

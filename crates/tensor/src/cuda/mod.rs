@@ -264,7 +264,8 @@ mod copies {
     pub fn to_device(s: &Storage, l: &Layout, device: Device) -> Result<Storage> {
         super::check_computed(s)?;
         match (s, device) {
-            (Storage::Cpu(c), Device::Cuda(n)) if l.is_contiguous() => upload(c, l, n),
+            // (No elements: no layout to check; a zero-length dim breaks row-major strides.)
+            (Storage::Cpu(c), Device::Cuda(n)) if l.is_contiguous() || l.numel() == 0 => upload(c, l, n),
             (Storage::Cpu(_), Device::Cuda(_)) => {
                 Err(Error::Msg(format!("to_device: a CPU view of strides {:?} (made dense first)", l.strides)))
             }

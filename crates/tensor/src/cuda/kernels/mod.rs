@@ -28,7 +28,7 @@ mod dispatch {
     use crate::cuda::kernels::products::linear_cross_entropy_mean;
     use crate::cuda::kernels::reduce::{gated_sums, reduce};
     use crate::cuda::kernels::rows::{cross_entropy, cross_entropy_mean, layer_norm_param_grads, normalize, softmax, softmax_backward};
-    use crate::op::{Op, OutMeta};
+    use crate::op::{Fused, Op, OutMeta};
     use crate::shape::Layout;
     use crate::storage::Storage;
     use crate::{DType, Device, Error, Result};
@@ -70,21 +70,22 @@ mod dispatch {
             Op::Softmax { log, scale, causal } => softmax(&g, x[0], (*log, *scale, *causal))?,
             Op::Normalize { eps, to } => normalize(&g, x[0], None, &x[1..], (*eps, *to))?,
             Op::NormalizeBackward { eps } => normalize(&g, x[0], Some(x[1]), &x[2..], (*eps, None))?,
-            Op::GatedSums { gate } => gated_sums(&g, x[0], x[1], *gate)?,
+            Op::Fused(Fused::GatedSums { gate }) => gated_sums(&g, x[0], x[1], *gate)?,
             Op::NormalizeParamGrads { eps, sums, .. } => {
                 layer_norm_param_grads(&g, x[0], x[1], (x.get(2).copied(), x.get(3).copied()), (*eps, *sums), None)?
             }
             Op::SoftmaxBackward { log, scale } => softmax_backward(&g, x[0], x[1], *log, *scale)?,
-            Op::Attention { scale, causal, heads_last } => attention(&g, &x, (*scale, *causal), false, *heads_last)?,
+            Op::Attention { scale, causal } => attention(&g, &x, (*scale, *causal), false, false)?,
+            Op::Fused(Fused::AttentionHeadsLast { scale, causal }) => attention(&g, &x, (*scale, *causal), false, true)?,
             Op::AttentionBackward { scale, causal } => attention(&g, &x, (*scale, *causal), true, false)?,
             Op::CrossEntropy { ignore_index, smoothing } => cross_entropy(&g, &x, *ignore_index, *smoothing)?,
             Op::CrossEntropyBackward { ignore_index, smoothing } => cross_entropy(&g, &x, *ignore_index, *smoothing)?,
-            Op::CrossEntropyMean { ignore_index, smoothing } => cross_entropy_mean(&g, &x, *ignore_index, *smoothing)?,
-            Op::LinearCrossEntropyMean { ignore_index, smoothing, drelu } => {
+            Op::Fused(Fused::CrossEntropyMean { ignore_index, smoothing }) => cross_entropy_mean(&g, &x, *ignore_index, *smoothing)?,
+            Op::Fused(Fused::LinearCrossEntropyMean { ignore_index, smoothing, drelu }) => {
                 linear_cross_entropy_mean(&g, &x, *ignore_index, *smoothing, *drelu)?
             }
             Op::Matmul => crate::cuda::blas::matmul(&g, x[0], x[1], x.get(2).copied(), meta)?,
-            Op::MatmulFused(e) => crate::cuda::blas::matmul_fused(&g, x[0], x[1], &x[2..], Some(*e), meta)?,
+            Op::Fused(Fused::Matmul(e)) => crate::cuda::blas::matmul_fused(&g, x[0], x[1], &x[2..], Some(*e), meta)?,
             Op::IndexSelect { dim } => index_read(&g, IndexKind::Select, x[0], x[1], *dim, meta)?,
             Op::Gather { dim } => index_read(&g, IndexKind::Gather, x[0], x[1], *dim, meta)?,
             Op::IndexAdd { dim } | Op::ScatterAdd { dim } => index_add(&g, op, x[0], x[1], x[2], *dim)?,

@@ -368,7 +368,7 @@ pub fn linear_xent_smem_bytes(n: usize, c: usize, f: usize, cluster: bool) -> us
     ((per + c) * (f + 1) + per * c + n * c + n * f.div_ceil(blocks) + c) * 4 + n * 8
 }
 
-/// Whether `linear_xent_source` runs `Op::LinearCrossEntropyMean` at this size (F32 only):
+/// Whether `linear_xent_source` runs `Fused::LinearCrossEntropyMean` at this size (F32 only):
 /// spread over a cluster, each block within `LINEAR_XENT_MAX_MACS`; the shared memory within
 /// `LINEAR_XENT_MAX_SMEM` in one block too (a GPU without clusters runs it so).
 pub fn linear_xent_fits(dtype: DType, n: usize, c: usize, f: usize) -> bool {
@@ -377,7 +377,7 @@ pub fn linear_xent_fits(dtype: DType, n: usize, c: usize, f: usize) -> bool {
     dtype == DType::F32 && c > 0 && linear_xent_smem_bytes(n, c, f, false) <= LINEAR_XENT_MAX_SMEM && macs <= LINEAR_XENT_MAX_MACS
 }
 
-/// `Op::LinearCrossEntropyMean` in one launch, the rows split over a cluster of blocks
+/// `Fused::LinearCrossEntropyMean` in one launch, the rows split over a cluster of blocks
 /// (`linear_xent_blocks`; block z takes rows `z * per ..` and columns `z * ceil(F / blocks) ..`).
 /// Each block first stages, all loads in flight at once, the weight `[C, F]`, its rows of h
 /// (rows padded by one float: no bank conflicts), its columns of h, the bias and the targets
@@ -543,7 +543,7 @@ mod launch {
         per: i32,
     }
 
-    /// `Op::LinearCrossEntropyMean` in one launch (`linear_xent_source`): a cluster of
+    /// `Fused::LinearCrossEntropyMean` in one launch (`linear_xent_source`): a cluster of
     /// blocks on Hopper, one block before.
     pub(crate) fn linear_cross_entropy_mean(
         g: &Arc<Gpu>,

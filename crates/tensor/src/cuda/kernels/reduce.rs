@@ -141,7 +141,7 @@ pub const COLSUM_WARPS: usize = 8;
 /// one 16-byte load where `v` is 16 bytes of T) into `part[y * n + c]`, F32 (F64 for F64),
 /// adding its warps' sums in a fixed order. A bias's gradient `sum(g)` beside the weight's
 /// `g^T x`: cuBLASLt's BGRAD epilogue runs it as a kernel of its own, slower than this one
-/// (BENCHMARKS.md). `column_sums_fold_source` adds the chunks. With `gate` (`Op::GatedSums`, x
+/// (BENCHMARKS.md). `column_sums_fold_source` adds the chunks. With `gate` (`Fused::GatedSums`, x
 /// dense): the summed values are made here, `y = x * gate(h)` with the gate's value stored
 /// as T first, and stored to `y` as they are summed.
 pub fn column_sums_source(dtype: DType, v: usize, gate: Option<UnaryOp>) -> (String, String) {
@@ -287,7 +287,7 @@ mod launch {
         sums.tuned(g, v)
     }
 
-    /// `Op::GatedSums`: `y = a * gate(h)` and its sums over the rows in one pass over a and h
+    /// `Fused::GatedSums`: `y = a * gate(h)` and its sums over the rows in one pass over a and h
     /// (`column_sums` reading a and h and storing y), the sums after `op::matmul_tail_offset`.
     pub(crate) fn gated_sums(g: &Arc<Gpu>, a: View, h: View, gate: crate::op::UnaryOp) -> Result<CudaStorage> {
         let (dtype, numel) = (a.0.dtype, a.1.numel());
@@ -345,7 +345,7 @@ mod launch {
         ld: usize,
         /// The sums' dtype and where the `n` of them go.
         out: (DType, u64),
-        /// `Op::GatedSums`: the gate, h's address and y's (dense, x's shape): x * gate(h) is
+        /// `Fused::GatedSums`: the gate, h's address and y's (dense, x's shape): x * gate(h) is
         /// summed and stored to y.
         gate: Option<(crate::op::UnaryOp, u64, u64)>,
     }

@@ -100,14 +100,14 @@ pub(crate) fn xent_row(reduce: impl Fn(bool) -> String) -> String {
     s
 }
 
-/// Threads `Op::CrossEntropyMean`'s kernel gives a row of `classes` logits: about four logits
+/// Threads `Fused::CrossEntropyMean`'s kernel gives a row of `classes` logits: about four logits
 /// each, a power of two up to a warp. (A thread per row of 10 logits left most SMs idle and
 /// each thread a long serial chain, as in MLP b4096's 4096 rows.)
 pub fn xent_mean_threads_per_row(classes: usize) -> usize {
     classes.div_ceil(4).next_power_of_two().min(32)
 }
 
-/// Blocks `Op::CrossEntropyMean`'s kernel may launch (its partial sums), and its threads a
+/// Blocks `Fused::CrossEntropyMean`'s kernel may launch (its partial sums), and its threads a
 /// block.
 pub const XENT_MEAN_BLOCKS: usize = 256;
 
@@ -116,7 +116,7 @@ pub const XENT_MEAN_THREADS: usize = 256;
 // The last block reads the partial sums a thread each.
 const _: () = assert!(XENT_MEAN_BLOCKS <= XENT_MEAN_THREADS);
 
-/// `Op::CrossEntropyMean` in one launch of blocks of 256 threads, `tpr` threads a row
+/// `Fused::CrossEntropyMean` in one launch of blocks of 256 threads, `tpr` threads a row
 /// (`xent_mean_threads_per_row`). Every block counts the real targets itself (all of them, in
 /// the same order), so each knows the gradient's `1 / count` at once and writes its rows'
 /// gradients in the same pass as their losses. The loss sums the blocks' partial sums: the last
@@ -779,7 +779,7 @@ mod launch {
         }
     }
 
-    /// `Op::CrossEntropyMean`: the loss and the logits' gradient in one launch
+    /// `Fused::CrossEntropyMean`: the loss and the logits' gradient in one launch
     /// (`cross_entropy_mean_source`).
     pub(crate) fn cross_entropy_mean(
         g: &Arc<Gpu>,

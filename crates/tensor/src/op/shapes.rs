@@ -1,0 +1,492 @@
+//! The primitive ops' shape and dtype rules (`Op::infer`), one function per op family.
+
+use super::{attention_grads_shape, check_dim, ln_grads_dx_at, InMeta, Op, OutMeta, ReduceOp, UnaryOp};
+use crate::shape::broadcast_shapes;
+use crate::{DType, Error, Result};
+
+/// An error unless `d` is a float dtype.
+pub(super) fn float_only(name: &'static str, d: DType) -> Result<()> {
+    if d.is_float() {
+        Ok(())
+    } else {
+        Err(Error::dtype(name, format!("needs a floating-point tensor, got {d:?}")))
+    }
+}
+
+/// An error unless the two dtypes are one.
+pub(super) fn same_dtype(name: &'static str, a: DType, b: DType) -> Result<()> {
+    if a == b {
+        Ok(())
+    } else {
+        Err(Error::dtype_mismatch(name, a, b))
+    }
+}
+
+/// An error unless `d` is I64 (an index).
+pub(super) fn index_dtype(name: &'static str, d: DType) -> Result<()> {
+    if d == DType::I64 {
+        Ok(())
+    } else {
+        Err(Error::dtype(name, format!("index must be I64, got {d:?}")))
+    }
+}
+
+/// The dtype a row op writes for input dtype `x`: `Normalize`'s `to` (a float), else x.
+fn written(op: &Op, name: &'static str, x: DType) -> Result<DType> {
+    match op {
+        Op::Normalize { to: Some(d), .. } => float_only(name, *d).map(|_| *d),
+        _ => Ok(x),
+    }
+}
+
+fn meta(shape: Vec<usize>, dtype: DType) -> Result<OutMeta> {
+    Ok(OutMeta { shape, dtype })
+}
+
+/// The error of a family's rule asked about an op of another family (a dispatch slip).
+fn not_in(family: &str, op: &Op) -> Error {
+    Error::Msg(format!("{}: not an op of the {family} shape rules", op.name()))
+}
+
+/// Full, Arange and Rand: the shape and dtype they are given.
+pub(super) fn sources(op: &Op) -> Result<OutMeta> {
+    let name = op.name();
+    match op {
+        Op::Full { shape, dtype, .. } | Op::Rand { shape, dtype, .. } => {
+            if matches!(op, Op::Rand { .. }) {
+                float_only(name, *dtype)?;
+            }
+            meta(shape.clone(), *dtype)
+        }
+        Op::Arange { n, dtype } => meta(vec![*n], *dtype),
+        _ => Err(not_in("sources", op)),
+    }
+}
+
+/// Unary, binary (broadcast), scalar, where and cast.
+pub(super) fn elementwise(op: &Op, inputs: &[InMeta<'_>]) -> Result<OutMeta> {
+    let name = op.name();
+    match op {
+        Op::Unary(u) => {
+            let d = inputs[0].dtype;
+            let int_ok = matches!(u, UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Square | UnaryOp::Sign | UnaryOp::Relu);
+            if !(d.is_float() || int_ok && d == DType::I64) {
+                return Err(Error::dtype(name, format!("not defined for {d:?} tensors; cast to a float dtype first")));
+            }
+            meta(inputs[0].shape.to_vec(), d)
+        }
+        Op::Binary(b) => {
+            same_dtype(name, inputs[0].dtype, inputs[1].dtype)?;
+            let shape = broadcast_shapes(name, inputs[0].shape, inputs[1].shape)?;
+            meta(shape, if b.is_comparison() { DType::U8 } else { inputs[0].dtype })
+        }
+        Op::Scalar { op, .. } => meta(inputs[0].shape.to_vec(), if op.is_comparison() { DType::U8 } else { inputs[0].dtype }),
+        Op::Where => {
+            same_dtype(name, inputs[1].dtype, inputs[2].dtype)?;
+            let s = broadcast_shapes(name, inputs[0].shape, inputs[1].shape)?;
+            meta(broadcast_shapes(name, &s, inputs[2].shape)?, inputs[1].dtype)
+        }
+        Op::Cast(d) => meta(inputs[0].shape.to_vec(), *d),
+        _ => Err(not_in("elementwise", op)),
+    }
+}
+
+/// Reductions over dims, keeping them or not.
+pub(super) fn reduce(op: &Op, inputs: &[InMeta<'_>]) -> Result<OutMeta> {
+    let name = op.name();
+    match op {
+        Op::Reduce { op, dims, keepdim } => {
+            let shape = inputs[0].shape;
+            if dims.iter().any(|&d| d >= shape.len()) {
+                return Err(Error::shape(name, format!("dims {dims:?} out of range for shape {shape:?}")));
+            }
+            let is_arg = matches!(op, ReduceOp::ArgMax | ReduceOp::ArgMin);
+            if is_arg && dims.len() != 1 {
+                return Err(Error::shape(name, format!("reduces exactly one dim, got {dims:?}")));
+            }
+            if !matches!(op, ReduceOp::Sum) && dims.iter().any(|&d| shape[d] == 0) {
+                return Err(Error::shape(name, format!("cannot reduce an empty dim of shape {shape:?}")));
+            }
+            let out: Vec<usize> = if *keepdim {
+                shape.iter().enumerate().map(|(i, &s)| if dims.contains(&i) { 1 } else { s }).collect()
+            } else {
+                shape.iter().enumerate().filter(|(i, _)| !dims.contains(i)).map(|(_, &s)| s).collect()
+            };
+            meta(out, if is_arg { DType::I64 } else { inputs[0].dtype })
+        }
+        _ => Err(not_in("reduce", op)),
+    }
+}
+
+/// The row ops over the last dim: softmax, layer norm and their backwards.
+pub(super) fn rows(op: &Op, inputs: &[InMeta<'_>]) -> Result<OutMeta> {
+    let name = op.name();
+    match op {
+        Op::NormalizeBackward { .. } | Op::SoftmaxBackward { .. } | Op::NormalizeParamGrads { .. }
+            if inputs[0].shape != inputs[1].shape =>
+        {
+            Err(Error::shape(name, format!("input {:?} and gradient {:?} must have one shape", inputs[0].shape, inputs[1].shape)))
+        }
+        Op::Softmax { log: true, causal: true, .. } => Err(Error::Msg(format!("{name}: the causal mask is for softmax only"))),
+        Op::Softmax { causal: true, .. } if inputs[0].shape.len() < 2 => {
+            Err(Error::shape(name, format!("a causal softmax needs rank >= 2, got {:?}", inputs[0].shape)))
+        }
+        Op::NormalizeParamGrads { .. } => {
+            float_only(name, inputs[0].dtype)?;
+            float_only(name, inputs[1].dtype)?;
+            inputs[2..].iter().try_for_each(|a| same_dtype(name, inputs[0].dtype, a.dtype))?;
+            let Some(&n) = inputs[0].shape.last() else {
+                return Err(Error::shape(name, "needs rank >= 1, got a scalar".to_string()));
+            };
+            if let Some(r) = inputs.get(3).filter(|r| r.shape != inputs[0].shape) {
+                return Err(Error::shape(
+                    name,
+                    format!("the residual gradient must be x's shape {:?}, got {:?}", inputs[0].shape, r.shape),
+                ));
+            }
+            let sums = match op {
+                Op::NormalizeParamGrads { sums: Some(t), .. } if inputs.len() < 3 || !t.is_float() => {
+                    return Err(Error::Msg(format!("{name}: the sums row needs the weight and a float dtype, got {t:?}")));
+                }
+                Op::NormalizeParamGrads { copy: Some(t), .. } if inputs.len() < 3 || !t.is_float() || *t == inputs[0].dtype => {
+                    return Err(Error::Msg(format!(
+                        "{name}: the copy of x's gradient needs the weight and a float dtype other than x's {:?}, got {t:?}",
+                        inputs[0].dtype
+                    )));
+                }
+                Op::NormalizeParamGrads { sums, .. } => sums.is_some(),
+                _ => false,
+            };
+            match inputs.get(2) {
+                None => meta(vec![2, n], inputs[0].dtype),
+                Some(w) if w.shape == [n] => {
+                    meta(vec![ln_grads_dx_at(n, sums) + inputs[0].shape.iter().product::<usize>()], inputs[0].dtype)
+                }
+                Some(w) => Err(Error::shape(name, format!("the weight must be [{n}] for x {:?}, got {:?}", inputs[0].shape, w.shape))),
+            }
+        }
+        Op::Normalize { .. } | Op::NormalizeBackward { .. } if inputs.len() == 3 => {
+            // Layer norm's forms: x, weight, bias (`[n]` each after x) or x, its output's
+            // gradient (x's shape) and the weight.
+            let x = &inputs[0];
+            float_only(name, x.dtype)?;
+            let n = x.shape.last().copied().unwrap_or(0);
+            let want: [&[usize]; 2] = if matches!(op, Op::Normalize { .. }) { [&[n], &[n]] } else { [x.shape, &[n]] };
+            if x.shape.is_empty() || inputs[1..].iter().zip(want).any(|(a, w)| a.shape != w) {
+                let got: Vec<&[usize]> = inputs[1..].iter().map(|a| a.shape).collect();
+                return Err(Error::shape(name, format!("the inputs after x {:?} must be {want:?}, got {got:?}", x.shape)));
+            }
+            inputs[1..].iter().try_for_each(|a| same_dtype(name, x.dtype, a.dtype))?;
+            meta(x.shape.to_vec(), written(op, name, x.dtype)?)
+        }
+        Op::Softmax { .. } | Op::SoftmaxBackward { .. } | Op::Normalize { .. } | Op::NormalizeBackward { .. } => {
+            float_only(name, inputs[0].dtype)?;
+            if inputs.len() == 2 {
+                same_dtype(name, inputs[0].dtype, inputs[1].dtype)?;
+            }
+            if inputs[0].shape.is_empty() {
+                return Err(Error::shape(name, "needs rank >= 1, got a scalar".to_string()));
+            }
+            meta(inputs[0].shape.to_vec(), written(op, name, inputs[0].dtype)?)
+        }
+        _ => Err(not_in("rows", op)),
+    }
+}
+
+/// Attention and its packed backward.
+pub(super) fn attention(op: &Op, inputs: &[InMeta<'_>]) -> Result<OutMeta> {
+    let name = op.name();
+    match op {
+        Op::Attention { .. } | Op::AttentionBackward { .. } => {
+            let q = inputs[0].shape;
+            float_only(name, inputs[0].dtype)?;
+            if q.len() < 2 {
+                return Err(Error::shape(name, format!("needs q, k, v of rank >= 2, got {q:?}")));
+            }
+            for x in &inputs[1..] {
+                same_dtype(name, inputs[0].dtype, x.dtype)?;
+                if x.shape != q {
+                    return Err(Error::shape(
+                        name,
+                        format!("needs q, k, v (and output, gradient) of one shape, got {q:?} and {:?}", x.shape),
+                    ));
+                }
+            }
+            let shape = match op {
+                Op::AttentionBackward { .. } => attention_grads_shape(q),
+                _ => q.to_vec(),
+            };
+            meta(shape, inputs[0].dtype)
+        }
+        _ => Err(not_in("attention", op)),
+    }
+}
+
+/// Cross-entropy per row and its backward.
+pub(super) fn cross_entropy(op: &Op, inputs: &[InMeta<'_>]) -> Result<OutMeta> {
+    let name = op.name();
+    match op {
+        Op::CrossEntropy { .. } | Op::CrossEntropyBackward { .. } => {
+            let (x, t) = (inputs[0].shape, inputs[1].shape);
+            float_only(name, inputs[0].dtype)?;
+            index_dtype(name, inputs[1].dtype)?;
+            if x.len() != 2 || t.len() != 1 || t[0] != x[0] {
+                return Err(Error::shape(name, format!("expects logits [N, C] and targets [N], got {x:?} and {t:?}")));
+            }
+            if let Some(g) = inputs.get(2) {
+                same_dtype(name, inputs[0].dtype, g.dtype)?;
+                if g.shape != t {
+                    return Err(Error::shape(name, format!("the gradient must be [N] = {t:?}, got {:?}", g.shape)));
+                }
+                return meta(x.to_vec(), inputs[0].dtype);
+            }
+            meta(vec![x[0]], inputs[0].dtype)
+        }
+        _ => Err(not_in("cross_entropy", op)),
+    }
+}
+
+/// The batched product (bias optional).
+pub(super) fn matmul(op: &Op, inputs: &[InMeta<'_>]) -> Result<OutMeta> {
+    let name = op.name();
+    match op {
+        Op::Matmul => {
+            let (a, b) = (inputs[0].shape, inputs[1].shape);
+            same_dtype(name, inputs[0].dtype, inputs[1].dtype)?;
+            float_only(name, inputs[0].dtype)?;
+            if a.len() < 2 || b.len() < 2 {
+                return Err(Error::shape(name, format!("needs rank >= 2, got {a:?} and {b:?}")));
+            }
+            let (m, k) = (a[a.len() - 2], a[a.len() - 1]);
+            let (k2, n) = (b[b.len() - 2], b[b.len() - 1]);
+            if k != k2 {
+                return Err(Error::shape(name, format!("inner dims differ: {a:?} x {b:?} ({k} vs {k2})")));
+            }
+            let mut shape = broadcast_shapes(name, &a[..a.len() - 2], &b[..b.len() - 2])?;
+            shape.extend([m, n]);
+            if let Some(bias) = inputs.get(2) {
+                same_dtype(name, inputs[0].dtype, bias.dtype)?;
+                if bias.shape != [n] {
+                    return Err(Error::shape(name, format!("the bias of {a:?} x {b:?} must be [{n}], got {:?}", bias.shape)));
+                }
+            }
+            meta(shape, inputs[0].dtype)
+        }
+        _ => Err(not_in("matmul", op)),
+    }
+}
+
+/// Views (reshape, permute, narrow, expand) and the dense copy.
+pub(super) fn views(op: &Op, inputs: &[InMeta<'_>]) -> Result<OutMeta> {
+    let name = op.name();
+    match op {
+        Op::Reshape(shape) => {
+            let (n0, n1) = (inputs[0].shape.iter().product::<usize>(), shape.iter().product::<usize>());
+            if n0 != n1 {
+                return Err(Error::shape(
+                    name,
+                    format!("cannot reshape {:?} ({n0} elements) into {shape:?} ({n1} elements)", inputs[0].shape),
+                ));
+            }
+            meta(shape.clone(), inputs[0].dtype)
+        }
+        Op::Permute(perm) => {
+            let shape = inputs[0].shape;
+            let mut seen = vec![false; shape.len()];
+            if perm.len() != shape.len() || perm.iter().any(|&p| p >= shape.len() || std::mem::replace(&mut seen[p], true)) {
+                return Err(Error::shape(name, format!("{perm:?} is not a permutation of the dims of {shape:?}")));
+            }
+            meta(perm.iter().map(|&p| shape[p]).collect(), inputs[0].dtype)
+        }
+        Op::Narrow { dim, start, len } => {
+            let shape = inputs[0].shape;
+            if *dim >= shape.len() || start + len > shape[*dim] {
+                return Err(Error::shape(name, format!("range {start}..{} out of bounds for dim {dim} of shape {shape:?}", start + len)));
+            }
+            let mut out = shape.to_vec();
+            out[*dim] = *len;
+            meta(out, inputs[0].dtype)
+        }
+        Op::Expand(target) => {
+            let shape = inputs[0].shape;
+            let ok = target.len() >= shape.len() && shape.iter().rev().zip(target.iter().rev()).all(|(&s, &t)| s == t || s == 1);
+            if !ok {
+                return Err(Error::shape(name, format!("cannot expand {shape:?} to {target:?}")));
+            }
+            meta(target.clone(), inputs[0].dtype)
+        }
+        Op::Contiguous => meta(inputs[0].shape.to_vec(), inputs[0].dtype),
+        _ => Err(not_in("views", op)),
+    }
+}
+
+/// Index select/add, gather, scatter-add and argsort.
+pub(super) fn indexing(op: &Op, inputs: &[InMeta<'_>]) -> Result<OutMeta> {
+    let name = op.name();
+    match op {
+        Op::IndexSelect { dim } => {
+            index_dtype(name, inputs[1].dtype)?;
+            if inputs[1].shape.len() != 1 {
+                return Err(Error::shape(name, format!("index must be 1-D, got {:?}", inputs[1].shape)));
+            }
+            let mut out = inputs[0].shape.to_vec();
+            check_dim(name, *dim, &out)?;
+            out[*dim] = inputs[1].shape[0];
+            meta(out, inputs[0].dtype)
+        }
+        Op::IndexAdd { dim } => {
+            index_dtype(name, inputs[1].dtype)?;
+            same_dtype(name, inputs[0].dtype, inputs[2].dtype)?;
+            let (base, idx, src) = (inputs[0].shape, inputs[1].shape, inputs[2].shape);
+            check_dim(name, *dim, base)?;
+            let mut expect = base.to_vec();
+            if idx.len() == 1 {
+                expect[*dim] = idx[0];
+            }
+            if idx.len() != 1 || src != expect.as_slice() {
+                return Err(Error::shape(
+                    name,
+                    format!("base {base:?}, index {idx:?}, src {src:?}: src must be base with dim {dim} of the index's length"),
+                ));
+            }
+            meta(base.to_vec(), inputs[0].dtype)
+        }
+        Op::Gather { dim } => {
+            index_dtype(name, inputs[1].dtype)?;
+            let (inp, idx) = (inputs[0].shape, inputs[1].shape);
+            check_dim(name, *dim, inp)?;
+            if idx.len() != inp.len() || (0..inp.len()).any(|d| d != *dim && idx[d] > inp[d]) {
+                return Err(Error::shape(name, format!("index {idx:?} does not fit input {inp:?} outside dim {dim}")));
+            }
+            meta(idx.to_vec(), inputs[0].dtype)
+        }
+        Op::ScatterAdd { dim } => {
+            index_dtype(name, inputs[1].dtype)?;
+            same_dtype(name, inputs[0].dtype, inputs[2].dtype)?;
+            let (base, idx, src) = (inputs[0].shape, inputs[1].shape, inputs[2].shape);
+            check_dim(name, *dim, base)?;
+            if idx != src || idx.len() != base.len() || (0..base.len()).any(|d| d != *dim && idx[d] > base[d]) {
+                return Err(Error::shape(
+                    name,
+                    format!("base {base:?}, index {idx:?}, src {src:?}: index and src must match and fit base outside dim {dim}"),
+                ));
+            }
+            meta(base.to_vec(), inputs[0].dtype)
+        }
+        Op::ArgSort { .. } => {
+            if inputs[0].shape.is_empty() {
+                return Err(Error::shape(name, "needs a tensor of rank 1 or more, got a scalar".to_string()));
+            }
+            meta(inputs[0].shape.to_vec(), DType::I64)
+        }
+        _ => Err(not_in("indexing", op)),
+    }
+}
+
+/// Concatenation.
+pub(super) fn cat(op: &Op, inputs: &[InMeta<'_>]) -> Result<OutMeta> {
+    let name = op.name();
+    match op {
+        Op::Cat { dim } => {
+            let first = inputs[0].shape;
+            check_dim(name, *dim, first)?;
+            let mut out = first.to_vec();
+            out[*dim] = 0;
+            for (i, t) in inputs.iter().enumerate() {
+                same_dtype(name, inputs[0].dtype, t.dtype)?;
+                let fits = t.shape.len() == first.len() && (0..first.len()).all(|d| d == *dim || t.shape[d] == first[d]);
+                if !fits {
+                    return Err(Error::shape(
+                        name,
+                        format!("input {i} has shape {:?}, which does not match {first:?} outside dim {dim}", t.shape),
+                    ));
+                }
+                out[*dim] += t.shape[*dim];
+            }
+            meta(out, inputs[0].dtype)
+        }
+        _ => Err(not_in("cat", op)),
+    }
+}
+
+/// The in-place updates: the destination keeps its shape and dtype.
+pub(super) fn update(op: &Op, inputs: &[InMeta<'_>]) -> Result<OutMeta> {
+    let name = op.name();
+    match op {
+        Op::Assign | Op::UpdateBinary(_) => {
+            let (dst, src) = (inputs[0].shape, inputs[1].shape);
+            same_dtype(name, inputs[0].dtype, inputs[1].dtype)?;
+            let b = broadcast_shapes(name, dst, src)?;
+            if b != dst {
+                return Err(Error::shape(name, format!("source {src:?} does not broadcast to destination {dst:?}")));
+            }
+            if let Op::UpdateBinary(op) = op {
+                if op.is_comparison() {
+                    return Err(Error::Msg(format!("{name}: comparison {} cannot update in place", op.name())));
+                }
+            }
+            meta(dst.to_vec(), inputs[0].dtype)
+        }
+        Op::UpdateScalar(op, _) => {
+            if op.is_comparison() {
+                return Err(Error::Msg(format!("{name}: comparison {} cannot update in place", op.name())));
+            }
+            meta(inputs[0].shape.to_vec(), inputs[0].dtype)
+        }
+        _ => Err(not_in("update", op)),
+    }
+}
+
+impl Op {
+    /// The shape rule: the output's shape and dtype, or an error naming shapes and dtypes.
+    pub fn infer(&self, inputs: &[InMeta<'_>]) -> Result<OutMeta> {
+        let arity = self.arity(inputs.len());
+        if inputs.len() != arity {
+            return Err(Error::Msg(format!("{}: expected {arity} inputs, got {}", self.name(), inputs.len())));
+        }
+        match self {
+            Op::Full { .. } | Op::Arange { .. } | Op::Rand { .. } => sources(self),
+            Op::Unary(_) | Op::Binary(_) | Op::Scalar { .. } | Op::Where | Op::Cast(_) => elementwise(self, inputs),
+            Op::Reduce { .. } => reduce(self, inputs),
+            Op::Softmax { .. }
+            | Op::SoftmaxBackward { .. }
+            | Op::Normalize { .. }
+            | Op::NormalizeBackward { .. }
+            | Op::NormalizeParamGrads { .. } => rows(self, inputs),
+            Op::Attention { .. } | Op::AttentionBackward { .. } => attention(self, inputs),
+            Op::CrossEntropy { .. } | Op::CrossEntropyBackward { .. } => cross_entropy(self, inputs),
+            Op::Matmul => matmul(self, inputs),
+            Op::Reshape(_) | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_) | Op::Contiguous => views(self, inputs),
+            Op::IndexSelect { .. } | Op::IndexAdd { .. } | Op::Gather { .. } | Op::ScatterAdd { .. } | Op::ArgSort { .. } => {
+                indexing(self, inputs)
+            }
+            Op::Cat { .. } => cat(self, inputs),
+            Op::Assign | Op::UpdateBinary(_) | Op::UpdateScalar(..) => update(self, inputs),
+            Op::Fused(f) => f.infer(inputs),
+        }
+    }
+
+    /// How many inputs the op takes, `given` the count passed (some take optional ones).
+    fn arity(&self, given: usize) -> usize {
+        match self {
+            Op::Full { .. } | Op::Arange { .. } | Op::Rand { .. } => 0,
+            Op::Unary(_) | Op::Scalar { .. } | Op::Cast(_) | Op::Reduce { .. } | Op::UpdateScalar(..) | Op::Softmax { .. } => 1,
+            Op::Normalize { .. } if given == 3 => 3,
+            Op::Normalize { .. } => 1,
+            Op::NormalizeParamGrads { .. } if given == 4 => 4,
+            Op::NormalizeBackward { .. } | Op::NormalizeParamGrads { .. } if given == 3 => 3,
+            Op::NormalizeBackward { .. } | Op::SoftmaxBackward { .. } | Op::NormalizeParamGrads { .. } => 2,
+            Op::Attention { .. } => 3,
+            Op::AttentionBackward { .. } => 5,
+            Op::CrossEntropy { .. } => 2,
+            Op::CrossEntropyBackward { .. } => 3,
+            Op::Reshape(_) | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_) | Op::Contiguous | Op::ArgSort { .. } => 1,
+            Op::Matmul if given == 3 => 3,
+            Op::Binary(_) | Op::Matmul | Op::IndexSelect { .. } | Op::Gather { .. } => 2,
+            Op::Assign | Op::UpdateBinary(_) => 2,
+            Op::Where | Op::IndexAdd { .. } | Op::ScatterAdd { .. } => 3,
+            Op::Cat { .. } => given.max(1),
+            Op::Fused(f) => f.arity(given),
+        }
+    }
+}
