@@ -313,7 +313,7 @@ fn matmul_matches_the_cpu_with_transposes_and_batches() {
 
 /// Layer norms' shapes for the GPU tests: from a few rows to many (6000: several rows a warp
 /// in the backward's one-pass kernel, so its staged form refills both row slots), up to the
-/// kernels' longest row (`LN_GRADS_MAX_N`) and past it, and no rows at all.
+/// kernels' longest row (`LAYER_NORM_GRADS_MAX_N`) and past it, and no rows at all.
 const LN_SHAPES: [&[usize]; 7] = [&[3, 5, 24], &[300, 384], &[2, 3], &[70, 1024], &[4, 1030], &[0, 8], &[6000, 136]];
 
 /// Layer norm's parameter gradients (one pass over x and g, then a fold of per-block
@@ -357,7 +357,7 @@ fn layer_norm_grads_in_one_pass_match_the_cpu() {
 }
 
 /// Compile's fold of a residual gradient into layer norm's backward
-/// (`passes::fold_residual_into_ln_grads`: `NormalizeParamGrads` with a fourth input r adds it
+/// (`passes::fold_residual_into_layer_norm_grads`: `LayerNormGrads` with a fourth input r adds it
 /// to x's gradient as it stores it): against the CPU, and on the GPU within F32 rounding of the
 /// three-input result plus r (dx rounded as stored, then one add: no FMA), with the
 /// parameter gradients unchanged, F32 x with F32 or BF16 g (staged or not) and F64. Then the
@@ -365,18 +365,17 @@ fn layer_norm_grads_in_one_pass_match_the_cpu() {
 #[test]
 fn layer_norm_grads_with_a_residual_match_the_separate_add() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let grads =
-        |v: &[&Tensor]| Tensor::apply(kiln::tensor::Op::NormalizeParamGrads { eps: 1e-5, sums: None, copy: None }, v, v[0].device());
+    let grads = |v: &[&Tensor]| Tensor::apply(kiln::tensor::Op::LayerNormGrads { eps: 1e-5, sums: None, copy: None }, v, v[0].device());
     for (i, shape) in LN_SHAPES.into_iter().enumerate() {
         let n = shape[shape.len() - 1];
-        if n > cuda::kernels::rows::LN_GRADS_MAX_N {
+        if n > cuda::kernels::rows::LAYER_NORM_GRADS_MAX_N {
             continue;
         }
         for (xd, gd) in [(DType::F32, DType::F32), (DType::F32, DType::BF16), (DType::F64, DType::F64)] {
             let seed = 110 + 10 * i as u64;
             let ins = [randn(shape, seed, xd), randn(shape, seed + 1, gd), randn(&[n], seed + 2, xd), randn(shape, seed + 3, xd)];
             let what = format!("layer_norm_grads + r {shape:?} {xd:?} g {gd:?}");
-            let (at, numel) = (kiln::tensor::op::ln_grads_dx_at(n, false), ins[0].numel());
+            let (at, numel) = (kiln::tensor::op::layer_norm_grads_dx_at(n, false), ins[0].numel());
             // The parameter gradients and dx (the padding between is unspecified).
             both(&what, &ins, tol(xd) * 100.0, |v| {
                 let f = grads(&[&v[0], &v[1], &v[2], &v[3]])?;
@@ -392,9 +391,9 @@ fn layer_norm_grads_with_a_residual_match_the_separate_add() {
             assert_eq!(params(&four), params(&three), "{what}: parameter gradients");
             // With the sums row (`passes::ln_bias_sums`): dx (+ r) rounded to BF16 or in x's
             // dtype, summed over the rows, with r and without; the rest as without the row.
-            let to = kiln::tensor::op::ln_grads_dx_at(n, true);
+            let to = kiln::tensor::op::layer_norm_grads_dx_at(n, true);
             for (sums, k) in [(DType::BF16, 4), (xd, 4), (DType::BF16, 3)] {
-                let op = kiln::tensor::Op::NormalizeParamGrads { eps: 1e-5, sums: Some(sums), copy: None };
+                let op = kiln::tensor::Op::LayerNormGrads { eps: 1e-5, sums: Some(sums), copy: None };
                 let with = |v: &[Tensor]| Tensor::apply(op.clone(), &v.iter().take(k).collect::<Vec<_>>(), v[0].device());
                 let what = format!("{what}: {k} inputs, sums in {sums:?}");
                 // Summing dx rounded to BF16: a last-bit difference in an F64 dx can round it
@@ -415,9 +414,9 @@ fn layer_norm_grads_with_a_residual_match_the_separate_add() {
                 if xd != DType::F32 {
                     continue;
                 }
-                let op = kiln::tensor::Op::NormalizeParamGrads { eps: 1e-5, sums: Some(sums), copy: Some(DType::BF16) };
+                let op = kiln::tensor::Op::LayerNormGrads { eps: 1e-5, sums: Some(sums), copy: Some(DType::BF16) };
                 let refs: Vec<&Tensor> = on.iter().take(k).collect();
-                let (flat, copy) = Tensor::normalize_param_grads_with_copy(&op, &refs).unwrap();
+                let (flat, copy) = Tensor::layer_norm_grads_with_copy(&op, &refs).unwrap();
                 assert_eq!(flat.narrow(0, 0, 3 * n).unwrap().to_vec_f64().unwrap(), f.narrow(0, 0, 3 * n).unwrap().to_vec_f64().unwrap());
                 let stored = flat.narrow(0, to, numel).unwrap().reshape(shape).unwrap();
                 assert_eq!(stored.to_vec_f64().unwrap(), moved.to_vec_f64().unwrap(), "{what}: dx beside the copy");
@@ -470,18 +469,18 @@ fn layer_norm_with_folded_casts_matches_the_cpu() {
                 y.to_dtype(DType::F32)
             });
         }
-        if n > kiln::tensor::cuda::kernels::rows::LN_GRADS_MAX_N {
+        if n > kiln::tensor::cuda::kernels::rows::LAYER_NORM_GRADS_MAX_N {
             continue; // the one-pass backward's limit (autograd takes other ops past it)
         }
         let g = randn(shape, 140 + i as u64, DType::BF16);
         both(&format!("layer norm grads {shape:?}, g in BF16"), &[x.clone(), g, w.clone()], tol(DType::F32) * 100.0, |v| {
             let flat = Tensor::apply(
-                kiln::tensor::Op::NormalizeParamGrads { eps: 1e-5, sums: None, copy: None },
+                kiln::tensor::Op::LayerNormGrads { eps: 1e-5, sums: None, copy: None },
                 &[&v[0], &v[1], &v[2]],
                 v[0].device(),
             )?;
             // The parameter gradients, then x's (the padding between them is not part of it).
-            let dx = flat.narrow(0, kiln::tensor::op::ln_grads_dx_at(n, false), v[0].numel())?;
+            let dx = flat.narrow(0, kiln::tensor::op::layer_norm_grads_dx_at(n, false), v[0].numel())?;
             Tensor::cat(&[&flat.narrow(0, 0, 2 * n)?, &dx], 0)
         });
     }

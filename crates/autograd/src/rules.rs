@@ -199,7 +199,7 @@ pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Te
             vec![dx, dw, db]
         }
         Op::Normalize { eps, to: None } => vec![Some(x0()?.normalize_backward(g, *eps)?)],
-        Op::NormalizeBackward { .. } | Op::NormalizeParamGrads { .. } => {
+        Op::NormalizeBackward { .. } | Op::LayerNormGrads { .. } => {
             return Err(Error::Msg("backward: second derivatives through normalize are not supported".into()));
         }
         Op::Attention { scale, causal } => {

@@ -221,7 +221,7 @@ pub fn op_label(op: &Op) -> String {
         Op::Reduce { op, dims, keepdim } => format!("{}{dims:?}{}", op.name(), if *keepdim { " keepdim" } else { "" }),
         Op::Cast(d) => format!("cast {d:?}"),
         Op::Normalize { to: Some(d), .. } => format!("normalize to {d:?}"),
-        Op::NormalizeParamGrads { sums, copy, .. } => {
+        Op::LayerNormGrads { sums, copy, .. } => {
             let part = |what: &str, d: &Option<DType>| d.map_or(String::new(), |d| format!(" {what} {d:?}"));
             format!("{}{}{}", op.name(), part("sums", sums), part("copy", copy))
         }

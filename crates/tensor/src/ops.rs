@@ -452,29 +452,29 @@ impl Tensor {
         Tensor::apply(Op::SoftmaxBackward { log, scale }, &[self, g], self.device())
     }
     /// Layer norm's weight and bias gradients, `[2, n]`, from its input `self` and output
-    /// gradient `g` (`Op::NormalizeParamGrads`); on CUDA rows longer than the kernel takes
+    /// gradient `g` (`Op::LayerNormGrads`); on CUDA rows longer than the kernel takes
     /// go through the composite ops.
     pub fn layer_norm_param_grads(&self, g: &Tensor, eps: f64) -> Result<Tensor> {
         let n = self.shape().last().copied().unwrap_or(0);
-        if self.device().is_cuda() && n > crate::cuda::kernels::rows::LN_GRADS_MAX_N {
+        if self.device().is_cuda() && n > crate::cuda::kernels::rows::LAYER_NORM_GRADS_MAX_N {
             let rows: Vec<usize> = (0..self.rank() - 1).collect();
             let dw = g.mul(&self.normalize(eps)?)?.sum(&rows, false)?;
             return Tensor::cat(&[&dw.unsqueeze(0)?, &g.sum(&rows, false)?.unsqueeze(0)?], 0);
         }
-        Tensor::apply(Op::NormalizeParamGrads { eps, sums: None, copy: None }, &[self, g], self.device())
+        Tensor::apply(Op::LayerNormGrads { eps, sums: None, copy: None }, &[self, g], self.device())
     }
     /// Layer norm's whole backward for its weight `w` and the output gradient `g`: x's, the
     /// weight's and the bias's gradients, from one pass over x and g on CUDA
-    /// (`Op::NormalizeParamGrads` with the weight; rows longer than its kernel takes run the
+    /// (`Op::LayerNormGrads` with the weight; rows longer than its kernel takes run the
     /// two ops).
     pub fn layer_norm_grads(&self, g: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor, Tensor)> {
         let n = self.shape().last().copied().unwrap_or(0);
-        if self.device().is_cuda() && n > crate::cuda::kernels::rows::LN_GRADS_MAX_N {
+        if self.device().is_cuda() && n > crate::cuda::kernels::rows::LAYER_NORM_GRADS_MAX_N {
             let both = self.layer_norm_param_grads(g, eps)?;
             return Ok((self.layer_norm_backward(g, w, eps)?, both.narrow(0, 0, 1)?.reshape(&[n])?, both.narrow(0, 1, 1)?.reshape(&[n])?));
         }
-        let flat = Tensor::apply(Op::NormalizeParamGrads { eps, sums: None, copy: None }, &[self, g, w], self.device())?;
-        let at = crate::op::ln_grads_dx_at(n, false);
+        let flat = Tensor::apply(Op::LayerNormGrads { eps, sums: None, copy: None }, &[self, g, w], self.device())?;
+        let at = crate::op::layer_norm_grads_dx_at(n, false);
         // The parameter gradients get their own small buffer: as views they would keep the
         // whole flat buffer (x's size) alive for as long as the parameters hold them.
         let params = flat.narrow(0, 0, 2 * n)?.copy()?;

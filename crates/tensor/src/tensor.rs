@@ -563,14 +563,14 @@ impl Buffer for Tensor {
 }
 
 impl Tensor {
-    /// `op`, an `Op::NormalizeParamGrads` with `copy: Some(t)`, on `ins` (x, g, w and maybe
+    /// `op`, an `Op::LayerNormGrads` with `copy: Some(t)`, on `ins` (x, g, w and maybe
     /// r): its flat output, and x's gradient (plus r) cast to `t` in x's shape. On CUDA one
     /// kernel writes both (compile's `passes::ln_dx_copies`); elsewhere the cast follows the
     /// op. Records no autograd history and is not deferred by a lazy trace: compile runs it
     /// after autograd, on computed buffers.
-    pub fn normalize_param_grads_with_copy(op: &Op, ins: &[&Tensor]) -> Result<(Tensor, Tensor)> {
-        let (Op::NormalizeParamGrads { sums, copy: Some(t), .. }, Some(x)) = (op, ins.first()) else {
-            return Err(Error::Msg(format!("normalize_param_grads_with_copy: needs layer norm's grads with a copy, got {op:?}")));
+    pub fn layer_norm_grads_with_copy(op: &Op, ins: &[&Tensor]) -> Result<(Tensor, Tensor)> {
+        let (Op::LayerNormGrads { sums, copy: Some(t), .. }, Some(x)) = (op, ins.first()) else {
+            return Err(Error::Msg(format!("layer_norm_grads_with_copy: needs layer norm's grads with a copy, got {op:?}")));
         };
         let device = x.device();
         if let Some(other) = ins.iter().find(|i| i.device() != device) {
@@ -586,7 +586,7 @@ impl Tensor {
             return Ok((Tensor::from_storage(flat, &meta.shape), Tensor::from_storage(copy, x.shape())));
         }
         let flat = Tensor::apply(op.clone(), ins, device)?;
-        let at = crate::op::ln_grads_dx_at(x.shape().last().copied().unwrap_or(0), sums.is_some());
+        let at = crate::op::layer_norm_grads_dx_at(x.shape().last().copied().unwrap_or(0), sums.is_some());
         let copy = flat.narrow(0, at, x.numel())?.reshape(x.shape())?.to_dtype(*t)?;
         Ok((flat, copy))
     }

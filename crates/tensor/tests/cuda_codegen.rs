@@ -11,8 +11,8 @@ use kiln_tensor::cuda::kernels::index::IndexKind;
 use kiln_tensor::cuda::kernels::prelude::waiting_for_prior;
 use kiln_tensor::cuda::kernels::reduce::Reduce;
 use kiln_tensor::cuda::kernels::reduce::ReduceMode;
+use kiln_tensor::cuda::kernels::rows::LayerNormGradsStage;
 use kiln_tensor::cuda::kernels::rows::LnGradsParts;
-use kiln_tensor::cuda::kernels::rows::LnStage;
 use kiln_tensor::cuda::nvrtc;
 use kiln_tensor::{BinaryOp, DType, Distribution, Op, ReduceOp, UnaryOp};
 
@@ -258,12 +258,12 @@ fn every_reduction_and_index_kernel_compiles() {
             (12, (true, false, None, Some(DType::F16))),
         ] {
             let parts = LnGradsParts { dx, resid, sums, copy };
-            let (s, n) = kiln_tensor::cuda::kernels::rows::layer_norm_param_grads_source(d, tiles, parts, d, LnStage::Off);
+            let (s, n) = kiln_tensor::cuda::kernels::rows::layer_norm_grads_source(d, tiles, parts, d, LayerNormGradsStage::Off);
             check(&s, &n, &mut fails);
         }
         // g in BF16 (a product's gradient under autocast) for an F32 layer norm.
         // And staged through shared memory (r's rows too), with and without dx, g in F32 and BF16.
-        let (off, rows, with_r) = (LnStage::Off, LnStage::Rows, LnStage::RowsAndResidual);
+        let (off, rows, with_r) = (LayerNormGradsStage::Off, LayerNormGradsStage::Rows, LayerNormGradsStage::RowsAndResidual);
         for ((dx, resid, sums, copy), gdt, staged) in [
             ((true, false, None, None), DType::BF16, off),
             ((true, false, None, None), DType::BF16, rows),
@@ -278,7 +278,7 @@ fn every_reduction_and_index_kernel_compiles() {
             ((true, true, Some(DType::BF16), Some(DType::BF16)), DType::BF16, with_r),
         ] {
             let parts = LnGradsParts { dx, resid, sums, copy };
-            let (s, n) = kiln_tensor::cuda::kernels::rows::layer_norm_param_grads_source(DType::F32, 12, parts, gdt, staged);
+            let (s, n) = kiln_tensor::cuda::kernels::rows::layer_norm_grads_source(DType::F32, 12, parts, gdt, staged);
             check(&s, &n, &mut fails);
         }
     }
@@ -731,10 +731,10 @@ fn layer_norm_grads_and_gated_sums_keep_their_register_budgets() {
     for (gdt, sums, copy) in
         [(DType::F32, None, None), (DType::F32, Some(DType::F32), None), (DType::BF16, None, None), (DType::BF16, bf16, bf16)]
     {
-        for staged in [LnStage::Off, LnStage::Rows, LnStage::RowsAndResidual] {
+        for staged in [LayerNormGradsStage::Off, LayerNormGradsStage::Rows, LayerNormGradsStage::RowsAndResidual] {
             for resid in [false, true] {
                 let parts = LnGradsParts { dx: true, resid, sums, copy };
-                budget(kiln_tensor::cuda::kernels::rows::layer_norm_param_grads_source(DType::F32, 12, parts, gdt, staged), 128);
+                budget(kiln_tensor::cuda::kernels::rows::layer_norm_grads_source(DType::F32, 12, parts, gdt, staged), 128);
             }
         }
     }

@@ -362,41 +362,41 @@ fn layer_norm_param_grads_match_the_composite() -> Result<()> {
     // GPU), the parameter gradients as without r; r must be x's shape.
     use kiln_tensor::Op;
     let (w, r) = (t(&[0.5, -1., 2., 1.5, 3.], &[5]), Tensor::rand_at(&[2, 3, 5], Distribution::Normal, 9, 0, DType::F32, CPU)?);
-    let grads = |ins: &[&Tensor]| Tensor::apply(Op::NormalizeParamGrads { eps: 1e-5, sums: None, copy: None }, ins, CPU);
+    let grads = |ins: &[&Tensor]| Tensor::apply(Op::LayerNormGrads { eps: 1e-5, sums: None, copy: None }, ins, CPU);
     let (three, four) = (grads(&[&x, &g, &w])?, grads(&[&x, &g, &w, &r])?);
-    let at = kiln_tensor::op::ln_grads_dx_at(5, false);
+    let at = kiln_tensor::op::layer_norm_grads_dx_at(5, false);
     assert_eq!(v(&four.narrow(0, 0, at)?), v(&three.narrow(0, 0, at)?));
     let dx = x.layer_norm_backward(&g, &w, 1e-5)?;
     assert_eq!(v(&four.narrow(0, at, 30)?), v(&dx.add(&r)?.reshape(&[30])?));
     let err = grads(&[&x, &g, &w, &r.narrow(2, 0, 4)?]).unwrap_err().to_string();
     assert!(err.contains("residual") && err.contains("[2, 3, 4]"), "{err}");
     // With the sums row (BF16): the column sums of dx + r as rounded to BF16, then x's
-    // gradient from `ln_grads_dx_at(5, true)` (64 here too: 15 values fit before it).
-    let sums = Tensor::apply(Op::NormalizeParamGrads { eps: 1e-5, sums: Some(DType::BF16), copy: None }, &[&x, &g, &w, &r], CPU)?;
+    // gradient from `layer_norm_grads_dx_at(5, true)` (64 here too: 15 values fit before it).
+    let sums = Tensor::apply(Op::LayerNormGrads { eps: 1e-5, sums: Some(DType::BF16), copy: None }, &[&x, &g, &w, &r], CPU)?;
     let low = dx.add(&r)?.to_dtype(DType::BF16)?.to_dtype(DType::F32)?;
-    let to = kiln_tensor::op::ln_grads_dx_at(5, true);
+    let to = kiln_tensor::op::layer_norm_grads_dx_at(5, true);
     assert_eq!(v(&sums.narrow(0, 0, 10)?), v(&four.narrow(0, 0, 10)?));
     close(&v(&sums.narrow(0, 10, 5)?), &v(&low.sum(&[0, 1], false)?), 1e-6);
     assert_eq!(v(&sums.narrow(0, to, 30)?), v(&four.narrow(0, at, 30)?));
     // Rounded before it is summed: unlike the sums of dx + r itself (r's values are not BF16's).
     assert_ne!(v(&sums.narrow(0, 10, 5)?), v(&dx.add(&r)?.sum(&[0, 1], false)?));
     // A wide row moves x's gradient: [3, 32] fills 96 values, so it starts at 128 (64 without).
-    assert_eq!((kiln_tensor::op::ln_grads_dx_at(32, false), kiln_tensor::op::ln_grads_dx_at(32, true)), (64, 128));
+    assert_eq!((kiln_tensor::op::layer_norm_grads_dx_at(32, false), kiln_tensor::op::layer_norm_grads_dx_at(32, true)), (64, 128));
     // With a copy: the flat output unchanged, and x's gradient plus r cast to BF16 beside it.
-    let with_copy = Op::NormalizeParamGrads { eps: 1e-5, sums: Some(DType::BF16), copy: Some(DType::BF16) };
-    let (flat, copy) = Tensor::normalize_param_grads_with_copy(&with_copy, &[&x, &g, &w, &r])?;
+    let with_copy = Op::LayerNormGrads { eps: 1e-5, sums: Some(DType::BF16), copy: Some(DType::BF16) };
+    let (flat, copy) = Tensor::layer_norm_grads_with_copy(&with_copy, &[&x, &g, &w, &r])?;
     assert_eq!(v(&flat), v(&sums));
     assert_eq!((copy.shape(), copy.dtype()), (&[2, 3, 5][..], DType::BF16));
     assert_eq!(v(&copy), v(&dx.add(&r)?.to_dtype(DType::BF16)?));
-    let err = Tensor::normalize_param_grads_with_copy(&Op::NormalizeParamGrads { eps: 1e-5, sums: None, copy: None }, &[&x, &g, &w])
+    let err = Tensor::layer_norm_grads_with_copy(&Op::LayerNormGrads { eps: 1e-5, sums: None, copy: None }, &[&x, &g, &w])
         .unwrap_err()
         .to_string();
     assert!(err.contains("copy"), "{err}");
     for bad in [
-        Tensor::apply(Op::NormalizeParamGrads { eps: 1e-5, sums: None, copy: Some(DType::BF16) }, &[&x, &g], CPU),
-        Tensor::apply(Op::NormalizeParamGrads { eps: 1e-5, sums: None, copy: Some(DType::F32) }, &[&x, &g, &w], CPU),
-        Tensor::apply(Op::NormalizeParamGrads { eps: 1e-5, sums: Some(DType::BF16), copy: None }, &[&x, &g], CPU),
-        Tensor::apply(Op::NormalizeParamGrads { eps: 1e-5, sums: Some(DType::I64), copy: None }, &[&x, &g, &w], CPU),
+        Tensor::apply(Op::LayerNormGrads { eps: 1e-5, sums: None, copy: Some(DType::BF16) }, &[&x, &g], CPU),
+        Tensor::apply(Op::LayerNormGrads { eps: 1e-5, sums: None, copy: Some(DType::F32) }, &[&x, &g, &w], CPU),
+        Tensor::apply(Op::LayerNormGrads { eps: 1e-5, sums: Some(DType::BF16), copy: None }, &[&x, &g], CPU),
+        Tensor::apply(Op::LayerNormGrads { eps: 1e-5, sums: Some(DType::I64), copy: None }, &[&x, &g, &w], CPU),
     ] {
         let err = bad.unwrap_err().to_string();
         assert!(err.contains("sums row") || err.contains("copy of x's gradient"), "{err}");
@@ -752,7 +752,7 @@ fn f32_row_kernels_match_the_f64_kernels() -> Result<()> {
         ("layer_norm", x.layer_norm(&w, &b, 1e-5)?, x64.layer_norm(&w64, &b64, 1e-5)?),
         ("normalize_backward", x.normalize_backward(&g, 1e-5)?, x64.normalize_backward(&g64, 1e-5)?),
         ("layer_norm_backward", x.layer_norm_backward(&g, &w, 1e-5)?, x64.layer_norm_backward(&g64, &w64, 1e-5)?),
-        ("layer_norm_param_grads", x.layer_norm_param_grads(&g, 1e-5)?, x64.layer_norm_param_grads(&g64, 1e-5)?),
+        ("layer_norm_grads", x.layer_norm_param_grads(&g, 1e-5)?, x64.layer_norm_param_grads(&g64, 1e-5)?),
         ("softmax_backward", x.softmax(-1)?.softmax_backward(&g, false, 1.0)?, x64.softmax(-1)?.softmax_backward(&g64, false, 1.0)?),
     ];
     for (name, got, want) in cases {

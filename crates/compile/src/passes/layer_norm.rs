@@ -9,7 +9,7 @@ use kiln_tensor::{BinaryOp, DType, Layout, Op, ReduceOp};
 /// On a GPU, autocast's casts beside an F32 layer norm go into its kernels: a layer norm read
 /// only by a cast of all of it to F16/BF16 (before a product) writes that dtype itself
 /// (`Normalize`'s `to`: the cast node becomes the layer norm), and a layer norm's backward
-/// (`NormalizeParamGrads`) whose gradient was cast to F32 only for it reads the gradient in
+/// (`LayerNormGrads`) whose gradient was cast to F32 only for it reads the gradient in
 /// the dtype the product left it in. Each saves a kernel and a round trip of an F32 copy.
 pub fn fold_layer_norm_casts(g: &Graph) -> Graph {
     let mut out = g.clone();
@@ -29,7 +29,7 @@ pub fn fold_layer_norm_casts(g: &Graph) -> Graph {
                     out.nodes[i].kind = Kind::Op(Op::Normalize { eps: *eps, to: Some(*to) }, nargs.clone());
                 }
             }
-            Op::NormalizeParamGrads { .. } => {
+            Op::LayerNormGrads { .. } => {
                 let c = args[1].node;
                 let Kind::Op(Op::Cast(DType::F32), cargs) = &g.nodes[c].kind else { continue };
                 let low = matches!(g.nodes[cargs[0].node].dtype, DType::BF16 | DType::F16);
@@ -46,19 +46,19 @@ pub fn fold_layer_norm_casts(g: &Graph) -> Graph {
 }
 
 /// On a GPU, a residual connection's gradient added to an F32 (or F64) layer norm's input
-/// gradient, `r + dx` with dx read from `NormalizeParamGrads`'s flat output, is added by that
+/// gradient, `r + dx` with dx read from `LayerNormGrads`'s flat output, is added by that
 /// kernel as it stores dx (its fourth input `r`): the sum's readers read the flat output
 /// instead. That saves writing dx and reading it back (GPT: 25 MB twice a layer norm).
 /// Conditions: nothing else reads dx, r (x's shape and dtype, no broadcast) exists before
 /// the layer norm's backward and is never written in place, and the sum is no state buffer.
-pub fn fold_residual_into_ln_grads(g: &Graph) -> Graph {
+pub fn fold_residual_into_layer_norm_grads(g: &Graph) -> Graph {
     let mut out = g.clone();
     let (pinned, _) = pinned_and_escaping(g);
     let bases = view_bases(g);
-    // Every read of each node's region from `ln_grads_dx_at` on (a layer norm's dx).
+    // Every read of each node's region from `layer_norm_grads_dx_at` on (a layer norm's dx).
     let at = |p: NodeId| match &g.nodes[p].kind {
-        Kind::Op(Op::NormalizeParamGrads { sums, .. }, a) if a.len() == 3 => {
-            a[0].layout.shape.last().map(|&n| kiln_tensor::op::ln_grads_dx_at(n, sums.is_some()))
+        Kind::Op(Op::LayerNormGrads { sums, .. }, a) if a.len() == 3 => {
+            a[0].layout.shape.last().map(|&n| kiln_tensor::op::layer_norm_grads_dx_at(n, sums.is_some()))
         }
         _ => None,
     };
@@ -108,18 +108,18 @@ pub fn fold_residual_into_ln_grads(g: &Graph) -> Graph {
 
 /// On a GPU, the bias gradient of a product fed by a layer norm's input gradient (the sum over
 /// rows of dx, with the residual gradient folded in, or of autocast's 16-bit copy of it) is
-/// summed by the layer norm's backward as it stores dx (`NormalizeParamGrads`'s `sums` row,
+/// summed by the layer norm's backward as it stores dx (`LayerNormGrads`'s `sums` row,
 /// the values rounded to the copy's dtype first): the sum becomes a cast of that row, and no
 /// column sums read the copy again (GPT: the `proj` and `fc2` biases, 12.6 MB each in BF16).
-/// Readers of dx move with it to `ln_grads_dx_at(n, true)`. It shortens GPT BF16's step
+/// Readers of dx move with it to `layer_norm_grads_dx_at(n, true)`. It shortens GPT BF16's step
 /// (BENCHMARKS.md).
 pub fn ln_bias_sums(g: &Graph) -> Graph {
     let mut out = g.clone();
     let (pinned, _) = pinned_and_escaping(g);
     let bases = view_bases(g);
     let dx_from = |l: NodeId| match &g.nodes[l].kind {
-        Kind::Op(Op::NormalizeParamGrads { sums: None, .. }, a) if a.len() >= 3 => {
-            a[0].layout.shape.last().map(|&n| (n, kiln_tensor::op::ln_grads_dx_at(n, false)))
+        Kind::Op(Op::LayerNormGrads { sums: None, .. }, a) if a.len() >= 3 => {
+            a[0].layout.shape.last().map(|&n| (n, kiln_tensor::op::layer_norm_grads_dx_at(n, false)))
         }
         _ => None,
     };
@@ -162,9 +162,9 @@ pub fn ln_bias_sums(g: &Graph) -> Graph {
         if !ok {
             continue;
         }
-        let Kind::Op(Op::NormalizeParamGrads { eps, .. }, largs) = &g.nodes[l].kind else { continue };
-        let to = kiln_tensor::op::ln_grads_dx_at(n, true);
-        out.nodes[l].kind = Kind::Op(Op::NormalizeParamGrads { eps: *eps, sums: Some(t), copy: None }, largs.clone());
+        let Kind::Op(Op::LayerNormGrads { eps, .. }, largs) = &g.nodes[l].kind else { continue };
+        let to = kiln_tensor::op::layer_norm_grads_dx_at(n, true);
+        out.nodes[l].kind = Kind::Op(Op::LayerNormGrads { eps: *eps, sums: Some(t), copy: None }, largs.clone());
         out.nodes[l].shape = vec![to + a.layout.numel()];
         moved[l] = Some((from, to - from));
         casts.push((i, t, Arg { node: l, layout: Layout { offset: 2 * n, ..Layout::contiguous(&node.shape) } }));
@@ -188,7 +188,7 @@ pub fn ln_dx_copies(g: &Graph) -> Graph {
     let mut out = g.clone();
     for (i, alone) in unpinned(g).into_iter().enumerate() {
         let Some((l, t)) = dx_copy_source(g, i).filter(|_| alone) else { continue };
-        if let Kind::Op(Op::NormalizeParamGrads { copy: copy @ None, .. }, _) = &mut out.nodes[l].kind {
+        if let Kind::Op(Op::LayerNormGrads { copy: copy @ None, .. }, _) = &mut out.nodes[l].kind {
             *copy = Some(t);
         }
     }
@@ -201,12 +201,12 @@ pub(super) fn dx_copy_source(g: &Graph, i: NodeId) -> Option<(NodeId, DType)> {
     let Kind::Op(Op::Cast(t @ (DType::BF16 | DType::F16)), args) = &g.nodes[i].kind else { return None };
     let a = &args[0];
     let l = &g.nodes[a.node];
-    let Kind::Op(Op::NormalizeParamGrads { sums, .. }, largs) = &l.kind else { return None };
+    let Kind::Op(Op::LayerNormGrads { sums, .. }, largs) = &l.kind else { return None };
     let x = &largs[0].layout;
     let n = *x.shape.last()?;
     let ok = largs.len() >= 3
         && a.layout.is_contiguous()
-        && a.layout.offset == kiln_tensor::op::ln_grads_dx_at(n, sums.is_some())
+        && a.layout.offset == kiln_tensor::op::layer_norm_grads_dx_at(n, sums.is_some())
         && a.layout.numel() == x.numel()
         && l.dtype == DType::F32;
     ok.then_some((a.node, *t))
@@ -218,7 +218,7 @@ pub fn dx_copies(g: &Graph) -> Vec<Option<NodeId>> {
     let mut copies = vec![None; g.nodes.len()];
     for (i, alone) in unpinned(g).into_iter().enumerate() {
         let Some((l, t)) = dx_copy_source(g, i).filter(|_| alone) else { continue };
-        if matches!(g.nodes[l].kind, Kind::Op(Op::NormalizeParamGrads { copy: Some(c), .. }, _) if c == t) && copies[l].is_none() {
+        if matches!(g.nodes[l].kind, Kind::Op(Op::LayerNormGrads { copy: Some(c), .. }, _) if c == t) && copies[l].is_none() {
             copies[l] = Some(i);
         }
     }

@@ -16,7 +16,7 @@ mod tests;
 use crate::graph::Graph;
 use attention::attention_heads_last;
 use generic::{cse, dce, fold_constants, merge_zero_writes, read_dense_copies_in_place, simplify};
-use layer_norm::{fold_layer_norm_casts, fold_residual_into_ln_grads, ln_bias_sums, ln_dx_copies};
+use layer_norm::{fold_layer_norm_casts, fold_residual_into_layer_norm_grads, ln_bias_sums, ln_dx_copies};
 use loss::{fuse_linear_cross_entropy, fuse_mean_cross_entropy};
 use products::{fuse_gated_sums, fuse_matmuls, pad_unaligned_products};
 
@@ -68,7 +68,7 @@ const PIPELINE: &[Pass] = &[
     Pass { name: "merge_zero_writes", on: On::Any, run: |g, _| merge_zero_writes(g) },
     Pass { name: "cse", on: On::Any, run: |g, _| cse(g) },
     // (Before `fuse_matmuls`, which would otherwise take the bias sums into the products.)
-    Pass { name: "fold_residual_into_ln_grads", on: On::Gpu, run: |g, _| fold_residual_into_ln_grads(g) },
+    Pass { name: "fold_residual_into_layer_norm_grads", on: On::Gpu, run: |g, _| fold_residual_into_layer_norm_grads(g) },
     Pass { name: "ln_bias_sums", on: On::Gpu, run: |g, _| ln_bias_sums(g) },
     Pass { name: "ln_dx_copies", on: On::Gpu, run: |g, _| ln_dx_copies(g) },
     Pass { name: "fuse_gated_sums", on: On::Gpu, run: |g, _| fuse_gated_sums(g) },

@@ -262,13 +262,13 @@ fn autocast_casts_beside_a_layer_norm_fold_into_it_on_a_gpu() {
     let y = g.push(Kind::Op(ln, vec![whole(&g, x), whole(&g, w), whole(&g, w)]), vec![r, n], DType::F32);
     let yb = g.push(Kind::Op(Op::Cast(DType::BF16), vec![whole(&g, y)]), vec![r, n], DType::BF16);
     let gf = g.push(Kind::Op(Op::Cast(DType::F32), vec![whole(&g, gb)]), vec![r, n], DType::F32);
-    let grads = Op::NormalizeParamGrads { eps: 1e-5, sums: None, copy: None };
-    let len = kiln_tensor::op::ln_grads_dx_at(n, false) + r * n;
+    let grads = Op::LayerNormGrads { eps: 1e-5, sums: None, copy: None };
+    let len = kiln_tensor::op::layer_norm_grads_dx_at(n, false) + r * n;
     let pg = g.push(Kind::Op(grads, vec![whole(&g, x), whole(&g, gf), whole(&g, w)]), vec![len], DType::F32);
     g.outputs = vec![whole(&g, yb), whole(&g, pg)];
-    assert_eq!(ops(&pass("fold_layer_norm_casts", &g, Target::Cpu)), ["normalize", "to_dtype", "to_dtype", "layer_norm_param_grads"]);
+    assert_eq!(ops(&pass("fold_layer_norm_casts", &g, Target::Cpu)), ["normalize", "to_dtype", "to_dtype", "layer_norm_grads"]);
     let f = fold_layer_norm_casts(&g);
-    assert_eq!(ops(&f), ["normalize", "layer_norm_param_grads"], "{f}");
+    assert_eq!(ops(&f), ["normalize", "layer_norm_grads"], "{f}");
     let Kind::Op(Op::Normalize { to: Some(DType::BF16), .. }, _) = &f.nodes[f.outputs[0].node].kind else { panic!("{f}") };
     assert_eq!(f.nodes[f.outputs[0].node].dtype, DType::BF16);
     let Kind::Op(_, args) = &f.nodes[f.outputs[1].node].kind else { panic!("{f}") };
@@ -277,7 +277,7 @@ fn autocast_casts_beside_a_layer_norm_fold_into_it_on_a_gpu() {
     let mut h = g.clone();
     let neg = h.push(Kind::Op(Op::Unary(UnaryOp::Neg), vec![whole(&h, y)]), vec![r, n], DType::F32);
     h.outputs.push(whole(&h, neg));
-    assert_eq!(ops(&fold_layer_norm_casts(&h)), ["normalize", "to_dtype", "layer_norm_param_grads", "neg"]);
+    assert_eq!(ops(&fold_layer_norm_casts(&h)), ["normalize", "to_dtype", "layer_norm_grads", "neg"]);
 }
 
 /// A layer norm's backward with a residual gradient, its dx + r read as a BF16 copy by
@@ -291,8 +291,8 @@ fn ln_then_bias(sum_dims: Vec<usize>, to: DType, n: usize) -> Graph {
     let gy = g.push(Kind::Input(2), vec![r, n], DType::BF16);
     let res = g.push(Kind::Input(3), vec![r, n], DType::F32);
     let h = g.push(Kind::Input(4), vec![r, m], to);
-    let at = kiln_tensor::op::ln_grads_dx_at(n, false);
-    let grads = Op::NormalizeParamGrads { eps: 1e-5, sums: None, copy: None };
+    let at = kiln_tensor::op::layer_norm_grads_dx_at(n, false);
+    let grads = Op::LayerNormGrads { eps: 1e-5, sums: None, copy: None };
     let args = vec![whole(&g, x), whole(&g, gy), whole(&g, w), whole(&g, res)];
     let pg = g.push(Kind::Op(grads, args), vec![at + r * n], DType::F32);
     let dx = Arg { node: pg, layout: Layout { offset: at, ..Layout::contiguous(&[r, n]) } };
@@ -321,8 +321,8 @@ fn ln_then_bias_inputs() -> kiln_tensor::Result<Vec<std::sync::Arc<kiln_tensor::
 fn a_bias_gradient_of_a_layer_norms_dx_is_summed_by_its_backward_on_a_gpu() -> kiln_tensor::Result<()> {
     let g = ln_then_bias(vec![0], DType::BF16, 32);
     let f = ln_bias_sums(&g);
-    assert_eq!(ops(&f), ["layer_norm_param_grads", "to_dtype", "to_dtype", "matmul"], "{f}");
-    let Kind::Op(Op::NormalizeParamGrads { sums: Some(DType::BF16), .. }, _) = &f.nodes[5].kind else { panic!("{f}") };
+    assert_eq!(ops(&f), ["layer_norm_grads", "to_dtype", "to_dtype", "matmul"], "{f}");
+    let Kind::Op(Op::LayerNormGrads { sums: Some(DType::BF16), .. }, _) = &f.nodes[5].kind else { panic!("{f}") };
     assert_eq!(f.nodes[5].shape, [128 + 6 * 32]);
     // The sum is a cast of the row after dw and db (at 64, where dx was); dx moved to 128.
     let Kind::Op(Op::Cast(DType::BF16), row) = &f.nodes[f.outputs[0].node].kind else { panic!("{f}") };
@@ -342,7 +342,7 @@ fn a_bias_gradient_of_a_layer_norms_dx_is_summed_by_its_backward_on_a_gpu() -> k
     // Rows of 24: a read into the padding between the parameter gradients (48) and dx
     // (64) leaves the layer norm alone.
     let mut p = ln_then_bias(vec![0], DType::BF16, 24);
-    assert_eq!(ops(&ln_bias_sums(&p)), ["layer_norm_param_grads", "to_dtype", "to_dtype", "matmul"]);
+    assert_eq!(ops(&ln_bias_sums(&p)), ["layer_norm_grads", "to_dtype", "to_dtype", "matmul"]);
     p.outputs.push(Arg { node: 5, layout: Layout { offset: 50, ..Layout::contiguous(&[1]) } });
     assert_eq!(shapes(&ln_bias_sums(&p)), shapes(&p));
     Ok(())
@@ -353,7 +353,7 @@ fn a_layer_norms_16_bit_copy_of_dx_is_written_by_its_backward_on_a_gpu() -> kiln
     let g = ln_then_bias(vec![0], DType::BF16, 32);
     let f = ln_dx_copies(&g);
     assert_eq!(ops(&f), ops(&g), "no node added or removed: {f}");
-    let Kind::Op(Op::NormalizeParamGrads { copy: Some(DType::BF16), .. }, _) = &f.nodes[5].kind else { panic!("{f}") };
+    let Kind::Op(Op::LayerNormGrads { copy: Some(DType::BF16), .. }, _) = &f.nodes[5].kind else { panic!("{f}") };
     assert_eq!(dx_copies(&f)[5], Some(6), "the cast of dx is made with it");
     assert!(dx_copies(&g).iter().all(Option::is_none));
     // The executor makes the cast in the layer norm's step (the CPU casts after the op);
@@ -416,17 +416,17 @@ fn a_residual_gradient_is_added_by_the_layer_norm_backward_on_a_gpu() {
     let w = g.push(Kind::Input(1), vec![n], DType::F32);
     let gy = g.push(Kind::Input(2), vec![r, n], DType::BF16);
     let res = g.push(Kind::Input(3), vec![r, n], DType::F32);
-    let at = kiln_tensor::op::ln_grads_dx_at(n, false);
-    let grads = Op::NormalizeParamGrads { eps: 1e-5, sums: None, copy: None };
+    let at = kiln_tensor::op::layer_norm_grads_dx_at(n, false);
+    let grads = Op::LayerNormGrads { eps: 1e-5, sums: None, copy: None };
     let pg = g.push(Kind::Op(grads, vec![whole(&g, x), whole(&g, gy), whole(&g, w)]), vec![at + r * n], DType::F32);
     let dx = Arg { node: pg, layout: Layout { offset: at, ..Layout::contiguous(&[r, n]) } };
     let params = Arg { node: pg, layout: Layout::contiguous(&[2, n]) };
     let sum = g.push(Kind::Op(Op::Binary(BinaryOp::Add), vec![whole(&g, res), dx.clone()]), vec![r, n], DType::F32);
     let low = g.push(Kind::Op(Op::Cast(DType::BF16), vec![whole(&g, sum)]), vec![r, n], DType::BF16);
     g.outputs = vec![whole(&g, sum), whole(&g, low), params];
-    assert_eq!(ops(&pass("fold_residual_into_ln_grads", &g, Target::Cpu)), ["layer_norm_param_grads", "add", "to_dtype"]);
-    let f = fold_residual_into_ln_grads(&g);
-    assert_eq!(ops(&f), ["layer_norm_param_grads", "to_dtype"], "{f}");
+    assert_eq!(ops(&pass("fold_residual_into_layer_norm_grads", &g, Target::Cpu)), ["layer_norm_grads", "add", "to_dtype"]);
+    let f = fold_residual_into_layer_norm_grads(&g);
+    assert_eq!(ops(&f), ["layer_norm_grads", "to_dtype"], "{f}");
     let Kind::Op(_, args) = &f.nodes[f.outputs[2].node].kind else { panic!("{f}") };
     assert_eq!(args.iter().map(|a| a.node).collect::<Vec<_>>(), [x, gy, w, res], "r is the fourth input: {f}");
     // The sum's readers read dx's place in the flat output.
@@ -437,12 +437,12 @@ fn a_residual_gradient_is_added_by_the_layer_norm_backward_on_a_gpu() {
     let mut h = g.clone();
     let neg = h.push(Kind::Op(Op::Unary(UnaryOp::Neg), vec![dx]), vec![r, n], DType::F32);
     h.outputs.push(whole(&h, neg));
-    assert_eq!(ops(&fold_residual_into_ln_grads(&h)), ["layer_norm_param_grads", "add", "to_dtype", "neg"]);
+    assert_eq!(ops(&fold_residual_into_layer_norm_grads(&h)), ["layer_norm_grads", "add", "to_dtype", "neg"]);
     let mut b = g.clone();
     let row = b.push(Kind::Input(4), vec![n], DType::F32);
     let Kind::Op(_, args) = &mut b.nodes[sum].kind else { unreachable!() };
     args[0] = Arg { node: row, layout: Layout::contiguous(&[n]) };
-    assert_eq!(ops(&fold_residual_into_ln_grads(&b)).len(), 3, "a broadcast row is not x's shape");
+    assert_eq!(ops(&fold_residual_into_layer_norm_grads(&b)).len(), 3, "a broadcast row is not x's shape");
 }
 
 #[test]

@@ -86,7 +86,7 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
         | Op::NormalizeBackward { .. }
         | Op::CrossEntropy { .. }
         | Op::CrossEntropyBackward { .. } => rows(op, ins, meta),
-        Op::NormalizeParamGrads { .. } => param_grads(op, ins, meta),
+        Op::LayerNormGrads { .. } => layer_norm_grads(op, ins, meta),
         Op::Attention { .. } | Op::AttentionBackward { .. } => attention(op, ins),
         Op::Matmul => matmul(op, ins, meta),
         Op::IndexSelect { .. } | Op::ArgSort { .. } | Op::Gather { .. } | Op::IndexAdd { .. } | Op::ScatterAdd { .. } | Op::Cat { .. } => {
@@ -295,17 +295,17 @@ fn rows(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<CpuSt
     })
 }
 
-/// Layer norm's parameter gradients (`NormalizeParamGrads`), with x's gradient when given the
+/// Layer norm's parameter gradients (`LayerNormGrads`), with x's gradient when given the
 /// weight.
-fn param_grads(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<CpuStorage> {
+fn layer_norm_grads(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<CpuStorage> {
     let name = op.name();
     Ok(match op {
-        Op::NormalizeParamGrads { eps, sums: Some(t), .. } => {
+        Op::LayerNormGrads { eps, sums: Some(t), .. } => {
             // The flat result without the sums row, then the row spliced in before x's gradient.
             let (x, n) = (ins[0], ins[0].1.shape[ins[0].1.rank() - 1]);
-            let (from, to) = (crate::op::ln_grads_dx_at(n, false), crate::op::ln_grads_dx_at(n, true));
+            let (from, to) = (crate::op::layer_norm_grads_dx_at(n, false), crate::op::layer_norm_grads_dx_at(n, true));
             let plain = run(
-                &Op::NormalizeParamGrads { eps: *eps, sums: None, copy: None },
+                &Op::LayerNormGrads { eps: *eps, sums: None, copy: None },
                 ins,
                 &OutMeta { shape: vec![from + x.1.numel()], dtype: meta.dtype },
             )?;
@@ -326,7 +326,7 @@ fn param_grads(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Resul
                 out.into_storage()
             })
         }
-        Op::NormalizeParamGrads { .. } if ins[1].0.dtype() != ins[0].0.dtype() => {
+        Op::LayerNormGrads { .. } if ins[1].0.dtype() != ins[0].0.dtype() => {
             // g in another float dtype: read as x's.
             let (x, (gs, gl)) = (ins[0], ins[1]);
             let g = run(&Op::Cast(x.0.dtype()), &[(gs, gl)], &OutMeta { shape: gl.shape.clone(), dtype: x.0.dtype() })?;
@@ -335,10 +335,10 @@ fn param_grads(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Resul
             with_g[1] = (&g, &gl);
             run(op, &with_g, meta)?
         }
-        Op::NormalizeParamGrads { .. } if ins.len() == 4 => {
+        Op::LayerNormGrads { .. } if ins.len() == 4 => {
             // With a residual gradient r: the three-input result, then r added to x's gradient.
             let flat = run(op, &ins[..3], meta)?;
-            let at = crate::op::ln_grads_dx_at(ins[0].1.shape[ins[0].1.rank() - 1], false);
+            let at = crate::op::layer_norm_grads_dx_at(ins[0].1.shape[ins[0].1.rank() - 1], false);
             let (r, len) = (ins[3], meta.shape[0]);
             let dx = Layout { shape: r.1.shape.clone(), strides: Layout::contiguous(&r.1.shape).strides, offset: at };
             let sum = run(&Op::Binary(crate::BinaryOp::Add), &[(&flat, &dx), r], &OutMeta { shape: r.1.shape.clone(), dtype: meta.dtype })?;
@@ -348,28 +348,28 @@ fn param_grads(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Resul
                 v.into_storage()
             })
         }
-        Op::NormalizeParamGrads { eps, .. } if ins.len() == 3 => {
-            // With the weight: the parameter gradients, then x's gradient from `ln_grads_dx_at`.
+        Op::LayerNormGrads { eps, .. } if ins.len() == 3 => {
+            // With the weight: the parameter gradients, then x's gradient from `layer_norm_grads_dx_at`.
             let x = ins[0];
             let n = x.1.shape[x.1.rank() - 1];
             let both = run(
-                &Op::NormalizeParamGrads { eps: *eps, sums: None, copy: None },
+                &Op::LayerNormGrads { eps: *eps, sums: None, copy: None },
                 &ins[..2],
                 &OutMeta { shape: vec![2, n], dtype: meta.dtype },
             )?;
             let dx = run(&Op::NormalizeBackward { eps: *eps }, ins, &OutMeta { shape: x.1.shape.clone(), dtype: meta.dtype })?;
             with_cpu!(&both, p => {
                 let mut v = p.to_vec();
-                v.resize(crate::op::ln_grads_dx_at(n, false), Default::default());
+                v.resize(crate::op::layer_norm_grads_dx_at(n, false), Default::default());
                 v.extend_from_slice(typed(&dx, name)?);
                 v.into_storage()
             })
         }
-        Op::NormalizeParamGrads { eps, .. } => {
+        Op::LayerNormGrads { eps, .. } => {
             let (x, g) = (ins[0], ins[1]);
             if let CpuStorage::F32(v) = x.0 {
                 let n = meta.shape[1];
-                return Ok(with_grad(v, x.1, g, name, |x, g| reduce::normalize_param_grads_f32(x, g, n, *eps))?.into_storage());
+                return Ok(with_grad(v, x.1, g, name, |x, g| reduce::layer_norm_grads_f32(x, g, n, *eps))?.into_storage());
             }
             // Other dtypes: the unfused ops.
             let rows: Vec<usize> = (0..x.1.rank() - 1).collect();

@@ -419,10 +419,10 @@ fn normalize_f32(src: &[f32], g: Option<&[f32]>, (w, b): (Option<&[f32]>, Option
     out
 }
 
-/// Layer norm's weight and bias gradients `[2, n]` for f32 (`Op::NormalizeParamGrads`):
+/// Layer norm's weight and bias gradients `[2, n]` for f32 (`Op::LayerNormGrads`):
 /// `sum(g * xhat)` and `sum(g)` over the rows in one pass over x and g, blocks of rows in
 /// parallel, each into its own f64 sums, then added up.
-pub fn normalize_param_grads_f32(x: &[f32], g: &[f32], n: usize, eps: f64) -> Vec<f32> {
+pub fn layer_norm_grads_f32(x: &[f32], g: &[f32], n: usize, eps: f64) -> Vec<f32> {
     use rayon::prelude::*;
     if n == 0 {
         return Vec::new();

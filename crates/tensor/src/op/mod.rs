@@ -505,10 +505,10 @@ impl MatmulEpilogue {
     }
 }
 
-/// Where x's gradient starts in `Op::NormalizeParamGrads`'s flat output (with the weight):
+/// Where x's gradient starts in `Op::LayerNormGrads`'s flat output (with the weight):
 /// after the `[2, n]` parameter gradients (`[3, n]` with its `sums` row), rounded up to 64
 /// elements so that it stays aligned for vector loads.
-pub fn ln_grads_dx_at(n: usize, sums: bool) -> usize {
+pub fn layer_norm_grads_dx_at(n: usize, sums: bool) -> usize {
     ((2 + sums as usize) * n).next_multiple_of(64)
 }
 
@@ -587,17 +587,17 @@ pub enum Op {
     /// shape, last dim `n`; g in any float dtype, read as x's): `[2, n]`, the sums over rows of
     /// `g * normalize(x)` (the weight's) and of `g` (the bias's). On CUDA one pass reads x and g once, with no normalised copy.
     /// With the weight `w` (`[n]`) as a third input, the whole backward in that pass: one flat
-    /// buffer, the `[2, n]` then, from `ln_grads_dx_at(n, false)`, x's gradient (as
+    /// buffer, the `[2, n]` then, from `layer_norm_grads_dx_at(n, false)`, x's gradient (as
     /// `NormalizeBackward` with `w` computes it). With a fourth input `r` (x's shape and
     /// dtype), x's gradient plus `r`: a residual connection's gradient added as it is stored
     /// (folded in by compile on a GPU, for F32 and F64). With the weight and `sums: Some(t)`,
     /// a third row after the two: the sums over rows of that gradient (plus r) as rounded to
     /// `t` (the bias gradient of the product it feeds, read by compile on a GPU from here
-    /// instead of summing a copy); x's gradient then starts at `ln_grads_dx_at(n, true)`.
+    /// instead of summing a copy); x's gradient then starts at `layer_norm_grads_dx_at(n, true)`.
     /// `copy: Some(t)` leaves the output as it is: it tells a caller of
-    /// `Tensor::normalize_param_grads_with_copy` (compile, on a GPU) that x's gradient (plus
+    /// `Tensor::layer_norm_grads_with_copy` (compile, on a GPU) that x's gradient (plus
     /// r) is also wanted cast to `t`, which the CUDA kernel then writes in the same pass.
-    NormalizeParamGrads {
+    LayerNormGrads {
         eps: f64,
         sums: Option<DType>,
         copy: Option<DType>,
@@ -771,7 +771,7 @@ impl Op {
             Op::Softmax { log: true, .. } => "log_softmax",
             Op::Normalize { .. } => "normalize",
             Op::NormalizeBackward { .. } => "normalize_backward",
-            Op::NormalizeParamGrads { .. } => "layer_norm_param_grads",
+            Op::LayerNormGrads { .. } => "layer_norm_grads",
             Op::SoftmaxBackward { .. } => "softmax_backward",
             Op::Attention { .. } => "attention",
             Op::AttentionBackward { .. } => "attention_backward",

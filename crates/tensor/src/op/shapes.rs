@@ -1,6 +1,6 @@
 //! The primitive ops' shape and dtype rules (`Op::infer`), one function per op family.
 
-use super::{attention_grads_shape, check_dim, ln_grads_dx_at, InMeta, Op, OutMeta, ReduceOp, UnaryOp};
+use super::{attention_grads_shape, check_dim, layer_norm_grads_dx_at, InMeta, Op, OutMeta, ReduceOp, UnaryOp};
 use crate::shape::broadcast_shapes;
 use crate::{DType, Error, Result};
 
@@ -122,16 +122,14 @@ pub(super) fn reduce(op: &Op, inputs: &[InMeta<'_>]) -> Result<OutMeta> {
 pub(super) fn rows(op: &Op, inputs: &[InMeta<'_>]) -> Result<OutMeta> {
     let name = op.name();
     match op {
-        Op::NormalizeBackward { .. } | Op::SoftmaxBackward { .. } | Op::NormalizeParamGrads { .. }
-            if inputs[0].shape != inputs[1].shape =>
-        {
+        Op::NormalizeBackward { .. } | Op::SoftmaxBackward { .. } | Op::LayerNormGrads { .. } if inputs[0].shape != inputs[1].shape => {
             Err(Error::shape(name, format!("input {:?} and gradient {:?} must have one shape", inputs[0].shape, inputs[1].shape)))
         }
         Op::Softmax { log: true, causal: true, .. } => Err(Error::Msg(format!("{name}: the causal mask is for softmax only"))),
         Op::Softmax { causal: true, .. } if inputs[0].shape.len() < 2 => {
             Err(Error::shape(name, format!("a causal softmax needs rank >= 2, got {:?}", inputs[0].shape)))
         }
-        Op::NormalizeParamGrads { .. } => {
+        Op::LayerNormGrads { .. } => {
             float_only(name, inputs[0].dtype)?;
             float_only(name, inputs[1].dtype)?;
             inputs[2..].iter().try_for_each(|a| same_dtype(name, inputs[0].dtype, a.dtype))?;
@@ -145,22 +143,22 @@ pub(super) fn rows(op: &Op, inputs: &[InMeta<'_>]) -> Result<OutMeta> {
                 ));
             }
             let sums = match op {
-                Op::NormalizeParamGrads { sums: Some(t), .. } if inputs.len() < 3 || !t.is_float() => {
+                Op::LayerNormGrads { sums: Some(t), .. } if inputs.len() < 3 || !t.is_float() => {
                     return Err(Error::Msg(format!("{name}: the sums row needs the weight and a float dtype, got {t:?}")));
                 }
-                Op::NormalizeParamGrads { copy: Some(t), .. } if inputs.len() < 3 || !t.is_float() || *t == inputs[0].dtype => {
+                Op::LayerNormGrads { copy: Some(t), .. } if inputs.len() < 3 || !t.is_float() || *t == inputs[0].dtype => {
                     return Err(Error::Msg(format!(
                         "{name}: the copy of x's gradient needs the weight and a float dtype other than x's {:?}, got {t:?}",
                         inputs[0].dtype
                     )));
                 }
-                Op::NormalizeParamGrads { sums, .. } => sums.is_some(),
+                Op::LayerNormGrads { sums, .. } => sums.is_some(),
                 _ => false,
             };
             match inputs.get(2) {
                 None => meta(vec![2, n], inputs[0].dtype),
                 Some(w) if w.shape == [n] => {
-                    meta(vec![ln_grads_dx_at(n, sums) + inputs[0].shape.iter().product::<usize>()], inputs[0].dtype)
+                    meta(vec![layer_norm_grads_dx_at(n, sums) + inputs[0].shape.iter().product::<usize>()], inputs[0].dtype)
                 }
                 Some(w) => Err(Error::shape(name, format!("the weight must be [{n}] for x {:?}, got {:?}", inputs[0].shape, w.shape))),
             }
@@ -452,7 +450,7 @@ impl Op {
             | Op::SoftmaxBackward { .. }
             | Op::Normalize { .. }
             | Op::NormalizeBackward { .. }
-            | Op::NormalizeParamGrads { .. } => rows(self, inputs),
+            | Op::LayerNormGrads { .. } => rows(self, inputs),
             Op::Attention { .. } | Op::AttentionBackward { .. } => attention(self, inputs),
             Op::CrossEntropy { .. } | Op::CrossEntropyBackward { .. } => cross_entropy(self, inputs),
             Op::Matmul => matmul(self, inputs),
@@ -473,9 +471,9 @@ impl Op {
             Op::Unary(_) | Op::Scalar { .. } | Op::Cast(_) | Op::Reduce { .. } | Op::UpdateScalar(..) | Op::Softmax { .. } => 1,
             Op::Normalize { .. } if given == 3 => 3,
             Op::Normalize { .. } => 1,
-            Op::NormalizeParamGrads { .. } if given == 4 => 4,
-            Op::NormalizeBackward { .. } | Op::NormalizeParamGrads { .. } if given == 3 => 3,
-            Op::NormalizeBackward { .. } | Op::SoftmaxBackward { .. } | Op::NormalizeParamGrads { .. } => 2,
+            Op::LayerNormGrads { .. } if given == 4 => 4,
+            Op::NormalizeBackward { .. } | Op::LayerNormGrads { .. } if given == 3 => 3,
+            Op::NormalizeBackward { .. } | Op::SoftmaxBackward { .. } | Op::LayerNormGrads { .. } => 2,
             Op::Attention { .. } => 3,
             Op::AttentionBackward { .. } => 5,
             Op::CrossEntropy { .. } => 2,

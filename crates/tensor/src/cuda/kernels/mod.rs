@@ -71,7 +71,7 @@ mod dispatch {
             Op::Normalize { eps, to } => normalize(&g, x[0], None, &x[1..], (*eps, *to))?,
             Op::NormalizeBackward { eps } => normalize(&g, x[0], Some(x[1]), &x[2..], (*eps, None))?,
             Op::Fused(Fused::GatedSums { gate }) => gated_sums(&g, x[0], x[1], *gate)?,
-            Op::NormalizeParamGrads { eps, sums, .. } => {
+            Op::LayerNormGrads { eps, sums, .. } => {
                 layer_norm_param_grads(&g, x[0], x[1], (x.get(2).copied(), x.get(3).copied()), (*eps, *sums), None)?
             }
             Op::SoftmaxBackward { log, scale } => softmax_backward(&g, x[0], x[1], *log, *scale)?,

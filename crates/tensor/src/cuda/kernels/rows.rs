@@ -184,7 +184,7 @@ pub fn softmax_backward_source(dtype: DType, log: bool, block: bool) -> (String,
     (s, name)
 }
 
-/// What `layer_norm_param_grads_source`'s kernel writes beside the parameter gradients'
+/// What `layer_norm_grads_source`'s kernel writes beside the parameter gradients'
 /// partials.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct LnGradsParts {
@@ -198,26 +198,26 @@ pub struct LnGradsParts {
     pub copy: Option<DType>,
 }
 
-/// The longest row `layer_norm_param_grads_source` takes (32 values per lane).
-pub const LN_GRADS_MAX_N: usize = 1024;
+/// The longest row `layer_norm_grads_source` takes (32 values per lane).
+pub const LAYER_NORM_GRADS_MAX_N: usize = 1024;
 
-/// Warps a block of `layer_norm_param_grads_source`'s kernel has (two blocks an SM).
-pub const LN_GRADS_WARPS: usize = 8;
+/// Warps a block of `layer_norm_grads_source`'s kernel has (two blocks an SM).
+pub const LAYER_NORM_GRADS_WARPS: usize = 8;
 
-/// Dynamic shared memory of a staged `layer_norm_param_grads_source` kernel over rows of `n`
-/// values: two row slots a warp, each x's and g's row (and with `LnStage::RowsAndResidual`, r's).
-pub fn ln_grads_stage_bytes(n: usize, dtype: DType, gdt: DType, stage: LnStage) -> usize {
+/// Dynamic shared memory of a staged `layer_norm_grads_source` kernel over rows of `n`
+/// values: two row slots a warp, each x's and g's row (and with `LayerNormGradsStage::RowsAndResidual`, r's).
+pub fn layer_norm_grads_stage_bytes(n: usize, dtype: DType, gdt: DType, stage: LayerNormGradsStage) -> usize {
     let xs = match stage {
-        LnStage::Off => return 0,
-        LnStage::Rows => 1,
-        LnStage::RowsAndResidual => 2,
+        LayerNormGradsStage::Off => return 0,
+        LayerNormGradsStage::Rows => 1,
+        LayerNormGradsStage::RowsAndResidual => 2,
     };
-    LN_GRADS_WARPS * 2 * n * (xs * dtype.size_in_bytes() + gdt.size_in_bytes())
+    LAYER_NORM_GRADS_WARPS * 2 * n * (xs * dtype.size_in_bytes() + gdt.size_in_bytes())
 }
 
-/// What a `layer_norm_param_grads_source` kernel copies ahead into shared memory.
+/// What a `layer_norm_grads_source` kernel copies ahead into shared memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum LnStage {
+pub enum LayerNormGradsStage {
     /// Nothing: rows are loaded straight into registers.
     Off,
     /// x's and g's rows.
@@ -233,19 +233,25 @@ pub enum LnStage {
 /// result does not depend on scheduling. With `dx`, the same pass also writes the input's
 /// gradient (`normalize_source`'s backward with the weight `w`) from the row it holds, so the
 /// layer norm's whole backward reads x and g once. Staged (`stage`; rows of whole 16-byte pieces,
-/// 16-byte aligned, `ln_grads_stage_bytes` of dynamic shared memory): each warp copies its
+/// 16-byte aligned, `layer_norm_grads_stage_bytes` of dynamic shared memory): each warp copies its
 /// next row into shared memory asynchronously while it works on this one; loaded straight into
 /// registers, a warp's row would wait on memory between its reductions (BENCHMARKS.md).
-/// `LnStage::RowsAndResidual`: r's next row comes with them (read at the store, it would be a
+/// `LayerNormGradsStage::RowsAndResidual`: r's next row comes with them (read at the store, it would be a
 /// wait on memory at the end of every row, which slows GPT BF16's step). `parts.sums` (with dx): a third row of partials, the column sums of dx (plus r) as
-/// rounded to that dtype (`Op::NormalizeParamGrads`'s `sums`); the weight is then read from
+/// rounded to that dtype (`Op::LayerNormGrads`'s `sums`); the weight is then read from
 /// shared memory, so that the row's accumulators take the registers it held. `parts.copy`
 /// (with dx): dx (plus r) also stored in that dtype to `cp` (the op's `copy`).
-pub fn layer_norm_param_grads_source(dtype: DType, tiles: usize, parts: LnGradsParts, gdt: DType, stage: LnStage) -> (String, String) {
+pub fn layer_norm_grads_source(
+    dtype: DType,
+    tiles: usize,
+    parts: LnGradsParts,
+    gdt: DType,
+    stage: LayerNormGradsStage,
+) -> (String, String) {
     // g may be in another float dtype (a BF16 product's gradient under autocast), read as C.
     let LnGradsParts { dx, resid, sums, copy } = parts;
     let (sums, copy) = (sums.filter(|_| dx), copy.filter(|_| dx));
-    let (staged, stage_r) = (stage != LnStage::Off, stage == LnStage::RowsAndResidual && dx && resid);
+    let (staged, stage_r) = (stage != LayerNormGradsStage::Off, stage == LayerNormGradsStage::RowsAndResidual && dx && resid);
     let tag = |what: &str, t: Option<DType>| t.map_or(String::new(), |t| format!("_{what}_{}", storage_type(t).replace(' ', "_")));
     let name = format!(
         "k_ln_{}grads_{}_{tiles}{}{}{}{}{}",
@@ -274,7 +280,7 @@ pub fn layer_norm_param_grads_source(dtype: DType, tiles: usize, parts: LnGradsP
         s += "__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }\n";
         s += "__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }\n";
     }
-    s += &format!("extern \"C\" __global__ void __launch_bounds__({}) {name}(C* __restrict__ part, const X* __restrict__ x, const G* __restrict__ g, NArgs a, long long chunk, X* __restrict__ dx, const X* __restrict__ w, const X* __restrict__ r, Q* __restrict__ cp) {{\n", LN_GRADS_WARPS * 32);
+    s += &format!("extern \"C\" __global__ void __launch_bounds__({}) {name}(C* __restrict__ part, const X* __restrict__ x, const G* __restrict__ g, NArgs a, long long chunk, X* __restrict__ dx, const X* __restrict__ w, const X* __restrict__ r, Q* __restrict__ cp) {{\n", LAYER_NORM_GRADS_WARPS * 32);
     s += "  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;\n";
     s += "  const long long r1 = min(a.rows, (blockIdx.x + 1) * chunk); const C n = (C)a.red;\n";
     s += "  C dw[TILES], db[TILES];\n#pragma unroll\n  for (int t = 0; t < TILES; ++t) { dw[t] = (C)0; db[t] = (C)0; }\n";
@@ -566,10 +572,10 @@ mod launch {
         Ok(out)
     }
 
-    /// `Op::NormalizeParamGrads` with `copy: Some(t)`: the flat output, and x's gradient (plus r)
+    /// `Op::LayerNormGrads` with `copy: Some(t)`: the flat output, and x's gradient (plus r)
     /// stored in `t` by the same kernel.
     pub(crate) fn layer_norm_grads_with_copy(op: &Op, ins: &[&Storage], layouts: &[&Layout], device: Device) -> Result<(Storage, Storage)> {
-        let (Device::Cuda(ordinal), Op::NormalizeParamGrads { eps, sums, copy: Some(t) }) = (device, op) else {
+        let (Device::Cuda(ordinal), Op::LayerNormGrads { eps, sums, copy: Some(t) }) = (device, op) else {
             return Err(Error::Msg(format!("layer_norm_grads_with_copy: {op:?} on {device:?}")));
         };
         let g = crate::cuda::gpu::gpu(ordinal)?;
@@ -584,10 +590,10 @@ mod launch {
     }
 
     /// Layer norm's parameter gradients `[2, n]` from x and the output gradient: per-block
-    /// partial sums in one pass over both (`layer_norm_param_grads_source`), then one
+    /// partial sums in one pass over both (`layer_norm_grads_source`), then one
     /// column sum of the partials. With the weight `w`, the same pass writes the input's gradient
     /// too, after the `[2, n]` (`[3, n]` with `sums`: dx's column sums as rounded to that dtype)
-    /// from `op::ln_grads_dx_at` (`Op::NormalizeParamGrads`'s flat form). With `copy` (dense,
+    /// from `op::layer_norm_grads_dx_at` (`Op::LayerNormGrads`'s flat form). With `copy` (dense,
     /// x's shape) and the weight, the pass also stores dx (plus r) to it in its dtype.
     pub(crate) fn layer_norm_param_grads(
         g: &Arc<Gpu>,
@@ -600,13 +606,13 @@ mod launch {
         let (dtype, n) = (x.0.dtype, x.1.shape[x.1.rank() - 1]);
         let rows = x.1.numel().checked_div(n).unwrap_or(0);
         let sums = sums.filter(|_| w.is_some());
-        let dx_at = crate::op::ln_grads_dx_at(n, sums.is_some());
+        let dx_at = crate::op::layer_norm_grads_dx_at(n, sums.is_some());
         // Rows of partials each block writes: dw, db (and the sums).
         let rows_k = 2 + sums.is_some() as usize;
         let out = CudaStorage::alloc(&g.mem, dtype, if w.is_some() { dx_at + x.1.numel() } else { 2 * n })?;
         let tiles = n.div_ceil(32);
-        if n > LN_GRADS_MAX_N {
-            return Err(Error::shape("layer_norm_param_grads", format!("rows of {n} exceed the kernel's {}", LN_GRADS_MAX_N)));
+        if n > LAYER_NORM_GRADS_MAX_N {
+            return Err(Error::shape("layer_norm_grads", format!("rows of {n} exceed the kernel's {}", LAYER_NORM_GRADS_MAX_N)));
         }
         if rows == 0 || n == 0 {
             g.zero(&out)?;
@@ -627,18 +633,19 @@ mod launch {
         // With the kernel's static arrays (the partials' rows, and with sums the weights), within
         // 96 KiB: two blocks an SM on Hopper, and under the 99 KiB a block of sm_86/89 may take.
         let fixed = (rows_k + sums.is_some() as usize) * 32 * tiles * accumulator(dtype).size_in_bytes();
-        let fits = |s: LnStage| ln_grads_stage_bytes(32 * tiles, dtype, gdt, s) + fixed <= 96 * 1024;
+        let fits = |s: LayerNormGradsStage| layer_norm_grads_stage_bytes(32 * tiles, dtype, gdt, s) + fixed <= 96 * 1024;
         let stage_r = resid && pr % 16 == 0;
         let stage = match (pieces && (px | pg) % 16 == 0, stage_r) {
-            (true, true) if fits(LnStage::RowsAndResidual) => LnStage::RowsAndResidual,
-            (true, _) if fits(LnStage::Rows) => LnStage::Rows,
-            _ => LnStage::Off,
+            (true, true) if fits(LayerNormGradsStage::RowsAndResidual) => LayerNormGradsStage::RowsAndResidual,
+            (true, _) if fits(LayerNormGradsStage::Rows) => LayerNormGradsStage::Rows,
+            _ => LayerNormGradsStage::Off,
         };
-        let (most, shared) = (ln_grads_stage_bytes(32 * tiles, dtype, gdt, stage), ln_grads_stage_bytes(n, dtype, gdt, stage));
+        let (most, shared) =
+            (layer_norm_grads_stage_bytes(32 * tiles, dtype, gdt, stage), layer_norm_grads_stage_bytes(n, dtype, gdt, stage));
         let copy = copy.filter(|_| with_dx);
         let parts = LnGradsParts { dx: with_dx, resid, sums, copy: copy.map(|c| c.dtype) };
-        let k = g.kernel_shared(crate::cuda::gpu::spec_key("ln_param_grads", &(dtype, tiles, gdt, stage, parts)), most as u32, || {
-            layer_norm_param_grads_source(dtype, tiles, parts, gdt, stage)
+        let k = g.kernel_shared(crate::cuda::gpu::spec_key("layer_norm_grads", &(dtype, tiles, gdt, stage, parts)), most as u32, || {
+            layer_norm_grads_source(dtype, tiles, parts, gdt, stage)
         })?;
         let pc = copy.map_or(0, |c| c.buf.ptr);
         let (pdx, pw) = match &wd {
@@ -662,7 +669,7 @@ mod launch {
             // caller's dense `rows * n` copy of its dtype) written only by the kernel made for it.
             // Staged, `shared` bytes hold the warps' row slots (the kernel loaded with room for
             // `most`), and x's, g's and r's rows are 16-byte aligned.
-            unsafe { g.launch(k, (blocks as u32, 1), (LN_GRADS_WARPS * 32) as u32, shared as u32, &mut params)? };
+            unsafe { g.launch(k, (blocks as u32, 1), (LAYER_NORM_GRADS_WARPS * 32) as u32, shared as u32, &mut params)? };
             reduce_into(g, ReduceOp::Sum, part, &Layout::contiguous(&[blocks, rows_k * n]), &[0], &out, false)
         };
         // About two blocks of 8 warps per SM by default. (Four blocks of 16 warps are no
@@ -672,7 +679,7 @@ mod launch {
         let default = rows.min(sms * 2);
         let candidates = || [2, 1, 3, 4, 6].iter().map(|b| (b * sms).min(rows)).collect();
         let problem = (dtype, gdt, rows, n, stage, parts);
-        let want = crate::cuda::tune::choice(g, ("ln_param_grads", &problem), default, candidates, |b| {
+        let want = crate::cuda::tune::choice(g, ("layer_norm_grads", &problem), default, candidates, |b| {
             let part = CudaStorage::alloc(&g.mem, accumulator(dtype), b * rows_k * n)?;
             crate::cuda::tune::time_graph(g, || run(b, &part))
         });
