@@ -325,7 +325,7 @@ pub fn matmul_fused(
         (Some(MatmulEpilogue::Residual), None) => (more.get(1).copied(), None, more.first().copied()),
         _ => (more.first().copied(), None, None),
     };
-    let mut rest = Rest {
+    let rest = Rest {
         bias,
         relu: epi == Some(MatmulEpilogue::Relu),
         gelu: (epi == Some(MatmulEpilogue::GeluTanh)).then_some(tail),
@@ -384,41 +384,72 @@ pub fn matmul_fused(
     // (Only the Hopper GEMM reads a row map: `mapped` is its product.)
     let own = mapped.or_else(|| own_product(g, dtype, batch, (sa, &la), (sb, &lb), &rest));
     if let Some(own) = own {
-        // Kiln's kernel does all that is left of the fused op.
-        let (a, b) = ((sa, &own.a), (sb, &own.b));
-        match own.kind {
-            Own::Hopper(spec, turn_b) => {
-                // B turned: a dense copy of B^T read as B with K contiguous.
-                let turned;
-                let b = if turn_b {
-                    let l = b.1;
-                    let t = Layout { shape: vec![n, k], strides: vec![l.strides[1], l.strides[0]], offset: l.offset };
-                    turned = (dense_copy(g, sb, &t)?, Layout { shape: vec![k, n], strides: vec![1, k], offset: 0 });
-                    (&turned.0, &turned.1)
-                } else {
-                    b
-                };
-                let bias = rest.bias.map(|(s, l)| s.ptr_at(l.offset));
-                let aux = match (rest.gelu, rest.dact) {
-                    (Some(at), _) => Some((out.ptr_at(at), n)),
-                    (None, Some((_, (s, l)))) => aux_rows(l, m, n).map(|(at, ld)| (s.ptr_at(at), ld)),
-                    _ => None,
-                };
-                let residual = rest.residual.and_then(|(s, l)| aux_rows(l, m, n).map(|(at, _)| s.ptr_at(at)));
-                super::kernels::products::matmul_wgmma(g, spec, (a.0, a.1, a_rows), b, (bias, aux, residual), &out)?
-            }
-            Own::Thin => {
-                let h = rest.dact.map(|(_, (s, l))| (s, view2(l, m, n)));
-                super::kernels::products::matmul_thin(g, a, b, h.as_ref().map(|(s, l)| (*s, l)), rest.sums.map(|(_, _, at)| at), &out)?
-            }
-            Own::Short => super::kernels::products::matmul_short(g, a, b, rest.sums.map(|(_, _, at)| at), &out)?,
-            Own::Narrow => super::kernels::products::matmul_small(g, false, a, b, rest.bias, rest.relu, &out)?,
-            Own::Few => super::kernels::products::matmul_small(g, true, a, b, rest.bias, rest.relu, &out)?,
-        }
+        run_own(g, own, (sa, a_rows), sb, &rest, (m, n, k), &out)?;
         return Ok(out);
     }
-    let a = operand(g, sa, &la)?;
-    let b = operand(g, sb, &lb)?;
+    run_blas(g, (sa, &la), (sb, &lb), (m, n, k, batch), meta, rest, out, &shape)
+}
+
+/// Kiln's kernel `own` makes all that is left of the fused op into `out` (A read through
+/// `a_rows` where `mapped_rows` chose a row map).
+fn run_own(
+    g: &Arc<Gpu>,
+    own: OwnProduct,
+    (sa, a_rows): (&CudaStorage, Option<(usize, usize)>),
+    sb: &CudaStorage,
+    rest: &Rest,
+    (m, n, k): (usize, usize, usize),
+    out: &CudaStorage,
+) -> Result<()> {
+    let (a, b) = ((sa, &own.a), (sb, &own.b));
+    match own.kind {
+        Own::Hopper(spec, turn_b) => {
+            // B turned: a dense copy of B^T read as B with K contiguous.
+            let turned;
+            let b = if turn_b {
+                let l = b.1;
+                let t = Layout { shape: vec![n, k], strides: vec![l.strides[1], l.strides[0]], offset: l.offset };
+                turned = (dense_copy(g, sb, &t)?, Layout { shape: vec![k, n], strides: vec![1, k], offset: 0 });
+                (&turned.0, &turned.1)
+            } else {
+                b
+            };
+            let bias = rest.bias.map(|(s, l)| s.ptr_at(l.offset));
+            let aux = match (rest.gelu, rest.dact) {
+                (Some(at), _) => Some((out.ptr_at(at), n)),
+                (None, Some((_, (s, l)))) => aux_rows(l, m, n).map(|(at, ld)| (s.ptr_at(at), ld)),
+                _ => None,
+            };
+            let residual = rest.residual.and_then(|(s, l)| aux_rows(l, m, n).map(|(at, _)| s.ptr_at(at)));
+            super::kernels::products::matmul_wgmma(g, spec, (a.0, a.1, a_rows), b, (bias, aux, residual), out)?
+        }
+        Own::Thin => {
+            let h = rest.dact.map(|(_, (s, l))| (s, view2(l, m, n)));
+            super::kernels::products::matmul_thin(g, a, b, h.as_ref().map(|(s, l)| (*s, l)), rest.sums.map(|(_, _, at)| at), out)?
+        }
+        Own::Short => super::kernels::products::matmul_short(g, a, b, rest.sums.map(|(_, _, at)| at), out)?,
+        Own::Narrow => super::kernels::products::matmul_small(g, false, a, b, rest.bias, rest.relu, out)?,
+        Own::Few => super::kernels::products::matmul_small(g, true, a, b, rest.bias, rest.relu, out)?,
+    }
+    Ok(())
+}
+
+/// The product through cuBLASLt (a cached plan, the epilogue doing what it can of the fused
+/// op) or plain cuBLAS, then the rest of the fused op (`finish`).
+#[allow(clippy::too_many_arguments)]
+fn run_blas(
+    g: &Arc<Gpu>,
+    (sa, la): (&CudaStorage, &Layout),
+    (sb, lb): (&CudaStorage, &Layout),
+    (m, n, k, batch): (usize, usize, usize, usize),
+    meta: &OutMeta,
+    mut rest: Rest,
+    out: CudaStorage,
+    shape: &[usize],
+) -> Result<CudaStorage> {
+    let dtype = sa.dtype;
+    let a = operand(g, sa, la)?;
+    let b = operand(g, sb, lb)?;
     let b = if batch == 1 { Operand { batch_stride: 0, ..b } } else { b };
     let (dt, compute) = data_type(dtype)?;
     let dt_out = data_type(meta.dtype)?.0;
@@ -457,7 +488,7 @@ pub fn matmul_fused(
             note(g, gemm);
         }
         start_on_thread(g);
-        return finish(g, out, rest, &shape);
+        return finish(g, out, rest, shape);
     }
     let mut guard = lock(&state.blas);
     let blas = get(&mut guard, g)?;
@@ -488,7 +519,7 @@ pub fn matmul_fused(
                 if c.is_some() {
                     rest.residual = None;
                 }
-                return finish(g, out, rest, &shape);
+                return finish(g, out, rest, shape);
             }
             // An algorithm that fails to launch is dropped; cuBLAS computes this one.
             *slot = None;
@@ -497,7 +528,7 @@ pub fn matmul_fused(
     let h = blas.h;
     if super::gpu::is_dry() {
         drop(guard);
-        return finish(g, out, rest, &shape);
+        return finish(g, out, rest, shape);
     }
     // Row-major C = A B is column-major C^T = B^T A^T: pass B first.
     // SAFETY: every pointer is a live device buffer of this GPU sized for the shapes given
@@ -531,7 +562,7 @@ pub fn matmul_fused(
     }
     .map_err(blas_err)?;
     drop(guard);
-    finish(g, out, rest, &shape)
+    finish(g, out, rest, shape)
 }
 
 /// Which of Kiln's own kernels takes a product: cuBLAS's FP32 is slower (`Hopper`), or its
