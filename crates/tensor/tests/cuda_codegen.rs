@@ -745,3 +745,62 @@ fn layer_norm_grads_and_gated_sums_keep_their_register_budgets() {
     }
     assert!(fails.is_empty(), "{} kernels over their budget:\n{}", fails.len(), fails.join("\n"));
 }
+
+/// The offsets and size C gives a struct of the scalar types Kiln's argument structs use
+/// (`long long`, `unsigned long long`, `double`, `int`, `unsigned`, `float`, arrays of them,
+/// lengths as numbers or `#define`d names), read from `text` (the defines, then the struct).
+fn c_layout(text: &str) -> Result<(Vec<(String, usize)>, usize), String> {
+    let defines: std::collections::HashMap<&str, usize> = text
+        .lines()
+        .filter_map(|l| {
+            let mut w = l.split_whitespace();
+            (w.next() == Some("#define")).then(|| Some((w.next()?, w.next()?.parse().ok()?))).flatten()
+        })
+        .collect();
+    let at_struct = text.find("struct ").ok_or("no struct")?;
+    let body = text[at_struct..].split_once('{').and_then(|(_, b)| b.rsplit_once('}')).ok_or("no struct body")?.0;
+    let (mut fields, mut at, mut align) = (Vec::new(), 0usize, 1usize);
+    for decl in body.split(';').map(str::trim).filter(|d| !d.is_empty()) {
+        let ty_end = ["unsigned long long", "long long", "double", "unsigned", "float", "int"]
+            .iter()
+            .find(|t| decl.starts_with(*t))
+            .ok_or(format!("a field of unknown type: {decl}"))?;
+        let size = match *ty_end {
+            "int" | "unsigned" | "float" => 4,
+            _ => 8,
+        };
+        for name in decl[ty_end.len()..].split(',').map(str::trim) {
+            let (field, dims) = name.split_once('[').map_or((name, ""), |(f, d)| (f, d));
+            let mut count = 1;
+            for d in dims.split(['[', ']']).filter(|d| !d.trim().is_empty()) {
+                count *= d.trim().parse::<usize>().ok().or_else(|| defines.get(d.trim()).copied()).ok_or(format!("array length {d}"))?;
+            }
+            at = at.next_multiple_of(size);
+            fields.push((field.trim().to_string(), at));
+            at += size * count;
+            align = align.max(size);
+        }
+    }
+    Ok((fields, at.next_multiple_of(align)))
+}
+
+/// Every `#[repr(C)]` argument struct lays out as its C twin in the generated source: the
+/// same size, and each field at the same offset (the C struct laid out by C's rules from
+/// the kernel source's own text).
+#[test]
+fn argument_structs_lay_out_as_their_c_twins() {
+    let layouts = kiln_tensor::cuda::kernels::argument_layouts();
+    assert!(layouts.len() >= 13, "{} argument structs", layouts.len());
+    for l in &layouts {
+        let (c_fields, c_size) = c_layout(&l.c_text).unwrap_or_else(|e| panic!("{} as {}: {e}\n{}", l.rust, l.c_name, l.c_text));
+        assert_eq!(c_size, l.size, "{} is {} bytes, C's {} {c_size}:\n{}", l.rust, l.size, l.c_name, l.c_text);
+        let names: Vec<&str> = c_fields.iter().map(|(f, _)| f.as_str()).collect();
+        let paired: Vec<&str> = l.offsets.iter().map(|(f, _)| *f).collect();
+        assert_eq!(names, paired, "{}: every field of C's {} paired, in order", l.rust, l.c_name);
+        for ((field, c_at), (_, rust_at)) in c_fields.iter().zip(&l.offsets) {
+            assert_eq!(c_at, rust_at, "{}.{field}: offset {rust_at} in Rust, {c_at} in C's {}", l.rust, l.c_name);
+        }
+    }
+    // The reader itself: C's padding before a double after an int, and at the end.
+    assert_eq!(c_layout("struct T { int a; double b; int c; };"), Ok((vec![("a".into(), 0), ("b".into(), 8), ("c".into(), 16)], 24)));
+}

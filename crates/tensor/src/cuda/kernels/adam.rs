@@ -121,4 +121,12 @@ mod launch {
         // (the caller's contract); threads past a parameter's length do nothing.
         unsafe { gpu.launch(k, (gpu.grid_for(most), batch.len() as u32), 256, 0, &mut params) }
     }
+
+    /// `AdamArgs` against its C twin (`kernels::argument_layouts`).
+    pub(crate) fn layout_checks() -> Vec<crate::cuda::kernels::prelude::ArgLayout> {
+        use crate::cuda::kernels::prelude::layout_check;
+        vec![layout_check!(adam_source(DType::F32, false).0, "AdamArgs", AdamArgs, {
+            n => n, p => p, g => g, m => m, v => v, x => x, b1 => b1, b2 => b2, eps => eps, wd => wd, decoupled => decoupled, pad => pad
+        })]
+    }
 }

@@ -1217,4 +1217,10 @@ mod launch {
         drop(stats);
         Ok(())
     }
+
+    /// `Mat` against its C twin (`kernels::argument_layouts`).
+    pub(crate) fn layout_checks() -> Vec<crate::cuda::kernels::prelude::ArgLayout> {
+        use crate::cuda::kernels::prelude::layout_check;
+        vec![layout_check!(MAT, "Mat", Mat, { b => b, h => h, t => t, nh => nh })]
+    }
 }

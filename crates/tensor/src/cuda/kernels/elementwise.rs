@@ -424,4 +424,12 @@ mod launch {
             Ok(Dense::Owned(dense_copy(g, s, l)?))
         }
     }
+
+    /// `Args` against its C twin (`kernels::argument_layouts`).
+    pub(crate) fn layout_checks() -> Vec<crate::cuda::kernels::prelude::ArgLayout> {
+        use crate::cuda::kernels::prelude::{layout_check, PRELUDE};
+        vec![layout_check!(PRELUDE, "Args", Args, {
+            n => n, off => off, shape => shape, st => st, s => s, seed => seed, roff => roff, rank => rank, pad => pad
+        })]
+    }
 }

@@ -338,4 +338,13 @@ mod launch {
             IndexKind::ScatterAdd => 4,
         }
     }
+
+    /// `IArgs` against its C twin (`kernels::argument_layouts`).
+    pub(crate) fn layout_checks() -> Vec<crate::cuda::kernels::prelude::ArgLayout> {
+        use crate::cuda::kernels::prelude::{layout_check, INDEX_ARGS};
+        vec![layout_check!(INDEX_ARGS, "IArgs", IArgs, {
+            n => n, outer => outer, size => size, inner => inner, nidx => nidx, code => code, ishape => ishape, bshape => bshape,
+            rank => rank, dim => dim
+        })]
+    }
 }

@@ -17,6 +17,24 @@ pub mod wgmma;
 #[cfg(feature = "cuda")]
 pub use dispatch::*;
 
+/// Every `#[repr(C)]` argument struct beside its C twin's text (`prelude::ArgLayout`):
+/// `cuda_codegen`'s test lays the C struct out by C's rules and compares.
+#[cfg(feature = "cuda")]
+pub fn argument_layouts() -> Vec<prelude::ArgLayout> {
+    [
+        elementwise::layout_checks(),
+        reduce::layout_checks(),
+        index::layout_checks(),
+        adam::layout_checks(),
+        rows::layout_checks(),
+        products::layout_checks(),
+        attention::layout_checks(),
+    ]
+    .into_iter()
+    .flatten()
+    .collect()
+}
+
 /// Op to launch (feature `cuda`).
 #[cfg(feature = "cuda")]
 mod dispatch {

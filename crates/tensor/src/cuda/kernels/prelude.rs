@@ -299,6 +299,42 @@ mod launch {
 }
     pub(crate) use kernel_params;
 
+    /// An argument struct and its C twin, for `kernels::argument_layouts`' test: the C text
+    /// of `struct {c_name} {{ .. }};` as a kernel's source declares it (after the source's
+    /// `#define`s its array lengths may name), and the Rust struct's size and, by the C
+    /// twin's field names, its offsets.
+    #[derive(Debug)]
+    pub struct ArgLayout {
+        pub rust: &'static str,
+        pub c_name: &'static str,
+        pub c_text: String,
+        pub size: usize,
+        pub offsets: Vec<(&'static str, usize)>,
+    }
+
+    /// The `#define` lines of `src`, then its `struct name { .. };` (empty if it has none).
+    pub(crate) fn c_struct(src: &str, name: &str) -> String {
+        let defines: String = src.lines().filter(|l| l.trim_start().starts_with("#define")).map(|l| format!("{l}\n")).collect();
+        let Some(at) = src.find(&format!("struct {name} {{")) else { return String::new() };
+        let end = src[at..].find("};").map_or(src.len(), |e| at + e + 2);
+        format!("{defines}{}\n", &src[at..end])
+    }
+
+    /// An `ArgLayout` of Rust struct `$t` and the C struct `$c` in `$src`, fields paired as
+    /// `rust_field => c_field`.
+    macro_rules! layout_check {
+        ($src:expr, $c:literal, $t:ty, { $($rf:ident => $cf:ident),* $(,)? }) => {
+            $crate::cuda::kernels::prelude::ArgLayout {
+                rust: stringify!($t),
+                c_name: $c,
+                c_text: $crate::cuda::kernels::prelude::c_struct(&$src, $c),
+                size: std::mem::size_of::<$t>(),
+                offsets: vec![$((stringify!($cf), std::mem::offset_of!($t, $rf))),*],
+            }
+        };
+    }
+    pub(crate) use layout_check;
+
     /// Drops size-1 dims and merges dims that every operand walks as one.
     pub(crate) fn coalesce(shape: &[usize], strides: &[Vec<usize>]) -> (Vec<usize>, Vec<Vec<usize>>) {
         let mut s: Vec<usize> = Vec::new();

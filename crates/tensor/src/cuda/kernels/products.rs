@@ -876,4 +876,28 @@ mod launch {
             crate::cuda::tune::choice(g, ("matmul_wgmma", &problem), default, candidates, |p| crate::cuda::tune::time_graph(g, || run(p)));
         run(parts)
     }
+
+    /// The products' argument structs against their C twins (`kernels::argument_layouts`).
+    pub(crate) fn layout_checks() -> Vec<crate::cuda::kernels::prelude::ArgLayout> {
+        use crate::cuda::kernels::prelude::layout_check;
+        vec![
+            layout_check!(PRODUCT_ARGS, "PArgs", PArgs, {
+                m => m, n => n, k => k, sam => sam, sak => sak, sbk => sbk, sbn => sbn, sbias => sbias, has_bias => has_bias, relu => relu
+            }),
+            layout_check!(matmul_short_source(DType::F32, 4, false).0, "SArgs", SArgs, {
+                n => n, k => k, sam => sam, sak => sak, sbk => sbk, ldp => ldp, chunks => chunks, tail => tail
+            }),
+            layout_check!(matmul_thin_source(DType::F32, 16, false, false, false).0, "TArgs", TArgs, {
+                m => m, n => n, sam => sam, sak => sak, sbk => sbk, sbn => sbn, shm => shm, shn => shn, at => at
+            }),
+            layout_check!(linear_xent_source(DType::F32, false).0, "LArgs", LArgs, {
+                hs0 => hs0, hs1 => hs1, ho => ho, wsc => wsc, wsj => wsj, wo => wo, bsc => bsc, bo => bo, f => f, dw => dw, db => db,
+                dh => dh, drelu => drelu, per => per
+            }),
+            layout_check!(crate::cuda::kernels::wgmma::BODY, "GArgs", GArgs, {
+                lda => lda, ldb => ldb, ldc => ldc, ldx => ldx, a_outer => a_outer, m => m, n => n, k => k, kc => kc, splits => splits,
+                a_inner => a_inner
+            }),
+        ]
+    }
 }

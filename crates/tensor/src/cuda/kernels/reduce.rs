@@ -520,4 +520,13 @@ mod launch {
             _ => reduce_into(g, op, &part, &Layout::contiguous(&[rows, chunks]), &[1], out, false),
         }
     }
+
+    /// `RArgs` against its C twin (`kernels::argument_layouts`).
+    pub(crate) fn layout_checks() -> Vec<crate::cuda::kernels::prelude::ArgLayout> {
+        use crate::cuda::kernels::prelude::layout_check;
+        vec![layout_check!(REDUCE_ARGS, "RArgs", RArgs, {
+            rows => rows, red => red, off => off, chunks => chunks, chunk_len => chunk_len, kshape => kshape, kst => kst,
+            rshape => rshape, rst => rst, krank => krank, rrank => rrank, scale => scale, qlen => qlen
+        })]
+    }
 }

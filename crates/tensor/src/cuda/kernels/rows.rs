@@ -822,4 +822,20 @@ mod launch {
         unsafe { g.launch(k, (blocks as u32, 1), threads as u32, 0, &mut params)? };
         Ok(out)
     }
+
+    /// `RowArgs` (as softmax's backward and layer norm's C twins name its value) and `XArgs` against
+    /// their C twins (`kernels::argument_layouts`).
+    pub(crate) fn layout_checks() -> Vec<crate::cuda::kernels::prelude::ArgLayout> {
+        use crate::cuda::kernels::prelude::layout_check;
+        vec![
+            layout_check!(softmax_backward_source(DType::F32, false, false).0, "SArgs", RowArgs, { rows => rows, red => red, value => scale }),
+            layout_check!(normalize_source(DType::F32, false, false, false, DType::F32).0, "NArgs", RowArgs, {
+                rows => rows, red => red, value => eps
+            }),
+            layout_check!(XENT_ARGS, "XArgs", XArgs, {
+                rows => rows, red => red, ignore => ignore, code => code, gst => gst, smoothing => smoothing, has_ignore => has_ignore,
+                pad => pad
+            }),
+        ]
+    }
 }

@@ -159,7 +159,7 @@ fn mma_fn(bn: usize) -> String {
 }
 
 /// Everything but the tile constants, the `wgmma` wrapper, the epilogue and the entry points.
-const BODY: &str = r#"
+pub(crate) const BODY: &str = r#"
 #define A_PART (BM * BK * 4)
 #define B_PART (BN * BK * 4)
 #define STAGE_BYTES (2 * A_PART + 2 * B_PART)
