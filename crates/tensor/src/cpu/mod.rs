@@ -386,7 +386,7 @@ fn layer_norm_grads(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> 
                 v.into_storage()
             })
         }
-        _ => return Err(Error::Msg(format!("{name}: not an op of the CPU's param_grads kernels"))),
+        _ => return Err(Error::Msg(format!("{name}: not an op of the CPU's layer_norm_grads kernel"))),
     })
 }
 
