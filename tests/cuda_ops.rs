@@ -9,6 +9,7 @@ use kiln_tensor::Fused;
 
 use kiln::nn::{cross_entropy, cross_entropy_with, CrossEntropyConfig, Forward, LayerNorm, Reduction};
 use kiln::prelude::*;
+use kiln::tensor::op::{Part, Parts};
 use kiln::tensor::{cuda, BinaryOp, Distribution, ReduceOp, UnaryOp};
 
 /// Tests here run one at a time: the allocation count is global.
@@ -375,7 +376,7 @@ fn layer_norm_grads_with_a_residual_match_the_separate_add() {
             let seed = 110 + 10 * i as u64;
             let ins = [randn(shape, seed, xd), randn(shape, seed + 1, gd), randn(&[n], seed + 2, xd), randn(shape, seed + 3, xd)];
             let what = format!("layer_norm_grads + r {shape:?} {xd:?} g {gd:?}");
-            let (at, numel) = (kiln::tensor::op::layer_norm_grads_dx_at(n, false), ins[0].numel());
+            let (at, numel) = (Parts::layer_norm_grads(shape, false).offset(Part::Dx).unwrap(), ins[0].numel());
             // The parameter gradients and dx (the padding between is unspecified).
             both(&what, &ins, tol(xd) * 100.0, |v| {
                 let f = grads(&[&v[0], &v[1], &v[2], &v[3]])?;
@@ -391,7 +392,7 @@ fn layer_norm_grads_with_a_residual_match_the_separate_add() {
             assert_eq!(params(&four), params(&three), "{what}: parameter gradients");
             // With the sums row (`passes::ln_bias_sums`): dx (+ r) rounded to BF16 or in x's
             // dtype, summed over the rows, with r and without; the rest as without the row.
-            let to = kiln::tensor::op::layer_norm_grads_dx_at(n, true);
+            let to = Parts::layer_norm_grads(shape, true).offset(Part::Dx).unwrap();
             for (sums, k) in [(DType::BF16, 4), (xd, 4), (DType::BF16, 3)] {
                 let op = kiln::tensor::Op::LayerNormGrads { eps: 1e-5, sums: Some(sums), copy: None };
                 let with = |v: &[Tensor]| Tensor::apply(op.clone(), &v.iter().take(k).collect::<Vec<_>>(), v[0].device());
@@ -416,7 +417,7 @@ fn layer_norm_grads_with_a_residual_match_the_separate_add() {
                 }
                 let op = kiln::tensor::Op::LayerNormGrads { eps: 1e-5, sums: Some(sums), copy: Some(DType::BF16) };
                 let refs: Vec<&Tensor> = on.iter().take(k).collect();
-                let (flat, copy) = Tensor::layer_norm_grads_with_copy(&op, &refs).unwrap();
+                let (flat, copy) = kiln::tensor::fused::layer_norm_grads_with_copy(&op, &refs).unwrap();
                 assert_eq!(flat.narrow(0, 0, 3 * n).unwrap().to_vec_f64().unwrap(), f.narrow(0, 0, 3 * n).unwrap().to_vec_f64().unwrap());
                 let stored = flat.narrow(0, to, numel).unwrap().reshape(shape).unwrap();
                 assert_eq!(stored.to_vec_f64().unwrap(), moved.to_vec_f64().unwrap(), "{what}: dx beside the copy");
@@ -439,7 +440,7 @@ fn gated_sums_match_the_cpu() {
             for gate in [kiln::tensor::UnaryOp::GeluGrad, kiln::tensor::UnaryOp::SiluGrad] {
                 let ins = [randn(shape, 300 + i as u64, dt), randn(shape, 310 + i as u64, dt)];
                 let (numel, n) = (ins[0].numel(), shape[shape.len() - 1]);
-                let tail = kiln::tensor::op::matmul_tail_offset(numel);
+                let tail = Parts::with_tail(shape, &[n]).offset(Part::Tail).unwrap();
                 // y, then the sums (the padding between is unspecified).
                 both(&format!("gated sums {gate:?} {shape:?} {dt:?}"), &ins, t, |v| {
                     let f = Tensor::apply(kiln::tensor::Op::Fused(Fused::GatedSums { gate }), &[&v[0], &v[1]], v[0].device())?;
@@ -480,7 +481,7 @@ fn layer_norm_with_folded_casts_matches_the_cpu() {
                 v[0].device(),
             )?;
             // The parameter gradients, then x's (the padding between them is not part of it).
-            let dx = flat.narrow(0, kiln::tensor::op::layer_norm_grads_dx_at(n, false), v[0].numel())?;
+            let dx = flat.narrow(0, Parts::layer_norm_grads(v[0].shape(), false).offset(Part::Dx)?, v[0].numel())?;
             Tensor::cat(&[&flat.narrow(0, 0, 2 * n)?, &dx], 0)
         });
     }
@@ -532,7 +533,7 @@ fn fused(e: kiln::tensor::MatmulEpilogue) -> impl Fn(&[Tensor]) -> Result<Tensor
             return Ok(out);
         }
         let numel = x[0].matmul(&x[1])?.numel();
-        let at = kiln::tensor::op::matmul_tail_offset(numel);
+        let at = Parts::with_tail(&[numel], &[]).offset(Part::Tail)?;
         Tensor::cat(&[&out.narrow(0, 0, numel)?, &out.narrow(0, at, out.shape()[0] - at)?], 0)
     }
 }
@@ -817,7 +818,7 @@ fn fused_mean_cross_entropy_matches_the_cpu() {
         both(&what, &[logits, targets], tol(dt) * 10.0, |x| {
             let out = Tensor::apply(op.clone(), &[&x[0], &x[1]], x[0].device())?;
             // The loss and the gradient (the padding between is left unwritten on CUDA).
-            let at = kiln::tensor::op::XENT_GRAD_AT;
+            let at = Parts::cross_entropy_mean(rows, classes).offset(Part::Dx)?;
             Tensor::cat(&[&out.narrow(0, 0, 1)?, &out.narrow(0, at, rows * classes)?], 0)
         });
     }
@@ -825,7 +826,6 @@ fn fused_mean_cross_entropy_matches_the_cpu() {
 
 #[test]
 fn fused_classifier_head_matches_the_cpu() {
-    use kiln::tensor::op::linear_xent_parts;
     use kiln::tensor::Op;
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     // (rows, classes, features, drelu, smoothing, h a column slice, w read transposed)
@@ -851,7 +851,8 @@ fn fused_classifier_head_matches_the_cpu() {
         both(&what, &[h, w, b, targets], 1e-4, |x| {
             let out = Tensor::apply(op.clone(), &[&x[0], &x[1], &x[2], &x[3]], x[0].device())?;
             // The loss, the weight and bias gradients, h's gradient (the padding is unwritten).
-            let (dw, db, dh, _) = linear_xent_parts(n, c, f);
+            let parts = Parts::linear_cross_entropy_mean(n, c, f);
+            let (dw, db, dh) = (parts.offset(Part::Dw)?, parts.offset(Part::Db)?, parts.offset(Part::Dx)?);
             Tensor::cat(&[&out.narrow(0, 0, 1)?, &out.narrow(0, dw, c * f)?, &out.narrow(0, db, c)?, &out.narrow(0, dh, n * f)?], 0)
         });
     }

@@ -140,6 +140,7 @@ fn matmul_rule(a: &Tensor, b: &Tensor, (need_a, need_b): (bool, bool), g: &Tenso
 pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
     let x = inputs.first();
     let x0 = || x.ok_or_else(|| Error::Msg(format!("backward of {}: missing input", op.name())));
+    let second = |what: &str| Err(Error::Msg(format!("backward: second derivatives through {what} are not supported")));
     Ok(match op {
         Op::Full { .. } | Op::Arange { .. } | Op::Rand { .. } => vec![],
         Op::Unary(u) => vec![unary_rule(*u, x0()?, out, g)?],
@@ -156,70 +157,23 @@ pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Te
             vec![None, Some(reduce_to(&da, inputs[1].shape())?), Some(reduce_to(&db, inputs[2].shape())?)]
         }
         Op::Cast(_) => vec![Some(g.to_dtype(x0()?.dtype())?)],
-        Op::Reduce { op: r, dims, keepdim } => {
-            let x = x0()?;
-            let gk = unreduce(g, x.shape(), dims, *keepdim)?;
-            match r {
-                ReduceOp::Sum => vec![Some(gk.broadcast_to(x.shape())?)],
-                ReduceOp::Max | ReduceOp::Min => {
-                    // Split evenly between tied extremes, like torch.amax.
-                    let ok = unreduce(out, x.shape(), dims, *keepdim)?;
-                    let hit = x.eq(&ok)?.to_dtype(x.dtype())?;
-                    let count = hit.sum(dims, true)?;
-                    vec![Some(gk.div(&count)?.mul(&hit)?)]
-                }
-                ReduceOp::ArgMax | ReduceOp::ArgMin => vec![None],
-            }
-        }
+        Op::Reduce { op: r, dims, keepdim } => vec![reduce_rule(*r, dims, *keepdim, x0()?, out, g)?],
         // y = softmax(x): dx = y (g - sum(g y)); y = log_softmax(x): dx = g - exp(y) sum(g);
         // one fused kernel per row either way.
         Op::Softmax { log, scale, .. } => vec![Some(out.softmax_backward(g, *log, *scale)?)],
-        Op::SoftmaxBackward { .. } => {
-            return Err(Error::Msg("backward: second derivatives through softmax are not supported".into()));
-        }
         Op::Normalize { to: Some(_), .. } => {
             return Err(Error::Msg("backward: a layer norm writing another dtype is made by compile, after autograd".into()));
         }
-        Op::Normalize { eps, to: None } if inputs.len() == 3 => {
-            // y = xhat w + b: the weight's and bias's gradients in one pass over x and g.
-            let (x, w, b) = (&inputs[0], &inputs[1], &inputs[2]);
-            if needs[0] && needs[1] {
-                // The whole backward in one pass over x and g (`Tensor::layer_norm_grads`).
-                let (dx, dw, db) = x.layer_norm_grads(g, w, *eps)?;
-                return Ok(vec![Some(dx), Some(dw.reshape(w.shape())?), needs[2].then(|| db.reshape(b.shape())).transpose()?]);
-            }
-            let dx = needs[0].then(|| x.layer_norm_backward(g, w, *eps)).transpose()?;
-            let (dw, db) = if needs[1] {
-                let both = x.layer_norm_param_grads(g, *eps)?;
-                let db = needs[2].then(|| both.narrow(0, 1, 1)?.reshape(b.shape())).transpose()?;
-                (Some(both.narrow(0, 0, 1)?.reshape(w.shape())?), db)
-            } else {
-                (None, needs[2].then(|| reduce_to(g, b.shape())).transpose()?)
-            };
-            vec![dx, dw, db]
-        }
+        Op::Normalize { eps, to: None } if inputs.len() == 3 => layer_norm_rule(inputs, needs, g, *eps)?,
         Op::Normalize { eps, to: None } => vec![Some(x0()?.normalize_backward(g, *eps)?)],
-        Op::NormalizeBackward { .. } | Op::LayerNormGrads { .. } => {
-            return Err(Error::Msg("backward: second derivatives through normalize are not supported".into()));
-        }
-        Op::Attention { scale, causal } => {
-            // Packed as [B, T, 3, H.., D]: each gradient is a view, T moved back after H...
-            let packed = inputs[0].attention_backward(&inputs[1], &inputs[2], out, g, *scale, *causal)?;
-            let r = inputs[0].rank();
-            let at = if r > 2 { 2 } else { 1 };
-            let order: Vec<usize> =
-                if r > 2 { [&[0], &(2..r - 1).collect::<Vec<_>>()[..], &[1, r - 1]].concat() } else { (0..r).collect() };
-            (0..3).map(|w| packed.narrow(at, w, 1)?.squeeze(at)?.permute(&order).map(Some)).collect::<Result<_>>()?
-        }
-        Op::AttentionBackward { .. } => {
-            return Err(Error::Msg("backward: second derivatives through attention are not supported".into()));
-        }
+        Op::Attention { scale, causal } => attention_rule(inputs, out, g, (*scale, *causal))?,
         Op::CrossEntropy { ignore_index, smoothing } => {
             vec![Some(inputs[0].cross_entropy_rows_backward(&inputs[1], g, *ignore_index, *smoothing)?), None]
         }
-        Op::CrossEntropyBackward { .. } => {
-            return Err(Error::Msg("backward: second derivatives through cross_entropy are not supported".into()));
-        }
+        Op::SoftmaxBackward { .. } => return second("softmax"),
+        Op::NormalizeBackward { .. } | Op::LayerNormGrads { .. } => return second("normalize"),
+        Op::AttentionBackward { .. } => return second("attention"),
+        Op::CrossEntropyBackward { .. } => return second("cross_entropy"),
         Op::Matmul => {
             let (da, db) = matmul_rule(&inputs[0], &inputs[1], (needs[0], needs[1]), g)?;
             // The bias's gradient sums the output's gradient over its rows.
@@ -235,7 +189,68 @@ pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Te
                 op.name()
             )));
         }
-        Op::Reshape(_) | Op::Contiguous => vec![Some(g.reshape(x0()?.shape())?)],
+        Op::Reshape(_) | Op::Contiguous | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_) | Op::Cat { .. } => {
+            layout_rule(op, inputs, x0()?, g)?
+        }
+        Op::IndexSelect { .. } | Op::IndexAdd { .. } | Op::Gather { .. } | Op::ScatterAdd { .. } | Op::ArgSort { .. } => {
+            index_rule(op, inputs, x0()?, g)?
+        }
+        Op::Assign | Op::UpdateBinary(_) | Op::UpdateScalar(..) => {
+            return Err(Error::Msg(format!("backward: in-place {} is not differentiable", op.name())));
+        }
+    })
+}
+
+/// A reduction's input gradient (input `x`, output `out`).
+fn reduce_rule(r: ReduceOp, dims: &[usize], keepdim: bool, x: &Tensor, out: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+    let gk = unreduce(g, x.shape(), dims, keepdim)?;
+    Ok(match r {
+        ReduceOp::Sum => Some(gk.broadcast_to(x.shape())?),
+        ReduceOp::Max | ReduceOp::Min => {
+            // Split evenly between tied extremes, like torch.amax.
+            let ok = unreduce(out, x.shape(), dims, keepdim)?;
+            let hit = x.eq(&ok)?.to_dtype(x.dtype())?;
+            let count = hit.sum(dims, true)?;
+            Some(gk.div(&count)?.mul(&hit)?)
+        }
+        ReduceOp::ArgMax | ReduceOp::ArgMin => None,
+    })
+}
+
+/// Layer norm's gradients (inputs x, weight, bias; `y = xhat w + b`): the weight's and the
+/// bias's in one pass over x and g, with x's when it is needed too.
+fn layer_norm_rule(inputs: &[Tensor], needs: &[bool], g: &Tensor, eps: f64) -> Result<Vec<Option<Tensor>>> {
+    let (x, w, b) = (&inputs[0], &inputs[1], &inputs[2]);
+    if needs[0] && needs[1] {
+        // The whole backward in one pass over x and g (`Tensor::layer_norm_grads`).
+        let (dx, dw, db) = x.layer_norm_grads(g, w, eps)?;
+        return Ok(vec![Some(dx), Some(dw.reshape(w.shape())?), needs[2].then(|| db.reshape(b.shape())).transpose()?]);
+    }
+    let dx = needs[0].then(|| x.layer_norm_backward(g, w, eps)).transpose()?;
+    let (dw, db) = if needs[1] {
+        let both = x.layer_norm_param_grads(g, eps)?;
+        let db = needs[2].then(|| both.narrow(0, 1, 1)?.reshape(b.shape())).transpose()?;
+        (Some(both.narrow(0, 0, 1)?.reshape(w.shape())?), db)
+    } else {
+        (None, needs[2].then(|| reduce_to(g, b.shape())).transpose()?)
+    };
+    Ok(vec![dx, dw, db])
+}
+
+/// Attention's q, k and v gradients, from one backward kernel.
+fn attention_rule(inputs: &[Tensor], out: &Tensor, g: &Tensor, (scale, causal): (f64, bool)) -> Result<Vec<Option<Tensor>>> {
+    // Packed as [B, T, 3, H.., D]: each gradient is a view, T moved back after H...
+    let packed = inputs[0].attention_backward(&inputs[1], &inputs[2], out, g, scale, causal)?;
+    let r = inputs[0].rank();
+    let at = if r > 2 { 2 } else { 1 };
+    let order: Vec<usize> = if r > 2 { [&[0], &(2..r - 1).collect::<Vec<_>>()[..], &[1, r - 1]].concat() } else { (0..r).collect() };
+    (0..3).map(|w| packed.narrow(at, w, 1)?.squeeze(at)?.permute(&order).map(Some)).collect()
+}
+
+/// The gradients of the ops that move or view elements without computing (x the first
+/// input).
+fn layout_rule(op: &Op, inputs: &[Tensor], x: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
+    Ok(match op {
         Op::Permute(perm) => {
             let mut inv = vec![0usize; perm.len()];
             for (i, &p) in perm.iter().enumerate() {
@@ -247,24 +262,11 @@ pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Te
             // Zeros of the input's shape with the gradient written into the slice: one fill and
             // one slice copy (padding with zero blocks through `cat` moved about twice as much).
             // Backward runs without recording, so the in-place write is allowed here.
-            let x = x0()?;
             let out = Tensor::zeros(x.shape(), g.dtype(), g.device())?;
             out.narrow(*dim, *start, *len)?.assign(g)?;
             vec![Some(out)]
         }
-        Op::Expand(_) => vec![Some(reduce_to(g, x0()?.shape())?)],
-        Op::IndexSelect { dim } => {
-            let x = x0()?;
-            vec![Some(x.zeros_like()?.index_add(*dim, &inputs[1], g)?), None]
-        }
-        Op::IndexAdd { dim } => vec![Some(g.clone()), None, Some(g.index_select(*dim, &inputs[1])?)],
-        Op::Gather { dim } => {
-            let x = x0()?;
-            vec![Some(x.zeros_like()?.scatter_add(*dim, &inputs[1], g)?), None]
-        }
-        Op::ScatterAdd { dim } => vec![Some(g.clone()), None, Some(g.gather(*dim, &inputs[1])?)],
-        // Positions carry no gradient; `sort`'s values get theirs through `gather`.
-        Op::ArgSort { .. } => vec![None],
+        Op::Expand(_) => vec![Some(reduce_to(g, x.shape())?)],
         Op::Cat { dim } => {
             let mut at = 0;
             let mut out = Vec::with_capacity(inputs.len());
@@ -275,8 +277,20 @@ pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Te
             }
             out
         }
-        Op::Assign | Op::UpdateBinary(_) | Op::UpdateScalar(..) => {
-            return Err(Error::Msg(format!("backward: in-place {} is not differentiable", op.name())));
-        }
+        Op::Reshape(_) | Op::Contiguous => vec![Some(g.reshape(x.shape())?)],
+        _ => return Err(Error::Msg(format!("backward: {} is not a layout op", op.name()))),
+    })
+}
+
+/// The gradients of the indexing ops (x the first input; the indices get none).
+fn index_rule(op: &Op, inputs: &[Tensor], x: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
+    Ok(match op {
+        Op::IndexSelect { dim } => vec![Some(x.zeros_like()?.index_add(*dim, &inputs[1], g)?), None],
+        Op::IndexAdd { dim } => vec![Some(g.clone()), None, Some(g.index_select(*dim, &inputs[1])?)],
+        Op::Gather { dim } => vec![Some(x.zeros_like()?.scatter_add(*dim, &inputs[1], g)?), None],
+        Op::ScatterAdd { dim } => vec![Some(g.clone()), None, Some(g.gather(*dim, &inputs[1])?)],
+        // Positions carry no gradient; `sort`'s values get theirs through `gather`.
+        Op::ArgSort { .. } => vec![None],
+        _ => return Err(Error::Msg(format!("backward: {} is not an indexing op", op.name()))),
     })
 }

@@ -9,7 +9,7 @@
 //! interpreter (`fused_exec`), and a warning says why once. `KILN_CC`, else `CC`, else `cc`
 //! names the compiler. Flags keep IEEE results: no FMA contraction, no fast-math.
 
-use crate::fusion::{Group, Plan};
+use crate::fusion::{rounds_to_f32, Group, Plan};
 use crate::graph::{Graph, Kind};
 use kiln_tensor::codegen::elementwise_expr;
 use kiln_tensor::codegen::fnv1a;
@@ -185,8 +185,7 @@ fn group_source(g: &Graph, gr: &Group, name: &str) -> Option<String> {
         let Kind::Op(op, args) = &g.nodes[m].kind else { return None };
         let dtypes: Vec<DType> = args.iter().map(|a| g.nodes[a.node].dtype).collect();
         let (_, expr, _) = elementwise_expr(op, &dtypes)?;
-        // An f64 group's cast to F32 rounds as the eager cast does.
-        let expr = if gr.f64 && matches!(op, Op::Cast(DType::F32)) { "(C)(float)v0".to_string() } else { expr };
+        let expr = if rounds_to_f32(op, gr.f64) { "(C)(float)v0".to_string() } else { expr };
         let scalar = match op {
             Op::Scalar { value, .. } => *value,
             _ => 0.0,

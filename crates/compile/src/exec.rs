@@ -231,11 +231,11 @@ impl Program {
     }
 
     /// Layer norm's backward `i` with its `copy`: the flat output and the copy, from one kernel
-    /// on a GPU (`Tensor::layer_norm_grads_with_copy`).
+    /// on a GPU (`kiln_tensor::fused::layer_norm_grads_with_copy`).
     fn run_with_copy(&self, i: NodeId, vals: &[Option<Arc<StorageCell>>]) -> Result<(Arc<StorageCell>, Arc<StorageCell>)> {
         let Kind::Op(op, args) = &self.graph.nodes[i].kind else { return Err(Error::Msg(format!("compile: node {i} is no op"))) };
         let ts = arg_tensors(args, vals)?;
-        let (flat, copy) = Tensor::layer_norm_grads_with_copy(op, &ts.iter().collect::<Vec<_>>())?;
+        let (flat, copy) = kiln_tensor::fused::layer_norm_grads_with_copy(op, &ts.iter().collect::<Vec<_>>())?;
         Ok((flat.storage().clone(), copy.storage().clone()))
     }
 

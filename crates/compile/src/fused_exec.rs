@@ -2,13 +2,13 @@
 //! evaluating every member over the chunk in scratch buffers, storing what leaves the group.
 
 use crate::cpu_codegen::NativeGroup;
-use crate::fusion::Group;
+use crate::fusion::{rounds_to_f32, Group};
 use crate::graph::{Graph, Kind, NodeId};
 use kiln_tensor::cpu::elementwise::{binary_into, load_into, scalar_into, unary_into, where_into, Convert};
 use kiln_tensor::cpu::matmul::TileFn;
 use kiln_tensor::op::Float;
 use kiln_tensor::storage::{CpuStorage, StorageCell};
-use kiln_tensor::{with_cpu, DType, Element, Error, Layout, Op, Result};
+use kiln_tensor::{with_cpu, Element, Error, Layout, Op, Result};
 use rayon::prelude::*;
 use std::sync::Arc;
 
@@ -326,8 +326,9 @@ impl Ctx<'_> {
                     Kind::Op(Op::Binary(b), _) => binary_into(*b, arg(0), arg(1), o),
                     Kind::Op(Op::Scalar { op, value, scalar_lhs }, _) => scalar_into(*op, F::c(*value), *scalar_lhs, arg(0), o),
                     Kind::Op(Op::Where, _) => where_into(arg(0), arg(1), arg(2), o),
-                    // An f64 group's cast to F32 rounds as the eager cast does.
-                    Kind::Op(Op::Cast(DType::F32), _) => o.iter_mut().zip(arg(0)).for_each(|(d, &v)| *d = F::c(v.to_f64() as f32 as f64)),
+                    Kind::Op(op @ Op::Cast(_), _) if rounds_to_f32(op, self.gr.f64) => {
+                        o.iter_mut().zip(arg(0)).for_each(|(d, &v)| *d = F::c(v.to_f64() as f32 as f64))
+                    }
                     Kind::Op(Op::Cast(_), _) => o.copy_from_slice(arg(0)),
                     _ => {}
                 }

@@ -9,6 +9,7 @@
 //! reads one of its values, so every outside reader runs after the group has run.
 
 use crate::graph::{Arg, Graph, Kind, NodeId};
+use kiln_tensor::op::{Part, Parts};
 use kiln_tensor::{DType, Fused, MatmulEpilogue, Op, ReduceOp};
 
 #[derive(Debug, Clone)]
@@ -118,6 +119,13 @@ fn compute_class(g: &Graph, i: NodeId, gpu: bool) -> Option<DType> {
     // Casts change class; everything else keeps one float type throughout.
     let same = matches!(op, Op::Cast(_)) || floats.iter().all(|&f| f == class);
     (pointwise && others_ok && same).then_some(class)
+}
+
+/// Whether member `op` of a group rounds to f32 inside it: an f64 group's cast to F32 (which
+/// `compute_class` lets join the group of the f64 value it casts) rounds as the eager cast
+/// does, and the group goes on in f64. Both CPU executors follow it.
+pub(crate) fn rounds_to_f32(op: &Op, group_f64: bool) -> bool {
+    group_f64 && matches!(op, Op::Cast(DType::F32))
 }
 
 /// Elements a folding group may loop over: one block of 256 threads, up to 128 elements
@@ -657,7 +665,8 @@ fn gpu_fed_reads(g: &Graph, i: NodeId) -> Option<Vec<(usize, Vec<usize>)>> {
     let b_rows = b.layout.strides[1] == 1 || cols == 1;
     let fits = (1..=GPU_FEED_MAX_K).contains(&k) && m > 0 && cols > 0 && b_rows && matches!(n.dtype, DType::F32 | DType::F64);
     let same = g.nodes[a.node].dtype == n.dtype && g.nodes[b.node].dtype == n.dtype;
-    (fits && same).then(|| vec![(0, vec![m, cols]), (kiln_tensor::op::matmul_tail_offset(m * cols), vec![m])])
+    let sums_at = Parts::with_tail(&[m, cols], &[m]).offset(Part::Tail).ok()?;
+    (fits && same).then(|| vec![(0, vec![m, cols]), (sums_at, vec![m])])
 }
 
 /// A line per fusion group: its shape, members, how many nodes it reads, what it stores and
@@ -871,7 +880,7 @@ mod tests {
         let grad = g.push(Kind::Input(0), vec![6, 4], DType::F32);
         let x = g.push(Kind::Input(1), vec![6, 8], DType::F32);
         let gt = Arg { node: grad, layout: Layout { shape: vec![4, 6], strides: vec![1, 4], offset: 0 } };
-        let len = kiln_tensor::op::matmul_tail_offset(32) + 4;
+        let len = Parts::with_tail(&[4, 8], &[4]).len();
         let p = g.push(Kind::Op(Op::Fused(Fused::Matmul(MatmulEpilogue::SumLeft)), vec![gt, whole(&g, x)]), vec![len], DType::F32);
         let view = |shape: Vec<usize>, strides: Vec<usize>, offset: usize| Arg { node: p, layout: Layout { shape, strides, offset } };
         let (w, b) = (g.push(Kind::State(0), vec![4, 8], DType::F32), g.push(Kind::State(1), vec![4], DType::F32));

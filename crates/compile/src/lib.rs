@@ -60,12 +60,13 @@ struct Signature {
 }
 
 enum Entry {
-    Graph(Box<Program>),
+    Graph(Box<Specialized>),
     /// A graph break: this signature runs eagerly.
     Eager(String),
 }
 
-struct Program {
+/// One signature's compiled graph: the executable program and what the trace saw.
+struct Specialized {
     exec: exec::Program,
     leaf_grads: Vec<lower::LeafGrad>,
     /// The flags the trace read (train/eval modes) and their values then.
@@ -321,7 +322,7 @@ where
         gens: (rng::GeneratorState, rng::GeneratorState),
         first_new: u64,
         start: Instant,
-    ) -> Result<Program> {
+    ) -> Result<Specialized> {
         let traced_at = start.elapsed();
         let lowered = lower::lower(rec, owned, outputs, gens, first_new)?;
         if !lowered.baked.is_empty() && !self.warned {
@@ -373,7 +374,7 @@ where
         let compile_time = start.elapsed();
         log::log("time", &format!("compiled in {:.1} ms", compile_time.as_secs_f64() * 1e3));
         let flags = rec.flags.iter().map(|(f, v)| (f.share(), *v)).collect();
-        Ok(Program { exec, leaf_grads: lowered.leaf_grads, flags, compile_time, nodes_traced })
+        Ok(Specialized { exec, leaf_grads: lowered.leaf_grads, flags, compile_time, nodes_traced })
     }
 
     /// How many graphs were compiled, graph breaks, kernels, memory and bytes moved.
@@ -417,7 +418,7 @@ where
 
 /// Runs a compiled program on `inputs` from the generator's current state, then points each
 /// parameter's `grad` at the buffer holding its gradient.
-fn run_program(p: &Program, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+fn run_program(p: &Specialized, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
     let cells = inputs.iter().map(|t| contiguous_cell(t)).collect::<Result<Vec<_>>>()?;
     let gen = rng::state();
     let out = p.exec.run(&cells, gen)?;

@@ -102,8 +102,10 @@ fn the_fused_classifier_head_matches_autograd() -> Result<()> {
         loss.backward()?;
         let op = kiln_tensor::Op::Fused(Fused::LinearCrossEntropyMean { ignore_index: Some(-100), smoothing, drelu });
         let out = Tensor::apply(op, &[&h.detach(), &w.detach(), &b.detach(), &targets], Device::Cpu)?.to_vec::<f64>()?;
-        let (dw, db, dh, len) = kiln_tensor::op::linear_xent_parts(n, c, f);
-        assert_eq!(out.len(), len);
+        use kiln_tensor::op::{Part, Parts};
+        let parts = Parts::linear_cross_entropy_mean(n, c, f);
+        let [dw, db, dh] = [Part::Dw, Part::Db, Part::Dx].map(|p| parts.offset(p).unwrap());
+        assert_eq!(out.len(), parts.len());
         close("loss", &out[..1], &loss.reshape(&[1])?);
         close("weight grad", &out[dw..dw + c * f], &w.grad().expect("w.grad"));
         close("bias grad", &out[db..db + c], &b.grad().expect("b.grad"));

@@ -50,6 +50,18 @@ impl From<std::io::Error> for Error {
 }
 
 impl Error {
+    /// The same error as raised by `op`: a fused op's shape rule names itself, not the
+    /// primitive whose rule it reuses.
+    pub fn in_op(self, op: &'static str) -> Self {
+        match self {
+            Error::Shape { msg, .. } => Error::Shape { op, msg },
+            Error::Dim { dim, rank, shape, .. } => Error::Dim { op, dim, rank, shape },
+            Error::Index { index, dim, size, .. } => Error::Index { op, index, dim, size },
+            Error::DType { msg, .. } => Error::DType { op, msg },
+            Error::DeviceMismatch { lhs, rhs, .. } => Error::DeviceMismatch { op, lhs, rhs },
+            other => other,
+        }
+    }
     pub fn shape(op: &'static str, msg: impl Into<String>) -> Self {
         Error::Shape { op, msg: msg.into() }
     }

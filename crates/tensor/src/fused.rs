@@ -1,9 +1,11 @@
 //! Hand-fused eager kernels where a chain of primitives would make many passes over memory.
 //! Each has a plain reference: the primitive-op path its caller also keeps (and uses while a
-//! tracer is active, so compiled steps see primitives). Tests compare the two.
+//! tracer is active, so compiled steps see primitives). Tests compare the two. Also the one
+//! kernel compile runs that writes two buffers (`layer_norm_grads_with_copy`).
 
+use crate::op::{InMeta, Op, Part, Parts};
 use crate::storage::{CpuSlice, Storage};
-use crate::{Device, Result, Tensor};
+use crate::{backend, Device, Error, Layout, Result, Tensor};
 use rayon::prelude::*;
 
 /// One Adam/AdamW update's scalars, already folded on the host.
@@ -238,4 +240,31 @@ fn adam_chunk<T: AdamFloat>(p: &mut [T], m: &mut [T], v: &mut [T], x: Option<&mu
             }
         }
     }
+}
+
+/// `op`, an `Op::LayerNormGrads` with `copy: Some(t)`, on `ins` (x, g, w and maybe r): its
+/// flat output, and x's gradient (plus r) cast to `t` in x's shape. On CUDA one kernel writes
+/// both (compile's `ln_dx_copies` pass); elsewhere the cast follows the op.
+/// Records no autograd history and is not deferred by a lazy trace: compile runs it after
+/// autograd, on computed buffers.
+pub fn layer_norm_grads_with_copy(op: &Op, ins: &[&Tensor]) -> Result<(Tensor, Tensor)> {
+    let (Op::LayerNormGrads { sums, copy: Some(t), .. }, Some(x)) = (op, ins.first()) else {
+        return Err(Error::Msg(format!("layer_norm_grads_with_copy: needs layer norm's grads with a copy, got {op:?}")));
+    };
+    let device = x.device();
+    if let Some(other) = ins.iter().find(|i| i.device() != device) {
+        return Err(Error::DeviceMismatch { op: op.name(), lhs: device, rhs: other.device() });
+    }
+    let metas: Vec<InMeta> = ins.iter().map(|t| InMeta { shape: t.shape(), dtype: t.dtype() }).collect();
+    let meta = op.infer(&metas)?;
+    if device.is_cuda() {
+        let layouts: Vec<&Layout> = ins.iter().map(|t| t.layout()).collect();
+        let (flat, copy) = crate::tensor::profiled(op, &meta, device, || {
+            backend::with_storages(ins, |storages| crate::cuda::layer_norm_grads_with_copy(op, storages, &layouts, device))
+        })?;
+        return Ok((Tensor::from_storage(flat, &meta.shape), Tensor::from_storage(copy, x.shape())));
+    }
+    let flat = Tensor::apply(op.clone(), ins, device)?;
+    let copy = flat.part(&Parts::layer_norm_grads(x.shape(), sums.is_some()), Part::Dx)?.to_dtype(*t)?;
+    Ok((flat, copy))
 }

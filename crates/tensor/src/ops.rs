@@ -1,7 +1,7 @@
 //! The public tensor API. Each method is a primitive op through `Tensor::apply`, or a short
 //! composite of them (mean, var, softmax, ...) so autograd and the compiler see through it.
 
-use crate::op::{BinaryOp, Distribution, Op, ReduceOp, UnaryOp};
+use crate::op::{BinaryOp, Distribution, Op, Part, Parts, ReduceOp, UnaryOp};
 use crate::shape::{Dim, Dims};
 use crate::{rng, DType, Device, Error, Result, Tensor};
 
@@ -474,11 +474,13 @@ impl Tensor {
             return Ok((self.layer_norm_backward(g, w, eps)?, both.narrow(0, 0, 1)?.reshape(&[n])?, both.narrow(0, 1, 1)?.reshape(&[n])?));
         }
         let flat = Tensor::apply(Op::LayerNormGrads { eps, sums: None, copy: None }, &[self, g, w], self.device())?;
-        let at = crate::op::layer_norm_grads_dx_at(n, false);
+        let parts = Parts::layer_norm_grads(self.shape(), false);
         // The parameter gradients get their own small buffer: as views they would keep the
         // whole flat buffer (x's size) alive for as long as the parameters hold them.
-        let params = flat.narrow(0, 0, 2 * n)?.copy()?;
-        Ok((flat.narrow(0, at, self.numel())?.reshape(self.shape())?, params.narrow(0, 0, n)?, params.narrow(0, n, n)?))
+        // (The flat output starts with the `[2, n]` of `layer_norm_param_grads`.)
+        let (pp, at) = (Parts::layer_norm_param_grads(n), parts.offset(Part::Dw)?);
+        let params = flat.narrow(0, at, pp.len())?.copy()?;
+        Ok((flat.part(&parts, Part::Dx)?, params.part(&pp, Part::Dw)?, params.part(&pp, Part::Db)?))
     }
     /// The input gradient of `normalize` for the output gradient `g`.
     pub fn normalize_backward(&self, g: &Tensor, eps: f64) -> Result<Tensor> {

@@ -99,14 +99,18 @@ impl Layout {
     }
 }
 
-/// Whether `strides` walk `shape` row-major with no gaps (size-1 dims may have any stride).
 /// The largest storage index read by `shape` at `strides` from `offset`: what a buffer must
 /// exceed for the read to stay in bounds (when the shape has elements).
 pub fn last_index(offset: usize, shape: &[usize], strides: &[usize]) -> usize {
     offset + shape.iter().zip(strides).map(|(d, s)| d.saturating_sub(1) * s).sum::<usize>()
 }
 
+/// Whether `strides` walk `shape` row-major with no gaps (size-1 dims may have any stride;
+/// a shape with no element is row-major whatever its strides, as in PyTorch).
 pub fn is_row_major(shape: &[usize], strides: &[usize]) -> bool {
+    if shape.contains(&0) {
+        return true;
+    }
     let mut expected = 1;
     for (&d, &s) in shape.iter().zip(strides).rev() {
         if d != 1 && s != expected {
@@ -231,5 +235,12 @@ mod tests {
         // A [2, 3, 4] tensor narrowed on dim 0 keeps contiguous rows: [.., 12] splits into [.., 3, 4].
         let n = Layout { shape: vec![2, 12], strides: vec![24, 1], offset: 24 };
         assert_eq!(n.reshaped(&[2, 3, 4]).unwrap().strides, vec![24, 4, 1]);
+    }
+
+    #[test]
+    fn row_major_means_no_gaps_and_holds_for_any_empty_shape() {
+        assert!(is_row_major(&[2, 3], &[3, 1]) && is_row_major(&[2, 1], &[1, 7]));
+        assert!(!is_row_major(&[2, 3], &[1, 2]) && !is_row_major(&[2, 3], &[4, 1]));
+        assert!(is_row_major(&[0, 3], &[1, 0]) && is_row_major(&[4, 0], &[9, 2]));
     }
 }

@@ -3,7 +3,7 @@
 
 use crate::backend::{self, Buffer};
 use crate::mode::{is_anomaly_detection, is_grad_enabled};
-use crate::op::{InMeta, Op, OutMeta};
+use crate::op::{InMeta, Op, OutMeta, Part, Parts};
 use crate::shape::Layout;
 use crate::storage::{CpuSlice, CpuStorage, IntoCpuStorage, Storage, StorageCell};
 use crate::{cpu, DType, Device, Element, Error, Result};
@@ -540,7 +540,7 @@ fn view_layout(op: &Op, inputs: &[&Tensor]) -> Option<Layout> {
 }
 
 /// Runs `f`, timing it per op kind when `KILN_PROFILE` is set (GPU work synchronised).
-fn profiled<R>(op: &Op, meta: &OutMeta, device: Device, f: impl FnOnce() -> Result<R>) -> Result<R> {
+pub(crate) fn profiled<R>(op: &Op, meta: &OutMeta, device: Device, f: impl FnOnce() -> Result<R>) -> Result<R> {
     if !crate::profile::enabled() {
         return f();
     }
@@ -563,32 +563,10 @@ impl Buffer for Tensor {
 }
 
 impl Tensor {
-    /// `op`, an `Op::LayerNormGrads` with `copy: Some(t)`, on `ins` (x, g, w and maybe
-    /// r): its flat output, and x's gradient (plus r) cast to `t` in x's shape. On CUDA one
-    /// kernel writes both (compile's `passes::ln_dx_copies`); elsewhere the cast follows the
-    /// op. Records no autograd history and is not deferred by a lazy trace: compile runs it
-    /// after autograd, on computed buffers.
-    pub fn layer_norm_grads_with_copy(op: &Op, ins: &[&Tensor]) -> Result<(Tensor, Tensor)> {
-        let (Op::LayerNormGrads { sums, copy: Some(t), .. }, Some(x)) = (op, ins.first()) else {
-            return Err(Error::Msg(format!("layer_norm_grads_with_copy: needs layer norm's grads with a copy, got {op:?}")));
-        };
-        let device = x.device();
-        if let Some(other) = ins.iter().find(|i| i.device() != device) {
-            return Err(Error::DeviceMismatch { op: op.name(), lhs: device, rhs: other.device() });
-        }
-        let metas: Vec<InMeta> = ins.iter().map(|t| InMeta { shape: t.shape(), dtype: t.dtype() }).collect();
-        let meta = op.infer(&metas)?;
-        if device.is_cuda() {
-            let layouts: Vec<&Layout> = ins.iter().map(|t| t.layout()).collect();
-            let (flat, copy) = profiled(op, &meta, device, || {
-                backend::with_storages(ins, |storages| crate::cuda::layer_norm_grads_with_copy(op, storages, &layouts, device))
-            })?;
-            return Ok((Tensor::from_storage(flat, &meta.shape), Tensor::from_storage(copy, x.shape())));
-        }
-        let flat = Tensor::apply(op.clone(), ins, device)?;
-        let at = crate::op::layer_norm_grads_dx_at(x.shape().last().copied().unwrap_or(0), sums.is_some());
-        let copy = flat.narrow(0, at, x.numel())?.reshape(x.shape())?.to_dtype(*t)?;
-        Ok((flat, copy))
+    /// One result of an op with several (`Parts`), as a view of its flat output `self`.
+    pub(crate) fn part(&self, parts: &Parts, part: Part) -> Result<Tensor> {
+        let at = parts.view(part)?;
+        self.narrow(0, at.offset, at.numel())?.reshape(&at.shape)
     }
 }
 

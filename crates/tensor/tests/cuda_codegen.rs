@@ -12,7 +12,7 @@ use kiln_tensor::cuda::kernels::prelude::waiting_for_prior;
 use kiln_tensor::cuda::kernels::reduce::Reduce;
 use kiln_tensor::cuda::kernels::reduce::ReduceMode;
 use kiln_tensor::cuda::kernels::rows::LayerNormGradsStage;
-use kiln_tensor::cuda::kernels::rows::LnGradsParts;
+use kiln_tensor::cuda::kernels::rows::LayerNormGradsWrites;
 use kiln_tensor::cuda::nvrtc;
 use kiln_tensor::{BinaryOp, DType, Distribution, Op, ReduceOp, UnaryOp};
 
@@ -230,7 +230,8 @@ fn every_reduction_and_index_kernel_compiles() {
             check(&s, &name, &mut fails);
         }
         for tpr in [1, 4, 32] {
-            let (s, n) = kiln_tensor::cuda::kernels::rows::cross_entropy_mean_source(d, tpr);
+            let grad_at = kiln_tensor::op::Parts::cross_entropy_mean(8, 10).offset(kiln_tensor::op::Part::Dx).unwrap();
+            let (s, n) = kiln_tensor::cuda::kernels::rows::cross_entropy_mean_source(d, tpr, grad_at);
             check(&s, &n, &mut fails);
         }
         if d == DType::F32 {
@@ -257,7 +258,7 @@ fn every_reduction_and_index_kernel_compiles() {
             (12, (true, true, Some(DType::BF16), Some(DType::BF16))),
             (12, (true, false, None, Some(DType::F16))),
         ] {
-            let parts = LnGradsParts { dx, resid, sums, copy };
+            let parts = LayerNormGradsWrites { dx, resid, sums, copy };
             let (s, n) = kiln_tensor::cuda::kernels::rows::layer_norm_grads_source(d, tiles, parts, d, LayerNormGradsStage::Off);
             check(&s, &n, &mut fails);
         }
@@ -277,7 +278,7 @@ fn every_reduction_and_index_kernel_compiles() {
             ((true, true, Some(DType::BF16), Some(DType::BF16)), DType::BF16, rows),
             ((true, true, Some(DType::BF16), Some(DType::BF16)), DType::BF16, with_r),
         ] {
-            let parts = LnGradsParts { dx, resid, sums, copy };
+            let parts = LayerNormGradsWrites { dx, resid, sums, copy };
             let (s, n) = kiln_tensor::cuda::kernels::rows::layer_norm_grads_source(DType::F32, 12, parts, gdt, staged);
             check(&s, &n, &mut fails);
         }
@@ -733,7 +734,7 @@ fn layer_norm_grads_and_gated_sums_keep_their_register_budgets() {
     {
         for staged in [LayerNormGradsStage::Off, LayerNormGradsStage::Rows, LayerNormGradsStage::RowsAndResidual] {
             for resid in [false, true] {
-                let parts = LnGradsParts { dx: true, resid, sums, copy };
+                let parts = LayerNormGradsWrites { dx: true, resid, sums, copy };
                 budget(kiln_tensor::cuda::kernels::rows::layer_norm_grads_source(DType::F32, 12, parts, gdt, staged), 128);
             }
         }

@@ -364,31 +364,34 @@ fn layer_norm_param_grads_match_the_composite() -> Result<()> {
     let (w, r) = (t(&[0.5, -1., 2., 1.5, 3.], &[5]), Tensor::rand_at(&[2, 3, 5], Distribution::Normal, 9, 0, DType::F32, CPU)?);
     let grads = |ins: &[&Tensor]| Tensor::apply(Op::LayerNormGrads { eps: 1e-5, sums: None, copy: None }, ins, CPU);
     let (three, four) = (grads(&[&x, &g, &w])?, grads(&[&x, &g, &w, &r])?);
-    let at = kiln_tensor::op::layer_norm_grads_dx_at(5, false);
+    use kiln_tensor::op::{Part, Parts};
+    let dx_at = |x: &[usize], sums: bool| Parts::layer_norm_grads(x, sums).offset(Part::Dx).unwrap();
+    let at = dx_at(&[2, 3, 5], false);
     assert_eq!(v(&four.narrow(0, 0, at)?), v(&three.narrow(0, 0, at)?));
     let dx = x.layer_norm_backward(&g, &w, 1e-5)?;
     assert_eq!(v(&four.narrow(0, at, 30)?), v(&dx.add(&r)?.reshape(&[30])?));
     let err = grads(&[&x, &g, &w, &r.narrow(2, 0, 4)?]).unwrap_err().to_string();
     assert!(err.contains("residual") && err.contains("[2, 3, 4]"), "{err}");
     // With the sums row (BF16): the column sums of dx + r as rounded to BF16, then x's
-    // gradient from `layer_norm_grads_dx_at(5, true)` (64 here too: 15 values fit before it).
+    // gradient (from 64 here too: 15 values fit before it).
     let sums = Tensor::apply(Op::LayerNormGrads { eps: 1e-5, sums: Some(DType::BF16), copy: None }, &[&x, &g, &w, &r], CPU)?;
     let low = dx.add(&r)?.to_dtype(DType::BF16)?.to_dtype(DType::F32)?;
-    let to = kiln_tensor::op::layer_norm_grads_dx_at(5, true);
+    let to = dx_at(&[2, 3, 5], true);
+    assert_eq!((at, to), (64, 64));
     assert_eq!(v(&sums.narrow(0, 0, 10)?), v(&four.narrow(0, 0, 10)?));
     close(&v(&sums.narrow(0, 10, 5)?), &v(&low.sum(&[0, 1], false)?), 1e-6);
     assert_eq!(v(&sums.narrow(0, to, 30)?), v(&four.narrow(0, at, 30)?));
     // Rounded before it is summed: unlike the sums of dx + r itself (r's values are not BF16's).
     assert_ne!(v(&sums.narrow(0, 10, 5)?), v(&dx.add(&r)?.sum(&[0, 1], false)?));
     // A wide row moves x's gradient: [3, 32] fills 96 values, so it starts at 128 (64 without).
-    assert_eq!((kiln_tensor::op::layer_norm_grads_dx_at(32, false), kiln_tensor::op::layer_norm_grads_dx_at(32, true)), (64, 128));
+    assert_eq!((dx_at(&[4, 32], false), dx_at(&[4, 32], true)), (64, 128));
     // With a copy: the flat output unchanged, and x's gradient plus r cast to BF16 beside it.
     let with_copy = Op::LayerNormGrads { eps: 1e-5, sums: Some(DType::BF16), copy: Some(DType::BF16) };
-    let (flat, copy) = Tensor::layer_norm_grads_with_copy(&with_copy, &[&x, &g, &w, &r])?;
+    let (flat, copy) = kiln_tensor::fused::layer_norm_grads_with_copy(&with_copy, &[&x, &g, &w, &r])?;
     assert_eq!(v(&flat), v(&sums));
     assert_eq!((copy.shape(), copy.dtype()), (&[2, 3, 5][..], DType::BF16));
     assert_eq!(v(&copy), v(&dx.add(&r)?.to_dtype(DType::BF16)?));
-    let err = Tensor::layer_norm_grads_with_copy(&Op::LayerNormGrads { eps: 1e-5, sums: None, copy: None }, &[&x, &g, &w])
+    let err = kiln_tensor::fused::layer_norm_grads_with_copy(&Op::LayerNormGrads { eps: 1e-5, sums: None, copy: None }, &[&x, &g, &w])
         .unwrap_err()
         .to_string();
     assert!(err.contains("copy"), "{err}");
@@ -871,4 +874,23 @@ fn gather_and_scatter_add_with_full_and_smaller_indices() -> Result<()> {
     let e = src.gather(1, &Tensor::from_slice(&[4i64, 0, 0, 0, 0, 0], &[3, 2], CPU)?).unwrap_err().to_string();
     assert!(e.contains('4'), "{e}");
     Ok(())
+}
+
+#[test]
+fn a_fused_ops_shape_errors_name_the_fused_op() {
+    use kiln_tensor::{MatmulEpilogue, Op};
+    let cpu = Device::Cpu;
+    let logits = t(&[0.; 12], &[4, 3]);
+    let targets = Tensor::from_vec(vec![0i64; 5], &[5], cpu).unwrap();
+    let xent = Op::Fused(Fused::CrossEntropyMean { ignore_index: None, smoothing: 0.0 });
+    let err = Tensor::apply(xent, &[&logits, &targets], cpu).unwrap_err().to_string();
+    assert!(err.starts_with("cross_entropy_mean:") && err.contains("[5]"), "{err}");
+    let q = t(&[0.; 24], &[1, 2, 3, 4]);
+    let k = t(&[0.; 16], &[1, 2, 2, 4]);
+    let heads_last = Op::Fused(Fused::AttentionHeadsLast { scale: 0.5, causal: false });
+    let err = Tensor::apply(heads_last, &[&q, &k, &q], cpu).unwrap_err().to_string();
+    assert!(err.starts_with("attention_heads_last:"), "{err}");
+    let relu = Op::Fused(Fused::Matmul(MatmulEpilogue::Relu));
+    let err = Tensor::apply(relu, &[&logits, &logits], cpu).unwrap_err().to_string();
+    assert!(err.starts_with("matmul_relu:") && err.contains("[4, 3]"), "{err}");
 }

@@ -4,6 +4,7 @@
 use super::edit::{each_read, pinned_and_escaping, readers, redirect, unpinned, view_bases, whole};
 use super::generic::dce;
 use crate::graph::{Arg, Graph, Kind, NodeId};
+use kiln_tensor::op::{Part, Parts};
 use kiln_tensor::{BinaryOp, DType, Layout, Op, ReduceOp};
 
 /// On a GPU, autocast's casts beside an F32 layer norm go into its kernels: a layer norm read
@@ -55,10 +56,10 @@ pub fn fold_residual_into_layer_norm_grads(g: &Graph) -> Graph {
     let mut out = g.clone();
     let (pinned, _) = pinned_and_escaping(g);
     let bases = view_bases(g);
-    // Every read of each node's region from `layer_norm_grads_dx_at` on (a layer norm's dx).
+    // Every read of each node's region from its dx on (a layer norm's backward).
     let at = |p: NodeId| match &g.nodes[p].kind {
         Kind::Op(Op::LayerNormGrads { sums, .. }, a) if a.len() == 3 => {
-            a[0].layout.shape.last().map(|&n| kiln_tensor::op::layer_norm_grads_dx_at(n, sums.is_some()))
+            Parts::layer_norm_grads(&a[0].layout.shape, sums.is_some()).offset(Part::Dx).ok()
         }
         _ => None,
     };
@@ -111,7 +112,7 @@ pub fn fold_residual_into_layer_norm_grads(g: &Graph) -> Graph {
 /// summed by the layer norm's backward as it stores dx (`LayerNormGrads`'s `sums` row,
 /// the values rounded to the copy's dtype first): the sum becomes a cast of that row, and no
 /// column sums read the copy again (GPT: the `proj` and `fc2` biases, 12.6 MB each in BF16).
-/// Readers of dx move with it to `layer_norm_grads_dx_at(n, true)`. It shortens GPT BF16's step
+/// Readers of dx move with it (`Parts::layer_norm_grads` with the row). It shortens GPT BF16's step
 /// (BENCHMARKS.md).
 pub fn ln_bias_sums(g: &Graph) -> Graph {
     let mut out = g.clone();
@@ -119,7 +120,8 @@ pub fn ln_bias_sums(g: &Graph) -> Graph {
     let bases = view_bases(g);
     let dx_from = |l: NodeId| match &g.nodes[l].kind {
         Kind::Op(Op::LayerNormGrads { sums: None, .. }, a) if a.len() >= 3 => {
-            a[0].layout.shape.last().map(|&n| (n, kiln_tensor::op::layer_norm_grads_dx_at(n, false)))
+            let n = *a[0].layout.shape.last()?;
+            Some((n, Parts::layer_norm_grads(&a[0].layout.shape, false).offset(Part::Dx).ok()?))
         }
         _ => None,
     };
@@ -163,11 +165,12 @@ pub fn ln_bias_sums(g: &Graph) -> Graph {
             continue;
         }
         let Kind::Op(Op::LayerNormGrads { eps, .. }, largs) = &g.nodes[l].kind else { continue };
-        let to = kiln_tensor::op::layer_norm_grads_dx_at(n, true);
+        let parts = Parts::layer_norm_grads(&largs[0].layout.shape, true);
+        let (Ok(to), Ok(row)) = (parts.offset(Part::Dx), parts.offset(Part::Sums)) else { continue };
         out.nodes[l].kind = Kind::Op(Op::LayerNormGrads { eps: *eps, sums: Some(t), copy: None }, largs.clone());
-        out.nodes[l].shape = vec![to + a.layout.numel()];
+        out.nodes[l].shape = vec![parts.len()];
         moved[l] = Some((from, to - from));
-        casts.push((i, t, Arg { node: l, layout: Layout { offset: 2 * n, ..Layout::contiguous(&node.shape) } }));
+        casts.push((i, t, Arg { node: l, layout: Layout { offset: row, ..Layout::contiguous(&node.shape) } }));
     }
     each_read(&mut out, |a| match moved[a.node] {
         Some((from, by)) if a.layout.offset >= from => a.layout.offset += by,
@@ -203,10 +206,9 @@ pub(super) fn dx_copy_source(g: &Graph, i: NodeId) -> Option<(NodeId, DType)> {
     let l = &g.nodes[a.node];
     let Kind::Op(Op::LayerNormGrads { sums, .. }, largs) = &l.kind else { return None };
     let x = &largs[0].layout;
-    let n = *x.shape.last()?;
     let ok = largs.len() >= 3
         && a.layout.is_contiguous()
-        && a.layout.offset == kiln_tensor::op::layer_norm_grads_dx_at(n, sums.is_some())
+        && Parts::layer_norm_grads(&x.shape, sums.is_some()).offset(Part::Dx).ok() == Some(a.layout.offset)
         && a.layout.numel() == x.numel()
         && l.dtype == DType::F32;
     ok.then_some((a.node, *t))

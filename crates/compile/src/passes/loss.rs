@@ -4,6 +4,7 @@
 use super::edit::{pinned_and_escaping, redirect, whole};
 use super::generic::dce;
 use crate::graph::{Arg, Graph, Kind, NodeId};
+use kiln_tensor::op::{Part, Parts};
 use kiln_tensor::{BinaryOp, DType, Fused, MatmulEpilogue, Op, ReduceOp};
 
 /// The most logits, and the longest row, that a fused mean cross-entropy takes. Its kernel
@@ -24,12 +25,15 @@ pub fn fuse_mean_cross_entropy(g: &Graph) -> Graph {
     let mut alias: Vec<Option<(NodeId, usize)>> = vec![None; g.nodes.len()];
     for ce in 0..g.nodes.len() {
         let Some((loss, grad)) = mean_xent(g, &users, (&escapes, &pinned), ce) else { continue };
+        let &[n, c] = &g.nodes[grad].shape[..] else { continue };
+        let parts = Parts::cross_entropy_mean(n, c);
+        let (Ok(loss_at), Ok(grad_at)) = (parts.offset(Part::Loss), parts.offset(Part::Dx)) else { continue };
         if let Kind::Op(op, _) = &mut out.nodes[ce].kind {
             let Op::CrossEntropy { ignore_index, smoothing } = *op else { continue };
             *op = Op::Fused(Fused::CrossEntropyMean { ignore_index, smoothing });
         }
-        out.nodes[ce].shape = vec![kiln_tensor::op::XENT_GRAD_AT + g.nodes[grad].numel()];
-        (alias[loss], alias[grad]) = (Some((ce, 0)), Some((ce, kiln_tensor::op::XENT_GRAD_AT)));
+        out.nodes[ce].shape = vec![parts.len()];
+        (alias[loss], alias[grad]) = (Some((ce, loss_at)), Some((ce, grad_at)));
     }
     redirect(&mut out, &alias);
     dce(&out)
@@ -105,10 +109,11 @@ pub fn fuse_linear_cross_entropy(g: &Graph) -> Graph {
         let Some(head) = linear_head(g, &users, (&escapes, &pinned), ce) else { continue };
         let Kind::Op(Op::Fused(Fused::CrossEntropyMean { ignore_index, smoothing }), _) = out.nodes[ce].kind else { continue };
         let (n, c, f) = (head.args[0].layout.shape[0], head.args[1].layout.shape[0], head.args[0].layout.shape[1]);
-        let (dw_at, _, dh_at, len) = kiln_tensor::op::linear_xent_parts(n, c, f);
+        let parts = Parts::linear_cross_entropy_mean(n, c, f);
+        let (Ok(dw_at), Ok(dh_at)) = (parts.offset(Part::Dw), parts.offset(Part::Dx)) else { continue };
         let op = Op::Fused(Fused::LinearCrossEntropyMean { ignore_index, smoothing, drelu: head.drelu });
         out.nodes[ce].kind = Kind::Op(op, head.args);
-        out.nodes[ce].shape = vec![len];
+        out.nodes[ce].shape = vec![parts.len()];
         (alias[head.dw], alias[head.dh]) = (Some((ce, dw_at)), Some((ce, dh_at)));
     }
     redirect(&mut out, &alias);
@@ -137,9 +142,8 @@ pub(super) fn linear_head(g: &Graph, users: &[Vec<NodeId>], (escapes, pinned): (
         node: wt.node,
         layout: kiln_tensor::Layout { shape: vec![c, f], strides: vec![l.strides[1], l.strides[0]], offset: l.offset },
     };
-    let at = kiln_tensor::op::XENT_GRAD_AT;
-    let grad = kiln_tensor::Layout { shape: vec![n, c], strides: vec![c, 1], offset: at };
-    let grad_t = kiln_tensor::Layout { shape: vec![c, n], strides: vec![1, c], offset: at };
+    let grad = Parts::cross_entropy_mean(n, c).view(Part::Dx).ok()?;
+    let grad_t = kiln_tensor::Layout { shape: vec![c, n], strides: vec![1, c], offset: grad.offset };
     let of_grad = |a: &Arg, l: &kiln_tensor::Layout| a.node == ce && a.layout == *l;
     let (mut dw, mut dh) = (None, None);
     for &u in &users[ce] {

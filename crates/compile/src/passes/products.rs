@@ -5,6 +5,7 @@ use super::attention::{permuted_operands, read_permutation};
 use super::edit::{each_arg_of, pinned_and_escaping, readers, redirect, remap, view_bases, whole};
 use super::generic::dce;
 use crate::graph::{Arg, Graph, Kind, NodeId};
+use kiln_tensor::op::{Part, Parts};
 use kiln_tensor::{BinaryOp, DType, Fused, Layout, MatmulEpilogue, Op, ReduceOp, UnaryOp};
 use std::collections::HashMap;
 
@@ -42,153 +43,186 @@ pub(super) fn sums_operand(sum: &Arg, dims: &[usize], op: &kiln_tensor::Layout, 
 ///   an F32 `r` (autocast's residual stream: cuBLASLt's C, with an F32 D, adds the product
 ///   before any rounding to 16 bits).
 pub fn fuse_matmuls(g: &Graph, gpu: bool) -> Graph {
-    let mut out = g.clone();
-    let uses = readers(g);
-    let written: Vec<NodeId> = g.writes.iter().map(|w| w.1).collect();
-    let bases = view_bases(g);
-    // alias[i] = (node, offset): readers of i read that node, `offset` elements further on.
-    let mut alias: Vec<Option<(NodeId, usize)>> = vec![None; g.nodes.len()];
-    // The first reader of each node (outputs and writes read after every node).
-    let mut first_reader = vec![usize::MAX; g.nodes.len()];
-    for (i, n) in g.nodes.iter().enumerate().rev() {
-        n.args().into_iter().for_each(|a| first_reader[a] = i);
-    }
-    // Products that a residual add took over (dead, left for `dce`).
-    let mut taken = vec![false; g.nodes.len()];
-    for i in 0..out.nodes.len() {
-        let Kind::Op(op, args) = &out.nodes[i].kind else { continue };
+    let scan = Scan::new(g, gpu);
+    let n = g.nodes.len();
+    let mut w = Rewrite { out: g.clone(), alias: vec![None; n], taken: vec![false; n] };
+    for i in 0..n {
+        let Kind::Op(op, args) = &w.out.nodes[i].kind else { continue };
+        let (op, args) = (op.clone(), args.clone());
         match op {
-            // `r + a @ b (+ bias)` on a GPU: the add in the product's epilogue. The product may
-            // be read with its dims permuted (a batch-first product added to a sequence-first
-            // residual): its operands are then read through the same permutation.
-            Op::Binary(BinaryOp::Add) if gpu && !written.contains(&i) && !bases.contains(&i) => {
-                let residual = |x: &Arg, y: &Arg| -> Option<(NodeId, Vec<Arg>)> {
-                    let node = &out.nodes[i];
-                    // Through a widening cast, read whole and only here (autocast's 16-bit
-                    // product added to the F32 residual stream): the epilogue adds the
-                    // product before it is rounded to 16 bits. (It shortens GPT BF16's step;
-                    // BENCHMARKS.md.)
-                    let p = match &out.nodes[x.node].kind {
-                        Kind::Op(Op::Cast(to), c) if *to == node.dtype && uses[x.node] == 1 && whole(&c[0], &out.nodes[c[0].node]) => {
-                            let from = out.nodes[c[0].node].dtype;
-                            let widens = matches!(from, DType::BF16 | DType::F16) && *to == DType::F32;
-                            let alone = !written.contains(&x.node) && !bases.contains(&x.node) && y.node != x.node;
-                            if !(widens && alone) {
-                                return None;
-                            }
-                            c[0].node
-                        }
-                        _ => x.node,
-                    };
-                    let Kind::Op(Op::Matmul, margs) = &out.nodes[p].kind else { return None };
-                    // (The product's operands are read at i now, later than at p: none may be a
-                    // buffer written in place in between.)
-                    let alone = uses[p] == 1 && !written.contains(&p) && !bases.contains(&p) && y.node != p;
-                    let stable = margs.iter().all(|a| !bases.contains(&a.node));
-                    let same = (p != x.node || out.nodes[p].dtype == node.dtype)
-                        && out.nodes[y.node].dtype == node.dtype
-                        && y.layout.shape == node.shape;
-                    let perm = read_permutation(&x.layout, &out.nodes[p].shape).filter(|_| alone && same && stable)?;
-                    let mut fused = permuted_operands(&margs[..2], &perm)?;
-                    fused.push(y.clone());
-                    // A widened product's bias cast from F32 is read in F32, the sum's dtype
-                    // (cuBLASLt's bias takes D's dtype outside FP8 and integer GEMMs).
-                    let bias = margs.get(2).map(|b| match &out.nodes[b.node].kind {
-                        Kind::Op(Op::Cast(_), bc)
-                            if p != x.node
-                                && out.nodes[bc[0].node].dtype == node.dtype
-                                && whole(b, &out.nodes[b.node])
-                                && whole(&bc[0], &out.nodes[bc[0].node])
-                                && !bases.contains(&bc[0].node) =>
-                        {
-                            bc[0].clone()
-                        }
-                        _ => b.clone(),
-                    });
-                    fused.extend(bias);
-                    Some((p, fused))
-                };
-                if let Some((p, fused)) = residual(&args[0], &args[1]).or_else(|| residual(&args[1], &args[0])) {
-                    out.nodes[i].kind = Kind::Op(Op::Fused(Fused::Matmul(MatmulEpilogue::Residual)), fused);
-                    taken[p] = true;
-                }
-            }
-            // An activation of a product: cuBLASLt applies it as the product is stored. GELU's
-            // backward reads the pre-activation, which its epilogue stores after the output.
-            Op::Unary(u @ (UnaryOp::Relu | UnaryOp::GeluTanh)) => {
-                let (u, p) = (*u, args[0].node);
-                let pn = &out.nodes[p];
-                let Kind::Op(Op::Matmul, margs) = &pn.kind else { continue };
-                let only = uses[p] == 1 || u == UnaryOp::GeluTanh;
-                // (A base written into in place must keep its own shape.)
-                let kept = written.contains(&p) || bases.contains(&p) || bases.contains(&i);
-                if !only || kept || !whole(&args[0], pn) || pn.dtype != out.nodes[i].dtype {
-                    continue;
-                }
-                let (margs, numel) = (margs.clone(), pn.numel());
-                alias[i] = Some((p, 0));
-                if u == UnaryOp::Relu {
-                    out.nodes[p].kind = Kind::Op(Op::Fused(Fused::Matmul(MatmulEpilogue::Relu)), margs);
-                } else {
-                    let tail = kiln_tensor::op::matmul_tail_offset(numel);
-                    out.nodes[p].kind = Kind::Op(Op::Fused(Fused::Matmul(MatmulEpilogue::GeluTanh)), margs);
-                    out.nodes[p].shape = vec![tail + numel];
-                    alias[p] = Some((p, tail));
-                }
-            }
-            // `(a @ b) * gelu_tanh_grad(h)`: the gradient through a GELU (cuBLASLt's DGELU), or
-            // `(a @ b) * step(h)`, through a ReLU.
-            Op::Binary(BinaryOp::Mul) => {
-                let dgelu = |x: &Arg, y: &Arg| -> Option<(NodeId, Vec<Arg>, MatmulEpilogue)> {
-                    let (p, q) = (&out.nodes[x.node], &out.nodes[y.node]);
-                    let (Kind::Op(Op::Matmul, margs), Kind::Op(Op::Unary(u), h)) = (&p.kind, &q.kind) else {
-                        return None;
-                    };
-                    let epi = match u {
-                        UnaryOp::GeluTanhGrad => MatmulEpilogue::DGeluTanh,
-                        UnaryOp::Step if gpu && thin_product(margs, p.dtype) => MatmulEpilogue::DRelu,
-                        _ => return None,
-                    };
-                    let alone = |n: NodeId| uses[n] == 1 && !written.contains(&n) && !bases.contains(&n);
-                    let same = p.dtype == q.dtype && p.dtype == out.nodes[i].dtype && h[0].layout.shape == p.shape;
-                    let ok = margs.len() == 2 && alone(x.node) && alone(y.node) && whole(x, p) && whole(y, q) && same && h[0].node < x.node;
-                    ok.then(|| (x.node, vec![margs[0].clone(), margs[1].clone(), h[0].clone()], epi))
-                };
-                if let Some((p, margs, epi)) = dgelu(&args[0], &args[1]).or_else(|| dgelu(&args[1], &args[0])) {
-                    out.nodes[p].kind = Kind::Op(Op::Fused(Fused::Matmul(epi)), margs);
-                    alias[i] = Some((p, 0));
-                }
-            }
+            Op::Binary(BinaryOp::Add) if gpu && scan.free(i) => residual_epilogue(&scan, &mut w, i, &args),
+            Op::Unary(u @ (UnaryOp::Relu | UnaryOp::GeluTanh)) => activation_epilogue(&scan, &mut w, i, u, &args[0]),
+            Op::Binary(BinaryOp::Mul) => activation_grad_epilogue(&scan, &mut w, i, &args),
             // (A sum that is written into in place stays a buffer of its own.)
-            Op::Reduce { op: ReduceOp::Sum, dims, .. } if !written.contains(&i) && !bases.contains(&i) => {
-                let (sum, dims) = (args[0].clone(), dims.clone());
-                let found = (0..out.nodes.len()).find_map(|p| {
-                    let Kind::Op(Op::Matmul, margs) = &out.nodes[p].kind else { return None };
-                    if margs.len() != 2
-                        || taken[p]
-                        || written.contains(&p)
-                        || first_reader[i] <= p
-                        || out.nodes[p].dtype != out.nodes[i].dtype
-                    {
-                        return None;
-                    }
-                    let side = (0..2).find(|&s| margs[s].node == sum.node && sums_operand(&sum, &dims, &margs[s].layout, 1 - s))?;
-                    Some((p, side, margs.clone()))
-                });
-                let Some((p, side, margs)) = found else { continue };
-                let (m, n) = (margs[0].layout.shape[0], margs[1].layout.shape[1]);
-                let epi = if side == 0 { MatmulEpilogue::SumLeft } else { MatmulEpilogue::SumRight };
-                let at = kiln_tensor::op::matmul_tail_offset(m * n);
-                let len = if side == 0 { m } else { n };
-                out.nodes[p].kind = Kind::Op(Op::Fused(Fused::Matmul(epi)), margs);
-                out.nodes[p].shape = vec![at + len];
-                alias[i] = Some((p, at));
-            }
+            Op::Reduce { op: ReduceOp::Sum, dims, .. } if scan.free(i) => sums_epilogue(&scan, &mut w, i, &args[0], &dims),
             _ => {}
         }
     }
-    redirect(&mut out, &alias);
-    dce(&out)
+    redirect(&mut w.out, &w.alias);
+    dce(&w.out)
+}
+
+/// What `fuse_matmuls`' rules read about the graph as it was.
+struct Scan {
+    gpu: bool,
+    /// Readers per node.
+    uses: Vec<usize>,
+    /// Nodes written in place.
+    written: Vec<NodeId>,
+    /// Nodes that views write into.
+    bases: Vec<NodeId>,
+    /// The first reader of each node (outputs and writes read after every node).
+    first_reader: Vec<usize>,
+}
+
+impl Scan {
+    fn new(g: &Graph, gpu: bool) -> Scan {
+        let mut first_reader = vec![usize::MAX; g.nodes.len()];
+        for (i, n) in g.nodes.iter().enumerate().rev() {
+            n.args().into_iter().for_each(|a| first_reader[a] = i);
+        }
+        Scan { gpu, uses: readers(g), written: g.writes.iter().map(|w| w.1).collect(), bases: view_bases(g), first_reader }
+    }
+
+    /// Neither written in place nor a base of written views.
+    fn free(&self, i: NodeId) -> bool {
+        !self.written.contains(&i) && !self.bases.contains(&i)
+    }
+}
+
+/// `fuse_matmuls`' graph in the making.
+struct Rewrite {
+    out: Graph,
+    /// alias[i] = (node, offset): readers of i read that node, `offset` elements further on.
+    alias: Vec<Option<(NodeId, usize)>>,
+    /// Products that a residual add took over (dead, left for `dce`).
+    taken: Vec<bool>,
+}
+
+/// `r + a @ b (+ bias)` on a GPU (add node `i`): the add in the product's epilogue. The
+/// product may be read with its dims permuted (a batch-first product added to a
+/// sequence-first residual): its operands are then read through the same permutation.
+fn residual_epilogue(s: &Scan, w: &mut Rewrite, i: NodeId, args: &[Arg]) {
+    let out = &w.out;
+    let residual = |x: &Arg, y: &Arg| -> Option<(NodeId, Vec<Arg>)> {
+        let node = &out.nodes[i];
+        // Through a widening cast, read whole and only here (autocast's 16-bit product added
+        // to the F32 residual stream): the epilogue adds the product before it is rounded to
+        // 16 bits. (It shortens GPT BF16's step; BENCHMARKS.md.)
+        let p = match &out.nodes[x.node].kind {
+            Kind::Op(Op::Cast(to), c) if *to == node.dtype && s.uses[x.node] == 1 && whole(&c[0], &out.nodes[c[0].node]) => {
+                let from = out.nodes[c[0].node].dtype;
+                let widens = matches!(from, DType::BF16 | DType::F16) && *to == DType::F32;
+                if !(widens && s.free(x.node) && y.node != x.node) {
+                    return None;
+                }
+                c[0].node
+            }
+            _ => x.node,
+        };
+        let Kind::Op(Op::Matmul, margs) = &out.nodes[p].kind else { return None };
+        // (The product's operands are read at i now, later than at p: none may be a buffer
+        // written in place in between.)
+        let alone = s.uses[p] == 1 && s.free(p) && y.node != p;
+        let stable = margs.iter().all(|a| !s.bases.contains(&a.node));
+        let same =
+            (p != x.node || out.nodes[p].dtype == node.dtype) && out.nodes[y.node].dtype == node.dtype && y.layout.shape == node.shape;
+        let perm = read_permutation(&x.layout, &out.nodes[p].shape).filter(|_| alone && same && stable)?;
+        let mut fused = permuted_operands(&margs[..2], &perm)?;
+        fused.push(y.clone());
+        // A widened product's bias cast from F32 is read in F32, the sum's dtype (cuBLASLt's
+        // bias takes D's dtype outside FP8 and integer GEMMs).
+        let bias = margs.get(2).map(|b| match &out.nodes[b.node].kind {
+            Kind::Op(Op::Cast(_), bc)
+                if p != x.node
+                    && out.nodes[bc[0].node].dtype == node.dtype
+                    && whole(b, &out.nodes[b.node])
+                    && whole(&bc[0], &out.nodes[bc[0].node])
+                    && !s.bases.contains(&bc[0].node) =>
+            {
+                bc[0].clone()
+            }
+            _ => b.clone(),
+        });
+        fused.extend(bias);
+        Some((p, fused))
+    };
+    if let Some((p, fused)) = residual(&args[0], &args[1]).or_else(|| residual(&args[1], &args[0])) {
+        w.out.nodes[i].kind = Kind::Op(Op::Fused(Fused::Matmul(MatmulEpilogue::Residual)), fused);
+        w.taken[p] = true;
+    }
+}
+
+/// An activation `u` (node `i`) of a product `x`: cuBLASLt applies it as the product is
+/// stored. GELU's backward reads the pre-activation, which its epilogue stores after the
+/// output.
+fn activation_epilogue(s: &Scan, w: &mut Rewrite, i: NodeId, u: UnaryOp, x: &Arg) {
+    let p = x.node;
+    let pn = &w.out.nodes[p];
+    let Kind::Op(Op::Matmul, margs) = &pn.kind else { return };
+    let only = s.uses[p] == 1 || u == UnaryOp::GeluTanh;
+    // (A base written into in place must keep its own shape.)
+    let kept = !s.free(p) || s.bases.contains(&i);
+    if !only || kept || !whole(x, pn) || pn.dtype != w.out.nodes[i].dtype {
+        return;
+    }
+    let (margs, shape) = (margs.clone(), pn.shape.clone());
+    if u == UnaryOp::Relu {
+        w.out.nodes[p].kind = Kind::Op(Op::Fused(Fused::Matmul(MatmulEpilogue::Relu)), margs);
+    } else {
+        let parts = Parts::with_tail(&shape, &shape);
+        let Ok(tail) = parts.offset(Part::Tail) else { return };
+        w.out.nodes[p].kind = Kind::Op(Op::Fused(Fused::Matmul(MatmulEpilogue::GeluTanh)), margs);
+        w.out.nodes[p].shape = vec![parts.len()];
+        w.alias[p] = Some((p, tail));
+    }
+    w.alias[i] = Some((p, 0));
+}
+
+/// `(a @ b) * gelu_tanh_grad(h)` (node `i`): the gradient through a GELU (cuBLASLt's DGELU),
+/// or `(a @ b) * step(h)`, through a ReLU.
+fn activation_grad_epilogue(s: &Scan, w: &mut Rewrite, i: NodeId, args: &[Arg]) {
+    let out = &w.out;
+    let dgelu = |x: &Arg, y: &Arg| -> Option<(NodeId, Vec<Arg>, MatmulEpilogue)> {
+        let (p, q) = (&out.nodes[x.node], &out.nodes[y.node]);
+        let (Kind::Op(Op::Matmul, margs), Kind::Op(Op::Unary(u), h)) = (&p.kind, &q.kind) else {
+            return None;
+        };
+        let epi = match u {
+            UnaryOp::GeluTanhGrad => MatmulEpilogue::DGeluTanh,
+            UnaryOp::Step if s.gpu && thin_product(margs, p.dtype) => MatmulEpilogue::DRelu,
+            _ => return None,
+        };
+        let alone = |n: NodeId| s.uses[n] == 1 && s.free(n);
+        let same = p.dtype == q.dtype && p.dtype == out.nodes[i].dtype && h[0].layout.shape == p.shape;
+        let ok = margs.len() == 2 && alone(x.node) && alone(y.node) && whole(x, p) && whole(y, q) && same && h[0].node < x.node;
+        ok.then(|| (x.node, vec![margs[0].clone(), margs[1].clone(), h[0].clone()], epi))
+    };
+    if let Some((p, margs, epi)) = dgelu(&args[0], &args[1]).or_else(|| dgelu(&args[1], &args[0])) {
+        w.out.nodes[p].kind = Kind::Op(Op::Fused(Fused::Matmul(epi)), margs);
+        w.alias[i] = Some((p, 0));
+    }
+}
+
+/// The sum (node `i`) over `dims` of a 2-D product's operand `sum` along the contraction: the
+/// product stores it after itself (cuBLASLt's BGRADA/BGRADB).
+fn sums_epilogue(s: &Scan, w: &mut Rewrite, i: NodeId, sum: &Arg, dims: &[usize]) {
+    let out = &w.out;
+    let found = (0..out.nodes.len()).find_map(|p| {
+        let Kind::Op(Op::Matmul, margs) = &out.nodes[p].kind else { return None };
+        let ok =
+            margs.len() == 2 && !w.taken[p] && !s.written.contains(&p) && s.first_reader[i] > p && out.nodes[p].dtype == out.nodes[i].dtype;
+        let side = (0..2).find(|&side| ok && margs[side].node == sum.node && sums_operand(sum, dims, &margs[side].layout, 1 - side))?;
+        Some((p, side, margs.clone()))
+    });
+    let Some((p, side, margs)) = found else { return };
+    let (m, n) = (margs[0].layout.shape[0], margs[1].layout.shape[1]);
+    let epi = if side == 0 { MatmulEpilogue::SumLeft } else { MatmulEpilogue::SumRight };
+    let parts = Parts::with_tail(&[m, n], &[if side == 0 { m } else { n }]);
+    let Ok(at) = parts.offset(Part::Tail) else { return };
+    w.out.nodes[p].kind = Kind::Op(Op::Fused(Fused::Matmul(epi)), margs);
+    w.out.nodes[p].shape = vec![parts.len()];
+    w.alias[i] = Some((p, at));
 }
 
 /// On a GPU, 16-bit products with a dim that is not a multiple of 8 (a classifier head over a
@@ -397,10 +431,10 @@ pub fn fuse_gated_sums(g: &Graph) -> Graph {
         if !ok {
             continue;
         }
-        let (numel, n) = (yn.numel(), yn.shape[rank - 1]);
-        let tail = kiln_tensor::op::matmul_tail_offset(numel);
+        let parts = Parts::with_tail(&yn.shape, &[yn.shape[rank - 1]]);
+        let Ok(tail) = parts.offset(Part::Tail) else { continue };
         out.nodes[y].kind = Kind::Op(Op::Fused(Fused::GatedSums { gate }), vec![a.clone(), h]);
-        out.nodes[y].shape = vec![tail + n];
+        out.nodes[y].shape = vec![parts.len()];
         alias[i] = Some((y, tail));
         taken[y] = true;
     }

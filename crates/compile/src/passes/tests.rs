@@ -5,6 +5,7 @@ use super::*;
 use super::{attention::*, generic::*, layer_norm::*, loss::*, products::*};
 use crate::graph::testing::{mean_loss, whole};
 use crate::graph::{Arg, Graph, Kind, NodeId};
+use kiln_tensor::op::{Part, Parts};
 use kiln_tensor::{BinaryOp, DType, Fused, Layout, MatmulEpilogue, Op, ReduceOp, UnaryOp};
 
 type Cells = [std::sync::Arc<kiln_tensor::storage::StorageCell>];
@@ -241,7 +242,7 @@ fn attention_copied_with_its_heads_after_t_writes_them_there_on_a_gpu() {
     g.outputs = vec![whole(&g, c), whole(&g, neg)];
     assert_eq!(ops(&pass("attention_heads_last", &g, Target::Cpu)), ["attention", "contiguous", "neg"]);
     let f = attention_heads_last(&g);
-    assert_eq!(ops(&f), ["attention", "neg"], "{f}");
+    assert_eq!(ops(&f), ["attention_heads_last", "neg"], "{f}");
     assert!(matches!(f.nodes[1].kind, Kind::Op(Op::Fused(Fused::AttentionHeadsLast { .. }), _)));
     assert_eq!(f.nodes[1].shape, vec![b, t, h, d]);
     // The copy's reader reads the new buffer as it read the copy; the other reads it
@@ -263,7 +264,7 @@ fn autocast_casts_beside_a_layer_norm_fold_into_it_on_a_gpu() {
     let yb = g.push(Kind::Op(Op::Cast(DType::BF16), vec![whole(&g, y)]), vec![r, n], DType::BF16);
     let gf = g.push(Kind::Op(Op::Cast(DType::F32), vec![whole(&g, gb)]), vec![r, n], DType::F32);
     let grads = Op::LayerNormGrads { eps: 1e-5, sums: None, copy: None };
-    let len = kiln_tensor::op::layer_norm_grads_dx_at(n, false) + r * n;
+    let len = Parts::layer_norm_grads(&[r, n], false).len();
     let pg = g.push(Kind::Op(grads, vec![whole(&g, x), whole(&g, gf), whole(&g, w)]), vec![len], DType::F32);
     g.outputs = vec![whole(&g, yb), whole(&g, pg)];
     assert_eq!(ops(&pass("fold_layer_norm_casts", &g, Target::Cpu)), ["normalize", "to_dtype", "to_dtype", "layer_norm_grads"]);
@@ -291,7 +292,7 @@ fn ln_then_bias(sum_dims: Vec<usize>, to: DType, n: usize) -> Graph {
     let gy = g.push(Kind::Input(2), vec![r, n], DType::BF16);
     let res = g.push(Kind::Input(3), vec![r, n], DType::F32);
     let h = g.push(Kind::Input(4), vec![r, m], to);
-    let at = kiln_tensor::op::layer_norm_grads_dx_at(n, false);
+    let at = Parts::layer_norm_grads(&[r, n], false).offset(Part::Dx).unwrap();
     let grads = Op::LayerNormGrads { eps: 1e-5, sums: None, copy: None };
     let args = vec![whole(&g, x), whole(&g, gy), whole(&g, w), whole(&g, res)];
     let pg = g.push(Kind::Op(grads, args), vec![at + r * n], DType::F32);
@@ -391,7 +392,7 @@ fn a_gelu_gradient_and_its_bias_sums_take_one_pass_on_a_gpu() -> kiln_tensor::Re
     let g = build(UnaryOp::GeluGrad);
     let f = fuse_gated_sums(&g);
     assert_eq!(ops(&f), ["gated_sums", "matmul"], "{f}");
-    let tail = kiln_tensor::op::matmul_tail_offset(r * n);
+    let tail = Parts::with_tail(&[r, n], &[n]).offset(Part::Tail).unwrap();
     assert_eq!((f.nodes[3].shape.clone(), f.outputs[0].node, f.outputs[0].layout.offset), (vec![tail + n], 3, tail));
     assert_eq!((f.outputs[2].node, f.outputs[2].layout.offset), (3, 0));
     let t =
@@ -416,7 +417,7 @@ fn a_residual_gradient_is_added_by_the_layer_norm_backward_on_a_gpu() {
     let w = g.push(Kind::Input(1), vec![n], DType::F32);
     let gy = g.push(Kind::Input(2), vec![r, n], DType::BF16);
     let res = g.push(Kind::Input(3), vec![r, n], DType::F32);
-    let at = kiln_tensor::op::layer_norm_grads_dx_at(n, false);
+    let at = Parts::layer_norm_grads(&[r, n], false).offset(Part::Dx).unwrap();
     let grads = Op::LayerNormGrads { eps: 1e-5, sums: None, copy: None };
     let pg = g.push(Kind::Op(grads, vec![whole(&g, x), whole(&g, gy), whole(&g, w)]), vec![at + r * n], DType::F32);
     let dx = Arg { node: pg, layout: Layout { offset: at, ..Layout::contiguous(&[r, n]) } };
@@ -464,7 +465,6 @@ fn a_small_mean_cross_entropy_and_its_gradient_become_one_gpu_op() {
 /// `h w^T + b`, the fused loss, `g^T h` with `sum(g)` and `(g w) * step(h)`. Returns the
 /// graph and the loss, weight-gradient and input-gradient nodes.
 fn classifier_head(n: usize) -> (Graph, [NodeId; 3]) {
-    use kiln_tensor::{op::XENT_GRAD_AT, Layout};
     let (c, f) = (3, 6);
     let mut g = Graph::default();
     let h = g.push(Kind::Input(0), vec![n, f], DType::F32);
@@ -474,8 +474,10 @@ fn classifier_head(n: usize) -> (Graph, [NodeId; 3]) {
     let wt = Arg { node: w, layout: Layout { shape: vec![f, c], strides: vec![1, f], offset: 0 } };
     let p = g.push(Kind::Op(Op::Matmul, vec![whole(&g, h), wt, whole(&g, b)]), vec![n, c], DType::F32);
     let xent = Op::Fused(Fused::CrossEntropyMean { ignore_index: Some(-100), smoothing: 0.0 });
-    let ce = g.push(Kind::Op(xent, vec![whole(&g, p), whole(&g, t)]), vec![XENT_GRAD_AT + n * c], DType::F32);
-    let grad = |shape: Vec<usize>, strides: Vec<usize>| Arg { node: ce, layout: Layout { shape, strides, offset: XENT_GRAD_AT } };
+    let parts = Parts::cross_entropy_mean(n, c);
+    let ce = g.push(Kind::Op(xent, vec![whole(&g, p), whole(&g, t)]), vec![parts.len()], DType::F32);
+    let at = parts.offset(Part::Dx).unwrap();
+    let grad = |shape: Vec<usize>, strides: Vec<usize>| Arg { node: ce, layout: Layout { shape, strides, offset: at } };
     let sums = Op::Fused(Fused::Matmul(MatmulEpilogue::SumLeft));
     let dw = g.push(Kind::Op(sums, vec![grad(vec![c, n], vec![1, c]), whole(&g, h)]), vec![64 + c], DType::F32);
     let drelu = Op::Fused(Fused::Matmul(MatmulEpilogue::DRelu));
@@ -496,8 +498,9 @@ fn a_small_classifier_head_its_loss_and_its_backward_become_one_gpu_op() {
     assert_eq!(args.iter().map(|a| a.node).collect::<Vec<_>>(), [0, 1, 2, 3]);
     assert_eq!((&args[1].layout.shape[..], &args[1].layout.strides[..]), (&[3, 6][..], &[6, 1][..]));
     // The loss at 0, the weight gradient (and its sums) from 64, h's gradient after them.
-    let (dw, _, dh, len) = kiln_tensor::op::linear_xent_parts(4, 3, 6);
-    assert_eq!(f.nodes[fused].shape, vec![len]);
+    let parts = Parts::linear_cross_entropy_mean(4, 3, 6);
+    let (dw, dh) = (parts.offset(Part::Dw).unwrap(), parts.offset(Part::Dx).unwrap());
+    assert_eq!(f.nodes[fused].shape, vec![parts.len()]);
     let outs: Vec<(NodeId, usize)> = f.outputs.iter().map(|a| (a.node, a.layout.offset)).collect();
     assert_eq!(outs, vec![(fused, 0), (fused, dw), (fused, dh)]);
     // The CPU (and a GPU without clusters) keeps the products; so does a GPU when the

@@ -9,7 +9,7 @@ pub mod matmul;
 pub mod reduce;
 pub mod strided;
 
-use crate::op::{Distribution, Fused, MatmulEpilogue, Op, OutMeta};
+use crate::op::{Distribution, Fused, MatmulEpilogue, Op, OutMeta, Part, Parts};
 use crate::shape::Layout;
 use crate::storage::{pool, CpuSlice, CpuStorage, IntoCpuStorage};
 use crate::{with_cpu, DType, Element, Error, Result};
@@ -303,7 +303,8 @@ fn layer_norm_grads(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> 
         Op::LayerNormGrads { eps, sums: Some(t), .. } => {
             // The flat result without the sums row, then the row spliced in before x's gradient.
             let (x, n) = (ins[0], ins[0].1.shape[ins[0].1.rank() - 1]);
-            let (from, to) = (crate::op::layer_norm_grads_dx_at(n, false), crate::op::layer_norm_grads_dx_at(n, true));
+            let (from, to) =
+                (Parts::layer_norm_grads(&x.1.shape, false).offset(Part::Dx)?, Parts::layer_norm_grads(&x.1.shape, true).offset(Part::Dx)?);
             let plain = run(
                 &Op::LayerNormGrads { eps: *eps, sums: None, copy: None },
                 ins,
@@ -338,7 +339,7 @@ fn layer_norm_grads(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> 
         Op::LayerNormGrads { .. } if ins.len() == 4 => {
             // With a residual gradient r: the three-input result, then r added to x's gradient.
             let flat = run(op, &ins[..3], meta)?;
-            let at = crate::op::layer_norm_grads_dx_at(ins[0].1.shape[ins[0].1.rank() - 1], false);
+            let at = Parts::layer_norm_grads(&ins[0].1.shape, false).offset(Part::Dx)?;
             let (r, len) = (ins[3], meta.shape[0]);
             let dx = Layout { shape: r.1.shape.clone(), strides: Layout::contiguous(&r.1.shape).strides, offset: at };
             let sum = run(&Op::Binary(crate::BinaryOp::Add), &[(&flat, &dx), r], &OutMeta { shape: r.1.shape.clone(), dtype: meta.dtype })?;
@@ -349,7 +350,7 @@ fn layer_norm_grads(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> 
             })
         }
         Op::LayerNormGrads { eps, .. } if ins.len() == 3 => {
-            // With the weight: the parameter gradients, then x's gradient from `layer_norm_grads_dx_at`.
+            // With the weight: the parameter gradients, then x's gradient (`Parts::layer_norm_grads`).
             let x = ins[0];
             let n = x.1.shape[x.1.rank() - 1];
             let both = run(
@@ -358,9 +359,10 @@ fn layer_norm_grads(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> 
                 &OutMeta { shape: vec![2, n], dtype: meta.dtype },
             )?;
             let dx = run(&Op::NormalizeBackward { eps: *eps }, ins, &OutMeta { shape: x.1.shape.clone(), dtype: meta.dtype })?;
+            let dx_at = Parts::layer_norm_grads(&x.1.shape, false).offset(Part::Dx)?;
             with_cpu!(&both, p => {
                 let mut v = p.to_vec();
-                v.resize(crate::op::layer_norm_grads_dx_at(n, false), Default::default());
+                v.resize(dx_at, Default::default());
                 v.extend_from_slice(typed(&dx, name)?);
                 v.into_storage()
             })
@@ -541,7 +543,7 @@ fn fused(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<CpuS
             let sums = run(&sum, &[(&y, &rows)], &OutMeta { shape: vec![n], dtype })?;
             with_cpu!(&y, v => {
                 let mut out = v.to_vec();
-                out.resize(crate::op::matmul_tail_offset(numel), Default::default());
+                out.resize(Parts::with_tail(&shape, &[n]).offset(Part::Tail)?, Default::default());
                 out.extend_from_slice(typed(&sums, name)?);
                 out.into_storage()
             })
@@ -581,7 +583,7 @@ fn cross_entropy_mean(ins: &[(&CpuStorage, &Layout)], ignore_index: Option<i64>,
     let grad = run(&backward, &[ins[0], ins[1], (&scale, &per_row)], &meta(&[rows, classes]))?;
     Ok(with_cpu!(&loss, l => {
         let mut v = l.to_vec();
-        v.resize(crate::op::XENT_GRAD_AT, Default::default());
+        v.resize(Parts::cross_entropy_mean(rows, classes).offset(Part::Dx)?, Default::default());
         v.extend_from_slice(typed(&grad, "cross_entropy_mean")?);
         v.into_storage()
     }))
@@ -596,28 +598,26 @@ fn linear_cross_entropy_mean(
     drelu: bool,
     meta: &OutMeta,
 ) -> Result<CpuStorage> {
-    use crate::op::XENT_GRAD_AT;
     let [h, w, bias, targets] = [ins[0], ins[1], ins[2], ins[3]];
     let (n, c, f) = (h.1.shape[0], w.1.shape[0], h.1.shape[1]);
     let with_shape = |shape: Vec<usize>| OutMeta { shape, dtype: meta.dtype };
     let wt = Layout { shape: vec![f, c], strides: vec![w.1.strides[1], w.1.strides[0]], offset: w.1.offset };
     let logits = run(&Op::Matmul, &[h, (w.0, &wt), bias], &with_shape(vec![n, c]))?;
     let xent = Op::Fused(Fused::CrossEntropyMean { ignore_index, smoothing });
-    let ce = run(&xent, &[(&logits, &Layout::contiguous(&[n, c])), targets], &with_shape(vec![XENT_GRAD_AT + n * c]))?;
-    let g = Layout { shape: vec![n, c], strides: vec![c, 1], offset: XENT_GRAD_AT };
-    let gt = Layout { shape: vec![c, n], strides: vec![1, c], offset: XENT_GRAD_AT };
-    let dw = run(
-        &Op::Fused(Fused::Matmul(MatmulEpilogue::SumLeft)),
-        &[(&ce, &gt), h],
-        &with_shape(vec![crate::op::matmul_tail_offset(c * f) + c]),
-    )?;
+    let xent_parts = Parts::cross_entropy_mean(n, c);
+    let ce = run(&xent, &[(&logits, &Layout::contiguous(&[n, c])), targets], &with_shape(vec![xent_parts.len()]))?;
+    let g = xent_parts.view(Part::Dx)?;
+    let gt = Layout { shape: vec![c, n], strides: vec![1, c], offset: g.offset };
+    let sums = Parts::with_tail(&[c, f], &[c]);
+    let dw = run(&Op::Fused(Fused::Matmul(MatmulEpilogue::SumLeft)), &[(&ce, &gt), h], &with_shape(vec![sums.len()]))?;
     let dh = match drelu {
         true => run(&Op::Fused(Fused::Matmul(MatmulEpilogue::DRelu)), &[(&ce, &g), w, h], &with_shape(vec![n, f]))?,
         false => run(&Op::Matmul, &[(&ce, &g), w], &with_shape(vec![n, f]))?,
     };
-    let (dw_at, _, dh_at, len) = crate::op::linear_xent_parts(n, c, f);
+    let parts = Parts::linear_cross_entropy_mean(n, c, f);
+    let (dw_at, dh_at) = (parts.offset(Part::Dw)?, parts.offset(Part::Dx)?);
     Ok(with_cpu!(&ce, loss => {
-        let mut v = vec![Default::default(); len];
+        let mut v = vec![Default::default(); parts.len()];
         v[0] = loss[0];
         let dw = typed(&dw, "linear_cross_entropy_mean")?;
         v[dw_at..dw_at + dw.len()].copy_from_slice(dw);
@@ -719,7 +719,10 @@ pub fn matmul_by_tiles(
         after: &matmul::TileFn,
     ) -> Result<Vec<T>> {
         let mn = s.m * s.n;
-        let at = if sums.is_some() { crate::op::matmul_tail_offset(mn) } else { mn };
+        let at = match sums {
+            Some(t) => Parts::with_tail(&[s.m, s.n], &[t.len()]).offset(Part::Tail)?,
+            None => mn,
+        };
         let mut v = pool::take::<T>(at + sums.map_or(0, |t| t.len()));
         v[mn..at].fill(T::zero());
         if let Some(t) = sums {
@@ -737,9 +740,10 @@ pub fn matmul_by_tiles(
     }))
 }
 
-/// `head`, zeros up to `matmul_tail_offset`, then `tail`: a fused matmul's flat output.
+/// `head`, zeros up to the tail's aligned start, then `tail`: a fused matmul's flat output
+/// (`Parts::with_tail`).
 fn append(head: &CpuStorage, tail: &CpuStorage) -> Result<CpuStorage> {
-    let at = crate::op::matmul_tail_offset(head.len());
+    let at = Parts::with_tail(&[head.len()], &[tail.len()]).offset(Part::Tail)?;
     Ok(with_cpu!(head, h => {
         let mut v = Vec::with_capacity(at + tail.len());
         v.extend_from_slice(h);

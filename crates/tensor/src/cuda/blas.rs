@@ -316,7 +316,7 @@ pub fn matmul_fused(
     let out = CudaStorage::alloc(&g.mem, meta.dtype, meta.shape.iter().product())?;
     // The operands' dtype: the output's, or 16 bits under an F32 residual's sum (`Residual`).
     let dtype = sa.dtype;
-    let tail = crate::op::matmul_tail_offset(shape.iter().product());
+    let tail = crate::op::Parts::with_tail(&shape, &[]).offset(crate::op::Part::Tail)?;
     // A `D*` epilogue's third input is the activation's, a residual's the residual (the bias
     // after it); else the third is the bias.
     let dact = epi.and_then(MatmulEpilogue::activation_grad);

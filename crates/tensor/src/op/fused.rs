@@ -1,7 +1,7 @@
 //! The fused ops' names, arities and shape rules (the type, `Fused`, is beside `Op`).
 
 use super::shapes::{float_only, index_dtype, same_dtype};
-use super::{linear_xent_parts, matmul_tail_offset, Fused, InMeta, MatmulEpilogue, Op, OutMeta, XENT_GRAD_AT};
+use super::{Fused, InMeta, MatmulEpilogue, Op, OutMeta, Parts};
 use crate::{DType, Error, Result};
 
 impl Fused {
@@ -14,7 +14,7 @@ impl Fused {
             Fused::Matmul(MatmulEpilogue::Residual) => "matmul_residual",
             Fused::Matmul(_) => "matmul_sum",
             Fused::GatedSums { .. } => "gated_sums",
-            Fused::AttentionHeadsLast { .. } => "attention",
+            Fused::AttentionHeadsLast { .. } => "attention_heads_last",
             Fused::CrossEntropyMean { .. } => "cross_entropy_mean",
             Fused::LinearCrossEntropyMean { .. } => "linear_cross_entropy_mean",
         }
@@ -46,20 +46,20 @@ impl Fused {
                         format!("a {:?} and h {:?} must have one shape of rank >= 1", inputs[0].shape, inputs[1].shape),
                     ));
                 };
-                let numel: usize = inputs[0].shape.iter().product();
-                Ok(OutMeta { shape: vec![matmul_tail_offset(numel) + n], dtype: inputs[0].dtype })
+                Ok(OutMeta { shape: vec![Parts::with_tail(inputs[0].shape, &[n]).len()], dtype: inputs[0].dtype })
             }
             Fused::AttentionHeadsLast { scale, causal } => {
-                let out = Op::Attention { scale: *scale, causal: *causal }.infer(inputs)?;
+                let out = Op::Attention { scale: *scale, causal: *causal }.infer(inputs).map_err(|e| e.in_op(name))?;
                 match out.shape[..] {
                     [b, h, t, d] => Ok(OutMeta { shape: vec![b, t, h, d], dtype: out.dtype }),
                     _ => Err(Error::shape(name, format!("with the heads last needs q of rank 4 [B, H, T, D], got {:?}", out.shape))),
                 }
             }
             Fused::CrossEntropyMean { ignore_index, smoothing } => {
-                let rows = Op::CrossEntropy { ignore_index: *ignore_index, smoothing: *smoothing }.infer(inputs)?;
+                let rows =
+                    Op::CrossEntropy { ignore_index: *ignore_index, smoothing: *smoothing }.infer(inputs).map_err(|e| e.in_op(name))?;
                 let classes = inputs[0].shape[1];
-                Ok(OutMeta { shape: vec![XENT_GRAD_AT + rows.shape[0] * classes], dtype: rows.dtype })
+                Ok(OutMeta { shape: vec![Parts::cross_entropy_mean(rows.shape[0], classes).len()], dtype: rows.dtype })
             }
             Fused::LinearCrossEntropyMean { .. } => {
                 let [h, w, b, t] = [0, 1, 2, 3].map(|i| inputs[i].shape);
@@ -73,7 +73,7 @@ impl Fused {
                         format!("expects h [N, H], weight [C, H], bias [C] and targets [N], got {h:?}, {w:?}, {b:?} and {t:?}"),
                     ));
                 }
-                Ok(OutMeta { shape: vec![linear_xent_parts(h[0], w[0], h[1]).3], dtype: inputs[0].dtype })
+                Ok(OutMeta { shape: vec![Parts::linear_cross_entropy_mean(h[0], w[0], h[1]).len()], dtype: inputs[0].dtype })
             }
         }
     }
@@ -84,13 +84,14 @@ fn matmul(name: &'static str, e: MatmulEpilogue, inputs: &[InMeta<'_>]) -> Resul
     // (A residual's operands: a, b and the bias after r.)
     let product = match e {
         MatmulEpilogue::Residual => residual_product(name, inputs)?,
-        e if e.activation_grad().is_some() => Op::Matmul.infer(&inputs[..2])?,
-        _ => Op::Matmul.infer(inputs)?,
+        e if e.activation_grad().is_some() => Op::Matmul.infer(&inputs[..2]).map_err(|e| e.in_op(name))?,
+        _ => Op::Matmul.infer(inputs).map_err(|e| e.in_op(name))?,
     };
-    let numel: usize = product.shape.iter().product();
     match e {
         MatmulEpilogue::Relu => Ok(product),
-        MatmulEpilogue::GeluTanh => Ok(OutMeta { shape: vec![matmul_tail_offset(numel) + numel], dtype: product.dtype }),
+        MatmulEpilogue::GeluTanh => {
+            Ok(OutMeta { shape: vec![Parts::with_tail(&product.shape, &product.shape).len()], dtype: product.dtype })
+        }
         MatmulEpilogue::DGeluTanh | MatmulEpilogue::DRelu => {
             same_dtype(name, product.dtype, inputs[2].dtype)?;
             if inputs[2].shape != product.shape {
@@ -117,7 +118,7 @@ fn matmul(name: &'static str, e: MatmulEpilogue, inputs: &[InMeta<'_>]) -> Resul
                 return Err(Error::shape(name, format!("needs two 2-D operands, got {a:?} x {b:?}")));
             }
             let sums = if e == MatmulEpilogue::SumLeft { a[0] } else { b[1] };
-            Ok(OutMeta { shape: vec![matmul_tail_offset(a[0] * b[1]) + sums], dtype: product.dtype })
+            Ok(OutMeta { shape: vec![Parts::with_tail(&[a[0], b[1]], &[sums]).len()], dtype: product.dtype })
         }
     }
 }
@@ -126,7 +127,7 @@ fn matmul(name: &'static str, e: MatmulEpilogue, inputs: &[InMeta<'_>]) -> Resul
 /// b with the bias's shape checked; the bias is of the operands' dtype, or of r's when a
 /// 16-bit product joins an F32 r (autocast's bias read in F32, as cuBLASLt's epilogue takes it).
 fn residual_product(name: &'static str, inputs: &[InMeta]) -> Result<OutMeta> {
-    let product = Op::Matmul.infer(&inputs[..2])?;
+    let product = Op::Matmul.infer(&inputs[..2]).map_err(|e| e.in_op(name))?;
     if let (Some(r), Some(bias)) = (inputs.get(2), inputs.get(3)) {
         let n = product.shape[product.shape.len() - 1];
         if bias.shape != [n] {

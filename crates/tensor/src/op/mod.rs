@@ -5,7 +5,10 @@
 //! variant is a list of compile errors that says where to go.
 
 mod fused;
+mod parts;
 mod shapes;
+
+pub use parts::{Part, Parts};
 
 use crate::{DType, Error, Result};
 
@@ -467,7 +470,7 @@ pub enum MatmulEpilogue {
     /// PyTorch's fused `addmm` + ReLU does).
     Relu,
     /// `gelu_tanh(a @ b + bias)` and the pre-activation `a @ b + bias` (which the backward
-    /// reads) as one flat buffer, the second from `matmul_tail_offset`: cuBLASLt's
+    /// reads) as one flat buffer (`Parts::with_tail`): cuBLASLt's
     /// GELU_AUX(_BIAS) epilogue, whose GELU is this tanh form.
     GeluTanh,
     /// `(a @ b) * gelu_tanh_grad(h)` (inputs a, b, h): the gradient through a `GeluTanh` whose
@@ -479,8 +482,7 @@ pub enum MatmulEpilogue {
     /// classifier head's weight), in its own product kernel.
     DRelu,
     /// `a @ b` of 2-D operands, then the sums of `a` over its columns (the contraction), as one
-    /// flat buffer: the product `[m, n]` from element 0, the `m` sums from
-    /// `matmul_tail_offset(m * n)`. A weight's gradient `g^T x` and its bias's gradient `sum(g)`
+    /// flat buffer (`Parts::with_tail`): the product `[m, n]`, then the `m` sums. A weight's gradient `g^T x` and its bias's gradient `sum(g)`
     /// in one GEMM (cuBLASLt's BGRADB epilogue).
     SumLeft,
     /// As `SumLeft`, with the `n` sums of `b` over its rows (BGRADA).
@@ -503,13 +505,6 @@ impl MatmulEpilogue {
             | MatmulEpilogue::Residual => None,
         }
     }
-}
-
-/// Where x's gradient starts in `Op::LayerNormGrads`'s flat output (with the weight):
-/// after the `[2, n]` parameter gradients (`[3, n]` with its `sums` row), rounded up to 64
-/// elements so that it stays aligned for vector loads.
-pub fn layer_norm_grads_dx_at(n: usize, sums: bool) -> usize {
-    ((2 + sums as usize) * n).next_multiple_of(64)
 }
 
 /// A primitive op. Inputs are passed separately; parameters that shape the result live here.
@@ -587,15 +582,15 @@ pub enum Op {
     /// shape, last dim `n`; g in any float dtype, read as x's): `[2, n]`, the sums over rows of
     /// `g * normalize(x)` (the weight's) and of `g` (the bias's). On CUDA one pass reads x and g once, with no normalised copy.
     /// With the weight `w` (`[n]`) as a third input, the whole backward in that pass: one flat
-    /// buffer, the `[2, n]` then, from `layer_norm_grads_dx_at(n, false)`, x's gradient (as
+    /// buffer (`Parts::layer_norm_grads`), the `[2, n]` then x's gradient (as
     /// `NormalizeBackward` with `w` computes it). With a fourth input `r` (x's shape and
     /// dtype), x's gradient plus `r`: a residual connection's gradient added as it is stored
     /// (folded in by compile on a GPU, for F32 and F64). With the weight and `sums: Some(t)`,
     /// a third row after the two: the sums over rows of that gradient (plus r) as rounded to
     /// `t` (the bias gradient of the product it feeds, read by compile on a GPU from here
-    /// instead of summing a copy); x's gradient then starts at `layer_norm_grads_dx_at(n, true)`.
+    /// instead of summing a copy), before x's gradient.
     /// `copy: Some(t)` leaves the output as it is: it tells a caller of
-    /// `Tensor::layer_norm_grads_with_copy` (compile, on a GPU) that x's gradient (plus
+    /// `fused::layer_norm_grads_with_copy` (compile, on a GPU) that x's gradient (plus
     /// r) is also wanted cast to `t`, which the CUDA kernel then writes in the same pass.
     LayerNormGrads {
         eps: f64,
@@ -695,8 +690,8 @@ pub enum Fused {
     Matmul(MatmulEpilogue),
     /// An activation's backward with its bias gradient (on a GPU): inputs `a` and `h` of one
     /// float shape `[.., n]` and dtype; one flat output of that dtype, `y = a * gate(h)` (the
-    /// gate's value stored in the dtype first, as the two ops store it), then from
-    /// `matmul_tail_offset(numel)` the `n` sums of y over its rows (the bias gradient of the
+    /// gate's value stored in the dtype first, as the two ops store it), then
+    /// (`Parts::with_tail`) the `n` sums of y over its rows (the bias gradient of the
     /// product y feeds). GPT's `fc1` under autocast: the GELU's gradient and its bias sums in
     /// one pass over a and h.
     GatedSums { gate: UnaryOp },
@@ -707,38 +702,17 @@ pub enum Fused {
     /// A mean cross-entropy and its gradient in one op (inputs: logits `[N, C]`, targets
     /// `[N]`), from `cross_entropy`'s mean and its backward: element 0 is the loss (the
     /// `CrossEntropy` rows summed over the `K` targets that are not `ignore_index`, divided by
-    /// `K`), and from `XENT_GRAD_AT` on the logits' gradient `[N, C]` of that loss
-    /// (`CrossEntropyBackward` with every row's gradient `1 / K`).
+    /// `K`), then the logits' gradient `[N, C]` of that loss (`CrossEntropyBackward` with
+    /// every row's gradient `1 / K`; `Parts::cross_entropy_mean`).
     CrossEntropyMean { ignore_index: Option<i64>, smoothing: f64 },
     /// A linear classifier head, its mean cross-entropy and the head's backward in one op (on
     /// a GPU: one launch, a cluster of blocks; a small batch's head is five launches of latency
     /// otherwise). Inputs: h `[N, H]`, the weight w `[C, H]`, the bias `[C]` and the targets
-    /// `[N]`; the logits are `h w^T + bias`. Output (`linear_xent_parts`): the loss at 0 (as
-    /// `CrossEntropyMean`), from `XENT_GRAD_AT` the weight's gradient `g^T h` `[C, H]` followed
+    /// `[N]`; the logits are `h w^T + bias`. Output (`Parts::linear_cross_entropy_mean`): the loss (as
+    /// `CrossEntropyMean`), the weight's gradient `g^T h` `[C, H]` followed
     /// by the bias's `sum(g)` (`MatmulEpilogue::SumLeft`'s layout), then h's gradient `g w`
     /// `[N, H]`, times `step(h)` with `drelu` (h is a ReLU's output).
     LinearCrossEntropyMean { ignore_index: Option<i64>, smoothing: f64, drelu: bool },
-}
-
-/// Where `Fused::CrossEntropyMean`'s gradient starts in its output (after the loss, aligned for
-/// vector loads).
-pub const XENT_GRAD_AT: usize = 64;
-
-/// Where the parts of `Fused::LinearCrossEntropyMean`'s output start for `n` rows, `c` classes and
-/// `h` features: `(weight gradient, bias gradient, h's gradient, total length)`, each part
-/// aligned to 64 elements as `matmul_tail_offset` aligns the sums.
-pub fn linear_xent_parts(n: usize, c: usize, h: usize) -> (usize, usize, usize, usize) {
-    let dw = XENT_GRAD_AT;
-    let db = dw + matmul_tail_offset(c * h);
-    let dh = (db + c).next_multiple_of(64);
-    (dw, db, dh, dh + n * h)
-}
-
-/// Where the second part of `Fused::Matmul`'s output (sums, or GELU's pre-activation)
-/// starts: after the product's `numel` elements, rounded up to 64 so it stays aligned for
-/// cuBLASLt. The padding between is unspecified (zeros on the CPU).
-pub fn matmul_tail_offset(numel: usize) -> usize {
-    numel.next_multiple_of(64)
 }
 
 /// What an op produces: shape and dtype.

@@ -1,6 +1,6 @@
 //! The primitive ops' shape and dtype rules (`Op::infer`), one function per op family.
 
-use super::{attention_grads_shape, check_dim, layer_norm_grads_dx_at, InMeta, Op, OutMeta, ReduceOp, UnaryOp};
+use super::{attention_grads_shape, check_dim, InMeta, Op, OutMeta, Parts, ReduceOp, UnaryOp};
 use crate::shape::broadcast_shapes;
 use crate::{DType, Error, Result};
 
@@ -157,9 +157,7 @@ pub(super) fn rows(op: &Op, inputs: &[InMeta<'_>]) -> Result<OutMeta> {
             };
             match inputs.get(2) {
                 None => meta(vec![2, n], inputs[0].dtype),
-                Some(w) if w.shape == [n] => {
-                    meta(vec![layer_norm_grads_dx_at(n, sums) + inputs[0].shape.iter().product::<usize>()], inputs[0].dtype)
-                }
+                Some(w) if w.shape == [n] => meta(vec![Parts::layer_norm_grads(inputs[0].shape, sums).len()], inputs[0].dtype),
                 Some(w) => Err(Error::shape(name, format!("the weight must be [{n}] for x {:?}, got {:?}", inputs[0].shape, w.shape))),
             }
         }

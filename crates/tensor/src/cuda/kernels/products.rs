@@ -518,6 +518,7 @@ mod launch {
     use crate::cuda::kernels::elementwise::dense;
     use crate::cuda::kernels::prelude::{kernel_params, CudaStorage};
     use crate::cuda::kernels::rows::XArgs;
+    use crate::op::Part;
     use crate::shape::Layout;
     use crate::{Error, Result};
     use std::sync::Arc;
@@ -565,8 +566,10 @@ mod launch {
         }
         let cluster = g.has_clusters();
         let (per, blocks) = linear_xent_blocks(n, cluster);
-        let (dw, db, dh, len) = crate::op::linear_xent_parts(n, c, f);
-        let out = CudaStorage::alloc(&g.mem, sh.dtype, len)?;
+        let parts = crate::op::Parts::linear_cross_entropy_mean(n, c, f);
+        let [dw, db, dh] = [Part::Dw, Part::Db, Part::Dx].map(|p| parts.offset(p));
+        let (dw, db, dh) = (dw?, db?, dh?);
+        let out = CudaStorage::alloc(&g.mem, sh.dtype, parts.len())?;
         let targets = dense(g, st, lt)?;
         let k = g.kernel_shared(crate::cuda::gpu::spec_key("linear_xent", &(sh.dtype, cluster)), LINEAR_XENT_MAX_SMEM as u32, || {
             linear_xent_source(sh.dtype, cluster)
@@ -596,7 +599,7 @@ mod launch {
         let (threads, z) = (LINEAR_XENT_THREADS as u32, blocks as u32);
         // SAFETY: (out, h, w, bias, targets, err, XArgs, LArgs) matches the generated signature;
         // h, w and the bias are read through their own strides from their first elements within
-        // their shapes, the targets are dense [n], `out` holds `linear_xent_parts`' length, and
+        // their shapes, the targets are dense [n], `out` holds `parts`' length, and
         // `smem` (at most the limit the kernel was loaded with: `linear_xent_fits`) holds a
         // block's staged operands for `per` rows, `blocks` of which cover the n rows.
         unsafe {

@@ -288,12 +288,12 @@ mod launch {
     }
 
     /// `Fused::GatedSums`: `y = a * gate(h)` and its sums over the rows in one pass over a and h
-    /// (`column_sums` reading a and h and storing y), the sums after `op::matmul_tail_offset`.
+    /// (`column_sums` reading a and h and storing y), the sums after (`Parts::with_tail`).
     pub(crate) fn gated_sums(g: &Arc<Gpu>, a: View, h: View, gate: crate::op::UnaryOp) -> Result<CudaStorage> {
         let (dtype, numel) = (a.0.dtype, a.1.numel());
         let n = a.1.shape[a.1.rank() - 1];
-        let at = crate::op::matmul_tail_offset(numel);
-        let out = CudaStorage::alloc(&g.mem, dtype, at + n)?;
+        let parts = crate::op::Parts::with_tail(&a.1.shape, &[n]);
+        let (out, at) = (CudaStorage::alloc(&g.mem, dtype, parts.len())?, parts.offset(crate::op::Part::Tail)?);
         let rows = numel.checked_div(n).unwrap_or(0);
         if rows == 0 || n == 0 {
             return g.zero(&out).map(|_| out);

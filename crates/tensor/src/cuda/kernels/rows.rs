@@ -122,8 +122,8 @@ const _: () = assert!(XENT_MEAN_BLOCKS <= XENT_MEAN_THREADS);
 /// gradients in the same pass as their losses. The loss sums the blocks' partial sums: the last
 /// block to finish (a ticket in the module's memory, reset by that block) reads them a thread
 /// each and adds them in a fixed order, the same bits every step.
-pub fn cross_entropy_mean_source(dtype: DType, tpr: usize) -> (String, String) {
-    let name = format!("k_cross_entropy_mean_{}_t{tpr}", format!("{dtype:?}").to_lowercase());
+pub fn cross_entropy_mean_source(dtype: DType, tpr: usize, grad_at: usize) -> (String, String) {
+    let name = format!("k_cross_entropy_mean_{}_t{tpr}_g{grad_at}", format!("{dtype:?}").to_lowercase());
     let (t, c) = (storage_type(dtype), compute_type(dtype));
     let mut s = format!("{PRELUDE}{INDEX_ARGS}\ntypedef {c} C;\n");
     s += XENT_ARGS;
@@ -146,7 +146,7 @@ pub fn cross_entropy_mean_source(dtype: DType, tpr: usize) -> (String, String) {
     s += XENT_SMOOTHING_SUM;
     s += &lanes_allreduce(false, tpr);
     s += "  if (valid && lane == 0 && !skip) loss = lse - on * (C)ld(x[base + t]) - off * acc;\n";
-    s += &format!("  {t}* __restrict__ go = o + {};\n", crate::op::XENT_GRAD_AT);
+    s += &format!("  {t}* __restrict__ go = o + {grad_at};\n");
     s += &xent_grad_loop("go", "valid");
     s += "  }\n";
     s += "  acc = loss;\n";
@@ -187,7 +187,7 @@ pub fn softmax_backward_source(dtype: DType, log: bool, block: bool) -> (String,
 /// What `layer_norm_grads_source`'s kernel writes beside the parameter gradients'
 /// partials.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub struct LnGradsParts {
+pub struct LayerNormGradsWrites {
     /// x's gradient (with the weight `w`).
     pub dx: bool,
     /// A residual gradient `r` added to dx as it is stored.
@@ -222,7 +222,7 @@ pub enum LayerNormGradsStage {
     Off,
     /// x's and g's rows.
     Rows,
-    /// x's, g's and the residual gradient r's rows (with `LnGradsParts::resid`).
+    /// x's, g's and the residual gradient r's rows (with `LayerNormGradsWrites::resid`).
     RowsAndResidual,
 }
 
@@ -244,12 +244,12 @@ pub enum LayerNormGradsStage {
 pub fn layer_norm_grads_source(
     dtype: DType,
     tiles: usize,
-    parts: LnGradsParts,
+    parts: LayerNormGradsWrites,
     gdt: DType,
     stage: LayerNormGradsStage,
 ) -> (String, String) {
     // g may be in another float dtype (a BF16 product's gradient under autocast), read as C.
-    let LnGradsParts { dx, resid, sums, copy } = parts;
+    let LayerNormGradsWrites { dx, resid, sums, copy } = parts;
     let (sums, copy) = (sums.filter(|_| dx), copy.filter(|_| dx));
     let (staged, stage_r) = (stage != LayerNormGradsStage::Off, stage == LayerNormGradsStage::RowsAndResidual && dx && resid);
     let tag = |what: &str, t: Option<DType>| t.map_or(String::new(), |t| format!("_{what}_{}", storage_type(t).replace(' ', "_")));
@@ -295,28 +295,7 @@ pub fn layer_norm_grads_source(
         s += "#define WR(t) wr[t]\n";
     }
     let (xrow, grow) = if staged {
-        // Slot s of this warp: the row's x, then its g (then its r). A fetch always commits a
-        // group (empty past the warp's rows), so that waiting for all but the newest is this row's.
-        s += "  extern __shared__ __align__(16) unsigned char dyn[];\n";
-        s += &format!("  const int x_bytes = (int)a.red * (int)sizeof(X), g_bytes = (int)a.red * (int)sizeof(G), slot_bytes = {} * x_bytes + g_bytes;\n", 1 + stage_r as u8);
-        s += "  unsigned char* mine = dyn + warp * 2 * slot_bytes;\n";
-        s += "  auto fetch = [&](long long row, int slot) {\n    if (row < r1) {\n";
-        s += "      const unsigned dst = (unsigned)__cvta_generic_to_shared(mine + slot * slot_bytes);\n";
-        s += "      const char* xs = (const char*)(x + row * a.red); const char* gs = (const char*)(g + row * a.red);\n";
-        s += "      for (int o = lane * 16; o < x_bytes; o += 512) asm volatile(\"cp.async.cg.shared.global [%0], [%1], 16;\" :: \"r\"(dst + o), \"l\"(xs + o));\n";
-        s += "      for (int o = lane * 16; o < g_bytes; o += 512) asm volatile(\"cp.async.cg.shared.global [%0], [%1], 16;\" :: \"r\"(dst + x_bytes + o), \"l\"(gs + o));\n";
-        if stage_r {
-            s += "      const char* rs = (const char*)(r + row * a.red);\n";
-            s += "      for (int o = lane * 16; o < x_bytes; o += 512) asm volatile(\"cp.async.cg.shared.global [%0], [%1], 16;\" :: \"r\"(dst + x_bytes + g_bytes + o), \"l\"(rs + o));\n";
-        }
-        s += "    }\n    asm volatile(\"cp.async.commit_group;\" ::);\n  };\n";
-        s += "  int slot = 0;\n  fetch(blockIdx.x * chunk + warp, 0);\n";
-        s += "  for (long long row = blockIdx.x * chunk + warp; row < r1; row += nw, slot ^= 1) {\n";
-        s += "    fetch(row + nw, slot ^ 1);\n    asm volatile(\"cp.async.wait_group 1;\" ::: \"memory\");\n    __syncwarp();\n";
-        s += "    const X* xs = (const X*)(mine + slot * slot_bytes); const G* gs = (const G*)(mine + slot * slot_bytes + x_bytes);\n";
-        if stage_r {
-            s += "    const X* rs = (const X*)(mine + slot * slot_bytes + x_bytes + g_bytes);\n";
-        }
+        s += &staged_row_loop(stage_r);
         ("xs[j]", "gs[j]")
     } else {
         s += "  for (long long row = blockIdx.x * chunk + warp; row < r1; row += nw) {\n";
@@ -363,13 +342,54 @@ pub fn layer_norm_grads_source(
         s += "    __syncwarp();\n";
     }
     s += "  }\n";
+    s += &block_partials(sums.is_some());
+    (s, name)
+}
+
+/// `layer_norm_grads_source`'s row loop over rows staged in shared memory: two slots per
+/// warp, the next row fetched with `cp.async` while this one is worked on; `xs`, `gs` (and
+/// with `stage_r`, `rs`) point into this row's slot.
+fn staged_row_loop(stage_r: bool) -> String {
+    let mut s = String::new();
+    // Slot s of this warp: the row's x, then its g (then its r). A fetch always commits a
+    // group (empty past the warp's rows), so that waiting for all but the newest is this row's.
+    s += "  extern __shared__ __align__(16) unsigned char dyn[];\n";
+    s += &format!(
+        "  const int x_bytes = (int)a.red * (int)sizeof(X), g_bytes = (int)a.red * (int)sizeof(G), slot_bytes = {} * x_bytes + g_bytes;\n",
+        1 + stage_r as u8
+    );
+    s += "  unsigned char* mine = dyn + warp * 2 * slot_bytes;\n";
+    s += "  auto fetch = [&](long long row, int slot) {\n    if (row < r1) {\n";
+    s += "      const unsigned dst = (unsigned)__cvta_generic_to_shared(mine + slot * slot_bytes);\n";
+    s += "      const char* xs = (const char*)(x + row * a.red); const char* gs = (const char*)(g + row * a.red);\n";
+    s += "      for (int o = lane * 16; o < x_bytes; o += 512) asm volatile(\"cp.async.cg.shared.global [%0], [%1], 16;\" :: \"r\"(dst + o), \"l\"(xs + o));\n";
+    s += "      for (int o = lane * 16; o < g_bytes; o += 512) asm volatile(\"cp.async.cg.shared.global [%0], [%1], 16;\" :: \"r\"(dst + x_bytes + o), \"l\"(gs + o));\n";
+    if stage_r {
+        s += "      const char* rs = (const char*)(r + row * a.red);\n";
+        s += "      for (int o = lane * 16; o < x_bytes; o += 512) asm volatile(\"cp.async.cg.shared.global [%0], [%1], 16;\" :: \"r\"(dst + x_bytes + g_bytes + o), \"l\"(rs + o));\n";
+    }
+    s += "    }\n    asm volatile(\"cp.async.commit_group;\" ::);\n  };\n";
+    s += "  int slot = 0;\n  fetch(blockIdx.x * chunk + warp, 0);\n";
+    s += "  for (long long row = blockIdx.x * chunk + warp; row < r1; row += nw, slot ^= 1) {\n";
+    s += "    fetch(row + nw, slot ^ 1);\n    asm volatile(\"cp.async.wait_group 1;\" ::: \"memory\");\n    __syncwarp();\n";
+    s += "    const X* xs = (const X*)(mine + slot * slot_bytes); const G* gs = (const G*)(mine + slot * slot_bytes + x_bytes);\n";
+    if stage_r {
+        s += "    const X* rs = (const X*)(mine + slot * slot_bytes + x_bytes + g_bytes);\n";
+    }
+    s
+}
+
+/// `layer_norm_grads_source`'s end: each block sums its warps' partials (dw, db and the
+/// sums row) in shared memory and stores them, a row of `PROWS * n` per block.
+fn block_partials(sums: bool) -> String {
+    let mut s = String::new();
     s += "  __shared__ C sh[PROWS * 32 * TILES];\n";
     s += "  for (int w = 0; w < nw; ++w) {\n    if (warp == w) {\n#pragma unroll\n      for (int t = 0; t < TILES; ++t) {\n";
     s += "        const long long j = lane + 32LL * t;\n        if (j < a.red) { sh[j] = (w ? sh[j] : (C)0) + dw[t]; sh[a.red + j] = (w ? sh[a.red + j] : (C)0) + db[t];";
-    s += if sums.is_some() { " sh[2 * a.red + j] = (w ? sh[2 * a.red + j] : (C)0) + ds[t]; }\n" } else { " }\n" };
+    s += if sums { " sh[2 * a.red + j] = (w ? sh[2 * a.red + j] : (C)0) + ds[t]; }\n" } else { " }\n" };
     s += "      }\n    }\n    __syncthreads();\n  }\n";
     s += "  for (long long j = threadIdx.x; j < PROWS * a.red; j += blockDim.x) part[blockIdx.x * PROWS * a.red + j] = sh[j];\n}\n";
-    (s, name)
+    s
 }
 
 /// Layer norm's normalisation over the last dim of a dense buffer (`affine`: times `w`, plus
@@ -473,7 +493,7 @@ mod launch {
     use crate::cuda::kernels::elementwise::{dense, Dense};
     use crate::cuda::kernels::prelude::{coalesce, kernel_params, storages, too_many_dims, CudaStorage, View, MAX_RANK};
     use crate::cuda::kernels::reduce::{accumulator, reduce_into, RArgs};
-    use crate::op::{Op, ReduceOp};
+    use crate::op::{Op, Part, Parts, ReduceOp};
     use crate::shape::Layout;
     use crate::storage::Storage;
     use crate::{DType, Device, Error, Result};
@@ -593,7 +613,7 @@ mod launch {
     /// partial sums in one pass over both (`layer_norm_grads_source`), then one
     /// column sum of the partials. With the weight `w`, the same pass writes the input's gradient
     /// too, after the `[2, n]` (`[3, n]` with `sums`: dx's column sums as rounded to that dtype)
-    /// from `op::layer_norm_grads_dx_at` (`Op::LayerNormGrads`'s flat form). With `copy` (dense,
+    /// (`Parts::layer_norm_grads`). With `copy` (dense,
     /// x's shape) and the weight, the pass also stores dx (plus r) to it in its dtype.
     pub(crate) fn layer_norm_param_grads(
         g: &Arc<Gpu>,
@@ -606,10 +626,11 @@ mod launch {
         let (dtype, n) = (x.0.dtype, x.1.shape[x.1.rank() - 1]);
         let rows = x.1.numel().checked_div(n).unwrap_or(0);
         let sums = sums.filter(|_| w.is_some());
-        let dx_at = crate::op::layer_norm_grads_dx_at(n, sums.is_some());
+        let parts = Parts::layer_norm_grads(&x.1.shape, sums.is_some());
+        let dx_at = parts.offset(Part::Dx)?;
         // Rows of partials each block writes: dw, db (and the sums).
         let rows_k = 2 + sums.is_some() as usize;
-        let out = CudaStorage::alloc(&g.mem, dtype, if w.is_some() { dx_at + x.1.numel() } else { 2 * n })?;
+        let out = CudaStorage::alloc(&g.mem, dtype, if w.is_some() { parts.len() } else { 2 * n })?;
         let tiles = n.div_ceil(32);
         if n > LAYER_NORM_GRADS_MAX_N {
             return Err(Error::shape("layer_norm_grads", format!("rows of {n} exceed the kernel's {}", LAYER_NORM_GRADS_MAX_N)));
@@ -643,7 +664,7 @@ mod launch {
         let (most, shared) =
             (layer_norm_grads_stage_bytes(32 * tiles, dtype, gdt, stage), layer_norm_grads_stage_bytes(n, dtype, gdt, stage));
         let copy = copy.filter(|_| with_dx);
-        let parts = LnGradsParts { dx: with_dx, resid, sums, copy: copy.map(|c| c.dtype) };
+        let parts = LayerNormGradsWrites { dx: with_dx, resid, sums, copy: copy.map(|c| c.dtype) };
         let k = g.kernel_shared(crate::cuda::gpu::spec_key("layer_norm_grads", &(dtype, tiles, gdt, stage, parts)), most as u32, || {
             layer_norm_grads_source(dtype, tiles, parts, gdt, stage)
         })?;
@@ -796,7 +817,8 @@ mod launch {
     ) -> Result<CudaStorage> {
         let ((s, l), (st, lt)) = (x[0], x[1]);
         let (rows, n) = (l.shape[0], l.shape[1]);
-        let out = CudaStorage::alloc(&g.mem, s.dtype, crate::op::XENT_GRAD_AT + rows * n)?;
+        let parts = Parts::cross_entropy_mean(rows, n);
+        let (out, grad_at) = (CudaStorage::alloc(&g.mem, s.dtype, parts.len())?, parts.offset(Part::Dx)?);
         if n == 0 && rows > 0 {
             return Err(Error::shape("cross_entropy_mean", format!("needs at least one class, got logits {:?}", l.shape)));
         }
@@ -811,12 +833,14 @@ mod launch {
                 format!("logits {:?} need {blocks} blocks, more than the kernel's {most}", l.shape),
             ));
         }
-        let k = g.kernel(crate::cuda::gpu::spec_key("cross_entropy_mean", &(s.dtype, tpr)), || cross_entropy_mean_source(s.dtype, tpr))?;
+        let k = g.kernel(crate::cuda::gpu::spec_key("cross_entropy_mean", &(s.dtype, tpr, grad_at)), || {
+            cross_entropy_mean_source(s.dtype, tpr, grad_at)
+        })?;
         let mut a = XArgs::new(rows, n, ignore, smoothing, 0);
         let (mut o, mut px, mut pt, mut pe) = (out.buf.ptr, logits.ptr(), targets.ptr(), g.err);
         let mut params = kernel_params![o, px, pt, pe, a];
         // SAFETY: (out, logits, targets, err, XArgs) matches the generated signature; logits are
-        // dense [rows, n], targets dense [rows], `out` holds the loss and, from XENT_GRAD_AT,
+        // dense [rows, n], targets dense [rows], `out` holds the loss and, from `grad_at`,
         // rows x n values; `err` is the error word. `blocks` covers the rows (a thread or a warp
         // each) and fits the module's partial sums.
         unsafe { g.launch(k, (blocks as u32, 1), threads as u32, 0, &mut params)? };
