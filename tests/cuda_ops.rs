@@ -366,7 +366,9 @@ fn layer_norm_grads_in_one_pass_match_the_cpu() {
 #[test]
 fn layer_norm_grads_with_a_residual_match_the_separate_add() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let grads = |v: &[&Tensor]| Tensor::apply(kiln::tensor::Op::LayerNormGrads { eps: 1e-5, sums: None, copy: None }, v, v[0].device());
+    let grads = |v: &[&Tensor]| {
+        Tensor::apply(kiln::tensor::Op::Fused(Fused::LayerNormGrads { eps: 1e-5, sums: None, copy: None }), v, v[0].device())
+    };
     for (i, shape) in LN_SHAPES.into_iter().enumerate() {
         let n = shape[shape.len() - 1];
         if n > cuda::kernels::rows::LAYER_NORM_GRADS_MAX_N {
@@ -394,7 +396,7 @@ fn layer_norm_grads_with_a_residual_match_the_separate_add() {
             // dtype, summed over the rows, with r and without; the rest as without the row.
             let to = Parts::layer_norm_grads(shape, true).offset(Part::Dx).unwrap();
             for (sums, k) in [(DType::BF16, 4), (xd, 4), (DType::BF16, 3)] {
-                let op = kiln::tensor::Op::LayerNormGrads { eps: 1e-5, sums: Some(sums), copy: None };
+                let op = kiln::tensor::Op::Fused(Fused::LayerNormGrads { eps: 1e-5, sums: Some(sums), copy: None });
                 let with = |v: &[Tensor]| Tensor::apply(op.clone(), &v.iter().take(k).collect::<Vec<_>>(), v[0].device());
                 let what = format!("{what}: {k} inputs, sums in {sums:?}");
                 // Summing dx rounded to BF16: a last-bit difference in an F64 dx can round it
@@ -415,7 +417,7 @@ fn layer_norm_grads_with_a_residual_match_the_separate_add() {
                 if xd != DType::F32 {
                     continue;
                 }
-                let op = kiln::tensor::Op::LayerNormGrads { eps: 1e-5, sums: Some(sums), copy: Some(DType::BF16) };
+                let op = kiln::tensor::Op::Fused(Fused::LayerNormGrads { eps: 1e-5, sums: Some(sums), copy: Some(DType::BF16) });
                 let refs: Vec<&Tensor> = on.iter().take(k).collect();
                 let (flat, copy) = kiln::tensor::fused::layer_norm_grads_with_copy(&op, &refs).unwrap();
                 assert_eq!(flat.narrow(0, 0, 3 * n).unwrap().to_vec_f64().unwrap(), f.narrow(0, 0, 3 * n).unwrap().to_vec_f64().unwrap());
@@ -463,7 +465,7 @@ fn layer_norm_with_folded_casts_matches_the_cpu() {
         let (x, w, b) =
             (randn(shape, 110 + i as u64, DType::F32), randn(&[n], 120 + i as u64, DType::F32), randn(&[n], 130 + i as u64, DType::F32));
         for to in [DType::BF16, DType::F16] {
-            let op = kiln::tensor::Op::Normalize { eps: 1e-5, to: Some(to) };
+            let op = kiln::tensor::Op::Fused(Fused::NormalizeTo { eps: 1e-5, to });
             both(&format!("layer norm {shape:?} written as {to:?}"), &[x.clone(), w.clone(), b.clone()], tol(to), |v| {
                 let y = Tensor::apply(op.clone(), &[&v[0], &v[1], &v[2]], v[0].device())?;
                 assert_eq!(y.dtype(), to);
@@ -475,11 +477,7 @@ fn layer_norm_with_folded_casts_matches_the_cpu() {
         }
         let g = randn(shape, 140 + i as u64, DType::BF16);
         both(&format!("layer norm grads {shape:?}, g in BF16"), &[x.clone(), g, w.clone()], tol(DType::F32) * 100.0, |v| {
-            let flat = Tensor::apply(
-                kiln::tensor::Op::LayerNormGrads { eps: 1e-5, sums: None, copy: None },
-                &[&v[0], &v[1], &v[2]],
-                v[0].device(),
-            )?;
+            let flat = Tensor::apply(kiln::tensor::Op::LayerNormGrads { eps: 1e-5 }, &[&v[0], &v[1], &v[2]], v[0].device())?;
             // The parameter gradients, then x's (the padding between them is not part of it).
             let dx = flat.narrow(0, Parts::layer_norm_grads(v[0].shape(), false).offset(Part::Dx)?, v[0].numel())?;
             Tensor::cat(&[&flat.narrow(0, 0, 2 * n)?, &dx], 0)

@@ -86,17 +86,17 @@ fn a_gpt_compiled_with_the_gpu_passes_matches_eager_on_the_cpu_in_bf16_and_f32()
         ("autocast's residual adds in the products' epilogue", "= matmul_residual"),
         ("the head's weight padded to 16 rows", "BF16[16, 32] = cat"),
         ("the logits' gradient padded to 16 columns", "BF16[1024, 16] = cat"),
-        ("layer norm's backward with the residual gradient", "= layer_norm_grads"),
-        ("the proj and fc2 bias sums from layer norm's backward", "= layer_norm_grads sums BF16"),
+        ("layer norm's backward with the residual gradient", "= layer_norm_grads_fused"),
+        ("the proj and fc2 bias sums from layer norm's backward", "= layer_norm_grads_fused sums BF16"),
     ] {
         assert!(graph.contains(pattern), "{what}: no `{pattern}` in\n{graph}");
     }
     // Each layer's proj and fc2 biases (fc2's from the next layer norm's backward, the last
     // one's from the final layer norm's); x's gradient then moves from 64 to 128.
-    assert_eq!(graph.matches("= layer_norm_grads sums BF16").count(), 4, "{graph}");
-    assert_eq!(graph32.matches("= layer_norm_grads sums F32").count(), 4, "{graph32}");
+    assert_eq!(graph.matches("= layer_norm_grads_fused sums BF16").count(), 4, "{graph}");
+    assert_eq!(graph32.matches("= layer_norm_grads_fused sums F32").count(), 4, "{graph32}");
     // The BF16 copies of the same four layer norms' dx, made by their backward.
-    assert_eq!(graph.matches("= layer_norm_grads sums BF16 copy BF16").count(), 4, "{graph}");
+    assert_eq!(graph.matches("= layer_norm_grads_fused sums BF16 copy BF16").count(), 4, "{graph}");
     // Each layer's GELU gradient with fc1's bias sums.
     assert_eq!((graph.matches("= gated_sums").count(), graph32.matches("= gated_sums").count()), (2, 2), "{graph}");
     assert_runs_agree(

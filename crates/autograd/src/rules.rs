@@ -161,11 +161,8 @@ pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Te
         // y = softmax(x): dx = y (g - sum(g y)); y = log_softmax(x): dx = g - exp(y) sum(g);
         // one fused kernel per row either way.
         Op::Softmax { log, scale, .. } => vec![Some(out.softmax_backward(g, *log, *scale)?)],
-        Op::Normalize { to: Some(_), .. } => {
-            return Err(Error::Msg("backward: a layer norm writing another dtype is made by compile, after autograd".into()));
-        }
-        Op::Normalize { eps, to: None } if inputs.len() == 3 => layer_norm_rule(inputs, needs, g, *eps)?,
-        Op::Normalize { eps, to: None } => vec![Some(x0()?.normalize_backward(g, *eps)?)],
+        Op::Normalize { eps } if inputs.len() == 3 => layer_norm_rule(inputs, needs, g, *eps)?,
+        Op::Normalize { eps } => vec![Some(x0()?.normalize_backward(g, *eps)?)],
         Op::Attention { scale, causal } => attention_rule(inputs, out, g, (*scale, *causal))?,
         Op::CrossEntropy { ignore_index, smoothing } => {
             vec![Some(inputs[0].cross_entropy_rows_backward(&inputs[1], g, *ignore_index, *smoothing)?), None]

@@ -3,7 +3,7 @@
 //! arithmetic in the kernels). State (parameters, gradients, optimizer buffers, lr, step) is
 //! read through `State` nodes and written back by `writes`.
 
-use kiln_tensor::{DType, Distribution, Layout, Op};
+use kiln_tensor::{DType, Distribution, Fused, Layout, Op};
 use std::fmt;
 
 pub type NodeId = usize;
@@ -220,8 +220,8 @@ pub fn op_label(op: &Op) -> String {
         }
         Op::Reduce { op, dims, keepdim } => format!("{}{dims:?}{}", op.name(), if *keepdim { " keepdim" } else { "" }),
         Op::Cast(d) => format!("cast {d:?}"),
-        Op::Normalize { to: Some(d), .. } => format!("normalize to {d:?}"),
-        Op::LayerNormGrads { sums, copy, .. } => {
+        Op::Fused(Fused::NormalizeTo { to, .. }) => format!("{} {to:?}", op.name()),
+        Op::Fused(Fused::LayerNormGrads { sums, copy, .. }) => {
             let part = |what: &str, d: &Option<DType>| d.map_or(String::new(), |d| format!(" {what} {d:?}"));
             format!("{}{}{}", op.name(), part("sums", sums), part("copy", copy))
         }

@@ -3,7 +3,7 @@
 //! tracer is active, so compiled steps see primitives). Tests compare the two. Also the one
 //! kernel compile runs that writes two buffers (`layer_norm_grads_with_copy`).
 
-use crate::op::{InMeta, Op, Part, Parts};
+use crate::op::{Fused, InMeta, Op, Part, Parts};
 use crate::storage::{CpuSlice, Storage};
 use crate::{backend, Device, Error, Layout, Result, Tensor};
 use rayon::prelude::*;
@@ -242,13 +242,13 @@ fn adam_chunk<T: AdamFloat>(p: &mut [T], m: &mut [T], v: &mut [T], x: Option<&mu
     }
 }
 
-/// `op`, an `Op::LayerNormGrads` with `copy: Some(t)`, on `ins` (x, g, w and maybe r): its
+/// `op`, a `Fused::LayerNormGrads` with `copy: Some(t)`, on `ins` (x, g, w and maybe r): its
 /// flat output, and x's gradient (plus r) cast to `t` in x's shape. On CUDA one kernel writes
 /// both (compile's `ln_dx_copies` pass); elsewhere the cast follows the op.
 /// Records no autograd history and is not deferred by a lazy trace: compile runs it after
 /// autograd, on computed buffers.
 pub fn layer_norm_grads_with_copy(op: &Op, ins: &[&Tensor]) -> Result<(Tensor, Tensor)> {
-    let (Op::LayerNormGrads { sums, copy: Some(t), .. }, Some(x)) = (op, ins.first()) else {
+    let (Op::Fused(Fused::LayerNormGrads { sums, copy: Some(t), .. }), Some(x)) = (op, ins.first()) else {
         return Err(Error::Msg(format!("layer_norm_grads_with_copy: needs layer norm's grads with a copy, got {op:?}")));
     };
     let device = x.device();

@@ -439,12 +439,12 @@ impl Tensor {
     /// `(x - mean) / sqrt(var + eps)` over the last dim (layer norm before its affine part),
     /// one fused primitive with a fused backward.
     pub fn normalize(&self, eps: f64) -> Result<Tensor> {
-        Tensor::apply(Op::Normalize { eps, to: None }, &[self], self.device())
+        Tensor::apply(Op::Normalize { eps }, &[self], self.device())
     }
     /// Layer norm over the last dim in one pass: `normalize(eps) * weight + bias`, with
     /// `weight` and `bias` of shape `[n]` (the last dim) and of `self`'s dtype.
     pub fn layer_norm(&self, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
-        Tensor::apply(Op::Normalize { eps, to: None }, &[&self.autocast_f32()?, weight, bias], self.device())
+        Tensor::apply(Op::Normalize { eps }, &[&self.autocast_f32()?, weight, bias], self.device())
     }
     /// The input gradient of a softmax (`log`: log-softmax) of `scale * x` over the last dim,
     /// from its output `self` and the output's gradient `g`, in one pass per row.
@@ -461,7 +461,7 @@ impl Tensor {
             let dw = g.mul(&self.normalize(eps)?)?.sum(&rows, false)?;
             return Tensor::cat(&[&dw.unsqueeze(0)?, &g.sum(&rows, false)?.unsqueeze(0)?], 0);
         }
-        Tensor::apply(Op::LayerNormGrads { eps, sums: None, copy: None }, &[self, g], self.device())
+        Tensor::apply(Op::LayerNormGrads { eps }, &[self, g], self.device())
     }
     /// Layer norm's whole backward for its weight `w` and the output gradient `g`: x's, the
     /// weight's and the bias's gradients, from one pass over x and g on CUDA
@@ -473,7 +473,7 @@ impl Tensor {
             let both = self.layer_norm_param_grads(g, eps)?;
             return Ok((self.layer_norm_backward(g, w, eps)?, both.narrow(0, 0, 1)?.reshape(&[n])?, both.narrow(0, 1, 1)?.reshape(&[n])?));
         }
-        let flat = Tensor::apply(Op::LayerNormGrads { eps, sums: None, copy: None }, &[self, g, w], self.device())?;
+        let flat = Tensor::apply(Op::LayerNormGrads { eps }, &[self, g, w], self.device())?;
         let parts = Parts::layer_norm_grads(self.shape(), false);
         // The parameter gradients get their own small buffer: as views they would keep the
         // whole flat buffer (x's size) alive for as long as the parameters hold them.

@@ -362,8 +362,11 @@ fn layer_norm_param_grads_match_the_composite() -> Result<()> {
     // GPU), the parameter gradients as without r; r must be x's shape.
     use kiln_tensor::Op;
     let (w, r) = (t(&[0.5, -1., 2., 1.5, 3.], &[5]), Tensor::rand_at(&[2, 3, 5], Distribution::Normal, 9, 0, DType::F32, CPU)?);
-    let grads = |ins: &[&Tensor]| Tensor::apply(Op::LayerNormGrads { eps: 1e-5, sums: None, copy: None }, ins, CPU);
-    let (three, four) = (grads(&[&x, &g, &w])?, grads(&[&x, &g, &w, &r])?);
+    let fused = |sums, copy| Op::Fused(Fused::LayerNormGrads { eps: 1e-5, sums, copy });
+    let grads = |ins: &[&Tensor]| Tensor::apply(fused(None, None), ins, CPU);
+    let three = Tensor::apply(Op::LayerNormGrads { eps: 1e-5 }, &[&x, &g, &w], CPU)?;
+    let four = grads(&[&x, &g, &w, &r])?;
+    assert_eq!(v(&grads(&[&x, &g, &w])?), v(&three));
     use kiln_tensor::op::{Part, Parts};
     let dx_at = |x: &[usize], sums: bool| Parts::layer_norm_grads(x, sums).offset(Part::Dx).unwrap();
     let at = dx_at(&[2, 3, 5], false);
@@ -374,7 +377,7 @@ fn layer_norm_param_grads_match_the_composite() -> Result<()> {
     assert!(err.contains("residual") && err.contains("[2, 3, 4]"), "{err}");
     // With the sums row (BF16): the column sums of dx + r as rounded to BF16, then x's
     // gradient (from 64 here too: 15 values fit before it).
-    let sums = Tensor::apply(Op::LayerNormGrads { eps: 1e-5, sums: Some(DType::BF16), copy: None }, &[&x, &g, &w, &r], CPU)?;
+    let sums = Tensor::apply(fused(Some(DType::BF16), None), &[&x, &g, &w, &r], CPU)?;
     let low = dx.add(&r)?.to_dtype(DType::BF16)?.to_dtype(DType::F32)?;
     let to = dx_at(&[2, 3, 5], true);
     assert_eq!((at, to), (64, 64));
@@ -386,24 +389,22 @@ fn layer_norm_param_grads_match_the_composite() -> Result<()> {
     // A wide row moves x's gradient: [3, 32] fills 96 values, so it starts at 128 (64 without).
     assert_eq!((dx_at(&[4, 32], false), dx_at(&[4, 32], true)), (64, 128));
     // With a copy: the flat output unchanged, and x's gradient plus r cast to BF16 beside it.
-    let with_copy = Op::LayerNormGrads { eps: 1e-5, sums: Some(DType::BF16), copy: Some(DType::BF16) };
+    let with_copy = fused(Some(DType::BF16), Some(DType::BF16));
     let (flat, copy) = kiln_tensor::fused::layer_norm_grads_with_copy(&with_copy, &[&x, &g, &w, &r])?;
     assert_eq!(v(&flat), v(&sums));
     assert_eq!((copy.shape(), copy.dtype()), (&[2, 3, 5][..], DType::BF16));
     assert_eq!(v(&copy), v(&dx.add(&r)?.to_dtype(DType::BF16)?));
-    let err = kiln_tensor::fused::layer_norm_grads_with_copy(&Op::LayerNormGrads { eps: 1e-5, sums: None, copy: None }, &[&x, &g, &w])
-        .unwrap_err()
-        .to_string();
+    let err = kiln_tensor::fused::layer_norm_grads_with_copy(&fused(None, None), &[&x, &g, &w]).unwrap_err().to_string();
     assert!(err.contains("copy"), "{err}");
-    for bad in [
-        Tensor::apply(Op::LayerNormGrads { eps: 1e-5, sums: None, copy: Some(DType::BF16) }, &[&x, &g], CPU),
-        Tensor::apply(Op::LayerNormGrads { eps: 1e-5, sums: None, copy: Some(DType::F32) }, &[&x, &g, &w], CPU),
-        Tensor::apply(Op::LayerNormGrads { eps: 1e-5, sums: Some(DType::BF16), copy: None }, &[&x, &g], CPU),
-        Tensor::apply(Op::LayerNormGrads { eps: 1e-5, sums: Some(DType::I64), copy: None }, &[&x, &g, &w], CPU),
-    ] {
+    for bad in
+        [Tensor::apply(fused(None, Some(DType::F32)), &[&x, &g, &w], CPU), Tensor::apply(fused(Some(DType::I64), None), &[&x, &g, &w], CPU)]
+    {
         let err = bad.unwrap_err().to_string();
         assert!(err.contains("sums row") || err.contains("copy of x's gradient"), "{err}");
     }
+    // The fused form always has the weight.
+    let err = Tensor::apply(fused(Some(DType::BF16), None), &[&x, &g], CPU).unwrap_err().to_string();
+    assert!(err.contains("layer_norm_grads_fused"), "{err}");
     Ok(())
 }
 

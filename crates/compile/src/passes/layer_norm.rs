@@ -5,13 +5,23 @@ use super::edit::{each_read, pinned_and_escaping, readers, redirect, unpinned, v
 use super::generic::dce;
 use crate::graph::{Arg, Graph, Kind, NodeId};
 use kiln_tensor::op::{Part, Parts};
-use kiln_tensor::{BinaryOp, DType, Layout, Op, ReduceOp};
+use kiln_tensor::{BinaryOp, DType, Fused, Layout, Op, ReduceOp};
 
 /// On a GPU, autocast's casts beside an F32 layer norm go into its kernels: a layer norm read
 /// only by a cast of all of it to F16/BF16 (before a product) writes that dtype itself
-/// (`Normalize`'s `to`: the cast node becomes the layer norm), and a layer norm's backward
+/// (`Fused::NormalizeTo`: the cast node becomes the layer norm), and a layer norm's backward
 /// (`LayerNormGrads`) whose gradient was cast to F32 only for it reads the gradient in
 /// the dtype the product left it in. Each saves a kernel and a round trip of an F32 copy.
+/// A layer norm backward's `(eps, sums, copy)`: the primitive's (no sums, no copy) or the
+/// fused form's.
+fn layer_norm_grads(op: &Op) -> Option<(f64, Option<DType>, Option<DType>)> {
+    match op {
+        Op::LayerNormGrads { eps } => Some((*eps, None, None)),
+        Op::Fused(Fused::LayerNormGrads { eps, sums, copy }) => Some((*eps, *sums, *copy)),
+        _ => None,
+    }
+}
+
 pub fn fold_layer_norm_casts(g: &Graph) -> Graph {
     let mut out = g.clone();
     let uses = readers(g);
@@ -24,13 +34,13 @@ pub fn fold_layer_norm_casts(g: &Graph) -> Graph {
         match op {
             Op::Cast(to @ (DType::BF16 | DType::F16)) => {
                 let a = args[0].node;
-                let Kind::Op(Op::Normalize { eps, to: None }, nargs) = &g.nodes[a].kind else { continue };
+                let Kind::Op(Op::Normalize { eps }, nargs) = &g.nodes[a].kind else { continue };
                 let stable = nargs.iter().all(|x| !bases.contains(&x.node));
                 if alone(a) && stable && whole(&args[0], &g.nodes[a]) && g.nodes[a].dtype == DType::F32 {
-                    out.nodes[i].kind = Kind::Op(Op::Normalize { eps: *eps, to: Some(*to) }, nargs.clone());
+                    out.nodes[i].kind = Kind::Op(Op::Fused(Fused::NormalizeTo { eps: *eps, to: *to }), nargs.clone());
                 }
             }
-            Op::LayerNormGrads { .. } => {
+            Op::LayerNormGrads { .. } | Op::Fused(Fused::LayerNormGrads { .. }) => {
                 let c = args[1].node;
                 let Kind::Op(Op::Cast(DType::F32), cargs) = &g.nodes[c].kind else { continue };
                 let low = matches!(g.nodes[cargs[0].node].dtype, DType::BF16 | DType::F16);
@@ -58,7 +68,8 @@ pub fn fold_residual_into_layer_norm_grads(g: &Graph) -> Graph {
     let bases = view_bases(g);
     // Every read of each node's region from its dx on (a layer norm's backward).
     let at = |p: NodeId| match &g.nodes[p].kind {
-        Kind::Op(Op::LayerNormGrads { sums, .. }, a) if a.len() == 3 => {
+        Kind::Op(op, a) if a.len() == 3 => {
+            let (_, sums, _) = layer_norm_grads(op)?;
             Parts::layer_norm_grads(&a[0].layout.shape, sums.is_some()).offset(Part::Dx).ok()
         }
         _ => None,
@@ -96,11 +107,11 @@ pub fn fold_residual_into_layer_norm_grads(g: &Graph) -> Graph {
                 && !bases.contains(&r.node)
                 && !pinned[i]
                 && !pinned[p];
-            if ok {
-                out.nodes[p].kind = Kind::Op(op.clone(), [&pargs[..], std::slice::from_ref(r)].concat());
-                alias[i] = Some((p, from));
-                break;
-            }
+            let Some((eps, sums, copy)) = layer_norm_grads(op).filter(|_| ok) else { continue };
+            let fused = Op::Fused(Fused::LayerNormGrads { eps, sums, copy });
+            out.nodes[p].kind = Kind::Op(fused, [&pargs[..], std::slice::from_ref(r)].concat());
+            alias[i] = Some((p, from));
+            break;
         }
     }
     redirect(&mut out, &alias);
@@ -119,7 +130,7 @@ pub fn ln_bias_sums(g: &Graph) -> Graph {
     let (pinned, _) = pinned_and_escaping(g);
     let bases = view_bases(g);
     let dx_from = |l: NodeId| match &g.nodes[l].kind {
-        Kind::Op(Op::LayerNormGrads { sums: None, .. }, a) if a.len() >= 3 => {
+        Kind::Op(op, a) if a.len() >= 3 && layer_norm_grads(op).is_some_and(|(_, sums, _)| sums.is_none()) => {
             let n = *a[0].layout.shape.last()?;
             Some((n, Parts::layer_norm_grads(&a[0].layout.shape, false).offset(Part::Dx).ok()?))
         }
@@ -164,10 +175,11 @@ pub fn ln_bias_sums(g: &Graph) -> Graph {
         if !ok {
             continue;
         }
-        let Kind::Op(Op::LayerNormGrads { eps, .. }, largs) = &g.nodes[l].kind else { continue };
+        let Kind::Op(lop, largs) = &g.nodes[l].kind else { continue };
+        let Some((eps, _, copy)) = layer_norm_grads(lop) else { continue };
         let parts = Parts::layer_norm_grads(&largs[0].layout.shape, true);
         let (Ok(to), Ok(row)) = (parts.offset(Part::Dx), parts.offset(Part::Sums)) else { continue };
-        out.nodes[l].kind = Kind::Op(Op::LayerNormGrads { eps: *eps, sums: Some(t), copy: None }, largs.clone());
+        out.nodes[l].kind = Kind::Op(Op::Fused(Fused::LayerNormGrads { eps, sums: Some(t), copy }), largs.clone());
         out.nodes[l].shape = vec![parts.len()];
         moved[l] = Some((from, to - from));
         casts.push((i, t, Arg { node: l, layout: Layout { offset: row, ..Layout::contiguous(&node.shape) } }));
@@ -191,8 +203,10 @@ pub fn ln_dx_copies(g: &Graph) -> Graph {
     let mut out = g.clone();
     for (i, alone) in unpinned(g).into_iter().enumerate() {
         let Some((l, t)) = dx_copy_source(g, i).filter(|_| alone) else { continue };
-        if let Kind::Op(Op::LayerNormGrads { copy: copy @ None, .. }, _) = &mut out.nodes[l].kind {
-            *copy = Some(t);
+        if let Kind::Op(op, _) = &mut out.nodes[l].kind {
+            if let Some((eps, sums, None)) = layer_norm_grads(op) {
+                *op = Op::Fused(Fused::LayerNormGrads { eps, sums, copy: Some(t) });
+            }
         }
     }
     out
@@ -204,7 +218,8 @@ pub(super) fn dx_copy_source(g: &Graph, i: NodeId) -> Option<(NodeId, DType)> {
     let Kind::Op(Op::Cast(t @ (DType::BF16 | DType::F16)), args) = &g.nodes[i].kind else { return None };
     let a = &args[0];
     let l = &g.nodes[a.node];
-    let Kind::Op(Op::LayerNormGrads { sums, .. }, largs) = &l.kind else { return None };
+    let Kind::Op(op, largs) = &l.kind else { return None };
+    let (_, sums, _) = layer_norm_grads(op)?;
     let x = &largs[0].layout;
     let ok = largs.len() >= 3
         && a.layout.is_contiguous()
@@ -220,7 +235,7 @@ pub fn dx_copies(g: &Graph) -> Vec<Option<NodeId>> {
     let mut copies = vec![None; g.nodes.len()];
     for (i, alone) in unpinned(g).into_iter().enumerate() {
         let Some((l, t)) = dx_copy_source(g, i).filter(|_| alone) else { continue };
-        if matches!(g.nodes[l].kind, Kind::Op(Op::LayerNormGrads { copy: Some(c), .. }, _) if c == t) && copies[l].is_none() {
+        if matches!(g.nodes[l].kind, Kind::Op(Op::Fused(Fused::LayerNormGrads { copy: Some(c), .. }), _) if c == t) && copies[l].is_none() {
             copies[l] = Some(i);
         }
     }

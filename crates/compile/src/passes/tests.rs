@@ -259,18 +259,18 @@ fn autocast_casts_beside_a_layer_norm_fold_into_it_on_a_gpu() {
     let x = g.push(Kind::Input(0), vec![r, n], DType::F32);
     let w = g.push(Kind::Input(1), vec![n], DType::F32);
     let gb = g.push(Kind::Input(2), vec![r, n], DType::BF16);
-    let ln = Op::Normalize { eps: 1e-5, to: None };
+    let ln = Op::Normalize { eps: 1e-5 };
     let y = g.push(Kind::Op(ln, vec![whole(&g, x), whole(&g, w), whole(&g, w)]), vec![r, n], DType::F32);
     let yb = g.push(Kind::Op(Op::Cast(DType::BF16), vec![whole(&g, y)]), vec![r, n], DType::BF16);
     let gf = g.push(Kind::Op(Op::Cast(DType::F32), vec![whole(&g, gb)]), vec![r, n], DType::F32);
-    let grads = Op::LayerNormGrads { eps: 1e-5, sums: None, copy: None };
+    let grads = Op::LayerNormGrads { eps: 1e-5 };
     let len = Parts::layer_norm_grads(&[r, n], false).len();
     let pg = g.push(Kind::Op(grads, vec![whole(&g, x), whole(&g, gf), whole(&g, w)]), vec![len], DType::F32);
     g.outputs = vec![whole(&g, yb), whole(&g, pg)];
     assert_eq!(ops(&pass("fold_layer_norm_casts", &g, Target::Cpu)), ["normalize", "to_dtype", "to_dtype", "layer_norm_grads"]);
     let f = fold_layer_norm_casts(&g);
-    assert_eq!(ops(&f), ["normalize", "layer_norm_grads"], "{f}");
-    let Kind::Op(Op::Normalize { to: Some(DType::BF16), .. }, _) = &f.nodes[f.outputs[0].node].kind else { panic!("{f}") };
+    assert_eq!(ops(&f), ["normalize_to", "layer_norm_grads"], "{f}");
+    let Kind::Op(Op::Fused(Fused::NormalizeTo { to: DType::BF16, .. }), _) = &f.nodes[f.outputs[0].node].kind else { panic!("{f}") };
     assert_eq!(f.nodes[f.outputs[0].node].dtype, DType::BF16);
     let Kind::Op(_, args) = &f.nodes[f.outputs[1].node].kind else { panic!("{f}") };
     assert_eq!(f.nodes[args[1].node].dtype, DType::BF16, "the backward reads the BF16 gradient: {f}");
@@ -293,7 +293,7 @@ fn ln_then_bias(sum_dims: Vec<usize>, to: DType, n: usize) -> Graph {
     let res = g.push(Kind::Input(3), vec![r, n], DType::F32);
     let h = g.push(Kind::Input(4), vec![r, m], to);
     let at = Parts::layer_norm_grads(&[r, n], false).offset(Part::Dx).unwrap();
-    let grads = Op::LayerNormGrads { eps: 1e-5, sums: None, copy: None };
+    let grads = Op::Fused(Fused::LayerNormGrads { eps: 1e-5, sums: None, copy: None });
     let args = vec![whole(&g, x), whole(&g, gy), whole(&g, w), whole(&g, res)];
     let pg = g.push(Kind::Op(grads, args), vec![at + r * n], DType::F32);
     let dx = Arg { node: pg, layout: Layout { offset: at, ..Layout::contiguous(&[r, n]) } };
@@ -322,8 +322,8 @@ fn ln_then_bias_inputs() -> kiln_tensor::Result<Vec<std::sync::Arc<kiln_tensor::
 fn a_bias_gradient_of_a_layer_norms_dx_is_summed_by_its_backward_on_a_gpu() -> kiln_tensor::Result<()> {
     let g = ln_then_bias(vec![0], DType::BF16, 32);
     let f = ln_bias_sums(&g);
-    assert_eq!(ops(&f), ["layer_norm_grads", "to_dtype", "to_dtype", "matmul"], "{f}");
-    let Kind::Op(Op::LayerNormGrads { sums: Some(DType::BF16), .. }, _) = &f.nodes[5].kind else { panic!("{f}") };
+    assert_eq!(ops(&f), ["layer_norm_grads_fused", "to_dtype", "to_dtype", "matmul"], "{f}");
+    let Kind::Op(Op::Fused(Fused::LayerNormGrads { sums: Some(DType::BF16), .. }), _) = &f.nodes[5].kind else { panic!("{f}") };
     assert_eq!(f.nodes[5].shape, [128 + 6 * 32]);
     // The sum is a cast of the row after dw and db (at 64, where dx was); dx moved to 128.
     let Kind::Op(Op::Cast(DType::BF16), row) = &f.nodes[f.outputs[0].node].kind else { panic!("{f}") };
@@ -343,7 +343,7 @@ fn a_bias_gradient_of_a_layer_norms_dx_is_summed_by_its_backward_on_a_gpu() -> k
     // Rows of 24: a read into the padding between the parameter gradients (48) and dx
     // (64) leaves the layer norm alone.
     let mut p = ln_then_bias(vec![0], DType::BF16, 24);
-    assert_eq!(ops(&ln_bias_sums(&p)), ["layer_norm_grads", "to_dtype", "to_dtype", "matmul"]);
+    assert_eq!(ops(&ln_bias_sums(&p)), ["layer_norm_grads_fused", "to_dtype", "to_dtype", "matmul"]);
     p.outputs.push(Arg { node: 5, layout: Layout { offset: 50, ..Layout::contiguous(&[1]) } });
     assert_eq!(shapes(&ln_bias_sums(&p)), shapes(&p));
     Ok(())
@@ -354,7 +354,7 @@ fn a_layer_norms_16_bit_copy_of_dx_is_written_by_its_backward_on_a_gpu() -> kiln
     let g = ln_then_bias(vec![0], DType::BF16, 32);
     let f = ln_dx_copies(&g);
     assert_eq!(ops(&f), ops(&g), "no node added or removed: {f}");
-    let Kind::Op(Op::LayerNormGrads { copy: Some(DType::BF16), .. }, _) = &f.nodes[5].kind else { panic!("{f}") };
+    let Kind::Op(Op::Fused(Fused::LayerNormGrads { copy: Some(DType::BF16), .. }), _) = &f.nodes[5].kind else { panic!("{f}") };
     assert_eq!(dx_copies(&f)[5], Some(6), "the cast of dx is made with it");
     assert!(dx_copies(&g).iter().all(Option::is_none));
     // The executor makes the cast in the layer norm's step (the CPU casts after the op);
@@ -418,7 +418,7 @@ fn a_residual_gradient_is_added_by_the_layer_norm_backward_on_a_gpu() {
     let gy = g.push(Kind::Input(2), vec![r, n], DType::BF16);
     let res = g.push(Kind::Input(3), vec![r, n], DType::F32);
     let at = Parts::layer_norm_grads(&[r, n], false).offset(Part::Dx).unwrap();
-    let grads = Op::LayerNormGrads { eps: 1e-5, sums: None, copy: None };
+    let grads = Op::LayerNormGrads { eps: 1e-5 };
     let pg = g.push(Kind::Op(grads, vec![whole(&g, x), whole(&g, gy), whole(&g, w)]), vec![at + r * n], DType::F32);
     let dx = Arg { node: pg, layout: Layout { offset: at, ..Layout::contiguous(&[r, n]) } };
     let params = Arg { node: pg, layout: Layout::contiguous(&[2, n]) };
@@ -427,7 +427,7 @@ fn a_residual_gradient_is_added_by_the_layer_norm_backward_on_a_gpu() {
     g.outputs = vec![whole(&g, sum), whole(&g, low), params];
     assert_eq!(ops(&pass("fold_residual_into_layer_norm_grads", &g, Target::Cpu)), ["layer_norm_grads", "add", "to_dtype"]);
     let f = fold_residual_into_layer_norm_grads(&g);
-    assert_eq!(ops(&f), ["layer_norm_grads", "to_dtype"], "{f}");
+    assert_eq!(ops(&f), ["layer_norm_grads_fused", "to_dtype"], "{f}");
     let Kind::Op(_, args) = &f.nodes[f.outputs[2].node].kind else { panic!("{f}") };
     assert_eq!(args.iter().map(|a| a.node).collect::<Vec<_>>(), [x, gy, w, res], "r is the fourth input: {f}");
     // The sum's readers read dx's place in the flat output.

@@ -86,7 +86,7 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
         | Op::NormalizeBackward { .. }
         | Op::CrossEntropy { .. }
         | Op::CrossEntropyBackward { .. } => rows(op, ins, meta),
-        Op::LayerNormGrads { .. } => layer_norm_grads(op, ins, meta),
+        Op::LayerNormGrads { eps } => layer_norm_grads(*eps, None, ins, meta),
         Op::Attention { .. } | Op::AttentionBackward { .. } => attention(op, ins),
         Op::Matmul => matmul(op, ins, meta),
         Op::IndexSelect { .. } | Op::ArgSort { .. } | Op::Gather { .. } | Op::IndexAdd { .. } | Op::ScatterAdd { .. } | Op::Cat { .. } => {
@@ -242,13 +242,7 @@ fn rows(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<CpuSt
             let spec = reduce::SoftmaxSpec { n: l.shape[r - 1], log: *log, scale: *scale, causal_rows: causal.then(|| l.shape[r - 2]) };
             with_cpu!(s, v => RowKernels::softmax_rows(&contig(v, l), spec).into_storage())
         }
-        Op::Normalize { eps, to: Some(d) } => {
-            // In x's dtype, then cast.
-            let x = ins[0];
-            let plain = run(&Op::Normalize { eps: *eps, to: None }, ins, &OutMeta { shape: meta.shape.clone(), dtype: x.0.dtype() })?;
-            run(&Op::Cast(*d), &[(&plain, &Layout::contiguous(&meta.shape))], meta)?
-        }
-        Op::Normalize { eps, to: None } => {
+        Op::Normalize { eps } => {
             let (s, l) = ins[0];
             let n = l.shape[l.rank() - 1];
             if let [_, w, b] = ins {
@@ -295,23 +289,19 @@ fn rows(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<CpuSt
     })
 }
 
-/// Layer norm's parameter gradients (`LayerNormGrads`), with x's gradient when given the
-/// weight.
-fn layer_norm_grads(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<CpuStorage> {
-    let name = op.name();
-    Ok(match op {
-        Op::LayerNormGrads { eps, sums: Some(t), .. } => {
+/// Layer norm's parameter gradients (`Op::LayerNormGrads`), with x's gradient when given the
+/// weight; with the residual gradient and the `sums` row of `Fused::LayerNormGrads`.
+fn layer_norm_grads(eps: f64, sums: Option<DType>, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<CpuStorage> {
+    let name = "layer_norm_grads";
+    Ok(match sums {
+        Some(t) => {
             // The flat result without the sums row, then the row spliced in before x's gradient.
             let (x, n) = (ins[0], ins[0].1.shape[ins[0].1.rank() - 1]);
             let (from, to) =
                 (Parts::layer_norm_grads(&x.1.shape, false).offset(Part::Dx)?, Parts::layer_norm_grads(&x.1.shape, true).offset(Part::Dx)?);
-            let plain = run(
-                &Op::LayerNormGrads { eps: *eps, sums: None, copy: None },
-                ins,
-                &OutMeta { shape: vec![from + x.1.numel()], dtype: meta.dtype },
-            )?;
+            let plain = layer_norm_grads(eps, None, ins, &OutMeta { shape: vec![from + x.1.numel()], dtype: meta.dtype })?;
             let dx = Layout { offset: from, ..Layout::contiguous(&[x.1.numel() / n.max(1), n]) };
-            let low = run(&Op::Cast(*t), &[(&plain, &dx)], &OutMeta { shape: dx.shape.clone(), dtype: *t })?;
+            let low = run(&Op::Cast(t), &[(&plain, &dx)], &OutMeta { shape: dx.shape.clone(), dtype: t })?;
             let back = run(
                 &Op::Cast(meta.dtype),
                 &[(&low, &Layout::contiguous(&dx.shape))],
@@ -327,18 +317,18 @@ fn layer_norm_grads(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> 
                 out.into_storage()
             })
         }
-        Op::LayerNormGrads { .. } if ins[1].0.dtype() != ins[0].0.dtype() => {
+        None if ins[1].0.dtype() != ins[0].0.dtype() => {
             // g in another float dtype: read as x's.
             let (x, (gs, gl)) = (ins[0], ins[1]);
             let g = run(&Op::Cast(x.0.dtype()), &[(gs, gl)], &OutMeta { shape: gl.shape.clone(), dtype: x.0.dtype() })?;
             let gl = Layout::contiguous(&gl.shape);
             let mut with_g: Vec<(&CpuStorage, &Layout)> = ins.to_vec();
             with_g[1] = (&g, &gl);
-            run(op, &with_g, meta)?
+            layer_norm_grads(eps, None, &with_g, meta)?
         }
-        Op::LayerNormGrads { .. } if ins.len() == 4 => {
+        None if ins.len() == 4 => {
             // With a residual gradient r: the three-input result, then r added to x's gradient.
-            let flat = run(op, &ins[..3], meta)?;
+            let flat = layer_norm_grads(eps, None, &ins[..3], meta)?;
             let at = Parts::layer_norm_grads(&ins[0].1.shape, false).offset(Part::Dx)?;
             let (r, len) = (ins[3], meta.shape[0]);
             let dx = Layout { shape: r.1.shape.clone(), strides: Layout::contiguous(&r.1.shape).strides, offset: at };
@@ -349,16 +339,12 @@ fn layer_norm_grads(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> 
                 v.into_storage()
             })
         }
-        Op::LayerNormGrads { eps, .. } if ins.len() == 3 => {
+        None if ins.len() == 3 => {
             // With the weight: the parameter gradients, then x's gradient (`Parts::layer_norm_grads`).
             let x = ins[0];
             let n = x.1.shape[x.1.rank() - 1];
-            let both = run(
-                &Op::LayerNormGrads { eps: *eps, sums: None, copy: None },
-                &ins[..2],
-                &OutMeta { shape: vec![2, n], dtype: meta.dtype },
-            )?;
-            let dx = run(&Op::NormalizeBackward { eps: *eps }, ins, &OutMeta { shape: x.1.shape.clone(), dtype: meta.dtype })?;
+            let both = layer_norm_grads(eps, None, &ins[..2], &OutMeta { shape: vec![2, n], dtype: meta.dtype })?;
+            let dx = run(&Op::NormalizeBackward { eps }, ins, &OutMeta { shape: x.1.shape.clone(), dtype: meta.dtype })?;
             let dx_at = Parts::layer_norm_grads(&x.1.shape, false).offset(Part::Dx)?;
             with_cpu!(&both, p => {
                 let mut v = p.to_vec();
@@ -367,17 +353,17 @@ fn layer_norm_grads(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> 
                 v.into_storage()
             })
         }
-        Op::LayerNormGrads { eps, .. } => {
+        None => {
             let (x, g) = (ins[0], ins[1]);
             if let CpuStorage::F32(v) = x.0 {
                 let n = meta.shape[1];
-                return Ok(with_grad(v, x.1, g, name, |x, g| reduce::layer_norm_grads_f32(x, g, n, *eps))?.into_storage());
+                return Ok(with_grad(v, x.1, g, name, |x, g| reduce::layer_norm_grads_f32(x, g, n, eps))?.into_storage());
             }
             // Other dtypes: the unfused ops.
             let rows: Vec<usize> = (0..x.1.rank() - 1).collect();
             let n = meta.shape[1];
             let like = |d: DType| OutMeta { shape: x.1.shape.clone(), dtype: d };
-            let xhat = run(&Op::Normalize { eps: *eps, to: None }, &[x], &like(meta.dtype))?;
+            let xhat = run(&Op::Normalize { eps }, &[x], &like(meta.dtype))?;
             let gx = run(&Op::Binary(crate::BinaryOp::Mul), &[g, (&xhat, &Layout::contiguous(&x.1.shape))], &like(meta.dtype))?;
             let sum = Op::Reduce { op: crate::ReduceOp::Sum, dims: rows, keepdim: false };
             let vec_meta = OutMeta { shape: vec![n], dtype: meta.dtype };
@@ -388,7 +374,6 @@ fn layer_norm_grads(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> 
                 v.into_storage()
             })
         }
-        _ => return Err(Error::Msg(format!("{name}: not an op of the CPU's layer_norm_grads kernel"))),
     })
 }
 
@@ -560,6 +545,12 @@ fn fused(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<CpuS
             run(&Op::Contiguous, &[(&out, &Layout::contiguous(&plain.shape).permuted(&[0, 2, 1, 3]))], meta)?
         }
         Op::Fused(Fused::Matmul(e)) => matmul_fused(*e, ins, meta)?,
+        Op::Fused(Fused::NormalizeTo { eps, to }) => {
+            // In x's dtype, then cast.
+            let plain = run(&Op::Normalize { eps: *eps }, ins, &OutMeta { shape: meta.shape.clone(), dtype: ins[0].0.dtype() })?;
+            run(&Op::Cast(*to), &[(&plain, &Layout::contiguous(&meta.shape))], meta)?
+        }
+        Op::Fused(Fused::LayerNormGrads { eps, sums, .. }) => layer_norm_grads(*eps, *sums, ins, meta)?,
         _ => return Err(Error::Msg(format!("{name}: not an op of the CPU's fused kernels"))),
     })
 }

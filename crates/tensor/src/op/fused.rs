@@ -14,6 +14,8 @@ impl Fused {
             Fused::Matmul(MatmulEpilogue::Residual) => "matmul_residual",
             Fused::Matmul(_) => "matmul_sum",
             Fused::GatedSums { .. } => "gated_sums",
+            Fused::NormalizeTo { .. } => "normalize_to",
+            Fused::LayerNormGrads { .. } => "layer_norm_grads_fused",
             Fused::AttentionHeadsLast { .. } => "attention_heads_last",
             Fused::CrossEntropyMean { .. } => "cross_entropy_mean",
             Fused::LinearCrossEntropyMean { .. } => "linear_cross_entropy_mean",
@@ -28,6 +30,9 @@ impl Fused {
             Fused::Matmul(MatmulEpilogue::Residual) => given.clamp(3, 4),
             Fused::Matmul(_) | Fused::GatedSums { .. } | Fused::CrossEntropyMean { .. } => 2,
             Fused::AttentionHeadsLast { .. } => 3,
+            Fused::NormalizeTo { .. } if given == 3 => 3,
+            Fused::NormalizeTo { .. } => 1,
+            Fused::LayerNormGrads { .. } => given.clamp(3, 4),
             Fused::LinearCrossEntropyMean { .. } => 4,
         }
     }
@@ -48,6 +53,12 @@ impl Fused {
                 };
                 Ok(OutMeta { shape: vec![Parts::with_tail(inputs[0].shape, &[n]).len()], dtype: inputs[0].dtype })
             }
+            Fused::NormalizeTo { eps, to } => {
+                let out = Op::Normalize { eps: *eps }.infer(inputs).map_err(|e| e.in_op(name))?;
+                float_only(name, *to)?;
+                Ok(OutMeta { shape: out.shape, dtype: *to })
+            }
+            Fused::LayerNormGrads { eps, sums, copy } => layer_norm_grads(name, inputs, (*eps, *sums, *copy)),
             Fused::AttentionHeadsLast { scale, causal } => {
                 let out = Op::Attention { scale: *scale, causal: *causal }.infer(inputs).map_err(|e| e.in_op(name))?;
                 match out.shape[..] {
@@ -77,6 +88,26 @@ impl Fused {
             }
         }
     }
+}
+
+/// `Fused::LayerNormGrads`' shape rule: the primitive's with the weight, then the residual
+/// gradient (x's shape and dtype) and the dtypes of the sums row and the copy.
+fn layer_norm_grads(name: &'static str, inputs: &[InMeta<'_>], (eps, sums, copy): (f64, Option<DType>, Option<DType>)) -> Result<OutMeta> {
+    let x = &inputs[0];
+    Op::LayerNormGrads { eps }.infer(&inputs[..3]).map_err(|e| e.in_op(name))?;
+    if let Some(r) = inputs.get(3) {
+        if r.shape != x.shape {
+            return Err(Error::shape(name, format!("the residual gradient must be x's shape {:?}, got {:?}", x.shape, r.shape)));
+        }
+        same_dtype(name, x.dtype, r.dtype)?;
+    }
+    if let Some(t) = sums.filter(|t| !t.is_float()) {
+        return Err(Error::Msg(format!("{name}: the sums row needs a float dtype, got {t:?}")));
+    }
+    if let Some(t) = copy.filter(|t| !t.is_float() || *t == x.dtype) {
+        return Err(Error::Msg(format!("{name}: the copy of x's gradient needs a float dtype other than x's {:?}, got {t:?}", x.dtype)));
+    }
+    Ok(OutMeta { shape: vec![Parts::layer_norm_grads(x.shape, sums.is_some()).len()], dtype: x.dtype })
 }
 
 /// `Fused::Matmul`'s shape rule: the product's, then the epilogue's part after it.

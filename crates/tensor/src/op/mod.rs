@@ -565,12 +565,9 @@ pub enum Op {
         scale: f64,
     },
     /// `(x - mean) / sqrt(var + eps)` over the last dim (biased variance), one pass per row;
-    /// with inputs x, weight, bias (each `[n]`), layer norm with its affine part. `to`: the
-    /// output's dtype when it is not x's (a cast folded in by compile on a GPU, after autograd:
-    /// BF16 autocast's cast of an F32 layer norm before a product).
+    /// with inputs x, weight, bias (each `[n]`), layer norm with its affine part.
     Normalize {
         eps: f64,
-        to: Option<DType>,
     },
     /// The gradient of `Normalize` with respect to its input (inputs: x, the output's
     /// gradient, and optionally layer norm's weight `w`, `[n]`, which scales g):
@@ -580,22 +577,12 @@ pub enum Op {
     },
     /// Layer norm's parameter gradients from its input `x` and output gradient `g` (one
     /// shape, last dim `n`; g in any float dtype, read as x's): `[2, n]`, the sums over rows of
-    /// `g * normalize(x)` (the weight's) and of `g` (the bias's). On CUDA one pass reads x and g once, with no normalised copy.
-    /// With the weight `w` (`[n]`) as a third input, the whole backward in that pass: one flat
-    /// buffer (`Parts::layer_norm_grads`), the `[2, n]` then x's gradient (as
-    /// `NormalizeBackward` with `w` computes it). With a fourth input `r` (x's shape and
-    /// dtype), x's gradient plus `r`: a residual connection's gradient added as it is stored
-    /// (folded in by compile on a GPU, for F32 and F64). With the weight and `sums: Some(t)`,
-    /// a third row after the two: the sums over rows of that gradient (plus r) as rounded to
-    /// `t` (the bias gradient of the product it feeds, read by compile on a GPU from here
-    /// instead of summing a copy), before x's gradient.
-    /// `copy: Some(t)` leaves the output as it is: it tells a caller of
-    /// `fused::layer_norm_grads_with_copy` (compile, on a GPU) that x's gradient (plus
-    /// r) is also wanted cast to `t`, which the CUDA kernel then writes in the same pass.
+    /// `g * normalize(x)` (the weight's) and of `g` (the bias's). On CUDA one pass reads x and
+    /// g once, with no normalised copy. With the weight `w` (`[n]`) as a third input, the
+    /// whole backward in that pass: one flat buffer (`Parts::layer_norm_grads`), the `[2, n]`
+    /// then x's gradient (as `NormalizeBackward` with `w` computes it).
     LayerNormGrads {
         eps: f64,
-        sums: Option<DType>,
-        copy: Option<DType>,
     },
     /// Scaled dot-product attention without storing the scores (flash-style): inputs q, k, v
     /// of one shape `[.., T, D]`; `out = softmax(scale * q k^T) v`, where with `causal` key `j`
@@ -695,6 +682,18 @@ pub enum Fused {
     /// product y feeds). GPT's `fc1` under autocast: the GELU's gradient and its bias sums in
     /// one pass over a and h.
     GatedSums { gate: UnaryOp },
+    /// Layer norm's forward writing `to` instead of x's dtype (on a GPU, after autograd: BF16
+    /// autocast's cast of an F32 layer norm before a product, folded in). Inputs as `Normalize`.
+    NormalizeTo { eps: f64, to: DType },
+    /// Layer norm's whole backward (`Op::LayerNormGrads` with the weight: inputs x, g, w) with
+    /// more folded in on a GPU. A fourth input `r` (x's shape and dtype) is added to x's
+    /// gradient as it is stored: a residual connection's gradient (F32 and F64). `sums:
+    /// Some(t)` adds a third row after the two parameter gradients (`Part::Sums`): the sums
+    /// over rows of that gradient (plus r) as rounded to `t`, the bias gradient of the product
+    /// it feeds, read from here instead of summing a copy. `copy: Some(t)` leaves the output as
+    /// it is: it tells a caller of `fused::layer_norm_grads_with_copy` that x's gradient (plus
+    /// r) is also wanted cast to `t`, which the CUDA kernel then writes in the same pass.
+    LayerNormGrads { eps: f64, sums: Option<DType>, copy: Option<DType> },
     /// `Attention` written with the heads after T (on a GPU, for q `[B, H, T, D]`): the output
     /// is `[B, T, H, D]`, each row holding the heads' outputs side by side, as an output
     /// projection reads them.

@@ -31,14 +31,6 @@ pub(super) fn index_dtype(name: &'static str, d: DType) -> Result<()> {
     }
 }
 
-/// The dtype a row op writes for input dtype `x`: `Normalize`'s `to` (a float), else x.
-fn written(op: &Op, name: &'static str, x: DType) -> Result<DType> {
-    match op {
-        Op::Normalize { to: Some(d), .. } => float_only(name, *d).map(|_| *d),
-        _ => Ok(x),
-    }
-}
-
 fn meta(shape: Vec<usize>, dtype: DType) -> Result<OutMeta> {
     Ok(OutMeta { shape, dtype })
 }
@@ -136,28 +128,9 @@ pub(super) fn rows(op: &Op, inputs: &[InMeta<'_>]) -> Result<OutMeta> {
             let Some(&n) = inputs[0].shape.last() else {
                 return Err(Error::shape(name, "needs rank >= 1, got a scalar".to_string()));
             };
-            if let Some(r) = inputs.get(3).filter(|r| r.shape != inputs[0].shape) {
-                return Err(Error::shape(
-                    name,
-                    format!("the residual gradient must be x's shape {:?}, got {:?}", inputs[0].shape, r.shape),
-                ));
-            }
-            let sums = match op {
-                Op::LayerNormGrads { sums: Some(t), .. } if inputs.len() < 3 || !t.is_float() => {
-                    return Err(Error::Msg(format!("{name}: the sums row needs the weight and a float dtype, got {t:?}")));
-                }
-                Op::LayerNormGrads { copy: Some(t), .. } if inputs.len() < 3 || !t.is_float() || *t == inputs[0].dtype => {
-                    return Err(Error::Msg(format!(
-                        "{name}: the copy of x's gradient needs the weight and a float dtype other than x's {:?}, got {t:?}",
-                        inputs[0].dtype
-                    )));
-                }
-                Op::LayerNormGrads { sums, .. } => sums.is_some(),
-                _ => false,
-            };
             match inputs.get(2) {
                 None => meta(vec![2, n], inputs[0].dtype),
-                Some(w) if w.shape == [n] => meta(vec![Parts::layer_norm_grads(inputs[0].shape, sums).len()], inputs[0].dtype),
+                Some(w) if w.shape == [n] => meta(vec![Parts::layer_norm_grads(inputs[0].shape, false).len()], inputs[0].dtype),
                 Some(w) => Err(Error::shape(name, format!("the weight must be [{n}] for x {:?}, got {:?}", inputs[0].shape, w.shape))),
             }
         }
@@ -173,7 +146,7 @@ pub(super) fn rows(op: &Op, inputs: &[InMeta<'_>]) -> Result<OutMeta> {
                 return Err(Error::shape(name, format!("the inputs after x {:?} must be {want:?}, got {got:?}", x.shape)));
             }
             inputs[1..].iter().try_for_each(|a| same_dtype(name, x.dtype, a.dtype))?;
-            meta(x.shape.to_vec(), written(op, name, x.dtype)?)
+            meta(x.shape.to_vec(), x.dtype)
         }
         Op::Softmax { .. } | Op::SoftmaxBackward { .. } | Op::Normalize { .. } | Op::NormalizeBackward { .. } => {
             float_only(name, inputs[0].dtype)?;
@@ -183,7 +156,7 @@ pub(super) fn rows(op: &Op, inputs: &[InMeta<'_>]) -> Result<OutMeta> {
             if inputs[0].shape.is_empty() {
                 return Err(Error::shape(name, "needs rank >= 1, got a scalar".to_string()));
             }
-            meta(inputs[0].shape.to_vec(), written(op, name, inputs[0].dtype)?)
+            meta(inputs[0].shape.to_vec(), inputs[0].dtype)
         }
         _ => Err(not_in("rows", op)),
     }
@@ -469,7 +442,6 @@ impl Op {
             Op::Unary(_) | Op::Scalar { .. } | Op::Cast(_) | Op::Reduce { .. } | Op::UpdateScalar(..) | Op::Softmax { .. } => 1,
             Op::Normalize { .. } if given == 3 => 3,
             Op::Normalize { .. } => 1,
-            Op::LayerNormGrads { .. } if given == 4 => 4,
             Op::NormalizeBackward { .. } | Op::LayerNormGrads { .. } if given == 3 => 3,
             Op::NormalizeBackward { .. } | Op::SoftmaxBackward { .. } | Op::LayerNormGrads { .. } => 2,
             Op::Attention { .. } => 3,

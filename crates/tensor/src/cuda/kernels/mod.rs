@@ -86,10 +86,12 @@ mod dispatch {
             }
             Op::Reduce { op: r, dims, .. } => reduce(&g, *r, x[0], dims, meta)?,
             Op::Softmax { log, scale, causal } => softmax(&g, x[0], (*log, *scale, *causal))?,
-            Op::Normalize { eps, to } => normalize(&g, x[0], None, &x[1..], (*eps, *to))?,
+            Op::Normalize { eps } => normalize(&g, x[0], None, &x[1..], (*eps, None))?,
+            Op::Fused(Fused::NormalizeTo { eps, to }) => normalize(&g, x[0], None, &x[1..], (*eps, Some(*to)))?,
             Op::NormalizeBackward { eps } => normalize(&g, x[0], Some(x[1]), &x[2..], (*eps, None))?,
             Op::Fused(Fused::GatedSums { gate }) => gated_sums(&g, x[0], x[1], *gate)?,
-            Op::LayerNormGrads { eps, sums, .. } => {
+            Op::LayerNormGrads { eps } => layer_norm_param_grads(&g, x[0], x[1], (x.get(2).copied(), None), (*eps, None), None)?,
+            Op::Fused(Fused::LayerNormGrads { eps, sums, .. }) => {
                 layer_norm_param_grads(&g, x[0], x[1], (x.get(2).copied(), x.get(3).copied()), (*eps, *sums), None)?
             }
             Op::SoftmaxBackward { log, scale } => softmax_backward(&g, x[0], x[1], *log, *scale)?,

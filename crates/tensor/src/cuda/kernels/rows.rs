@@ -397,7 +397,7 @@ fn block_partials(sums: bool) -> String {
 /// (`affine`: g times `w`): the row's mean and variance (two sweeps), then for the backward
 /// the sums of `g` and `g xhat`, then the write. Arguments: out, x, g (backward), args, w,
 /// b (the forward's `affine`). The output is written in `out` (x's dtype, or the forward's
-/// folded cast: `Op::Normalize`'s `to`).
+/// folded cast: `Fused::NormalizeTo`).
 pub fn normalize_source(dtype: DType, backward: bool, affine: bool, block: bool, out: DType) -> (String, String) {
     let kind = match (backward, affine) {
         (true, true) => "layer_norm_backward",
@@ -493,7 +493,7 @@ mod launch {
     use crate::cuda::kernels::elementwise::{dense, Dense};
     use crate::cuda::kernels::prelude::{coalesce, kernel_params, storages, too_many_dims, CudaStorage, View, MAX_RANK};
     use crate::cuda::kernels::reduce::{accumulator, reduce_into, RArgs};
-    use crate::op::{Op, Part, Parts, ReduceOp};
+    use crate::op::{Fused, Op, Part, Parts, ReduceOp};
     use crate::shape::Layout;
     use crate::storage::Storage;
     use crate::{DType, Device, Error, Result};
@@ -592,10 +592,10 @@ mod launch {
         Ok(out)
     }
 
-    /// `Op::LayerNormGrads` with `copy: Some(t)`: the flat output, and x's gradient (plus r)
+    /// `Fused::LayerNormGrads` with `copy: Some(t)`: the flat output, and x's gradient (plus r)
     /// stored in `t` by the same kernel.
     pub(crate) fn layer_norm_grads_with_copy(op: &Op, ins: &[&Storage], layouts: &[&Layout], device: Device) -> Result<(Storage, Storage)> {
-        let (Device::Cuda(ordinal), Op::LayerNormGrads { eps, sums, copy: Some(t) }) = (device, op) else {
+        let (Device::Cuda(ordinal), Op::Fused(Fused::LayerNormGrads { eps, sums, copy: Some(t) })) = (device, op) else {
             return Err(Error::Msg(format!("layer_norm_grads_with_copy: {op:?} on {device:?}")));
         };
         let g = crate::cuda::gpu::gpu(ordinal)?;
