@@ -39,43 +39,64 @@ impl NoGradGuard {
 /// `loss.backward()` for tensors.
 pub trait Backward {
     /// Accumulates d(self)/d(leaf) into every leaf that requires grad; `self` must hold one
-    /// element.
+    /// element. The graph is spent: a second backward through it is an error, as in PyTorch.
     fn backward(&self) -> Result<()>;
+    /// `loss.backward(retain_graph=True)`: the same, leaving the graph for another backward.
+    fn backward_retain_graph(&self) -> Result<()>;
 }
 
 impl Backward for Tensor {
     fn backward(&self) -> Result<()> {
         backward(self)
     }
+    fn backward_retain_graph(&self) -> Result<()> {
+        let seed = one_element_seed(self)?;
+        accumulate_all(run(self, &seed, None, Retain::Yes)?)
+    }
 }
 
-/// Backward from a one-element tensor (seeded with 1).
-pub fn backward(root: &Tensor) -> Result<()> {
+/// Whether a backward leaves the graph for another one (PyTorch's `retain_graph`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Retain {
+    Yes,
+    No,
+}
+
+fn one_element_seed(root: &Tensor) -> Result<Tensor> {
     if root.numel() != 1 {
         return Err(Error::shape(
             "backward",
             format!("needs a one-element loss, got shape {:?}; use backward_with for other shapes", root.shape()),
         ));
     }
-    let seed = no_grad(|| root.ones_like())?;
-    backward_with(root, &seed)
+    no_grad(|| root.ones_like())
 }
 
-/// Backward from any tensor, seeded with `grad` (same shape).
-pub fn backward_with(root: &Tensor, grad: &Tensor) -> Result<()> {
-    let leaves = run(root, grad, None)?;
+fn accumulate_all(leaves: Vec<(Tensor, Tensor)>) -> Result<()> {
     for (leaf, g) in leaves {
         accumulate(&leaf, g)?;
     }
     Ok(())
 }
 
+/// Backward from a one-element tensor (seeded with 1); the graph is spent.
+pub fn backward(root: &Tensor) -> Result<()> {
+    let seed = one_element_seed(root)?;
+    backward_with(root, &seed)
+}
+
+/// Backward from any tensor, seeded with `grad` (same shape); the graph is spent.
+pub fn backward_with(root: &Tensor, grad: &Tensor) -> Result<()> {
+    accumulate_all(run(root, grad, None, Retain::No)?)
+}
+
 /// Gradients of `root` with respect to `inputs` (seeded with ones), without touching any
-/// `.grad()`: like `torch.autograd.grad`. An input `root` does not depend on gets `None`.
+/// `.grad()`: like `torch.autograd.grad` with `retain_graph=True` (the graph stays for a
+/// later `backward()`). An input `root` does not depend on gets `None`.
 pub fn grad(root: &Tensor, inputs: &[&Tensor]) -> Result<Vec<Option<Tensor>>> {
     let seed = no_grad(|| root.ones_like())?;
     let wanted: HashSet<TensorId> = inputs.iter().map(|t| t.id()).collect();
-    let found = run(root, &seed, Some(&wanted))?;
+    let found = run(root, &seed, Some(&wanted), Retain::Yes)?;
     Ok(inputs.iter().map(|t| found.iter().find(|(l, _)| l.id() == t.id()).map(|(_, g)| g.clone())).collect())
 }
 
@@ -107,7 +128,7 @@ fn topo_order(root: &Tensor) -> Vec<Tensor> {
 
 /// Walks the graph; returns the gradient of every leaf that requires grad (or, with `wanted`,
 /// of those tensors whether leaves or not).
-pub(crate) fn run(root: &Tensor, seed: &Tensor, wanted: Option<&HashSet<TensorId>>) -> Result<Vec<(Tensor, Tensor)>> {
+pub(crate) fn run(root: &Tensor, seed: &Tensor, wanted: Option<&HashSet<TensorId>>, retain: Retain) -> Result<Vec<(Tensor, Tensor)>> {
     if !root.requires_grad() {
         return Err(Error::Msg(format!(
             "backward: the tensor (shape {:?}) does not require grad: no parameter it depends on has requires_grad set",
@@ -133,6 +154,17 @@ pub(crate) fn run(root: &Tensor, seed: &Tensor, wanted: Option<&HashSet<TensorId
             out.push((t.clone(), g.clone()));
         }
         let Some(f) = t.grad_fn() else { continue };
+        if f.is_spent() {
+            return Err(Error::Msg(format!(
+                "backward: the graph through {} (shape {:?}) was spent by an earlier backward; call backward_retain_graph() \
+                 the first time to go through it again (PyTorch's retain_graph=True)",
+                f.name(),
+                t.shape()
+            )));
+        }
+        if retain == Retain::No {
+            f.spend();
+        }
         for (i, (inp, &ver)) in f.inputs.iter().zip(&f.versions).enumerate() {
             if inp.storage().version() != ver {
                 return Err(Error::Msg(format!(

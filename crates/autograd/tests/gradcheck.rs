@@ -258,6 +258,29 @@ fn gradients_accumulate_and_no_grad_stops_recording() -> Result<()> {
 }
 
 #[test]
+fn a_second_backward_through_a_spent_graph_is_an_error_unless_it_was_retained() -> Result<()> {
+    let w = Tensor::from_slice(&[1.0f64, 2.0], &[2], Device::Cpu)?;
+    w.set_requires_grad(true);
+    let loss = w.square()?.sum_all()?;
+    loss.backward_retain_graph()?;
+    loss.backward()?;
+    // d/dw sum(w^2) = 2w, from both walks.
+    assert_eq!(w.grad().unwrap().to_vec::<f64>()?, vec![4.0, 8.0]);
+    let err = loss.backward().unwrap_err().to_string();
+    assert!(err.contains("spent") && err.contains("retain_graph"), "{err}");
+    // The failed walk added nothing; a graph sharing only the leaf is fresh.
+    assert_eq!(w.grad().unwrap().to_vec::<f64>()?, vec![4.0, 8.0]);
+    w.sum_all()?.backward()?;
+    assert_eq!(w.grad().unwrap().to_vec::<f64>()?, vec![5.0, 9.0]);
+    // A second loss over a spent intermediate is refused too, as in PyTorch.
+    let h = w.square()?;
+    h.sum_all()?.backward()?;
+    let err = h.mul_scalar(2.0)?.sum_all()?.backward().unwrap_err().to_string();
+    assert!(err.contains("spent"), "{err}");
+    Ok(())
+}
+
+#[test]
 fn tape_errors_are_clear() -> Result<()> {
     let w = Tensor::from_slice(&[1.0f64, 2.0], &[2], Device::Cpu)?;
     let e = backward(&w.sum_all()?).unwrap_err().to_string();

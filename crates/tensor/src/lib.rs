@@ -36,7 +36,7 @@ pub use dtype::{default_dtype, set_default_dtype, DType, Element};
 pub use error::{Error, Result};
 pub use mode::{autocast_dtype, is_anomaly_detection, is_grad_enabled, no_grad, set_detect_anomaly, set_grad_enabled, Autocast};
 pub use op::{BinaryOp, Distribution, Fused, MatmulEpilogue, Op, ReduceOp, UnaryOp};
-pub use ops::ShapeSpec;
+pub use ops::{ShapeDim, ShapeSpec};
 pub use shape::{AllDims, Dim, Dims, Layout};
 pub use tensor::next_tensor_id;
 pub use tensor::{is_tracing, set_tracer, CustomBackward, Flag, GradFn, Tensor, TensorId, Tracer};

@@ -58,6 +58,43 @@ macro_rules! shape_spec {
 }
 shape_spec!(usize, i32, i64, isize);
 
+/// One size of a shape written as a tuple: a `usize`, or a signed integer where `-1` asks for
+/// the size that makes the element count fit (`x.reshape(&(b, t, -1))`).
+pub trait ShapeDim: Copy {
+    fn signed(self) -> i64;
+}
+
+macro_rules! shape_dim {
+    ($($t:ty),*) => {$(
+        impl ShapeDim for $t {
+            fn signed(self) -> i64 {
+                self as i64
+            }
+        }
+    )*};
+}
+shape_dim!(usize, i32, i64, isize);
+
+macro_rules! tuple_shape_spec {
+    ($(($($n:ident),+)),* $(,)?) => {$(
+        #[allow(non_snake_case)]
+        impl<$($n: ShapeDim),+> ShapeSpec for ($($n,)+) {
+            fn resolve(&self, op: &'static str, numel: usize) -> Result<Vec<usize>> {
+                let ($($n,)+) = *self;
+                resolve_signed(op, &[$($n.signed()),+], numel)
+            }
+        }
+    )*};
+}
+tuple_shape_spec!((A), (A, B), (A, B, C), (A, B, C, D), (A, B, C, D, E), (A, B, C, D, E, F));
+
+/// `i` as a position along dim `d` of `shape`, a negative `i` counted from the end.
+fn from_end(op: &'static str, i: i64, d: usize, shape: &[usize]) -> Result<usize> {
+    let size = shape[d];
+    let at = if i < 0 { i + size as i64 } else { i };
+    usize::try_from(at).map_err(|_| Error::Index { op, index: i, dim: d, size })
+}
+
 impl Tensor {
     // ---- creation ----
 
@@ -136,9 +173,23 @@ impl Tensor {
         }
         self.transpose(-2i64, -1)
     }
-    pub fn narrow<D: Dim>(&self, dim: D, start: usize, len: usize) -> Result<Tensor> {
+    /// `len` entries of `dim` from `start` (a negative start counts from the end, as
+    /// `torch.narrow`'s): a view.
+    pub fn narrow<D: Dim, S: ShapeDim>(&self, dim: D, start: S, len: usize) -> Result<Tensor> {
         let dim = dim.to_index("narrow", self.shape())?;
+        let start = from_end("narrow", start.signed(), dim, self.shape())?;
         Tensor::apply(Op::Narrow { dim, start, len }, &[self], self.device())
+    }
+    /// The slice at `index` of `dim`, without that dim (`x[:, i]`, `torch.select`); a
+    /// negative index counts from the end. A view.
+    pub fn select<D: Dim, S: ShapeDim>(&self, dim: D, index: S) -> Result<Tensor> {
+        let d = dim.to_index("select", self.shape())?;
+        let (i, size) = (index.signed(), self.shape()[d]);
+        let at = from_end("select", i, d, self.shape())?;
+        if at >= size {
+            return Err(Error::Index { op: "select", index: i, dim: d, size });
+        }
+        self.narrow(d, at, 1)?.squeeze(d)
     }
     pub fn broadcast_to(&self, shape: &[usize]) -> Result<Tensor> {
         if shape == self.shape() {
@@ -707,13 +758,33 @@ macro_rules! compare_scalar_methods {
 }
 compare_scalar_methods!(eq_scalar => Eq, ne_scalar => Ne, lt_scalar => Lt, le_scalar => Le, gt_scalar => Gt, ge_scalar => Ge);
 
-/// `&a + &b` and friends return `Result<Tensor>`: `(&a + &b)?`.
+/// `a + b` and friends for every mix of owned and borrowed tensors and `f64` scalars on
+/// either side, as PyTorch writes them; each returns `Result<Tensor>`: `(&a + &b)?`,
+/// `(x * 0.5)?`, `(1.0 - &p)?`.
 macro_rules! std_ops {
-    ($($tr:ident $f:ident => $m:ident / $ms:ident),* $(,)?) => {$(
+    ($($tr:ident $f:ident => $m:ident / $ms:ident / $op:ident),* $(,)?) => {$(
         impl std::ops::$tr<&Tensor> for &Tensor {
             type Output = Result<Tensor>;
             fn $f(self, rhs: &Tensor) -> Result<Tensor> {
                 self.$m(rhs)
+            }
+        }
+        impl std::ops::$tr<Tensor> for Tensor {
+            type Output = Result<Tensor>;
+            fn $f(self, rhs: Tensor) -> Result<Tensor> {
+                Tensor::$m(&self, &rhs)
+            }
+        }
+        impl std::ops::$tr<&Tensor> for Tensor {
+            type Output = Result<Tensor>;
+            fn $f(self, rhs: &Tensor) -> Result<Tensor> {
+                Tensor::$m(&self, rhs)
+            }
+        }
+        impl std::ops::$tr<Tensor> for &Tensor {
+            type Output = Result<Tensor>;
+            fn $f(self, rhs: Tensor) -> Result<Tensor> {
+                Tensor::$m(&self, &rhs)
             }
         }
         impl std::ops::$tr<f64> for &Tensor {
@@ -722,6 +793,38 @@ macro_rules! std_ops {
                 self.$ms(rhs)
             }
         }
+        impl std::ops::$tr<f64> for Tensor {
+            type Output = Result<Tensor>;
+            fn $f(self, rhs: f64) -> Result<Tensor> {
+                Tensor::$ms(&self, rhs)
+            }
+        }
+        impl std::ops::$tr<&Tensor> for f64 {
+            type Output = Result<Tensor>;
+            fn $f(self, rhs: &Tensor) -> Result<Tensor> {
+                rhs.scalar_op(BinaryOp::$op, self, true)
+            }
+        }
+        impl std::ops::$tr<Tensor> for f64 {
+            type Output = Result<Tensor>;
+            fn $f(self, rhs: Tensor) -> Result<Tensor> {
+                rhs.scalar_op(BinaryOp::$op, self, true)
+            }
+        }
     )*};
 }
-std_ops!(Add add => add / add_scalar, Sub sub => sub / sub_scalar, Mul mul => mul / mul_scalar, Div div => div / div_scalar);
+std_ops!(Add add => add / add_scalar / Add, Sub sub => sub / sub_scalar / Sub, Mul mul => mul / mul_scalar / Mul, Div div => div / div_scalar / Div);
+
+impl std::ops::Neg for &Tensor {
+    type Output = Result<Tensor>;
+    fn neg(self) -> Result<Tensor> {
+        Tensor::neg(self)
+    }
+}
+
+impl std::ops::Neg for Tensor {
+    type Output = Result<Tensor>;
+    fn neg(self) -> Result<Tensor> {
+        Tensor::neg(&self)
+    }
+}

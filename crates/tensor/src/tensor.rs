@@ -34,6 +34,9 @@ pub struct GradFn {
     pub versions: Vec<u64>,
     /// A backward of the caller's own in place of `op`'s rule (`Tensor::with_backward`).
     pub custom: Option<CustomBackward>,
+    /// Set once a backward walked through this record without retaining the graph: it is
+    /// spent, as PyTorch frees a graph's saved tensors, and a second walk is an error.
+    spent: AtomicBool,
 }
 
 impl GradFn {
@@ -41,7 +44,17 @@ impl GradFn {
     /// storage versions they have now.
     fn new(op: Op, inputs: &[&Tensor], custom: Option<CustomBackward>) -> GradFn {
         let versions = inputs.iter().map(|t| t.0.storage.version()).collect();
-        GradFn { op, inputs: inputs.iter().map(|t| (*t).clone()).collect(), versions, custom }
+        GradFn { op, inputs: inputs.iter().map(|t| (*t).clone()).collect(), versions, custom, spent: AtomicBool::new(false) }
+    }
+
+    /// Marks the record spent by a backward; whether it already was.
+    pub fn spend(&self) -> bool {
+        self.spent.swap(true, Ordering::Relaxed)
+    }
+
+    /// Whether a backward already walked through this record without retaining it.
+    pub fn is_spent(&self) -> bool {
+        self.spent.load(Ordering::Relaxed)
     }
 
     /// The op's name, or the custom backward's.

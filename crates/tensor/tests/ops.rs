@@ -895,3 +895,49 @@ fn a_fused_ops_shape_errors_name_the_fused_op() {
     let err = Tensor::apply(relu, &[&logits, &logits], cpu).unwrap_err().to_string();
     assert!(err.starts_with("matmul_relu:") && err.contains("[4, 3]"), "{err}");
 }
+
+#[test]
+fn operators_take_owned_and_borrowed_tensors_and_scalars_on_either_side() -> Result<()> {
+    let (a, b) = (t(&[1., 2., 3.], &[3]), t(&[4., 5., 6.], &[3]));
+    assert_eq!(v(&(a.clone() + b.clone())?), [5., 7., 9.]);
+    assert_eq!(v(&(&a - b.clone())?), [-3., -3., -3.]);
+    assert_eq!(v(&(a.clone() * &b)?), [4., 10., 18.]);
+    assert_eq!(v(&(&b / &a)?), [4., 2.5, 2.]);
+    assert_eq!(v(&(b.clone() / 2.0)?), [2., 2.5, 3.]);
+    assert_eq!(v(&(&a + 0.5)?), [1.5, 2.5, 3.5]);
+    assert_eq!(v(&(1.0 - &a)?), [0., -1., -2.]);
+    assert_eq!(v(&(6.0 / a.clone())?), [6., 3., 2.]);
+    assert_eq!(v(&(2.0 * &a)?), [2., 4., 6.]);
+    assert_eq!(v(&(10.0 + a.clone())?), [11., 12., 13.]);
+    assert_eq!(v(&(-&a)?), [-1., -2., -3.]);
+    assert_eq!(v(&(-(a.clone() * 2.0)?)?), [-2., -4., -6.]);
+    let err = (&a + &t(&[1., 2.], &[2])).unwrap_err().to_string();
+    assert!(err.contains("[3]") && err.contains("[2]"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn select_narrow_and_reshape_take_positions_from_the_end_and_tuple_shapes() -> Result<()> {
+    let data: Vec<f32> = (0..24).map(|i| i as f32).collect();
+    let x = t(&data, &[2, 3, 4]);
+    // x[:, -1, :] and x[1, 0]
+    let last = x.select(1, -1)?;
+    assert_eq!(last.shape(), &[2, 4]);
+    assert_eq!(v(&last), [8., 9., 10., 11., 20., 21., 22., 23.]);
+    assert_eq!(v(&x.select(0, 1)?.select(0, 0usize)?), [12., 13., 14., 15.]);
+    assert_eq!(v(&x.narrow(2, -2, 2)?.select(0, 0)?.select(0, 0)?), [2., 3.]);
+    for bad in [3i64, -4] {
+        let err = x.select(1, bad).unwrap_err().to_string();
+        assert!(err.contains(&format!("index {bad}")) && err.contains("size 3"), "{err}");
+    }
+    let err = x.narrow(2, -5, 1).unwrap_err().to_string();
+    assert!(err.contains("index -5") && err.contains("size 4"), "{err}");
+    // (b, t, -1) with usize sizes, as PyTorch's view(b, t, -1).
+    let (b, n) = (2usize, 3usize);
+    assert_eq!(x.reshape(&(b, n, -1))?.shape(), &[2, 3, 4]);
+    assert_eq!(x.reshape(&(-1, 6usize))?.shape(), &[4, 6]);
+    assert_eq!(v(&x.reshape(&(-1,))?), data);
+    let err = x.reshape(&(5usize, -1)).unwrap_err().to_string();
+    assert!(err.contains("cannot infer -1"), "{err}");
+    Ok(())
+}
