@@ -11,6 +11,9 @@
 //! # Ok::<(), kiln::Error>(())
 //! ```
 
+// `#[derive(Module)]` expands to `::kiln::nn` paths; inside this crate they resolve here.
+extern crate self as kiln;
+
 pub mod checkpoint;
 pub mod data;
 pub mod loader;

@@ -3,7 +3,7 @@
 //! (untied, or tied to the token embedding). Shapes: B batch, T time, C d_model, H heads,
 //! V vocab. Parameter names match scripts/make_golden.py's PyTorch model.
 
-use kiln_nn::{cross_entropy, dropout, join, scaled_dot_product_attention, AttnMasks, Embedding, Forward, LayerNorm, Linear, Module};
+use kiln_nn::{cross_entropy, dropout, scaled_dot_product_attention, AttnMasks, Embedding, Forward, LayerNorm, Linear, Module};
 use kiln_tensor::{DType, Device, Error, Flag, Result, Tensor};
 
 #[derive(Debug, Clone, Copy)]
@@ -18,17 +18,21 @@ pub struct GptConfig {
     pub tied_head: bool,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Module)]
 pub struct Block {
     pub ln1: LayerNorm,
+    #[module(rename = "attn.qkv")]
     pub qkv: Linear,
+    #[module(rename = "attn.proj")]
     pub proj: Linear,
     pub ln2: LayerNorm,
+    #[module(rename = "mlp.fc")]
     pub fc: Linear,
+    #[module(rename = "mlp.proj")]
     pub fc_proj: Linear,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Module)]
 pub struct Gpt {
     pub config: GptConfig,
     pub tok_emb: Embedding,
@@ -68,15 +72,6 @@ impl Block {
         let x = x.add(&dropout(&self.proj.forward(&att)?, p, training)?)?;
         let h = self.fc_proj.forward(&self.fc.forward(&self.ln2.forward(&x)?)?.gelu()?)?;
         x.add(&dropout(&h, p, training)?)
-    }
-
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
-        self.ln1.visit(&join(prefix, "ln1"), f);
-        self.qkv.visit(&join(prefix, "attn.qkv"), f);
-        self.proj.visit(&join(prefix, "attn.proj"), f);
-        self.ln2.visit(&join(prefix, "ln2"), f);
-        self.fc.visit(&join(prefix, "mlp.fc"), f);
-        self.fc_proj.visit(&join(prefix, "mlp.proj"), f);
     }
 }
 
@@ -135,22 +130,5 @@ impl Gpt {
         let logits = self.forward(tokens)?;
         let v = self.config.vocab;
         cross_entropy(&logits.reshape(&[-1, v as i64])?, &targets.reshape(&[-1])?)
-    }
-}
-
-impl Module for Gpt {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
-        self.tok_emb.visit(&join(prefix, "tok_emb"), f);
-        self.pos_emb.visit(&join(prefix, "pos_emb"), f);
-        for (i, b) in self.blocks.iter().enumerate() {
-            b.visit(&join(prefix, &format!("blocks.{i}")), f);
-        }
-        self.ln_f.visit(&join(prefix, "ln_f"), f);
-        if let Some(h) = &self.head {
-            h.visit(&join(prefix, "head"), f);
-        }
-    }
-    fn set_training(&self, training: bool) {
-        self.training.set(training);
     }
 }

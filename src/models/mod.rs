@@ -52,6 +52,7 @@ pub fn lstm_classifier(rows: usize, cols: usize, hidden: usize, classes: usize, 
 
 /// Flat image rows `[N, rows * cols]` viewed as `[N, 1, rows, cols]` (`channel`) or as a
 /// sequence of rows `[N, rows, cols]`.
+#[derive(Module)]
 struct Image {
     rows: usize,
     cols: usize,
@@ -75,6 +76,7 @@ impl Forward for Image {
 }
 
 /// `[N, T, H]` to the last step's `[N, H]`.
+#[derive(Module)]
 struct LastStep;
 
 impl Forward for LastStep {
@@ -84,12 +86,4 @@ impl Forward for LastStep {
             t => x.narrow(1usize, t - 1, 1)?.squeeze(1usize),
         }
     }
-}
-
-impl Module for LastStep {
-    fn visit(&self, _: &str, _: &mut dyn FnMut(String, &Tensor)) {}
-}
-
-impl Module for Image {
-    fn visit(&self, _: &str, _: &mut dyn FnMut(String, &Tensor)) {}
 }

@@ -3,7 +3,8 @@
 
 use crate::init::{param, xavier_uniform};
 use crate::layers::{dropout, Linear};
-use crate::module::{join, Forward, Module};
+use crate::module::Forward;
+use kiln_derive::Module;
 use kiln_tensor::{default_dtype, DType, Device, Error, Flag, Result, Tensor};
 
 /// Masks for one attention call. U8 masks mark positions to hide with 1 (PyTorch's bool
@@ -24,7 +25,8 @@ pub fn causal_mask(n: usize, device: Device) -> Result<Tensor> {
     i.reshape(&[1, n])?.gt(&i.reshape(&[n, 1])?)
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Module)]
+#[module(crate = "crate")]
 pub struct MultiheadAttention {
     /// `[3E, E]`: the query, key and value projections stacked.
     pub in_proj_weight: Tensor,
@@ -211,15 +213,4 @@ pub fn scaled_dot_product_attention(q: &Tensor, k: &Tensor, v: &Tensor, masks: &
     }
     let p = dropout(&scores.softmax(-1)?, dropout_p, dropout_p > 0.0)?;
     p.matmul(v)
-}
-
-impl Module for MultiheadAttention {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
-        f(join(prefix, "in_proj_weight"), &self.in_proj_weight);
-        f(join(prefix, "in_proj_bias"), &self.in_proj_bias);
-        self.out_proj.visit(&join(prefix, "out_proj"), f);
-    }
-    fn set_training(&self, training: bool) {
-        self.training.set(training);
-    }
 }

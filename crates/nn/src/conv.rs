@@ -7,7 +7,8 @@
 //! nothing of their own: the backward is the views' and the product's.
 
 use crate::init::weight_and_bias;
-use crate::module::{visit_weight_bias, Forward, Module};
+use crate::module::{Forward, Module};
+use kiln_derive::Module;
 use kiln_tensor::{Device, Error, Result, Tensor};
 
 /// A pair of sizes for (height, width).
@@ -404,7 +405,8 @@ pub fn adaptive_avg_pool2d(x: &Tensor, (oh, ow): Pair) -> Result<Tensor> {
 }
 
 /// `nn.Conv1d`: weight `[out, in / groups, k]` and bias `[out]`, initialised as PyTorch does.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Module)]
+#[module(crate = "crate")]
 pub struct Conv1d {
     pub weight: Tensor,
     pub bias: Option<Tensor>,
@@ -427,15 +429,10 @@ impl Forward for Conv1d {
     }
 }
 
-impl Module for Conv1d {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
-        visit_weight_bias(prefix, f, &self.weight, self.bias.as_ref());
-    }
-}
-
 /// `nn.Conv2d`: weight `[out, in / groups, kh, kw]` and bias `[out]`, initialised as PyTorch
 /// does (both U(-1/sqrt(fan_in), 1/sqrt(fan_in)), `fan_in = in / groups * kh * kw`).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Module)]
+#[module(crate = "crate")]
 pub struct Conv2d {
     pub weight: Tensor,
     pub bias: Option<Tensor>,
@@ -466,15 +463,10 @@ impl Forward for Conv2d {
     }
 }
 
-impl Module for Conv2d {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
-        visit_weight_bias(prefix, f, &self.weight, self.bias.as_ref());
-    }
-}
-
 /// `nn.ConvTranspose2d`: weight `[in, out / groups, kh, kw]` and bias `[out]`, initialised
 /// as PyTorch does (its fan-in is `out / groups * kh * kw`, the weight's second dim on).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Module)]
+#[module(crate = "crate")]
 pub struct ConvTranspose2d {
     pub weight: Tensor,
     pub bias: Option<Tensor>,
@@ -500,15 +492,10 @@ impl Forward for ConvTranspose2d {
     }
 }
 
-impl Module for ConvTranspose2d {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
-        visit_weight_bias(prefix, f, &self.weight, self.bias.as_ref());
-    }
-}
-
 /// `nn.Upsample(scale_factor=(sh, sw), mode=..)`: each image `sh` times taller and `sw`
 /// times wider.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Module)]
+#[module(crate = "crate")]
 pub struct Upsample {
     pub scale: Pair,
     pub mode: Interpolation,
@@ -523,22 +510,15 @@ impl Forward for Upsample {
     }
 }
 
-impl Module for Upsample {
-    fn visit(&self, _: &str, _: &mut dyn FnMut(String, &Tensor)) {}
-}
-
 /// `nn.AdaptiveAvgPool2d`: average pooling to a fixed output size (`(1, 1)`: global pooling).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Module)]
+#[module(crate = "crate")]
 pub struct AdaptiveAvgPool2d(pub Pair);
 
 impl Forward for AdaptiveAvgPool2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         adaptive_avg_pool2d(x, self.0)
     }
-}
-
-impl Module for AdaptiveAvgPool2d {
-    fn visit(&self, _: &str, _: &mut dyn FnMut(String, &Tensor)) {}
 }
 
 /// A pooling layer over a `Window`: `new(k)` strides by the kernel, PyTorch's default.
@@ -570,15 +550,12 @@ pool_layer!(MaxPool2d, max_pool2d, "`nn.MaxPool2d`; `MaxPool2d::new(k)` strides 
 pool_layer!(AvgPool2d, avg_pool2d, "`nn.AvgPool2d`; `AvgPool2d::new(k)` strides by the kernel, PyTorch's default.");
 
 /// `nn.Flatten`: every dim from the second on into one (`[N, C, H, W]` to `[N, C * H * W]`).
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy, Default, Module)]
+#[module(crate = "crate")]
 pub struct Flatten;
 
 impl Forward for Flatten {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         x.flatten(1i64, -1)
     }
-}
-
-impl Module for Flatten {
-    fn visit(&self, _: &str, _: &mut dyn FnMut(String, &Tensor)) {}
 }

@@ -1,11 +1,13 @@
 //! Basic layers: Linear, Embedding, LayerNorm, RMSNorm, BatchNorm, Dropout, Sequential.
 
 use crate::init::{normal, param, weight_and_bias};
-use crate::module::{join, visit_weight_bias, Forward, Module};
+use crate::module::{join, Forward, Module};
+use kiln_derive::Module;
 use kiln_tensor::{default_dtype, no_grad, DType, Device, Error, Flag, Result, Tensor};
 
 /// `y = x W^T + b`, weight `[out, in]` like PyTorch.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Module)]
+#[module(crate = "crate")]
 pub struct Linear {
     pub weight: Tensor,
     pub bias: Option<Tensor>,
@@ -32,15 +34,10 @@ impl Forward for Linear {
     }
 }
 
-impl Module for Linear {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
-        visit_weight_bias(prefix, f, &self.weight, self.bias.as_ref());
-    }
-}
-
 /// A lookup table `[num_embeddings, dim]`, N(0, 1) initialised like PyTorch. With
 /// `padding_idx`, that row starts at zero and gets no gradient (`nn.Embedding(padding_idx=)`).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Module)]
+#[module(crate = "crate")]
 pub struct Embedding {
     pub weight: Tensor,
     pub padding_idx: Option<usize>,
@@ -74,14 +71,9 @@ impl Forward for Embedding {
     }
 }
 
-impl Module for Embedding {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
-        f(join(prefix, "weight"), &self.weight);
-    }
-}
-
 /// Normalises over the last dim: `(x - mean) / sqrt(var + eps) * weight + bias` (biased var).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Module)]
+#[module(crate = "crate")]
 pub struct LayerNorm {
     pub weight: Tensor,
     pub bias: Tensor,
@@ -109,15 +101,9 @@ impl Forward for LayerNorm {
     }
 }
 
-impl Module for LayerNorm {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
-        f(join(prefix, "weight"), &self.weight);
-        f(join(prefix, "bias"), &self.bias);
-    }
-}
-
 /// `x / sqrt(mean(x^2) + eps) * weight` over the last dim.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Module)]
+#[module(crate = "crate")]
 pub struct RmsNorm {
     pub weight: Tensor,
     pub eps: f64,
@@ -137,16 +123,11 @@ impl Forward for RmsNorm {
     }
 }
 
-impl Module for RmsNorm {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
-        f(join(prefix, "weight"), &self.weight);
-    }
-}
-
 /// `nn.GroupNorm`: the channels (dim 1) of `[N, C, ..]` split into `groups` runs, each run of
 /// each sample normalised over its channels and positions (one fused row pass), then a
 /// per-channel affine `weight [C]`, `bias [C]`. Train and eval behave the same.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Module)]
+#[module(crate = "crate")]
 pub struct GroupNorm {
     pub groups: usize,
     pub weight: Tensor,
@@ -183,24 +164,21 @@ impl Forward for GroupNorm {
     }
 }
 
-impl Module for GroupNorm {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
-        f(join(prefix, "weight"), &self.weight);
-        f(join(prefix, "bias"), &self.bias);
-    }
-}
-
 /// Batch normalisation over dim 1 (`nn.BatchNorm1d` for `[N, C]` or `[N, C, L]`,
 /// `nn.BatchNorm2d` for `[N, C, H, W]`): in training each channel is normalised by its batch
 /// mean and biased variance, and the running statistics move by `momentum` (the variance's
 /// unbiased); in eval the running statistics are used. Buffers `running_mean`,
 /// `running_var`, `num_batches_tracked` as in PyTorch's state dict.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Module)]
+#[module(crate = "crate")]
 pub struct BatchNorm {
     pub weight: Tensor,
     pub bias: Tensor,
+    #[module(buffer)]
     pub running_mean: Tensor,
+    #[module(buffer)]
     pub running_var: Tensor,
+    #[module(buffer)]
     pub num_batches_tracked: Tensor,
     pub eps: f64,
     pub momentum: f64,
@@ -269,24 +247,10 @@ impl Forward for BatchNorm {
     }
 }
 
-impl Module for BatchNorm {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
-        f(join(prefix, "weight"), &self.weight);
-        f(join(prefix, "bias"), &self.bias);
-    }
-    fn visit_buffers(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
-        f(join(prefix, "running_mean"), &self.running_mean);
-        f(join(prefix, "running_var"), &self.running_var);
-        f(join(prefix, "num_batches_tracked"), &self.num_batches_tracked);
-    }
-    fn set_training(&self, training: bool) {
-        self.training.set(training);
-    }
-}
-
 /// Zeroes each element with probability `p` in training and scales the rest by 1/(1-p).
 /// Masks come from the counter-based generator, so they can be reproduced on any device.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Module)]
+#[module(crate = "crate")]
 pub struct Dropout {
     pub p: f64,
     pub training: Flag,
@@ -313,13 +277,6 @@ pub fn dropout(x: &Tensor, p: f64, training: bool) -> Result<Tensor> {
 impl Forward for Dropout {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         dropout(x, self.p, self.training.get())
-    }
-}
-
-impl Module for Dropout {
-    fn visit(&self, _prefix: &str, _f: &mut dyn FnMut(String, &Tensor)) {}
-    fn set_training(&self, training: bool) {
-        self.training.set(training);
     }
 }
 

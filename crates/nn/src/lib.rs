@@ -8,6 +8,8 @@
 pub mod activation;
 pub mod attention;
 pub mod conv;
+#[doc(hidden)]
+pub mod derive_support;
 pub mod init;
 pub mod layers;
 pub mod loss;
@@ -22,6 +24,7 @@ pub use conv::{
     adaptive_avg_pool2d, avg_pool2d, conv1d, conv2d, conv2d_groups, conv_transpose2d, interpolate, max_pool2d, unfold, AdaptiveAvgPool2d,
     AvgPool2d, Conv1d, Conv2d, ConvTranspose2d, Flatten, Interpolation, MaxPool2d, Upsample, Window,
 };
+pub use kiln_derive::Module;
 pub use layers::{dropout, BatchNorm, Dropout, Embedding, GroupNorm, Layer, LayerNorm, Linear, RmsNorm, Sequential};
 pub use loss::{
     binary_cross_entropy, binary_cross_entropy_with_logits, cross_entropy, cross_entropy_with, huber_loss, kl_div, l1_loss, mse_loss,

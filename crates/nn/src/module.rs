@@ -2,7 +2,8 @@
 
 use kiln_tensor::{Result, Tensor};
 
-/// Anything with parameters. `visit` is the one method to write: it names each parameter.
+/// Anything with parameters. `#[derive(Module)]` writes it from a struct's fields (see
+/// `kiln_derive`); by hand, `visit` is the one method to write: it names each parameter.
 pub trait Module {
     /// Calls `f(name, param)` for every parameter, names prefixed with `prefix`.
     fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor));
@@ -12,9 +13,16 @@ pub trait Module {
     /// Switches train/eval behaviour (dropout, batch norm) for this module and its children.
     fn set_training(&self, _training: bool) {}
 
+    /// Each parameter once, under the first name it is visited by: a tensor shared by two
+    /// fields (a tied head's weight) is one parameter, as in PyTorch.
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut seen = std::collections::HashSet::new();
         let mut out = Vec::new();
-        self.visit("", &mut |n, t| out.push((n, t.clone())));
+        self.visit("", &mut |n, t| {
+            if seen.insert(t.id()) {
+                out.push((n, t.clone()))
+            }
+        });
         out
     }
     fn named_buffers(&self) -> Vec<(String, Tensor)> {
@@ -22,9 +30,11 @@ pub trait Module {
         self.visit_buffers("", &mut |n, t| out.push((n, t.clone())));
         out
     }
-    /// What a state dict holds: the parameters, then the buffers.
+    /// What a state dict holds: the parameters under every name they have (a tied weight
+    /// under both), then the buffers.
     fn named_state(&self) -> Vec<(String, Tensor)> {
-        let mut out = self.named_parameters();
+        let mut out = Vec::new();
+        self.visit("", &mut |n, t| out.push((n, t.clone())));
         out.extend(self.named_buffers());
         out
     }
@@ -48,14 +58,6 @@ pub trait Forward {
 }
 
 /// `prefix.name`, or `name` at the top.
-/// Visits a layer's `weight` and, when it has one, its `bias` (Linear and the convolutions).
-pub(crate) fn visit_weight_bias(prefix: &str, f: &mut dyn FnMut(String, &Tensor), weight: &Tensor, bias: Option<&Tensor>) {
-    f(join(prefix, "weight"), weight);
-    if let Some(b) = bias {
-        f(join(prefix, "bias"), b);
-    }
-}
-
 pub fn join(prefix: &str, name: &str) -> String {
     if prefix.is_empty() {
         name.to_string()

@@ -5,7 +5,8 @@ use crate::activation::Activation;
 use crate::attention::{AttnMasks, MultiheadAttention};
 use crate::init::xavier_uniform;
 use crate::layers::{dropout, LayerNorm, Linear};
-use crate::module::{join, Forward, Module};
+use crate::module::{Forward, Module};
+use kiln_derive::Module;
 use kiln_tensor::{no_grad, Device, Flag, Result, Tensor};
 
 #[derive(Debug, Clone, Copy)]
@@ -41,7 +42,8 @@ impl Default for TransformerConfig {
 }
 
 /// The feed-forward block: `linear2(dropout(act(linear1(x))))`.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Module)]
+#[module(crate = "crate")]
 struct FeedForward {
     linear1: Linear,
     linear2: Linear,
@@ -60,9 +62,11 @@ impl FeedForward {
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Module)]
+#[module(crate = "crate")]
 pub struct TransformerEncoderLayer {
     pub self_attn: MultiheadAttention,
+    #[module(flatten)]
     linear: FeedForward,
     pub norm1: LayerNorm,
     pub norm2: LayerNorm,
@@ -100,24 +104,12 @@ impl TransformerEncoderLayer {
     }
 }
 
-impl Module for TransformerEncoderLayer {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
-        self.self_attn.visit(&join(prefix, "self_attn"), f);
-        self.linear.linear1.visit(&join(prefix, "linear1"), f);
-        self.linear.linear2.visit(&join(prefix, "linear2"), f);
-        self.norm1.visit(&join(prefix, "norm1"), f);
-        self.norm2.visit(&join(prefix, "norm2"), f);
-    }
-    fn set_training(&self, training: bool) {
-        self.training.set(training);
-        self.self_attn.set_training(training);
-    }
-}
-
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Module)]
+#[module(crate = "crate")]
 pub struct TransformerDecoderLayer {
     pub self_attn: MultiheadAttention,
     pub multihead_attn: MultiheadAttention,
+    #[module(flatten)]
     linear: FeedForward,
     pub norm1: LayerNorm,
     pub norm2: LayerNorm,
@@ -161,23 +153,6 @@ impl TransformerDecoderLayer {
     }
 }
 
-impl Module for TransformerDecoderLayer {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
-        self.self_attn.visit(&join(prefix, "self_attn"), f);
-        self.multihead_attn.visit(&join(prefix, "multihead_attn"), f);
-        self.linear.linear1.visit(&join(prefix, "linear1"), f);
-        self.linear.linear2.visit(&join(prefix, "linear2"), f);
-        self.norm1.visit(&join(prefix, "norm1"), f);
-        self.norm2.visit(&join(prefix, "norm2"), f);
-        self.norm3.visit(&join(prefix, "norm3"), f);
-    }
-    fn set_training(&self, training: bool) {
-        self.training.set(training);
-        self.self_attn.set_training(training);
-        self.multihead_attn.set_training(training);
-    }
-}
-
 /// Masks for `Transformer::forward` (all optional, as in PyTorch).
 #[derive(Debug, Clone, Default)]
 pub struct TransformerMasks<'a> {
@@ -187,11 +162,16 @@ pub struct TransformerMasks<'a> {
 }
 
 /// `nn.Transformer`: an encoder stack and a decoder stack, each ending in a LayerNorm.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Module)]
+#[module(crate = "crate")]
 pub struct Transformer {
+    #[module(rename = "encoder.layers")]
     pub encoder_layers: Vec<TransformerEncoderLayer>,
+    #[module(rename = "encoder.norm")]
     pub encoder_norm: LayerNorm,
+    #[module(rename = "decoder.layers")]
     pub decoder_layers: Vec<TransformerDecoderLayer>,
+    #[module(rename = "decoder.norm")]
     pub decoder_norm: LayerNorm,
 }
 
@@ -231,22 +211,5 @@ impl Transformer {
     pub fn forward(&self, src: &Tensor, tgt: &Tensor, masks: &TransformerMasks) -> Result<Tensor> {
         let memory = self.encode(src, &masks.src)?;
         self.decode(tgt, &memory, masks)
-    }
-}
-
-impl Module for Transformer {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
-        for (i, l) in self.encoder_layers.iter().enumerate() {
-            l.visit(&join(prefix, &format!("encoder.layers.{i}")), f);
-        }
-        self.encoder_norm.visit(&join(prefix, "encoder.norm"), f);
-        for (i, l) in self.decoder_layers.iter().enumerate() {
-            l.visit(&join(prefix, &format!("decoder.layers.{i}")), f);
-        }
-        self.decoder_norm.visit(&join(prefix, "decoder.norm"), f);
-    }
-    fn set_training(&self, training: bool) {
-        self.encoder_layers.iter().for_each(|l| l.set_training(training));
-        self.decoder_layers.iter().for_each(|l| l.set_training(training));
     }
 }
