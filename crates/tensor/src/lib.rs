@@ -25,6 +25,7 @@ mod ops;
 pub mod profile;
 pub mod rng;
 pub mod shape;
+mod slicing;
 pub mod storage;
 mod tensor;
 
@@ -38,5 +39,6 @@ pub use mode::{autocast_dtype, is_anomaly_detection, is_grad_enabled, no_grad, s
 pub use op::{BinaryOp, Distribution, Fused, MatmulEpilogue, Op, ReduceOp, UnaryOp};
 pub use ops::{ShapeDim, ShapeSpec};
 pub use shape::{AllDims, Dim, Dims, Layout};
+pub use slicing::{SliceItem, SliceSpec};
 pub use tensor::next_tensor_id;
 pub use tensor::{is_tracing, set_tracer, CustomBackward, Flag, GradFn, Tensor, TensorId, Tracer};

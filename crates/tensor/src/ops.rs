@@ -693,28 +693,28 @@ impl Tensor {
         self.apply_inplace(Op::Assign, Some(src))
     }
     pub fn add_(&self, src: &Tensor) -> Result<()> {
-        self.apply_inplace(Op::UpdateBinary(BinaryOp::Add), Some(src))
+        self.apply_inplace_as("add_", Op::UpdateBinary(BinaryOp::Add), Some(src))
     }
     pub fn sub_(&self, src: &Tensor) -> Result<()> {
-        self.apply_inplace(Op::UpdateBinary(BinaryOp::Sub), Some(src))
+        self.apply_inplace_as("sub_", Op::UpdateBinary(BinaryOp::Sub), Some(src))
     }
     pub fn mul_(&self, src: &Tensor) -> Result<()> {
-        self.apply_inplace(Op::UpdateBinary(BinaryOp::Mul), Some(src))
+        self.apply_inplace_as("mul_", Op::UpdateBinary(BinaryOp::Mul), Some(src))
     }
     pub fn div_(&self, src: &Tensor) -> Result<()> {
-        self.apply_inplace(Op::UpdateBinary(BinaryOp::Div), Some(src))
+        self.apply_inplace_as("div_", Op::UpdateBinary(BinaryOp::Div), Some(src))
     }
     pub fn add_scalar_(&self, v: f64) -> Result<()> {
-        self.apply_inplace(Op::UpdateScalar(BinaryOp::Add, v), None)
+        self.apply_inplace_as("add_scalar_", Op::UpdateScalar(BinaryOp::Add, v), None)
     }
     pub fn mul_scalar_(&self, v: f64) -> Result<()> {
-        self.apply_inplace(Op::UpdateScalar(BinaryOp::Mul, v), None)
+        self.apply_inplace_as("mul_scalar_", Op::UpdateScalar(BinaryOp::Mul, v), None)
     }
     pub fn fill_(&self, v: f64) -> Result<()> {
-        self.assign(&Tensor::scalar(v, self.dtype(), self.device())?)
+        self.apply_inplace_as("fill_", Op::Assign, Some(&Tensor::scalar(v, self.dtype(), self.device())?))
     }
     pub fn zero_(&self) -> Result<()> {
-        self.fill_(0.0)
+        self.apply_inplace_as("zero_", Op::Assign, Some(&Tensor::scalar(0.0, self.dtype(), self.device())?))
     }
 }
 

@@ -368,7 +368,12 @@ impl Tensor {
 
     /// Runs an in-place op (`Assign`, `UpdateBinary`, `UpdateScalar`) writing into `self`.
     pub fn apply_inplace(&self, op: Op, src: Option<&Tensor>) -> Result<()> {
-        let name = op.name();
+        self.apply_inplace_as(op.name(), op, src)
+    }
+
+    /// `apply_inplace` for the user's call `name` (`zero_`, `fill_`, ...), which its errors
+    /// name.
+    pub(crate) fn apply_inplace_as(&self, name: &'static str, op: Op, src: Option<&Tensor>) -> Result<()> {
         if !op.is_inplace() {
             return Err(Error::Msg(format!("{name}: not an in-place op")));
         }

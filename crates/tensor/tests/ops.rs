@@ -941,3 +941,29 @@ fn select_narrow_and_reshape_take_positions_from_the_end_and_tuple_shapes() -> R
     assert!(err.contains("cannot infer -1"), "{err}");
     Ok(())
 }
+
+#[test]
+fn i_slices_as_pythons_indexing_does() -> Result<()> {
+    let data: Vec<f32> = (0..24).map(|i| i as f32).collect();
+    let x = t(&data, &[2, 3, 4]);
+    // x[:, -1] and x[:, -1, :]
+    assert_eq!(x.i((.., -1))?.shape(), &[2, 4]);
+    assert_eq!(v(&x.i((.., -1, ..))?), [8., 9., 10., 11., 20., 21., 22., 23.]);
+    // x[1, 0:2, 1:] and x[0, :, -2:]
+    let y = x.i((1, 0..2, 1..))?;
+    assert_eq!((y.shape(), v(&y)), (&[2, 3][..], vec![13., 14., 15., 17., 18., 19.]));
+    assert_eq!(v(&x.i((0, .., -2..))?), [2., 3., 6., 7., 10., 11.]);
+    // x[0] and x[..1] (one item); ends past the dim clip, as Python's slices.
+    assert_eq!(x.i(0)?.shape(), &[3, 4]);
+    assert_eq!(x.i(..1)?.shape(), &[1, 3, 4]);
+    assert_eq!(x.i((.., 1..10))?.shape(), &[2, 2, 4]);
+    assert_eq!(x.i((.., 5..))?.shape(), &[2, 0, 4]);
+    // A view: writing through it writes x.
+    x.i((1, -1, -1))?.fill_(-1.0)?;
+    assert_eq!(v(&x)[23], -1.0);
+    let err = x.i((0, 0, 0, 0)).unwrap_err().to_string();
+    assert!(err.contains("4 indices") && err.contains("[2, 3, 4]"), "{err}");
+    let err = x.i((.., 3)).unwrap_err().to_string();
+    assert!(err.contains("index 3") && err.contains("size 3"), "{err}");
+    Ok(())
+}
