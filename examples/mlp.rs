@@ -12,13 +12,12 @@
 mod common;
 
 use kiln::checkpoint::Checkpoints;
-use kiln::compile::compile;
+use kiln::compile::compile_step;
 use kiln::data::{load_mnist, synthetic_digits, Dataset};
 use kiln::loader::DataLoader;
 use kiln::nn::{cross_entropy, Sequential};
 use kiln::optim::{AdamConfig, AdamW};
 use kiln::prelude::*;
-use std::cell::RefCell;
 use std::time::{Duration, Instant};
 
 /// Test accuracy in eval mode (batch norm's running statistics), the model left training.
@@ -46,17 +45,18 @@ struct Report {
 fn train(compiled: bool, device: Device, train: &Dataset, test: &Dataset, epochs: usize, bs: usize, lr: f64, seed: u64) -> Result<Report> {
     kiln::tensor::rng::manual_seed(seed);
     let (_, model) = make_model(train, device)?;
-    let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr, ..AdamConfig::adamw() })?);
-    // One training step: forward, backward, optimizer, zero_grad. Compiled, it is one graph.
-    let step_fn = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+    let mut opt = AdamW::new(model.parameters(), AdamConfig { lr, ..AdamConfig::adamw() })?;
+    // One training step: forward, backward, optimizer, zero_grad. Compiled, it is one graph;
+    // the optimizer stays ours between steps (the checkpoints read and restore it).
+    let step_fn = |opt: &mut AdamW, xs: &[Tensor]| -> Result<Vec<Tensor>> {
         let loss = cross_entropy(&model.forward(&xs[0])?, &xs[1])?;
         loss.backward()?;
-        opt.borrow_mut().step()?;
-        opt.borrow_mut().zero_grad()?;
+        opt.step()?;
+        opt.zero_grad()?;
         Ok(vec![loss])
     };
     let eager = step_fn;
-    let mut step = compile(common::compile_mode(device), step_fn);
+    let mut step = compile_step(common::compile_mode(device), step_fn);
     // A new order every epoch from the seed; full batches only, so the compiled step keeps
     // one shape.
     let (xs, ys) = train.to_tensors()?;
@@ -73,7 +73,7 @@ fn train(compiled: bool, device: Device, train: &Dataset, test: &Dataset, epochs
     let mut done = 0usize;
     if common::has("--resume") {
         if let Some(path) = ckpts.latest()? {
-            done = kiln::checkpoint::load(&path, &model, &mut *opt.borrow_mut(), None)?.step as usize;
+            done = kiln::checkpoint::load(&path, &model, &mut opt, None)?.step as usize;
             println!("{what}: resumed from {} at step {done}", path.display());
         }
     }
@@ -92,7 +92,7 @@ fn train(compiled: bool, device: Device, train: &Dataset, test: &Dataset, epochs
             // asynchronously), as the benchmarks do.
             kiln::tensor::cuda::synchronize(device)?;
             let t = Instant::now();
-            let out = if compiled { step.call(&[x, y])? } else { eager(&b)? };
+            let out = if compiled { step.call(&mut opt, &[x, y])? } else { eager(&mut opt, &b)? };
             kiln::tensor::cuda::synchronize(device)?;
             let dt = t.elapsed();
             if global == done {
@@ -108,7 +108,7 @@ fn train(compiled: bool, device: Device, train: &Dataset, test: &Dataset, epochs
                 pb.set_message(format!("loss {last_loss:.4}"));
             }
             if every > 0 && (global + 1) % every == 0 {
-                ckpts.save(&model, &*opt.borrow(), None, global as u64 + 1)?;
+                ckpts.save(&model, &opt, None, global as u64 + 1)?;
             }
             pb.inc(1);
         }

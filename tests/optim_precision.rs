@@ -57,7 +57,7 @@ fn one_compiled_adam_step_matches_the_f64_formula() -> Result<()> {
             Ok(vec![loss])
         };
         if compiled {
-            compile(Mode::Default, f).call(&[])?;
+            compile(Mode::Default, f).call(&[] as &[Tensor])?;
         } else {
             f(&[])?;
         }

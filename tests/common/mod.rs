@@ -272,7 +272,7 @@ fn precision_run<O: Optimizer>(
     let mut step = compile(Mode::Default, f);
     for _ in 0..steps {
         if compiled {
-            step.call(&[])?;
+            step.call(&[] as &[Tensor])?;
         } else {
             f(&[])?;
         }

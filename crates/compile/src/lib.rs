@@ -2,14 +2,14 @@
 //! update) into one graph, optimises it and replays it.
 //!
 //! ```ignore
-//! let mut step = kiln_compile::compile(Mode::Default, |xs: &[Tensor]| {
+//! let mut step = kiln_compile::compile_step(Mode::Default, |opt: &mut AdamW, xs: &[Tensor]| {
 //!     let loss = cross_entropy(&model.forward(&xs[0])?, &xs[1])?;
 //!     loss.backward()?;
 //!     opt.step()?;
 //!     opt.zero_grad()?;
 //!     Ok(vec![loss])
 //! });
-//! let loss = &step.call(&[&x, &y])?[0];
+//! let loss = &step.call(&mut opt, &[&x, &y])?[0];
 //! ```
 //!
 //! The first call with a new input signature runs the closure under a tracer (`trace.rs`)
@@ -78,6 +78,23 @@ struct Specialized {
 /// A compiled step: call it like the closure.
 pub struct Compiled<F> {
     f: F,
+    engine: Engine,
+}
+
+/// A compiled step over state the caller owns (`compile_step`): each call lends it the
+/// state, which the caller keeps between calls (a scheduler or a checkpoint takes
+/// `&mut opt` there, no `RefCell` needed).
+pub struct CompiledStep<S, F> {
+    f: F,
+    engine: Engine,
+    state: std::marker::PhantomData<fn(&mut S)>,
+}
+
+/// The step as the engine runs it eagerly or under the tracer.
+type Run<'a> = dyn FnMut(&[Tensor]) -> Result<Vec<Tensor>> + 'a;
+
+/// What a compiled step keeps: options, the cache of programs per signature, counters.
+struct Engine {
     opts: CompileOptions,
     cache: Vec<(Signature, Entry)>,
     calls: usize,
@@ -102,8 +119,104 @@ pub fn compile_with<F>(opts: CompileOptions, f: F) -> Compiled<F>
 where
     F: FnMut(&[Tensor]) -> Result<Vec<Tensor>>,
 {
-    Compiled { f, opts, cache: Vec::new(), calls: 0, replays: 0, warned: false, checked: 0, worst: 0.0, kernel_times: None }
+    Compiled { f, engine: Engine::new(opts) }
 }
+
+/// `compile` for a step that takes state the caller owns as its first argument: the
+/// optimizer, a loss scaler, a struct of them. The caller keeps it between calls and lends
+/// it to each (`step.call(&mut opt, &[&x, &y])`); the closure borrows the model as usual.
+///
+/// ```ignore
+/// let mut step = compile_step(Mode::Default, |opt: &mut AdamW, xs: &[Tensor]| {
+///     let loss = cross_entropy(&model.forward(&xs[0])?, &xs[1])?;
+///     loss.backward()?;
+///     opt.step()?;
+///     opt.zero_grad()?;
+///     Ok(vec![loss])
+/// });
+/// let loss = &step.call(&mut opt, &[&x, &y])?[0];
+/// sched.step(&mut opt)?;
+/// ```
+pub fn compile_step<S, F>(mode: Mode, f: F) -> CompiledStep<S, F>
+where
+    F: FnMut(&mut S, &[Tensor]) -> Result<Vec<Tensor>>,
+{
+    compile_step_with(CompileOptions { mode, ..Default::default() }, f)
+}
+
+/// `compile_step` with options.
+pub fn compile_step_with<S, F>(opts: CompileOptions, f: F) -> CompiledStep<S, F>
+where
+    F: FnMut(&mut S, &[Tensor]) -> Result<Vec<Tensor>>,
+{
+    CompiledStep { f, engine: Engine::new(opts), state: std::marker::PhantomData }
+}
+
+/// The inputs of a call as the engine takes them (`&[Tensor]` and `&[&Tensor]` alike).
+fn refs<T: std::borrow::Borrow<Tensor>>(inputs: &[T]) -> Vec<&Tensor> {
+    inputs.iter().map(|t| t.borrow()).collect()
+}
+
+impl<F> Compiled<F>
+where
+    F: FnMut(&[Tensor]) -> Result<Vec<Tensor>>,
+{
+    /// Runs one step (inputs as `&[Tensor]` or `&[&Tensor]`). The returned tensors belong to
+    /// the caller: later calls never change them.
+    pub fn call<T: std::borrow::Borrow<Tensor>>(&mut self, inputs: &[T]) -> Result<Vec<Tensor>> {
+        self.engine.call(&mut self.f, &refs(inputs))
+    }
+
+    /// Runs one step (it trains, like `call`) with every kernel launched on its own and
+    /// timed on the device; `explain()` then lists the kernels with their times. On a GPU a
+    /// captured graph is not replayed for this step.
+    pub fn call_profiled<T: std::borrow::Borrow<Tensor>>(&mut self, inputs: &[T]) -> Result<Vec<Tensor>> {
+        let f = &mut self.f;
+        self.engine.profiled(|e| e.call(f, &refs(inputs)))
+    }
+}
+
+impl<S, F> CompiledStep<S, F>
+where
+    F: FnMut(&mut S, &[Tensor]) -> Result<Vec<Tensor>>,
+{
+    /// Runs one step on `state` (as `Compiled::call`).
+    pub fn call<T: std::borrow::Borrow<Tensor>>(&mut self, state: &mut S, inputs: &[T]) -> Result<Vec<Tensor>> {
+        let f = &mut self.f;
+        self.engine.call(&mut |xs: &[Tensor]| f(state, xs), &refs(inputs))
+    }
+
+    /// `call` with every kernel timed (as `Compiled::call_profiled`).
+    pub fn call_profiled<T: std::borrow::Borrow<Tensor>>(&mut self, state: &mut S, inputs: &[T]) -> Result<Vec<Tensor>> {
+        let f = &mut self.f;
+        self.engine.profiled(|e| e.call(&mut |xs: &[Tensor]| f(state, xs), &refs(inputs)))
+    }
+}
+
+/// What both kinds of compiled step report.
+macro_rules! reports {
+    ($([$($g:ident),*] $t:ty),*) => {$(
+        impl<$($g),*> $t {
+            /// Check mode's result so far: steps compared and the largest absolute difference.
+            pub fn check_report(&self) -> (usize, f64) {
+                (self.engine.checked, self.engine.worst)
+            }
+            /// How many graphs were compiled, graph breaks, kernels, memory and bytes moved.
+            pub fn explain(&self) -> Explain {
+                self.engine.explain()
+            }
+            /// The last compiled graph after passes, with its fusion groups (for snapshots and logs).
+            pub fn dump(&self) -> Option<String> {
+                self.engine.dump()
+            }
+            /// Calls so far, and how many of them replayed a compiled graph.
+            pub fn counts(&self) -> (usize, usize) {
+                (self.engine.calls, self.engine.replays)
+            }
+        }
+    )*};
+}
+reports!([F] Compiled<F>, [S, F] CompiledStep<S, F>);
 
 /// A summary of what a compiled step does.
 #[derive(Debug, Clone, Default)]
@@ -153,12 +266,13 @@ impl std::fmt::Display for Explain {
     }
 }
 
-impl<F> Compiled<F>
-where
-    F: FnMut(&[Tensor]) -> Result<Vec<Tensor>>,
-{
-    /// Runs one step. The returned tensors belong to the caller: later calls never change them.
-    pub fn call(&mut self, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+impl Engine {
+    fn new(opts: CompileOptions) -> Engine {
+        Engine { opts, cache: Vec::new(), calls: 0, replays: 0, warned: false, checked: 0, worst: 0.0, kernel_times: None }
+    }
+
+    /// One step of `f`: a replay, a trace, or (check mode, graph breaks) an eager run.
+    fn call(&mut self, f: &mut Run, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         self.calls += 1;
         let sig = Signature {
             inputs: inputs.iter().map(|t| (t.shape().to_vec(), t.dtype(), t.device())).collect(),
@@ -168,17 +282,17 @@ where
         };
         let found = self.cache.iter().position(|(s, e)| *s == sig && guards_hold(e));
         match found {
-            Some(k) if self.checked < self.opts.check_steps && matches!(self.cache[k].1, Entry::Graph(_)) => self.run_checked(k, inputs),
-            Some(k) => self.run_entry(k, inputs),
-            None => self.trace(sig, inputs),
+            Some(k) if self.checked < self.opts.check_steps && matches!(self.cache[k].1, Entry::Graph(_)) => self.run_checked(f, k, inputs),
+            Some(k) => self.run_entry(f, k, inputs),
+            None => self.trace(f, sig, inputs),
         }
     }
 
-    fn run_entry(&mut self, k: usize, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    fn run_entry(&mut self, f: &mut Run, k: usize, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         match &self.cache[k].1 {
             Entry::Eager(_) => {
                 let owned: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
-                (self.f)(&owned)
+                f(&owned)
             }
             Entry::Graph(p) => {
                 self.replays += 1;
@@ -188,21 +302,21 @@ where
     }
 
     /// Check mode: compiled, then eager from the same state; compares, keeps eager's.
-    fn run_checked(&mut self, k: usize, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    fn run_checked(&mut self, f: &mut Run, k: usize, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         let cells: Vec<Tensor> = match &self.cache[k].1 {
             Entry::Graph(p) => {
                 p.exec.cells.iter().map(|c| Tensor::from_cell(c.clone(), kiln_tensor::Layout::contiguous(&[c.len()]))).collect()
             }
-            Entry::Eager(_) => return self.run_entry(k, inputs),
+            Entry::Eager(_) => return self.run_entry(f, k, inputs),
         };
         let before: Vec<Tensor> = cells.iter().map(|t| t.copy()).collect::<Result<_>>()?;
         let gen = rng::state();
-        let compiled = self.run_entry(k, inputs)?;
+        let compiled = self.run_entry(f, k, inputs)?;
         let after: Vec<Tensor> = cells.iter().map(|t| t.copy()).collect::<Result<_>>()?;
         kiln_tensor::no_grad(|| cells.iter().zip(&before).try_for_each(|(c, b)| c.assign(b)))?;
         rng::set_state(gen);
         let owned: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
-        let eager = (self.f)(&owned)?;
+        let eager = f(&owned)?;
         let mut worst = 0.0f64;
         for (a, b) in compiled.iter().chain(&after).zip(eager.iter().chain(&cells)) {
             let (x, y) = (a.to_vec_f64()?, b.to_vec_f64()?);
@@ -216,25 +330,18 @@ where
         Ok(eager)
     }
 
-    /// Runs one step (it trains, like `call`) with every kernel launched on its own and
-    /// timed on the device; `explain()` then lists the kernels with their times. On a GPU a
-    /// captured graph is not replayed for this step.
-    pub fn call_profiled(&mut self, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    /// `call` (through `run`) with every kernel timed; the table is kept for `explain`.
+    fn profiled(&mut self, run: impl FnOnce(&mut Engine) -> Result<Vec<Tensor>>) -> Result<Vec<Tensor>> {
         kiln_tensor::profile::reset();
         kiln_tensor::profile::set_enabled(true);
-        let out = self.call(inputs);
+        let out = run(self);
         kiln_tensor::profile::set_enabled(false);
         self.kernel_times = Some(kiln_tensor::profile::report());
         kiln_tensor::profile::reset();
         out
     }
 
-    /// Check mode's result so far: steps compared and the largest absolute difference.
-    pub fn check_report(&self) -> (usize, f64) {
-        (self.checked, self.worst)
-    }
-
-    fn trace(&mut self, sig: Signature, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    fn trace(&mut self, f: &mut Run, sig: Signature, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         let graphs = self.cache.len();
         if graphs >= self.opts.recompile_limit {
             return Err(Error::Msg(format!(
@@ -255,7 +362,7 @@ where
         let (gen0, first_new) = (rng::state(), kiln_tensor::storage::next_storage_id());
         let lazy = lazy::begin()?;
         let prev = set_tracer(Some(recorder.clone()));
-        let result = (self.f)(&owned);
+        let result = f(&owned);
         set_tracer(prev);
         // The trace queued its kernels without running them. If some ran already (a host read
         // or a device copy flushed them), on a graph break, or on an error, all of them run:
@@ -377,8 +484,7 @@ where
         Ok(Specialized { exec, leaf_grads: lowered.leaf_grads, flags, compile_time, nodes_traced })
     }
 
-    /// How many graphs were compiled, graph breaks, kernels, memory and bytes moved.
-    pub fn explain(&self) -> Explain {
+    fn explain(&self) -> Explain {
         let mut e =
             Explain { recompiles: self.cache.len().saturating_sub(1), kernel_times: self.kernel_times.clone(), ..Default::default() };
         for (_, entry) in &self.cache {
@@ -402,17 +508,11 @@ where
         e
     }
 
-    /// The last compiled graph after passes, with its fusion groups (for snapshots and logs).
-    pub fn dump(&self) -> Option<String> {
+    fn dump(&self) -> Option<String> {
         self.cache.iter().rev().find_map(|(_, e)| match e {
             Entry::Graph(p) => Some(format!("{}\n{}", p.exec.graph, fusion_report(&p.exec))),
             Entry::Eager(_) => None,
         })
-    }
-
-    /// Calls so far, and how many of them replayed a compiled graph.
-    pub fn counts(&self) -> (usize, usize) {
-        (self.calls, self.replays)
     }
 }
 
