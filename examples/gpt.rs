@@ -13,12 +13,11 @@
 mod common;
 
 use kiln::checkpoint::Checkpoints;
-use kiln::compile::compile;
+use kiln::compile::compile_step;
 use kiln::data::{arithmetic_corpus, check_arithmetic_line};
 use kiln::models::{Gpt, GptConfig};
 use kiln::optim::{clip_grad_norm, AdamConfig, AdamW, LrScheduler, Optimizer, WarmupCosine};
 use kiln::prelude::*;
-use std::cell::RefCell;
 use std::time::Instant;
 
 /// Character vocabulary of a text, sorted.
@@ -93,17 +92,16 @@ fn main() -> Result<()> {
     let device = common::device();
     let model = Gpt::new(config, device)?;
     let lr = common::flag("--lr", 3e-3f64);
-    let opt =
-        RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr, betas: (0.9, 0.95), weight_decay: 0.1, ..AdamConfig::adamw() })?);
+    let mut opt = AdamW::new(model.parameters(), AdamConfig { lr, betas: (0.9, 0.95), weight_decay: 0.1, ..AdamConfig::adamw() })?;
     let mut sched = WarmupCosine::new(lr, (steps / 10).max(1), steps, lr / 10.0)?;
-    sched.apply(&mut *opt.borrow_mut())?;
+    sched.apply(&mut opt)?;
     let ckpts = Checkpoints { dir: common::opt("--checkpoint-dir").unwrap_or_else(|| "checkpoints/gpt".into()).into(), keep: 3 };
     let every = common::flag("--checkpoint-every", 0u64);
     let mut start_step = 0u64;
     if common::has("--resume") {
         match ckpts.latest()? {
             Some(path) => {
-                let r = kiln::checkpoint::load(&path, &model, &mut *opt.borrow_mut(), Some(&mut sched))?;
+                let r = kiln::checkpoint::load(&path, &model, &mut opt, Some(&mut sched))?;
                 println!("resumed from {} at step {}", path.display(), r.step);
                 start_step = r.step;
             }
@@ -121,13 +119,12 @@ fn main() -> Result<()> {
     );
 
     // One training step; with --compile it becomes one compiled graph.
-    let step_fn = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+    let step_fn = |opt: &mut AdamW, xs: &[Tensor]| -> Result<Vec<Tensor>> {
         let loss = model.loss(&xs[0], &xs[1])?;
         loss.backward()?;
-        let mut o = opt.borrow_mut();
-        clip_grad_norm(o.params(), 1.0)?;
-        o.step()?;
-        o.zero_grad()?;
+        clip_grad_norm(opt.params(), 1.0)?;
+        opt.step()?;
+        opt.zero_grad()?;
         Ok(vec![loss])
     };
     let compiled = common::has("--compile");
@@ -135,7 +132,7 @@ fn main() -> Result<()> {
     let cmode = common::compile_mode(device);
     println!("training on {device}{}", if compiled { format!(", compiled ({cmode:?})") } else { String::new() });
     let eager = step_fn;
-    let mut cstep = compile(cmode, step_fn);
+    let mut cstep = compile_step(cmode, step_fn);
     // Batches depend only on the step number, so a resumed run sees the same data.
     let pb = common::bar(steps as u64, if compiled { "compiled" } else { "eager" });
     pb.set_position(start_step);
@@ -144,10 +141,10 @@ fn main() -> Result<()> {
     for step in start_step as usize..steps {
         let mut rng = (seed ^ 0x9E37_79B9_7F4A_7C15).wrapping_add(step as u64);
         let (x, y) = batch(&ids, b, t, &mut rng, device)?;
-        let loss = if compiled { cstep.call(&[&x, &y])?.remove(0) } else { eager(&[x, y])?.remove(0) };
-        sched.step(&mut *opt.borrow_mut())?;
+        let loss = if compiled { cstep.call(&mut opt, &[&x, &y])?.remove(0) } else { eager(&mut opt, &[x, y])?.remove(0) };
+        sched.step(&mut opt)?;
         if every > 0 && (step as u64 + 1) % every == 0 {
-            ckpts.save(&model, &*opt.borrow(), Some(&sched), step as u64 + 1)?;
+            ckpts.save(&model, &opt, Some(&sched), step as u64 + 1)?;
         }
         if step % 10 == 0 || step + 1 == steps {
             loss_v = loss.item()?;
