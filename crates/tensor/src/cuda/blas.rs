@@ -5,7 +5,7 @@
 use super::gpu::Gpu;
 use super::kernels::elementwise::dense_copy;
 use super::kernels::prelude::CudaStorage;
-use super::lt::{alignment, Epilogue, Gemm, Plan};
+use super::lt::{alignment, Epilogue, Gemm, Plan, Ptrs};
 use crate::op::OutMeta;
 use crate::op::{InMeta, MatmulEpilogue};
 use crate::shape::Layout;
@@ -451,10 +451,9 @@ fn run_blas(
     let a = operand(g, sa, la)?;
     let b = operand(g, sb, lb)?;
     let b = if batch == 1 { Operand { batch_stride: 0, ..b } } else { b };
-    let (dt, compute) = data_type(dtype)?;
-    let dt_out = data_type(meta.dtype)?.0;
-    let op = |t: bool| if t { bs::cublasOperation_t::CUBLAS_OP_T } else { bs::cublasOperation_t::CUBLAS_OP_N };
-    let (alpha, beta) = super::lt::one_and_zero(meta.dtype == DType::F64);
+    // The operands' and the output's cuBLAS types (an unsupported dtype fails here, first).
+    let types = (data_type(dtype)?, data_type(meta.dtype)?.0);
+    let scalars = super::lt::one_and_zero(meta.dtype == DType::F64);
     let (epilogue, vector, aux) = lt_epilogue(&rest, batch, n, &out);
     // The residual as C (beta 1) where it is dense rows of the output's and aligned.
     let c = rest.residual.filter(|_| batch == 1).and_then(|(s, l)| match aux_rows(l, m, n) {
@@ -493,14 +492,32 @@ fn run_blas(
     let mut guard = lock(&state.blas);
     let blas = get(&mut guard, g)?;
     g.bind()?;
-    // cuBLASLt, with a cached plan.
-    if let (Some(lt), Some(gemm)) = (blas.lt, gemm) {
-        let ptrs = [b.ptr, a.ptr, out.buf.ptr, vector, aux, c.unwrap_or(0)];
-        let ws = (blas.ws.ptr, WORKSPACE);
-        // One lookup per call; a problem cuBLASLt refuses is remembered as None (cuBLAS).
-        let slot = match blas.plans.entry(gemm) {
+    let ptrs = [b.ptr, a.ptr, out.buf.ptr, vector, aux, c.unwrap_or(0)];
+    if gemm.is_some_and(|gemm| blas.run_planned(g, gemm, ptrs)) {
+        drop(guard);
+        rest.done_by(epilogue);
+        if c.is_some() {
+            rest.residual = None;
+        }
+        return finish(g, out, rest, shape);
+    }
+    if !super::gpu::is_dry() {
+        blas.gemm_strided((&a, &b), (m, n, k, batch), types, scalars, out.buf.ptr)?;
+    }
+    drop(guard);
+    finish(g, out, rest, shape)
+}
+
+impl Blas {
+    /// `gemm` through cuBLASLt with its cached plan (made the first time it is seen, made
+    /// again under autotuning when it was the heuristic's): whether it ran. A problem
+    /// cuBLASLt refuses is remembered as None and a plan whose kernel fails to launch is
+    /// dropped; cuBLAS computes those.
+    fn run_planned(&mut self, g: &Arc<Gpu>, gemm: Gemm, ptrs: Ptrs) -> bool {
+        let Some(lt) = self.lt else { return false };
+        let ws = (self.ws.ptr, WORKSPACE);
+        let slot = match self.plans.entry(gemm) {
             Entry::Occupied(mut o) => {
-                // Autotuning re-plans a shape whose algorithm was only the heuristic's.
                 if super::tune::autotune() && o.get().as_ref().is_some_and(|p| !p.tuned) {
                     let plan = Plan::new(lt, g, o.key(), ptrs, ws);
                     o.insert(plan_or_log(plan));
@@ -512,57 +529,57 @@ fn run_blas(
                 v.insert(plan_or_log(plan))
             }
         };
-        if let Some(plan) = slot {
-            if plan.run(lt, g, ptrs, ws).is_ok() {
-                drop(guard);
-                rest.done_by(epilogue);
-                if c.is_some() {
-                    rest.residual = None;
-                }
-                return finish(g, out, rest, shape);
+        match slot {
+            Some(plan) if plan.run(lt, g, ptrs, ws).is_ok() => true,
+            _ => {
+                *slot = None;
+                false
             }
-            // An algorithm that fails to launch is dropped; cuBLAS computes this one.
-            *slot = None;
         }
     }
-    let h = blas.h;
-    if super::gpu::is_dry() {
-        drop(guard);
-        return finish(g, out, rest, shape);
+
+    /// Row-major `out = a b` (batched by the operands' strides) through cuBLAS: as
+    /// column-major `out^T = b^T a^T`, so B goes first.
+    fn gemm_strided(
+        &self,
+        (a, b): (&Operand, &Operand),
+        (m, n, k, batch): (usize, usize, usize, usize),
+        ((dt, compute), dt_out): ((bs::cudaDataType, bs::cublasComputeType_t), bs::cudaDataType),
+        (alpha, beta): (*const c_void, *const c_void),
+        out: u64,
+    ) -> Result<()> {
+        let op = |t: bool| if t { bs::cublasOperation_t::CUBLAS_OP_T } else { bs::cublasOperation_t::CUBLAS_OP_N };
+        // SAFETY: every pointer is a live device buffer of this GPU sized for the shapes given
+        // (checked by the shape rule); alpha/beta are host scalars of the compute type.
+        unsafe {
+            br::gemm_strided_batched_ex(
+                self.h,
+                op(b.trans),
+                op(a.trans),
+                n as i32,
+                m as i32,
+                k as i32,
+                alpha,
+                b.ptr as *const c_void,
+                dt,
+                b.ld as i32,
+                b.batch_stride,
+                a.ptr as *const c_void,
+                dt,
+                a.ld as i32,
+                a.batch_stride,
+                beta,
+                out as *mut c_void,
+                dt_out,
+                n as i32,
+                (m * n) as i64,
+                batch as i32,
+                compute,
+                bs::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(blas_err)
     }
-    // Row-major C = A B is column-major C^T = B^T A^T: pass B first.
-    // SAFETY: every pointer is a live device buffer of this GPU sized for the shapes given
-    // (checked by the shape rule); alpha/beta are host scalars of the compute type.
-    unsafe {
-        br::gemm_strided_batched_ex(
-            h,
-            op(b.trans),
-            op(a.trans),
-            n as i32,
-            m as i32,
-            k as i32,
-            alpha,
-            b.ptr as *const c_void,
-            dt,
-            b.ld as i32,
-            b.batch_stride,
-            a.ptr as *const c_void,
-            dt,
-            a.ld as i32,
-            a.batch_stride,
-            beta,
-            out.buf.ptr as *mut c_void,
-            dt_out,
-            n as i32,
-            (m * n) as i64,
-            batch as i32,
-            compute,
-            bs::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
-    }
-    .map_err(blas_err)?;
-    drop(guard);
-    finish(g, out, rest, shape)
 }
 
 /// Which of Kiln's own kernels takes a product: cuBLAS's FP32 is slower (`Hopper`), or its
