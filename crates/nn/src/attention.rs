@@ -214,3 +214,17 @@ pub fn scaled_dot_product_attention(q: &Tensor, k: &Tensor, v: &Tensor, masks: &
     let p = dropout(&scores.softmax(-1)?, dropout_p, dropout_p > 0.0)?;
     p.matmul(v)
 }
+
+/// Grouped-query attention's keys or values (`[B, H_kv, T, D]`) with each head repeated
+/// `n_rep` times: `[B, H_kv * n_rep, T, D]`, head `h` of the result being head `h / n_rep`
+/// of `x` (Llama's `repeat_kv`).
+pub fn repeat_kv(x: &Tensor, n_rep: usize) -> Result<Tensor> {
+    let &[b, h, t, d] = x.shape() else {
+        return Err(Error::shape("repeat_kv", format!("needs [B, H_kv, T, D], got {:?}", x.shape())));
+    };
+    match n_rep {
+        0 => Err(Error::shape("repeat_kv", format!("n_rep must be at least 1 for {:?}", x.shape()))),
+        1 => Ok(x.clone()),
+        _ => x.unsqueeze(2)?.expand(&[b, h, n_rep, t, d])?.reshape(&[b, h * n_rep, t, d]),
+    }
+}

@@ -328,3 +328,29 @@ impl Module for Sequential {
         }
     }
 }
+
+/// Llama's feed-forward: `down_proj(silu(gate_proj(x)) * up_proj(x))`, no biases
+/// (Hugging Face's `LlamaMLP` names).
+#[derive(Debug, Clone, Module)]
+#[module(crate = "crate")]
+pub struct SwiGlu {
+    pub gate_proj: Linear,
+    pub up_proj: Linear,
+    pub down_proj: Linear,
+}
+
+impl SwiGlu {
+    pub fn new(dim: usize, hidden: usize, device: Device) -> Result<SwiGlu> {
+        Ok(SwiGlu {
+            gate_proj: Linear::new(dim, hidden, false, device)?,
+            up_proj: Linear::new(dim, hidden, false, device)?,
+            down_proj: Linear::new(hidden, dim, false, device)?,
+        })
+    }
+}
+
+impl Forward for SwiGlu {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.down_proj.forward(&(self.gate_proj.forward(x)?.silu()? * self.up_proj.forward(x)?)?)
+    }
+}

@@ -1,0 +1,93 @@
+//! Llama's blocks built from tensor ops: rotary embeddings against their definition (a loop
+//! over pairs of dims), at an offset, and by finite differences; SwiGLU against its formula;
+//! `repeat_kv` against indexing.
+
+use kiln_autograd::{gradcheck, GradcheckConfig};
+use kiln_nn::{repeat_kv, Forward, Module, RotaryEmbedding, SwiGlu};
+use kiln_tensor::{DType, Device, Distribution, Result, Tensor};
+
+const CPU: Device = Device::Cpu;
+
+fn randn(shape: &[usize], seed: u64) -> Tensor {
+    Tensor::rand_at(shape, Distribution::Normal, seed, 0, DType::F64, CPU).unwrap()
+}
+
+#[test]
+fn rope_rotates_each_pair_of_dims_by_its_angle() -> Result<()> {
+    let (h, t, d, theta) = (2, 5, 8, 10000.0f64);
+    let rope = RotaryEmbedding::new(d, 16, theta, DType::F64, CPU)?;
+    let x = randn(&[1, h, t, d], 1);
+    let y = rope.apply(&x, 3)?.to_vec::<f64>()?;
+    let xv = x.to_vec::<f64>()?;
+    let half = d / 2;
+    for head in 0..h {
+        for p in 0..t {
+            let base = (head * t + p) * d;
+            for j in 0..half {
+                let a = (p + 3) as f64 * theta.powf(-2.0 * j as f64 / d as f64);
+                let (x1, x2) = (xv[base + j], xv[base + j + half]);
+                let (y1, y2) = (x1 * a.cos() - x2 * a.sin(), x2 * a.cos() + x1 * a.sin());
+                assert!((y[base + j] - y1).abs() < 1e-12 && (y[base + j + half] - y2).abs() < 1e-12, "head {head} pos {p} dim {j}");
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn rope_at_an_offset_is_the_full_sequence_rope_sliced() -> Result<()> {
+    let rope = RotaryEmbedding::new(4, 10, 10000.0, DType::F32, CPU)?;
+    let x = randn(&[2, 3, 7, 4], 2).to_dtype(DType::F32)?;
+    let full = rope.apply(&x, 0)?.narrow(2, 4, 3)?;
+    let tail = rope.apply(&x.narrow(2, 4, 3)?, 4)?;
+    assert_eq!(full.to_vec::<f32>()?, tail.to_vec::<f32>()?);
+    // Past the table, or the wrong head size: errors naming the shapes.
+    let err = rope.apply(&x, 5).unwrap_err().to_string();
+    assert!(err.contains("5..12") && err.contains("10"), "{err}");
+    let err = rope.apply(&x.narrow(3, 0, 2)?, 0).unwrap_err().to_string();
+    assert!(err.contains("[2, 3, 7, 2]"), "{err}");
+    assert!(RotaryEmbedding::new(5, 4, 10000.0, DType::F32, CPU).is_err());
+    Ok(())
+}
+
+#[test]
+fn rope_backward_matches_finite_differences() {
+    let rope = RotaryEmbedding::new(6, 8, 100.0, DType::F64, CPU).unwrap();
+    let err = gradcheck(|v| rope.apply(&v[0], 2)?.square()?.sum_all(), &[randn(&[2, 4, 6], 3)], GradcheckConfig::default()).unwrap();
+    assert!(err < 1e-6, "gradcheck error {err}");
+}
+
+#[test]
+fn swiglu_is_down_of_silu_gate_times_up() -> Result<()> {
+    let m = SwiGlu::new(4, 6, CPU)?;
+    let names: Vec<String> = m.named_parameters().into_iter().map(|(k, _)| k).collect();
+    assert_eq!(names, ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]);
+    let x = randn(&[3, 4], 4).to_dtype(DType::F32)?;
+    let (g, u, dw) = (m.gate_proj.weight.to_vec::<f32>()?, m.up_proj.weight.to_vec::<f32>()?, m.down_proj.weight.to_vec::<f32>()?);
+    let xv = x.to_vec::<f32>()?;
+    let y = m.forward(&x)?.to_vec::<f32>()?;
+    for r in 0..3 {
+        let dot = |w: &[f32], o: usize| (0..4).map(|i| f64::from(w[o * 4 + i]) * f64::from(xv[r * 4 + i])).sum::<f64>();
+        let hidden: Vec<f64> = (0..6).map(|o| dot(&g, o) / (1.0 + (-dot(&g, o)).exp()) * dot(&u, o)).collect();
+        for o in 0..4 {
+            let want: f64 = (0..6).map(|k| f64::from(dw[o * 6 + k]) * hidden[k]).sum();
+            assert!((f64::from(y[r * 4 + o]) - want).abs() < 1e-5, "row {r} out {o}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn repeat_kv_repeats_each_head_in_place() -> Result<()> {
+    let x = randn(&[2, 3, 4, 5], 5);
+    let y = repeat_kv(&x, 2)?;
+    assert_eq!(y.shape(), &[2, 6, 4, 5]);
+    for b in 0..2 {
+        for h in 0..6 {
+            assert_eq!(y.narrow(0, b, 1)?.narrow(1, h, 1)?.to_vec::<f64>()?, x.narrow(0, b, 1)?.narrow(1, h / 2, 1)?.to_vec::<f64>()?);
+        }
+    }
+    assert!(repeat_kv(&x.narrow(0, 0, 1)?.squeeze(0)?, 2).is_err());
+    assert!(repeat_kv(&x, 0).is_err());
+    Ok(())
+}
