@@ -1,8 +1,10 @@
 //! Reference models shared by the examples, tests and benches.
 
 pub mod gpt;
+pub mod llama;
 
 pub use gpt::{Gpt, GptConfig};
+pub use llama::{Llama, LlamaConfig};
 
 use kiln_nn::{BatchNorm, Conv2d, Flatten, Forward, Linear, Lstm, MaxPool2d, Module, Relu, RnnConfig, Sequential, Window};
 use kiln_tensor::{Device, Error, Result, Tensor};

@@ -1,0 +1,151 @@
+//! A Llama-shaped language model: RMSNorm before attention and the feed-forward, rotary
+//! position embeddings, grouped-query attention, SwiGLU and an untied head, under Hugging
+//! Face's parameter names (`model.layers.{i}.self_attn.q_proj.weight`, ...).
+
+use kiln_nn::{
+    cross_entropy, repeat_kv, scaled_dot_product_attention, AttnMasks, Embedding, Forward, Linear, Module, RmsNorm, RotaryEmbedding, SwiGlu,
+};
+use kiln_tensor::{default_dtype, Device, Error, Result, Tensor};
+
+/// The shape of a Llama model (Hugging Face's `LlamaConfig` fields by other names).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LlamaConfig {
+    pub vocab: usize,
+    pub dim: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    /// Key/value heads: `n_heads` for multi-head attention, fewer for grouped-query, 1 for
+    /// multi-query; it divides `n_heads`.
+    pub n_kv_heads: usize,
+    /// The SwiGLU's hidden size (`intermediate_size`).
+    pub hidden: usize,
+    pub max_seq: usize,
+    pub rope_theta: f64,
+    pub norm_eps: f64,
+}
+
+impl LlamaConfig {
+    /// A small model for tests and examples: 2 layers, d 64, 4 heads over 2 key/value heads.
+    pub fn tiny(vocab: usize) -> LlamaConfig {
+        LlamaConfig {
+            vocab,
+            dim: 64,
+            n_layers: 2,
+            n_heads: 4,
+            n_kv_heads: 2,
+            hidden: 176,
+            max_seq: 128,
+            rope_theta: 10000.0,
+            norm_eps: 1e-5,
+        }
+    }
+}
+
+/// Attention's projections (`self_attn.{q,k,v,o}_proj`, no biases).
+#[derive(Debug, Clone, Module)]
+pub struct LlamaAttention {
+    pub q_proj: Linear,
+    pub k_proj: Linear,
+    pub v_proj: Linear,
+    pub o_proj: Linear,
+}
+
+/// One decoder layer, in Hugging Face's parameter order.
+#[derive(Debug, Clone, Module)]
+pub struct LlamaLayer {
+    pub self_attn: LlamaAttention,
+    pub mlp: SwiGlu,
+    pub input_layernorm: RmsNorm,
+    pub post_attention_layernorm: RmsNorm,
+}
+
+#[derive(Debug, Clone, Module)]
+pub struct Llama {
+    pub config: LlamaConfig,
+    #[module(rename = "model.embed_tokens")]
+    pub embed_tokens: Embedding,
+    #[module(rename = "model.layers")]
+    pub layers: Vec<LlamaLayer>,
+    #[module(rename = "model.norm")]
+    pub norm: RmsNorm,
+    pub lm_head: Linear,
+    #[module(skip)]
+    pub rope: RotaryEmbedding,
+}
+
+impl Llama {
+    pub fn new(c: LlamaConfig, device: Device) -> Result<Llama> {
+        let ok = c.n_heads > 0 && c.n_kv_heads > 0 && c.n_heads % c.n_kv_heads == 0 && c.dim % c.n_heads == 0;
+        if !ok {
+            return Err(Error::Msg(format!(
+                "Llama: n_heads {} must divide dim {} and be a multiple of n_kv_heads {}",
+                c.n_heads, c.dim, c.n_kv_heads
+            )));
+        }
+        let hd = c.dim / c.n_heads;
+        let layer = || -> Result<LlamaLayer> {
+            Ok(LlamaLayer {
+                self_attn: LlamaAttention {
+                    q_proj: Linear::new(c.dim, c.n_heads * hd, false, device)?,
+                    k_proj: Linear::new(c.dim, c.n_kv_heads * hd, false, device)?,
+                    v_proj: Linear::new(c.dim, c.n_kv_heads * hd, false, device)?,
+                    o_proj: Linear::new(c.n_heads * hd, c.dim, false, device)?,
+                },
+                mlp: SwiGlu::new(c.dim, c.hidden, device)?,
+                input_layernorm: RmsNorm::new(c.dim, Some(c.norm_eps), device)?,
+                post_attention_layernorm: RmsNorm::new(c.dim, Some(c.norm_eps), device)?,
+            })
+        };
+        Ok(Llama {
+            config: c,
+            embed_tokens: Embedding::new(c.vocab, c.dim, device)?,
+            layers: (0..c.n_layers).map(|_| layer()).collect::<Result<_>>()?,
+            norm: RmsNorm::new(c.dim, Some(c.norm_eps), device)?,
+            lm_head: Linear::new(c.dim, c.vocab, false, device)?,
+            rope: RotaryEmbedding::new(hd, c.max_seq, c.rope_theta, default_dtype(), device)?,
+        })
+    }
+
+    /// Token ids `[B, T]` (I64) to logits `[B, T, vocab]`, causal.
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        let &[_, t] = ids.shape() else {
+            return Err(Error::shape("llama", format!("token ids must be [B, T], got {:?}", ids.shape())));
+        };
+        if t > self.config.max_seq {
+            return Err(Error::shape("llama", format!("{t} tokens exceed max_seq {}", self.config.max_seq)));
+        }
+        let mut x = self.embed_tokens.forward(ids)?;
+        for l in &self.layers {
+            x = l.forward(&x, &self.rope, &self.config)?;
+        }
+        self.lm_head.forward(&self.norm.forward(&x)?)
+    }
+
+    /// Mean next-token cross-entropy of `ids` against `targets` (both `[B, T]`).
+    pub fn loss(&self, ids: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let logits = self.forward(ids)?;
+        cross_entropy(&logits.reshape(&(-1, self.config.vocab))?, &targets.reshape(&(-1,))?)
+    }
+}
+
+impl LlamaLayer {
+    fn forward(&self, x: &Tensor, rope: &RotaryEmbedding, c: &LlamaConfig) -> Result<Tensor> {
+        let h = (x + self.self_attn.forward(&self.input_layernorm.forward(x)?, rope, c)?)?;
+        &h + self.mlp.forward(&self.post_attention_layernorm.forward(&h)?)?
+    }
+}
+
+impl LlamaAttention {
+    /// Causal grouped-query attention over `x` `[B, T, dim]`, rotary embeddings on q and k.
+    fn forward(&self, x: &Tensor, rope: &RotaryEmbedding, c: &LlamaConfig) -> Result<Tensor> {
+        let (b, t, hd) = (x.shape()[0], x.shape()[1], c.dim / c.n_heads);
+        let heads = |y: Tensor, n: usize| y.reshape(&[b, t, n, hd])?.transpose(1, 2);
+        let q = rope.apply(&heads(self.q_proj.forward(x)?, c.n_heads)?, 0)?;
+        let k = rope.apply(&heads(self.k_proj.forward(x)?, c.n_kv_heads)?, 0)?;
+        let v = heads(self.v_proj.forward(x)?, c.n_kv_heads)?;
+        let rep = c.n_heads / c.n_kv_heads;
+        let masks = AttnMasks { is_causal: true, ..Default::default() };
+        let att = scaled_dot_product_attention(&q, &repeat_kv(&k, rep)?, &repeat_kv(&v, rep)?, &masks, 0.0)?;
+        self.o_proj.forward(&att.transpose(1, 2)?.reshape(&[b, t, c.n_heads * hd])?)
+    }
+}
