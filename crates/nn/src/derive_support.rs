@@ -50,30 +50,24 @@ impl ModuleField for Flag {
     }
 }
 
-/// Items of a list are named by position (`h.0`, `h.1`, ...), as `nn.ModuleList`'s.
-impl<T: ModuleField> ModuleField for Vec<T> {
-    fn visit_field(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
-        self.iter().enumerate().for_each(|(i, x)| x.visit_field(&join(prefix, &i.to_string()), f))
-    }
-    fn visit_field_buffers(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
-        self.iter().enumerate().for_each(|(i, x)| x.visit_field_buffers(&join(prefix, &i.to_string()), f))
-    }
-    fn set_field_training(&self, training: bool) {
-        self.iter().for_each(|x| x.set_field_training(training))
-    }
+/// Items of a list or an array are named by position (`h.0`, `h.1`, ...), as
+/// `nn.ModuleList`'s.
+macro_rules! by_position {
+    ($($t:ty $(, const $n:ident)?);*) => {$(
+        impl<T: ModuleField $(, const $n: usize)?> ModuleField for $t {
+            fn visit_field(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
+                self.iter().enumerate().for_each(|(i, x)| x.visit_field(&join(prefix, &i.to_string()), f))
+            }
+            fn visit_field_buffers(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
+                self.iter().enumerate().for_each(|(i, x)| x.visit_field_buffers(&join(prefix, &i.to_string()), f))
+            }
+            fn set_field_training(&self, training: bool) {
+                self.iter().for_each(|x| x.set_field_training(training))
+            }
+        }
+    )*};
 }
-
-impl<T: ModuleField, const N: usize> ModuleField for [T; N] {
-    fn visit_field(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
-        self.iter().enumerate().for_each(|(i, x)| x.visit_field(&join(prefix, &i.to_string()), f))
-    }
-    fn visit_field_buffers(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
-        self.iter().enumerate().for_each(|(i, x)| x.visit_field_buffers(&join(prefix, &i.to_string()), f))
-    }
-    fn set_field_training(&self, training: bool) {
-        self.iter().for_each(|x| x.set_field_training(training))
-    }
-}
+by_position!(Vec<T>; [T; N], const N);
 
 /// An absent optional part has no parameters (a bias-free layer's `bias: None`).
 impl<T: ModuleField> ModuleField for Option<T> {
