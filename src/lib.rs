@@ -18,6 +18,7 @@ pub mod checkpoint;
 pub mod data;
 pub mod loader;
 pub mod models;
+pub mod text;
 
 pub use kiln_autograd as autograd;
 pub use kiln_compile as compile;
