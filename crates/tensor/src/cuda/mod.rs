@@ -202,8 +202,8 @@ pub(crate) fn run(op: &Op, ins: &[&Storage], layouts: &[&Layout], meta: &OutMeta
     }
 }
 
-/// `Op::LayerNormGrads` with its `copy`: the flat output and the copy of x's gradient,
-/// from one kernel (`Tensor::layer_norm_grads_with_copy`).
+/// `Fused::LayerNormGrads` with its `copy`: the flat output and the copy of x's gradient,
+/// from one kernel (`fused::layer_norm_grads_with_copy`).
 pub(crate) fn layer_norm_grads_with_copy(op: &Op, ins: &[&Storage], layouts: &[&Layout], device: Device) -> Result<(Storage, Storage)> {
     ins.iter().try_for_each(|s| check_computed(s))?;
     #[cfg(feature = "cuda")]
