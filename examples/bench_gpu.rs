@@ -1,6 +1,7 @@
 //! The side-by-side benchmark's Kiln half: median step times of the comparison workloads
 //! (MLP 784-256-10 with CE + AdamW at batch 32 and 4096, nn.Transformer(512, 8) forward on
-//! (10, 32, 512), the GPT char-LM AdamW step in FP32, BF16 autocast and pure BF16). Prints
+//! (10, 32, 512), the GPT char-LM AdamW step in FP32, BF16 autocast and pure BF16, GPT-2
+//! 124M and 350M steps in BF16 autocast with tokens/s and model FLOPs utilisation). Prints
 //! one JSON line per workload; benches/pytorch/compare.py joins them with PyTorch's table.
 //!
 //!   cargo run --release --features cuda --example bench_gpu -- [--device cuda|cpu] [--only NAME] [--steps N]
@@ -23,7 +24,7 @@ use common::{flag, has, opt};
 use kiln::compile::{compile, Mode};
 use kiln::models::{mlp, Gpt, GptConfig};
 use kiln::nn::{cross_entropy, mse_loss, Reduction, Transformer, TransformerConfig, TransformerMasks};
-use kiln::optim::{AdamConfig, AdamW};
+use kiln::optim::{clip_grad_norm, AdamConfig, AdamW};
 use kiln::prelude::*;
 use kiln::tensor::{cuda, set_default_dtype, Distribution};
 use std::time::Instant;
@@ -184,6 +185,11 @@ fn timed(
 }
 
 fn report(workload: &str, precision: &str, mode: Option<Mode>, t: Timing, dev: Device) {
+    report_with(workload, precision, mode, t, dev, "")
+}
+
+/// `report` with more JSON fields (`extra`: `, "name": value` pairs).
+fn report_with(workload: &str, precision: &str, mode: Option<Mode>, t: Timing, dev: Device, extra: &str) {
     if kiln::tensor::profile::enabled() {
         eprintln!("--- {workload}: per-op device time over the timed steps (KILN_PROFILE)\n{}", kiln::tensor::profile::report());
         kiln::tensor::profile::reset();
@@ -198,7 +204,7 @@ fn report(workload: &str, precision: &str, mode: Option<Mode>, t: Timing, dev: D
         compile += &format!(", \"compile_peak_mib\": {:.1}", p as f64 / 1048576.0);
     }
     println!(
-        "{{\"workload\": \"{workload}\", \"impl\": \"{imp}\", \"precision\": \"{precision}\", \"median_ms\": {:.4}, \"device\": \"{dev}\", \"peak_mib\": {peak:.1}{compile}}}",
+        "{{\"workload\": \"{workload}\", \"impl\": \"{imp}\", \"precision\": \"{precision}\", \"median_ms\": {:.4}, \"device\": \"{dev}\", \"peak_mib\": {peak:.1}{compile}{extra}}}",
         t.ms
     );
 }
@@ -282,6 +288,42 @@ fn gpt_workload(dev: Device, dtype: DType, small: bool) -> Result<Workload> {
     let step = move |xs: &[Tensor]| {
         let loss = model.loss(&xs[0], &xs[1])?;
         loss.backward()?;
+        opt.step()?;
+        opt.zero_grad()?;
+        Ok(vec![loss])
+    };
+    Ok((vec![tok(4)?, tok(5)?], Box::new(step)))
+}
+
+/// GPT-2 shapes as nanoGPT trains them (vocab padded to 50304, context 1024, tied head):
+/// (name, d_model, layers, heads, batch).
+const GPT2: [(&str, usize, usize, usize, usize); 2] = [("gpt2_124m", 768, 12, 12, 8), ("gpt2_350m", 1024, 24, 16, 4)];
+
+/// Dense BF16 peak of an H100 or H200 SXM, for model FLOPs utilisation.
+const PEAK_BF16_FLOPS: f64 = 989e12;
+
+/// nanoGPT's estimate of a step's FLOPs per token: 6 per parameter (the position table left
+/// out) and 12 L d T for attention.
+fn gpt2_flops_per_token(d: usize, layers: usize) -> f64 {
+    let params = 50304 * d + layers * (12 * d * d + 13 * d) + 2 * d;
+    (6 * params + 12 * layers * d * 1024) as f64
+}
+
+/// A GPT-2 training step: BF16 autocast is the caller's; AdamW (weight decay 0.1) after
+/// `clip_grad_norm(1.0)`, as `benches/pytorch/gpu_bench.py`'s `gpt2_step`.
+fn gpt2_workload(dev: Device, d_model: usize, n_layer: usize, n_head: usize, batch: usize) -> Result<Workload> {
+    kiln::tensor::rng::manual_seed(0);
+    let cfg = GptConfig { vocab: 50304, context: 1024, d_model, n_layer, n_head, dropout: 0.0, tied_head: true };
+    let model = Gpt::new(cfg, dev)?;
+    let params = model.parameters();
+    let mut opt = AdamW::new(params.clone(), AdamConfig { lr: 6e-4, weight_decay: 0.1, ..AdamConfig::adamw() })?;
+    let tok = |s| -> Result<Tensor> {
+        Tensor::rand_at(&[batch, 1024], Distribution::Uniform, s, 0, DType::F32, dev)?.mul_scalar(50257.0)?.to_dtype(DType::I64)
+    };
+    let step = move |xs: &[Tensor]| {
+        let loss = model.loss(&xs[0], &xs[1])?;
+        loss.backward()?;
+        clip_grad_norm(&params, 1.0)?;
         opt.step()?;
         opt.zero_grad()?;
         Ok(vec![loss])
@@ -425,6 +467,15 @@ fn main() -> Result<()> {
         }
         if want("gpt_pure_bf16") {
             report("gpt_pure_bf16", "bf16 (params and compute)", mode, run(gpt_workload(dev, DType::BF16, false), 3, steps.min(20))?, dev);
+        }
+        for (name, d, layers, heads, batch) in GPT2 {
+            if want(name) && dev.is_cuda() {
+                let _ac = kiln::tensor::Autocast::new(DType::BF16)?;
+                let t = run(gpt2_workload(dev, d, layers, heads, batch), 3, steps.min(20))?;
+                let tokens = (batch * 1024) as f64 / (t.ms * 1e-3);
+                let mfu = tokens * gpt2_flops_per_token(d, layers) / PEAK_BF16_FLOPS;
+                report_with(name, "bf16 autocast", mode, t, dev, &format!(", \"tokens_per_s\": {tokens:.0}, \"mfu\": {mfu:.4}"));
+            }
         }
     }
     Ok(())

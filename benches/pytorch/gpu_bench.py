@@ -63,11 +63,13 @@ class Block(nn.Module):
 
 
 class Gpt(nn.Module):
-    def __init__(s, vocab=65, ctx=256, d=384, layers=6, heads=6):
+    def __init__(s, vocab=65, ctx=256, d=384, layers=6, heads=6, tied=False):
         super().__init__()
         s.tok, s.pos = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
         s.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
         s.ln_f, s.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        if tied:
+            s.head.weight = s.tok.weight
 
     def forward(s, idx):
         x = s.tok(idx) + s.pos(torch.arange(idx.shape[1], device=idx.device))
@@ -87,6 +89,38 @@ def gpt_step(bf16, compile_mode):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
             loss = F.cross_entropy(model(x).view(-1, 65), y.view(-1))
         loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return compiled(step, compile_mode)
+
+
+# GPT-2 shapes as nanoGPT trains them: vocab padded to 50304, context 1024, tied head.
+GPT2 = {"gpt2_124m": dict(d=768, layers=12, heads=12, batch=8), "gpt2_350m": dict(d=1024, layers=24, heads=16, batch=4)}
+PEAK_BF16 = 989e12  # H100/H200 SXM dense BF16
+
+
+def gpt2_flops_per_token(c, vocab=50304, ctx=1024):
+    """nanoGPT's estimate: 6 N per token for the parameters but the position table, 12 L d T
+    for attention."""
+    d, L = c["d"], c["layers"]
+    n = vocab * d + L * (12 * d * d + 13 * d) + 2 * d
+    return 6 * n + 12 * L * d * ctx
+
+
+def gpt2_step(name, compile_mode):
+    c = GPT2[name]
+    torch.manual_seed(0)
+    model = Gpt(50304, 1024, c["d"], c["layers"], c["heads"], tied=True).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, weight_decay=0.1, fused=True)
+    x = torch.randint(0, 50257, (c["batch"], 1024), device=dev)
+    y = torch.randint(0, 50257, (c["batch"], 1024), device=dev)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x).view(-1, 50304), y.view(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -150,6 +184,8 @@ def main():
         ("transformer_fwd", "fp32", transformer_forward, 1),
         ("gpt_fp32", "fp32", lambda m: gpt_step(False, m), 0.4),
         ("gpt_bf16", "bf16 autocast", lambda m: gpt_step(True, m), 0.4),
+        ("gpt2_124m", "bf16 autocast", lambda m: gpt2_step("gpt2_124m", m), 0.4),
+        ("gpt2_350m", "bf16 autocast", lambda m: gpt2_step("gpt2_350m", m), 0.4),
     ]
     for name, prec, make, mult in work:
         if a.only and a.only not in name:
@@ -162,8 +198,13 @@ def main():
                 kernel_table(step, f"{name} {mode}")
             peak = torch.cuda.max_memory_allocated() / 2**20
             impl = "torch eager" if mode == "eager" else f"torch.compile {mode}"
-            print(json.dumps({"workload": name, "impl": impl, "precision": prec, "median_ms": round(ms, 4),
-                              "compile_s": round(compile_s, 2), "peak_mib": round(peak, 1)}), flush=True)
+            row = {"workload": name, "impl": impl, "precision": prec, "median_ms": round(ms, 4),
+                   "compile_s": round(compile_s, 2), "peak_mib": round(peak, 1)}
+            if name in GPT2:
+                tokens = GPT2[name]["batch"] * 1024
+                row["tokens_per_s"] = round(tokens / (ms * 1e-3))
+                row["mfu"] = round(gpt2_flops_per_token(GPT2[name]) * tokens / (ms * 1e-3) / PEAK_BF16, 4)
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

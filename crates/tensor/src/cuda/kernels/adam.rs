@@ -35,11 +35,12 @@ pub fn adam_source(dtype: DType, amsgrad: bool) -> (String, String) {
     s += "  double l = *lr, t = *step;\n";
     s += "  C step_size = (C)(l / (1.0 - pow(a.b1, t))), bc2 = (C)sqrt(1.0 - pow(a.b2, t));\n";
     s += "  C decay = a.decoupled ? (C)(1.0 - l * a.wd) : (C)1, l2 = a.decoupled ? (C)0 : (C)a.wd;\n";
-    s += "  C b1 = (C)a.b1, b2 = (C)a.b2, eps = (C)a.eps;\n";
+    // `1 - beta` rounded once from f64: `1 - (float)0.999` would be 1.3e-5 off.
+    s += "  C b1 = (C)a.b1, b2 = (C)a.b2, eps = (C)a.eps, omb1 = (C)(1.0 - a.b1), omb2 = (C)(1.0 - a.b2);\n";
     s += "  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < a.n[j]; i += (long long)gridDim.x * blockDim.x) {\n";
     s += "    C pi = ld(p[i]), gi = ld(g[i]) + l2 * pi;\n";
     s += "    pi = pi * decay;\n";
-    s += "    C mi = b1 * ld(m[i]) + ((C)1 - b1) * gi, vi = b2 * ld(v[i]) + ((C)1 - b2) * gi * gi;\n";
+    s += "    C mi = b1 * ld(m[i]) + omb1 * gi, vi = b2 * ld(v[i]) + omb2 * gi * gi;\n";
     s += "    st(&m[i], mi); st(&v[i], vi);\n";
     if amsgrad {
         s += "    C xi = ld(x[i]); if (vi > xi) xi = vi; st(&x[i], xi); vi = xi;\n";
