@@ -87,6 +87,7 @@ fn main() -> Result<()> {
         n_head: common::flag("--heads", 4usize),
         dropout: common::flag("--dropout", 0.0f64),
         tied_head: false,
+        activation: kiln::nn::Activation::Gelu,
     };
     kiln::tensor::rng::manual_seed(seed);
     let device = common::device();

@@ -16,6 +16,7 @@ extern crate self as kiln;
 
 pub mod checkpoint;
 pub mod data;
+pub mod hf;
 pub mod loader;
 pub mod models;
 pub mod text;

@@ -1,12 +1,16 @@
 //! A GPT-style language model: token + position embeddings, pre-norm blocks with causal
 //! self-attention (one fused qkv projection) and a GELU MLP, a final LayerNorm and a head
 //! (untied, or tied to the token embedding). Shapes: B batch, T time, C d_model, H heads,
-//! V vocab. Parameter names match scripts/make_golden.py's PyTorch model.
+//! V vocab. Parameter names match scripts/make_golden.py's PyTorch model; `kiln::hf` reads and
+//! writes Hugging Face's GPT-2 checkpoints.
 
-use kiln_nn::{cross_entropy, dropout, scaled_dot_product_attention, AttnMasks, Embedding, Forward, LayerNorm, Linear, Module};
+use kiln_nn::{
+    causal_attention_at, cross_entropy, dropout, scaled_dot_product_attention, Activation, AttnMasks, Embedding, Forward, KvCache,
+    LayerNorm, Linear, Module,
+};
 use kiln_tensor::{DType, Device, Error, Flag, Result, Tensor};
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GptConfig {
     pub vocab: usize,
     pub context: usize,
@@ -16,6 +20,17 @@ pub struct GptConfig {
     pub dropout: f64,
     /// Share the token embedding with the output head.
     pub tied_head: bool,
+    /// The MLP's activation: `Gelu` as nanoGPT, `GeluTanh` as Hugging Face's GPT-2
+    /// (`gelu_new`).
+    pub activation: Activation,
+}
+
+impl GptConfig {
+    /// OpenAI's GPT-2 at `d_model`, `n_layer` and `n_head` (124M: 768, 12, 12; 350M: 1024, 24,
+    /// 16) as Hugging Face builds it: vocab 50257, context 1024, tied head, tanh GELU.
+    pub fn gpt2(d_model: usize, n_layer: usize, n_head: usize) -> GptConfig {
+        GptConfig { vocab: 50257, context: 1024, d_model, n_layer, n_head, dropout: 0.0, tied_head: true, activation: Activation::GeluTanh }
+    }
 }
 
 #[derive(Debug, Clone, Module)]
@@ -62,15 +77,29 @@ impl Block {
 
     /// x: [B, T, C] -> [B, T, C]
     fn forward(&self, x: &Tensor, c: &GptConfig, training: bool) -> Result<Tensor> {
+        self.forward_at(x, c, training, None)
+    }
+
+    /// `forward`, or with `cache` (the cache, this block's layer, the position of x's first
+    /// token) attending over the cached keys and values too, this block's appended.
+    fn forward_at(&self, x: &Tensor, c: &GptConfig, training: bool, cache: Option<(&mut KvCache, usize, usize)>) -> Result<Tensor> {
         let (b, t, d) = (x.shape()[0], x.shape()[1], c.d_model);
         let p = if training { c.dropout } else { 0.0 };
         let qkv = self.qkv.forward(&self.ln1.forward(x)?)?; // [B, T, 3C]
         let heads = |i: usize| qkv.narrow(2, i * d, d)?.reshape(&[b, t, c.n_head, d / c.n_head])?.transpose(1, 2);
-        let masks = AttnMasks { is_causal: true, ..Default::default() };
-        let att = scaled_dot_product_attention(&heads(0)?, &heads(1)?, &heads(2)?, &masks, p)?; // [B, H, T, D]
+        let att = match cache {
+            None => {
+                let masks = AttnMasks { is_causal: true, ..Default::default() };
+                scaled_dot_product_attention(&heads(0)?, &heads(1)?, &heads(2)?, &masks, p)?
+            }
+            Some((cache, layer, offset)) => {
+                let (k, v) = cache.append(layer, &heads(1)?, &heads(2)?)?;
+                causal_attention_at(&heads(0)?, &k, &v, offset)?
+            }
+        }; // [B, H, T, D]
         let att = att.transpose(1, 2)?.reshape(&[b, t, d])?;
         let x = x.add(&dropout(&self.proj.forward(&att)?, p, training)?)?;
-        let h = self.fc_proj.forward(&self.fc.forward(&self.ln2.forward(&x)?)?.gelu()?)?;
+        let h = self.fc_proj.forward(&c.activation.apply(&self.fc.forward(&self.ln2.forward(&x)?)?)?)?;
         x.add(&dropout(&h, p, training)?)
     }
 }
@@ -99,23 +128,36 @@ impl Gpt {
 
     /// tokens: [B, T] (I64, T <= context) -> logits [B, T, V]
     pub fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
+        self.run(tokens, None)
+    }
+
+    /// Logits of `tokens` `[B, T]` at positions `cache.len()..`, attending over the cached
+    /// positions too; their keys and values are appended to `cache` (one entry a block).
+    pub fn forward_cached(&self, tokens: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        self.run(tokens, Some(cache))
+    }
+
+    fn run(&self, tokens: &Tensor, mut cache: Option<&mut KvCache>) -> Result<Tensor> {
+        let offset = cache.as_ref().map_or(0, |c| c.len());
         let t = tokens.shape().get(1).copied().unwrap_or(0);
-        if tokens.rank() != 2 || t > self.config.context {
+        if tokens.rank() != 2 || offset + t > self.config.context {
             return Err(Error::shape(
                 "gpt",
-                format!("tokens must be [B, T] with T <= context {}, got {:?}", self.config.context, tokens.shape()),
+                format!("tokens must be [B, T] with {offset} cached + T <= context {}, got {:?}", self.config.context, tokens.shape()),
             ));
         }
-        let pos = Tensor::arange(t, DType::I64, tokens.device())?;
+        let pos = Tensor::arange(t, DType::I64, tokens.device())?.add_scalar(offset as f64)?;
         let mut x = self.tok_emb.forward(tokens)?.add(&self.pos_emb.forward(&pos)?)?;
         x = dropout(&x, self.config.dropout, self.training.get())?;
         let (c, training) = (self.config, self.training.get());
-        for blk in &self.blocks {
-            x = if self.checkpointing.get() {
-                let blk = blk.clone();
-                kiln_autograd::checkpoint(move |v| blk.forward(&v[0], &c, training), &[&x])?
-            } else {
-                blk.forward(&x, &c, training)?
+        for (i, blk) in self.blocks.iter().enumerate() {
+            x = match cache.as_deref_mut() {
+                Some(cache) => blk.forward_at(&x, &c, training, Some((cache, i, offset)))?,
+                None if self.checkpointing.get() => {
+                    let blk = blk.clone();
+                    kiln_autograd::checkpoint(move |v| blk.forward(&v[0], &c, training), &[&x])?
+                }
+                None => blk.forward(&x, &c, training)?,
             };
         }
         let x = self.ln_f.forward(&x)?;

@@ -1,9 +1,9 @@
 //! A Llama-shaped language model: RMSNorm before attention and the feed-forward, rotary
-//! position embeddings, grouped-query attention, SwiGLU and an untied head, under Hugging
+//! position embeddings, grouped-query attention, SwiGLU and a head (untied, or tied to the embedding), under Hugging
 //! Face's parameter names (`model.layers.{i}.self_attn.q_proj.weight`, ...).
 
 use kiln_nn::{
-    cross_entropy, repeat_kv, scaled_dot_product_attention, AttnMasks, Embedding, Forward, Linear, Module, RmsNorm, RotaryEmbedding, SwiGlu,
+    causal_attention_at, cross_entropy, repeat_kv, Embedding, Forward, KvCache, Linear, Module, RmsNorm, RotaryEmbedding, SwiGlu,
 };
 use kiln_tensor::{default_dtype, Device, Error, Result, Tensor};
 
@@ -22,6 +22,8 @@ pub struct LlamaConfig {
     pub max_seq: usize,
     pub rope_theta: f64,
     pub norm_eps: f64,
+    /// The head shares the token embedding (`tie_word_embeddings`, as Llama 3.2 1B).
+    pub tied_head: bool,
 }
 
 impl LlamaConfig {
@@ -37,6 +39,7 @@ impl LlamaConfig {
             max_seq: 128,
             rope_theta: 10000.0,
             norm_eps: 1e-5,
+            tied_head: false,
         }
     }
 }
@@ -96,27 +99,44 @@ impl Llama {
                 post_attention_layernorm: RmsNorm::new(c.dim, Some(c.norm_eps), device)?,
             })
         };
+        let embed_tokens = Embedding::new(c.vocab, c.dim, device)?;
+        let lm_head = match c.tied_head {
+            true => Linear { weight: embed_tokens.weight.clone(), bias: None },
+            false => Linear::new(c.dim, c.vocab, false, device)?,
+        };
         Ok(Llama {
             config: c,
-            embed_tokens: Embedding::new(c.vocab, c.dim, device)?,
+            embed_tokens,
             layers: (0..c.n_layers).map(|_| layer()).collect::<Result<_>>()?,
             norm: RmsNorm::new(c.dim, Some(c.norm_eps), device)?,
-            lm_head: Linear::new(c.dim, c.vocab, false, device)?,
+            lm_head,
             rope: RotaryEmbedding::new(hd, c.max_seq, c.rope_theta, default_dtype(), device)?,
         })
     }
 
     /// Token ids `[B, T]` (I64) to logits `[B, T, vocab]`, causal.
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        self.run(ids, None)
+    }
+
+    /// Logits of `ids` `[B, T]` at positions `cache.len()..`, attending over the cached
+    /// positions too; their keys and values are appended to `cache` (one entry a layer).
+    pub fn forward_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        self.run(ids, Some(cache))
+    }
+
+    fn run(&self, ids: &Tensor, mut cache: Option<&mut KvCache>) -> Result<Tensor> {
         let &[_, t] = ids.shape() else {
             return Err(Error::shape("llama", format!("token ids must be [B, T], got {:?}", ids.shape())));
         };
-        if t > self.config.max_seq {
-            return Err(Error::shape("llama", format!("{t} tokens exceed max_seq {}", self.config.max_seq)));
+        let offset = cache.as_ref().map_or(0, |c| c.len());
+        if offset + t > self.config.max_seq {
+            return Err(Error::shape("llama", format!("{offset} cached + {t} new tokens exceed max_seq {}", self.config.max_seq)));
         }
         let mut x = self.embed_tokens.forward(ids)?;
-        for l in &self.layers {
-            x = l.forward(&x, &self.rope, &self.config)?;
+        for (i, l) in self.layers.iter().enumerate() {
+            let at = cache.as_deref_mut().map(|c| (c, i, offset));
+            x = l.forward(&x, &self.rope, &self.config, at)?;
         }
         self.lm_head.forward(&self.norm.forward(&x)?)
     }
@@ -129,23 +149,29 @@ impl Llama {
 }
 
 impl LlamaLayer {
-    fn forward(&self, x: &Tensor, rope: &RotaryEmbedding, c: &LlamaConfig) -> Result<Tensor> {
-        let h = (x + self.self_attn.forward(&self.input_layernorm.forward(x)?, rope, c)?)?;
+    fn forward(&self, x: &Tensor, rope: &RotaryEmbedding, c: &LlamaConfig, cache: Option<(&mut KvCache, usize, usize)>) -> Result<Tensor> {
+        let h = (x + self.self_attn.forward(&self.input_layernorm.forward(x)?, rope, c, cache)?)?;
         &h + self.mlp.forward(&self.post_attention_layernorm.forward(&h)?)?
     }
 }
 
 impl LlamaAttention {
-    /// Causal grouped-query attention over `x` `[B, T, dim]`, rotary embeddings on q and k.
-    fn forward(&self, x: &Tensor, rope: &RotaryEmbedding, c: &LlamaConfig) -> Result<Tensor> {
+    /// Causal grouped-query attention over `x` `[B, T, dim]`, rotary embeddings on q and k;
+    /// with `cache` (the cache, this layer, x's first position) over the cached keys and
+    /// values too, this layer's appended.
+    fn forward(&self, x: &Tensor, rope: &RotaryEmbedding, c: &LlamaConfig, cache: Option<(&mut KvCache, usize, usize)>) -> Result<Tensor> {
         let (b, t, hd) = (x.shape()[0], x.shape()[1], c.dim / c.n_heads);
+        let offset = cache.as_ref().map_or(0, |c| c.2);
         let heads = |y: Tensor, n: usize| y.reshape(&[b, t, n, hd])?.transpose(1, 2);
-        let q = rope.apply(&heads(self.q_proj.forward(x)?, c.n_heads)?, 0)?;
-        let k = rope.apply(&heads(self.k_proj.forward(x)?, c.n_kv_heads)?, 0)?;
+        let q = rope.apply(&heads(self.q_proj.forward(x)?, c.n_heads)?, offset)?;
+        let k = rope.apply(&heads(self.k_proj.forward(x)?, c.n_kv_heads)?, offset)?;
         let v = heads(self.v_proj.forward(x)?, c.n_kv_heads)?;
+        let (k, v) = match cache {
+            Some((cache, layer, _)) => cache.append(layer, &k, &v)?,
+            None => (k, v),
+        };
         let rep = c.n_heads / c.n_kv_heads;
-        let masks = AttnMasks { is_causal: true, ..Default::default() };
-        let att = scaled_dot_product_attention(&q, &repeat_kv(&k, rep)?, &repeat_kv(&v, rep)?, &masks, 0.0)?;
+        let att = causal_attention_at(&q, &repeat_kv(&k, rep)?, &repeat_kv(&v, rep)?, offset)?;
         self.o_proj.forward(&att.transpose(1, 2)?.reshape(&[b, t, c.n_heads * hd])?)
     }
 }

@@ -1,8 +1,10 @@
 //! Reference models shared by the examples, tests and benches.
 
+pub mod generate;
 pub mod gpt;
 pub mod llama;
 
+pub use generate::{generate, CausalLm, GenerateConfig, Generation};
 pub use gpt::{Gpt, GptConfig};
 pub use llama::{Llama, LlamaConfig};
 

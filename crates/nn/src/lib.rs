@@ -11,6 +11,7 @@ pub mod conv;
 #[doc(hidden)]
 pub mod derive_support;
 pub mod init;
+pub mod kv_cache;
 pub mod layers;
 pub mod loss;
 mod module;
@@ -26,6 +27,7 @@ pub use conv::{
     AvgPool2d, Conv1d, Conv2d, ConvTranspose2d, Flatten, Interpolation, MaxPool2d, Upsample, Window,
 };
 pub use kiln_derive::Module;
+pub use kv_cache::{causal_attention_at, KvCache};
 pub use layers::{dropout, BatchNorm, Dropout, Embedding, GroupNorm, Layer, LayerNorm, Linear, RmsNorm, Sequential, SwiGlu};
 pub use loss::{
     binary_cross_entropy, binary_cross_entropy_with_logits, cross_entropy, cross_entropy_with, huber_loss, kl_div, l1_loss, mse_loss,

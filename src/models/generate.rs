@@ -1,0 +1,202 @@
+//! Sampling from a causal language model with a key/value cache: the prompt runs once
+//! (prefill), then each new token is one decode step over the cached keys and values.
+//! Greedy (temperature 0) or sampled with temperature, top-k and top-p, from a seed.
+
+use super::{Gpt, Llama};
+use kiln_autograd::NoGradGuard;
+use kiln_nn::KvCache;
+use kiln_tensor::{DType, Device, Error, Result, Tensor};
+use rand::{Rng, SeedableRng};
+use std::time::Instant;
+
+/// A model `generate` can decode from.
+pub trait CausalLm {
+    fn vocab(&self) -> usize;
+    /// The longest sequence the model takes (its context).
+    fn max_seq(&self) -> usize;
+    fn n_layers(&self) -> usize;
+    fn device(&self) -> Device;
+    /// Logits `[B, T, vocab]` of `ids` `[B, T]`, no cache.
+    fn logits(&self, ids: &Tensor) -> Result<Tensor>;
+    /// Logits of `ids` at positions `cache.len()..`, their keys and values appended.
+    fn logits_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor>;
+}
+
+impl CausalLm for Gpt {
+    fn vocab(&self) -> usize {
+        self.config.vocab
+    }
+    fn max_seq(&self) -> usize {
+        self.config.context
+    }
+    fn n_layers(&self) -> usize {
+        self.config.n_layer
+    }
+    fn device(&self) -> Device {
+        Gpt::device(self)
+    }
+    fn logits(&self, ids: &Tensor) -> Result<Tensor> {
+        self.forward(ids)
+    }
+    fn logits_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        self.forward_cached(ids, cache)
+    }
+}
+
+impl CausalLm for Llama {
+    fn vocab(&self) -> usize {
+        self.config.vocab
+    }
+    fn max_seq(&self) -> usize {
+        self.config.max_seq
+    }
+    fn n_layers(&self) -> usize {
+        self.config.n_layers
+    }
+    fn device(&self) -> Device {
+        self.embed_tokens.weight.device()
+    }
+    fn logits(&self, ids: &Tensor) -> Result<Tensor> {
+        self.forward(ids)
+    }
+    fn logits_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        self.forward_cached(ids, cache)
+    }
+}
+
+/// How `generate` picks tokens (Hugging Face's `generate` arguments).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateConfig {
+    pub max_new_tokens: usize,
+    /// 0 picks the most likely token (greedy); else logits are divided by it and sampled.
+    pub temperature: f64,
+    /// Sample among the `k` most likely tokens only.
+    pub top_k: Option<usize>,
+    /// Sample among the most likely tokens whose probabilities sum to at least `p`.
+    pub top_p: Option<f64>,
+    pub seed: u64,
+    /// Stop after this token (e.g. GPT-2's `<|endoftext|>`, 50256).
+    pub stop_token: Option<u32>,
+    /// Decode with the key/value cache (else each step recomputes the whole sequence).
+    pub use_cache: bool,
+}
+
+impl Default for GenerateConfig {
+    fn default() -> Self {
+        GenerateConfig { max_new_tokens: 32, temperature: 0.0, top_k: None, top_p: None, seed: 0, stop_token: None, use_cache: true }
+    }
+}
+
+/// What `generate` made: the new tokens and how fast.
+#[derive(Debug, Clone)]
+pub struct Generation {
+    /// The generated tokens (the prompt not included), the stop token last if it came.
+    pub tokens: Vec<u32>,
+    /// Seconds the prompt took (the first new token included).
+    pub prefill_s: f64,
+    /// Decode steps a second after the first token (0 with fewer than two new tokens).
+    pub tokens_per_s: f64,
+}
+
+/// Continues `prompt` (token ids, batch 1) by up to `cfg.max_new_tokens` tokens.
+pub fn generate(model: &dyn CausalLm, prompt: &[u32], cfg: &GenerateConfig) -> Result<Generation> {
+    check_prompt(model, prompt, cfg)?;
+    check_sampling(cfg)?;
+    let _no_grad = NoGradGuard::new();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed);
+    let mut cache = KvCache::new(model.n_layers());
+    let mut seq: Vec<u32> = prompt.to_vec();
+    let (start, mut first_at) = (Instant::now(), None);
+    while seq.len() < prompt.len() + cfg.max_new_tokens {
+        let logits = if !cfg.use_cache {
+            model.logits(&ids(&seq, model.device())?)?
+        } else {
+            let new = &seq[cache.len()..];
+            model.logits_cached(&ids(new, model.device())?, &mut cache)?
+        };
+        let t = logits.shape()[1];
+        let last = logits.narrow(1, t - 1, 1)?.to_dtype(DType::F32)?.to_vec::<f32>()?;
+        let next = pick(&last, cfg, &mut rng);
+        seq.push(next);
+        first_at.get_or_insert_with(|| start.elapsed().as_secs_f64());
+        if cfg.stop_token == Some(next) {
+            break;
+        }
+    }
+    let prefill_s = first_at.unwrap_or(0.0);
+    let steps = seq.len() - prompt.len();
+    let decode_s = start.elapsed().as_secs_f64() - prefill_s;
+    let tokens_per_s = if steps > 1 && decode_s > 0.0 { (steps - 1) as f64 / decode_s } else { 0.0 };
+    Ok(Generation { tokens: seq.split_off(prompt.len()), prefill_s, tokens_per_s })
+}
+
+fn ids(tokens: &[u32], device: Device) -> Result<Tensor> {
+    let v: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
+    Tensor::from_vec(v, &[1, tokens.len()], Device::Cpu)?.to_device(device)
+}
+
+fn check_prompt(model: &dyn CausalLm, prompt: &[u32], cfg: &GenerateConfig) -> Result<()> {
+    if prompt.is_empty() {
+        return Err(Error::Msg("generate: the prompt is empty (give at least one token)".into()));
+    }
+    if let Some((at, &id)) = prompt.iter().enumerate().find(|(_, &id)| id as usize >= model.vocab()) {
+        return Err(Error::Msg(format!("generate: prompt token {id} at position {at} is outside the vocabulary of {}", model.vocab())));
+    }
+    let total = prompt.len() + cfg.max_new_tokens;
+    if total > model.max_seq() {
+        return Err(Error::Msg(format!(
+            "generate: a prompt of {} tokens plus {} new ones runs past the model's {} positions",
+            prompt.len(),
+            cfg.max_new_tokens,
+            model.max_seq()
+        )));
+    }
+    Ok(())
+}
+
+fn check_sampling(cfg: &GenerateConfig) -> Result<()> {
+    let ok = cfg.temperature >= 0.0 && cfg.temperature.is_finite() && cfg.top_k != Some(0) && cfg.top_p.is_none_or(|p| p > 0.0 && p <= 1.0);
+    if !ok {
+        return Err(Error::Msg(format!(
+            "generate: temperature {} must be finite and >= 0, top_k {:?} > 0, top_p {:?} in (0, 1]",
+            cfg.temperature, cfg.top_k, cfg.top_p
+        )));
+    }
+    Ok(())
+}
+
+/// The next token from one row of logits: the first most likely one at temperature 0, else
+/// a draw from the tempered distribution cut to top-k, then to top-p.
+pub fn pick(logits: &[f32], cfg: &GenerateConfig, rng: &mut impl Rng) -> u32 {
+    let argmax = || logits.iter().enumerate().fold(0, |b, (i, &x)| if x > logits[b] { i } else { b });
+    if cfg.temperature == 0.0 {
+        return argmax() as u32;
+    }
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+    order.truncate(cfg.top_k.unwrap_or(order.len()).max(1));
+    let top = logits[order[0]] as f64;
+    let mut probs: Vec<f64> = order.iter().map(|&i| ((logits[i] as f64 - top) / cfg.temperature).exp()).collect();
+    let total: f64 = probs.iter().sum();
+    probs.iter_mut().for_each(|p| *p /= total);
+    if let Some(p) = cfg.top_p {
+        // Keep the smallest prefix whose mass reaches p (at least one token).
+        let mut mass = 0.0;
+        let keep = probs.iter().take_while(|&&q| {
+            let before = mass;
+            mass += q;
+            before < p
+        });
+        let n = keep.count().max(1);
+        order.truncate(n);
+        probs.truncate(n);
+    }
+    let mut u = rng.random::<f64>() * probs.iter().sum::<f64>();
+    for (&i, &q) in order.iter().zip(&probs) {
+        if u < q {
+            return i as u32;
+        }
+        u -= q;
+    }
+    order[order.len() - 1] as u32
+}
