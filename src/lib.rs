@@ -18,6 +18,7 @@ pub mod checkpoint;
 pub mod data;
 pub mod hf;
 pub mod loader;
+pub mod metrics;
 pub mod models;
 pub mod text;
 

@@ -3,6 +3,10 @@
 //! them (a header of 256 little-endian `i32`: magic 20240520, version 1, the token count;
 //! then the tokens as little-endian `u16`).
 
+mod dataset;
+
+pub use dataset::{TokenDataset, TokenSplit};
+
 use kiln_tensor::{Error, Result};
 use std::path::Path;
 
@@ -43,7 +47,7 @@ impl Gpt2Tokenizer {
 
 const SHARD_MAGIC: i32 = 20240520;
 const SHARD_VERSION: i32 = 1;
-const SHARD_HEADER: usize = 256 * 4;
+pub(crate) const SHARD_HEADER: usize = 256 * 4;
 
 /// Writes `tokens` as one llm.c shard at `path`.
 pub fn write_shard(path: &Path, tokens: &[u16]) -> Result<()> {
@@ -60,6 +64,12 @@ pub fn write_shard(path: &Path, tokens: &[u16]) -> Result<()> {
 /// Reads an llm.c shard: its tokens, after checking the header and the file's length.
 pub fn read_shard(path: &Path) -> Result<Vec<u16>> {
     let bytes = std::fs::read(path).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
+    shard_tokens(path, &bytes)?;
+    Ok(bytes[SHARD_HEADER..].chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect())
+}
+
+/// The token count of a shard's bytes (header and length checked); `path` names it in errors.
+fn shard_tokens(path: &Path, bytes: &[u8]) -> Result<usize> {
     let bad = |msg: String| Error::Format { what: path.display().to_string(), msg };
     if bytes.len() < SHARD_HEADER {
         return Err(bad(format!("{} bytes: shorter than a shard's {SHARD_HEADER}-byte header", bytes.len())));
@@ -73,5 +83,5 @@ pub fn read_shard(path: &Path) -> Result<Vec<u16>> {
     if body != 2 * count {
         return Err(bad(format!("the header counts {count} tokens, but {body} bytes follow it (want {})", 2 * count)));
     }
-    Ok(bytes[SHARD_HEADER..].chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect())
+    Ok(count)
 }
