@@ -98,7 +98,8 @@ fn main() -> Result<()> {
     generate(lm, &prompt, &GenerateConfig { max_new_tokens: cfg.max_new_tokens.min(2), ..cfg.clone() })?;
     let out = generate(lm, &prompt, &cfg)?;
     if lm.vocab() >= 50257 {
-        println!("{}{}", tok.decode(&prompt)?, tok.decode(&out.tokens)?);
+        let text: Vec<u32> = prompt.iter().chain(&out.tokens).copied().filter(|&t| (t as usize) < Gpt2Tokenizer::VOCAB).collect();
+        println!("{}", tok.decode_lossy(&text)?);
     }
     println!("tokens: {:?}", out.tokens);
     println!(

@@ -108,7 +108,7 @@ fn the_training_log_writes_its_csv_and_png() -> kiln::Result<()> {
     let dir = std::env::temp_dir().join(format!("kiln-log-{}", std::process::id()));
     let mut log = TrainLog::create(&dir)?;
     for step in 0..30 {
-        let val_loss = (step % 10 == 0).then(|| 5.0 - step as f64 * 0.05);
+        let val_loss = (step % 10 == 0).then_some(5.0 - step as f64 * 0.05);
         log.push(LogRow { step, train_loss: 5.0 - step as f64 * 0.1, val_loss, lr: 1e-3, tokens_per_s: 1234.5 })?;
     }
     log.plot("test run")?;

@@ -4,7 +4,7 @@
 //! weights as `Conv1D`'s `[in, out]`, the head tied to `wte` unless `tie_word_embeddings` is
 //! false; the `attn.bias` mask buffers are skipped.
 
-use super::{f64_field, load_into, read_dir, stored_tensors, torch_dtype, usize_field, write_dir, Stored};
+use super::dir::{f64_field, load_into, read_dir, stored_tensors, torch_dtype, usize_field, write_dir, Stored};
 use crate::models::{Gpt, GptConfig};
 use kiln_nn::{Activation, Module};
 use kiln_tensor::{Device, Error, Result};

@@ -3,7 +3,7 @@
 //! `mlp.{gate,up,down}_proj`, `input_layernorm`, `post_attention_layernorm`, `model.norm`,
 //! `lm_head`); a tied head is stored once, as `model.embed_tokens.weight`.
 
-use super::{f64_field, load_into, read_dir, stored_tensors, torch_dtype, usize_field, write_dir, Stored};
+use super::dir::{f64_field, load_into, read_dir, stored_tensors, torch_dtype, usize_field, write_dir, Stored};
 use crate::models::{Llama, LlamaConfig};
 use kiln_tensor::{Device, Error, Result};
 use serde_json::{json, Value};

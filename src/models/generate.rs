@@ -2,7 +2,8 @@
 //! (prefill), then each new token is one decode step over the cached keys and values.
 //! Greedy (temperature 0) or sampled with temperature, top-k and top-p, from a seed.
 
-use super::{Gpt, Llama};
+use super::gpt::Gpt;
+use super::llama::Llama;
 use kiln_autograd::NoGradGuard;
 use kiln_nn::KvCache;
 use kiln_tensor::{DType, Device, Error, Result, Tensor};

@@ -4,6 +4,7 @@
 //! V vocab. Parameter names match scripts/make_golden.py's PyTorch model; `kiln::hf` reads and
 //! writes Hugging Face's GPT-2 checkpoints.
 
+use kiln_nn::init::{normal_, zeros_};
 use kiln_nn::{
     causal_attention_at, cross_entropy, dropout, scaled_dot_product_attention, Activation, AttnMasks, Embedding, Forward, KvCache,
     LayerNorm, Linear, Module,
@@ -119,6 +120,24 @@ impl Gpt {
             training: Flag::new(true),
             checkpointing: Flag::new(false),
         })
+        .and_then(Gpt::init_gpt2)
+    }
+
+    /// GPT-2's initialisation (as nanoGPT's `_init_weights`): products' and embeddings'
+    /// weights N(0, 0.02), the residual projections' N(0, 0.02 / sqrt(2 n_layer)), biases
+    /// zero; layer norms stay ones and zeros.
+    fn init_gpt2(self) -> Result<Gpt> {
+        let residual = 0.02 / (2.0 * self.config.n_layer as f64).sqrt();
+        for (name, p) in self.named_parameters() {
+            if name.ends_with(".bias") && !name.contains("ln") {
+                zeros_(&p)?;
+            } else if name.ends_with("proj.weight") && name.starts_with("blocks.") && !name.contains("qkv") {
+                normal_(&p, 0.0, residual)?;
+            } else if !name.contains("ln") {
+                normal_(&p, 0.0, 0.02)?;
+            }
+        }
+        Ok(self)
     }
 
     /// Where the parameters live.

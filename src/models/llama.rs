@@ -2,6 +2,7 @@
 //! position embeddings, grouped-query attention, SwiGLU and a head (untied, or tied to the embedding), under Hugging
 //! Face's parameter names (`model.layers.{i}.self_attn.q_proj.weight`, ...).
 
+use kiln_nn::init::normal_;
 use kiln_nn::{
     causal_attention_at, cross_entropy, repeat_kv, Embedding, Forward, KvCache, Linear, Module, RmsNorm, RotaryEmbedding, SwiGlu,
 };
@@ -112,6 +113,18 @@ impl Llama {
             lm_head,
             rope: RotaryEmbedding::new(hd, c.max_seq, c.rope_theta, default_dtype(), device)?,
         })
+        .and_then(Llama::init_weights)
+    }
+
+    /// Hugging Face's initialisation (`initializer_range` 0.02): every product's and the
+    /// embedding's weight N(0, 0.02); the norms' scales stay ones.
+    fn init_weights(self) -> Result<Llama> {
+        for (name, p) in self.named_parameters() {
+            if !name.contains("norm") {
+                normal_(&p, 0.0, 0.02)?;
+            }
+        }
+        Ok(self)
     }
 
     /// Token ids `[B, T]` (I64) to logits `[B, T, vocab]`, causal.

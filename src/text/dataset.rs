@@ -2,7 +2,8 @@
 //! than memory streams from disk), or tokens held in memory; a train and a validation split;
 //! random windows of `context + 1` tokens drawn as `[B, T]` inputs and next-token targets.
 
-use super::{shard_tokens, Gpt2Tokenizer, SHARD_HEADER};
+use super::shards::{shard_tokens, SHARD_HEADER};
+use super::tokenizer::Gpt2Tokenizer;
 use kiln_tensor::{Device, Error, Result, Tensor};
 use rand::Rng;
 use std::path::{Path, PathBuf};

@@ -1,49 +1,7 @@
-//! Text for language models: GPT-2's BPE tokenizer (through `tiktoken-rs`, which carries
-//! GPT-2's ranks inside the crate: nothing is downloaded) and token shards as llm.c writes
-//! them (a header of 256 little-endian `i32`: magic 20240520, version 1, the token count;
-//! then the tokens as little-endian `u16`).
-
-mod dataset;
-
-pub use dataset::{TokenDataset, TokenSplit};
+//! llm.c's token shard files: writing, reading and checking their headers.
 
 use kiln_tensor::{Error, Result};
 use std::path::Path;
-
-/// GPT-2's tokenizer (`r50k_base`): 50257 tokens, `<|endoftext|>` = 50256.
-pub struct Gpt2Tokenizer {
-    bpe: tiktoken_rs::CoreBPE,
-}
-
-impl Gpt2Tokenizer {
-    /// The vocabulary size.
-    pub const VOCAB: usize = 50257;
-    /// `<|endoftext|>`, which separates documents.
-    pub const EOT: u32 = 50256;
-
-    pub fn new() -> Result<Gpt2Tokenizer> {
-        let bpe = tiktoken_rs::r50k_base().map_err(|e| Error::Msg(format!("GPT-2 tokenizer: {e}")))?;
-        Ok(Gpt2Tokenizer { bpe })
-    }
-
-    /// The ids of `text`, special-token text included as ordinary text.
-    pub fn encode(&self, text: &str) -> Vec<u32> {
-        self.bpe.encode_ordinary(text)
-    }
-
-    /// `encode`, with `<|endoftext|>` read as the end-of-text token.
-    pub fn encode_with_eot(&self, text: &str) -> Vec<u32> {
-        self.bpe.encode_with_special_tokens(text)
-    }
-
-    /// The text of `ids`; an id outside the vocabulary is an error naming its position.
-    pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= Self::VOCAB) {
-            return Err(Error::Msg(format!("GPT-2 tokenizer: token {id} at position {i} is outside the vocabulary of {}", Self::VOCAB)));
-        }
-        self.bpe.decode(ids).map_err(|e| Error::Msg(format!("GPT-2 tokenizer: {e}")))
-    }
-}
 
 const SHARD_MAGIC: i32 = 20240520;
 const SHARD_VERSION: i32 = 1;
@@ -69,7 +27,7 @@ pub fn read_shard(path: &Path) -> Result<Vec<u16>> {
 }
 
 /// The token count of a shard's bytes (header and length checked); `path` names it in errors.
-fn shard_tokens(path: &Path, bytes: &[u8]) -> Result<usize> {
+pub(crate) fn shard_tokens(path: &Path, bytes: &[u8]) -> Result<usize> {
     let bad = |msg: String| Error::Format { what: path.display().to_string(), msg };
     if bytes.len() < SHARD_HEADER {
         return Err(bad(format!("{} bytes: shorter than a shard's {SHARD_HEADER}-byte header", bytes.len())));
