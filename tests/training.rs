@@ -60,9 +60,10 @@ fn gpt_loss_falls_well_below_the_unigram_entropy() -> Result<()> {
         activation: kiln::nn::Activation::Gelu,
     };
     let model = Gpt::new(cfg, Device::Cpu)?;
-    let mut opt = AdamW::new(model.parameters(), AdamConfig { lr: 3e-3, ..AdamConfig::adamw() })?;
+    // GPT-2's small initialisation starts at the uniform loss and needs a larger step than 3e-3.
+    let mut opt = AdamW::new(model.parameters(), AdamConfig { lr: 5e-3, ..AdamConfig::adamw() })?;
     let mut losses = Vec::new();
-    for step in 0..200 {
+    for step in 0..300 {
         let (mut x, mut y) = (Vec::new(), Vec::new());
         for j in 0..b {
             let s = (step * 997 + j * 7919) % (ids.len() - t - 1);
@@ -75,9 +76,10 @@ fn gpt_loss_falls_well_below_the_unigram_entropy() -> Result<()> {
         opt.zero_grad()?;
         losses.push(loss.item()?);
     }
-    let late: f64 = losses[190..].iter().sum::<f64>() / 10.0;
+    let late: f64 = losses[290..].iter().sum::<f64>() / 10.0;
     // The operands' digits are uniformly random (ln 10 = 2.30 nats each), so the floor is far
     // above zero; what the model can learn is the layout and the sum's digits.
+    eprintln!("loss {late} after 300 steps; unigram entropy {entropy}");
     assert!(late < 0.8 * entropy, "loss {late} vs unigram entropy {entropy} (first loss {})", losses[0]);
     Ok(())
 }
