@@ -161,7 +161,7 @@ fn main() -> Result<()> {
             println!("resumed from {} at step {start_step}", path.display());
         }
     }
-    let mut log = TrainLog::create(&out)?;
+    let mut log = if start_step > 0 { TrainLog::resume(&out, start_step)? } else { TrainLog::create(&out)? };
     // One optimizer step over `accum` micro-batches: inputs x0, y0, x1, y1, ...
     let step_fn = |opt: &mut AdamW, xs: &[Tensor]| -> Result<Vec<Tensor>> {
         let mut total: Option<Tensor> = None;

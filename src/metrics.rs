@@ -40,6 +40,28 @@ impl TrainLog {
         Ok(log)
     }
 
+    /// The log in `dir` continued from its CSV (a resumed run): the rows before `step` are
+    /// kept, later ones (written after the checkpoint it resumes from) dropped.
+    pub fn resume(dir: &Path, step: usize) -> Result<TrainLog> {
+        let csv = dir.join("metrics.csv");
+        let text = match std::fs::read_to_string(&csv) {
+            Ok(t) => t,
+            Err(_) => return TrainLog::create(dir),
+        };
+        let mut log = TrainLog::create(dir)?;
+        for (i, line) in text.lines().enumerate().skip(1) {
+            let f: Vec<&str> = line.split(',').collect();
+            let num = |k: usize| f.get(k).and_then(|v| v.parse::<f64>().ok());
+            let (Some(s), Some(train_loss), Some(lr), Some(tokens_per_s)) = (num(0), num(1), num(3), num(4)) else {
+                return Err(Error::Format { what: csv.display().to_string(), msg: format!("line {}: '{line}' is not a log row", i + 1) });
+            };
+            if (s as usize) < step {
+                log.push(LogRow { step: s as usize, train_loss, val_loss: num(2), lr, tokens_per_s })?;
+            }
+        }
+        Ok(log)
+    }
+
     pub fn rows(&self) -> &[LogRow] {
         &self.rows
     }

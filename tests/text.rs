@@ -120,6 +120,10 @@ fn the_training_log_writes_its_csv_and_png() -> kiln::Result<()> {
     assert_eq!(lines[2], "1,4.900000,,1.000000e-3,1234.5");
     let png = std::fs::read(&log.png).unwrap();
     assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+    // A resumed run keeps the rows before its checkpoint's step.
+    let resumed = TrainLog::resume(&dir, 12)?;
+    assert_eq!(resumed.rows(), &log.rows()[..12]);
+    assert_eq!(std::fs::read_to_string(&resumed.csv).unwrap().lines().count(), 13);
     // 900 x 540 pixels (the IHDR chunk's width and height).
     assert_eq!((u32::from_be_bytes(png[16..20].try_into().unwrap()), u32::from_be_bytes(png[20..24].try_into().unwrap())), (900, 540));
     Ok(())
