@@ -6,7 +6,7 @@
 //!   cargo run --release --features cuda --example lm -- --device cuda --size 124m --batch 8 --context 1024 --compile
 //!
 //! Data: `--data FILE` (a text file, tokenized here, the last tenth held out) or `--data DIR`
-//! (`*train*.bin` and `*val*.bin` llm.c shards, memory-mapped; `examples/prepare.rs` writes
+//! (`*train*.bin` and `*val*.bin`: llm.c shards or nanoGPT's bare tokens, memory-mapped; `prepare` writes
 //! them); by default `data/rust_book.txt`.
 //! Model: `--arch gpt2|llama`, `--size 124m|350m` or `--layers --d-model --heads --kv-heads`
 //! (default 4, 128, 4, 2), `--context 128`, or `--init-from DIR` (a Hugging Face checkpoint).

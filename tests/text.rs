@@ -128,3 +128,25 @@ fn the_training_log_writes_its_csv_and_png() -> kiln::Result<()> {
     assert_eq!((u32::from_be_bytes(png[16..20].try_into().unwrap()), u32::from_be_bytes(png[20..24].try_into().unwrap())), (900, 540));
     Ok(())
 }
+
+#[test]
+fn nanogpt_bare_token_files_are_read_too() -> kiln::Result<()> {
+    use kiln::text::TokenDataset;
+    use rand::SeedableRng;
+    let dir = std::env::temp_dir().join(format!("kiln-bare-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bare = |range: std::ops::Range<u16>| range.flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>();
+    std::fs::write(dir.join("train.bin"), bare(0..500)).unwrap();
+    std::fs::write(dir.join("val.bin"), bare(500..600)).unwrap();
+    let data = TokenDataset::open_dir(&dir)?;
+    assert_eq!((data.train.len(), data.val.len()), (500, 100));
+    let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+    let (x, y) = data.val.batch(3, 8, 1000, &mut rng, kiln::Device::Cpu)?;
+    let (x, y) = (x.to_vec::<i64>()?, y.to_vec::<i64>()?);
+    assert!(x.iter().all(|t| (500..600).contains(t)));
+    assert!(x.iter().zip(&y).all(|(a, b)| b - a == 1));
+    std::fs::write(dir.join("val.bin"), [1u8; 201]).unwrap();
+    let e = TokenDataset::open_dir(&dir).err().unwrap().to_string();
+    assert!(e.contains("val.bin") && e.contains("201 bytes are not a whole number"), "{e}");
+    Ok(())
+}

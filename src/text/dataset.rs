@@ -1,8 +1,9 @@
-//! Token data for training a language model: llm.c shards memory-mapped (a corpus larger
-//! than memory streams from disk), or tokens held in memory; a train and a validation split;
+//! Token data for training a language model: shard files memory-mapped (a corpus larger
+//! than memory streams from disk) - llm.c's, with their header, or nanoGPT's bare `u16`
+//! tokens - or tokens held in memory; a train and a validation split;
 //! random windows of `context + 1` tokens drawn as `[B, T]` inputs and next-token targets.
 
-use super::shards::{shard_tokens, SHARD_HEADER};
+use super::shards::{shard_tokens, SHARD_HEADER, SHARD_MAGIC};
 use super::tokenizer::Gpt2Tokenizer;
 use kiln_tensor::{Device, Error, Result, Tensor};
 use rand::Rng;
@@ -10,7 +11,8 @@ use std::path::{Path, PathBuf};
 
 /// One shard's tokens: a memory-mapped file or a buffer.
 enum Tokens {
-    Mapped(memmap2::Mmap),
+    /// A mapped file, its tokens from byte `start`.
+    Mapped(memmap2::Mmap, usize),
     Owned(Vec<u16>),
 }
 
@@ -23,7 +25,7 @@ struct Shard {
 impl Shard {
     fn get(&self, i: usize) -> u16 {
         match &self.tokens {
-            Tokens::Mapped(m) => u16::from_le_bytes([m[SHARD_HEADER + 2 * i], m[SHARD_HEADER + 2 * i + 1]]),
+            Tokens::Mapped(m, start) => u16::from_le_bytes([m[start + 2 * i], m[start + 2 * i + 1]]),
             Tokens::Owned(v) => v[i],
         }
     }
@@ -36,7 +38,8 @@ pub struct TokenSplit {
 }
 
 impl TokenSplit {
-    /// Shard files, memory-mapped (headers and lengths checked).
+    /// Shard files, memory-mapped: llm.c's (header and length checked), or files of bare
+    /// little-endian `u16` tokens as nanoGPT's `prepare.py` writes (a whole number of them).
     pub fn open(paths: &[PathBuf]) -> Result<TokenSplit> {
         let mut shards = Vec::with_capacity(paths.len());
         for path in paths {
@@ -45,8 +48,16 @@ impl TokenSplit {
             // would give other token values, never memory outside the map (each read is
             // bounds-checked against the length checked here).
             let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
-            let len = shard_tokens(path, &map)?;
-            shards.push(Shard { name: path.display().to_string(), tokens: Tokens::Mapped(map), len });
+            let llmc = map.len() >= 4 && map[..4] == SHARD_MAGIC.to_le_bytes();
+            let (start, len) = if llmc {
+                (SHARD_HEADER, shard_tokens(path, &map)?)
+            } else if map.len() % 2 == 0 {
+                (0, map.len() / 2)
+            } else {
+                let msg = format!("{} bytes are not a whole number of u16 tokens (nor an llm.c shard)", map.len());
+                return Err(Error::Format { what: path.display().to_string(), msg });
+            };
+            shards.push(Shard { name: path.display().to_string(), tokens: Tokens::Mapped(map, start), len });
         }
         Ok(TokenSplit { shards })
     }

@@ -3,7 +3,7 @@
 use kiln_tensor::{Error, Result};
 use std::path::Path;
 
-const SHARD_MAGIC: i32 = 20240520;
+pub(crate) const SHARD_MAGIC: i32 = 20240520;
 const SHARD_VERSION: i32 = 1;
 pub(crate) const SHARD_HEADER: usize = 256 * 4;
 
