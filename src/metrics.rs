@@ -18,6 +18,19 @@ pub struct LogRow {
 }
 
 /// The log of one run: `<dir>/metrics.csv` and `<dir>/loss.png`.
+///
+/// ```
+/// use kiln::metrics::{LogRow, TrainLog};
+/// let dir = std::env::temp_dir().join(format!("kiln-doc-log-{}", std::process::id()));
+/// let mut log = TrainLog::create(&dir)?;
+/// for step in 0..3 {
+///     let val_loss = (step == 2).then_some(3.5);
+///     log.push(LogRow { step, train_loss: 4.0 - step as f64 * 0.2, val_loss, lr: 1e-3, tokens_per_s: 1e4 })?;
+/// }
+/// log.plot("example")?; // loss.png
+/// assert_eq!(std::fs::read_to_string(&log.csv).unwrap().lines().count(), 4);
+/// # Ok::<(), kiln::Error>(())
+/// ```
 pub struct TrainLog {
     pub csv: PathBuf,
     pub png: PathBuf,

@@ -100,6 +100,19 @@ pub struct Generation {
 }
 
 /// Continues `prompt` (token ids, batch 1) by up to `cfg.max_new_tokens` tokens.
+///
+/// ```
+/// use kiln::models::{generate, GenerateConfig, Gpt, GptConfig};
+/// use kiln::prelude::*;
+/// let model = Gpt::new(GptConfig { vocab: 64, context: 32, ..GptConfig::gpt2(32, 2, 2) }, Device::Cpu)?;
+/// let greedy = GenerateConfig { max_new_tokens: 8, ..GenerateConfig::default() };
+/// let out = generate(&model, &[1, 2, 3], &greedy)?;
+/// assert_eq!(out.tokens.len(), 8);
+/// // Sampling: tempered, cut to the 10 most likely tokens, seeded.
+/// let sampled = GenerateConfig { temperature: 0.8, top_k: Some(10), seed: 7, ..greedy };
+/// assert_eq!(generate(&model, &[1, 2, 3], &sampled)?.tokens, generate(&model, &[1, 2, 3], &sampled)?.tokens);
+/// # Ok::<(), kiln::Error>(())
+/// ```
 pub fn generate(model: &dyn CausalLm, prompt: &[u32], cfg: &GenerateConfig) -> Result<Generation> {
     check_prompt(model, prompt, cfg)?;
     check_sampling(cfg)?;

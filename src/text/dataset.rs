@@ -127,6 +127,17 @@ impl TokenSplit {
 }
 
 /// A language model's data: the train and validation splits.
+///
+/// ```
+/// use kiln::text::TokenDataset;
+/// use rand::SeedableRng;
+/// let text = "Kiln trains language models. ".repeat(40);
+/// let data = TokenDataset::from_text("example", &text, 0.1)?; // the last tenth held out
+/// let mut rng = rand::rngs::StdRng::seed_from_u64(0);
+/// let (x, y) = data.train.batch(4, 16, 50257, &mut rng, kiln::Device::Cpu)?;
+/// assert_eq!((x.shape(), y.shape()), (&[4, 16][..], &[4, 16][..])); // y is x shifted by one
+/// # Ok::<(), kiln::Error>(())
+/// ```
 pub struct TokenDataset {
     pub train: TokenSplit,
     pub val: TokenSplit,
