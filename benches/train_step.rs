@@ -45,16 +45,7 @@ fn mlp_step(c: &mut Criterion) {
 fn gpt_step(c: &mut Criterion) {
     kiln::tensor::set_flush_denormal(true);
     kiln::tensor::rng::manual_seed(0);
-    let cfg = GptConfig {
-        vocab: 65,
-        context: 64,
-        d_model: 128,
-        n_layer: 4,
-        n_head: 4,
-        dropout: 0.0,
-        tied_head: false,
-        activation: kiln::nn::Activation::Gelu,
-    };
+    let cfg = GptConfig::new(65, 64, 128, 4, 4);
     let model = Gpt::new(cfg, Device::Cpu).unwrap();
     let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig::adamw()).unwrap());
     let tok = |seed| {

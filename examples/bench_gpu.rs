@@ -273,29 +273,7 @@ fn transformer_step_workload(dev: Device) -> Result<Workload> {
 fn gpt_workload(dev: Device, dtype: DType, small: bool) -> Result<Workload> {
     kiln::tensor::rng::manual_seed(0);
     set_default_dtype(dtype);
-    let cfg = if small {
-        GptConfig {
-            vocab: 65,
-            context: 64,
-            d_model: 128,
-            n_layer: 4,
-            n_head: 4,
-            dropout: 0.0,
-            tied_head: false,
-            activation: kiln::nn::Activation::Gelu,
-        }
-    } else {
-        GptConfig {
-            vocab: 65,
-            context: 256,
-            d_model: 384,
-            n_layer: 6,
-            n_head: 6,
-            dropout: 0.0,
-            tied_head: false,
-            activation: kiln::nn::Activation::Gelu,
-        }
-    };
+    let cfg = if small { GptConfig::new(65, 64, 128, 4, 4) } else { GptConfig::new(65, 256, 384, 6, 6) };
     let batch = if small { 16 } else { 64 };
     let model = Gpt::new(cfg, dev)?;
     set_default_dtype(DType::F32);
@@ -331,16 +309,7 @@ fn gpt2_flops_per_token(d: usize, layers: usize) -> f64 {
 /// `clip_grad_norm(1.0)`, as `benches/pytorch/gpu_bench.py`'s `gpt2_step`.
 fn gpt2_workload(dev: Device, d_model: usize, n_layer: usize, n_head: usize, batch: usize) -> Result<Workload> {
     kiln::tensor::rng::manual_seed(0);
-    let cfg = GptConfig {
-        vocab: 50304,
-        context: 1024,
-        d_model,
-        n_layer,
-        n_head,
-        dropout: 0.0,
-        tied_head: true,
-        activation: kiln::nn::Activation::Gelu,
-    };
+    let cfg = GptConfig { tied_head: true, ..GptConfig::new(50304, 1024, d_model, n_layer, n_head) };
     let model = Gpt::new(cfg, dev)?;
     let params = model.parameters();
     let mut opt = AdamW::new(params.clone(), AdamConfig { lr: 6e-4, weight_decay: 0.1, ..AdamConfig::adamw() })?;

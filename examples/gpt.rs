@@ -79,16 +79,8 @@ fn main() -> Result<()> {
     if ids.len() < t + 2 {
         return Err(Error::Msg(format!("corpus has {} characters; it needs more than the context {t}", ids.len())));
     }
-    let config = GptConfig {
-        vocab: vocab.len(),
-        context: t,
-        d_model: common::flag("--d-model", 128usize),
-        n_layer: common::flag("--layers", 4usize),
-        n_head: common::flag("--heads", 4usize),
-        dropout: common::flag("--dropout", 0.0f64),
-        tied_head: false,
-        activation: kiln::nn::Activation::Gelu,
-    };
+    let (d, layers, heads) = (common::flag("--d-model", 128usize), common::flag("--layers", 4usize), common::flag("--heads", 4usize));
+    let config = GptConfig { dropout: common::flag("--dropout", 0.0f64), ..GptConfig::new(vocab.len(), t, d, layers, heads) };
     kiln::tensor::rng::manual_seed(seed);
     let device = common::device();
     let model = Gpt::new(config, device)?;

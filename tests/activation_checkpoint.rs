@@ -193,16 +193,7 @@ fn a_gpt_with_checkpointing_trains_the_same_with_less_memory() {
     use kiln::models::{Gpt, GptConfig};
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     rng::manual_seed(4);
-    let cfg = GptConfig {
-        vocab: 11,
-        context: 32,
-        d_model: 32,
-        n_layer: 3,
-        n_head: 2,
-        dropout: 0.2,
-        tied_head: false,
-        activation: kiln::nn::Activation::Gelu,
-    };
+    let cfg = GptConfig { dropout: 0.2, ..GptConfig::new(11, 32, 32, 3, 2) };
     let model = Gpt::new(cfg, Device::Cpu).unwrap();
     let tok = |s: u64| {
         let t = Tensor::rand_at(&[16, 32], Distribution::Uniform, s, 0, DType::F32, Device::Cpu).unwrap();

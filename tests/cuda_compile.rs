@@ -273,16 +273,7 @@ fn an_unaligned_bf16_head_compiled_with_zero_padding_matches_eager_cuda() {
 fn gpt_under_bf16_autocast_takes_tensor_core_attention_and_matches_the_cpu() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dev = gpu();
-    let cfg = kiln::models::GptConfig {
-        vocab: 11,
-        context: 8,
-        d_model: 32,
-        n_layer: 2,
-        n_head: 2,
-        dropout: 0.0,
-        tied_head: false,
-        activation: kiln::nn::Activation::Gelu,
-    };
+    let cfg = kiln::models::GptConfig::new(11, 8, 32, 2, 2);
     let cpu = common::train_gpt_cfg(Device::Cpu, None, 100, cfg);
     let _ac = kiln::tensor::Autocast::new(DType::BF16).unwrap();
     let q = Tensor::rand_at(&[1, 2, 8, 16], Distribution::Normal, 5, 0, DType::F32, dev).unwrap();

@@ -72,16 +72,7 @@ fn mlp_trains_the_same_on_cuda_as_on_the_cpu_for_200_steps() {
 /// Losses and final parameters; `checkpointing`: each block recomputed in backward.
 fn train_gpt(dev: Device, steps: u64, checkpointing: bool) -> (Vec<f32>, Vec<Vec<f32>>) {
     kiln::tensor::rng::manual_seed(7);
-    let cfg = GptConfig {
-        vocab: 11,
-        context: 8,
-        d_model: 16,
-        n_layer: 2,
-        n_head: 2,
-        dropout: 0.1,
-        tied_head: false,
-        activation: kiln::nn::Activation::Gelu,
-    };
+    let cfg = GptConfig { dropout: 0.1, ..GptConfig::new(11, 8, 16, 2, 2) };
     let model = Gpt::new(cfg, dev).unwrap();
     model.checkpointing.set(checkpointing);
     let mut opt = AdamW::new(model.parameters(), AdamConfig { lr: 3e-3, betas: (0.9, 0.95), ..AdamConfig::adamw() }).unwrap();

@@ -24,16 +24,7 @@ fn with_prefix(f: &HashMap<String, Tensor>, prefix: &str) -> Vec<(String, Tensor
 fn gpt_five_adamw_steps_match_pytorch() -> Result<()> {
     kiln::tensor::set_default_dtype(DType::F64);
     let f: HashMap<String, Tensor> = kiln::tensor::io::load_tensors(FIXTURE)?.0.into_iter().collect();
-    let config = GptConfig {
-        vocab: 11,
-        context: 8,
-        d_model: 16,
-        n_layer: 2,
-        n_head: 2,
-        dropout: 0.0,
-        tied_head: false,
-        activation: kiln::nn::Activation::Gelu,
-    };
+    let config = GptConfig::new(11, 8, 16, 2, 2);
     let model = Gpt::new(config, Device::Cpu)?;
     let init = kiln::tensor::io::save_tensors(&with_prefix(&f, "init."), None)?;
     load_state_dict_from_bytes(&model, &init, true)?;

@@ -42,16 +42,7 @@ fn nvrtc_compiles(what: &str, src: &str) {
 /// passes (`gpu`). Returns the run and, compiled, the optimised graph.
 fn train(gpu: bool, steps: u64, low: Option<DType>) -> (Run, String) {
     kiln::tensor::rng::manual_seed(11);
-    let cfg = GptConfig {
-        vocab: 11,
-        context: 8,
-        d_model: 32,
-        n_layer: 2,
-        n_head: 2,
-        dropout: 0.0,
-        tied_head: false,
-        activation: kiln::nn::Activation::Gelu,
-    };
+    let cfg = GptConfig::new(11, 8, 32, 2, 2);
     let model = Gpt::new(cfg, Device::Cpu).unwrap();
     let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr: 3e-3, ..AdamConfig::adamw() }).unwrap());
     let step_fn = gpt_step(&model, &opt, low);

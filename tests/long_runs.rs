@@ -29,16 +29,7 @@ struct Run {
 
 fn fresh(init_seed: u64) -> Run {
     kiln::tensor::rng::manual_seed(init_seed);
-    let cfg = GptConfig {
-        vocab: 11,
-        context: 8,
-        d_model: 16,
-        n_layer: 2,
-        n_head: 2,
-        dropout: 0.1,
-        tied_head: false,
-        activation: kiln::nn::Activation::Gelu,
-    };
+    let cfg = GptConfig { dropout: 0.1, ..GptConfig::new(11, 8, 16, 2, 2) };
     let model = Gpt::new(cfg, Device::Cpu).unwrap();
     let mut opt = AdamW::new(model.parameters(), AdamConfig { lr: 1e-2, ..AdamConfig::adamw() }).unwrap();
     let sched = WarmupCosine::new(1e-2, 4, TOTAL as usize, 1e-3).unwrap();

@@ -49,16 +49,7 @@ fn gpt_loss_falls_well_below_the_unigram_entropy() -> Result<()> {
     let entropy: f64 = counts.iter().filter(|&&c| c > 0.0).map(|&c| -(c / n) * (c / n).ln()).sum();
 
     let (b, t) = (8, 24);
-    let cfg = GptConfig {
-        vocab: vocab.len(),
-        context: t,
-        d_model: 32,
-        n_layer: 2,
-        n_head: 2,
-        dropout: 0.0,
-        tied_head: false,
-        activation: kiln::nn::Activation::Gelu,
-    };
+    let cfg = GptConfig::new(vocab.len(), t, 32, 2, 2);
     let model = Gpt::new(cfg, Device::Cpu)?;
     // GPT-2's small initialisation starts at the uniform loss and needs a larger step than 3e-3.
     let mut opt = AdamW::new(model.parameters(), AdamConfig { lr: 5e-3, ..AdamConfig::adamw() })?;

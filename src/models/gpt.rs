@@ -27,6 +27,12 @@ pub struct GptConfig {
 }
 
 impl GptConfig {
+    /// A GPT of the given sizes: nanoGPT's defaults otherwise (no dropout, untied head, exact
+    /// GELU); change fields with struct update syntax (`GptConfig { dropout: 0.1, ..c }`).
+    pub fn new(vocab: usize, context: usize, d_model: usize, n_layer: usize, n_head: usize) -> GptConfig {
+        GptConfig { vocab, context, d_model, n_layer, n_head, dropout: 0.0, tied_head: false, activation: Activation::Gelu }
+    }
+
     /// OpenAI's GPT-2 at `d_model`, `n_layer` and `n_head` (124M: 768, 12, 12; 350M: 1024, 24,
     /// 16) as Hugging Face builds it: vocab 50257, context 1024, tied head, tanh GELU.
     pub fn gpt2(d_model: usize, n_layer: usize, n_head: usize) -> GptConfig {

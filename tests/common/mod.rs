@@ -90,21 +90,7 @@ pub fn train_gpt(dev: Device, mode: Option<Mode>, steps: u64) -> Run {
 
 /// `train_gpt` with another dropout (0: a GPU takes the fused attention kernel).
 pub fn train_gpt_with(dev: Device, mode: Option<Mode>, steps: u64, dropout: f64) -> Run {
-    train_gpt_cfg(
-        dev,
-        mode,
-        steps,
-        GptConfig {
-            vocab: 11,
-            context: 8,
-            d_model: 16,
-            n_layer: 2,
-            n_head: 2,
-            dropout,
-            tied_head: false,
-            activation: kiln::nn::Activation::Gelu,
-        },
-    )
+    train_gpt_cfg(dev, mode, steps, GptConfig { dropout, ..GptConfig::new(11, 8, 16, 2, 2) })
 }
 
 /// `train_gpt` of a given model shape (vocab 11 and context 8 are what the data has).
