@@ -4,13 +4,12 @@
 //! benches/pytorch/cpu_train_step.py measures PyTorch on the same workloads.
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use kiln::compile::{compile, Mode};
+use kiln::compile::{compile_step, Mode};
 use kiln::models::{mlp, Gpt, GptConfig};
 use kiln::nn::cross_entropy;
 use kiln::optim::{AdamConfig, AdamW};
 use kiln::prelude::*;
 use kiln_tensor::Distribution;
-use std::cell::RefCell;
 
 fn mlp_step(c: &mut Criterion) {
     // Thousands of steps on one batch memorise it and drive the gradients into subnormals,
@@ -19,7 +18,7 @@ fn mlp_step(c: &mut Criterion) {
     for batch in [32usize, 1024] {
         kiln::tensor::rng::manual_seed(0);
         let model = mlp(&[784, 256, 10], Device::Cpu).unwrap();
-        let opt = AdamW::new(model.parameters(), AdamConfig::adamw()).unwrap();
+        let mut opt = AdamW::new(model.parameters(), AdamConfig::adamw()).unwrap();
         let x = Tensor::rand_at(&[batch, 784], Distribution::Uniform, 1, 0, DType::F32, Device::Cpu).unwrap();
         let y = Tensor::rand_at(&[batch], Distribution::Uniform, 2, 0, DType::F32, Device::Cpu)
             .unwrap()
@@ -27,18 +26,17 @@ fn mlp_step(c: &mut Criterion) {
             .unwrap()
             .to_dtype(DType::I64)
             .unwrap();
-        let opt = RefCell::new(opt);
-        let step_fn = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+        let step_fn = |opt: &mut AdamW, xs: &[Tensor]| -> Result<Vec<Tensor>> {
             let loss = cross_entropy(&model.forward(&xs[0])?, &xs[1])?;
             loss.backward()?;
-            opt.borrow_mut().step()?;
-            opt.borrow_mut().zero_grad()?;
+            opt.step()?;
+            opt.zero_grad()?;
             Ok(vec![loss])
         };
         let eager = step_fn;
-        c.bench_function(&format!("mlp_b{batch}_eager"), |b| b.iter(|| eager(&[x.clone(), y.clone()]).unwrap()));
-        let mut step = compile(Mode::Default, step_fn);
-        c.bench_function(&format!("mlp_b{batch}_compiled"), |b| b.iter(|| step.call(&[&x, &y]).unwrap()));
+        c.bench_function(&format!("mlp_b{batch}_eager"), |b| b.iter(|| eager(&mut opt, &[x.clone(), y.clone()]).unwrap()));
+        let mut step = compile_step(Mode::Default, step_fn);
+        c.bench_function(&format!("mlp_b{batch}_compiled"), |b| b.iter(|| step.call(&mut opt, &[&x, &y]).unwrap()));
     }
 }
 
@@ -47,7 +45,7 @@ fn gpt_step(c: &mut Criterion) {
     kiln::tensor::rng::manual_seed(0);
     let cfg = GptConfig::new(65, 64, 128, 4, 4);
     let model = Gpt::new(cfg, Device::Cpu).unwrap();
-    let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig::adamw()).unwrap());
+    let mut opt = AdamW::new(model.parameters(), AdamConfig::adamw()).unwrap();
     let tok = |seed| {
         Tensor::rand_at(&[16, 64], Distribution::Uniform, seed, 0, DType::F32, Device::Cpu)
             .unwrap()
@@ -59,17 +57,17 @@ fn gpt_step(c: &mut Criterion) {
     let (x, y) = (tok(3), tok(4));
     let mut g = c.benchmark_group("gpt");
     g.sample_size(20);
-    let step_fn = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+    let step_fn = |opt: &mut AdamW, xs: &[Tensor]| -> Result<Vec<Tensor>> {
         let loss = model.loss(&xs[0], &xs[1])?;
         loss.backward()?;
-        opt.borrow_mut().step()?;
-        opt.borrow_mut().zero_grad()?;
+        opt.step()?;
+        opt.zero_grad()?;
         Ok(vec![loss])
     };
     let eager = step_fn;
-    g.bench_function("gpt_small_b16_eager", |b| b.iter(|| eager(&[x.clone(), y.clone()]).unwrap()));
-    let mut step = compile(Mode::Default, step_fn);
-    g.bench_function("gpt_small_b16_compiled", |b| b.iter(|| step.call(&[&x, &y]).unwrap()));
+    g.bench_function("gpt_small_b16_eager", |b| b.iter(|| eager(&mut opt, &[x.clone(), y.clone()]).unwrap()));
+    let mut step = compile_step(Mode::Default, step_fn);
+    g.bench_function("gpt_small_b16_compiled", |b| b.iter(|| step.call(&mut opt, &[&x, &y]).unwrap()));
     g.finish();
 }
 

@@ -255,14 +255,14 @@ fn transformer_workload(dev: Device) -> Result<Workload> {
 fn transformer_step_workload(dev: Device) -> Result<Workload> {
     kiln::tensor::rng::manual_seed(0);
     let model = Transformer::new(TransformerConfig { d_model: 512, nhead: 8, dropout: 0.0, ..TransformerConfig::default() }, dev)?;
-    let opt = std::cell::RefCell::new(AdamW::new(model.parameters(), AdamConfig::adamw())?);
+    let mut opt = AdamW::new(model.parameters(), AdamConfig::adamw())?;
     let x = Tensor::rand_at(&[10, 32, 512], Distribution::Normal, 3, 0, DType::F32, dev)?;
     let y = Tensor::rand_at(&[10, 32, 512], Distribution::Normal, 4, 0, DType::F32, dev)?;
     let step = move |xs: &[Tensor]| {
         let loss = mse_loss(&model.forward(&xs[0], &xs[0], &TransformerMasks::default())?, &xs[1], Reduction::Mean)?;
         loss.backward()?;
-        opt.borrow_mut().step()?;
-        opt.borrow_mut().zero_grad()?;
+        opt.step()?;
+        opt.zero_grad()?;
         Ok(vec![loss])
     };
     Ok((vec![x, y], Box::new(step)))
