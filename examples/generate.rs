@@ -41,12 +41,8 @@ impl Model {
 
 fn load(dev: Device) -> Result<Model> {
     if let Some(dir) = opt("--from") {
-        let config = std::fs::read_to_string(format!("{dir}/config.json")).map_err(|e| Error::Io(format!("{dir}/config.json: {e}")))?;
-        return Ok(if config.contains("\"llama\"") {
-            Model::Llama(Llama::from_pretrained(&dir, dev)?)
-        } else {
-            Model::Gpt(Gpt::from_pretrained(&dir, dev)?)
-        });
+        let llama = kiln::hf::model_type(std::path::Path::new(&dir))? == "llama";
+        return Ok(if llama { Model::Llama(Llama::from_pretrained(&dir, dev)?) } else { Model::Gpt(Gpt::from_pretrained(&dir, dev)?) });
     }
     kiln::tensor::rng::manual_seed(flag("--seed", 0));
     let size = opt("--size").unwrap_or_else(|| "tiny".into());

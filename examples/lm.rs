@@ -67,13 +67,8 @@ impl Lm {
 
 fn build(device: Device, context: usize) -> Result<Lm> {
     if let Some(dir) = opt("--init-from") {
-        let config =
-            std::fs::read_to_string(Path::new(&dir).join("config.json")).map_err(|e| Error::Io(format!("{dir}/config.json: {e}")))?;
-        let m = if config.contains("\"llama\"") {
-            Lm::Llama(Llama::from_pretrained(&dir, device)?)
-        } else {
-            Lm::Gpt(Gpt::from_pretrained(&dir, device)?)
-        };
+        let llama = kiln::hf::model_type(Path::new(&dir))? == "llama";
+        let m = if llama { Lm::Llama(Llama::from_pretrained(&dir, device)?) } else { Lm::Gpt(Gpt::from_pretrained(&dir, device)?) };
         if m.lm().max_seq() < context {
             return Err(Error::Msg(format!("--context {context} is longer than the checkpoint's {} positions", m.lm().max_seq())));
         }

@@ -28,6 +28,14 @@ fn read_json(path: &Path) -> Result<Value> {
     serde_json::from_str(&text).map_err(|e| Error::Format { what: path.display().to_string(), msg: format!("not valid JSON: {e}") })
 }
 
+/// `dir`'s `config.json` `model_type` (`"gpt2"`, `"llama"`, ...), to pick the model to load.
+pub fn model_type(dir: &Path) -> Result<String> {
+    let path = dir.join("config.json");
+    let config = read_json(&path)?;
+    let found = config.get("model_type").and_then(Value::as_str).map(str::to_string);
+    found.ok_or_else(|| Error::Format { what: path.display().to_string(), msg: "no \"model_type\"".into() })
+}
+
 /// Reads `dir`'s `config.json` and its weights: `model.safetensors`, or the shards named by
 /// `model.safetensors.index.json`, whose `weight_map` must list exactly the shards' tensors.
 pub fn read_dir(dir: &Path) -> Result<Checkpoint> {

@@ -25,6 +25,6 @@ mod dir;
 mod gpt2;
 mod llama;
 
-pub use dir::{read_dir, write_dir, Checkpoint};
+pub use dir::{model_type, read_dir, write_dir, Checkpoint};
 pub use gpt2::{gpt2_config, gpt2_config_json};
 pub use llama::{llama_config, llama_config_json};

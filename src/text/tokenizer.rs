@@ -30,18 +30,24 @@ impl Gpt2Tokenizer {
 
     /// The text of `ids`; an id outside the vocabulary is an error naming its position.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= Self::VOCAB) {
-            return Err(Error::Msg(format!("GPT-2 tokenizer: token {id} at position {i} is outside the vocabulary of {}", Self::VOCAB)));
-        }
+        Self::check(ids)?;
         self.bpe.decode(ids).map_err(|e| Error::Msg(format!("GPT-2 tokenizer: {e}")))
+    }
+
+    /// An id outside the vocabulary is an error naming its position.
+    fn check(ids: &[u32]) -> Result<()> {
+        match ids.iter().enumerate().find(|(_, &id)| id as usize >= Self::VOCAB) {
+            Some((i, id)) => {
+                Err(Error::Msg(format!("GPT-2 tokenizer: token {id} at position {i} is outside the vocabulary of {}", Self::VOCAB)))
+            }
+            None => Ok(()),
+        }
     }
 
     /// `decode` for text that may end or break inside a character (a sample cut at any
     /// token): bytes that are not UTF-8 become U+FFFD, as Hugging Face's decoders do.
     pub fn decode_lossy(&self, ids: &[u32]) -> Result<String> {
-        if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= Self::VOCAB) {
-            return Err(Error::Msg(format!("GPT-2 tokenizer: token {id} at position {i} is outside the vocabulary of {}", Self::VOCAB)));
-        }
+        Self::check(ids)?;
         let bytes = self.bpe.decode_bytes(ids).map_err(|e| Error::Msg(format!("GPT-2 tokenizer: {e}")))?;
         Ok(String::from_utf8_lossy(&bytes).into_owned())
     }
