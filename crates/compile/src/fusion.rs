@@ -422,8 +422,8 @@ fn free_scalar(g: &Graph, gr: &Group, state_nodes: &[Option<NodeId>], users: &[V
         && gr.inplace.iter().all(|&(_, slot)| state_nodes[slot].is_none_or(|s| users[s].iter().all(|u| gr.members.contains(u))))
 }
 
-/// A free scalar group left in a launch of its own (no launch before it to join) leads the
-/// next launch instead: every thread of that kernel computes its few values first, the other
+/// A free scalar group left in a launch of its own (no launch before it to join; several
+/// such groups are first merged, `merge_scalar_launch`) leads the next launch instead: every thread of that kernel computes its few values first, the other
 /// groups read them from registers, and the kernel's last block stores them
 /// (`FusedKernel::lead`). AdamW's step count and bias corrections so ride on its update. Only
 /// where no step in between reads the group's values and no group of that launch overwrites
@@ -432,10 +432,14 @@ fn lead_scalar_groups(g: &Graph, mut plan: Plan) -> Plan {
     let (state_nodes, users) = (g.state_nodes(), g.users());
     let mut k = 0;
     while k < plan.steps.len() {
-        let Step::Groups(ref solo) = plan.steps[k] else {
+        let Step::Groups(solo) = plan.steps[k].clone() else {
             k += 1;
             continue;
         };
+        if let Some(s) = merge_scalar_launch(g, &mut plan, solo, &state_nodes, &users) {
+            plan.steps[k] = Step::Groups(vec![s]);
+        }
+        let Step::Groups(ref solo) = plan.steps[k] else { unreachable!("step {k} is a launch") };
         let s = solo[0];
         let sg = &plan.groups[s];
         if solo.len() != 1 || !free_scalar(g, sg, &state_nodes, &users) {
@@ -462,6 +466,39 @@ fn lead_scalar_groups(g: &Graph, mut plan: Plan) -> Plan {
         plan.steps.remove(k);
     }
     plan
+}
+
+/// A launch of several free scalar groups of one shape and precision (AdamW's bias
+/// corrections and decay factor, each from the step count or the rate) becomes one group,
+/// so that it can lead the next launch as one. The groups of one launch are independent, so
+/// their members in node order are in order. Returns the merged group.
+fn merge_scalar_launch(
+    g: &Graph,
+    plan: &mut Plan,
+    gs: Vec<usize>,
+    state_nodes: &[Option<NodeId>],
+    users: &[Vec<NodeId>],
+) -> Option<usize> {
+    let (&first, rest) = gs.split_first()?;
+    let like = |k: usize| {
+        let (a, b) = (&plan.groups[k], &plan.groups[first]);
+        free_scalar(g, a, state_nodes, users) && a.shape == b.shape && a.f64 == b.f64
+    };
+    if rest.is_empty() || !gs.iter().all(|&k| like(k)) {
+        return None;
+    }
+    for &k in rest {
+        let gr = std::mem::replace(&mut plan.groups[k], Group::new(vec![], false, false));
+        let into = &mut plan.groups[first];
+        into.members.extend(gr.members);
+        into.externals.extend(gr.externals.into_iter().filter(|a| !into.externals.contains(a)).collect::<Vec<_>>());
+        into.materialize.extend(gr.materialize);
+        into.inplace.extend(gr.inplace);
+    }
+    let into = &mut plan.groups[first];
+    into.members.sort_unstable();
+    into.materialize.sort_unstable();
+    Some(first)
 }
 
 /// Groups that read only inputs, state and constants join the step's first fused launch
@@ -868,6 +905,48 @@ mod tests {
         let apart = batch_groups(&g, plan(&g, true));
         assert_eq!(launches(&apart).len(), 2, "{apart:?}");
         assert!(apart.groups.iter().all(|gr| !gr.lead));
+    }
+
+    /// AdamW's scalars as it traces them: the step count advanced and `1 - 0.9^t` in f64 from
+    /// it, `1 - 0.01 lr` in f64 from the rate, each cast to F32 for `p * decay - grad / corr`.
+    /// The two scalar groups become one, which leads the update's launch.
+    #[test]
+    fn several_scalar_groups_merge_and_lead_the_update_launch() {
+        use crate::graph::StateInfo;
+        let one = StateInfo { len: 1, dtype: DType::F64, created_in_step: false };
+        let param = StateInfo { len: 8, dtype: DType::F32, created_in_step: false };
+        let mut g = Graph { state: vec![one.clone(), one, param], ..Graph::default() };
+        let scalar = Layout { shape: vec![], strides: vec![], offset: 0 };
+        let op = |op: BinaryOp, value: f64, scalar_lhs: bool| Op::Scalar { op, value, scalar_lhs };
+        let step = g.push(Kind::State(0), vec![1], DType::F64);
+        let next = g.push(Kind::Op(op(BinaryOp::Add, 1.0, false), vec![Arg { node: step, layout: scalar.clone() }]), vec![], DType::F64);
+        let pow = g.push(Kind::Op(op(BinaryOp::Pow, 0.9, true), vec![whole(&g, next)]), vec![], DType::F64);
+        let bc = g.push(Kind::Op(op(BinaryOp::Sub, 1.0, true), vec![whole(&g, pow)]), vec![], DType::F64);
+        let corr = g.push(Kind::Op(Op::Cast(DType::F32), vec![whole(&g, bc)]), vec![], DType::F32);
+        let lr = g.push(Kind::State(1), vec![1], DType::F64);
+        let wd = g.push(Kind::Op(op(BinaryOp::Mul, 0.01, false), vec![Arg { node: lr, layout: scalar.clone() }]), vec![], DType::F64);
+        let keep = g.push(Kind::Op(op(BinaryOp::Sub, 1.0, true), vec![whole(&g, wd)]), vec![], DType::F64);
+        let decay = g.push(Kind::Op(Op::Cast(DType::F32), vec![whole(&g, keep)]), vec![], DType::F32);
+        let p = g.push(Kind::State(2), vec![8], DType::F32);
+        let grad = g.push(Kind::Input(0), vec![8], DType::F32);
+        let spread = |node: NodeId| Arg { node, layout: Layout { shape: vec![8], strides: vec![0], offset: 0 } };
+        let decayed = g.push(Kind::Op(Op::Binary(BinaryOp::Mul), vec![whole(&g, p), spread(decay)]), vec![8], DType::F32);
+        let scaled = g.push(Kind::Op(Op::Binary(BinaryOp::Div), vec![whole(&g, grad), spread(corr)]), vec![8], DType::F32);
+        let updated = g.push(Kind::Op(Op::Binary(BinaryOp::Sub), vec![whole(&g, decayed), whole(&g, scaled)]), vec![8], DType::F32);
+        g.writes = vec![(0, next), (2, updated)];
+        let group_of = |plan: &Plan, node: NodeId| plan.groups.iter().position(|gr| gr.members.contains(&node)).expect("a group");
+        let alone = plan(&g, true);
+        assert_ne!(group_of(&alone, corr), group_of(&alone, decay), "{alone:?}");
+        let led = batch_groups(&g, plan(&g, true));
+        let launches: Vec<&Step> = led.steps.iter().filter(|s| matches!(s, Step::Groups(_))).collect();
+        let (s, u) = (group_of(&led, next), group_of(&led, updated));
+        assert!(matches!(&launches[..], [Step::Groups(gs)] if *gs == vec![s, u]), "{led:?}");
+        let lead = &led.groups[s];
+        assert!(lead.lead && group_of(&led, decay) == s, "{led:?}");
+        assert_eq!(lead.members, vec![next, pow, bc, corr, wd, keep, decay]);
+        assert_eq!(lead.materialize, vec![next, corr, decay]);
+        assert_eq!(lead.inplace, vec![(next, 0)]);
+        assert_eq!(lead.externals.iter().map(|a| a.node).collect::<Vec<_>>(), vec![step, lr]);
     }
 
     /// SGD on a `[4, 8]` weight and its `[4]` bias from `SumLeft(g^T, x)` over a batch of 6;
