@@ -822,6 +822,35 @@ fn fused_mean_cross_entropy_matches_the_cpu() {
     }
 }
 
+/// Cross-entropy per row on BF16 and F16 logits read as they are (F32 losses, a gradient in
+/// the logits' dtype), at GPT-2's vocabulary (rows of a block) and short rows (a warp each),
+/// with masked `-inf` logits, ignored targets and label smoothing, against the CPU.
+#[test]
+fn cross_entropy_on_half_logits_matches_the_cpu() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for (rows, classes, smoothing) in [(24, 50304, 0.0), (40, 257, 0.1)] {
+        for dt in [DType::BF16, DType::F16] {
+            let mut v = randn(&[rows, classes], 71, DType::F32).mul_scalar(4.0).unwrap().to_vec::<f32>().unwrap();
+            // The first logits of every third row masked out, as a vocabulary's padding is.
+            (0..rows).step_by(3).for_each(|r| v[r * classes..r * classes + 7].fill(f32::NEG_INFINITY));
+            let logits = Tensor::from_vec(v, &[rows, classes], Device::Cpu).unwrap().to_dtype(dt).unwrap();
+            let t: Vec<i64> = (0..rows as i64).map(|i| if i % 5 == 2 { -100 } else { (i * 7919 + 11) % classes as i64 }).collect();
+            let targets = Tensor::from_vec(t, &[rows], Device::Cpu).unwrap();
+            let gr = randn(&[rows], 72, DType::F32);
+            let what = format!("cross_entropy [{rows}, {classes}] {dt:?} smoothing {smoothing}");
+            both(&format!("{what} losses"), &[logits.clone(), targets.clone()], 1e-4, |x| {
+                let losses = x[0].cross_entropy_rows(&x[1], Some(-100), smoothing)?;
+                assert_eq!(losses.dtype(), dt, "{what}: losses outside autocast keep the logits' dtype");
+                // The F32 losses the kernel wrote, before the cast back.
+                Tensor::apply(kiln::tensor::Op::CrossEntropy { ignore_index: Some(-100), smoothing }, &[&x[0], &x[1]], x[0].device())
+            });
+            both(&format!("{what} gradient"), &[logits, targets, gr], tol(dt), |x| {
+                x[0].cross_entropy_rows_backward(&x[1], &x[2], Some(-100), smoothing)
+            });
+        }
+    }
+}
+
 #[test]
 fn fused_classifier_head_matches_the_cpu() {
     use kiln::tensor::Op;

@@ -39,7 +39,7 @@ pub fn cross_entropy_with(logits: &Tensor, targets: &Tensor, cfg: CrossEntropyCo
     // and their backward: ~6 kernels for the whole loss instead of ~20.
     let per_row = logits.cross_entropy_rows(targets, cfg.ignore_index, cfg.label_smoothing)?;
     match (cfg.reduction, cfg.ignore_index) {
-        (Reduction::Mean, Some(ig)) => per_row.sum_all()?.div(&targets.ne_scalar(ig as f64)?.to_dtype(logits.dtype())?.sum_all()?),
+        (Reduction::Mean, Some(ig)) => per_row.sum_all()?.div(&targets.ne_scalar(ig as f64)?.to_dtype(per_row.dtype())?.sum_all()?),
         (Reduction::Mean, None) => per_row.sum_all()?.mul_scalar(1.0 / targets.shape()[0] as f64),
         (Reduction::Sum, _) => per_row.sum_all(),
         (Reduction::None, _) => Ok(per_row),

@@ -147,3 +147,43 @@ fn losses_name_mismatched_shapes_and_bad_parameters_and_promote_dtypes() {
     let e = kl_div(&a, &b, false, Reduction::Sum).unwrap_err().to_string();
     assert!(e.contains("kl_div"), "{e}");
 }
+
+/// Cross-entropy on BF16 logits reads them as they are: the losses are those of the same
+/// values in F32 (F32 under autocast, rounded to BF16 without it), and the logits' gradient
+/// is BF16, the F32 gradient rounded. The per-row gradient must be in the losses' dtype.
+#[test]
+fn cross_entropy_on_bf16_logits_computes_in_f32() -> Result<()> {
+    use kiln_nn::{cross_entropy_with, CrossEntropyConfig};
+    let logits = randn(&[6, 11], 12).mul_scalar(3.0)?.to_dtype(DType::BF16)?;
+    let wide = logits.to_dtype(DType::F32)?;
+    let targets = Tensor::from_slice(&[3i64, -100, 0, 10, 5, 5], &[6], Device::Cpu)?;
+    let cfg = CrossEntropyConfig { label_smoothing: 0.1, reduction: kiln_nn::Reduction::None, ..Default::default() };
+    let want = wide.cross_entropy_rows(&targets, cfg.ignore_index, cfg.label_smoothing)?.to_vec::<f32>()?;
+    {
+        let _amp = kiln_tensor::Autocast::new(DType::BF16)?;
+        let rows = cross_entropy_with(&logits, &targets, cfg)?;
+        assert_eq!(rows.dtype(), DType::F32, "losses of BF16 logits under autocast");
+        let got = rows.to_vec::<f32>()?;
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!((g - w).abs() <= 1e-6 * w.abs().max(1.0), "row {i}: {g} vs {w}");
+        }
+        assert_eq!(got[1], 0.0, "the ignored row");
+    }
+    let pure = cross_entropy_with(&logits, &targets, cfg)?;
+    assert_eq!(pure.dtype(), DType::BF16, "without autocast the losses keep the logits' dtype");
+    for (g, w) in pure.to_dtype(DType::F32)?.to_vec::<f32>()?.iter().zip(&want) {
+        let rounded = Tensor::from_slice(&[*w], &[1], Device::Cpu)?.to_dtype(DType::BF16)?.to_dtype(DType::F32)?.to_vec::<f32>()?[0];
+        assert_eq!(*g, rounded);
+    }
+    // The logits' gradient for per-row weights.
+    let gr = Tensor::from_slice(&[0.5f32, 1.0, -2.0, 0.25, 1.0, 3.0], &[6], Device::Cpu)?;
+    let grad = logits.cross_entropy_rows_backward(&targets, &gr, cfg.ignore_index, cfg.label_smoothing)?;
+    assert_eq!(grad.dtype(), DType::BF16);
+    let want = wide.cross_entropy_rows_backward(&targets, &gr, cfg.ignore_index, cfg.label_smoothing)?.to_vec::<f32>()?;
+    for (i, (g, w)) in grad.to_dtype(DType::F32)?.to_vec::<f32>()?.iter().zip(&want).enumerate() {
+        assert!((g - w).abs() <= 4e-3 * w.abs() + 1e-6, "gradient {i}: {g} vs {w}");
+    }
+    let e = logits.cross_entropy_rows_backward(&targets, &gr.to_dtype(DType::BF16)?, None, 0.0).unwrap_err().to_string();
+    assert!(e.contains("cross_entropy_backward") && e.contains("F32") && e.contains("BF16"), "{e}");
+    Ok(())
+}

@@ -28,8 +28,9 @@ pub fn autocast_dtype() -> Option<DType> {
 
 /// Mixed precision in the manner of `torch.autocast`, while the guard lives (on this thread):
 /// matrix products and attention cast F32 inputs to `dtype` (BF16 or F16), multiply on the
-/// tensor cores with F32 accumulation and return `dtype`; softmax, layer norm and
-/// cross-entropy cast F16/BF16 inputs up and compute in F32; binary ops of mixed float dtypes
+/// tensor cores with F32 accumulation and return `dtype`; softmax and layer norm cast F16/BF16
+/// inputs up and compute in F32; cross-entropy reads F16/BF16 logits as they are, computes in
+/// F32 and returns F32 losses (its gradient in the logits' dtype); binary ops of mixed float dtypes
 /// compute in the wider one. Parameters and their gradients stay F32 (the casts' backward
 /// returns F32 gradients).
 /// A compiled step traced under autocast records the casts, and is keyed by the setting.

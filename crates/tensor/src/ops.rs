@@ -558,9 +558,15 @@ impl Tensor {
     /// Cross-entropy of each row of `self` (logits `[N, C]`) against class indices `targets`
     /// (`[N]`, I64) in one kernel: `[N]` losses, 0 where the target is `ignore_index`;
     /// `smoothing` mixes the one-hot target with the uniform distribution. A target outside
-    /// `0..C` is an error (on a GPU, at the next host read).
+    /// `0..C` is an error (on a GPU, at the next host read). BF16 and F16 logits are read as
+    /// they are and each row computed in F32; the losses are F32 under `Autocast` (as
+    /// PyTorch's autocast runs the loss in F32), else in the logits' dtype.
     pub fn cross_entropy_rows(&self, targets: &Tensor, ignore_index: Option<i64>, smoothing: f64) -> Result<Tensor> {
-        Tensor::apply(Op::CrossEntropy { ignore_index, smoothing }, &[&self.autocast_f32()?, targets], self.device())
+        let losses = Tensor::apply(Op::CrossEntropy { ignore_index, smoothing }, &[self, targets], self.device())?;
+        match crate::autocast_dtype() {
+            None if losses.dtype() != self.dtype() => losses.to_dtype(self.dtype()),
+            _ => Ok(losses),
+        }
     }
     /// The logits' gradient of `cross_entropy_rows` for the per-row gradient `g` (`[N]`).
     pub fn cross_entropy_rows_backward(&self, targets: &Tensor, g: &Tensor, ignore_index: Option<i64>, smoothing: f64) -> Result<Tensor> {

@@ -49,7 +49,8 @@ pub(super) fn mean_xent(g: &Graph, users: &[Vec<NodeId>], (escapes, pinned): (&[
     let (&Op::CrossEntropy { ignore_index: Some(ig), smoothing }, [x, t]) = op(ce)? else { return None };
     let [rows, classes] = x.layout.shape[..] else { return None };
     let (dtype, (most, longest)) = (g.nodes[ce].dtype, XENT_MEAN_MAX);
-    if rows * classes > most || classes > longest || !matches!(dtype, DType::F32 | DType::F64) {
+    // One buffer holds the loss and the gradient: the logits in the losses' dtype only.
+    if rows * classes > most || classes > longest || !matches!(dtype, DType::F32 | DType::F64) || g.nodes[x.node].dtype != dtype {
         return None;
     }
     // `only(i)`: the one node reading `i`, which reads it whole.

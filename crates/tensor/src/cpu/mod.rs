@@ -273,17 +273,26 @@ fn rows(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<CpuSt
             let ((s, l), (st, lt)) = (ins[0], ins[1]);
             let spec = reduce::XentSpec { n: l.shape[1], ignore: *ignore_index, smoothing: *smoothing };
             let targets = contig(typed::<i64>(st, name)?, lt);
-            fn go<T: CpuSlice>(
+            // The losses (and the gradient read by the backward) are F64 for F64 logits, else F32.
+            fn go<T: CpuSlice, U: CpuSlice>(
                 x: &[T],
                 l: &Layout,
                 t: &[i64],
                 g: Option<&(&CpuStorage, &Layout)>,
                 spec: reduce::XentSpec,
-            ) -> Result<Vec<T>> {
-                let g = g.map(|(sg, lg)| Ok::<_, Error>(contig(typed::<T>(sg, "cross_entropy_backward")?, lg))).transpose()?;
-                reduce::cross_entropy(&contig(x, l), t, g.as_deref(), spec)
+            ) -> Result<CpuStorage>
+            where
+                Vec<T>: IntoCpuStorage,
+                Vec<U>: IntoCpuStorage,
+            {
+                let g = g.map(|(sg, lg)| Ok::<_, Error>(contig(typed::<U>(sg, "cross_entropy_backward")?, lg))).transpose()?;
+                Ok(match reduce::cross_entropy::<T, U>(&contig(x, l), t, g.as_deref(), spec)? {
+                    reduce::CrossEntropyOut::Losses(v) => v.into_storage(),
+                    reduce::CrossEntropyOut::Grad(v) => v.into_storage(),
+                })
             }
-            with_cpu!(s, v => go(v, l, &targets, ins.get(2), spec)?.into_storage())
+            let g = ins.get(2);
+            with_cpu!(s, v => if s.dtype() == DType::F64 { go::<_, f64>(v, l, &targets, g, spec)? } else { go::<_, f32>(v, l, &targets, g, spec)? })
         }
         _ => return Err(Error::Msg(format!("{name}: not an op of the CPU's rows kernels"))),
     })

@@ -485,10 +485,11 @@ pub struct XentSpec {
     pub smoothing: f64,
 }
 
-/// Cross-entropy of each row of `x` (row-major `[targets.len(), n]`) in f64: the per-row loss,
-/// or with `g` (one value per row) the logits' gradient. A target outside `0..n` that is not
-/// the ignore index is an error naming it.
-pub fn cross_entropy<T: Element>(x: &[T], targets: &[i64], g: Option<&[T]>, k: XentSpec) -> crate::Result<Vec<T>> {
+/// Cross-entropy of each row of `x` (row-major `[targets.len(), n]`) in f64: the per-row loss
+/// in `U` (`Op::CrossEntropy`'s loss dtype), or with `g` (one value per row, in `U`) the
+/// logits' gradient in `x`'s dtype. A target outside `0..n` that is not the ignore index is an
+/// error naming it.
+pub fn cross_entropy<T: Element, U: Element>(x: &[T], targets: &[i64], g: Option<&[U]>, k: XentSpec) -> crate::Result<CrossEntropyOut<T, U>> {
     let n = k.n;
     let target = |r: usize| -> crate::Result<Option<usize>> {
         match targets[r] {
@@ -507,12 +508,12 @@ pub fn cross_entropy<T: Element>(x: &[T], targets: &[i64], g: Option<&[T]>, k: X
     let on = 1.0 - k.smoothing;
     let off = k.smoothing / n as f64;
     let Some(g) = g else {
-        let mut out = pool::take::<T>(targets.len());
+        let mut out = pool::take::<U>(targets.len());
         for_rows(&mut out, 1, |r, o| {
             let (lse, total) = stats(r);
-            o[0] = T::from_f64(picked[r].map_or(0.0, |t| lse - on * x[r * n + t].to_f64() - off * total));
+            o[0] = U::from_f64(picked[r].map_or(0.0, |t| lse - on * x[r * n + t].to_f64() - off * total));
         });
-        return Ok(out);
+        return Ok(CrossEntropyOut::Losses(out));
     };
     let mut out = pool::take::<T>(x.len());
     for_rows(&mut out, n, |r, o| {
@@ -523,5 +524,11 @@ pub fn cross_entropy<T: Element>(x: &[T], targets: &[i64], g: Option<&[T]>, k: X
             *o = T::from_f64(gr * ((x[r * n + j].to_f64() - lse).exp() - hot - off));
         }
     });
-    Ok(out)
+    Ok(CrossEntropyOut::Grad(out))
+}
+
+/// `cross_entropy`'s result: the rows' losses, or the logits' gradient.
+pub enum CrossEntropyOut<T, U> {
+    Losses(Vec<U>),
+    Grad(Vec<T>),
 }

@@ -9,6 +9,7 @@ mod parts;
 mod shapes;
 
 pub use parts::{Part, Parts};
+pub use shapes::cross_entropy_loss_dtype;
 
 use crate::{DType, Error, Result};
 

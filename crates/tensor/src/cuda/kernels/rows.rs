@@ -37,31 +37,33 @@ pub fn softmax_source(dtype: DType, log: bool, block: bool, causal: bool) -> (St
 }
 
 /// Cross-entropy over the rows of dense logits `[rows, red]` against I64 targets: the
-/// per-row loss (`o[row]`), or (`backward`) the logits' gradient from the per-row gradient
-/// `g` (read at `row * gst`: a broadcast mean's gradient has stride 0). Two sweeps for the
-/// log-sum-exp, a third for the sum of the logits under label smoothing, then the write. A
-/// target outside `0..red` that is not `ignore` is recorded in the error word (code `code`)
-/// and its row counts as ignored.
+/// per-row loss (`o[row]`, in the compute type: F32 for BF16/F16/F32 logits), or
+/// (`backward`) the logits' gradient in their own dtype from the per-row gradient `g` (in the
+/// compute type, read at `row * gst`: a broadcast mean's gradient has stride 0). One sweep for
+/// the log-sum-exp (`xent_row`), a second for the sum of the logits under label smoothing,
+/// then the write. A target outside `0..red` that is not `ignore` is recorded in the error
+/// word (code `code`) and its row counts as ignored.
 pub fn cross_entropy_source(dtype: DType, backward: bool, block: bool) -> (String, String) {
     let name = row_kernel_name(if backward { "cross_entropy_backward" } else { "cross_entropy" }, dtype, block);
     let (t, c) = (storage_type(dtype), compute_type(dtype));
     let mut s = format!("{PRELUDE}{INDEX_ARGS}\ntypedef {c} C;\n");
     s += XENT_ARGS;
+    let out = if backward { t } else { c };
     s += &format!(
-        "extern \"C\" __global__ void {name}({t}* __restrict__ o, const {t}* __restrict__ x, const long long* __restrict__ tg, \
-         const {t}* __restrict__ g, long long* err, XArgs a) {{\n"
+        "extern \"C\" __global__ void {name}({out}* __restrict__ o, const {t}* __restrict__ x, const long long* __restrict__ tg, \
+         const C* __restrict__ g, long long* err, XArgs a) {{\n"
     );
     s += row_prologue(block);
     s += &xent_row(|max| row_allreduce(block, max));
     if backward {
-        s += "  const C gr = skip ? (C)0 : (C)ld(g[row * a.gst]);\n";
+        s += "  const C gr = skip ? (C)0 : g[row * a.gst];\n";
         s += &xent_grad_loop("o", "");
         s += "}\n";
     } else {
         s += "  (void)g;\n";
         s += XENT_SMOOTHING_SUM;
         s += &row_allreduce(block, false);
-        s += "  if (lane == 0) st(&o[row], skip ? (C)0 : lse - on * (C)ld(x[base + t]) - off * acc);\n}\n";
+        s += "  if (lane == 0) o[row] = skip ? (C)0 : lse - on * (C)ld(x[base + t]) - off * acc;\n}\n";
     }
     (s, name)
 }
@@ -85,16 +87,20 @@ pub(crate) fn xent_grad_loop(out: &str, guard: &str) -> String {
 
 /// A cross-entropy row's target check and log-sum-exp (the row's threads in `lane`/`tpr`,
 /// whose values `reduce(max)` all-reduces): defines `base`, `t`, `skip`, `lse`, `on`, `off` and
-/// leaves `acc` free.
+/// leaves `acc` free. One read of the row: each thread keeps a running maximum and its sum of
+/// exponentials, rescaled when the maximum grows, and the threads' sums meet at the row's
+/// maximum. A NaN logit makes the row's `lse` NaN; `-inf` logits add nothing.
 pub(crate) fn xent_row(reduce: impl Fn(bool) -> String) -> String {
     let mut s = String::from("  const long long base = row * a.red, t = tg[row];\n");
     s += "  bool skip = a.has_ignore && t == a.ignore;\n";
     s += "  if (!skip && (t < 0 || t >= a.red)) { if (lane == 0) check_index(err, a.code, t, a.red); skip = true; }\n";
-    s += "  C acc = -(C)__longlong_as_double(0x7ff0000000000000LL);\n";
-    s += "  for (long long j = lane; j < a.red; j += tpr) { C v = (C)ld(x[base + j]); acc = (v > acc || v != v) ? v : acc; }\n";
+    s += "  const C ninf = -(C)__longlong_as_double(0x7ff0000000000000LL);\n  C mx = ninf, se = (C)0;\n";
+    s += "  for (long long j = lane; j < a.red; j += tpr) {\n    const C v = (C)ld(x[base + j]);\n";
+    s += "    if (v > mx) { se = (mx == ninf ? (C)0 : se * kexp(mx - v)) + (C)1; mx = v; }\n";
+    s += "    else if (v != v) mx = v;\n    else if (v != ninf) se += kexp(v - mx);\n  }\n";
+    s += "  C acc = mx;\n";
     s += &reduce(true);
-    s += "  const C m = acc; acc = (C)0;\n";
-    s += "  for (long long j = lane; j < a.red; j += tpr) acc += kexp((C)ld(x[base + j]) - m);\n";
+    s += "  const C m = acc;\n  acc = mx == ninf ? (C)0 : se * kexp(mx - m);\n";
     s += &reduce(false);
     s += "  const C lse = m + klog(acc), on = (C)(1.0 - a.smoothing), off = (C)(a.smoothing / (double)a.red);\n";
     s
@@ -776,7 +782,8 @@ mod launch {
         let ((s, l), (st, lt)) = (x[0], x[1]);
         let (rows, n) = (l.shape[0], l.shape[1]);
         let backward = x.len() == 3;
-        let out = CudaStorage::alloc(&g.mem, s.dtype, if backward { rows * n } else { rows })?;
+        let loss = crate::op::cross_entropy_loss_dtype(s.dtype);
+        let out = if backward { CudaStorage::alloc(&g.mem, s.dtype, rows * n)? } else { CudaStorage::alloc(&g.mem, loss, rows)? };
         if rows == 0 {
             return Ok(out);
         }
