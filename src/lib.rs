@@ -15,6 +15,7 @@
 extern crate self as kiln;
 
 pub mod checkpoint;
+mod compile_module;
 pub mod data;
 pub mod hf;
 pub mod loader;
@@ -22,6 +23,7 @@ pub mod metrics;
 pub mod models;
 pub mod text;
 
+pub use compile_module::{compile_module, CompiledModule};
 pub use kiln_autograd as autograd;
 pub use kiln_compile as compile;
 pub use kiln_nn as nn;

@@ -472,13 +472,7 @@ fn lead_scalar_groups(g: &Graph, mut plan: Plan) -> Plan {
 /// corrections and decay factor, each from the step count or the rate) becomes one group,
 /// so that it can lead the next launch as one. The groups of one launch are independent, so
 /// their members in node order are in order. Returns the merged group.
-fn merge_scalar_launch(
-    g: &Graph,
-    plan: &mut Plan,
-    gs: Vec<usize>,
-    state_nodes: &[Option<NodeId>],
-    users: &[Vec<NodeId>],
-) -> Option<usize> {
+fn merge_scalar_launch(g: &Graph, plan: &mut Plan, gs: Vec<usize>, state_nodes: &[Option<NodeId>], users: &[Vec<NodeId>]) -> Option<usize> {
     let (&first, rest) = gs.split_first()?;
     let like = |k: usize| {
         let (a, b) = (&plan.groups[k], &plan.groups[first]);

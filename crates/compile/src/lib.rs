@@ -540,7 +540,8 @@ fn guards_hold(e: &Entry) -> bool {
     match e {
         Entry::Eager(_) => true,
         Entry::Graph(p) => {
-            let grads = p.leaf_grads.iter().all(|lg| match (lg.leaf.grad(), lg.had_grad) {
+            // Only gradients the step wrote: a forward alone leaves them be, whatever they are.
+            let grads = p.leaf_grads.iter().filter(|lg| lg.end.is_some()).all(|lg| match (lg.leaf.grad(), lg.had_grad) {
                 (None, false) => true,
                 (Some(g), true) => lg.start_storage.is_none_or(|s| g.storage().id() == s),
                 _ => false,

@@ -284,10 +284,11 @@ impl Forward for Dropout {
 pub trait Layer: Module + Forward + Send + Sync {}
 impl<T: Module + Forward + Send + Sync> Layer for T {}
 
-/// Layers applied in order; parameters are named by position (`0.weight`, `2.bias`).
-#[derive(Default)]
+/// Layers applied in order; parameters are named by position (`0.weight`, `2.bias`). A clone
+/// shares the layers (and so the parameters), as a clone of any module shares its tensors.
+#[derive(Default, Clone)]
 pub struct Sequential {
-    pub layers: Vec<Box<dyn Layer>>,
+    pub layers: Vec<std::sync::Arc<dyn Layer>>,
 }
 
 impl Sequential {
@@ -296,7 +297,7 @@ impl Sequential {
     }
     #[allow(clippy::should_implement_trait)]
     pub fn add(mut self, layer: impl Layer + 'static) -> Sequential {
-        self.layers.push(Box::new(layer));
+        self.layers.push(std::sync::Arc::new(layer));
         self
     }
 }

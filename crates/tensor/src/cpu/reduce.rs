@@ -489,7 +489,12 @@ pub struct XentSpec {
 /// in `U` (`Op::CrossEntropy`'s loss dtype), or with `g` (one value per row, in `U`) the
 /// logits' gradient in `x`'s dtype. A target outside `0..n` that is not the ignore index is an
 /// error naming it.
-pub fn cross_entropy<T: Element, U: Element>(x: &[T], targets: &[i64], g: Option<&[U]>, k: XentSpec) -> crate::Result<CrossEntropyOut<T, U>> {
+pub fn cross_entropy<T: Element, U: Element>(
+    x: &[T],
+    targets: &[i64],
+    g: Option<&[U]>,
+    k: XentSpec,
+) -> crate::Result<CrossEntropyOut<T, U>> {
     let n = k.n;
     let target = |r: usize| -> crate::Result<Option<usize>> {
         match targets[r] {
