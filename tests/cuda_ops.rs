@@ -1210,6 +1210,39 @@ fn fused_attention_matches_the_cpu_forward_and_backward() {
     let _ = dev;
 }
 
+/// Grouped-query attention on the GPU (k and v with fewer heads, read per group by the
+/// tensor-core kernels, repeated into a copy for the FMA ones) against the CPU, forward and
+/// gradients, with the heads cut from `[B, T, H, D]` buffers as a model splits them.
+#[test]
+fn grouped_query_attention_matches_the_cpu() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for dt in [DType::BF16, DType::F32] {
+        for (b, h, hkv, t, d, causal) in
+            [(2, 4, 2, 70, 64, true), (1, 6, 1, 130, 128, false), (2, 4, 2, 17, 32, true), (1, 4, 2, 50, 20, true)]
+        {
+            let what = format!("grouped-query attention {dt:?} q [{b}, {h}, {t}, {d}] k, v [{b}, {hkv}, {t}, {d}] causal {causal}");
+            let ins = vec![
+                randn(&[b, t, h, d], 80, dt),
+                randn(&[b, t, hkv, d], 81, dt),
+                randn(&[b, t, hkv, d], 82, dt),
+                randn(&[b, t, h, d], 83, dt),
+            ];
+            let scale = 1.0 / (d as f64).sqrt();
+            both(&format!("{what}: forward"), &ins, tol(dt), |x| {
+                x[0].transpose(1, 2)?.attention(&x[1].transpose(1, 2)?, &x[2].transpose(1, 2)?, scale, causal)
+            });
+            both(&format!("{what}: gradients"), &ins, tol(dt) * 2.0, |x| {
+                let qkv: Vec<Tensor> = x[..3].iter().map(|t| t.transpose(1, 2).unwrap().contiguous().unwrap()).collect();
+                qkv.iter().for_each(|t| _ = t.set_requires_grad(true));
+                let out = qkv[0].attention(&qkv[1], &qkv[2], scale, causal)?;
+                out.mul(&x[3].transpose(1, 2)?)?.sum_all()?.backward()?;
+                let grads: Vec<Tensor> = qkv.iter().map(|t| t.grad().expect("a gradient").reshape(&[-1i64][..]).unwrap()).collect();
+                Tensor::cat(&grads.iter().collect::<Vec<_>>(), 0)
+            });
+        }
+    }
+}
+
 /// The tensor-core attention kernels take more than 65535 batch matrices (their grid puts the
 /// matrices along x), forward and backward, against the CPU; the FMA kernels (F32 with D =
 /// 20) say clearly that they do not.

@@ -3,9 +3,7 @@
 //! Face's parameter names (`model.layers.{i}.self_attn.q_proj.weight`, ...).
 
 use kiln_nn::init::normal_;
-use kiln_nn::{
-    causal_attention_at, cross_entropy, repeat_kv, Embedding, Forward, KvCache, Linear, Module, RmsNorm, RotaryEmbedding, SwiGlu,
-};
+use kiln_nn::{causal_attention_at, cross_entropy, Embedding, Forward, KvCache, Linear, Module, RmsNorm, RotaryEmbedding, SwiGlu};
 use kiln_tensor::{default_dtype, Device, Error, Result, Tensor};
 
 /// The shape of a Llama model (Hugging Face's `LlamaConfig` fields by other names).
@@ -183,8 +181,9 @@ impl LlamaAttention {
             Some((cache, layer, _)) => cache.append(layer, &k, &v)?,
             None => (k, v),
         };
-        let rep = c.n_heads / c.n_kv_heads;
-        let att = causal_attention_at(&q, &repeat_kv(&k, rep)?, &repeat_kv(&v, rep)?, offset)?;
+        // Grouped-query: each k/v head serves n_heads / n_kv_heads query heads, in the fused
+        // kernels without a repeated copy (`scaled_dot_product_attention`).
+        let att = causal_attention_at(&q, &k, &v, offset)?;
         self.o_proj.forward(&att.transpose(1, 2)?.reshape(&[b, t, c.n_heads * hd])?)
     }
 }

@@ -241,7 +241,17 @@ fn attention_rule(inputs: &[Tensor], out: &Tensor, g: &Tensor, (scale, causal): 
     let r = inputs[0].rank();
     let at = if r > 2 { 2 } else { 1 };
     let order: Vec<usize> = if r > 2 { [&[0], &(2..r - 1).collect::<Vec<_>>()[..], &[1, r - 1]].concat() } else { (0..r).collect() };
-    (0..3).map(|w| packed.narrow(at, w, 1)?.squeeze(at)?.permute(&order).map(Some)).collect()
+    let mut grads: Vec<Tensor> = (0..3).map(|w| packed.narrow(at, w, 1)?.squeeze(at)?.permute(&order)).collect::<Result<_>>()?;
+    // Grouped-query attention: dk and dv come per query head; each key/value head's is the
+    // sum over the query heads that read it.
+    let (q, k) = (inputs[0].shape(), inputs[1].shape());
+    if q != k {
+        let grouped = [k[0], k[1], q[1] / k[1], k[2], k[3]];
+        for dkv in &mut grads[1..] {
+            *dkv = dkv.reshape(&grouped[..])?.sum(&[2usize][..], false)?;
+        }
+    }
+    Ok(grads.into_iter().map(Some).collect())
 }
 
 /// The gradients of the ops that move or view elements without computing (x the first

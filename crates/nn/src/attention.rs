@@ -176,16 +176,24 @@ fn fused_attention_on(q: &Tensor) -> bool {
 }
 
 /// `softmax(q k^T / sqrt(D) + masks) v` over `[B, H, T, D]` inputs; with no masks but the
-/// causal one and no dropout, one fused op on a GPU (see `set_fused_attention`).
+/// causal one and no dropout, one fused op on a GPU (see `set_fused_attention`). k and v may
+/// have fewer heads than q (`[B, H_kv, S, D]`, `H_kv` dividing `H`: grouped-query attention).
 pub fn scaled_dot_product_attention(q: &Tensor, k: &Tensor, v: &Tensor, masks: &AttnMasks, dropout_p: f64) -> Result<Tensor> {
     let (b, h, t, d) = (q.shape()[0], q.shape()[1], q.shape()[2], q.shape()[3]);
     let s = k.shape()[2];
     let scale = 1.0 / (d as f64).sqrt();
     let plain = masks.attn_mask.is_none() && masks.key_padding_mask.is_none();
-    if plain && dropout_p == 0.0 && fused_attention_on(q) && k.shape() == q.shape() && v.shape() == q.shape() {
-        // One kernel each way; the [T, S] scores are never stored.
+    let kv_repeat = kiln_tensor::op::attention_kv_repeat(q.shape(), k.shape()).filter(|_| v.shape() == k.shape());
+    if plain && dropout_p == 0.0 && fused_attention_on(q) && kv_repeat.is_some() {
+        // One kernel each way; the [T, S] scores are never stored, and grouped-query k and v
+        // are read per group, never repeated.
         return q.attention(k, v, scale, masks.is_causal);
     }
+    // Grouped-query k and v (fewer heads than q) repeated to q's heads for the products.
+    let (k, v) = match k.shape()[1] {
+        kh if k.rank() == 4 && kh != h && kh > 0 && h % kh == 0 => (&repeat_kv(k, h / kh)?, &repeat_kv(v, h / kh)?),
+        _ => (k, v),
+    };
     let raw = q.matmul(&k.transpose(-2i64, -1)?)?;
     if masks.is_causal && plain {
         // The common causal case: scale, mask and softmax in one kernel (and one backward).

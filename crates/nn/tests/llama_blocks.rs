@@ -1,6 +1,6 @@
 //! Llama's blocks built from tensor ops: rotary embeddings against their definition (a loop
 //! over pairs of dims), at an offset, and by finite differences; SwiGLU against its formula;
-//! `repeat_kv` against indexing.
+//! `repeat_kv` against indexing; grouped-query attention against attention on repeated heads.
 
 use kiln_autograd::{gradcheck, GradcheckConfig};
 use kiln_nn::{repeat_kv, Forward, Module, RotaryEmbedding, SwiGlu};
@@ -89,5 +89,35 @@ fn repeat_kv_repeats_each_head_in_place() -> Result<()> {
     }
     assert!(repeat_kv(&x.narrow(0, 0, 1)?.squeeze(0)?, 2).is_err());
     assert!(repeat_kv(&x, 0).is_err());
+    Ok(())
+}
+
+/// The fused attention op with grouped-query k and v (`[B, H_kv, T, D]`, `H_kv` dividing `H`)
+/// equals the op on k and v repeated to q's heads, forward and backward (dk and dv summed over
+/// each group), causal or not; shapes that do not pair are errors naming them.
+#[test]
+fn grouped_query_attention_equals_attention_on_repeated_heads() -> Result<()> {
+    use kiln_autograd::grad;
+    let rand = |shape: &[usize], seed: u64| Tensor::rand_at(shape, kiln_tensor::Distribution::Normal, seed, 0, DType::F64, Device::Cpu);
+    for (h, hkv, causal) in [(4, 2, true), (6, 1, false), (3, 3, true)] {
+        let (q, k, v) = (rand(&[2, h, 5, 8], 1)?, rand(&[2, hkv, 5, 8], 2)?, rand(&[2, hkv, 5, 8], 3)?);
+        let w = rand(&[2, h, 5, 8], 4)?;
+        [&q, &k, &v].iter().for_each(|t| _ = t.set_requires_grad(true));
+        let grouped = q.attention(&k, &v, 0.35, causal)?;
+        let repeated = q.attention(&repeat_kv(&k, h / hkv)?, &repeat_kv(&v, h / hkv)?, 0.35, causal)?;
+        let (a, b) = (grouped.to_vec::<f64>()?, repeated.to_vec::<f64>()?);
+        assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() < 1e-12), "forward H {h} H_kv {hkv}");
+        let ga = grad(&grouped.mul(&w)?.sum_all()?, &[&q, &k, &v])?;
+        let gb = grad(&repeated.mul(&w)?.sum_all()?, &[&q, &k, &v])?;
+        for (i, (x, y)) in ga.iter().zip(&gb).enumerate() {
+            let (x, y) = (x.as_ref().unwrap(), y.as_ref().unwrap());
+            assert_eq!(x.shape(), y.shape());
+            let close = x.to_vec::<f64>()?.iter().zip(y.to_vec::<f64>()?).all(|(p, q)| (p - q).abs() < 1e-12);
+            assert!(close, "gradient {i} of H {h} H_kv {hkv} causal {causal}");
+        }
+    }
+    let (q, k) = (rand(&[2, 4, 5, 8], 1)?, rand(&[2, 3, 5, 8], 2)?);
+    let e = q.attention(&k, &k, 1.0, false).unwrap_err().to_string();
+    assert!(e.contains("[2, 4, 5, 8]") && e.contains("[2, 3, 5, 8]") && e.contains("H_kv"), "{e}");
     Ok(())
 }

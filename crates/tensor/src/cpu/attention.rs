@@ -11,6 +11,9 @@ pub struct AttnSpec {
     /// The batch matrices' inner leading dims (heads): matrix `b` is head `b % heads` of
     /// batch `b / heads`.
     pub heads: usize,
+    /// Query heads per key/value head (grouped-query attention; 1 when k and v have q's
+    /// shape): query matrix `b` reads key/value matrix `b / rep`.
+    pub rep: usize,
     pub t: usize,
     pub d: usize,
     pub scale: f64,
@@ -27,12 +30,18 @@ impl AttnSpec {
         }
     }
 
-    /// Query `i`'s softmax probabilities over its keys in the batch matrix at `base`.
-    fn probs<T: Element>(&self, q: &[T], k: &[T], base: usize, i: usize) -> Vec<f64> {
+    /// Where query matrix `b`'s key and value matrix starts.
+    fn kv_base(&self, b: usize) -> usize {
+        (b / self.rep) * self.t * self.d
+    }
+
+    /// Query `i`'s softmax probabilities over its keys, for the query matrix at `base` and its
+    /// key matrix at `kbase`.
+    fn probs<T: Element>(&self, q: &[T], k: &[T], (base, kbase): (usize, usize), i: usize) -> Vec<f64> {
         let d = self.d;
         let qi = &q[base + i * d..base + (i + 1) * d];
         let mut p: Vec<f64> = (0..self.keys(i))
-            .map(|j| self.scale * qi.iter().zip(&k[base + j * d..base + (j + 1) * d]).map(|(a, b)| a.to_f64() * b.to_f64()).sum::<f64>())
+            .map(|j| self.scale * qi.iter().zip(&k[kbase + j * d..kbase + (j + 1) * d]).map(|(a, b)| a.to_f64() * b.to_f64()).sum::<f64>())
             .collect();
         let m = p.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         p.iter_mut().for_each(|x| *x = (*x - m).exp());
@@ -47,36 +56,36 @@ pub fn forward<T: Element>(q: &[T], k: &[T], v: &[T], s: AttnSpec) -> Vec<T> {
     let (t, d) = (s.t, s.d);
     let mut out = vec![T::zero(); s.n * t * d];
     out.par_chunks_mut(d.max(1)).enumerate().for_each(|(row, o)| {
-        let (base, i) = ((row / t) * t * d, row % t);
-        let p = s.probs(q, k, base, i);
+        let (base, kbase, i) = ((row / t) * t * d, s.kv_base(row / t), row % t);
+        let p = s.probs(q, k, (base, kbase), i);
         for (c, oc) in o.iter_mut().enumerate() {
-            *oc = T::from_f64(p.iter().enumerate().map(|(j, pj)| pj * v[base + j * d + c].to_f64()).sum());
+            *oc = T::from_f64(p.iter().enumerate().map(|(j, pj)| pj * v[kbase + j * d + c].to_f64()).sum());
         }
     });
     out
 }
 
 /// dq, dk, dv packed as `[n / heads, t, 3, heads, d]` (`op::attention_grads_shape`), from
-/// the output's gradient `g`.
+/// the output's gradient `g`; under grouped-query attention dk and dv per query head.
 pub fn backward<T: Element>(q: &[T], k: &[T], v: &[T], g: &[T], s: AttnSpec) -> Vec<T> {
     let (t, d) = (s.t, s.d);
     let per = t * d;
     let grads: Vec<[Vec<f64>; 3]> = (0..s.n)
         .into_par_iter()
         .map(|b| {
-            let base = b * per;
+            let (base, kbase) = (b * per, s.kv_base(b));
             let (mut dq, mut dk, mut dv) = (vec![0f64; per], vec![0f64; per], vec![0f64; per]);
             for i in 0..t {
-                let p = s.probs(q, k, base, i);
+                let p = s.probs(q, k, (base, kbase), i);
                 let gi = &g[base + i * d..base + (i + 1) * d];
                 let dp: Vec<f64> = (0..p.len())
-                    .map(|j| gi.iter().zip(&v[base + j * d..base + (j + 1) * d]).map(|(a, b)| a.to_f64() * b.to_f64()).sum())
+                    .map(|j| gi.iter().zip(&v[kbase + j * d..kbase + (j + 1) * d]).map(|(a, b)| a.to_f64() * b.to_f64()).sum())
                     .collect();
                 let dsum: f64 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
                 for j in 0..p.len() {
                     let ds = s.scale * p[j] * (dp[j] - dsum);
                     for c in 0..d {
-                        dq[i * d + c] += ds * k[base + j * d + c].to_f64();
+                        dq[i * d + c] += ds * k[kbase + j * d + c].to_f64();
                         dk[j * d + c] += ds * q[base + i * d + c].to_f64();
                         dv[j * d + c] += p[j] * gi[c].to_f64();
                     }

@@ -396,6 +396,7 @@ fn attention(op: &Op, ins: &[(&CpuStorage, &Layout)]) -> Result<CpuStorage> {
             let spec = attention::AttnSpec {
                 n: l0.shape[..r - 2].iter().product(),
                 heads: crate::op::attention_heads(&l0.shape),
+                rep: crate::op::attention_kv_repeat(&l0.shape, &ins[1].1.shape).unwrap_or(1),
                 t: l0.shape[r - 2],
                 d: l0.shape[r - 1],
                 scale: *scale,

@@ -587,13 +587,16 @@ pub enum Op {
     },
     /// Scaled dot-product attention without storing the scores (flash-style): inputs q, k, v
     /// of one shape `[.., T, D]`; `out = softmax(scale * q k^T) v`, where with `causal` key `j`
-    /// is left out of query `i`'s softmax when `j > i`.
+    /// is left out of query `i`'s softmax when `j > i`. Grouped-query attention: q `[B, H, T,
+    /// D]` with k and v `[B, H_kv, T, D]`, query head `h` reading key/value head
+    /// `h / (H / H_kv)` (`attention_kv_repeat`), with no repeated copy of k and v.
     Attention {
         scale: f64,
         causal: bool,
     },
     /// The gradients of `Attention` (inputs q, k, v, its output, the output's gradient),
-    /// packed the way a fused projection lays out q, k and v: for q of shape `[B, H.., T, D]`,
+    /// packed the way a fused projection lays out q, k and v (under grouped-query attention,
+    /// dk and dv per query head, which the backward rule sums over each group): for q of shape `[B, H.., T, D]`,
     /// `[B, T, 3, H.., D]` (`[T, 3, D]` for rank 2; `attention_grads_shape`), so that the
     /// gradient of a `[B, T, 3 H D]` projection cut into heads is this buffer, with no copy.
     AttentionBackward {
@@ -791,6 +794,17 @@ fn check_dim(op: &'static str, dim: usize, shape: &[usize]) -> Result<()> {
 /// The heads of attention inputs of shape `[B, H.., T, D]`: the product of `H..` (1 below rank 4).
 pub fn attention_heads(q: &[usize]) -> usize {
     q[1.min(q.len().saturating_sub(2))..q.len().saturating_sub(2)].iter().product()
+}
+
+/// How many query heads share each key/value head when `Attention`'s q is `[B, H, T, D]` and
+/// its k (and v) `[B, H_kv, T, D]` with `H_kv` dividing `H` (grouped-query attention; 1 for
+/// equal shapes); `None` for shapes that do not pair so.
+pub fn attention_kv_repeat(q: &[usize], k: &[usize]) -> Option<usize> {
+    if q == k {
+        return Some(1);
+    }
+    let gqa = q.len() == 4 && k.len() == 4 && q[0] == k[0] && q[2..] == k[2..] && k[1] > 0 && q[1] % k[1] == 0;
+    gqa.then(|| q[1] / k[1])
 }
 
 /// The shape of `AttentionBackward`'s output for q of shape `[B, H.., T, D]`: `[B, T, 3, H.., D]`

@@ -172,14 +172,21 @@ pub(super) fn attention(op: &Op, inputs: &[InMeta<'_>]) -> Result<OutMeta> {
             if q.len() < 2 {
                 return Err(Error::shape(name, format!("needs q, k, v of rank >= 2, got {q:?}")));
             }
-            for x in &inputs[1..] {
+            for (i, x) in inputs.iter().enumerate().skip(1) {
                 same_dtype(name, inputs[0].dtype, x.dtype)?;
-                if x.shape != q {
+                // k and v (inputs 1 and 2) may have fewer heads (grouped-query attention).
+                if x.shape != q && !(i <= 2 && super::attention_kv_repeat(q, x.shape).is_some()) {
                     return Err(Error::shape(
                         name,
-                        format!("needs q, k, v (and output, gradient) of one shape, got {q:?} and {:?}", x.shape),
+                        format!(
+                            "needs q, k, v (and output, gradient) of one shape, or k and v [B, H_kv, T, D] with H_kv dividing q's heads [B, H, T, D], got {q:?} and {:?}",
+                            x.shape
+                        ),
                     ));
                 }
+            }
+            if inputs.len() >= 3 && inputs[1].shape != inputs[2].shape {
+                return Err(Error::shape(name, format!("needs k and v of one shape, got {:?} and {:?}", inputs[1].shape, inputs[2].shape)));
             }
             let shape = match op {
                 Op::AttentionBackward { .. } => attention_grads_shape(q),

@@ -358,7 +358,8 @@ fn flash_helpers(dtype: DType) -> String {
     let mut s = format!("#define SD (D + {})\n#define VEC {}\n", flash_vec(dtype), flash_vec(dtype));
     s += "__device__ __forceinline__ unsigned smem(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }\n";
     // One [T, D] matrix of a batch: row t of matrix n at `(n / nh) * b + (n % nh) * h + t * t`
-    // elements (a head of a fused projection is read where it lies, with no copy).
+    // elements (a head of a fused projection is read where it lies, with no copy; `n` is the
+    // block's matrix over `rep`, `MAT`).
     s += MAT;
     // Rows row0..row0+64 (row0 < T) of a [T, D] matrix with row stride st into a shared tile,
     // copied by the async copy engine 16 bytes at a time (zeros past T), so that a block loads
@@ -404,8 +405,10 @@ fn flash_helpers(dtype: DType) -> String {
 /// One `[T, D]` matrix of an attention batch (`Mat`), and where block `blockIdx.x`'s
 /// starts. In 32 bits (the matrix is a block index, `nh` at most their count): a 64-bit division
 /// is a long subroutine, and a kernel places up to six matrices.
-const MAT: &str = "struct Mat { long long b, h, t, nh; };
-__device__ __forceinline__ long long mat_base(Mat m) { const unsigned n = blockIdx.x, nh = (unsigned)m.nh; return (long long)(n / nh) * m.b + (long long)(n % nh) * m.h; }
+/// Under grouped-query attention a key or value operand has `rep` > 1: block `n` reads its
+/// matrix `n / rep`.
+const MAT: &str = "struct Mat { long long b, h, t, nh, rep; };
+__device__ __forceinline__ long long mat_base(Mat m) { const unsigned n = blockIdx.x / (unsigned)m.rep, nh = (unsigned)m.nh; return (long long)(n / nh) * m.b + (long long)(n % nh) * m.h; }
 ";
 
 /// The f16/bf16 MMA (`m16n8k16`) and fragments. A fragment register holds two neighbouring
@@ -965,7 +968,7 @@ mod launch {
         }
         let heads = crate::op::attention_heads(&l0.shape);
         // The heads last: matrix b*H + h's row i at b T H D + i H D + h D.
-        let last = Mat { b: (t * heads * d) as i64, h: d as i64, t: (heads * d) as i64, nh: heads as i64 };
+        let last = Mat { b: (t * heads * d) as i64, h: d as i64, t: (heads * d) as i64, nh: heads as i64, rep: 1 };
         let mout = if heads_last { last } else { Mat::dense(t, d) };
         if short {
             let (ins, _copies) = attention_inputs(g, x, (t, d), Some(1))?;
@@ -990,7 +993,7 @@ mod launch {
         }
         // The gradients, packed as `[B, T, 3, H.., D]` (`op::attention_grads_shape`): batch matrix
         // b*H + h of dq starts at b T 3 H D + h D, its rows 3 H D apart; dk and dv follow dq.
-        let packed = Mat { b: (t * 3 * heads * d) as i64, h: d as i64, t: (3 * heads * d) as i64, nh: heads as i64 };
+        let packed = Mat { b: (t * 3 * heads * d) as i64, h: d as i64, t: (3 * heads * d) as i64, nh: heads as i64, rep: 1 };
         let e = (heads * d * dtype.size_in_bytes()) as u64;
         if flash {
             let lse = forward_lse(x[3], (n, t, d), (scale, causal));
@@ -1044,25 +1047,36 @@ mod launch {
     /// Each attention input as a pointer to its first element and its `Mat` where its rows can be
     /// addressed so with `vec`-element alignment (`None`: never), else a dense copy (kept alive in
     /// the second list).
+    /// Under grouped-query attention (k and v with fewer heads than q), k and v are read where
+    /// they lie with their `Mat`'s `rep`, or copied dense with each head repeated.
     fn attention_inputs<'a>(
         g: &Arc<Gpu>,
         x: &[(&'a CudaStorage, &Layout)],
         (t, d): (usize, usize),
         vec: Option<usize>,
     ) -> Result<AttnInputs<'a>> {
+        let rep = crate::op::attention_kv_repeat(&x[0].1.shape, &x[1].1.shape).unwrap_or(1);
         let mut copies: Vec<Dense> = Vec::new();
         let mut ins: Vec<(u64, Mat)> = Vec::new();
-        for &(s, l) in x {
+        for (i, &(s, l)) in x.iter().enumerate() {
+            let kv_rep = if i == 1 || i == 2 { rep } else { 1 };
             match vec.and_then(|v| Mat::of(l, (t, d), v)) {
-                Some(m) => ins.push((s.ptr_at(l.offset), m)),
+                Some(m) => ins.push((s.ptr_at(l.offset), Mat { rep: kv_rep as i64, ..m })),
                 None => {
-                    let c = dense(g, s, l)?;
+                    let c = if kv_rep > 1 { dense(g, s, &repeat_heads(l, kv_rep))? } else { dense(g, s, l)? };
                     ins.push((c.ptr(), Mat::dense(t, d)));
                     copies.push(c);
                 }
             }
         }
         Ok((ins, copies))
+    }
+
+    /// `[B, H_kv, T, D]` as `[B, H_kv, rep, T, D]` with the new dim of stride 0: each head
+    /// `rep` times, in q's head order.
+    fn repeat_heads(l: &Layout, rep: usize) -> Layout {
+        let (sh, st) = (&l.shape, &l.strides);
+        Layout { shape: vec![sh[0], sh[1], rep, sh[2], sh[3]], strides: vec![st[0], st[1], 0, st[2], st[3]], offset: l.offset }
     }
 
     /// `attention_short_source`'s forward: a block per matrix, `ins` q, k, v.
@@ -1092,7 +1106,7 @@ mod launch {
 
     /// Where the rows of one `[T, D]` matrix of an attention batch lie (`flash_source`'s
     /// `struct Mat`): matrix `n`'s row `i` starts `(n / nh) * b + (n % nh) * h + i * t` elements
-    /// from the operand's first element.
+    /// from the operand's first element, where block `m` reads matrix `n = m / rep`.
     #[repr(C)]
     #[derive(Clone, Copy, Debug)]
     struct Mat {
@@ -1100,11 +1114,12 @@ mod launch {
         h: i64,
         t: i64,
         nh: i64,
+        rep: i64,
     }
 
     impl Mat {
         fn dense(t: usize, d: usize) -> Mat {
-            Mat { b: (t * d) as i64, h: 0, t: d as i64, nh: 1 }
+            Mat { b: (t * d) as i64, h: 0, t: d as i64, nh: 1, rep: 1 }
         }
 
         /// The matrices of `l` (shape `[.., T, D]`) when its rows are contiguous, its leading
@@ -1125,7 +1140,7 @@ mod launch {
             };
             let row = if t > 1 { l.strides[r - 2] } else { d };
             let aligned = [b, h, row, l.offset].iter().all(|&x| x % vec == 0);
-            aligned.then_some(Mat { b: b as i64, h: h as i64, t: row as i64, nh: nh as i64 })
+            aligned.then_some(Mat { b: b as i64, h: h as i64, t: row as i64, nh: nh as i64, rep: 1 })
         }
     }
 
@@ -1221,6 +1236,6 @@ mod launch {
     /// `Mat` against its C twin (`kernels::argument_layouts`).
     pub(crate) fn layout_checks() -> Vec<crate::cuda::kernels::prelude::ArgLayout> {
         use crate::cuda::kernels::prelude::layout_check;
-        vec![layout_check!(MAT, "Mat", Mat, { b => b, h => h, t => t, nh => nh })]
+        vec![layout_check!(MAT, "Mat", Mat, { b => b, h => h, t => t, nh => nh, rep => rep })]
     }
 }
