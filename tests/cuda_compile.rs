@@ -284,8 +284,12 @@ fn gpt_under_bf16_autocast_takes_tensor_core_attention_and_matches_the_cpu() {
     assert_eq!((out.dtype(), out.grad_fn().map(|f| f.op.name())), (DType::BF16, Some("attention")));
     let eager = common::train_gpt_cfg(dev, None, 100, cfg);
     assert_close("eager BF16 autocast with flash attention vs F32 CPU: losses", &eager.losses, &cpu.losses, 3e-2);
+    // Compiled against eager over the first 40 steps: later, BF16 rounding differences
+    // between kernels grow chaotically in a model this small (on the CPU too, where compiled
+    // and eager agree exactly for 20 steps and drift by 1e-3 by step 45).
+    let eager = common::train_gpt_cfg(dev, None, 40, cfg);
     for mode in MODES {
-        let run = common::train_gpt_cfg(dev, Some(mode), 100, cfg);
+        let run = common::train_gpt_cfg(dev, Some(mode), 40, cfg);
         assert_runs_agree(
             &format!("{mode:?} flash attention vs eager"),
             &drop_key_bias(&run, 32),

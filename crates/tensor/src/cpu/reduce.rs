@@ -508,7 +508,8 @@ pub fn cross_entropy<T: Element, U: Element>(
     let stats = |r: usize| -> (f64, f64) {
         let row = &x[r * n..(r + 1) * n];
         let (m, sum) = max_and_sum_exp(row, 1.0);
-        (m + sum.ln(), row.iter().map(|v| v.to_f64()).sum())
+        // The logits' sum only under smoothing: a masked -inf logit must not make 0 * -inf.
+        (m + sum.ln(), if k.smoothing != 0.0 { row.iter().map(|v| v.to_f64()).sum() } else { 0.0 })
     };
     let on = 1.0 - k.smoothing;
     let off = k.smoothing / n as f64;
