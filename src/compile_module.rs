@@ -16,8 +16,8 @@
 //! # Ok::<(), kiln::Error>(())
 //! ```
 
-use crate::compile::{compile, Compiled, Mode};
-use crate::nn::{Forward, Module};
+use kiln_compile::{compile, Compiled, Mode};
+use kiln_nn::{Forward, Module};
 use kiln_autograd::{GradModeGuard, NoGradGuard};
 use kiln_tensor::{CustomBackward, Error, Result, Tensor};
 use std::cell::{Cell, RefCell};
@@ -138,7 +138,7 @@ impl<M> Drop for CompiledModule<M> {
 
 impl<M> CompiledModule<M> {
     /// What the compiled forward does (graphs, kernels, memory), as `Compiled::explain`.
-    pub fn explain(&self) -> crate::compile::Explain {
+    pub fn explain(&self) -> kiln_compile::Explain {
         self.forward.borrow().explain()
     }
 }

@@ -9,7 +9,6 @@ mod parts;
 mod shapes;
 
 pub use parts::{Part, Parts};
-pub use shapes::cross_entropy_loss_dtype;
 
 use crate::{DType, Error, Result};
 
@@ -794,6 +793,17 @@ fn check_dim(op: &'static str, dim: usize, shape: &[usize]) -> Result<()> {
 /// The heads of attention inputs of shape `[B, H.., T, D]`: the product of `H..` (1 below rank 4).
 pub fn attention_heads(q: &[usize]) -> usize {
     q[1.min(q.len().saturating_sub(2))..q.len().saturating_sub(2)].iter().product()
+}
+
+/// The dtype of `Op::CrossEntropy`'s losses (and of its backward's per-row gradient): F64
+/// for F64 logits, else F32, as each row's log-sum-exp is computed; BF16 and F16 logits are
+/// read as they are, never copied to F32.
+pub fn cross_entropy_loss_dtype(logits: DType) -> DType {
+    if logits == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
 }
 
 /// How many query heads share each key/value head when `Attention`'s q is `[B, H, T, D]` and

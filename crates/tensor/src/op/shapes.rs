@@ -198,17 +198,6 @@ pub(super) fn attention(op: &Op, inputs: &[InMeta<'_>]) -> Result<OutMeta> {
     }
 }
 
-/// The dtype of `Op::CrossEntropy`'s losses (and of its backward's per-row gradient): F64
-/// for F64 logits, else F32, as each row's log-sum-exp is computed; BF16 and F16 logits are
-/// read as they are, never copied to F32.
-pub fn cross_entropy_loss_dtype(logits: DType) -> DType {
-    if logits == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
-}
-
 /// Cross-entropy per row and its backward.
 pub(super) fn cross_entropy(op: &Op, inputs: &[InMeta<'_>]) -> Result<OutMeta> {
     let name = op.name();
@@ -220,7 +209,7 @@ pub(super) fn cross_entropy(op: &Op, inputs: &[InMeta<'_>]) -> Result<OutMeta> {
             if x.len() != 2 || t.len() != 1 || t[0] != x[0] {
                 return Err(Error::shape(name, format!("expects logits [N, C] and targets [N], got {x:?} and {t:?}")));
             }
-            let loss = cross_entropy_loss_dtype(inputs[0].dtype);
+            let loss = super::cross_entropy_loss_dtype(inputs[0].dtype);
             if let Some(g) = inputs.get(2) {
                 if g.dtype != loss {
                     return Err(Error::Msg(format!(
