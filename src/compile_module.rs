@@ -16,9 +16,9 @@
 //! # Ok::<(), kiln::Error>(())
 //! ```
 
+use kiln_autograd::{GradModeGuard, NoGradGuard};
 use kiln_compile::{compile, Compiled, Mode};
 use kiln_nn::{Forward, Module};
-use kiln_autograd::{GradModeGuard, NoGradGuard};
 use kiln_tensor::{CustomBackward, Error, Result, Tensor};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
