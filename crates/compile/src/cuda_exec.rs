@@ -126,7 +126,7 @@ fn kernel_name(g: &Graph, plan: &Plan, gs: &[usize]) -> String {
 }
 
 /// The kernel spec of one fusion group; `lead`: its launch's lead group (whose values it reads
-/// from shared memory).
+/// from registers).
 fn fused_group(g: &Graph, plan: &Plan, k: usize, lead: Option<&Group>) -> Result<FusedGroup> {
     let gr = &plan.groups[k];
     let n: usize = gr.shape.iter().product();

@@ -27,8 +27,8 @@ pub struct Group {
     /// Ends in full sums folded by one block (GPU only, `full_sum`): members after a sum are
     /// single values computed once.
     pub folds: bool,
-    /// Leads its launch (GPU only, `lead_scalar_groups`): a scalar group that each block of
-    /// the launch's kernel computes first, so that the other groups read it from shared memory.
+    /// Leads its launch (GPU only, `lead_scalar_groups`): a scalar group that every thread of
+    /// the launch's kernel computes first, so that the other groups read it from registers.
     pub lead: bool,
 }
 
@@ -423,9 +423,8 @@ fn free_scalar(g: &Graph, gr: &Group, state_nodes: &[Option<NodeId>], users: &[V
 }
 
 /// A free scalar group left in a launch of its own (no launch before it to join; several
-/// such groups are first merged, `merge_scalar_launch`) leads the next launch instead: each
-/// block of that kernel computes its few values first, the other groups read them from shared
-/// memory, and the kernel's last block stores them
+/// such groups are first merged, `merge_scalar_launch`) leads the next launch instead: every thread of that kernel computes its few values first, the other
+/// groups read them from registers, and the kernel's last block stores them
 /// (`FusedKernel::lead`). AdamW's step count and bias corrections so ride on its update. Only
 /// where no step in between reads the group's values and no group of that launch overwrites
 /// state the scalar group reads.

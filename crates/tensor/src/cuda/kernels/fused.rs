@@ -15,7 +15,7 @@ pub enum FusedSrc {
 
 /// An input of a fused kernel: read at `offset + i` when `strides` is `None`, else at
 /// `offset + sum(coord_d * strides_d)` over `shape` (broadcasts have stride 0). With `lead`,
-/// the value is output `r` of the kernel's lead group, read from shared memory (its buffer is
+/// the value is output `r` of the kernel's lead group, read from a register (its buffer is
 /// still passed: the kernel's last block writes it). With `fed`, the value is a short
 /// product computed where it is read, its left operand at `offset` of this input's buffer.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -118,8 +118,8 @@ pub struct FusedGroup {
 /// are each group's outputs then inputs, group after group.
 ///
 /// With `lead`, `groups[0]` is a scalar group (one element, no sums, e.g. AdamW's step count
-/// and bias corrections) that each block computes first, and the other groups read its
-/// outputs from shared memory (`FusedInput::lead`). It gets no blocks: the grid's last block to
+/// and bias corrections) that every thread computes first, and the other groups read its
+/// outputs from registers (`FusedInput::lead`). It gets no blocks: the grid's last block to
 /// finish stores its outputs, counted by a ticket (a `u32` that is zero between launches,
 /// passed last), since an output may be state the lead reads (the step count).
 ///
@@ -292,9 +292,7 @@ impl FusedKernel {
 }
 
 /// A lead group's outputs `L{r}` (stored values, so that readers see what memory would hold),
-/// computed by each block's first thread from element 0 of its inputs into shared memory: the
-/// other threads skip the work (AdamW's bias corrections are f64 powers, which every thread of
-/// a 200k-element update computing them would pay for), then the block synchronises once.
+/// computed by every thread from element 0 of its inputs.
 fn lead_values(gr: &FusedGroup) -> Result<String, String> {
     if gr.n != 1 || gr.folds() || gr.inputs.iter().any(|x| x.lead.is_some()) {
         return Err(format!("a lead group must be one element without sums or leads of its own (n = {}, sums: {})", gr.n, gr.folds()));
@@ -302,13 +300,13 @@ fn lead_values(gr: &FusedGroup) -> Result<String, String> {
     let mut s = String::new();
     for (r, &m) in gr.outputs.iter().enumerate() {
         let d = gr.members.get(m).ok_or_else(|| format!("lead output {r} names no member"))?.dtype;
-        s += &format!("  __shared__ {} L{r};\n", storage_type(d));
+        s += &format!("  {} L{r};\n", storage_type(d));
     }
     let loads: Vec<String> = gr.inputs.iter().enumerate().map(|(k, x)| format!("p0_{k}[{}]", x.offset)).collect();
     let stores: Vec<String> = (0..gr.outputs.len()).map(|r| format!("L{r}")).collect();
-    s += "  if (threadIdx.x == 0) {\n";
+    s += "  {\n";
     s += &group_body(gr, &loads, &stores)?;
-    s += "  }\n  __syncthreads();\n";
+    s += "  }\n";
     Ok(s)
 }
 
