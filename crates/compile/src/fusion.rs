@@ -423,8 +423,9 @@ fn free_scalar(g: &Graph, gr: &Group, state_nodes: &[Option<NodeId>], users: &[V
 }
 
 /// A free scalar group left in a launch of its own (no launch before it to join; several
-/// such groups are first merged, `merge_scalar_launch`) leads the next launch instead: every thread of that kernel computes its few values first, the other
-/// groups read them from registers, and the kernel's last block stores them
+/// such groups are first merged, `merge_scalar_launch`) leads the next launch instead: every
+/// thread of that kernel computes its few values first, the other groups read them from
+/// registers, and the kernel's last block stores them
 /// (`FusedKernel::lead`). AdamW's step count and bias corrections so ride on its update. Only
 /// where no step in between reads the group's values and no group of that launch overwrites
 /// state the scalar group reads.
@@ -432,20 +433,22 @@ fn lead_scalar_groups(g: &Graph, mut plan: Plan) -> Plan {
     let (state_nodes, users) = (g.state_nodes(), g.users());
     let mut k = 0;
     while k < plan.steps.len() {
-        let Step::Groups(solo) = plan.steps[k].clone() else {
+        let Step::Groups(gs) = plan.steps[k].clone() else {
             k += 1;
             continue;
         };
-        if let Some(s) = merge_scalar_launch(g, &mut plan, solo, &state_nodes, &users) {
-            plan.steps[k] = Step::Groups(vec![s]);
-        }
-        let Step::Groups(ref solo) = plan.steps[k] else { unreachable!("step {k} is a launch") };
-        let s = solo[0];
+        let s = match merge_scalar_launch(g, &mut plan, &gs, &state_nodes, &users) {
+            Some(merged) => {
+                plan.steps[k] = Step::Groups(vec![merged]);
+                merged
+            }
+            None if gs.len() == 1 && free_scalar(g, &plan.groups[gs[0]], &state_nodes, &users) => gs[0],
+            None => {
+                k += 1;
+                continue;
+            }
+        };
         let sg = &plan.groups[s];
-        if solo.len() != 1 || !free_scalar(g, sg, &state_nodes, &users) {
-            k += 1;
-            continue;
-        }
         let next = plan.steps.iter().enumerate().skip(k + 1).find_map(|(j, st)| match st {
             Step::Groups(gs) => Some((j, gs)),
             Step::Node(_) => None,
@@ -472,7 +475,7 @@ fn lead_scalar_groups(g: &Graph, mut plan: Plan) -> Plan {
 /// corrections and decay factor, each from the step count or the rate) becomes one group,
 /// so that it can lead the next launch as one. The groups of one launch are independent, so
 /// their members in node order are in order. Returns the merged group.
-fn merge_scalar_launch(g: &Graph, plan: &mut Plan, gs: Vec<usize>, state_nodes: &[Option<NodeId>], users: &[Vec<NodeId>]) -> Option<usize> {
+fn merge_scalar_launch(g: &Graph, plan: &mut Plan, gs: &[usize], state_nodes: &[Option<NodeId>], users: &[Vec<NodeId>]) -> Option<usize> {
     let (&first, rest) = gs.split_first()?;
     let like = |k: usize| {
         let (a, b) = (&plan.groups[k], &plan.groups[first]);
