@@ -1,6 +1,6 @@
 //! Kernel throughput on the CPU: elementwise add (GB/s, against a plain Rust loop) and a
-//! 1024^3 f32 matmul (GFLOP/s, against `matrixmultiply`, the kernel Kiln calls, and the
-//! `gemm` crate, each called directly).
+//! 1024^3 f32 matmul (GFLOP/s, against the `gemm` crate, the kernel Kiln calls, called
+//! directly on all threads and on one).
 //! `cargo bench --bench ops`
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
@@ -70,27 +70,32 @@ fn matmul(c: &mut Criterion) {
             black_box(&out);
         })
     });
-    // One thread, as Kiln's split gives each thread its rows.
-    g.bench_function("matrixmultiply_direct_one_thread", |bch| {
+    // One thread, as Kiln's split gives each thread its block of columns.
+    g.bench_function("gemm_direct_one_thread", |bch| {
         bch.iter(|| {
             // SAFETY: all three buffers hold n*n f32 in row-major order.
             unsafe {
-                matrixmultiply::sgemm(
+                gemm::gemm(
                     n,
                     n,
                     n,
-                    1.0,
-                    av.as_ptr(),
-                    n as isize,
-                    1,
-                    bv.as_ptr(),
-                    n as isize,
-                    1,
-                    0.0,
                     out.as_mut_ptr(),
-                    n as isize,
                     1,
-                )
+                    n as isize,
+                    false,
+                    av.as_ptr(),
+                    1,
+                    n as isize,
+                    bv.as_ptr(),
+                    1,
+                    n as isize,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
             }
             black_box(&out);
         })

@@ -100,3 +100,20 @@ fn sixteen_bit_products_fold_too() -> Result<()> {
     }
     Ok(())
 }
+
+/// Products large enough to spread over the threads: by column blocks (wide), by rows
+/// (narrow: too few columns to split), with transposed, permuted and sequence-first operands
+/// and a bias.
+#[test]
+fn products_split_over_threads_keep_every_layout() -> Result<()> {
+    kiln_tensor::rng::manual_seed(5);
+    let (w, bias) = (randn(&[512, 96])?, randn(&[512])?);
+    let seq_first = randn(&[16, 8, 96])?;
+    check("wide, sequence-first @ W^T + b", &seq_first, &w.t()?, Some(&bias), 1e-4)?;
+    check("wide, permuted @ W^T", &seq_first.permute(&[1, 0, 2])?, &w.t()?, None, 1e-4)?;
+    check("wide, transposed left", &randn(&[96, 128])?.t()?, &randn(&[96, 512])?, None, 1e-4)?;
+    let narrow = randn(&[96, 8])?;
+    check("narrow, many rows", &randn(&[4096, 96])?, &narrow, None, 1e-4)?;
+    check("narrow, permuted rows", &randn(&[64, 64, 96])?.permute(&[1, 0, 2])?, &narrow, None, 1e-4)?;
+    Ok(())
+}

@@ -21,19 +21,29 @@ pub fn par_chunks<T: Send>(out: &mut [T], f: impl Fn(usize, &mut [T]) + Sync) {
     out.par_chunks_mut(chunk).enumerate().for_each(|(i, c)| f(i * chunk, c));
 }
 
-/// Runs `f` compiled for AVX2 where the CPU has it (x86-64's baseline is SSE2): loops over
-/// f32 `exp`/`erf` (`math.rs`, branch-free) then run 8 lanes at a time. The results are the
-/// same bits either way (IEEE operations, never contracted into FMAs).
+/// Runs `f` compiled for AVX-512 or AVX2 where the CPU has it (x86-64's baseline is SSE2):
+/// loops over f32 `exp`/`erf` (`math.rs`, branch-free) then run 16 or 8 lanes at a time. The
+/// results are the same bits either way (IEEE operations, never contracted into FMAs).
 #[inline(always)]
 pub fn wide<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
-        #[target_feature(enable = "avx2")]
-        fn avx2<R>(f: impl FnOnce() -> R) -> R {
-            f()
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            #[target_feature(enable = "avx512f")]
+            fn avx512<R>(f: impl FnOnce() -> R) -> R {
+                f()
+            }
+            // SAFETY: the CPU has AVX-512F (checked just above), the only requirement of `avx512`.
+            return unsafe { avx512(f) };
         }
-        // SAFETY: the CPU has AVX2 (checked just above), the only requirement of `avx2`.
-        return unsafe { avx2(f) };
+        if std::is_x86_feature_detected!("avx2") {
+            #[target_feature(enable = "avx2")]
+            fn avx2<R>(f: impl FnOnce() -> R) -> R {
+                f()
+            }
+            // SAFETY: the CPU has AVX2 (checked just above), the only requirement of `avx2`.
+            return unsafe { avx2(f) };
+        }
     }
     f()
 }

@@ -26,39 +26,24 @@ pub trait GemmElem: Element {
     unsafe fn product(p: &Product<Self>);
 }
 
-/// f32 and f64 go through `matrixmultiply`: faster than `gemm` on a 2-vCPU machine (one
-/// thread, 1024 x 784 x 256; BENCHMARKS.md), as its AVX2/FMA kernels run here while `gemm`'s
-/// AVX-512 ones need a nightly compiler. With `m < n` the transposed product
-/// `dst^T = b^T a^T` is faster (the long side in the kernel's row panels), as for the MLP's
-/// 32 x 784 x 256 forward and its weight gradient.
-macro_rules! matrixmultiply_elem {
-    ($t:ty, $f:path) => {
+/// Every float dtype but bf16 goes through `gemm`, whose AVX-512 kernels (its `x86-v4`
+/// feature, chosen at run time) match MKL's single-thread rate and scale over two threads where
+/// `matrixmultiply` does not (BENCHMARKS.md).
+macro_rules! gemm_elem {
+    ($t:ty, $zero:expr, $one:expr) => {
         impl GemmElem for $t {
             unsafe fn product(p: &Product<$t>) {
                 let Product { m, k, n, a: (a, sa), b: (b, sb), dst: (d, sd), accumulate } = *p;
-                let beta = if accumulate { 1.0 } else { 0.0 };
-                if m < n {
-                    $f(n, k, m, 1.0, b, sb[1], sb[0], a, sa[1], sa[0], beta, d, sd[1], sd[0])
-                } else {
-                    $f(m, k, n, 1.0, a, sa[0], sa[1], b, sb[0], sb[1], beta, d, sd[0], sd[1])
-                }
+                let keep = if accumulate { $one } else { $zero };
+                let par = gemm::Parallelism::None;
+                gemm::gemm(m, n, k, d, sd[1], sd[0], accumulate, a, sa[1], sa[0], b, sb[1], sb[0], keep, $one, false, false, false, par)
             }
         }
     };
 }
-matrixmultiply_elem!(f32, matrixmultiply::sgemm);
-matrixmultiply_elem!(f64, matrixmultiply::dgemm);
-
-/// f16 has no `matrixmultiply` kernel; `gemm` has one.
-impl GemmElem for half::f16 {
-    unsafe fn product(p: &Product<Self>) {
-        let Product { m, k, n, a: (a, sa), b: (b, sb), dst: (d, sd), accumulate } = *p;
-        let (zero, one) = (half::f16::ZERO, half::f16::ONE);
-        let keep = if accumulate { one } else { zero };
-        let par = gemm::Parallelism::None;
-        gemm::gemm(m, n, k, d, sd[1], sd[0], accumulate, a, sa[1], sa[0], b, sb[1], sb[0], keep, one, false, false, false, par)
-    }
-}
+gemm_elem!(f32, 0.0, 1.0);
+gemm_elem!(f64, 0.0, 1.0);
+gemm_elem!(half::f16, half::f16::ZERO, half::f16::ONE);
 
 /// What the GEMM accumulates onto in whole rows of `n` columns: the bias in each row; with
 /// `k = 0` (no product) zeros when there is no bias; else left for the GEMM to overwrite.
@@ -122,20 +107,31 @@ unsafe fn product_cols<T: GemmElem>(
     });
 }
 
-/// The columns each thread takes of a single product made as one tile: all of them unless
-/// the product is short and wide (`m < n`, where `product` runs it transposed with the long
-/// side in the kernel's row panels) and large enough to pay for waking the workers.
+/// The columns each thread takes of a single product made as one tile: all of them unless the
+/// product is large enough to pay for waking the workers and wide enough to split. Column
+/// blocks beat row blocks on every product measured (each thread packs only its part of `b`).
 pub fn split_cols(s: MatmulShape) -> usize {
     let threads = rayon::current_num_threads();
-    if threads > 1 && s.m < s.n && s.m * s.n * s.k >= PAR_COLS_FLOPS {
+    if threads > 1 && s.n >= 16 * threads && s.m * s.n * s.k >= PAR_FLOPS {
         s.n.div_ceil(threads).next_multiple_of(16).min(s.n)
     } else {
         s.n
     }
 }
 
-/// From this many multiply-adds a short, wide product's columns are split over the threads.
-const PAR_COLS_FLOPS: usize = 1 << 21;
+/// The rows each thread takes of a single product too narrow to split by columns: all of them
+/// unless it is large enough to pay for waking the workers.
+fn split_rows(s: MatmulShape) -> usize {
+    let threads = rayon::current_num_threads();
+    if threads > 1 && s.m >= 2 * threads && s.m * s.n * s.k >= PAR_FLOPS {
+        s.m.div_ceil(threads)
+    } else {
+        s.m
+    }
+}
+
+/// From this many multiply-adds a single product spreads over the threads.
+const PAR_FLOPS: usize = 1 << 21;
 
 /// The strides of `l`'s batch dims (all but its last two) broadcast to `batch` (0 where a
 /// dim is broadcast).
@@ -174,13 +170,6 @@ fn matrix_strides(l: &Layout) -> [isize; 2] {
 /// From this many multiply-adds in all, a batch of products spreads over the threads.
 const PAR_BATCH_FLOPS: usize = 1 << 18;
 
-/// From this many multiply-adds a single product's rows are split over the threads. In the
-/// MLP steps, at batch 1024 (200M multiply-adds a product) eager is faster split than on one
-/// thread or with `gemm`'s own threading; at batch 32 (6.4M) splitting its 32 rows makes the
-/// compiled step slower (both threads pack all of `b`), so smaller products split their
-/// columns instead when short and wide (`split_cols`), else stay on one thread.
-const PAR_FLOPS: usize = 1 << 25;
-
 /// The sizes of a batched product `[..batch, m, k] x [..batch, k, n]`.
 #[derive(Debug, Clone, Copy)]
 pub struct MatmulShape<'a> {
@@ -188,16 +177,6 @@ pub struct MatmulShape<'a> {
     pub m: usize,
     pub k: usize,
     pub n: usize,
-}
-
-/// The rows of a single product each thread takes: all of them below `PAR_FLOPS`.
-pub fn split_rows(s: MatmulShape) -> usize {
-    let threads = rayon::current_num_threads();
-    if s.m * s.n * s.k >= PAR_FLOPS && s.m >= 2 * threads {
-        s.m.div_ceil(threads)
-    } else {
-        s.m
-    }
 }
 
 /// `out[b] = a[b] @ bm[b] (+ bias)` for every batch index of the broadcast batch shape (the
@@ -211,8 +190,8 @@ pub fn matmul<T: GemmElem>((a, la): (&[T], &Layout), (b, lb): (&[T], &Layout), b
         return buf;
     }
     if nb == 1 {
-        // One product: its rows split over the threads when large (`split_rows`).
-        by_tiles((a, la), (b, lb), bias, s, out, split_rows(s), &|_, _, _| {});
+        // One product, spread over the threads when large (`by_tiles`).
+        by_tiles((a, la), (b, lb), bias, s, out, m, &|_, _, _| {});
         return buf;
     }
     if batch_strides(lb, batch).iter().all(|&st| st == 0) {
@@ -223,12 +202,12 @@ pub fn matmul<T: GemmElem>((a, la): (&[T], &Layout), (b, lb): (&[T], &Layout), b
         // (`by_tiles` reads only b's last two dims and its offset.)
         let rows = MatmulShape { batch: &[], m: nb * m, k, n };
         match folded_rows(la, batch, m) {
-            Some(la2) => by_tiles((a, &la2), (b, lb), bias, rows, out, split_rows(rows), &|_, _, _| {}),
+            Some(la2) => by_tiles((a, &la2), (b, lb), bias, rows, out, rows.m, &|_, _, _| {}),
             None => {
                 let shape = [batch, &[m, k]].concat();
                 let view = Layout { strides: la.broadcast_strides(&shape), shape, offset: la.offset };
                 let dense = map1(a, &view, |x: T| x);
-                by_tiles((&dense, &Layout::contiguous(&[nb * m, k])), (b, lb), bias, rows, out, split_rows(rows), &|_, _, _| {});
+                by_tiles((&dense, &Layout::contiguous(&[nb * m, k])), (b, lb), bias, rows, out, rows.m, &|_, _, _| {});
                 pool::give(dense);
             }
         }
@@ -272,9 +251,11 @@ pub fn matmul<T: GemmElem>((a, la): (&[T], &Layout), (b, lb): (&[T], &Layout), b
 pub type TileFn<'a> = dyn Fn(*const u8, usize, usize) + Sync + 'a;
 
 /// A single product `a @ b (+ bias)` (batch dims, if any, all 1) into `out` (`[m, n]`),
-/// `tile` rows at a time with the tiles spread over the threads; right after each tile, `after(out_ptr, start, end)` runs
-/// on its elements `start..end` of `out` (`out_ptr` is element 0) while they are in cache.
-/// Compile's CPU back end runs an optimizer update this way, straight off its gradient.
+/// `tile` rows at a time with the tiles spread over the threads; right after each tile,
+/// `after(out_ptr, start, end)` runs on its elements `start..end` of `out` (`out_ptr` is
+/// element 0) while they are in cache. Compile's CPU back end runs an optimizer update this
+/// way, straight off its gradient. Asked for one tile (`tile >= m`), the product still spreads
+/// over the threads when large: by column blocks (`split_cols`), else by rows (`split_rows`).
 pub fn by_tiles<T: GemmElem>(
     (a, la): (&[T], &Layout),
     (b, lb): (&[T], &Layout),
@@ -289,6 +270,8 @@ pub fn by_tiles<T: GemmElem>(
         return;
     }
     let (a_s, b_s, tile) = (matrix_strides(la), matrix_strides(lb), tile.max(1));
+    let cols = if tile >= m { split_cols(s) } else { n };
+    let tile = if tile >= m && cols == n { split_rows(s) } else { tile };
     let per_tile = |(t, dst): (usize, &mut [T])| {
         let r0 = t * tile;
         // SAFETY: rows r0.. of the [m, k] matrix a at its strides, the whole [k, n] b, and
@@ -297,8 +280,7 @@ pub fn by_tiles<T: GemmElem>(
         // Element 0 of `out`, from this tile's own pointer (the callee touches this tile only).
         after(dst.as_ptr().wrapping_sub(r0 * n) as *const u8, r0 * n, r0 * n + dst.len());
     };
-    let cols = split_cols(s);
-    if tile >= m && cols < n {
+    if cols < n {
         // One tile, its columns spread over the threads.
         let dst = &mut out[..m * n];
         // SAFETY: as in `per_tile`, the column blocks being disjoint parts of `dst`.

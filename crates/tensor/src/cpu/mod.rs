@@ -274,7 +274,7 @@ fn rows(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<CpuSt
             let spec = reduce::XentSpec { n: l.shape[1], ignore: *ignore_index, smoothing: *smoothing };
             let targets = contig(typed::<i64>(st, name)?, lt);
             // The losses (and the gradient read by the backward) are F64 for F64 logits, else F32.
-            fn go<T: CpuSlice, U: CpuSlice>(
+            fn go<T: CpuSlice + RowKernels, U: CpuSlice>(
                 x: &[T],
                 l: &Layout,
                 t: &[i64],
@@ -671,7 +671,7 @@ fn matmul_fused(e: MatmulEpilogue, ins: &[(&CpuStorage, &Layout)], meta: &OutMet
         }
         MatmulEpilogue::SumLeft | MatmulEpilogue::SumRight => {
             let s = matmul::MatmulShape { batch: &[], m: ins[0].1.shape[0], k: ins[0].1.shape[1], n: ins[1].1.shape[1] };
-            match matmul_by_tiles(&Op::Fused(Fused::Matmul(e)), ins, meta, matmul::split_rows(s), &|_, _, _| {})? {
+            match matmul_by_tiles(&Op::Fused(Fused::Matmul(e)), ins, meta, s.m, &|_, _, _| {})? {
                 Some(out) => Ok(out),
                 // F16 and BF16 (rare here): the product, then a copy into the longer buffer.
                 None => {

@@ -231,14 +231,21 @@ fn pooled<A, U: Element>(acc: &[A], f: impl Fn(&A) -> U) -> Vec<U> {
 
 /// Calls `f(row, out_row)` for each row of `n` elements of `out`, in parallel when large.
 fn for_rows<T: Send>(out: &mut [T], n: usize, f: impl Fn(usize, &mut [T]) + Sync + Send) {
+    for_rows_reading(out, n, n, f)
+}
+
+/// `for_rows` where each row reads `work` elements (a row of losses reads a row of logits):
+/// in parallel when the reads are many.
+fn for_rows_reading<T: Send>(out: &mut [T], n: usize, work: usize, f: impl Fn(usize, &mut [T]) + Sync + Send) {
     use rayon::prelude::*;
     if n == 0 {
         return;
     }
-    if out.len() < PAR_THRESHOLD {
+    let rows = out.len() / n;
+    if rows * work < PAR_THRESHOLD / 4 {
         out.chunks_mut(n).enumerate().for_each(|(r, o)| f(r, o));
     } else {
-        out.par_chunks_mut(n).with_min_len((PAR_THRESHOLD / 4 / n).max(1)).enumerate().for_each(|(r, o)| f(r, o));
+        out.par_chunks_mut(n).with_min_len((PAR_THRESHOLD / 16 / work.max(1)).max(1)).enumerate().for_each(|(r, o)| f(r, o));
     }
 }
 
@@ -254,13 +261,13 @@ pub struct SoftmaxSpec {
 }
 
 /// The maximum of `scale * x` over a row (NaN wins) and the sum of `exp(scale * x - max)`.
-fn max_and_sum_exp<T: Element>(row: &[T], scale: f64) -> (f64, f64) {
+fn max_and_sum_exp<T: RowKernels>(row: &[T], scale: f64) -> (f64, f64) {
     let m = row.iter().map(|v| scale * v.to_f64()).fold(f64::NEG_INFINITY, |a, b| if b.is_nan() || b > a { b } else { a });
-    (m, row.iter().map(|v| (scale * v.to_f64() - m).exp()).sum())
+    (m, T::sum_exp_minus(row, scale, m))
 }
 
 /// Softmax (or log-softmax) of `scale * x` for each row of a row-major buffer, in f64.
-pub fn softmax<T: Element>(src: &[T], k: SoftmaxSpec) -> Vec<T> {
+pub fn softmax<T: RowKernels>(src: &[T], k: SoftmaxSpec) -> Vec<T> {
     let n = k.n;
     let mut out = pool::take::<T>(src.len());
     for_rows(&mut out, n, |r, o| {
@@ -285,6 +292,15 @@ pub fn softmax<T: Element>(src: &[T], k: SoftmaxSpec) -> Vec<T> {
 /// a time (`softmax_f32`, `normalize_f32`), as PyTorch does; the other types in f64
 /// (`softmax`, `normalize`).
 pub trait RowKernels: Element {
+    /// `exp(scale * x - m)`: in f64, or for f32 in f32 (`math::exp_f32`, which vectorises).
+    #[inline(always)]
+    fn exp_minus(x: Self, scale: f64, m: f64) -> f64 {
+        (scale * x.to_f64() - m).exp()
+    }
+    /// The sum of `exp_minus` over a row, in f64.
+    fn sum_exp_minus(row: &[Self], scale: f64, m: f64) -> f64 {
+        row.iter().map(|&v| Self::exp_minus(v, scale, m)).sum()
+    }
     fn softmax_rows(src: &[Self], k: SoftmaxSpec) -> Vec<Self> {
         softmax(src, k)
     }
@@ -293,6 +309,16 @@ pub trait RowKernels: Element {
     }
 }
 impl RowKernels for f32 {
+    #[inline(always)]
+    fn exp_minus(x: f32, scale: f64, m: f64) -> f64 {
+        crate::math::exp_f32(scale as f32 * x - m as f32) as f64
+    }
+    fn sum_exp_minus(row: &[f32], scale: f64, m: f64) -> f64 {
+        wide(
+            #[inline(always)]
+            || sum_f64(row, |_, v| Self::exp_minus(v, scale, m)),
+        )
+    }
     fn softmax_rows(src: &[f32], k: SoftmaxSpec) -> Vec<f32> {
         softmax_f32(src, k)
     }
@@ -489,7 +515,7 @@ pub struct XentSpec {
 /// in `U` (`Op::CrossEntropy`'s loss dtype), or with `g` (one value per row, in `U`) the
 /// logits' gradient in `x`'s dtype. A target outside `0..n` that is not the ignore index is an
 /// error naming it.
-pub fn cross_entropy<T: Element, U: Element>(
+pub fn cross_entropy<T: RowKernels, U: Element>(
     x: &[T],
     targets: &[i64],
     g: Option<&[U]>,
@@ -515,7 +541,7 @@ pub fn cross_entropy<T: Element, U: Element>(
     let off = k.smoothing / n as f64;
     let Some(g) = g else {
         let mut out = pool::take::<U>(targets.len());
-        for_rows(&mut out, 1, |r, o| {
+        for_rows_reading(&mut out, 1, n, |r, o| {
             let (lse, total) = stats(r);
             o[0] = U::from_f64(picked[r].map_or(0.0, |t| lse - on * x[r * n + t].to_f64() - off * total));
         });
@@ -525,10 +551,12 @@ pub fn cross_entropy<T: Element, U: Element>(
     for_rows(&mut out, n, |r, o| {
         let Some(t) = picked[r] else { return o.iter_mut().for_each(|o| *o = T::from_f64(0.0)) };
         let (lse, gr) = (stats(r).0, g[r].to_f64());
-        for (j, o) in o.iter_mut().enumerate() {
-            let hot = if j == t { on } else { 0.0 };
-            *o = T::from_f64(gr * ((x[r * n + j].to_f64() - lse).exp() - hot - off));
-        }
+        let row = &x[r * n..(r + 1) * n];
+        wide(
+            #[inline(always)]
+            || o.iter_mut().zip(row).for_each(|(o, &v)| *o = T::from_f64(gr * (T::exp_minus(v, 1.0, lse) - off))),
+        );
+        o[t] = T::from_f64(gr * (T::exp_minus(x[r * n + t], 1.0, lse) - on - off));
     });
     Ok(CrossEntropyOut::Grad(out))
 }
