@@ -416,12 +416,13 @@ fn main() -> Result<()> {
     let asked = |name: &str| only.as_deref().is_some_and(|o| name.contains(o));
     if has("--interleave") {
         let mode = modes.iter().flatten().next().copied().unwrap_or(Mode::Default);
-        let ws: [(&str, bool, usize, MakeWorkload); 6] = [
+        let ws: [(&str, bool, usize, MakeWorkload); 7] = [
             ("mlp_b32", want("mlp_b32"), steps * 4, &|| mlp_workload(dev, 32)),
             ("mlp_b1024", asked("mlp_b1024"), steps, &|| mlp_workload(dev, 1024)),
             ("mlp_b4096", want("mlp_b4096"), steps * 2, &|| mlp_workload(dev, 4096)),
             ("gpt_small", asked("gpt_small"), steps, &|| gpt_workload(dev, DType::F32, true)),
             ("transformer_fwd", asked("transformer_fwd"), steps, &|| transformer_workload(dev)),
+            ("transformer_step", asked("transformer_step"), steps.min(10), &|| transformer_step_workload(dev)),
             ("gpt_fp32", want("gpt_fp32"), steps.min(20), &|| gpt_workload(dev, DType::F32, false)),
         ];
         for (name, run, n, make) in ws {

@@ -26,16 +26,23 @@ fn model() -> Linear {
 }
 
 /// Six steps of AdamW with the lr halved every two steps; the losses and final weight.
-fn train(compiled: bool) -> Result<(Vec<f32>, Vec<f32>)> {
+/// `zero_first`: the step starts with `zero_grad()` (PyTorch's usual order) instead of ending
+/// with it, so every call after the first finds the last call's gradients in place.
+fn train(compiled: bool, zero_first: bool) -> Result<(Vec<f32>, Vec<f32>)> {
     let halved = |steps: i32| 0.05 * 0.5f64.powi(steps / 2);
     let m = model();
     let mut opt = AdamW::new(m.parameters(), AdamConfig { lr: 0.05, ..AdamConfig::adamw() })?;
     let mut sched = StepLR::new(0.05, 2, 0.5)?;
     let step_fn = |opt: &mut AdamW, xs: &[Tensor]| {
+        if zero_first {
+            opt.zero_grad()?;
+        }
         let loss = cross_entropy(&m.forward(&xs[0])?, &xs[1])?;
         loss.backward()?;
         opt.step()?;
-        opt.zero_grad()?;
+        if !zero_first {
+            opt.zero_grad()?;
+        }
         Ok(vec![loss])
     };
     let mut step = compile_step(Mode::Default, step_fn);
@@ -52,15 +59,21 @@ fn train(compiled: bool) -> Result<(Vec<f32>, Vec<f32>)> {
     if compiled {
         assert_eq!(step.counts(), (6, 5), "one trace, then replays");
     }
+    assert_eq!(m.weight.grad().is_some(), zero_first, "the gradients left after the last step");
     Ok((losses, m.weight.to_vec::<f32>()?))
 }
 
 #[test]
 fn a_step_over_caller_owned_state_matches_the_eager_loop() -> Result<()> {
-    let (eager_losses, eager_w) = train(false)?;
-    let (losses, w) = train(true)?;
-    for (a, b) in losses.iter().zip(&eager_losses).chain(w.iter().zip(&eager_w)) {
-        assert!((a - b).abs() <= 1e-5 * b.abs().max(1.0), "compiled {losses:?} {w:?}\neager {eager_losses:?} {eager_w:?}");
+    for zero_first in [false, true] {
+        let (eager_losses, eager_w) = train(false, zero_first)?;
+        let (losses, w) = train(true, zero_first)?;
+        for (a, b) in losses.iter().zip(&eager_losses).chain(w.iter().zip(&eager_w)) {
+            assert!(
+                (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+                "zero_grad first: {zero_first}\ncompiled {losses:?} {w:?}\neager {eager_losses:?} {eager_w:?}"
+            );
+        }
     }
     Ok(())
 }

@@ -47,6 +47,7 @@ use kiln_tensor::{lazy, rng, set_tracer, DType, Device, Error, Result, Tensor};
 use options::gpu_sources_path;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
+use trace::GradAtStart;
 
 /// What a compiled step is keyed by: each input's shape, dtype and device, the mode and autocast.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -403,7 +404,7 @@ impl Engine {
                 if lazy_first {
                     // The step did not happen: drop the gradients the trace attached (never
                     // computed), so the model is as before the call.
-                    rec.leaves.iter().filter(|(_, had)| !had).for_each(|(leaf, _)| leaf.set_grad(None));
+                    rec.leaves.iter().filter(|(_, at)| *at != GradAtStart::Present).for_each(|(leaf, _)| leaf.set_grad(None));
                     rng::set_state(gen0);
                 }
                 return Err(e);
@@ -524,11 +525,16 @@ fn run_program(p: &Specialized, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
     let out = p.exec.run(&cells, gen)?;
     rng::set_state(rng::GeneratorState { seed: gen.seed, offset: gen.offset + p.exec.graph.rng_advance });
     for lg in &p.leaf_grads {
-        if let Some((slot, layout)) = &lg.end {
-            let cell = &p.exec.cells[*slot];
-            if !lg.leaf.grad().is_some_and(|g| std::sync::Arc::ptr_eq(g.storage(), cell) && g.layout() == layout) {
-                lg.leaf.set_grad(Some(Tensor::from_cell(cell.clone(), layout.clone())));
+        match &lg.end {
+            Some((slot, layout)) => {
+                let cell = &p.exec.cells[*slot];
+                if !lg.leaf.grad().is_some_and(|g| std::sync::Arc::ptr_eq(g.storage(), cell) && g.layout() == layout) {
+                    lg.leaf.set_grad(Some(Tensor::from_cell(cell.clone(), layout.clone())));
+                }
             }
+            // Cleared by the step and not written again: cleared by the replay too.
+            None if lg.at_start == GradAtStart::Cleared => lg.leaf.set_grad(None),
+            None => {}
         }
     }
     Ok(out)
@@ -541,9 +547,9 @@ fn guards_hold(e: &Entry) -> bool {
         Entry::Eager(_) => true,
         Entry::Graph(p) => {
             // Only gradients the step wrote: a forward alone leaves them be, whatever they are.
-            let grads = p.leaf_grads.iter().filter(|lg| lg.end.is_some()).all(|lg| match (lg.leaf.grad(), lg.had_grad) {
-                (None, false) => true,
-                (Some(g), true) => lg.start_storage.is_none_or(|s| g.storage().id() == s),
+            let grads = p.leaf_grads.iter().filter(|lg| lg.end.is_some()).all(|lg| match (lg.leaf.grad(), lg.at_start) {
+                (_, GradAtStart::Cleared) | (None, GradAtStart::Absent) => true,
+                (Some(g), GradAtStart::Present) => lg.start_storage.is_none_or(|s| g.storage().id() == s),
                 _ => false,
             });
             grads && p.flags.iter().all(|(f, v)| f.get() == *v)

@@ -4,7 +4,7 @@
 //! it (lazily made optimizer state, gradients) become state.
 
 use crate::graph::{Arg, Graph, Kind, NodeId, StateInfo};
-use crate::trace::{Recording, TRef};
+use crate::trace::{GradAtStart, Recording, TRef};
 use kiln_tensor::rng::GeneratorState;
 use kiln_tensor::storage::StorageCell;
 use kiln_tensor::{Error, Layout, Op, Result, Tensor};
@@ -14,8 +14,9 @@ use std::sync::Arc;
 /// A parameter whose `.grad()` the step reads or sets.
 pub struct LeafGrad {
     pub leaf: Tensor,
-    /// Whether it had a gradient when the step started (a guard: a change retraces).
-    pub had_grad: bool,
+    /// Its gradient when the step first touched it (a guard: a change retraces, unless the
+    /// step cleared it first).
+    pub at_start: GradAtStart,
     /// The storage of that starting gradient.
     pub start_storage: Option<u64>,
     /// Where its gradient lives after the step: a state slot read through a layout.
@@ -169,7 +170,7 @@ pub fn lower(
     }
     // Leaves' gradients at the end of the step are state the step leaves behind.
     let mut leaf_grads = Vec::new();
-    for (leaf, had) in &rec.leaves {
+    for (leaf, at_start) in &rec.leaves {
         let end = match leaf.grad() {
             Some(gr) => {
                 let s = gr.storage().id();
@@ -182,8 +183,8 @@ pub fn lower(
             }
             None => None,
         };
-        let start_storage = if *had { end.as_ref().map(|(k, _)| b.cells[*k].id()) } else { None };
-        leaf_grads.push(LeafGrad { leaf: leaf.clone(), had_grad: *had, start_storage, end });
+        let start_storage = if *at_start == GradAtStart::Present { end.as_ref().map(|(k, _)| b.cells[*k].id()) } else { None };
+        leaf_grads.push(LeafGrad { leaf: leaf.clone(), at_start: *at_start, start_storage, end });
     }
     // Storages made in the step by a source op that outlive it (optimizer state created on the
     // first step) start from their current contents on later steps.

@@ -33,12 +33,22 @@ pub struct StorageInfo {
     pub created_by: Option<usize>,
 }
 
+/// A parameter's gradient when the step first touched it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GradAtStart {
+    Absent,
+    Present,
+    /// Set to None by the step (`zero_grad`) before anything read it: what it held when the
+    /// step was called does not matter.
+    Cleared,
+}
+
 #[derive(Default)]
 pub struct Recording {
     pub events: Vec<Event>,
     pub storages: HashMap<u64, StorageInfo>,
-    /// Leaves that require grad (parameters), with whether they had a gradient when first seen.
-    pub leaves: Vec<(Tensor, bool)>,
+    /// Leaves that require grad (parameters), with their gradient's state when first seen.
+    pub leaves: Vec<(Tensor, GradAtStart)>,
     pub host_reads: Vec<String>,
     /// Flags read (train/eval modes), each once, with the value first read.
     pub flags: Vec<(Flag, bool)>,
@@ -63,15 +73,29 @@ impl Recorder {
             dtype: t.dtype(),
             created_by,
         });
-        let parameter = t.is_leaf() && t.requires_grad() && t.id().0 < self.first_tensor;
-        if parameter && !rec.leaves.iter().any(|(l, _)| l.id() == t.id()) {
-            rec.leaves.push((t.clone(), t.grad().is_some()));
-        }
+        drop(rec);
+        self.first_sight(t, if t.grad().is_some() { GradAtStart::Present } else { GradAtStart::Absent });
         TRef { storage: id, layout: t.layout().clone(), dtype: t.dtype() }
+    }
+
+    /// Notes a parameter (a leaf requiring grad made before the trace) the first time the step
+    /// touches it, with its gradient's state then.
+    fn first_sight(&self, t: &Tensor, grad: GradAtStart) {
+        let parameter = t.is_leaf() && t.requires_grad() && t.id().0 < self.first_tensor;
+        let mut rec = self.rec.borrow_mut();
+        if parameter && !rec.leaves.iter().any(|(l, _)| l.id() == t.id()) {
+            rec.leaves.push((t.clone(), grad));
+        }
     }
 }
 
 impl Tracer for Recorder {
+    fn grad_set(&self, t: &Tensor, cleared: bool) {
+        if cleared {
+            self.first_sight(t, GradAtStart::Cleared);
+        }
+    }
+
     fn record(&self, op: &Op, inputs: &[&Tensor], output: &Tensor) {
         let index = self.rec.borrow().events.len();
         let ins: Vec<TRef> = inputs.iter().map(|t| self.tref(t, None)).collect();

@@ -122,6 +122,9 @@ pub trait Tracer {
     fn host_read(&self, what: &'static str, t: &Tensor) -> Result<()>;
     /// Called when a `Flag` is read: a compiled step keeps the value as a guard.
     fn flag_read(&self, _flag: &Flag, _value: bool) {}
+    /// Called when a tensor's `grad` is set (`cleared`: to None, as `zero_grad` does): a step
+    /// that clears a parameter's gradient before reading it replays whatever it held.
+    fn grad_set(&self, _t: &Tensor, _cleared: bool) {}
 }
 
 /// A switch that changes what a step computes (a module's train/eval mode), set through
@@ -305,6 +308,7 @@ impl Tensor {
         self.0.grad.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
     pub fn set_grad(&self, g: Option<Tensor>) {
+        with_tracer(|t| t.grad_set(self, g.is_none()));
         *self.0.grad.lock().unwrap_or_else(|e| e.into_inner()) = g;
     }
     /// The same data with no autograd history (shares storage, like torch's `detach`).
