@@ -136,3 +136,54 @@ fn a_tied_weight_is_one_parameter_and_saved_under_both_names() -> Result<()> {
     assert!(before.iter().zip(&after).all(|(b, a)| ((b - a).abs() - 1e-3).abs() < 1e-5), "{before:?} {after:?}");
     Ok(())
 }
+
+/// `apply` reaches every submodule under its PyTorch name, children before their parent and
+/// the root last (`""`), and an initialiser applied by type changes exactly those modules.
+#[test]
+fn apply_walks_submodules_by_type_as_pytorch_does() -> Result<()> {
+    let n = net()?;
+    let mut seen = Vec::new();
+    n.apply(&mut |name, m| {
+        let kind = if m.is::<Linear>() {
+            "Linear"
+        } else if m.is::<LayerNorm>() {
+            "LayerNorm"
+        } else if m.is::<Block>() {
+            "Block"
+        } else if m.is::<Net>() {
+            "Net"
+        } else {
+            "other"
+        };
+        seen.push(format!("{name}:{kind}"));
+    });
+    let block = |i: usize| {
+        [
+            format!("h.{i}.ln_1:LayerNorm"),
+            format!("h.{i}.attn:Linear"),
+            format!("h.{i}.mlp:Linear"),
+            format!("h.{i}.drop:other"),
+            format!("h.{i}:Block"),
+        ]
+    };
+    let mut want = vec!["wte:other".to_string()];
+    want.extend(block(0));
+    want.extend(block(1));
+    want.extend(["ln_f:LayerNorm", "pair.0:Linear", "pair.1:Linear", "0:Linear", ":Head", ":Net"].map(String::from));
+    // The flattened `inner: Head(Linear)` keeps its parent's prefix; `Head` itself is "other".
+    let want: Vec<String> = want.into_iter().map(|s| if s == ":Head" { ":other".into() } else { s }).collect();
+    assert_eq!(seen, want);
+    // Every Linear's weight set to 0.5 through `apply`; nothing else touched.
+    n.apply(&mut |_, m| {
+        if let Some(l) = m.downcast_ref::<Linear>() {
+            kiln::nn::init::constant_(&l.weight, 0.5).unwrap();
+        }
+    });
+    for (name, p) in n.named_parameters() {
+        let linear_weight =
+            name.ends_with("attn.weight") || name.ends_with("mlp.weight") || name.starts_with("pair.") || name == "0.weight";
+        let all_half = p.to_vec_f64()?.iter().all(|&v| v == 0.5);
+        assert_eq!(all_half, linear_weight, "{name}");
+    }
+    Ok(())
+}

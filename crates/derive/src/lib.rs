@@ -100,7 +100,7 @@ fn expand(input: &DeriveInput) -> syn::Result<Tokens> {
             .collect::<syn::Result<_>>()?,
         Fields::Unit => Vec::new(),
     };
-    let (mut params, mut buffers, mut training) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut params, mut buffers, mut training, mut modules) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for (field_name, access, o) in fields.iter().filter(|f| !f.2.skip) {
         let name = o.rename.clone().unwrap_or_else(|| field_name.clone());
         let prefix = if o.flatten { quote!(prefix) } else { quote!(&#path::join(prefix, #name)) };
@@ -110,6 +110,7 @@ fn expand(input: &DeriveInput) -> syn::Result<Tokens> {
         } else {
             params.push(quote!(#field.visit_field(#prefix, f);));
             buffers.push(quote!(#field.visit_field_buffers(#prefix, f);));
+            modules.push(quote!(#field.visit_field_modules(#prefix, f);));
         }
         training.push(quote!(#field.set_field_training(training);));
         if o.training || field_name == "training" {
@@ -129,6 +130,11 @@ fn expand(input: &DeriveInput) -> syn::Result<Tokens> {
             fn visit_buffers(&self, prefix: &str, f: &mut dyn FnMut(String, &#path::derive_support::Tensor)) {
                 use #path::derive_support::{Ignores as _, Visits as _};
                 #(#buffers)*
+            }
+            #[allow(unused_variables)]
+            fn visit_modules(&self, prefix: &str, f: &mut dyn FnMut(&str, &dyn ::std::any::Any)) {
+                use #path::derive_support::{Ignores as _, Visits as _};
+                #(#modules)*
             }
             #[allow(unused_variables)]
             fn set_training(&self, training: bool) {

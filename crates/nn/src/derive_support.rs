@@ -7,18 +7,21 @@
 use crate::module::{join, Module};
 use kiln_tensor::Flag;
 pub use kiln_tensor::Tensor;
+use std::any::Any;
 
 /// A part of a module: how it names its parameters and buffers and takes the training flag.
 pub trait ModuleField {
     fn visit_field(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor));
     fn visit_field_buffers(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor));
     fn set_field_training(&self, training: bool);
+    /// Calls `f` on the field's modules (each after its own submodules).
+    fn visit_field_modules(&self, _prefix: &str, _f: &mut dyn FnMut(&str, &dyn Any)) {}
     /// Sets the field when it is the module's own training flag (a `Flag` named `training`
     /// or marked `#[module(training)]`); other flags (`checkpointing`) are left alone.
     fn set_field_flag(&self, _on: bool) {}
 }
 
-impl<M: Module> ModuleField for M {
+impl<M: Module + 'static> ModuleField for M {
     fn visit_field(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
         self.visit(prefix, f)
     }
@@ -27,6 +30,10 @@ impl<M: Module> ModuleField for M {
     }
     fn set_field_training(&self, training: bool) {
         self.set_training(training)
+    }
+    fn visit_field_modules(&self, prefix: &str, f: &mut dyn FnMut(&str, &dyn Any)) {
+        self.visit_modules(prefix, f);
+        f(prefix, self);
     }
 }
 
@@ -64,6 +71,9 @@ macro_rules! by_position {
             fn set_field_training(&self, training: bool) {
                 self.iter().for_each(|x| x.set_field_training(training))
             }
+            fn visit_field_modules(&self, prefix: &str, f: &mut dyn FnMut(&str, &dyn Any)) {
+                self.iter().enumerate().for_each(|(i, x)| x.visit_field_modules(&join(prefix, &i.to_string()), f))
+            }
         }
     )*};
 }
@@ -86,6 +96,11 @@ impl<T: ModuleField> ModuleField for Option<T> {
             x.set_field_training(training)
         }
     }
+    fn visit_field_modules(&self, prefix: &str, f: &mut dyn FnMut(&str, &dyn Any)) {
+        if let Some(x) = self {
+            x.visit_field_modules(prefix, f)
+        }
+    }
 }
 
 /// A field as the expansion sees it.
@@ -96,6 +111,7 @@ pub trait Visits {
     fn visit_field(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor));
     fn visit_field_buffers(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor));
     fn set_field_training(&self, training: bool);
+    fn visit_field_modules(&self, prefix: &str, f: &mut dyn FnMut(&str, &dyn Any));
     fn set_field_flag(&self, on: bool);
 }
 
@@ -109,6 +125,9 @@ impl<T: ModuleField> Visits for &Field<'_, T> {
     fn set_field_training(&self, training: bool) {
         self.0.set_field_training(training)
     }
+    fn visit_field_modules(&self, prefix: &str, f: &mut dyn FnMut(&str, &dyn Any)) {
+        self.0.visit_field_modules(prefix, f)
+    }
     fn set_field_flag(&self, on: bool) {
         self.0.set_field_flag(on)
     }
@@ -119,6 +138,7 @@ pub trait Ignores {
     fn visit_field(&self, _prefix: &str, _f: &mut dyn FnMut(String, &Tensor)) {}
     fn visit_field_buffers(&self, _prefix: &str, _f: &mut dyn FnMut(String, &Tensor)) {}
     fn set_field_training(&self, _training: bool) {}
+    fn visit_field_modules(&self, _prefix: &str, _f: &mut dyn FnMut(&str, &dyn Any)) {}
     fn set_field_flag(&self, _on: bool) {}
 }
 

@@ -281,8 +281,15 @@ impl Forward for Dropout {
 }
 
 /// A module that is both `Module` and `Forward` (what `Sequential` holds).
-pub trait Layer: Module + Forward + Send + Sync {}
-impl<T: Module + Forward + Send + Sync> Layer for T {}
+pub trait Layer: Module + Forward + Send + Sync {
+    /// The layer as its own type, for `Module::apply`'s `downcast_ref`.
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+impl<T: Module + Forward + Send + Sync + 'static> Layer for T {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
 
 /// Layers applied in order; parameters are named by position (`0.weight`, `2.bias`). A clone
 /// shares the layers (and so the parameters), as a clone of any module shares its tensors.
@@ -326,6 +333,13 @@ impl Module for Sequential {
     fn set_training(&self, training: bool) {
         for l in &self.layers {
             l.set_training(training);
+        }
+    }
+    fn visit_modules(&self, prefix: &str, f: &mut dyn FnMut(&str, &dyn std::any::Any)) {
+        for (i, l) in self.layers.iter().enumerate() {
+            let name = join(prefix, &i.to_string());
+            l.visit_modules(&name, f);
+            f(&name, l.as_any());
         }
     }
 }

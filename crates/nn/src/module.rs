@@ -1,6 +1,7 @@
 //! The `Module` trait (parameters and buffers by name) and `Forward`.
 
 use kiln_tensor::{Result, Tensor};
+use std::any::Any;
 
 /// Anything with parameters. `#[derive(Module)]` writes it from a struct's fields (see
 /// `kiln_derive`); by hand, `visit` is the one method to write: it names each parameter.
@@ -12,6 +13,34 @@ pub trait Module {
     fn visit_buffers(&self, _prefix: &str, _f: &mut dyn FnMut(String, &Tensor)) {}
     /// Switches train/eval behaviour (dropout, batch norm) for this module and its children.
     fn set_training(&self, _training: bool) {}
+    /// Calls `f(name, module)` for every submodule, each after its own submodules (the order
+    /// of PyTorch's `apply`); `#[derive(Module)]` writes it from the fields.
+    fn visit_modules(&self, _prefix: &str, _f: &mut dyn FnMut(&str, &dyn Any)) {}
+
+    /// Calls `f(name, module)` on every submodule and then on this module (named `""`), as
+    /// PyTorch's `model.apply(fn)`; `f` picks the types it cares about with `downcast_ref`:
+    ///
+    /// ```
+    /// use kiln_nn::{init, Linear, Module, Sequential};
+    /// use kiln_tensor::Device;
+    /// let model = Sequential::new().add(Linear::new(4, 8, true, Device::Cpu)?).add(Linear::new(8, 2, true, Device::Cpu)?);
+    /// let mut names = Vec::new();
+    /// model.apply(&mut |name, m| {
+    ///     if let Some(linear) = m.downcast_ref::<Linear>() {
+    ///         init::zeros_(&linear.weight).unwrap();
+    ///         names.push(name.to_string());
+    ///     }
+    /// });
+    /// assert_eq!(names, ["0", "1"]);
+    /// # Ok::<(), kiln_tensor::Error>(())
+    /// ```
+    fn apply(&self, f: &mut dyn FnMut(&str, &dyn Any))
+    where
+        Self: Sized + 'static,
+    {
+        self.visit_modules("", f);
+        f("", self);
+    }
 
     /// Each parameter once, under the first name it is visited by: a tensor shared by two
     /// fields (a tied head's weight) is one parameter, as in PyTorch.
