@@ -246,6 +246,18 @@ fn reductions_match_the_cpu() {
             both(&format!("layer norm rows of {n} {dt:?}"), &[rows.clone(), w, b], tol(dt) * 8.0, |v| v[0].layer_norm(&v[1], &v[2], 1e-5));
             both(&format!("normalize rows of {n} {dt:?}"), &[rows], tol(dt) * 8.0, |v| v[0].normalize(1e-5));
         }
+        // RMS norm each way, weighted or not, on a view, short rows and long (block) rows.
+        let w6 = randn(&[6], 21, dt);
+        both(&format!("rms norm {dt:?}"), &[x.clone(), w6.clone()], tol(dt) * 8.0, |v| {
+            v[0].permute(&[1, 0, 2])?.rms_norm(Some(&v[1]), 1e-5)
+        });
+        both(&format!("rms norm long rows {dt:?}"), &[long.clone()], tol(dt) * 8.0, |v| v[0].rms_norm(None, 1e-5));
+        both(&format!("rms norm backward {dt:?}"), &[x.clone(), randn(&[4, 5, 6], 22, dt), w6], tol(dt) * 16.0, |v| {
+            v[0].permute(&[1, 0, 2])?.rms_norm_backward(&v[1].permute(&[1, 0, 2])?, Some(&v[2]), 1e-5)
+        });
+        both(&format!("rms norm backward long rows {dt:?}"), &[long.clone(), long.mul_scalar(0.5).unwrap()], tol(dt) * 16.0, |v| {
+            v[0].rms_norm_backward(&v[1], None, 1e-5)
+        });
     }
     // NaN wins max and argmax, as on the CPU.
     let n = Tensor::from_slice(&[1.0f32, f32::NAN, 3.0, 2.0], &[2, 2], Device::Cpu).unwrap();

@@ -161,8 +161,9 @@ pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Te
         // y = softmax(x): dx = y (g - sum(g y)); y = log_softmax(x): dx = g - exp(y) sum(g);
         // one fused kernel per row either way.
         Op::Softmax { log, scale, .. } => vec![Some(out.softmax_backward(g, *log, *scale)?)],
-        Op::Normalize { eps } if inputs.len() == 3 => layer_norm_rule(inputs, needs, g, *eps)?,
-        Op::Normalize { eps } => vec![Some(x0()?.normalize_backward(g, *eps)?)],
+        Op::Normalize { eps, rms: false } if inputs.len() == 3 => layer_norm_rule(inputs, needs, g, *eps)?,
+        Op::Normalize { eps, rms: false } => vec![Some(x0()?.normalize_backward(g, *eps)?)],
+        Op::Normalize { eps, rms: true } => rms_norm_rule(inputs, needs, g, *eps)?,
         Op::Attention { scale, causal } => attention_rule(inputs, out, g, (*scale, *causal))?,
         Op::CrossEntropy { ignore_index, smoothing } => {
             vec![Some(inputs[0].cross_entropy_rows_backward(&inputs[1], g, *ignore_index, *smoothing)?), None]
@@ -232,6 +233,18 @@ fn layer_norm_rule(inputs: &[Tensor], needs: &[bool], g: &Tensor, eps: f64) -> R
         (None, needs[2].then(|| reduce_to(g, b.shape())).transpose()?)
     };
     Ok(vec![dx, dw, db])
+}
+
+/// RMS norm's x gradient (one fused row pass) and its weight's: the sum over rows of g times
+/// the unweighted output.
+fn rms_norm_rule(inputs: &[Tensor], needs: &[bool], g: &Tensor, eps: f64) -> Result<Vec<Option<Tensor>>> {
+    let (x, w) = (&inputs[0], inputs.get(1));
+    let dx = needs[0].then(|| x.rms_norm_backward(g, w, eps)).transpose()?;
+    let dw = match w {
+        Some(w) if needs[1] => Some(reduce_to(&g.mul(&x.rms_norm(None, eps)?)?, w.shape())?),
+        _ => None,
+    };
+    Ok([vec![dx], w.map(|_| dw).into_iter().collect()].concat())
 }
 
 /// Attention's q, k and v gradients, from one backward kernel.

@@ -99,7 +99,40 @@ fn where_cast_and_reductions() {
     check("scaled causal softmax", |v| v[0].softmax_scaled(0.7, true), &[x.clone()]);
     check("normalize of a view", |v| v[0].t()?.normalize(1e-3), &[x.clone()]);
     let (w, b) = (randn(&[x.shape()[0]], 38), randn(&[x.shape()[0]], 39));
-    check("layer norm with weight and bias", |v| v[0].t()?.layer_norm(&v[1], &v[2], 1e-3), &[x.clone(), w, b]);
+    check("layer norm with weight and bias", |v| v[0].t()?.layer_norm(&v[1], &v[2], 1e-3), &[x.clone(), w.clone(), b]);
+    check("rms norm", |v| v[0].rms_norm(None, 1e-3), &[x.clone()]);
+    check("rms norm of a view, weighted", |v| v[0].t()?.rms_norm(Some(&v[1]), 1e-3), &[x.clone(), w]);
+}
+
+#[test]
+fn rms_norm_matches_hand_computed_values_and_checks_its_weight() -> Result<()> {
+    // Row [1, 2, 2]: mean square 3, so x / sqrt(3) (eps 0), times the weight.
+    let x = Tensor::from_vec(vec![1.0f64, 2.0, 2.0], &[1, 3], Device::Cpu)?;
+    let w = Tensor::from_vec(vec![2.0f64, 1.0, -1.0], &[3], Device::Cpu)?;
+    let r = 1.0 / 3f64.sqrt();
+    for (got, want) in x.rms_norm(Some(&w), 0.0)?.to_vec::<f64>()?.iter().zip([2.0 * r, 2.0 * r, -2.0 * r]) {
+        assert!((got - want).abs() < 1e-12, "{got} vs {want}");
+    }
+    // The composite it fuses, f32 rows of 96 with eps: equal to rounding.
+    let xs = Tensor::randn(&[5, 96], DType::F32, Device::Cpu)?;
+    let ws = Tensor::randn(&[96], DType::F32, Device::Cpu)?;
+    let composite = xs.mul(&xs.square()?.mean(&[-1], true)?.add_scalar(1e-6)?.rsqrt()?)?.mul(&ws)?;
+    for (a, b) in xs.rms_norm(Some(&ws), 1e-6)?.to_vec::<f32>()?.iter().zip(composite.to_vec::<f32>()?) {
+        assert!((a - b).abs() <= 1e-5 * b.abs().max(1.0), "{a} vs {b}");
+    }
+    // The backward by hand for one row: dx = r (g w - xhat mean(g w xhat)), xhat = x r.
+    let g = Tensor::from_vec(vec![0.3f64, -1.0, 2.0], &[1, 3], Device::Cpu)?;
+    let (xv, gw) = ([1.0, 2.0, 2.0], [0.6, -1.0, -2.0]);
+    let m: f64 = (0..3).map(|i| gw[i] * xv[i] * r).sum::<f64>() / 3.0;
+    let want: Vec<f64> = (0..3).map(|i| r * (gw[i] - xv[i] * r * m)).collect();
+    for (got, want) in x.rms_norm_backward(&g, Some(&w), 0.0)?.to_vec::<f64>()?.iter().zip(want) {
+        assert!((got - want).abs() < 1e-12, "dx {got} vs {want}");
+    }
+    let err = x.rms_norm(Some(&w.narrow(0, 0, 2)?), 0.0).unwrap_err().to_string();
+    assert!(err.contains("[2]") && err.contains("[1, 3]") && err.contains("rms_norm"), "{err}");
+    let err = x.rms_norm(Some(&w.to_dtype(DType::F32)?), 0.0).unwrap_err().to_string();
+    assert!(err.contains("F32") && err.contains("F64"), "{err}");
+    Ok(())
 }
 
 #[test]

@@ -117,7 +117,12 @@ impl RmsNorm {
 }
 
 impl Forward for RmsNorm {
+    /// One fused row kernel each way; an input of another dtype than the weight (autocast)
+    /// takes the elementwise ops, which promote as PyTorch does.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if x.dtype() == self.weight.dtype() {
+            return x.rms_norm(Some(&self.weight), self.eps);
+        }
         let ms = x.square()?.mean(&[-1], true)?;
         x.mul(&ms.add_scalar(self.eps)?.rsqrt()?)?.mul(&self.weight)
     }

@@ -490,12 +490,24 @@ impl Tensor {
     /// `(x - mean) / sqrt(var + eps)` over the last dim (layer norm before its affine part),
     /// one fused primitive with a fused backward.
     pub fn normalize(&self, eps: f64) -> Result<Tensor> {
-        Tensor::apply(Op::Normalize { eps }, &[self], self.device())
+        Tensor::apply(Op::Normalize { eps, rms: false }, &[self], self.device())
+    }
+    /// RMS norm over the last dim in one pass: `x / sqrt(mean(x^2) + eps) * weight`, the
+    /// weight `[n]` (the last dim) of `self`'s dtype or absent; a fused backward.
+    pub fn rms_norm(&self, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+        let ins: Vec<&Tensor> = [self].into_iter().chain(weight).collect();
+        Tensor::apply(Op::Normalize { eps, rms: true }, &ins, self.device())
+    }
+    /// The input gradient of `rms_norm` (with its weight, if any) for the output gradient `g`,
+    /// in one row pass.
+    pub fn rms_norm_backward(&self, g: &Tensor, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+        let ins: Vec<&Tensor> = [self, g].into_iter().chain(weight).collect();
+        Tensor::apply(Op::NormalizeBackward { eps, rms: true }, &ins, self.device())
     }
     /// Layer norm over the last dim in one pass: `normalize(eps) * weight + bias`, with
     /// `weight` and `bias` of shape `[n]` (the last dim) and of `self`'s dtype.
     pub fn layer_norm(&self, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
-        Tensor::apply(Op::Normalize { eps }, &[&self.autocast_f32()?, weight, bias], self.device())
+        Tensor::apply(Op::Normalize { eps, rms: false }, &[&self.autocast_f32()?, weight, bias], self.device())
     }
     /// The input gradient of a softmax (`log`: log-softmax) of `scale * x` over the last dim,
     /// from its output `self` and the output's gradient `g`, in one pass per row.
@@ -535,12 +547,12 @@ impl Tensor {
     }
     /// The input gradient of `normalize` for the output gradient `g`.
     pub fn normalize_backward(&self, g: &Tensor, eps: f64) -> Result<Tensor> {
-        Tensor::apply(Op::NormalizeBackward { eps }, &[self, g], self.device())
+        Tensor::apply(Op::NormalizeBackward { eps, rms: false }, &[self, g], self.device())
     }
     /// The input gradient of `layer_norm` with weight `w` for the output gradient `g` (one
     /// row pass: `normalize_backward` of `g * w`).
     pub fn layer_norm_backward(&self, g: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-        Tensor::apply(Op::NormalizeBackward { eps }, &[self, g, w], self.device())
+        Tensor::apply(Op::NormalizeBackward { eps, rms: false }, &[self, g, w], self.device())
     }
     /// Scaled dot-product attention as one op (flash-style: the `[T, T]` scores are never
     /// stored): `softmax(scale * self k^T) v` over `[.., T, D]` inputs of one shape, with

@@ -199,12 +199,13 @@ fn every_reduction_and_index_kernel_compiles() {
                 let (s, n) = kiln_tensor::cuda::kernels::rows::softmax_source(d, log, block, causal);
                 check(&s, &n, &mut fails);
             }
-            for affine in [false, true] {
-                let (s, n) = kiln_tensor::cuda::kernels::rows::normalize_source(d, log, affine, block, d);
+            use kiln_tensor::cuda::kernels::rows::{normalize_source, NormKernel};
+            for (affine, rms) in [(false, false), (true, false), (false, true), (true, true)] {
+                let (s, n) = normalize_source(NormKernel { dtype: d, backward: log, affine, rms }, block, d);
                 check(&s, &n, &mut fails);
             }
             // The forward writing a folded cast's dtype.
-            let (s, n) = kiln_tensor::cuda::kernels::rows::normalize_source(d, false, true, block, DType::BF16);
+            let (s, n) = normalize_source(NormKernel { dtype: d, backward: false, affine: true, rms: false }, block, DType::BF16);
             check(&s, &n, &mut fails);
             let (s, n) = kiln_tensor::cuda::kernels::rows::softmax_backward_source(d, log, block);
             check(&s, &n, &mut fails);

@@ -34,7 +34,7 @@ pub fn fold_layer_norm_casts(g: &Graph) -> Graph {
         match op {
             Op::Cast(to @ (DType::BF16 | DType::F16)) => {
                 let a = args[0].node;
-                let Kind::Op(Op::Normalize { eps }, nargs) = &g.nodes[a].kind else { continue };
+                let Kind::Op(Op::Normalize { eps, rms: false }, nargs) = &g.nodes[a].kind else { continue };
                 let stable = nargs.iter().all(|x| !bases.contains(&x.node));
                 if alone(a) && stable && whole(&args[0], &g.nodes[a]) && g.nodes[a].dtype == DType::F32 {
                     out.nodes[i].kind = Kind::Op(Op::Fused(Fused::NormalizeTo { eps: *eps, to: *to }), nargs.clone());

@@ -259,7 +259,7 @@ fn autocast_casts_beside_a_layer_norm_fold_into_it_on_a_gpu() {
     let x = g.push(Kind::Input(0), vec![r, n], DType::F32);
     let w = g.push(Kind::Input(1), vec![n], DType::F32);
     let gb = g.push(Kind::Input(2), vec![r, n], DType::BF16);
-    let ln = Op::Normalize { eps: 1e-5 };
+    let ln = Op::Normalize { eps: 1e-5, rms: false };
     let y = g.push(Kind::Op(ln, vec![whole(&g, x), whole(&g, w), whole(&g, w)]), vec![r, n], DType::F32);
     let yb = g.push(Kind::Op(Op::Cast(DType::BF16), vec![whole(&g, y)]), vec![r, n], DType::BF16);
     let gf = g.push(Kind::Op(Op::Cast(DType::F32), vec![whole(&g, gb)]), vec![r, n], DType::F32);

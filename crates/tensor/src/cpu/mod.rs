@@ -242,32 +242,36 @@ fn rows(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<CpuSt
             let spec = reduce::SoftmaxSpec { n: l.shape[r - 1], log: *log, scale: *scale, causal_rows: causal.then(|| l.shape[r - 2]) };
             with_cpu!(s, v => RowKernels::softmax_rows(&contig(v, l), spec).into_storage())
         }
-        Op::Normalize { eps } => {
+        Op::Normalize { eps, rms } => {
             let (s, l) = ins[0];
-            let n = l.shape[l.rank() - 1];
-            if let [_, w, b] = ins {
+            let k = reduce::NormSpec { n: l.shape[l.rank() - 1], eps: *eps, rms: *rms };
+            match ins {
                 // Layer norm with its affine part (weight and bias of x's dtype, checked).
-                return Ok(
-                    with_cpu!(s, v => with_affine(v, l, (*w, *b), name, |x, w, b| RowKernels::normalize_rows(x, None, (Some(w), Some(b)), n, *eps))?.into_storage()),
-                );
+                [_, w, b] => {
+                    with_cpu!(s, v => with_affine(v, l, (*w, *b), name, |x, w, b| RowKernels::normalize_rows(x, None, (Some(w), Some(b)), k))?.into_storage())
+                }
+                // RMS norm's weight.
+                [_, w] => {
+                    with_cpu!(s, v => with_grad(v, l, *w, name, |x, w| RowKernels::normalize_rows(x, None, (Some(w), None), k))?.into_storage())
+                }
+                _ => with_cpu!(s, v => RowKernels::normalize_rows(&contig(v, l), None, (None, None), k).into_storage()),
             }
-            with_cpu!(s, v => RowKernels::normalize_rows(&contig(v, l), None, (None, None), n, *eps).into_storage())
         }
         Op::SoftmaxBackward { log, scale } => {
             let ((s, l), g) = (ins[0], ins[1]);
             let n = l.shape[l.rank() - 1];
             with_cpu!(s, v => with_grad(v, l, g, name, |y, g| reduce::softmax_backward(y, g, n, *log, *scale))?.into_storage())
         }
-        Op::NormalizeBackward { eps } => {
+        Op::NormalizeBackward { eps, rms } => {
             let ((s, l), g) = (ins[0], ins[1]);
-            let n = l.shape[l.rank() - 1];
+            let k = reduce::NormSpec { n: l.shape[l.rank() - 1], eps: *eps, rms: *rms };
             if let [_, _, w] = ins {
-                // With layer norm's weight (x's dtype, checked), which scales g.
+                // With the weight (x's dtype, checked), which scales g.
                 return Ok(
-                    with_cpu!(s, v => with_affine(v, l, (g, *w), name, |x, g, w| RowKernels::normalize_rows(x, Some(g), (Some(w), None), n, *eps))?.into_storage()),
+                    with_cpu!(s, v => with_affine(v, l, (g, *w), name, |x, g, w| RowKernels::normalize_rows(x, Some(g), (Some(w), None), k))?.into_storage()),
                 );
             }
-            with_cpu!(s, v => with_grad(v, l, g, name, |x, g| RowKernels::normalize_rows(x, Some(g), (None, None), n, *eps))?.into_storage())
+            with_cpu!(s, v => with_grad(v, l, g, name, |x, g| RowKernels::normalize_rows(x, Some(g), (None, None), k))?.into_storage())
         }
         Op::CrossEntropy { ignore_index, smoothing } | Op::CrossEntropyBackward { ignore_index, smoothing } => {
             let ((s, l), (st, lt)) = (ins[0], ins[1]);
@@ -353,7 +357,7 @@ fn layer_norm_grads(eps: f64, sums: Option<DType>, ins: &[(&CpuStorage, &Layout)
             let x = ins[0];
             let n = x.1.shape[x.1.rank() - 1];
             let both = layer_norm_grads(eps, None, &ins[..2], &OutMeta { shape: vec![2, n], dtype: meta.dtype })?;
-            let dx = run(&Op::NormalizeBackward { eps }, ins, &OutMeta { shape: x.1.shape.clone(), dtype: meta.dtype })?;
+            let dx = run(&Op::NormalizeBackward { eps, rms: false }, ins, &OutMeta { shape: x.1.shape.clone(), dtype: meta.dtype })?;
             let dx_at = Parts::layer_norm_grads(&x.1.shape, false).offset(Part::Dx)?;
             with_cpu!(&both, p => {
                 let mut v = p.to_vec();
@@ -372,7 +376,7 @@ fn layer_norm_grads(eps: f64, sums: Option<DType>, ins: &[(&CpuStorage, &Layout)
             let rows: Vec<usize> = (0..x.1.rank() - 1).collect();
             let n = meta.shape[1];
             let like = |d: DType| OutMeta { shape: x.1.shape.clone(), dtype: d };
-            let xhat = run(&Op::Normalize { eps }, &[x], &like(meta.dtype))?;
+            let xhat = run(&Op::Normalize { eps, rms: false }, &[x], &like(meta.dtype))?;
             let gx = run(&Op::Binary(crate::BinaryOp::Mul), &[g, (&xhat, &Layout::contiguous(&x.1.shape))], &like(meta.dtype))?;
             let sum = Op::Reduce { op: crate::ReduceOp::Sum, dims: rows, keepdim: false };
             let vec_meta = OutMeta { shape: vec![n], dtype: meta.dtype };
@@ -557,7 +561,8 @@ fn fused(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<CpuS
         Op::Fused(Fused::Matmul(e)) => matmul_fused(*e, ins, meta)?,
         Op::Fused(Fused::NormalizeTo { eps, to }) => {
             // In x's dtype, then cast.
-            let plain = run(&Op::Normalize { eps: *eps }, ins, &OutMeta { shape: meta.shape.clone(), dtype: ins[0].0.dtype() })?;
+            let plain =
+                run(&Op::Normalize { eps: *eps, rms: false }, ins, &OutMeta { shape: meta.shape.clone(), dtype: ins[0].0.dtype() })?;
             run(&Op::Cast(*to), &[(&plain, &Layout::contiguous(&meta.shape))], meta)?
         }
         Op::Fused(Fused::LayerNormGrads { eps, sums, .. }) => layer_norm_grads(*eps, *sums, ins, meta)?,

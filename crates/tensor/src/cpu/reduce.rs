@@ -304,8 +304,8 @@ pub trait RowKernels: Element {
     fn softmax_rows(src: &[Self], k: SoftmaxSpec) -> Vec<Self> {
         softmax(src, k)
     }
-    fn normalize_rows(src: &[Self], g: Option<&[Self]>, wb: (Option<&[Self]>, Option<&[Self]>), n: usize, eps: f64) -> Vec<Self> {
-        normalize(src, g, wb, n, eps)
+    fn normalize_rows(src: &[Self], g: Option<&[Self]>, wb: (Option<&[Self]>, Option<&[Self]>), k: NormSpec) -> Vec<Self> {
+        normalize(src, g, wb, k)
     }
 }
 impl RowKernels for f32 {
@@ -322,8 +322,8 @@ impl RowKernels for f32 {
     fn softmax_rows(src: &[f32], k: SoftmaxSpec) -> Vec<f32> {
         softmax_f32(src, k)
     }
-    fn normalize_rows(src: &[f32], g: Option<&[f32]>, wb: (Option<&[f32]>, Option<&[f32]>), n: usize, eps: f64) -> Vec<f32> {
-        normalize_f32(src, g, wb, n, eps)
+    fn normalize_rows(src: &[f32], g: Option<&[f32]>, wb: (Option<&[f32]>, Option<&[f32]>), k: NormSpec) -> Vec<f32> {
+        normalize_f32(src, g, wb, k)
     }
 }
 impl RowKernels for f64 {}
@@ -397,11 +397,22 @@ pub fn softmax_backward<T: Element>(y: &[T], g: &[T], n: usize, log: bool, scale
     out
 }
 
-/// A row's mean and `1 / sqrt(var + eps)` (biased variance; two passes, f64 sums).
+/// What `normalize` computes per row (see `Op::Normalize`).
+#[derive(Debug, Clone, Copy)]
+pub struct NormSpec {
+    /// Row length.
+    pub n: usize,
+    pub eps: f64,
+    /// RMS norm: no mean taken (it is 0 throughout).
+    pub rms: bool,
+}
+
+/// A row's mean (0 for RMS norm) and `1 / sqrt(var + eps)` (biased variance about that mean;
+/// two passes, f64 sums).
 #[inline(always)]
-fn row_stats(x: &[f32], eps: f64) -> (f32, f32) {
+fn row_stats(x: &[f32], eps: f64, rms: bool) -> (f32, f32) {
     let n = x.len() as f64;
-    let mean = sum_f64(x, |_, v| v as f64) / n;
+    let mean = if rms { 0.0 } else { sum_f64(x, |_, v| v as f64) / n };
     let var = sum_f64(x, |_, v| (v as f64 - mean) * (v as f64 - mean)) / n;
     (mean as f32, (1.0 / (var + eps).sqrt()) as f32)
 }
@@ -409,14 +420,15 @@ fn row_stats(x: &[f32], eps: f64) -> (f32, f32) {
 /// `normalize` for f32: row statistics summed in f64, the elementwise work in f32 and 8
 /// lanes at a time (`wide`), as PyTorch computes layer norm. Faster than the f64 path at
 /// the GPT's rows of 128.
-fn normalize_f32(src: &[f32], g: Option<&[f32]>, (w, b): (Option<&[f32]>, Option<&[f32]>), n: usize, eps: f64) -> Vec<f32> {
+fn normalize_f32(src: &[f32], g: Option<&[f32]>, (w, b): (Option<&[f32]>, Option<&[f32]>), k: NormSpec) -> Vec<f32> {
+    let (n, eps) = (k.n, k.eps);
     let mut out = pool::take::<f32>(src.len());
     for_rows(&mut out, n, |r, o| {
         let x = &src[r * n..(r + 1) * n];
         wide(
             #[inline(always)]
             || {
-                let (mean, rstd) = row_stats(x, eps);
+                let (mean, rstd) = row_stats(x, eps, k.rms);
                 let xhat = |v: f32| (v - mean) * rstd;
                 match g {
                     None => {
@@ -434,7 +446,7 @@ fn normalize_f32(src: &[f32], g: Option<&[f32]>, (w, b): (Option<&[f32]>, Option
                         if let Some(w) = w {
                             o.iter_mut().zip(w).for_each(|(o, &w)| *o *= w);
                         }
-                        let mg = (sum_f64(o, |_, v| v as f64) / n as f64) as f32;
+                        let mg = if k.rms { 0.0 } else { (sum_f64(o, |_, v| v as f64) / n as f64) as f32 };
                         let mgx = (sum_f64(o, |i, v| (v * xhat(x[i])) as f64) / n as f64) as f32;
                         o.iter_mut().zip(x).for_each(|(o, &v)| *o = rstd * (*o - mg - xhat(v) * mgx));
                     }
@@ -461,7 +473,7 @@ pub fn layer_norm_grads_f32(x: &[f32], g: &[f32], n: usize, eps: f64) -> Vec<f32
             #[inline(always)]
             || {
                 for (x, g) in x.chunks(n).zip(g.chunks(n)) {
-                    let (mean, rstd) = row_stats(x, eps);
+                    let (mean, rstd) = row_stats(x, eps, false);
                     for (j, (&v, &g)) in x.iter().zip(g).enumerate() {
                         dw[j] += (g * ((v - mean) * rstd)) as f64;
                         db[j] += g as f64;
@@ -479,11 +491,12 @@ pub fn layer_norm_grads_f32(x: &[f32], g: &[f32], n: usize, eps: f64) -> Vec<f32
 /// Each row of `n` normalised to zero mean and unit (biased) variance, in f64, times `w` plus
 /// `b` per column where given; with `g`, the input gradient for the output gradient `g`
 /// instead (`w` scaling g: `rstd (gw - mean(gw) - xhat mean(gw xhat))`).
-pub fn normalize<T: Element>(src: &[T], g: Option<&[T]>, (w, b): (Option<&[T]>, Option<&[T]>), n: usize, eps: f64) -> Vec<T> {
+pub fn normalize<T: Element>(src: &[T], g: Option<&[T]>, (w, b): (Option<&[T]>, Option<&[T]>), k: NormSpec) -> Vec<T> {
+    let (n, eps) = (k.n, k.eps);
     let mut out = pool::take::<T>(src.len());
     for_rows(&mut out, n, |r, o| {
         let x = &src[r * n..(r + 1) * n];
-        let mean = x.iter().map(|v| v.to_f64()).sum::<f64>() / n as f64;
+        let mean = if k.rms { 0.0 } else { x.iter().map(|v| v.to_f64()).sum::<f64>() / n as f64 };
         let var = x.iter().map(|v| (v.to_f64() - mean).powi(2)).sum::<f64>() / n as f64;
         let rstd = 1.0 / (var + eps).sqrt();
         let xhat = |i: usize| (x[i].to_f64() - mean) * rstd;
@@ -493,7 +506,7 @@ pub fn normalize<T: Element>(src: &[T], g: Option<&[T]>, (w, b): (Option<&[T]>, 
             Some(g) => {
                 // The gradient of xhat is g times the weight.
                 let g: Vec<f64> = g[r * n..(r + 1) * n].iter().enumerate().map(|(i, v)| v.to_f64() * w(i)).collect();
-                let mg = g.iter().sum::<f64>() / n as f64;
+                let mg = if k.rms { 0.0 } else { g.iter().sum::<f64>() / n as f64 };
                 let mgx = g.iter().enumerate().map(|(i, v)| v * xhat(i)).sum::<f64>() / n as f64;
                 o.iter_mut().enumerate().for_each(|(i, o)| *o = T::from_f64(rstd * (g[i] - mg - xhat(i) * mgx)));
             }

@@ -54,7 +54,7 @@ impl Fused {
                 Ok(OutMeta { shape: vec![Parts::with_tail(inputs[0].shape, &[n]).len()], dtype: inputs[0].dtype })
             }
             Fused::NormalizeTo { eps, to } => {
-                let out = Op::Normalize { eps: *eps }.infer(inputs).map_err(|e| e.in_op(name))?;
+                let out = Op::Normalize { eps: *eps, rms: false }.infer(inputs).map_err(|e| e.in_op(name))?;
                 float_only(name, *to)?;
                 Ok(OutMeta { shape: out.shape, dtype: *to })
             }

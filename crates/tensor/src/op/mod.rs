@@ -565,15 +565,19 @@ pub enum Op {
         scale: f64,
     },
     /// `(x - mean) / sqrt(var + eps)` over the last dim (biased variance), one pass per row;
-    /// with inputs x, weight, bias (each `[n]`), layer norm with its affine part.
+    /// with inputs x, weight, bias (each `[n]`), layer norm with its affine part. `rms`: RMS
+    /// norm, `x / sqrt(mean(x^2) + eps)` (no mean taken), with inputs x or x and a weight `[n]`.
     Normalize {
         eps: f64,
+        rms: bool,
     },
     /// The gradient of `Normalize` with respect to its input (inputs: x, the output's
-    /// gradient, and optionally layer norm's weight `w`, `[n]`, which scales g):
-    /// `rstd (gw - mean(gw) - xhat mean(gw xhat))`, one pass per row.
+    /// gradient, and optionally the weight `w`, `[n]`, which scales g):
+    /// `rstd (gw - mean(gw) - xhat mean(gw xhat))`, without the `mean(gw)` term for RMS norm,
+    /// one pass per row.
     NormalizeBackward {
         eps: f64,
+        rms: bool,
     },
     /// Layer norm's parameter gradients from its input `x` and output gradient `g` (one
     /// shape, last dim `n`; g in any float dtype, read as x's): `[2, n]`, the sums over rows of
@@ -745,8 +749,10 @@ impl Op {
             Op::Reduce { op, .. } => op.name(),
             Op::Softmax { log: false, .. } => "softmax",
             Op::Softmax { log: true, .. } => "log_softmax",
-            Op::Normalize { .. } => "normalize",
-            Op::NormalizeBackward { .. } => "normalize_backward",
+            Op::Normalize { rms: false, .. } => "normalize",
+            Op::Normalize { rms: true, .. } => "rms_norm",
+            Op::NormalizeBackward { rms: false, .. } => "normalize_backward",
+            Op::NormalizeBackward { rms: true, .. } => "rms_norm_backward",
             Op::LayerNormGrads { .. } => "layer_norm_grads",
             Op::SoftmaxBackward { .. } => "softmax_backward",
             Op::Attention { .. } => "attention",

@@ -134,14 +134,19 @@ pub(super) fn rows(op: &Op, inputs: &[InMeta<'_>]) -> Result<OutMeta> {
                 Some(w) => Err(Error::shape(name, format!("the weight must be [{n}] for x {:?}, got {:?}", inputs[0].shape, w.shape))),
             }
         }
-        Op::Normalize { .. } | Op::NormalizeBackward { .. } if inputs.len() == 3 => {
-            // Layer norm's forms: x, weight, bias (`[n]` each after x) or x, its output's
-            // gradient (x's shape) and the weight.
+        Op::Normalize { .. } | Op::NormalizeBackward { .. } if inputs.len() > 1 + matches!(op, Op::NormalizeBackward { .. }) as usize => {
+            // The weighted forms: layer norm's x, weight, bias (`[n]` each after x), RMS norm's
+            // x and weight, or either backward's x, output gradient (x's shape) and weight.
             let x = &inputs[0];
             float_only(name, x.dtype)?;
             let n = x.shape.last().copied().unwrap_or(0);
-            let want: [&[usize]; 2] = if matches!(op, Op::Normalize { .. }) { [&[n], &[n]] } else { [x.shape, &[n]] };
-            if x.shape.is_empty() || inputs[1..].iter().zip(want).any(|(a, w)| a.shape != w) {
+            let row: &[usize] = &[n];
+            let want: Vec<&[usize]> = match op {
+                Op::Normalize { rms: false, .. } => vec![row, row],
+                Op::Normalize { .. } => vec![row],
+                _ => vec![x.shape, row],
+            };
+            if x.shape.is_empty() || inputs.len() != want.len() + 1 || inputs[1..].iter().zip(&want).any(|(a, w)| a.shape != *w) {
                 let got: Vec<&[usize]> = inputs[1..].iter().map(|a| a.shape).collect();
                 return Err(Error::shape(name, format!("the inputs after x {:?} must be {want:?}, got {got:?}", x.shape)));
             }
@@ -453,7 +458,8 @@ impl Op {
         match self {
             Op::Full { .. } | Op::Arange { .. } | Op::Rand { .. } => 0,
             Op::Unary(_) | Op::Scalar { .. } | Op::Cast(_) | Op::Reduce { .. } | Op::UpdateScalar(..) | Op::Softmax { .. } => 1,
-            Op::Normalize { .. } if given == 3 => 3,
+            Op::Normalize { rms: false, .. } if given == 3 => 3,
+            Op::Normalize { rms: true, .. } if given == 2 => 2,
             Op::Normalize { .. } => 1,
             Op::NormalizeBackward { .. } | Op::LayerNormGrads { .. } if given == 3 => 3,
             Op::NormalizeBackward { .. } | Op::SoftmaxBackward { .. } | Op::LayerNormGrads { .. } => 2,

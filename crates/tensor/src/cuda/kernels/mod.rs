@@ -86,9 +86,9 @@ mod dispatch {
             }
             Op::Reduce { op: r, dims, .. } => reduce(&g, *r, x[0], dims, meta)?,
             Op::Softmax { log, scale, causal } => softmax(&g, x[0], (*log, *scale, *causal))?,
-            Op::Normalize { eps } => normalize(&g, x[0], None, &x[1..], (*eps, None))?,
-            Op::Fused(Fused::NormalizeTo { eps, to }) => normalize(&g, x[0], None, &x[1..], (*eps, Some(*to)))?,
-            Op::NormalizeBackward { eps } => normalize(&g, x[0], Some(x[1]), &x[2..], (*eps, None))?,
+            Op::Normalize { eps, rms } => normalize(&g, x[0], None, &x[1..], (*eps, *rms, None))?,
+            Op::Fused(Fused::NormalizeTo { eps, to }) => normalize(&g, x[0], None, &x[1..], (*eps, false, Some(*to)))?,
+            Op::NormalizeBackward { eps, rms } => normalize(&g, x[0], Some(x[1]), &x[2..], (*eps, *rms, None))?,
             Op::Fused(Fused::GatedSums { gate }) => gated_sums(&g, x[0], x[1], *gate)?,
             Op::LayerNormGrads { eps } => layer_norm_param_grads(&g, x[0], x[1], (x.get(2).copied(), None), (*eps, None), None)?,
             Op::Fused(Fused::LayerNormGrads { eps, sums, .. }) => {

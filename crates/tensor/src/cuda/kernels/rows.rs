@@ -401,15 +401,21 @@ fn block_partials(sums: bool) -> String {
 /// Layer norm's normalisation over the last dim of a dense buffer (`affine`: times `w`, plus
 /// `b`, per column), or (`backward`) its input gradient from `x` and the output gradient `g`
 /// (`affine`: g times `w`): the row's mean and variance (two sweeps), then for the backward
-/// the sums of `g` and `g xhat`, then the write. Arguments: out, x, g (backward), args, w,
+/// the sums of `g` and `g xhat`, then the write. RMS norm (`rms`) takes the mean as 0 (one
+/// sweep fewer each way, and its forward weight has no bias). Arguments: out, x, g (backward), args, w,
 /// b (the forward's `affine`). The output is written in `out` (x's dtype, or the forward's
 /// folded cast: `Fused::NormalizeTo`).
-pub fn normalize_source(dtype: DType, backward: bool, affine: bool, block: bool, out: DType) -> (String, String) {
-    let kind = match (backward, affine) {
-        (true, true) => "layer_norm_backward",
-        (true, false) => "normalize_backward",
-        (false, true) => "layer_norm",
-        (false, false) => "normalize",
+pub fn normalize_source(k: NormKernel, block: bool, out: DType) -> (String, String) {
+    let NormKernel { dtype, backward, affine, rms } = k;
+    let kind = match (backward, affine, rms) {
+        (true, true, false) => "layer_norm_backward",
+        (true, false, false) => "normalize_backward",
+        (false, true, false) => "layer_norm",
+        (false, false, false) => "normalize",
+        (true, true, true) => "rms_norm_backward",
+        (true, false, true) => "rms_normalize_backward",
+        (false, true, true) => "rms_norm",
+        (false, false, true) => "rms_normalize",
     };
     let name = row_kernel_name(kind, dtype, block) + &other_dtype("to_", dtype, out);
     let (t, c, ot) = (storage_type(dtype), compute_type(dtype), storage_type(out));
@@ -419,9 +425,14 @@ pub fn normalize_source(dtype: DType, backward: bool, affine: bool, block: bool,
     );
     s += row_prologue(block);
     s += "  const long long base = row * a.red; const C n = (C)a.red;\n  C acc = (C)0;\n";
-    s += "  for (long long j = lane; j < a.red; j += tpr) acc += (C)ld(x[base + j]);\n";
-    s += &row_allreduce(block, false);
-    s += "  const C mean = acc / n; acc = (C)0;\n";
+    if rms {
+        // RMS norm: the mean is 0, the variance the mean square.
+        s += "  const C mean = (C)0;\n";
+    } else {
+        s += "  for (long long j = lane; j < a.red; j += tpr) acc += (C)ld(x[base + j]);\n";
+        s += &row_allreduce(block, false);
+        s += "  const C mean = acc / n; acc = (C)0;\n";
+    }
     s += "  for (long long j = lane; j < a.red; j += tpr) { C d = (C)ld(x[base + j]) - mean; acc += d * d; }\n";
     s += &row_allreduce(block, false);
     s += "  const C rstd = (C)1 / ksqrt(acc / n + (C)a.eps);\n";
@@ -429,19 +440,37 @@ pub fn normalize_source(dtype: DType, backward: bool, affine: bool, block: bool,
         // The gradient of xhat: g, times the weight with `affine`.
         let gj = if affine { "((C)ld(g[base + j]) * (C)ld(w[j]))" } else { "(C)ld(g[base + j])" };
         s += &format!("#define GJ {gj}\n");
-        s += "  acc = (C)0;\n  for (long long j = lane; j < a.red; j += tpr) acc += GJ;\n";
-        s += &row_allreduce(block, false);
-        s += "  const C mg = acc / n; acc = (C)0;\n";
+        if rms {
+            s += "  const C mg = (C)0; acc = (C)0;\n";
+        } else {
+            s += "  acc = (C)0;\n  for (long long j = lane; j < a.red; j += tpr) acc += GJ;\n";
+            s += &row_allreduce(block, false);
+            s += "  const C mg = acc / n; acc = (C)0;\n";
+        }
         s += "  for (long long j = lane; j < a.red; j += tpr) acc += GJ * (((C)ld(x[base + j]) - mean) * rstd);\n";
         s += &row_allreduce(block, false);
         s += "  const C mgx = acc / n;\n";
         s += "  for (long long j = lane; j < a.red; j += tpr) {\n";
         s += "    C xh = ((C)ld(x[base + j]) - mean) * rstd;\n    st(&o[base + j], rstd * (GJ - mg - xh * mgx));\n  }\n}\n";
     } else {
-        let affine = if affine { " * (C)ld(w[j]) + (C)ld(b[j])" } else { "" };
+        let affine = match (affine, rms) {
+            (true, false) => " * (C)ld(w[j]) + (C)ld(b[j])",
+            (true, true) => " * (C)ld(w[j])",
+            (false, _) => "",
+        };
         s += &format!("  (void)g;\n  for (long long j = lane; j < a.red; j += tpr) st(&o[base + j], ((C)ld(x[base + j]) - mean) * rstd{affine});\n}}\n");
     }
     (s, name)
+}
+
+/// Which `normalize_source` kernel: the element type, forward or backward, with the weight
+/// (and in a layer norm's forward the bias), and RMS norm (no mean) or layer norm.
+#[derive(Debug, Clone, Copy)]
+pub struct NormKernel {
+    pub dtype: DType,
+    pub backward: bool,
+    pub affine: bool,
+    pub rms: bool,
 }
 
 /// The widest F32 row `normalize_rows_source` holds in registers (eight float4s a lane).
@@ -723,7 +752,7 @@ mod launch {
         x: (&CudaStorage, &Layout),
         grad: Option<(&CudaStorage, &Layout)>,
         affine: &[(&CudaStorage, &Layout)],
-        (eps, to): (f64, Option<DType>),
+        (eps, rms, to): (f64, bool, Option<DType>),
     ) -> Result<CudaStorage> {
         let (dtype, backward) = (x.0.dtype, grad.is_some());
         let out = to.unwrap_or(dtype);
@@ -737,13 +766,13 @@ mod launch {
         let n = x.1.shape[x.1.rank() - 1];
         // Rows that fit in registers as float4s take the one-trip kernel (F32 forward, with the
         // weight and bias or neither).
-        let rows_kernel = dtype == DType::F32 && !backward && n % 128 == 0 && n <= LN_ROWS_MAX_N && (extra[1] != 0) == has;
+        let rows_kernel = !rms && dtype == DType::F32 && !backward && n % 128 == 0 && n <= LN_ROWS_MAX_N && (extra[1] != 0) == has;
         row_pair(g, x, grad, (eps, extra), out, |block, aligned| {
             if rows_kernel && !block && aligned {
                 return g.kernel(crate::cuda::gpu::spec_key("normalize_rows", &(n, has, out)), || normalize_rows_source(n / 128, has, out));
             }
-            g.kernel(crate::cuda::gpu::spec_key("normalize", &(dtype, backward, has, block, out)), || {
-                normalize_source(dtype, backward, has, block, out)
+            g.kernel(crate::cuda::gpu::spec_key("normalize", &(dtype, backward, has, block, out, rms)), || {
+                normalize_source(NormKernel { dtype, backward, affine: has, rms }, block, out)
             })
         })
     }
@@ -860,7 +889,7 @@ mod launch {
         use crate::cuda::kernels::prelude::layout_check;
         vec![
             layout_check!(softmax_backward_source(DType::F32, false, false).0, "SArgs", RowArgs, { rows => rows, red => red, value => scale }),
-            layout_check!(normalize_source(DType::F32, false, false, false, DType::F32).0, "NArgs", RowArgs, {
+            layout_check!(normalize_source(NormKernel { dtype: DType::F32, backward: false, affine: false, rms: false }, false, DType::F32).0, "NArgs", RowArgs, {
                 rows => rows, red => red, value => eps
             }),
             layout_check!(XENT_ARGS, "XArgs", XArgs, {
