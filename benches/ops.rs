@@ -41,65 +41,39 @@ fn matmul(c: &mut Criterion) {
     let (av, bv) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
     let mut out = vec![0f32; n * n];
     let threads = rayon::current_num_threads();
-    g.bench_function("gemm_direct", |bch| {
-        bch.iter(|| {
-            // SAFETY: all three buffers hold n*n f32 in row-major order.
-            unsafe {
-                gemm::gemm(
-                    n,
-                    n,
-                    n,
-                    out.as_mut_ptr(),
-                    1,
-                    n as isize,
-                    false,
-                    av.as_ptr(),
-                    1,
-                    n as isize,
-                    bv.as_ptr(),
-                    1,
-                    n as isize,
-                    0.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::Rayon(threads),
-                );
-            }
-            black_box(&out);
-        })
-    });
-    // One thread, as Kiln's split gives each thread its block of columns.
-    g.bench_function("gemm_direct_one_thread", |bch| {
-        bch.iter(|| {
-            // SAFETY: all three buffers hold n*n f32 in row-major order.
-            unsafe {
-                gemm::gemm(
-                    n,
-                    n,
-                    n,
-                    out.as_mut_ptr(),
-                    1,
-                    n as isize,
-                    false,
-                    av.as_ptr(),
-                    1,
-                    n as isize,
-                    bv.as_ptr(),
-                    1,
-                    n as isize,
-                    0.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                );
-            }
-            black_box(&out);
-        })
-    });
+    // All threads, and one (as Kiln's split gives each thread its block of columns).
+    for (name, par) in [("gemm_direct", gemm::Parallelism::Rayon(threads)), ("gemm_direct_one_thread", gemm::Parallelism::None)] {
+        g.bench_function(name, |bch| {
+            bch.iter(|| {
+                // SAFETY: all three buffers hold n*n f32 in row-major order.
+                unsafe {
+                    let nn = n as isize;
+                    gemm::gemm(
+                        n,
+                        n,
+                        n,
+                        out.as_mut_ptr(),
+                        1,
+                        nn,
+                        false,
+                        av.as_ptr(),
+                        1,
+                        nn,
+                        bv.as_ptr(),
+                        1,
+                        nn,
+                        0.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        par,
+                    );
+                }
+                black_box(&out);
+            })
+        });
+    }
     g.finish();
 }
 

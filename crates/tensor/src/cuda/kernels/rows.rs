@@ -425,14 +425,8 @@ pub fn normalize_source(k: NormKernel, block: bool, out: DType) -> (String, Stri
     );
     s += row_prologue(block);
     s += "  const long long base = row * a.red; const C n = (C)a.red;\n  C acc = (C)0;\n";
-    if rms {
-        // RMS norm: the mean is 0, the variance the mean square.
-        s += "  const C mean = (C)0;\n";
-    } else {
-        s += "  for (long long j = lane; j < a.red; j += tpr) acc += (C)ld(x[base + j]);\n";
-        s += &row_allreduce(block, false);
-        s += "  const C mean = acc / n; acc = (C)0;\n";
-    }
+    // RMS norm: the mean is 0, the variance the mean square.
+    s += &row_mean("mean", "(C)ld(x[base + j])", block, rms);
     s += "  for (long long j = lane; j < a.red; j += tpr) { C d = (C)ld(x[base + j]) - mean; acc += d * d; }\n";
     s += &row_allreduce(block, false);
     s += "  const C rstd = (C)1 / ksqrt(acc / n + (C)a.eps);\n";
@@ -440,13 +434,7 @@ pub fn normalize_source(k: NormKernel, block: bool, out: DType) -> (String, Stri
         // The gradient of xhat: g, times the weight with `affine`.
         let gj = if affine { "((C)ld(g[base + j]) * (C)ld(w[j]))" } else { "(C)ld(g[base + j])" };
         s += &format!("#define GJ {gj}\n");
-        if rms {
-            s += "  const C mg = (C)0; acc = (C)0;\n";
-        } else {
-            s += "  acc = (C)0;\n  for (long long j = lane; j < a.red; j += tpr) acc += GJ;\n";
-            s += &row_allreduce(block, false);
-            s += "  const C mg = acc / n; acc = (C)0;\n";
-        }
+        s += &row_mean("mg", "GJ", block, rms);
         s += "  for (long long j = lane; j < a.red; j += tpr) acc += GJ * (((C)ld(x[base + j]) - mean) * rstd);\n";
         s += &row_allreduce(block, false);
         s += "  const C mgx = acc / n;\n";
@@ -461,6 +449,16 @@ pub fn normalize_source(k: NormKernel, block: bool, out: DType) -> (String, Stri
         s += &format!("  (void)g;\n  for (long long j = lane; j < a.red; j += tpr) st(&o[base + j], ((C)ld(x[base + j]) - mean) * rstd{affine});\n}}\n");
     }
     (s, name)
+}
+
+/// `normalize_source`'s row mean of `term` (over `j`) as `C name`, leaving `acc` at 0; with
+/// `zero` the mean is known to be 0 and takes no sweep.
+fn row_mean(name: &str, term: &str, block: bool, zero: bool) -> String {
+    if zero {
+        return format!("  const C {name} = (C)0;\n");
+    }
+    let sweep = format!("  acc = (C)0;\n  for (long long j = lane; j < a.red; j += tpr) acc += {term};\n");
+    format!("{sweep}{}  const C {name} = acc / n; acc = (C)0;\n", row_allreduce(block, false))
 }
 
 /// Which `normalize_source` kernel: the element type, forward or backward, with the weight
