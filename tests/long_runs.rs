@@ -2,12 +2,11 @@
 //! save that leaves the previous checkpoint intact, and anomaly mode naming the op.
 
 use kiln::checkpoint::{self, write_atomic_with, Checkpoints};
-use kiln::compile::{compile, Mode};
+use kiln::compile::{compile, compile_step, Mode};
 use kiln::models::{Gpt, GptConfig};
 use kiln::optim::{clip_grad_norm, AdamConfig, AdamW, LrScheduler, Optimizer, WarmupCosine};
 use kiln::prelude::*;
 use kiln_tensor::Distribution;
-use std::cell::RefCell;
 use std::io::Write;
 
 const TOTAL: u64 = 16;
@@ -23,8 +22,8 @@ fn tokens(step: u64, seed: u64) -> Tensor {
 
 struct Run {
     model: Gpt,
-    opt: RefCell<AdamW>,
-    sched: RefCell<WarmupCosine>,
+    opt: AdamW,
+    sched: WarmupCosine,
 }
 
 fn fresh(init_seed: u64) -> Run {
@@ -34,30 +33,31 @@ fn fresh(init_seed: u64) -> Run {
     let mut opt = AdamW::new(model.parameters(), AdamConfig { lr: 1e-2, ..AdamConfig::adamw() }).unwrap();
     let sched = WarmupCosine::new(1e-2, 4, TOTAL as usize, 1e-3).unwrap();
     sched.apply(&mut opt).unwrap();
-    Run { model, opt: RefCell::new(opt), sched: RefCell::new(sched) }
+    Run { model, opt, sched }
 }
 
-/// Steps `from..to`, eagerly or through a compiled step made here.
-fn train(r: &Run, from: u64, to: u64, compiled: bool) {
-    let step_fn = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
-        let loss = r.model.loss(&xs[0], &xs[1])?;
+/// Steps `from..to`, eagerly or through a compiled step made here (the optimizer is the
+/// step's state, which the scheduler takes between calls).
+fn train(r: &mut Run, from: u64, to: u64, compiled: bool) {
+    let model = &r.model;
+    let step_fn = |o: &mut AdamW, xs: &[Tensor]| -> Result<Vec<Tensor>> {
+        let loss = model.loss(&xs[0], &xs[1])?;
         loss.backward()?;
-        let mut o = r.opt.borrow_mut();
         clip_grad_norm(o.params(), 1.0)?;
         o.step()?;
         o.zero_grad()?;
         Ok(vec![loss])
     };
     let eager = step_fn;
-    let mut step = compile(Mode::Default, step_fn);
+    let mut step = compile_step(Mode::Default, step_fn);
     for i in from..to {
         let (x, y) = (tokens(i, 1), tokens(i, 2));
         if compiled {
-            step.call(&[&x, &y]).unwrap();
+            step.call(&mut r.opt, &[&x, &y]).unwrap();
         } else {
-            eager(&[x, y]).unwrap();
+            eager(&mut r.opt, &[x, y]).unwrap();
         }
-        r.sched.borrow_mut().step(&mut *r.opt.borrow_mut()).unwrap();
+        r.sched.step(&mut r.opt).unwrap();
     }
 }
 
@@ -73,21 +73,21 @@ fn temp_dir(name: &str) -> std::path::PathBuf {
 }
 
 fn resume_matches_straight(compiled: bool) {
-    let straight = fresh(3);
-    train(&straight, 0, TOTAL, compiled);
+    let mut straight = fresh(3);
+    train(&mut straight, 0, TOTAL, compiled);
 
-    let first = fresh(3);
-    train(&first, 0, TOTAL / 2, compiled);
+    let mut first = fresh(3);
+    train(&mut first, 0, TOTAL / 2, compiled);
     let dir = temp_dir(if compiled { "resume-c" } else { "resume-e" });
     let ckpts = Checkpoints { dir: dir.clone(), keep: 2 };
-    let path = ckpts.save(&first.model, &*first.opt.borrow(), Some(&*first.sched.borrow()), TOTAL / 2).unwrap();
+    let path = ckpts.save(&first.model, &first.opt, Some(&first.sched), TOTAL / 2).unwrap();
     drop(first);
     // "A new process": other initial weights and generator, then the checkpoint.
-    let second = fresh(99);
+    let mut second = fresh(99);
     kiln::tensor::rng::manual_seed(12345);
-    let resume = checkpoint::load(&path, &second.model, &mut *second.opt.borrow_mut(), Some(&mut *second.sched.borrow_mut())).unwrap();
+    let resume = checkpoint::load(&path, &second.model, &mut second.opt, Some(&mut second.sched)).unwrap();
     assert_eq!(resume.step, TOTAL / 2);
-    train(&second, resume.step, TOTAL, compiled);
+    train(&mut second, resume.step, TOTAL, compiled);
     assert_eq!(params(&second), params(&straight), "resumed training is bit-identical (compiled: {compiled})");
     std::fs::remove_dir_all(dir).unwrap();
 }
@@ -104,34 +104,34 @@ fn compiled_resume_is_bit_identical() {
 
 #[test]
 fn a_save_that_dies_half_way_leaves_the_previous_checkpoint() {
-    let r = fresh(4);
-    train(&r, 0, 2, false);
+    let mut r = fresh(4);
+    train(&mut r, 0, 2, false);
     let dir = temp_dir("killed");
     let path = dir.join("model.safetensors");
-    checkpoint::save(&path, &r.model, &*r.opt.borrow(), None, 2).unwrap();
+    checkpoint::save(&path, &r.model, &r.opt, None, 2).unwrap();
     let saved = params(&r);
-    train(&r, 2, 4, false);
-    let bytes = checkpoint::to_bytes(&r.model, &*r.opt.borrow(), None, 4).unwrap();
+    train(&mut r, 2, 4, false);
+    let bytes = checkpoint::to_bytes(&r.model, &r.opt, None, 4).unwrap();
     // The writer dies after 1000 bytes.
     let err = write_atomic_with(&path, &bytes, |f, b| {
         f.write_all(&b[..1000])?;
         Err(std::io::Error::other("simulated crash"))
     });
     assert!(err.unwrap_err().to_string().contains("simulated crash"));
-    let back = fresh(5);
-    let resume = checkpoint::load(&path, &back.model, &mut *back.opt.borrow_mut(), None).unwrap();
+    let mut back = fresh(5);
+    let resume = checkpoint::load(&path, &back.model, &mut back.opt, None).unwrap();
     assert_eq!((resume.step, params(&back)), (2, saved));
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1, "no temporary file is left behind");
     // Keep-last-N.
     let ckpts = Checkpoints { dir: dir.join("ring"), keep: 2 };
     for s in [10, 20, 30] {
-        ckpts.save(&r.model, &*r.opt.borrow(), None, s).unwrap();
+        ckpts.save(&r.model, &r.opt, None, s).unwrap();
     }
     let names: Vec<String> = ckpts.list().unwrap().iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
     assert_eq!(names, ["ckpt-0000000020.safetensors", "ckpt-0000000030.safetensors"]);
     // A file that is not a checkpoint is a clear error.
     std::fs::write(dir.join("junk"), b"\x10\x00\x00\x00\x00\x00\x00\x00{}").unwrap();
-    let e = checkpoint::load(&dir.join("junk"), &back.model, &mut *back.opt.borrow_mut(), None).unwrap_err().to_string();
+    let e = checkpoint::load(&dir.join("junk"), &back.model, &mut back.opt, None).unwrap_err().to_string();
     assert!(e.contains("checkpoint"), "{e}");
     std::fs::remove_dir_all(dir).unwrap();
 }
