@@ -455,7 +455,7 @@ pub fn normalize_source(k: NormKernel, block: bool, out: DType) -> (String, Stri
 /// `zero` the mean is known to be 0 and takes no sweep.
 fn row_mean(name: &str, term: &str, block: bool, zero: bool) -> String {
     if zero {
-        return format!("  const C {name} = (C)0;\n");
+        return format!("  const C {name} = (C)0; acc = (C)0;\n");
     }
     let sweep = format!("  acc = (C)0;\n  for (long long j = lane; j < a.red; j += tpr) acc += {term};\n");
     format!("{sweep}{}  const C {name} = acc / n; acc = (C)0;\n", row_allreduce(block, false))
