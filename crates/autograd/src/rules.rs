@@ -239,12 +239,11 @@ fn layer_norm_rule(inputs: &[Tensor], needs: &[bool], g: &Tensor, eps: f64) -> R
 /// the unweighted output.
 fn rms_norm_rule(inputs: &[Tensor], needs: &[bool], g: &Tensor, eps: f64) -> Result<Vec<Option<Tensor>>> {
     let (x, w) = (&inputs[0], inputs.get(1));
-    let dx = needs[0].then(|| x.rms_norm_backward(g, w, eps)).transpose()?;
-    let dw = match w {
-        Some(w) if needs[1] => Some(reduce_to(&g.mul(&x.rms_norm(None, eps)?)?, w.shape())?),
-        _ => None,
-    };
-    Ok([vec![dx], w.map(|_| dw).into_iter().collect()].concat())
+    let mut grads = vec![needs[0].then(|| x.rms_norm_backward(g, w, eps)).transpose()?];
+    if let Some(w) = w {
+        grads.push(needs[1].then(|| reduce_to(&g.mul(&x.rms_norm(None, eps)?)?, w.shape())).transpose()?);
+    }
+    Ok(grads)
 }
 
 /// Attention's q, k and v gradients, from one backward kernel.

@@ -74,16 +74,21 @@ impl Recorder {
             created_by,
         });
         drop(rec);
-        self.first_sight(t, if t.grad().is_some() { GradAtStart::Present } else { GradAtStart::Absent });
+        self.first_sight(t, false);
         TRef { storage: id, layout: t.layout().clone(), dtype: t.dtype() }
     }
 
     /// Notes a parameter (a leaf requiring grad made before the trace) the first time the step
-    /// touches it, with its gradient's state then.
-    fn first_sight(&self, t: &Tensor, grad: GradAtStart) {
+    /// touches it, with its gradient's state then (`cleared`: the step sets it to None).
+    fn first_sight(&self, t: &Tensor, cleared: bool) {
         let parameter = t.is_leaf() && t.requires_grad() && t.id().0 < self.first_tensor;
         let mut rec = self.rec.borrow_mut();
         if parameter && !rec.leaves.iter().any(|(l, _)| l.id() == t.id()) {
+            let grad = match (cleared, t.grad().is_some()) {
+                (true, _) => GradAtStart::Cleared,
+                (false, true) => GradAtStart::Present,
+                (false, false) => GradAtStart::Absent,
+            };
             rec.leaves.push((t.clone(), grad));
         }
     }
@@ -92,7 +97,7 @@ impl Recorder {
 impl Tracer for Recorder {
     fn grad_set(&self, t: &Tensor, cleared: bool) {
         if cleared {
-            self.first_sight(t, GradAtStart::Cleared);
+            self.first_sight(t, true);
         }
     }
 

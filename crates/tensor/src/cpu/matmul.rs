@@ -111,22 +111,24 @@ unsafe fn product_cols<T: GemmElem>(
 /// product is large enough to pay for waking the workers and wide enough to split. Column
 /// blocks beat row blocks on every product measured (each thread packs only its part of `b`).
 pub fn split_cols(s: MatmulShape) -> usize {
-    let threads = rayon::current_num_threads();
-    if threads > 1 && s.n >= 16 * threads && s.m * s.n * s.k >= PAR_FLOPS {
-        s.n.div_ceil(threads).next_multiple_of(16).min(s.n)
-    } else {
-        s.n
-    }
+    per_thread(s, s.n, 16)
 }
 
 /// The rows each thread takes of a single product too narrow to split by columns: all of them
 /// unless it is large enough to pay for waking the workers.
 fn split_rows(s: MatmulShape) -> usize {
+    per_thread(s, s.m, 1)
+}
+
+/// Each thread's share of `len` (the product's columns or rows), a multiple of `align`: all
+/// of it unless the product has `PAR_FLOPS` multiply-adds and `len` gives every thread at
+/// least `max(align, 2)`.
+fn per_thread(s: MatmulShape, len: usize, align: usize) -> usize {
     let threads = rayon::current_num_threads();
-    if threads > 1 && s.m >= 2 * threads && s.m * s.n * s.k >= PAR_FLOPS {
-        s.m.div_ceil(threads)
+    if threads > 1 && len >= align.max(2) * threads && s.m * s.n * s.k >= PAR_FLOPS {
+        len.div_ceil(threads).next_multiple_of(align).min(len)
     } else {
-        s.m
+        len
     }
 }
 
