@@ -136,7 +136,7 @@ fn main() -> Result<()> {
         let (x, y) = batch(&ids, b, t, &mut rng, device)?;
         let loss = if compiled { cstep.call(&mut opt, &[&x, &y])?.remove(0) } else { eager(&mut opt, &[x, y])?.remove(0) };
         sched.step(&mut opt)?;
-        if every > 0 && (step as u64 + 1) % every == 0 {
+        if every > 0 && (step as u64 + 1).is_multiple_of(every) {
             ckpts.save(&model, &opt, Some(&sched), step as u64 + 1)?;
         }
         if step % 10 == 0 || step + 1 == steps {

@@ -113,7 +113,7 @@ impl Block {
 
 impl Gpt {
     pub fn new(c: GptConfig, device: Device) -> Result<Gpt> {
-        if c.n_head == 0 || c.d_model % c.n_head != 0 {
+        if c.n_head == 0 || !c.d_model.is_multiple_of(c.n_head) {
             return Err(Error::shape("gpt", format!("d_model {} is not divisible by n_head {}", c.d_model, c.n_head)));
         }
         Ok(Gpt {

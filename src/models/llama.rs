@@ -77,7 +77,7 @@ pub struct Llama {
 
 impl Llama {
     pub fn new(c: LlamaConfig, device: Device) -> Result<Llama> {
-        let ok = c.n_heads > 0 && c.n_kv_heads > 0 && c.n_heads % c.n_kv_heads == 0 && c.dim % c.n_heads == 0;
+        let ok = c.n_heads > 0 && c.n_kv_heads > 0 && c.n_heads.is_multiple_of(c.n_kv_heads) && c.dim.is_multiple_of(c.n_heads);
         if !ok {
             return Err(Error::Msg(format!(
                 "Llama: n_heads {} must divide dim {} and be a multiple of n_kv_heads {}",

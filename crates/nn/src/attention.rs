@@ -41,7 +41,7 @@ pub struct MultiheadAttention {
 
 impl MultiheadAttention {
     pub fn new(embed_dim: usize, num_heads: usize, dropout: f64, batch_first: bool, device: Device) -> Result<MultiheadAttention> {
-        if num_heads == 0 || embed_dim % num_heads != 0 {
+        if num_heads == 0 || !embed_dim.is_multiple_of(num_heads) {
             return Err(Error::shape("multihead_attention", format!("embed_dim {embed_dim} is not divisible by num_heads {num_heads}")));
         }
         let out_proj = Linear::new(embed_dim, embed_dim, true, device)?;

@@ -448,7 +448,7 @@ impl Conv2d {
     /// `nn.Conv2d(.., groups=groups)`: weight `[out, inp / groups, kh, kw]`, fan-in
     /// `inp / groups * kh * kw`.
     pub fn with_groups(inp: usize, out: usize, window: Window, groups: usize, bias: bool, device: Device) -> Result<Conv2d> {
-        if groups == 0 || inp % groups != 0 || out % groups != 0 {
+        if groups == 0 || !inp.is_multiple_of(groups) || !out.is_multiple_of(groups) {
             return Err(Error::Msg(format!("Conv2d: {inp} in and {out} out channels must both divide into {groups} groups")));
         }
         let (kh, kw) = window.kernel;

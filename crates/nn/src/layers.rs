@@ -143,7 +143,7 @@ pub struct GroupNorm {
 impl GroupNorm {
     /// PyTorch's defaults: eps 1e-5, weight 1, bias 0.
     pub fn new(groups: usize, channels: usize, device: Device) -> Result<GroupNorm> {
-        if groups == 0 || channels % groups != 0 {
+        if groups == 0 || !channels.is_multiple_of(groups) {
             return Err(Error::Msg(format!("GroupNorm: {channels} channels do not split into {groups} groups")));
         }
         Ok(GroupNorm {

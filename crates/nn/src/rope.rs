@@ -20,7 +20,7 @@ impl RotaryEmbedding {
     /// Tables for heads of `head_dim` (even) up to `max_seq` positions; Llama's `theta` is
     /// 10000 (500000 for Llama 3).
     pub fn new(head_dim: usize, max_seq: usize, theta: f64, dtype: DType, device: Device) -> Result<RotaryEmbedding> {
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(Error::shape("rope", format!("head_dim must be even and positive, got {head_dim}")));
         }
         let half = head_dim / 2;

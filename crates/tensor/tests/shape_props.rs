@@ -55,7 +55,7 @@ proptest! {
         let flat = x.reshape(&[-1])?;
         prop_assert_eq!(flat.shape(), &[n]);
         prop_assert_eq!(flat.reshape(&shape)?.to_vec::<f32>()?, x.to_vec::<f32>()?);
-        if n % split == 0 {
+        if n.is_multiple_of(split) {
             let y = x.reshape(&[split as i64, -1])?;
             prop_assert_eq!(y.shape(), &[split, n / split]);
             prop_assert!(y.same_storage(&x)); // contiguous reshapes are views

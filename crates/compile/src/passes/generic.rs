@@ -141,7 +141,7 @@ pub(super) fn disjoint_slices(a: &kiln_tensor::Layout, b: &kiln_tensor::Layout, 
         _ => return false,
     };
     let st = full.strides[d].max(1);
-    if a.offset % st != 0 || b.offset % st != 0 || a.offset / st >= shape[d] || b.offset / st >= shape[d] {
+    if !a.offset.is_multiple_of(st) || !b.offset.is_multiple_of(st) || a.offset / st >= shape[d] || b.offset / st >= shape[d] {
         return false;
     }
     let (sa, sb) = (a.offset / st, b.offset / st);

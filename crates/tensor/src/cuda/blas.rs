@@ -769,7 +769,7 @@ fn hopper_spec(
             return None;
         };
         let ld = l.strides[if trans { 1 } else { 0 }];
-        (ld % 4 == 0 && ld >= if trans { rows } else { cols } && s.ptr_at(l.offset) % 16 == 0).then_some(trans)
+        (ld.is_multiple_of(4) && ld >= if trans { rows } else { cols } && s.ptr_at(l.offset).is_multiple_of(16)).then_some(trans)
     };
     let (ta, tb) = (unit(sa, a)?, unit(sb, b)?);
     // B with its rows contiguous (`g @ w`, a Linear's input gradient) is turned first where

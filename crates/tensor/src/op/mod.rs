@@ -819,7 +819,7 @@ pub fn attention_kv_repeat(q: &[usize], k: &[usize]) -> Option<usize> {
     if q == k {
         return Some(1);
     }
-    let gqa = q.len() == 4 && k.len() == 4 && q[0] == k[0] && q[2..] == k[2..] && k[1] > 0 && q[1] % k[1] == 0;
+    let gqa = q.len() == 4 && k.len() == 4 && q[0] == k[0] && q[2..] == k[2..] && k[1] > 0 && q[1].is_multiple_of(k[1]);
     gqa.then(|| q[1] / k[1])
 }
 

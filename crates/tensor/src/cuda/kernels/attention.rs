@@ -347,7 +347,7 @@ pub fn flash_supported(dtype: DType, d: usize) -> bool {
         DType::F32 => 8,
         _ => return false,
     };
-    d % step == 0 && d > 0 && d <= ATTN_MAX_D
+    d.is_multiple_of(step) && d > 0 && d <= ATTN_MAX_D
 }
 
 /// Device helpers of the flash kernels: shared tiles, `Mat`, async copies, quad reductions,

@@ -316,7 +316,7 @@ mod launch {
     /// operand, whether it broadcasts the innermost dim.
     fn strided4(shape: &[usize], strides: &[Vec<usize>], contiguous: &[bool], offsets: &[usize]) -> Option<Vec<bool>> {
         let last = shape.len().checked_sub(1)?;
-        if shape[last] % 4 != 0 {
+        if !shape[last].is_multiple_of(4) {
             return None;
         }
         let mut bcast = Vec::with_capacity(strides.len());
@@ -418,7 +418,7 @@ mod launch {
 
     pub(crate) fn dense<'a>(g: &Arc<Gpu>, s: &'a CudaStorage, l: &Layout) -> Result<Dense<'a>> {
         let p = s.ptr_at(l.offset);
-        if l.is_contiguous() && p % 16 == 0 {
+        if l.is_contiguous() && p.is_multiple_of(16) {
             Ok(Dense::Borrowed(p, std::marker::PhantomData))
         } else {
             Ok(Dense::Owned(dense_copy(g, s, l)?))

@@ -55,8 +55,8 @@ impl Fed {
     /// of one row from b's rows, or four rows' sums from a's columns.
     fn vec4(&self, offset: usize) -> bool {
         match self.b {
-            Some((at, sb)) => self.cols % 4 == 0 && sb[1] == 1 && at % 4 == 0 && sb[0] % 4 == 0,
-            None => self.cols == 1 && self.a[0] == 1 && offset % 4 == 0 && self.a[1] % 4 == 0,
+            Some((at, sb)) => self.cols.is_multiple_of(4) && sb[1] == 1 && at % 4 == 0 && sb[0] % 4 == 0,
+            None => self.cols == 1 && self.a[0] == 1 && offset.is_multiple_of(4) && self.a[1].is_multiple_of(4),
         }
     }
 
@@ -151,7 +151,7 @@ impl FusedGroup {
             return 1;
         }
         let loads_16bit = self.inputs.iter().filter(|x| x.lead.is_none()).all(|x| x.dtype.size_in_bytes() == 2);
-        let fits = |w: usize| self.n >= w && self.n % w == 0 && self.inputs.iter().all(|x| vec_read(x, w).is_some());
+        let fits = |w: usize| self.n >= w && self.n.is_multiple_of(w) && self.inputs.iter().all(|x| vec_read(x, w).is_some());
         [8, 4].into_iter().filter(|&w| w == 4 || loads_16bit).find(|&w| fits(w)).unwrap_or(1)
     }
 
@@ -214,12 +214,12 @@ fn vec_read(x: &FusedInput, w: usize) -> Option<VecRead> {
     if let Some(f) = &x.fed {
         return (w == 4 && f.vec4(x.offset)).then_some(VecRead::Fed);
     }
-    let Some((shape, strides)) = &x.strided else { return (x.offset % w == 0).then_some(VecRead::Dense) };
+    let Some((shape, strides)) = &x.strided else { return x.offset.is_multiple_of(w).then_some(VecRead::Dense) };
     let last = shape.len().checked_sub(1)?;
     if shape[last] % w != 0 {
         return None;
     }
-    let aligned = x.offset % w == 0 && strides[..last].iter().zip(shape).all(|(s, n)| *n == 1 || s % w == 0);
+    let aligned = x.offset.is_multiple_of(w) && strides[..last].iter().zip(shape).all(|(s, n)| *n == 1 || s % w == 0);
     match strides[last] {
         0 => Some(VecRead::Splat),
         1 if aligned => Some(VecRead::Rows),

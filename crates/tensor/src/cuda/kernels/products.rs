@@ -762,7 +762,7 @@ mod launch {
     ) -> Result<()> {
         let (m, k, n) = (la.shape[0], la.shape[1], lb.shape[1]);
         // Four neighbours a thread where B's rows and h are aligned vectors along memory.
-        let rows4 = |l: &Layout| l.strides[1] == 1 && l.strides[0] % 4 == 0 && l.offset % 4 == 0;
+        let rows4 = |l: &Layout| l.strides[1] == 1 && l.strides[0].is_multiple_of(4) && l.offset.is_multiple_of(4);
         let vec4 = n % 4 == 0 && rows4(lb) && drelu.is_none_or(|(_, l)| rows4(l));
         let (dr, sums) = (drelu.is_some(), sums_at.is_some());
         let key = crate::cuda::gpu::spec_key("matmul_thin", &(out.dtype, k, dr, vec4, sums));

@@ -300,7 +300,7 @@ mod launch {
         }
         let (ad, hd) = (dense(g, a.0, a.1)?, dense(g, h.0, h.1)?);
         let wide = 16 / dtype.size_in_bytes();
-        let aligned = n % wide == 0 && [ad.ptr(), hd.ptr()].iter().all(|p| p % 16 == 0);
+        let aligned = n.is_multiple_of(wide) && [ad.ptr(), hd.ptr()].iter().all(|p| p % 16 == 0);
         let sums =
             ColumnSums { x: (a.0, ad.ptr()), rows, n, ld: n, out: (dtype, out.ptr_at(at)), gate: Some((gate, hd.ptr(), out.buf.ptr)) };
         sums.tuned(g, if aligned { wide } else { 1 })?;
@@ -354,7 +354,7 @@ mod launch {
         /// Both launches, reading `v` columns a lane (a vector width the columns allow), with
         /// about `chunks` chunks of rows, partials in `part` (room for `chunks x n` accumulators).
         fn launch(&self, g: &Arc<Gpu>, v: usize, chunks: usize, part: u64) -> Result<()> {
-            debug_assert!(v == 1 || self.n % v == 0, "the kernel reads whole vectors of columns");
+            debug_assert!(v == 1 || self.n.is_multiple_of(v), "the kernel reads whole vectors of columns");
             debug_assert!(self.gate.is_none() || self.ld == self.n, "a gated kernel's x, h and y are dense");
             let (dtype, out_dtype) = (self.x.0.dtype, self.out.0);
             let gate = self.gate.map(|(u, _, _)| u);

@@ -764,7 +764,7 @@ mod launch {
         let n = x.1.shape[x.1.rank() - 1];
         // Rows that fit in registers as float4s take the one-trip kernel (F32 forward, with the
         // weight and bias or neither).
-        let rows_kernel = !rms && dtype == DType::F32 && !backward && n % 128 == 0 && n <= LN_ROWS_MAX_N && (extra[1] != 0) == has;
+        let rows_kernel = !rms && dtype == DType::F32 && !backward && n.is_multiple_of(128) && n <= LN_ROWS_MAX_N && (extra[1] != 0) == has;
         row_pair(g, x, grad, (eps, extra), out, |block, aligned| {
             if rows_kernel && !block && aligned {
                 return g.kernel(crate::cuda::gpu::spec_key("normalize_rows", &(n, has, out)), || normalize_rows_source(n / 128, has, out));
