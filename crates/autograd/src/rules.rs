@@ -1,6 +1,7 @@
 //! One backward rule per primitive op, written with tensor ops. `g` is the gradient of the
 //! op's output `out`; the result has one entry per input (`None`: no gradient flows there).
 
+use kiln_tensor::collective::{Collective, Group, Reduction};
 use kiln_tensor::{BinaryOp, Error, Op, ReduceOp, Result, Tensor, UnaryOp};
 
 /// Sums `g` over the dims that broadcasting expanded, so it has `shape` again.
@@ -196,7 +197,30 @@ pub fn backward(op: &Op, inputs: &[Tensor], needs: &[bool], out: &Tensor, g: &Te
         Op::Assign | Op::UpdateBinary(_) | Op::UpdateScalar(..) => {
             return Err(Error::Msg(format!("backward: in-place {} is not differentiable", op.name())));
         }
+        Op::Collective { group, kind } => vec![Some(collective_rule(*group, *kind, g)?)],
     })
+}
+
+/// The gradients of the collectives, as `torch.distributed.nn` gives them: an all-reduce's
+/// gradient is the same all-reduce of the gradients, all-gather and reduce-scatter (sum) are
+/// each other's backward, a broadcast's gradient is the ranks' gradients summed at the root.
+fn collective_rule(group: Group, kind: Collective, g: &Tensor) -> Result<Tensor> {
+    let not = |why: &str| Error::Msg(format!("backward: {} has no gradient {why}", kind.name()));
+    match kind {
+        Collective::AllReduce(r @ (Reduction::Sum | Reduction::Mean)) => g.collective(group, Collective::AllReduce(r)),
+        Collective::AllGather => g.collective(group, Collective::ReduceScatter(Reduction::Sum)),
+        Collective::ReduceScatter(Reduction::Sum) => g.collective(group, Collective::AllGather),
+        Collective::ReduceScatter(Reduction::Mean) => g.collective(group, Collective::AllGather)? / group.world as f64,
+        Collective::Broadcast { root } => {
+            let summed = g.collective(group, Collective::AllReduce(Reduction::Sum))?;
+            if group.rank == root {
+                Ok(summed)
+            } else {
+                summed.zeros_like()
+            }
+        }
+        Collective::AllReduce(_) | Collective::ReduceScatter(_) => Err(not("through a max or min over ranks")),
+    }
 }
 
 /// A reduction's input gradient (input `x`, output `out`).

@@ -8,6 +8,7 @@
 mod backend;
 mod cache;
 pub mod codegen;
+pub mod collective;
 pub mod cpu;
 pub mod cuda;
 mod device;

@@ -1,6 +1,7 @@
 //! The public tensor API. Each method is a primitive op through `Tensor::apply`, or a short
 //! composite of them (mean, var, softmax, ...) so autograd and the compiler see through it.
 
+use crate::collective::{Collective, Group};
 use crate::op::{BinaryOp, Distribution, Op, Part, Parts, ReduceOp, UnaryOp};
 use crate::shape::{Dim, Dims};
 use crate::{rng, DType, Device, Error, Result, Tensor};
@@ -423,6 +424,13 @@ impl Tensor {
             out = out.index_select(d, &Tensor::arange_step(n - 1.0, -1.0, -1.0, DType::I64, self.device())?)?;
         }
         Ok(out)
+    }
+    /// This rank's result of collective `kind` over the ranks of `group` (`torch.distributed`'s
+    /// collectives as functions: `self` is left as it is). Every rank of the group calls it
+    /// with the same shape and dtype, in the same order. CPU tensors take a thread group
+    /// (`cpu::collective::thread_group`), CUDA tensors an NCCL group (`cuda::nccl`).
+    pub fn collective(&self, group: Group, kind: Collective) -> Result<Tensor> {
+        Tensor::apply(Op::Collective { group, kind }, &[self], self.device())
     }
     /// The positions that sort `self` along `dim` (`torch.argsort(stable=True)`): ties keep
     /// their order, NaN counts as the largest value. A scalar sorts to position 0.

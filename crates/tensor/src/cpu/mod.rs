@@ -3,6 +3,7 @@
 
 pub mod attention;
 pub mod base;
+pub mod collective;
 pub mod elementwise;
 pub mod index;
 pub mod matmul;
@@ -93,6 +94,7 @@ pub fn run(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<Cp
             indexing(op, ins, meta)
         }
         Op::Fused(_) => fused(op, ins, meta),
+        Op::Collective { group, kind } => collective::run(group, *kind, ins[0], meta),
         Op::Reshape(_) | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_) => {
             Err(Error::Msg(format!("{}: a view runs no kernel", op.name())))
         }

@@ -20,6 +20,8 @@ mod library;
 #[cfg(feature = "cuda")]
 pub mod lt;
 #[cfg(feature = "cuda")]
+pub mod nccl;
+#[cfg(feature = "cuda")]
 pub mod nvrtc;
 #[cfg(feature = "cuda")]
 pub mod tune;

@@ -10,6 +10,7 @@ mod shapes;
 
 pub use parts::{Part, Parts};
 
+use crate::collective::{Collective, Group};
 use crate::{DType, Error, Result};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -668,6 +669,13 @@ pub enum Op {
     UpdateBinary(BinaryOp),
     /// `dst = dst op value`.
     UpdateScalar(BinaryOp, f64),
+    /// A collective over the ranks of `group` (`crate::collective`): the one input is this
+    /// rank's tensor, the output what the collective gives this rank. Run by the back end of
+    /// the input's device (a thread group on the CPU, NCCL on CUDA).
+    Collective {
+        group: Group,
+        kind: Collective,
+    },
     /// A fused form that compile's passes make from primitives (`fused.rs` lists them).
     Fused(Fused),
 }
@@ -774,6 +782,7 @@ impl Op {
             Op::Assign => "assign",
             Op::UpdateBinary(_) => "update",
             Op::UpdateScalar(..) => "update_scalar",
+            Op::Collective { kind, .. } => kind.name(),
             Op::Fused(f) => f.name(),
         }
     }

@@ -1,6 +1,7 @@
 //! The primitive ops' shape and dtype rules (`Op::infer`), one function per op family.
 
 use super::{attention_grads_shape, check_dim, InMeta, Op, OutMeta, Parts, ReduceOp, UnaryOp};
+use crate::collective::Collective;
 use crate::shape::broadcast_shapes;
 use crate::{DType, Error, Result};
 
@@ -424,6 +425,37 @@ pub(super) fn update(op: &Op, inputs: &[InMeta<'_>]) -> Result<OutMeta> {
     }
 }
 
+/// Collectives: the same shape on every rank; all-gather stacks the ranks along dim 0,
+/// reduce-scatter cuts dim 0 into one part per rank. Reductions take float tensors.
+pub(super) fn collective(op: &Op, inputs: &[InMeta<'_>]) -> Result<OutMeta> {
+    let name = op.name();
+    let Op::Collective { group, kind } = op else { return Err(not_in("collective", op)) };
+    let (shape, dtype) = (inputs[0].shape, inputs[0].dtype);
+    if group.world == 0 || group.rank >= group.world {
+        return Err(Error::Msg(format!("{name}: rank {} is not in a group of {} ranks", group.rank, group.world)));
+    }
+    if kind.reduction().is_some() {
+        float_only(name, dtype)?;
+    }
+    let mut out = shape.to_vec();
+    match kind {
+        Collective::AllReduce(_) => {}
+        Collective::Broadcast { root } if *root >= group.world => {
+            return Err(Error::Msg(format!("{name}: root rank {root} is not in a group of {} ranks", group.world)))
+        }
+        Collective::Broadcast { .. } => {}
+        Collective::AllGather | Collective::ReduceScatter(_) if shape.is_empty() => {
+            return Err(Error::shape(name, "needs a tensor of rank 1 or more (it stacks or cuts dim 0), got a scalar".to_string()))
+        }
+        Collective::AllGather => out[0] *= group.world,
+        Collective::ReduceScatter(_) if !shape[0].is_multiple_of(group.world) => {
+            return Err(Error::shape(name, format!("dim 0 of {shape:?} does not split into {} equal parts, one per rank", group.world)))
+        }
+        Collective::ReduceScatter(_) => out[0] /= group.world,
+    }
+    meta(out, dtype)
+}
+
 impl Op {
     /// The shape rule: the output's shape and dtype, or an error naming shapes and dtypes.
     pub fn infer(&self, inputs: &[InMeta<'_>]) -> Result<OutMeta> {
@@ -449,6 +481,7 @@ impl Op {
             }
             Op::Cat { .. } => cat(self, inputs),
             Op::Assign | Op::UpdateBinary(_) | Op::UpdateScalar(..) => update(self, inputs),
+            Op::Collective { .. } => collective(self, inputs),
             Op::Fused(f) => f.infer(inputs),
         }
     }
@@ -468,6 +501,7 @@ impl Op {
             Op::CrossEntropy { .. } => 2,
             Op::CrossEntropyBackward { .. } => 3,
             Op::Reshape(_) | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_) | Op::Contiguous | Op::ArgSort { .. } => 1,
+            Op::Collective { .. } => 1,
             Op::Matmul if given == 3 => 3,
             Op::Binary(_) | Op::Matmul | Op::IndexSelect { .. } | Op::Gather { .. } => 2,
             Op::Assign | Op::UpdateBinary(_) => 2,

@@ -111,6 +111,7 @@ mod dispatch {
             Op::IndexAdd { dim } | Op::ScatterAdd { dim } => index_add(&g, op, x[0], x[1], x[2], *dim)?,
             Op::ArgSort { descending } => argsort(&g, x[0], *descending)?,
             Op::Cat { dim } => cat(&g, &x, *dim, meta)?,
+            Op::Collective { group, kind } => crate::cuda::nccl::run(&g, group, *kind, x[0], meta)?,
             Op::Reshape(_) | Op::Permute(_) | Op::Narrow { .. } | Op::Expand(_) => {
                 return Err(Error::Msg(format!("{}: a view runs no kernel", op.name())))
             }
