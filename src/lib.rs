@@ -26,6 +26,7 @@ pub mod text;
 pub use compile_module::{compile_module, CompiledModule};
 pub use kiln_autograd as autograd;
 pub use kiln_compile as compile;
+pub use kiln_distributed as distributed;
 pub use kiln_nn as nn;
 pub use kiln_optim as optim;
 pub use kiln_tensor as tensor;

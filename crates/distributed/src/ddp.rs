@@ -1,0 +1,207 @@
+//! `Ddp`: data-parallel training as PyTorch's `DistributedDataParallel` does it. Every rank
+//! holds the whole model and trains on its own part of the batch; the parameters start equal
+//! (broadcast from rank 0) and stay equal because every rank applies the same averaged
+//! gradients. The gradients travel in buckets (PyTorch's plan: about 25 MiB each, filled in
+//! reverse parameter order, where the backward produces them first, a small first bucket,
+//! one dtype per bucket), each bucket one flat all-reduce. Under `compile`, those all-reduces
+//! are nodes of the step's graph, captured into its CUDA graph with the rest.
+
+use crate::group::ProcessGroup;
+use kiln_nn::Module;
+use kiln_tensor::collective::{Collective, Group, Reduction};
+use kiln_tensor::{no_grad, DType, Device, Error, Result, Tensor};
+use std::cell::Cell;
+
+/// `Ddp`'s settings, PyTorch's defaults.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DdpOptions {
+    /// A bucket closes once it holds this many MiB of gradients.
+    pub bucket_cap_mb: f64,
+    /// The first bucket's cap (the gradients the backward makes first start travelling early).
+    pub first_bucket_mb: f64,
+    /// Parameters the loss did not use get zero gradients in the all-reduce instead of an
+    /// error (the other ranks may have used them).
+    pub find_unused_parameters: bool,
+}
+
+impl Default for DdpOptions {
+    fn default() -> Self {
+        DdpOptions { bucket_cap_mb: 25.0, first_bucket_mb: 1.0, find_unused_parameters: false }
+    }
+}
+
+/// Gradients all-reduced together: positions in the parameter list, their dtype, their bytes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Bucket {
+    pub params: Vec<usize>,
+    pub dtype: DType,
+    pub bytes: usize,
+}
+
+/// PyTorch's bucket assignment: parameters (`(elements, dtype)` each) taken in reverse order,
+/// one open bucket per dtype, a bucket closed once it reaches its cap (`first_cap` bytes for
+/// a dtype's first bucket, `cap` after), buckets in the order of their first parameter.
+pub fn plan_buckets(params: &[(usize, DType)], cap: usize, first_cap: usize) -> Vec<Bucket> {
+    let mut closed: Vec<Bucket> = Vec::new();
+    let mut open: Vec<Bucket> = Vec::new();
+    let mut firsts_done: Vec<DType> = Vec::new();
+    for i in (0..params.len()).rev() {
+        let (n, dtype) = params[i];
+        let at = match open.iter().position(|b| b.dtype == dtype) {
+            Some(at) => at,
+            None => {
+                open.push(Bucket { params: Vec::new(), dtype, bytes: 0 });
+                open.len() - 1
+            }
+        };
+        open[at].params.push(i);
+        open[at].bytes += n * dtype.size_in_bytes();
+        let limit = if firsts_done.contains(&dtype) { cap } else { first_cap };
+        if open[at].bytes >= limit {
+            closed.push(open.remove(at));
+            if !firsts_done.contains(&dtype) {
+                firsts_done.push(dtype);
+            }
+        }
+    }
+    closed.extend(open);
+    // In the order the reversed walk met each bucket's first parameter.
+    closed.sort_by_key(|b| std::cmp::Reverse(b.params[0]));
+    closed
+}
+
+/// A model made data-parallel over a process group (`DistributedDataParallel`). Train as
+/// usual and call `sync_gradients` between `backward` and the optimizer's step.
+pub struct Ddp {
+    group: Group,
+    device: Device,
+    params: Vec<(String, Tensor)>,
+    buckets: Vec<Bucket>,
+    options: DdpOptions,
+    skip: Cell<bool>,
+}
+
+impl Ddp {
+    /// Takes `model`'s parameters, copies rank 0's parameters and buffers to every rank, and
+    /// plans the buckets. Every rank calls it with the same model.
+    pub fn new<M: Module + ?Sized>(model: &M, pg: &ProcessGroup, options: DdpOptions) -> Result<Ddp> {
+        let params: Vec<(String, Tensor)> = model.named_parameters().into_iter().filter(|(_, p)| p.requires_grad()).collect();
+        let mut state = params.clone();
+        model.visit_buffers("", &mut |name, t| state.push((name, t.clone())));
+        for (name, t) in &state {
+            if t.device() != pg.device() {
+                return Err(Error::Msg(format!(
+                    "Ddp: '{name}' is on {:?}, rank {}'s process group on {:?}",
+                    t.device(),
+                    pg.rank(),
+                    pg.device()
+                )));
+            }
+            pg.broadcast_(t, 0)?;
+        }
+        let mib = |m: f64| (m * 1024.0 * 1024.0) as usize;
+        let sizes: Vec<(usize, DType)> = params.iter().map(|(_, p)| (p.numel(), p.dtype())).collect();
+        let buckets = plan_buckets(&sizes, mib(options.bucket_cap_mb), mib(options.first_bucket_mb));
+        Ok(Ddp { group: pg.group(), device: pg.device(), params, buckets, options, skip: Cell::new(false) })
+    }
+
+    /// The parameters, in the model's order, with their names.
+    pub fn parameters(&self) -> &[(String, Tensor)] {
+        &self.params
+    }
+
+    pub fn buckets(&self) -> &[Bucket] {
+        &self.buckets
+    }
+
+    /// The buckets, one line each: how many parameters, their bytes, the first and last names.
+    pub fn explain(&self) -> String {
+        let mut out = format!("Ddp over {} ranks on {:?}: {} buckets\n", self.group.world, self.device, self.buckets.len());
+        for (k, b) in self.buckets.iter().enumerate() {
+            let (first, last) = (&self.params[b.params[0]].0, &self.params[*b.params.last().expect("a bucket is never empty")].0);
+            let mib = b.bytes as f64 / (1024.0 * 1024.0);
+            out += &format!("  bucket {k}: {} params, {mib:.2} MiB {:?}, {first} .. {last}\n", b.params.len(), b.dtype);
+        }
+        out
+    }
+
+    /// Runs `f` (forward and backward of a micro-batch) without averaging gradients across
+    /// ranks: `sync_gradients` inside it does nothing, so gradients accumulate locally until a
+    /// step outside it (`no_sync`).
+    pub fn no_sync<R>(&self, f: impl FnOnce() -> R) -> R {
+        let before = self.skip.replace(true);
+        let out = f();
+        self.skip.set(before);
+        out
+    }
+
+    /// Averages every parameter's gradient over the ranks, bucket by bucket; after it every
+    /// rank holds the same gradients. Call it after `backward`, before the optimizer's step.
+    pub fn sync_gradients(&self) -> Result<()> {
+        if self.skip.get() {
+            return Ok(());
+        }
+        no_grad(|| self.buckets.iter().try_for_each(|b| self.sync_bucket(b)))
+    }
+
+    fn sync_bucket(&self, b: &Bucket) -> Result<()> {
+        let mut flat = Vec::with_capacity(b.params.len());
+        for &i in &b.params {
+            let (name, p) = &self.params[i];
+            let g = match p.grad() {
+                Some(g) => g,
+                None if self.options.find_unused_parameters => p.zeros_like()?,
+                None => {
+                    return Err(Error::Msg(format!(
+                        "Ddp: '{name}' has no gradient on rank {} after backward (the loss did not use it): \
+                         pass find_unused_parameters: true, or leave it out of the model",
+                        self.group.rank
+                    )))
+                }
+            };
+            if g.dtype() != b.dtype || g.shape() != p.shape() {
+                return Err(Error::Msg(format!(
+                    "Ddp: '{name}''s gradient is {:?} {:?}, the parameter {:?} {:?}",
+                    g.dtype(),
+                    g.shape(),
+                    b.dtype,
+                    p.shape()
+                )));
+            }
+            flat.push(g.reshape(&[p.numel()])?);
+        }
+        let refs: Vec<&Tensor> = flat.iter().collect();
+        let joined = if refs.len() == 1 { flat[0].clone() } else { Tensor::cat(&refs, 0usize)? };
+        let mean = joined.collective(self.group, Collective::AllReduce(Reduction::Mean))?;
+        let mut at = 0;
+        for &i in &b.params {
+            let p = &self.params[i].1;
+            p.set_grad(Some(mean.narrow(0usize, at, p.numel())?.reshape(p.shape())?));
+            at += p.numel();
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_follow_pytorch_s_plan() {
+        let f = DType::F32;
+        // Six parameters of 1 KiB (256 floats): caps of 2 KiB after a first of 1 KiB.
+        let b = plan_buckets(&[(256, f); 6], 2048, 1024);
+        let groups: Vec<Vec<usize>> = b.iter().map(|b| b.params.clone()).collect();
+        assert_eq!(groups, vec![vec![5], vec![4, 3], vec![2, 1], vec![0]]);
+        assert_eq!(b.iter().map(|b| b.bytes).collect::<Vec<_>>(), vec![1024, 2048, 2048, 1024]);
+        // Dtypes never share a bucket; each dtype has its own small first bucket.
+        let h = DType::BF16;
+        let b = plan_buckets(&[(256, f), (512, h), (256, f), (512, h), (512, h)], 2048, 1024);
+        let got: Vec<(Vec<usize>, DType)> = b.iter().map(|b| (b.params.clone(), b.dtype)).collect();
+        assert_eq!(got, vec![(vec![4], h), (vec![3, 1], h), (vec![2], f), (vec![0], f)]);
+        // A parameter larger than the cap is a bucket of its own.
+        let b = plan_buckets(&[(10, f), (100_000, f), (10, f)], 4096, 4096);
+        assert_eq!(b.iter().map(|b| b.params.clone()).collect::<Vec<_>>(), vec![vec![2, 1], vec![0]]);
+    }
+}
