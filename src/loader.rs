@@ -13,6 +13,8 @@ pub struct DataLoader {
     drop_last: bool,
     device: Option<Device>,
     epoch: u64,
+    /// This rank and the world size, under data parallelism (`distributed`).
+    shard: (usize, usize),
 }
 
 impl DataLoader {
@@ -30,7 +32,7 @@ impl DataLoader {
                 format!("needs a positive batch size and tensors with the same first dim; got batch {batch_size}, shapes {shapes:?}"),
             ));
         }
-        Ok(DataLoader { tensors, batch_size, shuffle: None, drop_last: false, device: None, epoch: 0 })
+        Ok(DataLoader { tensors, batch_size, shuffle: None, drop_last: false, device: None, epoch: 0, shard: (0, 1) })
     }
 
     /// A new order every epoch, from `seed` and the epoch's number (so a run is repeatable).
@@ -48,17 +50,33 @@ impl DataLoader {
         DataLoader { device: Some(device), ..self }
     }
 
+    /// Rank `rank` of `world`'s share of every epoch (PyTorch's `DistributedSampler`): the
+    /// epoch's order (the same on every rank: one seed) padded by its first rows to a
+    /// multiple of `world`, then every `world`-th row from `rank`. Each rank sees
+    /// `rows() / world` rows (rounded up), and together the ranks see every row.
+    pub fn distributed(self, rank: usize, world: usize) -> Result<DataLoader> {
+        if world == 0 || rank >= world {
+            return Err(Error::Msg(format!("DataLoader::distributed: rank {rank} is not in a world of {world}")));
+        }
+        Ok(DataLoader { shard: (rank, world), ..self })
+    }
+
     /// Rows in the data set.
     pub fn rows(&self) -> usize {
         self.tensors[0].shape()[0]
     }
 
+    /// Rows this rank sees in an epoch (all of them without `distributed`).
+    fn shard_rows(&self) -> usize {
+        self.rows().div_ceil(self.shard.1)
+    }
+
     /// Batches an epoch gives.
     pub fn len(&self) -> usize {
         if self.drop_last {
-            self.rows() / self.batch_size
+            self.shard_rows() / self.batch_size
         } else {
-            self.rows().div_ceil(self.batch_size)
+            self.shard_rows().div_ceil(self.batch_size)
         }
     }
 
@@ -68,7 +86,7 @@ impl DataLoader {
 
     /// The next epoch's batches, each `Vec<Tensor>` in the order of the tensors.
     pub fn epoch(&mut self) -> impl Iterator<Item = Result<Vec<Tensor>>> + '_ {
-        let order = self.order(self.epoch);
+        let order = self.shard_of(self.order(self.epoch));
         self.epoch += 1;
         let (b, n) = (self.batch_size, self.len());
         (0..n).map(move |k| self.gather(&order[k * b..((k + 1) * b).min(order.len())]))
@@ -84,6 +102,16 @@ impl DataLoader {
             }
         }
         order
+    }
+
+    /// This rank's rows of an epoch's `order` (all of it without `distributed`).
+    fn shard_of(&self, order: Vec<i64>) -> Vec<i64> {
+        let (rank, world) = self.shard;
+        if world == 1 {
+            return order;
+        }
+        let padded = order.iter().cycle().take(self.shard_rows() * world);
+        padded.skip(rank).step_by(world).copied().collect()
     }
 
     fn gather(&self, rows: &[i64]) -> Result<Vec<Tensor>> {
@@ -152,5 +180,27 @@ mod tests {
         assert!(e.contains("[4, 2]") && e.contains("[3]"), "{e}");
         assert!(DataLoader::new(vec![a], 0).is_err());
         assert!(DataLoader::new(vec![], 2).is_err());
+    }
+
+    #[test]
+    fn distributed_ranks_share_an_epoch_and_together_see_every_row() -> Result<()> {
+        let t = Tensor::arange(5, DType::F32, Device::Cpu)?;
+        let shares: Vec<Vec<i64>> = (0..2)
+            .map(|r| {
+                let mut dl = DataLoader::new(vec![t.clone()], 2)?.shuffle(9).distributed(r, 2)?;
+                assert_eq!(dl.len(), 2, "3 rows each (5 padded to 6), in batches of 2");
+                let mut seen = Vec::new();
+                for b in dl.epoch() {
+                    seen.extend(rows_of(&b?[0]));
+                }
+                Ok(seen)
+            })
+            .collect::<Result<_>>()?;
+        let order = DataLoader::new(vec![t.clone()], 2)?.shuffle(9).order(0);
+        // Rank 0 takes positions 0, 2, 4 of the order, rank 1 positions 1, 3 and 0 (the pad).
+        assert_eq!(shares[0], vec![order[0], order[2], order[4]]);
+        assert_eq!(shares[1], vec![order[1], order[3], order[0]]);
+        assert!(DataLoader::new(vec![t], 2)?.distributed(2, 2).is_err());
+        Ok(())
     }
 }

@@ -306,3 +306,71 @@ pub fn assert_f32_steps_track_f64<O: Optimizer>(what: &str, dev: Device, make: i
         );
     }
 }
+
+/// Token batches for the data-parallel runs: global batch `step` (4 rows of 8 tokens of 13),
+/// of which rank `rank` of `world` takes its share of rows.
+pub fn ddp_batch(step: u64, rank: usize, world: usize, device: Device) -> Result<(Tensor, Tensor)> {
+    let draw = |seed| -> Result<Tensor> {
+        Tensor::rand_at(&[4, 8], Distribution::Uniform, seed, step * 32, DType::F32, Device::Cpu)?.mul_scalar(13.0)?.to_dtype(DType::I64)
+    };
+    let rows = 4 / world;
+    let take = |t: Tensor| t.narrow(0usize, rank * rows, rows)?.contiguous()?.to_device(device);
+    Ok((take(draw(1)?)?, take(draw(2)?)?))
+}
+
+/// `steps` GPT steps (AdamW, clipping) on this rank's share of each global batch, eager or
+/// compiled in `mode`; with `pg`, data-parallel through `Ddp` (gradients averaged between
+/// backward and clipping). The model starts from `init_seed` (Ddp then copies rank 0's).
+pub fn ddp_gpt_run(
+    device: Device,
+    pg: Option<&kiln::distributed::ProcessGroup>,
+    mode: Option<Mode>,
+    steps: u64,
+    init_seed: u64,
+) -> Result<Run> {
+    use kiln::compile::compile_step;
+    use kiln::distributed::{Ddp, DdpOptions};
+    let model = {
+        let _lock = SEEDED.lock();
+        kiln::tensor::rng::manual_seed(init_seed);
+        Gpt::new(GptConfig::new(13, 8, 16, 2, 2), device)?
+    };
+    let ddp = pg.map(|pg| Ddp::new(&model, pg, DdpOptions::default())).transpose()?;
+    let mut opt = AdamW::new(model.parameters(), AdamConfig { lr: 1e-2, ..AdamConfig::adamw() })?;
+    let step_fn = |o: &mut AdamW, xs: &[Tensor]| -> Result<Vec<Tensor>> {
+        let loss = model.loss(&xs[0], &xs[1])?;
+        loss.backward()?;
+        if let Some(d) = &ddp {
+            d.sync_gradients()?;
+        }
+        clip_grad_norm(o.params(), 1.0)?;
+        o.step()?;
+        o.zero_grad()?;
+        Ok(vec![loss])
+    };
+    let (rank, world) = pg.map_or((0, 1), |p| (p.rank(), p.world_size()));
+    let mut compiled = mode.map(|m| compile_step(m, step_fn));
+    let mut losses = Vec::new();
+    for i in 0..steps {
+        let (x, y) = ddp_batch(i, rank, world, device)?;
+        let out = match &mut compiled {
+            Some(c) => c.call(&mut opt, &[&x, &y])?,
+            None => step_fn(&mut opt, &[x, y])?,
+        };
+        losses.push(out[0].clone());
+    }
+    if let Some(c) = &compiled {
+        // The data-parallel step stays one graph: the all-reduces are nodes of it.
+        let (e, (calls, replays)) = (c.explain(), c.counts());
+        if e.graphs != 1 || !e.graph_breaks.is_empty() || replays + 1 != calls {
+            return Err(Error::Msg(format!("not one graph replayed: {e}, {replays} replays of {calls} calls")));
+        }
+    }
+    let losses = losses.iter().map(|l| l.to_vec::<f32>().map(|v| v[0])).collect::<Result<Vec<f32>>>()?;
+    let params = model.parameters().iter().map(|p| p.to_vec::<f32>()).collect::<Result<Vec<_>>>()?;
+    Ok(Run { losses, params })
+}
+
+/// Held while a model is made from a seed: the generator is the process's, and the ranks of
+/// a thread group make their models at once.
+pub static SEEDED: std::sync::Mutex<()> = std::sync::Mutex::new(());

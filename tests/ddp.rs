@@ -1,0 +1,156 @@
+//! Data-parallel training on the CPU, ranks as threads (`ProcessGroup::threads`): one rank
+//! through Ddp is the plain run bit for bit (eager and compiled); two ranks on half batches
+//! follow the one-rank run on whole batches; a rank that leaves ends the others' step.
+
+mod common;
+
+use common::{assert_runs_agree, ddp_gpt_run, Run};
+use kiln::compile::Mode;
+use kiln::distributed::{Ddp, DdpOptions, ProcessGroup, Reduction};
+use kiln::nn::Linear;
+use kiln::prelude::*;
+use std::time::Duration;
+
+const LONG: Duration = Duration::from_secs(60);
+
+/// `f(rank's group)` on one thread per rank; results in rank order.
+fn on_ranks<R: Send>(world: usize, f: impl Fn(ProcessGroup) -> R + Sync) -> Vec<R> {
+    let groups = ProcessGroup::threads(world, LONG).unwrap();
+    let f = &f;
+    std::thread::scope(|s| {
+        let hs: Vec<_> = groups.into_iter().map(|pg| s.spawn(move || f(pg))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn same_bits(what: &str, a: &Run, b: &Run) {
+    assert_eq!(a.losses, b.losses, "{what}: losses");
+    assert_eq!(a.params, b.params, "{what}: parameters");
+}
+
+#[test]
+fn one_rank_through_ddp_is_the_plain_run_bit_for_bit() {
+    for mode in [None, Some(Mode::Default), Some(Mode::ReduceOverhead)] {
+        let plain = ddp_gpt_run(Device::Cpu, None, mode, 50, 5).unwrap();
+        let pg = ProcessGroup::threads(1, LONG).unwrap().remove(0);
+        let ddp = ddp_gpt_run(Device::Cpu, Some(&pg), mode, 50, 5).unwrap();
+        same_bits(&format!("{mode:?}"), &plain, &ddp);
+    }
+}
+
+#[test]
+fn two_ranks_on_half_batches_follow_one_rank_on_whole_batches() {
+    for mode in [None, Some(Mode::Default)] {
+        let whole = ddp_gpt_run(Device::Cpu, None, mode, 12, 5).unwrap();
+        // Rank 1 starts from other weights: Ddp copies rank 0's.
+        let runs = on_ranks(2, |pg| ddp_gpt_run(Device::Cpu, Some(&pg), mode, 12, 5 + pg.rank() as u64).unwrap());
+        assert_eq!(runs[0].params, runs[1].params, "{mode:?}: the ranks hold the same parameters");
+        // Each rank's loss is its half's; their mean is the whole batch's loss.
+        let mean = Run {
+            losses: runs[0].losses.iter().zip(&runs[1].losses).map(|(a, b)| (a + b) / 2.0).collect(),
+            params: runs[0].params.clone(),
+        };
+        assert_runs_agree(&format!("{mode:?}"), &mean, &whole, (1e-5, 1e-4));
+    }
+}
+
+#[test]
+fn collectives_average_and_broadcast_between_ranks() {
+    let out = on_ranks(3, |pg| {
+        let x = Tensor::from_vec(vec![pg.rank() as f32, 1.0], &[2], Device::Cpu).unwrap();
+        let mean = pg.all_reduce(&x, Reduction::Mean).unwrap().to_vec::<f32>().unwrap();
+        pg.broadcast_(&x, 2).unwrap();
+        pg.barrier().unwrap();
+        (mean, x.to_vec::<f32>().unwrap())
+    });
+    for (mean, x) in out {
+        assert_eq!(mean, vec![1.0, 1.0]);
+        assert_eq!(x, vec![2.0, 1.0]);
+    }
+}
+
+fn linear_pair(seed: u64) -> (Linear, Linear) {
+    let _lock = common::SEEDED.lock();
+    kiln::tensor::rng::manual_seed(seed);
+    (Linear::new(3, 2, true, Device::Cpu).unwrap(), Linear::new(3, 2, true, Device::Cpu).unwrap())
+}
+
+#[test]
+fn no_sync_keeps_gradients_local_until_a_synced_step() {
+    let out = on_ranks(2, |pg| {
+        let (lin, _) = linear_pair(1);
+        let ddp = Ddp::new(&lin, &pg, DdpOptions::default()).unwrap();
+        let x = Tensor::full((pg.rank() + 1) as f64, &[1, 3], DType::F32, Device::Cpu).unwrap();
+        ddp.no_sync(|| {
+            lin.forward(&x).unwrap().sum_all().unwrap().backward().unwrap();
+            ddp.sync_gradients().unwrap();
+        });
+        let local = lin.weight.grad().unwrap().to_vec::<f32>().unwrap();
+        ddp.sync_gradients().unwrap();
+        (local, lin.weight.grad().unwrap().to_vec::<f32>().unwrap())
+    });
+    // d sum(x W^T + b) / dW = x per output row: rank 0's x is 1, rank 1's is 2.
+    assert_eq!(out[0].0, vec![1.0; 6]);
+    assert_eq!(out[1].0, vec![2.0; 6]);
+    assert_eq!(out[0].1, vec![1.5; 6]);
+    assert_eq!(out[1].1, vec![1.5; 6]);
+}
+
+/// Two layers, the second unused by the loss.
+#[derive(kiln::nn::Module)]
+struct TwoHeads {
+    used: Linear,
+    unused: Linear,
+}
+
+#[test]
+fn an_unused_parameter_is_named_unless_it_is_allowed() {
+    let out = on_ranks(2, |pg| {
+        let (used, unused) = linear_pair(2);
+        let m = TwoHeads { used, unused };
+        let x = Tensor::ones(&[1, 3], DType::F32, Device::Cpu).unwrap();
+        let strict = Ddp::new(&m, &pg, DdpOptions { bucket_cap_mb: 0.0, first_bucket_mb: 0.0, ..DdpOptions::default() }).unwrap();
+        m.used.forward(&x).unwrap().sum_all().unwrap().backward().unwrap();
+        let err = strict.sync_gradients().unwrap_err().to_string();
+        let lenient = Ddp::new(&m, &pg, DdpOptions { find_unused_parameters: true, ..DdpOptions::default() }).unwrap();
+        lenient.sync_gradients().unwrap();
+        (err, m.unused.weight.grad().unwrap().to_vec::<f32>().unwrap())
+    });
+    for (err, unused_grad) in out {
+        assert!(err.contains("'unused.bias' has no gradient") && err.contains("find_unused_parameters"), "{err}");
+        assert_eq!(unused_grad, vec![0.0; 6]);
+    }
+}
+
+#[test]
+fn a_rank_that_leaves_mid_run_ends_the_others_step_with_an_error() {
+    let out = on_ranks(2, |pg| -> Result<usize> {
+        let (lin, _) = linear_pair(3);
+        let ddp = Ddp::new(&lin, &pg, DdpOptions::default()).unwrap();
+        let x = Tensor::ones(&[2, 3], DType::F32, Device::Cpu).unwrap();
+        for step in 0..5 {
+            if pg.rank() == 1 && step == 2 {
+                return Ok(step); // drops its group: the failure of a rank
+            }
+            lin.forward(&x)?.sum_all()?.backward()?;
+            ddp.sync_gradients()?;
+            lin.weight.set_grad(None);
+            lin.bias.as_ref().unwrap().set_grad(None);
+        }
+        Ok(5)
+    });
+    let e = out[0].as_ref().unwrap_err().to_string();
+    assert!(e.contains("rank 1 left the group"), "{e}");
+    assert_eq!(out[1].as_ref().ok(), Some(&2));
+}
+
+#[test]
+fn the_bucket_plan_is_explained() {
+    let (lin, _) = linear_pair(4);
+    let pg = ProcessGroup::threads(1, LONG).unwrap().remove(0);
+    let ddp = Ddp::new(&lin, &pg, DdpOptions::default()).unwrap();
+    // Reverse order: the bias first; 32 bytes in one bucket under the first 1 MiB cap.
+    assert_eq!(ddp.buckets().len(), 1);
+    assert_eq!(ddp.buckets()[0].params, vec![1, 0]);
+    assert!(ddp.explain().contains("bucket 0: 2 params, 0.00 MiB F32, bias .. weight"), "{}", ddp.explain());
+}
