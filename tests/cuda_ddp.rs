@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::ddp_gpt_run;
+use common::{dp_gpt_run, Parallel};
 use kiln::compile::Mode;
 use kiln::distributed::{ProcessGroup, Reduction, DEFAULT_TIMEOUT};
 use kiln::prelude::*;
@@ -25,8 +25,8 @@ fn one_rank_over_nccl_is_the_plain_run_bit_for_bit_in_every_mode() {
     let dev = gpu();
     let pg = ProcessGroup::from_env(dev, DEFAULT_TIMEOUT).expect("an NCCL group of one rank");
     for mode in [None, Some(Mode::Default), Some(Mode::ReduceOverhead), Some(Mode::MaxAutotune)] {
-        let plain = ddp_gpt_run(dev, None, mode, 50, 5).unwrap();
-        let ddp = ddp_gpt_run(dev, Some(&pg), mode, 50, 5).unwrap();
+        let plain = dp_gpt_run(dev, None, Parallel::Plain, mode, 50, 5).unwrap();
+        let ddp = dp_gpt_run(dev, Some(&pg), Parallel::Ddp, mode, 50, 5).unwrap();
         assert_eq!(plain.losses, ddp.losses, "{mode:?}: losses");
         assert_eq!(plain.params, ddp.params, "{mode:?}: parameters");
         println!("{mode:?}: 50 steps, loss {} -> {}, parameters equal bit for bit", ddp.losses[0], ddp.losses[49]);
@@ -57,4 +57,17 @@ fn nccl_collectives_of_one_rank_and_their_errors() {
     let cpu = Tensor::ones(&[2], DType::F32, Device::Cpu).unwrap();
     let e = pg.all_reduce(&cpu, Reduction::Sum).unwrap_err().to_string();
     assert!(e.contains("Cpu") && e.contains("Cuda"), "{e}");
+}
+
+#[test]
+fn zero1_of_one_rank_over_nccl_follows_the_plain_run() {
+    let _s = SERIAL.lock();
+    let dev = gpu();
+    let pg = ProcessGroup::from_env(dev, DEFAULT_TIMEOUT).unwrap();
+    for mode in [None, Some(Mode::ReduceOverhead)] {
+        let plain = dp_gpt_run(dev, None, Parallel::Plain, mode, 50, 5).unwrap();
+        let zero = dp_gpt_run(dev, Some(&pg), Parallel::Zero1, mode, 50, 5).unwrap();
+        common::assert_runs_agree(&format!("{mode:?}: zero1"), &zero, &plain, (1e-5, 1e-4));
+        println!("{mode:?}: Zero1 50 steps, loss {} -> {}", zero.losses[0], zero.losses[49]);
+    }
 }

@@ -4,10 +4,11 @@
 
 mod common;
 
-use common::{assert_runs_agree, ddp_gpt_run, Run};
+use common::{assert_runs_agree, dp_gpt_run, Parallel, Run};
 use kiln::compile::Mode;
 use kiln::distributed::{Ddp, DdpOptions, ProcessGroup, Reduction};
 use kiln::nn::Linear;
+use kiln::optim::{AdamConfig, AdamW, Optimizer};
 use kiln::prelude::*;
 use std::time::Duration;
 
@@ -31,9 +32,9 @@ fn same_bits(what: &str, a: &Run, b: &Run) {
 #[test]
 fn one_rank_through_ddp_is_the_plain_run_bit_for_bit() {
     for mode in [None, Some(Mode::Default), Some(Mode::ReduceOverhead)] {
-        let plain = ddp_gpt_run(Device::Cpu, None, mode, 50, 5).unwrap();
+        let plain = dp_gpt_run(Device::Cpu, None, Parallel::Plain, mode, 50, 5).unwrap();
         let pg = ProcessGroup::threads(1, LONG).unwrap().remove(0);
-        let ddp = ddp_gpt_run(Device::Cpu, Some(&pg), mode, 50, 5).unwrap();
+        let ddp = dp_gpt_run(Device::Cpu, Some(&pg), Parallel::Ddp, mode, 50, 5).unwrap();
         same_bits(&format!("{mode:?}"), &plain, &ddp);
     }
 }
@@ -41,9 +42,9 @@ fn one_rank_through_ddp_is_the_plain_run_bit_for_bit() {
 #[test]
 fn two_ranks_on_half_batches_follow_one_rank_on_whole_batches() {
     for mode in [None, Some(Mode::Default)] {
-        let whole = ddp_gpt_run(Device::Cpu, None, mode, 12, 5).unwrap();
+        let whole = dp_gpt_run(Device::Cpu, None, Parallel::Plain, mode, 12, 5).unwrap();
         // Rank 1 starts from other weights: Ddp copies rank 0's.
-        let runs = on_ranks(2, |pg| ddp_gpt_run(Device::Cpu, Some(&pg), mode, 12, 5 + pg.rank() as u64).unwrap());
+        let runs = on_ranks(2, |pg| dp_gpt_run(Device::Cpu, Some(&pg), Parallel::Ddp, mode, 12, 5 + pg.rank() as u64).unwrap());
         assert_eq!(runs[0].params, runs[1].params, "{mode:?}: the ranks hold the same parameters");
         // Each rank's loss is its half's; their mean is the whole batch's loss.
         let mean = Run {
@@ -153,4 +154,21 @@ fn the_bucket_plan_is_explained() {
     assert_eq!(ddp.buckets().len(), 1);
     assert_eq!(ddp.buckets()[0].params, vec![1, 0]);
     assert!(ddp.explain().contains("bucket 0: 2 params, 0.00 MiB F32, bias .. weight"), "{}", ddp.explain());
+}
+
+#[test]
+fn zero1_follows_ddp_with_the_optimizer_state_split_over_the_ranks() {
+    for mode in [None, Some(Mode::Default)] {
+        let ddp = on_ranks(2, |pg| dp_gpt_run(Device::Cpu, Some(&pg), Parallel::Ddp, mode, 12, 5).unwrap());
+        let zero = on_ranks(2, |pg| dp_gpt_run(Device::Cpu, Some(&pg), Parallel::Zero1, mode, 12, 5 + pg.rank() as u64).unwrap());
+        assert_eq!(zero[0].params, zero[1].params, "{mode:?}: the ranks gathered the same parameters");
+        assert_runs_agree(&format!("{mode:?}: zero1 vs ddp"), &zero[0], &ddp[0], (1e-5, 1e-4));
+    }
+    // Each rank keeps AdamW's moments for half of the 3 * 2 + 2 = 8 elements of a Linear(3, 2).
+    let sizes = on_ranks(2, |pg| {
+        let (lin, _) = linear_pair(6);
+        let zero = kiln::distributed::Zero1::new(&lin, &pg, None, |p| AdamW::new(p, AdamConfig::adamw())).unwrap();
+        zero.inner().params().iter().map(|p| p.numel()).collect::<Vec<_>>()
+    });
+    assert_eq!(sizes, vec![vec![4], vec![4]]);
 }

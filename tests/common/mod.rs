@@ -318,57 +318,93 @@ pub fn ddp_batch(step: u64, rank: usize, world: usize, device: Device) -> Result
     Ok((take(draw(1)?)?, take(draw(2)?)?))
 }
 
-/// `steps` GPT steps (AdamW, clipping) on this rank's share of each global batch, eager or
-/// compiled in `mode`; with `pg`, data-parallel through `Ddp` (gradients averaged between
-/// backward and clipping). The model starts from `init_seed` (Ddp then copies rank 0's).
-pub fn ddp_gpt_run(
+/// How the data-parallel runs spread the work.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Parallel {
+    /// One process, the whole batch.
+    Plain,
+    /// `Ddp`: gradients averaged between backward and clipping.
+    Ddp,
+    /// `Zero1` around AdamW, clipping inside it.
+    Zero1,
+}
+
+/// `steps` GPT steps (AdamW, clipping at 1) on this rank's share of each global batch, eager
+/// or compiled in `mode`. The model starts from `init_seed` (Ddp and Zero1 then copy rank 0's).
+pub fn dp_gpt_run(
     device: Device,
     pg: Option<&kiln::distributed::ProcessGroup>,
+    how: Parallel,
     mode: Option<Mode>,
     steps: u64,
     init_seed: u64,
 ) -> Result<Run> {
-    use kiln::compile::compile_step;
-    use kiln::distributed::{Ddp, DdpOptions};
+    use kiln::distributed::{Ddp, DdpOptions, Zero1};
     let model = {
         let _lock = SEEDED.lock();
         kiln::tensor::rng::manual_seed(init_seed);
         Gpt::new(GptConfig::new(13, 8, 16, 2, 2), device)?
     };
-    let ddp = pg.map(|pg| Ddp::new(&model, pg, DdpOptions::default())).transpose()?;
-    let mut opt = AdamW::new(model.parameters(), AdamConfig { lr: 1e-2, ..AdamConfig::adamw() })?;
-    let step_fn = |o: &mut AdamW, xs: &[Tensor]| -> Result<Vec<Tensor>> {
-        let loss = model.loss(&xs[0], &xs[1])?;
-        loss.backward()?;
-        if let Some(d) = &ddp {
-            d.sync_gradients()?;
-        }
-        clip_grad_norm(o.params(), 1.0)?;
-        o.step()?;
-        o.zero_grad()?;
-        Ok(vec![loss])
-    };
+    let config = AdamConfig { lr: 1e-2, ..AdamConfig::adamw() };
+    let need = || pg.ok_or_else(|| Error::Msg(format!("{how:?} needs a process group")));
     let (rank, world) = pg.map_or((0, 1), |p| (p.rank(), p.world_size()));
-    let mut compiled = mode.map(|m| compile_step(m, step_fn));
-    let mut losses = Vec::new();
-    for i in 0..steps {
-        let (x, y) = ddp_batch(i, rank, world, device)?;
-        let out = match &mut compiled {
-            Some(c) => c.call(&mut opt, &[&x, &y])?,
-            None => step_fn(&mut opt, &[x, y])?,
-        };
-        losses.push(out[0].clone());
-    }
-    if let Some(c) = &compiled {
-        // The data-parallel step stays one graph: the all-reduces are nodes of it.
-        let (e, (calls, replays)) = (c.explain(), c.counts());
-        if e.graphs != 1 || !e.graph_breaks.is_empty() || replays + 1 != calls {
-            return Err(Error::Msg(format!("not one graph replayed: {e}, {replays} replays of {calls} calls")));
+    let run = Steps { model: &model, device, rank, world, mode, steps };
+    match how {
+        Parallel::Plain => run.train(None, AdamW::new(model.parameters(), config)?, true),
+        Parallel::Ddp => {
+            let ddp = Ddp::new(&model, need()?, DdpOptions::default())?;
+            run.train(Some(&ddp), AdamW::new(model.parameters(), config)?, true)
         }
+        Parallel::Zero1 => run.train(None, Zero1::new(&model, need()?, Some(1.0), |p| AdamW::new(p, config))?, false),
     }
-    let losses = losses.iter().map(|l| l.to_vec::<f32>().map(|v| v[0])).collect::<Result<Vec<f32>>>()?;
-    let params = model.parameters().iter().map(|p| p.to_vec::<f32>()).collect::<Result<Vec<_>>>()?;
-    Ok(Run { losses, params })
+}
+
+struct Steps<'a> {
+    model: &'a Gpt,
+    device: Device,
+    rank: usize,
+    world: usize,
+    mode: Option<Mode>,
+    steps: u64,
+}
+
+impl Steps<'_> {
+    fn train<O: Optimizer>(&self, ddp: Option<&kiln::distributed::Ddp>, mut opt: O, clip: bool) -> Result<Run> {
+        let model = self.model;
+        let step_fn = |o: &mut O, xs: &[Tensor]| -> Result<Vec<Tensor>> {
+            let loss = model.loss(&xs[0], &xs[1])?;
+            loss.backward()?;
+            if let Some(d) = ddp {
+                d.sync_gradients()?;
+            }
+            if clip {
+                clip_grad_norm(o.params(), 1.0)?;
+            }
+            o.step()?;
+            o.zero_grad()?;
+            Ok(vec![loss])
+        };
+        let mut compiled = self.mode.map(|m| kiln::compile::compile_step(m, step_fn));
+        let mut losses = Vec::new();
+        for i in 0..self.steps {
+            let (x, y) = ddp_batch(i, self.rank, self.world, self.device)?;
+            let out = match &mut compiled {
+                Some(c) => c.call(&mut opt, &[&x, &y])?,
+                None => step_fn(&mut opt, &[x, y])?,
+            };
+            losses.push(out[0].clone());
+        }
+        if let Some(c) = &compiled {
+            // The data-parallel step stays one graph: the collectives are nodes of it.
+            let (e, (calls, replays)) = (c.explain(), c.counts());
+            if e.graphs != 1 || !e.graph_breaks.is_empty() || replays + 1 != calls {
+                return Err(Error::Msg(format!("not one graph replayed: {e}, {replays} replays of {calls} calls")));
+            }
+        }
+        let losses = losses.iter().map(|l| l.to_vec::<f32>().map(|v| v[0])).collect::<Result<Vec<f32>>>()?;
+        let params = model.parameters().iter().map(|p| p.to_vec::<f32>()).collect::<Result<Vec<_>>>()?;
+        Ok(Run { losses, params })
+    }
 }
 
 /// Held while a model is made from a seed: the generator is the process's, and the ranks of

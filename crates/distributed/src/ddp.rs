@@ -145,42 +145,62 @@ impl Ddp {
     }
 
     fn sync_bucket(&self, b: &Bucket) -> Result<()> {
-        let mut flat = Vec::with_capacity(b.params.len());
-        for &i in &b.params {
-            let (name, p) = &self.params[i];
-            let g = match p.grad() {
-                Some(g) => g,
-                None if self.options.find_unused_parameters => p.zeros_like()?,
-                None => {
-                    return Err(Error::Msg(format!(
-                        "Ddp: '{name}' has no gradient on rank {} after backward (the loss did not use it): \
-                         pass find_unused_parameters: true, or leave it out of the model",
-                        self.group.rank
-                    )))
-                }
-            };
-            if g.dtype() != b.dtype || g.shape() != p.shape() {
-                return Err(Error::Msg(format!(
-                    "Ddp: '{name}''s gradient is {:?} {:?}, the parameter {:?} {:?}",
-                    g.dtype(),
-                    g.shape(),
-                    b.dtype,
-                    p.shape()
-                )));
-            }
-            flat.push(g.reshape(&[p.numel()])?);
-        }
-        let refs: Vec<&Tensor> = flat.iter().collect();
-        let joined = if refs.len() == 1 { flat[0].clone() } else { Tensor::cat(&refs, 0usize)? };
-        let mean = joined.collective(self.group, Collective::AllReduce(Reduction::Mean))?;
-        let mut at = 0;
-        for &i in &b.params {
-            let p = &self.params[i].1;
-            p.set_grad(Some(mean.narrow(0usize, at, p.numel())?.reshape(p.shape())?));
-            at += p.numel();
-        }
-        Ok(())
+        let flat = flat_grads(&self.params, b, self.options.find_unused_parameters, self.group.rank, 0)?;
+        let mean = flat.collective(self.group, Collective::AllReduce(Reduction::Mean))?;
+        scatter_back(&self.params, b, &mean, |p, part| {
+            p.set_grad(Some(part));
+            Ok(())
+        })
     }
+}
+
+/// The gradients of bucket `b`'s parameters in one flat tensor, followed by `pad` zeros; a
+/// parameter without a gradient reads as zeros with `zeros_for_missing`, else is an error
+/// naming it (on `rank`).
+pub(crate) fn flat_grads(params: &[(String, Tensor)], b: &Bucket, zeros_for_missing: bool, rank: usize, pad: usize) -> Result<Tensor> {
+    let mut flat = Vec::with_capacity(b.params.len() + 1);
+    for &i in &b.params {
+        let (name, p) = &params[i];
+        let g = match p.grad() {
+            Some(g) => g,
+            None if zeros_for_missing => p.zeros_like()?,
+            None => {
+                return Err(Error::Msg(format!(
+                    "Ddp: '{name}' has no gradient on rank {rank} after backward (the loss did not use it): \
+                     pass find_unused_parameters: true, or leave it out of the model"
+                )))
+            }
+        };
+        if g.dtype() != b.dtype || g.shape() != p.shape() {
+            let (gd, gs, ps) = (g.dtype(), g.shape().to_vec(), p.shape().to_vec());
+            return Err(Error::Msg(format!("Ddp: '{name}''s gradient is {gd:?} {gs:?}, the parameter {:?} {ps:?}", b.dtype)));
+        }
+        flat.push(g.reshape(&[p.numel()])?);
+    }
+    if pad > 0 {
+        flat.push(Tensor::zeros(&[pad], b.dtype, params[b.params[0]].1.device())?);
+    }
+    if flat.len() == 1 {
+        return Ok(flat.remove(0));
+    }
+    Tensor::cat(&flat.iter().collect::<Vec<_>>(), 0usize)
+}
+
+/// Hands each parameter of bucket `b` its part of `flat` (in the bucket's order, shaped as
+/// the parameter).
+pub(crate) fn scatter_back(
+    params: &[(String, Tensor)],
+    b: &Bucket,
+    flat: &Tensor,
+    mut give: impl FnMut(&Tensor, Tensor) -> Result<()>,
+) -> Result<()> {
+    let mut at = 0;
+    for &i in &b.params {
+        let p = &params[i].1;
+        give(p, flat.narrow(0usize, at, p.numel())?.reshape(p.shape())?)?;
+        at += p.numel();
+    }
+    Ok(())
 }
 
 #[cfg(test)]

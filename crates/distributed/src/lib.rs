@@ -8,9 +8,11 @@ pub mod env;
 pub mod group;
 pub mod launch;
 pub mod rendezvous;
+pub mod zero;
 
 pub use ddp::{plan_buckets, Bucket, Ddp, DdpOptions};
 pub use env::DistEnv;
 pub use group::{ProcessGroup, DEFAULT_TIMEOUT};
 pub use kiln_tensor::collective::Reduction;
 pub use rendezvous::rendezvous;
+pub use zero::Zero1;
