@@ -172,3 +172,47 @@ fn zero1_follows_ddp_with_the_optimizer_state_split_over_the_ranks() {
     });
     assert_eq!(sizes, vec![vec![4], vec![4]]);
 }
+
+/// A data-parallel GPT run from `seed` on `pg`: steps `from..to` (eager), rank 0 saving a
+/// checkpoint to `save` after step `save_at`; with `resume`, loaded from it first.
+fn checkpointed_run(pg: &ProcessGroup, seed: u64, steps: std::ops::Range<u64>, save: (&std::path::Path, u64), resume: bool) -> Vec<Vec<f32>> {
+    use kiln::models::{Gpt, GptConfig};
+    let model = {
+        let _lock = common::SEEDED.lock();
+        kiln::tensor::rng::manual_seed(seed);
+        Gpt::new(GptConfig::new(13, 8, 16, 2, 2), Device::Cpu).unwrap()
+    };
+    let mut opt = AdamW::new(model.parameters(), AdamConfig { lr: 1e-2, ..AdamConfig::adamw() }).unwrap();
+    if resume {
+        assert_eq!(kiln::checkpoint::load(save.0, &model, &mut opt, None).unwrap().step, save.1);
+    }
+    let ddp = Ddp::new(&model, pg, DdpOptions::default()).unwrap();
+    for i in steps {
+        if i == save.1 && !resume {
+            if pg.rank() == 0 {
+                kiln::checkpoint::save(save.0, &model, &opt, None, i).unwrap();
+            }
+            pg.barrier().unwrap();
+        }
+        let (x, y) = common::ddp_batch(i, pg.rank(), pg.world_size(), Device::Cpu).unwrap();
+        model.loss(&x, &y).unwrap().backward().unwrap();
+        ddp.sync_gradients().unwrap();
+        opt.step().unwrap();
+        opt.zero_grad().unwrap();
+    }
+    model.parameters().iter().map(|p| p.to_vec::<f32>().unwrap()).collect()
+}
+
+#[test]
+fn rank_0_s_checkpoint_resumes_every_rank_to_the_same_run() {
+    let dir = std::env::temp_dir().join(format!("kiln-ddp-ckpt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("step4.kiln");
+    let straight = on_ranks(2, |pg| checkpointed_run(&pg, 5 + pg.rank() as u64, 0..8, (&path, 4), false));
+    // Fresh ranks from other weights: every rank loads rank 0's file and goes on.
+    let resumed = on_ranks(2, |pg| checkpointed_run(&pg, 70 + pg.rank() as u64, 4..8, (&path, 4), true));
+    assert_eq!(straight[0], straight[1]);
+    assert_eq!(resumed[0], straight[0], "rank 0 resumed bit for bit");
+    assert_eq!(resumed[1], straight[1], "rank 1 resumed bit for bit");
+    let _ = std::fs::remove_dir_all(&dir);
+}
