@@ -175,7 +175,13 @@ fn zero1_follows_ddp_with_the_optimizer_state_split_over_the_ranks() {
 
 /// A data-parallel GPT run from `seed` on `pg`: steps `from..to` (eager), rank 0 saving a
 /// checkpoint to `save` after step `save_at`; with `resume`, loaded from it first.
-fn checkpointed_run(pg: &ProcessGroup, seed: u64, steps: std::ops::Range<u64>, save: (&std::path::Path, u64), resume: bool) -> Vec<Vec<f32>> {
+fn checkpointed_run(
+    pg: &ProcessGroup,
+    seed: u64,
+    steps: std::ops::Range<u64>,
+    save: (&std::path::Path, u64),
+    resume: bool,
+) -> Vec<Vec<f32>> {
     use kiln::models::{Gpt, GptConfig};
     let model = {
         let _lock = common::SEEDED.lock();
@@ -215,4 +221,29 @@ fn rank_0_s_checkpoint_resumes_every_rank_to_the_same_run() {
     assert_eq!(resumed[0], straight[0], "rank 0 resumed bit for bit");
     assert_eq!(resumed[1], straight[1], "rank 1 resumed bit for bit");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn explain_lists_the_bucket_all_reduces_of_a_compiled_step() {
+    let (lin, _) = linear_pair(8);
+    let pg = ProcessGroup::threads(1, LONG).unwrap().remove(0);
+    let ddp = Ddp::new(&lin, &pg, DdpOptions::default()).unwrap();
+    let mut opt = AdamW::new(lin.parameters(), AdamConfig::adamw()).unwrap();
+    let mut step = kiln::compile::compile_step(Mode::Default, |o: &mut AdamW, xs: &[Tensor]| {
+        let loss = lin.forward(&xs[0])?.sum_all()?;
+        loss.backward()?;
+        ddp.sync_gradients()?;
+        o.step()?;
+        o.zero_grad()?;
+        Ok(vec![loss])
+    });
+    let x = Tensor::ones(&[4, 3], DType::F32, Device::Cpu).unwrap();
+    for _ in 0..2 {
+        step.call(&mut opt, &[&x]).unwrap();
+    }
+    let e = step.explain();
+    assert_eq!(e.collectives.len(), 1, "{e}");
+    // The bucket: bias (2) then weight (6), one flat all-reduce.
+    assert!(e.collectives[0].starts_with("all_reduce [8] F32 over 1 ranks at node "), "{e}");
+    assert!(e.to_string().contains("collectives: 1"), "{e}");
 }

@@ -149,6 +149,29 @@ impl Graph {
         Ok(())
     }
 
+    /// Each collective node described: its kind, shape and dtype, its place in the step, and
+    /// how many nodes lie between it and its first reader (what it can overlap).
+    pub fn collectives(&self) -> Vec<String> {
+        let n = self.nodes.len();
+        let mut first_reader = vec![n; n];
+        for (i, node) in self.nodes.iter().enumerate() {
+            for a in node.args() {
+                first_reader[a] = first_reader[a].min(i);
+            }
+        }
+        let mut out = Vec::new();
+        for (i, node) in self.nodes.iter().enumerate() {
+            let Kind::Op(op @ Op::Collective { group, .. }, _) = &node.kind else { continue };
+            let gap = match first_reader[i] {
+                r if r == n => "read only after the step".to_string(),
+                r => format!("{} nodes before its first reader", r - i - 1),
+            };
+            let (name, shape, dtype) = (op.name(), &node.shape, node.dtype);
+            out.push(format!("{name} {shape:?} {dtype:?} over {} ranks at node {i} of {n}, {gap}", group.world));
+        }
+        out
+    }
+
     /// Nodes whose value is used (by outputs, writes or live nodes).
     pub fn live(&self) -> Vec<bool> {
         let mut live = vec![false; self.nodes.len()];

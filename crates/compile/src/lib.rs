@@ -240,6 +240,10 @@ pub struct Explain {
     /// On the CPU: products made tile by tile for the group that reads them (a weight
     /// gradient feeding its optimizer update, `fusion::feed_products`).
     pub fed_products: usize,
+    /// The collectives of the step (a data-parallel step's bucket all-reduces), one line
+    /// each: what, where in the step, and how many nodes lie between it and its first reader
+    /// (the work it can overlap).
+    pub collectives: Vec<String>,
 }
 
 impl std::fmt::Display for Explain {
@@ -255,6 +259,12 @@ impl std::fmt::Display for Explain {
             writeln!(f, "products fed tile by tile to their group: {}", self.fed_products)?;
         } else if self.fed_products > 0 {
             writeln!(f, "products made by the kernels that read them: {}", self.fed_products)?;
+        }
+        if !self.collectives.is_empty() {
+            writeln!(f, "collectives: {}", self.collectives.len())?;
+            for c in &self.collectives {
+                writeln!(f, "  - {c}")?;
+            }
         }
         writeln!(f, "state buffers: {}", self.state_buffers)?;
         writeln!(f, "planned peak of intermediates: {:.2} MiB", self.planned_peak_bytes as f64 / (1 << 20) as f64)?;
@@ -502,6 +512,7 @@ impl Engine {
                     e.state_buffers = g.state.len();
                     e.planned_peak_bytes = p.exec.planned_peak_bytes();
                     e.bytes_moved = p.exec.bytes_moved();
+                    e.collectives = g.collectives();
                     e.compile_time += p.compile_time;
                 }
             }
