@@ -7,7 +7,8 @@
 //! Flags: `--arch gpt2|llama` (from the checkpoint's config when `--from` is given), `--size
 //! tiny|124m|350m` (random weights, `--seed`), `--prompt TEXT` (GPT-2's tokenizer) or `--ids
 //! 1,2,3`, `--max-new-tokens N`, `--temperature T` (0: greedy), `--top-k K`, `--top-p P`,
-//! `--no-cache` (recompute the prefix each token), `--save DIR` (write the model as a Hugging
+//! `--no-cache` (recompute the prefix each token), `--compiled` (one compiled decode step over
+//! a preallocated cache, a CUDA graph replay per token on a GPU), `--save DIR` (write the model as a Hugging
 //! Face checkpoint), `--json FILE` (the prompt's logits and the new tokens, for
 //! `benches/pytorch/hf_reference.py check`).
 
@@ -89,6 +90,7 @@ fn main() -> Result<()> {
         seed: flag("--seed", 0),
         stop_token: (lm.vocab() > 50256).then_some(50256),
         use_cache: !has("--no-cache"),
+        compiled: has("--compiled"),
     };
     // One run to warm up the kernels, then the timed one.
     generate(lm, &prompt, &GenerateConfig { max_new_tokens: cfg.max_new_tokens.min(2), ..cfg.clone() })?;
@@ -104,7 +106,11 @@ fn main() -> Result<()> {
         prompt.len(),
         out.prefill_s * 1e3,
         out.tokens_per_s,
-        if cfg.use_cache { "kv cache" } else { "no cache" }
+        match (cfg.use_cache, cfg.compiled) {
+            (false, _) => "no cache".to_string(),
+            (true, false) => "kv cache".to_string(),
+            (true, true) => format!("compiled decode step over a static cache, compiled in {:.0} ms", out.compile_s * 1e3),
+        }
     );
     if let Some(path) = opt("--json") {
         let logits = no_grad(|| {

@@ -40,9 +40,9 @@ fn matches_transformers(model: &dyn CausalLm, name: &str) -> Result<()> {
     let worst = logits.iter().zip(&expect).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0, f64::max);
     assert!(worst < 1e-4, "{name}: logits differ from transformers' by {worst:e}");
     let greedy = u32s(&want["greedy"]);
-    for use_cache in [true, false] {
-        let cfg = GenerateConfig { max_new_tokens: greedy.len(), use_cache, ..GenerateConfig::default() };
-        assert_eq!(generate(model, &prompt, &cfg)?.tokens, greedy, "{name}: greedy tokens (cache {use_cache})");
+    for (use_cache, compiled) in [(true, false), (false, false), (true, true)] {
+        let cfg = GenerateConfig { max_new_tokens: greedy.len(), use_cache, compiled, ..GenerateConfig::default() };
+        assert_eq!(generate(model, &prompt, &cfg)?.tokens, greedy, "{name}: greedy tokens (cache {use_cache}, compiled {compiled})");
     }
     Ok(())
 }
@@ -178,6 +178,18 @@ fn the_cache_gives_the_full_forwards_logits() -> Result<()> {
         let cached = Tensor::cat(&parts.iter().collect::<Vec<_>>(), 1)?;
         let worst = full.sub(&cached)?.abs()?.to_vec::<f32>()?.into_iter().fold(0.0f32, f32::max);
         assert!(worst < 1e-5, "cached logits differ by {worst}");
+        // The same chunks through a static cache of 12 positions, positions as tensors.
+        let fixed = model.static_cache(12)?;
+        let mut parts = Vec::new();
+        for (a, b) in [(0, 4), (4, 5), (5, 8), (8, 9)] {
+            let pos = Tensor::arange(b - a, DType::I64, CPU)?.add_scalar(a as f64)?;
+            parts.push(no_grad(|| model.logits_static(&ids(&tokens[a..b])?, &pos, &fixed))?);
+        }
+        let fixed_logits = Tensor::cat(&parts.iter().collect::<Vec<_>>(), 1)?;
+        let worst = full.sub(&fixed_logits)?.abs()?.to_vec::<f32>()?.into_iter().fold(0.0f32, f32::max);
+        assert!(worst < 1e-5, "static-cache logits differ by {worst}");
+        let past = model.logits_static(&ids(&tokens[..4])?, &Tensor::arange(4, DType::I64, CPU)?.add_scalar(10.0)?, &fixed);
+        assert!(past.is_err(), "positions past the capacity are refused");
     }
     Ok(())
 }

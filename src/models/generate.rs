@@ -5,7 +5,7 @@
 use super::gpt::Gpt;
 use super::llama::Llama;
 use kiln_autograd::NoGradGuard;
-use kiln_nn::KvCache;
+use kiln_nn::{KvCache, StaticKvCache};
 use kiln_tensor::{DType, Device, Error, Result, Tensor};
 use rand::{Rng, SeedableRng};
 use std::time::Instant;
@@ -21,6 +21,10 @@ pub trait CausalLm {
     fn logits(&self, ids: &Tensor) -> Result<Tensor>;
     /// Logits of `ids` at positions `cache.len()..`, their keys and values appended.
     fn logits_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor>;
+    /// A zeroed cache of `capacity` positions for one sequence (`logits_static`).
+    fn static_cache(&self, capacity: usize) -> Result<StaticKvCache>;
+    /// Logits of `ids` at `positions` (I64 `[T]`), their keys and values written to `cache`.
+    fn logits_static(&self, ids: &Tensor, positions: &Tensor, cache: &StaticKvCache) -> Result<Tensor>;
 }
 
 impl CausalLm for Gpt {
@@ -41,6 +45,13 @@ impl CausalLm for Gpt {
     }
     fn logits_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
         self.forward_cached(ids, cache)
+    }
+    fn static_cache(&self, capacity: usize) -> Result<StaticKvCache> {
+        let c = &self.config;
+        StaticKvCache::new(c.n_layer, 1, c.n_head, capacity, c.d_model / c.n_head, self.tok_emb.weight.dtype(), self.device())
+    }
+    fn logits_static(&self, ids: &Tensor, positions: &Tensor, cache: &StaticKvCache) -> Result<Tensor> {
+        self.forward_static(ids, positions, cache)
     }
 }
 
@@ -63,6 +74,14 @@ impl CausalLm for Llama {
     fn logits_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
         self.forward_cached(ids, cache)
     }
+    fn static_cache(&self, capacity: usize) -> Result<StaticKvCache> {
+        let c = &self.config;
+        let dtype = self.embed_tokens.weight.dtype();
+        StaticKvCache::new(c.n_layers, 1, c.n_kv_heads, capacity, c.dim / c.n_heads, dtype, CausalLm::device(self))
+    }
+    fn logits_static(&self, ids: &Tensor, positions: &Tensor, cache: &StaticKvCache) -> Result<Tensor> {
+        self.forward_static(ids, positions, cache)
+    }
 }
 
 /// How `generate` picks tokens (Hugging Face's `generate` arguments).
@@ -80,11 +99,23 @@ pub struct GenerateConfig {
     pub stop_token: Option<u32>,
     /// Decode with the key/value cache (else each step recomputes the whole sequence).
     pub use_cache: bool,
+    /// Decode through one compiled step over a preallocated cache (`StaticKvCache`), replayed
+    /// for every new token (one CUDA graph in `ReduceOverhead` on a GPU). Needs `use_cache`.
+    pub compiled: bool,
 }
 
 impl Default for GenerateConfig {
     fn default() -> Self {
-        GenerateConfig { max_new_tokens: 32, temperature: 0.0, top_k: None, top_p: None, seed: 0, stop_token: None, use_cache: true }
+        GenerateConfig {
+            max_new_tokens: 32,
+            temperature: 0.0,
+            top_k: None,
+            top_p: None,
+            seed: 0,
+            stop_token: None,
+            use_cache: true,
+            compiled: false,
+        }
     }
 }
 
@@ -95,8 +126,11 @@ pub struct Generation {
     pub tokens: Vec<u32>,
     /// Seconds the prompt took (the first new token included).
     pub prefill_s: f64,
-    /// Decode steps a second after the first token (0 with fewer than two new tokens).
+    /// Decode steps a second after the first token (0 with fewer than two new tokens); with
+    /// `compiled`, after the first decode step (which traces and compiles).
     pub tokens_per_s: f64,
+    /// With `compiled`: seconds of the first decode step (trace, compile, first run).
+    pub compile_s: f64,
 }
 
 /// Continues `prompt` (token ids, batch 1) by up to `cfg.max_new_tokens` tokens.
@@ -118,20 +152,18 @@ pub fn generate(model: &dyn CausalLm, prompt: &[u32], cfg: &GenerateConfig) -> R
     check_sampling(cfg)?;
     let _no_grad = NoGradGuard::new();
     let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed);
-    let mut cache = KvCache::new(model.n_layers());
     let mut seq: Vec<u32> = prompt.to_vec();
-    let (start, mut first_at) = (Instant::now(), None);
+    let (start, mut first_at, mut second_at) = (Instant::now(), None, None);
+    let mut next_logits = logits_source(model, prompt.len() + cfg.max_new_tokens, cfg)?;
     while seq.len() < prompt.len() + cfg.max_new_tokens {
-        let logits = if !cfg.use_cache {
-            model.logits(&ids(&seq, model.device())?)?
-        } else {
-            let new = &seq[cache.len()..];
-            model.logits_cached(&ids(new, model.device())?, &mut cache)?
-        };
+        let logits = next_logits(&seq)?;
         let t = logits.shape()[1];
         let last = logits.narrow(1, t - 1, 1)?.to_dtype(DType::F32)?.to_vec::<f32>()?;
         let next = pick(&last, cfg, &mut rng);
         seq.push(next);
+        if first_at.is_some() {
+            second_at.get_or_insert_with(|| start.elapsed().as_secs_f64());
+        }
         first_at.get_or_insert_with(|| start.elapsed().as_secs_f64());
         if cfg.stop_token == Some(next) {
             break;
@@ -139,9 +171,53 @@ pub fn generate(model: &dyn CausalLm, prompt: &[u32], cfg: &GenerateConfig) -> R
     }
     let prefill_s = first_at.unwrap_or(0.0);
     let steps = seq.len() - prompt.len();
-    let decode_s = start.elapsed().as_secs_f64() - prefill_s;
-    let tokens_per_s = if steps > 1 && decode_s > 0.0 { (steps - 1) as f64 / decode_s } else { 0.0 };
-    Ok(Generation { tokens: seq.split_off(prompt.len()), prefill_s, tokens_per_s })
+    let compile_s = if cfg.compiled { second_at.map_or(0.0, |t| t - prefill_s) } else { 0.0 };
+    // Steps timed: after the first token, and with `compiled` after the compiling one.
+    let timed = (steps - 1).saturating_sub(usize::from(cfg.compiled));
+    let decode_s = start.elapsed().as_secs_f64() - prefill_s - compile_s;
+    let tokens_per_s = if timed > 0 && decode_s > 0.0 { timed as f64 / decode_s } else { 0.0 };
+    Ok(Generation { tokens: seq.split_off(prompt.len()), prefill_s, tokens_per_s, compile_s })
+}
+
+/// How each step's logits come: from the whole sequence (no cache), from the new tokens over
+/// a growing cache, or (compiled) from one compiled decode step over a static cache, the
+/// prompt run eagerly into the same cache first. Each call gets the sequence so far.
+fn logits_source<'a>(
+    model: &'a dyn CausalLm,
+    capacity: usize,
+    cfg: &GenerateConfig,
+) -> Result<Box<dyn FnMut(&[u32]) -> Result<Tensor> + 'a>> {
+    let dev = model.device();
+    if cfg.compiled && !cfg.use_cache {
+        return Err(Error::Msg("generate: compiled decoding runs over a cache: set use_cache too".into()));
+    }
+    if !cfg.use_cache {
+        return Ok(Box::new(move |seq| model.logits(&ids(seq, dev)?)));
+    }
+    if !cfg.compiled {
+        let mut cache = KvCache::new(model.n_layers());
+        return Ok(Box::new(move |seq| {
+            let new = &seq[cache.len()..];
+            model.logits_cached(&ids(new, dev)?, &mut cache)
+        }));
+    }
+    let cache = std::sync::Arc::new(model.static_cache(capacity)?);
+    let held = cache.clone();
+    let mut step = kiln_compile::compile(kiln_compile::Mode::ReduceOverhead, move |xs: &[Tensor]| {
+        Ok(vec![model.logits_static(&xs[0], &xs[1], &held)?])
+    });
+    let mut done = 0;
+    Ok(Box::new(move |seq| {
+        let new = &seq[done..];
+        let positions = Tensor::arange(new.len(), DType::I64, dev)?.add_scalar(done as f64)?;
+        let logits = if done == 0 {
+            model.logits_static(&ids(new, dev)?, &positions, &cache)?
+        } else {
+            step.call(&[ids(new, dev)?, positions])?.remove(0)
+        };
+        done = seq.len();
+        Ok(logits)
+    }))
 }
 
 fn ids(tokens: &[u32], device: Device) -> Result<Tensor> {

@@ -6,8 +6,8 @@
 
 use kiln_nn::init::{normal_, zeros_};
 use kiln_nn::{
-    causal_attention_at, cross_entropy, dropout, scaled_dot_product_attention, Activation, AttnMasks, Embedding, Forward, KvCache,
-    LayerNorm, Linear, Module,
+    cross_entropy, dropout, scaled_dot_product_attention, Activation, AttnMasks, Cache, Embedding, Forward, KvCache, LayerNorm, Linear,
+    Module, StaticKvCache,
 };
 use kiln_tensor::{DType, Device, Error, Flag, Result, Tensor};
 
@@ -87,9 +87,9 @@ impl Block {
         self.forward_at(x, c, training, None)
     }
 
-    /// `forward`, or with `cache` (the cache, this block's layer, the position of x's first
-    /// token) attending over the cached keys and values too, this block's appended.
-    fn forward_at(&self, x: &Tensor, c: &GptConfig, training: bool, cache: Option<(&mut KvCache, usize, usize)>) -> Result<Tensor> {
+    /// `forward`, or with `cache` (the cache and this block's layer) attending over the cached
+    /// keys and values too, this block's added.
+    fn forward_at(&self, x: &Tensor, c: &GptConfig, training: bool, cache: Option<(&mut Cache, usize)>) -> Result<Tensor> {
         let (b, t, d) = (x.shape()[0], x.shape()[1], c.d_model);
         let p = if training { c.dropout } else { 0.0 };
         let qkv = self.qkv.forward(&self.ln1.forward(x)?)?; // [B, T, 3C]
@@ -99,10 +99,7 @@ impl Block {
                 let masks = AttnMasks { is_causal: true, ..Default::default() };
                 scaled_dot_product_attention(&heads(0)?, &heads(1)?, &heads(2)?, &masks, p)?
             }
-            Some((cache, layer, offset)) => {
-                let (k, v) = cache.append(layer, &heads(1)?, &heads(2)?)?;
-                causal_attention_at(&heads(0)?, &k, &v, offset)?
-            }
+            Some((cache, layer)) => cache.attend(layer, &heads(0)?, &heads(1)?, &heads(2)?)?,
         }; // [B, H, T, D]
         let att = att.transpose(1, 2)?.reshape(&[b, t, d])?;
         let x = x.add(&dropout(&self.proj.forward(&att)?, p, training)?)?;
@@ -159,25 +156,37 @@ impl Gpt {
     /// Logits of `tokens` `[B, T]` at positions `cache.len()..`, attending over the cached
     /// positions too; their keys and values are appended to `cache` (one entry a block).
     pub fn forward_cached(&self, tokens: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
-        self.run(tokens, Some(cache))
+        self.run(tokens, Some(Cache::growing(cache)))
     }
 
-    fn run(&self, tokens: &Tensor, mut cache: Option<&mut KvCache>) -> Result<Tensor> {
-        let offset = cache.as_ref().map_or(0, |c| c.len());
+    /// Logits of `tokens` `[B, T]` at `positions` (I64 `[T]`), attending over `cache`'s
+    /// positions up to each; their keys and values are written into `cache`. The shapes do
+    /// not depend on the position, so one compiled decode step serves them all.
+    pub fn forward_static(&self, tokens: &Tensor, positions: &Tensor, cache: &StaticKvCache) -> Result<Tensor> {
+        self.run(tokens, Some(Cache::Static { cache, positions }))
+    }
+
+    fn run(&self, tokens: &Tensor, mut cache: Option<Cache>) -> Result<Tensor> {
         let t = tokens.shape().get(1).copied().unwrap_or(0);
-        if tokens.rank() != 2 || offset + t > self.config.context {
+        if tokens.rank() != 2 || t > self.config.context {
             return Err(Error::shape(
                 "gpt",
-                format!("tokens must be [B, T] with {offset} cached + T <= context {}, got {:?}", self.config.context, tokens.shape()),
+                format!("tokens must be [B, T] with T <= context {}, got {:?}", self.config.context, tokens.shape()),
             ));
         }
-        let pos = Tensor::arange(t, DType::I64, tokens.device())?.add_scalar(offset as f64)?;
+        let pos = match &cache {
+            Some(c) => {
+                c.check_room(t, self.config.context)?;
+                c.positions(t, tokens.device())?
+            }
+            None => Tensor::arange(t, DType::I64, tokens.device())?,
+        };
         let mut x = self.tok_emb.forward(tokens)?.add(&self.pos_emb.forward(&pos)?)?;
         x = dropout(&x, self.config.dropout, self.training.get())?;
         let (c, training) = (self.config, self.training.get());
         for (i, blk) in self.blocks.iter().enumerate() {
-            x = match cache.as_deref_mut() {
-                Some(cache) => blk.forward_at(&x, &c, training, Some((cache, i, offset)))?,
+            x = match cache.as_mut() {
+                Some(cache) => blk.forward_at(&x, &c, training, Some((cache, i)))?,
                 None if self.checkpointing.get() => {
                     let blk = blk.clone();
                     kiln_autograd::checkpoint(move |v| blk.forward(&v[0], &c, training), &[&x])?

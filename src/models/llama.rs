@@ -3,7 +3,9 @@
 //! Face's parameter names (`model.layers.{i}.self_attn.q_proj.weight`, ...).
 
 use kiln_nn::init::normal_;
-use kiln_nn::{causal_attention_at, cross_entropy, Embedding, Forward, KvCache, Linear, Module, RmsNorm, RotaryEmbedding, SwiGlu};
+use kiln_nn::{
+    causal_attention_at, cross_entropy, Cache, Embedding, Forward, KvCache, Linear, Module, RmsNorm, RotaryEmbedding, StaticKvCache, SwiGlu,
+};
 use kiln_tensor::{default_dtype, Device, Error, Result, Tensor};
 
 /// The shape of a Llama model (Hugging Face's `LlamaConfig` fields by other names).
@@ -133,21 +135,29 @@ impl Llama {
     /// Logits of `ids` `[B, T]` at positions `cache.len()..`, attending over the cached
     /// positions too; their keys and values are appended to `cache` (one entry a layer).
     pub fn forward_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
-        self.run(ids, Some(cache))
+        self.run(ids, Some(Cache::growing(cache)))
     }
 
-    fn run(&self, ids: &Tensor, mut cache: Option<&mut KvCache>) -> Result<Tensor> {
+    /// Logits of `ids` `[B, T]` at `positions` (I64 `[T]`) over `cache` (as
+    /// `Gpt::forward_static`: one compiled decode step serves every position).
+    pub fn forward_static(&self, ids: &Tensor, positions: &Tensor, cache: &StaticKvCache) -> Result<Tensor> {
+        self.run(ids, Some(Cache::Static { cache, positions }))
+    }
+
+    fn run(&self, ids: &Tensor, mut cache: Option<Cache>) -> Result<Tensor> {
         let &[_, t] = ids.shape() else {
             return Err(Error::shape("llama", format!("token ids must be [B, T], got {:?}", ids.shape())));
         };
-        let offset = cache.as_ref().map_or(0, |c| c.len());
-        if offset + t > self.config.max_seq {
-            return Err(Error::shape("llama", format!("{offset} cached + {t} new tokens exceed max_seq {}", self.config.max_seq)));
+        match &cache {
+            Some(c) => c.check_room(t, self.config.max_seq)?,
+            None if t > self.config.max_seq => {
+                return Err(Error::shape("llama", format!("{t} tokens exceed max_seq {}", self.config.max_seq)));
+            }
+            None => {}
         }
         let mut x = self.embed_tokens.forward(ids)?;
         for (i, l) in self.layers.iter().enumerate() {
-            let at = cache.as_deref_mut().map(|c| (c, i, offset));
-            x = l.forward(&x, &self.rope, &self.config, at)?;
+            x = l.forward(&x, &self.rope, &self.config, cache.as_mut().map(|c| (c, i)))?;
         }
         self.lm_head.forward(&self.norm.forward(&x)?)
     }
@@ -160,7 +170,7 @@ impl Llama {
 }
 
 impl LlamaLayer {
-    fn forward(&self, x: &Tensor, rope: &RotaryEmbedding, c: &LlamaConfig, cache: Option<(&mut KvCache, usize, usize)>) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, rope: &RotaryEmbedding, c: &LlamaConfig, cache: Option<(&mut Cache, usize)>) -> Result<Tensor> {
         let h = (x + self.self_attn.forward(&self.input_layernorm.forward(x)?, rope, c, cache)?)?;
         &h + self.mlp.forward(&self.post_attention_layernorm.forward(&h)?)?
     }
@@ -168,22 +178,22 @@ impl LlamaLayer {
 
 impl LlamaAttention {
     /// Causal grouped-query attention over `x` `[B, T, dim]`, rotary embeddings on q and k;
-    /// with `cache` (the cache, this layer, x's first position) over the cached keys and
-    /// values too, this layer's appended.
-    fn forward(&self, x: &Tensor, rope: &RotaryEmbedding, c: &LlamaConfig, cache: Option<(&mut KvCache, usize, usize)>) -> Result<Tensor> {
+    /// with `cache` (the cache and this layer) over the cached keys and values too, this
+    /// layer's added.
+    fn forward(&self, x: &Tensor, rope: &RotaryEmbedding, c: &LlamaConfig, cache: Option<(&mut Cache, usize)>) -> Result<Tensor> {
         let (b, t, hd) = (x.shape()[0], x.shape()[1], c.dim / c.n_heads);
-        let offset = cache.as_ref().map_or(0, |c| c.2);
         let heads = |y: Tensor, n: usize| y.reshape(&[b, t, n, hd])?.transpose(1, 2);
-        let q = rope.apply(&heads(self.q_proj.forward(x)?, c.n_heads)?, offset)?;
-        let k = rope.apply(&heads(self.k_proj.forward(x)?, c.n_kv_heads)?, offset)?;
+        let (q, k) = (heads(self.q_proj.forward(x)?, c.n_heads)?, heads(self.k_proj.forward(x)?, c.n_kv_heads)?);
         let v = heads(self.v_proj.forward(x)?, c.n_kv_heads)?;
-        let (k, v) = match cache {
-            Some((cache, layer, _)) => cache.append(layer, &k, &v)?,
-            None => (k, v),
-        };
         // Grouped-query: each k/v head serves n_heads / n_kv_heads query heads, in the fused
         // kernels without a repeated copy (`scaled_dot_product_attention`).
-        let att = causal_attention_at(&q, &k, &v, offset)?;
+        let att = match cache {
+            Some((cache, layer)) => {
+                let pos = cache.positions(t, x.device())?;
+                cache.attend(layer, &rope.apply_at(&q, &pos)?, &rope.apply_at(&k, &pos)?, &v)?
+            }
+            None => causal_attention_at(&rope.apply(&q, 0)?, &rope.apply(&k, 0)?, &v, 0)?,
+        };
         self.o_proj.forward(&att.transpose(1, 2)?.reshape(&[b, t, c.n_heads * hd])?)
     }
 }

@@ -27,7 +27,7 @@ pub use conv::{
     AvgPool2d, Conv1d, Conv2d, ConvTranspose2d, Flatten, Interpolation, MaxPool2d, Upsample, Window,
 };
 pub use kiln_derive::Module;
-pub use kv_cache::{causal_attention_at, KvCache};
+pub use kv_cache::{causal_attention_at, Cache, KvCache, StaticKvCache};
 pub use layers::{dropout, BatchNorm, Dropout, Embedding, GroupNorm, Layer, LayerNorm, Linear, RmsNorm, Sequential, SwiGlu};
 pub use loss::{
     binary_cross_entropy, binary_cross_entropy_with_logits, cross_entropy, cross_entropy_with, huber_loss, kl_div, l1_loss, mse_loss,

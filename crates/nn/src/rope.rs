@@ -39,18 +39,38 @@ impl RotaryEmbedding {
     /// `x` (`[.., T, head_dim]`, e.g. `[B, H, T, D]`) rotated for positions
     /// `offset..offset + T`: `x cos + rotate_half(x) sin`.
     pub fn apply(&self, x: &Tensor, offset: usize) -> Result<Tensor> {
-        let r = x.rank();
-        if r < 2 || x.shape()[r - 1] != self.head_dim {
-            return Err(Error::shape("rope", format!("x {:?} must be [.., T, {}]", x.shape(), self.head_dim)));
-        }
-        let t = x.shape()[r - 2];
+        let t = self.check(x)?;
         if offset + t > self.max_seq {
             return Err(Error::shape(
                 "rope",
                 format!("positions {offset}..{} of x {:?} run past the table's {}", offset + t, x.shape(), self.max_seq),
             ));
         }
-        let at = |table: &Tensor| table.narrow(0, offset, t)?.to_dtype(x.dtype());
+        self.rotate(x, |table| table.narrow(0, offset, t))
+    }
+
+    /// `apply` at the positions a tensor holds (I64 `[T]`): a decode step whose position is
+    /// an input, so that one compiled step serves every position.
+    pub fn apply_at(&self, x: &Tensor, positions: &Tensor) -> Result<Tensor> {
+        let t = self.check(x)?;
+        if positions.shape() != [t] {
+            return Err(Error::shape("rope", format!("positions {:?} must be [{t}] for x {:?}", positions.shape(), x.shape())));
+        }
+        self.rotate(x, |table| table.index_select(0usize, positions))
+    }
+
+    /// x's T, after checking its last dim.
+    fn check(&self, x: &Tensor) -> Result<usize> {
+        let r = x.rank();
+        if r < 2 || x.shape()[r - 1] != self.head_dim {
+            return Err(Error::shape("rope", format!("x {:?} must be [.., T, {}]", x.shape(), self.head_dim)));
+        }
+        Ok(x.shape()[r - 2])
+    }
+
+    /// `x cos + rotate_half(x) sin`, with the rows of the tables that `rows` picks.
+    fn rotate(&self, x: &Tensor, rows: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+        let at = |table: &Tensor| rows(table)?.to_dtype(x.dtype());
         (x * &at(&self.cos)?)? + (rotate_half(x)? * &at(&self.sin)?)?
     }
 }
