@@ -179,6 +179,9 @@ pub fn generate(model: &dyn CausalLm, prompt: &[u32], cfg: &GenerateConfig) -> R
     Ok(Generation { tokens: seq.split_off(prompt.len()), prefill_s, tokens_per_s, compile_s })
 }
 
+/// The logits of the last position, from the sequence so far.
+type LogitsOf<'a> = Box<dyn FnMut(&[u32]) -> Result<Tensor> + 'a>;
+
 /// How each step's logits come: from the whole sequence (no cache), from the new tokens over
 /// a growing cache, or (compiled) from one compiled decode step over a static cache, the
 /// prompt run eagerly into the same cache first. Each call gets the sequence so far.
@@ -186,7 +189,7 @@ fn logits_source<'a>(
     model: &'a dyn CausalLm,
     capacity: usize,
     cfg: &GenerateConfig,
-) -> Result<Box<dyn FnMut(&[u32]) -> Result<Tensor> + 'a>> {
+) -> Result<LogitsOf<'a>> {
     let dev = model.device();
     if cfg.compiled && !cfg.use_cache {
         return Err(Error::Msg("generate: compiled decoding runs over a cache: set use_cache too".into()));

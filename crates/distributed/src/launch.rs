@@ -124,7 +124,7 @@ fn describe(status: ExitStatus) -> String {
 }
 
 /// Waits for every child; at the first failure stops the rest.
-fn watch(children: &mut Vec<(usize, Child)>) -> i32 {
+fn watch(children: &mut [(usize, Child)]) -> i32 {
     let mut running: Vec<bool> = vec![true; children.len()];
     while running.iter().any(|&r| r) {
         for (k, (rank, child)) in children.iter_mut().enumerate() {
