@@ -185,11 +185,7 @@ type LogitsOf<'a> = Box<dyn FnMut(&[u32]) -> Result<Tensor> + 'a>;
 /// How each step's logits come: from the whole sequence (no cache), from the new tokens over
 /// a growing cache, or (compiled) from one compiled decode step over a static cache, the
 /// prompt run eagerly into the same cache first. Each call gets the sequence so far.
-fn logits_source<'a>(
-    model: &'a dyn CausalLm,
-    capacity: usize,
-    cfg: &GenerateConfig,
-) -> Result<LogitsOf<'a>> {
+fn logits_source<'a>(model: &'a dyn CausalLm, capacity: usize, cfg: &GenerateConfig) -> Result<LogitsOf<'a>> {
     let dev = model.device();
     if cfg.compiled && !cfg.use_cache {
         return Err(Error::Msg("generate: compiled decoding runs over a cache: set use_cache too".into()));

@@ -358,9 +358,13 @@ fn layer_norm_grads(eps: f64, sums: Option<DType>, ins: &[(&CpuStorage, &Layout)
             // With the weight: the parameter gradients, then x's gradient (`Parts::layer_norm_grads`).
             let x = ins[0];
             let n = x.1.shape[x.1.rank() - 1];
+            let dx_at = Parts::layer_norm_grads(&x.1.shape, false).offset(Part::Dx)?;
+            if let (CpuStorage::F32(xv), CpuStorage::F32(gv), CpuStorage::F32(wv)) = (x.0, ins[1].0, ins[2].0) {
+                let (xc, gc, wc) = (contig(xv, x.1), contig(gv, ins[1].1), contig(wv, ins[2].1));
+                return Ok(reduce::layer_norm_backward_f32(&xc, &gc, &wc, n, eps, dx_at).into_storage());
+            }
             let both = layer_norm_grads(eps, None, &ins[..2], &OutMeta { shape: vec![2, n], dtype: meta.dtype })?;
             let dx = run(&Op::NormalizeBackward { eps, rms: false }, ins, &OutMeta { shape: x.1.shape.clone(), dtype: meta.dtype })?;
-            let dx_at = Parts::layer_norm_grads(&x.1.shape, false).offset(Part::Dx)?;
             with_cpu!(&both, p => {
                 let mut v = p.to_vec();
                 v.resize(dx_at, Default::default());
