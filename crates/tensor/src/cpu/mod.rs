@@ -341,6 +341,13 @@ fn layer_norm_grads(eps: f64, sums: Option<DType>, ins: &[(&CpuStorage, &Layout)
             with_g[1] = (&g, &gl);
             layer_norm_grads(eps, None, &with_g, meta)?
         }
+        None if ins.len() == 4 && [ins[0].0, ins[1].0, ins[2].0, ins[3].0].iter().all(|s| matches!(s, CpuStorage::F32(_))) => {
+            // f32 with a residual gradient r: r added as x's gradient is written.
+            let (x, n) = (ins[0], ins[0].1.shape[ins[0].1.rank() - 1]);
+            let dx_at = Parts::layer_norm_grads(&x.1.shape, false).offset(Part::Dx)?;
+            let [xc, gc, wc, rc] = [0, 1, 2, 3].map(|k| contig(typed::<f32>(ins[k].0, name).expect("checked f32"), ins[k].1));
+            reduce::layer_norm_backward_f32(&xc, &gc, &wc, Some(&rc), (n, eps, dx_at)).into_storage()
+        }
         None if ins.len() == 4 => {
             // With a residual gradient r: the three-input result, then r added to x's gradient.
             let flat = layer_norm_grads(eps, None, &ins[..3], meta)?;
@@ -361,7 +368,7 @@ fn layer_norm_grads(eps: f64, sums: Option<DType>, ins: &[(&CpuStorage, &Layout)
             let dx_at = Parts::layer_norm_grads(&x.1.shape, false).offset(Part::Dx)?;
             if let (CpuStorage::F32(xv), CpuStorage::F32(gv), CpuStorage::F32(wv)) = (x.0, ins[1].0, ins[2].0) {
                 let (xc, gc, wc) = (contig(xv, x.1), contig(gv, ins[1].1), contig(wv, ins[2].1));
-                return Ok(reduce::layer_norm_backward_f32(&xc, &gc, &wc, n, eps, dx_at).into_storage());
+                return Ok(reduce::layer_norm_backward_f32(&xc, &gc, &wc, None, (n, eps, dx_at)).into_storage());
             }
             let both = layer_norm_grads(eps, None, &ins[..2], &OutMeta { shape: vec![2, n], dtype: meta.dtype })?;
             let dx = run(&Op::NormalizeBackward { eps, rms: false }, ins, &OutMeta { shape: x.1.shape.clone(), dtype: meta.dtype })?;

@@ -490,12 +490,12 @@ pub fn layer_norm_grads_f32(x: &[f32], g: &[f32], n: usize, eps: f64) -> Vec<f32
 
 /// Layer norm's whole backward for f32 (`Op::LayerNormGrads` with the weight `w`): one flat
 /// buffer, the weight's and bias's gradients (`sum(g * xhat)`, `sum(g)` over rows) at 0 and
-/// `n`, x's gradient `rstd (gw - mean(gw) - xhat mean(gw xhat))` from `dx_at`
-/// (`Parts::layer_norm_grads`). Each row's statistics are made once for both; blocks of rows
+/// `n`, x's gradient `rstd (gw - mean(gw) - xhat mean(gw xhat))` (plus `r`, a residual
+/// connection's gradient, where given) from `dx_at` (`Parts::layer_norm_grads`). Each row's statistics are made once for both; blocks of rows
 /// run in parallel, each summing its parameter gradients in f32 per row block of 32 and in
 /// f64 across blocks. The same arithmetic per element as `normalize_f32` and
 /// `layer_norm_grads_f32`.
-pub fn layer_norm_backward_f32(x: &[f32], g: &[f32], w: &[f32], n: usize, eps: f64, dx_at: usize) -> Vec<f32> {
+pub fn layer_norm_backward_f32(x: &[f32], g: &[f32], w: &[f32], r: Option<&[f32]>, (n, eps, dx_at): (usize, f64, usize)) -> Vec<f32> {
     let mut out = pool::take::<f32>(dx_at + x.len());
     if n == 0 {
         return out;
@@ -503,13 +503,14 @@ pub fn layer_norm_backward_f32(x: &[f32], g: &[f32], w: &[f32], n: usize, eps: f
     let (head, dx) = out.split_at_mut(dx_at);
     let block = (PAR_THRESHOLD / 4 / n).max(1) * n;
     let partial = |(b, dx): (usize, &mut [f32])| -> Vec<f64> {
-        let (x, g) = (&x[b * block..b * block + dx.len()], &g[b * block..b * block + dx.len()]);
+        let rows = b * block..b * block + dx.len();
+        let (x, g, r) = (&x[rows.clone()], &g[rows.clone()], r.map(|r| &r[rows]));
         let mut acc = vec![0.0f64; 2 * n];
         let mut part = vec![0.0f32; 2 * n];
         wide(
             #[inline(always)]
             || {
-                for (r, ((x, g), dx)) in x.chunks(n).zip(g.chunks(n)).zip(dx.chunks_mut(n)).enumerate() {
+                for (i, ((x, g), dx)) in x.chunks(n).zip(g.chunks(n)).zip(dx.chunks_mut(n)).enumerate() {
                     let (mean, rstd) = row_stats(x, eps, false);
                     let (dw, db) = part.split_at_mut(n);
                     for (j, (&v, &g)) in x.iter().zip(g).enumerate() {
@@ -522,7 +523,10 @@ pub fn layer_norm_backward_f32(x: &[f32], g: &[f32], w: &[f32], n: usize, eps: f
                     let mg = (sum_f64(dx, |_, v| v as f64) / n as f64) as f32;
                     let mgx = (sum_f64(dx, |i, v| (v * ((x[i] - mean) * rstd)) as f64) / n as f64) as f32;
                     dx.iter_mut().zip(x).for_each(|(d, &v)| *d = rstd * (*d - mg - ((v - mean) * rstd) * mgx));
-                    if r % 32 == 31 {
+                    if let Some(r) = r {
+                        dx.iter_mut().zip(&r[i * n..(i + 1) * n]).for_each(|(d, &r)| *d += r);
+                    }
+                    if i % 32 == 31 {
                         acc.iter_mut().zip(&mut part).for_each(|(a, p)| *a += std::mem::take(p) as f64);
                     }
                 }
