@@ -247,3 +247,49 @@ fn explain_lists_the_bucket_all_reduces_of_a_compiled_step() {
     assert!(e.collectives[0].starts_with("all_reduce [8] F32 over 1 ranks at node "), "{e}");
     assert!(e.to_string().contains("collectives: 1"), "{e}");
 }
+
+/// Two layers in a row.
+#[derive(kiln::nn::Module)]
+struct TwoLayers {
+    fc1: Linear,
+    fc2: Linear,
+}
+
+#[test]
+fn buckets_start_during_the_backward_as_their_gradients_come_in() {
+    use std::sync::{Arc, Mutex, OnceLock, Weak};
+    let out = on_ranks(2, |pg| {
+        let m = {
+            let _lock = common::SEEDED.lock();
+            kiln::tensor::rng::manual_seed(9);
+            TwoLayers { fc1: Linear::new(3, 4, true, Device::Cpu).unwrap(), fc2: Linear::new(4, 2, true, Device::Cpu).unwrap() }
+        };
+        // A hook on fc1's weight that runs before Ddp's own: how many buckets had started
+        // when that gradient came in.
+        let ddp_cell: Arc<OnceLock<Weak<Ddp>>> = Arc::new(OnceLock::new());
+        let seen = Arc::new(Mutex::new(None));
+        let probe = {
+            let (cell, seen) = (ddp_cell.clone(), seen.clone());
+            kiln::autograd::register_post_accumulate_grad_hook(&m.fc1.weight, move |_| {
+                *seen.lock().unwrap() = cell.get().and_then(Weak::upgrade).map(|d| d.started());
+                Ok(())
+            })
+        };
+        // Every parameter its own bucket, in reverse order: fc2.bias, fc2.weight, fc1.bias, fc1.weight.
+        let tiny = DdpOptions { bucket_cap_mb: 0.0, first_bucket_mb: 0.0, ..DdpOptions::default() };
+        let ddp = Arc::new(Ddp::new(&m, &pg, tiny).unwrap());
+        ddp_cell.set(Arc::downgrade(&ddp)).unwrap();
+        let x = Tensor::full((pg.rank() + 1) as f64, &[1, 3], DType::F32, Device::Cpu).unwrap();
+        m.fc2.forward(&m.fc1.forward(&x).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+        let (during, after) = (seen.lock().unwrap().expect("the probe ran"), ddp.started());
+        ddp.sync_gradients().unwrap();
+        drop(probe);
+        (during, after, m.fc2.bias.as_ref().unwrap().grad().unwrap().to_vec::<f32>().unwrap())
+    });
+    for (during, after, bias_grad) in out {
+        // fc2's two buckets had started while fc1's gradients were still being made.
+        assert!((2..4).contains(&during), "{during} buckets had started when fc1's weight gradient came in");
+        assert_eq!(after, 4, "every bucket started by the end of the backward");
+        assert_eq!(bias_grad, vec![1.0, 1.0], "d sum / d bias is 1 on both ranks");
+    }
+}

@@ -1,7 +1,7 @@
 //! Activation checkpointing (`torch.utils.checkpoint`): a function's intermediate values are
 //! not kept for backward but recomputed from its inputs when backward reaches its output.
 
-use crate::engine::{backward_with, run, GradModeGuard, Retain};
+use crate::engine::{backward_with, collect, GradModeGuard, Retain};
 use kiln_tensor::{no_grad, rng, Autocast, CustomBackward, Error, Result, Tensor, TensorId};
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -61,7 +61,7 @@ pub fn checkpoint(f: impl Fn(&[Tensor]) -> Result<Tensor> + Send + Sync + 'stati
         // `autograd::grad`: the leaves' gradients only, nothing accumulated.
         let mut ask: HashSet<TensorId> = leaves.iter().map(Tensor::id).collect();
         ask.extend(wanted);
-        let found = run(&out, g, Some(&ask), Retain::No)?;
+        let found = collect(&out, g, Some(&ask), Retain::No)?;
         if let Some((t, _)) = found.iter().find(|(t, _)| wanted.contains(&t.id())) {
             return Err(Error::Msg(format!(
                 "checkpoint: autograd::grad asked for a tensor (shape {:?}) used inside a checkpointed function, which it cannot return; use backward()",

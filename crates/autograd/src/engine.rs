@@ -51,7 +51,7 @@ impl Backward for Tensor {
     }
     fn backward_retain_graph(&self) -> Result<()> {
         let seed = one_element_seed(self)?;
-        accumulate_all(run(self, &seed, None, Retain::Yes)?)
+        run(self, &seed, None, Retain::Yes, &mut accumulate_and_hook)
     }
 }
 
@@ -72,11 +72,21 @@ fn one_element_seed(root: &Tensor) -> Result<Tensor> {
     no_grad(|| root.ones_like())
 }
 
-fn accumulate_all(leaves: Vec<(Tensor, Tensor)>) -> Result<()> {
-    for (leaf, g) in leaves {
-        accumulate(&leaf, g)?;
-    }
-    Ok(())
+/// Adds a leaf's finished gradient into its `.grad()`, then runs its hooks
+/// (`register_post_accumulate_grad_hook`).
+fn accumulate_and_hook(leaf: &Tensor, g: Tensor) -> Result<()> {
+    accumulate(leaf, g)?;
+    crate::hooks::run_hooks(leaf)
+}
+
+/// The gradients `run` finds, collected instead of accumulated.
+pub(crate) fn collect(root: &Tensor, seed: &Tensor, wanted: Option<&HashSet<TensorId>>, retain: Retain) -> Result<Vec<(Tensor, Tensor)>> {
+    let mut found = Vec::new();
+    run(root, seed, wanted, retain, &mut |t, g| {
+        found.push((t.clone(), g));
+        Ok(())
+    })?;
+    Ok(found)
 }
 
 /// Backward from a one-element tensor (seeded with 1); the graph is spent.
@@ -87,7 +97,7 @@ pub fn backward(root: &Tensor) -> Result<()> {
 
 /// Backward from any tensor, seeded with `grad` (same shape); the graph is spent.
 pub fn backward_with(root: &Tensor, grad: &Tensor) -> Result<()> {
-    accumulate_all(run(root, grad, None, Retain::No)?)
+    run(root, grad, None, Retain::No, &mut accumulate_and_hook)
 }
 
 /// Gradients of `root` with respect to `inputs` (seeded with ones), without touching any
@@ -96,8 +106,25 @@ pub fn backward_with(root: &Tensor, grad: &Tensor) -> Result<()> {
 pub fn grad(root: &Tensor, inputs: &[&Tensor]) -> Result<Vec<Option<Tensor>>> {
     let seed = no_grad(|| root.ones_like())?;
     let wanted: HashSet<TensorId> = inputs.iter().map(|t| t.id()).collect();
-    let found = run(root, &seed, Some(&wanted), Retain::Yes)?;
+    let found = collect(root, &seed, Some(&wanted), Retain::Yes)?;
     Ok(inputs.iter().map(|t| found.iter().find(|(l, _)| l.id() == t.id()).map(|(_, g)| g.clone())).collect())
+}
+
+/// The walk's order: the tensors made last first (PyTorch's engine orders by sequence number
+/// too), so that the gradients of the last layers' parameters are finished, and handed on,
+/// while the first layers' backward still runs. Tensor ids grow with creation, so an op's
+/// inputs come after it; where that does not hold, the reversed depth-first order.
+fn latest_first(inputs_first: Vec<Tensor>) -> Vec<Tensor> {
+    let mut order = inputs_first;
+    let mut by_id = order.clone();
+    by_id.sort_by_key(|t| std::cmp::Reverse(t.id()));
+    let topological = by_id.iter().all(|t| t.grad_fn().is_none_or(|f| f.inputs.iter().all(|i| i.id() < t.id())));
+    if topological {
+        by_id
+    } else {
+        order.reverse();
+        order
+    }
 }
 
 /// Tensors reachable from `root` through recorded ops, inputs before the ops that use them.
@@ -126,9 +153,17 @@ fn topo_order(root: &Tensor) -> Vec<Tensor> {
     order
 }
 
-/// Walks the graph; returns the gradient of every leaf that requires grad (or, with `wanted`,
-/// of those tensors whether leaves or not).
-pub(crate) fn run(root: &Tensor, seed: &Tensor, wanted: Option<&HashSet<TensorId>>, retain: Retain) -> Result<Vec<(Tensor, Tensor)>> {
+/// Walks the graph and hands `sink` the gradient of every leaf that requires grad (or, with
+/// `wanted`, of those tensors whether leaves or not) as soon as it is complete: a leaf's
+/// gradient is final when the walk reaches it, so a leaf whose gradient comes early in the
+/// backward is handed over while the rest of the backward still runs.
+pub(crate) fn run(
+    root: &Tensor,
+    seed: &Tensor,
+    wanted: Option<&HashSet<TensorId>>,
+    retain: Retain,
+    sink: &mut dyn FnMut(&Tensor, Tensor) -> Result<()>,
+) -> Result<()> {
     if !root.requires_grad() {
         return Err(Error::Msg(format!(
             "backward: the tensor (shape {:?}) does not require grad: no parameter it depends on has requires_grad set",
@@ -139,19 +174,18 @@ pub(crate) fn run(root: &Tensor, seed: &Tensor, wanted: Option<&HashSet<TensorId
         return Err(Error::shape("backward", format!("seed gradient {:?} does not match the output {:?}", seed.shape(), root.shape())));
     }
     let _guard = NoGradGuard::new();
-    let order = topo_order(root);
+    let order = latest_first(topo_order(root));
     let mut grads: HashMap<TensorId, Tensor> = HashMap::new();
     let mut slices: HashMap<TensorId, Vec<Slice>> = HashMap::new();
     grads.insert(root.id(), seed.clone());
-    let mut out = Vec::new();
-    for t in order.iter().rev() {
+    for t in &order {
         let g = match (grads.remove(&t.id()), slices.remove(&t.id())) {
             (None, None) => continue,
             (dense, parts) => join_slices(t, dense, parts.unwrap_or_default())?,
         };
         let want = wanted.is_some_and(|w| w.contains(&t.id()));
         if want || (wanted.is_none() && t.is_leaf() && t.requires_grad()) {
-            out.push((t.clone(), g.clone()));
+            sink(t, g.clone())?;
         }
         let Some(f) = t.grad_fn() else { continue };
         if f.is_spent() {
@@ -205,7 +239,7 @@ pub(crate) fn run(root: &Tensor, seed: &Tensor, wanted: Option<&HashSet<TensorId
             };
         }
     }
-    Ok(out)
+    Ok(())
 }
 
 /// The gradient of one `narrow` of a tensor: its dim, its first index there, the gradient.

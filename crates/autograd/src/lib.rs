@@ -9,9 +9,11 @@
 mod checkpoint;
 mod engine;
 mod gradcheck;
+mod hooks;
 mod rules;
 
 pub use checkpoint::checkpoint;
 pub use engine::{backward, backward_with, grad, Backward, GradModeGuard, NoGradGuard};
 pub use gradcheck::{gradcheck, GradcheckConfig};
+pub use hooks::{register_post_accumulate_grad_hook, HookHandle};
 pub use kiln_tensor::no_grad;

@@ -461,3 +461,33 @@ fn sort_and_topk_values_send_their_gradient_back_to_where_they_came_from() {
     check("sort", |t| t[0].sort(1usize, false)?.0.mul(&w), &[randn(&[4, 9], 7)]);
     check("topk", |t| t[0].topk(3, 0usize, true)?.0.square(), &[randn(&[4, 9], 9)]);
 }
+
+#[test]
+fn post_accumulate_hooks_see_each_finished_gradient_in_backward_order() -> kiln_tensor::Result<()> {
+    use kiln_autograd::register_post_accumulate_grad_hook;
+    use std::sync::{Arc, Mutex};
+    // loss = sum(w2 * (w1 * x)): w2's gradient is finished before w1's.
+    let x = Tensor::from_vec(vec![1.0f32, 2.0], &[2], Device::Cpu)?;
+    let w1 = Tensor::from_vec(vec![3.0f32, 4.0], &[2], Device::Cpu)?;
+    let w2 = Tensor::from_vec(vec![5.0f32, 6.0], &[2], Device::Cpu)?;
+    w1.set_requires_grad(true);
+    w2.set_requires_grad(true);
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let hook = |name: &'static str| {
+        let seen = seen.clone();
+        move |t: &Tensor| {
+            seen.lock().unwrap().push((name, t.grad().unwrap().to_vec::<f32>()?));
+            Ok(())
+        }
+    };
+    let h1 = register_post_accumulate_grad_hook(&w1, hook("w1"));
+    let h2 = register_post_accumulate_grad_hook(&w2, hook("w2"));
+    w2.mul(&w1.mul(&x)?)?.sum_all()?.backward()?;
+    // d/dw2 = w1 x = [3, 8]; d/dw1 = w2 x = [5, 12].
+    assert_eq!(*seen.lock().unwrap(), vec![("w2", vec![3.0, 8.0]), ("w1", vec![5.0, 12.0])]);
+    drop((h1, h2));
+    w2.mul(&w1.mul(&x)?)?.sum_all()?.backward()?;
+    assert_eq!(seen.lock().unwrap().len(), 2, "dropped hooks do not run");
+    assert_eq!(w1.grad().unwrap().to_vec::<f32>()?, vec![10.0, 24.0], "the second backward accumulated");
+    Ok(())
+}

@@ -3,14 +3,17 @@
 //! (broadcast from rank 0) and stay equal because every rank applies the same averaged
 //! gradients. The gradients travel in buckets (PyTorch's plan: about 25 MiB each, filled in
 //! reverse parameter order, where the backward produces them first, a small first bucket,
-//! one dtype per bucket), each bucket one flat all-reduce. Under `compile`, those all-reduces
-//! are nodes of the step's graph, captured into its CUDA graph with the rest.
+//! one dtype per bucket), each bucket one flat all-reduce, started as soon as its last
+//! gradient is in. Under `compile`, those all-reduces are nodes of the step's graph, placed
+//! inside the backward where their gradients are ready and captured into its CUDA graph.
 
 use crate::group::ProcessGroup;
+use kiln_autograd::{register_post_accumulate_grad_hook, HookHandle};
 use kiln_nn::Module;
 use kiln_tensor::collective::{Collective, Group, Reduction};
 use kiln_tensor::{no_grad, DType, Device, Error, Result, Tensor};
-use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// `Ddp`'s settings, PyTorch's defaults.
 #[derive(Debug, Clone, PartialEq)]
@@ -71,19 +74,42 @@ pub fn plan_buckets(params: &[(usize, DType)], cap: usize, first_cap: usize) -> 
 }
 
 /// A model made data-parallel over a process group (`DistributedDataParallel`). Train as
-/// usual and call `sync_gradients` between `backward` and the optimizer's step.
+/// usual and call `sync_gradients` between `backward` and the optimizer's step. During the
+/// backward, each bucket's all-reduce starts as soon as the last of its gradients is in
+/// (buckets in order, the same on every rank; `register_post_accumulate_grad_hook`);
+/// `sync_gradients` starts the rest and hands every parameter its averaged gradient.
 pub struct Ddp {
-    group: Group,
+    shared: Arc<Shared>,
     device: Device,
+    _hooks: Vec<HookHandle>,
+}
+
+/// What the gradient hooks and `sync_gradients` share.
+struct Shared {
+    group: Group,
     params: Vec<(String, Tensor)>,
     buckets: Vec<Bucket>,
     options: DdpOptions,
-    skip: Cell<bool>,
+    skip: AtomicBool,
+    flight: Mutex<Flight>,
+}
+
+/// The buckets of the backward in progress.
+#[derive(Default)]
+struct Flight {
+    /// Gradients in, per bucket.
+    ready: Vec<usize>,
+    /// Buckets whose all-reduce has started (always a prefix: they start in order).
+    started: usize,
+    reduced: Vec<Option<Tensor>>,
+    /// A second backward came before `sync_gradients`: the early all-reduces missed part of
+    /// the gradients, so `sync_gradients` runs them all again.
+    stale: bool,
 }
 
 impl Ddp {
-    /// Takes `model`'s parameters, copies rank 0's parameters and buffers to every rank, and
-    /// plans the buckets. Every rank calls it with the same model.
+    /// Takes `model`'s parameters, copies rank 0's parameters and buffers to every rank, plans
+    /// the buckets and hooks the parameters' gradients. Every rank calls it with the same model.
     pub fn new<M: Module + ?Sized>(model: &M, pg: &ProcessGroup, options: DdpOptions) -> Result<Ddp> {
         let params: Vec<(String, Tensor)> = model.named_parameters().into_iter().filter(|(_, p)| p.requires_grad()).collect();
         let mut state = params.clone();
@@ -102,55 +128,113 @@ impl Ddp {
         let mib = |m: f64| (m * 1024.0 * 1024.0) as usize;
         let sizes: Vec<(usize, DType)> = params.iter().map(|(_, p)| (p.numel(), p.dtype())).collect();
         let buckets = plan_buckets(&sizes, mib(options.bucket_cap_mb), mib(options.first_bucket_mb));
-        Ok(Ddp { group: pg.group(), device: pg.device(), params, buckets, options, skip: Cell::new(false) })
+        let flight = Flight { ready: vec![0; buckets.len()], reduced: vec![None; buckets.len()], ..Flight::default() };
+        let shared =
+            Arc::new(Shared { group: pg.group(), params, buckets, options, skip: AtomicBool::new(false), flight: Mutex::new(flight) });
+        let mut hooks = Vec::new();
+        for (k, b) in shared.buckets.iter().enumerate() {
+            for &i in &b.params {
+                let s = shared.clone();
+                hooks.push(register_post_accumulate_grad_hook(&shared.params[i].1, move |_| s.gradient_in(k)));
+            }
+        }
+        Ok(Ddp { shared, device: pg.device(), _hooks: hooks })
     }
 
     /// The parameters, in the model's order, with their names.
     pub fn parameters(&self) -> &[(String, Tensor)] {
-        &self.params
+        &self.shared.params
     }
 
     pub fn buckets(&self) -> &[Bucket] {
-        &self.buckets
+        &self.shared.buckets
     }
 
     /// The buckets, one line each: how many parameters, their bytes, the first and last names.
     pub fn explain(&self) -> String {
-        let mut out = format!("Ddp over {} ranks on {:?}: {} buckets\n", self.group.world, self.device, self.buckets.len());
-        for (k, b) in self.buckets.iter().enumerate() {
-            let (first, last) = (&self.params[b.params[0]].0, &self.params[*b.params.last().expect("a bucket is never empty")].0);
+        let s = &self.shared;
+        let mut out = format!("Ddp over {} ranks on {:?}: {} buckets\n", s.group.world, self.device, s.buckets.len());
+        for (k, b) in s.buckets.iter().enumerate() {
+            let (first, last) = (&s.params[b.params[0]].0, &s.params[*b.params.last().expect("a bucket is never empty")].0);
             let mib = b.bytes as f64 / (1024.0 * 1024.0);
             out += &format!("  bucket {k}: {} params, {mib:.2} MiB {:?}, {first} .. {last}\n", b.params.len(), b.dtype);
         }
         out
     }
 
+    /// Buckets whose all-reduce has started since the last `sync_gradients` (for logs and
+    /// tests: during a backward, the buckets whose gradients are all in).
+    pub fn started(&self) -> usize {
+        self.shared.flight.lock().map_or(0, |f| f.started)
+    }
+
     /// Runs `f` (forward and backward of a micro-batch) without averaging gradients across
-    /// ranks: `sync_gradients` inside it does nothing, so gradients accumulate locally until a
-    /// step outside it (`no_sync`).
+    /// ranks: no bucket starts in its backward and `sync_gradients` inside it does nothing, so
+    /// gradients accumulate locally until a step outside it (`no_sync`).
     pub fn no_sync<R>(&self, f: impl FnOnce() -> R) -> R {
-        let before = self.skip.replace(true);
+        let before = self.shared.skip.swap(true, Ordering::SeqCst);
         let out = f();
-        self.skip.set(before);
+        self.shared.skip.store(before, Ordering::SeqCst);
         out
     }
 
-    /// Averages every parameter's gradient over the ranks, bucket by bucket; after it every
-    /// rank holds the same gradients. Call it after `backward`, before the optimizer's step.
+    /// Averages every parameter's gradient over the ranks: the buckets not started during
+    /// the backward start now, and every parameter gets its part of its bucket's result. After
+    /// it every rank holds the same gradients. Call it after `backward`, before the optimizer's
+    /// step.
     pub fn sync_gradients(&self) -> Result<()> {
-        if self.skip.get() {
+        let s = &self.shared;
+        if s.skip.load(Ordering::SeqCst) {
             return Ok(());
         }
-        no_grad(|| self.buckets.iter().try_for_each(|b| self.sync_bucket(b)))
-    }
-
-    fn sync_bucket(&self, b: &Bucket) -> Result<()> {
-        let flat = flat_grads(&self.params, b, self.options.find_unused_parameters, self.group.rank, 0)?;
-        let mean = flat.collective(self.group, Collective::AllReduce(Reduction::Mean))?;
-        scatter_back(&self.params, b, &mean, |p, part| {
-            p.set_grad(Some(part));
+        no_grad(|| {
+            let mut f = s.flight.lock().map_err(|_| Error::Msg("Ddp: a gradient hook panicked".into()))?;
+            if std::mem::take(&mut f.stale) {
+                f.started = 0;
+            }
+            while f.started < s.buckets.len() {
+                let k = f.started;
+                f.reduced[k] = Some(s.reduce(k)?);
+                f.started += 1;
+            }
+            for (k, b) in s.buckets.iter().enumerate() {
+                let mean = f.reduced[k].take().expect("every bucket was reduced");
+                scatter_back(&s.params, b, &mean, |p, part| {
+                    p.set_grad(Some(part));
+                    Ok(())
+                })?;
+            }
+            f.started = 0;
+            f.ready.iter_mut().for_each(|r| *r = 0);
             Ok(())
         })
+    }
+}
+
+impl Shared {
+    /// A gradient of bucket `k` is in: starts every bucket, in order, whose gradients all are.
+    fn gradient_in(&self, k: usize) -> Result<()> {
+        if self.skip.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        let mut f = self.flight.lock().map_err(|_| Error::Msg("Ddp: a gradient hook panicked".into()))?;
+        f.ready[k] += 1;
+        if f.ready[k] > self.buckets[k].params.len() {
+            f.stale = true;
+        }
+        while !f.stale && f.started < self.buckets.len() && f.ready[f.started] == self.buckets[f.started].params.len() {
+            let at = f.started;
+            let mean = no_grad(|| self.reduce(at))?;
+            f.reduced[at] = Some(mean);
+            f.started += 1;
+        }
+        Ok(())
+    }
+
+    /// The all-reduced mean of bucket `k`'s gradients, flat.
+    fn reduce(&self, k: usize) -> Result<Tensor> {
+        let flat = flat_grads(&self.params, &self.buckets[k], self.options.find_unused_parameters, self.group.rank, 0)?;
+        flat.collective(self.group, Collective::AllReduce(Reduction::Mean))
     }
 }
 
