@@ -10,8 +10,11 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 type Hook = Arc<dyn Fn(&Tensor) -> Result<()> + Send + Sync>;
 
-fn hooks() -> &'static Mutex<HashMap<TensorId, Vec<(u64, Hook)>>> {
-    static HOOKS: OnceLock<Mutex<HashMap<TensorId, Vec<(u64, Hook)>>>> = OnceLock::new();
+/// Each tensor's hooks, with the keys their handles remove them by.
+type Registry = Mutex<HashMap<TensorId, Vec<(u64, Hook)>>>;
+
+fn hooks() -> &'static Registry {
+    static HOOKS: OnceLock<Registry> = OnceLock::new();
     HOOKS.get_or_init(Default::default)
 }
 
