@@ -37,7 +37,9 @@ impl ProcessGroup {
     /// possible alone: between processes Kiln's collectives run over NCCL.
     pub fn from_env(device: Device, timeout: Duration) -> Result<ProcessGroup> {
         let env = DistEnv::from_env()?;
-        let env = env.unwrap_or(DistEnv { rank: 0, world_size: 1, local_rank: 0, master_addr: String::new(), master_port: 0 });
+        // Alone: a group of one on the device asked for.
+        let local_rank = if let Device::Cuda(k) = device { k } else { 0 };
+        let env = env.unwrap_or(DistEnv { rank: 0, world_size: 1, local_rank, master_addr: String::new(), master_port: 0 });
         match device {
             Device::Cpu if env.world_size == 1 => Ok(ProcessGroup::threads(1, timeout)?.remove(0)),
             Device::Cpu => Err(Error::Msg(format!(
