@@ -295,14 +295,10 @@ fn gpt_workload(dev: Device, dtype: DType, small: bool) -> Result<Workload> {
 /// (name, d_model, layers, heads, batch).
 const GPT2: [(&str, usize, usize, usize, usize); 2] = [("gpt2_124m", 768, 12, 12, 8), ("gpt2_350m", 1024, 24, 16, 4)];
 
-/// Dense BF16 peak of an H100 or H200 SXM, for model FLOPs utilisation.
-const PEAK_BF16_FLOPS: f64 = 989e12;
-
-/// nanoGPT's estimate of a step's FLOPs per token: 6 per parameter (the position table left
-/// out) and 12 L d T for attention.
+/// A GPT-2 step's FLOPs per token (`common::train_flops_per_token`; vocabulary 50304,
+/// context 1024, tied head).
 fn gpt2_flops_per_token(d: usize, layers: usize) -> f64 {
-    let params = 50304 * d + layers * (12 * d * d + 13 * d) + 2 * d;
-    (6 * params + 12 * layers * d * 1024) as f64
+    common::train_flops_per_token(50304 * d + layers * (12 * d * d + 13 * d) + 2 * d, layers, d, 1024)
 }
 
 /// A GPT-2 training step: BF16 autocast is the caller's; AdamW (weight decay 0.1) after
@@ -471,7 +467,7 @@ fn main() -> Result<()> {
                 let _ac = kiln::tensor::Autocast::new(DType::BF16)?;
                 let t = run(gpt2_workload(dev, d, layers, heads, batch), 3, steps.min(20))?;
                 let tokens = (batch * 1024) as f64 / (t.ms * 1e-3);
-                let mfu = tokens * gpt2_flops_per_token(d, layers) / PEAK_BF16_FLOPS;
+                let mfu = tokens * gpt2_flops_per_token(d, layers) / common::PEAK_BF16_FLOPS;
                 report_with(name, "bf16 autocast", mode, t, dev, &format!(", \"tokens_per_s\": {tokens:.0}, \"mfu\": {mfu:.4}"));
             }
         }

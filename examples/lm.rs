@@ -29,9 +29,6 @@ use rand::SeedableRng;
 use std::path::Path;
 use std::time::Instant;
 
-/// Dense BF16 peak of an H100 or H200 SXM, for model FLOPs utilisation.
-const PEAK_BF16_FLOPS: f64 = 989e12;
-
 enum Lm {
     Gpt(Gpt),
     Llama(Llama),
@@ -176,7 +173,8 @@ fn main() -> Result<()> {
     let compiled = has("--compile");
     let mut cstep = compile_step(common::compile_mode(device), step_fn);
     let _autocast = (device.is_cuda() && !has("--fp32")).then(|| kiln::tensor::Autocast::new(DType::BF16)).transpose()?;
-    let flops_per_token = (6 * (n_params - if matches!(model, Lm::Gpt(_)) { context * d } else { 0 }) + 12 * layers * d * context) as f64;
+    let positions = if matches!(model, Lm::Gpt(_)) { context * d } else { 0 };
+    let flops_per_token = common::train_flops_per_token(n_params - positions, layers, d, context);
     let tokens_per_step = batch * context * accum;
     println!("training on {device}{}; {tokens_per_step} tokens a step; log in {}", if compiled { ", compiled" } else { "" }, out.display());
     let pb = common::bar(steps as u64, if compiled { "compiled" } else { "eager" });
@@ -218,7 +216,7 @@ fn main() -> Result<()> {
                 t_last = Instant::now();
             }
             let mfu = if device.is_cuda() {
-                format!(", MFU {:.1} %", 100.0 * tokens_s * flops_per_token / PEAK_BF16_FLOPS)
+                format!(", MFU {:.1} %", 100.0 * tokens_s * flops_per_token / common::PEAK_BF16_FLOPS)
             } else {
                 String::new()
             };

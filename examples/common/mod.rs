@@ -52,3 +52,12 @@ pub fn compile_mode(device: kiln::Device) -> kiln::compile::Mode {
         _ => Mode::Default,
     }
 }
+
+/// Dense BF16 peak of an H100 or H200 SXM, for model FLOPs utilisation.
+pub const PEAK_BF16_FLOPS: f64 = 989e12;
+
+/// nanoGPT's estimate of a training step's FLOPs per token: 6 per parameter (`params`, a
+/// learned position table left out) and `12 L d T` for attention.
+pub fn train_flops_per_token(params: usize, layers: usize, d_model: usize, context: usize) -> f64 {
+    (6 * params + 12 * layers * d_model * context) as f64
+}
