@@ -190,8 +190,8 @@ pub fn scaled_dot_product_attention(q: &Tensor, k: &Tensor, v: &Tensor, masks: &
         return q.attention(k, v, scale, masks.is_causal);
     }
     // Grouped-query k and v (fewer heads than q) repeated to q's heads for the products.
-    let (k, v) = match k.shape()[1] {
-        kh if k.rank() == 4 && kh != h && kh > 0 && h % kh == 0 => (&repeat_kv(k, h / kh)?, &repeat_kv(v, h / kh)?),
+    let (k, v) = match kiln_tensor::op::kv_head_repeat(h, k.shape()[1]) {
+        Some(rep) if k.rank() == 4 && rep > 1 => (&repeat_kv(k, rep)?, &repeat_kv(v, rep)?),
         _ => (k, v),
     };
     let raw = q.matmul(&k.transpose(-2i64, -1)?)?;

@@ -828,8 +828,14 @@ pub fn attention_kv_repeat(q: &[usize], k: &[usize]) -> Option<usize> {
     if q == k {
         return Some(1);
     }
-    let gqa = q.len() == 4 && k.len() == 4 && q[0] == k[0] && q[2..] == k[2..] && k[1] > 0 && q[1].is_multiple_of(k[1]);
-    gqa.then(|| q[1] / k[1])
+    let pairs = q.len() == 4 && k.len() == 4 && q[0] == k[0] && q[2..] == k[2..];
+    pairs.then(|| kv_head_repeat(q[1], k[1])).flatten()
+}
+
+/// How many of `heads` query heads share each of `kv_heads` key/value heads (grouped-query
+/// attention's rule: `kv_heads` divides `heads`), or `None`.
+pub fn kv_head_repeat(heads: usize, kv_heads: usize) -> Option<usize> {
+    (kv_heads > 0 && heads.is_multiple_of(kv_heads)).then(|| heads / kv_heads)
 }
 
 /// The shape of `AttentionBackward`'s output for q of shape `[B, H.., T, D]`: `[B, T, 3, H.., D]`
