@@ -21,9 +21,9 @@ use std::borrow::Cow;
 
 pub use base::{par_chunks, set_flush_denormal, wide, Out, PAR_THRESHOLD};
 
-/// `f` over row-major copies of `x` and of a gradient of the same element type (the fused
-/// backward kernels).
-fn with_grad<T: CpuSlice>(
+/// `f` over row-major copies of `x` and of one more tensor of its element type (a gradient,
+/// or RMS norm's weight).
+fn with_other<T: CpuSlice>(
     x: &[T],
     l: &Layout,
     (sg, lg): (&CpuStorage, &Layout),
@@ -254,7 +254,7 @@ fn rows(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<CpuSt
                 }
                 // RMS norm's weight.
                 [_, w] => {
-                    with_cpu!(s, v => with_grad(v, l, *w, name, |x, w| RowKernels::normalize_rows(x, None, (Some(w), None), k))?.into_storage())
+                    with_cpu!(s, v => with_other(v, l, *w, name, |x, w| RowKernels::normalize_rows(x, None, (Some(w), None), k))?.into_storage())
                 }
                 _ => with_cpu!(s, v => RowKernels::normalize_rows(&contig(v, l), None, (None, None), k).into_storage()),
             }
@@ -262,7 +262,7 @@ fn rows(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<CpuSt
         Op::SoftmaxBackward { log, scale } => {
             let ((s, l), g) = (ins[0], ins[1]);
             let n = l.shape[l.rank() - 1];
-            with_cpu!(s, v => with_grad(v, l, g, name, |y, g| reduce::softmax_backward(y, g, n, *log, *scale))?.into_storage())
+            with_cpu!(s, v => with_other(v, l, g, name, |y, g| reduce::softmax_backward(y, g, n, *log, *scale))?.into_storage())
         }
         Op::NormalizeBackward { eps, rms } => {
             let ((s, l), g) = (ins[0], ins[1]);
@@ -273,7 +273,7 @@ fn rows(op: &Op, ins: &[(&CpuStorage, &Layout)], meta: &OutMeta) -> Result<CpuSt
                     with_cpu!(s, v => with_affine(v, l, (g, *w), name, |x, g, w| RowKernels::normalize_rows(x, Some(g), (Some(w), None), k))?.into_storage()),
                 );
             }
-            with_cpu!(s, v => with_grad(v, l, g, name, |x, g| RowKernels::normalize_rows(x, Some(g), (None, None), k))?.into_storage())
+            with_cpu!(s, v => with_other(v, l, g, name, |x, g| RowKernels::normalize_rows(x, Some(g), (None, None), k))?.into_storage())
         }
         Op::CrossEntropy { ignore_index, smoothing } | Op::CrossEntropyBackward { ignore_index, smoothing } => {
             let ((s, l), (st, lt)) = (ins[0], ins[1]);
@@ -383,7 +383,7 @@ fn layer_norm_grads(eps: f64, sums: Option<DType>, ins: &[(&CpuStorage, &Layout)
             let (x, g) = (ins[0], ins[1]);
             if let CpuStorage::F32(v) = x.0 {
                 let n = meta.shape[1];
-                return Ok(with_grad(v, x.1, g, name, |x, g| reduce::layer_norm_grads_f32(x, g, n, eps))?.into_storage());
+                return Ok(with_other(v, x.1, g, name, |x, g| reduce::layer_norm_grads_f32(x, g, n, eps))?.into_storage());
             }
             // Other dtypes: the unfused ops.
             let rows: Vec<usize> = (0..x.1.rank() - 1).collect();
