@@ -15,48 +15,28 @@
 mod common;
 
 use common::{device, flag, has, opt};
-use kiln::models::{generate, CausalLm, GenerateConfig, Gpt, GptConfig, Llama, LlamaConfig};
+use kiln::hf::AnyLm;
+use kiln::models::{generate, GenerateConfig, Gpt, GptConfig, Llama, LlamaConfig};
 use kiln::prelude::*;
 use kiln::text::Gpt2Tokenizer;
 
 /// A model to decode from and how to save it.
-enum Model {
-    Gpt(Gpt),
-    Llama(Llama),
-}
-
-impl Model {
-    fn lm(&self) -> &dyn CausalLm {
-        match self {
-            Model::Gpt(m) => m,
-            Model::Llama(m) => m,
-        }
-    }
-    fn save(&self, dir: &str) -> Result<()> {
-        match self {
-            Model::Gpt(m) => m.save_pretrained(dir),
-            Model::Llama(m) => m.save_pretrained(dir),
-        }
-    }
-}
-
-fn load(dev: Device) -> Result<Model> {
+fn load(dev: Device) -> Result<AnyLm> {
     if let Some(dir) = opt("--from") {
-        let llama = kiln::hf::model_type(std::path::Path::new(&dir))? == "llama";
-        return Ok(if llama { Model::Llama(Llama::from_pretrained(&dir, dev)?) } else { Model::Gpt(Gpt::from_pretrained(&dir, dev)?) });
+        return AnyLm::from_pretrained(&dir, dev);
     }
     kiln::tensor::rng::manual_seed(flag("--seed", 0));
     let size = opt("--size").unwrap_or_else(|| "tiny".into());
     let arch = opt("--arch").unwrap_or_else(|| "gpt2".into());
     Ok(match (arch.as_str(), size.as_str()) {
-        ("gpt2", "124m") => Model::Gpt(Gpt::new(GptConfig::gpt2(768, 12, 12), dev)?),
-        ("gpt2", "350m") => Model::Gpt(Gpt::new(GptConfig::gpt2(1024, 24, 16), dev)?),
-        ("gpt2", _) => Model::Gpt(Gpt::new(GptConfig { vocab: 50257, context: 256, ..GptConfig::gpt2(64, 2, 4) }, dev)?),
-        ("llama", "124m") => Model::Llama(Llama::new(
+        ("gpt2", "124m") => AnyLm::Gpt(Gpt::new(GptConfig::gpt2(768, 12, 12), dev)?),
+        ("gpt2", "350m") => AnyLm::Gpt(Gpt::new(GptConfig::gpt2(1024, 24, 16), dev)?),
+        ("gpt2", _) => AnyLm::Gpt(Gpt::new(GptConfig { vocab: 50257, context: 256, ..GptConfig::gpt2(64, 2, 4) }, dev)?),
+        ("llama", "124m") => AnyLm::Llama(Llama::new(
             LlamaConfig { dim: 768, n_layers: 12, n_heads: 12, n_kv_heads: 4, hidden: 2048, max_seq: 1024, ..LlamaConfig::tiny(50257) },
             dev,
         )?),
-        ("llama", _) => Model::Llama(Llama::new(LlamaConfig::tiny(50257), dev)?),
+        ("llama", _) => AnyLm::Llama(Llama::new(LlamaConfig::tiny(50257), dev)?),
         (a, s) => return Err(Error::Msg(format!("unknown --arch {a} / --size {s} (gpt2|llama, tiny|124m|350m)"))),
     })
 }
@@ -77,7 +57,7 @@ fn main() -> Result<()> {
     let model = load(dev)?;
     let lm = model.lm();
     if let Some(dir) = opt("--save") {
-        model.save(&dir)?;
+        model.save_pretrained(&dir)?;
         println!("saved a Hugging Face checkpoint to {dir}");
     }
     let tok = Gpt2Tokenizer::new()?;

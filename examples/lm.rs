@@ -20,8 +20,9 @@ mod common;
 use common::{flag, has, opt};
 use kiln::checkpoint::Checkpoints;
 use kiln::compile::compile_step;
+use kiln::hf::AnyLm;
 use kiln::metrics::{LogRow, TrainLog};
-use kiln::models::{generate, CausalLm, GenerateConfig, Gpt, GptConfig, Llama, LlamaConfig};
+use kiln::models::{generate, GenerateConfig, Gpt, GptConfig, Llama, LlamaConfig};
 use kiln::optim::{clip_grad_norm, AdamConfig, AdamW, LrScheduler, Optimizer, WarmupCosine};
 use kiln::prelude::*;
 use kiln::text::{Gpt2Tokenizer, TokenDataset};
@@ -29,43 +30,9 @@ use rand::SeedableRng;
 use std::path::Path;
 use std::time::Instant;
 
-enum Lm {
-    Gpt(Gpt),
-    Llama(Llama),
-}
-
-impl Lm {
-    fn module(&self) -> &dyn Module {
-        match self {
-            Lm::Gpt(m) => m,
-            Lm::Llama(m) => m,
-        }
-    }
-    fn lm(&self) -> &dyn CausalLm {
-        match self {
-            Lm::Gpt(m) => m,
-            Lm::Llama(m) => m,
-        }
-    }
-    fn loss(&self, x: &Tensor, y: &Tensor) -> Result<Tensor> {
-        match self {
-            Lm::Gpt(m) => m.loss(x, y),
-            Lm::Llama(m) => m.loss(x, y),
-        }
-    }
-    /// Layers and width, for the FLOPs estimate.
-    fn shape(&self) -> (usize, usize) {
-        match self {
-            Lm::Gpt(m) => (m.config.n_layer, m.config.d_model),
-            Lm::Llama(m) => (m.config.n_layers, m.config.dim),
-        }
-    }
-}
-
-fn build(device: Device, context: usize) -> Result<Lm> {
+fn build(device: Device, context: usize) -> Result<AnyLm> {
     if let Some(dir) = opt("--init-from") {
-        let llama = kiln::hf::model_type(Path::new(&dir))? == "llama";
-        let m = if llama { Lm::Llama(Llama::from_pretrained(&dir, device)?) } else { Lm::Gpt(Gpt::from_pretrained(&dir, device)?) };
+        let m = AnyLm::from_pretrained(&dir, device)?;
         if m.lm().max_seq() < context {
             return Err(Error::Msg(format!("--context {context} is longer than the checkpoint's {} positions", m.lm().max_seq())));
         }
@@ -79,7 +46,7 @@ fn build(device: Device, context: usize) -> Result<Lm> {
         None => (flag("--layers", 4), flag("--d-model", 128), flag("--heads", 4)),
     };
     Ok(match opt("--arch").as_deref().unwrap_or("gpt2") {
-        "gpt2" => Lm::Gpt(Gpt::new(
+        "gpt2" => AnyLm::Gpt(Gpt::new(
             GptConfig { vocab: 50304, context, dropout: flag("--dropout", 0.0), ..GptConfig::gpt2(d, layers, heads) },
             device,
         )?),
@@ -96,7 +63,7 @@ fn build(device: Device, context: usize) -> Result<Lm> {
                 max_seq: context,
                 ..LlamaConfig::tiny(50304)
             };
-            Lm::Llama(Llama::new(c, device)?)
+            AnyLm::Llama(Llama::new(c, device)?)
         }
         a => return Err(Error::Msg(format!("--arch {a}: gpt2 or llama"))),
     })
@@ -114,7 +81,7 @@ fn load_data() -> Result<TokenDataset> {
 }
 
 /// Mean loss over `batches` validation batches (the same ones at every evaluation).
-fn evaluate(m: &Lm, data: &TokenDataset, (batch, context, batches): (usize, usize, usize), device: Device) -> Result<f64> {
+fn evaluate(m: &AnyLm, data: &TokenDataset, (batch, context, batches): (usize, usize, usize), device: Device) -> Result<f64> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(1234);
     let mut total = 0.0;
     for _ in 0..batches {
@@ -134,7 +101,7 @@ fn main() -> Result<()> {
     let data = load_data()?;
     let model = build(device, context)?;
     let params = model.module().parameters();
-    let (layers, d) = model.shape();
+    let (layers, d) = model.layers_and_width();
     let n_params = model.module().num_parameters();
     println!("data: {} train tokens, {} validation tokens", data.train.len(), data.val.len());
     println!("model: {} layers, d_model {d}, context {context}: {:.1}M parameters", layers, n_params as f64 / 1e6);
@@ -173,7 +140,7 @@ fn main() -> Result<()> {
     let compiled = has("--compile");
     let mut cstep = compile_step(common::compile_mode(device), step_fn);
     let _autocast = (device.is_cuda() && !has("--fp32")).then(|| kiln::tensor::Autocast::new(DType::BF16)).transpose()?;
-    let positions = if matches!(model, Lm::Gpt(_)) { context * d } else { 0 };
+    let positions = if matches!(model, AnyLm::Gpt(_)) { context * d } else { 0 };
     let flops_per_token = common::train_flops_per_token(n_params - positions, layers, d, context);
     let tokens_per_step = batch * context * accum;
     println!("training on {device}{}; {tokens_per_step} tokens a step; log in {}", if compiled { ", compiled" } else { "" }, out.display());
@@ -207,12 +174,7 @@ fn main() -> Result<()> {
                 if step % eval_every == 0 || last { Some(evaluate(&model, &data, (batch, context, eval_batches), device)?) } else { None };
             log.push(LogRow { step, train_loss, val_loss, lr: lr_now, tokens_per_s: tokens_s })?;
             if val_loss.is_some() {
-                log.plot(&format!(
-                    "{} {}M on {} tokens",
-                    if matches!(model, Lm::Gpt(_)) { "GPT-2" } else { "Llama" },
-                    n_params / 1_000_000,
-                    data.train.len()
-                ))?;
+                log.plot(&format!("{} {}M on {} tokens", model.arch(), n_params / 1_000_000, data.train.len()))?;
                 t_last = Instant::now();
             }
             let mfu = if device.is_cuda() {

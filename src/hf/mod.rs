@@ -21,10 +21,12 @@
 //! # Ok::<(), kiln::Error>(())
 //! ```
 
+mod any;
 mod dir;
 mod gpt2;
 mod llama;
 
+pub use any::AnyLm;
 pub use dir::{model_type, read_dir, write_dir, Checkpoint};
 pub use gpt2::{gpt2_config, gpt2_config_json};
 pub use llama::{llama_config, llama_config_json};
