@@ -359,14 +359,14 @@ fn softmax_f32(src: &[f32], k: SoftmaxSpec) -> Vec<f32> {
     for_rows(&mut out, n, |r, o| {
         let keep = k.causal_rows.map_or(n, |t| (r % t + 1).min(n));
         let x = &src[r * n..r * n + keep];
-        let m = x.iter().map(|&v| scale * v).fold(f32::NEG_INFINITY, |a, b| if b.is_nan() || b > a { b } else { a });
         let (o, masked) = o.split_at_mut(keep);
         masked.fill(0.0);
-        let sum = wide(
+        let (m, sum) = wide(
             #[inline(always)]
             || {
+                let m = scaled_max(x, scale);
                 o.iter_mut().zip(x).for_each(|(o, &v)| *o = crate::math::exp_f32(scale * v - m));
-                sum_f64(o, |_, v| v as f64)
+                (m, sum_f64(o, |_, v| v as f64))
             },
         );
         if k.log {
@@ -378,6 +378,21 @@ fn softmax_f32(src: &[f32], k: SoftmaxSpec) -> Vec<f32> {
         }
     });
     out
+}
+
+/// The largest of `scale * x` (NaN if any is NaN), in 16 running maxima, which vectorise.
+#[inline(always)]
+fn scaled_max(x: &[f32], scale: f32) -> f32 {
+    let pick = |a: f32, b: f32| if b.is_nan() || b > a { b } else { a };
+    let mut acc = [f32::NEG_INFINITY; 16];
+    let chunks = x.chunks_exact(16);
+    let rest = chunks.remainder().iter().fold(f32::NEG_INFINITY, |a, &v| pick(a, scale * v));
+    for c in chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a = pick(*a, scale * v);
+        }
+    }
+    acc.iter().fold(rest, |a, &b| pick(a, b))
 }
 
 /// The gradient of a softmax (`log`: log-softmax) of `scale * x` for each row of `n`, from
