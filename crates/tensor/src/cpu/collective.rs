@@ -66,13 +66,23 @@ pub fn thread_group(world: usize, timeout: Duration) -> Result<Vec<Group>> {
 }
 
 /// Marks `group.rank` gone (its thread ended, or failed): the others' collectives fail at once
-/// instead of waiting out the timeout.
+/// instead of waiting out the timeout. Once every rank has left, the group is forgotten.
 pub fn leave(group: &Group) {
-    if let Ok(p) = peers(group) {
-        if let Ok(mut r) = p.round.lock() {
-            r.left.push(group.rank);
+    let Ok(p) = peers(group) else { return };
+    let all_gone = match p.round.lock() {
+        Ok(mut r) => {
+            if !r.left.contains(&group.rank) {
+                r.left.push(group.rank);
+            }
+            r.left.len() == p.world
         }
-        p.wake.notify_all();
+        Err(_) => false,
+    };
+    p.wake.notify_all();
+    if all_gone {
+        if let Ok(mut g) = groups().lock() {
+            g.remove(&group.id);
+        }
     }
 }
 
