@@ -192,11 +192,7 @@ impl Ddp {
             if std::mem::take(&mut f.stale) {
                 f.started = 0;
             }
-            while f.started < s.buckets.len() {
-                let k = f.started;
-                f.reduced[k] = Some(s.reduce(k)?);
-                f.started += 1;
-            }
+            s.start_in_order(&mut f, true)?;
             for (k, b) in s.buckets.iter().enumerate() {
                 let mean = f.reduced[k].take().expect("every bucket was reduced");
                 scatter_back(&s.params, b, &mean, |p, part| {
@@ -222,10 +218,18 @@ impl Shared {
         if f.ready[k] > self.buckets[k].params.len() {
             f.stale = true;
         }
-        while !f.stale && f.started < self.buckets.len() && f.ready[f.started] == self.buckets[f.started].params.len() {
-            let at = f.started;
-            let mean = no_grad(|| self.reduce(at))?;
-            f.reduced[at] = Some(mean);
+        if f.stale {
+            return Ok(());
+        }
+        no_grad(|| self.start_in_order(&mut f, false))
+    }
+
+    /// Starts the buckets after the last started one, in order: all of them with `all`, else
+    /// while the next one has all its gradients in.
+    fn start_in_order(&self, f: &mut Flight, all: bool) -> Result<()> {
+        while f.started < self.buckets.len() && (all || f.ready[f.started] == self.buckets[f.started].params.len()) {
+            let k = f.started;
+            f.reduced[k] = Some(self.reduce(k)?);
             f.started += 1;
         }
         Ok(())

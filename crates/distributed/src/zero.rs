@@ -77,7 +77,7 @@ impl<O: Optimizer> Zero1<O> {
         }
         let Some(sq) = sq else { return Ok(()) };
         let total = sq.collective(self.group, Collective::AllReduce(Reduction::Sum))?.sqrt()?;
-        let coef = total.add_scalar(1e-6)?.rdiv_scalar(max)?.minimum_scalar(1.0)?;
+        let coef = kiln_optim::clip_coefficient(&total, max)?;
         for (_, _, part) in &self.buckets {
             let g = part.grad().expect("checked above");
             g.mul_(&coef.to_dtype(g.dtype())?)?;

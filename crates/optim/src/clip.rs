@@ -14,13 +14,19 @@ pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> Result<Tensor> {
             return Tensor::scalar(0.0, DType::F32, Device::Cpu);
         };
         let total = total_norm(&grads, first.device())?;
-        // The coefficient stays a tensor: no host read, no branch on its value.
-        let coef = total.add_scalar(1e-6)?.rdiv_scalar(max_norm)?.minimum_scalar(1.0)?;
+        let coef = clip_coefficient(&total, max_norm)?;
         for g in &grads {
             g.mul_(&coef.to_device(g.device())?.to_dtype(g.dtype())?)?;
         }
         Ok(total)
     })
+}
+
+/// The factor that brings a total norm down to `max_norm` (1 when it is below): PyTorch's
+/// `max_norm / (total + 1e-6)`, capped at 1. It stays a tensor: no host read, no branch on
+/// its value.
+pub fn clip_coefficient(total: &Tensor, max_norm: f64) -> Result<Tensor> {
+    total.add_scalar(1e-6)?.rdiv_scalar(max_norm)?.minimum_scalar(1.0)
 }
 
 /// `sqrt(sum over grads of sum(g^2))` on `device`.

@@ -22,7 +22,7 @@ mod state;
 
 pub use adagrad::{Adagrad, AdagradConfig, Lion, LionConfig};
 pub use adam::{split_for_weight_decay, Adam, AdamConfig, AdamW};
-pub use clip::{clip_grad_norm, clip_grad_value};
+pub use clip::{clip_coefficient, clip_grad_norm, clip_grad_value};
 pub use optimizer::Optimizer;
 pub use rmsprop::{RmsProp, RmsPropConfig};
 pub use scaler::{GradScaler, GradScalerConfig};
