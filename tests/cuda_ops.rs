@@ -1453,12 +1453,14 @@ fn composites_losses_and_group_norm_match_the_cpu() {
 }
 
 /// argsort, sort and topk on CUDA (a bitonic sort over padded rows) against the CPU: rows of
-/// every length class (1, odd, a power of two, past one block), ties and NaN, every dtype.
+/// every length class (1, odd, a power of two, past one shared-memory tile), ties and NaN,
+/// every dtype.
 #[test]
 fn sort_and_topk_match_the_cpu() {
     let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dev = gpu();
-    for n in [1, 7, 64, 1000, 5000] {
+    // 2048 fills one shared-memory tile exactly; 20000 pads to 32768, four tiles' merges.
+    for n in [1, 7, 64, 1000, 2048, 2049, 5000, 20000] {
         // Whole numbers: many ties, which must keep their order.
         let x =
             randn(&[3, n], 50 + n as u64, DType::F32).mul_scalar(4.0).unwrap().to_dtype(DType::I64).unwrap().to_dtype(DType::F32).unwrap();
@@ -1479,4 +1481,25 @@ fn sort_and_topk_match_the_cpu() {
     let x = randn(&[5, 40], 60, DType::F32);
     both("topk values", &[x.clone()], 0.0, |t| Ok(t[0].topk(5, 1usize, true)?.0));
     both("sort dim 0 values", &[x], 0.0, |t| Ok(t[0].sort(0usize, false)?.0));
+}
+
+/// index_add (an embedding's gradient) adds each row's sources in index order: the same bits
+/// every run, and the CPU's bits, with tokens repeated hundreds of times in an F32 sum (atomic
+/// adds would change the last bits from run to run and make training impossible to replay).
+#[test]
+fn index_add_is_deterministic_and_the_cpus_bits() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    let tokens: Vec<i64> = (0..16384i64).map(|i| (i * i * 31 + i / 7) % 300).collect();
+    let ids = Tensor::from_slice(&tokens, &[16384], Device::Cpu).unwrap();
+    for (inner, outer) in [(64, 1), (5, 2)] {
+        let base = randn(&[outer, 300, inner], 70, DType::F32);
+        let src = randn(&[outer, 16384, inner], 71, DType::F32);
+        let want = base.index_add(1, &ids, &src).unwrap().to_vec::<f32>().unwrap();
+        let (b, i, s) = (base.to_device(dev).unwrap(), ids.to_device(dev).unwrap(), src.to_device(dev).unwrap());
+        let first = b.index_add(1, &i, &s).unwrap().to_vec::<f32>().unwrap();
+        let second = b.index_add(1, &i, &s).unwrap().to_vec::<f32>().unwrap();
+        assert!(first.iter().zip(&second).all(|(x, y)| x.to_bits() == y.to_bits()), "index_add differs between runs (inner {inner})");
+        assert!(first.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits()), "index_add differs from the CPU's (inner {inner})");
+    }
 }

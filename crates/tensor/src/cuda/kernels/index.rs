@@ -12,9 +12,10 @@ use crate::DType;
 pub struct Index {
     pub kind: IndexKind,
     pub dtype: DType,
-    /// `Select` or `Add` a warp a row, its lanes along the row (`select_by_rows`), so the
-    /// 64-bit divisions come once a row rather than three times an element (element by
-    /// element, GPT's token embedding, 16384 rows of 384, and its gradient are slow).
+    /// `Select` a warp a row, its lanes along the row (`select_by_rows`), so the 64-bit
+    /// divisions come once a row rather than three times an element (element by element,
+    /// GPT's token embedding, 16384 rows of 384, is slow). `Add` is always by rows
+    /// (`index_add_source`).
     pub rows: bool,
 }
 
@@ -42,8 +43,8 @@ impl Index {
         s += &format!(
             "extern \"C\" __global__ void {name}({t}* __restrict__ o, const {t}* __restrict__ src, const long long* __restrict__ idx, long long* err, IArgs a) {{\n"
         );
-        if matches!(self.kind, IndexKind::Select | IndexKind::Add) && self.rows {
-            // Row `row` of [outer, nidx, inner]: the output's (select) or the source's (add).
+        if self.kind == IndexKind::Select && self.rows {
+            // Row `row` of the output [outer, nidx, inner].
             s += r#"  {
     const long long rows = a.outer * a.nidx, warps = ((long long)gridDim.x * blockDim.x) / 32;
     const int lane = threadIdx.x % 32;
@@ -51,17 +52,10 @@ impl Index {
       const long long j = row % a.nidx, ou = row / a.nidx, v = idx[j];
       const bool ok = check_index(err, a.code, v, a.size);
 "#;
-            s += if self.kind == IndexKind::Select {
-                r#"      const T* from = src + (ok ? (ou * a.size + v) * a.inner : 0);
+            s += r#"      const T* from = src + (ok ? (ou * a.size + v) * a.inner : 0);
       T* to = o + row * a.inner;
       for (long long e = lane; e < a.inner; e += 32) to[e] = ok ? from[e] : T();
-"#
-            } else {
-                r#"      const T* from = src + row * a.inner;
-      T* to = o + (ou * a.size + v) * a.inner;
-      if (ok) for (long long e = lane; e < a.inner; e += 32) atomicAdd(&to[e], from[e]);
-"#
-            };
+"#;
             s += "    }
   }
 }
@@ -78,11 +72,7 @@ impl Index {
                     .to_string()
                     + "T();\n"
             }
-            // i walks src [outer, nidx, inner]; o is [outer, size, inner].
-            IndexKind::Add => "    long long in_ = i % a.inner, j = (i / a.inner) % a.nidx, ou = i / (a.inner * a.nidx);\n    \
-                 long long v = idx[j];\n    \
-                 if (check_index(err, a.code, v, a.size)) atomicAdd(&o[(ou * a.size + v) * a.inner + in_], src[i]);\n"
-                .to_string(),
+            IndexKind::Add => return index_add_source(self.dtype),
             // i walks the index's shape; the input/base is contiguous with shape ishape.
             IndexKind::Gather | IndexKind::ScatterAdd => {
                 let mut b = "    long long r = i, off = 0, mul = 1, v = idx[i];\n".to_string();
@@ -103,6 +93,41 @@ impl Index {
     }
 }
 
+/// index_add's kernel, deterministic: `perm` is the stable order of the indices (argsort),
+/// so equal indices form runs, and at the start of each run (of each `outer` slice) a warp for
+/// each 32 columns adds the run's source rows to the output row in index order.
+/// No two warps write one row, and the sums come in one order every run (atomic adds would
+/// give last bits that change from run to run, and training that cannot be replayed).
+pub fn index_add_source(dtype: DType) -> (String, String) {
+    let name = format!("k_index_add_{}", format!("{dtype:?}").to_lowercase());
+    let t = storage_type(dtype);
+    let mut s = format!("{PRELUDE}{INDEX_ARGS}\ntypedef {t} T;\n");
+    s += &format!(
+        "extern \"C\" __global__ void {name}(T* __restrict__ o, const T* __restrict__ src, const long long* __restrict__ idx, const long long* __restrict__ perm, long long* err, IArgs a) {{\n"
+    );
+    s += r#"  const long long chunks = (a.inner + 31) / 32, units = a.outer * a.nidx * chunks;
+  const long long warps = ((long long)gridDim.x * blockDim.x) / 32;
+  const long long lane = threadIdx.x % 32;
+  for (long long u = (blockIdx.x * (long long)blockDim.x + threadIdx.x) / 32; u < units; u += warps) {
+    const long long row = u / chunks, e = (u % chunks) * 32 + lane;
+    const long long k = row % a.nidx, ou = row / a.nidx, v = idx[perm[k]];
+    if (k > 0 && idx[perm[k - 1]] == v) continue;
+    if (!check_index(err, a.code, v, a.size) || e >= a.inner) continue;
+    const T* from = src + ou * a.nidx * a.inner + e;
+    T* to = o + (ou * a.size + v) * a.inner + e;
+    T acc = *to;
+    for (long long r = k; r < a.nidx; ++r) {
+      const long long j = perm[r];
+      if (idx[j] != v) break;
+      acc += from[j * a.inner];
+    }
+    *to = acc;
+  }
+}
+"#;
+    (s, name)
+}
+
 /// The dtype argsort compares keys in: floats in F32 (F64 for F64), integers as they are.
 pub fn sort_key_dtype(d: DType) -> DType {
     match d {
@@ -112,10 +137,15 @@ pub fn sort_key_dtype(d: DType) -> DType {
     }
 }
 
+/// The elements a block of argsort's shared-memory phase sorts (two a thread).
+pub const SORT_TILE: usize = 2048;
+
 /// argsort's kernel (see `argsort`): `phase` 0 loads each row's keys and positions
 /// into `[rows, p]` scratch (positions `>= n` pad the row and sort last), 1 is the bitonic
-/// compare-exchange of step `(j, k)`, 2 writes each row's first `n` positions. `before(a, b)`
-/// is the strict order: padding last, NaN as the largest value, ties by position.
+/// compare-exchange of step `(j, k)`, 2 writes each row's first `n` positions, and 3 runs in
+/// shared memory every step of merge `k` whose partners lie in one tile of `SORT_TILE` (all of
+/// merges 2..=tile when `k` is 0). `before(a, b)` is the strict order: padding last, NaN as
+/// the largest value, ties by position.
 pub fn argsort_source(dtype: DType, descending: bool) -> (String, String) {
     let name = format!("k_argsort_{}{}", format!("{dtype:?}").to_lowercase(), if descending { "_desc" } else { "" });
     let (t, kt) = (storage_type(dtype), storage_type(sort_key_dtype(dtype)));
@@ -133,7 +163,31 @@ pub fn argsort_source(dtype: DType, descending: bool) -> (String, String) {
     s += &format!(
         "extern \"C\" __global__ void {name}(long long* o, const {t}* __restrict__ x, K* keys, long long* pos, long long total, long long n, long long p, long long j, long long k, int phase) {{\n"
     );
-    s += r#"  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+    s += &format!("  __shared__ K sk[{SORT_TILE}];\n  __shared__ long long sp[{SORT_TILE}];\n  const long long tile = p < {SORT_TILE} ? p : {SORT_TILE};\n");
+    s += r#"  if (phase == 3) {
+    for (long long t0 = blockIdx.x * tile; t0 < total; t0 += (long long)gridDim.x * tile) {
+      for (long long c = threadIdx.x; c < tile; c += blockDim.x) { sk[c] = keys[t0 + c]; sp[c] = pos[t0 + c]; }
+      __syncthreads();
+      for (long long kk = k == 0 ? 2 : k; kk <= (k == 0 ? tile : k); kk *= 2) {
+        for (long long j2 = (kk < tile ? kk : tile) / 2; j2 > 0; j2 /= 2) {
+          for (long long q = threadIdx.x; q < tile / 2; q += blockDim.x) {
+            const long long a = 2 * j2 * (q / j2) + q % j2, b = a + j2;
+            const bool up = (((t0 % p) + a) & kk) == 0;
+            const bool swap = up ? before(sk[b], sp[b], sk[a], sp[a], n) : before(sk[a], sp[a], sk[b], sp[b], n);
+            if (swap) {
+              const K tk = sk[a]; sk[a] = sk[b]; sk[b] = tk;
+              const long long tp = sp[a]; sp[a] = sp[b]; sp[b] = tp;
+            }
+          }
+          __syncthreads();
+        }
+      }
+      for (long long c = threadIdx.x; c < tile; c += blockDim.x) { keys[t0 + c] = sk[c]; pos[t0 + c] = sp[c]; }
+      __syncthreads();
+    }
+    return;
+  }
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
     const long long row = i / p, c = i % p;
     if (phase == 0) {
       pos[i] = c;
@@ -191,7 +245,7 @@ mod launch {
 
     /// Launches an index kernel: `o` written from `src` at `idx` (all dense).
     fn launch_index(g: &Arc<Gpu>, kind: IndexKind, o: &CudaStorage, src: u64, idx: u64, mut a: IArgs) -> Result<()> {
-        let rows = matches!(kind, IndexKind::Select | IndexKind::Add)
+        let rows = kind == IndexKind::Select
             && select_by_rows((a.outer * a.nidx) as usize, a.inner as usize, g.sms as usize);
         if a.n == 0 {
             return Ok(());
@@ -242,8 +296,9 @@ mod launch {
         Ok(out)
     }
 
-    /// index_add and scatter_add: a copy of `base`, then atomic adds of `src` (in F32 or F64:
-    /// other dtypes are cast there and back).
+    /// index_add and scatter_add: a copy of `base`, then the adds of `src` (in F32 or F64:
+    /// other dtypes are cast there and back); index_add's in a fixed order (`add_sorted`),
+    /// scatter_add's atomic.
     pub(crate) fn index_add(
         g: &Arc<Gpu>,
         op: &Op,
@@ -261,17 +316,33 @@ mod launch {
         // embedding gradient for nothing every step.)
         let src = if ss.dtype == wide { dense(g, ss, ls)? } else { Dense::Owned(cast(g, ss, ls, wide)?) };
         let idx = dense(g, si, li)?;
-        let (kind, a) = if matches!(op, Op::IndexAdd { .. }) {
+        if matches!(op, Op::IndexAdd { .. }) {
             let (outer, size, inner) = split3(&lb.shape, dim);
-            (IndexKind::Add, IArgs { n: ls.numel() as i64, outer, size, inner, nidx: li.shape[0] as i64, ..IArgs::default() })
+            let a = IArgs { n: ls.numel() as i64, outer, size, inner, nidx: li.shape[0] as i64, ..IArgs::default() };
+            add_sorted(g, &out, src.ptr(), (&idx, si), a)?;
         } else {
-            (IndexKind::ScatterAdd, shapes_args(&li.shape, &lb.shape, dim, ls.numel()))
-        };
-        launch_index(g, kind, &out, src.ptr(), idx.ptr(), a)?;
+            launch_index(g, IndexKind::ScatterAdd, &out, src.ptr(), idx.ptr(), shapes_args(&li.shape, &lb.shape, dim, ls.numel()))?;
+        }
         if wide == sb.dtype {
             return Ok(out);
         }
         cast(g, &out, &Layout::contiguous(&lb.shape), sb.dtype)
+    }
+
+    /// index_add through the stable order of its indices (`index_add_source`).
+    fn add_sorted(g: &Arc<Gpu>, o: &CudaStorage, src: u64, (idx, si): (&Dense, &CudaStorage), mut a: IArgs) -> Result<()> {
+        if a.n == 0 {
+            return Ok(());
+        }
+        let perm = sort_rows(g, idx.ptr(), si.dtype, (1, a.nidx as usize), false)?;
+        a.code = index_code(IndexKind::Add);
+        let k = g.kernel(crate::cuda::gpu::spec_key("index_add", &o.dtype), || index_add_source(o.dtype))?;
+        let (mut po, mut ps, mut pi, mut pp, mut pe) = (o.buf.ptr, src, idx.ptr(), perm.buf.ptr, g.err);
+        let mut params = kernel_params![po, ps, pi, pp, pe, a];
+        // SAFETY: (out, src, idx, perm, err, IArgs) matches the generated signature; out is
+        // [outer, size, inner], src [outer, nidx, inner], idx and perm nidx long longs, all
+        // dense; `err` is the GPU's error word.
+        unsafe { g.launch(k, (g.grid_for((a.outer * a.nidx) as usize * (a.inner as usize).div_ceil(32) * 32), 1), 256, 0, &mut params) }
     }
 
     /// Each input copied into its slice of the output.
@@ -297,32 +368,50 @@ mod launch {
     pub(crate) fn argsort(g: &Arc<Gpu>, (s, l): (&CudaStorage, &Layout), descending: bool) -> Result<CudaStorage> {
         let n = l.shape[l.rank() - 1];
         let rows = l.numel().checked_div(n).unwrap_or(0);
-        let out = CudaStorage::alloc(&g.mem, DType::I64, rows * n)?;
         if rows == 0 {
-            return Ok(out);
+            return CudaStorage::alloc(&g.mem, DType::I64, 0);
         }
+        sort_rows(g, dense(g, s, l)?.ptr(), s.dtype, (rows, n), descending)
+    }
+
+    /// The stable sorting permutation of each of `rows` dense rows of `n` `dtype` values at `x`.
+    fn sort_rows(g: &Arc<Gpu>, x: u64, dtype: DType, (rows, n): (usize, usize), descending: bool) -> Result<CudaStorage> {
+        let out = CudaStorage::alloc(&g.mem, DType::I64, rows * n)?;
         let p = n.next_power_of_two();
-        let key_dtype = sort_key_dtype(s.dtype);
-        let src = dense(g, s, l)?;
+        let key_dtype = sort_key_dtype(dtype);
         let (keys, pos) = (CudaStorage::alloc(&g.mem, key_dtype, rows * p)?, CudaStorage::alloc(&g.mem, DType::I64, rows * p)?);
-        let k = g.kernel(crate::cuda::gpu::spec_key("argsort", &(s.dtype, descending)), || argsort_source(s.dtype, descending))?;
+        let k = g.kernel(crate::cuda::gpu::spec_key("argsort", &(dtype, descending)), || argsort_source(dtype, descending))?;
+        let tile = p.min(SORT_TILE);
         let run = |phase: i32, (j, kk): (i64, i64)| -> Result<()> {
-            let (mut po, mut px, mut pk, mut pp) = (out.buf.ptr, src.ptr(), keys.buf.ptr, pos.buf.ptr);
+            let (mut po, mut px, mut pk, mut pp) = (out.buf.ptr, x, keys.buf.ptr, pos.buf.ptr);
             let (mut total, mut nn, mut pw, mut jj, mut kkk, mut ph) = ((rows * p) as i64, n as i64, p as i64, j, kk, phase);
             let mut params = kernel_params![po, px, pk, pp, total, nn, pw, jj, kkk, ph];
             // SAFETY: (out, x, keys, pos, total, n, p, j, k, phase) matches the generated
             // signature; x holds rows x n dense values, keys and pos rows x p, out rows x n; every
             // thread's index stays below total = rows x p.
-            unsafe { g.launch(k, (g.grid_for(rows * p), 1), 256, 0, &mut params) }
+            // every thread's index stays below total = rows x p; a phase-3 block sorts whole
+            // tiles of `tile` elements (p is a multiple of it).
+            unsafe {
+                if phase == 3 {
+                    let grid = (rows * p / tile).clamp(1, g.sms as usize * 8) as u32;
+                    g.launch(k, (grid, 1), (tile as u32 / 2).clamp(1, 1024), 0, &mut params)
+                } else {
+                    g.launch(k, (g.grid_for(rows * p), 1), 256, 0, &mut params)
+                }
+            }
         };
         run(0, (0, 0))?;
-        let mut kk = 2;
+        // Every merge up to the tile in shared memory, then each larger merge as its global
+        // steps (partners a tile or more apart) and one shared-memory launch for the rest.
+        run(3, (0, 0))?;
+        let mut kk = 2 * tile;
         while kk <= p {
             let mut j = kk / 2;
-            while j > 0 {
+            while j >= tile {
                 run(1, (j as i64, kk as i64))?;
                 j /= 2;
             }
+            run(3, (0, kk as i64))?;
             kk *= 2;
         }
         run(2, (0, 0))?;
