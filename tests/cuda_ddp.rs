@@ -67,7 +67,10 @@ fn zero1_of_one_rank_over_nccl_follows_the_plain_run() {
     for mode in [None, Some(Mode::ReduceOverhead)] {
         let plain = dp_gpt_run(dev, None, Parallel::Plain, mode, 50, 5).unwrap();
         let zero = dp_gpt_run(dev, Some(&pg), Parallel::Zero1, mode, 50, 5).unwrap();
-        common::assert_runs_agree(&format!("{mode:?}: zero1"), &zero, &plain, (1e-5, 1e-4));
+        // Zero1 clips by a norm summed shard by shard, so the key biases (whose Adam steps
+        // follow rounding noise: `drop_key_bias`) are left out of the comparison.
+        let (zero_k, plain_k) = (common::drop_key_bias(&zero, 16), common::drop_key_bias(&plain, 16));
+        common::assert_runs_agree(&format!("{mode:?}: zero1"), &zero_k, &plain_k, (1e-5, 1e-4));
         println!("{mode:?}: Zero1 50 steps, loss {} -> {}", zero.losses[0], zero.losses[49]);
     }
 }

@@ -164,13 +164,14 @@ fn zero1_follows_ddp_with_the_optimizer_state_split_over_the_ranks() {
         assert_eq!(zero[0].params, zero[1].params, "{mode:?}: the ranks gathered the same parameters");
         assert_runs_agree(&format!("{mode:?}: zero1 vs ddp"), &zero[0], &ddp[0], (1e-5, 1e-4));
     }
-    // Each rank keeps AdamW's moments for half of the 3 * 2 + 2 = 8 elements of a Linear(3, 2).
+    // Each rank keeps AdamW's moments for half of the bucket of a Linear(3, 2): its 3 * 2 + 2
+    // elements in two slots of 64 floats (`Bucket::slots`).
     let sizes = on_ranks(2, |pg| {
         let (lin, _) = linear_pair(6);
         let zero = kiln::distributed::Zero1::new(&lin, &pg, None, |p| AdamW::new(p, AdamConfig::adamw())).unwrap();
         zero.inner().params().iter().map(|p| p.numel()).collect::<Vec<_>>()
     });
-    assert_eq!(sizes, vec![vec![4], vec![4]]);
+    assert_eq!(sizes, vec![vec![64], vec![64]]);
 }
 
 /// A data-parallel GPT run from `seed` on `pg`: steps `from..to` (eager), rank 0 saving a
@@ -243,8 +244,8 @@ fn explain_lists_the_bucket_all_reduces_of_a_compiled_step() {
     }
     let e = step.explain();
     assert_eq!(e.collectives.len(), 1, "{e}");
-    // The bucket: bias (2) then weight (6), one flat all-reduce.
-    assert!(e.collectives[0].starts_with("all_reduce [8] F32 over 1 ranks at node "), "{e}");
+    // The bucket: bias (2) then weight (6), each in a slot of 256 bytes, one flat all-reduce.
+    assert!(e.collectives[0].starts_with("all_reduce [128] F32 over 1 ranks at node "), "{e}");
     assert!(e.to_string().contains("collectives: 1"), "{e}");
 }
 

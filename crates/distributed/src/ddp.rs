@@ -242,11 +242,59 @@ impl Shared {
     }
 }
 
-/// The gradients of bucket `b`'s parameters in one flat tensor, followed by `pad` zeros; a
-/// parameter without a gradient reads as zeros with `zeros_for_missing`, else is an error
-/// naming it (on `rank`).
+/// The byte alignment of each parameter's slot in a flat bucket: a fresh buffer's. A compiled
+/// step writes a weight's gradient product straight into its slot; on a GPU, cuBLASLt picks its
+/// algorithm by the output's alignment, and another algorithm sums in another order, so an
+/// unaligned slot would change the gradient's last bits against the run without `Ddp`.
+pub const SLOT_ALIGN_BYTES: usize = 256;
+
+impl Bucket {
+    /// Where each of the bucket's parameters (`params[i]`'s element counts) starts in the
+    /// flat bucket, in elements, each on `SLOT_ALIGN_BYTES`, and the flat length.
+    pub fn slots(&self, params: &[(String, Tensor)]) -> (Vec<usize>, usize) {
+        let align = (SLOT_ALIGN_BYTES / self.dtype.size_in_bytes()).max(1);
+        let mut at = 0;
+        let starts = self
+            .params
+            .iter()
+            .map(|&i| {
+                let start = at;
+                at = (start + params[i].1.numel()).next_multiple_of(align);
+                start
+            })
+            .collect();
+        (starts, at)
+    }
+}
+
+/// `parts` (one flat tensor a parameter of bucket `b`) laid out in the bucket's slots, zeros
+/// between them and `pad` more after.
+pub(crate) fn flatten(params: &[(String, Tensor)], b: &Bucket, parts: Vec<Tensor>, pad: usize) -> Result<Tensor> {
+    let (starts, len) = b.slots(params);
+    let device = params[b.params[0]].1.device();
+    let mut flat = Vec::with_capacity(2 * parts.len() + 1);
+    for (k, part) in parts.into_iter().enumerate() {
+        let end = starts.get(k + 1).copied().unwrap_or(len);
+        let gap = end - starts[k] - part.numel();
+        flat.push(part);
+        if gap > 0 {
+            flat.push(Tensor::zeros(&[gap], b.dtype, device)?);
+        }
+    }
+    if pad > 0 {
+        flat.push(Tensor::zeros(&[pad], b.dtype, device)?);
+    }
+    if flat.len() == 1 {
+        return Ok(flat.remove(0));
+    }
+    Tensor::cat(&flat.iter().collect::<Vec<_>>(), 0usize)
+}
+
+/// The gradients of bucket `b`'s parameters in one flat tensor (`flatten`), followed by `pad`
+/// zeros; a parameter without a gradient reads as zeros with `zeros_for_missing`, else is an
+/// error naming it (on `rank`).
 pub(crate) fn flat_grads(params: &[(String, Tensor)], b: &Bucket, zeros_for_missing: bool, rank: usize, pad: usize) -> Result<Tensor> {
-    let mut flat = Vec::with_capacity(b.params.len() + 1);
+    let mut flat = Vec::with_capacity(b.params.len());
     for &i in &b.params {
         let (name, p) = &params[i];
         let g = match p.grad() {
@@ -265,28 +313,20 @@ pub(crate) fn flat_grads(params: &[(String, Tensor)], b: &Bucket, zeros_for_miss
         }
         flat.push(g.reshape(&[p.numel()])?);
     }
-    if pad > 0 {
-        flat.push(Tensor::zeros(&[pad], b.dtype, params[b.params[0]].1.device())?);
-    }
-    if flat.len() == 1 {
-        return Ok(flat.remove(0));
-    }
-    Tensor::cat(&flat.iter().collect::<Vec<_>>(), 0usize)
+    flatten(params, b, flat, pad)
 }
 
-/// Hands each parameter of bucket `b` its part of `flat` (in the bucket's order, shaped as
-/// the parameter).
+/// Hands each parameter of bucket `b` its slot of `flat` (`Bucket::slots`), shaped as the
+/// parameter.
 pub(crate) fn scatter_back(
     params: &[(String, Tensor)],
     b: &Bucket,
     flat: &Tensor,
     mut give: impl FnMut(&Tensor, Tensor) -> Result<()>,
 ) -> Result<()> {
-    let mut at = 0;
-    for &i in &b.params {
+    for (&i, at) in b.params.iter().zip(b.slots(params).0) {
         let p = &params[i].1;
         give(p, flat.narrow(0usize, at, p.numel())?.reshape(p.shape())?)?;
-        at += p.numel();
     }
     Ok(())
 }
@@ -311,5 +351,34 @@ mod tests {
         // A parameter larger than the cap is a bucket of its own.
         let b = plan_buckets(&[(10, f), (100_000, f), (10, f)], 4096, 4096);
         assert_eq!(b.iter().map(|b| b.params.clone()).collect::<Vec<_>>(), vec![vec![2, 1], vec![0]]);
+    }
+
+    #[test]
+    fn slots_start_on_256_bytes_and_flatten_fills_the_gaps_with_zeros() {
+        let params: Vec<(String, Tensor)> = [3usize, 64, 1]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| (format!("p{i}"), Tensor::full((i + 1) as f64, &[n], DType::F32, kiln_tensor::Device::Cpu).unwrap()))
+            .collect();
+        let b = Bucket { params: vec![2, 0, 1], dtype: DType::F32, bytes: 68 * 4 };
+        // 256 bytes are 64 floats: p2 at 0, p0 at 64, p1 at 128; 192 in all.
+        assert_eq!(b.slots(&params), (vec![0, 64, 128], 192));
+        let parts = b.params.iter().map(|&i| params[i].1.clone()).collect();
+        let flat = flatten(&params, &b, parts, 8).unwrap().to_vec::<f32>().unwrap();
+        assert_eq!(flat.len(), 200);
+        let want = |i: usize| match i {
+            0 => 3.0,
+            64..=66 => 1.0,
+            128..=191 => 2.0,
+            _ => 0.0,
+        };
+        assert!(flat.iter().enumerate().all(|(i, &v)| v == want(i)), "{flat:?}");
+        let mut back = Vec::new();
+        scatter_back(&params, &b, &Tensor::from_vec(flat, &[200], kiln_tensor::Device::Cpu).unwrap(), |p, part| {
+            back.push((p.numel(), part.to_vec::<f32>()?));
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(back, vec![(1, vec![3.0]), (3, vec![1.0; 3]), (64, vec![2.0; 64])]);
     }
 }

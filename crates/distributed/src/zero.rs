@@ -5,7 +5,7 @@
 //! updated parts are all-gathered back into every parameter. The optimizer's memory shrinks
 //! by the world size; the arithmetic is `Ddp`'s with the same optimizer.
 
-use crate::ddp::{flat_grads, plan_buckets, scatter_back, Bucket};
+use crate::ddp::{flat_grads, flatten, plan_buckets, scatter_back, Bucket};
 use crate::group::ProcessGroup;
 use kiln_nn::Module;
 use kiln_optim::Optimizer;
@@ -43,11 +43,10 @@ impl<O: Optimizer> Zero1<O> {
                 pg.broadcast_(p, 0)?;
             }
             for b in plan_buckets(&sizes, usize::MAX, usize::MAX) {
-                let n: usize = b.params.iter().map(|&i| params[i].1.numel()).sum();
+                let n = b.slots(&params).1;
                 let (per, pad) = (n.div_ceil(world), n.div_ceil(world) * world - n);
-                let mut flat: Vec<Tensor> = b.params.iter().map(|&i| params[i].1.reshape(&[params[i].1.numel()])).collect::<Result<_>>()?;
-                flat.push(Tensor::zeros(&[pad], b.dtype, pg.device())?);
-                let all = Tensor::cat(&flat.iter().collect::<Vec<_>>(), 0usize)?;
+                let flat: Vec<Tensor> = b.params.iter().map(|&i| params[i].1.reshape(&[params[i].1.numel()])).collect::<Result<_>>()?;
+                let all = flatten(&params, &b, flat, pad)?;
                 let part = all.narrow(0usize, rank * per, per)?.contiguous()?.detach();
                 part.set_requires_grad(true);
                 buckets.push((b, pad, part));

@@ -93,7 +93,8 @@ impl Index {
     }
 }
 
-/// index_add's kernel, deterministic: `perm` is the stable order of the indices (argsort),
+/// index_add's kernel, deterministic: `perm` is the stable order of the indices (argsort; null
+/// for a single index),
 /// so equal indices form runs, and at the start of each run (of each `outer` slice) a warp for
 /// each 32 columns adds the run's source rows to the output row in index order.
 /// No two warps write one row, and the sums come in one order every run (atomic adds would
@@ -107,21 +108,33 @@ pub fn index_add_source(dtype: DType) -> (String, String) {
     );
     s += r#"  const long long chunks = (a.inner + 31) / 32, units = a.outer * a.nidx * chunks;
   const long long warps = ((long long)gridDim.x * blockDim.x) / 32;
-  const long long lane = threadIdx.x % 32;
+  const int lane = threadIdx.x % 32;
   for (long long u = (blockIdx.x * (long long)blockDim.x + threadIdx.x) / 32; u < units; u += warps) {
+    // The warp's unit: sorted position k of slice ou, columns chunk * 32 ...
     const long long row = u / chunks, e = (u % chunks) * 32 + lane;
-    const long long k = row % a.nidx, ou = row / a.nidx, v = idx[perm[k]];
+    const long long k = row % a.nidx, ou = row / a.nidx, v = idx[perm ? perm[k] : k];
     if (k > 0 && idx[perm[k - 1]] == v) continue;
-    if (!check_index(err, a.code, v, a.size) || e >= a.inner) continue;
-    const T* from = src + ou * a.nidx * a.inner + e;
-    T* to = o + (ou * a.size + v) * a.inner + e;
-    T acc = *to;
-    for (long long r = k; r < a.nidx; ++r) {
-      const long long j = perm[r];
-      if (idx[j] != v) break;
-      acc += from[j * a.inner];
+    if (!check_index(err, a.code, v, a.size)) continue;
+    const bool col = e < a.inner;
+    const T* from = src + ou * a.nidx * a.inner + (col ? e : 0);
+    T* to = o + (ou * a.size + v) * a.inner + (col ? e : 0);
+    T acc = col ? *to : T();
+    // The run's source rows, 32 at a time: each lane finds one, then all add them in order
+    // (the loads independent of each other).
+    for (long long r0 = k;; r0 += 32) {
+      long long j = -1;
+      if (r0 + lane < a.nidx) {
+        j = perm ? perm[r0 + lane] : r0 + lane;
+        if (idx[j] != v) j = -1;
+      }
+      const int found = __popc(__ballot_sync(0xffffffffu, j >= 0));
+      for (int q = 0; q < found; ++q) {
+        const long long jq = __shfl_sync(0xffffffffu, j, q);
+        if (col) acc += from[jq * a.inner];
+      }
+      if (found < 32) break;
     }
-    *to = acc;
+    if (col) *to = acc;
   }
 }
 "#;
@@ -334,10 +347,12 @@ mod launch {
         if a.n == 0 {
             return Ok(());
         }
-        let perm = sort_rows(g, idx.ptr(), si.dtype, (1, a.nidx as usize), false)?;
+        // One index (a decoding step's cache write) needs no sort: a null `perm` is the identity.
+        let perm = if a.nidx > 1 { Some(sort_rows(g, idx.ptr(), si.dtype, (1, a.nidx as usize), false)?) } else { None };
         a.code = index_code(IndexKind::Add);
         let k = g.kernel(crate::cuda::gpu::spec_key("index_add", &o.dtype), || index_add_source(o.dtype))?;
-        let (mut po, mut ps, mut pi, mut pp, mut pe) = (o.buf.ptr, src, idx.ptr(), perm.buf.ptr, g.err);
+        let pp = perm.as_ref().map_or(0, |p| p.buf.ptr);
+        let (mut po, mut ps, mut pi, mut pp, mut pe) = (o.buf.ptr, src, idx.ptr(), pp, g.err);
         let mut params = kernel_params![po, ps, pi, pp, pe, a];
         // SAFETY: (out, src, idx, perm, err, IArgs) matches the generated signature; out is
         // [outer, size, inner], src [outer, nidx, inner], idx and perm nidx long longs, all
