@@ -1503,3 +1503,22 @@ fn index_add_is_deterministic_and_the_cpus_bits() {
         assert!(first.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits()), "index_add differs from the CPU's (inner {inner})");
     }
 }
+
+/// Attention with S keys for T queries (a decoding step over its cache: one block a query row)
+/// against the CPU, forward, in every float dtype: one query over a hundred keys with
+/// grouped-query heads, a few causal queries at the end of longer keys, the heads cut from
+/// `[B, T, H, D]` buffers as a model splits them, a head dim of 20, and 3000 keys.
+#[test]
+fn attention_over_more_keys_than_queries_matches_the_cpu() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for dt in [DType::BF16, DType::F16, DType::F32] {
+        for (b, h, hkv, t, s, d, causal) in
+            [(1, 12, 4, 1, 100, 64, false), (2, 4, 2, 5, 37, 128, true), (1, 2, 2, 3, 300, 20, true), (1, 4, 4, 1, 3000, 64, true)]
+        {
+            let what = format!("attention {dt:?} q [{b}, {h}, {t}, {d}] k, v [{b}, {hkv}, {s}, {d}] causal {causal}");
+            let ins = vec![randn(&[b, t, h, d], 90, dt), randn(&[b, s, hkv, d], 91, dt), randn(&[b, s, hkv, d], 92, dt)];
+            let scale = 1.0 / (d as f64).sqrt();
+            both(&what, &ins, tol(dt), |x| x[0].transpose(1, 2)?.attention(&x[1].transpose(1, 2)?, &x[2].transpose(1, 2)?, scale, causal));
+        }
+    }
+}

@@ -270,8 +270,13 @@ fn rms_norm_rule(inputs: &[Tensor], needs: &[bool], g: &Tensor, eps: f64) -> Res
     Ok(grads)
 }
 
-/// Attention's q, k and v gradients, from one backward kernel.
+/// Attention's q, k and v gradients, from one backward kernel (keys as many as queries), or
+/// through the scores (`attention_unequal_rule`).
 fn attention_rule(inputs: &[Tensor], out: &Tensor, g: &Tensor, (scale, causal): (f64, bool)) -> Result<Vec<Option<Tensor>>> {
+    let r = inputs[0].rank();
+    if inputs[1].shape()[r - 2] != inputs[0].shape()[r - 2] {
+        return attention_unequal_rule(inputs, g, (scale, causal));
+    }
     // Packed as [B, T, 3, H.., D]: each gradient is a view, T moved back after H...
     let packed = inputs[0].attention_backward(&inputs[1], &inputs[2], out, g, scale, causal)?;
     let r = inputs[0].rank();
@@ -288,6 +293,49 @@ fn attention_rule(inputs: &[Tensor], out: &Tensor, g: &Tensor, (scale, causal): 
         }
     }
     Ok(grads.into_iter().map(Some).collect())
+}
+
+/// Attention's gradients when the S keys outnumber (or fall short of) the T queries, through
+/// the `[T, S]` probabilities (recomputed; such attention is a decoding step's, rarely trained
+/// through): p = softmax(scale q k^T) with query i hiding the keys after `i + S - T` when
+/// causal; dv = p^T g, ds = p (g v^T - rowsum(p g v^T)), dq = scale ds k, dk = scale ds^T q.
+/// Grouped-query k and v are repeated to q's heads, their gradients summed back.
+fn attention_unequal_rule(inputs: &[Tensor], g: &Tensor, (scale, causal): (f64, bool)) -> Result<Vec<Option<Tensor>>> {
+    let (q, k, v) = (&inputs[0], &inputs[1], &inputs[2]);
+    let (qs, ks) = (q.shape().to_vec(), k.shape().to_vec());
+    let r = qs.len();
+    let (t, s) = (qs[r - 2], ks[r - 2]);
+    let rep = kiln_tensor::op::attention_kv_repeat(&qs, &ks).unwrap_or(1);
+    let heads = |x: &Tensor| -> Result<Tensor> {
+        if rep == 1 {
+            return Ok(x.clone());
+        }
+        let (b, hk, d) = (ks[0], ks[1], ks[3]);
+        x.unsqueeze(2)?.expand(&[b, hk, rep, s, d])?.reshape(&[b, hk * rep, s, d])
+    };
+    let (kr, vr) = (heads(k)?, heads(v)?);
+    let mut scores = q.matmul(&kr.transpose(-2i64, -1)?)?.mul_scalar(scale)?;
+    if causal {
+        let dev = q.device();
+        let i = kiln_tensor::Tensor::arange(t, kiln_tensor::DType::I64, dev)?.add_scalar(s as f64 - t as f64)?;
+        let j = kiln_tensor::Tensor::arange(s, kiln_tensor::DType::I64, dev)?;
+        let hide = j.reshape(&[1, s])?.gt(&i.reshape(&[t, 1])?)?;
+        let neg = Tensor::scalar(f64::NEG_INFINITY, scores.dtype(), dev)?;
+        scores = Tensor::where_cond(&hide, &neg, &scores)?;
+    }
+    let p = scores.softmax(-1i64)?;
+    let dv = p.transpose(-2i64, -1)?.matmul(g)?;
+    let dp = g.matmul(&vr.transpose(-2i64, -1)?)?;
+    let ds = p.mul(&dp.sub(&dp.mul(&p)?.sum(&[r - 1][..], true)?)?)?.mul_scalar(scale)?;
+    let dq = ds.matmul(&kr)?;
+    let dk = ds.transpose(-2i64, -1)?.matmul(q)?;
+    let back = |x: Tensor| -> Result<Tensor> {
+        if rep == 1 {
+            return Ok(x);
+        }
+        x.reshape(&[ks[0], ks[1], rep, s, ks[3]])?.sum(&[2usize][..], false)
+    };
+    Ok(vec![Some(dq), Some(back(dk)?), Some(back(dv)?)])
 }
 
 /// The gradients of the ops that move or view elements without computing (x the first

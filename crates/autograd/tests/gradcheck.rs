@@ -378,6 +378,18 @@ fn fused_attention_matches_finite_differences_and_the_unfused_ops() -> Result<()
         let unfused = q.matmul(&k.transpose(1, 2)?)?.softmax_scaled(0.6, causal)?.matmul(&v)?.to_vec::<f64>()?;
         let worst = fused.iter().zip(&unfused).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
         assert!(worst < 1e-12, "fused vs unfused attention (causal {causal}): {worst}");
+        // Fewer queries than keys (a decoding step's 2 over 5 cached) and more (3 over 2),
+        // grouped-query heads among them: query i sits at position i + S - T.
+        check(
+            "attention of 2 queries over 5 keys",
+            |v| v[0].attention(&v[1], &v[2], 0.6, causal),
+            &[randn(&[2, 2, 3], 41), randn(&[2, 5, 3], 42), randn(&[2, 5, 3], 43)],
+        );
+        check(
+            "grouped-query attention of 3 queries over 2 keys",
+            |v| v[0].attention(&v[1], &v[2], 0.6, causal),
+            &[randn(&[1, 4, 3, 2], 44), randn(&[1, 2, 2, 2], 45), randn(&[1, 2, 2, 2], 46)],
+        );
     }
     Ok(())
 }

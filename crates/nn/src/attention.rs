@@ -155,7 +155,7 @@ pub fn set_fused_attention(on: Option<bool>) {
 
 /// Whether the fused attention op is used for `q` (see `set_fused_attention`); the FMA
 /// kernels take at most `ATTN_FMA_MAX_MATRICES` batch matrices.
-fn fused_attention_on(q: &Tensor) -> bool {
+pub(crate) fn fused_attention_on(q: &Tensor) -> bool {
     let r = q.rank();
     if !q.device().is_cuda() || r < 2 || q.dtype() == DType::F64 {
         return false;
@@ -177,14 +177,17 @@ fn fused_attention_on(q: &Tensor) -> bool {
 
 /// `softmax(q k^T / sqrt(D) + masks) v` over `[B, H, T, D]` inputs; with no masks but the
 /// causal one and no dropout, one fused op on a GPU (see `set_fused_attention`). k and v may
-/// have fewer heads than q (`[B, H_kv, S, D]`, `H_kv` dividing `H`: grouped-query attention).
+/// have fewer heads than q (`[B, H_kv, S, D]`, `H_kv` dividing `H`: grouped-query attention)
+/// and another length S; `is_causal` with S and T apart is PyTorch's mask, aligned to the
+/// top left (query i sees keys `0..=i`).
 pub fn scaled_dot_product_attention(q: &Tensor, k: &Tensor, v: &Tensor, masks: &AttnMasks, dropout_p: f64) -> Result<Tensor> {
     let (b, h, t, d) = (q.shape()[0], q.shape()[1], q.shape()[2], q.shape()[3]);
     let s = k.shape()[2];
     let scale = 1.0 / (d as f64).sqrt();
     let plain = masks.attn_mask.is_none() && masks.key_padding_mask.is_none();
     let kv_repeat = kiln_tensor::op::attention_kv_repeat(q.shape(), k.shape()).filter(|_| v.shape() == k.shape());
-    if plain && dropout_p == 0.0 && fused_attention_on(q) && kv_repeat.is_some() {
+    // (The fused op's causal mask is aligned to the bottom right: equal only for S = T.)
+    if plain && dropout_p == 0.0 && fused_attention_on(q) && kv_repeat.is_some() && (s == t || !masks.is_causal) {
         // One kernel each way; the [T, S] scores are never stored, and grouped-query k and v
         // are read per group, never repeated.
         return q.attention(k, v, scale, masks.is_causal);

@@ -170,6 +170,11 @@ pub fn causal_attention_at(q: &Tensor, k: &Tensor, v: &Tensor, offset: usize) ->
             format!("q {:?} at offset {offset} needs {} keys, got k {:?}", q.shape(), offset + t, k.shape()),
         ));
     }
+    let pairs = kiln_tensor::op::attention_kv_repeat(q.shape(), k.shape()).is_some() && v.shape() == k.shape();
+    if pairs && crate::attention::fused_attention_on(q) {
+        // One fused op: its causal mask, aligned to the bottom right, is exactly this one.
+        return q.attention(k, v, 1.0 / (q.shape()[3] as f64).sqrt(), true);
+    }
     if offset == 0 || t == 1 {
         let masks = AttnMasks { is_causal: offset == 0, ..Default::default() };
         return scaled_dot_product_attention(q, k, v, &masks, 0.0);

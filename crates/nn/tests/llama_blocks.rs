@@ -3,7 +3,7 @@
 //! `repeat_kv` against indexing; grouped-query attention against attention on repeated heads.
 
 use kiln_autograd::{gradcheck, GradcheckConfig};
-use kiln_nn::{repeat_kv, Forward, Module, RotaryEmbedding, SwiGlu};
+use kiln_nn::{repeat_kv, scaled_dot_product_attention, AttnMasks, Forward, Module, RotaryEmbedding, SwiGlu};
 use kiln_tensor::{DType, Device, Distribution, Result, Tensor};
 
 const CPU: Device = Device::Cpu;
@@ -119,5 +119,42 @@ fn grouped_query_attention_equals_attention_on_repeated_heads() -> Result<()> {
     let (q, k) = (rand(&[2, 4, 5, 8], 1)?, rand(&[2, 3, 5, 8], 2)?);
     let e = q.attention(&k, &k, 1.0, false).unwrap_err().to_string();
     assert!(e.contains("[2, 4, 5, 8]") && e.contains("[2, 3, 5, 8]") && e.contains("H_kv"), "{e}");
+    Ok(())
+}
+
+/// The fused op with S keys for T queries (a decoding step over the cache): query i sits at
+/// position i + S - T, so causally it sees keys 0..=i + S - T, the rows `causal_attention_at`
+/// masks explicitly; with grouped-query heads; its backward (through the scores) equals the
+/// explicit mask's; the fused backward refuses unequal lengths, naming them.
+#[test]
+fn attention_over_more_keys_than_queries_is_the_masked_attention() -> Result<()> {
+    use kiln_autograd::grad;
+    let rand = |shape: &[usize], seed: u64| Tensor::rand_at(shape, kiln_tensor::Distribution::Normal, seed, 0, DType::F64, Device::Cpu);
+    for (h, hkv, t, s) in [(4, 2, 3, 7), (2, 2, 1, 6), (3, 1, 4, 4)] {
+        let (q, k, v) = (rand(&[2, h, t, 8], 11)?, rand(&[2, hkv, s, 8], 12)?, rand(&[2, hkv, s, 8], 13)?);
+        let w = rand(&[2, h, t, 8], 14)?;
+        [&q, &k, &v].iter().for_each(|x| _ = x.set_requires_grad(true));
+        let fused = q.attention(&k, &v, 1.0 / 8f64.sqrt(), true)?;
+        // The explicit form: q at positions s - t .. s, keys after a query's position hidden.
+        let (kr, vr) = (repeat_kv(&k, h / hkv)?, repeat_kv(&v, h / hkv)?);
+        let i = Tensor::arange(t, DType::I64, Device::Cpu)?.add_scalar((s - t) as f64)?;
+        let hide = Tensor::arange(s, DType::I64, Device::Cpu)?.reshape(&[1, s])?.gt(&i.reshape(&[t, 1])?)?;
+        let masks = AttnMasks { attn_mask: Some(&hide), ..Default::default() };
+        let masked = scaled_dot_product_attention(&q, &kr, &vr, &masks, 0.0)?;
+        let (a, b) = (fused.to_vec::<f64>()?, masked.to_vec::<f64>()?);
+        assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() < 1e-12), "forward H {h} H_kv {hkv} T {t} S {s}");
+        let ga = grad(&fused.mul(&w)?.sum_all()?, &[&q, &k, &v])?;
+        let gb = grad(&masked.mul(&w)?.sum_all()?, &[&q, &k, &v])?;
+        for (n, (x, y)) in ga.iter().zip(&gb).enumerate() {
+            let (x, y) = (x.as_ref().unwrap(), y.as_ref().unwrap());
+            assert_eq!(x.shape(), y.shape());
+            let close = x.to_vec::<f64>()?.iter().zip(y.to_vec::<f64>()?).all(|(p, q)| (p - q).abs() < 1e-12);
+            assert!(close, "gradient {n} of H {h} H_kv {hkv} T {t} S {s}");
+        }
+    }
+    let (q, k) = (rand(&[1, 2, 3, 4], 1)?, rand(&[1, 2, 5, 4], 2)?);
+    let o = q.attention(&k, &k, 0.5, true)?;
+    let e = q.attention_backward(&k, &k, &o, &o, 0.5, true).unwrap_err().to_string();
+    assert!(e.contains("[1, 2, 3, 4]") && e.contains("[1, 2, 5, 4]"), "{e}");
     Ok(())
 }

@@ -595,8 +595,8 @@ fn every_hopper_gemm_variant_compiles() {
     assert!(fails.is_empty(), "{} kernels failed:\n{}", fails.len(), fails.join("\n\n"));
 }
 
-/// The short-sequence attention forward for every dtype, head dims past and below a warp, causal
-/// or not.
+/// The short-sequence attention forward and the forward of unequal lengths (a query row a
+/// block) for every dtype, head dims past and below a warp, causal or not.
 #[test]
 fn short_attention_kernels_compile() {
     need_nvrtc();
@@ -604,6 +604,8 @@ fn short_attention_kernels_compile() {
     for dt in [DType::F32, DType::F16, DType::BF16] {
         for (d, causal) in [(20, true), (64, false), (128, true)] {
             let (s, n) = kiln_tensor::cuda::kernels::attention::attention_short_source(dt, d, causal);
+            check(&s, &n, &mut fails);
+            let (s, n) = kiln_tensor::cuda::kernels::attention::attention_rows_source(dt, d, causal);
             check(&s, &n, &mut fails);
         }
     }

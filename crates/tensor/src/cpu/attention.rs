@@ -15,24 +15,27 @@ pub struct AttnSpec {
     /// shape): query matrix `b` reads key/value matrix `b / rep`.
     pub rep: usize,
     pub t: usize,
+    /// Keys (and values) per matrix: T, or another length in the forward (queries that are
+    /// the last T positions of S).
+    pub s: usize,
     pub d: usize,
     pub scale: f64,
     pub causal: bool,
 }
 
 impl AttnSpec {
-    /// Keys that query `i` attends to.
+    /// Keys that query `i` attends to: causal, those up to its position `i + S - T`.
     fn keys(&self, i: usize) -> usize {
         if self.causal {
-            i + 1
+            (i + 1 + self.s).saturating_sub(self.t).min(self.s)
         } else {
-            self.t
+            self.s
         }
     }
 
     /// Where query matrix `b`'s key and value matrix starts.
     fn kv_base(&self, b: usize) -> usize {
-        (b / self.rep) * self.t * self.d
+        (b / self.rep) * self.s * self.d
     }
 
     /// Query `i`'s softmax probabilities over its keys, for the query matrix at `base` and its
@@ -58,6 +61,7 @@ pub fn forward<T: Element>(q: &[T], k: &[T], v: &[T], s: AttnSpec) -> Vec<T> {
     out.par_chunks_mut(d.max(1)).enumerate().for_each(|(row, o)| {
         let (base, kbase, i) = ((row / t) * t * d, s.kv_base(row / t), row % t);
         let p = s.probs(q, k, (base, kbase), i);
+        // (A query that sees no key gives zeros, as on CUDA.)
         for (c, oc) in o.iter_mut().enumerate() {
             *oc = T::from_f64(p.iter().enumerate().map(|(j, pj)| pj * v[kbase + j * d + c].to_f64()).sum());
         }

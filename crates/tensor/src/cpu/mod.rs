@@ -415,6 +415,7 @@ fn attention(op: &Op, ins: &[(&CpuStorage, &Layout)]) -> Result<CpuStorage> {
                 heads: crate::op::attention_heads(&l0.shape),
                 rep: crate::op::attention_kv_repeat(&l0.shape, &ins[1].1.shape).unwrap_or(1),
                 t: l0.shape[r - 2],
+                s: ins[1].1.shape[r - 2],
                 d: l0.shape[r - 1],
                 scale: *scale,
                 causal: *causal,

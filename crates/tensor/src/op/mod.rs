@@ -822,14 +822,18 @@ pub fn cross_entropy_loss_dtype(logits: DType) -> DType {
 }
 
 /// How many query heads share each key/value head when `Attention`'s q is `[B, H, T, D]` and
-/// its k (and v) `[B, H_kv, T, D]` with `H_kv` dividing `H` (grouped-query attention; 1 for
-/// equal shapes); `None` for shapes that do not pair so.
+/// its k (and v) `[B, H_kv, S, D]` with `H_kv` dividing `H` (grouped-query attention; 1 for
+/// equal heads); `None` for shapes that do not pair so. The key length S may differ from T
+/// (a decoding step's queries over the cache); for other ranks the leading dims and D match.
 pub fn attention_kv_repeat(q: &[usize], k: &[usize]) -> Option<usize> {
-    if q == k {
+    let r = q.len();
+    if r < 2 || k.len() != r || q[r - 1] != k[r - 1] {
+        return None;
+    }
+    if q[..r - 2] == k[..r - 2] {
         return Some(1);
     }
-    let pairs = q.len() == 4 && k.len() == 4 && q[0] == k[0] && q[2..] == k[2..];
-    pairs.then(|| kv_head_repeat(q[1], k[1])).flatten()
+    (r == 4 && q[0] == k[0]).then(|| kv_head_repeat(q[1], k[1])).flatten()
 }
 
 /// How many of `heads` query heads share each of `kv_heads` key/value heads (grouped-query

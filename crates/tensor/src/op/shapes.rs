@@ -178,14 +178,18 @@ pub(super) fn attention(op: &Op, inputs: &[InMeta<'_>]) -> Result<OutMeta> {
             if q.len() < 2 {
                 return Err(Error::shape(name, format!("needs q, k, v of rank >= 2, got {q:?}")));
             }
+            // k and v (inputs 1 and 2) may have fewer heads (grouped-query attention), and
+            // (forward only) another length.
+            let backward = matches!(op, Op::AttentionBackward { .. });
             for (i, x) in inputs.iter().enumerate().skip(1) {
                 same_dtype(name, inputs[0].dtype, x.dtype)?;
-                // k and v (inputs 1 and 2) may have fewer heads (grouped-query attention).
-                if x.shape != q && !(i <= 2 && super::attention_kv_repeat(q, x.shape).is_some()) {
+                let kv_fits = i <= 2 && super::attention_kv_repeat(q, x.shape).is_some() && (!backward || x.shape[q.len() - 2] == q[q.len() - 2]);
+                if x.shape != q && !kv_fits {
+                    let kv = if backward { "[B, H_kv, T, D]" } else { "[B, H_kv, S, D]" };
                     return Err(Error::shape(
                         name,
                         format!(
-                            "needs q, k, v (and output, gradient) of one shape, or k and v [B, H_kv, T, D] with H_kv dividing q's heads [B, H, T, D], got {q:?} and {:?}",
+                            "needs q, k, v (and output, gradient) of one shape, or k and v {kv} with H_kv dividing q's heads [B, H, T, D], got {q:?} and {:?}",
                             x.shape
                         ),
                     ));

@@ -530,6 +530,86 @@ pub fn attention_short_source(dtype: DType, d: usize, causal: bool) -> (String, 
     (s, name)
 }
 
+/// The threads of `attention_rows_source`'s block.
+pub const ATTN_ROWS_THREADS: usize = 256;
+
+/// The forward of attention with S keys for T queries, S and T apart (a decoding step's few
+/// queries over the key/value cache), in FP32 on the CUDA cores: a block per (matrix, query
+/// row) with the row's scores in shared memory. A warp per key scores it (lanes along D, the
+/// key's row read coalesced), the block takes the softmax, then groups of D threads sum the
+/// output's columns over interleaved keys. With `causal`, query `i` sees keys `0..=i + S - T`
+/// (its position when the queries are the last T of the S). Kernel
+/// `k_attn_rows_{dtype}_d{d}[_causal](o, q, k, v, mq, mk, mv, mo, T, S, scale)`, grid (matrices,
+/// T), `ATTN_ROWS_THREADS` threads, `attention_rows_smem(S, D)` bytes of dynamic shared memory.
+pub fn attention_rows_source(dtype: DType, d: usize, causal: bool) -> (String, String) {
+    let t = storage_type(dtype);
+    let name = format!("k_attn_rows_{}_d{d}{}", format!("{dtype:?}").to_lowercase(), if causal { "_causal" } else { "" });
+    let mut s = format!("{PRELUDE}{LATE_NEXT}\ntypedef {t} T;\n#define D {d}\n#define CAUSAL {}\n", causal as i32);
+    s += MAT;
+    s += &format!(
+        "extern \"C\" __global__ void __launch_bounds__({ATTN_ROWS_THREADS}) {name}(T* __restrict__ o, const T* __restrict__ q, \
+         const T* __restrict__ k, const T* __restrict__ v, Mat mq, Mat mk, Mat mv, Mat mo, long long Tn, long long Sn, float scale) {{\n"
+    );
+    s += r#"  extern __shared__ float sm[];
+  __shared__ float red[32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const long long i = blockIdx.y;
+  const long long keys = CAUSAL ? min(Sn, max(0LL, i + 1 + Sn - Tn)) : Sn;
+  float* qs = sm;
+  float* sc = qs + D;
+  float* part = sc + Sn;
+  q += mat_base(mq) + i * mq.t; k += mat_base(mk); v += mat_base(mv); o += mat_base(mo) + i * mo.t;
+  for (int c = threadIdx.x; c < D; c += blockDim.x) qs[c] = ld(q[c]) * scale;
+  __syncthreads();
+  float mx = __int_as_float(0xff800000);
+  for (long long j = warp; j < keys; j += warps) {
+    const T* kr = k + j * mk.t;
+    float acc = 0.f;
+    for (int c = lane; c < D; c += 32) acc = fmaf(qs[c], ld(kr[c]), acc);
+#pragma unroll
+    for (int w = 16; w > 0; w >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, w);
+    if (lane == 0) sc[j] = acc;
+    mx = fmaxf(mx, acc);
+  }
+  if (lane == 0) red[warp] = mx;
+  __syncthreads();
+  mx = red[0];
+  for (int w = 1; w < warps; ++w) mx = fmaxf(mx, red[w]);
+  __syncthreads();
+  float sum = 0.f;
+  for (long long j = threadIdx.x; j < keys; j += blockDim.x) {
+    const float p = expf(sc[j] - mx);
+    sc[j] = p;
+    sum += p;
+  }
+#pragma unroll
+  for (int w = 16; w > 0; w >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, w);
+  if (lane == 0) red[warp] = sum;
+  __syncthreads();
+  sum = 0.f;
+  for (int w = 0; w < warps; ++w) sum += red[w];
+  const int groups = blockDim.x / D, g = threadIdx.x / D, c = threadIdx.x % D;
+  float acc = 0.f;
+  if (g < groups)
+    for (long long j = g; j < keys; j += groups) acc = fmaf(sc[j], ld(v[j * mv.t + c]), acc);
+  if (g < groups) part[g * D + c] = acc;
+  __syncthreads();
+  if (threadIdx.x < D) {
+    float total = 0.f;
+    for (int h = 0; h < groups; ++h) total += part[h * D + threadIdx.x];
+    st(&o[threadIdx.x], keys > 0 ? total / sum : 0.f);
+  }
+}
+"#;
+    (s, name)
+}
+
+/// Dynamic shared memory of `attention_rows_source`'s kernel: the query, S scores and a
+/// column sum per group of D threads.
+pub fn attention_rows_smem(s: usize, d: usize) -> usize {
+    4 * (d + s + (ATTN_ROWS_THREADS / d.max(1)).max(1) * d)
+}
+
 /// Dynamic shared memory of `attention_short_source`'s kernel: q and v `[T, D]`, k `[T, D + 1]`.
 pub fn attention_short_smem(t: usize, d: usize) -> usize {
     4 * (2 * t * d + t * (d + 1))
@@ -970,12 +1050,21 @@ mod launch {
         // The heads last: matrix b*H + h's row i at b T H D + i H D + h D.
         let last = Mat { b: (t * heads * d) as i64, h: d as i64, t: (heads * d) as i64, nh: heads as i64, rep: 1 };
         let mout = if heads_last { last } else { Mat::dense(t, d) };
+        let keys = x[1].1.shape[r - 2];
+        if keys != t {
+            if backward {
+                return Err(Error::Msg(format!("attention_backward on CUDA: {keys} keys for {t} queries (the fused backward takes one length)")));
+            }
+            let (ins, _copies) = attention_inputs(g, x, d, Some(1))?;
+            attention_rows(g, out.buf.ptr, mout, &ins, (n, t, keys, d), dtype, (scale, causal))?;
+            return Ok(out);
+        }
         if short {
-            let (ins, _copies) = attention_inputs(g, x, (t, d), Some(1))?;
+            let (ins, _copies) = attention_inputs(g, x, d, Some(1))?;
             attention_short(g, out.buf.ptr, mout, &ins, (n, t, d), dtype, (scale, causal))?;
             return Ok(out);
         }
-        let (ins, copies) = attention_inputs(g, x, (t, d), flash.then(|| flash_vec(dtype)))?;
+        let (ins, copies) = attention_inputs(g, x, d, flash.then(|| flash_vec(dtype)))?;
         if !backward {
             if flash {
                 let mut out = out;
@@ -1049,17 +1138,13 @@ mod launch {
     /// the second list).
     /// Under grouped-query attention (k and v with fewer heads than q), k and v are read where
     /// they lie with their `Mat`'s `rep`, or copied dense with each head repeated.
-    fn attention_inputs<'a>(
-        g: &Arc<Gpu>,
-        x: &[(&'a CudaStorage, &Layout)],
-        (t, d): (usize, usize),
-        vec: Option<usize>,
-    ) -> Result<AttnInputs<'a>> {
+    fn attention_inputs<'a>(g: &Arc<Gpu>, x: &[(&'a CudaStorage, &Layout)], d: usize, vec: Option<usize>) -> Result<AttnInputs<'a>> {
         let rep = crate::op::attention_kv_repeat(&x[0].1.shape, &x[1].1.shape).unwrap_or(1);
         let mut copies: Vec<Dense> = Vec::new();
         let mut ins: Vec<(u64, Mat)> = Vec::new();
         for (i, &(s, l)) in x.iter().enumerate() {
             let kv_rep = if i == 1 || i == 2 { rep } else { 1 };
+            let t = l.shape[l.rank() - 2];
             match vec.and_then(|v| Mat::of(l, (t, d), v)) {
                 Some(m) => ins.push((s.ptr_at(l.offset), Mat { rep: kv_rep as i64, ..m })),
                 None => {
@@ -1102,6 +1187,38 @@ mod launch {
         // inside the n T D output), a block per matrix and a warp per row (T <= 32), with the
         // shared memory the kernel asks for (its limit raised to T = 32's when loaded).
         unsafe { g.launch(k, (n as u32, 1), 32 * t as u32, smem, &mut params) }
+    }
+
+    /// `attention_rows_source`'s forward: a block per (matrix, query row), `ins` q, k, v; the
+    /// scores of `s` keys must fit in shared memory.
+    fn attention_rows(
+        g: &Arc<Gpu>,
+        out: u64,
+        mout: Mat,
+        ins: &[(u64, Mat)],
+        (n, t, s, d): (usize, usize, usize, usize),
+        dtype: DType,
+        (scale, causal): (f64, bool),
+    ) -> Result<()> {
+        const MOST: usize = 200 * 1024;
+        let smem = attention_rows_smem(s, d);
+        if smem > MOST {
+            return Err(Error::Msg(format!(
+                "attention on CUDA: {s} keys for {t} queries do not fit the kernel of unequal lengths (at most {} keys at head dim {d}); use the unfused ops",
+                (MOST / 4).saturating_sub(d + (ATTN_ROWS_THREADS / d) * d)
+            )));
+        }
+        let k = g.kernel_shared(crate::cuda::gpu::spec_key("attn_rows", &(dtype, d, causal)), MOST as u32, || {
+            attention_rows_source(dtype, d, causal)
+        })?;
+        let ([mut q, mut kp, mut v], [mut mq, mut mk, mut mv]) = ([ins[0].0, ins[1].0, ins[2].0], [ins[0].1, ins[1].1, ins[2].1]);
+        let (mut o, mut mo, mut tt, mut ss, mut sc) = (out, mout, t as i64, s as i64, scale as f32);
+        let mut params = kernel_params![o, q, kp, v, mq, mk, mv, mo, tt, ss, sc];
+        // SAFETY: (o, q, k, v, mq, mk, mv, mo, T, S, scale) matches the generated signature; mq
+        // and mo address n matrices of T rows of D elements, mk and mv n / rep matrices of S rows,
+        // inside their buffers; a block per (matrix, query row) with `smem` bytes of dynamic
+        // shared memory, within the limit raised when the kernel was loaded.
+        unsafe { g.launch(k, (n as u32, t as u32), ATTN_ROWS_THREADS as u32, smem as u32, &mut params) }
     }
 
     /// Where the rows of one `[T, D]` matrix of an attention batch lie (`flash_source`'s
