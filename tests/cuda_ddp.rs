@@ -24,13 +24,24 @@ fn one_rank_over_nccl_is_the_plain_run_bit_for_bit_in_every_mode() {
     let _s = SERIAL.lock();
     let dev = gpu();
     let pg = ProcessGroup::from_env(dev, DEFAULT_TIMEOUT).expect("an NCCL group of one rank");
+    // Every mode runs; the ones that differ are named together at the end.
+    let mut differ = Vec::new();
     for mode in [None, Some(Mode::Default), Some(Mode::ReduceOverhead), Some(Mode::MaxAutotune)] {
         let plain = dp_gpt_run(dev, None, Parallel::Plain, mode, 50, 5).unwrap();
         let ddp = dp_gpt_run(dev, Some(&pg), Parallel::Ddp, mode, 50, 5).unwrap();
-        assert_eq!(plain.losses, ddp.losses, "{mode:?}: losses");
-        assert_eq!(plain.params, ddp.params, "{mode:?}: parameters");
-        println!("{mode:?}: 50 steps, loss {} -> {}, parameters equal bit for bit", ddp.losses[0], ddp.losses[49]);
+        let step = plain.losses.iter().zip(&ddp.losses).position(|(a, b)| a.to_bits() != b.to_bits());
+        let params: Vec<usize> = (0..plain.params.len()).filter(|&i| plain.params[i] != ddp.params[i]).collect();
+        if step.is_none() && params.is_empty() {
+            println!("{mode:?}: 50 steps, loss {} -> {}, parameters equal bit for bit", ddp.losses[0], ddp.losses[49]);
+        } else {
+            let again = dp_gpt_run(dev, None, Parallel::Plain, mode, 50, 5).unwrap();
+            let repeats = again.losses == plain.losses && again.params == plain.params;
+            differ.push(format!(
+                "{mode:?}: first loss apart at step {step:?}, parameters apart {params:?} (the plain run repeats itself: {repeats})"
+            ));
+        }
     }
+    assert!(differ.is_empty(), "one rank over NCCL against the plain run:\n{}", differ.join("\n"));
 }
 
 #[test]

@@ -183,7 +183,8 @@ pub(super) fn attention(op: &Op, inputs: &[InMeta<'_>]) -> Result<OutMeta> {
             let backward = matches!(op, Op::AttentionBackward { .. });
             for (i, x) in inputs.iter().enumerate().skip(1) {
                 same_dtype(name, inputs[0].dtype, x.dtype)?;
-                let kv_fits = i <= 2 && super::attention_kv_repeat(q, x.shape).is_some() && (!backward || x.shape[q.len() - 2] == q[q.len() - 2]);
+                let kv_fits =
+                    i <= 2 && super::attention_kv_repeat(q, x.shape).is_some() && (!backward || x.shape[q.len() - 2] == q[q.len() - 2]);
                 if x.shape != q && !kv_fits {
                     let kv = if backward { "[B, H_kv, T, D]" } else { "[B, H_kv, S, D]" };
                     return Err(Error::shape(

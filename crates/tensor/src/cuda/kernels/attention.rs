@@ -1053,7 +1053,9 @@ mod launch {
         let keys = x[1].1.shape[r - 2];
         if keys != t {
             if backward {
-                return Err(Error::Msg(format!("attention_backward on CUDA: {keys} keys for {t} queries (the fused backward takes one length)")));
+                return Err(Error::Msg(format!(
+                    "attention_backward on CUDA: {keys} keys for {t} queries (the fused backward takes one length)"
+                )));
             }
             let (ins, _copies) = attention_inputs(g, x, d, Some(1))?;
             attention_rows(g, out.buf.ptr, mout, &ins, (n, t, keys, d), dtype, (scale, causal))?;

@@ -258,8 +258,7 @@ mod launch {
 
     /// Launches an index kernel: `o` written from `src` at `idx` (all dense).
     fn launch_index(g: &Arc<Gpu>, kind: IndexKind, o: &CudaStorage, src: u64, idx: u64, mut a: IArgs) -> Result<()> {
-        let rows = kind == IndexKind::Select
-            && select_by_rows((a.outer * a.nidx) as usize, a.inner as usize, g.sms as usize);
+        let rows = kind == IndexKind::Select && select_by_rows((a.outer * a.nidx) as usize, a.inner as usize, g.sms as usize);
         if a.n == 0 {
             return Ok(());
         }
