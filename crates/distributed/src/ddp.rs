@@ -237,7 +237,7 @@ impl Shared {
 
     /// The all-reduced mean of bucket `k`'s gradients, flat.
     fn reduce(&self, k: usize) -> Result<Tensor> {
-        let flat = flat_grads(&self.params, &self.buckets[k], self.options.find_unused_parameters, self.group.rank, 0)?;
+        let flat = flat_grads(&self.params, &self.buckets[k], self.options.find_unused_parameters, ("Ddp", self.group.rank), 0)?;
         flat.collective(self.group, Collective::AllReduce(Reduction::Mean))
     }
 }
@@ -292,8 +292,14 @@ pub(crate) fn flatten(params: &[(String, Tensor)], b: &Bucket, parts: Vec<Tensor
 
 /// The gradients of bucket `b`'s parameters in one flat tensor (`flatten`), followed by `pad`
 /// zeros; a parameter without a gradient reads as zeros with `zeros_for_missing`, else is an
-/// error naming it (on `rank`).
-pub(crate) fn flat_grads(params: &[(String, Tensor)], b: &Bucket, zeros_for_missing: bool, rank: usize, pad: usize) -> Result<Tensor> {
+/// error naming it (on `rank`, for `who`: `Ddp` or `Zero1`).
+pub(crate) fn flat_grads(
+    params: &[(String, Tensor)],
+    b: &Bucket,
+    zeros_for_missing: bool,
+    (who, rank): (&str, usize),
+    pad: usize,
+) -> Result<Tensor> {
     let mut flat = Vec::with_capacity(b.params.len());
     for &i in &b.params {
         let (name, p) = &params[i];
@@ -301,15 +307,15 @@ pub(crate) fn flat_grads(params: &[(String, Tensor)], b: &Bucket, zeros_for_miss
             Some(g) => g,
             None if zeros_for_missing => p.zeros_like()?,
             None => {
+                let hint = if who == "Ddp" { "pass find_unused_parameters: true, or " } else { "" };
                 return Err(Error::Msg(format!(
-                    "Ddp: '{name}' has no gradient on rank {rank} after backward (the loss did not use it): \
-                     pass find_unused_parameters: true, or leave it out of the model"
-                )))
+                    "{who}: '{name}' has no gradient on rank {rank} after backward (the loss did not use it): {hint}leave it out of the model"
+                )));
             }
         };
         if g.dtype() != b.dtype || g.shape() != p.shape() {
             let (gd, gs, ps) = (g.dtype(), g.shape().to_vec(), p.shape().to_vec());
-            return Err(Error::Msg(format!("Ddp: '{name}''s gradient is {gd:?} {gs:?}, the parameter {:?} {ps:?}", b.dtype)));
+            return Err(Error::Msg(format!("{who}: '{name}''s gradient is {gd:?} {gs:?}, the parameter {:?} {ps:?}", b.dtype)));
         }
         flat.push(g.reshape(&[p.numel()])?);
     }

@@ -91,7 +91,7 @@ impl<O: Optimizer> Optimizer for Zero1<O> {
     fn step(&mut self) -> Result<()> {
         no_grad(|| {
             for (b, pad, part) in &self.buckets {
-                let flat = flat_grads(&self.params, b, false, self.group.rank, *pad)?;
+                let flat = flat_grads(&self.params, b, false, ("Zero1", self.group.rank), *pad)?;
                 part.set_grad(Some(flat.collective(self.group, Collective::ReduceScatter(Reduction::Mean))?));
             }
             if let Some(max) = self.max_grad_norm {
