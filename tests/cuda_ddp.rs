@@ -36,8 +36,16 @@ fn one_rank_over_nccl_is_the_plain_run_bit_for_bit_in_every_mode() {
         } else {
             let again = dp_gpt_run(dev, None, Parallel::Plain, mode, 50, 5).unwrap();
             let repeats = again.losses == plain.losses && again.params == plain.params;
+            // Which parameters part first: after 1, 2, 4 and 8 steps.
+            let mut first = String::new();
+            for n in [1u64, 2, 4, 8] {
+                let p = dp_gpt_run(dev, None, Parallel::Plain, mode, n, 5).unwrap();
+                let d = dp_gpt_run(dev, Some(&pg), Parallel::Ddp, mode, n, 5).unwrap();
+                let apart: Vec<usize> = (0..p.params.len()).filter(|&i| p.params[i] != d.params[i]).collect();
+                first += &format!(" after {n}: {apart:?};");
+            }
             differ.push(format!(
-                "{mode:?}: first loss apart at step {step:?}, parameters apart {params:?} (the plain run repeats itself: {repeats})"
+                "{mode:?}: first loss apart at step {step:?}, parameters apart {params:?} (the plain run repeats itself: {repeats});{first}"
             ));
         }
     }
