@@ -211,3 +211,25 @@ fn f16_training_with_a_grad_scaler_skips_the_same_steps_on_both_devices() {
         assert_close(&format!("param {i}"), g, c, 2e-3);
     }
 }
+
+/// `Module::to_device`: a Llama made on the CPU, moved to the GPU in place (its rotary tables
+/// too, which the model does not name), gives the CPU's logits; moving back gives the same
+/// parameters.
+#[test]
+fn a_model_moved_to_the_gpu_gives_the_cpus_logits() {
+    use kiln::models::{Llama, LlamaConfig};
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    kiln::tensor::rng::manual_seed(3);
+    let mut model = Llama::new(LlamaConfig::tiny(50), Device::Cpu).unwrap();
+    let ids = Tensor::from_vec(vec![1i64, 7, 3, 9, 4], &[1, 5], Device::Cpu).unwrap();
+    let want = model.forward(&ids).unwrap().to_vec::<f32>().unwrap();
+    let params = model.parameters().iter().map(|p| p.to_vec::<f32>().unwrap()).collect::<Vec<_>>();
+    model.to_device(dev).unwrap();
+    assert!(model.named_state().iter().all(|(_, t)| t.device() == dev), "every tensor on the GPU");
+    let got = model.forward(&ids.to_device(dev).unwrap()).unwrap().to_vec::<f32>().unwrap();
+    let worst = want.iter().zip(&got).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(worst < 1e-4, "logits moved to the GPU differ from the CPU's by {worst}");
+    model.to_device(Device::Cpu).unwrap();
+    assert_eq!(model.parameters().iter().map(|p| p.to_vec::<f32>().unwrap()).collect::<Vec<_>>(), params);
+}

@@ -187,3 +187,61 @@ fn apply_walks_submodules_by_type_as_pytorch_does() -> Result<()> {
     }
     Ok(())
 }
+
+/// `to_dtype` (and `to_device`, the same walk over `visit_mut`) replaces every floating
+/// parameter and buffer in place, as PyTorch's `model.to(..)`: values kept, `requires_grad`
+/// and gradients carried, a tied weight still one tensor, skipped fields moved too, modules
+/// written by hand (an LSTM) and `Sequential` included; a view of a tied weight and a layer
+/// shared with a clone are errors saying so.
+#[test]
+fn to_dtype_and_to_device_replace_every_tensor_in_place_keeping_ties() -> Result<()> {
+    use kiln::nn::{Lstm, RnnConfig, Sequential};
+    let mut m = net()?;
+    m.wte.forward(&Tensor::from_vec(vec![1i64, 3], &[2], CPU)?)?.sum_all()?.backward()?;
+    let before: Vec<(String, Vec<f32>, bool)> =
+        m.named_state().into_iter().map(|(k, t)| (k, t.to_vec::<f32>().unwrap(), t.requires_grad())).collect();
+    let grad = m.wte.weight.grad().expect("a gradient").to_vec::<f32>()?;
+    m.to_dtype(DType::F64)?;
+    let after = m.named_state();
+    assert_eq!(after.len(), before.len());
+    for ((name, t), (was, values, rg)) in after.iter().zip(&before) {
+        assert_eq!(name, was);
+        assert_eq!(t.dtype(), DType::F64, "{name}");
+        assert_eq!(t.requires_grad(), *rg, "{name}");
+        let v: Vec<f32> = t.to_vec::<f64>()?.iter().map(|&x| x as f32).collect();
+        assert_eq!(&v, values, "{name}");
+    }
+    let g = m.wte.weight.grad().expect("the gradient moved with the weight");
+    assert_eq!(g.dtype(), DType::F64);
+    assert_eq!(g.to_vec::<f64>()?.iter().map(|&x| x as f32).collect::<Vec<_>>(), grad);
+    assert_eq!(m.shared.id(), m.wte.weight.id(), "a skipped field holding the weight follows it");
+    // Tied: still one tensor, one parameter.
+    let wte = Embedding::new(6, 4, CPU)?;
+    let lm_head = Linear { weight: wte.weight.clone(), bias: None };
+    let mut tied = Tied { wte, lm_head };
+    tied.to_dtype(DType::F64)?;
+    assert_eq!(tied.wte.weight.id(), tied.lm_head.weight.id());
+    assert_eq!(tied.named_parameters().len(), 1);
+    // Already there: the very same tensors.
+    let ids: Vec<_> = tied.named_state().iter().map(|(_, t)| t.id()).collect();
+    tied.to_device(CPU)?;
+    tied.to_dtype(DType::F64)?;
+    assert_eq!(tied.named_state().iter().map(|(_, t)| t.id()).collect::<Vec<_>>(), ids);
+    // Hand-written modules and Sequential.
+    let mut lstm = Lstm::new(RnnConfig::new(3, 4).num_layers(2), CPU)?;
+    lstm.to_dtype(DType::F64)?;
+    assert!(lstm.parameters().iter().all(|p| p.dtype() == DType::F64 && p.requires_grad()));
+    let mut seq = Sequential::new().add(Linear::new(2, 2, true, CPU)?).add(kiln::nn::Relu);
+    seq.to_dtype(DType::F64)?;
+    assert!(seq.parameters().iter().all(|p| p.dtype() == DType::F64));
+    let _clone = seq.clone();
+    let e = seq.to_dtype(DType::F32).unwrap_err().to_string();
+    assert!(e.contains("layer 0 is shared with a clone"), "{e}");
+    // A head tied through a view of the embedding cannot stay tied.
+    let wte = Embedding::new(6, 4, CPU)?;
+    let view = wte.weight.narrow(0, 0, 6)?;
+    let mut bad = Tied { wte, lm_head: Linear { weight: view, bias: None } };
+    let e = bad.to_dtype(DType::F64).unwrap_err().to_string();
+    assert!(e.contains("view of a tied weight") && e.contains("[6, 4]"), "{e}");
+    Ok(())
+}

@@ -7,8 +7,8 @@
 //! `eval()` set it; other flags are left alone). Fields of any other type (sizes, configs)
 //! are left alone. Attributes:
 //! - `#[module(buffer)]`: a tensor saved in the state dict but not trained (`named_buffers`);
-//! - `#[module(skip)]`: not visited (a tensor shared with another field, kept out of the
-//!   parameters);
+//! - `#[module(skip)]`: not named (a tensor shared with another field, or tables kept out of
+//!   the state dict, as PyTorch's non-persistent buffers); `to_device` still moves it;
 //! - `#[module(rename = "name")]`: visited under another name (PyTorch's, for checkpoints);
 //! - `#[module(flatten)]`: a child's parameters named as the parent's own;
 //! - `#[module(training)]`: a `Flag` of another name that is the training flag.
@@ -101,6 +101,11 @@ fn expand(input: &DeriveInput) -> syn::Result<Tokens> {
         Fields::Unit => Vec::new(),
     };
     let (mut params, mut buffers, mut training, mut modules) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    // `visit_mut` (moving the module) reaches every field, skipped ones too.
+    let tensors: Vec<Tokens> = fields
+        .iter()
+        .map(|(_, access, _)| quote!((&&#path::derive_support::FieldMut(::std::cell::RefCell::new(&mut #access))).visit_field_mut(f)?;))
+        .collect();
     for (field_name, access, o) in fields.iter().filter(|f| !f.2.skip) {
         let name = o.rename.clone().unwrap_or_else(|| field_name.clone());
         let prefix = if o.flatten { quote!(prefix) } else { quote!(&#path::join(prefix, #name)) };
@@ -135,6 +140,15 @@ fn expand(input: &DeriveInput) -> syn::Result<Tokens> {
             fn visit_modules(&self, prefix: &str, f: &mut dyn FnMut(&str, &dyn ::std::any::Any)) {
                 use #path::derive_support::{Ignores as _, Visits as _};
                 #(#modules)*
+            }
+            #[allow(unused_variables)]
+            fn visit_mut(
+                &mut self,
+                f: &mut dyn FnMut(&mut #path::derive_support::Tensor) -> #path::derive_support::Result<()>,
+            ) -> #path::derive_support::Result<()> {
+                use #path::derive_support::{IgnoresMut as _, VisitsMut as _};
+                #(#tensors)*
+                Ok(())
             }
             #[allow(unused_variables)]
             fn set_training(&self, training: bool) {

@@ -15,6 +15,9 @@ macro_rules! activation {
         }
         impl Module for $name {
             fn visit(&self, _prefix: &str, _f: &mut dyn FnMut(String, &Tensor)) {}
+            fn visit_mut(&mut self, _f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()> {
+                Ok(())
+            }
         }
     };
 }
@@ -49,6 +52,9 @@ impl Forward for LeakyRelu {
 
 impl Module for LeakyRelu {
     fn visit(&self, _prefix: &str, _f: &mut dyn FnMut(String, &Tensor)) {}
+    fn visit_mut(&mut self, _f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// An activation chosen at run time (Transformer layers take one).

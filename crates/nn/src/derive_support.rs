@@ -6,8 +6,9 @@
 
 use crate::module::{join, Module};
 use kiln_tensor::Flag;
-pub use kiln_tensor::Tensor;
+pub use kiln_tensor::{Result, Tensor};
 use std::any::Any;
+use std::cell::RefCell;
 
 /// A part of a module: how it names its parameters and buffers and takes the training flag.
 pub trait ModuleField {
@@ -19,9 +20,14 @@ pub trait ModuleField {
     /// Sets the field when it is the module's own training flag (a `Flag` named `training`
     /// or marked `#[module(training)]`); other flags (`checkpointing`) are left alone.
     fn set_field_flag(&self, _on: bool) {}
+    /// Calls `f` on each tensor of the field, mutably (`Module::visit_mut`).
+    fn visit_field_mut(&mut self, f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()>;
 }
 
 impl<M: Module + 'static> ModuleField for M {
+    fn visit_field_mut(&mut self, f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()> {
+        self.visit_mut(f)
+    }
     fn visit_field(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
         self.visit(prefix, f)
     }
@@ -44,6 +50,9 @@ impl ModuleField for Tensor {
     }
     fn visit_field_buffers(&self, _prefix: &str, _f: &mut dyn FnMut(String, &Tensor)) {}
     fn set_field_training(&self, _training: bool) {}
+    fn visit_field_mut(&mut self, f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()> {
+        f(self)
+    }
 }
 
 /// A flag field named `training` is the module's training flag: `train()` and `eval()` set
@@ -54,6 +63,9 @@ impl ModuleField for Flag {
     fn set_field_training(&self, _training: bool) {}
     fn set_field_flag(&self, on: bool) {
         self.set(on)
+    }
+    fn visit_field_mut(&mut self, _f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()> {
+        Ok(())
     }
 }
 
@@ -73,6 +85,9 @@ macro_rules! by_position {
             }
             fn visit_field_modules(&self, prefix: &str, f: &mut dyn FnMut(&str, &dyn Any)) {
                 self.iter().enumerate().for_each(|(i, x)| x.visit_field_modules(&join(prefix, &i.to_string()), f))
+            }
+            fn visit_field_mut(&mut self, f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()> {
+                self.iter_mut().try_for_each(|x| x.visit_field_mut(f))
             }
         }
     )*};
@@ -100,6 +115,9 @@ impl<T: ModuleField> ModuleField for Option<T> {
         if let Some(x) = self {
             x.visit_field_modules(prefix, f)
         }
+    }
+    fn visit_field_mut(&mut self, f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()> {
+        self.as_mut().map_or(Ok(()), |x| x.visit_field_mut(f))
     }
 }
 
@@ -143,3 +161,27 @@ pub trait Ignores {
 }
 
 impl<T: ?Sized> Ignores for Field<'_, T> {}
+
+/// A field as the expansion's `visit_mut` sees it (the cell lets the shared-reference method
+/// resolution above pick the trait).
+pub struct FieldMut<'a, T: ?Sized>(pub RefCell<&'a mut T>);
+
+/// `visit_mut` on a field whose type is a `ModuleField`.
+pub trait VisitsMut {
+    fn visit_field_mut(&self, f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()>;
+}
+
+impl<T: ModuleField> VisitsMut for &FieldMut<'_, T> {
+    fn visit_field_mut(&self, f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()> {
+        self.0.borrow_mut().visit_field_mut(f)
+    }
+}
+
+/// `visit_mut` on any other field: nothing to visit.
+pub trait IgnoresMut {
+    fn visit_field_mut(&self, _f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()> {
+        Ok(())
+    }
+}
+
+impl<T: ?Sized> IgnoresMut for FieldMut<'_, T> {}

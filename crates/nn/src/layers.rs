@@ -330,6 +330,18 @@ impl Module for Sequential {
             l.visit(&join(prefix, &i.to_string()), f);
         }
     }
+    /// Each layer in place; a layer shared with a clone of this `Sequential` cannot be.
+    fn visit_mut(&mut self, f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()> {
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            let Some(layer) = std::sync::Arc::get_mut(l) else {
+                return Err(Error::Msg(format!(
+                    "Sequential: layer {i} is shared with a clone of this Sequential and cannot change in place; move the model before cloning it"
+                )));
+            };
+            layer.visit_mut(f)?;
+        }
+        Ok(())
+    }
     fn visit_buffers(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
         for (i, l) in self.layers.iter().enumerate() {
             l.visit_buffers(&join(prefix, &i.to_string()), f);

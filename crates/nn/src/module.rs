@@ -1,6 +1,6 @@
 //! The `Module` trait (parameters and buffers by name) and `Forward`.
 
-use kiln_tensor::{Result, Tensor};
+use kiln_tensor::{DType, Device, Error, Result, Tensor};
 use std::any::Any;
 
 /// Anything with parameters. `#[derive(Module)]` writes it from a struct's fields (see
@@ -16,6 +16,12 @@ pub trait Module {
     /// Calls `f(name, module)` for every submodule, each after its own submodules (the order
     /// of PyTorch's `apply`); `#[derive(Module)]` writes it from the fields.
     fn visit_modules(&self, _prefix: &str, _f: &mut dyn FnMut(&str, &dyn Any)) {}
+    /// Calls `f` on every tensor the module holds (parameters and buffers), each by `&mut` so
+    /// that it can be replaced (what `to_device` does); `#[derive(Module)]` writes it. A module
+    /// written by hand that holds tensors writes it too: the default refuses, naming the type.
+    fn visit_mut(&mut self, _f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()> {
+        Err(Error::Msg(format!("{}: moving its tensors (to_device) is not written for this module", std::any::type_name::<Self>())))
+    }
 
     /// Calls `f(name, module)` on every submodule and then on this module (named `""`), as
     /// PyTorch's `model.apply(fn)`; `f` picks the types it cares about with `downcast_ref`:
@@ -73,12 +79,63 @@ pub trait Module {
     fn num_parameters(&self) -> usize {
         self.parameters().iter().map(|p| p.numel()).sum()
     }
+    /// Moves every parameter and buffer to `device` in place, as PyTorch's `model.to(device)`:
+    /// a tensor held by two fields (a tied weight) stays one tensor, a tensor already there is
+    /// kept, `requires_grad` and a gradient move with it. Build the optimizer after the move
+    /// (its parameters are the tensors it was given). A field that is a view of another
+    /// tensor (not the tensor itself) cannot stay tied to it and is an error.
+    fn to_device(&mut self, device: Device) -> Result<()>
+    where
+        Self: Sized,
+    {
+        remap(self, &mut |t| if t.device() == device { Ok(None) } else { t.to_device(device).map(Some) })
+    }
+    /// Casts every floating-point parameter and buffer to `dtype` in place, as PyTorch's
+    /// `model.to(torch.float64)` (`.double()`, `.half()`), with `to_device`'s rules.
+    fn to_dtype(&mut self, dtype: DType) -> Result<()>
+    where
+        Self: Sized,
+    {
+        remap(self, &mut |t| if !t.dtype().is_float() || t.dtype() == dtype { Ok(None) } else { t.to_dtype(dtype).map(Some) })
+    }
     fn train(&self) {
         self.set_training(true)
     }
     fn eval(&self) {
         self.set_training(false)
     }
+}
+
+/// Replaces each tensor of `m` by `f`'s new value of it (`None`: kept), as a new leaf with the
+/// old one's `requires_grad` and its gradient mapped too; a tensor met twice (tied) is
+/// mapped once, and a tensor sharing another's storage without being it is an error.
+fn remap<M: Module + ?Sized>(m: &mut M, f: &mut dyn FnMut(&Tensor) -> Result<Option<Tensor>>) -> Result<()> {
+    let mut done: Vec<(Tensor, Tensor)> = Vec::new();
+    m.visit_mut(&mut |t| {
+        if let Some((_, new)) = done.iter().find(|(old, _)| old.id() == t.id()) {
+            *t = new.clone();
+            return Ok(());
+        }
+        let Some(new) = f(&t.detach())? else {
+            done.push((t.clone(), t.clone()));
+            return Ok(());
+        };
+        if done.iter().any(|(old, _)| old.same_storage(t)) {
+            return Err(Error::Msg(format!(
+                "moving a module: a {:?} tensor shares its storage with another of its tensors without being it (a view of a tied weight); tie the tensor itself",
+                t.shape()
+            )));
+        }
+        if t.requires_grad() {
+            new.set_requires_grad(true);
+        }
+        if let Some(g) = t.grad() {
+            new.set_grad(f(&g)?.or(Some(g)));
+        }
+        done.push((t.clone(), new.clone()));
+        *t = new;
+        Ok(())
+    })
 }
 
 /// A module with one input and one output (what `Sequential` chains).

@@ -40,6 +40,12 @@ impl Gates {
         h.linear(&self.weight_hh, self.bias_hh.as_ref())
     }
 
+    fn visit_mut(&mut self, f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()> {
+        f(&mut self.weight_ih)?;
+        f(&mut self.weight_hh)?;
+        self.bias_ih.iter_mut().chain(self.bias_hh.iter_mut()).try_for_each(f)
+    }
+
     fn visit(&self, prefix: &str, suffix: &str, f: &mut dyn FnMut(String, &Tensor)) {
         f(join(prefix, &format!("weight_ih{suffix}")), &self.weight_ih);
         f(join(prefix, &format!("weight_hh{suffix}")), &self.weight_hh);
@@ -74,6 +80,7 @@ trait Cell {
     /// The state carried from step to step: `[h]` for a GRU, `[h, c]` for an LSTM.
     type State: Clone;
     fn gates(&self) -> &Gates;
+    fn gates_mut(&mut self) -> &mut Gates;
     /// One step from the precomputed input part `xi = x W_ih^T + b_ih`.
     fn step_from(&self, xi: &Tensor, state: &Self::State) -> Result<Self::State>;
     fn h(state: &Self::State) -> &Tensor;
@@ -107,6 +114,9 @@ impl Cell for LstmCell {
     fn gates(&self) -> &Gates {
         &self.gates
     }
+    fn gates_mut(&mut self) -> &mut Gates {
+        &mut self.gates
+    }
     fn step_from(&self, xi: &Tensor, [h, c]: &[Tensor; 2]) -> Result<[Tensor; 2]> {
         let z = xi.add(&self.gates.hidden_part(h)?)?;
         let g = z.chunk(4, -1)?;
@@ -122,6 +132,9 @@ impl Cell for LstmCell {
 impl Module for LstmCell {
     fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
         self.gates.visit(prefix, "", f);
+    }
+    fn visit_mut(&mut self, f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()> {
+        self.gates.visit_mut(f)
     }
 }
 
@@ -151,6 +164,9 @@ impl Cell for GruCell {
     fn gates(&self) -> &Gates {
         &self.gates
     }
+    fn gates_mut(&mut self) -> &mut Gates {
+        &mut self.gates
+    }
     fn step_from(&self, xi: &Tensor, [h]: &[Tensor; 1]) -> Result<[Tensor; 1]> {
         let (xg, hg) = (xi.chunk(3, -1)?, self.gates.hidden_part(h)?.chunk(3, -1)?);
         let r = xg[0].add(&hg[0])?.sigmoid()?;
@@ -167,6 +183,9 @@ impl Cell for GruCell {
 impl Module for GruCell {
     fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
         self.gates.visit(prefix, "", f);
+    }
+    fn visit_mut(&mut self, f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()> {
+        self.gates.visit_mut(f)
     }
 }
 
@@ -370,6 +389,9 @@ impl Module for Lstm {
     fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
         self.0.visit(prefix, f);
     }
+    fn visit_mut(&mut self, f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()> {
+        self.0.cells.iter_mut().try_for_each(|c| c.gates_mut().visit_mut(f))
+    }
     fn set_training(&self, training: bool) {
         self.0.training.set(training);
     }
@@ -411,6 +433,9 @@ impl Forward for Gru {
 impl Module for Gru {
     fn visit(&self, prefix: &str, f: &mut dyn FnMut(String, &Tensor)) {
         self.0.visit(prefix, f);
+    }
+    fn visit_mut(&mut self, f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()> {
+        self.0.cells.iter_mut().try_for_each(|c| c.gates_mut().visit_mut(f))
     }
     fn set_training(&self, training: bool) {
         self.0.training.set(training);

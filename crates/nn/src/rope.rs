@@ -6,11 +6,14 @@ use kiln_tensor::{DType, Device, Error, Result, Tensor};
 
 /// The cos and sin tables of RoPE for positions `0..max_seq` (`[max_seq, head_dim]` each,
 /// computed in f64 and stored in the dtype asked for), applied with a position offset for
-/// decoding with a cache. Like Hugging Face's `rotary_emb`, it holds no parameter and is not
-/// saved.
-#[derive(Debug, Clone)]
+/// decoding with a cache. Like Hugging Face's `rotary_emb`, it holds no parameter; its tables
+/// are buffers, which a model holding it skips (not saved) and `to_device` moves.
+#[derive(Debug, Clone, kiln_derive::Module)]
+#[module(crate = "crate")]
 pub struct RotaryEmbedding {
+    #[module(buffer)]
     cos: Tensor,
+    #[module(buffer)]
     sin: Tensor,
     head_dim: usize,
     max_seq: usize,
