@@ -243,5 +243,11 @@ fn to_dtype_and_to_device_replace_every_tensor_in_place_keeping_ties() -> Result
     let mut bad = Tied { wte, lm_head: Linear { weight: view, bias: None } };
     let e = bad.to_dtype(DType::F64).unwrap_err().to_string();
     assert!(e.contains("view of a tied weight") && e.contains("[6, 4]"), "{e}");
+    // A refusal leaves the module as it was (nothing converted half way).
+    assert!(bad.named_state().iter().all(|(_, t)| t.dtype() == DType::F32));
+    let mut seq = Sequential::new().add(Linear::new(2, 2, true, CPU)?).add(Linear::new(2, 2, true, CPU)?);
+    let _clone = Sequential { layers: vec![seq.layers[1].clone()] };
+    assert!(seq.to_dtype(DType::F64).unwrap_err().to_string().contains("layer 1 is shared"));
+    assert!(seq.parameters().iter().all(|p| p.dtype() == DType::F32), "layer 0 left as it was");
     Ok(())
 }

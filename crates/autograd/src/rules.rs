@@ -323,7 +323,13 @@ fn attention_unequal_rule(inputs: &[Tensor], g: &Tensor, (scale, causal): (f64, 
         let neg = Tensor::scalar(f64::NEG_INFINITY, scores.dtype(), dev)?;
         scores = Tensor::where_cond(&hide, &neg, &scores)?;
     }
-    let p = scores.softmax(-1i64)?;
+    let mut p = scores.softmax(-1i64)?;
+    if causal && s < t {
+        // The first T - S queries see no key: their output is zero (as the forward's), and so
+        // are their probabilities (the softmax of a row of -inf would be NaN everywhere).
+        let none = kiln_tensor::Tensor::arange(t, kiln_tensor::DType::I64, q.device())?.lt_scalar((t - s) as f64)?.reshape(&[t, 1])?;
+        p = Tensor::where_cond(&none, &Tensor::scalar(0.0, p.dtype(), q.device())?, &p)?;
+    }
     let dv = p.transpose(-2i64, -1)?.matmul(g)?;
     let dp = g.matmul(&vr.transpose(-2i64, -1)?)?;
     let ds = p.mul(&dp.sub(&dp.mul(&p)?.sum(&[r - 1][..], true)?)?)?.mul_scalar(scale)?;

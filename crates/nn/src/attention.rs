@@ -175,6 +175,13 @@ pub(crate) fn fused_attention_on(q: &Tensor) -> bool {
     }
 }
 
+/// Whether the fused op takes T queries over S keys (S != T) well: a few queries (a decoding
+/// step's) whose scores fit its kernel; longer query blocks go through the products.
+pub(crate) fn unequal_fits(t: usize, s: usize, d: usize) -> bool {
+    use kiln_tensor::cuda::kernels::attention::{attention_rows_fit, ATTN_SHORT_MAX_T};
+    t <= ATTN_SHORT_MAX_T && attention_rows_fit(t, s, d)
+}
+
 /// `softmax(q k^T / sqrt(D) + masks) v` over `[B, H, T, D]` inputs; with no masks but the
 /// causal one and no dropout, one fused op on a GPU (see `set_fused_attention`). k and v may
 /// have fewer heads than q (`[B, H_kv, S, D]`, `H_kv` dividing `H`: grouped-query attention)
@@ -187,7 +194,8 @@ pub fn scaled_dot_product_attention(q: &Tensor, k: &Tensor, v: &Tensor, masks: &
     let plain = masks.attn_mask.is_none() && masks.key_padding_mask.is_none();
     let kv_repeat = kiln_tensor::op::attention_kv_repeat(q.shape(), k.shape()).filter(|_| v.shape() == k.shape());
     // (The fused op's causal mask is aligned to the bottom right: equal only for S = T.)
-    if plain && dropout_p == 0.0 && fused_attention_on(q) && kv_repeat.is_some() && (s == t || !masks.is_causal) {
+    let lengths = s == t || (!masks.is_causal && unequal_fits(t, s, d));
+    if plain && dropout_p == 0.0 && fused_attention_on(q) && kv_repeat.is_some() && lengths {
         // One kernel each way; the [T, S] scores are never stored, and grouped-query k and v
         // are read per group, never repeated.
         return q.attention(k, v, scale, masks.is_causal);

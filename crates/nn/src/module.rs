@@ -107,35 +107,51 @@ pub trait Module {
 }
 
 /// Replaces each tensor of `m` by `f`'s new value of it (`None`: kept), as a new leaf with the
-/// old one's `requires_grad` and its gradient mapped too; a tensor met twice (tied) is
-/// mapped once, and a tensor sharing another's storage without being it is an error.
+/// old one's `requires_grad` and its gradient mapped too; a tensor met twice (tied) is mapped
+/// once. Everything is checked and converted before anything changes, so a refusal (a view of
+/// a tied weight, a layer shared with a clone) or a failed conversion leaves `m` as it was.
 fn remap<M: Module + ?Sized>(m: &mut M, f: &mut dyn FnMut(&Tensor) -> Result<Option<Tensor>>) -> Result<()> {
-    let mut done: Vec<(Tensor, Tensor)> = Vec::new();
+    let mut seen: Vec<Tensor> = Vec::new();
     m.visit_mut(&mut |t| {
-        if let Some((_, new)) = done.iter().find(|(old, _)| old.id() == t.id()) {
-            *t = new.clone();
-            return Ok(());
+        if !seen.iter().any(|s| s.id() == t.id()) {
+            seen.push(t.clone());
         }
-        let Some(new) = f(&t.detach())? else {
-            done.push((t.clone(), t.clone()));
-            return Ok(());
-        };
-        if done.iter().any(|(old, _)| old.same_storage(t)) {
-            return Err(Error::Msg(format!(
-                "moving a module: a {:?} tensor shares its storage with another of its tensors without being it (a view of a tied weight); tie the tensor itself",
-                t.shape()
-            )));
+        Ok(())
+    })?;
+    let mut new: Vec<Option<Tensor>> = Vec::with_capacity(seen.len());
+    for t in &seen {
+        new.push(converted(t, f)?);
+    }
+    for (i, a) in seen.iter().enumerate() {
+        for (j, b) in seen.iter().enumerate().skip(i + 1) {
+            if a.same_storage(b) && (new[i].is_some() || new[j].is_some()) {
+                return Err(Error::Msg(format!(
+                    "moving a module: a {:?} and a {:?} tensor share storage without being one tensor (a view of a tied weight); tie the tensor itself",
+                    a.shape(),
+                    b.shape()
+                )));
+            }
         }
-        if t.requires_grad() {
-            new.set_requires_grad(true);
+    }
+    m.visit_mut(&mut |t| {
+        if let Some(Some(n)) = seen.iter().position(|s| s.id() == t.id()).map(|k| &new[k]) {
+            *t = n.clone();
         }
-        if let Some(g) = t.grad() {
-            new.set_grad(f(&g)?.or(Some(g)));
-        }
-        done.push((t.clone(), new.clone()));
-        *t = new;
         Ok(())
     })
+}
+
+/// `f`'s value of `t` as a new leaf with `t`'s `requires_grad` and gradient (mapped), or
+/// `None` when `f` keeps it.
+fn converted(t: &Tensor, f: &mut dyn FnMut(&Tensor) -> Result<Option<Tensor>>) -> Result<Option<Tensor>> {
+    let Some(new) = f(&t.detach())? else { return Ok(None) };
+    if t.requires_grad() {
+        new.set_requires_grad(true);
+    }
+    if let Some(g) = t.grad() {
+        new.set_grad(f(&g)?.or(Some(g)));
+    }
+    Ok(Some(new))
 }
 
 /// A module with one input and one output (what `Sequential` chains).

@@ -562,10 +562,11 @@ impl Tensor {
     pub fn layer_norm_backward(&self, g: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
         Tensor::apply(Op::NormalizeBackward { eps, rms: false }, &[self, g, w], self.device())
     }
-    /// Scaled dot-product attention as one op (flash-style: the `[T, T]` scores are never
-    /// stored): `softmax(scale * self k^T) v` over `[.., T, D]` inputs of one shape, with
-    /// `causal` leaving key `j` out of query `i` when `j > i`. Under `Autocast`, computed and
-    /// returned in the low dtype, as for `matmul`.
+    /// Scaled dot-product attention as one op (flash-style: the `[T, S]` scores are never
+    /// stored): `softmax(scale * self k^T) v` for q `[.., T, D]` and k, v `[.., S, D]` (fewer
+    /// heads under grouped-query attention), with `causal` leaving key `j` out of query `i`
+    /// when `j > i + S - T`. Under `Autocast`, computed and returned in the low dtype, as for
+    /// `matmul`.
     pub fn attention(&self, k: &Tensor, v: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
         Tensor::autocast_apply(Op::Attention { scale, causal }, &[self, k, v])
     }

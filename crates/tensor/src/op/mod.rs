@@ -589,11 +589,12 @@ pub enum Op {
     LayerNormGrads {
         eps: f64,
     },
-    /// Scaled dot-product attention without storing the scores (flash-style): inputs q, k, v
-    /// of one shape `[.., T, D]`; `out = softmax(scale * q k^T) v`, where with `causal` key `j`
-    /// is left out of query `i`'s softmax when `j > i`. Grouped-query attention: q `[B, H, T,
-    /// D]` with k and v `[B, H_kv, T, D]`, query head `h` reading key/value head
-    /// `h / (H / H_kv)` (`attention_kv_repeat`), with no repeated copy of k and v.
+    /// Scaled dot-product attention without storing the scores (flash-style): q `[.., T, D]`, k
+    /// and v `[.., S, D]` (S = T in the backward); `out = softmax(scale * q k^T) v`, where with
+    /// `causal` key `j` is left out of query `i`'s softmax when `j > i + S - T` (the queries
+    /// are the last T positions). Grouped-query attention: q `[B, H, T, D]` with k and v `[B,
+    /// H_kv, S, D]`, query head `h` reading key/value head `h / (H / H_kv)`
+    /// (`attention_kv_repeat`), with no repeated copy of k and v.
     Attention {
         scale: f64,
         causal: bool,

@@ -610,6 +610,16 @@ pub fn attention_rows_smem(s: usize, d: usize) -> usize {
     4 * (d + s + (ATTN_ROWS_THREADS / d.max(1)).max(1) * d)
 }
 
+/// The most dynamic shared memory `attention_rows_source`'s kernel asks for: within every
+/// GPU since Ampere (99 KiB a block on the smallest), so about 24k keys.
+pub const ATTN_ROWS_MAX_SMEM: usize = 96 * 1024;
+
+/// Whether `attention_rows_source`'s kernel takes T queries over S keys of head dim D (its
+/// grid has a block row per query, its scores live in shared memory).
+pub fn attention_rows_fit(t: usize, s: usize, d: usize) -> bool {
+    t <= 65535 && attention_rows_smem(s, d) <= ATTN_ROWS_MAX_SMEM
+}
+
 /// Dynamic shared memory of `attention_short_source`'s kernel: q and v `[T, D]`, k `[T, D + 1]`.
 pub fn attention_short_smem(t: usize, d: usize) -> usize {
     4 * (2 * t * d + t * (d + 1))
@@ -1202,15 +1212,14 @@ mod launch {
         dtype: DType,
         (scale, causal): (f64, bool),
     ) -> Result<()> {
-        const MOST: usize = 200 * 1024;
-        let smem = attention_rows_smem(s, d);
-        if smem > MOST {
+        if !attention_rows_fit(t, s, d) {
             return Err(Error::Msg(format!(
-                "attention on CUDA: {s} keys for {t} queries do not fit the kernel of unequal lengths (at most {} keys at head dim {d}); use the unfused ops",
-                (MOST / 4).saturating_sub(d + (ATTN_ROWS_THREADS / d) * d)
+                "attention on CUDA: {s} keys for {t} queries do not fit the kernel of unequal lengths (at most 65535 queries and {} keys at head dim {d}); use the unfused ops",
+                (ATTN_ROWS_MAX_SMEM / 4).saturating_sub(d + (ATTN_ROWS_THREADS / d) * d)
             )));
         }
-        let k = g.kernel_shared(crate::cuda::gpu::spec_key("attn_rows", &(dtype, d, causal)), MOST as u32, || {
+        let smem = attention_rows_smem(s, d);
+        let k = g.kernel_shared(crate::cuda::gpu::spec_key("attn_rows", &(dtype, d, causal)), ATTN_ROWS_MAX_SMEM as u32, || {
             attention_rows_source(dtype, d, causal)
         })?;
         let ([mut q, mut kp, mut v], [mut mq, mut mk, mut mv]) = ([ins[0].0, ins[1].0, ins[2].0], [ins[0].1, ins[1].1, ins[2].1]);

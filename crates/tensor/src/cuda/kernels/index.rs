@@ -19,7 +19,7 @@ pub struct Index {
     pub rows: bool,
 }
 
-/// Whether `Index::rows` suits a select (or index_add) of `rows` rows of `inner` elements:
+/// Whether `Index::rows` suits a select of `rows` rows of `inner` elements:
 /// rows at least a warp wide, and enough of them to give every warp of a full GPU (`sms`
 /// multiprocessors) one.
 pub fn select_by_rows(rows: usize, inner: usize, sms: usize) -> bool {
@@ -174,7 +174,7 @@ pub fn argsort_source(dtype: DType, descending: bool) -> (String, String) {
     };
     s += "  return ia < ib;\n}\n";
     s += &format!(
-        "extern \"C\" __global__ void {name}(long long* o, const {t}* __restrict__ x, K* keys, long long* pos, long long total, long long n, long long p, long long j, long long k, int phase) {{\n"
+        "extern \"C\" __global__ void __launch_bounds__(1024) {name}(long long* o, const {t}* __restrict__ x, K* keys, long long* pos, long long total, long long n, long long p, long long j, long long k, int phase) {{\n"
     );
     s += &format!("  __shared__ K sk[{SORT_TILE}];\n  __shared__ long long sp[{SORT_TILE}];\n  const long long tile = p < {SORT_TILE} ? p : {SORT_TILE};\n");
     s += r#"  if (phase == 3) {
@@ -402,9 +402,8 @@ mod launch {
             let mut params = kernel_params![po, px, pk, pp, total, nn, pw, jj, kkk, ph];
             // SAFETY: (out, x, keys, pos, total, n, p, j, k, phase) matches the generated
             // signature; x holds rows x n dense values, keys and pos rows x p, out rows x n; every
-            // thread's index stays below total = rows x p.
-            // every thread's index stays below total = rows x p; a phase-3 block sorts whole
-            // tiles of `tile` elements (p is a multiple of it).
+            // thread's index stays below total = rows x p; a phase-3 block sorts whole tiles of
+            // `tile` elements (p is a multiple of it).
             unsafe {
                 if phase == 3 {
                     let grid = (rows * p / tile).clamp(1, g.sms as usize * 8) as u32;
