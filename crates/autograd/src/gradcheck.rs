@@ -53,8 +53,8 @@ pub fn gradcheck(f: impl Fn(&[Tensor]) -> Result<Tensor>, inputs: &[Tensor], cfg
             let numeric = (probe(cfg.eps)? - probe(-cfg.eps)?) / (2.0 * cfg.eps);
             let err = (numeric - analytic[j]).abs();
             worst = worst.max(err);
-            // (A NaN on either side fails: `!(err <= tol)`.)
-            if !(err <= cfg.atol + cfg.rtol * numeric.abs()) {
+            // A NaN on either side fails too.
+            if err.is_nan() || err > cfg.atol + cfg.rtol * numeric.abs() {
                 return Err(Error::Msg(format!(
                     "gradcheck: input {i} (shape {:?}) element {j}: analytic {} vs numeric {numeric} (error {err:e})",
                     leaf.shape(),
