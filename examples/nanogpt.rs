@@ -7,7 +7,9 @@ mod common;
 
 use kiln::compile::{compile_step, Mode};
 use kiln::nn::init::{normal_, zeros_};
-use kiln::nn::{dropout, scaled_dot_product_attention, AttnMasks, Dropout, Embedding, Gelu, LayerNorm, Linear, Sequential};
+use kiln::nn::{
+    dropout, merge_heads, scaled_dot_product_attention, split_heads, AttnMasks, Dropout, Embedding, Gelu, LayerNorm, Linear, Sequential,
+};
 use kiln::optim::{clip_grad_norm, AdamConfig, AdamW, LrScheduler, Optimizer, WarmupCosine};
 use kiln::prelude::*;
 use kiln::tensor::Flag;
@@ -29,17 +31,10 @@ struct CausalSelfAttention {
 
 impl CausalSelfAttention {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (b, t, c) = (x.dim(0)?, x.dim(1)?, x.dim(2)?);
-        let qkv: Vec<Tensor> = self
-            .c_attn
-            .forward(x)?
-            .split(c, 2)?
-            .iter()
-            .map(|z| z.reshape(&(b, t, HEADS, c / HEADS))?.transpose(1, 2))
-            .collect::<Result<_>>()?;
+        let qkv = self.c_attn.forward(x)?.chunk(3, 2)?;
+        let (q, k, v) = (split_heads(&qkv[0], HEADS)?, split_heads(&qkv[1], HEADS)?, split_heads(&qkv[2], HEADS)?);
         let p = if self.training.get() { DROPOUT } else { 0.0 };
-        let y = scaled_dot_product_attention(&qkv[0], &qkv[1], &qkv[2], &AttnMasks { is_causal: true, ..Default::default() }, p)?;
-        self.c_proj.forward(&y.transpose(1, 2)?.reshape(&(b, t, c))?)
+        self.c_proj.forward(&merge_heads(&scaled_dot_product_attention(&q, &k, &v, &AttnMasks::causal(), p)?)?)
     }
 }
 

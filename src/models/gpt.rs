@@ -6,8 +6,8 @@
 
 use kiln_nn::init::{normal_, zeros_};
 use kiln_nn::{
-    cross_entropy, dropout, scaled_dot_product_attention, Activation, AttnMasks, Cache, Embedding, Forward, KvCache, LayerNorm, Linear,
-    Module, StaticKvCache,
+    cross_entropy, dropout, merge_heads, scaled_dot_product_attention, split_heads, Activation, AttnMasks, Cache, Embedding, Forward,
+    KvCache, LayerNorm, Linear, Module, StaticKvCache,
 };
 use kiln_tensor::{DType, Device, Error, Flag, Result, Tensor};
 
@@ -90,19 +90,15 @@ impl Block {
     /// `forward`, or with `cache` (the cache and this block's layer) attending over the cached
     /// keys and values too, this block's added.
     fn forward_at(&self, x: &Tensor, c: &GptConfig, training: bool, cache: Option<(&mut Cache, usize)>) -> Result<Tensor> {
-        let (b, t, d) = (x.shape()[0], x.shape()[1], c.d_model);
+        let d = c.d_model;
         let p = if training { c.dropout } else { 0.0 };
         let qkv = self.qkv.forward(&self.ln1.forward(x)?)?; // [B, T, 3C]
-        let heads = |i: usize| qkv.narrow(2, i * d, d)?.reshape(&[b, t, c.n_head, d / c.n_head])?.transpose(1, 2);
+        let heads = |i: usize| split_heads(&qkv.narrow(2, i * d, d)?, c.n_head);
         let att = match cache {
-            None => {
-                let masks = AttnMasks { is_causal: true, ..Default::default() };
-                scaled_dot_product_attention(&heads(0)?, &heads(1)?, &heads(2)?, &masks, p)?
-            }
+            None => scaled_dot_product_attention(&heads(0)?, &heads(1)?, &heads(2)?, &AttnMasks::causal(), p)?,
             Some((cache, layer)) => cache.attend(layer, &heads(0)?, &heads(1)?, &heads(2)?)?,
         }; // [B, H, T, D]
-        let att = att.transpose(1, 2)?.reshape(&[b, t, d])?;
-        let x = x.add(&dropout(&self.proj.forward(&att)?, p, training)?)?;
+        let x = x.add(&dropout(&self.proj.forward(&merge_heads(&att)?)?, p, training)?)?;
         let h = self.fc_proj.forward(&c.activation.apply(&self.fc.forward(&self.ln2.forward(&x)?)?)?)?;
         x.add(&dropout(&h, p, training)?)
     }

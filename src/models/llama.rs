@@ -4,7 +4,8 @@
 
 use kiln_nn::init::normal_;
 use kiln_nn::{
-    causal_attention_at, cross_entropy, Cache, Embedding, Forward, KvCache, Linear, Module, RmsNorm, RotaryEmbedding, StaticKvCache, SwiGlu,
+    causal_attention_at, cross_entropy, merge_heads, split_heads, Cache, Embedding, Forward, KvCache, Linear, Module, RmsNorm,
+    RotaryEmbedding, StaticKvCache, SwiGlu,
 };
 use kiln_tensor::{default_dtype, Device, Error, Result, Tensor};
 
@@ -181,10 +182,9 @@ impl LlamaAttention {
     /// with `cache` (the cache and this layer) over the cached keys and values too, this
     /// layer's added.
     fn forward(&self, x: &Tensor, rope: &RotaryEmbedding, c: &LlamaConfig, cache: Option<(&mut Cache, usize)>) -> Result<Tensor> {
-        let (b, t, hd) = (x.shape()[0], x.shape()[1], c.dim / c.n_heads);
-        let heads = |y: Tensor, n: usize| y.reshape(&[b, t, n, hd])?.transpose(1, 2);
-        let (q, k) = (heads(self.q_proj.forward(x)?, c.n_heads)?, heads(self.k_proj.forward(x)?, c.n_kv_heads)?);
-        let v = heads(self.v_proj.forward(x)?, c.n_kv_heads)?;
+        let t = x.shape()[1];
+        let (q, k) = (split_heads(&self.q_proj.forward(x)?, c.n_heads)?, split_heads(&self.k_proj.forward(x)?, c.n_kv_heads)?);
+        let v = split_heads(&self.v_proj.forward(x)?, c.n_kv_heads)?;
         // Grouped-query: each k/v head serves n_heads / n_kv_heads query heads, in the fused
         // kernels without a repeated copy (`scaled_dot_product_attention`).
         let att = match cache {
@@ -194,6 +194,6 @@ impl LlamaAttention {
             }
             None => causal_attention_at(&rope.apply(&q, 0)?, &rope.apply(&k, 0)?, &v, 0)?,
         };
-        self.o_proj.forward(&att.transpose(1, 2)?.reshape(&[b, t, c.n_heads * hd])?)
+        self.o_proj.forward(&merge_heads(&att)?)
     }
 }

@@ -19,6 +19,31 @@ pub struct AttnMasks<'a> {
     pub is_causal: bool,
 }
 
+impl AttnMasks<'_> {
+    /// Only the causal mask: `AttnMasks { is_causal: true, ..Default::default() }`.
+    pub fn causal() -> AttnMasks<'static> {
+        AttnMasks { is_causal: true, ..Default::default() }
+    }
+}
+
+/// The heads of a projection as attention takes them: `[B, T, H * D]` as `[B, H, T, D]`
+/// (`x.view(B, T, H, D).transpose(1, 2)` in PyTorch).
+pub fn split_heads(x: &Tensor, heads: usize) -> Result<Tensor> {
+    match *x.shape() {
+        [b, t, c] if heads > 0 && c.is_multiple_of(heads) => x.reshape(&[b, t, heads, c / heads])?.transpose(1, 2),
+        _ => Err(Error::shape("split_heads", format!("needs [B, T, H * D] with H = {heads} dividing the last dim, got {:?}", x.shape()))),
+    }
+}
+
+/// Attention's heads back side by side: `[B, H, T, D]` as `[B, T, H * D]`, what the output
+/// projection reads (`y.transpose(1, 2).reshape(B, T, C)`).
+pub fn merge_heads(x: &Tensor) -> Result<Tensor> {
+    match *x.shape() {
+        [b, h, t, d] => x.transpose(1, 2)?.reshape(&[b, t, h * d]),
+        _ => Err(Error::shape("merge_heads", format!("needs [B, H, T, D], got {:?}", x.shape()))),
+    }
+}
+
 /// `[n, n]` U8 mask with 1 above the diagonal (future positions).
 pub fn causal_mask(n: usize, device: Device) -> Result<Tensor> {
     let i = Tensor::arange(n, DType::I64, device)?;

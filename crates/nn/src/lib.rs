@@ -21,7 +21,9 @@ pub mod state_dict;
 pub mod transformer;
 
 pub use activation::{leaky_relu, Activation, Gelu, LeakyRelu, Relu, Sigmoid, Silu, Tanh};
-pub use attention::{causal_mask, repeat_kv, scaled_dot_product_attention, set_fused_attention, AttnMasks, MultiheadAttention};
+pub use attention::{
+    causal_mask, merge_heads, repeat_kv, scaled_dot_product_attention, set_fused_attention, split_heads, AttnMasks, MultiheadAttention,
+};
 pub use conv::{
     adaptive_avg_pool2d, avg_pool2d, conv1d, conv2d, conv2d_groups, conv_transpose2d, interpolate, max_pool2d, unfold, AdaptiveAvgPool2d,
     AvgPool2d, Conv1d, Conv2d, ConvTranspose2d, Flatten, Interpolation, MaxPool2d, Upsample, Window,

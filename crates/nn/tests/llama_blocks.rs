@@ -158,3 +158,23 @@ fn attention_over_more_keys_than_queries_is_the_masked_attention() -> Result<()>
     assert!(e.contains("[1, 2, 3, 4]") && e.contains("[1, 2, 5, 4]"), "{e}");
     Ok(())
 }
+
+/// `split_heads` gives head h of token t as the columns `h D..(h + 1) D` of the projection
+/// (PyTorch's `view(B, T, H, D).transpose(1, 2)`), `merge_heads` puts them back; shapes that
+/// do not split are errors naming them.
+#[test]
+fn split_heads_and_merge_heads_are_pytorchs_view_and_transpose() -> Result<()> {
+    use kiln_nn::{merge_heads, split_heads};
+    let x = Tensor::from_vec((0..48).map(|v| v as f64).collect(), &[2, 3, 8], Device::Cpu)?;
+    let h = split_heads(&x, 4)?;
+    assert_eq!(h.shape(), [2, 4, 3, 2]);
+    let (hv, xv) = (h.contiguous()?.to_vec::<f64>()?, x.to_vec::<f64>()?);
+    for (b, hh, t, d) in (0..2).flat_map(|b| (0..4).flat_map(move |hh| (0..3).flat_map(move |t| (0..2).map(move |d| (b, hh, t, d))))) {
+        assert_eq!(hv[((b * 4 + hh) * 3 + t) * 2 + d], xv[(b * 3 + t) * 8 + hh * 2 + d]);
+    }
+    assert_eq!(merge_heads(&h)?.to_vec::<f64>()?, xv);
+    let e = split_heads(&x, 3).unwrap_err().to_string();
+    assert!(e.contains("[2, 3, 8]") && e.contains("H = 3"), "{e}");
+    assert!(merge_heads(&x).unwrap_err().to_string().contains("[2, 3, 8]"));
+    Ok(())
+}
