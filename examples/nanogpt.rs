@@ -8,7 +8,8 @@ mod common;
 use kiln::compile::{compile_step, Mode};
 use kiln::nn::init::{normal_, zeros_};
 use kiln::nn::{
-    dropout, merge_heads, scaled_dot_product_attention, split_heads, AttnMasks, Dropout, Embedding, Gelu, LayerNorm, Linear, Sequential,
+    dropout, merge_heads, scaled_dot_product_attention, seq, split_heads, AttnMasks, Dropout, Embedding, Gelu, LayerNorm, Linear,
+    Sequential,
 };
 use kiln::optim::{clip_grad_norm, AdamConfig, AdamW, LrScheduler, Optimizer, WarmupCosine};
 use kiln::prelude::*;
@@ -71,11 +72,7 @@ impl Gpt {
                 c_proj: Linear::new(D, D, true, CPU)?,
                 training: Flag::new(true),
             };
-            let mlp = Sequential::new()
-                .add(Linear::new(D, 4 * D, true, CPU)?)
-                .add(Gelu)
-                .add(Linear::new(4 * D, D, true, CPU)?)
-                .add(Dropout::new(DROPOUT));
+            let mlp = seq![Linear::new(D, 4 * D, true, CPU)?, Gelu, Linear::new(4 * D, D, true, CPU)?, Dropout::new(DROPOUT)];
             Ok(Block { ln_1: LayerNorm::new(D, 1e-5, CPU)?, attn, ln_2: LayerNorm::new(D, 1e-5, CPU)?, mlp })
         };
         let wte = Embedding::new(vocab, D, CPU)?;

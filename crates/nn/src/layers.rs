@@ -298,6 +298,16 @@ impl<T: Module + Forward + Send + Sync + 'static> Layer for T {
 
 /// Layers applied in order; parameters are named by position (`0.weight`, `2.bias`). A clone
 /// shares the layers (and so the parameters), as a clone of any module shares its tensors.
+/// `seq![a, b, c]` builds one as PyTorch's `nn.Sequential(a, b, c)`:
+///
+/// ```
+/// use kiln_nn::{seq, Gelu, Linear, Module};
+/// use kiln_tensor::Device;
+/// let mlp = seq![Linear::new(4, 16, true, Device::Cpu)?, Gelu, Linear::new(16, 4, true, Device::Cpu)?];
+/// let names: Vec<String> = mlp.named_parameters().into_iter().map(|(n, _)| n).collect();
+/// assert_eq!(names, ["0.weight", "0.bias", "2.weight", "2.bias"]);
+/// # Ok::<(), kiln_tensor::Error>(())
+/// ```
 #[derive(Default, Clone)]
 pub struct Sequential {
     pub layers: Vec<std::sync::Arc<dyn Layer>>,
@@ -312,6 +322,14 @@ impl Sequential {
         self.layers.push(std::sync::Arc::new(layer));
         self
     }
+}
+
+/// A `Sequential` of the layers given, in order (`nn.Sequential(a, b, c)`).
+#[macro_export]
+macro_rules! seq {
+    ($($layer:expr),* $(,)?) => {
+        $crate::Sequential::new()$(.add($layer))*
+    };
 }
 
 impl Forward for Sequential {
