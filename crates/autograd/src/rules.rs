@@ -2,7 +2,7 @@
 //! op's output `out`; the result has one entry per input (`None`: no gradient flows there).
 
 use kiln_tensor::collective::{Collective, Group, Reduction};
-use kiln_tensor::{BinaryOp, Error, Op, ReduceOp, Result, Tensor, UnaryOp};
+use kiln_tensor::{BinaryOp, DType, Error, Op, ReduceOp, Result, Tensor, UnaryOp};
 
 /// Sums `g` over the dims that broadcasting expanded, so it has `shape` again.
 pub fn reduce_to(g: &Tensor, shape: &[usize]) -> Result<Tensor> {
@@ -279,7 +279,6 @@ fn attention_rule(inputs: &[Tensor], out: &Tensor, g: &Tensor, (scale, causal): 
     }
     // Packed as [B, T, 3, H.., D]: each gradient is a view, T moved back after H...
     let packed = inputs[0].attention_backward(&inputs[1], &inputs[2], out, g, scale, causal)?;
-    let r = inputs[0].rank();
     let at = if r > 2 { 2 } else { 1 };
     let order: Vec<usize> = if r > 2 { [&[0], &(2..r - 1).collect::<Vec<_>>()[..], &[1, r - 1]].concat() } else { (0..r).collect() };
     let mut grads: Vec<Tensor> = (0..3).map(|w| packed.narrow(at, w, 1)?.squeeze(at)?.permute(&order)).collect::<Result<_>>()?;
@@ -317,8 +316,8 @@ fn attention_unequal_rule(inputs: &[Tensor], g: &Tensor, (scale, causal): (f64, 
     let mut scores = q.matmul(&kr.transpose(-2i64, -1)?)?.mul_scalar(scale)?;
     if causal {
         let dev = q.device();
-        let i = kiln_tensor::Tensor::arange(t, kiln_tensor::DType::I64, dev)?.add_scalar(s as f64 - t as f64)?;
-        let j = kiln_tensor::Tensor::arange(s, kiln_tensor::DType::I64, dev)?;
+        let i = Tensor::arange(t, DType::I64, dev)?.add_scalar(s as f64 - t as f64)?;
+        let j = Tensor::arange(s, DType::I64, dev)?;
         let hide = j.reshape(&[1, s])?.gt(&i.reshape(&[t, 1])?)?;
         let neg = Tensor::scalar(f64::NEG_INFINITY, scores.dtype(), dev)?;
         scores = Tensor::where_cond(&hide, &neg, &scores)?;
@@ -327,7 +326,7 @@ fn attention_unequal_rule(inputs: &[Tensor], g: &Tensor, (scale, causal): (f64, 
     if causal && s < t {
         // The first T - S queries see no key: their output is zero (as the forward's), and so
         // are their probabilities (the softmax of a row of -inf would be NaN everywhere).
-        let none = kiln_tensor::Tensor::arange(t, kiln_tensor::DType::I64, q.device())?.lt_scalar((t - s) as f64)?.reshape(&[t, 1])?;
+        let none = Tensor::arange(t, DType::I64, q.device())?.lt_scalar((t - s) as f64)?.reshape(&[t, 1])?;
         p = Tensor::where_cond(&none, &Tensor::scalar(0.0, p.dtype(), q.device())?, &p)?;
     }
     let dv = p.transpose(-2i64, -1)?.matmul(g)?;

@@ -237,7 +237,8 @@ impl Shared {
 
     /// The all-reduced mean of bucket `k`'s gradients, flat.
     fn reduce(&self, k: usize) -> Result<Tensor> {
-        let flat = flat_grads(&self.params, &self.buckets[k], self.options.find_unused_parameters, ("Ddp", self.group.rank), 0)?;
+        let owner = Owner::Ddp { find_unused_parameters: self.options.find_unused_parameters };
+        let flat = flat_grads(&self.params, &self.buckets[k], owner, self.group.rank, 0)?;
         flat.collective(self.group, Collective::AllReduce(Reduction::Mean))
     }
 }
@@ -290,24 +291,32 @@ pub(crate) fn flatten(params: &[(String, Tensor)], b: &Bucket, parts: Vec<Tensor
     Tensor::cat(&flat.iter().collect::<Vec<_>>(), 0usize)
 }
 
+/// Who flattens a bucket's gradients, which decides what a missing gradient is.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Owner {
+    /// `Ddp`: with `find_unused_parameters`, a missing gradient reads as zeros.
+    Ddp {
+        find_unused_parameters: bool,
+    },
+    Zero1,
+}
+
 /// The gradients of bucket `b`'s parameters in one flat tensor (`flatten`), followed by `pad`
-/// zeros; a parameter without a gradient reads as zeros with `zeros_for_missing`, else is an
-/// error naming it (on `rank`, for `who`: `Ddp` or `Zero1`).
-pub(crate) fn flat_grads(
-    params: &[(String, Tensor)],
-    b: &Bucket,
-    zeros_for_missing: bool,
-    (who, rank): (&str, usize),
-    pad: usize,
-) -> Result<Tensor> {
+/// zeros; a parameter without a gradient reads as zeros where `owner` allows, else is an error
+/// naming it (on `rank`).
+pub(crate) fn flat_grads(params: &[(String, Tensor)], b: &Bucket, owner: Owner, rank: usize, pad: usize) -> Result<Tensor> {
+    let who = match owner {
+        Owner::Ddp { .. } => "Ddp",
+        Owner::Zero1 => "Zero1",
+    };
     let mut flat = Vec::with_capacity(b.params.len());
     for &i in &b.params {
         let (name, p) = &params[i];
-        let g = match p.grad() {
-            Some(g) => g,
-            None if zeros_for_missing => p.zeros_like()?,
-            None => {
-                let hint = if who == "Ddp" { "pass find_unused_parameters: true, or " } else { "" };
+        let g = match (p.grad(), owner) {
+            (Some(g), _) => g,
+            (None, Owner::Ddp { find_unused_parameters: true }) => p.zeros_like()?,
+            (None, _) => {
+                let hint = if matches!(owner, Owner::Ddp { .. }) { "pass find_unused_parameters: true, or " } else { "" };
                 return Err(Error::Msg(format!(
                     "{who}: '{name}' has no gradient on rank {rank} after backward (the loss did not use it): {hint}leave it out of the model"
                 )));

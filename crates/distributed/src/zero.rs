@@ -5,7 +5,7 @@
 //! updated parts are all-gathered back into every parameter. The optimizer's memory shrinks
 //! by the world size; the arithmetic is `Ddp`'s with the same optimizer.
 
-use crate::ddp::{flat_grads, flatten, plan_buckets, scatter_back, Bucket};
+use crate::ddp::{flat_grads, flatten, plan_buckets, scatter_back, Bucket, Owner};
 use crate::group::ProcessGroup;
 use kiln_nn::Module;
 use kiln_optim::Optimizer;
@@ -91,7 +91,7 @@ impl<O: Optimizer> Optimizer for Zero1<O> {
     fn step(&mut self) -> Result<()> {
         no_grad(|| {
             for (b, pad, part) in &self.buckets {
-                let flat = flat_grads(&self.params, b, false, ("Zero1", self.group.rank), *pad)?;
+                let flat = flat_grads(&self.params, b, Owner::Zero1, self.group.rank, *pad)?;
                 part.set_grad(Some(flat.collective(self.group, Collective::ReduceScatter(Reduction::Mean))?));
             }
             if let Some(max) = self.max_grad_norm {

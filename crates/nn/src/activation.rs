@@ -15,9 +15,6 @@ macro_rules! activation {
         }
         impl Module for $name {
             fn visit(&self, _prefix: &str, _f: &mut dyn FnMut(String, &Tensor)) {}
-            fn visit_mut(&mut self, _f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()> {
-                Ok(())
-            }
         }
     };
 }
@@ -52,9 +49,6 @@ impl Forward for LeakyRelu {
 
 impl Module for LeakyRelu {
     fn visit(&self, _prefix: &str, _f: &mut dyn FnMut(String, &Tensor)) {}
-    fn visit_mut(&mut self, _f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()> {
-        Ok(())
-    }
 }
 
 /// An activation chosen at run time (Transformer layers take one).

@@ -180,7 +180,7 @@ pub fn set_fused_attention(on: Option<bool>) {
 
 /// Whether the fused attention op is used for `q` (see `set_fused_attention`); the FMA
 /// kernels take at most `ATTN_FMA_MAX_MATRICES` batch matrices.
-pub(crate) fn fused_attention_on(q: &Tensor) -> bool {
+fn fused_attention_on(q: &Tensor) -> bool {
     let r = q.rank();
     if !q.device().is_cuda() || r < 2 || q.dtype() == DType::F64 {
         return false;
@@ -200,11 +200,14 @@ pub(crate) fn fused_attention_on(q: &Tensor) -> bool {
     }
 }
 
-/// Whether the fused op takes T queries over S keys (S != T) well: a few queries (a decoding
-/// step's) whose scores fit its kernel; longer query blocks go through the products.
-pub(crate) fn unequal_fits(t: usize, s: usize, d: usize) -> bool {
+/// Whether the fused op takes `[B, H, T, D]` q over k and v (`set_fused_attention`'s rule, k
+/// and v of one shape pairing with q); with S keys apart from T, only a few queries (a
+/// decoding step's) whose scores fit its kernel: longer query blocks go through the products.
+pub(crate) fn fused_takes(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
     use kiln_tensor::cuda::kernels::attention::{attention_rows_fit, ATTN_SHORT_MAX_T};
-    t <= ATTN_SHORT_MAX_T && attention_rows_fit(t, s, d)
+    let (t, s, d) = (q.shape()[2], k.shape()[2], q.shape()[3]);
+    let lengths = s == t || (t <= ATTN_SHORT_MAX_T && attention_rows_fit(t, s, d));
+    lengths && v.shape() == k.shape() && kiln_tensor::op::attention_kv_repeat(q.shape(), k.shape()).is_some() && fused_attention_on(q)
 }
 
 /// `softmax(q k^T / sqrt(D) + masks) v` over `[B, H, T, D]` inputs; with no masks but the
@@ -217,10 +220,8 @@ pub fn scaled_dot_product_attention(q: &Tensor, k: &Tensor, v: &Tensor, masks: &
     let s = k.shape()[2];
     let scale = 1.0 / (d as f64).sqrt();
     let plain = masks.attn_mask.is_none() && masks.key_padding_mask.is_none();
-    let kv_repeat = kiln_tensor::op::attention_kv_repeat(q.shape(), k.shape()).filter(|_| v.shape() == k.shape());
     // (The fused op's causal mask is aligned to the bottom right: equal only for S = T.)
-    let lengths = s == t || (!masks.is_causal && unequal_fits(t, s, d));
-    if plain && dropout_p == 0.0 && fused_attention_on(q) && kv_repeat.is_some() && lengths {
+    if plain && dropout_p == 0.0 && (s == t || !masks.is_causal) && fused_takes(q, k, v) {
         // One kernel each way; the [T, S] scores are never stored, and grouped-query k and v
         // are read per group, never repeated.
         return q.attention(k, v, scale, masks.is_causal);

@@ -542,9 +542,6 @@ macro_rules! pool_layer {
 
         impl Module for $name {
             fn visit(&self, _: &str, _: &mut dyn FnMut(String, &Tensor)) {}
-            fn visit_mut(&mut self, _: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()> {
-                Ok(())
-            }
         }
     };
 }

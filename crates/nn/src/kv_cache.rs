@@ -170,9 +170,7 @@ pub fn causal_attention_at(q: &Tensor, k: &Tensor, v: &Tensor, offset: usize) ->
             format!("q {:?} at offset {offset} needs {} keys, got k {:?}", q.shape(), offset + t, k.shape()),
         ));
     }
-    let pairs = kiln_tensor::op::attention_kv_repeat(q.shape(), k.shape()).is_some() && v.shape() == k.shape();
-    let fits = t == s || crate::attention::unequal_fits(t, s, q.shape()[3]);
-    if pairs && fits && crate::attention::fused_attention_on(q) {
+    if crate::attention::fused_takes(q, k, v) {
         // One fused op: its causal mask, aligned to the bottom right, is exactly this one.
         return q.attention(k, v, 1.0 / (q.shape()[3] as f64).sqrt(), true);
     }

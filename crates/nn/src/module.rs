@@ -1,7 +1,8 @@
 //! The `Module` trait (parameters and buffers by name) and `Forward`.
 
-use kiln_tensor::{DType, Device, Error, Result, Tensor};
+use kiln_tensor::{DType, Device, Error, Result, Tensor, TensorId};
 use std::any::Any;
+use std::collections::HashMap;
 
 /// Anything with parameters. `#[derive(Module)]` writes it from a struct's fields (see
 /// `kiln_derive`); by hand, `visit` is the one method to write: it names each parameter.
@@ -18,9 +19,19 @@ pub trait Module {
     fn visit_modules(&self, _prefix: &str, _f: &mut dyn FnMut(&str, &dyn Any)) {}
     /// Calls `f` on every tensor the module holds (parameters and buffers), each by `&mut` so
     /// that it can be replaced (what `to_device` does); `#[derive(Module)]` writes it. A module
-    /// written by hand that holds tensors writes it too: the default refuses, naming the type.
+    /// written by hand that holds tensors writes it too: the default passes a module that
+    /// names none and refuses one that does, naming its type.
     fn visit_mut(&mut self, _f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()> {
-        Err(Error::Msg(format!("{}: moving its tensors (to_device) is not written for this module", std::any::type_name::<Self>())))
+        let mut holds = false;
+        self.visit("", &mut |_, _| holds = true);
+        self.visit_buffers("", &mut |_, _| holds = true);
+        if holds {
+            return Err(Error::Msg(format!(
+                "{}: moving its tensors (to_device) is not written for this module",
+                std::any::type_name::<Self>()
+            )));
+        }
+        Ok(())
     }
 
     /// Calls `f(name, module)` on every submodule and then on this module (named `""`), as
@@ -111,11 +122,12 @@ pub trait Module {
 /// once. Everything is checked and converted before anything changes, so a refusal (a view of
 /// a tied weight, a layer shared with a clone) or a failed conversion leaves `m` as it was.
 fn remap<M: Module + ?Sized>(m: &mut M, f: &mut dyn FnMut(&Tensor) -> Result<Option<Tensor>>) -> Result<()> {
-    let mut seen: Vec<Tensor> = Vec::new();
+    let (mut seen, mut at): (Vec<Tensor>, HashMap<TensorId, usize>) = (Vec::new(), HashMap::new());
     m.visit_mut(&mut |t| {
-        if !seen.iter().any(|s| s.id() == t.id()) {
+        at.entry(t.id()).or_insert_with(|| {
             seen.push(t.clone());
-        }
+            seen.len() - 1
+        });
         Ok(())
     })?;
     let mut new: Vec<Option<Tensor>> = Vec::with_capacity(seen.len());
@@ -134,7 +146,7 @@ fn remap<M: Module + ?Sized>(m: &mut M, f: &mut dyn FnMut(&Tensor) -> Result<Opt
         }
     }
     m.visit_mut(&mut |t| {
-        if let Some(Some(n)) = seen.iter().position(|s| s.id() == t.id()).map(|k| &new[k]) {
+        if let Some(Some(n)) = at.get(&t.id()).map(|&k| &new[k]) {
             *t = n.clone();
         }
         Ok(())

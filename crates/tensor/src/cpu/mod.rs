@@ -341,12 +341,13 @@ fn layer_norm_grads(eps: f64, sums: Option<DType>, ins: &[(&CpuStorage, &Layout)
             with_g[1] = (&g, &gl);
             layer_norm_grads(eps, None, &with_g, meta)?
         }
-        None if ins.len() == 4 && [ins[0].0, ins[1].0, ins[2].0, ins[3].0].iter().all(|s| matches!(s, CpuStorage::F32(_))) => {
-            // f32 with a residual gradient r: r added as x's gradient is written.
-            let (x, n) = (ins[0], ins[0].1.shape[ins[0].1.rank() - 1]);
-            let dx_at = Parts::layer_norm_grads(&x.1.shape, false).offset(Part::Dx)?;
-            let [xc, gc, wc, rc] = [0, 1, 2, 3].map(|k| contig(typed::<f32>(ins[k].0, name).expect("checked f32"), ins[k].1));
-            reduce::layer_norm_backward_f32(&xc, &gc, &wc, Some(&rc), (n, eps, dx_at)).into_storage()
+        None if ins.len() >= 3 && ins.iter().all(|(s, _)| matches!(s, CpuStorage::F32(_))) => {
+            // f32 with the weight (and a residual gradient r, added as x's gradient is written):
+            // one pass.
+            let x = ins[0];
+            let (n, dx_at) = (x.1.shape[x.1.rank() - 1], Parts::layer_norm_grads(&x.1.shape, false).offset(Part::Dx)?);
+            let c: Vec<Cow<[f32]>> = ins.iter().map(|(s, l)| Ok(contig(typed::<f32>(s, name)?, l))).collect::<Result<_>>()?;
+            reduce::layer_norm_backward_f32(&c[0], &c[1], &c[2], c.get(3).map(|r| &r[..]), (n, eps, dx_at)).into_storage()
         }
         None if ins.len() == 4 => {
             // With a residual gradient r: the three-input result, then r added to x's gradient.
@@ -366,10 +367,6 @@ fn layer_norm_grads(eps: f64, sums: Option<DType>, ins: &[(&CpuStorage, &Layout)
             let x = ins[0];
             let n = x.1.shape[x.1.rank() - 1];
             let dx_at = Parts::layer_norm_grads(&x.1.shape, false).offset(Part::Dx)?;
-            if let (CpuStorage::F32(xv), CpuStorage::F32(gv), CpuStorage::F32(wv)) = (x.0, ins[1].0, ins[2].0) {
-                let (xc, gc, wc) = (contig(xv, x.1), contig(gv, ins[1].1), contig(wv, ins[2].1));
-                return Ok(reduce::layer_norm_backward_f32(&xc, &gc, &wc, None, (n, eps, dx_at)).into_storage());
-            }
             let both = layer_norm_grads(eps, None, &ins[..2], &OutMeta { shape: vec![2, n], dtype: meta.dtype })?;
             let dx = run(&Op::NormalizeBackward { eps, rms: false }, ins, &OutMeta { shape: x.1.shape.clone(), dtype: meta.dtype })?;
             with_cpu!(&both, p => {

@@ -94,11 +94,11 @@ impl Index {
 }
 
 /// index_add's kernel, deterministic: `perm` is the stable order of the indices (argsort; null
-/// for a single index),
-/// so equal indices form runs, and at the start of each run (of each `outer` slice) a warp for
-/// each 32 columns adds the run's source rows to the output row in index order.
-/// No two warps write one row, and the sums come in one order every run (atomic adds would
-/// give last bits that change from run to run, and training that cannot be replayed).
+/// for a single index), so equal indices form runs, and at the start of each run (of each
+/// `outer` slice) a warp for each 32 columns adds the run's source rows to the output row in
+/// index order. No two warps write one row, and the sums come in one order every run (atomic
+/// adds would give last bits that change from run to run, and training that cannot be
+/// replayed).
 pub fn index_add_source(dtype: DType) -> (String, String) {
     let name = format!("k_index_add_{}", format!("{dtype:?}").to_lowercase());
     let t = storage_type(dtype);
@@ -331,7 +331,7 @@ mod launch {
         if matches!(op, Op::IndexAdd { .. }) {
             let (outer, size, inner) = split3(&lb.shape, dim);
             let a = IArgs { n: ls.numel() as i64, outer, size, inner, nidx: li.shape[0] as i64, ..IArgs::default() };
-            add_sorted(g, &out, src.ptr(), (&idx, si), a)?;
+            add_sorted(g, &out, src.ptr(), (&idx, si.dtype), a)?;
         } else {
             launch_index(g, IndexKind::ScatterAdd, &out, src.ptr(), idx.ptr(), shapes_args(&li.shape, &lb.shape, dim, ls.numel()))?;
         }
@@ -342,12 +342,12 @@ mod launch {
     }
 
     /// index_add through the stable order of its indices (`index_add_source`).
-    fn add_sorted(g: &Arc<Gpu>, o: &CudaStorage, src: u64, (idx, si): (&Dense, &CudaStorage), mut a: IArgs) -> Result<()> {
+    fn add_sorted(g: &Arc<Gpu>, o: &CudaStorage, src: u64, (idx, idx_dtype): (&Dense, DType), mut a: IArgs) -> Result<()> {
         if a.n == 0 {
             return Ok(());
         }
         // One index (a decoding step's cache write) needs no sort: a null `perm` is the identity.
-        let perm = if a.nidx > 1 { Some(sort_rows(g, idx.ptr(), si.dtype, (1, a.nidx as usize), false)?) } else { None };
+        let perm = if a.nidx > 1 { Some(sort_rows(g, idx.ptr(), idx_dtype, (1, a.nidx as usize), false)?) } else { None };
         a.code = index_code(IndexKind::Add);
         let k = g.kernel(crate::cuda::gpu::spec_key("index_add", &o.dtype), || index_add_source(o.dtype))?;
         let pp = perm.as_ref().map_or(0, |p| p.buf.ptr);
