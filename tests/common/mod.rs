@@ -410,3 +410,75 @@ impl Steps<'_> {
 /// Held while a model is made from a seed: the generator is the process's, and the ranks of
 /// a thread group make their models at once.
 pub static SEEDED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// `n` (batch, length) pairs spread over `batch` and `length` in a fixed pseudo-random order,
+/// starting with both ends (the smallest batch with the longest sequence and the reverse).
+pub fn random_shapes(n: usize, batch: (usize, usize), length: (usize, usize)) -> Vec<(usize, usize)> {
+    let mut s = 0x2545_f491_4f6c_dd1du64;
+    let mut next = |(lo, hi): (usize, usize)| {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        lo + (s % (hi - lo + 1) as u64) as usize
+    };
+    let mut v = vec![(batch.0, length.1), (batch.1, length.0)];
+    while v.len() < n {
+        v.push((next(batch), next(length)));
+    }
+    v
+}
+
+/// A run over changing shapes and what the compiled step reports: graphs compiled, and
+/// shapes traced for its dynamic graphs.
+pub struct ShapesRun {
+    pub run: Run,
+    pub graphs: usize,
+    pub shapes_traced: usize,
+}
+
+/// A small GPT (context 256, dropout 0.1) trained on batches of the given (batch, length)
+/// shapes in turn, eagerly (`opts` None) or compiled with `opts`.
+pub fn train_gpt_shapes(dev: Device, opts: Option<kiln::compile::CompileOptions>, shapes: &[(usize, usize)]) -> ShapesRun {
+    kiln::tensor::rng::manual_seed(5);
+    let model = Gpt::new(GptConfig { dropout: 0.1, ..GptConfig::new(11, 256, 16, 2, 2) }, dev).unwrap();
+    let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr: 3e-3, ..AdamConfig::adamw() }).unwrap());
+    let step_fn = gpt_step(&model, &opt, None);
+    let mut step = kiln::compile::compile_with(opts.unwrap_or_default(), step_fn);
+    let mut losses = Vec::new();
+    for (i, &(b, t)) in shapes.iter().enumerate() {
+        let tok = |s: u64| {
+            let x = Tensor::rand_at(&[b, t], Distribution::Uniform, s, i as u64 * 65536, DType::F32, Device::Cpu).unwrap();
+            x.mul_scalar(11.0).unwrap().to_dtype(DType::I64).unwrap().to_device(dev).unwrap()
+        };
+        let (x, y) = (tok(1), tok(2));
+        let out = if opts.is_some() { step.call(&[&x, &y]).unwrap() } else { step_fn(&[x, y]).unwrap() };
+        losses.push(out[0].clone());
+    }
+    let losses = losses.iter().map(|l| l.item().unwrap() as f32).collect();
+    let state = model.named_state().into_iter().map(|(_, t)| t.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap());
+    let e = step.explain();
+    ShapesRun { run: Run { losses, params: state.collect() }, graphs: e.graphs, shapes_traced: e.shapes_traced }
+}
+
+/// An MLP (20-32-5, AdamW, clipping) trained on batches of the given sizes in turn, eagerly
+/// (`opts` None) or compiled with `opts`.
+pub fn train_mlp_batches(dev: Device, opts: Option<kiln::compile::CompileOptions>, batches: &[usize]) -> ShapesRun {
+    kiln::tensor::rng::manual_seed(3);
+    let model = kiln::models::mlp(&[20, 32, 5], dev).unwrap();
+    let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr: 1e-2, ..AdamConfig::adamw() }).unwrap());
+    let mut eager = mlp_step(&model, &opt);
+    let mut step = kiln::compile::compile_with(opts.unwrap_or_default(), mlp_step(&model, &opt));
+    let mut losses = Vec::new();
+    for (i, &b) in batches.iter().enumerate() {
+        let x = Tensor::rand_at(&[b, 20], Distribution::Normal, 100, i as u64 * 4096, DType::F32, Device::Cpu).unwrap();
+        let y = Tensor::rand_at(&[b], Distribution::Uniform, 200, i as u64 * 64, DType::F32, Device::Cpu).unwrap();
+        let y = y.mul_scalar(5.0).unwrap().to_dtype(DType::I64).unwrap();
+        let (x, y) = (x.to_device(dev).unwrap(), y.to_device(dev).unwrap());
+        let out = if opts.is_some() { step.call(&[&x, &y]).unwrap() } else { eager(&[x, y]).unwrap() };
+        losses.push(out[0].clone());
+    }
+    let losses = losses.iter().map(|l| l.item().unwrap() as f32).collect();
+    let params = model.parameters().iter().map(|t| t.to_vec::<f32>().unwrap()).collect();
+    let e = step.explain();
+    ShapesRun { run: Run { losses, params }, graphs: e.graphs, shapes_traced: e.shapes_traced }
+}

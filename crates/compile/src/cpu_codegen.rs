@@ -13,25 +13,30 @@ use crate::fusion::{rounds_to_f32, Group, Plan};
 use crate::graph::{Graph, Kind};
 use kiln_tensor::codegen::elementwise_expr;
 use kiln_tensor::codegen::fnv1a;
-use kiln_tensor::codegen::strided_index;
+use kiln_tensor::codegen::{strided_index, Numbers};
 use kiln_tensor::{DType, Op};
 use std::path::{Path, PathBuf};
 use std::sync::Once;
 
-/// `f(start, end, outputs, inputs)`: elements `start..end` of one group. An input that is
-/// read in place from an output buffer is passed as null and read through that output.
-pub type GroupFn = unsafe extern "C" fn(i64, i64, *const *mut u8, *const *const u8);
+/// `f(start, end, outputs, inputs, ints, floats)`: elements `start..end` of one group. An
+/// input that is read in place from an output buffer is passed as null and read through that
+/// output. A size-generic function reads its sizes and scalars from `ints` and `floats`
+/// (`Numbers`); a specialised one has them as literals and ignores both.
+pub type GroupFn = unsafe extern "C" fn(i64, i64, *const *mut u8, *const *const u8, *const i64, *const f64);
 
-/// A group's native function and the in-place reads it was generated for: `own[k]` is the
-/// output that external `k` is read from (`None`: its own buffer).
+/// A group's native function, the in-place reads it was generated for (`own[k]` is the
+/// output that external `k` is read from; `None`: its own buffer) and the numbers it is called
+/// with.
 pub struct NativeGroup {
     pub f: GroupFn,
     pub own: Vec<Option<usize>>,
+    pub nums: Numbers,
 }
 
-/// The loaded library of a program's groups, indexed like `Plan::groups`.
+/// The loaded library of a program's groups, indexed like `Plan::groups`, and its source's hash.
 pub struct NativeGroups {
     pub groups: Vec<Option<NativeGroup>>,
+    pub key: u64,
     _lib: libloading::Library,
 }
 
@@ -124,11 +129,28 @@ pub fn own_inputs(g: &Graph, gr: &Group) -> Vec<Option<usize>> {
         .collect()
 }
 
-/// The body of group `gr` as a C function named `name`; None if an op or dtype has no C form.
-fn group_source(g: &Graph, gr: &Group, name: &str) -> Option<String> {
+/// The body of group `gr` as a C function named `name`, with its numbers (`Numbers`: literals,
+/// or parameters when `generic`); None if an op or dtype has no C form.
+fn group_source(g: &Graph, gr: &Group, name: &str, generic: bool) -> Option<(String, Numbers)> {
+    let mut nums = Numbers::new(generic);
+    let body = group_body(g, gr, &mut nums)?;
     let class = if gr.f64 { "double" } else { "float" };
+    let mut s = format!(
+        "void {name}(long long start, long long end, void* const* o, const void* const* p, const long long* z, const double* f) {{\n  typedef {class} C;\n  (void)z; (void)f;\n"
+    );
+    for k in 0..nums.ints.len() {
+        s += &format!("  const long long z{k} = z[{k}];\n");
+    }
+    for k in 0..nums.floats.len() {
+        s += &format!("  const double f{k} = f[{k}];\n");
+    }
+    Some((s + &body, nums))
+}
+
+/// `group_source`'s declarations and loops.
+fn group_body(g: &Graph, gr: &Group, nums: &mut Numbers) -> Option<String> {
     let own = own_inputs(g, gr);
-    let mut s = format!("void {name}(long long start, long long end, void* const* o, const void* const* p) {{\n  typedef {class} C;\n");
+    let mut s = String::new();
     for (k, &m) in gr.materialize.iter().enumerate() {
         let t = c_type(g.nodes[m].dtype)?;
         s += &format!("  {t}* __restrict o{k} = ({t}*)o[{k}];\n");
@@ -153,13 +175,13 @@ fn group_source(g: &Graph, gr: &Group, name: &str) -> Option<String> {
             Some(o) if a.layout.offset == 0 && a.layout.is_contiguous() && a.layout.shape == gr.shape => format!("o{o}[i]"),
             Some(_) => return None,
             None if strides.iter().all(|&st| st == 0) => {
-                s += &format!("  const C x{k} = (C)p{k}[{}];\n", a.layout.offset);
+                s += &format!("  const C x{k} = (C)p{k}[{}];\n", nums.int(a.layout.offset, ""));
                 continue;
             }
-            None if a.layout.is_contiguous() && a.layout.shape == gr.shape => format!("p{k}[{} + i]", a.layout.offset),
+            None if a.layout.is_contiguous() && a.layout.shape == gr.shape => format!("p{k}[{} + i]", nums.int(a.layout.offset, "")),
             None if rank == 0 => return None,
             None => {
-                let base = strided_index("r", a.layout.offset, &gr.shape[..rank - 1], &strides[..rank - 1], false);
+                let base = strided_index("r", a.layout.offset, &gr.shape[..rank - 1], &strides[..rank - 1], false, nums);
                 row += &format!("    const long long b{k} = {base};\n");
                 match strides[rank - 1] {
                     0 => {
@@ -167,7 +189,7 @@ fn group_source(g: &Graph, gr: &Group, name: &str) -> Option<String> {
                         continue;
                     }
                     1 => format!("p{k}[b{k} + c]"),
-                    st => format!("p{k}[b{k} + c * {st}LL]"),
+                    st => format!("p{k}[b{k} + c * {}]", nums.int(st, "LL")),
                 }
             }
         };
@@ -176,9 +198,10 @@ fn group_source(g: &Graph, gr: &Group, name: &str) -> Option<String> {
     if row.is_empty() {
         s += "  {\n  for (long long i = start; i < end; ++i) {\n";
     } else {
-        s += &format!("  for (long long i = start; i < end;) {{\n    const long long r = i / {inner}LL;\n");
-        s += &format!("    const long long stop = end < (r + 1) * {inner}LL ? end : (r + 1) * {inner}LL;\n{row}");
-        s += &format!("    for (long long c = i - r * {inner}LL; i < stop; ++i, ++c) {{\n");
+        let inner = nums.int(inner, "LL");
+        s += &format!("  for (long long i = start; i < end;) {{\n    const long long r = i / {inner};\n");
+        s += &format!("    const long long stop = end < (r + 1) * {inner} ? end : (r + 1) * {inner};\n{row}");
+        s += &format!("    for (long long c = i - r * {inner}; i < stop; ++i, ++c) {{\n");
     }
     s += &body;
     for (q, &m) in gr.members.iter().enumerate() {
@@ -187,10 +210,10 @@ fn group_source(g: &Graph, gr: &Group, name: &str) -> Option<String> {
         let (_, expr, _) = elementwise_expr(op, &dtypes)?;
         let expr = if rounds_to_f32(op, gr.f64) { "(C)(float)v0".to_string() } else { expr };
         let scalar = match op {
-            Op::Scalar { value, .. } => *value,
-            _ => 0.0,
+            Op::Scalar { value, .. } => nums.float(*value, literal),
+            _ => literal(0.0),
         };
-        s += &format!("    C m{q};\n    {{\n      struct {{ double s; }} a = {{ {} }}; (void)a;\n", literal(scalar));
+        s += &format!("    C m{q};\n    {{\n      struct {{ double s; }} a = {{ {scalar} }}; (void)a;\n");
         for (v, arg) in args.iter().enumerate() {
             let src = match gr.members.iter().position(|&x| x == arg.node) {
                 Some(j) => format!("m{j}"),
@@ -292,7 +315,7 @@ fn build_library(src: &str) -> Result<(PathBuf, bool), String> {
     Ok((lib, false))
 }
 
-fn load(path: &Path, names: &[Option<String>], g: &Graph, plan: &Plan) -> Result<NativeGroups, String> {
+fn load(path: &Path, names: Vec<Option<(String, Numbers)>>, g: &Graph, plan: &Plan) -> Result<NativeGroups, String> {
     // SAFETY: the library is Kiln's own generated code, built just now or earlier from the
     // same source (the file name is the source's hash); it has no initialisers.
     let lib = unsafe { libloading::Library::new(path) }.map_err(|e| format!("cannot load {}: {e}", path.display()))?;
@@ -300,25 +323,27 @@ fn load(path: &Path, names: &[Option<String>], g: &Graph, plan: &Plan) -> Result
     for (gr, name) in plan.groups.iter().zip(names) {
         groups.push(match name {
             None => None,
-            Some(n) => {
+            Some((n, nums)) => {
                 // SAFETY: every function in the source has the `GroupFn` signature.
                 let f: GroupFn = unsafe { *lib.get::<GroupFn>(n.as_bytes()).map_err(|e| format!("{n}: {e}"))? };
-                Some(NativeGroup { f, own: own_inputs(g, gr) })
+                Some(NativeGroup { f, own: own_inputs(g, gr), nums })
             }
         });
     }
-    Ok(NativeGroups { groups, _lib: lib })
+    Ok(NativeGroups { groups, key: 0, _lib: lib })
 }
 
 /// Native functions for the plan's groups, or None (interpreter) when there are none, they
-/// are turned off, or the compiler is missing or fails (warned once).
-pub fn build(g: &Graph, plan: &Plan) -> Option<NativeGroups> {
+/// are turned off, or the compiler is missing or fails (warned once). With `generic`, each
+/// function takes its sizes and scalars as parameters (a dynamic-shape program: one library
+/// for every size).
+pub fn build(g: &Graph, plan: &Plan, generic: bool) -> Option<NativeGroups> {
     if plan.groups.is_empty() || !enabled() {
         return None;
     }
     let mut src = prelude();
     let mut seen: Vec<u64> = Vec::new();
-    let names: Vec<Option<String>> = plan
+    let names: Vec<Option<(String, Numbers)>> = plan
         .groups
         .iter()
         .map(|gr| {
@@ -326,19 +351,19 @@ pub fn build(g: &Graph, plan: &Plan) -> Option<NativeGroups> {
                 return None; // a singleton the plan left to the plain kernel
             }
             // Identical groups (repeated layers) share one function, named by its body's hash.
-            let body = group_source(g, gr, "NAME")?;
+            let (body, nums) = group_source(g, gr, "NAME", generic)?;
             let h = fnv1a(body.as_bytes());
             let name = format!("kiln_cpu_{h:016x}");
             if !seen.contains(&h) {
                 seen.push(h);
                 src += &body.replacen("NAME", &name, 1);
             }
-            Some(name)
+            Some((name, nums))
         })
         .collect();
     kiln_tensor::log::log("kernels", &format!("generated C for {} CPU groups:\n{src}", seen.len()));
     let loaded = build_library(&src).and_then(|(path, temporary)| {
-        let n = load(&path, &names, g, plan);
+        let n = load(&path, names, g, plan);
         if temporary {
             // Loaded (or failed): the private folder is not needed any more.
             let _ = path.parent().map(std::fs::remove_dir_all);
@@ -346,7 +371,7 @@ pub fn build(g: &Graph, plan: &Plan) -> Option<NativeGroups> {
         n
     });
     match loaded {
-        Ok(n) => Some(n),
+        Ok(n) => Some(NativeGroups { key: fnv1a(src.as_bytes()), ..n }),
         Err(e) => {
             warn_once(&e);
             None

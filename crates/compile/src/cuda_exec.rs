@@ -194,7 +194,8 @@ fn fed_input(g: &Graph, read: &Arg, (a, b): (&Arg, Option<&Arg>)) -> FusedInput 
 
 /// The fused kernels of a plan for the GPU, and for each group the kernel that runs it (set
 /// on each launch's first group). Identical launches (the same layer repeated) share one.
-fn fused_kernels(g: &Graph, plan: &Plan, capture: bool) -> Result<(Vec<FusedKernel>, Vec<Option<usize>>)> {
+/// `generic`: sizes as parameters (a dynamic-shape program).
+fn fused_kernels(g: &Graph, plan: &Plan, capture: bool, generic: bool) -> Result<(Vec<FusedKernel>, Vec<Option<usize>>)> {
     let mut specs = Vec::new();
     let mut kernel_of = vec![None; plan.groups.len()];
     let mut seen: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
@@ -206,7 +207,7 @@ fn fused_kernels(g: &Graph, plan: &Plan, capture: bool) -> Result<(Vec<FusedKern
         let copies = if folds.is_some_and(|f| std::ptr::eq(f, step)) { g.outputs.len() } else { 0 };
         let key = format!("{}{copies}{groups:?}", lead.is_some());
         let k = *seen.entry(key).or_insert_with(|| {
-            specs.push(FusedKernel { name: kernel_name(g, plan, gs), groups, lead: lead.is_some(), copies });
+            specs.push(FusedKernel { name: kernel_name(g, plan, gs), groups, lead: lead.is_some(), copies, generic });
             specs.len() - 1
         });
         kernel_of[gs[0]] = Some(k);
@@ -216,16 +217,16 @@ fn fused_kernels(g: &Graph, plan: &Plan, capture: bool) -> Result<(Vec<FusedKern
 
 /// The CUDA source a GPU would compile for `plan`'s fusion groups (`KILN_GPU_SOURCES`,
 /// `exec::Program::new`), after the groups as `KILN_LOG=fusion` lists them.
-pub fn gpu_sources(g: &Graph, plan: &Plan, capture: bool) -> Result<String> {
-    let (specs, _) = fused_kernels(g, plan, capture)?;
+pub fn gpu_sources(g: &Graph, plan: &Plan, capture: bool, generic: bool) -> Result<String> {
+    let (specs, _) = fused_kernels(g, plan, capture, generic)?;
     let report: String = crate::fusion::groups_report(g, plan).lines().filter(|l| !l.is_empty()).map(|l| format!("//{l}\n")).collect();
     Ok(report + &cuda::kernels::fused::fused_module(&specs).map_err(Error::Msg)?)
 }
 
 impl GpuParts {
-    pub fn new(g: &Graph, plan: &Plan, device: Device, capture: bool, tune: bool) -> Result<GpuParts> {
+    pub fn new(g: &Graph, plan: &Plan, device: Device, (capture, tune, generic): (bool, bool, bool)) -> Result<GpuParts> {
         let start = std::time::Instant::now();
-        let (specs, kernel_of) = fused_kernels(g, plan, capture)?;
+        let (specs, kernel_of) = fused_kernels(g, plan, capture, generic)?;
         let generated = start.elapsed();
         let module = FusedModule::load(device, specs)?;
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
@@ -244,6 +245,11 @@ impl GpuParts {
             prepared: AtomicBool::new(false),
             tune: AtomicBool::new(tune),
         })
+    }
+
+    /// The fused module's kernels, as a hash (`exec::Program::code_key`).
+    pub fn code_key(&self) -> u64 {
+        self.module.code_key()
     }
 
     /// Runs the fusion groups `gs` (one kernel): returns the cells of their materialised members.

@@ -77,8 +77,9 @@ fn new_cell(s: CpuStorage) -> Arc<StorageCell> {
 /// From this many multiply-adds a fed product's tiles spread over the threads.
 const PAR_FED_FLOPS: usize = 1 << 20;
 
-/// The fusion plan of `graph`, for a GPU (`gpu`) or the CPU.
-fn plan_for(graph: &Graph, opts: &crate::options::CompileOptions, gpu: bool) -> Plan {
+/// The fusion plan of `graph`, for a GPU (`gpu`) or the CPU; a `generic` program's kernels
+/// feed no products (their contraction length is unrolled into the kernel).
+fn plan_for(graph: &Graph, opts: &crate::options::CompileOptions, gpu: bool, generic: bool) -> Plan {
     let mut plan = if opts.fuse {
         fusion::plan(graph, gpu)
     } else {
@@ -87,7 +88,7 @@ fn plan_for(graph: &Graph, opts: &crate::options::CompileOptions, gpu: bool) -> 
     if gpu {
         // One launch for independent groups (each parameter's optimizer update, ...).
         plan = fusion::batch_groups(graph, plan);
-        if opts.fuse && opts.feed_products {
+        if opts.fuse && opts.feed_products && !generic {
             fusion::feed_gpu_products(graph, &mut plan);
         }
     }
@@ -97,18 +98,28 @@ fn plan_for(graph: &Graph, opts: &crate::options::CompileOptions, gpu: bool) -> 
 impl Program {
     /// Plans `graph` for `device`; in `Mode::ReduceOverhead` a GPU step is captured as one CUDA
     /// graph, and on the CPU fusion groups are built to native code unless `native_cpu` is off.
-    pub fn new(graph: Graph, cells: Vec<Arc<StorageCell>>, opts: &crate::options::CompileOptions, device: Device) -> Result<Program> {
+    /// With `generic` (a dynamic-shape program) the generated kernels take their sizes as
+    /// parameters, so every size of the program shares them.
+    pub fn new(
+        graph: Graph,
+        cells: Vec<Arc<StorageCell>>,
+        opts: &crate::options::CompileOptions,
+        device: Device,
+        generic: bool,
+    ) -> Result<Program> {
         let capture = matches!(opts.mode, crate::options::Mode::ReduceOverhead | crate::options::Mode::MaxAutotune);
-        let mut plan = plan_for(&graph, opts, device.is_cuda());
+        let mut plan = plan_for(&graph, opts, device.is_cuda(), generic);
         #[cfg(feature = "cuda")]
         if let (Device::Cpu, Some(path)) = (device, crate::options::gpu_sources_path()) {
             // For reading a GPU step's kernels (their SASS) on a machine without one.
-            let src = crate::cuda_exec::gpu_sources(&graph, &plan_for(&graph, opts, true), capture)?;
+            let src = crate::cuda_exec::gpu_sources(&graph, &plan_for(&graph, opts, true, generic), capture, generic)?;
             std::fs::write(&path, src).map_err(|e| Error::Msg(format!("KILN_GPU_SOURCES: writing {path}: {e}")))?;
         }
-        let native = if device == Device::Cpu && opts.native_cpu { cpu_codegen::build(&graph, &plan) } else { None };
+        let native = if device == Device::Cpu && opts.native_cpu { cpu_codegen::build(&graph, &plan, generic) } else { None };
         let fed = match &native {
-            Some(nat) if opts.fuse && opts.feed_products => fusion::feed_products(&graph, &mut plan, &|k| nat.groups[k].is_some()),
+            Some(nat) if opts.fuse && opts.feed_products && !generic => {
+                fusion::feed_products(&graph, &mut plan, &|k| nat.groups[k].is_some())
+            }
             _ => vec![false; plan.steps.len()],
         };
         let reads: Vec<Vec<NodeId>> = plan.steps.iter().map(|s| plan.reads(&graph, s)).collect();
@@ -127,7 +138,8 @@ impl Program {
         #[cfg(feature = "cuda")]
         let gpu = match device {
             Device::Cuda(_) => {
-                Some(crate::cuda_exec::GpuParts::new(&graph, &plan, device, capture, opts.mode == crate::options::Mode::MaxAutotune)?)
+                let tune = opts.mode == crate::options::Mode::MaxAutotune;
+                Some(crate::cuda_exec::GpuParts::new(&graph, &plan, device, (capture, tune, generic))?)
             }
             Device::Cpu => None,
         };
@@ -160,6 +172,17 @@ impl Program {
             .map(|i| if p.graph.nodes[i].is_const() { p.run_node(i, &[], &[], gen).map(Some) } else { Ok(None) })
             .collect::<Result<_>>()?;
         Ok(p)
+    }
+
+    /// What identifies the kernels this program built: the CPU library's source hash, or the
+    /// GPU's fused module's (0 where nothing was built). Two shapes of a dynamic graph with the
+    /// same key ran the same kernels.
+    pub fn code_key(&self) -> u64 {
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = &self.gpu {
+            return gpu.code_key();
+        }
+        self.native.as_ref().map_or(0, |n| n.key)
     }
 
     /// On the CPU: the fusion groups, and how many run as native code.

@@ -39,12 +39,13 @@ pub mod passes;
 mod trace;
 
 pub use graph::Graph;
-pub use options::{CompileOptions, Mode};
+pub use options::{CompileOptions, Dynamic, Mode};
 
 use exec::contiguous_cell;
 use fusion::groups_report;
 use kiln_tensor::{lazy, rng, set_tracer, DType, Device, Error, Result, Tensor};
 use options::gpu_sources_path;
+use std::ops::RangeInclusive;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 use trace::GradAtStart;
@@ -58,6 +59,85 @@ struct Signature {
     autocast: Option<DType>,
     /// Grad mode at the call: under `no_grad` a trace records no backward.
     grad_enabled: bool,
+}
+
+impl Signature {
+    /// The same call but for the sizes of its inputs: dtypes, devices, ranks, mode and modes.
+    fn same_kind(&self, o: &Signature) -> bool {
+        let inputs = self.inputs.len() == o.inputs.len()
+            && self.inputs.iter().zip(&o.inputs).all(|(a, b)| a.0.len() == b.0.len() && a.1 == b.1 && a.2 == b.2);
+        inputs && self.mode == o.mode && self.autocast == o.autocast && self.grad_enabled == o.grad_enabled
+    }
+
+    /// The signature with the sizes of `dims` (`(input, dim)`) set to zero, if it has them all.
+    fn masked(&self, dims: &[(usize, usize)]) -> Option<Signature> {
+        let mut s = self.clone();
+        for &(i, d) in dims {
+            *s.inputs.get_mut(i)?.0.get_mut(d)? = 0;
+        }
+        Some(s)
+    }
+}
+
+/// A dim made dynamic before the first call (`mark_dynamic`), with the sizes it may take.
+#[derive(Debug, Clone)]
+struct Mark {
+    input: usize,
+    dim: usize,
+    range: RangeInclusive<usize>,
+}
+
+/// A dynamic graph: the calls it serves (their signature with the dynamic dims masked), the
+/// shapes ready to run, and the kernel sets built for it. Each new shape is traced and planned
+/// (milliseconds) and runs the kernels already built, which take their sizes as parameters.
+struct Family {
+    key: Signature,
+    /// `(input, dim)` of each dynamic dim, and the sizes it may take.
+    dims: Vec<(usize, usize)>,
+    bounds: Vec<RangeInclusive<usize>>,
+    /// By the dynamic dims' sizes, the most recently used last (`CompileOptions::shape_cache`).
+    shapes: Vec<(Vec<usize>, Entry)>,
+    /// `exec::Program::code_key` of each kernel set built.
+    builds: Vec<u64>,
+    /// Shapes traced in all (dropped ones included).
+    traced: usize,
+}
+
+impl Family {
+    fn covers(&self, sig: &Signature) -> bool {
+        sig.masked(&self.dims).is_some_and(|m| m == self.key)
+    }
+
+    fn sizes(&self, sig: &Signature) -> Vec<usize> {
+        self.dims.iter().map(|&(i, d)| sig.inputs[i].0[d]).collect()
+    }
+
+    /// The first dynamic dim outside its bounds, as an error message.
+    fn out_of_bounds(&self, sizes: &[usize]) -> Option<String> {
+        let k = (0..sizes.len()).find(|&k| !self.bounds[k].contains(&sizes[k]))?;
+        let ((i, d), b) = (self.dims[k], &self.bounds[k]);
+        Some(format!("compile: input {i} dim {d} is {}, outside the range {}..={} it was marked dynamic with", sizes[k], b.start(), b.end()))
+    }
+
+    fn describe(&self) -> String {
+        let dims: Vec<String> = self
+            .dims
+            .iter()
+            .zip(&self.bounds)
+            .map(|(&(i, d), b)| match (*b.start(), *b.end()) {
+                (0, usize::MAX) => format!("input {i} dim {d}"),
+                (lo, hi) => format!("input {i} dim {d} in {lo}..={hi}"),
+            })
+            .collect();
+        format!("{}: {} shapes traced, {} ready, {} kernel sets built", dims.join(", "), self.traced, self.shapes.len(), self.builds.len())
+    }
+}
+
+/// Where a cached entry lives: a specialised signature, or a shape of a dynamic graph.
+#[derive(Debug, Clone, Copy)]
+enum At {
+    Static(usize),
+    Shape(usize, usize),
 }
 
 enum Entry {
@@ -98,6 +178,8 @@ type Run<'a> = dyn FnMut(&[Tensor]) -> Result<Vec<Tensor>> + 'a;
 struct Engine {
     opts: CompileOptions,
     cache: Vec<(Signature, Entry)>,
+    families: Vec<Family>,
+    marks: Vec<Mark>,
     calls: usize,
     replays: usize,
     warned: bool,
@@ -214,6 +296,13 @@ macro_rules! reports {
             pub fn counts(&self) -> (usize, usize) {
                 (self.engine.calls, self.engine.replays)
             }
+            /// Makes dim `dim` of input `input` dynamic from the first call, taking the sizes
+            /// in `range` (PyTorch's `torch._dynamo.mark_dynamic`): one graph serves them all.
+            /// A call outside the range is an error under `fullgraph`, else a graph of its own.
+            pub fn mark_dynamic(&mut self, input: usize, dim: usize, range: RangeInclusive<usize>) -> &mut Self {
+                self.engine.marks.push(Mark { input, dim, range });
+                self
+            }
         }
     )*};
 }
@@ -222,9 +311,14 @@ reports!([F] Compiled<F>, [S, F] CompiledStep<S, F>);
 /// A summary of what a compiled step does.
 #[derive(Debug, Clone, Default)]
 pub struct Explain {
+    /// Graphs compiled: specialised ones, and the kernel sets of dynamic ones.
     pub graphs: usize,
     pub graph_breaks: Vec<String>,
     pub recompiles: usize,
+    /// Each dynamic graph: its dynamic dims, the shapes traced for it and the kernel sets built.
+    pub dynamic: Vec<String>,
+    /// Shapes of dynamic graphs traced and planned in all (each reusing built kernels).
+    pub shapes_traced: usize,
     pub nodes_traced: usize,
     pub nodes: usize,
     pub kernels: usize,
@@ -250,6 +344,9 @@ impl std::fmt::Display for Explain {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(f, "compiled graphs: {} (recompiles: {})", self.graphs, self.recompiles)?;
         writeln!(f, "graph breaks: {}", self.graph_breaks.len())?;
+        for d in &self.dynamic {
+            writeln!(f, "dynamic graph: {d}")?;
+        }
         for b in &self.graph_breaks {
             writeln!(f, "  - {b}")?;
         }
@@ -279,7 +376,18 @@ impl std::fmt::Display for Explain {
 
 impl Engine {
     fn new(opts: CompileOptions) -> Engine {
-        Engine { opts, cache: Vec::new(), calls: 0, replays: 0, warned: false, checked: 0, worst: 0.0, kernel_times: None }
+        Engine {
+            opts,
+            cache: Vec::new(),
+            families: Vec::new(),
+            marks: Vec::new(),
+            calls: 0,
+            replays: 0,
+            warned: false,
+            checked: 0,
+            worst: 0.0,
+            kernel_times: None,
+        }
     }
 
     /// One step of `f`: a replay, a trace, or (check mode, graph breaks) an eager run.
@@ -291,38 +399,165 @@ impl Engine {
             autocast: kiln_tensor::autocast_dtype(),
             grad_enabled: kiln_tensor::is_grad_enabled(),
         };
-        let found = self.cache.iter().position(|(s, e)| *s == sig && guards_hold(e));
-        match found {
-            Some(k) if self.checked < self.opts.check_steps && matches!(self.cache[k].1, Entry::Graph(_)) => self.run_checked(f, k, inputs),
-            Some(k) => self.run_entry(f, k, inputs),
-            None => self.trace(f, sig, inputs),
+        if let Some(k) = self.cache.iter().position(|(s, e)| *s == sig && guards_hold(e)) {
+            return self.run_at(f, At::Static(k), inputs);
+        }
+        if let Some(fi) = self.families.iter().position(|fam| fam.covers(&sig)) {
+            return self.call_dynamic(f, fi, sig, inputs);
+        }
+        let dims = self.dynamic_dims(&sig);
+        if dims.is_empty() {
+            return self.trace_static(f, sig, inputs);
+        }
+        self.check_limit(&sig)?;
+        let bounds: Vec<RangeInclusive<usize>> = dims
+            .iter()
+            .map(|&(i, d)| self.marks.iter().rev().find(|m| (m.input, m.dim) == (i, d)).map_or(0..=usize::MAX, |m| m.range.clone()))
+            .collect();
+        let key = sig.masked(&dims).ok_or_else(|| Error::Msg("compile: a dynamic dim past an input's rank".into()))?;
+        let named: Vec<String> = dims.iter().map(|(i, d)| format!("input {i} dim {d}")).collect();
+        log::log("recompiles", &format!("compiling a dynamic graph for {:?}: {} take any size", sig.inputs, named.join(", ")));
+        self.families.push(Family { key, dims, bounds, shapes: Vec::new(), builds: Vec::new(), traced: 0 });
+        self.call_dynamic(f, self.families.len() - 1, sig, inputs)
+    }
+
+    /// The dims a call with a signature no graph serves makes dynamic: with `Dynamic::Auto`
+    /// the marked ones and those whose sizes differ from a graph compiled for a call of the same
+    /// kind (with the dims of that kind's dynamic graphs), every dim with `Always`, none with
+    /// `Never`.
+    fn dynamic_dims(&self, sig: &Signature) -> Vec<(usize, usize)> {
+        let every = || sig.inputs.iter().enumerate().flat_map(|(i, x)| (0..x.0.len()).map(move |d| (i, d))).collect();
+        let mut dims: Vec<(usize, usize)> = match self.opts.dynamic {
+            Dynamic::Never => return vec![],
+            Dynamic::Always => every(),
+            Dynamic::Auto => {
+                let fits = |&(i, d): &(usize, usize)| sig.inputs.get(i).is_some_and(|x| d < x.0.len());
+                let mut dims: Vec<(usize, usize)> = self.marks.iter().map(|m| (m.input, m.dim)).filter(fits).collect();
+                for (s, _) in self.cache.iter().filter(|(s, e)| matches!(e, Entry::Graph(_)) && s.same_kind(sig)) {
+                    for (i, (a, b)) in s.inputs.iter().zip(&sig.inputs).enumerate() {
+                        dims.extend((0..a.0.len()).filter(|&d| a.0[d] != b.0[d]).map(|d| (i, d)));
+                    }
+                }
+                if dims.iter().any(|m| !self.marks.iter().any(|k| (k.input, k.dim) == *m)) {
+                    for fam in self.families.iter().filter(|fam| fam.key.same_kind(sig)) {
+                        dims.extend(&fam.dims);
+                    }
+                }
+                dims
+            }
+        };
+        dims.sort_unstable();
+        dims.dedup();
+        dims
+    }
+
+    /// A call of dynamic graph `fi`: a shape ready to run, or a new one traced and planned.
+    fn call_dynamic(&mut self, f: &mut Run, fi: usize, sig: Signature, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        let sizes = self.families[fi].sizes(&sig);
+        if let Some(msg) = self.families[fi].out_of_bounds(&sizes) {
+            if self.opts.fullgraph {
+                return Err(Error::Msg(msg));
+            }
+            log::log("recompiles", &format!("{msg}; compiling this shape on its own"));
+            self.check_limit(&sig)?;
+            return self.trace_static(f, sig, inputs);
+        }
+        let fam = &mut self.families[fi];
+        if let Some(si) = fam.shapes.iter().position(|(v, e)| *v == sizes && guards_hold(e)) {
+            let ready = fam.shapes.remove(si);
+            fam.shapes.push(ready);
+            let last = fam.shapes.len() - 1;
+            return self.run_at(f, At::Shape(fi, last), inputs);
+        }
+        let (out, entry) = self.trace(f, &sig, inputs, true)?;
+        let fam = &mut self.families[fi];
+        fam.traced += 1;
+        if let Entry::Graph(p) = &entry {
+            let code = p.exec.code_key();
+            if !fam.builds.contains(&code) {
+                if !fam.builds.is_empty() {
+                    log::log("recompiles", &format!("dynamic graph: new kernels for {:?} ({} kernel sets)", sig.inputs, fam.builds.len() + 1));
+                }
+                fam.builds.push(code);
+            }
+        }
+        fam.shapes.retain(|(v, _)| *v != sizes);
+        fam.shapes.push((sizes, entry));
+        let keep = self.opts.shape_cache.max(1);
+        if fam.shapes.len() > keep {
+            fam.shapes.drain(..fam.shapes.len() - keep);
+        }
+        Ok(out)
+    }
+
+    /// A graph specialised to `sig`'s shapes.
+    fn trace_static(&mut self, f: &mut Run, sig: Signature, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        self.check_limit(&sig)?;
+        if self.graphs() > 0 {
+            log::log("recompiles", &format!("recompiling for {:?} ({} graphs cached)", sig.inputs, self.graphs()));
+        }
+        let (out, entry) = self.trace(f, &sig, inputs, false)?;
+        self.cache.push((sig, entry));
+        Ok(out)
+    }
+
+    /// Graphs compiled: specialised signatures (graph breaks included) and the kernel sets
+    /// of dynamic graphs.
+    fn graphs(&self) -> usize {
+        self.cache.len() + self.families.iter().map(|f| f.builds.len().max(1)).sum::<usize>()
+    }
+
+    fn check_limit(&self, sig: &Signature) -> Result<()> {
+        if self.graphs() < self.opts.recompile_limit {
+            return Ok(());
+        }
+        Err(Error::Msg(format!(
+            "compile: recompile limit ({}) reached; new signature {:?} (cached: {:?}). Mark the changing dims dynamic (CompileOptions::dynamic, mark_dynamic), pad inputs to fixed shapes or raise CompileOptions::recompile_limit",
+            self.opts.recompile_limit,
+            sig.inputs,
+            self.cache.iter().map(|(s, _)| &s.inputs).collect::<Vec<_>>()
+        )))
+    }
+
+    fn entry(&self, at: At) -> &Entry {
+        match at {
+            At::Static(k) => &self.cache[k].1,
+            At::Shape(fi, si) => &self.families[fi].shapes[si].1,
         }
     }
 
-    fn run_entry(&mut self, f: &mut Run, k: usize, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
-        match &self.cache[k].1 {
+    /// Runs a cached entry, through check mode while it lasts.
+    fn run_at(&mut self, f: &mut Run, at: At, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        if self.checked < self.opts.check_steps && matches!(self.entry(at), Entry::Graph(_)) {
+            self.run_checked(f, at, inputs)
+        } else {
+            self.run_entry(f, at, inputs)
+        }
+    }
+
+    fn run_entry(&mut self, f: &mut Run, at: At, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        let graph = matches!(self.entry(at), Entry::Graph(_));
+        self.replays += graph as usize;
+        match self.entry(at) {
             Entry::Eager(_) => {
                 let owned: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
                 f(&owned)
             }
-            Entry::Graph(p) => {
-                self.replays += 1;
-                run_program(p, inputs)
-            }
+            Entry::Graph(p) => run_program(p, inputs),
         }
     }
 
     /// Check mode: compiled, then eager from the same state; compares, keeps eager's.
-    fn run_checked(&mut self, f: &mut Run, k: usize, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
-        let cells: Vec<Tensor> = match &self.cache[k].1 {
+    fn run_checked(&mut self, f: &mut Run, at: At, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        let cells: Vec<Tensor> = match self.entry(at) {
             Entry::Graph(p) => {
                 p.exec.cells.iter().map(|c| Tensor::from_cell(c.clone(), kiln_tensor::Layout::contiguous(&[c.len()]))).collect()
             }
-            Entry::Eager(_) => return self.run_entry(f, k, inputs),
+            Entry::Eager(_) => return self.run_entry(f, at, inputs),
         };
         let before: Vec<Tensor> = cells.iter().map(|t| t.copy()).collect::<Result<_>>()?;
         let gen = rng::state();
-        let compiled = self.run_entry(f, k, inputs)?;
+        let compiled = self.run_entry(f, at, inputs)?;
         let after: Vec<Tensor> = cells.iter().map(|t| t.copy()).collect::<Result<_>>()?;
         kiln_tensor::no_grad(|| cells.iter().zip(&before).try_for_each(|(c, b)| c.assign(b)))?;
         rng::set_state(gen);
@@ -352,19 +587,9 @@ impl Engine {
         out
     }
 
-    fn trace(&mut self, f: &mut Run, sig: Signature, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
-        let graphs = self.cache.len();
-        if graphs >= self.opts.recompile_limit {
-            return Err(Error::Msg(format!(
-                "compile: recompile limit ({}) reached; new signature {:?} (cached: {:?}). Pad inputs to fixed shapes or raise CompileOptions::recompile_limit",
-                self.opts.recompile_limit,
-                sig.inputs,
-                self.cache.iter().map(|(s, _)| &s.inputs).collect::<Vec<_>>()
-            )));
-        }
-        if graphs > 0 {
-            log::log("recompiles", &format!("recompiling for {:?} ({} graphs cached)", sig.inputs, graphs));
-        }
+    /// Traces `f` on `inputs` and compiles the graph (`generic`: kernels taking their sizes
+    /// as parameters); returns this call's results and the entry to keep.
+    fn trace(&mut self, f: &mut Run, sig: &Signature, inputs: &[&Tensor], generic: bool) -> Result<(Vec<Tensor>, Entry)> {
         let start = Instant::now();
         // Inputs become fresh buffers so the trace can tell them from state.
         let owned: Vec<Tensor> = inputs.iter().map(|t| t.copy()).collect::<Result<_>>()?;
@@ -405,10 +630,10 @@ impl Engine {
                 eprintln!("kiln compile: graph break, running this step eagerly: {reason}");
                 self.warned = true;
             }
-            self.cache.push((sig, Entry::Eager(reason)));
-            return Ok(outputs);
+            log::log("recompiles", &format!("graph break for {:?}: {reason}", sig.inputs));
+            return Ok((outputs, Entry::Eager(reason)));
         }
-        let program = match self.build(&rec, (&owned, &outputs, inputs), (gen0, gen1), first_new, start) {
+        let program = match self.build(&rec, (&owned, &outputs, inputs), (gen0, gen1), first_new, (start, generic)) {
             Ok(p) => p,
             Err(e) => {
                 if lazy_first {
@@ -427,8 +652,7 @@ impl Engine {
         } else {
             outputs
         };
-        self.cache.push((sig, Entry::Graph(Box::new(program))));
-        Ok(out)
+        Ok((out, Entry::Graph(Box::new(program))))
     }
 
     /// Lowers a recording, runs the passes and plans the program. State buffers the trace
@@ -439,7 +663,7 @@ impl Engine {
         (owned, outputs, inputs): (&[Tensor], &[Tensor], &[&Tensor]),
         gens: (rng::GeneratorState, rng::GeneratorState),
         first_new: u64,
-        start: Instant,
+        (start, generic): (Instant, bool),
     ) -> Result<Specialized> {
         let traced_at = start.elapsed();
         let lowered = lower::lower(rec, owned, outputs, gens, first_new)?;
@@ -477,7 +701,7 @@ impl Engine {
         });
         log::log("graph", &format!("optimised graph:\n{graph}"));
         let planned = Instant::now();
-        let exec = exec::Program::new(graph, lowered.cells, &self.opts, device)?;
+        let exec = exec::Program::new(graph, lowered.cells, &self.opts, device, generic)?;
         log::log(
             "time",
             &format!(
@@ -496,14 +720,21 @@ impl Engine {
     }
 
     fn explain(&self) -> Explain {
-        let mut e =
-            Explain { recompiles: self.cache.len().saturating_sub(1), kernel_times: self.kernel_times.clone(), ..Default::default() };
-        for (_, entry) in &self.cache {
+        let mut e = Explain {
+            recompiles: self.graphs().saturating_sub(1),
+            kernel_times: self.kernel_times.clone(),
+            dynamic: self.families.iter().map(Family::describe).collect(),
+            shapes_traced: self.families.iter().map(|f| f.traced).sum(),
+            ..Default::default()
+        };
+        e.graphs = self.families.iter().map(|f| f.builds.len()).sum();
+        let dynamic = self.families.iter().flat_map(|f| &f.shapes).map(|(_, entry)| (entry, true));
+        for (entry, shape) in self.cache.iter().map(|(_, entry)| (entry, false)).chain(dynamic) {
             match entry {
                 Entry::Eager(reason) => e.graph_breaks.push(reason.clone()),
                 Entry::Graph(p) => {
                     let g = &p.exec.graph;
-                    e.graphs += 1;
+                    e.graphs += !shape as usize;
                     e.nodes_traced = p.nodes_traced;
                     e.nodes = g.nodes.len();
                     e.kernels = p.exec.kernels();
@@ -521,7 +752,8 @@ impl Engine {
     }
 
     fn dump(&self) -> Option<String> {
-        self.cache.iter().rev().find_map(|(_, e)| match e {
+        let dynamic = self.families.iter().rev().flat_map(|f| f.shapes.iter().rev().map(|(_, e)| e));
+        dynamic.chain(self.cache.iter().rev().map(|(_, e)| e)).find_map(|e| match e {
             Entry::Graph(p) => Some(format!("{}\n{}", p.exec.graph, fusion_report(&p.exec))),
             Entry::Eager(_) => None,
         })

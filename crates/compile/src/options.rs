@@ -13,13 +13,35 @@ pub enum Mode {
     MaxAutotune,
 }
 
+/// Which input sizes a compiled step takes as runtime values (torch.compile's `dynamic`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Dynamic {
+    /// The first call specialises to its shapes; when an input dim shows a second value the
+    /// step is compiled once more with that dim dynamic (its kernels take sizes as parameters),
+    /// and every later value of it reuses those kernels. `mark_dynamic` makes a dim dynamic
+    /// from the first call.
+    #[default]
+    Auto,
+    /// Every dim of every input is dynamic from the first call.
+    Always,
+    /// Every new shape is a graph of its own (up to `recompile_limit`).
+    Never,
+}
+
 #[derive(Debug, Clone, Copy)]
 pub struct CompileOptions {
     pub mode: Mode,
     /// Host reads inside the step are errors instead of an eager fallback.
     pub fullgraph: bool,
-    /// How many distinct signatures may be compiled before `call` errors.
+    /// How many graphs may be compiled before `call` errors: distinct signatures of
+    /// specialised graphs, and the kernel sets of dynamic ones.
     pub recompile_limit: usize,
+    /// Which input sizes are runtime values (`Dynamic::Auto`: those seen to change).
+    pub dynamic: Dynamic,
+    /// How many shapes of a dynamic graph are kept ready to run (each its memory plan and, on
+    /// a GPU, its captured CUDA graph), the least recently used dropped first; a dropped shape
+    /// coming back is traced and planned again, reusing the built kernels.
+    pub shape_cache: usize,
     /// Fuse pointwise chains (off: one kernel per node, for debugging).
     pub fuse: bool,
     /// Check mode: the first `check_steps` replays also run the closure eagerly from the same
@@ -42,6 +64,8 @@ impl Default for CompileOptions {
             mode: Mode::Default,
             fullgraph: false,
             recompile_limit: 8,
+            dynamic: Dynamic::Auto,
+            shape_cache: 16,
             fuse: true,
             check_steps: 0,
             native_cpu: true,

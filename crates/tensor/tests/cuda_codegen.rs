@@ -414,9 +414,9 @@ fn a_module_of_fused_group_kernels_compiles() {
     let mut kernels: Vec<FusedKernel> = groups
         .iter()
         .enumerate()
-        .map(|(k, g)| FusedKernel { name: format!("kiln_group{k}"), groups: vec![g.clone()], lead: false, copies: 0 })
+        .map(|(k, g)| FusedKernel { name: format!("kiln_group{k}"), groups: vec![g.clone()], lead: false, copies: 0, generic: false })
         .collect();
-    kernels.push(FusedKernel { name: "kiln_groups_side_by_side".into(), groups, lead: false, copies: 0 });
+    kernels.push(FusedKernel { name: "kiln_groups_side_by_side".into(), groups, lead: false, copies: 0, generic: false });
     let src = fused_module(&kernels).expect("every member is elementwise");
     let mut fails = Vec::new();
     check(&src, "kiln_fused", &mut fails);
@@ -462,8 +462,8 @@ fn a_group_folding_its_sums_in_one_block_compiles() {
         outputs: vec![0],
     };
     let kernels = vec![
-        FusedKernel { name: "kiln_fold".into(), groups: vec![fold.clone()], lead: false, copies: 0 },
-        FusedKernel { name: "kiln_fold_and_plain".into(), groups: vec![plain, fold], lead: false, copies: 0 },
+        FusedKernel { name: "kiln_fold".into(), groups: vec![fold.clone()], lead: false, copies: 0, generic: false },
+        FusedKernel { name: "kiln_fold_and_plain".into(), groups: vec![plain, fold], lead: false, copies: 0, generic: false },
     ];
     let src = fused_module(&kernels).expect("sums and elementwise members");
     // A member after the fold may not read a value of the loop other than a sum.
@@ -512,7 +512,7 @@ fn a_kernel_led_by_a_scalar_group_compiles() {
     let fold = FusedGroup { n: 300, inputs: vec![dense(DType::F32), corr(300)], members: folded, outputs: vec![2] };
     assert!(vector.vectorised() && !strided.vectorised() && fold.folds());
     let k =
-        FusedKernel { name: "kiln_led".into(), groups: vec![lead, vector.clone(), strided.clone(), fold.clone()], lead: true, copies: 0 };
+        FusedKernel { name: "kiln_led".into(), groups: vec![lead, vector.clone(), strided.clone(), fold.clone()], lead: true, copies: 0, generic: false };
     // The lead gets no blocks: 4096 / 4 / 256 for the vector group, one each for the others.
     assert_eq!(k.blocks(), 4 + 1 + 1);
     let src = fused_module(std::slice::from_ref(&k)).expect("a plain scalar lead");
@@ -536,7 +536,7 @@ fn a_kernel_led_by_a_scalar_group_compiles() {
     // The last block may also copy a step's outputs: after the lead's stores, or alone.
     let led_copying = FusedKernel { name: "kiln_led_copying".into(), copies: 2, ..k.clone() };
     let plain = FusedGroup { inputs: vec![dense(DType::F32), dense(DType::F32)], ..vector };
-    let copying = FusedKernel { name: "kiln_copying".into(), groups: vec![plain], lead: false, copies: 1 };
+    let copying = FusedKernel { name: "kiln_copying".into(), groups: vec![plain], lead: false, copies: 1, generic: false };
     assert!(copying.ticket() && !FusedKernel { copies: 0, ..copying.clone() }.ticket());
     let src2 = fused_module(&[led_copying, copying]).expect("kernels with output copies");
     let led = &src2[src2.find("kiln_led_copying(").expect("the led kernel")..src2.find("kiln_copying(").expect("the other")];
@@ -700,7 +700,7 @@ fn groups_computing_their_fed_products_compile() {
         let odd = group(256 * 6, fed(Fed { b: Some((3, [6, 1])), ..dot(6) }, 0));
         let odd_sums = group(256, fed(sums, 1));
         assert!(weight.vectorised() && bias.vectorised() && !odd.vectorised() && !odd_sums.vectorised());
-        let k = FusedKernel { name: format!("kiln_fed_{d:?}"), groups: vec![weight, bias, odd, odd_sums], lead: false, copies: 0 };
+        let k = FusedKernel { name: format!("kiln_fed_{d:?}"), groups: vec![weight, bias, odd, odd_sums], lead: false, copies: 0, generic: false };
         let src = fused_module(std::slice::from_ref(&k)).expect("fed products");
         let body = &src[src.find(&k.name).expect("the kernel")..];
         // b's buffer follows a's for the products, not for the sums; each fed input is made,

@@ -15,7 +15,7 @@ type Cells = [std::sync::Arc<kiln_tensor::storage::StorageCell>];
 fn same_values(g: Graph, f: Graph, cells: &Cells, outputs: usize, tol: f64) -> kiln_tensor::Result<()> {
     f.verify().map_err(|e| kiln_tensor::Error::Msg(format!("verifier: {e}\n{f}")))?;
     let run = |g: Graph| -> kiln_tensor::Result<Vec<Vec<f64>>> {
-        let p = crate::exec::Program::new(g, vec![], &crate::options::CompileOptions::default(), kiln_tensor::Device::Cpu)?;
+        let p = crate::exec::Program::new(g, vec![], &crate::options::CompileOptions::default(), kiln_tensor::Device::Cpu, false)?;
         p.run(cells, kiln_tensor::rng::GeneratorState { seed: 0, offset: 0 })?.iter().map(|t| t.to_vec_f64()).collect()
     };
     let (want, got) = (run(g)?, run(f)?);

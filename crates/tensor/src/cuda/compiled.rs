@@ -145,6 +145,8 @@ pub struct FusedModule {
     keys: Vec<u64>,
     /// Each kernel's grid (`FusedKernel::blocks`), worked out once rather than at every launch.
     grids: Vec<u32>,
+    /// Each kernel's numbers as launch parameters (a generic kernel's sizes; `Numbers`).
+    numbers: Vec<Vec<u64>>,
     kernels: OnceLock<Vec<Kernel>>,
     /// A zeroed `u32` per kernel: its ticket (`FusedKernel::ticket`).
     tickets: CudaStorage,
@@ -189,7 +191,14 @@ impl FusedModule {
         let tickets = CudaStorage::alloc(&g.mem, DType::I64, specs.len().max(1))?;
         g.zero(&tickets)?;
         let grids = specs.iter().map(|k| k.blocks() as u32).collect();
-        Ok(FusedModule { gpu: g, specs, programs, keys, grids, kernels: OnceLock::new(), tickets, folded: Mutex::new(None) })
+        let numbers = specs
+            .iter()
+            .map(|k| {
+                let (_, n) = k.source_and_numbers().map_err(|e| Error::Msg(format!("compiled CUDA step: {e}")))?;
+                Ok(n.ints.iter().map(|&v| v as u64).chain(n.floats.iter().map(|v| v.to_bits())).collect())
+            })
+            .collect::<Result<_>>()?;
+        Ok(FusedModule { gpu: g, specs, programs, keys, grids, numbers, kernels: OnceLock::new(), tickets, folded: Mutex::new(None) })
     }
 
     /// Kernel `k`, its programs compiled on first use (a placeholder in a dry run).
@@ -201,6 +210,11 @@ impl FusedModule {
             Some(ks) => Ok(self.kernels.get_or_init(|| ks)[k]),
             None => Ok(Kernel::NOTED),
         }
+    }
+
+    /// A hash of every kernel's cache key: equal for modules of the same sources.
+    pub fn code_key(&self) -> u64 {
+        crate::codegen::fnv1a(&self.keys.iter().flat_map(|k| k.to_le_bytes()).collect::<Vec<u8>>())
     }
 
     /// The name of kernel `k` (for profiles).
@@ -251,11 +265,12 @@ impl FusedModule {
         if spec.ticket() {
             ptrs.push(self.tickets.ptr_at(k));
         }
+        ptrs.extend(&self.numbers[k]);
         let mut params: Vec<*mut c_void> = ptrs.iter_mut().map(|p| p as *mut u64 as *mut c_void).collect();
         let (kernel, grid) = (self.kernel(k)?, self.grids[k]);
         // SAFETY: the parameters are each group's outputs then inputs, in the order of the
         // generated signature, then each copy's source, null destination and length, then the
-        // ticket (in `tickets`); each buffer was checked to be big enough for every index the
+        // ticket (in `tickets`), then the numbers of a generic kernel (8 bytes each); each buffer was checked to be big enough for every index the
         // kernel forms, and the caller's cells keep them alive.
         unsafe { self.gpu.launch(kernel, (grid, 1), FUSED_BLOCK as u32, 0, &mut params)? };
         if spec.copies > 0 && self.gpu.capturing() {

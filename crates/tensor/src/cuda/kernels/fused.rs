@@ -1,7 +1,7 @@
 //! Compile's fused kernels: a fusion group (pointwise members, folded sums, a fed product)
 //! as one generated kernel, and the copy of a captured step's outputs.
 
-use crate::codegen::{compute_type, double_literal, elementwise_expr, strided_index};
+use crate::codegen::{compute_type, double_literal, elementwise_expr, strided_index, Numbers};
 use crate::cuda::kernels::prelude::{storage_type, PRELUDE};
 use crate::op::{Op, ReduceOp};
 use crate::DType;
@@ -98,7 +98,8 @@ impl FusedMember {
 
 /// A compiled graph's fusion group: per element, each input is loaded once, the members run
 /// in order in registers, and `outputs` (member indices) are stored densely. Shapes and
-/// strides are literals: a compiled graph is specialised to its shapes.
+/// strides are literals in a kernel specialised to its shapes, parameters in a generic one
+/// (`FusedKernel::generic`).
 ///
 /// A group may end in full sums (`Op::Reduce` members: every element of one member or input
 /// into one value), followed by scalar members over those sums: then one block loops over the
@@ -127,12 +128,17 @@ pub struct FusedGroup {
 /// `c{i}d`, `c{i}n` before the ticket; none where `c{i}d` is null): the step's outputs into
 /// the caller's tensors when this is a captured step's last launch, so that the graph needs
 /// no copy node after it.
+///
+/// With `generic`, the sizes, offsets, strides and scalars are parameters passed after the
+/// ticket (`Numbers`), not literals: one source serves a dynamic-shape program at every size.
+/// (Fed products, whose contraction length unrolls, are not generic.)
 #[derive(Debug, Clone, PartialEq)]
 pub struct FusedKernel {
     pub name: String,
     pub groups: Vec<FusedGroup>,
     pub lead: bool,
     pub copies: usize,
+    pub generic: bool,
 }
 
 /// Threads per block of fused kernels, and the most blocks one group gets (grid-stride beyond).
@@ -235,6 +241,13 @@ impl FusedKernel {
 
     /// The kernel's source (without the prelude: `fused_module` adds it once per module).
     pub fn source(&self) -> Result<String, String> {
+        self.source_and_numbers().map(|(s, _)| s)
+    }
+
+    /// The kernel's source and the numbers a generic one is launched with (after the ticket).
+    pub fn source_and_numbers(&self) -> Result<(String, Numbers), String> {
+        let mut nums = Numbers::new(self.generic);
+        let body = self.body(&mut nums)?;
         let mut params: Vec<String> = Vec::new();
         for (j, gr) in self.groups.iter().enumerate() {
             for (k, &m) in gr.outputs.iter().enumerate() {
@@ -254,25 +267,36 @@ impl FusedKernel {
         if self.ticket() {
             params.push("unsigned int* kiln_ticket".into());
         }
-        let mut s = format!("extern \"C\" __global__ void {}({}) {{\n", self.name, params.join(", "));
-        s += "  long long blk = blockIdx.x;\n";
+        params.extend(nums.params("const "));
+        Ok((format!("extern \"C\" __global__ void {}({}) {{\n{body}}}\n", self.name, params.join(", ")), nums))
+    }
+
+    /// The statements of the kernel, its numbers collected in `nums`.
+    fn body(&self, nums: &mut Numbers) -> Result<String, String> {
+        let mut s = "  long long blk = blockIdx.x;\n".to_string();
         let lead = self.groups.first().filter(|_| self.lead);
         if let Some(lead) = lead {
-            s += &lead_values(lead)?;
+            s += &lead_values(lead, nums)?;
         }
         let mut first = 0usize;
         for (j, gr) in self.groups.iter().enumerate().skip(self.lead as usize) {
+            if self.generic && gr.inputs.iter().any(|x| x.fed.is_some()) {
+                return Err(format!("{}: a generic kernel cannot feed a product (its contraction unrolls)", self.name));
+            }
             let nb = gr.blocks();
-            s += &format!("  if (blk >= {first} && blk < {}) {{\n", first + nb);
-            let start = format!("(blk - {first}) * {FUSED_BLOCK}LL + threadIdx.x");
+            let (from, to) = (nums.int(first, "LL"), nums.int(first + nb, "LL"));
+            s += &format!("  if (blk >= {from} && blk < {to}) {{\n");
+            let start = format!("(blk - {from}) * {FUSED_BLOCK}LL + threadIdx.x");
             if gr.folds() {
-                s += &fold_loop(gr, j)?;
+                s += &fold_loop(gr, j, nums)?;
             } else if gr.vectorised() {
-                s += &vector_loop(gr, j, &start, nb * FUSED_BLOCK)?;
+                s += &vector_loop(gr, j, &start, nb * FUSED_BLOCK, nums)?;
             } else {
-                s += &format!("  for (long long i = {start}; i < {}LL; i += {}LL) {{\n", gr.n, nb * FUSED_BLOCK);
+                let (n, stride) = (nums.int(gr.n, "LL"), nums.int(nb * FUSED_BLOCK, "LL"));
+                s += &format!("  for (long long i = {start}; i < {n}; i += {stride}) {{\n");
                 let stores: Vec<String> = (0..gr.outputs.len()).map(|k| format!("o{j}_{k}[i]")).collect();
-                s += &group_body(gr, &element_loads(gr, j), &stores)?;
+                let loads = element_loads(gr, j, nums);
+                s += &group_body(gr, &loads, &stores, nums)?;
                 s += "  }\n";
             }
             s += "  }\n";
@@ -281,7 +305,6 @@ impl FusedKernel {
         if self.ticket() {
             s += &last_block(lead, self.copies);
         }
-        s += "}\n";
         Ok(s)
     }
 
@@ -293,7 +316,7 @@ impl FusedKernel {
 
 /// A lead group's outputs `L{r}` (stored values, so that readers see what memory would hold),
 /// computed by every thread from element 0 of its inputs.
-fn lead_values(gr: &FusedGroup) -> Result<String, String> {
+fn lead_values(gr: &FusedGroup, nums: &mut Numbers) -> Result<String, String> {
     if gr.n != 1 || gr.folds() || gr.inputs.iter().any(|x| x.lead.is_some()) {
         return Err(format!("a lead group must be one element without sums or leads of its own (n = {}, sums: {})", gr.n, gr.folds()));
     }
@@ -302,10 +325,10 @@ fn lead_values(gr: &FusedGroup) -> Result<String, String> {
         let d = gr.members.get(m).ok_or_else(|| format!("lead output {r} names no member"))?.dtype;
         s += &format!("  {} L{r};\n", storage_type(d));
     }
-    let loads: Vec<String> = gr.inputs.iter().enumerate().map(|(k, x)| format!("p0_{k}[{}]", x.offset)).collect();
+    let loads: Vec<String> = gr.inputs.iter().enumerate().map(|(k, x)| format!("p0_{k}[{}]", nums.int(x.offset, ""))).collect();
     let stores: Vec<String> = (0..gr.outputs.len()).map(|r| format!("L{r}")).collect();
     s += "  {\n";
-    s += &group_body(gr, &loads, &stores)?;
+    s += &group_body(gr, &loads, &stores, nums)?;
     s += "  }\n";
     Ok(s)
 }
@@ -330,7 +353,7 @@ fn last_block(lead: Option<&FusedGroup>, copies: usize) -> String {
 
 /// Group `j`'s loop over `width` elements per thread: vector loads, the members per element,
 /// vector stores.
-fn vector_loop(gr: &FusedGroup, j: usize, start: &str, stride: usize) -> Result<String, String> {
+fn vector_loop(gr: &FusedGroup, j: usize, start: &str, stride: usize, nums: &mut Numbers) -> Result<String, String> {
     let (mut s, w) = (String::new(), gr.width());
     let vec_type =
         |name: String, d: DType| format!("  struct alignas({}) {name} {{ {} v[{w}]; }};\n", w * d.size_in_bytes(), storage_type(d));
@@ -341,10 +364,13 @@ fn vector_loop(gr: &FusedGroup, j: usize, start: &str, stride: usize) -> Result<
         let d = gr.members.get(m).ok_or_else(|| format!("output {k} names no member"))?.dtype;
         s += &vec_type(format!("VO{k}"), d);
     }
-    s += &format!("  for (long long q = {start}; q < {}LL; q += {stride}LL) {{\n", gr.n / w);
+    let (items, stride) = (nums.int(gr.n / w, "LL"), nums.int(stride, "LL"));
+    s += &format!("  for (long long q = {start}; q < {items}; q += {stride}) {{\n");
     let mut loads: Vec<String> = Vec::new();
     for (k, x) in gr.inputs.iter().enumerate() {
-        let at = |(shape, strides): &(Vec<usize>, Vec<usize>)| strided_index(&format!("q * {w}"), x.offset, shape, strides, gr.narrow());
+        let at = |(shape, strides): &(Vec<usize>, Vec<usize>), nums: &mut Numbers| {
+            strided_index(&format!("q * {w}"), x.offset, shape, strides, gr.narrow(), nums)
+        };
         if let Some(r) = x.lead {
             loads.push(format!("L{r}"));
             continue;
@@ -356,14 +382,14 @@ fn vector_loop(gr: &FusedGroup, j: usize, start: &str, stride: usize) -> Result<
             }
             (_, _, Some(_)) => return Err(format!("input {k}: a fed product read {w} at a time (it takes four, from aligned rows)")),
             (Some(VecRead::Splat), Some(st), None) => {
-                s += &format!("    const auto a{k} = p{j}_{k}[{}];\n", at(st));
+                s += &format!("    const auto a{k} = p{j}_{k}[{}];\n", at(st, nums));
                 loads.push(format!("a{k}"));
                 continue;
             }
             (Some(VecRead::Rows), Some(st), None) => {
-                s += &format!("    VI{k} a{k} = *reinterpret_cast<const VI{k}*>(p{j}_{k} + {});\n", at(st))
+                s += &format!("    VI{k} a{k} = *reinterpret_cast<const VI{k}*>(p{j}_{k} + {});\n", at(st, nums))
             }
-            _ => s += &format!("    VI{k} a{k} = *reinterpret_cast<const VI{k}*>(p{j}_{k} + {} + q * {w});\n", x.offset),
+            _ => s += &format!("    VI{k} a{k} = *reinterpret_cast<const VI{k}*>(p{j}_{k} + {} + q * {w});\n", nums.int(x.offset, "")),
         }
         loads.push(format!("a{k}.v[e]"));
     }
@@ -372,7 +398,7 @@ fn vector_loop(gr: &FusedGroup, j: usize, start: &str, stride: usize) -> Result<
     }
     s += &format!("#pragma unroll\n    for (int e = 0; e < {w}; ++e) {{\n");
     let stores: Vec<String> = (0..gr.outputs.len()).map(|k| format!("b{k}.v[e]")).collect();
-    s += &group_body(gr, &loads, &stores)?;
+    s += &group_body(gr, &loads, &stores, nums)?;
     s += "    }\n";
     for k in 0..gr.outputs.len() {
         s += &format!("    *reinterpret_cast<VO{k}*>(o{j}_{k} + q * {w}) = b{k};\n");
@@ -382,25 +408,25 @@ fn vector_loop(gr: &FusedGroup, j: usize, start: &str, stride: usize) -> Result<
 }
 
 /// Element `i` of each input of group `j`.
-fn element_loads(gr: &FusedGroup, j: usize) -> Vec<String> {
+fn element_loads(gr: &FusedGroup, j: usize, nums: &mut Numbers) -> Vec<String> {
     let at = |(k, x): (usize, &FusedInput)| match (&x.strided, x.lead, &x.fed) {
         (_, Some(r), _) => format!("L{r}"),
         (_, None, Some(f)) => f.value(x, (j, k), "i", gr.narrow(), false),
-        (None, None, None) => format!("p{j}_{k}[{} + i]", x.offset),
-        (Some((shape, strides)), None, None) => format!("p{j}_{k}[{}]", strided_index("i", x.offset, shape, strides, gr.narrow())),
+        (None, None, None) => format!("p{j}_{k}[{} + i]", nums.int(x.offset, "")),
+        (Some((shape, strides)), None, None) => format!("p{j}_{k}[{}]", strided_index("i", x.offset, shape, strides, gr.narrow(), nums)),
     };
     gr.inputs.iter().enumerate().map(at).collect()
 }
 
 /// One element of a group: `loads[k]` reads input k, the members run in order, output k is
 /// stored to `stores[k]`.
-fn group_body(gr: &FusedGroup, loads: &[String], stores: &[String]) -> Result<String, String> {
+fn group_body(gr: &FusedGroup, loads: &[String], stores: &[String], nums: &mut Numbers) -> Result<String, String> {
     let mut s = String::new();
     for (k, load) in loads.iter().enumerate() {
         s += &format!("    auto x{k} = ld({load});\n");
     }
     for q in 0..gr.members.len() {
-        s += &member_code(gr, q)?;
+        s += &member_code(gr, q, nums)?;
     }
     for (store, &m) in stores.iter().zip(&gr.outputs) {
         s += &format!("    st(&{store}, m{m});\n");
@@ -409,7 +435,7 @@ fn group_body(gr: &FusedGroup, loads: &[String], stores: &[String]) -> Result<St
 }
 
 /// Member `q` (elementwise) as `m{q}`, from inputs `x{k}` and earlier members `m{k}`.
-fn member_code(gr: &FusedGroup, q: usize) -> Result<String, String> {
+fn member_code(gr: &FusedGroup, q: usize, nums: &mut Numbers) -> Result<String, String> {
     let m = &gr.members[q];
     let dtype_of = |src: &FusedSrc| match *src {
         FusedSrc::Input(k) => gr.inputs.get(k).map(|x| x.dtype),
@@ -419,11 +445,11 @@ fn member_code(gr: &FusedGroup, q: usize) -> Result<String, String> {
         m.args.iter().map(|a| dtype_of(a).ok_or_else(|| format!("member {q} reads a missing value"))).collect::<Result<_, _>>()?;
     let (_, expr, compute) = elementwise_expr(&m.op, &dtypes).ok_or_else(|| format!("{}: not elementwise", m.op.name()))?;
     let scalar = match &m.op {
-        Op::Scalar { value, .. } => *value,
-        _ => 0.0,
+        Op::Scalar { value, .. } => nums.float(*value, double_literal),
+        _ => double_literal(0.0),
     };
     let mut s = format!("    {} m{q};\n    {{\n      typedef {compute} C;\n", compute_type(m.dtype));
-    s += &format!("      struct {{ double s; }} a = {{ {} }}; (void)a;\n", double_literal(scalar));
+    s += &format!("      struct {{ double s; }} a = {{ {scalar} }}; (void)a;\n");
     for (v, src) in m.args.iter().enumerate() {
         s += &format!("      auto v{v} = {};\n", src_name(*src));
     }
@@ -441,7 +467,7 @@ fn src_name(src: FusedSrc) -> String {
 /// A group ending in sums (`FusedGroup::folds`), run by one block: the threads stride over
 /// the elements (members before the fold, sums accumulated in registers), `kiln_block_sum`
 /// folds each sum, and thread 0 runs the members after the fold and stores their values.
-fn fold_loop(gr: &FusedGroup, j: usize) -> Result<String, String> {
+fn fold_loop(gr: &FusedGroup, j: usize, nums: &mut Numbers) -> Result<String, String> {
     let after = gr.after_fold();
     check_fold(gr, &after)?;
     let sums: Vec<usize> = (0..gr.members.len()).filter(|&q| gr.members[q].is_sum()).collect();
@@ -463,15 +489,15 @@ fn fold_loop(gr: &FusedGroup, j: usize) -> Result<String, String> {
     for &q in &sums {
         s += &format!("  {} r{q} = 0;\n", compute_type(gr.members[q].dtype));
     }
-    s += &format!("  for (long long i = threadIdx.x; i < {}LL; i += {FUSED_BLOCK}LL) {{\n", gr.n);
-    let loads = element_loads(gr, j);
+    s += &format!("  for (long long i = threadIdx.x; i < {}; i += {FUSED_BLOCK}LL) {{\n", nums.int(gr.n, "LL"));
+    let loads = element_loads(gr, j, nums);
     for (k, used) in reads(true).into_iter().enumerate() {
         if used {
             s += &format!("    auto x{k} = ld({});\n", loads[k]);
         }
     }
     for q in (0..gr.members.len()).filter(|&q| !after[q]) {
-        s += &member_code(gr, q)?;
+        s += &member_code(gr, q, nums)?;
     }
     for &q in &sums {
         let arg = gr.members[q].args.first().ok_or_else(|| format!("sum member {q} has no argument"))?;
@@ -494,14 +520,17 @@ fn fold_loop(gr: &FusedGroup, j: usize) -> Result<String, String> {
             if x.fed.is_some() {
                 return Err(format!("input {k}: a fed product read after the fold"));
             }
-            let value = x.lead.map_or_else(|| format!("p{j}_{k}[{}]", x.offset), |r| format!("L{r}"));
+            let value = match x.lead {
+                Some(r) => format!("L{r}"),
+                None => format!("p{j}_{k}[{}]", nums.int(x.offset, "")),
+            };
             s += &format!("    auto x{k} = ld({value});\n");
         }
     }
     for q in (0..gr.members.len()).filter(|&q| after[q]) {
         s += &match gr.members[q].is_sum() {
             true => format!("    {} m{q} = r{q};\n", compute_type(gr.members[q].dtype)),
-            false => member_code(gr, q)?,
+            false => member_code(gr, q, nums)?,
         };
     }
     for (k, &m) in gr.outputs.iter().enumerate() {
