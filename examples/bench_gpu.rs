@@ -21,7 +21,7 @@
 mod common;
 
 use common::{flag, has, opt};
-use kiln::compile::{compile, Mode};
+use kiln::compile::{compile, compile_with, CompileOptions, Dynamic, Mode};
 use kiln::models::{mlp, Gpt, GptConfig};
 use kiln::nn::{cross_entropy, mse_loss, Reduction, Transformer, TransformerConfig, TransformerMasks};
 use kiln::optim::{clip_grad_norm, AdamConfig, AdamW};
@@ -167,7 +167,9 @@ fn timed(
     let Some(mode) = mode else {
         return Ok(Timing { ms: median_ms(dev, warmup, steps, || f(xs).map(drop))?, compile_s: None, compile_peak: None });
     };
-    let mut step = compile(mode, f);
+    // `--dynamic`: every input dim dynamic from the first call (the cost of being dynamic).
+    let dynamic = if has("--dynamic") { Dynamic::Always } else { Dynamic::Auto };
+    let mut step = compile_with(CompileOptions { mode, dynamic, ..Default::default() }, f);
     let refs: Vec<&Tensor> = xs.iter().collect();
     cuda::synchronize(dev)?;
     kiln::tensor::storage::reset_peak_bytes();
@@ -181,7 +183,42 @@ fn timed(
         step.call_profiled(&refs)?;
         eprintln!("{}", step.explain());
     }
+    let sweep = flag("--sweep", 0);
+    if sweep > 0 {
+        batch_sweep(dev, &mut |ins: &[&Tensor]| step.call(ins), xs, sweep)?;
+        let e = step.explain();
+        println!("{{\"sweep\": {sweep}, \"graphs\": {}, \"shapes_traced\": {}}}", e.graphs, e.shapes_traced);
+    }
     Ok(Timing { ms, compile_s: Some(compile_s), compile_peak: Some(compile_peak) })
+}
+
+/// `--sweep N`: `n` calls on the first `b` rows of every input, `b` drawn from 1..=batch in a
+/// fixed order (the shapes a last partial batch or a varying batch size makes); prints the
+/// wall time of all of them and of the calls after the first of each size.
+fn batch_sweep(dev: Device, call: &mut dyn FnMut(&[&Tensor]) -> Result<Vec<Tensor>>, xs: &[Tensor], n: usize) -> Result<()> {
+    let full = xs[0].shape()[0];
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let (mut seen, mut total, mut again) = (Vec::new(), 0.0, 0.0);
+    for _ in 0..n {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let b = 1 + (state >> 33) as usize % full;
+        let part: Vec<Tensor> = xs.iter().map(|x| x.narrow(0, 0, b)?.contiguous()).collect::<Result<_>>()?;
+        let refs: Vec<&Tensor> = part.iter().collect();
+        cuda::synchronize(dev)?;
+        let t = Instant::now();
+        call(&refs)?;
+        cuda::synchronize(dev)?;
+        let s = t.elapsed().as_secs_f64();
+        total += s;
+        if seen.contains(&b) {
+            again += s;
+        }
+        seen.push(b);
+    }
+    seen.sort_unstable();
+    seen.dedup();
+    eprintln!("sweep: {n} calls over {} batch sizes in {total:.2} s ({again:.3} s in the calls of a size seen before)", seen.len());
+    Ok(())
 }
 
 fn report(workload: &str, precision: &str, mode: Option<Mode>, t: Timing, dev: Device) {
@@ -197,7 +234,7 @@ fn report_with(workload: &str, precision: &str, mode: Option<Mode>, t: Timing, d
     let peak = kiln::tensor::storage::peak_bytes() as f64 / 1048576.0;
     let imp = match mode {
         None => "kiln eager".to_string(),
-        Some(m) => format!("kiln {}", mode_name(m)),
+        Some(m) => format!("kiln {}{}", mode_name(m), if has("--dynamic") { " dynamic" } else { "" }),
     };
     let mut compile = t.compile_s.map(|c| format!(", \"compile_s\": {c:.3}")).unwrap_or_default();
     if let Some(p) = t.compile_peak {

@@ -20,15 +20,20 @@ fn an_mlp_fed_every_batch_size_compiles_twice_and_matches_eager() {
 }
 
 #[test]
-fn a_gpt_fed_every_batch_and_length_compiles_once_when_marked_and_matches_eager() {
+fn a_gpt_fed_every_batch_and_length_compiles_twice_and_matches_eager() {
     let shapes = random_shapes(14, (1, 64), (8, 256));
-    let eager = train_gpt_shapes(Device::Cpu, None, &shapes);
-    let auto = train_gpt_shapes(Device::Cpu, Some(CompileOptions::default()), &shapes);
+    let eager = train_gpt_shapes(Device::Cpu, None, &shapes, &mut || {});
+    let auto = train_gpt_shapes(Device::Cpu, Some(CompileOptions::default()), &shapes, &mut || {});
     common::assert_runs_agree("dynamic GPT vs eager", &auto.run, &eager.run, (1e-4, 1e-4));
+    // The first shape is (1, 256): specialised; the second makes both dims dynamic. (A later
+    // batch of one at another length would be one more graph, as in PyTorch.)
+    assert!(shapes[2..].iter().all(|&(b, _)| b > 1));
     assert_eq!(auto.graphs, 2, "automatic: specialised, then one dynamic graph");
-    let always = train_gpt_shapes(Device::Cpu, Some(CompileOptions { dynamic: Dynamic::Always, ..Default::default() }), &shapes);
+    let always =
+        train_gpt_shapes(Device::Cpu, Some(CompileOptions { dynamic: Dynamic::Always, ..Default::default() }), &shapes, &mut || {});
     common::assert_runs_agree("dynamic GPT (always) vs eager", &always.run, &eager.run, (1e-4, 1e-4));
-    assert_eq!((always.graphs, always.shapes_traced), (1, shapes.len()), "one dynamic graph from the first call");
+    // Dynamic from the first call: one graph for a batch of one (at any length), one for the rest.
+    assert_eq!((always.graphs, always.shapes_traced), (2, shapes.len()));
 }
 
 /// `x * 2` summed: a step whose result is easy to check at any size.
@@ -75,12 +80,16 @@ fn dynamic_never_compiles_each_shape_up_to_the_limit() -> Result<()> {
 #[test]
 fn the_shape_cache_drops_the_least_recently_used_shape_and_retraces_it() -> Result<()> {
     let mut step = compile_with(CompileOptions { dynamic: Dynamic::Always, shape_cache: 2, ..Default::default() }, doubled_sum);
-    for n in [1, 2, 3, 1, 3] {
+    for n in [2, 3, 4, 2, 4] {
         assert_eq!(step.call(&[&Tensor::ones(&[n], DType::F32, Device::Cpu)?])?[0].item()?, 2.0 * n as f64);
     }
-    // 1, 2, 3 traced; 1 was dropped when 3 came, so it is traced again; 3 replays.
+    // 2, 3, 4 traced; 2 was dropped when 4 came, so it is traced again; 4 replays.
     let e = step.explain();
     assert_eq!((e.graphs, e.shapes_traced), (1, 4), "{e}");
     assert_eq!(step.counts(), (5, 1));
+    // Sizes 0 and 1 are graphs of their own (they lay out and broadcast unlike longer dims).
+    assert_eq!(step.call(&[&Tensor::ones(&[1], DType::F32, Device::Cpu)?])?[0].item()?, 2.0);
+    assert_eq!(step.explain().graphs, 2);
+    assert!(step.explain().dynamic.iter().any(|d| d.starts_with("input 0 dim 0 at 1:")), "{}", step.explain());
     Ok(())
 }

@@ -350,6 +350,34 @@ fn a_smaller_last_batch_recompiles_on_cuda_and_stays_correct() {
     }
 }
 
+/// Dynamic shapes on CUDA: an MLP fed batch sizes 1..=64 and a GPT fed batches 1..=64 of
+/// lengths 8..=256 in random order, in `Default` and `ReduceOverhead` (a captured graph per
+/// shape over the same kernels): two graphs compiled in all, eager's values at every shape.
+#[test]
+fn dynamic_shapes_on_cuda_compile_twice_and_match_eager() {
+    let _only_me = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    let batches: Vec<usize> = common::random_shapes(24, (1, 64), (1, 1)).into_iter().map(|(b, _)| b).collect();
+    let shapes = common::random_shapes(12, (1, 64), (8, 256));
+    // (1, 256) first, then (64, 8): both dims dynamic from there (no later batch of one).
+    assert!(shapes[2..].iter().all(|&(b, _)| b > 1));
+    let (mlp_eager, gpt_eager) = (common::train_mlp_batches(dev, None, &batches), common::train_gpt_shapes(dev, None, &shapes, &mut || {}));
+    for mode in [Mode::Default, Mode::ReduceOverhead] {
+        let opts = Some(CompileOptions { mode, ..Default::default() });
+        let m = common::train_mlp_batches(dev, opts, &batches);
+        assert_runs_agree(&format!("{mode:?} dynamic MLP vs eager"), &m.run, &mlp_eager.run, (1e-4, 1e-4));
+        let g = common::train_gpt_shapes(dev, opts, &shapes, &mut || {});
+        assert_runs_agree(&format!("{mode:?} dynamic GPT vs eager"), &g.run, &gpt_eager.run, (2e-3, 5e-3));
+        eprintln!(
+            "{mode:?}: MLP {} graphs, {} shapes traced; GPT {} graphs, {} shapes traced",
+            m.graphs, m.shapes_traced, g.graphs, g.shapes_traced
+        );
+        // Specialised, then one dynamic graph; the GPT's takes a second kernel set past the
+        // one-launch mean cross-entropy's size (`passes::loss`), which its larger batches cross.
+        assert_eq!((m.graphs, g.graphs), (2, 3), "{mode:?}");
+    }
+}
+
 /// `ReduceOverhead` reads an input in place while the caller passes the same buffer, refilled
 /// between calls (PyTorch's advice for CUDA graphs), and reads copies once it passes another:
 /// every call sees its own input's values.

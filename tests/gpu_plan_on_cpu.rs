@@ -108,6 +108,37 @@ fn a_gpt_compiled_with_the_gpu_passes_matches_eager_on_the_cpu_in_bf16_and_f32()
     assert_runs_agree("GPU passes vs eager, F32 on the CPU", &compiled32, &eager32, (1e-5, 1e-4));
 }
 
+/// A dynamic GPT compiled with the GPU's passes: one source of fused kernels serves every
+/// shape of two rows and more up to a pass's size limit (what a GPU builds once; a size of
+/// one is a graph of its own), it compiles, and training matches eager at every shape.
+#[test]
+fn a_dynamic_gpt_with_the_gpu_passes_shares_its_kernels_between_shapes_and_matches_eager() {
+    let _var = SOURCES_VAR.lock().unwrap_or_else(|e| e.into_inner());
+    let path = std::env::temp_dir().join(format!("kiln-gpu-dynamic-{}.cu", std::process::id()));
+    std::env::set_var("KILN_GPU_SOURCES", &path);
+    let shapes = common::random_shapes(6, (2, 64), (8, 256));
+    let always = kiln::compile::CompileOptions { dynamic: kiln::compile::Dynamic::Always, ..Default::default() };
+    let mut sources: Vec<String> = Vec::new();
+    let compiled = common::train_gpt_shapes(Device::Cpu, Some(always), &shapes, &mut || {
+        let src = std::fs::read_to_string(&path).unwrap_or_default();
+        // The first lines list the groups with their shapes; the kernels follow.
+        sources.push(src.lines().filter(|l| !l.starts_with("//")).collect::<Vec<_>>().join("\n"));
+    });
+    std::env::remove_var("KILN_GPU_SOURCES");
+    std::fs::remove_file(&path).ok();
+    let eager = common::train_gpt_shapes(Device::Cpu, None, &shapes, &mut || {});
+    assert_runs_agree("dynamic GPT with the GPU passes vs eager", &compiled.run, &eager.run, (1e-4, 1e-4));
+    // One kernel set, and one more for the shapes past the one-launch mean cross-entropy's
+    // size (`passes::loss`), which the larger batches here cross.
+    sources.sort();
+    sources.dedup();
+    assert_eq!(sources.len(), 2, "kernel sets for shapes {shapes:?}");
+    for src in &sources {
+        assert!(src.contains("const long long z0"), "sizes as parameters");
+        nvrtc_compiles("dynamic GPT", src);
+    }
+}
+
 /// The small CNN (`common::train_cnn`: windows as views, max pooling by argmax and gather)
 /// compiled with the GPU's passes matches eager on the CPU, and its fused kernels compile.
 #[test]

@@ -37,13 +37,13 @@ def mlp_step(batch, compile_mode):
     x = torch.randn(batch, 784, device=dev)
     y = torch.randint(0, 10, (batch,), device=dev)
 
-    def step():
+    def step(x=x, y=y):
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return compiled(step, compile_mode)
+    return compiled(step, compile_mode, (x, y))
 
 
 class Block(nn.Module):
@@ -85,14 +85,14 @@ def gpt_step(bf16, compile_mode):
     x = torch.randint(0, 65, (64, 256), device=dev)
     y = torch.randint(0, 65, (64, 256), device=dev)
 
-    def step():
+    def step(x=x, y=y):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
             loss = F.cross_entropy(model(x).view(-1, 65), y.view(-1))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return compiled(step, compile_mode)
+    return compiled(step, compile_mode, (x, y))
 
 
 # GPT-2 shapes as nanoGPT trains them: vocab padded to 50304, context 1024, tied head.
@@ -160,14 +160,45 @@ def kernel_table(step, title):
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90), file=sys.stderr)
 
 
-def compiled(step, mode):
+DYNAMIC = None  # torch.compile's `dynamic` (--dynamic sets True)
+
+
+SWEEP_INPUTS = {}  # a step's batch-first inputs, for --sweep
+
+
+def compiled(step, mode, inputs=None):
+    fn = step if mode == "eager" else torch.compile(step, mode=None if mode == "default" else mode, dynamic=DYNAMIC)
+    SWEEP_INPUTS[id(fn)] = inputs
     if mode == "eager":
-        return step, 0.0
-    fn = torch.compile(step, mode=None if mode == "default" else mode)
+        return fn, 0.0
     t = time.perf_counter()
     fn()
     torch.cuda.synchronize()
     return fn, time.perf_counter() - t
+
+
+def batch_sweep(fn, n):
+    """`n` calls on the first b rows of each input, b drawn from 1..=batch in the order
+    bench_gpu's --sweep draws; prints the time and torch.compile's graph count."""
+    xs = SWEEP_INPUTS.get(id(fn))
+    if xs is None:
+        return None
+    full, state, seen, total, again = xs[0].shape[0], 0x9E3779B97F4A7C15, set(), 0.0, 0.0
+    for _ in range(n):
+        state = (state * 6364136223846793005 + 1442695040888963407) % 2**64
+        b = 1 + (state >> 33) % full
+        part = [x[:b].contiguous() for x in xs]
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn(*part)
+        torch.cuda.synchronize()
+        total += time.perf_counter() - t
+        again += (time.perf_counter() - t) if b in seen else 0.0
+        seen.add(b)
+    from torch._dynamo.utils import counters
+    graphs = counters["stats"]["unique_graphs"]
+    print(f"sweep: {n} calls over {len(seen)} batch sizes in {total:.2f} s ({again:.3f} s in the calls of a size seen before)", file=sys.stderr)
+    return {"sweep": n, "graphs": graphs, "sweep_s": round(total, 3)}
 
 
 def main():
@@ -176,7 +207,12 @@ def main():
     ap.add_argument("--only", default=None)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--profile", action="store_true", help="print the CUDA kernel table of 5 steps (stderr)")
+    ap.add_argument("--dynamic", action="store_true", help="torch.compile(dynamic=True)")
+    ap.add_argument("--sweep", type=int, default=0, help="then N calls at random batch sizes (compile counts)")
     a = ap.parse_args()
+    global DYNAMIC
+    DYNAMIC = True if a.dynamic else None
+    import torch._dynamo.utils  # noqa: F401 (the graph counters)
     work = [
         ("add_16M", "fp32", add_16m, 1),
         ("mlp_b32", "fp32", lambda m: mlp_step(32, m), 4),
@@ -192,12 +228,13 @@ def main():
             continue
         for mode in a.modes.split(","):
             torch.cuda.reset_peak_memory_stats()
+            torch._dynamo.utils.counters.clear()
             step, compile_s = make(mode)
             ms = median_ms(step, 5, max(10, int(a.steps * mult)))
             if a.profile:
                 kernel_table(step, f"{name} {mode}")
             peak = torch.cuda.max_memory_allocated() / 2**20
-            impl = "torch eager" if mode == "eager" else f"torch.compile {mode}"
+            impl = "torch eager" if mode == "eager" else f"torch.compile {mode}" + (" dynamic" if a.dynamic else "")
             row = {"workload": name, "impl": impl, "precision": prec, "median_ms": round(ms, 4),
                    "compile_s": round(compile_s, 2), "peak_mib": round(peak, 1)}
             if name in GPT2:
@@ -205,6 +242,10 @@ def main():
                 row["tokens_per_s"] = round(tokens / (ms * 1e-3))
                 row["mfu"] = round(gpt2_flops_per_token(GPT2[name]) * tokens / (ms * 1e-3) / PEAK_BF16, 4)
             print(json.dumps(row), flush=True)
+            if a.sweep and mode != "eager":
+                sweep = batch_sweep(step, a.sweep)
+                if sweep:
+                    print(json.dumps({"workload": name, "impl": impl, **sweep}), flush=True)
 
 
 if __name__ == "__main__":

@@ -437,8 +437,13 @@ pub struct ShapesRun {
 }
 
 /// A small GPT (context 256, dropout 0.1) trained on batches of the given (batch, length)
-/// shapes in turn, eagerly (`opts` None) or compiled with `opts`.
-pub fn train_gpt_shapes(dev: Device, opts: Option<kiln::compile::CompileOptions>, shapes: &[(usize, usize)]) -> ShapesRun {
+/// shapes in turn, eagerly (`opts` None) or compiled with `opts`; `after` runs after each step.
+pub fn train_gpt_shapes(
+    dev: Device,
+    opts: Option<kiln::compile::CompileOptions>,
+    shapes: &[(usize, usize)],
+    after: &mut dyn FnMut(),
+) -> ShapesRun {
     kiln::tensor::rng::manual_seed(5);
     let model = Gpt::new(GptConfig { dropout: 0.1, ..GptConfig::new(11, 256, 16, 2, 2) }, dev).unwrap();
     let opt = RefCell::new(AdamW::new(model.parameters(), AdamConfig { lr: 3e-3, ..AdamConfig::adamw() }).unwrap());
@@ -453,6 +458,7 @@ pub fn train_gpt_shapes(dev: Device, opts: Option<kiln::compile::CompileOptions>
         let (x, y) = (tok(1), tok(2));
         let out = if opts.is_some() { step.call(&[&x, &y]).unwrap() } else { step_fn(&[x, y]).unwrap() };
         losses.push(out[0].clone());
+        after();
     }
     let losses = losses.iter().map(|l| l.item().unwrap() as f32).collect();
     let state = model.named_state().into_iter().map(|(_, t)| t.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap());

@@ -81,7 +81,7 @@ const PAR_FED_FLOPS: usize = 1 << 20;
 /// feed no products (their contraction length is unrolled into the kernel).
 fn plan_for(graph: &Graph, opts: &crate::options::CompileOptions, gpu: bool, generic: bool) -> Plan {
     let mut plan = if opts.fuse {
-        fusion::plan(graph, gpu)
+        fusion::plan(graph, gpu, generic)
     } else {
         Plan { steps: (0..graph.nodes.len()).map(Step::Node).collect(), groups: vec![], fed: vec![] }
     };

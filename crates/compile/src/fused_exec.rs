@@ -213,7 +213,16 @@ fn run_native(
         // above against the buffers, which the caller's guards keep locked and alive; a fed
         // product is `numel` elements of the group's dtype, made by `matmul_by_tiles`); it
         // touches elements start..end of each output and their inputs only.
-        unsafe { (nat.f)(start as i64, end as i64, optr.as_ptr() as *const *mut u8, iptr.as_ptr() as *const *const u8, nat.nums.ints.as_ptr(), nat.nums.floats.as_ptr()) }
+        unsafe {
+            (nat.f)(
+                start as i64,
+                end as i64,
+                optr.as_ptr() as *const *mut u8,
+                iptr.as_ptr() as *const *const u8,
+                nat.nums.ints.as_ptr(),
+                nat.nums.floats.as_ptr(),
+            )
+        }
     };
     if let Some(feed) = feed {
         let k = exts

@@ -155,8 +155,10 @@ fn identity(a: &Arg, shape: &[usize]) -> bool {
     a.layout.offset == 0 && a.layout.shape == shape && a.layout.is_contiguous()
 }
 
-/// Groups for the CPU back end, or with `gpu` for generated CUDA kernels.
-pub fn plan(g: &Graph, gpu: bool) -> Plan {
+/// Groups for the CPU back end, or with `gpu` for generated CUDA kernels. A `generic`
+/// (dynamic-shape) program folds no sums into one block: whether that pays depends on the
+/// size, and the same groups must serve every size.
+pub fn plan(g: &Graph, gpu: bool, generic: bool) -> Plan {
     let n = g.nodes.len();
     let mut group_of: Vec<Option<usize>> = vec![None; n];
     let mut groups: Vec<Group> = Vec::new();
@@ -173,7 +175,7 @@ pub fn plan(g: &Graph, gpu: bool) -> Plan {
             _ => vec![],
         };
         let all_args = g.nodes[i].args();
-        if gpu && fold(g, i, &mut groups, &mut group_of, &mut open, &mut after_fold) {
+        if gpu && !generic && fold(g, i, &mut groups, &mut group_of, &mut open, &mut after_fold) {
             // Joined (or started) a folding group.
         } else if let Some(class) = compute_class(g, i, gpu).filter(|_| !made_with[i]) {
             let shape = &g.nodes[i].shape;
@@ -737,7 +739,7 @@ mod tests {
     #[test]
     fn a_mean_loss_folds_into_one_gpu_group() {
         let (g, chain) = mean_loss();
-        let plan = plan(&g, true);
+        let plan = plan(&g, true, false);
         let folding: Vec<&Group> = plan.groups.iter().filter(|gr| !gr.members.is_empty()).collect();
         assert_eq!(folding.len(), 1, "{folding:?}");
         let gr = folding[0];
@@ -786,7 +788,7 @@ mod tests {
         let scaled = g.push(Kind::Op(Op::Binary(BinaryOp::Mul), vec![whole(&g, y), spread]), vec![4], DType::F32);
         g.outputs = vec![whole(&g, scaled), whole(&g, total), whole(&g, as_int)];
         g.writes = vec![(0, next)];
-        let plan = batch_groups(&g, plan(&g, true));
+        let plan = batch_groups(&g, plan(&g, true, false));
         let launches: Vec<&Step> = plan.steps.iter().filter(|s| matches!(s, Step::Groups(_))).collect();
         let group_of = |node: NodeId| plan.groups.iter().position(|gr| gr.members.contains(&node)).expect("a group");
         // exp and the step count's group in one launch, then the product.
@@ -829,15 +831,15 @@ mod tests {
         let group_of = |plan: &Plan, node: NodeId| plan.groups.iter().position(|gr| gr.members.contains(&node)).expect("a group");
         let launches = |plan: &Plan| plan.steps.iter().filter(|s| matches!(s, Step::Groups(_))).cloned().collect::<Vec<Step>>();
         // A forward alone: the second cast stays after the first product.
-        let forward = batch_groups(&g, plan(&g, true));
+        let forward = batch_groups(&g, plan(&g, true, false));
         assert!(matches!(&launches(&forward)[0], Step::Groups(gs) if *gs == vec![group_of(&forward, casts[0])]), "{forward:?}");
         let w0 = g.nodes[casts[0]].args()[0];
         let back = g.push(Kind::Op(Op::Cast(DType::F32), vec![whole(&g, casts[1])]), vec![8, 8], DType::F32);
         let update = g.push(Kind::Op(Op::Binary(BinaryOp::Sub), vec![whole(&g, w0), whole(&g, back)]), vec![8, 8], DType::F32);
         g.writes = vec![(0, update)];
-        let unbatched = plan(&g, true);
+        let unbatched = plan(&g, true, false);
         assert_eq!(launches(&unbatched).len(), 5, "{unbatched:?}");
-        let batched = batch_groups(&g, plan(&g, true));
+        let batched = batch_groups(&g, plan(&g, true, false));
         let got = launches(&batched);
         assert_eq!(got.len(), 3, "{batched:?}");
         let [c0, c1, r0, r1, u] = [casts[0], casts[1], relus[0], relus[1], update].map(|n| group_of(&batched, n));
@@ -889,9 +891,9 @@ mod tests {
         let launches = |plan: &Plan| plan.steps.iter().filter(|s| matches!(s, Step::Groups(_))).cloned().collect::<Vec<Step>>();
         let (g, next, corr, updated) = count_then_update(false);
         // Without leads: the scalars, then the update.
-        let alone = plan(&g, true);
+        let alone = plan(&g, true, false);
         assert_eq!(launches(&alone).len(), 2, "{alone:?}");
-        let led = batch_groups(&g, plan(&g, true));
+        let led = batch_groups(&g, plan(&g, true, false));
         let (s, u) = (group_of(&led, next), group_of(&led, updated));
         assert!(matches!(&launches(&led)[..], [Step::Groups(gs)] if *gs == vec![s, u]), "{led:?}");
         assert!(led.groups[s].lead && !led.groups[u].lead);
@@ -899,7 +901,7 @@ mod tests {
         assert!(led.groups[u].externals.iter().any(|a| a.node == corr) && led.groups[s].materialize.contains(&corr));
         // A product between them reading the scalars keeps them apart.
         let (g, ..) = count_then_update(true);
-        let apart = batch_groups(&g, plan(&g, true));
+        let apart = batch_groups(&g, plan(&g, true, false));
         assert_eq!(launches(&apart).len(), 2, "{apart:?}");
         assert!(apart.groups.iter().all(|gr| !gr.lead));
     }
@@ -932,9 +934,9 @@ mod tests {
         let updated = g.push(Kind::Op(Op::Binary(BinaryOp::Sub), vec![whole(&g, decayed), whole(&g, scaled)]), vec![8], DType::F32);
         g.writes = vec![(0, next), (2, updated)];
         let group_of = |plan: &Plan, node: NodeId| plan.groups.iter().position(|gr| gr.members.contains(&node)).expect("a group");
-        let alone = plan(&g, true);
+        let alone = plan(&g, true, false);
         assert_ne!(group_of(&alone, corr), group_of(&alone, decay), "{alone:?}");
-        let led = batch_groups(&g, plan(&g, true));
+        let led = batch_groups(&g, plan(&g, true, false));
         let launches: Vec<&Step> = led.steps.iter().filter(|s| matches!(s, Step::Groups(_))).collect();
         let (s, u) = (group_of(&led, next), group_of(&led, updated));
         assert!(matches!(&launches[..], [Step::Groups(gs)] if *gs == vec![s, u]), "{led:?}");
@@ -974,7 +976,7 @@ mod tests {
     #[test]
     fn a_short_weight_gradient_is_made_by_the_update_that_reads_it() {
         let (g, p, grad, x) = weight_gradient_update(false);
-        let mut fed = batch_groups(&g, plan(&g, true));
+        let mut fed = batch_groups(&g, plan(&g, true, false));
         feed_gpu_products(&g, &mut fed);
         assert_eq!(fed.fed, vec![p]);
         // No step makes the product: the one launch (both updates) reads its operands.
@@ -985,13 +987,13 @@ mod tests {
         assert!(reads.contains(&grad) && reads.contains(&x) && !reads.contains(&p), "{reads:?}");
         // Read other than whole (transposed, as well): the product keeps its own kernel.
         let (g, p, ..) = weight_gradient_update(true);
-        let mut kept = batch_groups(&g, plan(&g, true));
+        let mut kept = batch_groups(&g, plan(&g, true, false));
         feed_gpu_products(&g, &mut kept);
         assert!(kept.fed.is_empty() && kept.steps.iter().any(|s| matches!(s, Step::Node(i) if *i == p)), "{kept:?}");
         // So does a product the step returns.
         let (mut g, p, ..) = weight_gradient_update(false);
         g.outputs = vec![whole(&g, p)];
-        let mut kept = batch_groups(&g, plan(&g, true));
+        let mut kept = batch_groups(&g, plan(&g, true, false));
         feed_gpu_products(&g, &mut kept);
         assert!(kept.fed.is_empty(), "{kept:?}");
     }
@@ -999,7 +1001,7 @@ mod tests {
     #[test]
     fn the_cpu_plan_keeps_sums_as_their_own_kernels() {
         let (g, chain) = mean_loss();
-        let plan = plan(&g, false);
+        let plan = plan(&g, false, false);
         assert!(plan.groups.iter().all(|gr| !gr.folds));
         for sum in [chain[0], chain[3]] {
             assert!(plan.steps.iter().any(|s| matches!(s, Step::Node(i) if *i == sum)));
@@ -1017,7 +1019,7 @@ mod tests {
         let first = Arg { node: y, layout: Layout { shape: vec![], strides: vec![], offset: 0 } };
         let p = g.push(Kind::Op(Op::Binary(BinaryOp::Mul), vec![whole(&g, s), first]), vec![], DType::F32);
         g.outputs = vec![whole(&g, p)];
-        let plan = plan(&g, true);
+        let plan = plan(&g, true, false);
         let gr = plan.groups.iter().find(|gr| gr.members.contains(&s)).expect("the sum's group");
         assert_eq!(gr.members, vec![y, s]);
         assert!(!gr.members.contains(&p));

@@ -69,11 +69,17 @@ impl Signature {
         inputs && self.mode == o.mode && self.autocast == o.autocast && self.grad_enabled == o.grad_enabled
     }
 
-    /// The signature with the sizes of `dims` (`(input, dim)`) set to zero, if it has them all.
+    /// The signature with the sizes of `dims` (`(input, dim)`) masked, if it has them all. As
+    /// in PyTorch, sizes 0 and 1 stay: a dim of one element lays out and broadcasts unlike a
+    /// longer one, so a dynamic graph serves sizes from 2 and a size of 0 or 1 is a graph of
+    /// its own (its other dims still dynamic).
     fn masked(&self, dims: &[(usize, usize)]) -> Option<Signature> {
         let mut s = self.clone();
         for &(i, d) in dims {
-            *s.inputs.get_mut(i)?.0.get_mut(d)? = 0;
+            let size = s.inputs.get_mut(i)?.0.get_mut(d)?;
+            if *size > 1 {
+                *size = usize::MAX;
+            }
         }
         Some(s)
     }
@@ -116,7 +122,12 @@ impl Family {
     fn out_of_bounds(&self, sizes: &[usize]) -> Option<String> {
         let k = (0..sizes.len()).find(|&k| !self.bounds[k].contains(&sizes[k]))?;
         let ((i, d), b) = (self.dims[k], &self.bounds[k]);
-        Some(format!("compile: input {i} dim {d} is {}, outside the range {}..={} it was marked dynamic with", sizes[k], b.start(), b.end()))
+        Some(format!(
+            "compile: input {i} dim {d} is {}, outside the range {}..={} it was marked dynamic with",
+            sizes[k],
+            b.start(),
+            b.end()
+        ))
     }
 
     fn describe(&self) -> String {
@@ -124,9 +135,10 @@ impl Family {
             .dims
             .iter()
             .zip(&self.bounds)
-            .map(|(&(i, d), b)| match (*b.start(), *b.end()) {
-                (0, usize::MAX) => format!("input {i} dim {d}"),
-                (lo, hi) => format!("input {i} dim {d} in {lo}..={hi}"),
+            .map(|(&(i, d), b)| match (self.key.inputs[i].0[d], *b.start(), *b.end()) {
+                (one @ (0 | 1), ..) => format!("input {i} dim {d} at {one}"),
+                (_, 0, usize::MAX) => format!("input {i} dim {d}"),
+                (_, lo, hi) => format!("input {i} dim {d} in {lo}..={hi}"),
             })
             .collect();
         format!("{}: {} shapes traced, {} ready, {} kernel sets built", dims.join(", "), self.traced, self.shapes.len(), self.builds.len())
@@ -476,7 +488,10 @@ impl Engine {
             let code = p.exec.code_key();
             if !fam.builds.contains(&code) {
                 if !fam.builds.is_empty() {
-                    log::log("recompiles", &format!("dynamic graph: new kernels for {:?} ({} kernel sets)", sig.inputs, fam.builds.len() + 1));
+                    log::log(
+                        "recompiles",
+                        &format!("dynamic graph: new kernels for {:?} ({} kernel sets)", sig.inputs, fam.builds.len() + 1),
+                    );
                 }
                 fam.builds.push(code);
             }

@@ -482,6 +482,7 @@ fn a_group_folding_its_sums_in_one_block_compiles() {
 #[test]
 fn a_kernel_led_by_a_scalar_group_compiles() {
     use kiln_tensor::cuda::kernels::fused::fused_module;
+    use kiln_tensor::cuda::kernels::fused::Fed;
     use kiln_tensor::cuda::kernels::fused::FusedGroup;
     use kiln_tensor::cuda::kernels::fused::FusedInput;
     use kiln_tensor::cuda::kernels::fused::FusedKernel;
@@ -511,8 +512,13 @@ fn a_kernel_led_by_a_scalar_group_compiles() {
     folded.push(m(Op::Binary(BinaryOp::Mul), vec![FusedSrc::Member(1), FusedSrc::Input(1)], DType::F32));
     let fold = FusedGroup { n: 300, inputs: vec![dense(DType::F32), corr(300)], members: folded, outputs: vec![2] };
     assert!(vector.vectorised() && !strided.vectorised() && fold.folds());
-    let k =
-        FusedKernel { name: "kiln_led".into(), groups: vec![lead, vector.clone(), strided.clone(), fold.clone()], lead: true, copies: 0, generic: false };
+    let k = FusedKernel {
+        name: "kiln_led".into(),
+        groups: vec![lead, vector.clone(), strided.clone(), fold.clone()],
+        lead: true,
+        copies: 0,
+        generic: false,
+    };
     // The lead gets no blocks: 4096 / 4 / 256 for the vector group, one each for the others.
     assert_eq!(k.blocks(), 4 + 1 + 1);
     let src = fused_module(std::slice::from_ref(&k)).expect("a plain scalar lead");
@@ -535,7 +541,7 @@ fn a_kernel_led_by_a_scalar_group_compiles() {
     assert!(fused_module(&[bad]).is_err_and(|e| e.contains("lead group")));
     // The last block may also copy a step's outputs: after the lead's stores, or alone.
     let led_copying = FusedKernel { name: "kiln_led_copying".into(), copies: 2, ..k.clone() };
-    let plain = FusedGroup { inputs: vec![dense(DType::F32), dense(DType::F32)], ..vector };
+    let plain = FusedGroup { inputs: vec![dense(DType::F32), dense(DType::F32)], ..vector.clone() };
     let copying = FusedKernel { name: "kiln_copying".into(), groups: vec![plain], lead: false, copies: 1, generic: false };
     assert!(copying.ticket() && !FusedKernel { copies: 0, ..copying.clone() }.ticket());
     let src2 = fused_module(&[led_copying, copying]).expect("kernels with output copies");
@@ -557,6 +563,35 @@ fn a_kernel_led_by_a_scalar_group_compiles() {
     let mut fails = Vec::new();
     check(&src, "kiln_led", &mut fails);
     check(&src2, "kiln_led_copying", &mut fails);
+    // Generic (a dynamic-shape program's): the same source at another size of every group,
+    // the sizes and scalars passed after the ticket.
+    let resized = |g: &FusedGroup, n: usize| FusedGroup {
+        n,
+        inputs: g.inputs.iter().map(|x| FusedInput { strided: x.strided.as_ref().map(|_| (vec![n], vec![0])), ..x.clone() }).collect(),
+        ..g.clone()
+    };
+    let generic = |scale: usize| FusedKernel {
+        name: "kiln_generic".into(),
+        groups: vec![
+            k.groups[0].clone(),
+            resized(&vector, 4096 * scale),
+            resized(&strided, 10 * scale),
+            resized(&k.groups[3], 300 * scale),
+        ],
+        generic: true,
+        ..k.clone()
+    };
+    let (small, large) = (generic(1).source_and_numbers().expect("generic"), generic(3).source_and_numbers().expect("generic"));
+    assert_eq!(small.0, large.0, "one source for every size");
+    assert_ne!(small.1.ints, large.1.ints);
+    assert_eq!(small.1.floats, vec![1.0, 0.9, 1.0], "the lead's scalars");
+    assert!(small.0.contains("unsigned int* kiln_ticket, const long long z0") && !small.0.contains("4096"), "{}", small.0);
+    check(&fused_module(&[generic(2)]).expect("a generic kernel"), "kiln_generic", &mut fails);
+    let fed = FusedGroup {
+        inputs: vec![FusedInput { fed: Some(Fed { k: 4, cols: 4, a: [4, 1], b: None }), ..dense(DType::F32) }],
+        ..vector.clone()
+    };
+    assert!(FusedKernel { groups: vec![fed], lead: false, ..generic(1) }.source().is_err_and(|e| e.contains("cannot feed")));
     // The output-copy node's kernel shares the fused kernels' copy.
     let (copy, name) = kiln_tensor::cuda::kernels::fused::copy_out_source();
     check(&copy, &name, &mut fails);
@@ -700,7 +735,13 @@ fn groups_computing_their_fed_products_compile() {
         let odd = group(256 * 6, fed(Fed { b: Some((3, [6, 1])), ..dot(6) }, 0));
         let odd_sums = group(256, fed(sums, 1));
         assert!(weight.vectorised() && bias.vectorised() && !odd.vectorised() && !odd_sums.vectorised());
-        let k = FusedKernel { name: format!("kiln_fed_{d:?}"), groups: vec![weight, bias, odd, odd_sums], lead: false, copies: 0, generic: false };
+        let k = FusedKernel {
+            name: format!("kiln_fed_{d:?}"),
+            groups: vec![weight, bias, odd, odd_sums],
+            lead: false,
+            copies: 0,
+            generic: false,
+        };
         let src = fused_module(std::slice::from_ref(&k)).expect("fed products");
         let body = &src[src.find(&k.name).expect("the kernel")..];
         // b's buffer follows a's for the products, not for the sums; each fed input is made,

@@ -166,6 +166,17 @@ impl FusedGroup {
         self.width() > 1
     }
 
+    /// The widths a generic kernel carries a vector loop for, beside its scalar loop: every
+    /// width `width` can take at some size, given how the inputs are laid out (the launch
+    /// passes the one this size takes).
+    fn widths(&self) -> Vec<usize> {
+        if self.folds() || self.inputs.iter().any(|x| vec_kind(x).is_none()) {
+            return vec![];
+        }
+        let loads_16bit = self.inputs.iter().filter(|x| x.lead.is_none()).all(|x| x.dtype.size_in_bytes() == 2);
+        [8, 4].into_iter().filter(|&w| w == 4 || loads_16bit).collect()
+    }
+
     /// Whether the group ends in sums folded by one block.
     pub fn folds(&self) -> bool {
         self.members.iter().any(FusedMember::is_sum)
@@ -211,6 +222,23 @@ enum VecRead {
     Splat,
     /// Four values of a fed product (`Fed::vec4`).
     Fed,
+}
+
+/// How input `x` is read `w` at a time where its sizes and offset allow (`vec_read` without
+/// the divisibility and alignment a size decides).
+fn vec_kind(x: &FusedInput) -> Option<VecRead> {
+    if x.lead.is_some() {
+        return Some(VecRead::Splat);
+    }
+    match (&x.strided, &x.fed) {
+        (_, Some(_)) => None,
+        (None, None) => Some(VecRead::Dense),
+        (Some((_, strides)), None) => match strides.last()? {
+            0 => Some(VecRead::Splat),
+            1 => Some(VecRead::Rows),
+            _ => None,
+        },
+    }
 }
 
 fn vec_read(x: &FusedInput, w: usize) -> Option<VecRead> {
@@ -289,15 +317,17 @@ impl FusedKernel {
             let start = format!("(blk - {from}) * {FUSED_BLOCK}LL + threadIdx.x");
             if gr.folds() {
                 s += &fold_loop(gr, j, nums)?;
+            } else if self.generic {
+                // Every width the group can take, the one this size takes passed at launch.
+                let width = nums.int(gr.width(), "");
+                for w in gr.widths() {
+                    s += &format!("  if ({width} == {w}) {{\n{}  }} else\n", vector_loop(gr, j, (&start, nb * FUSED_BLOCK), w, nums)?);
+                }
+                s += &format!("  {{\n{}  }}\n", scalar_loop(gr, j, (&start, nb * FUSED_BLOCK), nums)?);
             } else if gr.vectorised() {
-                s += &vector_loop(gr, j, &start, nb * FUSED_BLOCK, nums)?;
+                s += &vector_loop(gr, j, (&start, nb * FUSED_BLOCK), gr.width(), nums)?;
             } else {
-                let (n, stride) = (nums.int(gr.n, "LL"), nums.int(nb * FUSED_BLOCK, "LL"));
-                s += &format!("  for (long long i = {start}; i < {n}; i += {stride}) {{\n");
-                let stores: Vec<String> = (0..gr.outputs.len()).map(|k| format!("o{j}_{k}[i]")).collect();
-                let loads = element_loads(gr, j, nums);
-                s += &group_body(gr, &loads, &stores, nums)?;
-                s += "  }\n";
+                s += &scalar_loop(gr, j, (&start, nb * FUSED_BLOCK), nums)?;
             }
             s += "  }\n";
             first += nb;
@@ -351,10 +381,10 @@ fn last_block(lead: Option<&FusedGroup>, copies: usize) -> String {
     s
 }
 
-/// Group `j`'s loop over `width` elements per thread: vector loads, the members per element,
+/// Group `j`'s loop over `w` elements per thread: vector loads, the members per element,
 /// vector stores.
-fn vector_loop(gr: &FusedGroup, j: usize, start: &str, stride: usize, nums: &mut Numbers) -> Result<String, String> {
-    let (mut s, w) = (String::new(), gr.width());
+fn vector_loop(gr: &FusedGroup, j: usize, (start, stride): (&str, usize), w: usize, nums: &mut Numbers) -> Result<String, String> {
+    let mut s = String::new();
     let vec_type =
         |name: String, d: DType| format!("  struct alignas({}) {name} {{ {} v[{w}]; }};\n", w * d.size_in_bytes(), storage_type(d));
     for (k, x) in gr.inputs.iter().enumerate() {
@@ -375,7 +405,10 @@ fn vector_loop(gr: &FusedGroup, j: usize, start: &str, stride: usize, nums: &mut
             loads.push(format!("L{r}"));
             continue;
         }
-        match (vec_read(x, w), &x.strided, &x.fed) {
+        // A generic kernel reads as the layout allows; the launch takes this loop only at a
+        // size whose divisibility and alignment allow it too.
+        let read = if nums.generic { vec_kind(x) } else { vec_read(x, w) };
+        match (read, &x.strided, &x.fed) {
             // (`Fed::value` makes four values: `vec_read` offers a fed input only at width 4.)
             (Some(VecRead::Fed), _, Some(f)) if w == 4 => {
                 s += &format!("    const VI{k} a{k} = {};\n", f.value(x, (j, k), "q * 4", gr.narrow(), true));
@@ -405,6 +438,16 @@ fn vector_loop(gr: &FusedGroup, j: usize, start: &str, stride: usize, nums: &mut
     }
     s += "  }\n";
     Ok(s)
+}
+
+/// Group `j`'s loop of one element per thread.
+fn scalar_loop(gr: &FusedGroup, j: usize, (start, stride): (&str, usize), nums: &mut Numbers) -> Result<String, String> {
+    let (n, stride) = (nums.int(gr.n, "LL"), nums.int(stride, "LL"));
+    let mut s = format!("  for (long long i = {start}; i < {n}; i += {stride}) {{\n");
+    let stores: Vec<String> = (0..gr.outputs.len()).map(|k| format!("o{j}_{k}[i]")).collect();
+    let loads = element_loads(gr, j, nums);
+    s += &group_body(gr, &loads, &stores, nums)?;
+    Ok(s + "  }\n")
 }
 
 /// Element `i` of each input of group `j`.
