@@ -57,10 +57,10 @@ fn train(compiled: bool, device: Device, train: &Dataset, test: &Dataset, epochs
     };
     let eager = step_fn;
     let mut step = compile_step(common::compile_mode(device), step_fn);
-    // A new order every epoch from the seed; full batches only, so the compiled step keeps
-    // one shape.
+    // A new order every epoch from the seed; the last short batch too: its size makes the
+    // compiled step's batch dim dynamic (one more graph, which later sizes reuse).
     let (xs, ys) = train.to_tensors()?;
-    let mut loader = DataLoader::new(vec![xs, ys], bs)?.shuffle(seed).drop_last(true).to_device(device);
+    let mut loader = DataLoader::new(vec![xs, ys], bs)?.shuffle(seed).to_device(device);
     let steps_per_epoch = loader.len();
     let what = if compiled { "compiled" } else { "eager" };
     // Checkpoints per mode; a resumed run skips the steps it already took (the data order
