@@ -11,7 +11,9 @@
 //! Model: `--arch gpt2|llama`, `--size 124m|350m` or `--layers --d-model --heads --kv-heads`
 //! (default 4, 128, 4, 2), `--context 128`, or `--init-from DIR` (a Hugging Face checkpoint).
 //! Training: `--batch 8 --steps 200 --lr 1e-3 --warmup 30 --grad-accum 1 --compile
-//! [--compile-mode M] --device cpu|cuda --fp32` (BF16 autocast on a GPU unless `--fp32`).
+//! [--compile-mode M] --device cpu|cuda --fp32` (BF16 autocast on a GPU unless `--fp32`);
+//! `--min-context N` draws each step's sequence length from N..=context, as variable-length
+//! fine-tuning feeds a model (compiled: once specialised, then one dynamic graph for all).
 //! Evaluation and output: `--eval-every 50 --eval-batches 8 --out runs/lm` (metrics.csv,
 //! loss.png, checkpoints) `--checkpoint-every N --resume --prompt TEXT --seed 0`.
 
@@ -142,6 +144,7 @@ fn main() -> Result<()> {
     let _autocast = (device.is_cuda() && !has("--fp32")).then(|| kiln::tensor::Autocast::new(DType::BF16)).transpose()?;
     let positions = if matches!(model, AnyLm::Gpt(_)) { context * d } else { 0 };
     let flops_per_token = common::train_flops_per_token(n_params - positions, layers, d, context);
+    let min_context = flag("--min-context", context).clamp(1, context);
     let tokens_per_step = batch * context * accum;
     println!("training on {device}{}; {tokens_per_step} tokens a step; log in {}", if compiled { ", compiled" } else { "" }, out.display());
     let pb = common::bar(steps as u64, if compiled { "compiled" } else { "eager" });
@@ -149,13 +152,15 @@ fn main() -> Result<()> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed.wrapping_add(start_step as u64));
     let every = flag("--checkpoint-every", 0usize);
     // Throughput over the steps since the last log line, evaluation left out.
-    let (mut t_last, mut logged) = (Instant::now(), start_step);
+    let (mut t_last, mut tokens) = (Instant::now(), 0usize);
     for step in start_step..steps {
         let mut xs = Vec::with_capacity(2 * accum);
+        let length = if min_context < context { rand::Rng::random_range(&mut rng, min_context..=context) } else { context };
         for _ in 0..accum {
-            let (x, y) = data.train.batch(batch, context, model.lm().vocab(), &mut rng, device)?;
+            let (x, y) = data.train.batch(batch, length, model.lm().vocab(), &mut rng, device)?;
             xs.extend([x, y]);
         }
+        tokens += batch * length * accum;
         let loss = if compiled { cstep.call(&mut opt, &xs)?.remove(0) } else { step_fn(&mut opt, &xs)?.remove(0) };
         let lr_now = sched.lr_at(sched.last_step());
         sched.step(&mut opt)?;
@@ -168,8 +173,8 @@ fn main() -> Result<()> {
             if !train_loss.is_finite() {
                 return Err(Error::Msg(format!("loss became {train_loss} at step {step}; stopping")));
             }
-            let tokens_s = (step - logged) as f64 * tokens_per_step as f64 / t_last.elapsed().as_secs_f64();
-            (t_last, logged) = (Instant::now(), step);
+            let tokens_s = tokens as f64 / t_last.elapsed().as_secs_f64();
+            (t_last, tokens) = (Instant::now(), 0);
             let val_loss =
                 if step % eval_every == 0 || last { Some(evaluate(&model, &data, (batch, context, eval_batches), device)?) } else { None };
             log.push(LogRow { step, train_loss, val_loss, lr: lr_now, tokens_per_s: tokens_s })?;
@@ -188,6 +193,10 @@ fn main() -> Result<()> {
         pb.inc(1);
     }
     pb.finish();
+    if compiled {
+        let e = cstep.explain();
+        println!("compiled: {} graphs, {} sequence shapes traced for the dynamic one", e.graphs, e.shapes_traced);
+    }
     let rows = log.rows();
     let first_val = rows.iter().find_map(|r| r.val_loss).unwrap_or(f64::NAN);
     let last_val = rows.iter().rev().find_map(|r| r.val_loss).unwrap_or(f64::NAN);
