@@ -192,8 +192,9 @@ def batch_sweep(fn, n):
         t = time.perf_counter()
         fn(*part)
         torch.cuda.synchronize()
-        total += time.perf_counter() - t
-        again += (time.perf_counter() - t) if b in seen else 0.0
+        dt = time.perf_counter() - t
+        total += dt
+        again += dt if b in seen else 0.0
         seen.add(b)
     from torch._dynamo.utils import counters
     graphs = counters["stats"]["unique_graphs"]

@@ -4,8 +4,9 @@
 //! graph capture with a private memory pool.
 
 use super::gpu::{gpu, Gpu, Kernel};
-use super::kernels::fused::{fused_module, FusedGroup, FusedKernel, FUSED_BLOCK};
+use super::kernels::fused::{module_prelude, FusedGroup, FusedKernel, FUSED_BLOCK};
 use super::kernels::prelude::CudaStorage;
+use crate::codegen::Numbers;
 use crate::op::{Distribution, OutMeta};
 use crate::shape::Layout;
 use crate::storage::{Storage, StorageCell};
@@ -161,10 +162,13 @@ impl FusedModule {
     pub fn load(device: Device, specs: Vec<FusedKernel>) -> Result<FusedModule> {
         let g = gpu(ordinal(device)?)?;
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let fused = |ks: &[FusedKernel]| fused_module(ks).map_err(|e| Error::Msg(format!("compiled CUDA step: {e}")));
+        // Each kernel's source and numbers, generated once.
+        let made: Vec<(String, Numbers)> = specs
+            .iter()
+            .map(|k| k.source_and_numbers().map_err(|e| Error::Msg(format!("compiled CUDA step: {e}"))))
+            .collect::<Result<_>>()?;
         // Longest first, each kernel to the lightest program so far.
-        let mut sizes: Vec<(usize, usize)> =
-            specs.iter().enumerate().map(|(i, k)| Ok((fused(std::slice::from_ref(k))?.len(), i))).collect::<Result<_>>()?;
+        let mut sizes: Vec<(usize, usize)> = made.iter().enumerate().map(|(i, (src, _))| (src.len(), i)).collect();
         sizes.sort_unstable_by(|a, b| b.cmp(a));
         let mut bins: Vec<(usize, Vec<usize>)> = vec![(0, Vec::new()); (2 * cores).clamp(1, 32).min(specs.len())];
         for (size, i) in sizes {
@@ -178,7 +182,7 @@ impl FusedModule {
             .into_iter()
             .map(|(_, members)| {
                 let part: Vec<FusedKernel> = members.iter().map(|&i| specs[i].clone()).collect();
-                let src = fused(&part)?;
+                let src = members.iter().fold(module_prelude(&part), |s, &i| s + &made[i].0);
                 let base = crate::codegen::fnv1a(src.as_bytes());
                 for (j, &i) in members.iter().enumerate() {
                     keys[i] = base.wrapping_add(j as u64);
@@ -191,13 +195,8 @@ impl FusedModule {
         let tickets = CudaStorage::alloc(&g.mem, DType::I64, specs.len().max(1))?;
         g.zero(&tickets)?;
         let grids = specs.iter().map(|k| k.blocks() as u32).collect();
-        let numbers = specs
-            .iter()
-            .map(|k| {
-                let (_, n) = k.source_and_numbers().map_err(|e| Error::Msg(format!("compiled CUDA step: {e}")))?;
-                Ok(n.ints.iter().map(|&v| v as u64).chain(n.floats.iter().map(|v| v.to_bits())).collect())
-            })
-            .collect::<Result<_>>()?;
+        let numbers =
+            made.iter().map(|(_, n)| n.ints.iter().map(|&v| v as u64).chain(n.floats.iter().map(|v| v.to_bits())).collect()).collect();
         Ok(FusedModule { gpu: g, specs, programs, keys, grids, numbers, kernels: OnceLock::new(), tickets, folded: Mutex::new(None) })
     }
 

@@ -690,6 +690,15 @@ __device__ __forceinline__ void kiln_copy_out(const unsigned char* s, unsigned c
 
 /// One CUDA module holding every fused kernel of a compiled graph (one NVRTC call).
 pub fn fused_module(kernels: &[FusedKernel]) -> Result<String, String> {
+    let mut s = module_prelude(kernels);
+    for k in kernels {
+        s += &k.source()?;
+    }
+    Ok(s)
+}
+
+/// What a module of `kernels` declares before them: the prelude and the helpers they call.
+pub fn module_prelude(kernels: &[FusedKernel]) -> String {
     let mut s = format!("{PRELUDE}\n#define K(v) ((C)(v))\n");
     if kernels.iter().any(|k| k.groups.iter().any(FusedGroup::folds)) {
         s += BLOCK_SUM;
@@ -701,8 +710,5 @@ pub fn fused_module(kernels: &[FusedKernel]) -> Result<String, String> {
         s += COPY_BYTES;
         s += COPY_OUT;
     }
-    for k in kernels {
-        s += &k.source()?;
-    }
-    Ok(s)
+    s
 }
